@@ -1,0 +1,347 @@
+"""Typed run configuration: dataclasses <-> YAML, `key.sub=value` overrides, validation.
+
+Every field is typed; loading checks names, types and allowed values and fails with one
+`ConfigError` that names the offending field (e.g. ``model.recurrence``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config field is unknown, mistyped or inconsistent. The message names the field."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_heads: int = 4
+    # SwiGLU hidden width; 0 picks the usual 8/3 * d_model rounded up to a multiple of 64.
+    ffn_hidden: int = 0
+    max_seq_len: int = 256
+    n_prelude: int = 1
+    n_core: int = 1
+    n_coda: int = 1
+    recurrence: Literal["untied", "looped", "additive", "scse"] = "scse"
+    # `untied` only: match the looped model's unrolled depth (n_prelude + n_core*depth + n_coda
+    # distinct blocks) or its parameter count (n_prelude + n_core + n_coda blocks, no loop).
+    untied_match: Literal["depth", "params"] = "depth"
+    residual: Literal["preln", "deepnorm", "deeploop"] = "deeploop"
+    # How the source re-enters each step. "default": none for scse/looped, add for additive.
+    inject: Literal["default", "none", "add", "concat"] = "default"
+    anchor: Literal["learned", "source", "zero"] = "learned"
+    init_state: Literal["source", "zeros", "random"] = "source"
+    zero_mask: bool = True
+    forcing_bias_scale: float = 0.0
+    # Nominal loop depth T: the default forward depth, the mean of sampled training depth, and
+    # the T in the unrolled depth N that deepnorm/deeploop constants are computed from.
+    depth: int = 4
+    activation_checkpointing: Literal["none", "loop", "block"] = "none"
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+    @property
+    def resolved_inject(self) -> str:
+        if self.inject != "default":
+            return self.inject
+        return "add" if self.recurrence == "additive" else "none"
+
+    @property
+    def resolved_ffn_hidden(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return ((8 * self.d_model // 3) + 63) // 64 * 64
+
+    @property
+    def unrolled_depth(self) -> int:
+        """N = n_prelude + n_core*T + n_coda at the nominal depth (every loop visit counts)."""
+        if self.recurrence == "untied" and self.untied_match == "params":
+            return self.n_prelude + self.n_core + self.n_coda
+        return self.n_prelude + self.n_core * self.depth + self.n_coda
+
+
+@dataclass
+class DataConfig:
+    # fsspec URL or path of a shard directory holding index.json (see scse_dist.data.shards).
+    path: str = "data/quickstart/shards"
+    # sentencepiece model the shards were written with.
+    tokenizer: str = "data/quickstart/tokenizer.model"
+    # If set and `path` has no index.json, build it first. "stdlib_docs": the quickstart corpus.
+    build: Optional[Literal["stdlib_docs"]] = None
+    build_vocab_size: int = 4096
+    heldout_fraction: float = 0.02
+    seq_len: int = 256
+    num_workers: int = 0
+    shuffle_buffer: int = 256
+
+
+@dataclass
+class DepthSamplingConfig:
+    # fixed: T = model.depth every step. uniform: T ~ U{min, max} (max 0 -> 2*model.depth).
+    # poisson_lognormal: Huginn's scheme with mean model.depth and log-normal spread `sigma`.
+    kind: Literal["fixed", "uniform", "poisson_lognormal"] = "fixed"
+    min: int = 1
+    max: int = 0
+    sigma: float = 0.5
+    # Backpropagate through only the last k loop steps (0: all of them).
+    backprop_steps: int = 0
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 1
+    max_steps: int = 200
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # auto: bf16 where the accelerator supports it, fp32 otherwise (CPU).
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    zero_stage: int = 1
+    # Optional DeepSpeed JSON merged under the generated config (e.g. configs/deepspeed/zero3.json).
+    deepspeed_config: Optional[str] = None
+    depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
+    log_every: int = 10
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    depths: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 48])
+    batch_size: int = 8
+    max_batches: int = 0  # 0: the whole held-out split
+    after_train: bool = True
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = True
+    # offline by default: runs sync later with `wandb sync`; there is often no network.
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "scse-dist"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return f"{self.output_dir.rstrip('/')}/{self.name}"
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_consistency(cfg: RunConfig) -> None:
+    m, t, d = cfg.model, cfg.train, cfg.train.depth
+    positive = {
+        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_heads": m.n_heads,
+        "model.max_seq_len": m.max_seq_len, "model.n_core": m.n_core, "model.depth": m.depth,
+        "data.seq_len": cfg.data.seq_len, "train.micro_batch_size": t.micro_batch_size,
+        "train.grad_accum_steps": t.grad_accum_steps, "train.max_steps": t.max_steps,
+        "train.log_every": t.log_every, "train.checkpoint_every": t.checkpoint_every,
+        "train.keep_checkpoints": t.keep_checkpoints, "train.depth.min": d.min,
+        "eval.batch_size": cfg.eval.batch_size,
+    }
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{name}: must be > 0, got {value}")
+    for name, value in {"model.n_prelude": m.n_prelude, "model.n_coda": m.n_coda,
+                        "model.ffn_hidden": m.ffn_hidden, "train.warmup_steps": t.warmup_steps,
+                        "train.depth.backprop_steps": d.backprop_steps,
+                        "eval.max_batches": cfg.eval.max_batches,
+                        "data.num_workers": cfg.data.num_workers}.items():
+        if value < 0:
+            raise ConfigError(f"{name}: must be >= 0, got {value}")
+    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"model.n_heads: d_model={m.d_model} must split into {m.n_heads} heads "
+                          "of even width (RoPE rotates pairs)")
+    if not 0.0 <= m.forcing_bias_scale <= 1.0:
+        raise ConfigError(f"model.forcing_bias_scale: must lie in [0, 1], got {m.forcing_bias_scale}")
+    if m.recurrence == "scse" and m.zero_mask and m.forcing_bias_scale > 0:
+        raise ConfigError("model.zero_mask: the zero-deviation mask belongs to forcing_bias_scale=0; "
+                          f"got forcing_bias_scale={m.forcing_bias_scale} with zero_mask=true "
+                          "(set model.zero_mask=false)")
+    if m.recurrence == "scse" and m.anchor == "source" and m.init_state == "source":
+        raise ConfigError("model.init_state: anchor=source with init_state=source gives D_0 = 0, so "
+                          "the mask freezes every token and the loop computes nothing; "
+                          "pick init_state zeros or random")
+    if m.recurrence == "untied" and m.resolved_inject != "none":
+        raise ConfigError(f"model.inject: untied has no loop to inject into, got {m.inject!r}")
+    if cfg.data.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if t.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio: must lie in [0, 1], got {t.min_lr_ratio}")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
+    if d.kind == "uniform" and d.max and d.max < d.min:
+        raise ConfigError(f"train.depth.max: {d.max} is below train.depth.min={d.min}")
+    if d.sigma <= 0:
+        raise ConfigError(f"train.depth.sigma: must be > 0, got {d.sigma}")
+    if any(x <= 0 for x in cfg.eval.depths) or not cfg.eval.depths:
+        raise ConfigError(f"eval.depths: need a non-empty list of depths >= 1, got {cfg.eval.depths}")
+    if not 0.0 <= cfg.data.heldout_fraction < 1.0:
+        raise ConfigError(f"data.heldout_fraction: must lie in [0, 1), got {cfg.data.heldout_fraction}")
+    if not cfg.name or "/" in cfg.name:
+        raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
+
+
+# --------------------------------------------------------------------------- dict <-> dataclass
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    tp, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where}: may not be null")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+        return _build(tp, value, where)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: must be one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool) and item_tp is int:
+            value = [value] if not isinstance(value, str) else [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v if not isinstance(v, str) or item_tp is str else _parse_scalar(v), item_tp,
+                        f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported field type {tp}")  # pragma: no cover - schema bug
+
+
+def _build(cls: type, values: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(names)}"
+            raise ConfigError(f"{where}: unknown field{hint}")
+        kwargs[key] = _coerce(value, hints[key], where)
+    return cls(**kwargs)
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(values: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` strings (value parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = values
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {part!r} is not a section")
+        node[parts[-1]] = _parse_scalar(raw)
+    return values
+
+
+def config_from_dict(values: dict) -> RunConfig:
+    if not isinstance(values, dict):
+        raise ConfigError(f"config: expected a mapping at the top level, got {type(values).__name__}")
+    cfg = _build(RunConfig, values)
+    _check_consistency(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML config (or defaults when `path` is None), apply overrides, validate."""
+    values: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            values = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
+    apply_overrides(values, overrides or [])
+    try:
+        return config_from_dict(values)
+    except ConfigError as exc:
+        where = f" (in {path})" if path else ""
+        raise ConfigError(f"{exc}{where}") from None
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
