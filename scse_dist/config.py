@@ -92,10 +92,11 @@ class DataConfig:
 
 @dataclass
 class DepthSamplingConfig:
-    # fixed: T = model.depth every step. uniform: T ~ U{min, max} (max 0 -> 2*model.depth).
-    # poisson_lognormal: Huginn's scheme with mean model.depth and log-normal spread `sigma`.
+    # fixed: T = model.depth every step. uniform: T ~ U{min, max} (max 0 -> 2*model.depth), the
+    # spec's 2..2*T_mean by default. poisson_lognormal: Huginn's scheme, mean model.depth, spread
+    # `sigma`, at least `min`.
     kind: Literal["fixed", "uniform", "poisson_lognormal"] = "fixed"
-    min: int = 1
+    min: int = 2
     max: int = 0
     sigma: float = 0.5
     # Backpropagate through only the last k loop steps (0: all of them).
