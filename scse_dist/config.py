@@ -264,6 +264,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
@@ -319,19 +324,38 @@ def config_from_dict(values: dict) -> RunConfig:
     return cfg
 
 
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(
+            out.get(key), dict) else value
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """Read a config file; `base: other.yaml` (relative to the file) is loaded first and overlaid,
+    so a baseline config states only what differs from the config it is compared against."""
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if path.resolve() in seen:
+        raise ConfigError(f"config file {str(path)!r}: `base` chain loops back to itself")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {str(path)!r}: expected a mapping at the top level")
+    base = values.pop("base", None)
+    if base is None:
+        return values
+    if not isinstance(base, str):
+        raise ConfigError(f"base: expected a file name, got {base!r} (in {path})")
+    return _deep_merge(_read_yaml(path.parent / base, seen + (path.resolve(),)), values)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML config (or defaults when `path` is None), apply overrides, validate."""
-    values: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            values = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
+    values = _read_yaml(Path(path)) if path is not None else {}
     apply_overrides(values, overrides or [])
     try:
         return config_from_dict(values)

@@ -1,0 +1,103 @@
+"""Config loading: YAML + overrides map onto typed fields; bad input names the field."""
+
+from pathlib import Path
+
+import pytest
+
+from scse_dist.config import ConfigError, config_to_dict, load_config, save_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_resolve_derived_fields():
+    cfg = load_config(None)
+    assert cfg.model.recurrence == "scse" and cfg.model.residual == "deeploop"
+    assert cfg.model.resolved_inject == "none"
+    assert cfg.model.resolved_ffn_hidden == 704  # 8/3*256 = 682 -> next multiple of 64
+    assert cfg.model.unrolled_depth == 1 + 1 * 4 + 1
+    assert cfg.run_dir == "runs/run"
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(None, ["model.recurrence=additive", "train.lr=3e-4", "eval.depths=1,8,48",
+                             "train.depth.kind=uniform", "wandb.enabled=false", "model.depth=8"])
+    assert cfg.model.resolved_inject == "add"
+    assert cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
+    assert cfg.eval.depths == [1, 8, 48]
+    assert cfg.train.depth.kind == "uniform" and cfg.wandb.enabled is False
+    assert cfg.model.unrolled_depth == 10
+
+
+def test_untied_param_match_has_no_loop_visits():
+    cfg = load_config(None, ["model.recurrence=untied", "model.untied_match=params", "model.residual=preln"])
+    assert cfg.model.unrolled_depth == 3
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.recurence=scse", "model.recurence: unknown field (did you mean 'recurrence'?)"),
+    ("model.recurrence=transformer", "model.recurrence: must be one of untied, looped, additive, scse"),
+    ("model.depth=0", "model.depth: must be > 0, got 0"),
+    ("train.lr=fast", "train.lr: expected a number, got 'fast'"),
+    ("model.zero_mask=3", "model.zero_mask: expected true or false, got 3"),
+    ("model.forcing_bias_scale=0.5", "model.zero_mask: the zero-deviation mask belongs to forcing_bias_scale=0"),
+    ("model.forcing_bias_scale=1.5", "model.forcing_bias_scale: must lie in [0, 1], got 1.5"),
+    ("model.n_heads=3", "model.n_heads: d_model=256 must split into 3 heads"),
+    ("train.zero_stage=4", "train.zero_stage: must be 0, 1, 2 or 3, got 4"),
+    ("data.seq_len=4096", "data.seq_len: 4096 exceeds model.max_seq_len=256"),
+    ("eval.depths=[0,4]", "eval.depths: need a non-empty list of depths >= 1"),
+    ("train.depth.kind=geometric", "train.depth.kind: must be one of fixed, uniform, poisson_lognormal"),
+    ("model=3", "model: expected a mapping, got int 3"),
+])
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+def test_source_anchor_with_source_init_is_refused():
+    with pytest.raises(ConfigError, match="model.init_state: anchor=source with init_state=source"):
+        load_config(None, ["model.anchor=source"])
+    cfg = load_config(None, ["model.anchor=source", "model.init_state=zeros"])
+    assert cfg.model.anchor == "source"
+
+
+def test_mask_off_allows_forcing_bias():
+    cfg = load_config(None, ["model.zero_mask=false", "model.forcing_bias_scale=1"])
+    assert cfg.model.forcing_bias_scale == 1.0
+
+
+def test_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {d_model: [}\n")
+    with pytest.raises(ConfigError, match="bad.yaml.* is not valid YAML"):
+        load_config(bad)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("train:\n  max_step: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(typo)
+    assert "train.max_step: unknown field (did you mean 'max_steps'?)" in str(err.value)
+    assert "typo.yaml" in str(err.value)
+
+
+def test_save_then_load_round_trips(tmp_path):
+    cfg = load_config(None, ["model.recurrence=looped", "eval.depths=2,3", "data.build=stdlib_docs"])
+    save_config(cfg, tmp_path / "c.yaml")
+    assert config_to_dict(load_config(tmp_path / "c.yaml")) == config_to_dict(cfg)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.name == path.stem
+
+
+def test_base_file_is_overlaid(tmp_path):
+    (tmp_path / "a.yaml").write_text("name: a\nmodel: {recurrence: scse, d_model: 64, n_heads: 2}\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nname: b\nmodel: {recurrence: additive}\n")
+    cfg = load_config(tmp_path / "b.yaml")
+    assert (cfg.name, cfg.model.recurrence, cfg.model.d_model, cfg.model.n_heads) == ("b", "additive", 64, 2)
+    (tmp_path / "c.yaml").write_text("base: c.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(tmp_path / "c.yaml")
