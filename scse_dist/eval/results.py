@@ -1,0 +1,79 @@
+"""Evaluation results: one JSON file per (checkpoint, task), and a markdown table for the console.
+
+JSON layout (the report reads these keys):
+    {"task": "heldout", "checkpoint": "<label or path>", "run": cfg.name,
+     "recurrence": cfg.model.recurrence, "residual": cfg.model.residual,
+     "results": [{"depth": T, "loss": ..., "ppl": ..., "tokens": n}, ...],
+     "config": <the full resolved RunConfig>, ...extra}
+A diverged model's non-finite loss or ppl is written as null: the file stays strict JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from scse_dist.config import RunConfig, config_to_dict
+
+RESULT_KEYS = ("task", "checkpoint", "run", "recurrence", "residual", "results", "config")
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
+def write_results(path: str | os.PathLike, task: str, checkpoint: str, cfg: RunConfig,
+                  rows: list[dict], extra: dict[str, Any] | None = None) -> str:
+    """Write the results JSON atomically (temp file, then os.replace). Returns the path."""
+    payload: dict[str, Any] = {
+        "task": task,
+        "checkpoint": str(checkpoint),
+        "run": cfg.name,
+        "recurrence": cfg.model.recurrence,
+        "residual": cfg.model.residual,
+        "results": _finite_or_none(list(rows)),
+        "config": config_to_dict(cfg),
+    }
+    clash = set(extra or {}) & set(payload)
+    if clash:
+        raise ValueError(f"write_results: extra keys {sorted(clash)} would overwrite documented keys")
+    payload.update(_finite_or_none(dict(extra or {})))
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return str(out)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 1e6 else f"{value:.4g}"
+    return str(value)
+
+
+def format_table(rows: Sequence[dict], metrics: Sequence[str] = ("ppl", "loss")) -> str:
+    """A fixed-width markdown table: one row per depth, one column per metric."""
+    header = ["depth", *metrics]
+    body = [[_cell(r["depth"]), *(_cell(r[m]) for m in metrics)]
+            for r in sorted(rows, key=lambda r: r["depth"])]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def fmt(cells: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([fmt(header), rule, *(fmt(line) for line in body)])

@@ -1,0 +1,144 @@
+"""Exported model I/O: `model.safetensors` (fp32 weights) + `config.yaml` (the resolved RunConfig).
+
+The exported directory is what eval and inference read; it holds no optimizer state and needs no
+DeepSpeed. safetensors never unpickles, so loading an untrusted export cannot run code.
+
+Tied weights (the LM head sharing the embedding) are saved once: safetensors refuses tensors that
+share storage. The dropped names go into the file's metadata and the model re-ties them itself on
+construction, so after loading `head.weight is embedding.weight` still holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from scse_dist.config import RunConfig, load_config, save_config
+
+if TYPE_CHECKING:  # the model package imports torch modules only; keep export importable alone
+    from scse_dist.model import LoopedLM
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.yaml"
+# safetensors metadata key: JSON {dropped_name: kept_name} for tensors that shared storage.
+_ALIASES_KEY = "scse_tied_aliases"
+# Wrappers that prefix parameter names (DeepSpeed engine, torch.compile); stripped on save.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _strip_wrapper_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for prefix in _WRAPPER_PREFIXES:
+        if state_dict and all(k.startswith(prefix) for k in state_dict):
+            state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+    return state_dict
+
+
+def _dedupe_shared(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Keep the first name of each group of tensors that are views of the same memory."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if tensor.numel() and key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        kept[name] = tensor
+    return kept, aliases
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out_dir: str) -> str:
+    """Write `out_dir/model.safetensors` (fp32, contiguous, ties saved once) and `out_dir/config.yaml`.
+
+    Each file is written under a temporary name and moved into place, so a crash never leaves a
+    half-written file under the final name. Returns `out_dir`.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state_dict = _strip_wrapper_prefixes(dict(state_dict))
+    kept, aliases = _dedupe_shared(state_dict)
+    tensors = {
+        name: (t.detach().float() if t.is_floating_point() else t.detach()).cpu().contiguous()
+        for name, t in kept.items()
+    }
+    metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
+    _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=metadata))
+    _atomic_write(out / CONFIG_NAME, lambda p: save_config(cfg, p))
+    return str(out)
+
+
+def _resolve_paths(path: str | os.PathLike) -> tuple[Path, Path]:
+    p = Path(path)
+    weights = p if p.suffix == ".safetensors" else p / WEIGHTS_NAME
+    config = weights.parent / CONFIG_NAME
+    if not weights.parent.exists():
+        raise FileNotFoundError(f"exported model directory {str(weights.parent)!r} does not exist")
+    for f in (weights, config):
+        if not f.is_file():
+            raise FileNotFoundError(f"exported model file {str(f)!r} is missing "
+                                    f"(an export holds {WEIGHTS_NAME} and {CONFIG_NAME})")
+    return weights, config
+
+
+def _read_aliases(weights: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        raw = (f.metadata() or {}).get(_ALIASES_KEY, "{}")
+    return json.loads(raw)
+
+
+def load_exported_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple["LoopedLM", RunConfig]:
+    """Load an export (its directory, or its .safetensors file beside config.yaml), strictly.
+
+    Returns the model in eval mode on `device` and its RunConfig. Raises FileNotFoundError when a
+    file is missing and ValueError, naming both files, when the weights do not fit the config.
+    """
+    from scse_dist.model import LoopedLM
+
+    weights, config = _resolve_paths(path)
+    cfg = load_config(config)  # ConfigError (a ValueError) names config.yaml if it is invalid
+    try:
+        state = load_file(str(weights))
+        aliases = _read_aliases(weights)
+    except (SafetensorError, OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{str(weights)!r} is not a readable safetensors export: {exc}") from None
+    for alias, source in aliases.items():
+        if source not in state:
+            raise ValueError(f"{str(weights)!r}: tied alias {alias!r} points at missing {source!r}")
+        state[alias] = state[source]
+
+    model = LoopedLM(cfg.model)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong_shape = sorted(f"{k}: file {tuple(state[k].shape)} vs config {tuple(v.shape)}"
+                         for k, v in expected.items() if k in state and state[k].shape != v.shape)
+    if missing or unexpected or wrong_shape:
+        problems = []
+        for label, items in (("missing", missing), ("unexpected", unexpected),
+                             ("shape mismatch", wrong_shape)):
+            if items:
+                shown = ", ".join(items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else "")
+                problems.append(f"{label}: {shown}")
+        raise ValueError(f"weights {str(weights)!r} do not match the model built from "
+                         f"{str(config)!r}; " + "; ".join(problems))
+    model.load_state_dict(state, strict=True)
+    return model.to(device).eval(), cfg
