@@ -1,0 +1,152 @@
+"""Transformer building blocks: RMSNorm, RoPE, causal attention (SDPA), SwiGLU, and one `Block`.
+
+The residual form is a switch of `Block` (config `residual`):
+  preln     h + G(LN(h))                  (GPT-2 style init)
+  deepnorm  LN(alpha*h + G(h))            DeepNet constants for N layers
+  deeploop  LN(alpha*h + G(h))            DeepLoop constants, N counts every loop visit
+where G is attention then SwiGLU (two sub-layers per block, each with its own residual).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from scse_dist.config import ModelConfig
+
+
+def residual_constants(cfg: ModelConfig) -> tuple[float, float]:
+    """(alpha, beta) for the residual form, from the unrolled depth N = cfg.unrolled_depth.
+
+    alpha scales the residual stream inside the Post-LN sum; beta is the xavier gain of the FFN,
+    value and output projections. preln uses neither (1, 1). deeploop falls back to the DeepNorm
+    constants when no block is revisited (untied, or a single loop step), as the spec requires.
+    """
+    n = cfg.unrolled_depth
+    revisited = cfg.recurrence != "untied" and cfg.depth > 1
+    if cfg.residual == "preln":
+        return 1.0, 1.0
+    if cfg.residual == "deeploop" and revisited:
+        return (2 * n) ** 0.5, (8 * n) ** -0.5
+    return (2 * n) ** 0.25, (8 * n) ** -0.25
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 so bf16 runs do not lose the mean-square accumulation.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding on (B, H, S, head_dim), rotating pairs (i, i + head_dim/2).
+
+    cos/sin are computed per call in fp32 rather than stored as buffers, so casting the model to
+    bf16 never degrades them (they are S x head_dim/2: negligible next to the matmuls).
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq, half = x.shape[-2], self.head_dim // 2
+        inv_freq = self.theta ** (-torch.arange(0, half, device=x.device, dtype=torch.float32) / half)
+        angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+        cos, sin = angles.cos(), angles.sin()
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.d_model = cfg.d_model
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        q, k = self.rotary(q), self.rotary(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = cfg.resolved_ffn_hidden
+        self.gate = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.up = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """Attention + SwiGLU with the residual form chosen by cfg.residual.
+
+    `checkpointed` (set by the owner for activation_checkpointing=block) recomputes the block in
+    backward with non-reentrant torch checkpointing: reentrant breaks ZeRO-2/3 and DDP when a
+    module runs several times per step.
+    """
+
+    def __init__(self, cfg: ModelConfig, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.post_ln = cfg.residual != "preln"
+        self.alpha, self.beta = residual_constants(cfg)
+        self.checkpointed = checkpointed
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp = SwiGLU(cfg)
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self._init_weights(cfg)
+
+    @torch.no_grad()
+    def _init_weights(self, cfg: ModelConfig) -> None:
+        d = cfg.d_model
+        if self.post_ln:
+            # DeepNet: xavier_normal with gain beta on FFN, value and output projections, gain 1
+            # on query and key (they only set attention logits, not the residual scale).
+            q, k, v = self.attn.qkv.weight.split(d, dim=0)
+            nn.init.xavier_normal_(q)
+            nn.init.xavier_normal_(k)
+            for w in (v, self.attn.proj.weight, self.mlp.gate.weight, self.mlp.up.weight,
+                      self.mlp.down.weight):
+                nn.init.xavier_normal_(w, gain=self.beta)
+            return
+        # GPT-2: normal(init_std), output projections shrunk by sqrt(2N) so the residual stream's
+        # variance does not grow with depth.
+        out_std = cfg.init_std / math.sqrt(2 * cfg.unrolled_depth)
+        for lin in (self.attn.qkv, self.mlp.gate, self.mlp.up):
+            nn.init.normal_(lin.weight, std=cfg.init_std)
+        for lin in (self.attn.proj, self.mlp.down):
+            nn.init.normal_(lin.weight, std=out_std)
+
+    def _forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.post_ln:
+            h = self.norm1(self.alpha * h + self.attn(h))
+            return self.norm2(self.alpha * h + self.mlp(h))
+        h = h + self.attn(self.norm1(h))
+        return h + self.mlp(self.norm2(h))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            return checkpoint(self._forward, h, use_reentrant=False)
+        return self._forward(h)

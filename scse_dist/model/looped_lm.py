@@ -1,0 +1,127 @@
+"""The language model: embedding -> prelude -> LoopCore -> coda -> final norm -> (tied) head.
+
+`LoopedLM.forward` is the one interface the trainer and evaluator use; see its docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scse_dist.config import ModelConfig
+from scse_dist.model.blocks import Block, RMSNorm
+from scse_dist.model.recurrence import LoopCore
+
+IGNORE_INDEX = -100  # targets equal to this are left out of the loss (torch's default)
+
+
+@dataclass
+class LMOutput:
+    logits: Optional[torch.Tensor]  # (B, S, V) at the final depth; None if keep_logits=False
+    loss: Optional[torch.Tensor]  # mean cross-entropy at the final depth, if targets given
+    logits_by_depth: Optional[dict[int, torch.Tensor]]
+    loss_by_depth: Optional[dict[int, torch.Tensor]]
+    diagnostics: Optional[dict[str, torch.Tensor]]
+    core_calls: int  # Phi applications the output depends on (scse: T+1, others: T)
+    depth: int  # the final depth run
+
+
+class LoopedLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        ckpt_blocks = cfg.activation_checkpointing == "block"
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.prelude = nn.ModuleList(Block(cfg, ckpt_blocks) for _ in range(cfg.n_prelude))
+        self.core = LoopCore(cfg)
+        self.coda = nn.ModuleList(Block(cfg, ckpt_blocks) for _ in range(cfg.n_coda))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head: Optional[nn.Linear] = None
+        if not cfg.tie_embeddings:
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            nn.init.normal_(self.head.weight, std=cfg.init_std)
+        nn.init.normal_(self.embed.weight, std=cfg.init_std)
+
+    @property
+    def fixed_depth(self) -> Optional[int]:
+        """None for the looped kinds (any depth runs); the only allowed depth for untied."""
+        return self.core.fixed_depth
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (a tied head is counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def source(self, tokens: torch.Tensor) -> torch.Tensor:
+        """s = P(E[tokens]) (or the embedding when n_prelude = 0)."""
+        h = self.embed(tokens)
+        for block in self.prelude:
+            h = block(h)
+        return h
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits from a loop state: coda, final norm, head."""
+        for block in self.coda:
+            h = block(h)
+        h = self.norm(h)
+        return self.head(h) if self.head is not None else F.linear(h, self.embed.weight)
+
+    def _resolve_depths(self, depth: Optional[int], readout_depths: Optional[Iterable[int]]
+                        ) -> tuple[int, Optional[list[int]]]:
+        readouts = None if readout_depths is None else sorted({int(t) for t in readout_depths})
+        if readouts is not None and not readouts:
+            raise ValueError("readout_depths: expected at least one depth, got an empty iterable")
+        if depth is not None:
+            final = max([depth] + (readouts or []))
+        else:
+            final = readouts[-1] if readouts else self.cfg.depth
+        asked = [final] + (readouts or [])
+        if min(asked) < 1:
+            raise ValueError(f"depth: loop depths must be >= 1, got depth={depth}, "
+                             f"readout_depths={readouts}")
+        fixed = self.fixed_depth
+        if fixed is not None and any(t != fixed for t in asked):
+            raise ValueError(f"depth: recurrence=untied (untied_match={self.cfg.untied_match}) has "
+                             f"the fixed depth {fixed}; got depth={depth}, readout_depths={readouts}")
+        return final, readouts
+
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                depth: Optional[int] = None, readout_depths: Optional[Iterable[int]] = None,
+                backprop_steps: int = 0, diagnostics: bool = False, keep_logits: bool = True,
+                initial_state: Optional[torch.Tensor] = None) -> LMOutput:
+        """Run the loop once to the final depth and read out the requested depths.
+
+        tokens, targets: (B, S) long. depth: None -> cfg.depth (or max(readout_depths)).
+        readout_depths: coda+head applied at each of these depths of the same loop run.
+        backprop_steps=k > 0: gradients flow through only the last k loop steps.
+        diagnostics: per-step deviation/motion norms and the forcing-bias norm; outputs unchanged.
+        initial_state: (B, S, d) replaces H0.
+        """
+        final, readouts = self._resolve_depths(depth, readout_depths)
+        wanted = readouts if readouts is not None else [final]
+        if final not in wanted:
+            wanted = wanted + [final]
+        loop = self.core(self.source(tokens), final, readout_depths=wanted,
+                         backprop_steps=backprop_steps, initial_state=initial_state,
+                         diagnostics=diagnostics)
+        logits_by_depth: dict[int, torch.Tensor] = {}
+        loss_by_depth: dict[int, torch.Tensor] = {}
+        for t in wanted:
+            logits = self.readout(loop["states"][t])
+            if targets is not None:
+                loss_by_depth[t] = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                                   ignore_index=IGNORE_INDEX)
+            if keep_logits:
+                logits_by_depth[t] = logits
+        return LMOutput(
+            logits=logits_by_depth.get(final),
+            loss=loss_by_depth.get(final),
+            logits_by_depth=logits_by_depth if readouts is not None and keep_logits else None,
+            loss_by_depth=loss_by_depth if readouts is not None and targets is not None else None,
+            diagnostics=loop["diagnostics"],
+            core_calls=loop["core_calls"],
+            depth=final,
+        )
