@@ -1,0 +1,151 @@
+"""`scse-data`: train a tokenizer, write token shards, inspect them, build the quickstart corpus.
+
+    scse-data tokenizer --input 'data/*.jsonl.gz' --vocab-size 32000 --out tok.model
+    scse-data shards --input 'data/*.jsonl.gz' --tokenizer tok.model --out s3://bucket/shards
+    scse-data inspect s3://bucket/shards
+    scse-data quickstart --out data/quickstart
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Iterable, Iterator
+
+from scse_dist.data.shards import iter_samples, read_index, shard_url, write_shards
+from scse_dist.data.sources import iter_documents
+from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
+
+
+class _Counter:
+    """Counts documents and characters flowing through an iterator (for the summary line)."""
+
+    def __init__(self, docs: Iterable[str]):
+        self.docs, self.n, self.chars = docs, 0, 0
+
+    def __iter__(self) -> Iterator[str]:
+        for d in self.docs:
+            self.n += 1
+            self.chars += len(d)
+            yield d
+
+
+def _rate(n: float, seconds: float) -> str:
+    return f"{n / max(seconds, 1e-9):,.0f}"
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> None:
+    start = time.time()
+    docs = _Counter(iter_documents(args.input, text_field=args.text_field))
+    train_tokenizer(docs, args.vocab_size, args.out, model_type=args.model_type,
+                    max_sentences=args.max_sentences)
+    tok = Tokenizer.load(args.out)
+    dt = time.time() - start
+    print(f"tokenizer {args.out}: vocab {tok.vocab_size}, sha256 {tok.sha256[:16]}, "
+          f"{docs.n:,} documents read ({_rate(docs.n, dt)} docs/s), {dt:.1f}s")
+
+
+def cmd_shards(args: argparse.Namespace) -> None:
+    start = time.time()
+    tok = Tokenizer.load(args.tokenizer)
+    docs = _Counter(iter_documents(args.input, text_field=args.text_field))
+    index = write_shards(docs, tok, args.out, heldout_fraction=args.heldout_fraction,
+                         shard_bytes=int(args.shard_mb * 2**20), sample_tokens=args.sample_tokens,
+                         sources=list(args.input), progress_every=30.0)
+    dt = time.time() - start
+    tokens = sum(e["tokens"] for es in index["splits"].values() for e in es)
+    written = sum(e["documents"] for es in index["splits"].values() for e in es)
+    shards = sum(len(es) for es in index["splits"].values())
+    print(f"shards {args.out}: {written:,} documents, {tokens:,} tokens in {shards} shards, "
+          f"{dt:.1f}s ({_rate(written, dt)} docs/s, {_rate(tokens, dt)} tokens/s)")
+
+
+def inspect_shards(path: str) -> bool:
+    """Print per-split counts and re-read every shard; return True when all match the index."""
+    index = read_index(path)
+    print(f"{path}: {index['format']}, vocab {index['vocab_size']}, {index['dtype']}, "
+          f"eos {index['eos_id']}, tokenizer sha256 {index['tokenizer_sha256'][:16]}")
+    ok = True
+    start, read_tokens, read_docs = time.time(), 0, 0
+    for split, entries in index["splits"].items():
+        print(f"  {split}: {len(entries)} shards, {sum(e['documents'] for e in entries):,} documents, "
+              f"{sum(e['tokens'] for e in entries):,} tokens")
+        for entry in entries:
+            tokens = docs = samples = 0
+            try:
+                for _, toks, lens in iter_samples(shard_url(path, entry)):
+                    tokens, docs, samples = tokens + len(toks), docs + len(lens), samples + 1
+                    if len(toks) and int(toks.max()) >= index["vocab_size"]:
+                        raise ValueError(f"token id {int(toks.max())} >= vocab {index['vocab_size']}")
+            except Exception as exc:  # report every bad shard, not just the first
+                print(f"    BAD {entry['url']}: {exc}")
+                ok = False
+                continue
+            want = (entry["tokens"], entry["documents"], entry.get("samples", samples))
+            if (tokens, docs, samples) != want:
+                print(f"    BAD {entry['url']}: read tokens/documents/samples {(tokens, docs, samples)}, "
+                      f"index says {want}")
+                ok = False
+            read_tokens, read_docs = read_tokens + tokens, read_docs + docs
+    dt = time.time() - start
+    print(f"{'OK' if ok else 'FAILED'}: read {read_docs:,} documents, {read_tokens:,} tokens in "
+          f"{dt:.1f}s ({_rate(read_docs, dt)} docs/s, {_rate(read_tokens, dt)} tokens/s)")
+    return ok
+
+
+def cmd_quickstart(args: argparse.Namespace) -> None:
+    from scse_dist.data.quickstart import build_stdlib_corpus
+
+    out = args.out.rstrip("/")
+    build_stdlib_corpus(f"{out}/shards", f"{out}/tokenizer.model", args.vocab_size,
+                        args.heldout_fraction)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scse-data", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer")
+    t.add_argument("--input", nargs="+", required=True, help="files or globs (fsspec URLs)")
+    t.add_argument("--vocab-size", type=int, required=True)
+    t.add_argument("--out", required=True, help="output .model path or URL")
+    t.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    t.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
+    t.add_argument("--max-sentences", type=int, default=2_000_000, help="lines used for training")
+    t.set_defaults(func=cmd_tokenizer)
+
+    s = sub.add_parser("shards", help="tokenize documents into WebDataset token shards")
+    s.add_argument("--input", nargs="+", required=True, help="files or globs (fsspec URLs)")
+    s.add_argument("--tokenizer", required=True)
+    s.add_argument("--out", required=True, help="output directory or URL prefix")
+    s.add_argument("--heldout-fraction", type=float, default=0.0)
+    s.add_argument("--text-field", default="text")
+    s.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MiB")
+    s.add_argument("--sample-tokens", type=int, default=65536, help="tokens per tar sample")
+    s.set_defaults(func=cmd_shards)
+
+    i = sub.add_parser("inspect", help="print counts and check that every shard reads")
+    i.add_argument("path", help="shard directory or URL prefix")
+    i.set_defaults(func=lambda a: None if inspect_shards(a.path) else sys.exit(1))
+
+    q = sub.add_parser("quickstart", help="build the stdlib-docstring corpus (no download)")
+    q.add_argument("--out", default="data/quickstart", help="writes OUT/tokenizer.model, OUT/shards")
+    q.add_argument("--vocab-size", type=int, default=4096)
+    q.add_argument("--heldout-fraction", type=float, default=0.02)
+    q.set_defaults(func=cmd_quickstart)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"scse-data {args.command}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

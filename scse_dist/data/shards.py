@@ -1,0 +1,277 @@
+"""Token shards: WebDataset tar files of packed token arrays, plus an index.json.
+
+On-disk format "scse-tokens-v1" under a directory or URL prefix `out`:
+
+    out/train-000000.tar, train-000001.tar, ...   out/heldout-000000.tar, ...   out/index.json
+
+Each tar member pair is one *sample* holding a run of whole documents (about `sample_tokens`,
+default 64K tokens; a longer document makes one bigger sample on its own):
+
+    {key}.tokens.npy    1-D uint16 (uint32 when the vocabulary exceeds 65536): the documents'
+                        token ids concatenated, with NO eos between them
+    {key}.doc_lens.npy  1-D uint32: the length of each document, in order (sum == len(tokens))
+
+`key` is `{split}-{shard:06d}-{sample:06d}`. A loader turns a sample into packed training
+tokens with one vectorised `np.insert` of eos at `cumsum(doc_lens)`, so reading costs one
+tar member read and one `np.load` per 64K tokens (well above 5M tokens/s a worker).
+
+index.json = {"format", "tokenizer_sha256", "vocab_size", "eos_id", "dtype", "sample_tokens",
+"splits": {"train": [{"url": "train-000000.tar", "tokens": n, "documents": n, "samples": n}, ...],
+"heldout": [...]}, "sources": [...]}; urls are relative to `out`. A document goes to heldout
+when the first 8 bytes of sha1(text), read as a fraction of 2**64, fall below
+`heldout_fraction`: the split depends on the text alone, so it is stable across re-runs and
+a held-out text (or an exact duplicate of it) never lands in train.
+
+Crash safety: an existing index.json is deleted first, each shard is written under a `.tmp`
+name and renamed when complete, and index.json is written last (also via rename), so an
+index never names a shard that is missing or partial.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import json
+import tarfile
+import time
+from typing import Any, Iterable, Iterator
+
+import fsspec
+import numpy as np
+
+from scse_dist.data.tokenizer import Tokenizer
+
+FORMAT = "scse-tokens-v1"
+SPLITS = ("train", "heldout")
+INDEX_NAME = "index.json"
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix.rstrip('/')}/{name}"
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def is_heldout(text: str, fraction: float) -> bool:
+    """Deterministic split by content: sha1(text) as a number in [0, 1) below `fraction`."""
+    if fraction <= 0.0:
+        return False
+    digest = hashlib.sha1(text.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+class _SplitWriter:
+    """Collects one split's documents into samples and rolls samples into tar shards."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, split: str, dtype: str,
+                 sample_tokens: int, shard_bytes: int):
+        self.fs, self.root, self.split, self.dtype = fs, root, split, np.dtype(dtype)
+        self.sample_tokens, self.shard_bytes = sample_tokens, shard_bytes
+        self.docs: list[list[int]] = []
+        self.doc_tokens = 0
+        self.shards: list[dict[str, Any]] = []
+        self.tar: tarfile.TarFile | None = None
+        self.file: Any = None
+        self.shard_written = 0
+
+    def add(self, ids: list[int]) -> None:
+        self.docs.append(ids)
+        self.doc_tokens += len(ids)
+        if self.doc_tokens >= self.sample_tokens:
+            self._flush_sample()
+
+    def _open_shard(self) -> None:
+        name = f"{self.split}-{len(self.shards):06d}.tar"
+        self.file = self.fs.open(join(self.root, name + ".tmp"), "wb")
+        self.tar = tarfile.open(fileobj=self.file, mode="w", format=tarfile.USTAR_FORMAT)
+        self.shards.append({"url": name, "tokens": 0, "documents": 0, "samples": 0})
+        self.shard_written = 0
+
+    def _add_member(self, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = len(data), 0, 0o444  # mtime 0: reproducible bytes
+        assert self.tar is not None
+        self.tar.addfile(info, io.BytesIO(data))
+        self.shard_written += len(data) + 1024  # payload plus headers, roughly
+
+    def _flush_sample(self) -> None:
+        if not self.docs:
+            return
+        if self.tar is None:
+            self._open_shard()
+        shard = self.shards[-1]
+        key = f"{self.split}-{len(self.shards) - 1:06d}-{shard['samples']:06d}"
+        tokens = np.fromiter(itertools.chain.from_iterable(self.docs), dtype=self.dtype,
+                             count=self.doc_tokens)
+        lens = np.array([len(d) for d in self.docs], dtype=np.uint32)
+        self._add_member(f"{key}.tokens.npy", _npy_bytes(tokens))
+        self._add_member(f"{key}.doc_lens.npy", _npy_bytes(lens))
+        shard["tokens"] += self.doc_tokens
+        shard["documents"] += len(self.docs)
+        shard["samples"] += 1
+        self.docs, self.doc_tokens = [], 0
+        if self.shard_written >= self.shard_bytes:
+            self._close_shard()
+
+    def _close_shard(self) -> None:
+        if self.tar is None:
+            return
+        self.tar.close()
+        self.file.close()
+        name = self.shards[-1]["url"]
+        self.fs.mv(join(self.root, name + ".tmp"), join(self.root, name))
+        self.tar = self.file = None
+
+    def finish(self) -> list[dict[str, Any]]:
+        self._flush_sample()
+        self._close_shard()
+        return self.shards
+
+
+def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
+                 heldout_fraction: float = 0.0, shard_bytes: int = 256 * 2**20,
+                 sample_tokens: int = 65536, sources: list[str] | None = None,
+                 encode_batch: int = 256, progress_every: float = 0.0) -> dict:
+    """Tokenize `documents` into train/heldout shards under `out`; write and return the index.
+
+    Documents that encode to nothing are skipped. `progress_every` > 0 prints a progress line
+    at most that often (seconds).
+    """
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction: must lie in [0, 1), got {heldout_fraction}")
+    if sample_tokens <= 0 or shard_bytes <= 0:
+        raise ValueError(f"sample_tokens and shard_bytes must be > 0, got {sample_tokens}, {shard_bytes}")
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.makedirs(root, exist_ok=True)
+    index_path = join(root, INDEX_NAME)
+    if fs.exists(index_path):
+        fs.rm(index_path)  # from here on, a crash leaves no index naming half-rewritten shards
+    dtype = token_dtype(tokenizer.vocab_size)
+    writers = {s: _SplitWriter(fs, root, s, dtype, sample_tokens, shard_bytes) for s in SPLITS}
+    start = last = time.time()
+    n_docs = n_tokens = 0
+
+    def encode(batch: list[str]) -> None:
+        nonlocal n_docs, n_tokens, last
+        for text, ids in zip(batch, tokenizer.encode_batch(batch)):
+            if ids:
+                writers["heldout" if is_heldout(text, heldout_fraction) else "train"].add(ids)
+                n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
+        if progress_every > 0 and time.time() - last >= progress_every:
+            last = time.time()
+            print(f"  {n_docs:,} documents, {n_tokens:,} tokens, "
+                  f"{n_tokens / max(last - start, 1e-9):,.0f} tokens/s", flush=True)
+
+    batch: list[str] = []
+    for text in documents:
+        batch.append(text)
+        if len(batch) >= encode_batch:
+            encode(batch)
+            batch = []
+    encode(batch)
+
+    index = {
+        "format": FORMAT,
+        "tokenizer_sha256": tokenizer.sha256,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "dtype": dtype,
+        "sample_tokens": sample_tokens,
+        "splits": {s: w.finish() for s, w in writers.items()},
+        "sources": list(sources or []),
+    }
+    with fs.open(index_path + ".tmp", "w") as f:
+        json.dump(index, f, indent=1)
+    fs.mv(index_path + ".tmp", index_path)
+    return index
+
+
+# --------------------------------------------------------------------------- reading
+
+
+_REQUIRED = {"format": str, "tokenizer_sha256": str, "vocab_size": int, "eos_id": int,
+             "dtype": str, "splits": dict}
+_SHARD_FIELDS = ("url", "tokens", "documents")
+
+
+def read_index(path: str) -> dict:
+    """Load and check `path`/index.json (`path` may also name the index file itself)."""
+    url = path if path.endswith(".json") else join(path, INDEX_NAME)
+    try:
+        with fsspec.open(url, "r") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no shard index at {url!r} (build shards with `scse-data shards` "
+                                "or `scse-data quickstart`)") from None
+    try:
+        index = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{url}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"{url}: expected a JSON object at the top level")
+    for field, tp in _REQUIRED.items():
+        if not isinstance(index.get(field), tp):
+            raise ValueError(f"{url}: field {field!r} is missing or not a {tp.__name__}")
+    if index["format"] != FORMAT:
+        raise ValueError(f"{url}: field 'format' is {index['format']!r}, expected {FORMAT!r}")
+    if index["dtype"] not in ("uint16", "uint32"):
+        raise ValueError(f"{url}: field 'dtype' must be uint16 or uint32, got {index['dtype']!r}")
+    for split, shards in index["splits"].items():
+        if not isinstance(shards, list):
+            raise ValueError(f"{url}: field 'splits.{split}' must be a list of shards")
+        for i, shard in enumerate(shards):
+            for field in _SHARD_FIELDS:
+                if not isinstance(shard, dict) or field not in shard:
+                    raise ValueError(f"{url}: field 'splits.{split}[{i}].{field}' is missing")
+    return index
+
+
+def shard_url(path: str, shard: dict) -> str:
+    """Absolute URL of a shard entry (index urls are relative to the shard directory)."""
+    u = shard["url"]
+    return u if "://" in u or u.startswith("/") else join(path, u)
+
+
+def iter_samples(url: str) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """Yield (key, tokens, doc_lens) for every sample of one tar shard, in file order."""
+    pending: dict[str, dict[str, np.ndarray]] = {}
+    with fsspec.open(url, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            key, _, ext = member.name.partition(".")
+            data = tar.extractfile(member).read()  # type: ignore[union-attr]
+            parts = pending.setdefault(key, {})
+            parts[ext] = np.load(io.BytesIO(data), allow_pickle=False)
+            if "tokens.npy" in parts and "doc_lens.npy" in parts:
+                del pending[key]
+                tokens, lens = parts["tokens.npy"], parts["doc_lens.npy"]
+                if int(lens.sum()) != len(tokens):
+                    raise ValueError(f"{url}: sample {key!r} doc_lens sum {int(lens.sum())} != "
+                                     f"{len(tokens)} tokens")
+                yield key, tokens, lens
+    if pending:
+        raise ValueError(f"{url}: incomplete samples {sorted(pending)[:4]} (need tokens.npy and doc_lens.npy)")
+
+
+def sample_table(url: str) -> list[dict[str, tuple[int, int]]]:
+    """Per sample, in file order: {"tokens.npy": (byte offset, size), "doc_lens.npy": ...}.
+
+    Reads only the tar headers (tarfile seeks past the payloads), for random access to samples.
+    """
+    table: dict[str, dict[str, tuple[int, int]]] = {}
+    with fsspec.open(url, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+        for member in tar.getmembers():
+            if member.isfile():
+                key, _, ext = member.name.partition(".")
+                table.setdefault(key, {})[ext] = (member.offset_data, member.size)
+    return list(table.values())

@@ -1,0 +1,120 @@
+"""SentencePiece tokenizer: train from a text stream, load from any fsspec URL, hash.
+
+Conventions every shard and model in the project relies on: unk = 0, bos = 1, eos = 2, no pad
+id (packing never pads). Byte fallback is on by default, so every string encodes without
+`<unk>`, and the normaliser is the identity, so `decode(encode(s)) == s` for ordinary text
+(whitespace and case are kept; sentencepiece only drops a leading space it added itself).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from typing import Iterable, Iterator
+
+import fsspec
+import sentencepiece as spm
+
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+# sentencepiece skips training sentences longer than this many bytes; we cut lines to fit.
+MAX_SENTENCE_BYTES = 4096
+
+
+def _training_lines(texts: Iterable[str], max_sentences: int) -> Iterator[str]:
+    """Documents -> non-empty lines (sentencepiece's unit), the first `max_sentences` of them.
+
+    Taking a prefix instead of sentencepiece's random sample keeps training deterministic.
+    """
+    count = 0
+    for text in texts:
+        for line in text.splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            # Cut by characters well under the byte limit (UTF-8 is at most 4 bytes a char).
+            yield line[: MAX_SENTENCE_BYTES // 4]
+            count += 1
+            if count >= max_sentences:
+                return
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_type: str = "bpe",
+                    byte_fallback: bool = True, max_sentences: int = 2_000_000,
+                    num_threads: int = 2) -> str:
+    """Train a sentencepiece model on `texts` (streamed) and write it to `out_path` (fsspec URL).
+
+    Returns `out_path`. `max_sentences` caps the number of lines read (the first ones).
+    """
+    if vocab_size < 260 and byte_fallback:
+        raise ValueError(f"vocab_size: {vocab_size} is too small; byte_fallback needs 256 byte "
+                         "pieces plus unk/bos/eos, so use at least 260")
+    model = io.BytesIO()
+    spm.set_random_generator_seed(0)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_training_lines(texts, max_sentences),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        byte_fallback=byte_fallback,
+        character_coverage=0.9995 if byte_fallback else 1.0,
+        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        shuffle_input_sentence=False,
+        max_sentence_length=MAX_SENTENCE_BYTES,
+        # Small corpora cannot always fill the vocabulary; stop short instead of failing.
+        hard_vocab_limit=False,
+        num_threads=num_threads,
+        minloglevel=2,
+    )
+    with fsspec.open(out_path, "wb", auto_mkdir=True) as f:
+        f.write(model.getvalue())
+    return out_path
+
+
+class Tokenizer:
+    """A loaded sentencepiece model plus the sha256 of its bytes (shards record it)."""
+
+    def __init__(self, model_bytes: bytes, path: str = "<bytes>"):
+        self.path = path
+        self.sha256 = hashlib.sha256(model_bytes).hexdigest()
+        self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        if self.sp.eos_id() < 0:
+            raise ValueError(f"tokenizer {path!r} has no eos id; train it with train_tokenizer")
+
+    @classmethod
+    def load(cls, path: str) -> "Tokenizer":
+        try:
+            with fsspec.open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"tokenizer model {path!r} does not exist "
+                                    "(train one with `scse-data tokenizer`)") from None
+        return cls(data, path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    @property
+    def eos_id(self) -> int:
+        return self.sp.eos_id()
+
+    @property
+    def bos_id(self) -> int:
+        return self.sp.bos_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_batch(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:
+        """Encode many texts at once (sentencepiece threads over them; 0 = all cores)."""
+        return self.sp.encode(texts, num_threads=num_threads)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
