@@ -1,0 +1,1 @@
+"""Launcher environments (deepspeed, torchrun, srun, none) -> one initialised process group."""

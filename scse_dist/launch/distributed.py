@@ -1,0 +1,154 @@
+"""One code path from any launcher's environment to an initialised process group.
+
+`deepspeed` and `torchrun` export RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT; `srun` exports
+SLURM_* instead; a plain `python launch/train.py` exports nothing and is rank 0 of 1.
+`resolve_dist_env` maps all of them to one `DistEnv` (pure apart from asking `scontrol` for the
+first host and the OS for a free port); `init_distributed` exports it and starts the group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+# Collective timeout: a dead peer makes the others fail after this long instead of hanging forever.
+DEFAULT_TIMEOUT_S = 600
+TIMEOUT_ENV = "SCSE_DIST_TIMEOUT_S"
+# Slurm jobs without MASTER_PORT get a port derived from the job id, so every task of the job agrees
+# on it without talking, and two jobs on one node rarely collide.
+SLURM_PORT_BASE = 20000
+SLURM_PORT_SPAN = 20000
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "env" (deepspeed/torchrun), "slurm" or "none"
+
+    def as_environ(self) -> dict[str, str]:
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(self.local_rank), "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port)}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scontrol_first_host(nodelist: str) -> str:
+    """First host of a Slurm node list such as ``node[1-4]`` (via ``scontrol show hostnames``)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                             capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError) as exc:
+        if "[" not in nodelist and "," not in nodelist:
+            return nodelist  # a single plain host name needs no expansion
+        raise RuntimeError(f"SLURM_JOB_NODELIST={nodelist!r}: cannot expand it with scontrol "
+                           f"({exc}); set MASTER_ADDR") from None
+    if not out:
+        raise RuntimeError(f"SLURM_JOB_NODELIST={nodelist!r}: scontrol returned no hosts")
+    return out[0]
+
+
+def _int(environ: Mapping[str, str], key: str) -> int:
+    try:
+        return int(environ[key])
+    except ValueError:
+        raise RuntimeError(f"environment {key}={environ[key]!r} is not an integer") from None
+
+
+def resolve_dist_env(environ: Mapping[str, str],
+                     first_host: Callable[[str], str] = scontrol_first_host) -> DistEnv:
+    """Map a launcher's environment to rank, world size, local rank and rendezvous address."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:  # deepspeed launcher, torchrun
+        return DistEnv(rank=_int(environ, "RANK"), world_size=_int(environ, "WORLD_SIZE"),
+                       local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
+                       master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                       master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ
+                       else 29500, launcher="env")
+    # srun: SLURM_STEP_NUM_TASKS exists only inside a job step; an sbatch shell that runs python
+    # directly has SLURM_NTASKS of the whole allocation but only one process, so it is rank 0 of 1.
+    if "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ:
+        if "MASTER_ADDR" in environ:
+            addr = environ["MASTER_ADDR"]
+        else:
+            addr = first_host(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
+        if "MASTER_PORT" in environ:
+            port = _int(environ, "MASTER_PORT")
+        else:
+            port = SLURM_PORT_BASE + _int(environ, "SLURM_JOB_ID") % SLURM_PORT_SPAN
+        return DistEnv(rank=_int(environ, "SLURM_PROCID"),
+                       world_size=_int(environ, "SLURM_STEP_NUM_TASKS"),
+                       local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
+                       master_addr=addr, master_port=port, launcher="slurm")
+    return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
+                   master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ
+                   else free_port(), launcher="none")
+
+
+def collective_timeout_s() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        return float(raw)
+    except ValueError:
+        raise RuntimeError(f"environment {TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+
+
+def init_distributed(backend: Optional[str] = None) -> DistEnv:
+    """Export the resolved env, start the process group (nccl on CUDA, else gloo), return the env."""
+    env = resolve_dist_env(os.environ)
+    os.environ.update(env.as_environ())
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+    _skip_deepspeed_shm_build()
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
+                                world_size=env.world_size,
+                                timeout=timedelta(seconds=collective_timeout_s()))
+    return env
+
+
+def _skip_deepspeed_shm_build() -> None:
+    # DeepSpeed's TorchBackend JIT-builds the C++ `deepspeed_shm_comm` op on every rank at start-up
+    # (about 30 s cold on CPU) even when torch.distributed is already initialised. The op serves only
+    # inference all-reduce, which training never calls. `build_shm_op` returns None when the op is
+    # marked incompatible in `deepspeed.ops.__compatible_ops__`, a module-level dict that DeepSpeed
+    # probes once (0.2 s) and keeps, so flipping that one entry skips the build with no patching.
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown(engine: object | None = None) -> None:
+    """Tear down in the order that avoids gloo's abort at interpreter exit (pytorch #190489)."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    if engine is not None and hasattr(engine, "destroy"):
+        engine.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
