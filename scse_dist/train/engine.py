@@ -1,0 +1,146 @@
+"""DeepSpeed engine from the run config: generated ds_config (+ optional JSON file), AdamW, schedule."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from scse_dist.config import ConfigError, RunConfig
+from scse_dist.train.schedule import build_lr_scheduler
+
+# ds_config keys that a config field decides: (path in the ds_config, the config field). A JSON
+# file may repeat them only with the same value, so the YAML stays the single source of truth.
+_OWNED: list[tuple[tuple[str, ...], str]] = [
+    (("train_micro_batch_size_per_gpu",), "train.micro_batch_size"),
+    (("gradient_accumulation_steps",), "train.grad_accum_steps"),
+    (("gradient_clipping",), "train.grad_clip"),
+    (("zero_optimization", "stage"), "train.zero_stage"),
+    (("bf16", "enabled"), "train.precision"),
+    (("fp16", "enabled"), "train.precision"),
+    (("optimizer", "params", "lr"), "train.lr"),
+    (("optimizer", "params", "betas"), "train.beta1/train.beta2"),
+    (("optimizer", "params", "weight_decay"), "train.weight_decay"),
+    (("scheduler",), "train.lr/warmup_steps/min_lr_ratio"),
+]
+
+
+def resolve_precision(precision: str) -> str:
+    """auto -> bf16 on a CUDA device that supports it, fp32 elsewhere (CPU)."""
+    if precision != "auto":
+        return precision
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
+    t = cfg.train
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum_steps,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "bf16": {"enabled": resolve_precision(t.precision) == "bf16"},
+        "fp16": {"enabled": False},
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": t.lr, "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay,
+            # On CPU, torch.optim.AdamW instead of DeepSpeed's FusedAdam, which JIT-builds C++ (~45 s).
+            "torch_adam": not on_cuda}},
+        "steps_per_print": 1 << 30,  # we log ourselves (scse_dist.train.metrics)
+        "wall_clock_breakdown": False,
+    }
+
+
+def _get(tree: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return _MISSING
+        tree = tree[key]
+    return tree
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return a == b
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str, Any]:
+    """The generated ds_config with cfg.train.deepspeed_config (if any) merged over it.
+
+    A file value that contradicts a config field raises a ConfigError naming both.
+    """
+    on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
+    generated = generated_ds_config(cfg, on_cuda)
+    path = cfg.train.deepspeed_config
+    if not path:
+        return generated
+    if not Path(path).is_file():
+        raise ConfigError(f"train.deepspeed_config: file {path!r} does not exist")
+    try:
+        extra = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"train.deepspeed_config: {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ConfigError(f"train.deepspeed_config: {path!r} must hold a JSON object")
+    for key_path, field_name in _OWNED:
+        theirs = _get(extra, key_path)
+        if theirs is _MISSING:
+            continue
+        ours = _get(generated, key_path)
+        if ours is _MISSING or not _same(ours, theirs):
+            raise ConfigError(
+                f"{field_name}: the config gives {'/'.join(key_path)}="
+                f"{'(none)' if ours is _MISSING else json.dumps(ours)} but {path} sets "
+                f"{json.dumps(theirs)}; change one of them so they agree")
+    return _deep_merge(generated, extra)
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    # Decay matrices only; norms' gains and biases keep their scale (nanoGPT's split).
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if rest:
+        groups.append({"params": rest, "weight_decay": 0.0})
+    return groups
+
+
+def build_engine(cfg: RunConfig, model: torch.nn.Module) -> tuple[Any, dict[str, Any]]:
+    """deepspeed.initialize with our ds_config, AdamW param groups and the warmup-cosine schedule.
+
+    Returns (engine, ds_config). Call after the process group is up (launch.distributed).
+    """
+    import deepspeed
+
+    ds_config = build_ds_config(cfg)
+    if ds_config["zero_optimization"].get("stage", 0) == 3:
+        from scse_dist.model import LoopCore
+
+        # The loop reuses its block T times; as a ZeRO-3 leaf the whole loop is gathered once per
+        # forward/backward whatever T is, instead of per call with a trace that a varying T breaks.
+        # Untied models have no LoopCore, hence raise_if_not_found=False.
+        deepspeed.utils.set_z3_leaf_modules(model, [LoopCore], raise_if_not_found=False)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=_param_groups(model, cfg.train.weight_decay),
+        config=ds_config, lr_scheduler=lambda opt: build_lr_scheduler(opt, cfg.train))
+    return engine, ds_config
