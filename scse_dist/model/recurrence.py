@@ -59,12 +59,12 @@ class LoopCore(nn.Module):
         self.anchor: Optional[nn.Linear] = None
         if self.kind == "scse" and self.anchor_kind == "learned":
             self.anchor = nn.Linear(d, d, bias=False)
-            # h* = s/2 at init: D_0 = H0 - h* = s/2 is nonzero (identity would give D_0 = 0 and the
-            # mask would freeze every token), and h* stays O(|s|) away from 0, where RMSNorm's
-            # Jacobian scales like 1/sqrt(eps) (a zero init blows up the anchor's gradients).
-            nn.init.eye_(self.anchor.weight)
-            with torch.no_grad():
-                self.anchor.weight.mul_(0.5)
+            # Orthogonal init: h* = Q s keeps each token's norm, so the anchor sits as far from 0
+            # as s does (RMSNorm's Jacobian scales like 1/sqrt(eps) at 0: a zero init blows up the
+            # anchor's gradients), and D_0 = s - Q s is O(|s|) and not parallel to h*. Identity
+            # would give D_0 = 0 (the mask freezes every token); a multiple c*I gives D_0 parallel
+            # to h*, which the first Post-LN norm erases (measured: bf16 rows collapsed to D = 0).
+            nn.init.orthogonal_(self.anchor.weight)
         self.adapter: Optional[nn.Linear] = None
         if self.inject == "concat":
             self.adapter = nn.Linear(2 * d, d, bias=False)
