@@ -11,8 +11,9 @@ single documents (only for tiny splits, which are then cached in memory). Fewer 
 ranks is an error, never a silently idle rank.
 
 Order: train shuffles the unit order each epoch with rng(seed, epoch) (units are split across
-ranks after the shuffle, so every rank sees fresh data each epoch); documents inside a sample
-keep their order. heldout defaults to no shuffle and, with loop=False, is finite and identical
+ranks after the shuffle, so every rank sees fresh data each epoch) and, for whole-shard units,
+the sample order inside each shard with rng(seed, epoch, shard) (the shard is read into memory
+for that: one shard at a time); documents inside a sample keep their order. heldout defaults to no shuffle and, with loop=False, is finite and identical
 on every run; its last batch may hold fewer rows (no full window is dropped).
 
 Resume: every rank yields one batch per call in lock-step, so the position is one number, the
@@ -124,12 +125,18 @@ class TokenStream:
             return self._memory[(s, j)]
         return self._read_member(s, j, "tokens.npy"), self._doc_lens(s, j)
 
-    def _unit_samples(self, unit: Unit) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def _unit_samples(self, unit: Unit, epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(tokens, doc_lens) pieces of one unit, in order."""
         s, j, d = unit
-        if j < 0:
+        if j < 0 and not self.shuffle:
             for _, tokens, lens in iter_samples(self.urls[s]):
                 yield tokens, lens
+            return
+        if j < 0:  # a shuffled shard: read it whole, then visit its samples in a seeded order
+            samples = [(tokens, lens) for _, tokens, lens in iter_samples(self.urls[s])]
+            rng = np.random.default_rng([self.seed, epoch, s])
+            for i in rng.permutation(len(samples)):
+                yield samples[i]
             return
         tokens, lens = self._sample(s, j)
         if d < 0:
@@ -149,11 +156,11 @@ class TokenStream:
     def documents(self, epoch: int = 0) -> Iterator[np.ndarray]:
         """This rank's documents in `epoch`, unpacked (no eos), in reading order."""
         for unit in self.epoch_units(epoch):
-            for tokens, lens in self._unit_samples(unit):
+            for tokens, lens in self._unit_samples(unit, epoch):
                 yield from np.split(tokens, np.cumsum(lens, dtype=np.int64)[:-1])
 
-    def _packed(self, unit: Unit) -> Iterator[np.ndarray]:
-        for tokens, lens in self._unit_samples(unit):
+    def _packed(self, unit: Unit, epoch: int) -> Iterator[np.ndarray]:
+        for tokens, lens in self._unit_samples(unit, epoch):
             # One vectorised insert: eos after every document.
             yield np.insert(tokens.astype(np.int64), np.cumsum(lens, dtype=np.int64), self.eos)
 
@@ -183,7 +190,7 @@ class TokenStream:
                     if skip >= size:
                         skip -= size
                         continue
-                for packed in self._packed(unit):
+                for packed in self._packed(unit, epoch):
                     if skip:
                         cut = min(skip, len(packed))
                         packed, skip = packed[cut:], skip - cut

@@ -1,0 +1,85 @@
+"""scse-data commands and the stdlib-docstring quickstart corpus (ensure_data)."""
+
+import gzip
+import itertools
+import json
+import os
+
+import pytest
+import torch
+
+from scse_dist.config import DataConfig
+from scse_dist.data.cli import main
+from scse_dist.data.quickstart import ensure_data, stdlib_documents
+from scse_dist.data.shards import read_index
+from scse_dist.data.stream import TokenStream
+from scse_dist.data.tokenizer import Tokenizer
+
+
+def test_ensure_data_without_build_names_path_and_command(tmp_path):
+    cfg = DataConfig(path=str(tmp_path / "shards"), tokenizer=str(tmp_path / "t.model"))
+    with pytest.raises(FileNotFoundError) as err:
+        ensure_data(cfg)
+    assert str(tmp_path / "shards") in str(err.value) and "scse-data" in str(err.value)
+
+
+def test_quickstart_builds_stdlib_corpus_once(tmp_path, capsys):
+    cfg = DataConfig(path=str(tmp_path / "shards"), tokenizer=str(tmp_path / "tok.model"),
+                     build="stdlib_docs", build_vocab_size=512, heldout_fraction=0.05)
+    ensure_data(cfg)
+    printed = capsys.readouterr().out
+    index = read_index(cfg.path)
+    tok = Tokenizer.load(cfg.tokenizer)
+    assert index["tokenizer_sha256"] == tok.sha256 and index["vocab_size"] == 512
+    splits = index["splits"]
+    n_docs = sum(e["documents"] for es in splits.values() for e in es)
+    tokens = sum(e["tokens"] for es in splits.values() for e in es)
+    assert n_docs > 300 and tokens > 200_000 and len(splits["train"]) >= 2 and splits["heldout"]
+    assert f"{n_docs} documents, {tokens:,} tokens" in printed
+    # real English prose: the textwrap module's docstring is in there, and it round-trips
+    docs = list(stdlib_documents())
+    assert len(docs) == n_docs
+    assert any(d.startswith("Text wrapping and filling.") for d in docs)
+    assert tok.decode(tok.encode(docs[0])) == docs[0]
+    # the stream trains on it: ids within the vocabulary, eos between documents
+    stream = TokenStream(cfg.path, seq_len=64, batch_size=8, tokenizer_sha256=tok.sha256)
+    batches = torch.stack(list(itertools.islice(stream, 20)))
+    assert batches.shape == (20, 8, 65) and int(batches.max()) < 512
+    assert 0 < int((batches == tok.eos_id).sum()) < 20 * 8 * 65 / 100  # documents are long
+    # a second call finds index.json and rebuilds nothing
+    stamp = os.path.getmtime(os.path.join(cfg.path, "index.json"))
+    ensure_data(cfg)
+    assert os.path.getmtime(os.path.join(cfg.path, "index.json")) == stamp
+    assert capsys.readouterr().out == ""
+
+
+def test_cli_tokenizer_shards_inspect(tmp_path, capsys):
+    src = tmp_path / "docs.jsonl.gz"
+    with gzip.open(src, "wt") as f:
+        for i in range(120):
+            f.write(json.dumps({"text": f"Document {i} talks about looped models and state {i % 7}."}) + "\n")
+    model, out = str(tmp_path / "t.model"), str(tmp_path / "shards")
+    main(["tokenizer", "--input", str(src), "--vocab-size", "300", "--out", model])
+    assert "vocab 300" in capsys.readouterr().out
+    main(["shards", "--input", str(src), "--tokenizer", model, "--out", out,
+          "--heldout-fraction", "0.2", "--sample-tokens", "64", "--shard-mb", "0.002"])
+    summary = capsys.readouterr().out
+    assert "120 documents" in summary and "docs/s" in summary and "tokens/s" in summary
+    index = read_index(out)
+    assert len(index["splits"]["train"]) > 1 and index["sources"] == [str(src)]
+    main(["inspect", out])
+    printed = capsys.readouterr().out
+    held = sum(e["documents"] for e in index["splits"]["heldout"])
+    assert f"heldout: {len(index['splits']['heldout'])} shards, {held:,} documents" in printed
+    assert printed.strip().splitlines()[-1].startswith("OK: read 120 documents")
+    # a truncated shard is caught, and the command fails
+    shard = os.path.join(out, index["splits"]["train"][0]["url"])
+    with open(shard, "r+b") as f:
+        f.truncate(700)
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", out])
+    assert exit_.value.code == 1
+    assert "BAD train-000000.tar" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", str(tmp_path / "missing")])
+    assert exit_.value.code == 2 and "missing" in capsys.readouterr().err
