@@ -86,8 +86,6 @@ class DataConfig:
     build_vocab_size: int = 4096
     heldout_fraction: float = 0.02
     seq_len: int = 256
-    num_workers: int = 0
-    shuffle_buffer: int = 256
 
 
 @dataclass
@@ -180,8 +178,7 @@ def _check_consistency(cfg: RunConfig) -> None:
     for name, value in {"model.n_prelude": m.n_prelude, "model.n_coda": m.n_coda,
                         "model.ffn_hidden": m.ffn_hidden, "train.warmup_steps": t.warmup_steps,
                         "train.depth.backprop_steps": d.backprop_steps,
-                        "eval.max_batches": cfg.eval.max_batches,
-                        "data.num_workers": cfg.data.num_workers}.items():
+                        "eval.max_batches": cfg.eval.max_batches}.items():
         if value < 0:
             raise ConfigError(f"{name}: must be >= 0, got {value}")
     if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
