@@ -125,6 +125,23 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str,
     return groups
 
 
+def require_hookable_output(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """Forward hook for ZeRO-3 leaf modules: their output must be a Tensor or tuple of Tensors.
+
+    ZeRO-3 reduces a leaf's gradients in a full backward hook, and torch attaches that hook only
+    to Tensor/tuple outputs; for any other output (a dict, a dataclass) it never fires, the leaf's
+    gradients are never reduced and its weights silently stop training (on CPU the next step
+    crashes in zero_grad). Fail loudly at the first forward instead.
+    """
+    if isinstance(output, torch.Tensor) or (
+            isinstance(output, tuple) and all(isinstance(o, torch.Tensor) for o in output)):
+        return
+    raise TypeError(f"ZeRO-3 leaf module {type(module).__name__} returned {type(output).__name__}; "
+                    "DeepSpeed reduces a leaf's gradients in a backward hook that fires only for a "
+                    "Tensor or tuple-of-Tensors output, so its gradients would be lost. Use "
+                    "train.zero_stage <= 2, or make the module return tensors")
+
+
 def build_engine(cfg: RunConfig, model: torch.nn.Module) -> tuple[Any, dict[str, Any]]:
     """deepspeed.initialize with our ds_config, AdamW param groups and the warmup-cosine schedule.
 
@@ -139,7 +156,8 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module) -> tuple[Any, dict[str,
         # The loop reuses its block T times; as a ZeRO-3 leaf the whole loop is gathered once per
         # forward/backward whatever T is, instead of per call with a trace that a varying T breaks.
         # Untied models have no LoopCore, hence raise_if_not_found=False.
-        deepspeed.utils.set_z3_leaf_modules(model, [LoopCore], raise_if_not_found=False)
+        for leaf in deepspeed.utils.set_z3_leaf_modules(model, [LoopCore], raise_if_not_found=False):
+            leaf.register_forward_hook(require_hookable_output)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=_param_groups(model, cfg.train.weight_decay),
         config=ds_config, lr_scheduler=lambda opt: build_lr_scheduler(opt, cfg.train))

@@ -1,0 +1,133 @@
+"""Checkpoints: DeepSpeed save/resume under run_dir/checkpoints, retention, and the final export.
+
+A checkpoint is a DeepSpeed tag `step-{N:07d}` whose client_state carries what DeepSpeed does not
+save itself: the step, every rank's data-stream position and RNG states, and the resolved config.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from scse_dist.config import RunConfig, config_to_dict
+from scse_dist.launch.distributed import barrier, is_rank0
+
+TAG_PREFIX = "step-"
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def tag_for(step: int) -> str:
+    return f"{TAG_PREFIX}{step:07d}"
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _gather(obj: Any) -> list[Any]:
+    # ZeRO-1/2 write client_state from rank 0 only, so rank 0 must hold every rank's stream state.
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cfg: RunConfig) -> str:
+    """Save tag step-{step} (all ranks call this), then prune to cfg.train.keep_checkpoints."""
+    per_rank = _gather({"data": stream.state_dict(), "rng": _rng_state()})
+    client_state = {"step": step, "ranks": per_rank, "config": config_to_dict(cfg)}
+    tag = tag_for(step)
+    engine.save_checkpoint(str(checkpoint_dir(run_dir)), tag=tag, client_state=client_state)
+    barrier()  # every rank has written its shard before rank 0 deletes anything
+    if is_rank0():
+        prune_checkpoints(run_dir, cfg.train.keep_checkpoints)
+    barrier()
+    return tag
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(TAG_PREFIX))
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` step-* tags (never the one `latest` names)."""
+    root = checkpoint_dir(run_dir)
+    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    old = [p for p in list_checkpoints(run_dir)[:-keep] if p.name != latest]
+    for path in old:
+        shutil.rmtree(path)
+    return old
+
+
+def resume_if_present(engine: Any, run_dir: str | Path, stream: Any) -> int:
+    """Load run_dir/checkpoints/latest if it exists; return the step to continue from (0 if none)."""
+    root = checkpoint_dir(run_dir)
+    if not (root / "latest").is_file():
+        return 0
+    path, client_state = engine.load_checkpoint(str(root))
+    if path is None or client_state is None:
+        raise RuntimeError(f"{root}: 'latest' names {(root / 'latest').read_text().strip()!r} "
+                           "but DeepSpeed could not load it")
+    step = int(client_state["step"])
+    ranks = client_state["ranks"]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if len(ranks) == world:
+        stream.load_state_dict(ranks[rank]["data"])
+        _set_rng_state(ranks[rank]["rng"])
+        note = "data stream and RNG restored"
+    else:  # a plain DeepSpeed load refuses a new world size anyway; kept for universal checkpoints
+        note = f"saved at {len(ranks)} ranks, now {world}: data stream restarts from its seed"
+    if is_rank0():
+        print(f"resumed {path} at step {step} ({note})", flush=True)
+    return step
+
+
+def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str) -> Optional[str]:
+    """Consolidate checkpoint `tag` to one fp32 state dict and save_exported_model it (rank 0).
+
+    Returns the export dir on rank 0, None elsewhere. Works for every ZeRO stage on CPU, since it
+    reads the files rather than gathering live partitions.
+    """
+    from scse_dist.export import save_exported_model
+
+    out: Optional[str] = None
+    if is_rank0():
+        state_dict = _consolidated_state_dict(engine, run_dir, tag)
+        out = save_exported_model(state_dict, cfg, str(Path(run_dir) / "export"))
+    barrier()
+    return out
+
+
+def _consolidated_state_dict(engine: Any, run_dir: str | Path, tag: str) -> dict[str, torch.Tensor]:
+    if engine.zero_optimization_stage() == 0:
+        # No ZeRO partition files to read; with fp32 the module's weights are the master weights.
+        return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)

@@ -1,0 +1,41 @@
+"""`scse-train` / `launch/train.py`: parse `--config PATH key.sub=value ...`, then train.
+
+Works under every launcher: `deepspeed launch/train.py ...` (which appends --local_rank=N),
+`torchrun ...`, `srun python launch/train.py ...` and a plain `python launch/train.py ...`.
+A bad config exits 2 with one line on stderr before any process group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from scse_dist.config import ConfigError, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scse-train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=None, help="run config YAML (defaults when omitted)")
+    # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment is what we use.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="config overrides, e.g. train.max_steps=100 model.depth=8")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"scse-train: config error: {exc}", file=sys.stderr)
+        return 2
+    from scse_dist.train.loop import train  # imports torch/deepspeed only once the config is good
+
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The training loop: `train(cfg)` from process group to exported, evaluated model, top to bottom."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from scse_dist.config import RunConfig, config_to_dict, save_config
+from scse_dist.launch.distributed import barrier, init_distributed, shutdown
+from scse_dist.train.checkpoint import export_final, resume_if_present, save_checkpoint, tag_for
+from scse_dist.train.depth import sample_depth
+from scse_dist.train.engine import build_engine
+from scse_dist.train.metrics import MetricsLogger, peak_flops
+
+
+def _seed_everything(seed: int) -> None:
+    # Same seed on every rank: identical initial weights (ZeRO also broadcasts them) and depth draws.
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return float(value)
+
+
+def train(cfg: RunConfig) -> dict[str, Any]:
+    """Train `cfg` on every rank of the launcher's world; return a summary (complete on rank 0)."""
+    from scse_dist.data.quickstart import ensure_data
+    from scse_dist.data.stream import TokenStream
+    from scse_dist.data.tokenizer import Tokenizer
+    from scse_dist.model import LoopedLM, flops_per_token
+
+    env = init_distributed()
+    rank0 = env.rank == 0
+    run_dir = Path(cfg.run_dir)
+    if rank0:  # one rank builds the data and writes the run dir, the others wait for it
+        ensure_data(cfg.data)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    barrier()
+
+    tokenizer = Tokenizer.load(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"data.tokenizer: {cfg.data.tokenizer} has {tokenizer.vocab_size} tokens, "
+                         f"more than model.vocab_size={cfg.model.vocab_size}")
+    _seed_everything(cfg.train.seed)
+    model = LoopedLM(cfg.model)
+    engine, ds_config = build_engine(cfg, model)
+    stream = TokenStream(cfg.data.path, split="train", seq_len=cfg.data.seq_len,
+                         batch_size=cfg.train.micro_batch_size, rank=env.rank,
+                         world_size=env.world_size, seed=cfg.train.seed, loop=True,
+                         tokenizer_sha256=tokenizer.sha256)
+    start_step = resume_if_present(engine, run_dir, stream)
+    batches = iter(stream)
+
+    t = cfg.train
+    logger = MetricsLogger(str(run_dir), rank0, cfg.wandb, cfg.name, config_to_dict(cfg))
+    peak = peak_flops(engine.device) if rank0 else None
+    tokens_per_step = env.world_size * t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
+    if rank0:
+        print(f"training {cfg.name}: {model.num_parameters():,} parameters, world {env.world_size} "
+              f"({env.launcher}), ZeRO-{ds_config['zero_optimization']['stage']}, "
+              f"{'bf16' if ds_config['bf16']['enabled'] else 'fp32'}, steps {start_step}..{t.max_steps}",
+              flush=True)
+
+    first_loss: Optional[float] = None
+    last_loss: Optional[float] = None
+    last_saved = start_step if start_step else -1
+    window_start, window_steps, window_flops = time.perf_counter(), 0, 0.0
+    loss_sum = torch.zeros((), device=engine.device)
+    for step in range(start_step, t.max_steps):
+        # Untied models have one fixed depth; the loop kinds draw T per step, the same on all ranks.
+        depth = None if model.fixed_depth is not None else \
+            sample_depth(step, t.depth, cfg.model.depth, t.seed)
+        lr = engine.get_lr()[0]  # the lr this step uses: the scheduler advances inside engine.step
+        for _ in range(t.grad_accum_steps):
+            batch = next(batches).to(engine.device)
+            out = engine(batch[:, :-1], batch[:, 1:], depth=depth,
+                         backprop_steps=t.depth.backprop_steps, keep_logits=False)
+            engine.backward(out.loss)
+            engine.step()
+            loss_sum += out.loss.detach().float()
+        done = step + 1
+        window_steps += 1
+        window_flops += flops_per_token(cfg.model, out.depth, cfg.data.seq_len)
+
+        if done % t.log_every == 0 or done == t.max_steps or done == start_step + 1:
+            loss = _mean_over_ranks(loss_sum / (window_steps * t.grad_accum_steps))
+            elapsed = time.perf_counter() - window_start
+            tokens_per_s = tokens_per_step * window_steps / elapsed
+            mfu = (window_flops / window_steps) * tokens_per_s / (env.world_size * peak) \
+                if peak else None
+            logger.log({"step": done, "loss": loss, "lr": lr, "depth": int(out.depth),
+                        "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": elapsed / window_steps,
+                        "tokens": done * tokens_per_step})
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
+            window_start, window_steps, window_flops = time.perf_counter(), 0, 0.0
+            loss_sum.zero_()
+        if done % t.checkpoint_every == 0 or done == t.max_steps:
+            save_checkpoint(engine, run_dir, done, stream, cfg)
+            last_saved = done
+
+    if last_saved != t.max_steps:  # resumed at max_steps already, or a run of zero steps
+        save_checkpoint(engine, run_dir, t.max_steps, stream, cfg)
+    export_dir = export_final(engine, cfg, run_dir, tag_for(t.max_steps))
+    logger.close()
+    # Collective teardown first (barrier, destroy, barrier, destroy group: no gloo abort at exit);
+    # the held-out eval then runs on rank 0 alone, so no peer waits on it past a collective timeout.
+    shutdown(engine)
+
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "rank": env.rank, "steps": t.max_steps,
+                               "resumed_from": start_step, "first_loss": first_loss,
+                               "final_loss": last_loss, "export_dir": export_dir, "eval_path": None}
+    if rank0 and cfg.eval.after_train:
+        summary["eval_path"] = _evaluate_export(export_dir, cfg, run_dir)
+    if rank0:
+        print(f"run dir {run_dir}: metrics.jsonl, checkpoints/, export/ ({export_dir})"
+              + (f", eval {summary['eval_path']}" if summary["eval_path"] else ""), flush=True)
+    return summary
+
+
+def _evaluate_export(export_dir: str, cfg: RunConfig, run_dir: Path) -> str:
+    from scse_dist.eval.cli import run_heldout_eval
+    from scse_dist.export import load_exported_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, export_cfg = load_exported_model(export_dir, device=device)
+    out_path = str(run_dir / "eval" / "heldout.json")
+    run_heldout_eval(model, export_cfg, cfg.data.path, cfg.eval.depths, out_path,
+                     checkpoint_label=f"{cfg.name}@{tag_for(cfg.train.max_steps)}",
+                     max_batches=cfg.eval.max_batches)
+    return out_path

@@ -1,0 +1,99 @@
+"""Training metrics: peak FLOP/s for MFU, a console line, run_dir/metrics.jsonl and wandb (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from scse_dist.config import WandbConfig
+
+PEAK_FLOPS_ENV = "SCSE_PEAK_FLOPS"
+# Dense bf16 tensor-core peaks (FLOP/s), matched as substrings of torch.cuda.get_device_name().
+# Order matters: more specific names first.
+CUDA_PEAK_BF16: list[tuple[str, float]] = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+]
+
+
+def measure_cpu_flops(seconds: float = 0.3, n: int = 512) -> float:
+    """FLOP/s of an fp32 n x n matmul loop on this CPU: the 'peak' that CPU MFU is relative to."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up: first call pays allocation and thread start
+    calls, start = 0, time.perf_counter()
+    while True:
+        a @ b
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return 2.0 * n ** 3 * calls / elapsed
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """Per-device peak FLOP/s: env override, else CUDA name table, else a measured CPU matmul.
+
+    None for an unknown GPU (MFU is then left out rather than guessed).
+    """
+    if os.environ.get(PEAK_FLOPS_ENV):
+        return float(os.environ[PEAK_FLOPS_ENV])
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((flops for key, flops in CUDA_PEAK_BF16 if key in name), None)
+    return measure_cpu_flops()
+
+
+def format_line(row: dict[str, Any]) -> str:
+    parts = [f"step {row['step']:>6d}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
+             f"T {row['depth']:>2d}", f"tok/s {row['tokens_per_s']:,.0f}",
+             f"step {row['step_time_s'] * 1000:.0f} ms"]
+    if row.get("mfu") is not None:
+        parts.append(f"mfu {100 * row['mfu']:.2f}%")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes each logged row to the console, run_dir/metrics.jsonl (flushed) and wandb.
+
+    Only rank 0 makes one; the other ranks pass enabled=False and every call is a no-op.
+    """
+
+    def __init__(self, run_dir: str, enabled: bool, wandb_cfg: WandbConfig, run_name: str,
+                 config_dict: dict[str, Any]) -> None:
+        self.enabled = enabled
+        self._file = None
+        self._wandb = None
+        if not enabled:
+            return
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        # Append: a resumed run continues the same file.
+        self._file = open(Path(run_dir) / "metrics.jsonl", "a")
+        if wandb_cfg.enabled and wandb_cfg.mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity,
+                                     group=wandb_cfg.group, name=run_name, mode=wandb_cfg.mode,
+                                     dir=run_dir, config=config_dict)
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        print(format_line(row), flush=True)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(row, step=row["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

@@ -1,0 +1,96 @@
+"""Shared fixtures: a tiny tokenizer + shard corpus (built once per session) and tiny run configs.
+
+    def test_x(tiny_data, tiny_config):
+        path = tiny_config(tmp_path, "train.max_steps=5")   # YAML file for --config / load_config
+        cfg = load_config(path)
+
+The corpus is synthetic, learnable text (a small grammar), so a few dozen steps visibly cut the loss.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TINY_VOCAB = 320
+
+_SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird", "our teacher"]
+_VERBS = ["sees", "likes", "finds", "paints", "follows", "builds", "reads"]
+_OBJECTS = ["the red ball", "a green box", "the tall tree", "an open door", "the blue river",
+            "a quiet house", "the bright moon"]
+_ENDINGS = ["today.", "at night.", "in the park.", "again and again.", "with great care."]
+
+
+def tiny_documents(n: int = 600, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    docs = []
+    for i in range(n):
+        sentences = [f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} "
+                     f"{rng.choice(_ENDINGS)}" for _ in range(rng.randint(3, 8))]
+        docs.append(f"Story {i}. " + " ".join(s.capitalize() for s in sentences))
+    return docs
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> dict[str, str]:
+    """{'path': shard dir with train + heldout splits, 'tokenizer': sentencepiece model path}."""
+    from scse_dist.data.shards import write_shards
+    from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_data")
+    docs = tiny_documents()
+    tok_path = str(root / "tokenizer.model")
+    train_tokenizer(docs, TINY_VOCAB, tok_path)
+    shards = str(root / "shards")
+    # Small samples so the train split holds several tar samples (more than any test's world size).
+    write_shards(docs, Tokenizer.load(tok_path), shards, heldout_fraction=0.1, sample_tokens=2048)
+    return {"path": shards, "tokenizer": tok_path}
+
+
+def tiny_config_dict(data: dict[str, str], output_dir: str) -> dict:
+    return {
+        "name": "tiny",
+        "output_dir": output_dir,
+        "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2, "max_seq_len": 32,
+                  "n_prelude": 1, "n_core": 1, "n_coda": 1, "recurrence": "scse", "depth": 2},
+        "data": {"path": data["path"], "tokenizer": data["tokenizer"], "seq_len": 32},
+        "train": {"micro_batch_size": 4, "max_steps": 20, "lr": 3e-3, "warmup_steps": 2,
+                  "log_every": 5, "checkpoint_every": 10, "keep_checkpoints": 2,
+                  "depth": {"kind": "uniform", "min": 1, "max": 3}},
+        "eval": {"depths": [1, 2], "batch_size": 4, "max_batches": 2, "after_train": False},
+        "wandb": {"enabled": False},
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tiny_data) -> Callable[..., str]:
+    """Factory: tiny_config(directory, 'a.b=c', ...) writes directory/tiny.yaml and returns its path.
+
+    Runs go to directory/runs/tiny. Overrides use the CLI's `key.sub=value` syntax.
+    """
+    from scse_dist.config import apply_overrides
+
+    def make(directory: str | os.PathLike, *overrides: str) -> str:
+        directory = Path(directory)
+        values = apply_overrides(tiny_config_dict(tiny_data, str(directory / "runs")), list(overrides))
+        path = directory / "tiny.yaml"
+        path.write_text(yaml.safe_dump(values, sort_keys=False))
+        return str(path)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def subprocess_env() -> dict[str, str]:
+    """Environment for launching the trainer in a child: no inherited launcher vars, CPU only."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WANDB_MODE="disabled",
+               PYTHONPATH=str(REPO_ROOT))
+    return env

@@ -1,0 +1,145 @@
+"""End to end through real processes: `python launch/train.py`, resume, 2 ranks, bad config."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scse_dist.config import load_config
+from scse_dist.launch.distributed import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "launch" / "train.py")
+METRIC_KEYS = {"step", "loss", "lr", "depth", "tokens_per_s", "mfu", "step_time_s", "tokens"}
+
+pytestmark = pytest.mark.slow
+
+
+def run(args: list[str], env: dict, timeout: int = 240) -> subprocess.CompletedProcess:
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    return out
+
+
+def must_pass(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 0, f"rc={out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_config, subprocess_env):
+    """One 20-step single-process run with a checkpoint every 10 steps and eval after training."""
+    root = tmp_path_factory.mktemp("single")
+    cfg = tiny_config(root, "eval.after_train=true")
+    stdout = must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))
+    return {"config": cfg, "run_dir": root / "runs" / "tiny", "stdout": stdout}
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_single_process_run_learns_logs_checkpoints_and_evaluates(trained):
+    run_dir = trained["run_dir"]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 5, 10, 15, 20]
+    assert all(set(r) == METRIC_KEYS for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # 5.78 -> 4.6 measured
+    assert rows[0]["lr"] == pytest.approx(3e-3 / 2)  # first warmup step: lr / warmup_steps
+    assert rows[-1]["lr"] == pytest.approx(3e-3 * 0.1)  # last step: min_lr_ratio * lr
+    assert all(1 <= r["depth"] <= 3 for r in rows)  # uniform 1..3
+    assert rows[-1]["tokens"] == 20 * 4 * 32
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+    assert ckpts == ["step-0000010", "step-0000020"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-0000020"
+    heldout = json.loads((run_dir / "eval" / "heldout.json").read_text())
+    assert "step-0000020" in json.dumps(heldout) and '"depth": 2' in json.dumps(heldout)
+    assert f"run dir {run_dir}: metrics.jsonl" in trained["stdout"]
+
+
+def test_export_equals_the_final_checkpoint(trained):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from scse_dist.export import load_exported_model
+    from scse_dist.model import LoopedLM
+
+    run_dir = trained["run_dir"]
+    exported, cfg = load_exported_model(run_dir / "export")
+    assert cfg.model.d_model == 32 and cfg.train.max_steps == 20
+    reference = LoopedLM(load_config(trained["config"]).model)
+    state = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints"), tag="step-0000020")
+    reference.load_state_dict(state, strict=False)
+    fresh = LoopedLM(cfg.model)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = exported.eval()(tokens, depth=3).logits
+        want = reference.eval()(tokens, depth=3).logits
+        untrained = fresh.eval()(tokens, depth=3).logits
+    assert torch.equal(got, want)
+    assert (got - untrained).abs().max() > 1e-2  # the export holds trained weights
+
+
+def test_resume_from_the_middle_checkpoint_reproduces_the_run_exactly(trained, tmp_path, subprocess_env):
+    from safetensors.torch import load_file
+
+    run_dir = trained["run_dir"]
+    reference = load_file(str(run_dir / "export" / "model.safetensors"))
+    # Pretend the job died after step 10: drop the step-20 checkpoint and the export.
+    shutil.rmtree(run_dir / "checkpoints" / "step-0000020")
+    (run_dir / "checkpoints" / "latest").write_text("step-0000010")
+    shutil.rmtree(run_dir / "export")
+    stdout = must_pass(run([sys.executable, TRAIN, "--config", trained["config"],
+                            "eval.after_train=false"], subprocess_env))
+    assert "at step 10 (data stream and RNG restored)" in stdout
+    resumed = load_file(str(run_dir / "export" / "model.safetensors"))
+    assert resumed.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(resumed[key], reference[key]), key
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps == [1, 5, 10, 15, 20, 11, 15, 20]  # the resumed run appends from step 11
+
+
+def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subprocess_env):
+    cfg = tiny_config(tmp_path, "train.zero_stage=2", "train.max_steps=2", "train.log_every=1",
+                      f"train.deepspeed_config={REPO / 'configs/deepspeed/zero2.json'}")
+    out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), TRAIN,
+               "--config", cfg], subprocess_env)
+    stdout = must_pass(out)
+    assert "world 2 (env), ZeRO-2" in stdout
+    step2 = tmp_path / "runs" / "tiny" / "checkpoints" / "step-0000002"
+    assert sorted(p.name for p in step2.iterdir()) == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    client = torch.load(step2 / "mp_rank_00_model_states.pt", weights_only=False)
+    assert client["step"] == 2 and len(client["ranks"]) == 2
+    assert [r["data"]["consumed_batches"] for r in client["ranks"]] == [2, 2]
+    assert [r["step"] for r in read_metrics(tmp_path / "runs" / "tiny")] == [1, 2]
+    assert (tmp_path / "runs" / "tiny" / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.xfail(strict=True, reason="LoopCore.forward returns a dict, so ZeRO-3's leaf backward "
+                   "hook never fires (engine.require_hookable_output refuses it); needs a model fix")
+def test_zero3_with_the_loop_leaf_trains(tmp_path, tiny_config, subprocess_env):
+    cfg = tiny_config(tmp_path, "train.zero_stage=3", "train.max_steps=2", "train.log_every=1")
+    must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))
+    assert (tmp_path / "runs" / "tiny" / "export" / "model.safetensors").is_file()
+
+
+def test_bad_config_exits_2_naming_the_field_before_any_process_group(tmp_path, tiny_config,
+                                                                      subprocess_env):
+    cfg = tiny_config(tmp_path)
+    # Claim to be rank 0 of 2: had the trainer started a process group it would wait for rank 1.
+    env = dict(subprocess_env, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), SCSE_DIST_TIMEOUT_S="60")
+    out = run([sys.executable, TRAIN, "--config", cfg, "model.n_layerz=3"], env, timeout=60)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.n_layerz: unknown field" in lines[0] and cfg in lines[0]
+    assert out.stdout == ""
+    assert not (tmp_path / "runs").exists()
