@@ -29,8 +29,17 @@ def run_heldout_eval(model: torch.nn.Module, cfg: RunConfig, data_path: str, dep
     Sequence length and batch size come from `cfg.data.seq_len` and `cfg.eval.batch_size`. Called by
     `scse-eval` and by the trainer in-process after training (on one rank: it reads every shard).
     """
-    from scse_dist.data.stream import TokenStream  # the data stack is only needed to evaluate
+    from scse_dist.data.shards import read_index  # the data stack is only needed to evaluate
+    from scse_dist.data.stream import TokenStream
 
+    # Shards from a bigger tokenizer would index past the embedding: say so instead of crashing.
+    index = read_index(str(data_path))
+    if index["vocab_size"] > cfg.model.vocab_size:
+        raise ValueError(f"{data_path}: shards were written with vocab_size={index['vocab_size']}, "
+                         f"more than the model's model.vocab_size={cfg.model.vocab_size}")
+    if not index["splits"].get("heldout"):
+        raise ValueError(f"{data_path}: index.json lists no heldout shards "
+                         "(build shards with data.heldout_fraction > 0)")
     stream = TokenStream(data_path, split="heldout", seq_len=cfg.data.seq_len,
                          batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0, loop=False)
     rows = evaluate_heldout(model, stream, depths, max_batches=max_batches)

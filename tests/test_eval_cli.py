@@ -1,0 +1,91 @@
+"""scse-eval end to end: tiny exported model + tiny shard dir -> table on stdout + results JSON."""
+
+import json
+
+import pytest
+import torch
+
+from scse_dist.config import config_from_dict
+from scse_dist.data.shards import read_index, write_shards
+from scse_dist.data.stream import TokenStream
+from scse_dist.eval import evaluate_heldout, format_table
+from scse_dist.eval.cli import main
+from scse_dist.export import load_exported_model, save_exported_model
+from scse_dist.model import LoopedLM
+
+VOCAB = 64
+
+
+class CharTokenizer:
+    """Enough of data.tokenizer.Tokenizer for write_shards, without training sentencepiece."""
+
+    vocab_size, eos_id, sha256 = VOCAB, 2, "test-char-tokenizer"
+
+    def encode_batch(self, texts):
+        return [[3 + ord(c) % (VOCAB - 3) for c in t] for t in texts]
+
+
+@pytest.fixture(scope="module")
+def export_and_shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_cli")
+    cfg = config_from_dict({"name": "tiny", "data": {"seq_len": 16},
+                            "model": {"vocab_size": VOCAB, "d_model": 32, "n_heads": 2,
+                                      "ffn_hidden": 64, "max_seq_len": 32, "depth": 2}})
+    torch.manual_seed(0)
+    export = save_exported_model(LoopedLM(cfg.model).state_dict(), cfg, str(root / "export"))
+    docs = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)
+            for i in range(60)]
+    # heldout_fraction 0.5 sends about half of the documents (by content hash) to heldout
+    write_shards(docs, CharTokenizer(), str(root / "shards"), heldout_fraction=0.5,
+                 sample_tokens=256)
+    assert read_index(str(root / "shards"))["splits"]["heldout"]
+    return export, str(root / "shards"), root
+
+
+def test_cli_writes_table_and_json(export_and_shards, capsys):
+    export, shards, root = export_and_shards
+    out = root / "results.json"
+    assert main(["--checkpoint", export, "--task", "heldout", "--data", shards, "--depths", "4,1",
+                 "--out", str(out), "--batch-size", "2", "--max-batches", "3", "--seq-len", "8"]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["task"] == "heldout" and data["checkpoint"] == export
+    assert (data["recurrence"], data["residual"]) == ("scse", "deeploop")
+    assert data["seq_len"] == 8 and data["batch_size"] == 2 and data["max_batches"] == 3
+    assert [r["depth"] for r in data["results"]] == [1, 4]
+    assert all(r["tokens"] == 3 * 2 * 8 for r in data["results"])
+
+    # the numbers equal an in-process evaluation of the loaded export on the same stream
+    model, _ = load_exported_model(export)
+    stream = TokenStream(shards, split="heldout", seq_len=8, batch_size=2, loop=False)
+    expected = evaluate_heldout(model, stream, [1, 4], max_batches=3)
+    for got, want in zip(data["results"], expected):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert format_table(data["results"]) in printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--task", "lambada"], "argument --task: invalid choice: 'lambada'"),
+    (["--task", "heldout", "--depths", "1,x"], "argument --depths: expected comma-separated integers"),
+    (["--task", "heldout", "--depths", "0,4"], "argument --depths: depths must be integers >= 1"),
+    (["--task", "heldout", "--seq-len", "64"], "--seq-len 64 exceeds the model's max_seq_len=32"),
+])
+def test_cli_rejects_bad_arguments(export_and_shards, capsys, argv, message):
+    export, shards, root = export_and_shards
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--checkpoint", export, "--data", shards, "--out", str(root / "x.json"), *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (root / "x.json").exists()
+
+
+def test_cli_refuses_shards_from_a_bigger_vocabulary(export_and_shards, tmp_path):
+    export, shards, _ = export_and_shards
+    index = read_index(shards)
+    index["vocab_size"] = 4096
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="vocab_size=4096, more than the model's model.vocab_size=64"):
+        main(["--checkpoint", export, "--task", "heldout", "--data", str(big),
+              "--out", str(tmp_path / "r.json")])
