@@ -78,6 +78,14 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
         name: (t.detach().float() if t.is_floating_point() else t.detach()).cpu().contiguous()
         for name, t in kept.items()
     }
+    # Distinct tensors may still be views into one storage (e.g. slices of a fused buffer), which
+    # safetensors also refuses: give those their own copy.
+    storages: dict[int, int] = {}
+    for t in tensors.values():
+        ptr = t.untyped_storage().data_ptr()
+        storages[ptr] = storages.get(ptr, 0) + 1
+    tensors = {n: t.clone() if t.numel() and storages[t.untyped_storage().data_ptr()] > 1 else t
+               for n, t in tensors.items()}
     metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
     _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=metadata))
     _atomic_write(out / CONFIG_NAME, lambda p: save_config(cfg, p))

@@ -140,3 +140,14 @@ def test_save_replaces_atomically_and_leaves_no_temp_files(tmp_path):
     name, value = next(iter(second.state_dict().items()))
     assert torch.equal(loaded.state_dict()[name], value)
     assert not torch.equal(value, first.state_dict()[name])
+
+
+def test_views_of_one_buffer_are_stored_as_copies(tmp_path):
+    # slices of one fused buffer are not ties (different shapes) but still share storage
+    from safetensors.torch import load_file
+
+    buf = torch.randn(10, 4)
+    save_exported_model({"a": buf[:5], "b": buf[5:], "fused": buf}, tiny_cfg(), str(tmp_path))
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert torch.equal(stored["a"], buf[:5]) and torch.equal(stored["b"], buf[5:])
+    assert torch.equal(stored["fused"], buf)
