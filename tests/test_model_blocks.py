@@ -13,6 +13,15 @@ from scse_dist.model import Block, LoopedLM, RMSNorm, flops_per_token, residual_
 from scse_dist.model.blocks import Rotary
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models gain nothing from two threads, and busy-waiting threads crawl on shared cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def cfg_of(**kw) -> ModelConfig:
     base = dict(vocab_size=64, d_model=32, n_heads=2, max_seq_len=64, n_prelude=1, n_core=1,
                 n_coda=1, depth=4)
@@ -151,4 +160,9 @@ def test_bad_depths_raise() -> None:
 
 def test_frozen_start_is_refused() -> None:
     with pytest.raises(ValueError, match="model.init_state: anchor=zero with init_state=zeros"):
-        LoopedLM(cfg_of(anchor="zero", init_state="zeros"))
+        LoopedLM(cfg_of(anchor="zero", init_state="zeros", inject="add"))
+    with pytest.raises(ValueError, match="model.init_state: anchor=source with init_state=source"):
+        LoopedLM(cfg_of(anchor="source", init_state="source"))
+    # lambda > 0 moves a zero deviation, so the same start is allowed
+    LoopedLM(cfg_of(anchor="zero", init_state="zeros", inject="add", forcing_bias_scale=0.5,
+                    zero_mask=False))

@@ -77,7 +77,7 @@ class LoopedLM(nn.Module):
         if depth is not None:
             final = max([depth] + (readouts or []))
         else:
-            final = readouts[-1] if readouts else self.cfg.depth
+            final = readouts[-1] if readouts else (self.fixed_depth or self.cfg.depth)
         asked = [final] + (readouts or [])
         if min(asked) < 1:
             raise ValueError(f"depth: loop depths must be >= 1, got depth={depth}, "
@@ -94,7 +94,8 @@ class LoopedLM(nn.Module):
                 initial_state: Optional[torch.Tensor] = None) -> LMOutput:
         """Run the loop once to the final depth and read out the requested depths.
 
-        tokens, targets: (B, S) long. depth: None -> cfg.depth (or max(readout_depths)).
+        tokens, targets: (B, S) long. depth: None -> max(readout_depths), else cfg.depth (untied:
+        its fixed_depth).
         readout_depths: coda+head applied at each of these depths of the same loop run.
         backprop_steps=k > 0: gradients flow through only the last k loop steps.
         diagnostics: per-step deviation/motion norms and the forcing-bias norm; outputs unchanged.

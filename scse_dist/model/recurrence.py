@@ -188,7 +188,17 @@ class LoopCore(nn.Module):
 
 
 def _check_frozen_start(cfg: ModelConfig) -> None:
-    """Refuse scse settings where D_0 = 0 for every token and lambda = 0: the loop would be a no-op."""
+    """Refuse loops that cannot see the input, and scse starts where D_0 = 0 for every token with
+    lambda = 0 (the loop would be a no-op)."""
+    if cfg.recurrence == "untied":
+        return
+    input_enters = (cfg.resolved_inject != "none" or cfg.init_state == "source"
+                    or (cfg.recurrence == "scse" and cfg.anchor != "zero"))
+    if not input_enters:
+        what = "anchor=zero, " if cfg.recurrence == "scse" else ""
+        raise ValueError(f"model.inject: recurrence={cfg.recurrence} with {what}init_state="
+                         f"{cfg.init_state} and inject=none never sees the input (the loop state "
+                         "starts from noise or zeros); use inject add or concat")
     if cfg.recurrence != "scse" or cfg.forcing_bias_scale > 0:
         return
     same = {("source", "source"), ("zero", "zeros")}
