@@ -1,6 +1,7 @@
 """Metrics: peak FLOP/s sources, the JSONL file (appending across resumes), wandb offline on rank 0."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -59,6 +60,9 @@ def test_wandb_offline_run_dir_holds_the_logged_keys(tmp_path, monkeypatch):
     logger.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
-    blob = runs[0].read_bytes()
+    # wandb's service process may still be writing the file when finish() returns: wait for it.
+    deadline = time.monotonic() + 60
+    while b"tokens_per_s" not in (blob := runs[0].read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
     for key in ("loss", "tokens_per_s", "mfu", "step_time_s", "depth", "d_model"):
         assert key.encode() in blob, key

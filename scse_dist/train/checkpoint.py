@@ -126,7 +126,8 @@ def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str) -> 
 
 def _consolidated_state_dict(engine: Any, run_dir: str | Path, tag: str) -> dict[str, torch.Tensor]:
     if engine.zero_optimization_stage() == 0:
-        # No ZeRO partition files to read; with fp32 the module's weights are the master weights.
+        # No ZeRO partition files to read. In fp32 the module's weights are the master weights; with
+        # bf16 at stage 0 DeepSpeed saves only the bf16 copy, so that is what gets exported.
         return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
