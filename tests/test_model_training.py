@@ -120,8 +120,8 @@ def test_checkpointing_keeps_gradients(recurrence: str, mode: str) -> None:
     toks = corpus(4, 16)
     ref, got = grads(ref_model, toks), grads(ckpt_model, toks)
     assert ref.keys() == got.keys() and len(ref) == len(list(ref_model.parameters()))
-    for name in ref:
-        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-7, msg=name)
+    for name in ref:  # recompute runs the same kernels on the same inputs: bitwise equal
+        assert torch.equal(got[name], ref[name]), name
 
 
 # ------------------------------------------------------------------ 9. truncated backprop
@@ -149,7 +149,7 @@ def test_backprop_steps_detaches_all_but_the_last_k() -> None:
     by_hand = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert trunc.keys() == by_hand.keys() == full.keys()
     for name in trunc:
-        torch.testing.assert_close(trunc[name], by_hand[name], rtol=1e-6, atol=1e-8, msg=name)
+        assert torch.equal(trunc[name], by_hand[name]), name
         assert trunc[name].abs().sum() > 0, name
     # the anchor and the prelude see less of the past than under full backprop
     for name in ("core.anchor.weight", "prelude.0.attn.qkv.weight", "embed.weight"):

@@ -94,8 +94,9 @@ class LoopedLM(nn.Module):
                 initial_state: Optional[torch.Tensor] = None) -> LMOutput:
         """Run the loop once to the final depth and read out the requested depths.
 
-        tokens, targets: (B, S) long. depth: None -> max(readout_depths), else cfg.depth (untied:
-        its fixed_depth).
+        tokens, targets: (B, S) long; targets equal to IGNORE_INDEX (-100) are left out.
+        depth: None -> max(readout_depths), else cfg.depth (untied: its fixed_depth). With both,
+        the loop runs to the larger and the final depth is read out too.
         readout_depths: coda+head applied at each of these depths of the same loop run.
         backprop_steps=k > 0: gradients flow through only the last k loop steps.
         diagnostics: per-step deviation/motion norms and the forcing-bias norm; outputs unchanged.

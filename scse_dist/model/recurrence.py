@@ -144,6 +144,8 @@ class LoopCore(nn.Module):
         backprop_steps=k in (0, depth): the first depth-k steps run without grad and the state is
         detached before the last k (the anchor and r* keep their grad).
         """
+        if backprop_steps < 0:
+            raise ValueError(f"backprop_steps: must be >= 0, got {backprop_steps}")
         readouts = set(readout_depths) if readout_depths is not None else {depth}
         grad = torch.is_grad_enabled()
         frozen_steps = depth - backprop_steps if 0 < backprop_steps < depth else 0
