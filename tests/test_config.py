@@ -101,3 +101,21 @@ def test_base_file_is_overlaid(tmp_path):
     (tmp_path / "c.yaml").write_text("base: c.yaml\n")
     with pytest.raises(ConfigError, match="loops back"):
         load_config(tmp_path / "c.yaml")
+
+
+def _field_paths(cls, prefix=""):
+    import dataclasses
+    import typing
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _field_paths(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name
+
+
+def test_readme_documents_every_config_field():
+    from scse_dist.config import RunConfig
+    readme = (REPO / "README.md").read_text()
+    missing = [p for p in _field_paths(RunConfig) if f"`{p}`" not in readme]
+    assert not missing, f"README config reference lacks {missing}"
