@@ -125,8 +125,9 @@ class LoopCore(nn.Module):
         delta = self.phi(ctx["anchor"] + x, ctx["source"], t) - ctx["ref"]
         if self.zero_mask:
             # Attention mixes rows: without this a row sitting exactly at its anchor would be
-            # moved by its neighbours. With it the anchor invariance is exact, bit for bit.
-            delta = delta.masked_fill(~(x != 0).any(dim=-1, keepdim=True), 0.0)
+            # moved by its neighbours. With it the anchor invariance is exact, bit for bit
+            # (0 * finite = +-0). A multiply, not masked_fill: one op fewer each way (~2% step).
+            delta = delta * (x != 0).any(dim=-1, keepdim=True).to(delta.dtype)
         return delta
 
     def state(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
