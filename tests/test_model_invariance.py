@@ -44,14 +44,14 @@ def test_zero_deviation_stays_bitwise_at_anchor(dtype: torch.dtype, residual: st
             s = model.source(tokens(batch, seq))
             anchor = core.anchor_of(s)
             assert anchor.abs().max() > 0  # a zero anchor would make the test trivial
-            out = core(s, depth, readout_depths=range(1, depth + 1), initial_state=anchor.clone())
+            states = core(s, depth, readout_depths=range(1, depth + 1), initial_state=anchor.clone())
             x, ctx = core.start(s, anchor.clone())
             for t in range(depth):
                 x = core.step(x, ctx, t)
                 assert not x.any(), f"D_{t + 1} nonzero"
-        assert out["core_calls"] == depth + 1
-        for t in range(1, depth + 1):
-            assert torch.equal(out["states"][t], anchor), f"h_{t} != h* ({dtype}, T={depth})"
+        assert len(states) == depth
+        for t, h in enumerate(states, start=1):
+            assert torch.equal(h, anchor), f"h_{t} != h* ({dtype}, T={depth})"
 
 
 def _mixed_start(model: LoopedLM, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,9 +70,8 @@ def test_mixed_batch_anchored_rows_stay_while_others_move(dtype: torch.dtype) ->
     with torch.no_grad():
         s = model.source(tokens(3, 16, seed=1))
         anchor, h0 = _mixed_start(model, s)
-        states = model.core(s, depth, readout_depths=range(1, depth + 1), initial_state=h0)["states"]
-    for t in range(1, depth + 1):
-        h = states[t]
+        states = model.core(s, depth, readout_depths=range(1, depth + 1), initial_state=h0)
+    for h in states:
         assert torch.equal(h[0], anchor[0])
         assert torch.equal(h[1, 5], anchor[1, 5])
         # every other token has left its anchor
@@ -86,13 +85,13 @@ def test_without_mask_a_zero_row_is_moved_by_attention() -> None:
     with torch.no_grad():
         s = model.source(tokens(3, 16, seed=1))
         anchor, h0 = _mixed_start(model, s)
-        h = model.core(s, 3, initial_state=h0)["states"][3]
+        (h,) = model.core(s, 3, initial_state=h0)
     # Token 5 of sequence 1 attends to moving tokens 0..4: unmasked, it leaves its anchor.
     assert (h[1, 5] - anchor[1, 5]).abs().max() > 1e-4
     # The very first token attends only to itself: it stays without the mask too (lambda = 0).
     with torch.no_grad():
         h0[1, 0] = anchor[1, 0]
-        h = model.core(s, 3, initial_state=h0)["states"][3]
+        (h,) = model.core(s, 3, initial_state=h0)
     assert torch.equal(h[1, 0], anchor[1, 0])
 
 
@@ -112,8 +111,8 @@ def test_lambda_one_without_mask_is_the_uncentered_recurrence(inject: str) -> No
             h = model.core.phi(h, s)
         out = model(toks, depth=depth)
         by_hand = model.readout(h)
-        states = model.core(s, depth)["states"]
-    torch.testing.assert_close(states[depth], h, rtol=1e-5, atol=1e-5)
+        (state,) = model.core(s, depth)
+    torch.testing.assert_close(state, h, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.logits, by_hand, rtol=1e-5, atol=1e-5)
 
 
@@ -193,12 +192,12 @@ def test_diagnostics_leave_outputs_unchanged_and_measure_norms(recurrence: str) 
         diag = model(toks, depth=depth, diagnostics=True)
         s = model.source(toks)
         anchor = model.core.anchor_of(s)
-        states = model.core(s, depth, readout_depths=range(1, depth + 1))["states"]
+        states = model.core(s, depth, readout_depths=range(1, depth + 1))
     assert torch.equal(plain.logits, diag.logits) and plain.diagnostics is None
     d = diag.diagnostics
     assert d["deviation_norm"].shape == (depth + 1,) and d["motion_norm"].shape == (depth,)
     assert d["forcing_bias_norm"].shape == ()
-    h = [model.core.initial_state(s)] + [states[t] for t in range(1, depth + 1)]
+    h = [model.core.initial_state(s), *states]
     want_dev = torch.stack([(x - anchor).norm(dim=-1).mean() for x in h])
     want_motion = torch.stack([(b - a).norm(dim=-1).mean() for a, b in zip(h, h[1:])])
     torch.testing.assert_close(d["deviation_norm"], want_dev)

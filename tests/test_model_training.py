@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -164,3 +165,21 @@ def test_backprop_steps_at_or_above_depth_is_full_backprop() -> None:
     for k in (3, 7):
         same = grads(model, toks, depth=3, backprop_steps=k)
         assert all(torch.equal(same[n], full[n]) for n in full)
+
+
+# ------------------------------------------------------------------ ZeRO-3 leaf contract
+
+
+@pytest.mark.parametrize("mode", ["none", "loop"])
+def test_loop_core_full_backward_hook_fires_once(mode: str) -> None:
+    # ZeRO-3 reduces a leaf module's gradients in a full backward hook; torch only calls it when
+    # the module returns tensors or a tuple of them (else it warns), so LoopCore keeps that form.
+    model = LoopedLM(tiny(activation_checkpointing=mode))
+    fired = []
+    model.core.register_full_backward_hook(lambda *_: fired.append(1))
+    toks = corpus(2, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model(toks[:, :-1], toks[:, 1:], readout_depths=[1, 2], diagnostics=True)
+    (out.loss_by_depth[1] + out.loss).backward()
+    assert len(fired) == 1

@@ -5,8 +5,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,13 +13,15 @@ from torch import nn
 
 from scse_dist.config import ModelConfig
 from scse_dist.model.blocks import Block, RMSNorm
-from scse_dist.model.recurrence import LoopCore
+from scse_dist.model.recurrence import DIAGNOSTICS, LoopCore
 
 IGNORE_INDEX = -100  # targets equal to this are left out of the loss (torch's default)
 
 
-@dataclass
-class LMOutput:
+class LMOutput(NamedTuple):
+    """A NamedTuple, not a dataclass: ZeRO-3 finds the tensors in tuples and dicts (to hook their
+    backward) but not in other objects."""
+
     logits: Optional[torch.Tensor]  # (B, S, V) at the final depth; None if keep_logits=False
     loss: Optional[torch.Tensor]  # mean cross-entropy at the final depth, if targets given
     logits_by_depth: Optional[dict[int, torch.Tensor]]
@@ -103,16 +104,16 @@ class LoopedLM(nn.Module):
         initial_state: (B, S, d) replaces H0.
         """
         final, readouts = self._resolve_depths(depth, readout_depths)
-        wanted = readouts if readouts is not None else [final]
-        if final not in wanted:
-            wanted = wanted + [final]
-        loop = self.core(self.source(tokens), final, readout_depths=wanted,
+        wanted = sorted(set(readouts or []) | {final})
+        outs = self.core(self.source(tokens), final, readout_depths=wanted,
                          backprop_steps=backprop_steps, initial_state=initial_state,
                          diagnostics=diagnostics)
+        states = dict(zip(wanted, outs))
+        diag = dict(zip(DIAGNOSTICS, outs[len(wanted):])) if diagnostics else None
         logits_by_depth: dict[int, torch.Tensor] = {}
         loss_by_depth: dict[int, torch.Tensor] = {}
         for t in wanted:
-            logits = self.readout(loop["states"][t])
+            logits = self.readout(states[t])
             if targets is not None:
                 loss_by_depth[t] = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                                    ignore_index=IGNORE_INDEX)
@@ -123,7 +124,7 @@ class LoopedLM(nn.Module):
             loss=loss_by_depth.get(final),
             logits_by_depth=logits_by_depth if readouts is not None and keep_logits else None,
             loss_by_depth=loss_by_depth if readouts is not None and targets is not None else None,
-            diagnostics=loop["diagnostics"],
-            core_calls=loop["core_calls"],
+            diagnostics=diag,
+            core_calls=self.core.core_calls(final),
             depth=final,
         )

@@ -3,8 +3,9 @@
 It runs the whole recurrence in one `forward`, so the training side can register this class as a
 DeepSpeed ZeRO-3 leaf module (`deepspeed.utils.set_z3_leaf_modules(model, [LoopCore])`): its
 parameters are then gathered once per forward/backward whatever the depth. Its `forward` returns a
-plain dict (ZeRO-3 walks dicts/tuples of outputs to attach its backward hooks; it skips custom
-objects).
+flat tuple of tensors: ZeRO-3 reduces a leaf's gradients in a full backward hook, which torch calls
+only for Tensor or tuple outputs (checked with DeepSpeed 0.19.8: a dict output left the grads
+unreduced and the optimizer step failed).
 
 Transitions (cfg.recurrence), with Phi(h) = F(h), F(h + s) or F(W[h; s]) by cfg.inject:
   looped / additive   x_0 = H0,        x_{t+1} = Phi(x_t),                          h_t = x_t
@@ -16,7 +17,7 @@ Transitions (cfg.recurrence), with Phi(h) = F(h), F(h + s) or F(W[h; s]) by cfg.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -26,6 +27,8 @@ from scse_dist.config import ModelConfig
 from scse_dist.model.blocks import Block
 
 Context = dict[str, torch.Tensor]
+# Names of the diagnostics LoopCore.forward appends to its outputs, in order.
+DIAGNOSTICS = ("deviation_norm", "motion_norm", "forcing_bias_norm")
 
 
 def _row_norm_mean(x: torch.Tensor) -> torch.Tensor:
@@ -136,23 +139,30 @@ class LoopCore(nn.Module):
 
     # ------------------------------------------------------------------ the whole loop
 
+    def core_calls(self, depth: int) -> int:
+        """Phi applications of a forward to `depth`: r* once more for scse."""
+        return depth + 1 if self.kind == "scse" else depth
+
     def forward(self, s: torch.Tensor, depth: int, readout_depths: Optional[Iterable[int]] = None,
                 backprop_steps: int = 0, initial_state: Optional[torch.Tensor] = None,
-                diagnostics: bool = False) -> dict[str, Any]:
-        """Run `depth` steps once. Returns {"states": {t: h_t for t in readout_depths (default
-        {depth})}, "core_calls": int, "diagnostics": dict or None}.
+                diagnostics: bool = False) -> tuple[torch.Tensor, ...]:
+        """Run `depth` steps once. Returns a flat tuple: h_t for t in sorted(readout_depths)
+        (default (depth,)), then, if diagnostics, the DIAGNOSTICS tensors in that order.
 
+        A tuple of tensors, not a dict: as a ZeRO-3 leaf this module's gradients are reduced in a
+        full backward hook, which torch only calls for Tensor or tuple outputs.
         backprop_steps=k in (0, depth): the first depth-k steps run without grad and the state is
         detached before the last k (the anchor and r* keep their grad).
         """
         if backprop_steps < 0:
             raise ValueError(f"backprop_steps: must be >= 0, got {backprop_steps}")
-        readouts = set(readout_depths) if readout_depths is not None else {depth}
+        readouts = sorted(set(readout_depths)) if readout_depths is not None else [depth]
+        if readouts[0] < 1 or readouts[-1] > depth:
+            raise ValueError(f"readout_depths: must lie in 1..{depth}, got {readouts}")
         grad = torch.is_grad_enabled()
         frozen_steps = depth - backprop_steps if 0 < backprop_steps < depth else 0
         x, ctx = self.start(s, initial_state)
-        core_calls = 1 if self.kind == "scse" else 0
-        states: dict[int, torch.Tensor] = {}
+        states: list[torch.Tensor] = []
         h_prev = self.state(x, ctx).detach() if diagnostics else None
         deviation, motion = [], []
         if diagnostics:
@@ -164,21 +174,18 @@ class LoopCore(nn.Module):
                     x = checkpoint(self.step, x, ctx, t, use_reentrant=False)
                 else:
                     x = self.step(x, ctx, t)
-            core_calls += 1
             if t + 1 == frozen_steps:
                 x = x.detach()
             if t + 1 in readouts:
-                states[t + 1] = self.state(x, ctx)
+                states.append(self.state(x, ctx))
             if diagnostics:
                 h = self.state(x, ctx).detach()
                 deviation.append(_row_norm_mean(h - ctx["anchor"]))
                 motion.append(_row_norm_mean(h - h_prev))
                 h_prev = h
-        diag = None
-        if diagnostics:
-            diag = {"deviation_norm": torch.stack(deviation), "motion_norm": torch.stack(motion),
-                    "forcing_bias_norm": self._forcing_bias_norm(ctx)}
-        return {"states": states, "core_calls": core_calls, "diagnostics": diag}
+        if not diagnostics:
+            return tuple(states)
+        return (*states, torch.stack(deviation), torch.stack(motion), self._forcing_bias_norm(ctx))
 
     @torch.no_grad()
     def _forcing_bias_norm(self, ctx: Context) -> torch.Tensor:
