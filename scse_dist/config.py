@@ -161,6 +161,38 @@ class RunConfig:
 # --------------------------------------------------------------------------- validation
 
 
+def check_model_config(m: ModelConfig) -> None:
+    """Combinations of model fields that cannot work. LoopedLM calls this too, so a ModelConfig
+    built in code gets the same messages as one loaded from YAML."""
+    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"model.n_heads: d_model={m.d_model} must split into {m.n_heads} heads "
+                          "of even width (RoPE rotates pairs)")
+    if not 0.0 <= m.forcing_bias_scale <= 1.0:
+        raise ConfigError(f"model.forcing_bias_scale: must lie in [0, 1], got {m.forcing_bias_scale}")
+    if m.recurrence == "untied":
+        if m.resolved_inject != "none":
+            raise ConfigError(f"model.inject: untied has no loop to inject into, got {m.inject!r}")
+        return
+    if m.recurrence == "scse" and m.zero_mask and m.forcing_bias_scale > 0:
+        raise ConfigError("model.zero_mask: the zero-deviation mask belongs to forcing_bias_scale=0; "
+                          f"got forcing_bias_scale={m.forcing_bias_scale} with zero_mask=true "
+                          "(set model.zero_mask=false)")
+    input_enters = (m.resolved_inject != "none" or m.init_state == "source"
+                    or (m.recurrence == "scse" and m.anchor != "zero"))
+    if not input_enters:
+        what = "anchor=zero, " if m.recurrence == "scse" else ""
+        raise ConfigError(f"model.inject: recurrence={m.recurrence} with {what}init_state="
+                          f"{m.init_state} and inject=none never sees the input (the loop state "
+                          "starts from noise or zeros); use inject add or concat")
+    # An anchor equal to the initial state gives D_0 = 0 for every token: with lambda = 0 the
+    # loop then computes nothing (the spec's first trap).
+    if m.recurrence == "scse" and m.forcing_bias_scale == 0 and \
+            (m.anchor, m.init_state) in {("source", "source"), ("zero", "zeros")}:
+        raise ConfigError(f"model.init_state: anchor={m.anchor} with init_state={m.init_state} "
+                          "gives D_0 = 0 for every token, so the loop computes nothing; pick another "
+                          "init_state")
+
+
 def _check_consistency(cfg: RunConfig) -> None:
     m, t, d = cfg.model, cfg.train, cfg.train.depth
     positive = {
@@ -181,21 +213,7 @@ def _check_consistency(cfg: RunConfig) -> None:
                         "eval.max_batches": cfg.eval.max_batches}.items():
         if value < 0:
             raise ConfigError(f"{name}: must be >= 0, got {value}")
-    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model.n_heads: d_model={m.d_model} must split into {m.n_heads} heads "
-                          "of even width (RoPE rotates pairs)")
-    if not 0.0 <= m.forcing_bias_scale <= 1.0:
-        raise ConfigError(f"model.forcing_bias_scale: must lie in [0, 1], got {m.forcing_bias_scale}")
-    if m.recurrence == "scse" and m.zero_mask and m.forcing_bias_scale > 0:
-        raise ConfigError("model.zero_mask: the zero-deviation mask belongs to forcing_bias_scale=0; "
-                          f"got forcing_bias_scale={m.forcing_bias_scale} with zero_mask=true "
-                          "(set model.zero_mask=false)")
-    if m.recurrence == "scse" and m.anchor == "source" and m.init_state == "source":
-        raise ConfigError("model.init_state: anchor=source with init_state=source gives D_0 = 0, so "
-                          "the mask freezes every token and the loop computes nothing; "
-                          "pick init_state zeros or random")
-    if m.recurrence == "untied" and m.resolved_inject != "none":
-        raise ConfigError(f"model.inject: untied has no loop to inject into, got {m.inject!r}")
+    check_model_config(m)
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if t.zero_stage not in (0, 1, 2, 3):

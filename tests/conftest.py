@@ -37,6 +37,21 @@ def tiny_documents(n: int = 600, seed: int = 0) -> list[str]:
     return docs
 
 
+@pytest.fixture(autouse=True)
+def cpu_settings():
+    """One thread: the test models are too small to gain from two, and busy-waiting OpenMP threads
+    crawl when other processes share the 2 cores. Subnormals flushed: zero-start ablations produce
+    them, which makes CPU math ~10x slower (same losses with flushing, measured)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    yield
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(False)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> dict[str, str]:
     """{'path': shard dir with train + heldout splits, 'tokenizer': sentencepiece model path}."""

@@ -13,15 +13,6 @@ from scse_dist.model import Block, LoopedLM, RMSNorm, flops_per_token, residual_
 from scse_dist.model.blocks import Rotary
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models gain nothing from two threads, and busy-waiting threads crawl on shared cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def cfg_of(**kw) -> ModelConfig:
     base = dict(vocab_size=64, d_model=32, n_heads=2, max_seq_len=64, n_prelude=1, n_core=1,
                 n_coda=1, depth=4)

@@ -27,19 +27,6 @@ def corpus(batch: int = 8, seq: int = 32) -> torch.Tensor:
     return (start + stride * torch.arange(seq + 1)) % 32
 
 
-@pytest.fixture(autouse=True)
-def cpu_settings():
-    # The zero-start ablation produces subnormal floats that make CPU math ~10x slower; flushing
-    # them gave the same losses (measured) at normal speed. One thread: these models are too small
-    # to gain from two, and busy-waiting threads slow to a crawl when other tests share the cores.
-    threads = torch.get_num_threads()
-    torch.set_flush_denormal(True)
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(False)
-
-
 def train_losses(cfg: ModelConfig, steps: int = 30) -> tuple[float, float]:
     torch.manual_seed(0)
     model = LoopedLM(cfg)

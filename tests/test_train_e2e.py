@@ -123,8 +123,6 @@ def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subp
     assert (tmp_path / "runs" / "tiny" / "export" / "model.safetensors").is_file()
 
 
-@pytest.mark.xfail(strict=True, reason="LoopCore.forward returns a dict, so ZeRO-3's leaf backward "
-                   "hook never fires (engine.require_hookable_output refuses it); needs a model fix")
 def test_zero3_with_the_loop_leaf_trains(tmp_path, tiny_config, subprocess_env):
     cfg = tiny_config(tmp_path, "train.zero_stage=3", "train.max_steps=2", "train.log_every=1")
     must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))

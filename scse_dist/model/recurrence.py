@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from scse_dist.config import ModelConfig
+from scse_dist.config import ModelConfig, check_model_config
 from scse_dist.model.blocks import Block
 
 Context = dict[str, torch.Tensor]
@@ -48,9 +48,7 @@ class LoopCore(nn.Module):
         self.zero_mask = cfg.zero_mask and self.kind == "scse"
         self.checkpoint_steps = cfg.activation_checkpointing == "loop"
         self.n_core = cfg.n_core
-        _check_frozen_start(cfg)
-        if self.kind == "untied" and self.inject != "none":
-            raise ValueError(f"model.inject: untied has no loop to inject into, got {cfg.inject!r}")
+        check_model_config(cfg)
         # untied is a plain stack: one distinct group of n_core blocks per "step".
         groups = 1
         if self.kind == "untied" and cfg.untied_match == "depth":
@@ -195,24 +193,3 @@ class LoopCore(nn.Module):
             return _row_norm_mean(self.forcing_bias_scale * (ctx["response"] - ctx["anchor"]))
         s = ctx["source"]
         return _row_norm_mean(self.phi(s, s) - s)
-
-
-def _check_frozen_start(cfg: ModelConfig) -> None:
-    """Refuse loops that cannot see the input, and scse starts where D_0 = 0 for every token with
-    lambda = 0 (the loop would be a no-op)."""
-    if cfg.recurrence == "untied":
-        return
-    input_enters = (cfg.resolved_inject != "none" or cfg.init_state == "source"
-                    or (cfg.recurrence == "scse" and cfg.anchor != "zero"))
-    if not input_enters:
-        what = "anchor=zero, " if cfg.recurrence == "scse" else ""
-        raise ValueError(f"model.inject: recurrence={cfg.recurrence} with {what}init_state="
-                         f"{cfg.init_state} and inject=none never sees the input (the loop state "
-                         "starts from noise or zeros); use inject add or concat")
-    if cfg.recurrence != "scse" or cfg.forcing_bias_scale > 0:
-        return
-    same = {("source", "source"), ("zero", "zeros")}
-    if (cfg.anchor, cfg.init_state) in same:
-        raise ValueError(f"model.init_state: anchor={cfg.anchor} with init_state={cfg.init_state} "
-                         "gives D_0 = 0 for every token, so the loop computes nothing; pick another "
-                         "init_state")

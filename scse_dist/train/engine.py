@@ -150,13 +150,13 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module) -> tuple[Any, dict[str,
     import deepspeed
 
     ds_config = build_ds_config(cfg)
-    if ds_config["zero_optimization"].get("stage", 0) == 3:
+    if ds_config["zero_optimization"].get("stage", 0) == 3 and model.fixed_depth is None:
         from scse_dist.model import LoopCore
 
         # The loop reuses its block T times; as a ZeRO-3 leaf the whole loop is gathered once per
         # forward/backward whatever T is, instead of per call with a trace that a varying T breaks.
-        # Untied models have no LoopCore, hence raise_if_not_found=False.
-        for leaf in deepspeed.utils.set_z3_leaf_modules(model, [LoopCore], raise_if_not_found=False):
+        # Not for untied: its LoopCore holds every distinct block, which would stay gathered.
+        for leaf in deepspeed.utils.set_z3_leaf_modules(model, [LoopCore]):
             leaf.register_forward_hook(require_hookable_output)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=_param_groups(model, cfg.train.weight_decay),
