@@ -65,7 +65,7 @@ def test_cli_writes_table_and_json(export_and_shards, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--task", "lambada"], "argument --task: invalid choice: 'lambada'"),
+    (["--task", "perplexity"], "argument --task: invalid choice: 'perplexity'"),
     (["--task", "heldout", "--depths", "1,x"], "argument --depths: expected comma-separated integers"),
     (["--task", "heldout", "--depths", "0,4"], "argument --depths: depths must be integers >= 1"),
     (["--task", "heldout", "--seq-len", "64"], "--seq-len 64 exceeds the model's max_seq_len=32"),

@@ -1,10 +1,11 @@
-"""`scse-eval`: evaluate an exported model and write a results JSON.
+"""`scse-eval`: evaluate a model at several loop depths and write a results JSON.
 
-    scse-eval --checkpoint runs/x/export --task heldout --data data/shards \\
-              --depths 1,8,48 --out results.json [--batch-size 8] [--max-batches N] [--seq-len L]
+    scse-eval --checkpoint runs/x/export --task {heldout,wikitext,lambada,diagnose} \\
+              --data PATH_OR_URL --depths 1,8,48 --out results.json [--stride 128] ...
 
-Defaults for --data, --depths, --batch-size, --max-batches and --seq-len come from the export's
-config.yaml (data.path, eval.*, data.seq_len).
+--checkpoint is an export dir or a DeepSpeed checkpoint dir (run dir, checkpoints/ or a tag).
+Defaults for --data, --depths, --batch-size, --max-batches, --seq-len and --tokenizer come from
+the model's config (data.path, eval.*, data.seq_len, data.tokenizer).
 """
 
 from __future__ import annotations
@@ -16,41 +17,15 @@ from typing import Sequence
 import torch
 
 from scse_dist.config import RunConfig
-from scse_dist.eval.perplexity import evaluate_heldout
-from scse_dist.eval.results import format_table, write_results
-
-TASKS = ("heldout",)
+from scse_dist.eval.tasks import TASKS, run_task
 
 
 def run_heldout_eval(model: torch.nn.Module, cfg: RunConfig, data_path: str, depths: list[int],
                      out_path: str, checkpoint_label: str, max_batches: int = 0) -> list[dict]:
-    """Held-out perplexity of `model` at `depths` on the shard dir `data_path`; prints, writes JSON.
-
-    Sequence length and batch size come from `cfg.data.seq_len` and `cfg.eval.batch_size`. Called by
-    `scse-eval` and by the trainer in-process after training (on one rank: it reads every shard).
-    """
-    from scse_dist.data.shards import read_index  # the data stack is only needed to evaluate
-    from scse_dist.data.stream import TokenStream
-
-    # Shards from a bigger tokenizer would index past the embedding: say so instead of crashing.
-    index = read_index(str(data_path))
-    if index["vocab_size"] > cfg.model.vocab_size:
-        raise ValueError(f"{data_path}: shards were written with vocab_size={index['vocab_size']}, "
-                         f"more than the model's model.vocab_size={cfg.model.vocab_size}")
-    if not index["splits"].get("heldout"):
-        raise ValueError(f"{data_path}: index.json lists no heldout shards "
-                         "(build shards with data.heldout_fraction > 0)")
-    stream = TokenStream(data_path, split="heldout", seq_len=cfg.data.seq_len,
-                         batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0, loop=False)
-    rows = evaluate_heldout(model, stream, depths, max_batches=max_batches)
-    print(f"held-out perplexity: {checkpoint_label} ({cfg.model.recurrence}, {cfg.model.residual}) "
-          f"on {data_path}, {rows[0]['tokens']} tokens")
-    print(format_table(rows))
-    write_results(out_path, "heldout", checkpoint_label, cfg, rows,
-                  extra={"data": str(data_path), "seq_len": cfg.data.seq_len,
-                         "batch_size": cfg.eval.batch_size, "max_batches": max_batches})
-    print(f"wrote {out_path}")
-    return rows
+    """Held-out perplexity of `model` at `depths` on `data_path`; prints, writes JSON (the trainer's
+    in-process evaluation after training; see scse_dist.eval.tasks.run_task)."""
+    return run_task("heldout", model, cfg, data_path, depths, out_path, checkpoint_label,
+                    max_batches=max_batches)
 
 
 def _depth_list(text: str) -> list[int]:
@@ -80,16 +55,21 @@ def _non_negative(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scse-eval", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True,
-                   help="exported model dir (model.safetensors + config.yaml)")
+                   help="export dir (model.safetensors + config.yaml) or DeepSpeed checkpoint dir")
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data", default=None,
-                   help="shard dir (path or fsspec URL) with index.json; default: config data.path")
+                   help="heldout/diagnose: shard dir with index.json or a JSONL/text corpus; "
+                        "wikitext: wiki.*.raw; lambada: JSONL or plain text (paths or fsspec URLs); "
+                        "default: config data.path")
     p.add_argument("--depths", type=_depth_list, default=None,
                    help="comma-separated loop depths, e.g. 1,8,48; default: config eval.depths")
     p.add_argument("--out", required=True, help="results JSON path")
     p.add_argument("--batch-size", type=_positive, default=None)
     p.add_argument("--max-batches", type=_non_negative, default=None, help="0: the whole split")
     p.add_argument("--seq-len", type=_positive, default=None)
+    p.add_argument("--stride", type=_positive, default=None,
+                   help="wikitext sliding-window stride in tokens; default seq_len // 2")
+    p.add_argument("--tokenizer", default=None, help="text inputs; default: config data.tokenizer")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p
 
@@ -97,19 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from scse_dist.export import load_exported_model
+    from scse_dist.eval.loading import load_model
 
-    model, cfg = load_exported_model(args.checkpoint, device=args.device)
+    model, cfg = load_model(args.checkpoint, device=args.device)
     seq_len = args.seq_len or cfg.data.seq_len
     if seq_len > cfg.model.max_seq_len:
         parser.error(f"--seq-len {seq_len} exceeds the model's max_seq_len={cfg.model.max_seq_len}")
+    if args.stride and args.stride > seq_len:
+        parser.error(f"--stride {args.stride} exceeds the sequence length {seq_len}")
     cfg = dataclasses.replace(
         cfg,
-        data=dataclasses.replace(cfg.data, seq_len=seq_len),
+        data=dataclasses.replace(cfg.data, seq_len=seq_len,
+                                 tokenizer=args.tokenizer or cfg.data.tokenizer),
         eval=dataclasses.replace(cfg.eval, batch_size=args.batch_size or cfg.eval.batch_size))
     max_batches = cfg.eval.max_batches if args.max_batches is None else args.max_batches
-    run_heldout_eval(model, cfg, args.data or cfg.data.path, args.depths or cfg.eval.depths,
-                     args.out, checkpoint_label=args.checkpoint, max_batches=max_batches)
+    run_task(args.task, model, cfg, args.data or cfg.data.path, args.depths or cfg.eval.depths,
+             args.out, checkpoint_label=args.checkpoint, stride=args.stride, max_batches=max_batches)
     return 0
 
 

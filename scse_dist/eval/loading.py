@@ -1,0 +1,68 @@
+"""Load a model to evaluate from an export or from a DeepSpeed checkpoint directory.
+
+Accepted paths:
+- an export: a dir with model.safetensors + config.yaml (or the .safetensors file itself);
+- a run dir (`runs/x`, holding checkpoints/), its `checkpoints/` dir (the `latest` tag is used),
+  or one tag dir `checkpoints/step-NNNNNNN`. The weights are consolidated to fp32 from the ZeRO
+  files (any stage) and the config is the run's `config.yaml`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from scse_dist.config import RunConfig, load_config
+
+
+def _deepspeed_location(path: Path) -> tuple[Path, str]:
+    """(checkpoints root, tag) for a run dir, a checkpoints dir or a tag dir."""
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if (path / "latest").is_file():
+        return path, (path / "latest").read_text().strip()
+    if list(path.glob("mp_rank_*_model_states.pt")):
+        return path.parent, path.name
+    raise FileNotFoundError(f"{str(path)!r} is neither an export (model.safetensors + config.yaml) "
+                            "nor a DeepSpeed checkpoint dir (a 'latest' file or "
+                            "mp_rank_00_model_states.pt)")
+
+
+def _deepspeed_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
+    tag_dir = root / tag
+    if not tag_dir.is_dir():
+        raise FileNotFoundError(f"{str(root)!r}: checkpoint tag {tag!r} does not exist")
+    if list(tag_dir.glob("*optim_states.pt")):  # ZeRO 1-3: consolidate the partitions
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    # ZeRO-0 keeps whole weights in the model-states file (our own checkpoint: trusted pickle).
+    states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
+
+
+def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, RunConfig]:
+    """The model (eval mode, on `device`) and its RunConfig from an export or a DeepSpeed checkpoint."""
+    from scse_dist.export import (CONFIG_NAME, WEIGHTS_NAME, _strip_wrapper_prefixes,
+                                  load_exported_model)
+    from scse_dist.model import LoopedLM
+
+    p = Path(path)
+    if p.suffix == ".safetensors" or (p / WEIGHTS_NAME).is_file():
+        return load_exported_model(p, device=device)
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist")
+    root, tag = _deepspeed_location(p)
+    config = root.parent / CONFIG_NAME
+    if not config.is_file():
+        raise FileNotFoundError(f"{str(root)!r}: the run's {CONFIG_NAME} is missing at {str(config)!r}")
+    cfg = load_config(config)
+    model = LoopedLM(cfg.model)
+    state = _strip_wrapper_prefixes(_deepspeed_state_dict(root, tag))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ValueError(f"checkpoint {str(root / tag)!r} does not match {str(config)!r}: {exc}") from None
+    return model.to(device).eval(), cfg

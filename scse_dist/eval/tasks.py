@@ -1,0 +1,203 @@
+"""The evaluation tasks of `scse-eval`, each at several loop depths in one forward per batch.
+
+    heldout   perplexity on held-out shards (a dir with index.json), or on any JSONL/text corpus
+    wikitext  WikiText raw: document-wise sliding window; ppl, word_ppl, bits_per_byte
+    lambada   last-word prediction: accuracy (every target token is the argmax) and target ppl
+    diagnose  per depth ||b|| (forcing bias at the anchor), ||D_t||, ||h_t - h_{t-1}||
+
+`run_task` is the one entry the CLI, the trainer and the launcher call: it evaluates, prints a
+table and writes the results JSON (scse_dist.eval.results).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+
+from scse_dist.config import RunConfig
+from scse_dist.eval.perplexity import _resolve_depths, evaluate_heldout
+from scse_dist.eval.readers import Passage, read_corpus, read_lambada, read_wikitext_articles
+from scse_dist.eval.results import format_table, write_results
+from scse_dist.eval.scoring import Window, context_target_window, document_windows, score_windows
+
+TASKS = ("heldout", "wikitext", "lambada", "diagnose")
+# Columns of each task's console table (all of them are in the JSON rows).
+TABLE_METRICS = {"heldout": ("ppl", "loss"), "wikitext": ("ppl", "word_ppl", "bits_per_byte"),
+                 "lambada": ("accuracy", "ppl"),
+                 "diagnose": ("bias_norm", "deviation_norm", "motion_norm")}
+
+
+def _exp(x: float) -> float:
+    return math.exp(min(x, 700.0))
+
+
+def document_rows(model: torch.nn.Module, tokenizer: Any, documents: list[str], depths: list[int],
+                  seq_len: int, stride: int, batch_size: int) -> list[dict]:
+    """Token ppl, word ppl and bits per byte of `documents` (each scored on its own, sliding window).
+
+    word_ppl = exp(total NLL / whitespace words of the original text) and bits_per_byte =
+    total NLL / ln 2 / UTF-8 bytes: both divide the same total, so they compare across tokenizers.
+    """
+    ids = tokenizer.encode_batch([d.strip() for d in documents])
+    windows = [w for doc in ids for w in document_windows(doc, tokenizer.eos_id, seq_len, stride)]
+    depths, scores = score_windows(model, windows, depths, batch_size)
+    words = sum(len(d.split()) for d in documents)
+    n_bytes = sum(len(d.encode("utf-8")) for d in documents)
+    rows = []
+    for d, per_window in zip(depths, scores):
+        nll = sum(s.nll for s in per_window)
+        tokens = sum(s.count for s in per_window)
+        rows.append({"depth": d, "loss": nll / tokens, "ppl": _exp(nll / tokens),
+                     "word_ppl": _exp(nll / words), "bits_per_byte": nll / math.log(2) / n_bytes,
+                     "tokens": tokens, "words": words, "bytes": n_bytes, "documents": len(documents)})
+    return rows
+
+
+def _target_ids(tokenizer: Any, passage: Passage) -> tuple[list[int], list[int]]:
+    """Context and target ids. The target is what encoding context + target adds after the
+    context's own encoding (how the model saw such text in training); if the tokenizer merges
+    across the boundary, the target is encoded alone."""
+    context = tokenizer.encode(passage.context)
+    full = tokenizer.encode(passage.context + passage.target)
+    if full[:len(context)] == context and len(full) > len(context):
+        return context, full[len(context):]
+    return context, tokenizer.encode(passage.target.strip())
+
+
+def lambada_rows(model: torch.nn.Module, tokenizer: Any, passages: list[Passage],
+                 depths: list[int], seq_len: int, batch_size: int) -> list[dict]:
+    windows: list[Window] = []
+    for p in passages:
+        context, target = _target_ids(tokenizer, p)
+        windows.append(context_target_window(context, target, tokenizer.eos_id, seq_len))
+    depths, scores = score_windows(model, windows, depths, batch_size)
+    rows = []
+    for d, per_window in zip(depths, scores):
+        nll = sum(s.nll for s in per_window)
+        tokens = sum(s.count for s in per_window)
+        rows.append({"depth": d, "accuracy": sum(s.all_correct for s in per_window) / len(per_window),
+                     "loss": nll / tokens, "ppl": _exp(nll / tokens), "examples": len(per_window),
+                     "target_tokens": tokens})
+    return rows
+
+
+def diagnose_rows(model: torch.nn.Module, batches: Iterable[torch.Tensor], depths: list[int],
+                  max_batches: int = 0) -> list[dict]:
+    """Mean per-token norms of the trained loop on real text (batches (B, S+1) of token ids).
+
+    bias_norm: ||b|| = ||Phi(h*) - h*|| at the anchor (scse: h* = a(s); the other kinds: h* = s, the
+    forcing bias their transition produces at the source). effective_bias_norm: where a zero
+    deviation actually moves (scse: lambda * b, 0 for SCSE proper). deviation_norm: ||h_T - h*||;
+    motion_norm: ||h_T - h_{T-1}||.
+    """
+    depths = _resolve_depths(model, depths)
+    device = next(model.parameters()).device
+    core = model.core
+    sums: dict[str, torch.Tensor] = {}
+    n = 0
+    with torch.inference_mode():
+        for i, batch in enumerate(batches):
+            if max_batches and i >= max_batches:
+                break
+            inputs = batch[:, :-1].to(device)
+            diag = model(inputs, depth=max(depths), diagnostics=True, keep_logits=False).diagnostics
+            s = model.source(inputs)
+            anchor = core.anchor_of(s)
+            bias = (core.phi(anchor, s) - anchor).float().norm(dim=-1).mean()
+            values = {"bias_norm": bias, "effective_bias_norm": diag["forcing_bias_norm"],
+                      "deviation_norm": diag["deviation_norm"],
+                      "motion_norm": torch.cat([diag["motion_norm"].new_zeros(1), diag["motion_norm"]])}
+            for k, v in values.items():
+                sums[k] = sums.get(k, 0) + v.double().cpu()
+            n += 1
+    if n == 0:
+        raise ValueError("diagnose: the data held no batches")
+    means = {k: v / n for k, v in sums.items()}
+    return [{"depth": d, "bias_norm": float(means["bias_norm"]),
+             "effective_bias_norm": float(means["effective_bias_norm"]),
+             "deviation_norm": float(means["deviation_norm"][d]),
+             "motion_norm": float(means["motion_norm"][d]), "batches": n} for d in depths]
+
+
+def is_shard_dir(path: str) -> bool:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(path))
+    return fs.isfile(root.rstrip("/") + "/index.json")
+
+
+def _shard_stream(path: str, cfg: RunConfig):
+    from scse_dist.data.shards import read_index
+    from scse_dist.data.stream import TokenStream
+
+    # Shards from a bigger tokenizer would index past the embedding: say so instead of crashing.
+    index = read_index(str(path))
+    if index["vocab_size"] > cfg.model.vocab_size:
+        raise ValueError(f"{path}: shards were written with vocab_size={index['vocab_size']}, "
+                         f"more than the model's model.vocab_size={cfg.model.vocab_size}")
+    if not index["splits"].get("heldout"):
+        raise ValueError(f"{path}: index.json lists no heldout shards "
+                         "(build shards with data.heldout_fraction > 0)")
+    return TokenStream(path, split="heldout", seq_len=cfg.data.seq_len,
+                       batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0, loop=False)
+
+
+def _packed_batches(tokenizer: Any, documents: list[str], seq_len: int, batch_size: int):
+    """(B, seq_len + 1) batches of the documents end to end, EOS after each (as in training)."""
+    stream: list[int] = []
+    for ids in tokenizer.encode_batch(documents):
+        stream += [*ids, tokenizer.eos_id]
+    rows = [stream[i:i + seq_len + 1] for i in range(0, len(stream) - seq_len, seq_len)]
+    for i in range(0, len(rows), batch_size):
+        yield torch.tensor(rows[i:i + batch_size])
+
+
+def load_tokenizer(path: str, cfg: RunConfig):
+    from scse_dist.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(path)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"tokenizer {path}: {tokenizer.vocab_size} pieces, more than the model's "
+                         f"model.vocab_size={cfg.model.vocab_size}")
+    return tokenizer
+
+
+def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depths: list[int],
+             out_path: str, checkpoint_label: str, *, tokenizer: Any = None,
+             stride: Optional[int] = None, max_batches: int = 0) -> list[dict]:
+    """Evaluate `task` on `data`, print a table, write `out_path`. Returns the rows.
+
+    Sequence length and batch size come from cfg.data.seq_len and cfg.eval.batch_size; the
+    tokenizer (text inputs only) defaults to cfg.data.tokenizer; stride defaults to seq_len // 2.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task: must be one of {', '.join(TASKS)}; got {task!r}")
+    seq_len, batch_size = cfg.data.seq_len, cfg.eval.batch_size
+    shards = task in ("heldout", "diagnose") and is_shard_dir(data)
+    if tokenizer is None and not shards:
+        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
+    stride = stride or max(1, seq_len // 2)
+    extra: dict[str, Any] = {"data": str(data), "seq_len": seq_len, "batch_size": batch_size}
+    if task == "heldout" and shards:
+        rows = evaluate_heldout(model, _shard_stream(data, cfg), depths, max_batches=max_batches)
+        extra["max_batches"] = max_batches
+    elif task == "heldout":  # a corpus: every document scored on its own, no overlap
+        rows = document_rows(model, tokenizer, read_corpus(data), depths, seq_len, seq_len, batch_size)
+    elif task == "wikitext":
+        rows = document_rows(model, tokenizer, read_wikitext_articles(data), depths, seq_len, stride,
+                             batch_size)
+        extra["stride"] = stride
+    elif task == "lambada":
+        rows = lambada_rows(model, tokenizer, read_lambada(data), depths, seq_len, batch_size)
+    else:
+        batches = _shard_stream(data, cfg) if shards else \
+            _packed_batches(tokenizer, read_corpus(data), seq_len, batch_size)
+        rows = diagnose_rows(model, batches, depths, max_batches=max_batches)
+        extra["max_batches"] = max_batches
+    print(f"{task}: {checkpoint_label} ({cfg.model.recurrence}, {cfg.model.residual}) on {data}")
+    print(format_table(rows, TABLE_METRICS[task]))
+    write_results(out_path, task, checkpoint_label, cfg, rows, extra=extra)
+    print(f"wrote {out_path}")
+    return rows
