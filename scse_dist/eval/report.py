@@ -1,0 +1,163 @@
+"""Reports: a training run's evaluation JSONs -> markdown table, quality-frontier PNG, wandb.
+
+    scse-report runs/scse runs/additive runs/untied --out reports/main   # compare several runs
+
+A run's results are `RUN/eval/*.json` (written by scse_dist.eval.tasks.run_task). The table has
+one row per (run, task, metric) and one column per depth; the plot draws each task's headline
+metric against depth (log scale), one line per run, so SCSE, additive and untied models share
+axes (an untied model is a single point at its fixed depth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+# Metrics shown per task, headline first (the headline is the one plotted).
+REPORT_METRICS = {"heldout": ("ppl",), "wikitext": ("word_ppl", "ppl", "bits_per_byte"),
+                  "lambada": ("accuracy", "ppl"),
+                  "diagnose": ("deviation_norm", "motion_norm", "bias_norm")}
+TASK_ORDER = tuple(REPORT_METRICS)
+REPORT_NAME, PLOT_NAME = "report.md", "frontier.png"
+
+
+def eval_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "eval"
+
+
+def collect(run_dirs: Sequence[str | Path]) -> list[dict]:
+    """Every results JSON of every run, in run order then task order."""
+    results, used = [], set()
+    for run_dir in run_dirs:
+        found = []
+        for f in sorted(eval_dir(run_dir).glob("*.json")):
+            try:
+                data = json.loads(f.read_text())
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{f}: not a results JSON ({exc.msg} at line {exc.lineno})") from None
+            if isinstance(data, dict) and data.get("task") in REPORT_METRICS and "results" in data:
+                found.append(data)
+        if not found:
+            raise FileNotFoundError(f"{run_dir}: no evaluation results in {eval_dir(run_dir)}")
+        label = f"{found[0].get('run', Path(run_dir).name)} ({found[0].get('recurrence')})"
+        if label in used:  # two runs of one name: tell them apart by directory
+            label += f" [{run_dir}]"
+        used.add(label)
+        for data in found:
+            data["_label"] = label
+        results += sorted(found, key=lambda d: TASK_ORDER.index(d["task"]))
+    return results
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "nan"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) >= 1e4 or (value and abs(value) < 1e-3) else f"{value:.4f}"
+    return str(value)
+
+
+def markdown_table(results: list[dict]) -> str:
+    """| run | task | metric | T=1 | T=2 | ... | over the union of all depths ('' where absent)."""
+    depths = sorted({r["depth"] for d in results for r in d["results"]})
+    lines = ["| run | task | metric | " + " | ".join(f"T={t}" for t in depths) + " |",
+             "|---|---|---|" + "---:|" * len(depths)]
+    for d in results:
+        by_depth = {r["depth"]: r for r in d["results"]}
+        for metric in REPORT_METRICS[d["task"]]:
+            cells = [_fmt(by_depth[t].get(metric)) if t in by_depth else "" for t in depths]
+            lines.append(f"| {d['_label']} | {d['task']} | {metric} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def frontier_plot(results: list[dict], path: str | Path) -> str:
+    """One panel per task (its headline metric against depth), one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    tasks = [t for t in TASK_ORDER if any(d["task"] == t for d in results)]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        metric = REPORT_METRICS[task][0]
+        for d in (d for d in results if d["task"] == task):
+            points = sorted((r["depth"], r.get(metric)) for r in d["results"])
+            points = [(t, v) for t, v in points if v is not None and math.isfinite(v)]
+            ax.plot([t for t, _ in points], [v for _, v in points], marker="o", label=d["_label"])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("loop depth T")
+        ax.set_ylabel(metric)
+        ax.set_title(task)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def log_to_wandb(results: list[dict], wandb_cfg: Any, name: str, group: str, out_dir: str | Path) -> None:
+    """The table's numbers as one wandb run (job_type eval) in the training run's group."""
+    import wandb
+
+    run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, group=group, name=name,
+                     job_type="eval", mode=wandb_cfg.mode, dir=str(out_dir), reinit=True)
+    table = wandb.Table(columns=["run", "task", "metric", "depth", "value"])
+    summary = {}
+    for d in results:
+        for r in d["results"]:
+            for metric in REPORT_METRICS[d["task"]]:
+                if r.get(metric) is not None:
+                    table.add_data(d["_label"], d["task"], metric, r["depth"], r[metric])
+                    summary[f"{d['task']}/{metric}@T{r['depth']}"] = r[metric]
+    run.log({"eval/results": table, **summary})
+    run.finish()
+
+
+def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, wandb_cfg: Any = None,
+                 wandb_name: str = "eval", wandb_group: Optional[str] = None) -> dict[str, str]:
+    """Collect, then write out_dir/report.md and out_dir/frontier.png (and wandb if enabled)."""
+    results = collect(run_dirs)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(results)
+    plot = frontier_plot(results, out / PLOT_NAME)
+    (out / REPORT_NAME).write_text(
+        "# Evaluation report\n\nRuns: " + ", ".join(str(r) for r in run_dirs) + "\n\n" + table
+        + f"\n\n![quality frontier]({PLOT_NAME})\n")
+    print(table)
+    if wandb_cfg is not None and wandb_cfg.enabled and wandb_cfg.mode != "disabled":
+        log_to_wandb(results, wandb_cfg, wandb_name, wandb_group or wandb_name, out)
+    return {"report": str(out / REPORT_NAME), "plot": plot}
+
+
+def report_run(run_dir: str | Path) -> dict[str, str]:
+    """The report of one training run, into RUN/eval/, logged to the run's wandb group."""
+    from scse_dist.config import load_config
+
+    cfg = load_config(Path(run_dir) / "config.yaml")
+    return write_report([run_dir], eval_dir(run_dir), cfg.wandb, wandb_name=f"{cfg.name}-eval",
+                        wandb_group=cfg.wandb.group or cfg.name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="scse-report", description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", help="run dirs (each holding eval/*.json)")
+    p.add_argument("--out", default="report", help="output dir for report.md and frontier.png")
+    p.add_argument("--wandb", choices=["offline", "online", "disabled"], default="disabled",
+                   help="also log the numbers to wandb (group scse-report)")
+    args = p.parse_args(argv)
+    from scse_dist.config import WandbConfig
+
+    paths = write_report(args.runs, args.out, WandbConfig(enabled=True, mode=args.wandb),
+                         wandb_name="scse-report", wandb_group="scse-report")
+    print(f"wrote {paths['report']} and {paths['plot']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
