@@ -105,6 +105,10 @@ class DepthSamplingConfig:
 class TrainConfig:
     micro_batch_size: int = 8
     grad_accum_steps: int = 1
+    # Sequences per optimizer step over all ranks; 0 means micro_batch_size * grad_accum_steps *
+    # world size. When set, grad_accum_steps is derived from it at start-up (see grad_accum_for),
+    # so the global batch, and the loss curve, stay the same at any world size.
+    global_batch_size: int = 0
     max_steps: int = 200
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
@@ -123,6 +127,26 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     seed: int = 0
+    # A step whose loss or gradient is NaN/Inf on any rank is skipped; this many in a row stop
+    # the run (exit status 3) with the last good checkpoint left as it was.
+    max_nonfinite_steps: int = 5
+
+    def grad_accum_for(self, world_size: int) -> int:
+        """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit)."""
+        if not self.global_batch_size:
+            return self.grad_accum_steps
+        per_pass = self.micro_batch_size * world_size
+        if self.global_batch_size % per_pass:
+            raise ConfigError(
+                f"train.global_batch_size: {self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size ({self.micro_batch_size}) x world size ({world_size})")
+        accum = self.global_batch_size // per_pass
+        if self.grad_accum_steps not in (1, accum):
+            raise ConfigError(
+                f"train.grad_accum_steps: {self.grad_accum_steps} contradicts "
+                f"train.global_batch_size={self.global_batch_size}, which needs {accum} at world "
+                f"size {world_size}; leave grad_accum_steps at 1 or set global_batch_size to 0")
+        return accum
 
 
 @dataclass
@@ -202,6 +226,7 @@ def _check_consistency(cfg: RunConfig) -> None:
         "train.grad_accum_steps": t.grad_accum_steps, "train.max_steps": t.max_steps,
         "train.log_every": t.log_every, "train.checkpoint_every": t.checkpoint_every,
         "train.keep_checkpoints": t.keep_checkpoints, "train.depth.min": d.min,
+        "train.max_nonfinite_steps": t.max_nonfinite_steps,
         "eval.batch_size": cfg.eval.batch_size,
     }
     for name, value in positive.items():
@@ -209,6 +234,7 @@ def _check_consistency(cfg: RunConfig) -> None:
             raise ConfigError(f"{name}: must be > 0, got {value}")
     for name, value in {"model.n_prelude": m.n_prelude, "model.n_coda": m.n_coda,
                         "model.ffn_hidden": m.ffn_hidden, "train.warmup_steps": t.warmup_steps,
+                        "train.global_batch_size": t.global_batch_size,
                         "train.depth.backprop_steps": d.backprop_steps,
                         "eval.max_batches": cfg.eval.max_batches}.items():
         if value < 0:

@@ -16,7 +16,8 @@ from scse_dist.launch.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
-METRIC_KEYS = {"step", "loss", "lr", "depth", "tokens_per_s", "mfu", "step_time_s", "tokens"}
+METRIC_KEYS = {"step", "loss", "lr", "depth", "tokens_per_s", "mfu", "step_time_s", "tokens",
+               "skipped_steps"}
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +56,7 @@ def test_single_process_run_learns_logs_checkpoints_and_evaluates(trained):
     assert all(1 <= r["depth"] <= 3 for r in rows)  # uniform 1..3
     assert rows[-1]["tokens"] == 20 * 4 * 32
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    assert all(r["skipped_steps"] == 0 for r in rows)
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
     assert ckpts == ["step-0000010", "step-0000020"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-0000020"

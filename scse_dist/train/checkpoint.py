@@ -2,10 +2,16 @@
 
 A checkpoint is a DeepSpeed tag `step-{N:07d}` whose client_state carries what DeepSpeed does not
 save itself: the step, every rank's data-stream position and RNG states, and the resolved config.
+
+Saving is atomic: every rank writes tag `.tmp-step-N`; after a barrier (all ranks done) rank 0
+renames it to `step-N` and then replaces `latest` (written to a temporary file, then renamed).
+A kill at any point leaves `latest` naming a complete checkpoint; a leftover `.tmp-*` directory is
+removed at the next start.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from pathlib import Path
@@ -19,6 +25,7 @@ from scse_dist.config import RunConfig, config_to_dict
 from scse_dist.launch.distributed import barrier, is_rank0
 
 TAG_PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -54,17 +61,45 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cfg: RunConfig) -> str:
-    """Save tag step-{step} (all ranks call this), then prune to cfg.train.keep_checkpoints."""
+def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cfg: RunConfig,
+                    faults: Any = None) -> str:
+    """Save tag step-{step} atomically (all ranks call this), then prune to keep_checkpoints."""
     per_rank = _gather({"data": stream.state_dict(), "rng": _rng_state()})
     client_state = {"step": step, "ranks": per_rank, "config": config_to_dict(cfg)}
+    root = checkpoint_dir(run_dir)
     tag = tag_for(step)
-    engine.save_checkpoint(str(checkpoint_dir(run_dir)), tag=tag, client_state=client_state)
-    barrier()  # every rank has written its shard before rank 0 deletes anything
+    tmp = root / f"{TMP_PREFIX}{tag}"
+    if is_rank0() and tmp.exists():
+        shutil.rmtree(tmp)
+    barrier()
+    engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
+    if faults is not None:
+        faults.mid_save(step)
+    barrier()  # every rank has written its shard: only now may the tag become visible
     if is_rank0():
+        final = root / tag
+        if final.exists():  # an earlier run reached this step but died before updating latest
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_latest(root, tag)
         prune_checkpoints(run_dir, cfg.train.keep_checkpoints)
     barrier()
     return tag
+
+
+def _write_latest(root: Path, tag: str) -> None:
+    partial = root / f"{TMP_PREFIX}latest"
+    partial.write_text(tag)
+    os.replace(partial, root / "latest")  # atomic: readers see the old or the new name, never half
+
+
+def remove_partial_saves(run_dir: str | Path) -> list[Path]:
+    """Delete `.tmp-*` leftovers of saves that were killed (rank 0, before any new save)."""
+    root = checkpoint_dir(run_dir)
+    stale = sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return stale
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -87,8 +122,15 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
 def resume_if_present(engine: Any, run_dir: str | Path, stream: Any) -> int:
     """Load run_dir/checkpoints/latest if it exists; return the step to continue from (0 if none)."""
     root = checkpoint_dir(run_dir)
+    if is_rank0():
+        for path in remove_partial_saves(run_dir):
+            print(f"removed {path}: a save that did not finish", flush=True)
+    barrier()
     if not (root / "latest").is_file():
         return 0
+    named = (root / "latest").read_text().strip()
+    if not (root / named).is_dir():
+        raise RuntimeError(f"{root / 'latest'} names {named!r}, which does not exist in {root}")
     path, client_state = engine.load_checkpoint(str(root))
     if path is None or client_state is None:
         raise RuntimeError(f"{root}: 'latest' names {(root / 'latest').read_text().strip()!r} "

@@ -2,16 +2,20 @@
 
 Works under every launcher: `deepspeed launch/train.py ...` (which appends --local_rank=N),
 `torchrun ...`, `srun python launch/train.py ...` and a plain `python launch/train.py ...`.
-A bad config exits 2 with one line on stderr before any process group starts.
+Exit status: 0 done; 2 bad config (one line on stderr, before any process group starts, also
+for a global batch that does not divide at the launcher's world size); 3 too many non-finite
+steps in a row; 75 preempted by SIGTERM/SIGUSR1 after saving a checkpoint (rerun to resume).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
 from scse_dist.config import ConfigError, load_config
+from scse_dist.launch.distributed import resolve_dist_env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,13 +32,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        cfg.train.grad_accum_for(resolve_dist_env(os.environ).world_size)
     except ConfigError as exc:
         print(f"scse-train: config error: {exc}", file=sys.stderr)
         return 2
-    from scse_dist.train.loop import train  # imports torch/deepspeed only once the config is good
+    from scse_dist.train.faults import REQUEUE_EXIT_CODE, TrainingStopped
+    from scse_dist.train.loop import train  # imports deepspeed only once the config is good
 
-    train(cfg)
-    return 0
+    try:
+        summary = train(cfg)
+    except TrainingStopped as exc:
+        print(f"scse-train: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    return REQUEUE_EXIT_CODE if summary["preempted"] else 0
 
 
 if __name__ == "__main__":

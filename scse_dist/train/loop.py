@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -16,6 +17,8 @@ from scse_dist.launch.distributed import barrier, init_distributed, shutdown
 from scse_dist.train.checkpoint import export_final, resume_if_present, save_checkpoint, tag_for
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
+from scse_dist.train.faults import (REQUEUE_EXIT_CODE, FaultInjector, NonFiniteCounter,
+                                   PreemptionFlag, TrainingStopped)
 from scse_dist.train.metrics import MetricsLogger, peak_flops
 
 
@@ -26,12 +29,31 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _mean_over_ranks(value: torch.Tensor) -> float:
+def _sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        value = value.clone()
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return float(value)
+        values = values.clone()
+        dist.all_reduce(values)
+    return values
+
+
+def _agree(nonfinite: torch.Tensor, preempted: bool) -> tuple[bool, bool]:
+    """(any rank saw a non-finite loss/gradient, any rank was asked to stop): one all-reduce."""
+    flags = torch.stack([nonfinite.float().clamp(max=1), torch.tensor(float(preempted)).to(nonfinite)])
+    bad, stop = _sum_over_ranks(flags).tolist()
+    return bad > 0, stop > 0
+
+
+def _grads_nonfinite(engine: Any) -> torch.Tensor:
+    # Without ZeRO nothing checks the reduced gradients; ZeRO-1/2/3 check their own partitions
+    # (a NaN/Inf gradient norm skips the step there) and report it via was_step_applied().
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return sum((~torch.isfinite(g)).any().float() for g in grads) if grads else torch.zeros(())
+
+
+def with_world_batch(cfg: RunConfig, world_size: int) -> RunConfig:
+    """cfg with grad_accum_steps derived from train.global_batch_size at this world size."""
+    accum = cfg.train.grad_accum_for(world_size)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=accum))
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
@@ -41,7 +63,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     from scse_dist.data.tokenizer import Tokenizer
     from scse_dist.model import LoopedLM, flops_per_token
 
+    # Installed first, so a preemption during start-up is also honoured at the first step.
+    preemption = PreemptionFlag().install()
     env = init_distributed()
+    cfg = with_world_batch(cfg, env.world_size)
     rank0 = env.rank == 0
     run_dir = Path(cfg.run_dir)
     if rank0:  # one rank builds the data and writes the run dir, the others wait for it
@@ -60,10 +85,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         torch.set_flush_denormal(True)
     model = LoopedLM(cfg.model)
     engine, ds_config = build_engine(cfg, model)
-    stream = TokenStream(cfg.data.path, split="train", seq_len=cfg.data.seq_len,
-                         batch_size=cfg.train.micro_batch_size, rank=env.rank,
-                         world_size=env.world_size, seed=cfg.train.seed, loop=True,
-                         tokenizer_sha256=tokenizer.sha256)
+    stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
+                                     env.world_size, cfg.train.seed, tokenizer.sha256)
     start_step = resume_if_present(engine, run_dir, stream)
     batches = iter(stream)
 
@@ -77,46 +100,92 @@ def train(cfg: RunConfig) -> dict[str, Any]:
               f"{'bf16' if ds_config['bf16']['enabled'] else 'fp32'}, steps {start_step}..{t.max_steps}",
               flush=True)
 
+    faults = FaultInjector(env.rank)
+    nonfinite = NonFiniteCounter(t.max_nonfinite_steps)
+    stage = ds_config["zero_optimization"]["stage"]
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
     last_saved = start_step if start_step else -1
+    preempted_by: Optional[str] = None
     window_start, window_steps, window_flops = time.perf_counter(), 0, 0.0
-    loss_sum = torch.zeros((), device=engine.device)
-    for step in range(start_step, t.max_steps):
-        # Untied models have one fixed depth; the loop kinds draw T per step, the same on all ranks.
-        depth = None if model.fixed_depth is not None else \
-            sample_depth(step, t.depth, cfg.model.depth, t.seed)
-        lr = engine.get_lr()[0]  # the lr this step uses: the scheduler advances inside engine.step
-        for _ in range(t.grad_accum_steps):
-            batch = next(batches).to(engine.device)
-            out = engine(batch[:, :-1], batch[:, 1:], depth=depth,
-                         backprop_steps=t.depth.backprop_steps, keep_logits=False)
-            engine.backward(out.loss)
-            engine.step()
-            loss_sum += out.loss.detach().float()
-        done = step + 1
-        window_steps += 1
-        window_flops += flops_per_token(cfg.model, out.depth, cfg.data.seq_len)
+    loss_window = torch.zeros(2, device=engine.device)  # (sum of good micro-batch losses, count)
+    try:
+        for step in range(start_step, t.max_steps):
+            done = step + 1
+            faults.step_started(done)
+            # Untied models have one fixed depth; the loop kinds draw T per step, the same on all ranks.
+            depth = None if model.fixed_depth is not None else \
+                sample_depth(step, t.depth, cfg.model.depth, t.seed)
+            lr = engine.get_lr()[0]  # the lr this step uses: the scheduler advances inside engine.step
+            step_losses = torch.zeros((), device=engine.device)
+            local_bad = torch.zeros((), device=engine.device)
+            for micro in range(t.grad_accum_steps):
+                batch = next(batches).to(engine.device)
+                out = engine(batch[:, :-1], batch[:, 1:], depth=depth,
+                             backprop_steps=t.depth.backprop_steps, keep_logits=False)
+                loss = faults.loss(done, out.loss)
+                local_bad += (~torch.isfinite(loss.detach())).float()
+                step_losses += loss.detach().float()
+                engine.backward(loss)
+                if micro == t.grad_accum_steps - 1:  # the boundary: decide before the update
+                    if stage == 0:
+                        local_bad += _grads_nonfinite(engine).to(local_bad)
+                    bad, stop = _agree(local_bad, preemption.requested)
+                    if bad and stage == 0:  # no ZeRO overflow check: drop the gradients instead
+                        for p in engine.module.parameters():
+                            p.grad = None
+                engine.step()
+            skipped = bad or not engine.was_step_applied()
+            nonfinite.update(done, skipped, tag_for(last_saved) if last_saved > 0 else None)
+            if skipped and rank0:
+                print(f"step {done}: non-finite loss or gradient, step skipped ({nonfinite.in_a_row} "
+                      f"in a row, {nonfinite.total} in all)", flush=True)
+            if not skipped:
+                loss_window += torch.stack([step_losses, torch.tensor(float(t.grad_accum_steps))
+                                            .to(step_losses)])
+            window_steps += 1
+            window_flops += flops_per_token(cfg.model, out.depth, cfg.data.seq_len)
 
-        if done % t.log_every == 0 or done == t.max_steps or done == start_step + 1:
-            loss = _mean_over_ranks(loss_sum / (window_steps * t.grad_accum_steps))
-            elapsed = time.perf_counter() - window_start
-            tokens_per_s = tokens_per_step * window_steps / elapsed
-            mfu = (window_flops / window_steps) * tokens_per_s / (env.world_size * peak) \
-                if peak else None
-            logger.log({"step": done, "loss": loss, "lr": lr, "depth": int(out.depth),
-                        "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": elapsed / window_steps,
-                        "tokens": done * tokens_per_step})
-            first_loss = loss if first_loss is None else first_loss
-            last_loss = loss
-            window_start, window_steps, window_flops = time.perf_counter(), 0, 0.0
-            loss_sum.zero_()
-        if done % t.checkpoint_every == 0 or done == t.max_steps:
-            save_checkpoint(engine, run_dir, done, stream, cfg)
-            last_saved = done
+            if done % t.log_every == 0 or done == t.max_steps or done == start_step + 1:
+                total, count = _sum_over_ranks(loss_window).tolist()
+                loss = total / count if count else float("nan")
+                elapsed = time.perf_counter() - window_start
+                tokens_per_s = tokens_per_step * window_steps / elapsed
+                mfu = (window_flops / window_steps) * tokens_per_s / (env.world_size * peak) \
+                    if peak else None
+                logger.log({"step": done, "loss": loss, "lr": lr, "depth": int(out.depth),
+                            "tokens_per_s": tokens_per_s, "mfu": mfu,
+                            "step_time_s": elapsed / window_steps, "tokens": done * tokens_per_step,
+                            "skipped_steps": nonfinite.total})
+                first_loss = loss if first_loss is None else first_loss
+                last_loss = loss
+                window_start, window_steps, window_flops = time.perf_counter(), 0, 0.0
+                loss_window.zero_()
+            if done % t.checkpoint_every == 0 or done == t.max_steps or stop:
+                save_checkpoint(engine, run_dir, done, stream, cfg, faults)
+                last_saved = done
+            if stop:
+                preempted_by = preemption.signal_name or "a signal on another rank"
+                break
+    except TrainingStopped:
+        logger.close()
+        shutdown(engine)
+        raise
+    finally:
+        preemption.uninstall()
+
+    if preempted_by is not None:
+        logger.close()
+        shutdown(engine)
+        if rank0:
+            print(f"preempted by {preempted_by}: saved {tag_for(last_saved)} after step {last_saved}; "
+                  f"rerun to resume (exit status {REQUEUE_EXIT_CODE})", flush=True)
+        return {"run_dir": str(run_dir), "rank": env.rank, "steps": last_saved,
+                "resumed_from": start_step, "first_loss": first_loss, "final_loss": last_loss,
+                "export_dir": None, "eval_path": None, "preempted": preempted_by}
 
     if last_saved != t.max_steps:  # resumed at max_steps already, or a run of zero steps
-        save_checkpoint(engine, run_dir, t.max_steps, stream, cfg)
+        save_checkpoint(engine, run_dir, t.max_steps, stream, cfg, faults)
     export_dir = export_final(engine, cfg, run_dir, tag_for(t.max_steps))
     logger.close()
     # Collective teardown first (barrier, destroy, barrier, destroy group: no gloo abort at exit);
@@ -125,7 +194,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
     summary: dict[str, Any] = {"run_dir": str(run_dir), "rank": env.rank, "steps": t.max_steps,
                                "resumed_from": start_step, "first_loss": first_loss,
-                               "final_loss": last_loss, "export_dir": export_dir, "eval_path": None}
+                               "final_loss": last_loss, "export_dir": export_dir, "eval_path": None,
+                               "preempted": None}
     if rank0 and cfg.eval.after_train:
         summary["eval_path"] = _evaluate_export(export_dir, cfg, run_dir)
     if rank0:

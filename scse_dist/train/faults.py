@@ -1,0 +1,132 @@
+"""Faults during training: preemption signals, non-finite steps, and fault injection for tests.
+
+Exit statuses of `scse-train` / `launch/train.py` (documented in the README, "Faults"):
+  0   finished (checkpoint and export written)
+  2   config error, before any process group started
+  3   stopped after `train.max_nonfinite_steps` non-finite steps in a row; the last good
+      checkpoint is left untouched
+  75  preempted (SIGTERM or SIGUSR1): the step in flight finished, a checkpoint was saved,
+      rerun (e.g. `scontrol requeue`) to resume. 75 is EX_TEMPFAIL, "try again later".
+
+Fault injection (`SCSE_FAULT`, comma-separated `kind@step[:rankR]`, steps 1-based as in the
+metrics; no rank means every rank) lets tests drive these paths in real processes:
+  nan@7               step 7's loss is multiplied by NaN (so are its gradients)
+  sigterm@5:rank1     rank 1 sends itself SIGTERM as step 5 starts (also sigusr1)
+  kill_in_save@10     SIGKILL in the middle of saving checkpoint step 10 (files written, not committed)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+REQUEUE_EXIT_CODE = 75
+NONFINITE_EXIT_CODE = 3
+FAULT_ENV = "SCSE_FAULT"
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_KINDS = {"nan", "sigterm", "sigusr1", "kill_in_save"}
+
+
+class TrainingStopped(Exception):
+    """Training ended early on purpose; `exit_code` is what the CLI returns."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class PreemptionFlag:
+    """SIGTERM/SIGUSR1 set a flag instead of killing the process; the loop reads it once per step
+    (agreed across ranks) so the step in flight finishes and a checkpoint is saved."""
+
+    def __init__(self) -> None:
+        self.signal_name: Optional[str] = None
+        self._previous = {}
+
+    def install(self) -> "PreemptionFlag":
+        for sig in PREEMPT_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        # Only set the flag: a handler runs between bytecodes, possibly inside a collective.
+        self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: Optional[int]
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        try:
+            kind, _, rest = item.partition("@")
+            step_s, _, rank_s = rest.partition(":")
+            if kind not in _KINDS or (rank_s and not rank_s.startswith("rank")):
+                raise ValueError
+            faults.append(Fault(kind, int(step_s), int(rank_s[4:]) if rank_s else None))
+        except ValueError:
+            raise ValueError(f"{FAULT_ENV}: cannot parse {item!r}; expected kind@step[:rankR] with "
+                             f"kind one of {sorted(_KINDS)}") from None
+    return faults
+
+
+class FaultInjector:
+    """The faults of `SCSE_FAULT` that apply to this rank; every hook is a no-op without it."""
+
+    def __init__(self, rank: int, spec: Optional[str] = None) -> None:
+        spec = os.environ.get(FAULT_ENV, "") if spec is None else spec
+        self.faults = [f for f in parse_faults(spec) if f.rank in (None, rank)]
+
+    def _due(self, kind: str, step: int) -> bool:
+        return any(f.kind == kind and f.step == step for f in self.faults)
+
+    def step_started(self, step: int) -> None:
+        for kind, sig in (("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1)):
+            if self._due(kind, step):
+                os.kill(os.getpid(), sig)
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if self._due("nan", step) else loss
+
+    def mid_save(self, step: int) -> None:
+        if self._due("kill_in_save", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class NonFiniteCounter:
+    """Counts skipped (non-finite) steps; `max_in_a_row` of them in a row stop the run."""
+
+    def __init__(self, max_in_a_row: int) -> None:
+        self.max_in_a_row = max_in_a_row
+        self.total = 0
+        self.in_a_row = 0
+
+    def update(self, step: int, skipped: bool, last_checkpoint: Optional[str]) -> None:
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.total += 1
+        self.in_a_row += 1
+        if self.in_a_row >= self.max_in_a_row:
+            raise TrainingStopped(
+                f"step {step}: {self.in_a_row} non-finite steps in a row (train.max_nonfinite_steps="
+                f"{self.max_in_a_row}); stopping without saving, last good checkpoint: "
+                f"{last_checkpoint or 'none'}", NONFINITE_EXIT_CODE)
