@@ -155,6 +155,29 @@ class EvalConfig:
     batch_size: int = 8
     max_batches: int = 0  # 0: the whole held-out split
     after_train: bool = True
+    # Tasks `scse-launch` runs as jobs after training (heldout/diagnose read data.path).
+    tasks: list[Literal["heldout", "wikitext", "lambada", "diagnose"]] = field(
+        default_factory=lambda: ["heldout"])
+    wikitext: Optional[str] = None  # wiki.{valid,test}.raw path or URL, for the wikitext task
+    lambada: Optional[str] = None  # LAMBADA JSONL or plain text, for the lambada task
+    stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
+    # Slurm resources of each evaluation job (submitit); GPUs 0 evaluates on CPU.
+    slurm_gpus: int = 0
+    slurm_cpus: int = 1
+    slurm_time_min: int = 120
+    slurm_partition: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for task in ("wikitext", "lambada"):
+            if task in self.tasks and not getattr(self, task):
+                raise ConfigError(f"eval.{task}: eval.tasks lists {task!r}, so set eval.{task} "
+                                  "to its data file")
+        for name in ("stride", "slurm_gpus"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"eval.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.slurm_cpus < 1 or self.slurm_time_min < 1:
+            raise ConfigError("eval.slurm_cpus, eval.slurm_time_min: must be >= 1, got "
+                              f"{self.slurm_cpus}, {self.slurm_time_min}")
 
 
 @dataclass
