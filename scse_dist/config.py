@@ -86,6 +86,17 @@ class DataConfig:
     build_vocab_size: int = 4096
     heldout_fraction: float = 0.02
     seq_len: int = 256
+    # DataLoader worker processes per rank (0: read in the training process). Each (rank, worker)
+    # is one reader; resuming needs the same world size and num_workers.
+    num_workers: int = 0
+    # Samples in the seeded shuffle buffer mixing each reader's samples across shards (0: off).
+    shuffle_buffer: int = 0
+    # Corrupt shards/samples skipped with a warning before the run stops.
+    max_failures: int = 100
+    # Train on a weighted mixture of these shard directories instead of `path` (held-out
+    # evaluation still reads `path`); weights are relative, one per path.
+    mixture_paths: list[str] = field(default_factory=list)
+    mixture_weights: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -277,6 +288,13 @@ def _check_consistency(cfg: RunConfig) -> None:
         raise ConfigError(f"train.depth.sigma: must be > 0, got {d.sigma}")
     if any(x <= 0 for x in cfg.eval.depths) or not cfg.eval.depths:
         raise ConfigError(f"eval.depths: need a non-empty list of depths >= 1, got {cfg.eval.depths}")
+    if len(cfg.data.mixture_weights) != len(cfg.data.mixture_paths) or \
+            any(w <= 0 for w in cfg.data.mixture_weights):
+        raise ConfigError(f"data.mixture_weights: need one positive weight per data.mixture_paths "
+                          f"entry, got {cfg.data.mixture_weights} for {len(cfg.data.mixture_paths)} paths")
+    for name in ("num_workers", "shuffle_buffer", "max_failures"):
+        if getattr(cfg.data, name) < 0:
+            raise ConfigError(f"data.{name}: must be >= 0, got {getattr(cfg.data, name)}")
     if not 0.0 <= cfg.data.heldout_fraction < 1.0:
         raise ConfigError(f"data.heldout_fraction: must lie in [0, 1), got {cfg.data.heldout_fraction}")
     if not cfg.name or "/" in cfg.name:

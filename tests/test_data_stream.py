@@ -187,5 +187,5 @@ def test_tokenizer_hash_mismatch_and_too_many_ranks(tmp_path):
         TokenStream(out, tokenizer_sha256="b" * 64)
     assert "b" * 64 in str(err.value) and "a" * 64 in str(err.value) and out in str(err.value)
     assert TokenStream(out, tokenizer_sha256="a" * 64).index["tokenizer_sha256"] == "a" * 64
-    with pytest.raises(ValueError, match="3 documents, fewer than world_size=4"):
+    with pytest.raises(ValueError, match=r"3 documents, fewer than the 4 readers \(world_size=4"):
         TokenStream(out, rank=0, world_size=4)

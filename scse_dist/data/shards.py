@@ -16,8 +16,10 @@ tokens with one vectorised `np.insert` of eos at `cumsum(doc_lens)`, so reading 
 tar member read and one `np.load` per 64K tokens (well above 5M tokens/s a worker).
 
 index.json = {"format", "tokenizer_sha256", "vocab_size", "eos_id", "dtype", "sample_tokens",
-"splits": {"train": [{"url": "train-000000.tar", "tokens": n, "documents": n, "samples": n}, ...],
-"heldout": [...]}, "sources": [...]}; urls are relative to `out`. A document goes to heldout
+"splits": {"train": [{"url": "train-000000.tar", "tokens": n, "documents": n, "samples": n,
+"sample_sizes": [[tokens, documents] per sample]}, ...], "heldout": [...]}, "sources": [...]};
+urls are relative to `out`. The per-sample sizes let a resuming loader skip samples without
+reading them. A document goes to heldout
 when the first 8 bytes of sha1(text), read as a fraction of 2**64, fall below
 `heldout_fraction`: the split depends on the text alone, so it is stable across re-runs and
 a held-out text (or an exact duplicate of it) never lands in train.
@@ -93,7 +95,8 @@ class _SplitWriter:
         name = f"{self.split}-{len(self.shards):06d}.tar"
         self.file = self.fs.open(join(self.root, name + ".tmp"), "wb")
         self.tar = tarfile.open(fileobj=self.file, mode="w", format=tarfile.USTAR_FORMAT)
-        self.shards.append({"url": name, "tokens": 0, "documents": 0, "samples": 0})
+        self.shards.append({"url": name, "tokens": 0, "documents": 0, "samples": 0,
+                            "sample_sizes": []})
         self.shard_written = 0
 
     def _add_member(self, name: str, data: bytes) -> None:
@@ -118,6 +121,7 @@ class _SplitWriter:
         shard["tokens"] += self.doc_tokens
         shard["documents"] += len(self.docs)
         shard["samples"] += 1
+        shard["sample_sizes"].append([self.doc_tokens, len(self.docs)])  # resume arithmetic
         self.docs, self.doc_tokens = [], 0
         if self.shard_written >= self.shard_bytes:
             self._close_shard()
@@ -212,6 +216,8 @@ def read_index(path: str) -> dict:
     except FileNotFoundError:
         raise FileNotFoundError(f"no shard index at {url!r} (build shards with `scse-data shards` "
                                 "or `scse-data quickstart`)") from None
+    except Exception as exc:  # unreachable endpoint, credentials, unknown protocol
+        raise OSError(f"cannot read shard index {url!r}: {type(exc).__name__}: {exc}") from exc
     try:
         index = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -239,6 +245,61 @@ def shard_url(path: str, shard: dict) -> str:
     """Absolute URL of a shard entry (index urls are relative to the shard directory)."""
     u = shard["url"]
     return u if "://" in u or u.startswith("/") else join(path, u)
+
+
+def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[str]]:
+    """(root, index, entries, urls) of the non-empty shards of `split` under `path`.
+
+    `path` is a shard directory or URL prefix holding index.json, the index file itself, or a
+    brace pattern of shard URLs (`s3://b/web/train-{000000..000127}.tar`) whose directory holds
+    index.json: the pattern then selects a subset of the split's shards, and every shard it names
+    must be listed there (the index carries the counts that resume and the split rely on).
+    """
+    import braceexpand  # webdataset's own dependency
+
+    pattern = None
+    if "{" in path.rsplit("/", 1)[-1]:
+        pattern, path = path, path.rsplit("/", 1)[0]
+    root = path[: -len(INDEX_NAME) - 1] if path.endswith("/" + INDEX_NAME) else path.rstrip("/")
+    index = read_index(root)
+    if split not in index["splits"]:
+        raise ValueError(f"{root}: no split {split!r} (has {sorted(index['splits'])})")
+    entries = [e for e in index["splits"][split] if e["tokens"] > 0]
+    if pattern is not None:
+        by_url = {shard_url(root, e): e for e in index["splits"][split]}
+        wanted = list(braceexpand.braceexpand(pattern))
+        unknown = [u for u in wanted if u not in by_url]
+        if unknown:
+            raise FileNotFoundError(f"{pattern}: {len(unknown)} shard(s) not listed in split "
+                                    f"{split!r} of {join(root, INDEX_NAME)}, e.g. {unknown[0]}")
+        entries = [by_url[u] for u in wanted if by_url[u]["tokens"] > 0]
+    urls = [shard_url(root, e) for e in entries]
+    check_shards_exist(urls)
+    return root, index, entries, urls
+
+
+def check_shards_exist(urls: list[str]) -> None:
+    """Fail at start-up, naming the files, when shards are missing or storage is unreachable.
+
+    One listing per directory (not one request per shard), so it stays cheap on object storage.
+    """
+    listed: dict[str, set[str]] = {}
+    missing = []
+    for url in urls:
+        parent = url.rsplit("/", 1)[0]
+        if parent not in listed:
+            fs, dir_path = fsspec.core.url_to_fs(parent)
+            try:
+                listed[parent] = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(dir_path, detail=False)}
+            except FileNotFoundError:
+                listed[parent] = set()
+            except Exception as exc:  # network, permissions, bad endpoint: say which URL
+                raise OSError(f"cannot list shard directory {parent!r}: {type(exc).__name__}: {exc}") from exc
+        if url.rsplit("/", 1)[-1] not in listed[parent]:
+            missing.append(url)
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} shard(s) named in the index are missing, e.g. "
+                                f"{missing[0]!r} (rebuild with `scse-data shards`, or check the URL)")
 
 
 def iter_samples(url: str) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:

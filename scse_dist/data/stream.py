@@ -1,231 +1,304 @@
 """TokenStream: packed (batch, seq_len + 1) LongTensor batches from scse-tokens-v1 shards.
 
-Packing: every document is followed by eos and the documents are laid end to end into one long
-token stream per rank, cut into consecutive, non-overlapping windows of seq_len + 1 tokens
-(inputs = w[:, :-1], targets = w[:, 1:]); `batch_size` consecutive windows make a batch. In the
-looping train split the stream runs on across epoch boundaries, so no token is wasted.
+Readers. A rank reads through `num_workers` DataLoader worker processes (or inline when 0); each
+(rank, worker) pair is one *reader*, `reader = rank * max(1, num_workers) + worker`, out of
+R = world_size * max(1, num_workers). Readers split the data at the coarsest level that gives
+each one something: whole shards when there are at least R of them, else tar samples, else
+single documents (tiny splits, cached in memory). Fewer documents than readers is an error
+naming data.num_workers and the world size, never an idle reader that hangs its rank.
 
-Rank split, at the coarsest level that gives every rank something: whole shards when there are
-at least `world_size` of them, else tar samples (read by random access into the tar), else
-single documents (only for tiny splits, which are then cached in memory). Fewer documents than
-ranks is an error, never a silently idle rank.
+Order. Each epoch, the units are permuted with rng(seed, epoch) and dealt round robin to the
+readers, so every token of an epoch is read exactly once across ranks x workers. Inside a
+shard, samples are visited in an order drawn from rng(seed, epoch, shard); `shuffle_buffer` > 1
+further mixes each reader's samples across neighbouring shards (a shuffle buffer of that many
+samples, seeded by (seed, epoch, reader)). All these orders are computed on sample ids, before
+reading, so they cost no memory and resume exactly. heldout defaults to no shuffle; an unshuffled
+shard is read as one sequential tar stream.
 
-Order: train shuffles the unit order each epoch with rng(seed, epoch) (units are split across
-ranks after the shuffle, so every rank sees fresh data each epoch) and, for whole-shard units,
-the sample order inside each shard with rng(seed, epoch, shard) (the shard is read into memory
-for that: one shard at a time); documents inside a sample keep their order. heldout defaults to no shuffle and, with loop=False, is finite and identical
-on every run; its last batch may hold fewer rows (no full window is dropped).
+Packing. Every document is followed by eos and a reader's documents are laid end to end,
+across epochs when looping, and cut into batch_size windows of seq_len + 1 tokens. With
+loop=False the stream is finite and its last batch may hold fewer rows (no full window dropped).
 
-Resume: every rank yields one batch per call in lock-step, so the position is one number, the
-batches consumed, identical on all ranks. `load_state_dict` turns it back into (epoch, unit,
-offset) arithmetically from the index's token counts, so resuming skips without decoding.
+Resume. The DataLoader takes batches from its workers round robin, so batch i of a rank comes
+from worker i % W: the rank's position is one number, the batches consumed, and each reader's
+position follows from it. A restarted stream gives worker w the role of reader slot
+(w + consumed) % W and lets every reader skip its consumed tokens arithmetically from the
+index's per-sample sizes (bad samples count as empty), so the next batch is exactly the one an
+uninterrupted run would have produced. The state records world_size and num_workers; resuming
+with other values is refused with a message (the readers' data would differ).
 """
 
 from __future__ import annotations
 
-import io
 import warnings
 from typing import Any, Iterator, Optional
 
-import fsspec
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from scse_dist.data.shards import iter_samples, read_index, sample_table, shard_url
+from scse_dist.data.reader import Sample, ShardReader
+from scse_dist.data.shards import resolve_split
 
-Unit = tuple[int, int, int]  # (shard, sample or -1 for all, document or -1 for all)
-STATE_KEYS = ("split", "seq_len", "batch_size", "world_size", "seed")
+Item = tuple[int, int, int]  # (shard, sample, document or -1 for the whole sample)
+STATE_KEYS = ("split", "seq_len", "batch_size", "world_size", "num_workers", "seed", "shuffle_buffer")
 
 
 class TokenStream:
     def __init__(self, path: str, split: str = "train", seq_len: int = 256, batch_size: int = 8,
                  rank: int = 0, world_size: int = 1, seed: int = 0, loop: bool = True,
-                 tokenizer_sha256: Optional[str] = None, shuffle: Optional[bool] = None):
+                 tokenizer_sha256: Optional[str] = None, shuffle: Optional[bool] = None,
+                 num_workers: int = 0, shuffle_buffer: int = 0, max_failures: int = 100):
         if seq_len <= 0 or batch_size <= 0:
             raise ValueError(f"seq_len and batch_size must be > 0, got {seq_len}, {batch_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: must lie in [0, world_size={world_size}), got {rank}")
+        if num_workers < 0 or shuffle_buffer < 0 or max_failures < 0:
+            raise ValueError("data.num_workers, data.shuffle_buffer and data.max_failures must be "
+                             f">= 0, got {num_workers}, {shuffle_buffer}, {max_failures}")
         self.path, self.split, self.seq_len, self.batch_size = path.rstrip("/"), split, seq_len, batch_size
         self.rank, self.world_size, self.seed, self.loop = rank, world_size, seed, loop
+        self.num_workers, self.shuffle_buffer, self.max_failures = num_workers, shuffle_buffer, max_failures
         self.shuffle = (split == "train") if shuffle is None else shuffle
-        self.index = read_index(self.path)
+        self.root, self.index, self.shards, self.urls = resolve_split(self.path, split)
         if tokenizer_sha256 is not None and tokenizer_sha256 != self.index["tokenizer_sha256"]:
             raise ValueError(f"tokenizer mismatch for {self.path}: the model's tokenizer has sha256 "
                              f"{tokenizer_sha256}, but the shards were written with "
                              f"{self.index['tokenizer_sha256']}")
-        if split not in self.index["splits"]:
-            raise ValueError(f"{self.path}: no split {split!r} (has {sorted(self.index['splits'])})")
-        self.shards = [s for s in self.index["splits"][split] if s["tokens"] > 0]
-        self.urls = [shard_url(self.path, s) for s in self.shards]
         self.eos = int(self.index["eos_id"])
+        self.slots = max(1, num_workers)
+        self.n_readers = world_size * self.slots
         n_docs = sum(s["documents"] for s in self.shards)
-        if n_docs < world_size:
-            raise ValueError(f"{self.path}: split {split!r} has {n_docs} documents, fewer than "
-                             f"world_size={world_size}; every rank needs data")
-        self._tables: dict[int, list[dict[str, tuple[int, int]]]] = {}  # shard -> sample offsets
-        self._lens: dict[tuple[int, int], np.ndarray] = {}  # (shard, sample) -> doc_lens
-        self._memory: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # tiny splits
+        if n_docs < self.n_readers:
+            raise ValueError(f"{self.path}: split {split!r} has {n_docs} documents, fewer than the "
+                             f"{self.n_readers} readers (world_size={world_size} x "
+                             f"data.num_workers={num_workers}); every reader needs data")
+        self._probe = ShardReader(self.urls, [self._samples_in(s) for s in range(len(self.shards))])
+        self._memory: dict[tuple[int, int], Optional[Sample]] = {}  # document level only
         self.level = self._pick_level()
-        self.consumed = 0  # batches yielded so far (the whole resume state)
-        self.epoch = 0
+        self.consumed = 0  # batches this rank yielded: with the reader layout, the whole position
+        self.bad: set[tuple[int, int]] = set()
+        self.reader_epochs = [0] * self.slots
+        self.reader_failures = [0] * self.slots
 
-    # ------------------------------------------------------------------ units
+    @classmethod
+    def from_config(cls, data: Any, split: str, batch_size: int, rank: int, world_size: int,
+                    seed: int, tokenizer_sha256: Optional[str]) -> Any:
+        """The training stream of a DataConfig: one corpus, or a weighted mixture."""
+        kw = dict(split=split, seq_len=data.seq_len, batch_size=batch_size, rank=rank,
+                  world_size=world_size, seed=seed, loop=True, tokenizer_sha256=tokenizer_sha256,
+                  num_workers=data.num_workers, shuffle_buffer=data.shuffle_buffer,
+                  max_failures=data.max_failures)
+        if not data.mixture_paths:
+            return cls(data.path, **kw)
+        from scse_dist.data.mixture import MixedStream
+
+        return MixedStream([cls(p, **kw) for p in data.mixture_paths], data.mixture_weights, seed)
+
+    @property
+    def epoch(self) -> int:
+        return min(self.reader_epochs)
+
+    @property
+    def failures(self) -> int:
+        """Bad-input events (corrupt shards or samples skipped) on this rank so far."""
+        return sum(self.reader_failures)
+
+    # ------------------------------------------------------------------ plan
 
     def _samples_in(self, s: int) -> int:
-        if "samples" in self.shards[s]:
-            return int(self.shards[s]["samples"])
-        return len(self._table(s))
+        entry = self.shards[s]
+        if "sample_sizes" in entry:
+            return len(entry["sample_sizes"])
+        if "samples" in entry:
+            return int(entry["samples"])
+        return len(self._probe._table(s))
 
     def _pick_level(self) -> str:
-        if len(self.shards) >= self.world_size:
+        if len(self.shards) >= self.n_readers:
             return "shard"
-        if sum(self._samples_in(s) for s in range(len(self.shards))) >= self.world_size:
+        if sum(self._samples_in(s) for s in range(len(self.shards))) >= self.n_readers:
             return "sample"
         return "document"
 
-    def _all_units(self) -> list[Unit]:
+    def _units(self) -> list[Item]:
+        samples = [(s, j) for s in range(len(self.shards)) for j in range(self._samples_in(s))]
         if self.level == "shard":
             return [(s, -1, -1) for s in range(len(self.shards))]
-        samples = [(s, j) for s in range(len(self.shards)) for j in range(self._samples_in(s))]
         if self.level == "sample":
             return [(s, j, -1) for s, j in samples]
         return [(s, j, d) for s, j in samples for d in range(len(self._doc_lens(s, j)))]
 
-    def epoch_units(self, epoch: int) -> list[Unit]:
-        """The units this rank reads in `epoch`, in order (shuffle first, then deal to ranks)."""
-        units = self._all_units()
+    def plan(self, reader: int, epoch: int) -> list[Item]:
+        """The items `reader` reads in `epoch`, in order (a pure function of ids and seeds)."""
+        units = self._units()
         if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(len(units))
-            units = [units[i] for i in order]
-        return units[self.rank::self.world_size]
-
-    # ------------------------------------------------------------------ reading
-
-    def _table(self, s: int) -> list[dict[str, tuple[int, int]]]:
-        if s not in self._tables:
-            self._tables[s] = sample_table(self.urls[s])
-        return self._tables[s]
-
-    def _read_member(self, s: int, j: int, ext: str) -> np.ndarray:
-        offset, size = self._table(s)[j][ext]
-        with fsspec.open(self.urls[s], "rb") as f:
-            f.seek(offset)
-            data = f.read(size)
-        return np.load(io.BytesIO(data), allow_pickle=False)
+            units = [units[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(units))]
+        items: list[Item] = []
+        for s, j, d in units[reader::self.n_readers]:
+            if j >= 0:
+                items.append((s, j, d))
+                continue
+            order = np.arange(self._samples_in(s))
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch, s]).permutation(order)
+            items.extend((s, int(k), -1) for k in order)
+        if self.shuffle and self.shuffle_buffer > 1:
+            items = _buffer_shuffle(items, self.shuffle_buffer,
+                                    np.random.default_rng([self.seed, epoch, reader, 1]))
+        return items
 
     def _doc_lens(self, s: int, j: int) -> np.ndarray:
-        if (s, j) not in self._lens:
-            self._lens[(s, j)] = self._read_member(s, j, "doc_lens.npy")
-        return self._lens[(s, j)]
+        sample = self._sample(self._probe, s, j)
+        return sample[1] if sample is not None else np.zeros(0, np.uint32)
 
-    def _sample(self, s: int, j: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.level == "document":  # tiny split: read each sample once, keep it
-            if (s, j) not in self._memory:
-                self._memory[(s, j)] = (self._read_member(s, j, "tokens.npy"), self._doc_lens(s, j))
-            return self._memory[(s, j)]
-        return self._read_member(s, j, "tokens.npy"), self._doc_lens(s, j)
+    def _sample(self, reader: ShardReader, s: int, j: int) -> Optional[Sample]:
+        if self.level != "document":
+            return reader.sample(s, j)
+        if (s, j) not in self._memory:  # tiny split: read each sample once, keep it
+            self._memory[(s, j)] = reader.sample(s, j)
+        return self._memory[(s, j)]
 
-    def _unit_samples(self, unit: Unit, epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(tokens, doc_lens) pieces of one unit, in order."""
-        s, j, d = unit
-        if j < 0 and not self.shuffle:
-            for _, tokens, lens in iter_samples(self.urls[s]):
-                yield tokens, lens
-            return
-        if j < 0:  # a shuffled shard: read it whole, then visit its samples in a seeded order
-            samples = [(tokens, lens) for _, tokens, lens in iter_samples(self.urls[s])]
-            rng = np.random.default_rng([self.seed, epoch, s])
-            for i in rng.permutation(len(samples)):
-                yield samples[i]
-            return
-        tokens, lens = self._sample(s, j)
-        if d < 0:
-            yield tokens, lens
-        else:
-            start = int(lens[:d].sum())
-            yield tokens[start:start + int(lens[d])], lens[d:d + 1]
-
-    def _unit_size(self, unit: Unit) -> int:
-        """Packed length (tokens plus one eos per document) without reading tokens."""
-        s, j, d = unit
-        if j < 0:
-            return int(self.shards[s]["tokens"]) + int(self.shards[s]["documents"])
+    def _item_size(self, item: Item, bad: set[tuple[int, int]]) -> int:
+        """Packed length (tokens plus one eos per document), from the index where it can."""
+        s, j, d = item
+        if (s, j) in bad:
+            return 0
+        if d >= 0:
+            return int(self._doc_lens(s, j)[d]) + 1
+        if "sample_sizes" in self.shards[s]:
+            return sum(self.shards[s]["sample_sizes"][j])
         lens = self._doc_lens(s, j)
-        return (int(lens.sum()) + len(lens)) if d < 0 else int(lens[d]) + 1
+        return int(lens.sum()) + len(lens)
 
-    def documents(self, epoch: int = 0) -> Iterator[np.ndarray]:
-        """This rank's documents in `epoch`, unpacked (no eos), in reading order."""
-        for unit in self.epoch_units(epoch):
-            for tokens, lens in self._unit_samples(unit, epoch):
-                yield from np.split(tokens, np.cumsum(lens, dtype=np.int64)[:-1])
+    def documents(self, epoch: int = 0, worker: int = 0) -> Iterator[np.ndarray]:
+        """One reader's documents in `epoch`, unpacked (no eos), in reading order."""
+        reader = ShardReader(self.urls, self._probe.n_samples)
+        self._probe = reader
+        for s, j, d in self.plan(self.rank * self.slots + worker, epoch):
+            sample = self._sample(reader, s, j)
+            if sample is not None:
+                docs = np.split(sample[0], np.cumsum(sample[1], dtype=np.int64)[:-1])
+                yield from (docs if d < 0 else docs[d:d + 1])
 
-    def _packed(self, unit: Unit, epoch: int) -> Iterator[np.ndarray]:
-        for tokens, lens in self._unit_samples(unit, epoch):
-            # One vectorised insert: eos after every document.
-            yield np.insert(tokens.astype(np.int64), np.cumsum(lens, dtype=np.int64), self.eos)
+    # ------------------------------------------------------------------ one reader
 
-    # ------------------------------------------------------------------ iteration
+    def _packed(self, reader: ShardReader, item: Item) -> Optional[np.ndarray]:
+        s, j, d = item
+        sample = self._sample(reader, s, j)
+        if sample is None:
+            return None
+        tokens, lens = sample
+        if d >= 0:
+            start = int(lens[:d].sum())
+            tokens, lens = tokens[start:start + int(lens[d])], lens[d:d + 1]
+        # One vectorised insert: eos after every document.
+        return np.insert(tokens.astype(np.int64), np.cumsum(lens, dtype=np.int64), self.eos)
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def reader_batches(self, slot: int, skip_batches: int, bad: set[tuple[int, int]]
+                       ) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+        """(batch, progress) of reader slot `slot` of this rank, after `skip_batches` batches."""
+        reader = ShardReader(self.urls, self._probe.n_samples)
+        reader.bad, reader.failures = set(bad), self.reader_failures[slot]  # as restored
+        self._probe = reader  # a fresh reader per process: open files are never shared by a fork
         width = self.seq_len + 1
         need = self.batch_size * width
-        skip = self.consumed * need  # tokens of this rank's stream already consumed
-        epoch = 0
-        buf: list[np.ndarray] = []
-        buffered = 0
+        skip = skip_batches * need  # tokens of this reader's stream already consumed
+        epoch, buf, buffered, yielded = 0, [], 0, 0
+
+        def progress() -> dict[str, Any]:
+            new, reader.new_bad = reader.new_bad, []
+            return {"slot": slot, "epoch": epoch, "failures": reader.failures, "bad": new}
+
         while True:
-            units = self.epoch_units(epoch)
-            if skip:
-                total = sum(self._unit_size(u) for u in units)
-                if skip >= total:  # the whole epoch was consumed before the resume point
-                    skip -= total
-                    epoch += 1
-                    if not self.loop:
-                        return
-                    continue
-            self.epoch = epoch
-            for unit in units:
+            epoch_has_data = False
+            for item in self.plan(self.rank * self.slots + slot, epoch):
                 if skip:
-                    size = self._unit_size(unit)
+                    size = self._item_size(item, reader.bad)
                     if skip >= size:
                         skip -= size
+                        epoch_has_data |= size > 0
                         continue
-                for packed in self._packed(unit, epoch):
-                    if skip:
-                        cut = min(skip, len(packed))
-                        packed, skip = packed[cut:], skip - cut
-                    buf.append(packed)
-                    buffered += len(packed)
-                    if buffered >= need:
-                        flat = np.concatenate(buf)
-                        n = len(flat) // need
-                        rest = flat[n * need:]
-                        buf, buffered = [rest], len(rest)
-                        for i in range(n):
-                            self.consumed += 1
-                            yield torch.from_numpy(flat[i * need:(i + 1) * need].reshape(self.batch_size, width))
+                packed = self._packed(reader, item)
+                if reader.failures > self.max_failures:
+                    raise RuntimeError(f"{self.path}: {reader.failures} bad shards/samples, more than "
+                                       f"data.max_failures={self.max_failures}; see the warnings")
+                if packed is None:
+                    continue
+                epoch_has_data = True
+                if skip:
+                    cut = min(skip, len(packed))
+                    packed, skip = packed[cut:], skip - cut
+                buf.append(packed)
+                buffered += len(packed)
+                if buffered >= need:
+                    flat = np.concatenate(buf)
+                    n = len(flat) // need
+                    rest = flat[n * need:]
+                    buf, buffered = [rest], len(rest)
+                    for i in range(n):
+                        yielded += 1
+                        yield torch.from_numpy(flat[i * need:(i + 1) * need].reshape(self.batch_size, width)), progress()
+            if not epoch_has_data:  # looping on would spin forever without a batch
+                raise RuntimeError(f"{self.path}: reader {self.rank}.{slot} found no readable data "
+                                   f"in split {self.split!r} (all of its samples are bad)")
             epoch += 1
             if not self.loop:
-                flat = np.concatenate(buf) if buf else np.zeros(0, np.int64)
-                rows = len(flat) // width
-                if rows:  # the last, smaller batch: keep every full held-out window
-                    self.consumed += 1
-                    yield torch.from_numpy(flat[: rows * width].reshape(rows, width))
-                elif self.consumed == 0:
-                    warnings.warn(f"{self.path}: rank {self.rank} of {self.world_size} holds fewer "
-                                  f"than {width} tokens of split {self.split!r}: no batch at all")
-                return
+                break
+        reader.close()
+        flat = np.concatenate(buf) if buf else np.zeros(0, np.int64)
+        rows = len(flat) // width
+        if rows:  # the last, smaller batch: keep every full held-out window
+            yield torch.from_numpy(flat[: rows * width].reshape(rows, width)), progress()
+        elif yielded == 0 and skip_batches == 0:
+            warnings.warn(f"{self.path}: reader {self.rank}.{slot} holds fewer than {width} tokens "
+                          f"of split {self.split!r}: no batch at all")
+
+    # ------------------------------------------------------------------ the rank's stream
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        start = self.consumed
+        # Slot s has produced the batches i < start with i % slots == s.
+        skips = [max(0, (start - s + self.slots - 1) // self.slots) for s in range(self.slots)]
+        if self.num_workers == 0:
+            source: Any = self.reader_batches(0, start, self.bad)
+        else:
+            source = DataLoader(_Readers(self, start % self.slots, skips), batch_size=None,
+                                num_workers=self.num_workers, prefetch_factor=4)
+        for batch, progress in source:
+            slot = progress["slot"]
+            self.reader_epochs[slot] = progress["epoch"]
+            self.reader_failures[slot] = progress["failures"]
+            self.bad.update(map(tuple, progress["bad"]))
+            if self.failures > self.max_failures:
+                raise RuntimeError(f"{self.path}: {self.failures} bad shards/samples on rank "
+                                   f"{self.rank}, more than data.max_failures={self.max_failures}")
+            self.consumed += 1
+            yield batch
 
     # ------------------------------------------------------------------ resume
 
     def state_dict(self) -> dict[str, Any]:
-        """The same on every rank (lock-step batches), so rank 0's copy resumes them all."""
+        """This rank's position: batches consumed, and per reader its epoch and batches."""
         state = {k: getattr(self, k) for k in STATE_KEYS}
-        state.update(consumed_batches=self.consumed, epoch=self.epoch,
+        k = self.consumed
+        state.update(consumed_batches=k, epoch=self.epoch, failures=self.reader_failures,
+                     readers=[{"reader": self.rank * self.slots + s, "epoch": self.reader_epochs[s],
+                               "batches": max(0, (k - s + self.slots - 1) // self.slots)}
+                              for s in range(self.slots)],
+                     bad=sorted(list(b) for b in self.bad),
                      tokenizer_sha256=self.index["tokenizer_sha256"])
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("world_size", self.world_size) != self.world_size or \
+                state.get("num_workers", self.num_workers) != self.num_workers:
+            raise ValueError(
+                f"cannot resume data stream: it was saved with world_size={state['world_size']} x "
+                f"data.num_workers={state.get('num_workers', 0)} readers, now world_size="
+                f"{self.world_size} x data.num_workers={self.num_workers}; each reader's share of "
+                "the data would change, replaying or skipping tokens. Resume with the same world "
+                "size and data.num_workers")
         for key in STATE_KEYS:
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"cannot resume data stream: {key} was {state[key]!r}, now "
@@ -235,4 +308,33 @@ class TokenStream:
                              f"another tokenizer ({state['tokenizer_sha256']} -> "
                              f"{self.index['tokenizer_sha256']})")
         self.consumed = int(state["consumed_batches"])
-        self.epoch = int(state.get("epoch", 0))
+        self.bad = {tuple(b) for b in state.get("bad", [])}
+        self.reader_failures = list(state.get("failures", [0] * self.slots))
+        self.reader_epochs = [r["epoch"] for r in state.get("readers", [])] or [int(state.get("epoch", 0))] * self.slots
+
+
+class _Readers(IterableDataset):
+    """The DataLoader side: worker w plays reader slot (w + rotate) % slots (see Resume)."""
+
+    def __init__(self, stream: TokenStream, rotate: int, skips: list[int]):
+        self.stream, self.rotate, self.skips = stream, rotate, skips
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+        info = get_worker_info()
+        slot = ((info.id if info is not None else 0) + self.rotate) % self.stream.slots
+        return self.stream.reader_batches(slot, self.skips[slot], self.stream.bad)
+
+
+def _buffer_shuffle(items: list[Item], size: int, rng: np.random.Generator) -> list[Item]:
+    """The order a shuffle buffer of `size` emits `items` in: fill, then emit a random slot and
+    refill it with the next item; drain in random order at the end."""
+    buffer, out = [], []
+    for item in items:
+        if len(buffer) < size:
+            buffer.append(item)
+            continue
+        k = int(rng.integers(size))
+        out.append(buffer[k])
+        buffer[k] = item
+    rng.shuffle(buffer)
+    return out + buffer

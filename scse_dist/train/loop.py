@@ -85,10 +85,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         torch.set_flush_denormal(True)
     model = LoopedLM(cfg.model)
     engine, ds_config = build_engine(cfg, model)
-    stream = TokenStream(cfg.data.path, split="train", seq_len=cfg.data.seq_len,
-                         batch_size=cfg.train.micro_batch_size, rank=env.rank,
-                         world_size=env.world_size, seed=cfg.train.seed, loop=True,
-                         tokenizer_sha256=tokenizer.sha256)
+    stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
+                                     env.world_size, cfg.train.seed, tokenizer.sha256)
     start_step = resume_if_present(engine, run_dir, stream)
     batches = iter(stream)
 

@@ -1,0 +1,204 @@
+"""The streaming layer at scale: readers = ranks x DataLoader workers, coverage, exact resume with
+workers, brace patterns, bad input (corrupt / truncated shards, missing shards) and mixtures."""
+
+import json
+import os
+import warnings
+from collections import Counter
+from itertools import islice
+
+import numpy as np
+import pytest
+
+from scse_dist.data.mixture import MixedStream
+from scse_dist.data.stream import TokenStream
+from test_data_stream import EOS, IntTokenizer, docs_of, write
+
+
+def unique_docs(n: int, seed: int = 0) -> list[str]:
+    """Documents whose token ids are all distinct and whose length is odd (so doc + eos is even)."""
+    rng = np.random.default_rng(seed)
+    docs, next_id = [], 10
+    for _ in range(n):
+        length = 2 * int(rng.integers(0, 15)) + 1
+        docs.append(" ".join(str(t) for t in range(next_id, next_id + length)))
+        next_id += length
+    return docs
+
+
+def all_tokens(docs):
+    return Counter([int(t) for d in docs for t in d.split()] + [EOS] * len(docs))
+
+
+@pytest.mark.parametrize("world, workers, shard_bytes, sample_tokens, level", [
+    (2, 2, 1500, 40, "shard"),        # 2 ranks x 2 workers over many shards
+    (3, 0, 10**9, 40, "sample"),      # 3 ranks over fewer shards: split within shards
+    (3, 2, 10**9, 10**6, "document")])  # 6 readers over 2 single-sample shards
+def test_readers_are_disjoint_and_complete(tmp_path, world, workers, shard_bytes, sample_tokens, level):
+    docs = unique_docs(90)
+    if level == "document":  # exactly two shards of one sample each
+        out = str(tmp_path / "s")
+        write(tmp_path, docs[:45], name="a", sample_tokens=sample_tokens)
+        write(tmp_path, docs[45:], name="b", sample_tokens=sample_tokens)
+        index = json.loads((tmp_path / "a" / "index.json").read_text())
+        other = json.loads((tmp_path / "b" / "index.json").read_text())["splits"]["train"][0]
+        index["splits"]["train"].append(dict(other, url=str(tmp_path / "b" / other["url"])))
+        os.makedirs(out)
+        index["splits"]["train"][0]["url"] = str(tmp_path / "a" / index["splits"]["train"][0]["url"])
+        (tmp_path / "s" / "index.json").write_text(json.dumps(index))
+    else:
+        out, index = write(tmp_path, docs, shard_bytes=shard_bytes, sample_tokens=sample_tokens)
+    n_shards = len(json.loads(open(os.path.join(out, "index.json")).read())["splits"]["train"])
+    assert (n_shards >= 4) if level == "shard" else (n_shards <= 2)
+    streams = [TokenStream(out, seq_len=1, batch_size=3, rank=r, world_size=world, seed=3,
+                           loop=False, num_workers=workers) for r in range(world)]
+    assert streams[0].level == level and streams[0].n_readers == world * max(1, workers)
+    # every reader's documents: a partition of the split
+    per_reader = [[tuple(d.tolist()) for d in s.documents(epoch=1, worker=w)]
+                  for s in streams for w in range(max(1, workers))]
+    assert all(per_reader)  # no idle reader
+    flat_docs = [d for r in per_reader for d in r]
+    assert len(flat_docs) == len(set(flat_docs)) == len(docs)
+    # the batches, through real DataLoader worker processes, hold every token exactly once
+    seen = Counter()
+    for s in streams:
+        for batch in s:
+            assert batch.shape[1] == 2
+            seen.update(batch.flatten().tolist())
+    assert seen == all_tokens(docs)
+
+
+@pytest.mark.parametrize("k, workers, buffer", [(5, 2, 0), (101, 2, 4), (7, 0, 4)])
+def test_resume_with_workers_gives_the_exact_next_batches(tmp_path, k, workers, buffer):
+    out, _ = write(tmp_path, docs_of(60), sample_tokens=25, shard_bytes=900)
+    make = lambda: TokenStream(out, seq_len=7, batch_size=2, rank=1, world_size=2, seed=4,
+                               num_workers=workers, shuffle_buffer=buffer)
+    full = [b.tolist() for b in islice(make(), k + 6)]
+    first = make()
+    assert [b.tolist() for b in islice(first, k)] == full[:k]
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["consumed_batches"] == k
+    assert [r["batches"] for r in state["readers"]] == \
+        [len(range(s, k, max(1, workers))) for s in range(max(1, workers))]
+    if k == 101:
+        assert min(r["epoch"] for r in state["readers"]) >= 1  # resume point lies past an epoch
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in islice(resumed, 6)] == full[k:]
+
+
+def test_shuffle_buffer_reorders_but_keeps_the_epoch(tmp_path):
+    out, _ = write(tmp_path, docs_of(80), sample_tokens=20, shard_bytes=600)
+    docs = lambda buffer: [tuple(d.tolist()) for d in
+                           TokenStream(out, seq_len=4, batch_size=1, shuffle_buffer=buffer).documents(0)]
+    assert docs(8) != docs(0) and sorted(docs(8)) == sorted(docs(0)) and docs(8) == docs(8)
+
+
+def test_resume_on_another_world_size_or_worker_count_is_refused(tmp_path):
+    out, _ = write(tmp_path, docs_of(40), sample_tokens=30)
+    state = TokenStream(out, seq_len=4, batch_size=2, world_size=2, num_workers=2).state_dict()
+    for world, workers in [(4, 2), (2, 1)]:
+        other = TokenStream(out, seq_len=4, batch_size=2, world_size=world, num_workers=workers)
+        with pytest.raises(ValueError) as err:
+            other.load_state_dict(state)
+        assert "world_size=2 x data.num_workers=2" in str(err.value)
+        assert f"now world_size={world} x data.num_workers={workers}" in str(err.value)
+
+
+def test_brace_pattern_selects_shards(tmp_path):
+    out, index = write(tmp_path, docs_of(60), sample_tokens=20, shard_bytes=500)
+    names = [e["url"] for e in index["splits"]["train"]]
+    assert len(names) >= 3
+    s = TokenStream(f"{out}/train-{{000000..000001}}.tar", seq_len=4, batch_size=1, shuffle=False)
+    assert [os.path.basename(u) for u in s.urls] == names[:2]
+    assert s.index["tokenizer_sha256"] == "a" * 64
+    with pytest.raises(FileNotFoundError, match="2 shard.*not listed in split 'train'.*train-000998.tar"):
+        TokenStream(f"{out}/train-{{000998..000999}}.tar")
+
+
+def test_missing_shard_and_unreachable_storage_fail_at_start_up(tmp_path):
+    out, index = write(tmp_path, docs_of(60), sample_tokens=20, shard_bytes=500)
+    os.remove(os.path.join(out, index["splits"]["train"][1]["url"]))
+    with pytest.raises(FileNotFoundError, match="1 shard.*missing.*train-000001.tar"):
+        TokenStream(out)
+    with pytest.raises(OSError, match="cannot read shard index 'nosuchproto://x/index.json'"):
+        TokenStream("nosuchproto://x")
+
+
+def corrupt(path: str, how: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    if how == "truncate":  # cut inside the last array (the tail is mostly tar padding)
+        data = data[: data.rindex(b"\x93NUMPY") + 10]
+    else:  # overwrite the first tokens.npy payload's magic: np.load fails on it
+        at = data.index(b"\x93NUMPY")
+        data[at:at + 6] = b"garbag"
+    open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])  # sequential tar stream; random access
+def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shuffle):
+    docs = docs_of(80)
+    out, index = write(tmp_path, docs, sample_tokens=20, shard_bytes=700)
+    entries = index["splits"]["train"]
+    corrupt(os.path.join(out, entries[0]["url"]), "truncate")
+    corrupt(os.path.join(out, entries[2]["url"]), "garble")
+    make = lambda: TokenStream(out, seq_len=5, batch_size=2, shuffle=shuffle, loop=False, seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stream = make()
+        got = [tuple(d.tolist()) for d in stream.documents(0)]
+        full = [b.tolist() for b in make()]
+        assert [b.tolist() for b in islice(stream, 30)] == full[:30]
+        state = json.loads(json.dumps(stream.state_dict()))
+        resumed = make()
+        resumed.load_state_dict(state)
+        # resume after skipped corrupt data: the same batches as without a restart
+        assert [b.tolist() for b in resumed] == full[30:]
+    assert resumed.failures == 2 and len(resumed.state_dict()["bad"]) >= 2
+    messages = [str(w.message) for w in caught]
+    assert any(entries[0]["url"] in m and "skipping" in m for m in messages)
+    assert any(entries[2]["url"] in m and "undecodable" in m for m in messages)
+    good = {tuple(int(t) for t in d.split()) for d in docs}
+    assert set(got) < good and len(got) < len(docs)  # only whole, correct documents remain
+    assert len(got) >= len(docs) - entries[0]["documents"] - entries[2]["documents"]
+
+
+def test_too_many_failures_stop_the_run(tmp_path):
+    out, index = write(tmp_path, docs_of(60), sample_tokens=20, shard_bytes=500)
+    for e in index["splits"]["train"][:3]:
+        corrupt(os.path.join(out, e["url"]), "truncate")
+    stream = TokenStream(out, seq_len=5, batch_size=2, max_failures=1, shuffle=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="2 bad shards/samples, more than data.max_failures=1"):
+            list(islice(stream, 100))
+    for e in index["splits"]["train"]:  # nothing readable at all: an error, not an endless loop
+        corrupt(os.path.join(out, e["url"]), "truncate")
+    stream = TokenStream(out, seq_len=5, batch_size=2, max_failures=1000, shuffle=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="no readable data"):
+            next(iter(stream))
+
+
+def test_mixture_weights_hold_and_resume(tmp_path):
+    corpora = []
+    for c, base in enumerate((100, 300, 500)):  # each corpus has its own token range
+        docs = [" ".join(str(base + (i + k) % 150) for k in range(12)) for i in range(40)]
+        out, _ = write(tmp_path, docs, name=f"c{c}", sample_tokens=50)
+        corpora.append(out)
+    make = lambda: MixedStream([TokenStream(p, seq_len=8, batch_size=1, seed=2) for p in corpora],
+                               [0.6, 0.3, 0.1], seed=2)
+    batches = list(islice(make(), 3000))
+    source = Counter(next(c for c, base in enumerate((100, 300, 500))
+                          if base <= int(b[0, b[0] != EOS].max()) < base + 150) for b in batches)
+    shares = np.array([source[c] for c in range(3)]) / len(batches)
+    assert np.allclose(shares, [0.6, 0.3, 0.1], atol=0.03), shares
+    first = make()
+    list(islice(first, 123))
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in islice(resumed, 20)] == [b.tolist() for b in batches[123:143]]
+    with pytest.raises(ValueError, match="mixture_weights"):
+        MixedStream(first.streams, [1.0, 0.0, 1.0])
