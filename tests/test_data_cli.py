@@ -83,3 +83,45 @@ def test_cli_tokenizer_shards_inspect(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["inspect", str(tmp_path / "missing")])
     assert exit_.value.code == 2 and "missing" in capsys.readouterr().err
+
+
+def test_zstd_jsonl_parallel_workers_and_tokenizer_options(tmp_path, capsys):
+    zstandard = pytest.importorskip("zstandard")
+    src = tmp_path / "web.jsonl.zst"
+    lines = [json.dumps({"text": f"Page {i}: looped models <|sep|> share weights {i % 11}.",
+                         "url": f"http://x/{i}"}) for i in range(200)]
+    src.write_bytes(zstandard.ZstdCompressor().compress(("\n".join(lines) + "\n").encode()))
+    model = str(tmp_path / "t.model")
+    main(["tokenizer", "--input", str(src), "--vocab-size", "320", "--out", model,
+          "--model-type", "unigram", "--special-tokens", "<|sep|>", "--sample-fraction", "0.5"])
+    out = capsys.readouterr().out
+    docs_read = int(out.split("documents read")[0].split(",")[-1].replace(",", "").strip())
+    assert docs_read == 200  # all streamed; about half kept for training (by hash)
+    tok = Tokenizer.load(model)
+    sep = tok.sp.piece_to_id("<|sep|>")
+    assert sep > 2 and tok.encode("a <|sep|> b").count(sep) == 1
+    assert tok.sp.id_to_piece(sep) == "<|sep|>"
+    text = "Page 7: looped models <|sep|> share weights 7."
+    assert tok.decode(tok.encode(text)) == text  # round trip
+    serial, parallel = str(tmp_path / "serial"), str(tmp_path / "parallel")
+    for path, workers in [(serial, "0"), (parallel, "2")]:
+        main(["shards", "--input", str(src), "--tokenizer", model, "--out", path,
+              "--heldout-fraction", "0.1", "--sample-tokens", "50", "--shard-mb", "0.01",
+              "--workers", workers, "--progress-every", "0.000001"])
+        printed = capsys.readouterr().out
+        assert "200 documents" in printed and "docs/s" in printed and "tokens/s" in printed
+    index = read_index(parallel)
+    assert index == read_index(serial) and len(index["splits"]["train"]) > 1
+    for entry in index["splits"]["train"] + index["splits"]["heldout"]:
+        assert open(os.path.join(serial, entry["url"]), "rb").read() == \
+            open(os.path.join(parallel, entry["url"]), "rb").read()
+
+
+def test_tokenizer_sample_fraction_streams_a_stable_subset():
+    from scse_dist.data.tokenizer import _training_lines
+
+    docs = [f"document number {i}" for i in range(1000)]
+    half = list(_training_lines(iter(docs), 10**6, sample_fraction=0.5))
+    assert 420 < len(half) < 580 and set(half) < set(docs)
+    assert half == list(_training_lines(iter(docs), 10**6, sample_fraction=0.5))
+    assert list(_training_lines(iter(docs), 10**6)) == docs

@@ -39,7 +39,8 @@ def cmd_tokenizer(args: argparse.Namespace) -> None:
     start = time.time()
     docs = _Counter(iter_documents(args.input, text_field=args.text_field))
     train_tokenizer(docs, args.vocab_size, args.out, model_type=args.model_type,
-                    max_sentences=args.max_sentences)
+                    max_sentences=args.max_sentences, byte_fallback=not args.no_byte_fallback,
+                    special_tokens=args.special_tokens, sample_fraction=args.sample_fraction)
     tok = Tokenizer.load(args.out)
     dt = time.time() - start
     print(f"tokenizer {args.out}: vocab {tok.vocab_size}, sha256 {tok.sha256[:16]}, "
@@ -52,7 +53,8 @@ def cmd_shards(args: argparse.Namespace) -> None:
     docs = _Counter(iter_documents(args.input, text_field=args.text_field))
     index = write_shards(docs, tok, args.out, heldout_fraction=args.heldout_fraction,
                          shard_bytes=int(args.shard_mb * 2**20), sample_tokens=args.sample_tokens,
-                         sources=list(args.input), progress_every=30.0)
+                         sources=list(args.input), progress_every=args.progress_every,
+                         workers=args.workers)
     dt = time.time() - start
     tokens = sum(e["tokens"] for es in index["splits"].values() for e in es)
     written = sum(e["documents"] for es in index["splits"].values() for e in es)
@@ -114,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--text-field", default="text", help="JSONL field holding the text")
     t.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
     t.add_argument("--max-sentences", type=int, default=2_000_000, help="lines used for training")
+    t.add_argument("--sample-fraction", type=float, default=1.0,
+                   help="train on this share of the documents (hash-sampled while streaming)")
+    t.add_argument("--special-tokens", nargs="*", default=[], help="pieces never split, e.g. '<|im_start|>'")
+    t.add_argument("--no-byte-fallback", action="store_true", help="unknown characters become <unk>")
     t.set_defaults(func=cmd_tokenizer)
 
     s = sub.add_parser("shards", help="tokenize documents into WebDataset token shards")
@@ -124,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--text-field", default="text")
     s.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MiB")
     s.add_argument("--sample-tokens", type=int, default=65536, help="tokens per tar sample")
+    s.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: in this process)")
+    s.add_argument("--progress-every", type=float, default=10.0,
+                   help="seconds between progress lines (docs/s, tokens/s); 0 for none")
     s.set_defaults(func=cmd_shards)
 
     i = sub.add_parser("inspect", help="print counts and check that every shard reads")

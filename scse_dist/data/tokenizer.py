@@ -20,13 +20,20 @@ UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 MAX_SENTENCE_BYTES = 4096
 
 
-def _training_lines(texts: Iterable[str], max_sentences: int) -> Iterator[str]:
+def _training_lines(texts: Iterable[str], max_sentences: int, sample_fraction: float = 1.0
+                    ) -> Iterator[str]:
     """Documents -> non-empty lines (sentencepiece's unit), the first `max_sentences` of them.
 
-    Taking a prefix instead of sentencepiece's random sample keeps training deterministic.
+    `sample_fraction` < 1 keeps a document when a hash of its text falls below it: a sample
+    spread over the whole of a large corpus, taken while streaming, and the same on every run
+    (unlike sentencepiece's own random sampling, which needs the corpus in memory).
     """
     count = 0
     for text in texts:
+        if sample_fraction < 1.0:
+            digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+            if int.from_bytes(digest, "big") / 2**64 >= sample_fraction:
+                continue
         for line in text.splitlines():
             line = line.strip()
             if not line:
@@ -40,18 +47,24 @@ def _training_lines(texts: Iterable[str], max_sentences: int) -> Iterator[str]:
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_type: str = "bpe",
                     byte_fallback: bool = True, max_sentences: int = 2_000_000,
-                    num_threads: int = 2) -> str:
+                    num_threads: int = 2, special_tokens: Iterable[str] = (),
+                    sample_fraction: float = 1.0) -> str:
     """Train a sentencepiece model on `texts` (streamed) and write it to `out_path` (fsspec URL).
 
-    Returns `out_path`. `max_sentences` caps the number of lines read (the first ones).
+    Returns `out_path`. `max_sentences` caps the number of lines read (the first ones);
+    `sample_fraction` samples documents first (see _training_lines). `special_tokens` become
+    single pieces that are never split (e.g. `<|endoftext|>`, `<pad>`), right after unk/bos/eos.
     """
+    if not 0.0 < sample_fraction <= 1.0:
+        raise ValueError(f"sample_fraction: must lie in (0, 1], got {sample_fraction}")
     if vocab_size < 260 and byte_fallback:
         raise ValueError(f"vocab_size: {vocab_size} is too small; byte_fallback needs 256 byte "
                          "pieces plus unk/bos/eos, so use at least 260")
     model = io.BytesIO()
     spm.set_random_generator_seed(0)
     spm.SentencePieceTrainer.train(
-        sentence_iterator=_training_lines(texts, max_sentences),
+        sentence_iterator=_training_lines(texts, max_sentences, sample_fraction),
+        user_defined_symbols=list(special_tokens),
         model_writer=model,
         vocab_size=vocab_size,
         model_type=model_type,
@@ -78,7 +91,7 @@ class Tokenizer:
     """A loaded sentencepiece model plus the sha256 of its bytes (shards record it)."""
 
     def __init__(self, model_bytes: bytes, path: str = "<bytes>"):
-        self.path = path
+        self.path, self.model_bytes = path, model_bytes
         self.sha256 = hashlib.sha256(model_bytes).hexdigest()
         self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         if self.sp.eos_id() < 0:
