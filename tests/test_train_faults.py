@@ -6,13 +6,16 @@ was preempted or killed and then resumed must end with exactly the same paramete
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from scse_dist.train.faults import (NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE, FaultInjector,
                                     parse_faults)
-from train_procs import all_passed, read_metrics, train_ranks
+from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -113,3 +116,13 @@ def test_fault_spec_parsing_and_rank_filter():
     injector = FaultInjector(rank=0, spec="nan@3:rank1,nan@4")
     one = torch.ones(())
     assert injector.loss(3, one) == 1 and torch.isnan(injector.loss(4, one))
+
+
+def test_resume_at_another_world_size_is_refused_naming_both(tmp_path, tiny_config, env,
+                                                             subprocess_env):
+    cfg = tiny_config(tmp_path, "train.max_steps=2", "train.log_every=1")
+    all_passed(train_ranks(cfg, env))
+    out = subprocess.run([sys.executable, TRAIN, "--config", cfg, "train.max_steps=4"],
+                         env=subprocess_env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0
+    assert "step-0000002 was saved by 2 ranks but this run has 1; resume with 2 ranks" in out.stderr

@@ -11,6 +11,7 @@ removed at the next start.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -26,6 +27,7 @@ from scse_dist.launch.distributed import barrier, is_rank0
 
 TAG_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
+META_NAME = "scse_meta.json"
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -73,6 +75,8 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
         shutil.rmtree(tmp)
     barrier()
     engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
+    if is_rank0():  # read before DeepSpeed loads anything, to refuse a world-size change clearly
+        (tmp / META_NAME).write_text(json.dumps({"step": step, "world_size": len(per_rank)}))
     if faults is not None:
         faults.mid_save(step)
     barrier()  # every rank has written its shard: only now may the tag become visible
@@ -131,22 +135,26 @@ def resume_if_present(engine: Any, run_dir: str | Path, stream: Any) -> int:
     named = (root / "latest").read_text().strip()
     if not (root / named).is_dir():
         raise RuntimeError(f"{root / 'latest'} names {named!r}, which does not exist in {root}")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    meta = root / named / META_NAME
+    saved_world = json.loads(meta.read_text())["world_size"] if meta.is_file() else world
+    if saved_world != world:
+        # DeepSpeed's ZeRO partitions, and every rank's data position, belong to one world size.
+        raise RuntimeError(
+            f"{root / named} was saved by {saved_world} ranks but this run has {world}; resume "
+            f"with {saved_world} ranks, or start a new run (another name or output_dir) from its "
+            f"weights (export, or a universal checkpoint: python -m "
+            f"deepspeed.checkpoint.ds_to_universal --inject_missing_state)")
     path, client_state = engine.load_checkpoint(str(root))
     if path is None or client_state is None:
         raise RuntimeError(f"{root}: 'latest' names {(root / 'latest').read_text().strip()!r} "
                            "but DeepSpeed could not load it")
     step = int(client_state["step"])
-    ranks = client_state["ranks"]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if len(ranks) == world:
-        stream.load_state_dict(ranks[rank]["data"])
-        _set_rng_state(ranks[rank]["rng"])
-        note = "data stream and RNG restored"
-    else:  # a plain DeepSpeed load refuses a new world size anyway; kept for universal checkpoints
-        note = f"saved at {len(ranks)} ranks, now {world}: data stream restarts from its seed"
+    mine = client_state["ranks"][dist.get_rank() if dist.is_initialized() else 0]
+    stream.load_state_dict(mine["data"])
+    _set_rng_state(mine["rng"])
     if is_rank0():
-        print(f"resumed {path} at step {step} ({note})", flush=True)
+        print(f"resumed {path} at step {step} (data stream and RNG restored)", flush=True)
     return step
 
 

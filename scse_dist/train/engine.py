@@ -142,15 +142,19 @@ def require_hookable_output(module: torch.nn.Module, args: Any, output: Any) -> 
                     "train.zero_stage <= 2, or make the module return tensors")
 
 
-def build_engine(cfg: RunConfig, model: torch.nn.Module) -> tuple[Any, dict[str, Any]]:
+def build_engine(cfg: RunConfig, model: torch.nn.Module,
+                 loop_leaf: bool = True) -> tuple[Any, dict[str, Any]]:
     """deepspeed.initialize with our ds_config, AdamW param groups and the warmup-cosine schedule.
 
     Returns (engine, ds_config). Call after the process group is up (launch.distributed).
+    `loop_leaf=False` leaves ZeRO-3 to gather per call (only benchmarks/bench_distributed.py
+    wants that, to measure what the leaf saves).
     """
     import deepspeed
 
     ds_config = build_ds_config(cfg)
-    if ds_config["zero_optimization"].get("stage", 0) == 3 and model.fixed_depth is None:
+    if ds_config["zero_optimization"].get("stage", 0) == 3 and model.fixed_depth is None \
+            and loop_leaf:
         from scse_dist.model import LoopCore
 
         # The loop reuses its block T times; as a ZeRO-3 leaf the whole loop is gathered once per
