@@ -126,3 +126,16 @@ def test_resume_at_another_world_size_is_refused_naming_both(tmp_path, tiny_conf
                          env=subprocess_env, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert out.returncode != 0
     assert "step-0000002 was saved by 2 ranks but this run has 1; resume with 2 ranks" in out.stderr
+
+
+def test_nan_at_zero_stage_0_drops_the_gradients_and_goes_on(tmp_path, tiny_config, subprocess_env):
+    # Stage 0 has no ZeRO overflow check: the trainer's own check must skip the update.
+    cfg = tiny_config(tmp_path, "train.zero_stage=0", "train.max_steps=4", "train.log_every=1")
+    out = subprocess.run([sys.executable, TRAIN, "--config", cfg], cwd=REPO, capture_output=True,
+                         text=True, timeout=240, env=dict(subprocess_env, SCSE_FAULT="nan@2"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path / "runs" / "tiny")
+    assert [r["skipped_steps"] for r in rows] == [0, 1, 1, 1]
+    assert all(rows[s]["loss"] < 6.5 for s in (0, 2, 3))  # finite after the NaN step
+    params = exported(tmp_path / "runs" / "tiny")
+    assert all(torch.isfinite(v).all() for v in params.values())

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -48,6 +49,22 @@ def _grads_nonfinite(engine: Any) -> torch.Tensor:
     # (a NaN/Inf gradient norm skips the step there) and report it via was_step_applied().
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
     return sum((~torch.isfinite(g)).any().float() for g in grads) if grads else torch.zeros(())
+
+
+@contextlib.contextmanager
+def _optimizer_step_skipped(optimizer: Any, skip: bool) -> Iterator[None]:
+    """Without ZeRO, DeepSpeed has no overflow check that could skip a step, and its gradient
+    clipping needs gradients, so a non-finite step runs engine.step() with the optimizer's own
+    step shadowed by a no-op: parameters and optimizer state stay as they were (the LR schedule
+    advances). engine.step() still clears the gradients."""
+    if not skip:
+        yield
+        return
+    optimizer.step = lambda *args, **kwargs: None  # an instance attribute hides the method
+    try:
+        yield
+    finally:
+        del optimizer.step
 
 
 def with_world_batch(cfg: RunConfig, world_size: int) -> RunConfig:
@@ -131,10 +148,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                     if stage == 0:
                         local_bad += _grads_nonfinite(engine).to(local_bad)
                     bad, stop = _agree(local_bad, preemption.requested)
-                    if bad and stage == 0:  # no ZeRO overflow check: drop the gradients instead
-                        for p in engine.module.parameters():
-                            p.grad = None
-                engine.step()
+                with _optimizer_step_skipped(engine.optimizer, bad and stage == 0):
+                    engine.step()
             skipped = bad or not engine.was_step_applied()
             nonfinite.update(done, skipped, tag_for(last_saved) if last_saved > 0 else None)
             if skipped and rank0:
