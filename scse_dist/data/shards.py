@@ -200,7 +200,7 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
     try:
         for batch, batch_ids in encoded:
             for text, ids in zip(batch, batch_ids):
-                if ids:
+                if len(ids):
                     writers["heldout" if is_heldout(text, heldout_fraction) else "train"].add(ids)
                     n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
             if progress_every > 0 and time.time() - last >= progress_every:

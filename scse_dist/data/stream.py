@@ -31,6 +31,7 @@ with other values is refused with a message (the readers' data would differ).
 from __future__ import annotations
 
 import warnings
+from itertools import islice
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -256,16 +257,28 @@ class TokenStream:
 
     # ------------------------------------------------------------------ the rank's stream
 
+    @property
+    def group(self) -> int:
+        """Batches a worker sends at once (up to 64, ~1M tokens): one shared-memory tensor per
+        batch cost more than reading it (measured), so workers stack batches into groups."""
+        return min(64, max(1, 2**20 // (self.batch_size * (self.seq_len + 1)))) if self.num_workers else 1
+
+    def slot_batches(self, consumed: int) -> list[int]:
+        """Batches each slot has produced when the rank has consumed `consumed`: group g of G
+        batches comes from slot g % slots (the DataLoader's round robin over its workers)."""
+        g0, r = divmod(consumed, self.group)
+        return [len(range(s, g0, self.slots)) * self.group + (r if g0 % self.slots == s else 0)
+                for s in range(self.slots)]
+
     def __iter__(self) -> Iterator[torch.Tensor]:
-        start = self.consumed
-        # Slot s has produced the batches i < start with i % slots == s.
-        skips = [max(0, (start - s + self.slots - 1) // self.slots) for s in range(self.slots)]
+        skips = self.slot_batches(self.consumed)
         if self.num_workers == 0:
-            source: Any = self.reader_batches(0, start, self.bad)
+            source: Any = self.reader_batches(0, skips[0], self.bad)
         else:
-            source = DataLoader(_Readers(self, start % self.slots, skips), batch_size=None,
-                                num_workers=self.num_workers, prefetch_factor=4)
-        for batch, progress in source:
+            g0, r = divmod(self.consumed, self.group)
+            source = DataLoader(_Readers(self, g0 % self.slots, skips, r), batch_size=None,
+                                num_workers=self.num_workers, prefetch_factor=2)
+        for batches, progress in source:
             slot = progress["slot"]
             self.reader_epochs[slot] = progress["epoch"]
             self.reader_failures[slot] = progress["failures"]
@@ -273,8 +286,9 @@ class TokenStream:
             if self.failures > self.max_failures:
                 raise RuntimeError(f"{self.path}: {self.failures} bad shards/samples on rank "
                                    f"{self.rank}, more than data.max_failures={self.max_failures}")
-            self.consumed += 1
-            yield batch
+            for batch in (batches if batches.dim() == 3 else [batches]):
+                self.consumed += 1
+                yield batch
 
     # ------------------------------------------------------------------ resume
 
@@ -284,8 +298,7 @@ class TokenStream:
         k = self.consumed
         state.update(consumed_batches=k, epoch=self.epoch, failures=self.reader_failures,
                      readers=[{"reader": self.rank * self.slots + s, "epoch": self.reader_epochs[s],
-                               "batches": max(0, (k - s + self.slots - 1) // self.slots)}
-                              for s in range(self.slots)],
+                               "batches": n} for s, n in enumerate(self.slot_batches(k))],
                      bad=sorted(list(b) for b in self.bad),
                      tokenizer_sha256=self.index["tokenizer_sha256"])
         return state
@@ -314,15 +327,25 @@ class TokenStream:
 
 
 class _Readers(IterableDataset):
-    """The DataLoader side: worker w plays reader slot (w + rotate) % slots (see Resume)."""
+    """The DataLoader side: worker w plays reader slot (w + rotate) % slots and sends groups of
+    `stream.group` batches; the slot whose group a resume cut sends its remainder first."""
 
-    def __init__(self, stream: TokenStream, rotate: int, skips: list[int]):
-        self.stream, self.rotate, self.skips = stream, rotate, skips
+    def __init__(self, stream: TokenStream, rotate: int, skips: list[int], cut: int):
+        self.stream, self.rotate, self.skips, self.cut = stream, rotate, skips, cut
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
         info = get_worker_info()
-        slot = ((info.id if info is not None else 0) + self.rotate) % self.stream.slots
-        return self.stream.reader_batches(slot, self.skips[slot], self.stream.bad)
+        worker = info.id if info is not None else 0
+        slot = (worker + self.rotate) % self.stream.slots
+        batches = self.stream.reader_batches(slot, self.skips[slot], self.stream.bad)
+        size = self.stream.group - (self.cut if worker == 0 else 0)
+        while chunk := list(islice(batches, size)):
+            progress = dict(chunk[-1][1], bad=[b for _, p in chunk for b in p["bad"]])
+            same = [b for b, _ in chunk if b.shape == chunk[0][0].shape]
+            yield torch.stack(same), progress
+            if len(same) < len(chunk):  # a finite stream's smaller last batch
+                yield chunk[-1][0], progress
+            size = self.stream.group
 
 
 def _buffer_shuffle(items: list[Item], size: int, rng: np.random.Generator) -> list[Item]:
