@@ -116,8 +116,9 @@ def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subp
     assert "world 2 (env), ZeRO-2" in stdout
     step2 = tmp_path / "runs" / "tiny" / "checkpoints" / "step-0000002"
     assert sorted(p.name for p in step2.iterdir()) == [
-        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "mp_rank_00_model_states.pt", "scse_meta.json", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert json.loads((step2 / "scse_meta.json").read_text()) == {"step": 2, "world_size": 2}
     client = torch.load(step2 / "mp_rank_00_model_states.pt", weights_only=False)
     assert client["step"] == 2 and len(client["ranks"]) == 2
     assert [r["data"]["consumed_batches"] for r in client["ranks"]] == [2, 2]

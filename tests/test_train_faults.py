@@ -29,8 +29,9 @@ def exported(run_dir):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_config, subprocess_env):
     root = tmp_path_factory.mktemp("reference")
-    all_passed(train_ranks(tiny_config(root, *STEPS), subprocess_env))
-    return exported(root / "runs" / "tiny")
+    config = tiny_config(root, *STEPS)
+    all_passed(train_ranks(config, subprocess_env))
+    return {"params": exported(root / "runs" / "tiny"), "config": config}
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def test_sigterm_on_one_rank_saves_exits_for_requeue_and_resumes_exactly(tmp_pat
 
     stdout = all_passed(train_ranks(cfg, env))  # the requeued job: same command, no fault
     assert "at step 6 (data stream and RNG restored)" in stdout
-    assert_same_params(exported(run_dir), reference)
+    assert_same_params(exported(run_dir), reference["params"])
 
 
 def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path, tiny_config,
@@ -83,7 +84,7 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_pat
     stdout = all_passed(train_ranks(cfg, env))
     assert "removed" in stdout and ".tmp-step-0000008: a save that did not finish" in stdout
     assert "at step 4 (data stream and RNG restored)" in stdout
-    assert_same_params(exported(run_dir), reference)
+    assert_same_params(exported(run_dir), reference["params"])
     assert not list(ckpts.glob(".tmp-*"))
 
 
@@ -118,14 +119,13 @@ def test_fault_spec_parsing_and_rank_filter():
     assert injector.loss(3, one) == 1 and torch.isnan(injector.loss(4, one))
 
 
-def test_resume_at_another_world_size_is_refused_naming_both(tmp_path, tiny_config, env,
-                                                             subprocess_env):
-    cfg = tiny_config(tmp_path, "train.max_steps=2", "train.log_every=1")
-    all_passed(train_ranks(cfg, env))
-    out = subprocess.run([sys.executable, TRAIN, "--config", cfg, "train.max_steps=4"],
-                         env=subprocess_env, cwd=REPO, capture_output=True, text=True, timeout=240)
+def test_resume_at_another_world_size_is_refused_naming_both(reference, subprocess_env):
+    # The reference run's checkpoints were written by 2 ranks; refusing touches none of them.
+    out = subprocess.run([sys.executable, TRAIN, "--config", reference["config"],
+                          "train.max_steps=16"], env=subprocess_env, cwd=REPO, capture_output=True,
+                         text=True, timeout=240)
     assert out.returncode != 0
-    assert "step-0000002 was saved by 2 ranks but this run has 1; resume with 2 ranks" in out.stderr
+    assert "step-0000012 was saved by 2 ranks but this run has 1; resume with 2 ranks" in out.stderr
 
 
 def test_nan_at_zero_stage_0_drops_the_gradients_and_goes_on(tmp_path, tiny_config, subprocess_env):
