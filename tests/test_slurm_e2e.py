@@ -148,3 +148,24 @@ def test_preemption_signal_requeues_and_resumes_without_rescheduling(slurm_clust
     names = [j.split()[1] for j in jobs if j.strip() and int(j.split()[0]) > int(train)]
     assert names.count("preempt-eval") == 2 and names.count("preempt-report") == 1
     assert wait_final(ids["report_job"])["JobState"] == "COMPLETED"
+
+
+def test_scse_launch_submits_pretrain_sh_with_config_and_overrides(slurm_cluster, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "scse_dist.launch.scheduler", "configs/tiny-cpu.yaml",
+                          "name=held", f"output_dir={tmp_path}/runs", "--sbatch-args",
+                          f"--hold --parsable --nodes=1 --ntasks-per-node=1 --gpus-per-node=0 "
+                          f"--output={tmp_path}/%x-%j.out"],
+                         capture_output=True, text=True, cwd=REPO_ROOT, check=True)
+    job = out.stdout.strip().split(";")[0]
+    try:
+        info = job_info(job)
+        assert info["JobName"] == "scse-pretrain" and info["Requeue"] == "1"
+        script = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True,
+                                text=True, check=True).stdout
+        assert "--signal=USR1@120" in script
+        args = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True,
+                              check=True).stdout
+        assert (f"Command={REPO_ROOT}/slurm/pretrain.sh configs/tiny-cpu.yaml name=held "
+                f"output_dir={tmp_path}/runs") in args
+    finally:
+        subprocess.run(["scancel", job], check=True)
