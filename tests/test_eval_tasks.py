@@ -21,7 +21,7 @@ from scse_dist.eval.scoring import document_windows
 from scse_dist.eval.tasks import diagnose_rows, run_task
 from scse_dist.export import load_exported_model, save_exported_model
 from scse_dist.model import LoopedLM
-from tests.conftest import REPO_ROOT, TINY_VOCAB
+from conftest import REPO_ROOT, TINY_VOCAB
 
 WIKI = (" \n = Robert Boulter = \n \n Robert Boulter is an English film and television actor . \n"
         " \n = = Career = = \n \n In 2000 Boulter had a guest @-@ starring role . \n \n"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from conftest import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 CLUSTER = ["bash", str(REPO_ROOT / "slurm" / "local-cluster.sh")]
