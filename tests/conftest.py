@@ -109,3 +109,16 @@ def subprocess_env() -> dict[str, str]:
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WANDB_MODE="disabled",
                PYTHONPATH=str(REPO_ROOT))
     return env
+
+
+def tiny_cfg(**model):
+    """A validated RunConfig around a 64-token, d=32 model (model fields overridable); seeds torch."""
+    import torch
+
+    from scse_dist.config import config_from_dict
+
+    tiny = {"vocab_size": 64, "d_model": 32, "n_heads": 2, "ffn_hidden": 64, "max_seq_len": 32,
+            "depth": 2}
+    cfg = config_from_dict({"name": "tiny", "model": {**tiny, **model}, "data": {"seq_len": 16}})
+    torch.manual_seed(0)
+    return cfg

@@ -7,18 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scse_dist.config import config_from_dict
 from scse_dist.eval import evaluate_heldout, format_table, write_results
 from scse_dist.model import LoopedLM
 
-TINY = {"vocab_size": 64, "d_model": 32, "n_heads": 2, "ffn_hidden": 64, "max_seq_len": 32,
-        "depth": 2}
-
-
-def tiny_cfg(**model):
-    cfg = config_from_dict({"name": "tiny", "model": {**TINY, **model}, "data": {"seq_len": 16}})
-    torch.manual_seed(0)
-    return cfg
+from conftest import tiny_cfg
 
 
 def token_batches(sizes, seq_len=8, vocab=64, seed=1):

@@ -8,18 +8,10 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from scse_dist.config import config_from_dict
 from scse_dist.export import load_exported_model, save_exported_model
 from scse_dist.model import LoopedLM
 
-TINY = {"vocab_size": 64, "d_model": 32, "n_heads": 2, "ffn_hidden": 64, "max_seq_len": 32,
-        "depth": 2}
-
-
-def tiny_cfg(**model):
-    cfg = config_from_dict({"name": "tiny", "model": {**TINY, **model}, "data": {"seq_len": 16}})
-    torch.manual_seed(0)
-    return cfg
+from conftest import tiny_cfg
 
 
 def shared_groups_of(state: dict) -> list[list[str]]:
