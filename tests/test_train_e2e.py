@@ -17,7 +17,7 @@ from scse_dist.launch.distributed import free_port
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
 METRIC_KEYS = {"step", "loss", "lr", "depth", "tokens_per_s", "mfu", "step_time_s", "tokens",
-               "skipped_steps"}
+               "skipped_steps", "data_failures"}
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def test_single_process_run_learns_logs_checkpoints_and_evaluates(trained):
     assert all(1 <= r["depth"] <= 3 for r in rows)  # uniform 1..3
     assert rows[-1]["tokens"] == 20 * 4 * 32
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
-    assert all(r["skipped_steps"] == 0 for r in rows)
+    assert all(r["skipped_steps"] == 0 and r["data_failures"] == 0 for r in rows)
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
     assert ckpts == ["step-0000010", "step-0000020"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-0000020"
@@ -144,3 +144,20 @@ def test_bad_config_exits_2_naming_the_field_before_any_process_group(tmp_path, 
     assert len(lines) == 1 and "model.n_layerz: unknown field" in lines[0] and cfg in lines[0]
     assert out.stdout == ""
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_corrupt_sample_is_skipped_and_counted_in_the_metrics(tmp_path, tiny_data, tiny_config,
+                                                                subprocess_env):
+    shards = tmp_path / "shards"
+    shutil.copytree(tiny_data["path"], shards)
+    tar = shards / json.loads((shards / "index.json").read_text())["splits"]["train"][0]["url"]
+    data = bytearray(tar.read_bytes())
+    arrays = [i for i in range(len(data)) if data.startswith(b"\x93NUMPY", i)]
+    for at in arrays[:-2:2]:  # every sample's tokens.npy but the last's: np.load fails on them
+        data[at:at + 6] = b"garbag"
+    tar.write_bytes(bytes(data))
+    cfg = tiny_config(tmp_path, f"data.path={shards}", "train.max_steps=10", "train.log_every=5")
+    must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))
+    rows = read_metrics(tmp_path / "runs" / "tiny")
+    assert [r["step"] for r in rows] == [1, 5, 10]
+    assert rows[-1]["data_failures"] >= 1 and all(r["skipped_steps"] == 0 for r in rows)

@@ -162,7 +162,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             window_flops += flops_per_token(cfg.model, out.depth, cfg.data.seq_len)
 
             if done % t.log_every == 0 or done == t.max_steps or done == start_step + 1:
-                total, count = _sum_over_ranks(loss_window).tolist()
+                # loss sum, token count and bad-input events (skipped corrupt shards or samples)
+                # of every rank in one all-reduce
+                total, count, data_failures = _sum_over_ranks(
+                    torch.cat([loss_window, loss_window.new_tensor([stream.failures])])).tolist()
                 loss = total / count if count else float("nan")
                 elapsed = time.perf_counter() - window_start
                 tokens_per_s = tokens_per_step * window_steps / elapsed
@@ -171,7 +174,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 logger.log({"step": done, "loss": loss, "lr": lr, "depth": int(out.depth),
                             "tokens_per_s": tokens_per_s, "mfu": mfu,
                             "step_time_s": elapsed / window_steps, "tokens": done * tokens_per_step,
-                            "skipped_steps": nonfinite.total})
+                            "skipped_steps": nonfinite.total, "data_failures": int(data_failures)})
                 first_loss = loss if first_loss is None else first_loss
                 last_loss = loss
                 window_start, window_steps, window_flops = time.perf_counter(), 0, 0.0
