@@ -111,6 +111,30 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """s3://scse-test on a moto server at 127.0.0.1. In this process fsspec's config points s3fs at
+    it; the same settings are in os.environ (FSSPEC_S3, AWS_*) for child processes."""
+    import json
+
+    import fsspec
+    moto_server = pytest.importorskip("moto.server")
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    s3_conf = {"endpoint_url": f"http://{host}:{port}", "key": "test", "secret": "test"}
+    for key, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                       "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3": json.dumps(s3_conf)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {**s3_conf, "skip_instance_cache": True})
+    fs = fsspec.filesystem("s3")
+    fs.mkdir("scse-test")
+    yield "s3://scse-test"
+    fs.rm("scse-test", recursive=True)  # moto's state is per process: the next test starts empty
+    server.stop()
+
+
 def tiny_cfg(**model):
     """A validated RunConfig around a 64-token, d=32 model (model fields overridable); seeds torch."""
     import torch

@@ -7,31 +7,13 @@ from itertools import islice
 import pytest
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 import fsspec  # noqa: E402
 
 from scse_dist.data.shards import read_index, write_shards  # noqa: E402
 from scse_dist.data.stream import TokenStream  # noqa: E402
 from test_data_stream import IntTokenizer, docs_of  # noqa: E402
-
-
-@pytest.fixture
-def s3_bucket(monkeypatch):
-    """s3://scse-test on a moto server at 127.0.0.1 (fsspec config points s3fs at it)."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    for key, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setitem(fsspec.config.conf, "s3", {
-        "endpoint_url": f"http://{host}:{port}", "key": "test", "secret": "test",
-        "skip_instance_cache": True})
-    fs = fsspec.filesystem("s3")
-    fs.mkdir("scse-test")
-    yield "s3://scse-test"
-    server.stop()
 
 
 def test_shards_written_to_and_streamed_from_s3(s3_bucket, tmp_path):

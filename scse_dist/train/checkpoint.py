@@ -64,8 +64,11 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cfg: RunConfig,
-                    faults: Any = None) -> str:
-    """Save tag step-{step} atomically (all ranks call this), then prune to keep_checkpoints."""
+                    faults: Any = None, storage: Any = None) -> str:
+    """Save tag step-{step} atomically (all ranks call this), then prune to keep_checkpoints.
+
+    With a remote `storage` (train.storage.RunStorage), every node uploads its shards before the
+    tag is committed, and rank 0 publishes the remote `latest` after the local one."""
     per_rank = _gather({"data": stream.state_dict(), "rng": _rng_state()})
     client_state = {"step": step, "ranks": per_rank, "config": config_to_dict(cfg)}
     root = checkpoint_dir(run_dir)
@@ -80,6 +83,9 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
     if faults is not None:
         faults.mid_save(step)
     barrier()  # every rank has written its shard: only now may the tag become visible
+    if storage is not None and storage.remote is not None:
+        storage.upload_shards(tmp, tag)
+        barrier()  # every node's shards are remote before the remote `latest` names them
     if is_rank0():
         final = root / tag
         if final.exists():  # an earlier run reached this step but died before updating latest
@@ -87,7 +93,11 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
         os.replace(tmp, final)
         _write_latest(root, tag)
         prune_checkpoints(run_dir, cfg.train.keep_checkpoints)
+        if storage is not None:
+            storage.commit(tag, cfg.train.keep_checkpoints)
     barrier()
+    if storage is not None:
+        storage.drop_node_copy(tmp)
     return tag
 
 
@@ -158,7 +168,8 @@ def resume_if_present(engine: Any, run_dir: str | Path, stream: Any) -> int:
     return step
 
 
-def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str) -> Optional[str]:
+def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,
+                 storage: Any = None) -> Optional[str]:
     """Consolidate checkpoint `tag` to one fp32 state dict and save_exported_model it (rank 0).
 
     Returns the export dir on rank 0, None elsewhere. Works for every ZeRO stage on CPU, since it
@@ -168,6 +179,8 @@ def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str) -> 
 
     out: Optional[str] = None
     if is_rank0():
+        if storage is not None:  # a remote run: other nodes' shards may exist only remotely
+            storage.complete_tag(tag)
         state_dict = _consolidated_state_dict(engine, run_dir, tag)
         out = save_exported_model(state_dict, cfg, str(Path(run_dir) / "export"))
     barrier()

@@ -21,6 +21,7 @@ from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import (REQUEUE_EXIT_CODE, FaultInjector, NonFiniteCounter,
                                    PreemptionFlag, TrainingStopped)
 from scse_dist.train.metrics import MetricsLogger, peak_flops
+from scse_dist.train.storage import RunStorage
 
 
 def _seed_everything(seed: int) -> None:
@@ -85,12 +86,14 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     env = init_distributed()
     cfg = with_world_batch(cfg, env.world_size)
     rank0 = env.rank == 0
-    run_dir = Path(cfg.run_dir)
+    storage = RunStorage.for_config(cfg)  # a remote output_dir: run_dir is a local staging dir
+    run_dir = storage.local
     if rank0:  # one rank builds the data and writes the run dir, the others wait for it
         ensure_data(cfg.data)
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     barrier()
+    storage.fetch_latest()  # remote runs: the checkpoint to resume from, onto every node
 
     tokenizer = Tokenizer.load(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -180,7 +183,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 window_start, window_steps, window_flops = time.perf_counter(), 0, 0.0
                 loss_window.zero_()
             if done % t.checkpoint_every == 0 or done == t.max_steps or stop:
-                save_checkpoint(engine, run_dir, done, stream, cfg, faults)
+                save_checkpoint(engine, run_dir, done, stream, cfg, faults, storage)
                 last_saved = done
             if stop:
                 preempted_by = preemption.signal_name or "a signal on another rank"
@@ -203,8 +206,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 "export_dir": None, "eval_path": None, "preempted": preempted_by}
 
     if last_saved != t.max_steps:  # resumed at max_steps already, or a run of zero steps
-        save_checkpoint(engine, run_dir, t.max_steps, stream, cfg, faults)
-    export_dir = export_final(engine, cfg, run_dir, tag_for(t.max_steps))
+        save_checkpoint(engine, run_dir, t.max_steps, stream, cfg, faults, storage)
+    export_dir = export_final(engine, cfg, run_dir, tag_for(t.max_steps), storage)
     logger.close()
     # Collective teardown first (barrier, destroy, barrier, destroy group: no gloo abort at exit);
     # the held-out eval then runs on rank 0 alone, so no peer waits on it past a collective timeout.
@@ -217,6 +220,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     if rank0 and cfg.eval.after_train:
         summary["eval_path"] = _evaluate_export(export_dir, cfg, run_dir)
     if rank0:
+        storage.upload_outputs("export", "eval", "metrics.jsonl")
         print(f"run dir {run_dir}: metrics.jsonl, checkpoints/, export/ ({export_dir})"
               + (f", eval {summary['eval_path']}" if summary["eval_path"] else ""), flush=True)
     return summary
