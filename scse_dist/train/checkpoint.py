@@ -157,8 +157,7 @@ def resume_if_present(engine: Any, run_dir: str | Path, stream: Any) -> int:
             f"deepspeed.checkpoint.ds_to_universal --inject_missing_state)")
     path, client_state = engine.load_checkpoint(str(root))
     if path is None or client_state is None:
-        raise RuntimeError(f"{root}: 'latest' names {(root / 'latest').read_text().strip()!r} "
-                           "but DeepSpeed could not load it")
+        raise RuntimeError(f"{root}: 'latest' names {named!r} but DeepSpeed could not load it")
     step = int(client_state["step"])
     mine = client_state["ranks"][dist.get_rank() if dist.is_initialized() else 0]
     stream.load_state_dict(mine["data"])

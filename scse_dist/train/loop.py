@@ -195,28 +195,27 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     finally:
         preemption.uninstall()
 
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "rank": env.rank, "steps": t.max_steps,
+                               "resumed_from": start_step, "first_loss": first_loss,
+                               "final_loss": last_loss, "export_dir": None, "eval_path": None,
+                               "preempted": preempted_by}
     if preempted_by is not None:
         logger.close()
         shutdown(engine)
         if rank0:
             print(f"preempted by {preempted_by}: saved {tag_for(last_saved)} after step {last_saved}; "
                   f"rerun to resume (exit status {REQUEUE_EXIT_CODE})", flush=True)
-        return {"run_dir": str(run_dir), "rank": env.rank, "steps": last_saved,
-                "resumed_from": start_step, "first_loss": first_loss, "final_loss": last_loss,
-                "export_dir": None, "eval_path": None, "preempted": preempted_by}
+        return {**summary, "steps": last_saved}
 
     if last_saved != t.max_steps:  # resumed at max_steps already, or a run of zero steps
         save_checkpoint(engine, run_dir, t.max_steps, stream, cfg, faults, storage)
-    export_dir = export_final(engine, cfg, run_dir, tag_for(t.max_steps), storage)
+    export_dir = summary["export_dir"] = export_final(engine, cfg, run_dir, tag_for(t.max_steps),
+                                                      storage)
     logger.close()
     # Collective teardown first (barrier, destroy, barrier, destroy group: no gloo abort at exit);
     # the held-out eval then runs on rank 0 alone, so no peer waits on it past a collective timeout.
     shutdown(engine)
 
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "rank": env.rank, "steps": t.max_steps,
-                               "resumed_from": start_step, "first_loss": first_loss,
-                               "final_loss": last_loss, "export_dir": export_dir, "eval_path": None,
-                               "preempted": None}
     if rank0 and cfg.eval.after_train:
         summary["eval_path"] = _evaluate_export(export_dir, cfg, run_dir)
     if rank0:
