@@ -51,6 +51,14 @@ def test_quickstart_builds_stdlib_corpus_once(tmp_path, capsys):
     ensure_data(cfg)
     assert os.path.getmtime(os.path.join(cfg.path, "index.json")) == stamp
     assert capsys.readouterr().out == ""
+    # shards from an older format: the reader refuses them by name, ensure_data rebuilds them
+    old = dict(index, format="scse-tokens-v1")
+    with open(os.path.join(cfg.path, "index.json"), "w") as f:
+        json.dump(old, f)
+    with pytest.raises(ValueError, match="'scse-tokens-v1', expected 'scse-tokens-v2'.*rebuild"):
+        read_index(cfg.path)
+    ensure_data(cfg)
+    assert read_index(cfg.path) == index and f"{n_docs} documents" in capsys.readouterr().out
 
 
 def test_cli_tokenizer_shards_inspect(tmp_path, capsys):
@@ -125,3 +133,25 @@ def test_tokenizer_sample_fraction_streams_a_stable_subset():
     assert 420 < len(half) < 580 and set(half) < set(docs)
     assert half == list(_training_lines(iter(docs), 10**6, sample_fraction=0.5))
     assert list(_training_lines(iter(docs), 10**6)) == docs
+
+
+def test_wikitext_articles_as_documents(tmp_path, capsys):
+    """--text-split wikitext makes one document per ' = Title = ' article, sub-headings and
+    blank lines inside it included; the default split would cut at every blank line."""
+    articles = []
+    for a in range(3):
+        paragraphs = [" ".join(f"word{a}x{p}x{w} looped state" for w in range(30)) for p in range(4)]
+        articles.append(f" = Article {a} = \n\n" + "\n\n = = Part = = \n\n".join(paragraphs) + "\n\n")
+    src = tmp_path / "wiki.valid.raw"
+    src.write_text("".join(articles))
+    model, out = str(tmp_path / "t.model"), str(tmp_path / "shards")
+    main(["tokenizer", "--input", str(src), "--vocab-size", "300", "--out", model])
+    main(["shards", "--input", str(src), "--tokenizer", model, "--out", out, "--text-split", "wikitext"])
+    assert "3 documents" in capsys.readouterr().out
+    docs = [Tokenizer.load(model).decode(d.tolist())
+            for d in TokenStream(out, seq_len=8, batch_size=1, shuffle=False).documents()]
+    assert [d.split(" = ")[1] for d in docs] == ["Article 0", "Article 1", "Article 2"]
+    assert all(d.count("= = Part = =") == 3 and "word2x3x29" not in d for d in docs[:2])
+    main(["shards", "--input", str(src), "--tokenizer", model, "--out", out + "2"])
+    assert "3 documents" not in capsys.readouterr().out  # blank-line split: many more
+    assert sum(e["documents"] for e in read_index(out + "2")["splits"]["train"]) == 3 * (1 + 4 + 3)

@@ -129,6 +129,12 @@ def corrupt(path: str, how: str) -> None:
     data = bytearray(open(path, "rb").read())
     if how == "truncate":  # cut inside the last array (the tail is mostly tar padding)
         data = data[: data.rindex(b"\x93NUMPY") + 10]
+    elif how == "eos":  # a well-formed array whose first document lost its eos separator
+        magic = data.index(b"\x93NUMPY")
+        start = magic + 10 + int.from_bytes(data[magic + 8:magic + 10], "little")
+        tokens = np.frombuffer(bytes(data[start:start + 2000]), np.uint16)
+        first_eos = start + 2 * int(np.flatnonzero(tokens == EOS)[0])
+        data[first_eos:first_eos + 2] = (7).to_bytes(2, "little")
     else:  # overwrite the first tokens.npy payload's magic: np.load fails on it
         at = data.index(b"\x93NUMPY")
         data[at:at + 6] = b"garbag"
@@ -141,6 +147,7 @@ def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shu
     out, index = write(tmp_path, docs, sample_tokens=20, shard_bytes=700)
     entries = index["splits"]["train"]
     corrupt(os.path.join(out, entries[0]["url"]), "truncate")
+    corrupt(os.path.join(out, entries[1]["url"]), "eos")
     corrupt(os.path.join(out, entries[2]["url"]), "garble")
     make = lambda: TokenStream(out, seq_len=5, batch_size=2, shuffle=shuffle, loop=False, seed=1)
     with warnings.catch_warnings(record=True) as caught:
@@ -154,13 +161,14 @@ def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shu
         resumed.load_state_dict(state)
         # resume after skipped corrupt data: the same batches as without a restart
         assert [b.tolist() for b in resumed] == full[30:]
-    assert resumed.failures == 2 and len(resumed.state_dict()["bad"]) >= 2
+    assert resumed.failures == 3 and len(resumed.state_dict()["bad"]) >= 3
     messages = [str(w.message) for w in caught]
     assert any(entries[0]["url"] in m and "skipping" in m for m in messages)
+    assert any(entries[1]["url"] in m and "does not end in eos 2" in m for m in messages)
     assert any(entries[2]["url"] in m and "undecodable" in m for m in messages)
     good = {tuple(int(t) for t in d.split()) for d in docs}
     assert set(got) < good and len(got) < len(docs)  # only whole, correct documents remain
-    assert len(got) >= len(docs) - entries[0]["documents"] - entries[2]["documents"]
+    assert len(got) >= len(docs) - sum(e["documents"] for e in entries[:3])
 
 
 def test_too_many_failures_stop_the_run(tmp_path):

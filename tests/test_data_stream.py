@@ -52,20 +52,29 @@ def test_index_counts_match_what_was_written(tmp_path):
     out, index = write(tmp_path, docs, sample_tokens=100, shard_bytes=3000)
     assert index == read_index(out)
     assert (index["format"], index["dtype"], index["eos_id"], index["tokenizer_sha256"]) == (
-        "scse-tokens-v1", "uint16", EOS, "a" * 64)
+        "scse-tokens-v2", "uint16", EOS, "a" * 64)
     train = index["splits"]["train"]
     assert len(train) > 2 and index["splits"]["heldout"] == []
     assert sum(s["tokens"] for s in train) == sum(len(ids(d)) for d in docs)
     assert sum(s["documents"] for s in train) == len(docs)
-    read_docs = []
+    read_docs, packed = [], []
     for s in train:
         tokens = docs_n = samples = 0
-        for _, toks, lens in iter_samples(os.path.join(out, s["url"])):
+        raw = open(os.path.join(out, s["url"]), "rb").read()
+        for (_, toks, lens), offsets in zip(iter_samples(os.path.join(out, s["url"]), EOS),
+                                            s["sample_offsets"], strict=True):
             assert toks.dtype == np.uint16 and lens.dtype == np.uint32
-            tokens, docs_n, samples = tokens + len(toks), docs_n + len(lens), samples + 1
-            read_docs += [t.tolist() for t in np.split(toks, np.cumsum(lens)[:-1])]
+            tokens, docs_n, samples = tokens + int(lens.sum()), docs_n + len(lens), samples + 1
+            packed += toks.tolist()
+            ends = np.cumsum(lens + 1)
+            read_docs += [toks[e - n - 1:e - 1].tolist() for e, n in zip(ends, lens)]
+            # the index's offsets point at each member's bytes: the array data ends them
+            t, tn, d, dn = offsets
+            assert raw[t + tn - toks.nbytes:t + tn] == toks.tobytes()
+            assert raw[d + dn - lens.nbytes:d + dn] == lens.tobytes()
         assert (tokens, docs_n, samples) == (s["tokens"], s["documents"], s["samples"])
     assert read_docs == [ids(d) for d in docs]  # whole documents, in order, nothing else
+    assert packed == [t for d in docs for t in ids(d) + [EOS]]  # the training stream as stored
     _, big = write(tmp_path, docs[:3], name="big", tok={"vocab_size": 70000})
     assert big["dtype"] == "uint32"
 

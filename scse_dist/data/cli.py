@@ -14,7 +14,7 @@ import time
 from typing import Iterable, Iterator
 
 from scse_dist.data.shards import iter_samples, read_index, shard_url, write_shards
-from scse_dist.data.sources import iter_documents
+from scse_dist.data.sources import TEXT_SPLITS, iter_documents
 from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
 
 
@@ -37,7 +37,7 @@ def _rate(n: float, seconds: float) -> str:
 
 def cmd_tokenizer(args: argparse.Namespace) -> None:
     start = time.time()
-    docs = _Counter(iter_documents(args.input, text_field=args.text_field))
+    docs = _Counter(iter_documents(args.input, text_field=args.text_field, text_split=args.text_split))
     train_tokenizer(docs, args.vocab_size, args.out, model_type=args.model_type,
                     max_sentences=args.max_sentences, byte_fallback=not args.no_byte_fallback,
                     special_tokens=args.special_tokens, sample_fraction=args.sample_fraction)
@@ -50,7 +50,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> None:
 def cmd_shards(args: argparse.Namespace) -> None:
     start = time.time()
     tok = Tokenizer.load(args.tokenizer)
-    docs = _Counter(iter_documents(args.input, text_field=args.text_field))
+    docs = _Counter(iter_documents(args.input, text_field=args.text_field, text_split=args.text_split))
     index = write_shards(docs, tok, args.out, heldout_fraction=args.heldout_fraction,
                          shard_bytes=int(args.shard_mb * 2**20), sample_tokens=args.sample_tokens,
                          sources=list(args.input), progress_every=args.progress_every,
@@ -76,8 +76,8 @@ def inspect_shards(path: str) -> bool:
         for entry in entries:
             tokens = docs = samples = 0
             try:
-                for _, toks, lens in iter_samples(shard_url(path, entry)):
-                    tokens, docs, samples = tokens + len(toks), docs + len(lens), samples + 1
+                for _, toks, lens in iter_samples(shard_url(path, entry), index["eos_id"]):
+                    tokens, docs, samples = tokens + len(toks) - len(lens), docs + len(lens), samples + 1
                     if len(toks) and int(toks.max()) >= index["vocab_size"]:
                         raise ValueError(f"token id {int(toks.max())} >= vocab {index['vocab_size']}")
             except Exception as exc:  # report every bad shard, not just the first
@@ -104,6 +104,10 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
                         args.heldout_fraction)
 
 
+SPLIT_HELP = ("documents of a plain-text input: runs of lines between blank lines, whole files, "
+              "or WikiText articles (' = Title = ' headings); JSONL is one document per line")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scse-data", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=int, required=True)
     t.add_argument("--out", required=True, help="output .model path or URL")
     t.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    t.add_argument("--text-split", default="blank_lines", choices=TEXT_SPLITS, help=SPLIT_HELP)
     t.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
     t.add_argument("--max-sentences", type=int, default=2_000_000, help="lines used for training")
     t.add_argument("--sample-fraction", type=float, default=1.0,
@@ -128,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="output directory or URL prefix")
     s.add_argument("--heldout-fraction", type=float, default=0.0)
     s.add_argument("--text-field", default="text")
+    s.add_argument("--text-split", default="blank_lines", choices=TEXT_SPLITS, help=SPLIT_HELP)
     s.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MiB")
     s.add_argument("--sample-tokens", type=int, default=65536, help="tokens per tar sample")
     s.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: in this process)")

@@ -9,6 +9,7 @@ corpus, the tokenizer and the shards are identical on every run of the same Pyth
 from __future__ import annotations
 
 import ast
+import json
 import os
 import sysconfig
 import time
@@ -17,7 +18,7 @@ from typing import Iterator
 import fsspec
 
 from scse_dist.config import DataConfig
-from scse_dist.data.shards import INDEX_NAME, is_heldout, join, write_shards
+from scse_dist.data.shards import FORMAT, INDEX_NAME, is_heldout, join, write_shards
 from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
@@ -65,6 +66,15 @@ def _exists(url: str) -> bool:
     return fs.exists(p)
 
 
+def _current(path: str) -> bool:
+    """Whether the index at `path` is in this version's shard format."""
+    with fsspec.open(join(path, INDEX_NAME), "r") as f:
+        try:
+            return json.load(f).get("format") == FORMAT
+        except (json.JSONDecodeError, AttributeError):
+            return False
+
+
 def build_stdlib_corpus(shards: str, tokenizer: str, vocab_size: int, heldout_fraction: float,
                         shard_bytes: int = 2**19) -> dict:
     """Train the tokenizer on the stdlib docstrings and write the shards; print a summary.
@@ -98,9 +108,9 @@ def ensure_data(cfg: DataConfig) -> None:
 
     Call it on one process (rank 0) and barrier: it does not lock against concurrent builders.
     """
-    if _exists(join(cfg.path, INDEX_NAME)):
+    if _exists(join(cfg.path, INDEX_NAME)) and (cfg.build != "stdlib_docs" or _current(cfg.path)):
         return
-    if cfg.build == "stdlib_docs":
+    if cfg.build == "stdlib_docs":  # absent, or written in an older shard format: (re)build
         build_stdlib_corpus(cfg.path, cfg.tokenizer, cfg.build_vocab_size, cfg.heldout_fraction)
         return
     raise FileNotFoundError(

@@ -2,8 +2,12 @@
 
 A request for sample j of shard s is served from a sequential stream of the shard (webdataset's
 tar iterator over an fsspec file: one open and one pass per shard) when the requests come in
-file order, which is what an unshuffled split does; otherwise by random access (byte offsets
-from the tar headers, the file kept open), which is what a shuffled order needs.
+file order, which is what an unshuffled split does; otherwise by random access, which is what a
+shuffled order needs: one read spanning the sample's two members, at the byte offsets the index
+records (scse-tokens-v2), or that a scan of the tar headers finds for an index without them.
+Local shards are memory-mapped, so a sample is read in place from the page cache; remote ones
+get one ranged read (`fs.cat_file`) per sample, on object storage one GET of exactly the
+sample, where a buffered file would read ahead megabytes per random seek.
 
 Bad input never raises here: a truncated or unreadable tar, a missing member, an array that does
 not decode, or doc_lens that disagree with the tokens make the affected samples *bad*. Each
@@ -15,12 +19,14 @@ uninterrupted run skips them too). The stream stops the run after `max_failures`
 from __future__ import annotations
 
 import io
+import mmap
 import re
 import tarfile
 import warnings
 from typing import Any, Iterator, Optional
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 import numpy as np
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
@@ -46,8 +52,11 @@ def load_npy(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
-def decode_sample(parts: dict[str, bytes], where: str) -> Sample:
-    """Member bytes -> (tokens, doc_lens); ValueError naming `where` when they do not fit."""
+def decode_sample(parts: dict[str, Any], where: str, eos: int) -> Sample:
+    """Member bytes -> (tokens, doc_lens); ValueError naming `where` when they do not fit.
+
+    `tokens` is the packed stream (each document followed by eos), so the eos positions are
+    checked too: a sample that passes is exactly the training tokens."""
     missing = [m for m in MEMBERS if m not in parts]
     if missing:
         raise ValueError(f"{where}: missing member(s) {missing}")
@@ -55,9 +64,19 @@ def decode_sample(parts: dict[str, bytes], where: str) -> Sample:
         tokens, lens = (load_npy(parts[m]) for m in MEMBERS)
     except Exception as exc:
         raise ValueError(f"{where}: undecodable array ({type(exc).__name__}: {exc})") from None
-    if tokens.ndim != 1 or lens.ndim != 1 or int(lens.sum()) != len(tokens):
-        raise ValueError(f"{where}: doc_lens sum {int(lens.sum())} != {len(tokens)} tokens")
+    if tokens.ndim != 1 or lens.ndim != 1 or int(lens.sum()) + len(lens) != len(tokens):
+        raise ValueError(f"{where}: doc_lens sum {int(lens.sum())} + {len(lens)} eos != "
+                         f"{len(tokens)} tokens")
+    if len(lens) and not (tokens[np.cumsum(lens + 1, dtype=np.int64) - 1] == eos).all():
+        raise ValueError(f"{where}: a document does not end in eos {eos}")
     return tokens, lens
+
+
+def documents_of(sample: Sample) -> list[np.ndarray]:
+    """A sample's documents, each without its eos."""
+    tokens, lens = sample
+    ends = np.cumsum(lens + 1, dtype=np.int64)
+    return [tokens[e - n - 1:e - 1] for e, n in zip(ends.tolist(), lens.tolist())]
 
 
 def _sample_index(key: str, fallback: int) -> int:
@@ -67,14 +86,18 @@ def _sample_index(key: str, fallback: int) -> int:
 
 
 class ShardReader:
-    def __init__(self, urls: list[str], n_samples: list[int]):
-        self.urls, self.n_samples = urls, n_samples
+    def __init__(self, urls: list[str], n_samples: list[int], eos: int,
+                 offsets: Optional[list[Optional[list[list[int]]]]] = None):
+        """`offsets[s][j]`: [tokens.npy data offset, size, doc_lens.npy data offset, size] of
+        sample j of shard s, from the index; None where the tar headers must be scanned."""
+        self.urls, self.n_samples, self.eos = urls, n_samples, eos
+        self.offsets = offsets or [None] * len(urls)
         self.failures = 0
         self.bad: set[tuple[int, int]] = set()
         self.new_bad: list[tuple[int, int]] = []  # since the stream last collected them
         self._cursor: Optional[tuple[int, int, Iterator[tuple[int, Optional[Sample]]]]] = None
         self._tables: dict[int, dict[int, dict[str, tuple[int, int]]]] = {}
-        self._files: dict[int, Any] = {}
+        self._sources: dict[int, Any] = {}  # shard -> mmap view, or (filesystem, path)
 
     # ------------------------------------------------------------------ failures
 
@@ -123,7 +146,7 @@ class ShardReader:
                         self._fail(s, list(range(seen + 1, j)), "samples missing from the tar")
                     seen = max(seen, j)
                     try:
-                        yield j, decode_sample(parts, f"{url}: sample {parts['__key__']!r}")
+                        yield j, decode_sample(parts, f"{url}: sample {parts['__key__']!r}", self.eos)
                     except ValueError as exc:
                         self._fail(s, [j], str(exc))
                         yield j, None
@@ -136,9 +159,14 @@ class ShardReader:
                        f"tar ends after {seen + 1} of {self.n_samples[s]} samples (truncated?)")
 
     def _table(self, s: int) -> dict[int, dict[str, tuple[int, int]]]:
-        """sample -> {member: (byte offset, size)} from the tar headers, as far as they read."""
-        if s not in self._tables:
-            table: dict[int, dict[str, tuple[int, int]]] = {}
+        """sample -> {member: (byte offset, size)}: from the index, else from the tar headers."""
+        if s in self._tables:
+            return self._tables[s]
+        table: dict[int, dict[str, tuple[int, int]]] = {}
+        if self.offsets[s] is not None:
+            for j, (t, tn, d, dn) in enumerate(self.offsets[s]):
+                table[j] = {MEMBERS[0]: (t, tn), MEMBERS[1]: (d, dn)}
+        else:
             keys: dict[str, int] = {}
             try:
                 with fsspec.open(self.urls[s], "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
@@ -150,8 +178,8 @@ class ShardReader:
             except Exception as exc:
                 self._fail(s, [j for j in range(self.n_samples[s]) if j not in table],
                            f"tar headers unreadable ({type(exc).__name__}: {exc})")
-            self._tables[s] = table
-        return self._tables[s]
+        self._tables[s] = table
+        return table
 
     def _random_access(self, s: int, j: int) -> Optional[Sample]:
         entry = self._table(s).get(j)
@@ -159,21 +187,35 @@ class ShardReader:
         try:
             if entry is None:
                 raise ValueError(f"{where}: not in the tar")
-            if s not in self._files:
-                self._files[s] = fsspec.open(self.urls[s], "rb").open()
-            f, parts = self._files[s], {}
-            for ext, (offset, size) in entry.items():
-                f.seek(offset)
-                parts[ext] = f.read(size)
-                if len(parts[ext]) != size:
-                    raise ValueError(f"{where}: member {ext} cut short (truncated tar)")
-            return decode_sample(parts, where)
+            lo = min(offset for offset, _ in entry.values())
+            hi = max(offset + size for offset, size in entry.values())
+            blob = self._read_range(s, lo, hi)  # the members and the tar header between them
+            if len(blob) != hi - lo:
+                raise ValueError(f"{where}: {len(blob)} of {hi - lo} bytes (truncated tar)")
+            parts = {ext: blob[offset - lo:offset - lo + size] for ext, (offset, size) in entry.items()}
+            return decode_sample(parts, where, self.eos)
         except Exception as exc:
             self._fail(s, [j], str(exc))
             return None
 
+    def _read_range(self, s: int, lo: int, hi: int) -> memoryview:
+        """Bytes [lo, hi) of shard s: a slice of a read-only mmap for a local file (the page
+        cache is read in place, not copied), one ranged read (one GET) for remote storage."""
+        if s not in self._sources:
+            fs, path = fsspec.core.url_to_fs(self.urls[s])
+            if isinstance(fs, LocalFileSystem):
+                with open(path, "rb") as f:
+                    self._sources[s] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+            else:
+                self._sources[s] = (fs, path)
+        source = self._sources[s]
+        if isinstance(source, memoryview):
+            return source[lo:hi]
+        fs, path = source
+        return memoryview(fs.cat_file(path, start=lo, end=hi))
+
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        # mmaps close when the last array viewing them goes: closing here could pull pages from
+        # under a batch still in use
+        self._sources.clear()
         self._cursor = None

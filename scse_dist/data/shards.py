@@ -1,6 +1,6 @@
 """Token shards: WebDataset tar files of packed token arrays, plus an index.json.
 
-On-disk format "scse-tokens-v1" under a directory or URL prefix `out`:
+On-disk format "scse-tokens-v2" under a directory or URL prefix `out`:
 
     out/train-000000.tar, train-000001.tar, ...   out/heldout-000000.tar, ...   out/index.json
 
@@ -8,18 +8,21 @@ Each tar member pair is one *sample* holding a run of whole documents (about `sa
 default 64K tokens; a longer document makes one bigger sample on its own):
 
     {key}.tokens.npy    1-D uint16 (uint32 when the vocabulary exceeds 65536): the documents'
-                        token ids concatenated, with NO eos between them
-    {key}.doc_lens.npy  1-D uint32: the length of each document, in order (sum == len(tokens))
+                        token ids, each document followed by eos (the index's eos_id)
+    {key}.doc_lens.npy  1-D uint32: the length of each document without its eos, in order
+                        (sum + number of documents == len(tokens))
 
-`key` is `{split}-{shard:06d}-{sample:06d}`. A loader turns a sample into packed training
-tokens with one vectorised `np.insert` of eos at `cumsum(doc_lens)`, so reading costs one
-tar member read and one `np.load` per 64K tokens (well above 5M tokens/s a worker).
+`key` is `{split}-{shard:06d}-{sample:06d}`. A sample's tokens are already the packed training
+stream, so reading costs one ranged read and one widening copy per 64K tokens. (v1 stored no
+eos and left it to the loader; inserting it cost more than reading the sample.)
 
 index.json = {"format", "tokenizer_sha256", "vocab_size", "eos_id", "dtype", "sample_tokens",
 "splits": {"train": [{"url": "train-000000.tar", "tokens": n, "documents": n, "samples": n,
-"sample_sizes": [[tokens, documents] per sample]}, ...], "heldout": [...]}, "sources": [...]};
-urls are relative to `out`. The per-sample sizes let a resuming loader skip samples without
-reading them. A document goes to heldout
+"sample_sizes": [[tokens, documents] per sample], "sample_offsets": [[tokens.npy data offset,
+its bytes, doc_lens.npy data offset, its bytes] per sample]}, ...], "heldout": [...]},
+"sources": [...]}; urls are relative to `out`; "tokens" count document tokens, eos excluded.
+The per-sample sizes let a resuming loader skip samples without reading them; the offsets let
+it read a sample in a shuffled order without scanning the tar headers first. A document goes to heldout
 when the first 8 bytes of sha1(text), read as a fraction of 2**64, fall below
 `heldout_fraction`: the split depends on the text alone, so it is stable across re-runs and
 a held-out text (or an exact duplicate of it) never lands in train.
@@ -41,10 +44,12 @@ from typing import Any, Iterable, Iterator
 
 import fsspec
 import numpy as np
+from webdataset.tariterators import group_by_keys, tar_file_iterator
 
+from scse_dist.data.reader import decode_sample
 from scse_dist.data.tokenizer import Tokenizer
 
-FORMAT = "scse-tokens-v1"
+FORMAT = "scse-tokens-v2"
 SPLITS = ("train", "heldout")
 INDEX_NAME = "index.json"
 
@@ -75,8 +80,8 @@ class _SplitWriter:
     """Collects one split's documents into samples and rolls samples into tar shards."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, split: str, dtype: str,
-                 sample_tokens: int, shard_bytes: int):
-        self.fs, self.root, self.split, self.dtype = fs, root, split, np.dtype(dtype)
+                 eos: int, sample_tokens: int, shard_bytes: int):
+        self.fs, self.root, self.split, self.dtype, self.eos = fs, root, split, np.dtype(dtype), eos
         self.sample_tokens, self.shard_bytes = sample_tokens, shard_bytes
         self.docs: list[list[int]] = []
         self.doc_tokens = 0
@@ -96,15 +101,18 @@ class _SplitWriter:
         self.file = self.fs.open(join(self.root, name + ".tmp"), "wb")
         self.tar = tarfile.open(fileobj=self.file, mode="w", format=tarfile.USTAR_FORMAT)
         self.shards.append({"url": name, "tokens": 0, "documents": 0, "samples": 0,
-                            "sample_sizes": []})
+                            "sample_sizes": [], "sample_offsets": []})
         self.shard_written = 0
 
-    def _add_member(self, name: str, data: bytes) -> None:
+    def _add_member(self, name: str, data: bytes) -> list[int]:
+        """Append a member; return [its data's byte offset in the tar, its size]."""
         info = tarfile.TarInfo(name)
         info.size, info.mtime, info.mode = len(data), 0, 0o444  # mtime 0: reproducible bytes
         assert self.tar is not None
         self.tar.addfile(info, io.BytesIO(data))
         self.shard_written += len(data) + 1024  # payload plus headers, roughly
+        padded = -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE  # addfile pads the data
+        return [self.tar.offset - padded, len(data)]
 
     def _flush_sample(self) -> None:
         if not self.docs:
@@ -113,11 +121,13 @@ class _SplitWriter:
             self._open_shard()
         shard = self.shards[-1]
         key = f"{self.split}-{len(self.shards) - 1:06d}-{shard['samples']:06d}"
+        lens = np.array([len(d) for d in self.docs], dtype=np.uint32)
         tokens = np.fromiter(itertools.chain.from_iterable(self.docs), dtype=self.dtype,
                              count=self.doc_tokens)
-        lens = np.array([len(d) for d in self.docs], dtype=np.uint32)
-        self._add_member(f"{key}.tokens.npy", _npy_bytes(tokens))
-        self._add_member(f"{key}.doc_lens.npy", _npy_bytes(lens))
+        tokens = np.insert(tokens, np.cumsum(lens, dtype=np.int64), self.eos)
+        offsets = self._add_member(f"{key}.tokens.npy", _npy_bytes(tokens))
+        offsets += self._add_member(f"{key}.doc_lens.npy", _npy_bytes(lens))
+        shard["sample_offsets"].append(offsets)
         shard["tokens"] += self.doc_tokens
         shard["documents"] += len(self.docs)
         shard["samples"] += 1
@@ -184,7 +194,8 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
     if fs.exists(index_path):
         fs.rm(index_path)  # from here on, a crash leaves no index naming half-rewritten shards
     dtype = token_dtype(tokenizer.vocab_size)
-    writers = {s: _SplitWriter(fs, root, s, dtype, sample_tokens, shard_bytes) for s in SPLITS}
+    writers = {s: _SplitWriter(fs, root, s, dtype, tokenizer.eos_id, sample_tokens, shard_bytes)
+               for s in SPLITS}
     start = last = time.time()
     n_docs = n_tokens = 0
 
@@ -257,7 +268,9 @@ def read_index(path: str) -> dict:
         if not isinstance(index.get(field), tp):
             raise ValueError(f"{url}: field {field!r} is missing or not a {tp.__name__}")
     if index["format"] != FORMAT:
-        raise ValueError(f"{url}: field 'format' is {index['format']!r}, expected {FORMAT!r}")
+        raise ValueError(f"{url}: field 'format' is {index['format']!r}, expected {FORMAT!r}: the "
+                         "shards were written by another version; rebuild them with `scse-data "
+                         "shards` (`scse-data quickstart` for the quickstart corpus)")
     if index["dtype"] not in ("uint16", "uint32"):
         raise ValueError(f"{url}: field 'dtype' must be uint16 or uint32, got {index['dtype']!r}")
     for split, shards in index["splits"].items():
@@ -331,37 +344,9 @@ def check_shards_exist(urls: list[str]) -> None:
                                 f"{missing[0]!r} (rebuild with `scse-data shards`, or check the URL)")
 
 
-def iter_samples(url: str) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-    """Yield (key, tokens, doc_lens) for every sample of one tar shard, in file order."""
-    pending: dict[str, dict[str, np.ndarray]] = {}
-    with fsspec.open(url, "rb") as f, tarfile.open(fileobj=f, mode="r|") as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            key, _, ext = member.name.partition(".")
-            data = tar.extractfile(member).read()  # type: ignore[union-attr]
-            parts = pending.setdefault(key, {})
-            parts[ext] = np.load(io.BytesIO(data), allow_pickle=False)
-            if "tokens.npy" in parts and "doc_lens.npy" in parts:
-                del pending[key]
-                tokens, lens = parts["tokens.npy"], parts["doc_lens.npy"]
-                if int(lens.sum()) != len(tokens):
-                    raise ValueError(f"{url}: sample {key!r} doc_lens sum {int(lens.sum())} != "
-                                     f"{len(tokens)} tokens")
-                yield key, tokens, lens
-    if pending:
-        raise ValueError(f"{url}: incomplete samples {sorted(pending)[:4]} (need tokens.npy and doc_lens.npy)")
-
-
-def sample_table(url: str) -> list[dict[str, tuple[int, int]]]:
-    """Per sample, in file order: {"tokens.npy": (byte offset, size), "doc_lens.npy": ...}.
-
-    Reads only the tar headers (tarfile seeks past the payloads), for random access to samples.
-    """
-    table: dict[str, dict[str, tuple[int, int]]] = {}
-    with fsspec.open(url, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
-        for member in tar.getmembers():
-            if member.isfile():
-                key, _, ext = member.name.partition(".")
-                table.setdefault(key, {})[ext] = (member.offset_data, member.size)
-    return list(table.values())
+def iter_samples(url: str, eos: int) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """Yield (key, tokens, doc_lens) for every sample of one tar shard, in file order; tokens
+    hold each document followed by eos. ValueError naming the shard and sample on bad data."""
+    with fsspec.open(url, "rb") as f:
+        for parts in group_by_keys({**d, "__url__": url} for d in tar_file_iterator(f)):
+            yield parts["__key__"], *decode_sample(parts, f"{url}: sample {parts['__key__']!r}", eos)

@@ -1,4 +1,4 @@
-"""TokenStream: packed (batch, seq_len + 1) LongTensor batches from scse-tokens-v1 shards.
+"""TokenStream: packed (batch, seq_len + 1) LongTensor batches from scse-tokens-v2 shards.
 
 Readers. A rank reads through `num_workers` DataLoader worker processes (or inline when 0); each
 (rank, worker) pair is one *reader*, `reader = rank * max(1, num_workers) + worker`, out of
@@ -15,9 +15,10 @@ samples, seeded by (seed, epoch, reader)). All these orders are computed on samp
 reading, so they cost no memory and resume exactly. heldout defaults to no shuffle; an unshuffled
 shard is read as one sequential tar stream.
 
-Packing. Every document is followed by eos and a reader's documents are laid end to end,
-across epochs when looping, and cut into batch_size windows of seq_len + 1 tokens. With
-loop=False the stream is finite and its last batch may hold fewer rows (no full window dropped).
+Packing. Every document is followed by eos (stored so in the shards) and a reader's documents
+are laid end to end by a WindowPacker, across epochs when looping, in batch_size windows of
+seq_len + 1 tokens. With loop=False the stream is finite and its last batch may hold fewer rows
+(no full window dropped).
 
 Resume. The DataLoader takes batches from its workers round robin, so batch i of a rank comes
 from worker i % W: the rank's position is one number, the batches consumed, and each reader's
@@ -38,7 +39,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from scse_dist.data.reader import Sample, ShardReader
+from scse_dist.data.packing import WindowPacker
+from scse_dist.data.reader import Sample, ShardReader, documents_of
 from scse_dist.data.shards import resolve_split
 
 Item = tuple[int, int, int]  # (shard, sample, document or -1 for the whole sample)
@@ -74,7 +76,9 @@ class TokenStream:
             raise ValueError(f"{self.path}: split {split!r} has {n_docs} documents, fewer than the "
                              f"{self.n_readers} readers (world_size={world_size} x "
                              f"data.num_workers={num_workers}); every reader needs data")
-        self._probe = ShardReader(self.urls, [self._samples_in(s) for s in range(len(self.shards))])
+        offsets = [e.get("sample_offsets") for e in self.shards]
+        self._probe = ShardReader(self.urls, [0] * len(self.urls), self.eos, offsets)
+        self._probe.n_samples = [self._samples_in(s) for s in range(len(self.shards))]
         self._memory: dict[tuple[int, int], Optional[Sample]] = {}  # document level only
         self.level = self._pick_level()
         self.consumed = 0  # batches this rank yielded: with the reader layout, the whole position
@@ -172,14 +176,17 @@ class TokenStream:
         lens = self._doc_lens(s, j)
         return int(lens.sum()) + len(lens)
 
+    def _new_reader(self) -> ShardReader:
+        probe = self._probe
+        return ShardReader(self.urls, probe.n_samples, self.eos, probe.offsets)
+
     def documents(self, epoch: int = 0, worker: int = 0) -> Iterator[np.ndarray]:
         """One reader's documents in `epoch`, unpacked (no eos), in reading order."""
-        reader = ShardReader(self.urls, self._probe.n_samples)
-        self._probe = reader
+        reader = self._probe = self._new_reader()
         for s, j, d in self.plan(self.rank * self.slots + worker, epoch):
             sample = self._sample(reader, s, j)
             if sample is not None:
-                docs = np.split(sample[0], np.cumsum(sample[1], dtype=np.int64)[:-1])
+                docs = documents_of(sample)
                 yield from (docs if d < 0 else docs[d:d + 1])
 
     # ------------------------------------------------------------------ one reader
@@ -189,27 +196,31 @@ class TokenStream:
         sample = self._sample(reader, s, j)
         if sample is None:
             return None
-        tokens, lens = sample
+        tokens, lens = sample  # tokens are packed already: each document followed by eos
         if d >= 0:
-            start = int(lens[:d].sum())
-            tokens, lens = tokens[start:start + int(lens[d])], lens[d:d + 1]
-        # One vectorised insert: eos after every document.
-        return np.insert(tokens.astype(np.int64), np.cumsum(lens, dtype=np.int64), self.eos)
+            start = int(lens[:d].sum()) + d
+            tokens = tokens[start:start + int(lens[d]) + 1]
+        return tokens
 
     def reader_batches(self, slot: int, skip_batches: int, bad: set[tuple[int, int]]
                        ) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
         """(batch, progress) of reader slot `slot` of this rank, after `skip_batches` batches."""
-        reader = ShardReader(self.urls, self._probe.n_samples)
+        # a fresh reader per process: open files are never shared by a fork
+        reader = self._probe = self._new_reader()
         reader.bad, reader.failures = set(bad), self.reader_failures[slot]  # as restored
-        self._probe = reader  # a fresh reader per process: open files are never shared by a fork
         width = self.seq_len + 1
-        need = self.batch_size * width
-        skip = skip_batches * need  # tokens of this reader's stream already consumed
-        epoch, buf, buffered, yielded = 0, [], 0, 0
+        packer = WindowPacker(self.batch_size, width)
+        skip = skip_batches * packer.size  # tokens of this reader's stream already consumed
+        epoch, yielded = 0, 0
+        state: dict[str, Any] = {}
 
         def progress() -> dict[str, Any]:
-            new, reader.new_bad = reader.new_bad, []
-            return {"slot": slot, "epoch": epoch, "failures": reader.failures, "bad": new}
+            """The reader's state; the same object while it is unchanged (cheap to skip)."""
+            nonlocal state
+            if reader.new_bad or state.get("epoch") != epoch or state["failures"] != reader.failures:
+                new, reader.new_bad = reader.new_bad, []
+                state = {"slot": slot, "epoch": epoch, "failures": reader.failures, "bad": new}
+            return state
 
         while True:
             epoch_has_data = False
@@ -230,16 +241,9 @@ class TokenStream:
                 if skip:
                     cut = min(skip, len(packed))
                     packed, skip = packed[cut:], skip - cut
-                buf.append(packed)
-                buffered += len(packed)
-                if buffered >= need:
-                    flat = np.concatenate(buf)
-                    n = len(flat) // need
-                    rest = flat[n * need:]
-                    buf, buffered = [rest], len(rest)
-                    for i in range(n):
-                        yielded += 1
-                        yield torch.from_numpy(flat[i * need:(i + 1) * need].reshape(self.batch_size, width)), progress()
+                for window in packer.add(packed):
+                    yielded += 1
+                    yield torch.from_numpy(window), progress()
             if not epoch_has_data:  # looping on would spin forever without a batch
                 raise RuntimeError(f"{self.path}: reader {self.rank}.{slot} found no readable data "
                                    f"in split {self.split!r} (all of its samples are bad)")
@@ -247,10 +251,9 @@ class TokenStream:
             if not self.loop:
                 break
         reader.close()
-        flat = np.concatenate(buf) if buf else np.zeros(0, np.int64)
-        rows = len(flat) // width
-        if rows:  # the last, smaller batch: keep every full held-out window
-            yield torch.from_numpy(flat[: rows * width].reshape(rows, width)), progress()
+        tail = packer.remainder()
+        if len(tail):  # the last, smaller batch: keep every full held-out window
+            yield torch.from_numpy(tail), progress()
         elif yielded == 0 and skip_batches == 0:
             warnings.warn(f"{self.path}: reader {self.rank}.{slot} holds fewer than {width} tokens "
                           f"of split {self.split!r}: no batch at all")
@@ -278,15 +281,21 @@ class TokenStream:
             g0, r = divmod(self.consumed, self.group)
             source = DataLoader(_Readers(self, g0 % self.slots, skips, r), batch_size=None,
                                 num_workers=self.num_workers, prefetch_factor=2)
+        seen = None
         for batches, progress in source:
-            slot = progress["slot"]
-            self.reader_epochs[slot] = progress["epoch"]
-            self.reader_failures[slot] = progress["failures"]
-            self.bad.update(map(tuple, progress["bad"]))
-            if self.failures > self.max_failures:
-                raise RuntimeError(f"{self.path}: {self.failures} bad shards/samples on rank "
-                                   f"{self.rank}, more than data.max_failures={self.max_failures}")
-            for batch in (batches if batches.dim() == 3 else [batches]):
+            if progress is not seen:  # per batch this loop is the hot path: skip what is unchanged
+                seen, slot = progress, progress["slot"]
+                self.reader_epochs[slot] = progress["epoch"]
+                self.reader_failures[slot] = progress["failures"]
+                self.bad.update(map(tuple, progress["bad"]))
+                if self.failures > self.max_failures:
+                    raise RuntimeError(f"{self.path}: {self.failures} bad shards/samples on rank "
+                                       f"{self.rank}, more than data.max_failures={self.max_failures}")
+            if batches.dim() == 2:
+                self.consumed += 1
+                yield batches
+                continue
+            for batch in batches:
                 self.consumed += 1
                 yield batch
 
@@ -340,7 +349,8 @@ class _Readers(IterableDataset):
         batches = self.stream.reader_batches(slot, self.skips[slot], self.stream.bad)
         size = self.stream.group - (self.cut if worker == 0 else 0)
         while chunk := list(islice(batches, size)):
-            progress = dict(chunk[-1][1], bad=[b for _, p in chunk for b in p["bad"]])
+            distinct = {id(p): p for _, p in chunk}.values()  # a progress repeats while unchanged
+            progress = dict(chunk[-1][1], bad=[b for p in distinct for b in p["bad"]])
             same = [b for b, _ in chunk if b.shape == chunk[0][0].shape]
             yield torch.stack(same), progress
             if len(same) < len(chunk):  # a finite stream's smaller last batch

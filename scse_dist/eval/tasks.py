@@ -18,7 +18,7 @@ import torch
 
 from scse_dist.config import RunConfig
 from scse_dist.eval.perplexity import _resolve_depths, evaluate_heldout
-from scse_dist.eval.readers import Passage, read_corpus, read_lambada, read_wikitext_articles
+from scse_dist.data.sources import Passage, read_corpus, read_lambada, read_wikitext_articles
 from scse_dist.eval.results import format_table, write_results
 from scse_dist.eval.scoring import Window, context_target_window, document_windows, score_windows
 
