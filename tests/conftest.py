@@ -111,28 +111,57 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+class S3Traffic:
+    """WSGI middleware around moto's app: the GET requests it served and their body bytes."""
+
+    def __init__(self, app):
+        self.app, self.gets, self.bytes_sent = app, 0, 0
+
+    def __call__(self, environ, start_response):
+        body = self.app(environ, start_response)
+        if environ["REQUEST_METHOD"] != "GET":
+            return body
+        chunks = list(body)  # moto answers from memory: nothing is lost by joining here
+        self.gets += 1
+        self.bytes_sent += sum(map(len, chunks))
+        return chunks
+
+
 @pytest.fixture
-def s3_bucket(monkeypatch):
-    """s3://scse-test on a moto server at 127.0.0.1. In this process fsspec's config points s3fs at
-    it; the same settings are in os.environ (FSSPEC_S3, AWS_*) for child processes."""
+def s3_traffic(monkeypatch):
+    """A moto S3 server on 127.0.0.1 (a werkzeug thread, as moto's ThreadedMotoServer runs it),
+    its traffic counted. In this process fsspec's config points s3fs at it; the same settings
+    are in os.environ (FSSPEC_S3, AWS_*) for child processes."""
     import json
+    import threading
 
     import fsspec
     moto_server = pytest.importorskip("moto.server")
+    from werkzeug.serving import make_server
 
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    s3_conf = {"endpoint_url": f"http://{host}:{port}", "key": "test", "secret": "test"}
+    traffic = S3Traffic(moto_server.DomainDispatcherApplication(moto_server.create_backend_app))
+    server = make_server("127.0.0.1", 0, traffic, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    s3_conf = {"endpoint_url": f"http://127.0.0.1:{server.server_port}", "key": "test", "secret": "test"}
     for key, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
                        "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3": json.dumps(s3_conf)}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setitem(fsspec.config.conf, "s3", {**s3_conf, "skip_instance_cache": True})
+    yield traffic
+    server.shutdown()
+    thread.join()
+
+
+@pytest.fixture
+def s3_bucket(s3_traffic):
+    """s3://scse-test on the s3_traffic server, emptied afterwards."""
+    import fsspec
+
     fs = fsspec.filesystem("s3")
     fs.mkdir("scse-test")
     yield "s3://scse-test"
     fs.rm("scse-test", recursive=True)  # moto's state is per process: the next test starts empty
-    server.stop()
 
 
 def tiny_cfg(**model):

@@ -43,3 +43,23 @@ def test_shards_written_to_and_streamed_from_s3(s3_bucket, tmp_path):
     fsspec.filesystem("s3").rm(f"{url}/{index['splits']['train'][2]['url']}")
     with pytest.raises(FileNotFoundError, match="train-000002.tar"):
         TokenStream(url)
+
+
+def test_shuffled_epoch_downloads_each_sample_once(s3_bucket, s3_traffic, monkeypatch):
+    """Random access reads exactly a sample per request: a shuffled epoch costs about the shards'
+    bytes, not a read-ahead block per sample (s3fs reads ahead 50 MiB by default; 4 KiB here,
+    so shards of a few hundred KiB show what 256 MiB shards would do)."""
+    url = f"{s3_bucket}/small-samples"
+    index = write_shards(docs_of(1500), IntTokenizer(), url, sample_tokens=40, shard_bytes=200_000)
+    fs = fsspec.filesystem("s3")
+    shard_bytes = sum(fs.size(f"{url}/{e['url']}") for e in index["splits"]["train"])
+    samples = sum(e["samples"] for e in index["splits"]["train"])
+    assert samples > 500 and len(index["splits"]["train"]) >= 2
+    monkeypatch.setitem(fsspec.config.conf["s3"], "default_block_size", 4096)
+    stream = TokenStream(url, seq_len=64, batch_size=4, shuffle=True, loop=False)
+    gets, sent = s3_traffic.gets, s3_traffic.bytes_sent
+    tokens = sum(b.numel() for b in stream)
+    assert tokens > 0.99 * sum(e["tokens"] + e["documents"] for e in index["splits"]["train"])
+    # one GET per sample, and the bytes of the samples (their tar headers inside) at most
+    assert s3_traffic.gets - gets <= samples + 10
+    assert s3_traffic.bytes_sent - sent <= shard_bytes
