@@ -7,6 +7,7 @@ import warnings
 from collections import Counter
 from itertools import islice
 
+import fsspec
 import numpy as np
 import pytest
 
@@ -141,14 +142,19 @@ def corrupt(path: str, how: str) -> None:
     open(path, "wb").write(bytes(data))
 
 
-@pytest.mark.parametrize("shuffle", [False, True])  # sequential tar stream; random access
-def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shuffle):
+# local shards are mmapped; remote ones (memory://) are streamed in file order, ranged reads shuffled
+@pytest.mark.parametrize("storage", ["local", "memory"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shuffle, storage):
     docs = docs_of(80)
     out, index = write(tmp_path, docs, sample_tokens=20, shard_bytes=700)
     entries = index["splits"]["train"]
     corrupt(os.path.join(out, entries[0]["url"]), "truncate")
     corrupt(os.path.join(out, entries[1]["url"]), "eos")
     corrupt(os.path.join(out, entries[2]["url"]), "garble")
+    if storage == "memory":
+        out = f"memory://{tmp_path.name}-{shuffle}"
+        fsspec.filesystem("memory").put(os.path.join(str(tmp_path), "s"), out, recursive=True)
     make = lambda: TokenStream(out, seq_len=5, batch_size=2, shuffle=shuffle, loop=False, seed=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

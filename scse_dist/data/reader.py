@@ -1,13 +1,12 @@
 """ShardReader: one loader reader's access to tar samples, tolerant of corrupt input.
 
-A request for sample j of shard s is served from a sequential stream of the shard (webdataset's
-tar iterator over an fsspec file: one open and one pass per shard) when the requests come in
-file order, which is what an unshuffled split does; otherwise by random access, which is what a
-shuffled order needs: one read spanning the sample's two members, at the byte offsets the index
-records (scse-tokens-v2), or that a scan of the tar headers finds for an index without them.
-Local shards are memory-mapped, so a sample is read in place from the page cache; remote ones
-get one ranged read (`fs.cat_file`) per sample, on object storage one GET of exactly the
-sample, where a buffered file would read ahead megabytes per random seek.
+Local shards are memory-mapped and every sample is read in place from the page cache, at the
+byte offsets the index records (scse-tokens-v2), or that a scan of the tar headers finds for an
+index without them. A remote shard read in file order (an unshuffled split) is one sequential
+stream (webdataset's tar iterator over an fsspec file: one request per shard); in a shuffled
+order each sample is one ranged read (`fs.cat_file`) spanning its two members: on object
+storage one GET of exactly the sample, where a buffered file would read ahead megabytes per
+random seek.
 
 Bad input never raises here: a truncated or unreadable tar, a missing member, an array that does
 not decode, or doc_lens that disagree with the tokens make the affected samples *bad*. Each
@@ -119,10 +118,29 @@ class ShardReader:
         cursor = self._cursor
         if cursor is not None and cursor[0] == s and cursor[1] == j:
             return self._advance()
-        if j == 0:  # a shard read from its start: stream it
+        source = self._source(s)
+        if source is None:
+            return None
+        if j == 0 and not isinstance(source, memoryview):  # a remote shard read from its start
             self._cursor = (s, 0, self._sequential(s))
             return self._advance()
         return self._random_access(s, j)
+
+    def _source(self, s: int) -> Any:
+        """A read-only mmap view of a local shard (the page cache read in place, not copied), or
+        (filesystem, path) of a remote one; None, with all its samples bad, when it won't open."""
+        if s not in self._sources:
+            try:
+                fs, path = fsspec.core.url_to_fs(self.urls[s])
+                if isinstance(fs, LocalFileSystem):
+                    with open(path, "rb") as f:
+                        self._sources[s] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                else:
+                    self._sources[s] = (fs, path)
+            except Exception as exc:  # gone since start-up, empty, unreadable
+                self._sources[s] = None
+                self._fail(s, list(range(self.n_samples[s])), f"cannot open ({type(exc).__name__}: {exc})")
+        return self._sources[s]
 
     def _advance(self) -> Optional[Sample]:
         assert self._cursor is not None
@@ -199,16 +217,8 @@ class ShardReader:
             return None
 
     def _read_range(self, s: int, lo: int, hi: int) -> memoryview:
-        """Bytes [lo, hi) of shard s: a slice of a read-only mmap for a local file (the page
-        cache is read in place, not copied), one ranged read (one GET) for remote storage."""
-        if s not in self._sources:
-            fs, path = fsspec.core.url_to_fs(self.urls[s])
-            if isinstance(fs, LocalFileSystem):
-                with open(path, "rb") as f:
-                    self._sources[s] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-            else:
-                self._sources[s] = (fs, path)
-        source = self._sources[s]
+        """Bytes [lo, hi) of shard s: an mmap slice, or one ranged read (one GET) when remote."""
+        source = self._source(s)
         if isinstance(source, memoryview):
             return source[lo:hi]
         fs, path = source
