@@ -158,6 +158,11 @@ def test_multi_depth_readout_equals_separate_runs(recurrence: str) -> None:
     assert multi.depth == 8 and torch.equal(multi.logits, multi.logits_by_depth[8])
     assert multi.core_calls == 8 + (recurrence == "scse")
     assert sorted(multi.logits_by_depth) == [1, 2, 4, 8]
+    # the lazy per-depth read-out (what evaluation uses) gives the same logits, in depth order
+    with torch.no_grad():
+        lazy = list(model.iter_depth_logits(toks, [8, 1, 4, 2]))
+    assert [t for t, _ in lazy] == [1, 2, 4, 8]
+    assert all(torch.equal(logits, multi.logits_by_depth[t]) for t, logits in lazy)
 
 
 def test_keep_logits_false_keeps_losses_only() -> None:

@@ -61,7 +61,6 @@ def score_windows(model: torch.nn.Module, windows: Sequence[Window], depths: lis
                   batch_size: int) -> tuple[list[int], list[list[Score]]]:
     """Score every window at every depth. Returns (depths evaluated, scores[d_index][window])."""
     depths = _resolve_depths(model, depths)
-    untied = getattr(model, "fixed_depth", None) is not None
     device = next(model.parameters()).device
     scores: list[list[Score]] = [[] for _ in depths]
     was_training = model.training
@@ -78,14 +77,11 @@ def score_windows(model: torch.nn.Module, windows: Sequence[Window], depths: lis
                     inputs[i, :n] = torch.tensor(w.tokens[:-1])
                     targets[i, w.first_scored:n] = torch.tensor(w.tokens[w.first_scored + 1:])
                 inputs, targets = inputs.to(device), targets.to(device)
-                if untied:
-                    logits_by_depth = {depths[0]: model(inputs).logits}
-                else:
-                    logits_by_depth = model(inputs, depth=max(depths), readout_depths=depths).logits_by_depth
                 mask = targets.ne(IGNORE_INDEX)
                 safe = targets.clamp_min(0)
-                for k, d in enumerate(depths):
-                    logits = logits_by_depth[d].float()
+                # one depth's logits at a time: a sweep at a large vocabulary fits in memory
+                for k, (_, logits) in enumerate(model.iter_depth_logits(inputs, depths)):
+                    logits = logits.float()
                     nll = F.cross_entropy(logits.transpose(1, 2), safe, reduction="none") * mask
                     wrong = logits.argmax(-1).ne(safe) & mask
                     for i in range(len(chunk)):

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Optional
+from typing import Iterable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +88,17 @@ class LoopedLM(nn.Module):
             raise ValueError(f"depth: recurrence=untied (untied_match={self.cfg.untied_match}) has "
                              f"the fixed depth {fixed}; got depth={depth}, readout_depths={readouts}")
         return final, readouts
+
+    def iter_depth_logits(self, tokens: torch.Tensor, depths: Iterable[int]
+                          ) -> Iterator[tuple[int, torch.Tensor]]:
+        """One loop run to max(depths), then (depth, logits) per depth in increasing order, each
+        computed only when the caller asks for it: a caller that reduces each before the next
+        holds one (B, S, V) tensor at a time, not one per depth (a depth sweep at a 50K vocab)."""
+        final, readouts = self._resolve_depths(None, depths)
+        assert readouts is not None
+        states = self.core(self.source(tokens), final, readout_depths=readouts)
+        for t, state in zip(readouts, states):
+            yield t, self.readout(state)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 depth: Optional[int] = None, readout_depths: Optional[Iterable[int]] = None,
