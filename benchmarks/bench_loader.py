@@ -5,7 +5,7 @@
     to the ceiling: the same packed tokens (eos included) read from one raw numpy memmap into the
     same (batch, seq_len + 1) LongTensor batches. Goals: ratio >= 0.5, >= 5M tokens/s per worker.
     Both the shuffled train order and the unshuffled (file) order are timed (local shards: an
-    mmap slice per sample at the index's offsets in both); runs alternate and the best of `--repeats` counts
+    mmap slice per sample at its table's offsets in both); runs alternate and the best of `--repeats` counts
     (the files are in the page cache after the first pass, as hot shards are in training).
     With --workers 2 the aggregate rate through a real DataLoader is printed as well.
 (b) Data time as a share of step time at the GPT-2-small config (configs/gpt2-small-scse.yaml):

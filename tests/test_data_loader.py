@@ -43,9 +43,11 @@ def test_readers_are_disjoint_and_complete(tmp_path, world, workers, shard_bytes
         write(tmp_path, docs[45:], name="b", sample_tokens=sample_tokens)
         index = json.loads((tmp_path / "a" / "index.json").read_text())
         other = json.loads((tmp_path / "b" / "index.json").read_text())["splits"]["train"][0]
-        index["splits"]["train"].append(dict(other, url=str(tmp_path / "b" / other["url"])))
+        first = index["splits"]["train"][0]
+        index["splits"]["train"] = [  # absolute urls: the shards stay where they were written
+            dict(e, url=str(tmp_path / d / e["url"]), table=str(tmp_path / d / e["table"]))
+            for d, e in (("a", first), ("b", other))]
         os.makedirs(out)
-        index["splits"]["train"][0]["url"] = str(tmp_path / "a" / index["splits"]["train"][0]["url"])
         (tmp_path / "s" / "index.json").write_text(json.dumps(index))
     else:
         out, index = write(tmp_path, docs, shard_bytes=shard_bytes, sample_tokens=sample_tokens)
@@ -122,6 +124,14 @@ def test_missing_shard_and_unreachable_storage_fail_at_start_up(tmp_path):
     os.remove(os.path.join(out, index["splits"]["train"][1]["url"]))
     with pytest.raises(FileNotFoundError, match="1 shard.*missing.*train-000001.tar"):
         TokenStream(out)
+    os.remove(os.path.join(out, index["splits"]["train"][2]["table"]))
+    with pytest.raises(FileNotFoundError, match="2 shard.*missing.*train-000001.tar"):
+        TokenStream(out)
+    index["splits"]["train"].pop(1)
+    with open(os.path.join(out, "index.json"), "w") as f:
+        json.dump(index, f)
+    with pytest.raises(FileNotFoundError, match="1 shard.*missing.*train-000002.samples.npy"):
+        TokenStream(out)
     with pytest.raises(OSError, match="cannot read shard index 'nosuchproto://x/index.json'"):
         TokenStream("nosuchproto://x")
 
@@ -152,6 +162,8 @@ def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shu
     corrupt(os.path.join(out, entries[0]["url"]), "truncate")
     corrupt(os.path.join(out, entries[1]["url"]), "eos")
     corrupt(os.path.join(out, entries[2]["url"]), "garble")
+    with open(os.path.join(out, entries[3]["table"]), "wb") as f:  # a sample table cut short
+        f.write(b"\x93NUMPY\x01\x00")
     if storage == "memory":
         out = f"memory://{tmp_path.name}-{shuffle}"
         fsspec.filesystem("memory").put(os.path.join(str(tmp_path), "s"), out, recursive=True)
@@ -167,14 +179,15 @@ def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shu
         resumed.load_state_dict(state)
         # resume after skipped corrupt data: the same batches as without a restart
         assert [b.tolist() for b in resumed] == full[30:]
-    assert resumed.failures == 3 and len(resumed.state_dict()["bad"]) >= 3
+    assert resumed.failures == 4 and len(resumed.state_dict()["bad"]) >= 3 + entries[3]["samples"]
     messages = [str(w.message) for w in caught]
     assert any(entries[0]["url"] in m and "skipping" in m for m in messages)
     assert any(entries[1]["url"] in m and "does not end in eos 2" in m for m in messages)
     assert any(entries[2]["url"] in m and "undecodable" in m for m in messages)
+    assert any(entries[3]["table"] in m and "unreadable sample table" in m for m in messages)
     good = {tuple(int(t) for t in d.split()) for d in docs}
     assert set(got) < good and len(got) < len(docs)  # only whole, correct documents remain
-    assert len(got) >= len(docs) - sum(e["documents"] for e in entries[:3])
+    assert len(got) >= len(docs) - sum(e["documents"] for e in entries[:4])
 
 
 def test_too_many_failures_stop_the_run(tmp_path):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from scse_dist.data.shards import is_heldout, iter_samples, read_index, write_shards
+from scse_dist.data.shards import (TABLE_COLUMNS, is_heldout, iter_samples, load_sample_table, read_index,
+                                   write_shards)
 from scse_dist.data.stream import TokenStream
 
 EOS = 2
@@ -61,8 +62,12 @@ def test_index_counts_match_what_was_written(tmp_path):
     for s in train:
         tokens = docs_n = samples = 0
         raw = open(os.path.join(out, s["url"]), "rb").read()
-        for (_, toks, lens), offsets in zip(iter_samples(os.path.join(out, s["url"]), EOS),
-                                            s["sample_offsets"], strict=True):
+        table = load_sample_table(os.path.join(out, s["table"]), s["samples"])
+        assert table.dtype == np.int64 and table.shape == (s["samples"], len(TABLE_COLUMNS))
+        for (_, toks, lens), row in zip(iter_samples(os.path.join(out, s["url"]), EOS),
+                                        table.tolist(), strict=True):
+            assert row[:2] == [int(lens.sum()), len(lens)]  # sizes for resume arithmetic
+            offsets = row[2:]
             assert toks.dtype == np.uint16 and lens.dtype == np.uint32
             tokens, docs_n, samples = tokens + int(lens.sum()), docs_n + len(lens), samples + 1
             packed += toks.tolist()

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Iterable, Iterator
 
-from scse_dist.data.shards import iter_samples, read_index, shard_url, write_shards
+from scse_dist.data.shards import iter_samples, load_sample_table, read_index, shard_url, write_shards
 from scse_dist.data.sources import TEXT_SPLITS, iter_documents
 from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
 
@@ -76,8 +76,13 @@ def inspect_shards(path: str) -> bool:
         for entry in entries:
             tokens = docs = samples = 0
             try:
+                table = load_sample_table(shard_url(path, {"url": entry["table"]}), entry["samples"])
                 for _, toks, lens in iter_samples(shard_url(path, entry), index["eos_id"]):
-                    tokens, docs, samples = tokens + len(toks) - len(lens), docs + len(lens), samples + 1
+                    size = [int(lens.sum()), len(lens)]
+                    if samples >= len(table) or table[samples, :2].tolist() != size:
+                        raise ValueError(f"sample {samples}: {size} tokens/documents, the sample "
+                                         f"table says {table[samples, :2].tolist() if samples < len(table) else 'nothing'}")
+                    tokens, docs, samples = tokens + size[0], docs + size[1], samples + 1
                     if len(toks) and int(toks.max()) >= index["vocab_size"]:
                         raise ValueError(f"token id {int(toks.max())} >= vocab {index['vocab_size']}")
             except Exception as exc:  # report every bad shard, not just the first

@@ -9,7 +9,6 @@ corpus, the tokenizer and the shards are identical on every run of the same Pyth
 from __future__ import annotations
 
 import ast
-import json
 import os
 import sysconfig
 import time
@@ -18,7 +17,7 @@ from typing import Iterator
 import fsspec
 
 from scse_dist.config import DataConfig
-from scse_dist.data.shards import FORMAT, INDEX_NAME, is_heldout, join, write_shards
+from scse_dist.data.shards import INDEX_NAME, is_heldout, join, read_index, write_shards
 from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
@@ -67,12 +66,12 @@ def _exists(url: str) -> bool:
 
 
 def _current(path: str) -> bool:
-    """Whether the index at `path` is in this version's shard format."""
-    with fsspec.open(join(path, INDEX_NAME), "r") as f:
-        try:
-            return json.load(f).get("format") == FORMAT
-        except (json.JSONDecodeError, AttributeError):
-            return False
+    """Whether the index at `path` reads as this version's shard format."""
+    try:
+        read_index(path)
+    except ValueError:
+        return False
+    return True
 
 
 def build_stdlib_corpus(shards: str, tokenizer: str, vocab_size: int, heldout_fraction: float,

@@ -1,8 +1,7 @@
 """ShardReader: one loader reader's access to tar samples, tolerant of corrupt input.
 
 Local shards are memory-mapped and every sample is read in place from the page cache, at the
-byte offsets the index records (scse-tokens-v2), or that a scan of the tar headers finds for an
-index without them. A remote shard read in file order (an unshuffled split) is one sequential
+byte offsets of the shard's sample table (scse-tokens-v2). A remote shard read in file order (an unshuffled split) is one sequential
 stream (webdataset's tar iterator over an fsspec file: one request per shard); in a shuffled
 order each sample is one ranged read (`fs.cat_file`) spanning its two members: on object
 storage one GET of exactly the sample, where a buffered file would read ahead megabytes per
@@ -20,7 +19,6 @@ from __future__ import annotations
 import io
 import mmap
 import re
-import tarfile
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -85,12 +83,12 @@ def _sample_index(key: str, fallback: int) -> int:
 
 
 class ShardReader:
-    def __init__(self, urls: list[str], n_samples: list[int], eos: int,
-                 offsets: Optional[list[Optional[list[list[int]]]]] = None):
-        """`offsets[s][j]`: [tokens.npy data offset, size, doc_lens.npy data offset, size] of
-        sample j of shard s, from the index; None where the tar headers must be scanned."""
-        self.urls, self.n_samples, self.eos = urls, n_samples, eos
-        self.offsets = offsets or [None] * len(urls)
+    def __init__(self, urls: list[str], n_samples: list[int], eos: int, table_urls: list[str]):
+        """`table_urls[s]`: shard s's sample table (sizes and member offsets, see
+        shards.TABLE_COLUMNS)."""
+        self.urls, self.n_samples, self.eos, self.table_urls = urls, n_samples, eos, table_urls
+        self._sample_tables: dict[int, Optional[np.ndarray]] = {}
+        self._unreadable: set[int] = set()  # shards whose file or table would not open
         self.failures = 0
         self.bad: set[tuple[int, int]] = set()
         self.new_bad: list[tuple[int, int]] = []  # since the stream last collected them
@@ -126,10 +124,28 @@ class ShardReader:
             return self._advance()
         return self._random_access(s, j)
 
+    def sample_table(self, s: int) -> Optional[np.ndarray]:
+        """Shard s's sample table, loaded once; None, with all the shard's samples made bad,
+        when it is unreadable (then every path skips the shard alike)."""
+        if s not in self._sample_tables:
+            from scse_dist.data.shards import load_sample_table
+
+            self._sample_tables[s] = None
+            try:
+                self._sample_tables[s] = load_sample_table(self.table_urls[s], self.n_samples[s])
+            except (ValueError, OSError) as exc:
+                self._unreadable.add(s)
+                self._fail(s, list(range(self.n_samples[s])), str(exc))
+        return self._sample_tables[s]
+
     def _source(self, s: int) -> Any:
         """A read-only mmap view of a local shard (the page cache read in place, not copied), or
         (filesystem, path) of a remote one; None, with all its samples bad, when it won't open."""
         if s not in self._sources:
+            self.sample_table(s)  # a bad table makes the shard bad in file order and shuffled alike
+            if s in self._unreadable:
+                self._sources[s] = None
+                return None
             try:
                 fs, path = fsspec.core.url_to_fs(self.urls[s])
                 if isinstance(fs, LocalFileSystem):
@@ -139,6 +155,7 @@ class ShardReader:
                     self._sources[s] = (fs, path)
             except Exception as exc:  # gone since start-up, empty, unreadable
                 self._sources[s] = None
+                self._unreadable.add(s)
                 self._fail(s, list(range(self.n_samples[s])), f"cannot open ({type(exc).__name__}: {exc})")
         return self._sources[s]
 
@@ -177,27 +194,13 @@ class ShardReader:
                        f"tar ends after {seen + 1} of {self.n_samples[s]} samples (truncated?)")
 
     def _table(self, s: int) -> dict[int, dict[str, tuple[int, int]]]:
-        """sample -> {member: (byte offset, size)}: from the index, else from the tar headers."""
-        if s in self._tables:
-            return self._tables[s]
-        table: dict[int, dict[str, tuple[int, int]]] = {}
-        if self.offsets[s] is not None:
-            for j, (t, tn, d, dn) in enumerate(self.offsets[s]):
-                table[j] = {MEMBERS[0]: (t, tn), MEMBERS[1]: (d, dn)}
-        else:
-            keys: dict[str, int] = {}
-            try:
-                with fsspec.open(self.urls[s], "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
-                    while (member := tar.next()) is not None:
-                        if member.isfile():
-                            key, _, ext = member.name.partition(".")
-                            j = keys.setdefault(key, _sample_index(key, len(keys)))
-                            table.setdefault(j, {})[ext] = (member.offset_data, member.size)
-            except Exception as exc:
-                self._fail(s, [j for j in range(self.n_samples[s]) if j not in table],
-                           f"tar headers unreadable ({type(exc).__name__}: {exc})")
-        self._tables[s] = table
-        return table
+        """sample -> {member: (byte offset, size)}, from the shard's sample table."""
+        if s not in self._tables:
+            rows = self.sample_table(s)
+            self._tables[s] = {} if rows is None else {
+                j: {MEMBERS[0]: (t, tn), MEMBERS[1]: (d, dn)}
+                for j, (_, _, t, tn, d, dn) in enumerate(rows.tolist())}
+        return self._tables[s]
 
     def _random_access(self, s: int, j: int) -> Optional[Sample]:
         entry = self._table(s).get(j)

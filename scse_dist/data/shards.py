@@ -16,19 +16,24 @@ default 64K tokens; a longer document makes one bigger sample on its own):
 stream, so reading costs one ranged read and one widening copy per 64K tokens. (v1 stored no
 eos and left it to the loader; inserting it cost more than reading the sample.)
 
+Beside each tar, `{split}-{shard:06d}.samples.npy` is the shard's sample table: int64, one row
+per sample, TABLE_COLUMNS = (tokens, documents, tokens.npy data offset, its bytes, doc_lens.npy
+data offset, its bytes). The sizes let a resuming loader skip samples without reading them; the
+offsets let it read a sample in a shuffled order without scanning the tar headers first. A
+reader loads the tables of the shards it reads, when it first needs them, so index.json stays
+small at any corpus size (per-sample lists in it would be ~70 MB per 100B tokens, parsed by
+every loader process).
+
 index.json = {"format", "tokenizer_sha256", "vocab_size", "eos_id", "dtype", "sample_tokens",
-"splits": {"train": [{"url": "train-000000.tar", "tokens": n, "documents": n, "samples": n,
-"sample_sizes": [[tokens, documents] per sample], "sample_offsets": [[tokens.npy data offset,
-its bytes, doc_lens.npy data offset, its bytes] per sample]}, ...], "heldout": [...]},
-"sources": [...]}; urls are relative to `out`; "tokens" count document tokens, eos excluded.
-The per-sample sizes let a resuming loader skip samples without reading them; the offsets let
-it read a sample in a shuffled order without scanning the tar headers first. A document goes to heldout
+"splits": {"train": [{"url": "train-000000.tar", "table": "train-000000.samples.npy",
+"tokens": n, "documents": n, "samples": n}, ...], "heldout": [...]}, "sources": [...]}; urls
+are relative to `out`; "tokens" count document tokens, eos excluded. A document goes to heldout
 when the first 8 bytes of sha1(text), read as a fraction of 2**64, fall below
 `heldout_fraction`: the split depends on the text alone, so it is stable across re-runs and
 a held-out text (or an exact duplicate of it) never lands in train.
 
-Crash safety: an existing index.json is deleted first, each shard is written under a `.tmp`
-name and renamed when complete, and index.json is written last (also via rename), so an
+Crash safety: an existing index.json is deleted first, each shard and table is written under a
+`.tmp` name and renamed when complete, and index.json is written last (also via rename), so an
 index never names a shard that is missing or partial.
 """
 
@@ -52,6 +57,7 @@ from scse_dist.data.tokenizer import Tokenizer
 FORMAT = "scse-tokens-v2"
 SPLITS = ("train", "heldout")
 INDEX_NAME = "index.json"
+TABLE_COLUMNS = ("tokens", "documents", "tokens_offset", "tokens_bytes", "lens_offset", "lens_bytes")
 
 
 def join(prefix: str, name: str) -> str:
@@ -100,8 +106,9 @@ class _SplitWriter:
         name = f"{self.split}-{len(self.shards):06d}.tar"
         self.file = self.fs.open(join(self.root, name + ".tmp"), "wb")
         self.tar = tarfile.open(fileobj=self.file, mode="w", format=tarfile.USTAR_FORMAT)
-        self.shards.append({"url": name, "tokens": 0, "documents": 0, "samples": 0,
-                            "sample_sizes": [], "sample_offsets": []})
+        self.shards.append({"url": name, "table": name[:-len(".tar")] + ".samples.npy",
+                            "tokens": 0, "documents": 0, "samples": 0})
+        self.table: list[list[int]] = []
         self.shard_written = 0
 
     def _add_member(self, name: str, data: bytes) -> list[int]:
@@ -125,13 +132,13 @@ class _SplitWriter:
         tokens = np.fromiter(itertools.chain.from_iterable(self.docs), dtype=self.dtype,
                              count=self.doc_tokens)
         tokens = np.insert(tokens, np.cumsum(lens, dtype=np.int64), self.eos)
-        offsets = self._add_member(f"{key}.tokens.npy", _npy_bytes(tokens))
-        offsets += self._add_member(f"{key}.doc_lens.npy", _npy_bytes(lens))
-        shard["sample_offsets"].append(offsets)
+        row = [self.doc_tokens, len(self.docs)]
+        row += self._add_member(f"{key}.tokens.npy", _npy_bytes(tokens))
+        row += self._add_member(f"{key}.doc_lens.npy", _npy_bytes(lens))
+        self.table.append(row)
         shard["tokens"] += self.doc_tokens
         shard["documents"] += len(self.docs)
         shard["samples"] += 1
-        shard["sample_sizes"].append([self.doc_tokens, len(self.docs)])  # resume arithmetic
         self.docs, self.doc_tokens = [], 0
         if self.shard_written >= self.shard_bytes:
             self._close_shard()
@@ -141,8 +148,11 @@ class _SplitWriter:
             return
         self.tar.close()
         self.file.close()
-        name = self.shards[-1]["url"]
-        self.fs.mv(join(self.root, name + ".tmp"), join(self.root, name))
+        table = self.shards[-1]["table"]
+        with self.fs.open(join(self.root, table + ".tmp"), "wb") as f:
+            f.write(_npy_bytes(np.array(self.table, dtype=np.int64).reshape(-1, len(TABLE_COLUMNS))))
+        for name in (table, self.shards[-1]["url"]):
+            self.fs.mv(join(self.root, name + ".tmp"), join(self.root, name))
         self.tar = self.file = None
 
     def finish(self) -> list[dict[str, Any]]:
@@ -244,7 +254,7 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
 
 _REQUIRED = {"format": str, "tokenizer_sha256": str, "vocab_size": int, "eos_id": int,
              "dtype": str, "splits": dict}
-_SHARD_FIELDS = ("url", "tokens", "documents")
+_SHARD_FIELDS = ("url", "table", "tokens", "documents", "samples")
 
 
 def read_index(path: str) -> dict:
@@ -316,12 +326,28 @@ def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[st
                                     f"{split!r} of {join(root, INDEX_NAME)}, e.g. {unknown[0]}")
         entries = [by_url[u] for u in wanted if by_url[u]["tokens"] > 0]
     urls = [shard_url(root, e) for e in entries]
-    check_shards_exist(urls)
+    check_shards_exist(urls + [shard_url(root, {"url": e["table"]}) for e in entries])
     return root, index, entries, urls
 
 
+def load_sample_table(url: str, n_samples: int) -> np.ndarray:
+    """A shard's sample table (see TABLE_COLUMNS); ValueError naming the file when it is bad."""
+    from scse_dist.data.reader import load_npy
+
+    try:
+        with fsspec.open(url, "rb") as f:
+            table = load_npy(f.read())
+    except Exception as exc:
+        raise ValueError(f"{url}: unreadable sample table ({type(exc).__name__}: {exc})") from None
+    if table.shape != (n_samples, len(TABLE_COLUMNS)) or table.dtype.kind not in "iu":
+        raise ValueError(f"{url}: sample table of shape {table.shape}, expected "
+                         f"({n_samples}, {len(TABLE_COLUMNS)}) integers")
+    return table.reshape(n_samples, len(TABLE_COLUMNS))
+
+
 def check_shards_exist(urls: list[str]) -> None:
-    """Fail at start-up, naming the files, when shards are missing or storage is unreachable.
+    """Fail at start-up, naming the files, when shards (or tables) are missing or storage is
+    unreachable.
 
     One listing per directory (not one request per shard), so it stays cheap on object storage.
     """

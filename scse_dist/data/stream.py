@@ -24,7 +24,7 @@ Resume. The DataLoader takes batches from its workers round robin, so batch i of
 from worker i % W: the rank's position is one number, the batches consumed, and each reader's
 position follows from it. A restarted stream gives worker w the role of reader slot
 (w + consumed) % W and lets every reader skip its consumed tokens arithmetically from the
-index's per-sample sizes (bad samples count as empty), so the next batch is exactly the one an
+sample tables' sizes (bad samples count as empty), so the next batch is exactly the one an
 uninterrupted run would have produced. The state records world_size and num_workers; resuming
 with other values is refused with a message (the readers' data would differ).
 """
@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from scse_dist.data.packing import WindowPacker
 from scse_dist.data.reader import Sample, ShardReader, documents_of
-from scse_dist.data.shards import resolve_split
+from scse_dist.data.shards import resolve_split, shard_url
 
 Item = tuple[int, int, int]  # (shard, sample, document or -1 for the whole sample)
 STATE_KEYS = ("split", "seq_len", "batch_size", "world_size", "num_workers", "seed", "shuffle_buffer")
@@ -76,9 +76,8 @@ class TokenStream:
             raise ValueError(f"{self.path}: split {split!r} has {n_docs} documents, fewer than the "
                              f"{self.n_readers} readers (world_size={world_size} x "
                              f"data.num_workers={num_workers}); every reader needs data")
-        offsets = [e.get("sample_offsets") for e in self.shards]
-        self._probe = ShardReader(self.urls, [0] * len(self.urls), self.eos, offsets)
-        self._probe.n_samples = [self._samples_in(s) for s in range(len(self.shards))]
+        tables = [shard_url(self.root, {"url": e["table"]}) for e in self.shards]
+        self._probe = ShardReader(self.urls, [int(e["samples"]) for e in self.shards], self.eos, tables)
         self._memory: dict[tuple[int, int], Optional[Sample]] = {}  # document level only
         self.level = self._pick_level()
         self.consumed = 0  # batches this rank yielded: with the reader layout, the whole position
@@ -112,12 +111,7 @@ class TokenStream:
     # ------------------------------------------------------------------ plan
 
     def _samples_in(self, s: int) -> int:
-        entry = self.shards[s]
-        if "sample_sizes" in entry:
-            return len(entry["sample_sizes"])
-        if "samples" in entry:
-            return int(entry["samples"])
-        return len(self._probe._table(s))
+        return int(self.shards[s]["samples"])
 
     def _pick_level(self) -> str:
         if len(self.shards) >= self.n_readers:
@@ -127,9 +121,9 @@ class TokenStream:
         return "document"
 
     def _units(self) -> list[Item]:
-        samples = [(s, j) for s in range(len(self.shards)) for j in range(self._samples_in(s))]
         if self.level == "shard":
             return [(s, -1, -1) for s in range(len(self.shards))]
+        samples = [(s, j) for s in range(len(self.shards)) for j in range(self._samples_in(s))]
         if self.level == "sample":
             return [(s, j, -1) for s, j in samples]
         return [(s, j, d) for s, j in samples for d in range(len(self._doc_lens(s, j)))]
@@ -164,21 +158,20 @@ class TokenStream:
             self._memory[(s, j)] = reader.sample(s, j)
         return self._memory[(s, j)]
 
-    def _item_size(self, item: Item, bad: set[tuple[int, int]]) -> int:
-        """Packed length (tokens plus one eos per document), from the index where it can."""
+    def _item_size(self, item: Item, reader: ShardReader) -> int:
+        """Packed length (tokens plus one eos per document), from the sample table where it can."""
         s, j, d = item
-        if (s, j) in bad:
+        table = reader.sample_table(s)
+        if (s, j) in reader.bad:
             return 0
         if d >= 0:
             return int(self._doc_lens(s, j)[d]) + 1
-        if "sample_sizes" in self.shards[s]:
-            return sum(self.shards[s]["sample_sizes"][j])
-        lens = self._doc_lens(s, j)
-        return int(lens.sum()) + len(lens)
+        assert table is not None  # else all of shard s is bad
+        return int(table[j, 0] + table[j, 1])
 
     def _new_reader(self) -> ShardReader:
         probe = self._probe
-        return ShardReader(self.urls, probe.n_samples, self.eos, probe.offsets)
+        return ShardReader(self.urls, probe.n_samples, self.eos, probe.table_urls)
 
     def documents(self, epoch: int = 0, worker: int = 0) -> Iterator[np.ndarray]:
         """One reader's documents in `epoch`, unpacked (no eos), in reading order."""
@@ -226,7 +219,7 @@ class TokenStream:
             epoch_has_data = False
             for item in self.plan(self.rank * self.slots + slot, epoch):
                 if skip:
-                    size = self._item_size(item, reader.bad)
+                    size = self._item_size(item, reader)
                     if skip >= size:
                         skip -= size
                         epoch_has_data |= size > 0
