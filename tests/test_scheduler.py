@@ -82,3 +82,18 @@ def test_local_launch_trains_evaluates_every_task_and_reports(tmp_path, tiny_con
     assert scheduler.evaluate_run(str(tmp_path / "runs" / "tiny"), "heldout")
     again = json.loads((eval_dir / "heldout.json").read_text())
     assert [r["ppl"] for r in again["results"]] == pytest.approx([r["ppl"] for r in heldout["results"]])
+
+
+def test_training_script_is_found_or_named(tmp_path, tiny_config, monkeypatch, capsys):
+    """The package's checkout first, else ./slurm/pretrain.sh, else an error naming both."""
+    assert scheduler.pretrain_script(None) == scheduler.PRETRAIN_SCRIPT  # this checkout
+    monkeypatch.setattr(scheduler, "PRETRAIN_SCRIPT", tmp_path / "site-packages" / "pretrain.sh")
+    monkeypatch.chdir(tmp_path)
+    assert scheduler.main([tiny_config(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "site-packages/pretrain.sh or " in err and str(tmp_path / "slurm" / "pretrain.sh") in err
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "pretrain.sh").write_text("#!/bin/bash\n")
+    assert scheduler.pretrain_script(None) == tmp_path / "slurm" / "pretrain.sh"
+    with pytest.raises(FileNotFoundError, match="nope.sh"):
+        scheduler.pretrain_script(str(tmp_path / "nope.sh"))

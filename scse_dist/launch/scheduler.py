@@ -114,7 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only submit the evaluation and report jobs, afterok:JOBID")
     p.add_argument("--sbatch-args", default="",
                    help="extra sbatch flags for the training job, e.g. '--nodes=4 --time=2-0'")
+    p.add_argument("--script", help="the training batch script (default: slurm/pretrain.sh of "
+                                    "this checkout, else of the current directory)")
     return p
+
+
+def pretrain_script(given: str | None) -> Path:
+    """The batch script to submit. pretrain.sh runs `launch/train.py` from the directory sbatch
+    is called in, so a checkout is needed anyway: the package's own (an editable install), else
+    the current directory's."""
+    candidates = [Path(given)] if given else [PRETRAIN_SCRIPT, Path.cwd() / "slurm" / "pretrain.sh"]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"no training batch script at {' or '.join(map(str, candidates))}; run "
+                            "scse-launch from the scse-dist checkout or pass --script")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,7 +144,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.after_job:
         schedule_evals(cfg, args.after_job)
         return 0
-    cmd = ["sbatch", *args.sbatch_args.split(), str(PRETRAIN_SCRIPT), args.config, *args.overrides]
+    try:
+        script = pretrain_script(args.script)
+    except FileNotFoundError as exc:
+        print(f"scse-launch: {exc}", file=sys.stderr)
+        return 2
+    cmd = ["sbatch", *args.sbatch_args.split(), str(script), args.config, *args.overrides]
     return subprocess.run(cmd).returncode
 
 
