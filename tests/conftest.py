@@ -112,18 +112,17 @@ def subprocess_env() -> dict[str, str]:
 
 
 class S3Traffic:
-    """WSGI middleware around moto's app: the GET requests it served and their body bytes."""
+    """WSGI middleware around moto's app: the GET requests it served, (path, body bytes) each."""
 
     def __init__(self, app):
-        self.app, self.gets, self.bytes_sent = app, 0, 0
+        self.app, self.gets = app, []
 
     def __call__(self, environ, start_response):
         body = self.app(environ, start_response)
         if environ["REQUEST_METHOD"] != "GET":
             return body
         chunks = list(body)  # moto answers from memory: nothing is lost by joining here
-        self.gets += 1
-        self.bytes_sent += sum(map(len, chunks))
+        self.gets.append((environ["PATH_INFO"], sum(map(len, chunks))))
         return chunks
 
 

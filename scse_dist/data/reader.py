@@ -1,11 +1,11 @@
 """ShardReader: one loader reader's access to tar samples, tolerant of corrupt input.
 
 Local shards are memory-mapped and every sample is read in place from the page cache, at the
-byte offsets of the shard's sample table (scse-tokens-v2). A remote shard read in file order (an unshuffled split) is one sequential
-stream (webdataset's tar iterator over an fsspec file: one request per shard); in a shuffled
-order each sample is one ranged read (`fs.cat_file`) spanning its two members: on object
-storage one GET of exactly the sample, where a buffered file would read ahead megabytes per
-random seek.
+byte offsets of the shard's sample table (scse-tokens-v2). A remote shard read in file order
+(an unshuffled split) is one sequential stream (webdataset's tar iterator over an fsspec file:
+one request per shard). In a shuffled order each remote sample is one ranged read spanning its
+two members, the next few fetched together (`prefetch`, concurrent GETs on object storage):
+one GET of exactly the sample, where a buffered file would read ahead megabytes per seek.
 
 Bad input never raises here: a truncated or unreadable tar, a missing member, an array that does
 not decode, or doc_lens that disagree with the tokens make the affected samples *bad*. Each
@@ -76,6 +76,12 @@ def documents_of(sample: Sample) -> list[np.ndarray]:
     return [tokens[e - n - 1:e - 1] for e, n in zip(ends.tolist(), lens.tolist())]
 
 
+def _span(entry: dict[str, tuple[int, int]]) -> tuple[int, int]:
+    """The byte range [lo, hi) covering a sample's members (and the tar header between them)."""
+    return (min(offset for offset, _ in entry.values()),
+            max(offset + size for offset, size in entry.values()))
+
+
 def _sample_index(key: str, fallback: int) -> int:
     """The writer's keys end in -NNNNNN (the sample number); other keys count in file order."""
     tail = key.rsplit("-", 1)[-1]
@@ -83,10 +89,14 @@ def _sample_index(key: str, fallback: int) -> int:
 
 
 class ShardReader:
-    def __init__(self, urls: list[str], n_samples: list[int], eos: int, table_urls: list[str]):
+    def __init__(self, urls: list[str], n_samples: list[int], eos: int, table_urls: list[str],
+                 file_order: bool = False):
         """`table_urls[s]`: shard s's sample table (sizes and member offsets, see
-        shards.TABLE_COLUMNS)."""
+        shards.TABLE_COLUMNS). `file_order`: samples are asked for in file order (an unshuffled
+        split), so a remote shard is streamed; otherwise every sample is a ranged read."""
         self.urls, self.n_samples, self.eos, self.table_urls = urls, n_samples, eos, table_urls
+        self.file_order = file_order
+        self._prefetched: dict[tuple[int, int], memoryview] = {}
         self._sample_tables: dict[int, Optional[np.ndarray]] = {}
         self._unreadable: set[int] = set()  # shards whose file or table would not open
         self.failures = 0
@@ -119,10 +129,32 @@ class ShardReader:
         source = self._source(s)
         if source is None:
             return None
-        if j == 0 and not isinstance(source, memoryview):  # a remote shard read from its start
+        if j == 0 and self.file_order and not isinstance(source, memoryview):  # remote, in order
             self._cursor = (s, 0, self._sequential(s))
             return self._advance()
         return self._random_access(s, j)
+
+    def prefetch(self, keys: list[tuple[int, int]]) -> None:
+        """Fetch these samples of remote shards in one concurrent `cat_ranges` call (async
+        filesystems such as s3fs send the GETs in parallel), for the sample() calls to come:
+        one request at a time would leave a reader waiting a round trip per 64K tokens."""
+        if self.file_order:
+            return
+        by_fs: dict[int, tuple[Any, list[tuple[tuple[int, int], str, int, int]]]] = {}
+        for s, j in dict.fromkeys(keys):
+            if (s, j) in self.bad or (s, j) in self._prefetched:
+                continue
+            source = self._source(s)
+            entry = self._table(s).get(j) if isinstance(source, tuple) else None
+            if entry is not None:
+                lo, hi = _span(entry)
+                by_fs.setdefault(id(source[0]), (source[0], []))[1].append(((s, j), source[1], lo, hi))
+        for fs, ranges in by_fs.values():
+            blobs = fs.cat_ranges([r[1] for r in ranges], [r[2] for r in ranges],
+                                  [r[3] for r in ranges], on_error="return")
+            for (key, _, lo, hi), blob in zip(ranges, blobs):
+                if isinstance(blob, bytes) and len(blob) == hi - lo:  # else sample() reads it again
+                    self._prefetched[key] = memoryview(blob)
 
     def sample_table(self, s: int) -> Optional[np.ndarray]:
         """Shard s's sample table, loaded once; None, with all the shard's samples made bad,
@@ -208,9 +240,10 @@ class ShardReader:
         try:
             if entry is None:
                 raise ValueError(f"{where}: not in the tar")
-            lo = min(offset for offset, _ in entry.values())
-            hi = max(offset + size for offset, size in entry.values())
-            blob = self._read_range(s, lo, hi)  # the members and the tar header between them
+            lo, hi = _span(entry)
+            blob = self._prefetched.pop((s, j), None)
+            if blob is None:
+                blob = self._read_range(s, lo, hi)  # the members and the tar header between them
             if len(blob) != hi - lo:
                 raise ValueError(f"{where}: {len(blob)} of {hi - lo} bytes (truncated tar)")
             parts = {ext: blob[offset - lo:offset - lo + size] for ext, (offset, size) in entry.items()}
@@ -231,4 +264,5 @@ class ShardReader:
         # mmaps close when the last array viewing them goes: closing here could pull pages from
         # under a batch still in use
         self._sources.clear()
+        self._prefetched.clear()
         self._cursor = None
