@@ -13,7 +13,8 @@ import sys
 import time
 from typing import Iterable, Iterator
 
-from scse_dist.data.shards import iter_samples, load_sample_table, read_index, shard_url, write_shards
+from scse_dist.data.shards import (iter_samples, load_sample_table, read_index, shard_url, table_url,
+                                   write_shards)
 from scse_dist.data.sources import TEXT_SPLITS, iter_documents
 from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
 
@@ -76,7 +77,7 @@ def inspect_shards(path: str) -> bool:
         for entry in entries:
             tokens = docs = samples = 0
             try:
-                table = load_sample_table(shard_url(path, {"url": entry["table"]}), entry["samples"])
+                table = load_sample_table(table_url(path, entry), entry["samples"])
                 for _, toks, lens in iter_samples(shard_url(path, entry), index["eos_id"]):
                     size = [int(lens.sum()), len(lens)]
                     if samples >= len(table) or table[samples, :2].tolist() != size:

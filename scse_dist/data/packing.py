@@ -18,11 +18,6 @@ class WindowPacker:
         self._out = np.empty(self.size, np.int64)
         self._fill = 0
 
-    @property
-    def buffered(self) -> int:
-        """Tokens waiting for the current window to fill."""
-        return self._fill
-
     def add(self, run: np.ndarray) -> list[np.ndarray]:
         """Append `run`; return the windows it completed, each (rows, width) int64."""
         full = []

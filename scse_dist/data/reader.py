@@ -76,12 +76,6 @@ def documents_of(sample: Sample) -> list[np.ndarray]:
     return [tokens[e - n - 1:e - 1] for e, n in zip(ends.tolist(), lens.tolist())]
 
 
-def _span(entry: dict[str, tuple[int, int]]) -> tuple[int, int]:
-    """The byte range [lo, hi) covering a sample's members (and the tar header between them)."""
-    return (min(offset for offset, _ in entry.values()),
-            max(offset + size for offset, size in entry.values()))
-
-
 def _sample_index(key: str, fallback: int) -> int:
     """The writer's keys end in -NNNNNN (the sample number); other keys count in file order."""
     tail = key.rsplit("-", 1)[-1]
@@ -97,13 +91,11 @@ class ShardReader:
         self.urls, self.n_samples, self.eos, self.table_urls = urls, n_samples, eos, table_urls
         self.file_order = file_order
         self._prefetched: dict[tuple[int, int], memoryview] = {}
-        self._sample_tables: dict[int, Optional[np.ndarray]] = {}
-        self._unreadable: set[int] = set()  # shards whose file or table would not open
+        self._sample_tables: dict[int, Optional[np.ndarray]] = {}  # None: unreadable
         self.failures = 0
         self.bad: set[tuple[int, int]] = set()
         self.new_bad: list[tuple[int, int]] = []  # since the stream last collected them
         self._cursor: Optional[tuple[int, int, Iterator[tuple[int, Optional[Sample]]]]] = None
-        self._tables: dict[int, dict[int, dict[str, tuple[int, int]]]] = {}
         self._sources: dict[int, Any] = {}  # shard -> mmap view, or (filesystem, path)
 
     # ------------------------------------------------------------------ failures
@@ -145,9 +137,8 @@ class ShardReader:
             if (s, j) in self.bad or (s, j) in self._prefetched:
                 continue
             source = self._source(s)
-            entry = self._table(s).get(j) if isinstance(source, tuple) else None
-            if entry is not None:
-                lo, hi = _span(entry)
+            if isinstance(source, tuple):  # remote and readable (so its table loaded)
+                lo, hi, _ = self._location(s, j)
                 by_fs.setdefault(id(source[0]), (source[0], []))[1].append(((s, j), source[1], lo, hi))
         for fs, ranges in by_fs.values():
             blobs = fs.cat_ranges([r[1] for r in ranges], [r[2] for r in ranges],
@@ -166,7 +157,6 @@ class ShardReader:
             try:
                 self._sample_tables[s] = load_sample_table(self.table_urls[s], self.n_samples[s])
             except (ValueError, OSError) as exc:
-                self._unreadable.add(s)
                 self._fail(s, list(range(self.n_samples[s])), str(exc))
         return self._sample_tables[s]
 
@@ -174,8 +164,7 @@ class ShardReader:
         """A read-only mmap view of a local shard (the page cache read in place, not copied), or
         (filesystem, path) of a remote one; None, with all its samples bad, when it won't open."""
         if s not in self._sources:
-            self.sample_table(s)  # a bad table makes the shard bad in file order and shuffled alike
-            if s in self._unreadable:
+            if self.sample_table(s) is None:  # a bad table: the shard is bad in every read order
                 self._sources[s] = None
                 return None
             try:
@@ -187,7 +176,6 @@ class ShardReader:
                     self._sources[s] = (fs, path)
             except Exception as exc:  # gone since start-up, empty, unreadable
                 self._sources[s] = None
-                self._unreadable.add(s)
                 self._fail(s, list(range(self.n_samples[s])), f"cannot open ({type(exc).__name__}: {exc})")
         return self._sources[s]
 
@@ -225,28 +213,25 @@ class ShardReader:
             self._fail(s, list(range(seen + 1, self.n_samples[s])),
                        f"tar ends after {seen + 1} of {self.n_samples[s]} samples (truncated?)")
 
-    def _table(self, s: int) -> dict[int, dict[str, tuple[int, int]]]:
-        """sample -> {member: (byte offset, size)}, from the shard's sample table."""
-        if s not in self._tables:
-            rows = self.sample_table(s)
-            self._tables[s] = {} if rows is None else {
-                j: {MEMBERS[0]: (t, tn), MEMBERS[1]: (d, dn)}
-                for j, (_, _, t, tn, d, dn) in enumerate(rows.tolist())}
-        return self._tables[s]
+    def _location(self, s: int, j: int) -> tuple[int, int, dict[str, tuple[int, int]]]:
+        """(lo, hi, {member: (byte offset, size)}) of sample j of shard s, from its sample table
+        (loaded: only a readable shard is read); [lo, hi) spans both members and the tar header
+        between them."""
+        table = self._sample_tables[s]
+        assert table is not None
+        _, _, t, tn, d, dn = table[j].tolist()
+        return min(t, d), max(t + tn, d + dn), {MEMBERS[0]: (t, tn), MEMBERS[1]: (d, dn)}
 
     def _random_access(self, s: int, j: int) -> Optional[Sample]:
-        entry = self._table(s).get(j)
         where = f"{self.urls[s]}: sample {j}"
         try:
-            if entry is None:
-                raise ValueError(f"{where}: not in the tar")
-            lo, hi = _span(entry)
+            lo, hi, members = self._location(s, j)
             blob = self._prefetched.pop((s, j), None)
             if blob is None:
-                blob = self._read_range(s, lo, hi)  # the members and the tar header between them
+                blob = self._read_range(s, lo, hi)
             if len(blob) != hi - lo:
                 raise ValueError(f"{where}: {len(blob)} of {hi - lo} bytes (truncated tar)")
-            parts = {ext: blob[offset - lo:offset - lo + size] for ext, (offset, size) in entry.items()}
+            parts = {ext: blob[offset - lo:offset - lo + size] for ext, (offset, size) in members.items()}
             return decode_sample(parts, where, self.eos)
         except Exception as exc:
             self._fail(s, [j], str(exc))

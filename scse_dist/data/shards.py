@@ -51,7 +51,7 @@ import fsspec
 import numpy as np
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
-from scse_dist.data.reader import decode_sample
+from scse_dist.data.reader import decode_sample, load_npy
 from scse_dist.data.tokenizer import Tokenizer
 
 FORMAT = "scse-tokens-v2"
@@ -92,6 +92,7 @@ class _SplitWriter:
         self.docs: list[list[int]] = []
         self.doc_tokens = 0
         self.shards: list[dict[str, Any]] = []
+        self.table: list[list[int]] = []  # the open shard's sample table, a row per sample
         self.tar: tarfile.TarFile | None = None
         self.file: Any = None
         self.shard_written = 0
@@ -108,7 +109,7 @@ class _SplitWriter:
         self.tar = tarfile.open(fileobj=self.file, mode="w", format=tarfile.USTAR_FORMAT)
         self.shards.append({"url": name, "table": name[:-len(".tar")] + ".samples.npy",
                             "tokens": 0, "documents": 0, "samples": 0})
-        self.table: list[list[int]] = []
+        self.table = []
         self.shard_written = 0
 
     def _add_member(self, name: str, data: bytes) -> list[int]:
@@ -299,6 +300,11 @@ def shard_url(path: str, shard: dict) -> str:
     return u if "://" in u or u.startswith("/") else join(path, u)
 
 
+def table_url(path: str, shard: dict) -> str:
+    """Absolute URL of a shard entry's sample table."""
+    return shard_url(path, {"url": shard["table"]})
+
+
 def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[str]]:
     """(root, index, entries, urls) of the non-empty shards of `split` under `path`.
 
@@ -326,14 +332,12 @@ def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[st
                                     f"{split!r} of {join(root, INDEX_NAME)}, e.g. {unknown[0]}")
         entries = [by_url[u] for u in wanted if by_url[u]["tokens"] > 0]
     urls = [shard_url(root, e) for e in entries]
-    check_shards_exist(urls + [shard_url(root, {"url": e["table"]}) for e in entries])
+    check_shards_exist(urls + [table_url(root, e) for e in entries])
     return root, index, entries, urls
 
 
 def load_sample_table(url: str, n_samples: int) -> np.ndarray:
     """A shard's sample table (see TABLE_COLUMNS); ValueError naming the file when it is bad."""
-    from scse_dist.data.reader import load_npy
-
     try:
         with fsspec.open(url, "rb") as f:
             table = load_npy(f.read())

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from scse_dist.data.packing import WindowPacker
 from scse_dist.data.reader import Sample, ShardReader, documents_of
-from scse_dist.data.shards import resolve_split, shard_url
+from scse_dist.data.shards import resolve_split, table_url
 
 Item = tuple[int, int, int]  # (shard, sample, document or -1 for the whole sample)
 PREFETCH_SAMPLES = 16  # remote samples fetched concurrently (~2 MB at 64K uint16 tokens)
@@ -77,9 +77,9 @@ class TokenStream:
             raise ValueError(f"{self.path}: split {split!r} has {n_docs} documents, fewer than the "
                              f"{self.n_readers} readers (world_size={world_size} x "
                              f"data.num_workers={num_workers}); every reader needs data")
-        tables = [shard_url(self.root, {"url": e["table"]}) for e in self.shards]
-        self._probe = ShardReader(self.urls, [int(e["samples"]) for e in self.shards], self.eos,
-                                  tables, file_order=not self.shuffle)
+        self.n_samples = [int(e["samples"]) for e in self.shards]
+        tables = [table_url(self.root, e) for e in self.shards]
+        self._probe = ShardReader(self.urls, self.n_samples, self.eos, tables, file_order=not self.shuffle)
         self._memory: dict[tuple[int, int], Optional[Sample]] = {}  # document level only
         self.level = self._pick_level()
         self.consumed = 0  # batches this rank yielded: with the reader layout, the whole position
@@ -112,20 +112,17 @@ class TokenStream:
 
     # ------------------------------------------------------------------ plan
 
-    def _samples_in(self, s: int) -> int:
-        return int(self.shards[s]["samples"])
-
     def _pick_level(self) -> str:
         if len(self.shards) >= self.n_readers:
             return "shard"
-        if sum(self._samples_in(s) for s in range(len(self.shards))) >= self.n_readers:
+        if sum(self.n_samples) >= self.n_readers:
             return "sample"
         return "document"
 
     def _units(self) -> list[Item]:
         if self.level == "shard":
             return [(s, -1, -1) for s in range(len(self.shards))]
-        samples = [(s, j) for s in range(len(self.shards)) for j in range(self._samples_in(s))]
+        samples = [(s, j) for s, n in enumerate(self.n_samples) for j in range(n)]
         if self.level == "sample":
             return [(s, j, -1) for s, j in samples]
         return [(s, j, d) for s, j in samples for d in range(len(self._doc_lens(s, j)))]
@@ -140,7 +137,7 @@ class TokenStream:
             if j >= 0:
                 items.append((s, j, d))
                 continue
-            order = np.arange(self._samples_in(s))
+            order = np.arange(self.n_samples[s])
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch, s]).permutation(order)
             items.extend((s, int(k), -1) for k in order)
@@ -173,7 +170,7 @@ class TokenStream:
 
     def _new_reader(self) -> ShardReader:
         probe = self._probe
-        return ShardReader(self.urls, probe.n_samples, self.eos, probe.table_urls, probe.file_order)
+        return ShardReader(self.urls, self.n_samples, self.eos, probe.table_urls, probe.file_order)
 
     def documents(self, epoch: int = 0, worker: int = 0) -> Iterator[np.ndarray]:
         """One reader's documents in `epoch`, unpacked (no eos), in reading order."""
