@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import random
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -112,16 +114,26 @@ def subprocess_env() -> dict[str, str]:
 
 
 class S3Traffic:
-    """WSGI middleware around moto's app: the GET requests it served, (path, body bytes) each."""
+    """WSGI middleware around moto's app: the GET requests it served, (path, body bytes) each,
+    and the most GETs in flight at once; `delay` seconds added to each GET make overlap visible."""
 
     def __init__(self, app):
-        self.app, self.gets = app, []
+        self.app, self.gets, self.delay = app, [], 0.0
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
 
     def __call__(self, environ, start_response):
-        body = self.app(environ, start_response)
         if environ["REQUEST_METHOD"] != "GET":
-            return body
-        chunks = list(body)  # moto answers from memory: nothing is lost by joining here
+            return self.app(environ, start_response)
+        with self.lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            time.sleep(self.delay)
+            chunks = list(self.app(environ, start_response))  # moto answers from memory
+        finally:
+            with self.lock:
+                self.in_flight -= 1
         self.gets.append((environ["PATH_INFO"], sum(map(len, chunks))))
         return chunks
 
@@ -132,7 +144,6 @@ def s3_traffic(monkeypatch):
     its traffic counted. In this process fsspec's config points s3fs at it; the same settings
     are in os.environ (FSSPEC_S3, AWS_*) for child processes."""
     import json
-    import threading
 
     import fsspec
     moto_server = pytest.importorskip("moto.server")

@@ -48,7 +48,7 @@ def test_shards_written_to_and_streamed_from_s3(s3_bucket, tmp_path):
 def test_shuffled_epoch_downloads_each_sample_once(s3_bucket, s3_traffic, monkeypatch):
     """Random access reads exactly a sample per request: a shuffled epoch costs about the shards'
     bytes, not a read-ahead block per sample (s3fs reads ahead 50 MiB by default; 4 KiB here,
-    so shards of a few hundred KiB show what 256 MiB shards would do)."""
+    so shards of a few hundred KiB show what 256 MiB shards would do), several GETs at a time."""
     url = f"{s3_bucket}/small-samples"
     index = write_shards(docs_of(1500), IntTokenizer(), url, sample_tokens=40, shard_bytes=200_000)
     entries = index["splits"]["train"]
@@ -61,7 +61,9 @@ def test_shuffled_epoch_downloads_each_sample_once(s3_bucket, s3_traffic, monkey
     monkeypatch.setitem(fsspec.config.conf["s3"], "default_block_size", 4096)
     stream = TokenStream(url, seq_len=64, batch_size=4, shuffle=True, loop=False)
     before = len(s3_traffic.gets)
+    s3_traffic.delay, s3_traffic.max_in_flight = 0.002, 0  # a round trip, so GETs can overlap
     tokens = sum(b.numel() for b in stream)
+    assert s3_traffic.max_in_flight > 1  # the next samples are fetched concurrently
     assert tokens > 0.99 * sum(e["tokens"] + e["documents"] for e in entries)
     tar_gets = [n for path, n in s3_traffic.gets[before:] if path.endswith(".tar")]
     # one GET per sample, none larger than a sample (no read-ahead, no stream of a whole shard)
