@@ -83,3 +83,28 @@ def test_indivisible_global_batch_exits_2_before_any_process_group(tmp_path, tin
     assert out.stderr.strip() == ("scse-train: config error: train.global_batch_size: 12 is not a "
                                   "multiple of train.micro_batch_size (4) x world size (2)")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_accumulation_of_4_micro_batches_of_2_equals_1_of_8_at_every_zero_stage(tmp_path,
+                                                                                tiny_config,
+                                                                                subprocess_env):
+    """The trainer's own train_step on 2 ranks: 4 x micro-batch 2 and 1 x micro-batch 8 see the
+    same global batch of 16 (in another split over ranks and micro-batches), so DeepSpeed's
+    per-micro-batch loss scaling must make every step's loss and the final parameters agree."""
+    cfg = tiny_config(tmp_path)
+    common = ("train.max_steps=10", "train.depth.max=4", "train.global_batch_size=16")
+    runs = {"accum4": ("train.micro_batch_size=2",), "accum1": ("train.micro_batch_size=8",)}
+    for name, overrides in runs.items():
+        all_passed(run_ranks([*PARITY, "--config", cfg, "--out", str(tmp_path / name),
+                              "--stages", "0,1,2,3", *common, *overrides], subprocess_env))
+    for stage in (0, 1, 2, 3):
+        losses4, params4, cfg4 = load_stage(tmp_path / "accum4", stage)
+        losses1, params1, cfg1 = load_stage(tmp_path / "accum1", stage)
+        assert (cfg4["train"]["grad_accum_steps"], cfg1["train"]["grad_accum_steps"]) == (4, 1)
+        assert len(losses4) == len(losses1) == 10
+        assert losses4[-1] < losses4[0] - 0.3, losses4  # it trains, so the comparison means something
+        assert max(abs(a - b) for a, b in zip(losses4, losses1)) <= TOL, (stage, losses4, losses1)
+        assert params4.keys() == params1.keys()
+        for key, want in params1.items():
+            assert torch.allclose(params4[key], want, rtol=0, atol=TOL), (stage, key)

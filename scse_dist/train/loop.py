@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -21,6 +20,7 @@ from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import (REQUEUE_EXIT_CODE, FaultInjector, NonFiniteCounter,
                                    PreemptionFlag, TrainingStopped)
 from scse_dist.train.metrics import MetricsLogger, peak_flops
+from scse_dist.train.step import sum_over_ranks, train_step
 from scse_dist.train.storage import RunStorage
 
 
@@ -29,43 +29,6 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def _sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        values = values.clone()
-        dist.all_reduce(values)
-    return values
-
-
-def _agree(nonfinite: torch.Tensor, preempted: bool) -> tuple[bool, bool]:
-    """(any rank saw a non-finite loss/gradient, any rank was asked to stop): one all-reduce."""
-    flags = torch.stack([nonfinite.float().clamp(max=1), torch.tensor(float(preempted)).to(nonfinite)])
-    bad, stop = _sum_over_ranks(flags).tolist()
-    return bad > 0, stop > 0
-
-
-def _grads_nonfinite(engine: Any) -> torch.Tensor:
-    # Without ZeRO nothing checks the reduced gradients; ZeRO-1/2/3 check their own partitions
-    # (a NaN/Inf gradient norm skips the step there) and report it via was_step_applied().
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return sum((~torch.isfinite(g)).any().float() for g in grads) if grads else torch.zeros(())
-
-
-@contextlib.contextmanager
-def _optimizer_step_skipped(optimizer: Any, skip: bool) -> Iterator[None]:
-    """Without ZeRO, DeepSpeed has no overflow check that could skip a step, and its gradient
-    clipping needs gradients, so a non-finite step runs engine.step() with the optimizer's own
-    step shadowed by a no-op: parameters and optimizer state stay as they were (the LR schedule
-    advances). engine.step() still clears the gradients."""
-    if not skip:
-        yield
-        return
-    optimizer.step = lambda *args, **kwargs: None  # an instance attribute hides the method
-    try:
-        yield
-    finally:
-        del optimizer.step
 
 
 def with_world_batch(cfg: RunConfig, world_size: int) -> RunConfig:
@@ -104,6 +67,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         # Zero-start ablations produce subnormal floats, which make CPU math ~10x slower.
         torch.set_flush_denormal(True)
     model = LoopedLM(cfg.model)
+    n_params = model.num_parameters()  # before ZeRO-3 partitions them to empty placeholders
     engine, ds_config = build_engine(cfg, model)
     stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
                                      env.world_size, cfg.train.seed, tokenizer.sha256)
@@ -115,14 +79,13 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     peak = peak_flops(engine.device) if rank0 else None
     tokens_per_step = env.world_size * t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len
     if rank0:
-        print(f"training {cfg.name}: {model.num_parameters():,} parameters, world {env.world_size} "
+        print(f"training {cfg.name}: {n_params:,} parameters, world {env.world_size} "
               f"({env.launcher}), ZeRO-{ds_config['zero_optimization']['stage']}, "
               f"{'bf16' if ds_config['bf16']['enabled'] else 'fp32'}, steps {start_step}..{t.max_steps}",
               flush=True)
 
     faults = FaultInjector(env.rank)
     nonfinite = NonFiniteCounter(t.max_nonfinite_steps)
-    stage = ds_config["zero_optimization"]["stage"]
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
     last_saved = start_step if start_step else -1
@@ -137,44 +100,31 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             depth = None if model.fixed_depth is not None else \
                 sample_depth(step, t.depth, cfg.model.depth, t.seed)
             lr = engine.get_lr()[0]  # the lr this step uses: the scheduler advances inside engine.step
-            step_losses = torch.zeros((), device=engine.device)
-            local_bad = torch.zeros((), device=engine.device)
-            for micro in range(t.grad_accum_steps):
-                batch = next(batches).to(engine.device)
-                out = engine(batch[:, :-1], batch[:, 1:], depth=depth,
-                             backprop_steps=t.depth.backprop_steps, keep_logits=False)
-                loss = faults.loss(done, out.loss)
-                local_bad += (~torch.isfinite(loss.detach())).float()
-                step_losses += loss.detach().float()
-                engine.backward(loss)
-                if micro == t.grad_accum_steps - 1:  # the boundary: decide before the update
-                    if stage == 0:
-                        local_bad += _grads_nonfinite(engine).to(local_bad)
-                    bad, stop = _agree(local_bad, preemption.requested)
-                with _optimizer_step_skipped(engine.optimizer, bad and stage == 0):
-                    engine.step()
-            skipped = bad or not engine.was_step_applied()
-            nonfinite.update(done, skipped, tag_for(last_saved) if last_saved > 0 else None)
-            if skipped and rank0:
+            result = train_step(engine, (next(batches) for _ in range(t.grad_accum_steps)),
+                                depth=depth, backprop_steps=t.depth.backprop_steps,
+                                stop_requested=lambda: preemption.requested,
+                                loss_hook=lambda loss: faults.loss(done, loss))
+            nonfinite.update(done, result.skipped, tag_for(last_saved) if last_saved > 0 else None)
+            if result.skipped and rank0:
                 print(f"step {done}: non-finite loss or gradient, step skipped ({nonfinite.in_a_row} "
                       f"in a row, {nonfinite.total} in all)", flush=True)
-            if not skipped:
-                loss_window += torch.stack([step_losses, torch.tensor(float(t.grad_accum_steps))
-                                            .to(step_losses)])
+            if not result.skipped:
+                loss_window += torch.stack([result.loss_sum, torch.tensor(float(result.micro_batches))
+                                            .to(result.loss_sum)])
             window_steps += 1
-            window_flops += flops_per_token(cfg.model, out.depth, cfg.data.seq_len)
+            window_flops += flops_per_token(cfg.model, result.depth, cfg.data.seq_len)
 
             if done % t.log_every == 0 or done == t.max_steps or done == start_step + 1:
                 # loss sum, token count and bad-input events (skipped corrupt shards or samples)
                 # of every rank in one all-reduce
-                total, count, data_failures = _sum_over_ranks(
+                total, count, data_failures = sum_over_ranks(
                     torch.cat([loss_window, loss_window.new_tensor([stream.failures])])).tolist()
                 loss = total / count if count else float("nan")
                 elapsed = time.perf_counter() - window_start
                 tokens_per_s = tokens_per_step * window_steps / elapsed
                 mfu = (window_flops / window_steps) * tokens_per_s / (env.world_size * peak) \
                     if peak else None
-                logger.log({"step": done, "loss": loss, "lr": lr, "depth": int(out.depth),
+                logger.log({"step": done, "loss": loss, "lr": lr, "depth": result.depth,
                             "tokens_per_s": tokens_per_s, "mfu": mfu,
                             "step_time_s": elapsed / window_steps, "tokens": done * tokens_per_step,
                             "skipped_steps": nonfinite.total, "data_failures": int(data_failures)})
@@ -182,10 +132,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 last_loss = loss
                 window_start, window_steps, window_flops = time.perf_counter(), 0, 0.0
                 loss_window.zero_()
-            if done % t.checkpoint_every == 0 or done == t.max_steps or stop:
+            if done % t.checkpoint_every == 0 or done == t.max_steps or result.stop:
                 save_checkpoint(engine, run_dir, done, stream, cfg, faults, storage)
                 last_saved = done
-            if stop:
+            if result.stop:
                 preempted_by = preemption.signal_name or "a signal on another rank"
                 break
     except TrainingStopped:

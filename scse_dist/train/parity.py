@@ -55,6 +55,7 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     from scse_dist.model import LoopedLM
     from scse_dist.train.depth import sample_depth
     from scse_dist.train.engine import build_engine
+    from scse_dist.train.step import train_step
 
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, zero_stage=stage,
                                                              deepspeed_config=None))
@@ -72,13 +73,9 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
         depth = None if model.fixed_depth is not None else \
             sample_depth(step, t.depth, cfg.model.depth, t.seed)
         batch = global_batch(cfg, step, micro * accum * world)
-        total = torch.zeros(())
-        for m in range(accum):
-            part = batch[(m * world + rank) * micro:(m * world + rank + 1) * micro]
-            out = engine(part[:, :-1], part[:, 1:], depth=depth, keep_logits=False)
-            engine.backward(out.loss)
-            engine.step()
-            total += out.loss.detach().float().cpu()
+        parts = (batch[(m * world + rank) * micro:(m * world + rank + 1) * micro] for m in range(accum))
+        result = train_step(engine, parts, depth=depth, backprop_steps=t.depth.backprop_steps)
+        total = result.loss_sum.detach().cpu()
         dist.all_reduce(total)
         losses.append(float(total) / (world * accum))
     params = consolidated_params(engine)
