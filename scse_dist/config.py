@@ -133,6 +133,9 @@ class TrainConfig:
     zero_stage: int = 1
     # Optional DeepSpeed JSON merged under the generated config (e.g. configs/deepspeed/zero3.json).
     deepspeed_config: Optional[str] = None
+    # torch_adamw: torch.optim.AdamW, fused on CUDA (no nvcc or JIT build). deepspeed_fused_adam:
+    # DeepSpeed's FusedAdam, which JIT-compiles a CUDA extension at start-up (CUDA only).
+    optimizer: Literal["torch_adamw", "deepspeed_fused_adam"] = "torch_adamw"
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
     log_every: int = 10
     checkpoint_every: int = 100

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from scse_dist.config import load_config
 from scse_dist.launch.distributed import free_port
@@ -88,7 +89,6 @@ def test_export_equals_the_final_checkpoint(trained):
 
 
 def test_resume_from_the_middle_checkpoint_reproduces_the_run_exactly(trained, tmp_path, subprocess_env):
-    from safetensors.torch import load_file
 
     run_dir = trained["run_dir"]
     reference = load_file(str(run_dir / "export" / "model.safetensors"))
@@ -128,8 +128,10 @@ def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subp
 
 def test_zero3_with_the_loop_leaf_trains(tmp_path, tiny_config, subprocess_env):
     cfg = tiny_config(tmp_path, "train.zero_stage=3", "train.max_steps=2", "train.log_every=1")
-    must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))
-    assert (tmp_path / "runs" / "tiny" / "export" / "model.safetensors").is_file()
+    stdout = must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))
+    export = load_file(str(tmp_path / "runs" / "tiny" / "export" / "model.safetensors"))
+    # counted before ZeRO-3 partitions the parameters (it printed 0 parameters once)
+    assert f"training tiny: {sum(t.numel() for t in export.values()):,} parameters" in stdout
 
 
 def test_bad_config_exits_2_naming_the_field_before_any_process_group(tmp_path, tiny_config,

@@ -4,9 +4,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from scse_dist.config import ConfigError, load_config
-from scse_dist.train.engine import build_ds_config
+from scse_dist.model import LoopedLM
+from scse_dist.train.engine import build_ds_config, build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,15 +26,39 @@ def test_generated_values_come_from_the_config():
     assert ds["gradient_clipping"] == 0.5
     assert ds["zero_optimization"] == {"stage": 2}
     assert ds["bf16"] == {"enabled": False}  # auto on CPU resolves to fp32
+    assert "optimizer" not in ds  # torch's AdamW is passed to deepspeed.initialize instead
+    assert "scheduler" not in ds  # and so is the LambdaLR
+
+
+def test_optimizer_is_torch_adamw_fused_on_cuda_with_no_decay_on_norms():
+    cfg = cfg_with("train.lr=0.01", "train.beta2=0.99", "train.weight_decay=0.05")
+    model = LoopedLM(cfg.model)
+    for on_cuda, fused in ((True, True), (False, None)):
+        opt = build_optimizer(cfg, model, on_cuda=on_cuda)
+        assert type(opt) is torch.optim.AdamW
+        assert opt.defaults["fused"] is fused  # fused: torch's own kernel, no nvcc/JIT build
+        assert opt.defaults["lr"] == 0.01 and opt.defaults["betas"] == (0.9, 0.99)
+        decay, rest = opt.param_groups
+        assert decay["weight_decay"] == 0.05 and rest["weight_decay"] == 0.0
+        assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in rest["params"])
+        assert len(decay["params"]) + len(rest["params"]) == len(list(model.parameters()))
+    # fused=True really steps on these parameters (torch's fused AdamW also runs on CPU)
+    opt = build_optimizer(cfg, model, on_cuda=True)
+    model(torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8))).loss.backward()
+    before = model.embed.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, model.embed.weight)
+
+
+def test_deepspeed_fused_adam_is_opt_in_and_needs_cuda():
+    cfg = cfg_with("train.optimizer=deepspeed_fused_adam", "train.precision=bf16")
+    ds = build_ds_config(cfg, on_cuda=True)
     assert ds["optimizer"] == {"type": "AdamW", "params": {
-        "lr": 0.01, "betas": [0.9, 0.99], "weight_decay": 0.05, "torch_adam": True}}
-    assert "scheduler" not in ds  # the LambdaLR is passed to deepspeed.initialize instead
-
-
-def test_cuda_uses_fused_adam_and_explicit_bf16():
-    ds = build_ds_config(cfg_with("train.precision=bf16"), on_cuda=True)
-    assert ds["optimizer"]["params"]["torch_adam"] is False
+        "lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}}
     assert ds["bf16"]["enabled"] is True
+    assert build_optimizer(cfg, LoopedLM(cfg.model), on_cuda=True) is None  # DeepSpeed builds it
+    with pytest.raises(ConfigError, match="^train.optimizer: deepspeed_fused_adam needs a CUDA"):
+        build_ds_config(cfg, on_cuda=False)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -58,10 +84,13 @@ def test_file_may_repeat_a_field_with_the_same_value_and_add_new_keys(tmp_path):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"gradient_clipping": 1, "optimizer": {"params": {"eps": 1e-6}},
                              "zero_optimization": {"overlap_comm": True}}))
-    ds = build_ds_config(cfg_with(f"train.deepspeed_config={f}"), on_cuda=False)
+    ds = build_ds_config(cfg_with(f"train.deepspeed_config={f}", "train.optimizer=deepspeed_fused_adam"),
+                         on_cuda=True)
     assert ds["gradient_clipping"] == 1
     assert ds["optimizer"]["params"]["eps"] == 1e-6 and ds["optimizer"]["params"]["lr"] == 1e-3
     assert ds["zero_optimization"] == {"stage": 1, "overlap_comm": True}
+    with pytest.raises(ConfigError, match="^train.optimizer: .*ds.json has an 'optimizer' section"):
+        build_ds_config(cfg_with(f"train.deepspeed_config={f}"), on_cuda=False)
 
 
 @pytest.mark.parametrize("content, field", [
@@ -73,7 +102,8 @@ def test_other_conflicts(tmp_path, content, field):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps(content))
     with pytest.raises(ConfigError, match=f"^{field}:"):
-        build_ds_config(cfg_with(f"train.deepspeed_config={f}"), on_cuda=False)
+        build_ds_config(cfg_with(f"train.deepspeed_config={f}", "train.optimizer=deepspeed_fused_adam"),
+                        on_cuda=True)
 
 
 def test_missing_or_broken_file(tmp_path):

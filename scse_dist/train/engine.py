@@ -36,21 +36,27 @@ def resolve_precision(precision: str) -> str:
 
 
 def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
+    """DeepSpeed's config from train.*. The optimizer section is there only for
+    train.optimizer=deepspeed_fused_adam; torch_adamw is built by build_optimizer and handed to
+    deepspeed.initialize as a client optimizer."""
     t = cfg.train
-    return {
+    generated = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps,
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": resolve_precision(t.precision) == "bf16"},
         "fp16": {"enabled": False},
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": t.lr, "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay,
-            # On CPU, torch.optim.AdamW instead of DeepSpeed's FusedAdam, which JIT-builds C++ (~45 s).
-            "torch_adam": not on_cuda}},
         "steps_per_print": 1 << 30,  # we log ourselves (scse_dist.train.metrics)
         "wall_clock_breakdown": False,
     }
+    if t.optimizer == "deepspeed_fused_adam":
+        if not on_cuda:
+            raise ConfigError("train.optimizer: deepspeed_fused_adam needs a CUDA device (it "
+                              "JIT-compiles a CUDA kernel); use torch_adamw on CPU")
+        generated["optimizer"] = {"type": "AdamW", "params": {
+            "lr": t.lr, "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay}}
+    return generated
 
 
 def _get(tree: dict, path: tuple[str, ...]) -> Any:
@@ -102,6 +108,10 @@ def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str,
         raise ConfigError(f"train.deepspeed_config: {path!r} is not valid JSON: {exc}") from None
     if not isinstance(extra, dict):
         raise ConfigError(f"train.deepspeed_config: {path!r} must hold a JSON object")
+    if "optimizer" in extra and "optimizer" not in generated:
+        raise ConfigError(f"train.optimizer: {path} has an 'optimizer' section, but "
+                          f"train.optimizer={cfg.train.optimizer} builds torch's AdamW from train.*; "
+                          "remove the section, or set train.optimizer: deepspeed_fused_adam")
     for key_path, field_name in _OWNED:
         theirs = _get(extra, key_path)
         if theirs is _MISSING:
@@ -113,6 +123,19 @@ def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str,
                 f"{'(none)' if ours is _MISSING else json.dumps(ours)} but {path} sets "
                 f"{json.dumps(theirs)}; change one of them so they agree")
     return _deep_merge(generated, extra)
+
+
+def build_optimizer(cfg: RunConfig, model: torch.nn.Module,
+                    on_cuda: Optional[bool] = None) -> Optional[torch.optim.Optimizer]:
+    """torch.optim.AdamW over the decay/no-decay groups, fused on CUDA (a single multi-tensor
+    kernel that ships with torch: no nvcc, no JIT build); None when DeepSpeed builds its own."""
+    if cfg.train.optimizer != "torch_adamw":
+        return None
+    on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
+    t = cfg.train
+    return torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr,
+                             betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                             fused=True if on_cuda else None)
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -162,7 +185,9 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module,
         # Not for untied: its LoopCore holds every distinct block, which would stay gathered.
         for leaf in deepspeed.utils.set_z3_leaf_modules(model, [LoopCore]):
             leaf.register_forward_hook(require_hookable_output)
+    optimizer = build_optimizer(cfg, model)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=_param_groups(model, cfg.train.weight_decay),
+        model=model, optimizer=optimizer,
+        model_parameters=None if optimizer else _param_groups(model, cfg.train.weight_decay),
         config=ds_config, lr_scheduler=lambda opt: build_lr_scheduler(opt, cfg.train))
     return engine, ds_config
