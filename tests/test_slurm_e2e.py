@@ -18,23 +18,33 @@ from conftest import REPO_ROOT
 pytestmark = pytest.mark.slow
 CLUSTER = ["bash", str(REPO_ROOT / "slurm" / "local-cluster.sh")]
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL"}
-# A one-node, GPU-less cluster: override pretrain.sh's multi-node GPU defaults.
-SBATCH = ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1",
-          "--gpus-per-node=0", "--time=10"]
+# GPU-less, one task per node: override pretrain.sh's multi-node GPU defaults (and --nodes=2).
+SBATCH = ["sbatch", "--parsable", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0",
+          "--time=10"]
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster():
+def running_cluster(nodes: int):
+    """A module fixture's body: a local cluster of `nodes` nodes while the module runs. Afterwards
+    it is stopped, or, when a developer had one running, brought back to the node count it had."""
     if os.geteuid() != 0:
         pytest.skip("a local Slurm needs root (slurmd runs as root)")
     if not shutil.which("apt-get") and not shutil.which("slurmctld"):
         pytest.skip("no Slurm packages and no apt-get to install them")
-    was_up = subprocess.run([*CLUSTER, "status"], capture_output=True).returncode == 0
-    start = subprocess.run([*CLUSTER, "start"], capture_output=True, text=True, timeout=600)
+    before = subprocess.run([*CLUSTER, "status"], capture_output=True, text=True)  # "up: NODE..."
+    start = subprocess.run([*CLUSTER, "start", "--nodes", str(nodes)], capture_output=True, text=True,
+                           timeout=600)
     assert start.returncode == 0, start.stderr[-3000:]
     yield
-    if not was_up:  # leave a cluster a developer started running
+    if before.returncode != 0:
         subprocess.run([*CLUSTER, "stop"], capture_output=True, timeout=120)
+    else:  # a no-op when it has the same nodes
+        subprocess.run([*CLUSTER, "start", "--nodes", str(len(before.stdout.split()) - 1)],
+                       capture_output=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    yield from running_cluster(nodes=1)
 
 
 def job_info(job_id: str) -> dict[str, str]:
@@ -54,12 +64,12 @@ def wait_final(job_id: str, timeout_s: float = 180) -> dict[str, str]:
         time.sleep(0.5)
 
 
-def submit(tmp_path: Path, *overrides: str) -> str:
+def submit(tmp_path: Path, *overrides: str, nodes: int = 1) -> str:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    out = subprocess.run([*SBATCH, f"--output={tmp_path}/%x-%j.out", f"--error={tmp_path}/%x-%j.err",
+    out = subprocess.run([*SBATCH, f"--nodes={nodes}", f"--output={tmp_path}/%x-%j.out", f"--error={tmp_path}/%x-%j.err",
                           "slurm/pretrain.sh", "configs/tiny-cpu.yaml", f"output_dir={tmp_path}/runs",
                           f"data.path={tmp_path}/data/shards",
                           f"data.tokenizer={tmp_path}/data/tokenizer.model", *overrides],
@@ -78,6 +88,27 @@ def scheduled(run_dir: Path, timeout_s: float = 60) -> dict:
 
 def logs(tmp_path: Path) -> str:
     return "".join(p.read_text() for p in sorted(tmp_path.glob("scse-pretrain-*")))
+
+
+def preempt_and_wait(train: str, run_dir: Path, tmp_path: Path) -> dict[str, str]:
+    """Once training logged a step, send what Slurm's --signal=USR1@120 sends near the time limit
+    (SIGUSR1 to the job's steps, i.e. every task on every node), and wait until the requeued job
+    ended. Returns its final `scontrol show job`."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert time.monotonic() < deadline, logs(tmp_path)
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", train], check=True)
+    # Slurm holds a requeued job back (BeginTime, about two minutes); release it sooner. Not at
+    # once: slurmd refuses a credential from the same second as the revoked one of the first run.
+    deadline = time.monotonic() + 120
+    while (info := job_info(train))["Restarts"] == "0" or info["JobState"] not in ("PENDING", "RUNNING"):
+        assert time.monotonic() < deadline and info["JobState"] not in FINAL, (info, logs(tmp_path))
+        time.sleep(0.2)
+    if info["JobState"] == "PENDING":
+        subprocess.run(["scontrol", "update", f"JobId={train}", "StartTime=now+5"], check=True)
+    return wait_final(train, timeout_s=240)
 
 
 def test_training_then_dependent_evaluations_and_report(slurm_cluster, tmp_path):
@@ -121,22 +152,8 @@ def test_preemption_signal_requeues_and_resumes_without_rescheduling(slurm_clust
     train = submit(tmp_path, "name=preempt", "train.max_steps=60", "train.checkpoint_every=1000")
     run_dir = tmp_path / "runs" / "preempt"
     ids = scheduled(run_dir)
+    info = preempt_and_wait(train, run_dir, tmp_path)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.is_file() and metrics.read_text().strip()):
-        assert time.monotonic() < deadline, logs(tmp_path)
-        time.sleep(0.2)
-    # what Slurm's --signal=USR1@120 does near the time limit: SIGUSR1 to the job's steps
-    subprocess.run(["scancel", "--signal=USR1", train], check=True)
-    # Slurm holds a requeued job back (BeginTime, about two minutes); release it sooner. Not at
-    # once: slurmd refuses a credential from the same second as the revoked one of the first run.
-    deadline = time.monotonic() + 120
-    while (info := job_info(train))["Restarts"] == "0" or info["JobState"] not in ("PENDING", "RUNNING"):
-        assert time.monotonic() < deadline and info["JobState"] not in FINAL, (info, logs(tmp_path))
-        time.sleep(0.2)
-    if info["JobState"] == "PENDING":
-        subprocess.run(["scontrol", "update", f"JobId={train}", "StartTime=now+5"], check=True)
-    info = wait_final(train, timeout_s=240)
     out = logs(tmp_path)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, out)
     assert f"requeueing job {train}" in out and "resumed" in out

@@ -99,6 +99,16 @@ def resolve_dist_env(environ: Mapping[str, str],
                    else free_port(), launcher="none")
 
 
+def describe_placement(env: DistEnv, environ: Mapping[str, str]) -> str:
+    """Where this rank runs, for the log; under Slurm also its task and node (a multi-node log then
+    shows that every task started, and on which node)."""
+    where = f"rank {env.rank} of {env.world_size} (local rank {env.local_rank}) on {socket.gethostname()}"
+    if env.launcher == "slurm":
+        where += (f", Slurm task {environ.get('SLURM_PROCID', '?')} on node "
+                  f"{environ.get('SLURMD_NODENAME', '?')} (SLURM_NODEID {environ.get('SLURM_NODEID', '?')})")
+    return f"{where}, rendezvous {env.master_addr}:{env.master_port} ({env.launcher})"
+
+
 def collective_timeout_s() -> float:
     raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Sequence
 
@@ -36,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"scse-train: config error: {exc}", file=sys.stderr)
         return 2
-    from scse_dist.train.faults import REQUEUE_EXIT_CODE, TrainingStopped
+    from scse_dist.train.faults import PREEMPT_SIGNALS, REQUEUE_EXIT_CODE, TrainingStopped
     from scse_dist.train.loop import train  # imports deepspeed only once the config is good
 
     try:
@@ -44,7 +45,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainingStopped as exc:
         print(f"scse-train: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
-    return REQUEUE_EXIT_CODE if summary["preempted"] else 0
+    if summary["preempted"]:
+        # The checkpoint is saved. The ranks exit 75 one after the other, and srun
+        # --kill-on-bad-exit SIGTERMs the step's other tasks as soon as the first 75 arrives: a
+        # rank killed while it exits would make srun return 143 instead of 75, and pretrain.sh
+        # would not requeue. Ignored (not a Python handler, which the interpreter resets to the
+        # default action while it exits) until the process is gone.
+        for sig in PREEMPT_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        return REQUEUE_EXIT_CODE
+    return 0
 
 
 if __name__ == "__main__":

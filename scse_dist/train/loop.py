@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from scse_dist.config import RunConfig, config_to_dict, save_config
-from scse_dist.launch.distributed import barrier, init_distributed, shutdown
+from scse_dist.launch.distributed import barrier, describe_placement, init_distributed, shutdown
 from scse_dist.train.checkpoint import export_final, resume_if_present, save_checkpoint, tag_for
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
@@ -47,6 +48,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     # Installed first, so a preemption during start-up is also honoured at the first step.
     preemption = PreemptionFlag().install()
     env = init_distributed()
+    if env.world_size > 1:  # every rank, so that a multi-node log shows each one started, and where
+        print(describe_placement(env, os.environ), flush=True)
     cfg = with_world_batch(cfg, env.world_size)
     rank0 = env.rank == 0
     storage = RunStorage.for_config(cfg)  # a remote output_dir: run_dir is a local staging dir
@@ -143,7 +146,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         shutdown(engine)
         raise
     finally:
-        preemption.uninstall()
+        # Preempted: the flag handlers stay, so that a second signal cannot kill a rank that is
+        # still shutting down (scse-train then ignores these signals until exit; see cli.main).
+        if preempted_by is None:
+            preemption.uninstall()
 
     summary: dict[str, Any] = {"run_dir": str(run_dir), "rank": env.rank, "steps": t.max_steps,
                                "resumed_from": start_step, "first_loss": first_loss,
