@@ -32,6 +32,8 @@ def test_cpu_check_trains_both_stages_and_writes_the_summary(tmp_path, tiny_data
     assert sorted(runs) == [1, 3]
     for r in runs.values():
         assert r["skipped_steps"] == 0 and r["peak_mem_gib"] is None  # no CUDA: no peak memory
+        assert r["loop_checkpointing"] is True and r["compile"] is False  # as the trainer ran
+        assert [w["step"] for w in r["windows"]] == [1, 2, 4, 6]
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
         assert 0 < r["mfu"] < 1
         assert r["averaged_steps"] == "3-6"  # 6 steps logged every 2: the first window of 2 is out
