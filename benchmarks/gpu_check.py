@@ -123,13 +123,15 @@ def run_stage(stage: int, common: list[str], workdir: Path, steps: int, timeout:
             rc = f"timeout after {timeout} s"
     result: dict = {"stage": stage, "wall_s": round(time.perf_counter() - start, 1), "log": str(log)}
     if rc != 0:
-        print("".join(log.read_text().splitlines(keepends=True)[-15:]), end="")
-        return {**result, "failure": f"ZeRO-{stage}: trainer exited with {rc} (see {log})"}
+        tail = [line for line in log.read_text().splitlines() if line.strip()][-15:] or [""]
+        print("\n".join(tail))
+        return {**result, "failure": f"ZeRO-{stage}: trainer exited with {rc}: {tail[-1].strip()[:300]} "
+                                     f"(log {log})"}
 
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     from scse_dist.train.metrics import format_line
     print("".join(f"   {format_line(row)}\n" for row in rows), end="")  # the trainer's own lines
-    tokens_per_s, mfu, averaged = steady_state(rows, warm_steps=steps // 3)
+    tokens_per_s, mfu, averaged = steady_state(rows, warm_steps=max(1, steps // 3))
     heldout = json.loads((run_dir / "eval" / "heldout.json").read_text())["results"]
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())  # what the trainer ran
     result.update(
