@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from scse_dist.config import WandbConfig
-from scse_dist.train.metrics import MetricsLogger, format_line, measure_cpu_flops, peak_flops
+from scse_dist.train.metrics import (MetricsLogger, format_line, measure_cpu_flops, peak_flops,
+                                     peak_memory)
 
 
 def row(step, loss, mfu=0.25):
@@ -26,6 +27,12 @@ def test_format_line_shows_every_field():
     line = format_line(row(40, 3.14159))
     assert line == "step     40 | loss 3.1416 | lr 1.000e-03 | T  3 | tok/s 1,234 | step 50 ms | mfu 25.00%"
     assert "mfu" not in format_line(row(1, 1.0, mfu=None))
+    assert format_line({**row(40, 3.0), "peak_mem_gib": 12.345}).endswith(
+        "| mfu 25.00% | peak mem 12.3 GiB")
+
+
+def test_peak_memory_only_on_cuda():
+    assert peak_memory(torch.device("cpu")) == {}
 
 
 def test_jsonl_rows_flushed_and_appended_across_loggers(tmp_path):

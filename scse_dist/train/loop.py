@@ -20,7 +20,7 @@ from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import (REQUEUE_EXIT_CODE, FaultInjector, NonFiniteCounter,
                                    PreemptionFlag, TrainingStopped)
-from scse_dist.train.metrics import MetricsLogger, peak_flops
+from scse_dist.train.metrics import MetricsLogger, peak_flops, peak_memory
 from scse_dist.train.step import sum_over_ranks, train_step
 from scse_dist.train.storage import RunStorage
 
@@ -130,7 +130,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 logger.log({"step": done, "loss": loss, "lr": lr, "depth": result.depth,
                             "tokens_per_s": tokens_per_s, "mfu": mfu,
                             "step_time_s": elapsed / window_steps, "tokens": done * tokens_per_step,
-                            "skipped_steps": nonfinite.total, "data_failures": int(data_failures)})
+                            "skipped_steps": nonfinite.total, "data_failures": int(data_failures),
+                            **peak_memory(engine.device)})
                 first_loss = loss if first_loss is None else first_loss
                 last_loss = loss
                 window_start, window_steps, window_flops = time.perf_counter(), 0, 0.0

@@ -49,12 +49,21 @@ def peak_flops(device: torch.device) -> Optional[float]:
     return measure_cpu_flops()
 
 
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """{"peak_mem_gib": the most memory torch allocated on `device` so far} on CUDA; {} on CPU."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
 def format_line(row: dict[str, Any]) -> str:
     parts = [f"step {row['step']:>6d}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
              f"T {row['depth']:>2d}", f"tok/s {row['tokens_per_s']:,.0f}",
              f"step {row['step_time_s'] * 1000:.0f} ms"]
     if row.get("mfu") is not None:
         parts.append(f"mfu {100 * row['mfu']:.2f}%")
+    if row.get("peak_mem_gib") is not None:
+        parts.append(f"peak mem {row['peak_mem_gib']:.1f} GiB")
     return " | ".join(parts)
 
 
