@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from scse_dist.atomic import atomic_write_text
 from scse_dist.config import RunConfig, config_to_dict
 from scse_dist.launch.distributed import barrier, is_rank0
 
@@ -91,7 +92,7 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
         if final.exists():  # an earlier run reached this step but died before updating latest
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_latest(root, tag)
+        atomic_write_text(root / "latest", tag)  # readers see the old or the new name, never half
         prune_checkpoints(run_dir, cfg.train.keep_checkpoints)
         if storage is not None:
             storage.commit(tag, cfg.train.keep_checkpoints)
@@ -99,12 +100,6 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
     if storage is not None:
         storage.drop_node_copy(tmp)
     return tag
-
-
-def _write_latest(root: Path, tag: str) -> None:
-    partial = root / f"{TMP_PREFIX}latest"
-    partial.write_text(tag)
-    os.replace(partial, root / "latest")  # atomic: readers see the old or the new name, never half
 
 
 def remove_partial_saves(run_dir: str | Path) -> list[Path]:
