@@ -170,22 +170,14 @@ def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,
     reads the files rather than gathering live partitions.
     """
     from scse_dist.export import save_exported_model
+    from scse_dist.zero_weights import fp32_state_dict
 
     out: Optional[str] = None
     if is_rank0():
         if storage is not None:  # a remote run: other nodes' shards may exist only remotely
             storage.complete_tag(tag)
-        state_dict = _consolidated_state_dict(engine, run_dir, tag)
+        state_dict = fp32_state_dict(engine, checkpoint_dir(run_dir), tag)
         out = save_exported_model(state_dict, cfg, str(Path(run_dir) / "export"))
     barrier()
     return out
 
-
-def _consolidated_state_dict(engine: Any, run_dir: str | Path, tag: str) -> dict[str, torch.Tensor]:
-    if engine.zero_optimization_stage() == 0:
-        # No ZeRO partition files to read. In fp32 the module's weights are the master weights; with
-        # bf16 at stage 0 DeepSpeed saves only the bf16 copy, so that is what gets exported.
-        return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
