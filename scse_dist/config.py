@@ -132,7 +132,10 @@ class TrainConfig:
     # auto: bf16 where the accelerator supports it, fp32 otherwise (CPU).
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     zero_stage: int = 1
-    # Optional DeepSpeed JSON merged under the generated config (e.g. configs/deepspeed/zero3.json).
+    # Optional DeepSpeed JSON merged over the generated config (e.g. configs/deepspeed/zero3.json):
+    # its values override generated keys, except keys a config field decides (engine._OWNED: batch
+    # sizes, clipping, ZeRO stage, precision, lr/betas/weight decay, scheduler), which it may only
+    # repeat with the same value (engine.build_ds_config).
     deepspeed_config: Optional[str] = None
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
     log_every: int = 10

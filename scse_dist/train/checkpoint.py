@@ -166,8 +166,9 @@ def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,
                  storage: Any = None) -> Optional[str]:
     """Consolidate checkpoint `tag` to one fp32 state dict and save_exported_model it (rank 0).
 
-    Returns the export dir on rank 0, None elsewhere. Works for every ZeRO stage on CPU, since it
-    reads the files rather than gathering live partitions.
+    Returns the export dir on rank 0, None elsewhere. Works for every ZeRO stage on CPU: at ZeRO
+    1-3 rank 0 alone reads the tag's partition files rather than gathering live partitions; at
+    ZeRO-0 it holds the whole weights itself.
     """
     from scse_dist.export import save_exported_model
     from scse_dist.zero_weights import fp32_state_dict
