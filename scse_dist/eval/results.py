@@ -19,9 +19,6 @@ from typing import Any, Sequence
 from scse_dist.atomic import atomic_write_text
 from scse_dist.config import RunConfig, config_to_dict
 
-RESULT_KEYS = ("task", "checkpoint", "run", "recurrence", "residual", "results", "config")
-
-
 def _finite_or_none(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
