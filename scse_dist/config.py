@@ -6,6 +6,7 @@ Every field is typed; loading checks names, types and allowed values and fails w
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -131,7 +132,10 @@ class TrainConfig:
     # auto: bf16 where the accelerator supports it, fp32 otherwise (CPU).
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     zero_stage: int = 1
-    # Optional DeepSpeed JSON merged under the generated config (e.g. configs/deepspeed/zero3.json).
+    # Optional DeepSpeed JSON merged over the generated config (e.g. configs/deepspeed/zero3.json):
+    # its values override generated keys, except keys a config field decides (engine._OWNED: batch
+    # sizes, clipping, ZeRO stage, precision, lr/betas/weight decay, scheduler), which it may only
+    # repeat with the same value (engine.build_ds_config).
     deepspeed_config: Optional[str] = None
     # torch_adamw: torch.optim.AdamW, fused on CUDA (no nvcc or JIT build). deepspeed_fused_adam:
     # DeepSpeed's FusedAdam, which JIT-compiles a CUDA extension at start-up (CUDA only).
@@ -409,11 +413,15 @@ def config_from_dict(values: dict) -> RunConfig:
     return cfg
 
 
-def _deep_merge(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(
-            out.get(key), dict) else value
+def deep_merge(base: dict, over: dict) -> dict:
+    """A copy of `base` with `over` laid on top: nested dicts merge key by key, any other value
+    of `over` replaces base's. Neither input is modified, nor shares anything with the result."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
     return out
 
 
@@ -435,7 +443,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         return values
     if not isinstance(base, str):
         raise ConfigError(f"base: expected a file name, got {base!r} (in {path})")
-    return _deep_merge(_read_yaml(path.parent / base, seen + (path.resolve(),)), values)
+    return deep_merge(_read_yaml(path.parent / base, seen + (path.resolve(),)), values)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:

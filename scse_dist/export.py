@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from scse_dist.atomic import atomic_write
 from scse_dist.config import RunConfig, load_config, save_config
 
 if TYPE_CHECKING:  # the model package imports torch modules only; keep export importable alone
@@ -54,16 +55,6 @@ def _dedupe_shared(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch
     return kept, aliases
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out_dir: str) -> str:
     """Write `out_dir/model.safetensors` (fp32, contiguous, ties saved once) and `out_dir/config.yaml`.
 
@@ -87,8 +78,8 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
     tensors = {n: t.clone() if t.numel() and storages[t.untyped_storage().data_ptr()] > 1 else t
                for n, t in tensors.items()}
     metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
-    _atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=metadata))
-    _atomic_write(out / CONFIG_NAME, lambda p: save_config(cfg, p))
+    atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=metadata))
+    atomic_write(out / CONFIG_NAME, lambda p: save_config(cfg, p))
     return str(out)
 
 

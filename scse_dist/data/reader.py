@@ -16,9 +16,7 @@ uninterrupted run skips them too). The stream stops the run after `max_failures`
 
 from __future__ import annotations
 
-import io
 import mmap
-import re
 import warnings
 from typing import Any, Iterator, Optional
 
@@ -27,46 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 import numpy as np
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
-Sample = tuple[np.ndarray, np.ndarray]  # (tokens, doc_lens)
-MEMBERS = ("tokens.npy", "doc_lens.npy")
-
-
-_NPY_HEADER = re.compile(rb"\{'descr': '([<>|]?[ui][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}")
-
-
-def load_npy(data: bytes) -> np.ndarray:
-    """np.load for the 1-D integer arrays the writer makes, without np.load's literal_eval of the
-    header (which was most of the time spent per sample); anything else goes to np.load."""
-    if data[:8] == b"\x93NUMPY\x01\x00":
-        end = 10 + int.from_bytes(data[8:10], "little")
-        m = _NPY_HEADER.match(data, 10, end)
-        if m is not None:
-            dtype = np.dtype(m.group(1).decode())
-            count = int(m.group(2))
-            if len(data) - end != count * dtype.itemsize:
-                raise ValueError(f"array of {count} x {dtype} has {len(data) - end} bytes")
-            return np.frombuffer(data, dtype, count, offset=end)
-    return np.load(io.BytesIO(data), allow_pickle=False)
-
-
-def decode_sample(parts: dict[str, Any], where: str, eos: int) -> Sample:
-    """Member bytes -> (tokens, doc_lens); ValueError naming `where` when they do not fit.
-
-    `tokens` is the packed stream (each document followed by eos), so the eos positions are
-    checked too: a sample that passes is exactly the training tokens."""
-    missing = [m for m in MEMBERS if m not in parts]
-    if missing:
-        raise ValueError(f"{where}: missing member(s) {missing}")
-    try:
-        tokens, lens = (load_npy(parts[m]) for m in MEMBERS)
-    except Exception as exc:
-        raise ValueError(f"{where}: undecodable array ({type(exc).__name__}: {exc})") from None
-    if tokens.ndim != 1 or lens.ndim != 1 or int(lens.sum()) + len(lens) != len(tokens):
-        raise ValueError(f"{where}: doc_lens sum {int(lens.sum())} + {len(lens)} eos != "
-                         f"{len(tokens)} tokens")
-    if len(lens) and not (tokens[np.cumsum(lens + 1, dtype=np.int64) - 1] == eos).all():
-        raise ValueError(f"{where}: a document does not end in eos {eos}")
-    return tokens, lens
+from scse_dist.data.sample_format import MEMBERS, Sample, decode_sample, load_sample_table
 
 
 def documents_of(sample: Sample) -> list[np.ndarray]:
@@ -86,7 +45,7 @@ class ShardReader:
     def __init__(self, urls: list[str], n_samples: list[int], eos: int, table_urls: list[str],
                  file_order: bool = False):
         """`table_urls[s]`: shard s's sample table (sizes and member offsets, see
-        shards.TABLE_COLUMNS). `file_order`: samples are asked for in file order (an unshuffled
+        sample_format.TABLE_COLUMNS). `file_order`: samples are asked for in file order (an unshuffled
         split), so a remote shard is streamed; otherwise every sample is a ranged read."""
         self.urls, self.n_samples, self.eos, self.table_urls = urls, n_samples, eos, table_urls
         self.file_order = file_order
@@ -151,8 +110,6 @@ class ShardReader:
         """Shard s's sample table, loaded once; None, with all the shard's samples made bad,
         when it is unreadable (then every path skips the shard alike)."""
         if s not in self._sample_tables:
-            from scse_dist.data.shards import load_sample_table
-
             self._sample_tables[s] = None
             try:
                 self._sample_tables[s] = load_sample_table(self.table_urls[s], self.n_samples[s])

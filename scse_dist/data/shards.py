@@ -51,13 +51,13 @@ import fsspec
 import numpy as np
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
-from scse_dist.data.reader import decode_sample, load_npy
+# load_sample_table: imported here for this module's readers too (data.cli, tests)
+from scse_dist.data.sample_format import (FORMAT, TABLE_COLUMNS, decode_sample,  # noqa: F401
+                                          load_sample_table, npy_bytes)
 from scse_dist.data.tokenizer import Tokenizer
 
-FORMAT = "scse-tokens-v2"
 SPLITS = ("train", "heldout")
 INDEX_NAME = "index.json"
-TABLE_COLUMNS = ("tokens", "documents", "tokens_offset", "tokens_bytes", "lens_offset", "lens_bytes")
 
 
 def join(prefix: str, name: str) -> str:
@@ -74,12 +74,6 @@ def is_heldout(text: str, fraction: float) -> bool:
         return False
     digest = hashlib.sha1(text.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
-
-
-def _npy_bytes(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, array, allow_pickle=False)
-    return buf.getvalue()
 
 
 class _SplitWriter:
@@ -134,8 +128,8 @@ class _SplitWriter:
                              count=self.doc_tokens)
         tokens = np.insert(tokens, np.cumsum(lens, dtype=np.int64), self.eos)
         row = [self.doc_tokens, len(self.docs)]
-        row += self._add_member(f"{key}.tokens.npy", _npy_bytes(tokens))
-        row += self._add_member(f"{key}.doc_lens.npy", _npy_bytes(lens))
+        row += self._add_member(f"{key}.tokens.npy", npy_bytes(tokens))
+        row += self._add_member(f"{key}.doc_lens.npy", npy_bytes(lens))
         self.table.append(row)
         shard["tokens"] += self.doc_tokens
         shard["documents"] += len(self.docs)
@@ -151,7 +145,7 @@ class _SplitWriter:
         self.file.close()
         table = self.shards[-1]["table"]
         with self.fs.open(join(self.root, table + ".tmp"), "wb") as f:
-            f.write(_npy_bytes(np.array(self.table, dtype=np.int64).reshape(-1, len(TABLE_COLUMNS))))
+            f.write(npy_bytes(np.array(self.table, dtype=np.int64).reshape(-1, len(TABLE_COLUMNS))))
         for name in (table, self.shards[-1]["url"]):
             self.fs.mv(join(self.root, name + ".tmp"), join(self.root, name))
         self.tar = self.file = None
@@ -334,19 +328,6 @@ def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[st
     urls = [shard_url(root, e) for e in entries]
     check_shards_exist(urls + [table_url(root, e) for e in entries])
     return root, index, entries, urls
-
-
-def load_sample_table(url: str, n_samples: int) -> np.ndarray:
-    """A shard's sample table (see TABLE_COLUMNS); ValueError naming the file when it is bad."""
-    try:
-        with fsspec.open(url, "rb") as f:
-            table = load_npy(f.read())
-    except Exception as exc:
-        raise ValueError(f"{url}: unreadable sample table ({type(exc).__name__}: {exc})") from None
-    if table.shape != (n_samples, len(TABLE_COLUMNS)) or table.dtype.kind not in "iu":
-        raise ValueError(f"{url}: sample table of shape {table.shape}, expected "
-                         f"({n_samples}, {len(TABLE_COLUMNS)}) integers")
-    return table.reshape(n_samples, len(TABLE_COLUMNS))
 
 
 def check_shards_exist(urls: list[str]) -> None:

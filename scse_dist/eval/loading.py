@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from scse_dist.config import RunConfig, load_config
+from scse_dist.zero_weights import fp32_state_dict
 
 
 def _deepspeed_location(path: Path) -> tuple[Path, str]:
@@ -34,13 +35,7 @@ def _deepspeed_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
     tag_dir = root / tag
     if not tag_dir.is_dir():
         raise FileNotFoundError(f"{str(root)!r}: checkpoint tag {tag!r} does not exist")
-    if list(tag_dir.glob("*optim_states.pt")):  # ZeRO 1-3: consolidate the partitions
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
-    # ZeRO-0 keeps whole weights in the model-states file (our own checkpoint: trusted pickle).
-    states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
+    return fp32_state_dict(root=root, tag=tag)
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, RunConfig]:

@@ -16,10 +16,8 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from scse_dist.atomic import atomic_write_text
 from scse_dist.config import RunConfig, config_to_dict
-
-RESULT_KEYS = ("task", "checkpoint", "run", "recurrence", "residual", "results", "config")
-
 
 def _finite_or_none(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -49,13 +47,7 @@ def write_results(path: str | os.PathLike, task: str, checkpoint: str, cfg: RunC
     payload.update(_finite_or_none(dict(extra or {})))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write_text(out, json.dumps(payload, indent=2, allow_nan=False) + "\n")
     return str(out)
 
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from scse_dist.atomic import atomic_write_text
 from scse_dist.config import ConfigError, RunConfig, load_config
 
 PRETRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "pretrain.sh"
@@ -85,9 +85,7 @@ def schedule_evals(cfg: RunConfig, train_job: str) -> list[str]:
     ids = {"train_job": str(train_job), "eval_jobs": {t: j.job_id for t, j in zip(e.tasks, jobs)},
            "report_job": report.job_id}
     marker.parent.mkdir(parents=True, exist_ok=True)
-    tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(ids, indent=2) + "\n")
-    os.replace(tmp, marker)
+    atomic_write_text(marker, json.dumps(ids, indent=2) + "\n")
     print(f"scse-launch: after job {train_job}: eval jobs {ids['eval_jobs']}, report job "
           f"{ids['report_job']}", flush=True)
     return [*ids["eval_jobs"].values(), ids["report_job"]]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from scse_dist.atomic import atomic_write_text
 from scse_dist.config import RunConfig, config_to_dict
 from scse_dist.launch.distributed import barrier, is_rank0
 
@@ -91,7 +92,7 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
         if final.exists():  # an earlier run reached this step but died before updating latest
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_latest(root, tag)
+        atomic_write_text(root / "latest", tag)  # readers see the old or the new name, never half
         prune_checkpoints(run_dir, cfg.train.keep_checkpoints)
         if storage is not None:
             storage.commit(tag, cfg.train.keep_checkpoints)
@@ -99,12 +100,6 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
     if storage is not None:
         storage.drop_node_copy(tmp)
     return tag
-
-
-def _write_latest(root: Path, tag: str) -> None:
-    partial = root / f"{TMP_PREFIX}latest"
-    partial.write_text(tag)
-    os.replace(partial, root / "latest")  # atomic: readers see the old or the new name, never half
 
 
 def remove_partial_saves(run_dir: str | Path) -> list[Path]:
@@ -171,26 +166,19 @@ def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,
                  storage: Any = None) -> Optional[str]:
     """Consolidate checkpoint `tag` to one fp32 state dict and save_exported_model it (rank 0).
 
-    Returns the export dir on rank 0, None elsewhere. Works for every ZeRO stage on CPU, since it
-    reads the files rather than gathering live partitions.
+    Returns the export dir on rank 0, None elsewhere. Works for every ZeRO stage on CPU: at ZeRO
+    1-3 rank 0 alone reads the tag's partition files rather than gathering live partitions; at
+    ZeRO-0 it holds the whole weights itself.
     """
     from scse_dist.export import save_exported_model
+    from scse_dist.zero_weights import fp32_state_dict
 
     out: Optional[str] = None
     if is_rank0():
         if storage is not None:  # a remote run: other nodes' shards may exist only remotely
             storage.complete_tag(tag)
-        state_dict = _consolidated_state_dict(engine, run_dir, tag)
+        state_dict = fp32_state_dict(engine, checkpoint_dir(run_dir), tag)
         out = save_exported_model(state_dict, cfg, str(Path(run_dir) / "export"))
     barrier()
     return out
 
-
-def _consolidated_state_dict(engine: Any, run_dir: str | Path, tag: str) -> dict[str, torch.Tensor]:
-    if engine.zero_optimization_stage() == 0:
-        # No ZeRO partition files to read. In fp32 the module's weights are the master weights; with
-        # bf16 at stage 0 DeepSpeed saves only the bf16 copy, so that is what gets exported.
-        return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import ConfigError, RunConfig, deep_merge
 from scse_dist.train.schedule import build_lr_scheduler
 
 # ds_config keys that a config field decides: (path in the ds_config, the config field). A JSON
@@ -80,16 +79,6 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
 def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str, Any]:
     """The generated ds_config with cfg.train.deepspeed_config (if any) merged over it.
 
@@ -122,7 +111,7 @@ def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str,
                 f"{field_name}: the config gives {'/'.join(key_path)}="
                 f"{'(none)' if ours is _MISSING else json.dumps(ours)} but {path} sets "
                 f"{json.dumps(theirs)}; change one of them so they agree")
-    return _deep_merge(generated, extra)
+    return deep_merge(generated, extra)
 
 
 def build_optimizer(cfg: RunConfig, model: torch.nn.Module,

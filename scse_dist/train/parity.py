@@ -18,7 +18,7 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -37,16 +37,6 @@ def global_batch(cfg: RunConfig, step: int, size: int) -> torch.Tensor:
     return (start + stride * torch.arange(cfg.data.seq_len + 1)) % vocab
 
 
-def consolidated_params(engine: Any) -> dict[str, torch.Tensor]:
-    """Full fp32 parameters on every rank (ZeRO-3 gathers its partitions for the copy)."""
-    import deepspeed
-
-    params = list(engine.module.parameters())
-    enabled = engine.zero_optimization_stage() == 3
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=enabled):
-        return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
-
-
 def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     import dataclasses
 
@@ -56,6 +46,7 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     from scse_dist.train.depth import sample_depth
     from scse_dist.train.engine import build_engine
     from scse_dist.train.step import train_step
+    from scse_dist.zero_weights import fp32_state_dict
 
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, zero_stage=stage,
                                                              deepspeed_config=None))
@@ -78,7 +69,7 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
         total = result.loss_sum.detach().cpu()
         dist.all_reduce(total)
         losses.append(float(total) / (world * accum))
-    params = consolidated_params(engine)
+    params = fp32_state_dict(engine)  # every rank: ZeRO-3 gathers its partitions
     if is_rank0():
         stage_dir = out_dir / f"stage{stage}"
         save_exported_model(params, cfg, str(stage_dir))

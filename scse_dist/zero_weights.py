@@ -1,0 +1,44 @@
+"""A DeepSpeed model's full fp32 weights at any ZeRO stage, from a live engine or a saved tag.
+
+One function for the final export (train.checkpoint), eval's checkpoint loading (eval.loading) and
+the parity tool (train.parity).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+
+def fp32_state_dict(engine: Any = None, root: Optional[str | Path] = None,
+                    tag: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """Full fp32 weights (on CPU) of the live `engine` or of checkpoint `tag` under `root`.
+
+    The ZeRO stage is the engine's, or, without one, 1-3 when the tag holds optimizer partitions.
+    - ZeRO 1-3 with a saved tag: DeepSpeed's zero_to_fp32 assembles the fp32 master weights from
+      every rank's partition files, so it runs on CPU, in one process, after the others exited.
+    - the live engine (no tag, or ZeRO-0): a copy of the module's weights; ZeRO-3 gathers its
+      partitions for it (every rank must call). With bf16 these are the bf16 weights widened
+      (zero_to_fp32 reads no ZeRO-0 checkpoint).
+    - a saved ZeRO-0 tag alone: the whole weights in its model-states file.
+    """
+    if engine is not None:
+        stage = engine.zero_optimization_stage()
+    else:
+        stage = 1 if list((Path(root) / tag).glob("*optim_states.pt")) else 0
+    if stage > 0 and root is not None:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    if engine is not None:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None,
+                                               enabled=stage == 3):
+            # a copy: the module's tensors change with training, a gathered ZeRO-3 one is freed
+            return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+    # our own checkpoint: a trusted pickle
+    states = torch.load(Path(root) / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
