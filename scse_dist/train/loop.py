@@ -11,7 +11,6 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from scse_dist.config import RunConfig, config_to_dict, save_config
 from scse_dist.launch.distributed import barrier, describe_placement, init_distributed, shutdown
