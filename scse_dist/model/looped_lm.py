@@ -13,9 +13,8 @@ from torch import nn
 
 from scse_dist.config import ModelConfig
 from scse_dist.model.blocks import Block, RMSNorm
+from scse_dist.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from scse_dist.model.recurrence import DIAGNOSTICS, LoopCore
-
-IGNORE_INDEX = -100  # targets equal to this are left out of the loss (torch's default)
 
 
 class LMOutput(NamedTuple):
@@ -63,12 +62,20 @@ class LoopedLM(nn.Module):
             h = block(h)
         return h
 
-    def readout(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits from a loop state: coda, final norm, head."""
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads from a loop state: coda, then the final norm."""
         for block in self.coda:
             h = block(h)
-        h = self.norm(h)
-        return self.head(h) if self.head is not None else F.linear(h, self.embed.weight)
+        return self.norm(h)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """(V, d): the embedding matrix when tied. Read at use: ZeRO-3 gathers it on access."""
+        return self.head.weight if self.head is not None else self.embed.weight
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits from a loop state: coda, final norm, head."""
+        return F.linear(self.head_input(h), self.head_weight)
 
     def _resolve_depths(self, depth: Optional[int], readout_depths: Optional[Iterable[int]]
                         ) -> tuple[int, Optional[list[int]]]:
@@ -107,6 +114,8 @@ class LoopedLM(nn.Module):
         """Run the loop once to the final depth and read out the requested depths.
 
         tokens, targets: (B, S) long; targets equal to IGNORE_INDEX (-100) are left out.
+        keep_logits=False (training, perplexity): the loss is computed in row chunks and no
+        (B, S, V) logits are formed (scse_dist.model.loss).
         depth: None -> max(readout_depths), else cfg.depth (untied: its fixed_depth). With both,
         the loop runs to the larger and the final depth is read out too.
         readout_depths: coda+head applied at each of these depths of the same loop run.
@@ -124,12 +133,15 @@ class LoopedLM(nn.Module):
         logits_by_depth: dict[int, torch.Tensor] = {}
         loss_by_depth: dict[int, torch.Tensor] = {}
         for t in wanted:
-            logits = self.readout(states[t])
+            if not keep_logits:
+                if targets is not None:
+                    loss_by_depth[t] = chunked_cross_entropy(self.head_input(states[t]),
+                                                             self.head_weight, targets)
+                continue
+            logits_by_depth[t] = logits = self.readout(states[t])
             if targets is not None:
                 loss_by_depth[t] = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                                    ignore_index=IGNORE_INDEX)
-            if keep_logits:
-                logits_by_depth[t] = logits
         return LMOutput(
             logits=logits_by_depth.get(final),
             loss=loss_by_depth.get(final),
