@@ -149,6 +149,14 @@ class Block(nn.Module):
         h = h + self.attn(self.norm1(h), rope)
         return h + self.mlp(self.norm2(h))
 
+    def compile_math(self, backend: str) -> None:
+        """Regional torch.compile of the block's math (train.compile): `_forward` runs inside
+        activation checkpointing and under the block's module hooks, so neither is traced (at
+        ZeRO-3 build_engine makes each block a leaf: no DeepSpeed hook on its sub-layers). Every
+        block shares this code and the loop depth T is a Python count outside it, so one graph
+        serves every block, every loop step and every T."""
+        self._forward = torch.compile(self._forward, backend=backend)
+
     def forward(self, h: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
         rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
         if self.checkpointed and torch.is_grad_enabled():

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, Iterator, NamedTuple, Optional
 
 import torch
@@ -80,6 +81,15 @@ class LoopedLM(nn.Module):
     def readout(self, h: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
         """Logits from a loop state: coda, final norm, head."""
         return F.linear(self.head_input(h, rope), self.head_weight)
+
+    def compile_blocks(self) -> None:
+        """Compile every block's math with torch.compile (train.compile; regional, see
+        Block.compile_math). Backend inductor, or $SCSE_COMPILE_BACKEND (tests use aot_eager: inductor
+        compiles slowly on CPU)."""
+        backend = os.environ.get("SCSE_COMPILE_BACKEND", "inductor")
+        for module in self.modules():
+            if isinstance(module, Block):
+                module.compile_math(backend)
 
     def _resolve_depths(self, depth: Optional[int], readout_depths: Optional[Iterable[int]]
                         ) -> tuple[int, Optional[list[int]]]:
