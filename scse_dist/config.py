@@ -148,6 +148,8 @@ class TrainConfig:
     # A step whose loss or gradient is NaN/Inf on any rank is skipped; this many in a row stop
     # the run (exit status 3) with the last good checkpoint left as it was.
     max_nonfinite_steps: int = 5
+    # torch.compile each block's math (regional: one graph for every loop step and depth T).
+    compile: bool = False
 
     def grad_accum_for(self, world_size: int) -> int:
         """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit)."""

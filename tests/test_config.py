@@ -43,6 +43,7 @@ def test_untied_param_match_has_no_loop_visits():
     ("model.forcing_bias_scale=1.5", "model.forcing_bias_scale: must lie in [0, 1], got 1.5"),
     ("model.n_heads=3", "model.n_heads: d_model=256 must split into 3 heads"),
     ("train.zero_stage=4", "train.zero_stage: must be 0, 1, 2 or 3, got 4"),
+    ("train.compile=yes please", "train.compile: expected true or false, got 'yes please'"),
     ("data.seq_len=4096", "data.seq_len: 4096 exceeds model.max_seq_len=256"),
     ("eval.depths=[0,4]", "eval.depths: need a non-empty list of depths >= 1"),
     ("train.depth.kind=geometric", "train.depth.kind: must be one of fixed, uniform, poisson_lognormal"),

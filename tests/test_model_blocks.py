@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from scse_dist.config import ModelConfig
 from scse_dist.model import Block, LoopedLM, RMSNorm, flops_per_token, residual_constants
-from scse_dist.model.blocks import Rotary
+from scse_dist.model.blocks import apply_rope, rope_tables
 
 
 def cfg_of(**kw) -> ModelConfig:
@@ -81,11 +81,11 @@ def test_rmsnorm_matches_formula() -> None:
 
 def test_rope_scores_depend_only_on_relative_position() -> None:
     torch.manual_seed(0)
-    rope = Rotary(head_dim=8, theta=10000.0)
-    q, k = torch.randn(8), torch.randn(8)
     seq = 12
-    qs = rope(q.expand(1, 1, seq, 8).contiguous())[0, 0]
-    ks = rope(k.expand(1, 1, seq, 8).contiguous())[0, 0]
+    rope = rope_tables(seq, cfg_of(d_model=16, n_heads=2, rope_theta=10000.0), torch.device("cpu"))
+    q, k = torch.randn(8), torch.randn(8)
+    qs = apply_rope(q.expand(1, 1, seq, 8).contiguous(), rope)[0, 0]
+    ks = apply_rope(k.expand(1, 1, seq, 8).contiguous(), rope)[0, 0]
     # <R_i q, R_j k> depends on i - j only
     torch.testing.assert_close(qs[5] @ ks[2], qs[9] @ ks[6], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(qs[0] @ ks[0], q @ k, rtol=1e-5, atol=1e-5)
@@ -157,3 +157,38 @@ def test_frozen_start_is_refused() -> None:
     # lambda > 0 moves a zero deviation, so the same start is allowed
     LoopedLM(cfg_of(anchor="zero", init_state="zeros", inject="add", forcing_bias_scale=0.5,
                     zero_mask=False))
+
+
+@pytest.mark.parametrize("recurrence", ["scse", "untied"])
+def test_rope_tables_are_made_once_per_forward(recurrence: str, monkeypatch) -> None:
+    import scse_dist.model.blocks as blocks
+    import scse_dist.model.looped_lm as looped_lm
+    import scse_dist.model.recurrence as rec
+
+    made, original = [], blocks.rope_tables
+
+    def counted(*args):
+        made.append(args[0])
+        return original(*args)
+
+    for module in (blocks, looped_lm, rec):
+        monkeypatch.setattr(module, "rope_tables", counted)
+    model = LoopedLM(cfg_of(recurrence=recurrence, residual="preln", n_core=2,
+                            activation_checkpointing="block"))
+    toks = torch.randint(0, 64, (2, 16))
+    out = model(toks, toks, depth=4, keep_logits=False, diagnostics=True)
+    out.loss.backward()  # checkpointed blocks recompute with the same tables
+    assert made == [16]
+    made.clear()
+    list(model.iter_depth_logits(toks[:, :9], [4] if recurrence == "untied" else [1, 4]))
+    assert made == [9]
+
+
+def test_rope_tables_stay_fp32_in_a_bf16_model() -> None:
+    model = LoopedLM(cfg_of())
+    toks = torch.randint(0, 64, (2, 16))
+    want = model.rope(toks)
+    got = model.to(torch.bfloat16).rope(toks)
+    assert got[0].dtype == got[1].dtype == torch.float32
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert model(toks).logits.dtype == torch.bfloat16

@@ -172,7 +172,10 @@ def test_keep_logits_false_keeps_losses_only() -> None:
         out = model(toks, toks, readout_depths=[1, 3], keep_logits=False)
         ref = model(toks, toks, depth=3)
     assert out.logits is None and out.logits_by_depth is None
-    assert torch.equal(out.loss, ref.loss) and sorted(out.loss_by_depth) == [1, 3]
+    # keep_logits=False computes the loss in chunks (scse_dist.model.loss): same value up to
+    # fp32 summation order (tests/test_model_loss.py checks the gradients too).
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    assert sorted(out.loss_by_depth) == [1, 3]
 
 
 # ------------------------------------------------------------------ 8. diagnostics

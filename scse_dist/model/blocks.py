@@ -10,6 +10,7 @@ where G is attention then SwiGLU (two sub-layers per block, each with its own re
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,25 +49,26 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-class Rotary(nn.Module):
-    """Rotary position embedding on (B, H, S, head_dim), rotating pairs (i, i + head_dim/2).
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), fp32, (S, head_dim/2)
 
-    cos/sin are computed per call in fp32 rather than stored as buffers, so casting the model to
-    bf16 never degrades them (they are S x head_dim/2: negligible next to the matmuls).
+
+def rope_tables(seq_len: int, cfg: ModelConfig, device: torch.device) -> RopeTables:
+    """RoPE's cos/sin for positions 0..seq_len-1.
+
+    Made once per model forward and handed to every block call (a loop makes T of them), in fp32
+    rather than stored as buffers, so casting the model to bf16 never degrades them.
     """
+    half = cfg.d_model // cfg.n_heads // 2
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, half, device=device, dtype=torch.float32) / half)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
 
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        self.theta = theta
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seq, half = x.shape[-2], self.head_dim // 2
-        inv_freq = self.theta ** (-torch.arange(0, half, device=x.device, dtype=torch.float32) / half)
-        angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
-        cos, sin = angles.cos(), angles.sin()
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """Rotate (B, H, S, head_dim) by position, pairing dims (i, i + head_dim/2), in fp32."""
+    cos, sin = rope
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -76,13 +78,12 @@ class CausalSelfAttention(nn.Module):
         self.d_model = cfg.d_model
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.rope_theta)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
-        q, k = self.rotary(q), self.rotary(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, d))
 
@@ -104,11 +105,13 @@ class Block(nn.Module):
 
     `checkpointed` (set by the owner for activation_checkpointing=block) recomputes the block in
     backward with non-reentrant torch checkpointing: reentrant breaks ZeRO-2/3 and DDP when a
-    module runs several times per step.
+    module runs several times per step. `rope` comes from the model's forward (rope_tables); a
+    block called on its own makes its own.
     """
 
     def __init__(self, cfg: ModelConfig, checkpointed: bool = False) -> None:
         super().__init__()
+        self.cfg = cfg
         self.post_ln = cfg.residual != "preln"
         self.alpha, self.beta = residual_constants(cfg)
         self.checkpointed = checkpointed
@@ -139,14 +142,23 @@ class Block(nn.Module):
         for lin in (self.attn.proj, self.mlp.down):
             nn.init.normal_(lin.weight, std=out_std)
 
-    def _forward(self, h: torch.Tensor) -> torch.Tensor:
+    def _forward(self, h: torch.Tensor, rope: RopeTables) -> torch.Tensor:
         if self.post_ln:
-            h = self.norm1(self.alpha * h + self.attn(h))
+            h = self.norm1(self.alpha * h + self.attn(h, rope))
             return self.norm2(self.alpha * h + self.mlp(h))
-        h = h + self.attn(self.norm1(h))
+        h = h + self.attn(self.norm1(h), rope)
         return h + self.mlp(self.norm2(h))
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def compile_math(self, backend: str) -> None:
+        """Regional torch.compile of the block's math (train.compile): `_forward` runs inside
+        activation checkpointing and under the block's module hooks, so neither is traced (at
+        ZeRO-3 build_engine makes each block a leaf: no DeepSpeed hook on its sub-layers). Every
+        block shares this code and the loop depth T is a Python count outside it, so one graph
+        serves every block, every loop step and every T."""
+        self._forward = torch.compile(self._forward, backend=backend)
+
+    def forward(self, h: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
+        rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
         if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self._forward, h, use_reentrant=False)
-        return self._forward(h)
+            return checkpoint(self._forward, h, rope, use_reentrant=False)
+        return self._forward(h, rope)

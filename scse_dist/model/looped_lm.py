@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, Iterator, NamedTuple, Optional
 
 import torch
@@ -12,10 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from scse_dist.config import ModelConfig
-from scse_dist.model.blocks import Block, RMSNorm
+from scse_dist.model.blocks import Block, RMSNorm, RopeTables, rope_tables
+from scse_dist.model.loss import IGNORE_INDEX, chunked_cross_entropy
 from scse_dist.model.recurrence import DIAGNOSTICS, LoopCore
-
-IGNORE_INDEX = -100  # targets equal to this are left out of the loss (torch's default)
 
 
 class LMOutput(NamedTuple):
@@ -56,19 +56,40 @@ class LoopedLM(nn.Module):
         """Distinct parameters (a tied head is counted once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def source(self, tokens: torch.Tensor) -> torch.Tensor:
+    def rope(self, tokens: torch.Tensor) -> RopeTables:
+        """RoPE's cos/sin for this sequence length: made once per forward, used by every block."""
+        return rope_tables(tokens.shape[-1], self.cfg, tokens.device)
+
+    def source(self, tokens: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
         """s = P(E[tokens]) (or the embedding when n_prelude = 0)."""
         h = self.embed(tokens)
         for block in self.prelude:
-            h = block(h)
+            h = block(h, rope)
         return h
 
-    def readout(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits from a loop state: coda, final norm, head."""
+    def head_input(self, h: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
+        """What the LM head reads from a loop state: coda, then the final norm."""
         for block in self.coda:
-            h = block(h)
-        h = self.norm(h)
-        return self.head(h) if self.head is not None else F.linear(h, self.embed.weight)
+            h = block(h, rope)
+        return self.norm(h)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """(V, d): the embedding matrix when tied. Read at use: ZeRO-3 gathers it on access."""
+        return self.head.weight if self.head is not None else self.embed.weight
+
+    def readout(self, h: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
+        """Logits from a loop state: coda, final norm, head."""
+        return F.linear(self.head_input(h, rope), self.head_weight)
+
+    def compile_blocks(self) -> None:
+        """Compile every block's math with torch.compile (train.compile; regional, see
+        Block.compile_math). Backend inductor, or $SCSE_COMPILE_BACKEND (tests use aot_eager: inductor
+        compiles slowly on CPU)."""
+        backend = os.environ.get("SCSE_COMPILE_BACKEND", "inductor")
+        for module in self.modules():
+            if isinstance(module, Block):
+                module.compile_math(backend)
 
     def _resolve_depths(self, depth: Optional[int], readout_depths: Optional[Iterable[int]]
                         ) -> tuple[int, Optional[list[int]]]:
@@ -96,9 +117,10 @@ class LoopedLM(nn.Module):
         holds one (B, S, V) tensor at a time, not one per depth (a depth sweep at a 50K vocab)."""
         final, readouts = self._resolve_depths(None, depths)
         assert readouts is not None
-        states = self.core(self.source(tokens), final, readout_depths=readouts)
+        rope = self.rope(tokens)
+        states = self.core(self.source(tokens, rope), final, readout_depths=readouts, rope=rope)
         for t, state in zip(readouts, states):
-            yield t, self.readout(state)
+            yield t, self.readout(state, rope)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 depth: Optional[int] = None, readout_depths: Optional[Iterable[int]] = None,
@@ -107,6 +129,8 @@ class LoopedLM(nn.Module):
         """Run the loop once to the final depth and read out the requested depths.
 
         tokens, targets: (B, S) long; targets equal to IGNORE_INDEX (-100) are left out.
+        keep_logits=False (training, perplexity): the loss is computed in row chunks and no
+        (B, S, V) logits are formed (scse_dist.model.loss).
         depth: None -> max(readout_depths), else cfg.depth (untied: its fixed_depth). With both,
         the loop runs to the larger and the final depth is read out too.
         readout_depths: coda+head applied at each of these depths of the same loop run.
@@ -116,20 +140,24 @@ class LoopedLM(nn.Module):
         """
         final, readouts = self._resolve_depths(depth, readout_depths)
         wanted = sorted(set(readouts or []) | {final})
-        outs = self.core(self.source(tokens), final, readout_depths=wanted,
+        rope = self.rope(tokens)
+        outs = self.core(self.source(tokens, rope), final, readout_depths=wanted,
                          backprop_steps=backprop_steps, initial_state=initial_state,
-                         diagnostics=diagnostics)
+                         diagnostics=diagnostics, rope=rope)
         states = dict(zip(wanted, outs))
         diag = dict(zip(DIAGNOSTICS, outs[len(wanted):])) if diagnostics else None
         logits_by_depth: dict[int, torch.Tensor] = {}
         loss_by_depth: dict[int, torch.Tensor] = {}
         for t in wanted:
-            logits = self.readout(states[t])
+            if not keep_logits:
+                if targets is not None:
+                    loss_by_depth[t] = chunked_cross_entropy(self.head_input(states[t], rope),
+                                                             self.head_weight, targets)
+                continue
+            logits_by_depth[t] = logits = self.readout(states[t], rope)
             if targets is not None:
                 loss_by_depth[t] = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                                    ignore_index=IGNORE_INDEX)
-            if keep_logits:
-                logits_by_depth[t] = logits
         return LMOutput(
             logits=logits_by_depth.get(final),
             loss=loss_by_depth.get(final),

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from scse_dist.config import ModelConfig, check_model_config
-from scse_dist.model.blocks import Block
+from scse_dist.model.blocks import Block, RopeTables, rope_tables
 
 Context = dict[str, torch.Tensor]
 # Names of the diagnostics LoopCore.forward appends to its outputs, in order.
@@ -48,6 +48,7 @@ class LoopCore(nn.Module):
         self.zero_mask = cfg.zero_mask and self.kind == "scse"
         self.checkpoint_steps = cfg.activation_checkpointing == "loop"
         self.n_core = cfg.n_core
+        self.cfg = cfg
         check_model_config(cfg)
         # untied is a plain stack: one distinct group of n_core blocks per "step".
         groups = 1
@@ -84,15 +85,17 @@ class LoopCore(nn.Module):
             return torch.zeros_like(s)
         return self.anchor(s)
 
-    def phi(self, h: torch.Tensor, s: torch.Tensor, t: int = 0) -> torch.Tensor:
+    def phi(self, h: torch.Tensor, s: torch.Tensor, t: int = 0,
+            rope: Optional[RopeTables] = None) -> torch.Tensor:
         """One core application Phi(h); `t` picks the block group (only untied has several)."""
+        rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
         if self.inject == "add":
             h = h + s
         elif self.inject == "concat":
             h = self.adapter(torch.cat([h, s], dim=-1))
         group = t if self.kind == "untied" else 0
         for block in self.blocks[group * self.n_core:(group + 1) * self.n_core]:
-            h = block(h)
+            h = block(h, rope)
         return h
 
     def initial_state(self, s: torch.Tensor) -> torch.Tensor:
@@ -104,15 +107,17 @@ class LoopCore(nn.Module):
         # random: scaled to the source's RMS so it is neither negligible nor dominant.
         return torch.randn_like(s) * s.detach().float().pow(2).mean().sqrt().to(s.dtype)
 
-    def start(self, s: torch.Tensor, initial_state: Optional[torch.Tensor] = None
-              ) -> tuple[torch.Tensor, Context]:
-        """The loop variable x_0 and the per-forward context (source, anchor, r*, ref)."""
+    def start(self, s: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
+              rope: Optional[RopeTables] = None) -> tuple[torch.Tensor, Context]:
+        """The loop variable x_0 and the per-forward context (source, anchor, RoPE's cos/sin,
+        r*, ref)."""
         h0 = self.initial_state(s) if initial_state is None else initial_state
         anchor = self.anchor_of(s)
-        ctx: Context = {"source": s, "anchor": anchor}
+        cos, sin = rope_tables(s.shape[-2], self.cfg, s.device) if rope is None else rope
+        ctx: Context = {"source": s, "anchor": anchor, "cos": cos, "sin": sin}
         if self.kind != "scse":
             return h0, ctx
-        response = self.phi(anchor, s)  # r*: the one extra core call of SCSE
+        response = self.phi(anchor, s, rope=(cos, sin))  # r*: the one extra core call of SCSE
         ctx["response"] = response
         # lerp is exact at both ends: ref = r* for lambda 0 (so a zero row gives exactly 0 even
         # without the mask), ref = h* for lambda 1.
@@ -121,9 +126,10 @@ class LoopCore(nn.Module):
 
     def step(self, x: torch.Tensor, ctx: Context, t: int = 0) -> torch.Tensor:
         """x_t -> x_{t+1} (x is the deviation D for scse, the state h otherwise)."""
+        rope = ctx["cos"], ctx["sin"]
         if self.kind != "scse":
-            return self.phi(x, ctx["source"], t)
-        delta = self.phi(ctx["anchor"] + x, ctx["source"], t) - ctx["ref"]
+            return self.phi(x, ctx["source"], t, rope)
+        delta = self.phi(ctx["anchor"] + x, ctx["source"], t, rope) - ctx["ref"]
         if self.zero_mask:
             # Attention mixes rows: without this a row sitting exactly at its anchor would be
             # moved by its neighbours. With it the anchor invariance is exact, bit for bit
@@ -143,7 +149,8 @@ class LoopCore(nn.Module):
 
     def forward(self, s: torch.Tensor, depth: int, readout_depths: Optional[Iterable[int]] = None,
                 backprop_steps: int = 0, initial_state: Optional[torch.Tensor] = None,
-                diagnostics: bool = False) -> tuple[torch.Tensor, ...]:
+                diagnostics: bool = False, rope: Optional[RopeTables] = None
+                ) -> tuple[torch.Tensor, ...]:
         """Run `depth` steps once. Returns a flat tuple: h_t for t in sorted(readout_depths)
         (default (depth,)), then, if diagnostics, the DIAGNOSTICS tensors in that order.
 
@@ -151,6 +158,7 @@ class LoopCore(nn.Module):
         full backward hook, which torch only calls for Tensor or tuple outputs.
         backprop_steps=k in (0, depth): the first depth-k steps run without grad and the state is
         detached before the last k (the anchor and r* keep their grad).
+        rope: RoPE's cos/sin from the model's forward (made here when not given).
         """
         if backprop_steps < 0:
             raise ValueError(f"backprop_steps: must be >= 0, got {backprop_steps}")
@@ -159,7 +167,7 @@ class LoopCore(nn.Module):
             raise ValueError(f"readout_depths: must lie in 1..{depth}, got {readouts}")
         grad = torch.is_grad_enabled()
         frozen_steps = depth - backprop_steps if 0 < backprop_steps < depth else 0
-        x, ctx = self.start(s, initial_state)
+        x, ctx = self.start(s, initial_state, rope)
         states: list[torch.Tensor] = []
         h_prev = self.state(x, ctx).detach() if diagnostics else None
         deviation, motion = [], []
@@ -192,4 +200,4 @@ class LoopCore(nn.Module):
         if self.kind == "scse":
             return _row_norm_mean(self.forcing_bias_scale * (ctx["response"] - ctx["anchor"]))
         s = ctx["source"]
-        return _row_norm_mean(self.phi(s, s) - s)
+        return _row_norm_mean(self.phi(s, s, rope=(ctx["cos"], ctx["sin"])) - s)

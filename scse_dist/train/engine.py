@@ -174,6 +174,12 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module,
         # Not for untied: its LoopCore holds every distinct block, which would stay gathered.
         for leaf in deepspeed.utils.set_z3_leaf_modules(model, [LoopCore]):
             leaf.register_forward_hook(require_hookable_output)
+    if cfg.train.compile:
+        # Each Block's math is compiled; as ZeRO-3 leaves, no DeepSpeed hook runs inside it.
+        from scse_dist.model import Block
+
+        model.compile_blocks()
+        deepspeed.utils.set_z3_leaf_modules(model, [Block])
     optimizer = build_optimizer(cfg, model)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer,

@@ -1,0 +1,78 @@
+"""Cross-entropy of the LM head without full-vocabulary logits: `chunked_cross_entropy`.
+
+`F.cross_entropy(F.linear(h, W).float(), y)` holds (B*S, V) logits in the model dtype, their fp32
+copy, the fp32 log-softmax saved for backward and the fp32 gradient: at vocab 32000 and 8 x 1024
+tokens that is 1 GiB per copy. Here the head matmul and the loss run over chunks of rows, and
+when a gradient is wanted each chunk's gradient is formed right away, in the same pass: the
+gradient of the logits is softmax - onehot (scaled by 1/kept tokens), so the gradients of the
+hidden states and of the head weight follow from it with the two backward matmuls, and backward
+only scales them by the incoming gradient. No chunk's logits outlive their chunk and nothing is
+recomputed (the head costs 3 matmuls, as unchunked). Values and gradients equal the unchunked
+path's within fp32 summation-order rounding (the gradient of the logits is cast to the model
+dtype before the two matmuls, as autograd does there).
+
+The head weight is an input of the autograd Function, not captured: a tied head (the embedding
+matrix) then accumulates into the same .grad as the embedding lookup, and under ZeRO-3 the
+weight is whatever the hooks gathered when the caller read the attribute.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # targets equal to this are left out of the loss (torch's default)
+# Logits per chunk (rows x vocab): 2^24 fp32 values = 64 MiB, ~500 rows at vocab 32000. Rows of
+# that size keep the head matmul large enough to run at full speed on a GPU.
+CHUNK_LOGITS = 1 << 24
+
+
+def _chunks(n_rows: int, vocab: int) -> list[slice]:
+    rows = max(1, CHUNK_LOGITS // vocab)
+    return [slice(i, min(i + rows, n_rows)) for i in range(0, n_rows, rows)]
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                with_grad: bool) -> torch.Tensor:
+        valid = targets != IGNORE_INDEX
+        targets = targets.masked_fill(~valid, 0)
+        count = valid.sum()
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if with_grad else None
+        # fp32 accumulator: the sum over chunks would otherwise round once per chunk in bf16.
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if with_grad else None
+        for rows in _chunks(hidden.shape[0], weight.shape[0]):
+            logits = F.linear(hidden[rows], weight).float()
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            picked = logits.gather(1, targets[rows, None])
+            total += ((lse - picked).squeeze(1) * valid[rows]).sum()
+            if not with_grad:
+                continue
+            # d mean / d logits = (softmax - onehot(target)) / count on kept rows, 0 on ignored.
+            grad_logits = logits.sub_(lse).exp_()
+            grad_logits.scatter_add_(1, targets[rows, None], torch.full_like(picked, -1.0))
+            grad_logits *= (valid[rows] / count)[:, None]
+            grad_logits = grad_logits.to(hidden.dtype)
+            grad_h[rows] = grad_logits @ weight
+            grad_w += (grad_logits.t() @ hidden[rows]).float()
+        if with_grad:
+            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        return total / count  # 0/0 = nan when every target is ignored, as F.cross_entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                          targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of `F.linear(hidden, weight)` against `targets` over the targets not
+    equal to IGNORE_INDEX, in fp32, computed in row chunks (module docstring).
+
+    hidden: (..., d); weight: (V, d); targets: hidden's leading shape, long.
+    """
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _ChunkedCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), with_grad)
