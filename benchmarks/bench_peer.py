@@ -22,7 +22,8 @@ asserted (a benchmark is not a timed test):
   looped <= 1.02 x untied       (same unrolled depth: the loop itself should cost nothing)
   scse   <= (T+1)/T x additive  (scse makes T + 1 core calls against T)
 --compile runs both modes in one run: eager rounds, then torch.compile'd models (the optimizer
-step stays eager). --quick: tiny sizes and 2 rounds, a smoke run.
+step stays eager). --profile N prints each model's top N ops (torch.profiler, one eager step).
+--quick: tiny sizes and 2 rounds, a smoke run.
 """
 
 from __future__ import annotations
@@ -153,6 +154,18 @@ def report(mode: str, contenders: list[Contender], times: dict[str, list[float]]
         print(f"    goal {label:<17}{r:.3f} <= {bound:.3f}  {'PASS' if r <= bound else 'MISS'}")
 
 
+def profile(contenders: list[Contender], top: int) -> None:
+    """Where each model's step goes: torch.profiler's ops by self CPU time, one step each."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    for c in contenders:
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            c.step()
+        print(f"[profile] {c.name}: top {top} ops by self CPU time, one step")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top,
+                                        max_name_column_width=40))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 2 rounds (smoke run)")
@@ -160,6 +173,8 @@ def main() -> None:
                         help="also time every model under torch.compile (after the eager rounds)")
     parser.add_argument("--rounds", type=int, default=0, help="timed rounds (default 15; quick 2)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model and mode")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, print each model's top N ops (torch.profiler, eager)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
     sz = QUICK if args.quick else Sizes()
@@ -171,6 +186,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; {sz}, T = {sz.loop_depth}")
     contenders = build(sz)
     report("eager", contenders, interleaved(contenders, rounds, args.warmup), sz.loop_depth)
+    if args.profile:
+        profile(contenders, args.profile)
     if args.compile:
         for c in contenders:
             c.compile()
