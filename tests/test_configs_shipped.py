@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,21 +76,6 @@ def size_overrides(config: Path, data: dict[str, str], output_dir: Path) -> list
     if cfg.data.mixture_paths:
         sizes["data.mixture_paths"] = [data["path"]] * len(cfg.data.mixture_paths)
     return [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in sizes.items()]
-
-
-@pytest.fixture(scope="module")
-def user_env(tmp_path_factory) -> dict[str, str]:
-    """The user's environment, CPU only. WANDB_MODE is dropped so each config's own wandb
-    settings decide; wandb's cache/config dirs (its logs, settings) go to a temp dir so the test
-    writes nothing into $HOME. The run itself still logs to runs/<name>/wandb as configured."""
-    home = tmp_path_factory.mktemp("wandb_home")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                        "WANDB_MODE", "WANDB_DIR", "WANDB_DISABLED")}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
-               WANDB_CACHE_DIR=str(home / "cache"), WANDB_CONFIG_DIR=str(home / "config"),
-               WANDB_DATA_DIR=str(home / "data"))
-    return env
 
 
 def test_the_glob_finds_the_shipped_configs():
