@@ -17,8 +17,10 @@ import gzip
 import json
 import math
 import re
+import resource
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -209,6 +211,9 @@ def test_every_readme_command_is_run_or_listed():
     gone = [c for c in [*run, *NOT_RUN] if c not in commands]
     assert not gone, f"commands this test expects that README.md no longer has: {gone}"
     assert len(set(run)) == len(run)
+    # The shorter quickstart the tests run is the one the README offers.
+    quickstart = next(s for s in RUN if s.check is check_quickstart)
+    assert f"{quickstart.command} {quickstart.append}" in README.read_text()
 
 
 def write_inputs(d: Path) -> None:
@@ -241,8 +246,13 @@ def test_readme_commands_run_as_written(tmp_path, user_env):
         line = f"{line} {step.append}".strip()
         for path in step.fresh:
             shutil.rmtree(checkout / path, ignore_errors=True)
+        cpu, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
         out = subprocess.run(["bash", "-c", line], cwd=checkout, env=user_env, capture_output=True,
                              text=True, timeout=400)
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        # CPU seconds of the command and its processes (wall time depends on what else runs)
+        print(f"{used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime:6.1f} s CPU "
+              f"{time.perf_counter() - wall:6.1f} s wall  {line[:90]}")
         assert out.returncode == 0, \
             f"{line}\nrc={out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-4000:]}"
         try:
