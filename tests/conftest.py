@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -110,6 +111,24 @@ def subprocess_env() -> dict[str, str]:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WANDB_MODE="disabled",
                PYTHONPATH=str(REPO_ROOT))
+    return env
+
+
+@pytest.fixture(scope="session")
+def user_env(tmp_path_factory) -> dict[str, str]:
+    """The environment a user runs commands in: no inherited launcher or wandb overrides, so each
+    config's own wandb settings decide (WANDB_MODE would override them), and the venv's console
+    scripts (scse-*, deepspeed, torchrun) on PATH. wandb's cache and config dirs (its debug logs,
+    settings) point into a temp dir so tests write nothing into $HOME; runs still log to
+    runs/<name>/wandb as configured. OMP_NUM_THREADS=1: tiny models, shared cores."""
+    home = tmp_path_factory.mktemp("wandb_home")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "WANDB_MODE", "WANDB_DIR", "WANDB_DISABLED")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT),
+               PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+               WANDB_CACHE_DIR=str(home / "cache"), WANDB_CONFIG_DIR=str(home / "config"),
+               WANDB_DATA_DIR=str(home / "data"))
     return env
 
 

@@ -163,3 +163,17 @@ def test_a_corrupt_sample_is_skipped_and_counted_in_the_metrics(tmp_path, tiny_d
     rows = read_metrics(tmp_path / "runs" / "tiny")
     assert [r["step"] for r in rows] == [1, 5, 10]
     assert rows[-1]["data_failures"] >= 1 and all(r["skipped_steps"] == 0 for r in rows)
+
+
+def test_a_rerun_with_fewer_steps_than_its_checkpoint_is_refused_and_saves_nothing(trained,
+                                                                                  subprocess_env):
+    # The README's old "one process" example (quickstart.yaml ... train.max_steps=50, same run
+    # name) did this after the 300-step quickstart: it saved the step-300 weights as step-50.
+    ckpts = trained["run_dir"] / "checkpoints"
+    before = sorted(p.name for p in ckpts.iterdir()), (ckpts / "latest").read_text()
+    out = run([sys.executable, TRAIN, "--config", trained["config"], "train.max_steps=5",
+               "eval.after_train=false"], subprocess_env)
+    assert out.returncode == 1
+    assert f"{trained['run_dir']} resumed at step " in out.stderr
+    assert "past train.max_steps=5: raise train.max_steps to continue that run" in out.stderr
+    assert (sorted(p.name for p in ckpts.iterdir()), (ckpts / "latest").read_text()) == before

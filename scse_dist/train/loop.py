@@ -74,9 +74,14 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
                                      env.world_size, cfg.train.seed, tokenizer.sha256)
     start_step = resume_if_present(engine, run_dir, stream)
+    t = cfg.train
+    if start_step > t.max_steps:
+        # Going on would save this model as checkpoint step-<max_steps> and point `latest` at it.
+        raise RuntimeError(
+            f"{run_dir} resumed at step {start_step}, past train.max_steps={t.max_steps}: raise "
+            f"train.max_steps to continue that run, or give this one another name or output_dir")
     batches = iter(stream)
 
-    t = cfg.train
     logger = MetricsLogger(str(run_dir), rank0, cfg.wandb, cfg.name, config_to_dict(cfg))
     peak = peak_flops(engine.device) if rank0 else None
     tokens_per_step = env.world_size * t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len

@@ -1,0 +1,261 @@
+"""Every command in README.md's ```bash blocks runs as written, in a temp dir that looks like a
+checkout (configs/, launch/, slurm/ linked in), so a README that drifts from the code fails here.
+
+Each command (a line, or one `&&` part of a line) is either in RUN, which holds its exact README
+text and runs it in dependency order, or in NOT_RUN with the reason it cannot run here. A bash
+command in the README that is in neither fails `test_every_readme_command_is_run_or_listed`.
+
+Sizes are shrunk only the ways the README says are the user's choice: trailing `key.sub=value`
+overrides (steps, widths, sequence length, evaluation batches), `--vocab-size`, and the process
+count of `--num_gpus`/`--nproc_per_node` (the README: the node's GPU count, on CPU the number of
+processes). Launchers get a free `--master_port` so parallel test runs do not collide.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+import resource
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+from conftest import TINY_VOCAB, tiny_documents
+from scse_dist.launch.distributed import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+# gpt2-small shrunk to CPU size through trailing overrides (what the README offers for trying it).
+GPT2_ON_CPU = (f"model.d_model=32 model.n_heads=2 model.vocab_size={TINY_VOCAB} "
+               "model.max_seq_len=32 data.seq_len=32 train.max_steps=3 train.warmup_steps=1 "
+               "train.log_every=1 eval.batch_size=4 eval.max_batches=2")
+QUICKSTART_STEPS = 30  # the README's shorter first look: train.max_steps=30 eval.max_batches=2
+
+WIKITEXT = """ = Valkyria Chronicles III = 
+
+ Senjō no Valkyria 3 is a tactical role playing video game developed by Sega . 
+ The game began development in 2010 , carrying over a large portion of the work . 
+
+ = = Gameplay = = 
+
+ As with previous games , the player reads the story and follows the map . 
+
+ = Tower Building of the Little Rock Arsenal = 
+
+ The Tower Building of the Little Rock Arsenal is a building in the old park . 
+"""
+LAMBADA = ["the old man opened the door and looked at the cat . he smiled at the cat",
+           "my sister paints a green box every day . today she paints the box",
+           "the robot builds a quiet house in the park . it builds the house"]
+
+
+def readme_commands(text: str) -> list[str]:
+    """The commands of every ```bash block: one per line, split at `&&`, comments dropped."""
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                commands += [part.strip() for part in line.split(" && ")]
+    return commands
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _results(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["results"]
+
+
+def _check_run(run: Path, steps: int, tokens_per_step: int, depths: list[int]) -> None:
+    rows = _metrics(run)
+    assert rows[-1]["step"] == steps and all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[-1]["tokens"] == steps * tokens_per_step
+    assert (run / "export" / "model.safetensors").is_file()
+    assert [r["depth"] for r in _results(run / "eval" / "heldout.json")] == depths
+
+
+def check_tokenizer(d: Path, out: str) -> None:
+    import sentencepiece as spm
+
+    assert spm.SentencePieceProcessor(model_file=str(d / "data/web/tokenizer.model")).vocab_size() \
+        == TINY_VOCAB
+
+
+def check_shards(d: Path, out: str) -> None:
+    index = json.loads((d / "data/web/shards/index.json").read_text())
+    docs = {split: sum(s["documents"] for s in shards) for split, shards in index["splits"].items()}
+    assert docs["train"] + docs["heldout"] == 2000 and docs["heldout"] > 0
+
+
+def check_inspect(d: Path, out: str) -> None:
+    assert "OK: read 2,000 documents" in out
+
+
+def check_quickstart(d: Path, out: str) -> None:
+    assert (d / "data/quickstart/shards/index.json").is_file()  # data.build made it
+    _check_run(d / "runs/quickstart", QUICKSTART_STEPS, 16 * 128, [1, 2, 4, 8, 16, 32])
+    assert list((d / "runs/quickstart/wandb").glob("offline-run-*"))
+
+
+def check_quickstart_t8(d: Path, out: str) -> None:
+    run = d / "runs/quickstart-T8"
+    assert "steps 0..5" in out  # its own run, not a resume of runs/quickstart
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["depth"] == 8
+    _check_run(run, 5, 16 * 128, [1, 2, 4, 8, 16, 32])
+
+
+def check_gpt2_two_ranks(d: Path, out: str) -> None:
+    run = d / "runs/gpt2-small-scse"
+    assert "world 2 (env), ZeRO-1" in out
+    ran = yaml.safe_load((run / "config.yaml").read_text())["train"]
+    assert ran["grad_accum_steps"] == 4 and ran["deepspeed_config"] == "configs/deepspeed/zero1.json"
+    # every rank consumed micro 16 x accumulation 4 sequences of 32 tokens per step
+    _check_run(run, 3, 2 * 16 * 4 * 32, [1, 2, 4, 8, 16, 32, 48])
+
+
+def check_eval(name: str, depths: list[int], metric: str) -> Callable[[Path, str], None]:
+    def check(d: Path, out: str) -> None:
+        rows = _results(d / name)
+        assert [r["depth"] for r in rows] == depths
+        assert all(math.isfinite(r[metric]) for r in rows)
+    return check
+
+
+def check_report(d: Path, out: str) -> None:
+    report = (d / "reports/quickstart/report.md").read_text()
+    assert "quickstart-T8" in report and "heldout" in report
+    assert (d / "reports/quickstart/frontier.png").stat().st_size > 0
+    assert list((d / "reports/quickstart/wandb").glob("offline-run-*"))
+
+
+def check_launch_local(d: Path, out: str) -> None:
+    run = d / "runs/tiny-cpu"
+    for task in ("heldout", "diagnose"):  # its eval.tasks
+        assert [r["depth"] for r in _results(run / "eval" / f"{task}.json")] == [1, 2, 4]
+    assert (run / "eval/report.md").is_file()
+
+
+@dataclass
+class Step:
+    command: str  # exactly as in README.md
+    check: Callable[[Path, str], None]
+    edits: tuple[tuple[str, str], ...] = ()  # (README text, what runs here); each must occur
+    append: str = ""  # trailing size arguments
+    fresh: tuple[str, ...] = ()  # removed first: an alternative to an earlier command, not a resume
+
+
+def launcher_port(launcher: str) -> tuple[str, str]:
+    return (f"{launcher} ", f"{launcher} --master_port {free_port()} ")
+
+
+# In dependency order (the gpt2-small launchers need data/web from the Data section).
+RUN = [
+    Step("scse-data tokenizer --input 'corpus/*.jsonl.gz' --vocab-size 32000 --out data/web/tokenizer.model",
+         check_tokenizer, edits=(("--vocab-size 32000", f"--vocab-size {TINY_VOCAB}"),)),
+    Step("scse-data shards --input 'corpus/*.jsonl.gz' --tokenizer data/web/tokenizer.model --out data/web/shards --heldout-fraction 0.005",
+         check_shards),
+    Step("scse-data inspect data/web/shards", check_inspect),
+    Step("python launch/train.py --config configs/quickstart.yaml", check_quickstart,
+         append=f"train.max_steps={QUICKSTART_STEPS} eval.max_batches=2"),
+    Step("python launch/train.py --config configs/quickstart.yaml name=quickstart-T8 model.depth=8 train.max_steps=50",
+         check_quickstart_t8, append="train.max_steps=5 eval.max_batches=2"),
+    Step("deepspeed --num_gpus 8 launch/train.py --config configs/gpt2-small-scse.yaml",
+         check_gpt2_two_ranks, edits=(("--num_gpus 8", "--num_gpus 2"),), append=GPT2_ON_CPU,
+         fresh=("runs/gpt2-small-scse",)),
+    Step("torchrun --nproc_per_node 8 launch/train.py --config configs/gpt2-small-scse.yaml",
+         check_gpt2_two_ranks, edits=(("--nproc_per_node 8", "--nproc_per_node 2"),),
+         append=GPT2_ON_CPU, fresh=("runs/gpt2-small-scse",)),
+    Step("scse-eval --checkpoint runs/quickstart/export --task heldout --data data/quickstart/shards --depths 1,8,48 --out results.json",
+         check_eval("results.json", [1, 8, 48], "ppl")),
+    Step("scse-eval --checkpoint runs/quickstart/export --task wikitext --data wikitext-103-raw/wiki.test.raw --out wikitext.json",
+         check_eval("wikitext.json", [1, 2, 4, 8, 16, 32], "word_ppl")),
+    Step("scse-eval --checkpoint runs/quickstart/export --task lambada --data lambada_test.jsonl --out lambada.json",
+         check_eval("lambada.json", [1, 2, 4, 8, 16, 32], "accuracy")),
+    Step("scse-eval --checkpoint runs/quickstart/checkpoints --task diagnose --depths 1,8,48 --out diagnose.json",
+         check_eval("diagnose.json", [1, 8, 48], "deviation_norm")),
+    Step("scse-report runs/quickstart runs/quickstart-T8 --out reports/quickstart --wandb offline",
+         check_report),
+    Step("scse-launch configs/tiny-cpu.yaml --local", check_launch_local),
+]
+
+ENVIRONMENT = "sets up the environment this test runs in"
+SLURM = "needs a Slurm cluster; tests/test_slurm_e2e.py submits slurm/*.sh to a real local Slurm"
+NOT_RUN = {
+    "python3 -m venv .venv": ENVIRONMENT,
+    ". .venv/bin/activate": ENVIRONMENT,
+    "pip install torch==2.13.0 setuptools wheel": ENVIRONMENT,
+    "pip install --no-build-isolation -e '.[dev]'": ENVIRONMENT,
+    "pytest": "runs the test suite, this test included",
+    "sbatch slurm/pretrain.sh configs/gpt2-small-scse.yaml": SLURM,
+    "sbatch slurm/eval.sh --checkpoint runs/NAME/export --task lambada --data lambada_test.jsonl --out x.json":
+        SLURM,
+}
+
+
+def test_every_readme_command_is_run_or_listed():
+    commands = readme_commands(README.read_text())
+    run = [s.command for s in RUN]
+    unknown = [c for c in commands if c not in run and c not in NOT_RUN]
+    assert not unknown, f"README commands neither run by this test nor listed in NOT_RUN: {unknown}"
+    gone = [c for c in [*run, *NOT_RUN] if c not in commands]
+    assert not gone, f"commands this test expects that README.md no longer has: {gone}"
+    assert len(set(run)) == len(run)
+    # The shorter quickstart the tests run is the one the README offers.
+    quickstart = next(s for s in RUN if s.check is check_quickstart)
+    assert f"{quickstart.command} {quickstart.append}" in README.read_text()
+
+
+def write_inputs(d: Path) -> None:
+    """The files the README's commands read, at the README's paths, in the formats it states."""
+    (d / "corpus").mkdir()
+    docs = tiny_documents(2000)
+    for part in range(2):
+        with gzip.open(d / f"corpus/part-{part:02d}.jsonl.gz", "wt") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in docs[part::2])
+    (d / "wikitext-103-raw").mkdir()
+    (d / "wikitext-103-raw/wiki.test.raw").write_text(WIKITEXT)
+    (d / "lambada_test.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in LAMBADA))
+
+
+@pytest.mark.slow
+def test_readme_commands_run_as_written(tmp_path, user_env):
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for name in ("configs", "launch", "slurm"):
+        (checkout / name).symlink_to(REPO / name)
+    write_inputs(checkout)
+    commands = readme_commands(README.read_text())
+    for step in RUN:
+        assert step.command in commands, f"README.md no longer has: {step.command}"
+        line = step.command
+        for old, new in step.edits + ((launcher_port(line.split()[0]),)
+                                      if line.split()[0] in ("deepspeed", "torchrun") else ()):
+            assert old in line, (step.command, old)
+            line = line.replace(old, new, 1)
+        line = f"{line} {step.append}".strip()
+        for path in step.fresh:
+            shutil.rmtree(checkout / path, ignore_errors=True)
+        cpu, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+        out = subprocess.run(["bash", "-c", line], cwd=checkout, env=user_env, capture_output=True,
+                             text=True, timeout=400)
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        # CPU seconds of the command and its processes (wall time depends on what else runs)
+        print(f"{used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime:6.1f} s CPU "
+              f"{time.perf_counter() - wall:6.1f} s wall  {line[:90]}")
+        assert out.returncode == 0, \
+            f"{line}\nrc={out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-4000:]}"
+        try:
+            step.check(checkout, out.stdout)
+        except AssertionError as exc:
+            raise AssertionError(f"{line}: {exc}\n{out.stdout[-3000:]}") from exc
