@@ -79,13 +79,14 @@ def test_cli_rejects_bad_arguments(export_and_shards, capsys, argv, message):
     assert not (root / "x.json").exists()
 
 
-def test_cli_refuses_shards_from_a_bigger_vocabulary(export_and_shards, tmp_path):
+def test_cli_refuses_shards_from_a_bigger_vocabulary(export_and_shards, tmp_path, capsys):
     export, shards, _ = export_and_shards
     index = read_index(shards)
     index["vocab_size"] = 4096
     big = tmp_path / "big"
     big.mkdir()
     (big / "index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match="vocab_size=4096, more than the model's model.vocab_size=64"):
-        main(["--checkpoint", export, "--task", "heldout", "--data", str(big),
-              "--out", str(tmp_path / "r.json")])
+    assert main(["--checkpoint", export, "--task", "heldout", "--data", str(big),
+                 "--out", str(tmp_path / "r.json")]) == 65
+    assert capsys.readouterr().err == (f"scse-eval: error: {big}: shards were written with "
+                                       "vocab_size=4096, more than the model's model.vocab_size=64\n")

@@ -1,16 +1,17 @@
 """Evaluation: held-out, WikiText, LAMBADA and diagnostic tasks at several loop depths (one forward
-per batch), results JSON and tables, reports, `scse-eval`, `scse-report`."""
+per batch), results JSON and tables, reports, `scse-eval`, `scse-report`.
 
-from scse_dist.eval.perplexity import evaluate_heldout
-from scse_dist.eval.results import format_table, write_results
+The names below are imported on first use, so `scse-report` starts without torch."""
 
-__all__ = ["evaluate_heldout", "format_table", "write_results", "run_heldout_eval"]
+import importlib
+
+_EXPORTS = {"evaluate_heldout": "perplexity", "format_table": "results", "write_results": "results",
+            # run_heldout_eval lives with the CLI
+            "run_heldout_eval": "cli"}
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    # run_heldout_eval lives with the CLI; import it lazily so `scse_dist.eval` stays light.
-    if name == "run_heldout_eval":
-        from scse_dist.eval.cli import run_heldout_eval
-
-        return run_heldout_eval
-    raise AttributeError(name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"scse_dist.eval.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'scse_dist.eval' has no attribute {name!r}")

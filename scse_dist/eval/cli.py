@@ -16,8 +16,9 @@ from typing import Sequence
 
 import torch
 
+from scse_dist.cli_errors import cli_main
 from scse_dist.config import RunConfig
-from scse_dist.eval.tasks import TASKS, run_task
+from scse_dist.eval.tasks import TASKS, load_tokenizer, run_task
 
 
 def run_heldout_eval(model: torch.nn.Module, cfg: RunConfig, data_path: str, depths: list[int],
@@ -74,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@cli_main("scse-eval")
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 done; 2 bad arguments; 65 bad input data (empty file, malformed JSON line,
+    not UTF-8, a passage of one word, a tokenizer that is not one or too big for the model);
+    66 a checkpoint, data or tokenizer that is missing or unreadable. Errors are one line on
+    stderr naming the file (and line)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     from scse_dist.eval.loading import load_model
@@ -91,8 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  tokenizer=args.tokenizer or cfg.data.tokenizer),
         eval=dataclasses.replace(cfg.eval, batch_size=args.batch_size or cfg.eval.batch_size))
     max_batches = cfg.eval.max_batches if args.max_batches is None else args.max_batches
+    # --tokenizer given: used for text, and checked against the shards' own for shard data.
+    tokenizer = load_tokenizer(args.tokenizer, cfg) if args.tokenizer else None
     run_task(args.task, model, cfg, args.data or cfg.data.path, args.depths or cfg.eval.depths,
-             args.out, checkpoint_label=args.checkpoint, stride=args.stride, max_batches=max_batches)
+             args.out, checkpoint_label=args.checkpoint, tokenizer=tokenizer, stride=args.stride,
+             max_batches=max_batches)
     return 0
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_config
 
 
@@ -64,5 +65,5 @@ def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.M
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise ValueError(f"checkpoint {str(root / tag)!r} does not match {str(config)!r}: {exc}") from None
+        raise InputError(f"checkpoint {str(root / tag)!r} does not match {str(config)!r}: {exc}") from None
     return model.to(device).eval(), cfg

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig
 from scse_dist.eval.perplexity import _resolve_depths, evaluate_heldout
 from scse_dist.data.sources import Passage, read_corpus, read_lambada, read_wikitext_articles
@@ -113,7 +114,7 @@ def diagnose_rows(model: torch.nn.Module, batches: Iterable[torch.Tensor], depth
                 sums[k] = sums.get(k, 0) + v.double().cpu()
             n += 1
     if n == 0:
-        raise ValueError("diagnose: the data held no batches")
+        raise InputError("diagnose: the data held no batches")
     means = {k: v / n for k, v in sums.items()}
     return [{"depth": d, "bias_norm": float(means["bias_norm"]),
              "effective_bias_norm": float(means["effective_bias_norm"]),
@@ -128,20 +129,22 @@ def is_shard_dir(path: str) -> bool:
     return fs.isfile(root.rstrip("/") + "/index.json")
 
 
-def _shard_stream(path: str, cfg: RunConfig):
+def _shard_stream(path: str, cfg: RunConfig, tokenizer: Any = None):
     from scse_dist.data.shards import read_index
     from scse_dist.data.stream import TokenStream
 
     # Shards from a bigger tokenizer would index past the embedding: say so instead of crashing.
     index = read_index(str(path))
     if index["vocab_size"] > cfg.model.vocab_size:
-        raise ValueError(f"{path}: shards were written with vocab_size={index['vocab_size']}, "
+        raise InputError(f"{path}: shards were written with vocab_size={index['vocab_size']}, "
                          f"more than the model's model.vocab_size={cfg.model.vocab_size}")
     if not index["splits"].get("heldout"):
-        raise ValueError(f"{path}: index.json lists no heldout shards "
+        raise InputError(f"{path}: index.json lists no heldout shards "
                          "(build shards with data.heldout_fraction > 0)")
+    # A tokenizer given explicitly must be the shards' own (TokenStream compares the hashes).
     return TokenStream(path, split="heldout", seq_len=cfg.data.seq_len,
-                       batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0, loop=False)
+                       batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0, loop=False,
+                       tokenizer_sha256=getattr(tokenizer, "sha256", None))
 
 
 def _packed_batches(tokenizer: Any, documents: list[str], seq_len: int, batch_size: int):
@@ -159,7 +162,7 @@ def load_tokenizer(path: str, cfg: RunConfig):
 
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"tokenizer {path}: {tokenizer.vocab_size} pieces, more than the model's "
+        raise InputError(f"tokenizer {path}: {tokenizer.vocab_size} pieces, more than the model's "
                          f"model.vocab_size={cfg.model.vocab_size}")
     return tokenizer
 
@@ -181,7 +184,7 @@ def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depth
     stride = stride or max(1, seq_len // 2)
     extra: dict[str, Any] = {"data": str(data), "seq_len": seq_len, "batch_size": batch_size}
     if task == "heldout" and shards:
-        rows = evaluate_heldout(model, _shard_stream(data, cfg), depths, max_batches=max_batches)
+        rows = evaluate_heldout(model, _shard_stream(data, cfg, tokenizer), depths, max_batches=max_batches)
         extra["max_batches"] = max_batches
     elif task == "heldout":  # a corpus: every document scored on its own, no overlap
         rows = document_rows(model, tokenizer, read_corpus(data), depths, seq_len, seq_len, batch_size)
@@ -192,7 +195,7 @@ def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depth
     elif task == "lambada":
         rows = lambada_rows(model, tokenizer, read_lambada(data), depths, seq_len, batch_size)
     else:
-        batches = _shard_stream(data, cfg) if shards else \
+        batches = _shard_stream(data, cfg, tokenizer) if shards else \
             _packed_batches(tokenizer, read_corpus(data), seq_len, batch_size)
         rows = diagnose_rows(model, batches, depths, max_batches=max_batches)
         extra["max_batches"] = max_batches
