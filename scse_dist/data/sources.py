@@ -25,6 +25,7 @@ an unknown protocol) OSError, both naming it.
 
 from __future__ import annotations
 
+import gzip
 import json
 import lzma
 import re
@@ -74,14 +75,18 @@ def _is_jsonl(url: str) -> bool:
 
 def _byte_lines(f) -> Iterator[bytes]:
     """Lines of a binary file object by read() alone (zstd's stream reader cannot readline)."""
-    rest = b""
+    pending: list[bytes] = []  # the pieces of a line longer than a chunk (joined once)
     while chunk := f.read(1 << 20):
-        lines = (rest + chunk).split(b"\n")
-        rest = lines.pop()
-        for line in lines:
-            yield line + b"\n"
-    if rest:
-        yield rest
+        lines = chunk.split(b"\n")
+        if len(lines) > 1:
+            yield b"".join(pending) + lines[0] + b"\n"
+            for line in lines[1:-1]:
+                yield line + b"\n"
+            pending = []
+        pending.append(lines[-1])
+    tail = b"".join(pending)
+    if tail:
+        yield tail
 
 
 def _lines(url: str) -> Iterator[tuple[int, str]]:
@@ -106,13 +111,9 @@ def _lines(url: str) -> Iterator[tuple[int, str]]:
                     raise InputError(f"{url}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at "
                                      f"column {exc.start + 1}); convert the file to UTF-8") from None
                 yield lineno, line[:-2] + "\n" if line.endswith("\r\n") else line
-        except (EOFError, zlib.error, lzma.LZMAError) as exc:  # truncated or corrupt compression
+        except (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile) as exc:
             raise InputError(f"{url}:{lineno + 1}: corrupt or truncated compressed data "
-                             f"({type(exc).__name__}: {exc})") from None
-        except OSError as exc:
-            if type(exc).__name__ == "BadGzipFile":  # gzip's own error for data that is not gzip
-                raise InputError(f"{url}: not gzip data ({exc}); fix the file or its .gz suffix") from None
-            raise
+                             f"({type(exc).__name__}: {exc}); check the file and its suffix") from None
 
 
 def _iter_jsonl(url: str, text_field: str) -> Iterator[str]:

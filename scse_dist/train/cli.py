@@ -19,7 +19,6 @@ from typing import Sequence
 
 from scse_dist.cli_errors import cli_main
 from scse_dist.config import load_config
-from scse_dist.launch.distributed import resolve_dist_env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # a ConfigError is exit 2, before any process group
+    from scse_dist.launch.distributed import resolve_dist_env  # imports torch: after the config
+
     cfg.train.grad_accum_for(resolve_dist_env(os.environ).world_size)
     from scse_dist.train.faults import REQUEUE_EXIT_CODE, TrainingStopped
     from scse_dist.train.loop import train  # imports deepspeed only once the config is good
