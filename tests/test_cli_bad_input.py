@@ -25,7 +25,7 @@ BAD_CONFIG, BAD_INPUT, NO_INPUT = 2, 65, 66  # scse_dist.cli_errors
 # (command, arguments, exit status, text the one line must contain). In the arguments and the
 # text, {d} is the folder of bad inputs, {export} a tiny exported model, {shards} and {tok} the
 # session's tiny shards and their tokenizer, {other} a tokenizer the shards were not written
-# with, {config} a good run config (runs go under {d}).
+# with, {config} a good run config (runs go under {d}), {broken} an export with corrupt weights.
 CASES = {
     "data": [
         ("tokenizer --input {d}/empty.txt --vocab-size 300 --out {d}/t.model", BAD_INPUT,
@@ -63,6 +63,11 @@ CASES = {
          "tokenizer {d}/binary.txt: not a sentencepiece model"),
         ("--task heldout --data {shards} --tokenizer {other}", BAD_INPUT,
          "{shards}/index.json: the shards were written with another tokenizer"),
+        # the data is read before the weights: a broken export is not what the line reports
+        ("--task lambada --data {d}/bad.jsonl --checkpoint {broken}", BAD_INPUT,
+         "{d}/bad.jsonl:2: not valid JSON"),
+        ("--task lambada --data {d}/good.jsonl --checkpoint {broken}", BAD_INPUT,
+         "{broken}/model.safetensors' is not a readable safetensors export"),
     ],
     "train": [
         ("--config {d}/missing.yaml", BAD_CONFIG, "{d}/missing.yaml' does not exist"),
@@ -137,13 +142,15 @@ def _write_inputs(d: Path, tiny_data: dict, export_root: Path) -> dict[str, str]
     torch.manual_seed(0)
     cfg = config_from_dict(config)
     export = save_exported_model(LoopedLM(cfg.model).state_dict(), cfg, str(export_root / "export"))
+    broken = shutil.copytree(export, export_root / "broken")
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
     (d / "run-noeval").mkdir()
     for run, text in [("empty", b""), ("binary", b'{"task": "\x98"}'), ("bad", b'{"task": '),
                       ("nodepth", b'{"task": "heldout", "results": [{"ppl": 3.0}]}')]:
         (d / f"run-{run}" / "eval").mkdir(parents=True)
         (d / f"run-{run}" / "eval" / "heldout.json").write_bytes(text)
     return {"d": str(d), "export": export, "shards": tiny_data["path"], "tok": tiny_data["tokenizer"],
-            "other": other, "config": str(d / "tiny.yaml")}
+            "other": other, "config": str(d / "tiny.yaml"), "broken": str(broken)}
 
 
 @pytest.fixture(scope="module")

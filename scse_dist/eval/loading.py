@@ -44,21 +44,42 @@ def _deepspeed_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
     return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
 
 
-def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, RunConfig]:
-    """The model (eval mode, on `device`) and its RunConfig from an export or a DeepSpeed checkpoint."""
-    from scse_dist.export import (CONFIG_NAME, WEIGHTS_NAME, _strip_wrapper_prefixes,
-                                  load_exported_model)
-    from scse_dist.model import LoopedLM
+def _is_export(p: Path) -> bool:
+    from scse_dist.export import WEIGHTS_NAME
 
-    p = Path(path)
-    if p.suffix == ".safetensors" or (p / WEIGHTS_NAME).is_file():
-        return load_exported_model(p, device=device)
+    return p.suffix == ".safetensors" or (p / WEIGHTS_NAME).is_file()
+
+
+def _config_path(p: Path) -> Path:
+    """config.yaml of an export, or of the run a DeepSpeed checkpoint dir belongs to."""
+    from scse_dist.export import CONFIG_NAME, _resolve_paths
+
+    if _is_export(p):
+        return _resolve_paths(p)[1]
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist")
-    root, tag = _deepspeed_location(p)
+    root, _ = _deepspeed_location(p)
     config = root.parent / CONFIG_NAME
     if not config.is_file():
         raise FileNotFoundError(f"{str(root)!r}: the run's {CONFIG_NAME} is missing at {str(config)!r}")
+    return config
+
+
+def checkpoint_config(path: str | os.PathLike) -> RunConfig:
+    """The RunConfig of an export or a DeepSpeed checkpoint, without loading any weights."""
+    return load_config(_config_path(Path(path)))
+
+
+def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, RunConfig]:
+    """The model (eval mode, on `device`) and its RunConfig from an export or a DeepSpeed checkpoint."""
+    from scse_dist.export import _strip_wrapper_prefixes, load_exported_model
+    from scse_dist.model import LoopedLM
+
+    p = Path(path)
+    if _is_export(p):
+        return load_exported_model(p, device=device)
+    config = _config_path(p)
+    root, tag = _deepspeed_location(p)
     cfg = load_config(config)
     model = LoopedLM(cfg.model)
     state = _strip_wrapper_prefixes(_deepspeed_state_dict(root, tag))

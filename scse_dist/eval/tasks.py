@@ -12,7 +12,7 @@ table and writes the results JSON (scse_dist.eval.results).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -167,36 +167,55 @@ def load_tokenizer(path: str, cfg: RunConfig):
     return tokenizer
 
 
-def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depths: list[int],
-             out_path: str, checkpoint_label: str, *, tokenizer: Any = None,
-             stride: Optional[int] = None, max_batches: int = 0) -> list[dict]:
-    """Evaluate `task` on `data`, print a table, write `out_path`. Returns the rows.
+class TaskData(NamedTuple):
+    """What a task reads, read and checked: a held-out shard stream, or the tokenizer and the
+    documents (heldout/diagnose corpus, wikitext) or passages (lambada)."""
 
-    Sequence length and batch size come from cfg.data.seq_len and cfg.eval.batch_size; the
-    tokenizer (text inputs only) defaults to cfg.data.tokenizer; stride defaults to seq_len // 2.
-    """
+    tokenizer: Any
+    inputs: Any
+    shards: bool
+
+
+def read_task_data(task: str, cfg: RunConfig, data: str, tokenizer: Any = None) -> TaskData:
+    """Open `task`'s data; bad data fails here, so scse-eval calls it before loading a model.
+
+    The tokenizer (text inputs only) defaults to cfg.data.tokenizer; one given with shard data
+    must be the shards' own."""
     if task not in TASKS:
         raise ValueError(f"task: must be one of {', '.join(TASKS)}; got {task!r}")
+    if task in ("heldout", "diagnose") and is_shard_dir(data):
+        return TaskData(tokenizer, _shard_stream(data, cfg, tokenizer), shards=True)
+    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg)
+    read = {"lambada": read_lambada, "wikitext": read_wikitext_articles}.get(task, read_corpus)
+    return TaskData(tokenizer, read(data), shards=False)
+
+
+def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depths: list[int],
+             out_path: str, checkpoint_label: str, *, tokenizer: Any = None,
+             stride: Optional[int] = None, max_batches: int = 0,
+             task_data: Optional[TaskData] = None) -> list[dict]:
+    """Evaluate `task` on `data`, print a table, write `out_path`. Returns the rows.
+
+    Sequence length and batch size come from cfg.data.seq_len and cfg.eval.batch_size; the data
+    is `task_data` when read already, else read_task_data(task, cfg, data, tokenizer); stride
+    defaults to seq_len // 2.
+    """
+    tokenizer, inputs, shards = task_data or read_task_data(task, cfg, data, tokenizer)
     seq_len, batch_size = cfg.data.seq_len, cfg.eval.batch_size
-    shards = task in ("heldout", "diagnose") and is_shard_dir(data)
-    if tokenizer is None and not shards:
-        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
     stride = stride or max(1, seq_len // 2)
     extra: dict[str, Any] = {"data": str(data), "seq_len": seq_len, "batch_size": batch_size}
     if task == "heldout" and shards:
-        rows = evaluate_heldout(model, _shard_stream(data, cfg, tokenizer), depths, max_batches=max_batches)
+        rows = evaluate_heldout(model, inputs, depths, max_batches=max_batches)
         extra["max_batches"] = max_batches
     elif task == "heldout":  # a corpus: every document scored on its own, no overlap
-        rows = document_rows(model, tokenizer, read_corpus(data), depths, seq_len, seq_len, batch_size)
+        rows = document_rows(model, tokenizer, inputs, depths, seq_len, seq_len, batch_size)
     elif task == "wikitext":
-        rows = document_rows(model, tokenizer, read_wikitext_articles(data), depths, seq_len, stride,
-                             batch_size)
+        rows = document_rows(model, tokenizer, inputs, depths, seq_len, stride, batch_size)
         extra["stride"] = stride
     elif task == "lambada":
-        rows = lambada_rows(model, tokenizer, read_lambada(data), depths, seq_len, batch_size)
+        rows = lambada_rows(model, tokenizer, inputs, depths, seq_len, batch_size)
     else:
-        batches = _shard_stream(data, cfg, tokenizer) if shards else \
-            _packed_batches(tokenizer, read_corpus(data), seq_len, batch_size)
+        batches = inputs if shards else _packed_batches(tokenizer, inputs, seq_len, batch_size)
         rows = diagnose_rows(model, batches, depths, max_batches=max_batches)
         extra["max_batches"] = max_batches
     print(f"{task}: {checkpoint_label} ({cfg.model.recurrence}, {cfg.model.residual}) on {data}")
