@@ -188,3 +188,33 @@ def test_bad_input_is_one_line_naming_the_file(results, key):
     assert err.startswith(f"{prog}: {kind}: "), context
     assert names.format(**paths) in err, context
     assert proc.returncode == status, context
+
+
+def test_only_bad_input_becomes_a_line_a_bug_still_raises(capsys):
+    import io
+    import json
+
+    from scse_dist.cli_errors import InputError, cli_main
+    from scse_dist.config import ConfigError
+
+    def command(exc):
+        @cli_main("scse-x")
+        def main(argv=None):
+            raise exc
+        return main
+
+    for exc, status, line in [
+            (ConfigError("train.lr: must be > 0\n  got 0"), BAD_CONFIG,
+             "scse-x: config error: train.lr: must be > 0 got 0\n"),
+            (InputError("a.jsonl:3: not valid JSON"), BAD_INPUT, "scse-x: error: a.jsonl:3: not valid JSON\n"),
+            (FileNotFoundError(2, "No such file or directory", "b.txt"), NO_INPUT,
+             "scse-x: error: [Errno 2] No such file or directory: 'b.txt'\n"),
+            (json.JSONDecodeError("Expecting value", "{", 1), BAD_INPUT,
+             "scse-x: error: Expecting value: line 1 column 2 (char 1)\n")]:
+        assert command(exc)() == status
+        assert capsys.readouterr().err == line
+    for bug in (KeyError("depth"), TypeError("unsupported operand"), ValueError("math domain error"),
+                io.UnsupportedOperation("readline")):
+        with pytest.raises(type(bug)):
+            command(bug)()
+        assert capsys.readouterr().err == ""
