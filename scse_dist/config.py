@@ -431,13 +431,22 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """Read a config file; `base: other.yaml` (relative to the file) is loaded first and overlaid,
     so a baseline config states only what differs from the config it is compared against."""
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        raise ConfigError(f"config file {str(path)!r} " + ("is a directory, not a YAML file"
+                          if path.is_dir() else "does not exist"))
     if path.resolve() in seen:
         raise ConfigError(f"config file {str(path)!r}: `base` chain loops back to itself")
     try:
-        values = yaml.safe_load(path.read_text()) or {}
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                          f"at offset {exc.start}); a config is a YAML text file") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        what = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise ConfigError(f"config file {where}: not valid YAML ({what})") from None
     if not isinstance(values, dict):
         raise ConfigError(f"config file {str(path)!r}: expected a mapping at the top level")
     base = values.pop("base", None)

@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from scse_dist.atomic import atomic_write
+from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_config, save_config
 
 if TYPE_CHECKING:  # the model package imports torch modules only; keep export importable alone
@@ -108,7 +109,7 @@ def load_exported_model(path: str | os.PathLike, device: str | torch.device = "c
     """Load an export (its directory, or its .safetensors file beside config.yaml), strictly.
 
     Returns the model in eval mode on `device` and its RunConfig. Raises FileNotFoundError when a
-    file is missing and ValueError, naming both files, when the weights do not fit the config.
+    file is missing and InputError (a ValueError), naming both files, when the weights do not fit the config.
     """
     from scse_dist.model import LoopedLM
 
@@ -118,10 +119,10 @@ def load_exported_model(path: str | os.PathLike, device: str | torch.device = "c
         state = load_file(str(weights))
         aliases = _read_aliases(weights)
     except (SafetensorError, OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{str(weights)!r} is not a readable safetensors export: {exc}") from None
+        raise InputError(f"{str(weights)!r} is not a readable safetensors export: {exc}") from None
     for alias, source in aliases.items():
         if source not in state:
-            raise ValueError(f"{str(weights)!r}: tied alias {alias!r} points at missing {source!r}")
+            raise InputError(f"{str(weights)!r}: tied alias {alias!r} points at missing {source!r}")
         state[alias] = state[source]
 
     model = LoopedLM(cfg.model)
@@ -137,7 +138,7 @@ def load_exported_model(path: str | os.PathLike, device: str | torch.device = "c
             if items:
                 shown = ", ".join(items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else "")
                 problems.append(f"{label}: {shown}")
-        raise ValueError(f"weights {str(weights)!r} do not match the model built from "
+        raise InputError(f"weights {str(weights)!r} do not match the model built from "
                          f"{str(config)!r}; " + "; ".join(problems))
     model.load_state_dict(state, strict=True)
     return model.to(device).eval(), cfg

@@ -84,13 +84,12 @@ def test_cli_tokenizer_shards_inspect(tmp_path, capsys):
     shard = os.path.join(out, index["splits"]["train"][0]["url"])
     with open(shard, "r+b") as f:
         f.truncate(700)
-    with pytest.raises(SystemExit) as exit_:
-        main(["inspect", out])
-    assert exit_.value.code == 1
+    assert main(["inspect", out]) == 1
     assert "BAD train-000000.tar" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_:
-        main(["inspect", str(tmp_path / "missing")])
-    assert exit_.value.code == 2 and "missing" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "missing")]) == 66
+    assert capsys.readouterr().err == (f"scse-data: error: no shard index at "
+                                       f"'{tmp_path / 'missing'}/index.json' (build shards with "
+                                       "`scse-data shards` or `scse-data quickstart`)\n")
 
 
 def test_zstd_jsonl_parallel_workers_and_tokenizer_options(tmp_path, capsys):

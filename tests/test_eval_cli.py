@@ -8,7 +8,8 @@ import torch
 from scse_dist.config import config_from_dict
 from scse_dist.data.shards import read_index, write_shards
 from scse_dist.data.stream import TokenStream
-from scse_dist.eval import evaluate_heldout, format_table
+from scse_dist.eval.perplexity import evaluate_heldout
+from scse_dist.eval.results import format_table
 from scse_dist.eval.cli import main
 from scse_dist.export import load_exported_model, save_exported_model
 from scse_dist.model import LoopedLM
@@ -79,13 +80,14 @@ def test_cli_rejects_bad_arguments(export_and_shards, capsys, argv, message):
     assert not (root / "x.json").exists()
 
 
-def test_cli_refuses_shards_from_a_bigger_vocabulary(export_and_shards, tmp_path):
+def test_cli_refuses_shards_from_a_bigger_vocabulary(export_and_shards, tmp_path, capsys):
     export, shards, _ = export_and_shards
     index = read_index(shards)
     index["vocab_size"] = 4096
     big = tmp_path / "big"
     big.mkdir()
     (big / "index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match="vocab_size=4096, more than the model's model.vocab_size=64"):
-        main(["--checkpoint", export, "--task", "heldout", "--data", str(big),
-              "--out", str(tmp_path / "r.json")])
+    assert main(["--checkpoint", export, "--task", "heldout", "--data", str(big),
+                 "--out", str(tmp_path / "r.json")]) == 65
+    assert capsys.readouterr().err == (f"scse-eval: error: {big}: shards were written with "
+                                       "vocab_size=4096, more than the model's model.vocab_size=64\n")

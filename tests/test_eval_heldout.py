@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scse_dist.eval import evaluate_heldout, format_table, write_results
+from scse_dist.eval.perplexity import evaluate_heldout
+from scse_dist.eval.results import format_table, write_results
 from scse_dist.model import LoopedLM
 
 from conftest import tiny_cfg

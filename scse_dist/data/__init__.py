@@ -1,10 +1,17 @@
-"""Data: sentencepiece tokenizer, document sources, token shards + index, packed token stream."""
+"""Data: sentencepiece tokenizer, document sources, token shards + index, packed token stream.
 
-from scse_dist.data.quickstart import ensure_data
-from scse_dist.data.shards import read_index, write_shards
-from scse_dist.data.sources import iter_documents
-from scse_dist.data.stream import TokenStream
-from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
+The names below are imported on first use, so `scse-data` starts without torch (TokenStream and
+webdataset import it)."""
 
-__all__ = ["Tokenizer", "TokenStream", "ensure_data", "iter_documents", "read_index",
-           "train_tokenizer", "write_shards"]
+import importlib
+
+_EXPORTS = {"ensure_data": "quickstart", "read_index": "shards", "write_shards": "shards",
+            "iter_documents": "sources", "TokenStream": "stream", "Tokenizer": "tokenizer",
+            "train_tokenizer": "tokenizer"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"scse_dist.data.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'scse_dist.data' has no attribute {name!r}")

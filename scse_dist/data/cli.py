@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Iterable, Iterator
 
+from scse_dist.cli_errors import cli_main
 from scse_dist.data.shards import (iter_samples, load_sample_table, read_index, shard_url, table_url,
                                    write_shards)
 from scse_dist.data.sources import TEXT_SPLITS, iter_documents
@@ -149,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="print counts and check that every shard reads")
     i.add_argument("path", help="shard directory or URL prefix")
-    i.set_defaults(func=lambda a: None if inspect_shards(a.path) else sys.exit(1))
+    i.set_defaults(func=lambda a: 0 if inspect_shards(a.path) else 1)
 
     q = sub.add_parser("quickstart", help="build the stdlib-docstring corpus (no download)")
     q.add_argument("--out", default="data/quickstart", help="writes OUT/tokenizer.model, OUT/shards")
@@ -159,14 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
+@cli_main("scse-data")
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done; 1 `inspect` found bad shards; 2 bad arguments; 65 bad input data
+    (empty, not UTF-8, malformed JSON, a missing field, not a tokenizer); 66 an input is missing
+    or unreadable. Errors are one line on stderr (scse_dist.cli_errors)."""
     args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"scse-data {args.command}: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    return args.func(args) or 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -23,7 +23,6 @@ from typing import Any, Iterator, Optional
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 import numpy as np
-from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from scse_dist.data.sample_format import MEMBERS, Sample, decode_sample, load_sample_table
 
@@ -151,6 +150,8 @@ class ShardReader:
         url, seen = self.urls[s], -1
         try:
             with fsspec.open(url, "rb") as f:
+                from webdataset.tariterators import group_by_keys, tar_file_iterator  # imports torch
+
                 files = ({**d, "__url__": url} for d in tar_file_iterator(f))
                 for n, parts in enumerate(group_by_keys(files)):
                     j = _sample_index(parts["__key__"], n)

@@ -49,8 +49,9 @@ from typing import Any, Iterable, Iterator
 
 import fsspec
 import numpy as np
-from webdataset.tariterators import group_by_keys, tar_file_iterator
 
+from scse_dist.cli_errors import InputError
+from scse_dist.config import ConfigError
 # load_sample_table: imported here for this module's readers too (data.cli, tests)
 from scse_dist.data.sample_format import (FORMAT, TABLE_COLUMNS, decode_sample,  # noqa: F401
                                           load_sample_table, npy_bytes)
@@ -190,9 +191,9 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
     processes; batches come back in input order, so the shards are byte-identical to workers=0.
     """
     if not 0.0 <= heldout_fraction < 1.0:
-        raise ValueError(f"heldout_fraction: must lie in [0, 1), got {heldout_fraction}")
+        raise ConfigError(f"heldout_fraction: must lie in [0, 1), got {heldout_fraction}")
     if sample_tokens <= 0 or shard_bytes <= 0:
-        raise ValueError(f"sample_tokens and shard_bytes must be > 0, got {sample_tokens}, {shard_bytes}")
+        raise ConfigError(f"sample_tokens and shard_bytes must be > 0, got {sample_tokens}, {shard_bytes}")
     fs, root = fsspec.core.url_to_fs(out)
     fs.makedirs(root, exist_ok=True)
     index_path = join(root, INDEX_NAME)
@@ -227,6 +228,9 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
     finally:
         if pool is not None:
             pool.terminate()
+    if n_docs == 0:  # an index of nothing would let a job "train" on no data
+        raise InputError(f"{out}: no documents to write (the inputs are empty, or no document "
+                         "encodes to a token)")
 
     index = {
         "format": FORMAT,
@@ -266,25 +270,25 @@ def read_index(path: str) -> dict:
     try:
         index = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{url}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        raise InputError(f"{url}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(index, dict):
-        raise ValueError(f"{url}: expected a JSON object at the top level")
+        raise InputError(f"{url}: expected a JSON object at the top level")
     for field, tp in _REQUIRED.items():
         if not isinstance(index.get(field), tp):
-            raise ValueError(f"{url}: field {field!r} is missing or not a {tp.__name__}")
+            raise InputError(f"{url}: field {field!r} is missing or not a {tp.__name__}")
     if index["format"] != FORMAT:
-        raise ValueError(f"{url}: field 'format' is {index['format']!r}, expected {FORMAT!r}: the "
+        raise InputError(f"{url}: field 'format' is {index['format']!r}, expected {FORMAT!r}: the "
                          "shards were written by another version; rebuild them with `scse-data "
                          "shards` (`scse-data quickstart` for the quickstart corpus)")
     if index["dtype"] not in ("uint16", "uint32"):
-        raise ValueError(f"{url}: field 'dtype' must be uint16 or uint32, got {index['dtype']!r}")
+        raise InputError(f"{url}: field 'dtype' must be uint16 or uint32, got {index['dtype']!r}")
     for split, shards in index["splits"].items():
         if not isinstance(shards, list):
-            raise ValueError(f"{url}: field 'splits.{split}' must be a list of shards")
+            raise InputError(f"{url}: field 'splits.{split}' must be a list of shards")
         for i, shard in enumerate(shards):
             for field in _SHARD_FIELDS:
                 if not isinstance(shard, dict) or field not in shard:
-                    raise ValueError(f"{url}: field 'splits.{split}[{i}].{field}' is missing")
+                    raise InputError(f"{url}: field 'splits.{split}[{i}].{field}' is missing")
     return index
 
 
@@ -315,7 +319,7 @@ def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[st
     root = path[: -len(INDEX_NAME) - 1] if path.endswith("/" + INDEX_NAME) else path.rstrip("/")
     index = read_index(root)
     if split not in index["splits"]:
-        raise ValueError(f"{root}: no split {split!r} (has {sorted(index['splits'])})")
+        raise InputError(f"{root}: no split {split!r} (has {sorted(index['splits'])})")
     entries = [e for e in index["splits"][split] if e["tokens"] > 0]
     if pattern is not None:
         by_url = {shard_url(root, e): e for e in index["splits"][split]}
@@ -358,6 +362,8 @@ def check_shards_exist(urls: list[str]) -> None:
 def iter_samples(url: str, eos: int) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """Yield (key, tokens, doc_lens) for every sample of one tar shard, in file order; tokens
     hold each document followed by eos. ValueError naming the shard and sample on bad data."""
+    from webdataset.tariterators import group_by_keys, tar_file_iterator  # imports torch: not at start-up
+
     with fsspec.open(url, "rb") as f:
         for parts in group_by_keys({**d, "__url__": url} for d in tar_file_iterator(f)):
             yield parts["__key__"], *decode_sample(parts, f"{url}: sample {parts['__key__']!r}", eos)

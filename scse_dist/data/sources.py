@@ -17,16 +17,25 @@ The evaluation formats have readers of their own, used by scse-eval:
 - LAMBADA: the OpenAI JSONL (`{"text": ...}` per line) or the original plain text (one passage per
   line). The context is the passage minus its last whitespace-separated word, the target is
   `" " + last word`.
-Bad input stops with a ValueError naming the file and, where there is one, the line.
+Bad input stops with an InputError (a ValueError) naming the file and, where there is one, the
+line: malformed JSON, a missing field, bytes that are not UTF-8, corrupt compression, and no
+documents at all. A missing input raises FileNotFoundError, an unreadable one (an unreachable URL,
+an unknown protocol) OSError, both naming it.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
 import re
+import zlib
 from typing import Iterator, Literal, NamedTuple
 
 import fsspec
+
+from scse_dist.cli_errors import InputError
+from scse_dist.config import ConfigError
 
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zstd")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -40,11 +49,17 @@ def expand_inputs(urls: list[str] | tuple[str, ...] | str) -> list[str]:
         urls = [urls]
     out: list[str] = []
     for url in urls:
-        files = fsspec.open_files(url)  # expands globs; keeps a literal path as-is
-        found = sorted(f.full_name for f in files)
-        fs = files.fs if len(files) else None
-        if not found or (fs is not None and not all(fs.exists(f.path) for f in files)):
-            raise FileNotFoundError(f"input {url!r} matches no file")
+        local = "://" not in url or url.startswith("file://")
+        try:
+            files = fsspec.open_files(url)  # expands globs; keeps a literal path as-is
+            # local files by their path: messages then name the file as the user knows it
+            found = sorted(f.path if local else f.full_name for f in files)
+            missing = not found or not all(files.fs.exists(f.path) for f in files)
+        except Exception as exc:  # only fsspec runs here: unknown protocol, missing backend, network
+            raise OSError(f"input {url!r} cannot be listed: {type(exc).__name__}: {exc}") from exc
+        if missing:
+            raise FileNotFoundError(f"input {url!r} matches no file" +
+                                    ("" if local else " (or its server cannot be reached)"))
         protocol = url.split("://", 1)[0] + "://" if "://" in url else ""
         out.extend(n if "://" in n or not protocol else protocol + n for n in found)
     return out
@@ -58,61 +73,113 @@ def _is_jsonl(url: str) -> bool:
     return name.endswith(JSONL_SUFFIXES)
 
 
+def _byte_lines(f) -> Iterator[bytes]:
+    """Lines of a binary file object by read() alone (zstd's stream reader cannot readline)."""
+    pending: list[bytes] = []  # the pieces of a line longer than a chunk (joined once)
+    while chunk := f.read(1 << 20):
+        lines = chunk.split(b"\n")
+        if len(lines) > 1:
+            yield b"".join(pending) + lines[0] + b"\n"
+            for line in lines[1:-1]:
+                yield line + b"\n"
+            pending = []
+        pending.append(lines[-1])
+    tail = b"".join(pending)
+    if tail:
+        yield tail
+
+
+def _lines(url: str) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a text file, any fsspec URL, decompressed by its suffix.
+
+    Read as bytes and decoded line by line, so a byte that is not UTF-8 is reported at its line.
+    "\r\n" line ends become "\n" (what text mode would give).
+    """
+    try:
+        f = fsspec.open(url, "rb", compression="infer").open()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"input {url!r} does not exist") from None
+    except Exception as exc:  # only fsspec runs here: unknown protocol, missing backend, network
+        raise OSError(f"input {url!r} cannot be opened: {type(exc).__name__}: {exc}") from exc
+    lineno = 0
+    with f:
+        try:
+            for lineno, raw in enumerate(_byte_lines(f), 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise InputError(f"{url}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at "
+                                     f"column {exc.start + 1}); convert the file to UTF-8") from None
+                yield lineno, line[:-2] + "\n" if line.endswith("\r\n") else line
+        except (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile) as exc:
+            raise InputError(f"{url}:{lineno + 1}: corrupt or truncated compressed data "
+                             f"({type(exc).__name__}: {exc}); check the file and its suffix") from None
+
+
 def _iter_jsonl(url: str, text_field: str) -> Iterator[str]:
-    with fsspec.open(url, "rt", compression="infer", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{url}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict) or text_field not in obj:
-                raise ValueError(f"{url}:{lineno}: no field {text_field!r} "
-                                 f"(set text_field; keys: {list(obj)[:8] if isinstance(obj, dict) else '-'})")
-            text = obj[text_field]
-            if not isinstance(text, str):
-                raise ValueError(f"{url}:{lineno}: field {text_field!r} is {type(text).__name__}, "
-                                 "expected a string")
-            if text.strip():
-                yield text
+    for lineno, line in _lines(url):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{url}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(obj, dict) or text_field not in obj:
+            raise InputError(f"{url}:{lineno}: no field {text_field!r} (set --text-field; keys: "
+                             f"{list(obj)[:8] if isinstance(obj, dict) else '-'})")
+        text = obj[text_field]
+        if not isinstance(text, str):
+            raise InputError(f"{url}:{lineno}: field {text_field!r} is {type(text).__name__}, "
+                             "expected a string")
+        if text.strip():
+            yield text
 
 
 def _iter_text(url: str, text_split: str) -> Iterator[str]:
-    with fsspec.open(url, "rt", compression="infer", encoding="utf-8") as f:
-        if text_split == "file":
-            text = f.read()
-            if text.strip():
-                yield text
-            return
-        lines: list[str] = []
-        for line in f:
-            if line.strip():
-                lines.append(line)
-            elif lines:
-                yield "".join(lines).rstrip("\n")
-                lines = []
-        if lines:
+    if text_split == "file":
+        text = "".join(line for _, line in _lines(url))
+        if text.strip():
+            yield text
+        return
+    lines: list[str] = []
+    for _, line in _lines(url):
+        if line.strip():
+            lines.append(line)
+        elif lines:
             yield "".join(lines).rstrip("\n")
+            lines = []
+    if lines:
+        yield "".join(lines).rstrip("\n")
 
 
 def iter_documents(urls: list[str] | tuple[str, ...] | str, text_field: str = "text",
                    text_split: Literal["blank_lines", "file", "wikitext"] = "blank_lines"
                    ) -> Iterator[str]:
-    """Yield every document of every input (see the module docstring for the formats)."""
+    """Yield every document of every input (see the module docstring for the formats).
+
+    Inputs that hold no document between them are an InputError (a job would train on nothing)."""
     if text_split not in TEXT_SPLITS:
-        raise ValueError(f"text_split: must be one of {TEXT_SPLITS}, got {text_split!r}")
-    for url in expand_inputs(urls):
+        raise ConfigError(f"text_split: must be one of {TEXT_SPLITS}, got {text_split!r}")
+    files = expand_inputs(urls)
+    n = 0
+    for url in files:
         if _is_jsonl(url):
-            yield from _iter_jsonl(url, text_field)
+            docs = _iter_jsonl(url, text_field)
         elif text_split == "wikitext":
-            yield from read_wikitext_articles(url)
+            docs = iter(read_wikitext_articles(url))
         else:
-            yield from _iter_text(url, text_split)
+            docs = _iter_text(url, text_split)
+        for doc in docs:
+            n += 1
+            yield doc
+    if n == 0:
+        names = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        what = f"no JSONL line with a non-empty {text_field!r}" if all(map(_is_jsonl, files)) else \
+            "nothing but blank lines"
+        raise InputError(f"{names}: no documents ({what}; empty input?)")
 
 
 # --------------------------------------------------------------------------- evaluation formats
-
 
 
 class Passage(NamedTuple):
@@ -120,19 +187,10 @@ class Passage(NamedTuple):
     target: str  # " " + the last word
 
 
-def _lines(url: str) -> Iterator[tuple[int, str]]:
-    try:
-        with fsspec.open(url, "rt", compression="infer", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                yield lineno, line
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{url}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-
-
 def _single_file(url: str) -> str:
     files = expand_inputs(url)
     if len(files) != 1:
-        raise ValueError(f"{url}: expected one file, the pattern matches {len(files)}")
+        raise InputError(f"{url}: expected one file, the pattern matches {len(files)}")
     return files[0]
 
 
@@ -142,7 +200,7 @@ def read_wikitext_articles(url: str) -> list[str]:
     articles: list[list[str]] = []
     for lineno, line in _lines(url):
         if lineno == 1 and line.lstrip().startswith("{"):
-            raise ValueError(f"{url}:1: looks like JSON; WikiText is raw text with ' = Title = ' "
+            raise InputError(f"{url}:1: looks like JSON; WikiText is raw text with ' = Title = ' "
                              "headings (wiki.test.raw)")
         if _WIKITEXT_TITLE.match(line.rstrip("\n")) or not articles:
             articles.append([])
@@ -150,14 +208,14 @@ def read_wikitext_articles(url: str) -> list[str]:
     texts = ["".join(lines) for lines in articles]
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise ValueError(f"{url}: no text (empty file?)")
+        raise InputError(f"{url}: no text (empty file?)")
     return texts
 
 
 def _split_passage(text: str, where: str) -> Passage:
     words = text.strip().rsplit(None, 1)
     if len(words) != 2:
-        raise ValueError(f"{where}: passage has no context before its last word: {text.strip()[:60]!r}")
+        raise InputError(f"{where}: passage has no context before its last word: {text.strip()[:60]!r}")
     return Passage(words[0], " " + words[1])
 
 
@@ -175,19 +233,17 @@ def read_lambada(url: str) -> list[Passage]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+                raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise ValueError(f"{where}: expected an object with a string field 'text'")
+                raise InputError(f"{where}: expected an object with a string field 'text'")
             text = obj["text"]
         out.append(_split_passage(text, where))
     if not out:
-        raise ValueError(f"{url}: no passages (empty file?)")
+        raise InputError(f"{url}: no passages (empty file?)")
     return out
 
 
 def read_corpus(url: str) -> list[str]:
-    """Documents of a JSONL (`text` field) or plain-text corpus (blank-line separated), any fsspec URL."""
-    docs = list(iter_documents(url))
-    if not docs:
-        raise ValueError(f"{url}: no documents (empty file?)")
-    return docs
+    """Documents of a JSONL (`text` field) or plain-text corpus (blank-line separated), any fsspec
+    URL; one without documents is an InputError (iter_documents)."""
+    return list(iter_documents(url))

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from scse_dist.cli_errors import InputError
 from scse_dist.data.packing import WindowPacker
 from scse_dist.data.reader import Sample, ShardReader, documents_of
 from scse_dist.data.shards import resolve_split, table_url
@@ -66,15 +67,16 @@ class TokenStream:
         self.shuffle = (split == "train") if shuffle is None else shuffle
         self.root, self.index, self.shards, self.urls = resolve_split(self.path, split)
         if tokenizer_sha256 is not None and tokenizer_sha256 != self.index["tokenizer_sha256"]:
-            raise ValueError(f"tokenizer mismatch for {self.path}: the model's tokenizer has sha256 "
-                             f"{tokenizer_sha256}, but the shards were written with "
-                             f"{self.index['tokenizer_sha256']}")
+            raise InputError(f"{self.path}/index.json: the shards were written with another tokenizer "
+                             f"(sha256 {self.index['tokenizer_sha256']}, data.tokenizer has "
+                             f"{tokenizer_sha256}); set data.tokenizer to the shards' tokenizer "
+                             "or rebuild the shards with `scse-data shards`")
         self.eos = int(self.index["eos_id"])
         self.slots = max(1, num_workers)
         self.n_readers = world_size * self.slots
         n_docs = sum(s["documents"] for s in self.shards)
         if n_docs < self.n_readers:
-            raise ValueError(f"{self.path}: split {split!r} has {n_docs} documents, fewer than the "
+            raise InputError(f"{self.path}: split {split!r} has {n_docs} documents, fewer than the "
                              f"{self.n_readers} readers (world_size={world_size} x "
                              f"data.num_workers={num_workers}); every reader needs data")
         self.n_samples = [int(e["samples"]) for e in self.shards]

@@ -15,6 +15,9 @@ from typing import Iterable, Iterator
 import fsspec
 import sentencepiece as spm
 
+from scse_dist.cli_errors import InputError
+from scse_dist.config import ConfigError
+
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 # sentencepiece skips training sentences longer than this many bytes; we cut lines to fit.
 MAX_SENTENCE_BYTES = 4096
@@ -45,6 +48,23 @@ def _training_lines(texts: Iterable[str], max_sentences: int, sample_fraction: f
                 return
 
 
+class _Sentences:
+    """The training lines, counted, remembering an error raised while reading them: sentencepiece
+    turns an iterator's exception into a RuntimeError, which would hide e.g. an InputError."""
+
+    def __init__(self, lines: Iterator[str]):
+        self.lines, self.count, self.error = lines, 0, None
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            for line in self.lines:
+                self.count += 1
+                yield line
+        except Exception as exc:
+            self.error = exc
+            raise
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_type: str = "bpe",
                     byte_fallback: bool = True, max_sentences: int = 2_000_000,
                     num_threads: int = 2, special_tokens: Iterable[str] = (),
@@ -56,32 +76,41 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_
     single pieces that are never split (e.g. `<|endoftext|>`, `<pad>`), right after unk/bos/eos.
     """
     if not 0.0 < sample_fraction <= 1.0:
-        raise ValueError(f"sample_fraction: must lie in (0, 1], got {sample_fraction}")
+        raise ConfigError(f"sample_fraction: must lie in (0, 1], got {sample_fraction}")
     if vocab_size < 260 and byte_fallback:
-        raise ValueError(f"vocab_size: {vocab_size} is too small; byte_fallback needs 256 byte "
+        raise ConfigError(f"vocab_size: {vocab_size} is too small; byte_fallback needs 256 byte "
                          "pieces plus unk/bos/eos, so use at least 260")
     model = io.BytesIO()
+    sentences = _Sentences(_training_lines(texts, max_sentences, sample_fraction))
     spm.set_random_generator_seed(0)
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=_training_lines(texts, max_sentences, sample_fraction),
-        user_defined_symbols=list(special_tokens),
-        model_writer=model,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        byte_fallback=byte_fallback,
-        character_coverage=0.9995 if byte_fallback else 1.0,
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        split_digits=True,
-        allow_whitespace_only_pieces=True,
-        shuffle_input_sentence=False,
-        max_sentence_length=MAX_SENTENCE_BYTES,
-        # Small corpora cannot always fill the vocabulary; stop short instead of failing.
-        hard_vocab_limit=False,
-        num_threads=num_threads,
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            user_defined_symbols=list(special_tokens),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            byte_fallback=byte_fallback,
+            character_coverage=0.9995 if byte_fallback else 1.0,
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            shuffle_input_sentence=False,
+            max_sentence_length=MAX_SENTENCE_BYTES,
+            # Small corpora cannot always fill the vocabulary; stop short instead of failing.
+            hard_vocab_limit=False,
+            num_threads=num_threads,
+            minloglevel=2,
+        )
+    except RuntimeError:
+        if sentences.error is not None:
+            raise sentences.error from None
+        if sentences.count == 0:
+            raise InputError("no text to train a tokenizer on (the documents hold no non-blank "
+                             "line)") from None
+        raise
     with fsspec.open(out_path, "wb", auto_mkdir=True) as f:
         f.write(model.getvalue())
     return out_path
@@ -93,9 +122,13 @@ class Tokenizer:
     def __init__(self, model_bytes: bytes, path: str = "<bytes>"):
         self.path, self.model_bytes = path, model_bytes
         self.sha256 = hashlib.sha256(model_bytes).hexdigest()
-        self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        except RuntimeError:  # sentencepiece's only error for bytes that are not a model
+            raise InputError(f"tokenizer {path}: not a sentencepiece model ({len(model_bytes)} "
+                             "bytes that do not parse); train one with `scse-data tokenizer`") from None
         if self.sp.eos_id() < 0:
-            raise ValueError(f"tokenizer {path!r} has no eos id; train it with train_tokenizer")
+            raise InputError(f"tokenizer {path}: has no eos id; train it with `scse-data tokenizer`")
 
     @classmethod
     def load(cls, path: str) -> "Tokenizer":
@@ -105,6 +138,10 @@ class Tokenizer:
         except FileNotFoundError:
             raise FileNotFoundError(f"tokenizer model {path!r} does not exist "
                                     "(train one with `scse-data tokenizer`)") from None
+        except IsADirectoryError:
+            raise IsADirectoryError(f"tokenizer model {path!r} is a directory, not a .model file") from None
+        except Exception as exc:  # only fsspec runs here: unknown protocol, missing backend, network
+            raise OSError(f"tokenizer model {path!r} cannot be read: {type(exc).__name__}: {exc}") from exc
         return cls(data, path)
 
     @property

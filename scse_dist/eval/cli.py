@@ -16,8 +16,9 @@ from typing import Sequence
 
 import torch
 
+from scse_dist.cli_errors import cli_main
 from scse_dist.config import RunConfig
-from scse_dist.eval.tasks import TASKS, run_task
+from scse_dist.eval.tasks import TASKS, load_tokenizer, read_task_data, run_task
 
 
 def run_heldout_eval(model: torch.nn.Module, cfg: RunConfig, data_path: str, depths: list[int],
@@ -74,12 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@cli_main("scse-eval")
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 done; 2 bad arguments; 65 bad input data (empty file, malformed JSON line,
+    not UTF-8, a passage of one word, a tokenizer that is not one or too big for the model);
+    66 a checkpoint, data or tokenizer that is missing or unreadable. Errors are one line on
+    stderr naming the file (and line)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from scse_dist.eval.loading import load_model
+    from scse_dist.eval.loading import checkpoint_config, load_model
 
-    model, cfg = load_model(args.checkpoint, device=args.device)
+    cfg = checkpoint_config(args.checkpoint)
     seq_len = args.seq_len or cfg.data.seq_len
     if seq_len > cfg.model.max_seq_len:
         parser.error(f"--seq-len {seq_len} exceeds the model's max_seq_len={cfg.model.max_seq_len}")
@@ -91,8 +97,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  tokenizer=args.tokenizer or cfg.data.tokenizer),
         eval=dataclasses.replace(cfg.eval, batch_size=args.batch_size or cfg.eval.batch_size))
     max_batches = cfg.eval.max_batches if args.max_batches is None else args.max_batches
-    run_task(args.task, model, cfg, args.data or cfg.data.path, args.depths or cfg.eval.depths,
-             args.out, checkpoint_label=args.checkpoint, stride=args.stride, max_batches=max_batches)
+    data = args.data or cfg.data.path
+    # --tokenizer given: used for text, and checked against the shards' own for shard data.
+    tokenizer = load_tokenizer(args.tokenizer, cfg) if args.tokenizer else None
+    task_data = read_task_data(args.task, cfg, data, tokenizer)  # bad data fails before the weights load
+    model, _ = load_model(args.checkpoint, device=args.device)
+    run_task(args.task, model, cfg, data, args.depths or cfg.eval.depths, args.out,
+             checkpoint_label=args.checkpoint, stride=args.stride, max_batches=max_batches,
+             task_data=task_data)
     return 0
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_config
 from scse_dist.zero_weights import fp32_state_dict
 
@@ -38,26 +39,47 @@ def _deepspeed_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
     return fp32_state_dict(root=root, tag=tag)
 
 
-def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, RunConfig]:
-    """The model (eval mode, on `device`) and its RunConfig from an export or a DeepSpeed checkpoint."""
-    from scse_dist.export import (CONFIG_NAME, WEIGHTS_NAME, _strip_wrapper_prefixes,
-                                  load_exported_model)
-    from scse_dist.model import LoopedLM
+def _is_export(p: Path) -> bool:
+    from scse_dist.export import WEIGHTS_NAME
 
-    p = Path(path)
-    if p.suffix == ".safetensors" or (p / WEIGHTS_NAME).is_file():
-        return load_exported_model(p, device=device)
+    return p.suffix == ".safetensors" or (p / WEIGHTS_NAME).is_file()
+
+
+def _config_path(p: Path) -> Path:
+    """config.yaml of an export, or of the run a DeepSpeed checkpoint dir belongs to."""
+    from scse_dist.export import CONFIG_NAME, _resolve_paths
+
+    if _is_export(p):
+        return _resolve_paths(p)[1]
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist")
-    root, tag = _deepspeed_location(p)
+    root, _ = _deepspeed_location(p)
     config = root.parent / CONFIG_NAME
     if not config.is_file():
         raise FileNotFoundError(f"{str(root)!r}: the run's {CONFIG_NAME} is missing at {str(config)!r}")
+    return config
+
+
+def checkpoint_config(path: str | os.PathLike) -> RunConfig:
+    """The RunConfig of an export or a DeepSpeed checkpoint, without loading any weights."""
+    return load_config(_config_path(Path(path)))
+
+
+def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, RunConfig]:
+    """The model (eval mode, on `device`) and its RunConfig from an export or a DeepSpeed checkpoint."""
+    from scse_dist.export import _strip_wrapper_prefixes, load_exported_model
+    from scse_dist.model import LoopedLM
+
+    p = Path(path)
+    if _is_export(p):
+        return load_exported_model(p, device=device)
+    config = _config_path(p)
+    root, tag = _deepspeed_location(p)
     cfg = load_config(config)
     model = LoopedLM(cfg.model)
     state = _strip_wrapper_prefixes(_deepspeed_state_dict(root, tag))
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise ValueError(f"checkpoint {str(root / tag)!r} does not match {str(config)!r}: {exc}") from None
+        raise InputError(f"checkpoint {str(root / tag)!r} does not match {str(config)!r}: {exc}") from None
     return model.to(device).eval(), cfg

@@ -16,6 +16,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from scse_dist.cli_errors import InputError, cli_main
+
 # Metrics shown per task, headline first (the headline is the one plotted).
 REPORT_METRICS = {"heldout": ("ppl",), "wikitext": ("word_ppl", "ppl", "bits_per_byte"),
                   "lambada": ("accuracy", "ppl"),
@@ -34,11 +36,8 @@ def collect(run_dirs: Sequence[str | Path]) -> list[dict]:
     for run_dir in run_dirs:
         found = []
         for f in sorted(eval_dir(run_dir).glob("*.json")):
-            try:
-                data = json.loads(f.read_text())
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{f}: not a results JSON ({exc.msg} at line {exc.lineno})") from None
-            if isinstance(data, dict) and data.get("task") in REPORT_METRICS and "results" in data:
+            data = _read_results(f)
+            if data is not None:
                 found.append(data)
         if not found:
             raise FileNotFoundError(f"{run_dir}: no evaluation results in {eval_dir(run_dir)}")
@@ -50,6 +49,25 @@ def collect(run_dirs: Sequence[str | Path]) -> list[dict]:
             data["_label"] = label
         results += sorted(found, key=lambda d: TASK_ORDER.index(d["task"]))
     return results
+
+
+def _read_results(path: Path) -> Optional[dict]:
+    """A results JSON (scse_dist.eval.results) checked enough to report; None for other JSON."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not a results JSON (not UTF-8 text: byte {exc.object[exc.start]:#04x} "
+                         f"at offset {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not a results JSON ({exc.msg} at line {exc.lineno})") from None
+    if not (isinstance(data, dict) and data.get("task") in REPORT_METRICS and "results" in data):
+        return None  # e.g. scheduled.json
+    rows = data["results"]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("depth"), int)
+                                             for r in rows):
+        raise InputError(f"{path}: field 'results' must be a list of objects with an integer "
+                         "'depth' (rewrite it with scse-eval)")
+    return data
 
 
 def _fmt(value: Any) -> str:
@@ -144,7 +162,10 @@ def report_run(run_dir: str | Path) -> dict[str, str]:
                         wandb_group=cfg.wandb.group or cfg.name)
 
 
+@cli_main("scse-report")
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 done; 2 bad arguments; 65 a results JSON that is not one; 66 a run without
+    results. Errors are one line on stderr naming the file."""
     p = argparse.ArgumentParser(prog="scse-report", description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="run dirs (each holding eval/*.json)")
     p.add_argument("--out", default="report", help="output dir for report.md and frontier.png")

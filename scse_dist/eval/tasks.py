@@ -12,10 +12,11 @@ table and writes the results JSON (scse_dist.eval.results).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 import torch
 
+from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig
 from scse_dist.eval.perplexity import _resolve_depths, evaluate_heldout
 from scse_dist.data.sources import Passage, read_corpus, read_lambada, read_wikitext_articles
@@ -113,7 +114,7 @@ def diagnose_rows(model: torch.nn.Module, batches: Iterable[torch.Tensor], depth
                 sums[k] = sums.get(k, 0) + v.double().cpu()
             n += 1
     if n == 0:
-        raise ValueError("diagnose: the data held no batches")
+        raise InputError("diagnose: the data held no batches")
     means = {k: v / n for k, v in sums.items()}
     return [{"depth": d, "bias_norm": float(means["bias_norm"]),
              "effective_bias_norm": float(means["effective_bias_norm"]),
@@ -128,20 +129,22 @@ def is_shard_dir(path: str) -> bool:
     return fs.isfile(root.rstrip("/") + "/index.json")
 
 
-def _shard_stream(path: str, cfg: RunConfig):
+def _shard_stream(path: str, cfg: RunConfig, tokenizer: Any = None):
     from scse_dist.data.shards import read_index
     from scse_dist.data.stream import TokenStream
 
     # Shards from a bigger tokenizer would index past the embedding: say so instead of crashing.
     index = read_index(str(path))
     if index["vocab_size"] > cfg.model.vocab_size:
-        raise ValueError(f"{path}: shards were written with vocab_size={index['vocab_size']}, "
+        raise InputError(f"{path}: shards were written with vocab_size={index['vocab_size']}, "
                          f"more than the model's model.vocab_size={cfg.model.vocab_size}")
     if not index["splits"].get("heldout"):
-        raise ValueError(f"{path}: index.json lists no heldout shards "
+        raise InputError(f"{path}: index.json lists no heldout shards "
                          "(build shards with data.heldout_fraction > 0)")
+    # A tokenizer given explicitly must be the shards' own (TokenStream compares the hashes).
     return TokenStream(path, split="heldout", seq_len=cfg.data.seq_len,
-                       batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0, loop=False)
+                       batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0, loop=False,
+                       tokenizer_sha256=getattr(tokenizer, "sha256", None))
 
 
 def _packed_batches(tokenizer: Any, documents: list[str], seq_len: int, batch_size: int):
@@ -159,41 +162,60 @@ def load_tokenizer(path: str, cfg: RunConfig):
 
     tokenizer = Tokenizer.load(path)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"tokenizer {path}: {tokenizer.vocab_size} pieces, more than the model's "
+        raise InputError(f"tokenizer {path}: {tokenizer.vocab_size} pieces, more than the model's "
                          f"model.vocab_size={cfg.model.vocab_size}")
     return tokenizer
 
 
-def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depths: list[int],
-             out_path: str, checkpoint_label: str, *, tokenizer: Any = None,
-             stride: Optional[int] = None, max_batches: int = 0) -> list[dict]:
-    """Evaluate `task` on `data`, print a table, write `out_path`. Returns the rows.
+class TaskData(NamedTuple):
+    """What a task reads, read and checked: a held-out shard stream, or the tokenizer and the
+    documents (heldout/diagnose corpus, wikitext) or passages (lambada)."""
 
-    Sequence length and batch size come from cfg.data.seq_len and cfg.eval.batch_size; the
-    tokenizer (text inputs only) defaults to cfg.data.tokenizer; stride defaults to seq_len // 2.
-    """
+    tokenizer: Any
+    inputs: Any
+    shards: bool
+
+
+def read_task_data(task: str, cfg: RunConfig, data: str, tokenizer: Any = None) -> TaskData:
+    """Open `task`'s data; bad data fails here, so scse-eval calls it before loading a model.
+
+    The tokenizer (text inputs only) defaults to cfg.data.tokenizer; one given with shard data
+    must be the shards' own."""
     if task not in TASKS:
         raise ValueError(f"task: must be one of {', '.join(TASKS)}; got {task!r}")
+    if task in ("heldout", "diagnose") and is_shard_dir(data):
+        return TaskData(tokenizer, _shard_stream(data, cfg, tokenizer), shards=True)
+    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg)
+    read = {"lambada": read_lambada, "wikitext": read_wikitext_articles}.get(task, read_corpus)
+    return TaskData(tokenizer, read(data), shards=False)
+
+
+def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depths: list[int],
+             out_path: str, checkpoint_label: str, *, tokenizer: Any = None,
+             stride: Optional[int] = None, max_batches: int = 0,
+             task_data: Optional[TaskData] = None) -> list[dict]:
+    """Evaluate `task` on `data`, print a table, write `out_path`. Returns the rows.
+
+    Sequence length and batch size come from cfg.data.seq_len and cfg.eval.batch_size; the data
+    is `task_data` when read already, else read_task_data(task, cfg, data, tokenizer); stride
+    defaults to seq_len // 2.
+    """
+    tokenizer, inputs, shards = task_data or read_task_data(task, cfg, data, tokenizer)
     seq_len, batch_size = cfg.data.seq_len, cfg.eval.batch_size
-    shards = task in ("heldout", "diagnose") and is_shard_dir(data)
-    if tokenizer is None and not shards:
-        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
     stride = stride or max(1, seq_len // 2)
     extra: dict[str, Any] = {"data": str(data), "seq_len": seq_len, "batch_size": batch_size}
     if task == "heldout" and shards:
-        rows = evaluate_heldout(model, _shard_stream(data, cfg), depths, max_batches=max_batches)
+        rows = evaluate_heldout(model, inputs, depths, max_batches=max_batches)
         extra["max_batches"] = max_batches
     elif task == "heldout":  # a corpus: every document scored on its own, no overlap
-        rows = document_rows(model, tokenizer, read_corpus(data), depths, seq_len, seq_len, batch_size)
+        rows = document_rows(model, tokenizer, inputs, depths, seq_len, seq_len, batch_size)
     elif task == "wikitext":
-        rows = document_rows(model, tokenizer, read_wikitext_articles(data), depths, seq_len, stride,
-                             batch_size)
+        rows = document_rows(model, tokenizer, inputs, depths, seq_len, stride, batch_size)
         extra["stride"] = stride
     elif task == "lambada":
-        rows = lambada_rows(model, tokenizer, read_lambada(data), depths, seq_len, batch_size)
+        rows = lambada_rows(model, tokenizer, inputs, depths, seq_len, batch_size)
     else:
-        batches = _shard_stream(data, cfg) if shards else \
-            _packed_batches(tokenizer, read_corpus(data), seq_len, batch_size)
+        batches = inputs if shards else _packed_batches(tokenizer, inputs, seq_len, batch_size)
         rows = diagnose_rows(model, batches, depths, max_batches=max_batches)
         extra["max_batches"] = max_batches
     print(f"{task}: {checkpoint_label} ({cfg.model.recurrence}, {cfg.model.residual}) on {data}")

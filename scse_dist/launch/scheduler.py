@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Sequence
 
 from scse_dist.atomic import atomic_write_text
-from scse_dist.config import ConfigError, RunConfig, load_config
+from scse_dist.cli_errors import EXIT_CONFIG, cli_main
+from scse_dist.config import RunConfig, load_config
 
 PRETRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "pretrain.sh"
 SCHEDULED_NAME = "scheduled.json"
@@ -129,13 +130,12 @@ def pretrain_script(given: str | None) -> Path:
                             "scse-launch from the scse-dist checkout or pass --script")
 
 
+@cli_main("scse-launch")
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 submitted (or, --local, done); 2 bad config or no batch script; 65 bad input
+    data; 66 an input missing or unreadable (--local); otherwise sbatch's status."""
     args = build_parser().parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"scse-launch: config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)
     if args.local:
         print(f"scse-launch: report {run_local(cfg)}")
         return 0
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         script = pretrain_script(args.script)
     except FileNotFoundError as exc:
         print(f"scse-launch: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     cmd = ["sbatch", *args.sbatch_args.split(), str(script), args.config, *args.overrides]
     return subprocess.run(cmd).returncode
 

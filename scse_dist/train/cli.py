@@ -4,7 +4,10 @@ Works under every launcher: `deepspeed launch/train.py ...` (which appends --loc
 `torchrun ...`, `srun python launch/train.py ...` and a plain `python launch/train.py ...`.
 Exit status: 0 done; 2 bad config (one line on stderr, before any process group starts, also
 for a global batch that does not divide at the launcher's world size); 3 too many non-finite
-steps in a row; 75 preempted by SIGTERM/SIGUSR1 after saving a checkpoint (rerun to resume).
+steps in a row; 65 bad input data (shards of another tokenizer, a tokenizer file that is not one,
+corrupt data); 66 an input is missing or unreadable (data.path, data.tokenizer); 75 preempted by
+SIGTERM/SIGUSR1 after saving a checkpoint (rerun to resume). Errors are one line on stderr
+(scse_dist.cli_errors), from every rank that meets them.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import signal
 import sys
 from typing import Sequence
 
-from scse_dist.config import ConfigError, load_config
-from scse_dist.launch.distributed import resolve_dist_env
+from scse_dist.cli_errors import cli_main
+from scse_dist.config import load_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,14 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@cli_main("scse-train")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        cfg.train.grad_accum_for(resolve_dist_env(os.environ).world_size)
-    except ConfigError as exc:
-        print(f"scse-train: config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.config, args.overrides)  # a ConfigError is exit 2, before any process group
+    from scse_dist.launch.distributed import resolve_dist_env  # imports torch: after the config
+
+    cfg.train.grad_accum_for(resolve_dist_env(os.environ).world_size)
     from scse_dist.train.faults import PREEMPT_SIGNALS, REQUEUE_EXIT_CODE, TrainingStopped
     from scse_dist.train.loop import train  # imports deepspeed only once the config is good
 

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, config_to_dict, save_config
 from scse_dist.launch.distributed import barrier, describe_placement, init_distributed, shutdown
 from scse_dist.train.checkpoint import export_final, resume_if_present, save_checkpoint, tag_for
@@ -62,8 +63,12 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
     tokenizer = Tokenizer.load(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"data.tokenizer: {cfg.data.tokenizer} has {tokenizer.vocab_size} tokens, "
+        raise InputError(f"data.tokenizer: {cfg.data.tokenizer} has {tokenizer.vocab_size} tokens, "
                          f"more than model.vocab_size={cfg.model.vocab_size}")
+    # The data is opened before the engine is built, so bad data (another tokenizer's shards,
+    # too few documents) stops the run in seconds.
+    stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
+                                     env.world_size, cfg.train.seed, tokenizer.sha256)
     _seed_everything(cfg.train.seed)
     if not torch.cuda.is_available():
         # Zero-start ablations produce subnormal floats, which make CPU math ~10x slower.
@@ -71,8 +76,6 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     model = LoopedLM(cfg.model)
     n_params = model.num_parameters()  # before ZeRO-3 partitions them to empty placeholders
     engine, ds_config = build_engine(cfg, model)
-    stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
-                                     env.world_size, cfg.train.seed, tokenizer.sha256)
     start_step = resume_if_present(engine, run_dir, stream)
     t = cfg.train
     if start_step > t.max_steps:

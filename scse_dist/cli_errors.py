@@ -1,0 +1,77 @@
+"""Bad input at a command: one line on stderr naming the file (and line) and the fix, and an exit
+status a pipeline can act on, never a traceback. Every console script's `main` is wrapped in
+`cli_main(prog)`.
+
+Exit statuses shared by every command (scse-train adds 3 and 75, see scse_dist.train.cli):
+
+    2   bad arguments or config (argparse's own status; ConfigError)
+    65  bad input data: empty, not UTF-8, malformed JSON/YAML, a missing field, the wrong tokenizer
+        (InputError; sysexits' EX_DATAERR)
+    66  an input that is missing or cannot be read: no such file, an unreachable URL, no
+        permission (OSError; sysexits' EX_NOINPUT)
+
+Errors are raised where the input is read, with the file and line in the message (e.g.
+scse_dist.data.sources); this module only maps their types to a line and a status. Anything else
+(a genuine bug) still ends in a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import sys
+from typing import Callable, Optional, Sequence
+
+from scse_dist.config import ConfigError
+
+EXIT_CONFIG = 2
+EXIT_BAD_INPUT = 65
+EXIT_NO_INPUT = 66
+
+
+class InputError(ValueError):
+    """Input data a user can fix. The message names the file (file:line where there is one) and
+    says what is wrong and what to do. A ValueError, so library callers may catch either."""
+
+
+def exit_status(exc: BaseException) -> Optional[int]:
+    """The exit status of an error bad input causes; None for anything else (a bug: re-raise)."""
+    if isinstance(exc, ConfigError):
+        return EXIT_CONFIG
+    # UnicodeDecodeError and JSONDecodeError are ValueErrors too; readers normally convert them to
+    # InputError with the file named, these are the fallback for a reader that did not.
+    if isinstance(exc, (InputError, UnicodeDecodeError, json.JSONDecodeError)):
+        return EXIT_BAD_INPUT
+    if isinstance(exc, OSError) and not isinstance(exc, io.UnsupportedOperation):  # that one is a bug
+        return EXIT_NO_INPUT
+    return None
+
+
+def one_line(exc: BaseException) -> str:
+    """The error's message on one line (some libraries' messages span several)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.filename and str(exc.filename) not in text:
+        text += f": {exc.filename}"
+    return text
+
+
+def cli_main(prog: str) -> Callable:
+    """Decorator for a console script's `main(argv) -> int`: bad input -> one line + exit status."""
+
+    def wrap(main: Callable[[Optional[Sequence[str]]], int]) -> Callable:
+        @functools.wraps(main)
+        def run(argv: Optional[Sequence[str]] = None) -> int:
+            try:
+                return main(argv)
+            except Exception as exc:
+                status = exit_status(exc)
+                if status is None:
+                    raise
+                kind = "config error" if status == EXIT_CONFIG else "error"
+                print(f"{prog}: {kind}: {one_line(exc)}", file=sys.stderr, flush=True)
+                return status
+
+        return run
+
+    return wrap
