@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from scse_dist.cli_errors import InputError
-from scse_dist.config import RunConfig, config_to_dict, save_config
+from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
 from scse_dist.launch.distributed import barrier, describe_placement, init_distributed, shutdown
 from scse_dist.train.checkpoint import export_final, resume_if_present, save_checkpoint, tag_for
 from scse_dist.train.depth import sample_depth
@@ -80,9 +80,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     t = cfg.train
     if start_step > t.max_steps:
         # Going on would save this model as checkpoint step-<max_steps> and point `latest` at it.
-        raise RuntimeError(
-            f"{run_dir} resumed at step {start_step}, past train.max_steps={t.max_steps}: raise "
-            f"train.max_steps to continue that run, or give this one another name or output_dir")
+        raise ConfigError(
+            f"train.max_steps: {run_dir} resumed at step {start_step}, past train.max_steps="
+            f"{t.max_steps}: raise train.max_steps to continue that run, or give this one another "
+            "name or output_dir")
     batches = iter(stream)
 
     logger = MetricsLogger(str(run_dir), rank0, cfg.wandb, cfg.name, config_to_dict(cfg))
