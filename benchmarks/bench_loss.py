@@ -29,6 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from proc_memory import status_kib  # benchmarks/, beside this script
 from scse_dist.model.loss import chunked_cross_entropy
 
 
@@ -41,14 +42,6 @@ def loss_step(variant: str, hidden: torch.Tensor, weight: torch.Tensor,
     else:
         loss = chunked_cross_entropy(hidden, weight, targets)
     loss.backward()
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def child(setting: dict) -> None:
@@ -69,14 +62,14 @@ def child(setting: dict) -> None:
     else:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
-        before = _status_kib("VmRSS") * 1024
+        before = status_kib("VmRSS") * 1024
     start = time.perf_counter()
     loss_step(setting["variant"], hidden, weight, targets)
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = _status_kib("VmHWM") * 1024
+        peak = status_kib("VmHWM") * 1024
     print(json.dumps({"peak_mib": (peak - before) / 2**20, "step_s": time.perf_counter() - start}))
 
 

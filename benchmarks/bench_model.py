@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from proc_memory import status_kib  # benchmarks/, beside this script
 from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM, flops_per_token
 
@@ -91,14 +92,6 @@ def step_time_ratio(quick: bool, reps: int = 7) -> dict[str, dict[str, float]]:
 # ------------------------------------------------------------------ (b) peak memory
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def memory_child(setting: dict) -> None:
     """Runs in the fresh subprocess: print {"peak_mib": ..., "step_s": ...} as JSON."""
     torch.manual_seed(0)
@@ -114,11 +107,11 @@ def memory_child(setting: dict) -> None:
         exact = True
     except OSError:
         exact = False
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     start = time.perf_counter()
     train_step(model, data, setting["depth"])
     step_s = time.perf_counter() - start
-    peak = _status_kib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = status_kib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"peak_mib": (peak - before) / 1024, "step_s": step_s, "exact": exact}))
 
 
