@@ -150,6 +150,10 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     # torch.compile each block's math (regional: one graph for every loop step and depth T).
     compile: bool = False
+    # Warm start: an export dir or URL whose weights (only) a new run starts from; a run that
+    # has a checkpoint resumes it and ignores this. Strict: every key and shape must match.
+    init_from: Optional[str] = None
+    init_from_strict: bool = True
 
     def grad_accum_for(self, world_size: int) -> int:
         """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit)."""
@@ -289,6 +293,8 @@ def _check_consistency(cfg: RunConfig) -> None:
         raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio: must lie in [0, 1], got {t.min_lr_ratio}")
+    if t.init_from is not None and not t.init_from.strip():
+        raise ConfigError("train.init_from: an export dir or URL, or null; got an empty string")
     if t.lr <= 0:
         raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
     if d.kind == "uniform" and d.max and d.max < d.min:

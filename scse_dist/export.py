@@ -105,6 +105,44 @@ def _read_aliases(weights: Path) -> dict[str, str]:
     return json.loads(raw)
 
 
+def read_export_weights(weights: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of an export's model.safetensors, tied aliases restored (InputError if unreadable)."""
+    weights = str(weights)
+    try:
+        state = load_file(weights)
+        aliases = _read_aliases(Path(weights))
+    except (SafetensorError, OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"{weights!r} is not a readable safetensors export: {exc}") from None
+    for alias, source in aliases.items():
+        if source not in state:
+            raise InputError(f"{weights!r}: tied alias {alias!r} points at missing {source!r}")
+        state[alias] = state[source]
+    return state
+
+
+def weights_mismatch(expected: dict[str, torch.Tensor],
+                     state: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """What keeps `state` from loading into a model whose state dict is `expected`: the keys
+    "missing", "unexpected" and "shape mismatch" (only non-empty lists; {} when it fits)."""
+    problems = {
+        "missing": sorted(set(expected) - set(state)),
+        "unexpected": sorted(set(state) - set(expected)),
+        "shape mismatch": sorted(f"{k}: file {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+                                 for k, v in expected.items()
+                                 if k in state and state[k].shape != v.shape),
+    }
+    return {label: items for label, items in problems.items() if items}
+
+
+def describe_mismatch(problems: dict[str, list[str]], show: int = 5) -> str:
+    """weights_mismatch's result on one line, at most `show` names per kind."""
+    parts = []
+    for label, items in problems.items():
+        shown = ", ".join(items[:show]) + (f" (+{len(items) - show} more)" if len(items) > show else "")
+        parts.append(f"{label}: {shown}")
+    return "; ".join(parts)
+
+
 def load_exported_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple["LoopedLM", RunConfig]:
     """Load an export (its directory, or its .safetensors file beside config.yaml), strictly.
 
@@ -115,30 +153,11 @@ def load_exported_model(path: str | os.PathLike, device: str | torch.device = "c
 
     weights, config = _resolve_paths(path)
     cfg = load_config(config)  # ConfigError (a ValueError) names config.yaml if it is invalid
-    try:
-        state = load_file(str(weights))
-        aliases = _read_aliases(weights)
-    except (SafetensorError, OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"{str(weights)!r} is not a readable safetensors export: {exc}") from None
-    for alias, source in aliases.items():
-        if source not in state:
-            raise InputError(f"{str(weights)!r}: tied alias {alias!r} points at missing {source!r}")
-        state[alias] = state[source]
-
+    state = read_export_weights(weights)
     model = LoopedLM(cfg.model)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong_shape = sorted(f"{k}: file {tuple(state[k].shape)} vs config {tuple(v.shape)}"
-                         for k, v in expected.items() if k in state and state[k].shape != v.shape)
-    if missing or unexpected or wrong_shape:
-        problems = []
-        for label, items in (("missing", missing), ("unexpected", unexpected),
-                             ("shape mismatch", wrong_shape)):
-            if items:
-                shown = ", ".join(items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else "")
-                problems.append(f"{label}: {shown}")
+    problems = weights_mismatch(model.state_dict(), state)
+    if problems:
         raise InputError(f"weights {str(weights)!r} do not match the model built from "
-                         f"{str(config)!r}; " + "; ".join(problems))
+                         f"{str(config)!r}; {describe_mismatch(problems)}")
     model.load_state_dict(state, strict=True)
     return model.to(device).eval(), cfg

@@ -15,7 +15,8 @@ import torch
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
 from scse_dist.launch.distributed import barrier, describe_placement, init_distributed, shutdown
-from scse_dist.train.checkpoint import export_final, resume_if_present, save_checkpoint, tag_for
+from scse_dist.train.checkpoint import (checkpoint_dir, export_final, resume_if_present,
+                                        save_checkpoint, tag_for)
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import (REQUEUE_EXIT_CODE, FaultInjector, NonFiniteCounter,
@@ -23,6 +24,7 @@ from scse_dist.train.faults import (REQUEUE_EXIT_CODE, FaultInjector, NonFiniteC
 from scse_dist.train.metrics import MetricsLogger, peak_flops, peak_memory
 from scse_dist.train.step import sum_over_ranks, train_step
 from scse_dist.train.storage import RunStorage
+from scse_dist.train.warm_start import maybe_init_from
 
 
 def _seed_everything(seed: int) -> None:
@@ -75,6 +77,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         torch.set_flush_denormal(True)
     model = LoopedLM(cfg.model)
     n_params = model.num_parameters()  # before ZeRO-3 partitions them to empty placeholders
+    # Before the engine: ZeRO-3 then partitions the loaded weights.
+    maybe_init_from(model, cfg.train, (checkpoint_dir(run_dir) / "latest").is_file(), rank0)
     engine, ds_config = build_engine(cfg, model)
     start_step = resume_if_present(engine, run_dir, stream)
     t = cfg.train

@@ -1,0 +1,80 @@
+"""Warm starts: `train.init_from` loads an export's weights, and nothing else, into a new run.
+
+The optimizer, LR schedule and data position start fresh; this is continued pretraining or
+fine-tuning from an export (`runs/<name>/export`, or any fsspec URL of one). The weights go into
+the freshly built LoopedLM before DeepSpeed wraps it, so ZeRO-3 partitions the loaded weights.
+A run that has a checkpoint resumes it instead and ignores `init_from`.
+
+Strict by default: a missing or unexpected key, or a changed shape, stops the run naming the
+key. `train.init_from_strict: false` loads what fits and lists what it skipped. A looped model's
+weights do not depend on the loop depth T, so `model.depth` may differ from the export's.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import fsspec
+
+from scse_dist.cli_errors import InputError
+from scse_dist.export import WEIGHTS_NAME, describe_mismatch, read_export_weights, weights_mismatch
+from scse_dist.train.storage import is_remote
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def _weights_url(source: str) -> str:
+    source = source.rstrip("/")
+    return source if source.endswith(".safetensors") else f"{source}/{WEIGHTS_NAME}"
+
+
+def read_init_weights(source: str) -> dict:
+    """The export's tensors; a URL's model.safetensors is downloaded to a temp dir first."""
+    url = _weights_url(source)
+    if not is_remote(url):
+        path = Path(fsspec.core.strip_protocol(url))
+        if not path.is_file():
+            raise FileNotFoundError(f"train.init_from: {url} does not exist (an export dir holds "
+                                    f"{WEIGHTS_NAME} and config.yaml)")
+        return read_export_weights(path)
+    fs, remote_path = fsspec.core.url_to_fs(url)
+    with tempfile.TemporaryDirectory(prefix="scse-init-from-") as tmp:
+        local = Path(tmp) / WEIGHTS_NAME
+        try:
+            fs.get_file(remote_path, str(local))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"train.init_from: {url} does not exist") from None
+        return read_export_weights(local)
+
+
+def init_from_export(model: "nn.Module", source: str, strict: bool = True) -> list[str]:
+    """Copy the export's weights into `model`; return what was skipped (non-strict only)."""
+    state = read_init_weights(source)
+    problems = weights_mismatch(model.state_dict(), state)
+    if problems and strict:
+        raise InputError(f"train.init_from: {source} does not fit this model; "
+                         f"{describe_mismatch(problems)} (train.init_from_strict: false loads "
+                         "what fits)")
+    expected = model.state_dict()
+    fitting = {k: v for k, v in state.items() if k in expected and v.shape == expected[k].shape}
+    model.load_state_dict(fitting, strict=False)
+    return [f"{label} {item}" for label, items in problems.items() for item in items]
+
+
+def maybe_init_from(model: "nn.Module", train_cfg, has_checkpoint: bool, rank0: bool) -> None:
+    """Apply `train.init_from` to a new run (every rank loads: ZeRO-3 partitions each rank's copy)."""
+    source = train_cfg.init_from
+    if not source:
+        return
+    if has_checkpoint:
+        if rank0:
+            print(f"train.init_from ignored: resuming this run's checkpoint instead of {source}",
+                  flush=True)
+        return
+    skipped = init_from_export(model, source, train_cfg.init_from_strict)
+    if rank0:
+        print(f"warm start from {source}: weights only (new optimizer, schedule, data position)"
+              + (f"; skipped {len(skipped)}: {', '.join(skipped)}" if skipped else ""), flush=True)
