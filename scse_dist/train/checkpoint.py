@@ -68,8 +68,11 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
                     faults: Any = None, storage: Any = None) -> str:
     """Save tag step-{step} atomically (all ranks call this), then prune to keep_checkpoints.
 
-    With a remote `storage` (train.storage.RunStorage), every node uploads its shards before the
-    tag is committed, and rank 0 publishes the remote `latest` after the local one."""
+    With a remote `storage` (train.storage.RunStorage), the previous save's upload finishes first;
+    after the local commit every node uploads its shards in the background and rank 0 publishes
+    the remote `latest` once the whole tag is uploaded and verified (storage.start_upload)."""
+    if storage is not None:
+        storage.wait()  # one upload in flight at most: the previous save's finishes first
     per_rank = _gather({"data": stream.state_dict(), "rng": _rng_state()})
     client_state = {"step": step, "ranks": per_rank, "config": config_to_dict(cfg)}
     root = checkpoint_dir(run_dir)
@@ -84,21 +87,19 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
     if faults is not None:
         faults.mid_save(step)
     barrier()  # every rank has written its shard: only now may the tag become visible
-    if storage is not None and storage.remote is not None:
-        storage.upload_shards(tmp, tag)
-        barrier()  # every node's shards are remote before the remote `latest` names them
+    remote = storage is not None and storage.remote is not None
+    manifest = storage.tag_manifest(tmp) if remote else {}
     if is_rank0():
         final = root / tag
         if final.exists():  # an earlier run reached this step but died before updating latest
             shutil.rmtree(final)
         os.replace(tmp, final)
         atomic_write_text(root / "latest", tag)  # readers see the old or the new name, never half
-        prune_checkpoints(run_dir, cfg.train.keep_checkpoints)
-        if storage is not None:
-            storage.commit(tag, cfg.train.keep_checkpoints)
+        prune_checkpoints(run_dir, cfg.train.keep_checkpoints,
+                          protect=storage.not_uploaded() if remote else set())
     barrier()
-    if storage is not None:
-        storage.drop_node_copy(tmp)
+    if remote:  # rank 0's copy is renamed; another node's shards are still under the tmp name
+        storage.start_upload(tag, root / tag if is_rank0() else tmp, manifest, faults)
     return tag
 
 
@@ -118,11 +119,12 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(TAG_PREFIX))
 
 
-def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` step-* tags (never the one `latest` names)."""
+def prune_checkpoints(run_dir: str | Path, keep: int, protect: set[str] = frozenset()) -> list[Path]:
+    """Delete all but the newest `keep` step-* tags (never the one `latest` names, nor `protect`:
+    tags a remote run dir lacks)."""
     root = checkpoint_dir(run_dir)
     latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
-    old = [p for p in list_checkpoints(run_dir)[:-keep] if p.name != latest]
+    old = [p for p in list_checkpoints(run_dir)[:-keep] if p.name != latest and p.name not in protect]
     for path in old:
         shutil.rmtree(path)
     return old

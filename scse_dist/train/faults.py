@@ -13,6 +13,8 @@ metrics; no rank means every rank) lets tests drive these paths in real processe
   nan@7               step 7's loss is multiplied by NaN (so are its gradients)
   sigterm@5:rank1     rank 1 sends itself SIGTERM as step 5 starts (also sigusr1)
   kill_in_save@10     SIGKILL in the middle of saving checkpoint step 10 (files written, not committed)
+  kill_in_upload@10   SIGKILL after the first file of checkpoint step 10 reached the remote
+                      output_dir (committed locally, half uploaded, remote `latest` not moved)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ REQUEUE_EXIT_CODE = 75
 NONFINITE_EXIT_CODE = 3
 FAULT_ENV = "SCSE_FAULT"
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_KINDS = {"nan", "sigterm", "sigusr1", "kill_in_save"}
+_KINDS = {"nan", "sigterm", "sigusr1", "kill_in_save", "kill_in_upload"}
 
 
 class TrainingStopped(Exception):
@@ -108,6 +110,10 @@ class FaultInjector:
 
     def mid_save(self, step: int) -> None:
         if self._due("kill_in_save", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def mid_upload(self, step: int) -> None:
+        if self._due("kill_in_upload", step):
             os.kill(os.getpid(), signal.SIGKILL)
 
 

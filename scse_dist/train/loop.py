@@ -155,6 +155,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 preempted_by = preemption.signal_name or "a signal on another rank"
                 break
     except TrainingStopped:
+        storage.finish()  # the last good checkpoint reaches the remote run dir
         logger.close()
         shutdown(engine)
         raise
@@ -169,6 +170,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                                "final_loss": last_loss, "export_dir": None, "eval_path": None,
                                "preempted": preempted_by}
     if preempted_by is not None:
+        storage.finish()  # a tag the remote still lacks is reported; the requeue retries it
         logger.close()
         shutdown(engine)
         if rank0:
@@ -178,6 +180,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
     if last_saved != t.max_steps:  # resumed at max_steps already, or a run of zero steps
         save_checkpoint(engine, run_dir, t.max_steps, stream, cfg, faults, storage)
+    not_uploaded = storage.finish()  # also before the export: it may read other nodes' shards
+    barrier()
     export_dir = summary["export_dir"] = export_final(engine, cfg, run_dir, tag_for(t.max_steps),
                                                       storage)
     logger.close()
@@ -189,6 +193,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
         summary["eval_path"] = _evaluate_export(export_dir, cfg, run_dir)
     if rank0:
         storage.upload_outputs("export", "eval", "metrics.jsonl")
+        if not_uploaded:  # everything else is done; the checkpoint is only in staging
+            raise OSError(f"{storage.remote}: checkpoint {', '.join(not_uploaded)} could not be "
+                          f"uploaded (see above); it is kept in {run_dir / 'checkpoints'}: rerun "
+                          "the same command on this machine to upload it")
         print(f"run dir {run_dir}: metrics.jsonl, checkpoints/, export/ ({export_dir})"
               + (f", eval {summary['eval_path']}" if summary["eval_path"] else ""), flush=True)
     return summary

@@ -19,14 +19,19 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import fsspec
+import torch.distributed as dist
 
-from scse_dist.launch.distributed import barrier
+from scse_dist.launch.distributed import barrier, is_rank0
 
 STAGING_ENV = "SCSE_STAGING_DIR"
+UPLOAD_ATTEMPTS_ENV = "SCSE_UPLOAD_ATTEMPTS"  # tries per file (default 5)
+UPLOAD_BACKOFF_ENV = "SCSE_UPLOAD_BACKOFF_S"  # first wait between tries, doubled each time (0.5)
 LOCAL_PROTOCOLS = {"file", "local"}
 
 
@@ -40,11 +45,38 @@ def is_remote(url: str) -> bool:
     return protocol not in LOCAL_PROTOCOLS
 
 
+def _upload_policy() -> tuple[int, float]:
+    attempts = int(os.environ.get(UPLOAD_ATTEMPTS_ENV, "5"))
+    backoff = float(os.environ.get(UPLOAD_BACKOFF_ENV, "0.5"))
+    return max(1, attempts), backoff
+
+
+def _retry(what: str, action: Callable[[], Any]) -> Any:
+    """`action()`, retried on any error with exponential backoff (backoff, 2x, 4x, ... seconds)."""
+    attempts, backoff = _upload_policy()
+    for attempt in range(1, attempts + 1):
+        try:
+            return action()
+        except Exception as err:  # s3fs/gcsfs raise OSError mostly, botocore sometimes its own
+            if attempt == attempts:
+                raise OSError(f"{what}: {' '.join(str(err).split()) or type(err).__name__} "
+                              f"(after {attempts} attempts)") from err
+            time.sleep(backoff * 2 ** (attempt - 1))
+
+
+def _step_of(tag: str) -> int:
+    return int(tag.rsplit("-", 1)[-1])
+
+
 class RunStorage:
     """The run dir the trainer writes (`local`) and, for a remote output_dir, its mirror URL."""
 
-    def __init__(self, run_url: str, name: str, staging_root: Optional[str] = None):
+    def __init__(self, run_url: str, name: str, staging_root: Optional[str] = None, keep: int = 2):
         self.remote: Optional[str] = run_url.rstrip("/") if is_remote(run_url) else None
+        # Tags saved here that are not (verified) remote yet: {tag: (local dir, manifest)}.
+        self._pending: dict[str, tuple[Path, dict[str, int]]] = {}
+        self._thread: Optional[threading.Thread] = None
+        self.keep = keep  # remote tags kept (train.keep_checkpoints)
         if self.remote is None:
             self.local = Path(run_url)
             return
@@ -58,23 +90,24 @@ class RunStorage:
 
     @classmethod
     def for_config(cls, cfg: Any) -> "RunStorage":
-        return cls(cfg.run_dir, cfg.name)
+        return cls(cfg.run_dir, cfg.name, keep=cfg.train.keep_checkpoints)
 
     def _url(self, relative: str) -> str:
         return f"{self._root}/{relative}"
 
-    def _upload(self, relative: str, source: Optional[Path] = None) -> None:
+    def _upload(self, relative: str, source: Optional[Path] = None,
+                after_file: Optional[Callable[[], None]] = None) -> None:
         """Copy local `source` (default: staging/`relative`; a file, or a dir's files recursively)
-        to remote `relative`."""
+        to remote `relative`, each file retried with backoff."""
         source = self.local / relative if source is None else source
         files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
         for path in files:
             inner = path.relative_to(source).as_posix() if path != source else ""
             target = self._url(f"{relative}/{inner}" if inner else relative)
-            try:
-                self.fs.put_file(str(path), target)
-            except OSError as err:
-                raise OSError(f"uploading {path} to {self.remote}: {err}") from err
+            _retry(f"uploading {path} to {self.remote}",
+                   lambda: self.fs.put_file(str(path), target))
+            if after_file is not None:
+                after_file()
 
     def _download(self, relative: str, missing_only: bool = False) -> None:
         source = self._url(relative)
@@ -103,8 +136,10 @@ class RunStorage:
         latest = self._url("checkpoints/latest")
         try:
             if not self.fs.isfile(latest):
-                return None
+                return self._staging_tag() if self._staging_is_newer(None) else None
             tag = self.fs.cat_file(latest).decode().strip()
+            if self._staging_is_newer(tag):
+                return self._staging_tag()
             if not (self.local / "checkpoints" / tag).is_dir():
                 if not self.fs.isdir(self._url(f"checkpoints/{tag}")):
                     raise RuntimeError(f"{self.remote}/checkpoints/latest names {tag!r}, which "
@@ -118,34 +153,116 @@ class RunStorage:
         print(f"staging {self.remote} in {self.local}: checkpoint {tag}", flush=True)
         return tag
 
-    def upload_shards(self, local_tmp_tag: Path, tag: str) -> None:
-        """Upload this node's files of a checkpoint written under local `local_tmp_tag` as `tag`.
+    def _staging_tag(self) -> Optional[str]:
+        latest = self.local / "checkpoints" / "latest"
+        return latest.read_text().strip() if latest.is_file() else None
 
-        Called by every rank after all have written (so one node's ranks are all done); the final
-        tag name is used remotely because the remote tag only becomes visible via `latest`.
-        """
+    def _staging_is_newer(self, remote_tag: Optional[str]) -> bool:
+        """Staging holds a newer committed tag than the remote `latest` (its upload failed, or the
+        run was killed mid-upload, on this machine): resume from it and upload it again, rather
+        than going back to the remote tag."""
+        tag = self._staging_tag()
+        path = self.local / "checkpoints" / tag if tag else None
+        if path is None or not path.is_dir() or (remote_tag is not None and tag <= remote_tag):
+            return False
+        self._pending[tag] = (path, {p.relative_to(path).as_posix(): p.stat().st_size
+                                     for p in path.rglob("*") if p.is_file()})
+        print(f"staging {self.local} holds {tag}, newer than the remote latest "
+              f"({remote_tag or 'none'}) of {self.remote}: resuming from staging, uploading it "
+              "at the next save", flush=True)
+        return True
+
+    # ---------------------------------------------------------------- checkpoint uploads
+    def wait(self) -> None:
+        """Block until this node's upload in flight (if any) has finished, succeeded or not."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def not_uploaded(self) -> set[str]:
+        """Tags this node holds that the remote lacks: local pruning must keep them."""
+        return set(self._pending)
+
+    def tag_manifest(self, local_tmp_tag: Path) -> dict[str, int]:
+        """Every rank, after all wrote tag `local_tmp_tag`: {file: size} of the whole tag, every
+        node's shards included (each node lists its own staging copy), to verify the remote tag."""
+        mine = {}
         if self.remote is not None and _local_rank() == 0 and local_tmp_tag.is_dir():
-            self._upload(f"checkpoints/{tag}", local_tmp_tag)
+            mine = {p.relative_to(local_tmp_tag).as_posix(): p.stat().st_size
+                    for p in local_tmp_tag.rglob("*") if p.is_file()}
+        gathered = [mine]
+        if dist.is_initialized():
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+        return {name: size for node in gathered for name, size in node.items()}
 
-    def drop_node_copy(self, local_tmp_tag: Path) -> None:
-        """After the commit: a node whose staging is not rank 0's still holds its shards under the
-        temporary name (rank 0 renamed only its own copy). They are remote now; a resume on this
-        node downloads the whole tag again."""
-        if self.remote is not None and _local_rank() == 0 and local_tmp_tag.is_dir():
-            shutil.rmtree(local_tmp_tag)
-
-    def commit(self, tag: str, keep: int) -> None:
-        """Rank 0, after every node uploaded its shards: publish `latest`, metadata, prune."""
-        if self.remote is None:
+    def start_upload(self, tag: str, source: Path, manifest: dict[str, int],
+                     faults: Any = None) -> None:
+        """Upload this node's copy of `tag` (in `source`) in a background thread, after any tag an
+        earlier upload failed on; rank 0 then verifies the remote tag against `manifest` and only
+        then publishes the remote `latest`. Call wait() first: one upload in flight at most."""
+        if self.remote is None or _local_rank() != 0 or not source.is_dir():
             return
-        self._upload("checkpoints/latest")
+        self.wait()
+        self._pending[tag] = (source, manifest)
+        self._thread = threading.Thread(target=self._upload_pending, args=(faults,),
+                                        name="scse-upload", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> list[str]:
+        """At the end of a run: wait for the upload in flight, retry what is still missing once
+        more, and return the tags the remote still lacks (each already reported)."""
+        self.wait()
+        if self._pending:
+            self._upload_pending()
+        return sorted(self._pending)
+
+    def _upload_pending(self, faults: Any = None) -> None:
+        published = None
+        for tag in sorted(self._pending):  # oldest first: a failed earlier tag is retried first
+            source, manifest = self._pending[tag]
+            try:
+                self._upload(f"checkpoints/{tag}", source,
+                             after_file=lambda: faults.mid_upload(_step_of(tag)) if faults else None)
+                if is_rank0():
+                    self._verify(tag, manifest)
+            except Exception as err:  # reported, never raised: training goes on (README, Faults)
+                print(f"upload of {tag} to {self.remote} failed: {' '.join(str(err).split())}; it "
+                      f"stays in {source} and is retried at the next save", flush=True)
+                continue
+            del self._pending[tag]
+            if source.name != tag:  # another node's copy under the temporary name: remote now
+                shutil.rmtree(source, ignore_errors=True)
+            published = tag
+        if published is not None and is_rank0():
+            self._publish(published)
+        for tag in [t for t in self._pending if published is not None and t < published]:
+            del self._pending[tag]  # the remote holds a newer complete tag: normal retention
+
+    def _verify(self, tag: str, manifest: dict[str, int]) -> None:
+        """Every file of `manifest` is in the remote tag with its size (other nodes' shards may
+        still be arriving: checked again with backoff)."""
+        def check() -> None:
+            self.fs.invalidate_cache(self._url(f"checkpoints/{tag}"))
+            remote = {info["name"].rsplit(f"{tag}/", 1)[-1]: info["size"]
+                      for info in self.fs.find(self._url(f"checkpoints/{tag}"), detail=True).values()}
+            wrong = sorted(n for n, size in manifest.items() if remote.get(n) != size)
+            if wrong:
+                raise OSError(f"{self.remote}/checkpoints/{tag} lacks or has a wrong size of "
+                              f"{', '.join(wrong)}")
+        _retry(f"verifying {tag}", check)
+
+    def _publish(self, tag: str) -> None:
+        """Rank 0, once `tag` is complete and verified remotely: `latest`, metadata, pruning."""
+        _retry("publishing latest", lambda: self.fs.pipe_file(self._url("checkpoints/latest"),
+                                                               tag.encode()))
         for name in ("config.yaml", "metrics.jsonl"):
             if (self.local / name).is_file():
                 self._upload(name)
         tags = sorted(p.rsplit("/", 1)[-1] for p in self.fs.ls(self._url("checkpoints"), detail=False))
         steps = [t for t in tags if t.startswith("step-")]
-        for old in steps[:-keep]:
-            if old != tag:
+        for old in steps[:-self.keep]:
+            if old != tag and old not in self._pending:
                 self.fs.rm(self._url(f"checkpoints/{old}"), recursive=True)
 
     def upload_outputs(self, *names: str) -> None:
