@@ -134,14 +134,24 @@ def user_env(tmp_path_factory) -> dict[str, str]:
 
 class S3Traffic:
     """WSGI middleware around moto's app: the GET requests it served, (path, body bytes) each,
-    and the most GETs in flight at once; `delay` seconds added to each GET make overlap visible."""
+    and the most GETs in flight at once; `delay` seconds added to each GET make overlap visible.
+
+    Fault injection for PUTs: `refuse[substring] = n` answers the next n PUTs whose path holds
+    `substring` with a 503; `put_delay` seconds slow every PUT down. After each PUT of a
+    `checkpoints/latest`, `on_latest(path)` runs (e.g. to snapshot what the tag named holds)."""
 
     def __init__(self, app):
         self.app, self.gets, self.delay = app, [], 0.0
         self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
+        self.refuse: dict[str, int] = {}
+        self.refused: list[str] = []
+        self.put_delay = 0.0
+        self.on_latest = None
 
     def __call__(self, environ, start_response):
+        if environ["REQUEST_METHOD"] == "PUT":
+            return self._put(environ, start_response)
         if environ["REQUEST_METHOD"] != "GET":
             return self.app(environ, start_response)
         with self.lock:
@@ -154,6 +164,22 @@ class S3Traffic:
             with self.lock:
                 self.in_flight -= 1
         self.gets.append((environ["PATH_INFO"], sum(map(len, chunks))))
+        return chunks
+
+    def _put(self, environ, start_response):
+        path = environ["PATH_INFO"]
+        time.sleep(self.put_delay)
+        with self.lock:
+            hit = next((k for k, n in self.refuse.items() if k in path and n > 0), None)
+            if hit is not None:
+                self.refuse[hit] -= 1
+                self.refused.append(path)
+        if hit is not None:
+            start_response("503 Service Unavailable", [("Content-Type", "application/xml")])
+            return [b"<Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>"]
+        chunks = list(self.app(environ, start_response))
+        if path.endswith("/checkpoints/latest") and self.on_latest is not None:
+            self.on_latest(path)
         return chunks
 
 

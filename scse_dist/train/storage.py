@@ -6,9 +6,13 @@ mirrors it to the remote run dir:
 
 - start: if the remote has `checkpoints/latest` and staging lacks that tag, the tag, `latest` and
   `metrics.jsonl` are downloaded (LOCAL_RANK 0 of every node: staging is node-local).
-- each checkpoint: every node uploads its own shards of the tag once all ranks have written them;
-  only then does rank 0 upload `latest` (so the remote `latest` always names a complete tag),
-  config.yaml and metrics.jsonl, and prune remote tags beyond `keep_checkpoints`.
+- each checkpoint: after the local commit, every node uploads its own shards of the tag in a
+  background thread (the next save waits for it: one upload in flight), each file retried with
+  backoff; rank 0 then verifies every file of the tag remotely (size, against the manifest
+  gathered from all nodes) and only then uploads `latest` (so the remote `latest` always names a
+  complete tag), config.yaml and metrics.jsonl, and prunes remote tags beyond `keep_checkpoints`.
+  A tag that fails is reported, kept locally (`not_uploaded` protects it from pruning) and
+  retried at the next save.
 - end: export/ and eval/.
 
 A local output_dir is used in place: no staging, no copies (`RunStorage.remote` is None).
