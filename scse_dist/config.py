@@ -150,6 +150,10 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     # torch.compile each block's math (regional: one graph for every loop step and depth T).
     compile: bool = False
+    # A run dir with checkpoints: auto resumes the newest intact one (a changed model or data
+    # stream is refused); never moves them aside (run_dir/old-<time>/) and starts fresh; require
+    # fails when there is nothing to resume.
+    resume: Literal["auto", "never", "require"] = "auto"
 
     def grad_accum_for(self, world_size: int) -> int:
         """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit)."""
