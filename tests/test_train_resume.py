@@ -62,6 +62,21 @@ def test_manifest_finds_missing_short_differing_and_extra_files(tmp_path):
     assert status.intact and str(status) == "no manifest"
 
 
+def test_scse_ckpt_lines_and_exit_statuses(tmp_path, capsys):
+    tag = make_tag(tmp_path / "checkpoints")
+    (tmp_path / "checkpoints" / "latest").write_text(tag.name)
+    assert ckpt_main(["verify", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == "step-0000010: ok  <- latest\n"
+    (tag / "sub" / "b.pt").write_bytes(b"")
+    assert ckpt_main(["list", str(tmp_path / "checkpoints")]) == 1
+    # no scse_meta.json or config.json in this hand-made tag: step, world and stage unknown
+    assert capsys.readouterr().out == (
+        "step-0000010  step ?  world ?  ZeRO-?  1.1 KiB  broken: sub/b.pt is 0 bytes, manifest "
+        "says 10  <- latest\n")
+    assert ckpt_main(["verify", str(tmp_path / "nothing")]) == 66
+    assert capsys.readouterr().err == f"scse-ckpt: error: {tmp_path / 'nothing'}: no such run dir\n"
+
+
 def test_refused_changes_name_model_and_stream_fields_only(tiny_config, tmp_path):
     from scse_dist.config import config_to_dict
 

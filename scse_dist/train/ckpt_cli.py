@@ -25,12 +25,12 @@ EXIT_BROKEN = 1
 def checkpoints_root(path: str) -> Path:
     root = Path(path)
     if not root.is_dir():
-        raise FileNotFoundError(2, "no such run dir", str(root))
+        raise FileNotFoundError(f"{root}: no such run dir")
     if (root / "checkpoints").is_dir():
         return root / "checkpoints"
     if (root / "latest").is_file() or any(root.glob(f"{TAG_PREFIX}*")):
         return root
-    raise FileNotFoundError(2, "no checkpoints/ in the run dir", str(root))
+    raise FileNotFoundError(f"{root}: no checkpoints/ here (give a run dir or its checkpoints/)")
 
 
 def _read_json(path: Path) -> dict:
