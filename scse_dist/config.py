@@ -154,6 +154,10 @@ class TrainConfig:
     # has a checkpoint resumes it and ignores this. Strict: every key and shape must match.
     init_from: Optional[str] = None
     init_from_strict: bool = True
+    # A run dir with checkpoints: auto resumes the newest intact one (a changed model or data
+    # stream is refused); never moves them aside (run_dir/old-<time>/) and starts fresh; require
+    # fails when there is nothing to resume.
+    resume: Literal["auto", "never", "require"] = "auto"
 
     def grad_accum_for(self, world_size: int) -> int:
         """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit)."""

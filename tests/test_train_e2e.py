@@ -116,8 +116,11 @@ def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subp
     assert "world 2 (env), ZeRO-2" in stdout
     step2 = tmp_path / "runs" / "tiny" / "checkpoints" / "step-0000002"
     assert sorted(p.name for p in step2.iterdir()) == [
-        "mp_rank_00_model_states.pt", "scse_meta.json", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+        "config.json", "manifest.json", "mp_rank_00_model_states.pt", "scse_meta.json",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    # the manifest covers every other file, hashed by both ranks (each half) and merged by rank 0
+    assert sorted(json.loads((step2 / "manifest.json").read_text())["files"]) == [
+        p.name for p in sorted(step2.iterdir()) if p.name != "manifest.json"]
     assert json.loads((step2 / "scse_meta.json").read_text()) == {"step": 2, "world_size": 2}
     client = torch.load(step2 / "mp_rank_00_model_states.pt", weights_only=False)
     assert client["step"] == 2 and len(client["ranks"]) == 2

@@ -5,6 +5,8 @@ save itself: the step, every rank's data-stream position and RNG states, and the
 
 Saving is atomic: every rank writes tag `.tmp-step-N`; after a barrier (all ranks done) rank 0
 renames it to `step-N` and then replaces `latest` (written to a temporary file, then renamed).
+Before the rename, rank 0 adds `config.json` (the resolved config, compared at a resume) and
+`manifest.json` (every file's size and hash, verified at a resume; scse_dist.train.manifest).
 A kill at any point leaves `latest` naming a complete checkpoint; a leftover `.tmp-*` directory is
 removed at the next start.
 """
@@ -25,6 +27,8 @@ import torch.distributed as dist
 from scse_dist.atomic import atomic_write_text
 from scse_dist.config import RunConfig, config_to_dict
 from scse_dist.launch.distributed import barrier, is_rank0
+from scse_dist.train import manifest
+from scse_dist.train.manifest import CONFIG_NAME
 
 TAG_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -84,11 +88,13 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
     engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
     if is_rank0():  # read before DeepSpeed loads anything, to refuse a world-size change clearly
         (tmp / META_NAME).write_text(json.dumps({"step": step, "world_size": len(per_rank)}))
+        (tmp / CONFIG_NAME).write_text(json.dumps(client_state["config"], indent=1))
     if faults is not None:
         faults.mid_save(step)
     barrier()  # every rank has written its shard: only now may the tag become visible
+    _write_manifest(tmp, storage)  # before the upload lists the tag's files: it travels too
     remote = storage is not None and storage.remote is not None
-    manifest = storage.tag_manifest(tmp) if remote else {}
+    uploaded_sizes = storage.tag_manifest(tmp) if remote else {}
     if is_rank0():
         final = root / tag
         if final.exists():  # an earlier run reached this step but died before updating latest
@@ -99,8 +105,24 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
                           protect=storage.not_uploaded() if remote else set())
     barrier()
     if remote:  # rank 0's copy is renamed; another node's shards are still under the tmp name
-        storage.start_upload(tag, root / tag if is_rank0() else tmp, manifest, faults)
+        storage.start_upload(tag, root / tag if is_rank0() else tmp, uploaded_sizes, faults)
     return tag
+
+
+def _write_manifest(tmp: Path, storage: Any) -> None:
+    """Every rank hashes its share of the tag's files; rank 0 writes the union as the manifest.
+
+    A local run dir is shared by all ranks: rank r hashes every world-th file. Remote runs stage
+    on node-local disks: each node's LOCAL_RANK 0 hashes the files on its node."""
+    if storage is not None and storage.remote is not None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        index, count = (0, 1) if local_rank == 0 else (0, 0)
+    else:
+        index, count = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    files = manifest.tag_files(tmp) if count else []
+    shares = _gather(manifest.hash_files(tmp, manifest.share_of(files, index, count)) if count else {})
+    if is_rank0():
+        manifest.write_manifest(tmp, {name: entry for share in shares for name, entry in share.items()})
 
 
 def remove_partial_saves(run_dir: str | Path) -> list[Path]:
@@ -130,18 +152,12 @@ def prune_checkpoints(run_dir: str | Path, keep: int, protect: set[str] = frozen
     return old
 
 
-def resume_if_present(engine: Any, run_dir: str | Path, stream: Any) -> int:
-    """Load run_dir/checkpoints/latest if it exists; return the step to continue from (0 if none)."""
+def resume_if_present(engine: Any, run_dir: str | Path, stream: Any, named: Optional[str]) -> int:
+    """Load checkpoint tag `named` (verified and agreed by resume.plan_resume; None: none) and
+    return the step to continue from (0 if none)."""
     root = checkpoint_dir(run_dir)
-    if is_rank0():
-        for path in remove_partial_saves(run_dir):
-            print(f"removed {path}: a save that did not finish", flush=True)
-    barrier()
-    if not (root / "latest").is_file():
+    if named is None:
         return 0
-    named = (root / "latest").read_text().strip()
-    if not (root / named).is_dir():
-        raise RuntimeError(f"{root / 'latest'} names {named!r}, which does not exist in {root}")
     world = dist.get_world_size() if dist.is_initialized() else 1
     meta = root / named / META_NAME
     saved_world = json.loads(meta.read_text())["world_size"] if meta.is_file() else world
@@ -152,9 +168,9 @@ def resume_if_present(engine: Any, run_dir: str | Path, stream: Any) -> int:
             f"with {saved_world} ranks, or start a new run (another name or output_dir) from its "
             f"weights (export, or a universal checkpoint: python -m "
             f"deepspeed.checkpoint.ds_to_universal --inject_missing_state)")
-    path, client_state = engine.load_checkpoint(str(root))
+    path, client_state = engine.load_checkpoint(str(root), tag=named)
     if path is None or client_state is None:
-        raise RuntimeError(f"{root}: 'latest' names {named!r} but DeepSpeed could not load it")
+        raise RuntimeError(f"{root}: DeepSpeed could not load checkpoint {named!r}")
     step = int(client_state["step"])
     mine = client_state["ranks"][dist.get_rank() if dist.is_initialized() else 0]
     stream.load_state_dict(mine["data"])

@@ -15,13 +15,13 @@ import torch
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
 from scse_dist.launch.distributed import barrier, describe_placement, init_distributed, shutdown
-from scse_dist.train.checkpoint import (checkpoint_dir, export_final, resume_if_present,
-                                        save_checkpoint, tag_for)
+from scse_dist.train.checkpoint import export_final, resume_if_present, save_checkpoint, tag_for
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import (REQUEUE_EXIT_CODE, FaultInjector, NonFiniteCounter,
                                    PreemptionFlag, TrainingStopped)
 from scse_dist.train.metrics import MetricsLogger, peak_flops, peak_memory
+from scse_dist.train.resume import plan_resume
 from scse_dist.train.step import sum_over_ranks, train_step
 from scse_dist.train.storage import RunStorage
 from scse_dist.train.warm_start import maybe_init_from
@@ -59,9 +59,13 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     if rank0:  # one rank builds the data and writes the run dir, the others wait for it
         ensure_data(cfg.data)
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
     barrier()
     storage.fetch_latest()  # remote runs: the checkpoint to resume from, onto every node
+    # Verified, and its config compared with this one, before anything is built or loaded; a
+    # refused config leaves the run dir as it was (config.yaml included).
+    resume_tag = plan_resume(cfg, run_dir, remote=storage.remote is not None)
+    if rank0:
+        save_config(cfg, run_dir / "config.yaml")
 
     tokenizer = Tokenizer.load(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -78,9 +82,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     model = LoopedLM(cfg.model)
     n_params = model.num_parameters()  # before ZeRO-3 partitions them to empty placeholders
     # Before the engine: ZeRO-3 then partitions the loaded weights.
-    maybe_init_from(model, cfg.train, (checkpoint_dir(run_dir) / "latest").is_file(), rank0)
+    maybe_init_from(model, cfg.train, resume_tag is not None, rank0)
     engine, ds_config = build_engine(cfg, model)
-    start_step = resume_if_present(engine, run_dir, stream)
+    start_step = resume_if_present(engine, run_dir, stream, resume_tag)
     t = cfg.train
     if start_step > t.max_steps:
         # Going on would save this model as checkpoint step-<max_steps> and point `latest` at it.

@@ -1,0 +1,149 @@
+"""What a start resumes from, decided before DeepSpeed loads anything: `plan_resume`.
+
+Rank 0 decides and broadcasts, so every rank loads the same tag or raises the same one-line error:
+
+1. `train.resume`: `auto` resumes when there is a checkpoint; `never` moves the run dir's previous
+   checkpoints, metrics, export and eval aside (`old-<time>/`, nothing deleted) and starts fresh;
+   `require` fails when there is nothing to resume.
+2. The tag `latest` names is verified against its manifest (scse_dist.train.manifest); a broken
+   tag is reported in one line naming the file, and the newest intact older tag is used instead.
+3. The chosen tag's recorded config (`config.json` in the tag) is compared with this run's, field
+   by field: a changed model, or a data field that changes the token stream, is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from scse_dist.cli_errors import InputError
+from scse_dist.config import ConfigError, RunConfig, config_to_dict
+from scse_dist.launch.distributed import is_rank0
+from scse_dist.train.checkpoint import checkpoint_dir, list_checkpoints, remove_partial_saves
+from scse_dist.train.manifest import CONFIG_NAME, verify_tag
+# Moved aside by `train.resume: never` (the new run would append to or overwrite them).
+PREVIOUS_RUN_FILES = ("checkpoints", "metrics.jsonl", "export", "eval")
+# Fields that make a checkpoint another model or another token stream. Everything else may change
+# at a resume (max_steps, cadences, eval.*, wandb.*, ...); world size, num_workers and the batch
+# split are the business of the world-size checks in checkpoint.resume_if_present.
+REFUSED_PREFIXES = ("model.",)
+REFUSED_FIELDS = {"data.path", "data.tokenizer", "data.seq_len", "data.heldout_fraction",
+                  "data.shuffle_buffer", "data.mixture_paths", "data.mixture_weights", "train.seed"}
+# A model field that changes memory use, not the weights.
+ALLOWED_MODEL_FIELDS = {"model.activation_checkpointing"}
+
+
+def _flatten(values: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def is_refused(field: str) -> bool:
+    if field in ALLOWED_MODEL_FIELDS:
+        return False
+    return field in REFUSED_FIELDS or field.startswith(REFUSED_PREFIXES)
+
+
+def refused_changes(saved: dict, current: dict) -> list[str]:
+    """'field: saved -> current' for every refused field that differs (absent on one side too)."""
+    old, new = _flatten(saved), _flatten(current)
+    missing = "<absent>"
+    return [f"{name}: {old.get(name, missing)!r} -> {new.get(name, missing)!r}"
+            for name in sorted(set(old) | set(new))
+            if is_refused(name) and old.get(name, missing) != new.get(name, missing)]
+
+
+def _warn(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def choose_tag(root: Path) -> Optional[str]:
+    """The tag to resume: the one `latest` names if intact, else the newest intact older one.
+    None when there is no `latest`; InputError when no tag is intact."""
+    if not (root / "latest").is_file():
+        return None
+    named = (root / "latest").read_text().strip()
+    older = [p.name for p in reversed(list_checkpoints(root.parent)) if p.name < named]
+    problems = []
+    for tag in [named, *older]:
+        status = verify_tag(root / tag)
+        if status.intact:
+            if not status.has_manifest:
+                _warn(f"checkpoint {tag} has no manifest (saved by an older scse-dist): not verified")
+            return tag
+        nxt = next((t for t in older if t < tag), None)
+        _warn(f"checkpoint {tag}: {status.problem}; "
+              + (f"falling back to {nxt}" if nxt else "no older checkpoint to fall back to"))
+        problems.append(f"{tag}: {status.problem}")
+    raise InputError(f"{root}: no intact checkpoint to resume ({'; '.join(problems)}); restore the "
+                     "files, or start fresh with train.resume=never (moves these aside) or another name")
+
+
+def _move_previous_run(run_dir: Path) -> Optional[Path]:
+    present = [run_dir / name for name in PREVIOUS_RUN_FILES if (run_dir / name).exists()]
+    if not present:
+        return None
+    aside = run_dir / time.strftime("old-%Y%m%d-%H%M%S")
+    aside.mkdir()
+    for path in present:
+        path.rename(aside / path.name)
+    return aside
+
+
+def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Optional[str]:
+    mode = cfg.train.resume
+    root = checkpoint_dir(run_dir)
+    if mode == "never":
+        if remote:
+            raise ConfigError("train.resume: never is not supported with a remote output_dir (its "
+                              f"checkpoints would be overwritten); give this run another name")
+        aside = _move_previous_run(run_dir)
+        if aside is not None:
+            print(f"train.resume=never: moved the previous run's files to {aside}; starting fresh",
+                  flush=True)
+        return None
+    for path in remove_partial_saves(run_dir):
+        print(f"removed {path}: a save that did not finish", flush=True)
+    tag = choose_tag(root)
+    if tag is None:
+        if mode == "require":
+            raise ConfigError(f"train.resume: require, but {run_dir} has no checkpoint to resume "
+                              f"({root / 'latest'} does not exist)")
+        return None
+    recorded = root / tag / CONFIG_NAME
+    if not recorded.is_file():
+        _warn(f"checkpoint {tag} has no recorded {CONFIG_NAME}: its config is not compared")
+        return tag
+    changes = refused_changes(json.loads(recorded.read_text()), config_to_dict(cfg))
+    if changes:
+        raise ConfigError(
+            f"{run_dir} holds checkpoint {tag} of another model or data stream: "
+            f"{'; '.join(changes)}. Give this run another name, or set train.resume=never to move "
+            "the old checkpoints aside and start fresh")
+    return tag
+
+
+def plan_resume(cfg: RunConfig, run_dir: str | Path, remote: bool = False) -> Optional[str]:
+    """The checkpoint tag every rank resumes from (None: start fresh). All ranks call this."""
+    decision: list[Any] = [None, None]  # (tag, error)
+    if is_rank0():
+        try:
+            decision[0] = _decide(cfg, Path(run_dir), remote)
+        except (ConfigError, InputError) as err:
+            decision[1] = err
+    if dist.is_initialized():
+        dist.broadcast_object_list(decision, src=0)
+    if decision[1] is not None:
+        raise decision[1]
+    return decision[0]
