@@ -240,17 +240,18 @@ def test_layout_changes_read_every_token_and_sample_of_the_epoch_once(tmp_path, 
     docs = unique_docs(90)
     out, _ = write(tmp_path, docs, sample_tokens=40)
     monkeypatch.setenv("SCSE_LOG_SAMPLES", str(tmp_path / "log"))
-    make = lambda rank, world, workers=0: TokenStream(out, seq_len=1, batch_size=3, rank=rank,
+    make = lambda rank, world, workers=0: TokenStream(out, seq_len=1, batch_size=batch, rank=rank,
                                                       world_size=world, seed=7, loop=False,
                                                       num_workers=workers)
     tokens, states = Counter(), None
-    for world, workers, take in [(2, 0, 5), (3, 0, 4), (1, 2, None)]:
+    # the micro-batch may change with the layout too (positions are token counts)
+    for world, workers, batch, take in [(2, 0, 3, 5), (3, 0, 2, 4), (1, 2, 3, None)]:
         streams = [make(r, world, workers) for r in range(world)]
         for s in streams:
             if states:
                 s.resume(json.loads(json.dumps(states)))  # as a JSON-safe checkpoint holds it
-            for batch in islice(s, take):
-                tokens.update(batch.flatten().tolist())
+            for got in islice(s, take):
+                tokens.update(got.flatten().tolist())
         if world == 3:  # a second resume at the same layout is bit-exact, the carry included
             again = make(1, 3)
             again.resume(json.loads(json.dumps([s.state_dict() for s in streams])))
@@ -266,3 +267,15 @@ def test_layout_changes_read_every_token_and_sample_of_the_epoch_once(tmp_path, 
     items = Counter(tuple(x["item"]) for x in logged if x["epoch"] == 0)
     units = {(0, j, -1) for j in range(make(0, 1).n_samples[0])}
     assert len(units) > 10 and set(items) == units and set(items.values()) == {1}
+
+
+def test_a_changed_seed_or_shuffle_buffer_is_refused_saying_why_and_what_to_do(tmp_path):
+    out, _ = write(tmp_path, docs_of(40), sample_tokens=30)
+    states = [TokenStream(out, seq_len=4, batch_size=2, rank=r, world_size=2).state_dict() for r in range(2)]
+    for kw, field in [(dict(seed=1), "train.seed was 0, now 1"),
+                      (dict(shuffle_buffer=4), "data.shuffle_buffer was 0, now 4")]:
+        with pytest.raises(ValueError) as err:
+            TokenStream(out, seq_len=8, batch_size=2, world_size=1, **kw).resume(states)
+        assert str(err.value) == (f"cannot resume data stream: {field}; the readers' seeded order, "
+                                  "and so which samples were read, depends on it. Set it back, or "
+                                  "start a new run (another name)")

@@ -52,6 +52,9 @@ from scse_dist.data.shards import resolve_split, table_url
 Item = tuple[int, int, int, int]  # (shard, sample, document or -1 for the whole sample, first token)
 PREFETCH_SAMPLES = 16  # remote samples fetched concurrently (~2 MB at 64K uint16 tokens)
 STATE_KEYS = ("split", "seq_len", "batch_size", "seed", "shuffle_buffer")
+# what the readers' orders depend on: fixed for a run. The other keys may change at a resume.
+ORDER_KEYS = {"split": "the split", "seed": "train.seed", "shuffle_buffer": "data.shuffle_buffer"}
+LAYOUT_KEYS = ("world_size", "num_workers", "batch_size", "seq_len")
 LOG_SAMPLES_ENV = "SCSE_LOG_SAMPLES"  # a directory: every consumed sample start is logged there
 
 
@@ -364,15 +367,19 @@ class TokenStream:
                      tokenizer_sha256=self.index["tokenizer_sha256"])
         return state
 
-    def _check(self, state: dict[str, Any]) -> None:
-        for key in STATE_KEYS:
+    def _check(self, state: dict[str, Any], keys: Any = STATE_KEYS) -> None:
+        for key in keys:
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"cannot resume data stream: {key} was {state[key]!r}, now "
-                                 f"{getattr(self, key)!r} (the batch sequence would differ)")
+                why = ("the readers' seeded order, and so which samples were read, depends on it. "
+                       "Set it back, or start a new run (another name)") if key in ORDER_KEYS else \
+                    "one rank's state resumes the same batch shape only: use resume(states)"
+                raise ValueError(f"cannot resume data stream: {ORDER_KEYS.get(key, key)} was "
+                                 f"{state[key]!r}, now {getattr(self, key)!r}; {why}")
         if state.get("tokenizer_sha256", self.index["tokenizer_sha256"]) != self.index["tokenizer_sha256"]:
             raise ValueError(f"cannot resume data stream: shards at {self.path} were rewritten with "
                              f"another tokenizer ({state['tokenizer_sha256']} -> "
-                             f"{self.index['tokenizer_sha256']})")
+                             f"{self.index['tokenizer_sha256']}); their samples are other ones. "
+                             "Start a new run (another name), or restore the shards")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume this rank from its own state, saved at the same layout (see `resume`)."""
@@ -394,18 +401,19 @@ class TokenStream:
     def resume(self, states: list[dict[str, Any]]) -> None:
         """Resume from a checkpoint's states of every rank (in rank order), at any layout.
 
-        At the same world size and data.num_workers this is load_state_dict(states[rank]). At
-        another, this layout starts anew: every old reader's position says which items of its
+        With the same world size, data.num_workers, micro-batch and seq_len this is
+        load_state_dict(states[rank]). Otherwise this layout starts anew: every old reader's position says which items of its
         epoch it consumed (a prefix of its order); the rest of each epoch any old reader had
         not finished is the carry, dealt over the new readers (relayout.py)."""
         first = states[0]
-        if (first["world_size"], first.get("num_workers", 0)) == (self.world_size, self.num_workers):
+        if all(first.get(k, 0) == getattr(self, k) for k in LAYOUT_KEYS):
             return self.load_state_dict(states[self.rank])
-        self._check(first)
+        # positions are token counts, so the micro-batch and seq_len may change here too
+        self._check(first, ORDER_KEYS)
         readers = sorted((r["reader"], r["batches"]) for st in states for r in st["readers"])
         bad = sorted({tuple(b) for st in states for b in st.get("bad", [])})
         self.origin = {"world_size": first["world_size"], "num_workers": first.get("num_workers", 0),
-                       "tokens": [n * self.batch_size * (self.seq_len + 1) for _, n in readers],
+                       "tokens": [n * first["batch_size"] * (first["seq_len"] + 1) for _, n in readers],
                        "bad": [list(b) for b in bad], "origin": first.get("origin")}
         self.bad = set(bad)
         self.carry = carried_items(self, self.origin)

@@ -7,7 +7,8 @@ engine with `checkpoint.load_universal` re-partitions over any world size as it 
 
 The first start that needs it converts the tag (rank 0, in process) into `TAG/.tmp-universal`
 and renames it to `TAG/universal`: a kill mid-conversion leaves no half universal checkpoint,
-and every later start at a changed size reuses it. It lives inside its tag, so retention deletes
+and every later start at a changed size reuses it. With node-local staging (a remote
+output_dir, every node holding the whole tag) each node converts its own copy. It lives inside its tag, so retention deletes
 it with the tag. Our client state (the step, every old rank's data position and RNG) is read
 from the converted tag's copy of the model-states file, which DeepSpeed copies over unchanged.
 """
@@ -29,28 +30,35 @@ UNIVERSAL = "universal"
 
 
 def convert_once(root: Path, tag: str) -> str:
-    """The universal form of `root/tag` (converted now on rank 0 if missing; all ranks call);
-    returns its tag, relative to root."""
+    """The universal form of `root/tag`, converted now if missing (all ranks call); returns its
+    tag, relative to root. Rank 0 converts first; then the first rank of any node that still
+    does not see it (node-local staging of a remote output_dir) converts its own copy."""
     final = root / tag / UNIVERSAL
     if is_rank0() and not final.is_dir():
-        from deepspeed.checkpoint import ds_to_universal
-
-        tmp = root / tag / f".tmp-{UNIVERSAL}"
-        if tmp.exists():  # a conversion that was killed
-            shutil.rmtree(tmp)
-        start = time.perf_counter()
-        # one process: a process pool forked from a rank would inherit its process group
-        args = argparse.Namespace(input_folder=str(root / tag), output_folder=str(tmp),
-                                  num_extract_workers=1, num_merge_workers=1,
-                                  keep_temp_folder=False, strict=True, inject_missing_state=True)
-        log = io.StringIO()
-        with contextlib.redirect_stdout(log):  # its progress lines and bars
-            ds_to_universal.main(args)
-        os.replace(tmp, final)
-        print(f"converted {root / tag} to a universal checkpoint {final} in "
-              f"{time.perf_counter() - start:.1f} s", flush=True)
+        _convert(root / tag, final)
+    barrier()
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not final.is_dir():
+        _convert(root / tag, final)
     barrier()
     return f"{tag}/{UNIVERSAL}"
+
+
+def _convert(source: Path, final: Path) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    tmp = final.with_name(f".tmp-{final.name}")
+    if tmp.exists():  # a conversion that was killed
+        shutil.rmtree(tmp)
+    start = time.perf_counter()
+    # one process: a process pool forked from a rank would inherit its process group
+    args = argparse.Namespace(input_folder=str(source), output_folder=str(tmp),
+                              num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # its progress lines
+        ds_to_universal.main(args)
+    os.replace(tmp, final)
+    print(f"converted {source} to a universal checkpoint {final} in "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
 
 
 def load_universal(engine: Any, root: Path, tag: str) -> tuple[Any, Any]:
