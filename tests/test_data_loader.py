@@ -279,3 +279,23 @@ def test_a_changed_seed_or_shuffle_buffer_is_refused_saying_why_and_what_to_do(t
         assert str(err.value) == (f"cannot resume data stream: {field}; the readers' seeded order, "
                                   "and so which samples were read, depends on it. Set it back, or "
                                   "start a new run (another name)")
+
+
+def test_a_mixture_resumes_at_another_world_size_reading_each_corpus_once(tmp_path):
+    """Two corpora, 2 ranks -> 1 rank: every token of each finite corpus is read once."""
+    docs = [unique_docs(40, seed=1), [" ".join(str(int(t) + 5000) for t in d.split())
+                                      for d in unique_docs(40, seed=2)]]
+    paths = [write(tmp_path / f"c{i}", d, sample_tokens=40)[0] for i, d in enumerate(docs)]
+    make = lambda rank, world: MixedStream(
+        [TokenStream(p, seq_len=1, batch_size=2, rank=rank, world_size=world, seed=3, loop=False)
+         for p in paths], [0.5, 0.5], seed=3)
+    tokens = Counter()
+    first = [make(r, 2) for r in range(2)]
+    for s in first:
+        tokens.update(t for b in islice(s, 20) for t in b.flatten().tolist())
+    resumed = make(0, 1)
+    resumed.resume(json.loads(json.dumps([s.state_dict() for s in first])))
+    assert resumed.consumed == 20
+    for stream in resumed.streams:  # each corpus to its end (the mixture stops at the first end)
+        tokens.update(t for b in stream for t in b.flatten().tolist())
+    assert tokens == all_tokens(docs[0]) + all_tokens(docs[1])
