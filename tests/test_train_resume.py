@@ -55,6 +55,11 @@ def test_manifest_finds_missing_short_differing_and_extra_files(tmp_path):
     (tag / "stray.pt").write_bytes(b"")
     assert str(manifest.verify_tag(tag)) == "broken: stray.pt is not in the manifest"
     (tag / "stray.pt").unlink()
+    # the universal form a resume at another world size derives inside the tag is not the tag's
+    for derived in ("universal", ".tmp-universal"):
+        (tag / derived / "zero").mkdir(parents=True)
+        (tag / derived / "zero" / "w.pt").write_bytes(b"u")
+    assert str(manifest.verify_tag(tag)) == "ok"
     (tag / "sub" / "b.pt").unlink()
     assert str(manifest.verify_tag(tag)) == "broken: sub/b.pt is missing"
     (tag / manifest.MANIFEST_NAME).unlink()

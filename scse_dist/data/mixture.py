@@ -67,3 +67,11 @@ class MixedStream:
         for stream, sub in zip(self.streams, state["corpora"]):
             stream.load_state_dict(sub)
         self.consumed = int(state["consumed_batches"])
+
+    def resume(self, states: list[dict[str, Any]]) -> None:
+        """Resume from every rank's state, at any layout (TokenStream.resume per corpus); batch i
+        still comes from corpus choice(i), as the batch count is the same on every rank."""
+        first = states[0]
+        self.load_state_dict({**first, "corpora": []})  # checks the mixture, sets consumed
+        for c, stream in enumerate(self.streams):
+            stream.resume([st["corpora"][c] for st in states])

@@ -25,12 +25,16 @@ from worker i % W: the rank's position is one number, the batches consumed, and 
 position follows from it. A restarted stream gives worker w the role of reader slot
 (w + consumed) % W and lets every reader skip its consumed tokens arithmetically from the
 sample tables' sizes (bad samples count as empty), so the next batch is exactly the one an
-uninterrupted run would have produced. The state records world_size and num_workers; resuming
-with other values is refused with a message (the readers' data would differ).
+uninterrupted run would have produced. At another world size or num_workers (`resume` with
+every rank's state) the epochs the old readers were in are finished by the new readers from
+what the old ones left unread, token for token (relayout.py), then the new layout's epochs
+follow. SCSE_LOG_SAMPLES=DIR logs each item whose first token is in a consumed batch.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 from itertools import islice
 from typing import Any, Iterator, Optional
@@ -42,11 +46,16 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from scse_dist.cli_errors import InputError
 from scse_dist.data.packing import WindowPacker
 from scse_dist.data.reader import Sample, ShardReader, documents_of
+from scse_dist.data.relayout import carried_items
 from scse_dist.data.shards import resolve_split, table_url
 
-Item = tuple[int, int, int]  # (shard, sample, document or -1 for the whole sample)
+Item = tuple[int, int, int, int]  # (shard, sample, document or -1 for the whole sample, first token)
 PREFETCH_SAMPLES = 16  # remote samples fetched concurrently (~2 MB at 64K uint16 tokens)
-STATE_KEYS = ("split", "seq_len", "batch_size", "world_size", "num_workers", "seed", "shuffle_buffer")
+STATE_KEYS = ("split", "seq_len", "batch_size", "seed", "shuffle_buffer")
+# what the readers' orders depend on: fixed for a run. The other keys may change at a resume.
+ORDER_KEYS = {"split": "the split", "seed": "train.seed", "shuffle_buffer": "data.shuffle_buffer"}
+LAYOUT_KEYS = ("world_size", "num_workers", "batch_size", "seq_len")
+LOG_SAMPLES_ENV = "SCSE_LOG_SAMPLES"  # a directory: every consumed sample start is logged there
 
 
 class TokenStream:
@@ -83,11 +92,18 @@ class TokenStream:
         tables = [table_url(self.root, e) for e in self.shards]
         self._probe = ShardReader(self.urls, self.n_samples, self.eos, tables, file_order=not self.shuffle)
         self._memory: dict[tuple[int, int], Optional[Sample]] = {}  # document level only
-        self.level = self._pick_level()
-        self.consumed = 0  # batches this rank yielded: with the reader layout, the whole position
+        self.level = self._pick_level(self.n_readers)
+        self.consumed = 0  # batches this rank yielded in this layout: with it, the whole position
         self.bad: set[tuple[int, int]] = set()
+        # A layout change (another world size or worker count) leaves each epoch it interrupted
+        # partly read: `carry` holds, per such epoch, the items no old reader consumed (see
+        # relayout.py); this layout's readers read their share of them, then regular epochs.
+        self.origin: Optional[dict[str, Any]] = None
+        self.carry: dict[int, list[Item]] = {}
         self.reader_epochs = [0] * self.slots
         self.reader_failures = [0] * self.slots
+        self.log_dir = os.environ.get(LOG_SAMPLES_ENV)
+        self._log: Any = None
 
     @classmethod
     def from_config(cls, data: Any, split: str, batch_size: int, rank: int, world_size: int,
@@ -114,39 +130,52 @@ class TokenStream:
 
     # ------------------------------------------------------------------ plan
 
-    def _pick_level(self) -> str:
-        if len(self.shards) >= self.n_readers:
+    def _pick_level(self, n_readers: int) -> str:
+        if len(self.shards) >= n_readers:
             return "shard"
-        if sum(self.n_samples) >= self.n_readers:
+        if sum(self.n_samples) >= n_readers:
             return "sample"
         return "document"
 
-    def _units(self) -> list[Item]:
-        if self.level == "shard":
+    def _units(self, level: str) -> list[tuple[int, int, int]]:
+        if level == "shard":
             return [(s, -1, -1) for s in range(len(self.shards))]
         samples = [(s, j) for s, n in enumerate(self.n_samples) for j in range(n)]
-        if self.level == "sample":
+        if level == "sample":
             return [(s, j, -1) for s, j in samples]
         return [(s, j, d) for s, j in samples for d in range(len(self._doc_lens(s, j)))]
 
-    def plan(self, reader: int, epoch: int) -> list[Item]:
-        """The items `reader` reads in `epoch`, in order (a pure function of ids and seeds)."""
-        units = self._units()
+    def plan(self, reader: int, epoch: int, n_readers: Optional[int] = None) -> list[Item]:
+        """The items `reader` of `n_readers` (default: this layout's) reads in a regular `epoch`,
+        in order: a pure function of ids, seeds and the number of readers."""
+        n_readers = n_readers or self.n_readers
+        units = self._units(self._pick_level(n_readers))
         if self.shuffle:
             units = [units[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(units))]
         items: list[Item] = []
-        for s, j, d in units[reader::self.n_readers]:
+        for s, j, d in units[reader::n_readers]:
             if j >= 0:
-                items.append((s, j, d))
+                items.append((s, j, d, 0))
                 continue
             order = np.arange(self.n_samples[s])
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch, s]).permutation(order)
-            items.extend((s, int(k), -1) for k in order)
+            items.extend((s, int(k), -1, 0) for k in order)
         if self.shuffle and self.shuffle_buffer > 1:
             items = _buffer_shuffle(items, self.shuffle_buffer,
                                     np.random.default_rng([self.seed, epoch, reader, 1]))
         return items
+
+    @property
+    def start_epoch(self) -> int:
+        """The first epoch this layout's readers read (the oldest one a layout change cut)."""
+        return min(self.carry, default=0)
+
+    def epoch_items(self, reader: int, epoch: int) -> list[Item]:
+        """What `reader` reads in `epoch`: its share of the carry, else its regular plan."""
+        if epoch in self.carry:
+            return self.carry[epoch][reader::self.n_readers]
+        return self.plan(reader, epoch)
 
     def _doc_lens(self, s: int, j: int) -> np.ndarray:
         sample = self._sample(self._probe, s, j)
@@ -161,14 +190,14 @@ class TokenStream:
 
     def _item_size(self, item: Item, reader: ShardReader) -> int:
         """Packed length (tokens plus one eos per document), from the sample table where it can."""
-        s, j, d = item
+        s, j, d, first = item
         table = reader.sample_table(s)
         if (s, j) in reader.bad:
             return 0
         if d >= 0:
-            return int(self._doc_lens(s, j)[d]) + 1
+            return int(self._doc_lens(s, j)[d]) + 1 - first
         assert table is not None  # else all of shard s is bad
-        return int(table[j, 0] + table[j, 1])
+        return int(table[j, 0] + table[j, 1]) - first
 
     def _new_reader(self) -> ShardReader:
         probe = self._probe
@@ -177,7 +206,7 @@ class TokenStream:
     def documents(self, epoch: int = 0, worker: int = 0) -> Iterator[np.ndarray]:
         """One reader's documents in `epoch`, unpacked (no eos), in reading order."""
         reader = self._probe = self._new_reader()
-        for s, j, d in self.plan(self.rank * self.slots + worker, epoch):
+        for s, j, d, _ in self.plan(self.rank * self.slots + worker, epoch):
             sample = self._sample(reader, s, j)
             if sample is not None:
                 docs = documents_of(sample)
@@ -186,7 +215,7 @@ class TokenStream:
     # ------------------------------------------------------------------ one reader
 
     def _packed(self, reader: ShardReader, item: Item) -> Optional[np.ndarray]:
-        s, j, d = item
+        s, j, d, first = item
         sample = self._sample(reader, s, j)
         if sample is None:
             return None
@@ -194,7 +223,7 @@ class TokenStream:
         if d >= 0:
             start = int(lens[:d].sum()) + d
             tokens = tokens[start:start + int(lens[d]) + 1]
-        return tokens
+        return tokens[first:]  # a layout change carried over this item's unread tail
 
     def reader_batches(self, slot: int, skip_batches: int, bad: set[tuple[int, int]]
                        ) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
@@ -205,8 +234,10 @@ class TokenStream:
         width = self.seq_len + 1
         packer = WindowPacker(self.batch_size, width)
         skip = skip_batches * packer.size  # tokens of this reader's stream already consumed
-        epoch, yielded = 0, 0
+        epoch, yielded = self.start_epoch, 0
         state: dict[str, Any] = {}
+        # SCSE_LOG_SAMPLES: [epoch, shard, sample, doc] of each item, by the window its first token is in
+        starts: Optional[dict[int, list[list[int]]]] = {} if self.log_dir else None
 
         def progress() -> dict[str, Any]:
             """The reader's state; the same object while it is unchanged (cheap to skip)."""
@@ -218,7 +249,7 @@ class TokenStream:
 
         while True:
             epoch_has_data = False
-            items, fetched_to = self.plan(self.rank * self.slots + slot, epoch), 0
+            items, fetched_to = self.epoch_items(self.rank * self.slots + slot, epoch), 0
             for i, item in enumerate(items):
                 if skip:
                     size = self._item_size(item, reader)
@@ -228,7 +259,7 @@ class TokenStream:
                         continue
                 if i >= fetched_to and self.level != "document":  # remote: the next few at once
                     fetched_to = i + PREFETCH_SAMPLES
-                    reader.prefetch([(s, j) for s, j, _ in items[i:fetched_to]])
+                    reader.prefetch([(s, j) for s, j, _, _ in items[i:fetched_to]])
                 packed = self._packed(reader, item)
                 if reader.failures > self.max_failures:
                     raise RuntimeError(f"{self.path}: {reader.failures} bad shards/samples, more than "
@@ -236,13 +267,18 @@ class TokenStream:
                 if packed is None:
                     continue
                 epoch_has_data = True
+                if starts is not None and item[3] == 0 and not skip:
+                    starts.setdefault(yielded, []).append([epoch, *item[:3]])
                 if skip:
                     cut = min(skip, len(packed))
                     packed, skip = packed[cut:], skip - cut
                 for window in packer.add(packed):
+                    out = progress() if starts is None else dict(progress(), starts=starts.pop(yielded, []))
                     yielded += 1
-                    yield torch.from_numpy(window), progress()
-            if not epoch_has_data:  # looping on would spin forever without a batch
+                    yield torch.from_numpy(window), out
+            # (a carried epoch may give this reader nothing; a regular epoch without data would
+            # loop on forever without a batch)
+            if not epoch_has_data and epoch not in self.carry:
                 raise RuntimeError(f"{self.path}: reader {self.rank}.{slot} found no readable data "
                                    f"in split {self.split!r} (all of its samples are bad)")
             epoch += 1
@@ -251,7 +287,8 @@ class TokenStream:
         reader.close()
         tail = packer.remainder()
         if len(tail):  # the last, smaller batch: keep every full held-out window
-            yield torch.from_numpy(tail), progress()
+            yield torch.from_numpy(tail), progress() if starts is None else \
+                dict(progress(), starts=starts.pop(yielded, []))
         elif yielded == 0 and skip_batches == 0:
             warnings.warn(f"{self.path}: reader {self.rank}.{slot} holds fewer than {width} tokens "
                           f"of split {self.split!r}: no batch at all")
@@ -291,46 +328,98 @@ class TokenStream:
                                        f"{self.rank}, more than data.max_failures={self.max_failures}")
             if batches.dim() == 2:
                 self.consumed += 1
+                self._log_starts(progress, 0)
                 yield batches
                 continue
-            for batch in batches:
+            for i, batch in enumerate(batches):
                 self.consumed += 1
+                self._log_starts(progress, i)
                 yield batch
+
+    def _log_starts(self, progress: dict[str, Any], i: int) -> None:
+        """SCSE_LOG_SAMPLES: one JSON line per item whose first token is in a consumed batch
+        (batch i of a worker's group: workers send a list per batch)."""
+        starts = progress.get("starts")
+        if not self.log_dir or not starts:
+            return
+        starts = starts[i] if self.num_workers else starts
+        if self._log is None:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._log = open(os.path.join(self.log_dir, f"rank{self.rank}-{os.getpid()}.jsonl"), "a")
+        reader = self.rank * self.slots + progress["slot"]
+        for epoch, s, j, d in starts:
+            self._log.write(json.dumps({"reader": reader, "layout": [self.world_size, self.num_workers],
+                                        "epoch": epoch, "item": [s, j, d]}) + "\n")
+        self._log.flush()
 
     # ------------------------------------------------------------------ resume
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's position: batches consumed, and per reader its epoch and batches."""
+        """This rank's position: batches consumed in this layout, per reader its epoch and
+        batches, and how this layout began (`origin`: None, or the layout change it follows)."""
         state = {k: getattr(self, k) for k in STATE_KEYS}
         k = self.consumed
-        state.update(consumed_batches=k, epoch=self.epoch, failures=self.reader_failures,
+        state.update(world_size=self.world_size, num_workers=self.num_workers,
+                     consumed_batches=k, epoch=self.epoch, failures=self.reader_failures,
                      readers=[{"reader": self.rank * self.slots + s, "epoch": self.reader_epochs[s],
                                "batches": n} for s, n in enumerate(self.slot_batches(k))],
-                     bad=sorted(list(b) for b in self.bad),
+                     bad=sorted(list(b) for b in self.bad), origin=self.origin,
                      tokenizer_sha256=self.index["tokenizer_sha256"])
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("world_size", self.world_size) != self.world_size or \
-                state.get("num_workers", self.num_workers) != self.num_workers:
-            raise ValueError(
-                f"cannot resume data stream: it was saved with world_size={state['world_size']} x "
-                f"data.num_workers={state.get('num_workers', 0)} readers, now world_size="
-                f"{self.world_size} x data.num_workers={self.num_workers}; each reader's share of "
-                "the data would change, replaying or skipping tokens. Resume with the same world "
-                "size and data.num_workers")
-        for key in STATE_KEYS:
+    def _check(self, state: dict[str, Any], keys: Any = STATE_KEYS) -> None:
+        for key in keys:
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"cannot resume data stream: {key} was {state[key]!r}, now "
-                                 f"{getattr(self, key)!r} (the batch sequence would differ)")
+                why = ("the readers' seeded order, and so which samples were read, depends on it. "
+                       "Set it back, or start a new run (another name)") if key in ORDER_KEYS else \
+                    "one rank's state resumes the same batch shape only: use resume(states)"
+                raise ValueError(f"cannot resume data stream: {ORDER_KEYS.get(key, key)} was "
+                                 f"{state[key]!r}, now {getattr(self, key)!r}; {why}")
         if state.get("tokenizer_sha256", self.index["tokenizer_sha256"]) != self.index["tokenizer_sha256"]:
             raise ValueError(f"cannot resume data stream: shards at {self.path} were rewritten with "
                              f"another tokenizer ({state['tokenizer_sha256']} -> "
-                             f"{self.index['tokenizer_sha256']})")
+                             f"{self.index['tokenizer_sha256']}); their samples are other ones. "
+                             "Start a new run (another name), or restore the shards")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume this rank from its own state, saved at the same layout (see `resume`)."""
+        if (state.get("world_size", self.world_size), state.get("num_workers", self.num_workers)) \
+                != (self.world_size, self.num_workers):
+            raise ValueError(
+                f"cannot resume data stream from one rank's state: it was saved with world_size="
+                f"{state['world_size']} x data.num_workers={state.get('num_workers', 0)} readers, "
+                f"now world_size={self.world_size} x data.num_workers={self.num_workers}; a layout "
+                "change needs every rank's state: TokenStream.resume(states)")
+        self._check(state)
         self.consumed = int(state["consumed_batches"])
         self.bad = {tuple(b) for b in state.get("bad", [])}
         self.reader_failures = list(state.get("failures", [0] * self.slots))
+        self.origin = state.get("origin")
+        self.carry = carried_items(self, self.origin) if self.origin else {}
         self.reader_epochs = [r["epoch"] for r in state.get("readers", [])] or [int(state.get("epoch", 0))] * self.slots
+
+    def resume(self, states: list[dict[str, Any]]) -> None:
+        """Resume from a checkpoint's states of every rank (in rank order), at any layout.
+
+        With the same world size, data.num_workers, micro-batch and seq_len this is
+        load_state_dict(states[rank]). Otherwise this layout starts anew: every old reader's position says which items of its
+        epoch it consumed (a prefix of its order); the rest of each epoch any old reader had
+        not finished is the carry, dealt over the new readers (relayout.py)."""
+        first = states[0]
+        if all(first.get(k, 0) == getattr(self, k) for k in LAYOUT_KEYS):
+            return self.load_state_dict(states[self.rank])
+        # positions are token counts, so the micro-batch and seq_len may change here too
+        self._check(first, ORDER_KEYS)
+        readers = sorted((r["reader"], r["batches"]) for st in states for r in st["readers"])
+        bad = sorted({tuple(b) for st in states for b in st.get("bad", [])})
+        self.origin = {"world_size": first["world_size"], "num_workers": first.get("num_workers", 0),
+                       "tokens": [n * first["batch_size"] * (first["seq_len"] + 1) for _, n in readers],
+                       "bad": [list(b) for b in bad], "origin": first.get("origin")}
+        self.bad = set(bad)
+        self.carry = carried_items(self, self.origin)
+        self.consumed = 0
+        self.reader_epochs = [self.start_epoch] * self.slots
+        self.reader_failures = [0] * self.slots
 
 
 class _Readers(IterableDataset):
@@ -349,10 +438,11 @@ class _Readers(IterableDataset):
         while chunk := list(islice(batches, size)):
             distinct = {id(p): p for _, p in chunk}.values()  # a progress repeats while unchanged
             progress = dict(chunk[-1][1], bad=[b for p in distinct for b in p["bad"]])
+            starts = [p.get("starts", []) for _, p in chunk]  # per batch, when logging
             same = [b for b, _ in chunk if b.shape == chunk[0][0].shape]
-            yield torch.stack(same), progress
+            yield torch.stack(same), dict(progress, starts=starts[:len(same)])
             if len(same) < len(chunk):  # a finite stream's smaller last batch
-                yield chunk[-1][0], progress
+                yield chunk[-1][0], dict(progress, starts=starts[len(same):])
             size = self.stream.group
 
 

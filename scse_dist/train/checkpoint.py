@@ -161,20 +161,24 @@ def resume_if_present(engine: Any, run_dir: str | Path, stream: Any, named: Opti
     world = dist.get_world_size() if dist.is_initialized() else 1
     meta = root / named / META_NAME
     saved_world = json.loads(meta.read_text())["world_size"] if meta.is_file() else world
-    if saved_world != world:
-        # DeepSpeed's ZeRO partitions, and every rank's data position, belong to one world size.
-        raise RuntimeError(
-            f"{root / named} was saved by {saved_world} ranks but this run has {world}; resume "
-            f"with {saved_world} ranks, or start a new run (another name or output_dir) from its "
-            f"weights (export, or a universal checkpoint: python -m "
-            f"deepspeed.checkpoint.ds_to_universal --inject_missing_state)")
-    path, client_state = engine.load_checkpoint(str(root), tag=named)
+    if saved_world != world and engine.zero_optimization_stage() > 0:
+        # ZeRO partitions belong to one world size: load DeepSpeed's universal form of the tag
+        from scse_dist.train.reshard import convert_once, load_universal
+
+        path, client_state = load_universal(engine, root, convert_once(root, named))
+    else:  # ZeRO-0 keeps whole states: any world size loads them as they are
+        path, client_state = engine.load_checkpoint(str(root), tag=named)
     if path is None or client_state is None:
         raise RuntimeError(f"{root}: DeepSpeed could not load checkpoint {named!r}")
     step = int(client_state["step"])
-    mine = client_state["ranks"][dist.get_rank() if dist.is_initialized() else 0]
-    stream.load_state_dict(mine["data"])
-    _set_rng_state(mine["rng"])
+    ranks = client_state["ranks"]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    # every old rank's data position: at another world size the new readers share out the rest
+    stream.resume([r["data"] for r in ranks])
+    _set_rng_state(ranks[rank % len(ranks)]["rng"])
+    if saved_world != world and is_rank0():
+        print(f"{root / named}: saved by {saved_world} ranks, resumed by {world} (the global batch "
+              "and LR schedule continue; the data position is exact, see README)", flush=True)
     if is_rank0():
         print(f"resumed {path} at step {step} (data stream and RNG restored)", flush=True)
     return step

@@ -26,6 +26,10 @@ from scse_dist.atomic import atomic_write_text
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.json"  # the resolved config of the run that saved a tag (see train.resume)
 HASH_NAME = "xxh3_64"
+# Derived from a committed tag later (train/reshard.py: its universal form, and that conversion's
+# temporary dir), so not part of what the manifest vouches for.
+UNIVERSAL_DIR = "universal"
+_DERIVED = (UNIVERSAL_DIR, f".tmp-{UNIVERSAL_DIR}")
 _CHUNK = 8 << 20
 
 
@@ -41,8 +45,9 @@ def file_hash(path: Path) -> str:
 
 def tag_files(tag_dir: Path) -> list[str]:
     """Every file under `tag_dir` (relative POSIX paths, sorted), the manifest itself excepted."""
-    return sorted(p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*")
-                  if p.is_file() and p.name != MANIFEST_NAME)
+    return sorted(path for path in (p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*")
+                                     if p.is_file() and p.name != MANIFEST_NAME)
+                  if path.split("/", 1)[0] not in _DERIVED)
 
 
 def share_of(files: list[str], index: int, count: int) -> list[str]:

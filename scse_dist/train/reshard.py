@@ -1,0 +1,73 @@
+"""Resume at another world size: DeepSpeed's universal checkpoint, converted once, beside the tag.
+
+ZeRO-1/2/3 partition the optimizer state (and at stage 3 the weights) over the ranks that saved
+them, so a tag saved by W1 ranks cannot be loaded by W2 as is. DeepSpeed's `ds_to_universal`
+rewrites a tag as one file per parameter (fp32 weights, exp_avg, exp_avg_sq), which a DeepSpeed
+engine with `checkpoint.load_universal` re-partitions over any world size as it loads.
+
+The first start that needs it converts the tag (rank 0, in process) into `TAG/.tmp-universal`
+and renames it to `TAG/universal`: a kill mid-conversion leaves no half universal checkpoint,
+and every later start at a changed size reuses it. With node-local staging (a remote
+output_dir, every node holding the whole tag) each node converts its own copy. It lives inside its tag, so retention deletes
+it with the tag. Our client state (the step, every old rank's data position and RNG) is read
+from the converted tag's copy of the model-states file, which DeepSpeed copies over unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from scse_dist.launch.distributed import barrier, is_rank0
+from scse_dist.train.manifest import UNIVERSAL_DIR as UNIVERSAL
+
+
+
+def convert_once(root: Path, tag: str) -> str:
+    """The universal form of `root/tag`, converted now if missing (all ranks call); returns its
+    tag, relative to root. Rank 0 converts first; then the first rank of any node that still
+    does not see it (node-local staging of a remote output_dir) converts its own copy."""
+    final = root / tag / UNIVERSAL
+    if is_rank0() and not final.is_dir():
+        _convert(root / tag, final)
+    barrier()
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not final.is_dir():
+        _convert(root / tag, final)
+    barrier()
+    return f"{tag}/{UNIVERSAL}"
+
+
+def _convert(source: Path, final: Path) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    tmp = final.with_name(f".tmp-{final.name}")
+    if tmp.exists():  # a conversion that was killed
+        shutil.rmtree(tmp)
+    start = time.perf_counter()
+    # one process: a process pool forked from a rank would inherit its process group
+    args = argparse.Namespace(input_folder=str(source), output_folder=str(tmp),
+                              num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # its progress lines
+        ds_to_universal.main(args)
+    os.replace(tmp, final)
+    print(f"converted {source} to a universal checkpoint {final} in "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
+
+
+def load_universal(engine: Any, root: Path, tag: str) -> tuple[Any, Any]:
+    """engine.load_checkpoint of a universal tag. DeepSpeed reads `checkpoint.load_universal`
+    only while loading, so it is switched on for this load alone: the run's own saves stay
+    ordinary tags at the new world size."""
+    config = engine._config
+    config.load_universal_checkpoint = True
+    try:
+        return engine.load_checkpoint(str(root), tag=tag)
+    finally:
+        config.load_universal_checkpoint = False
