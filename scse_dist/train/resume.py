@@ -29,10 +29,11 @@ from scse_dist.train.manifest import CONFIG_NAME, verify_tag
 # Moved aside by `train.resume: never` (the new run would append to or overwrite them).
 PREVIOUS_RUN_FILES = ("checkpoints", "metrics.jsonl", "export", "eval")
 # Fields that make a checkpoint another model or another token stream. Everything else may change
-# at a resume (max_steps, cadences, eval.*, wandb.*, ...); world size, num_workers and the batch
-# split are the business of the world-size checks in checkpoint.resume_if_present.
+# at a resume (max_steps, cadences, eval.*, wandb.*, ...); world size, num_workers, the batch
+# split and data.seq_len are the business of checkpoint.resume_if_present and TokenStream.resume
+# (token-exact positions, README "Data").
 REFUSED_PREFIXES = ("model.",)
-REFUSED_FIELDS = {"data.path", "data.tokenizer", "data.seq_len", "data.heldout_fraction",
+REFUSED_FIELDS = {"data.path", "data.tokenizer", "data.heldout_fraction",
                   "data.shuffle_buffer", "data.mixture_paths", "data.mixture_weights", "train.seed"}
 # A model field that changes memory use, not the weights.
 ALLOWED_MODEL_FIELDS = {"model.activation_checkpointing"}
