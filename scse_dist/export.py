@@ -1,7 +1,12 @@
-"""Exported model I/O: `model.safetensors` (fp32 weights) + `config.yaml` (the resolved RunConfig).
+"""Exported model I/O: `model.safetensors` (fp32 weights), `config.yaml` (the resolved RunConfig)
+and `tokenizer.model` (the sentencepiece model the run trained with).
 
 The exported directory is what eval and inference read; it holds no optimizer state and needs no
 DeepSpeed. safetensors never unpickles, so loading an untrusted export cannot run code.
+
+The export is self-contained: its config's `data.tokenizer` is the bare name `tokenizer.model`,
+which the loader resolves against the export's own directory, so a copy works wherever it lies.
+(The run's own config.yaml and checkpoints keep the path the run trained with.)
 
 Tied weights (the LM head sharing the embedding) are saved once: safetensors refuses tensors that
 share storage. The dropped names go into the file's metadata and the model re-ties them itself on
@@ -10,10 +15,13 @@ construction, so after loading `head.weight is embedding.weight` still holds.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
+import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from safetensors import SafetensorError
@@ -28,6 +36,7 @@ if TYPE_CHECKING:  # the model package imports torch modules only; keep export i
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.yaml"
+TOKENIZER_NAME = "tokenizer.model"
 # safetensors metadata key: JSON {dropped_name: kept_name} for tensors that shared storage.
 _ALIASES_KEY = "scse_tied_aliases"
 # Wrappers that prefix parameter names (DeepSpeed engine, torch.compile); stripped on save.
@@ -56,12 +65,20 @@ def _dedupe_shared(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch
     return kept, aliases
 
 
-def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out_dir: str) -> str:
-    """Write `out_dir/model.safetensors` (fp32, contiguous, ties saved once) and `out_dir/config.yaml`.
+def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out_dir: str,
+                        tokenizer: Optional[str] = None) -> str:
+    """Write `out_dir/model.safetensors` (fp32, contiguous, ties saved once), `out_dir/config.yaml`
+    and, given a `tokenizer` path or fsspec URL, its copy `out_dir/tokenizer.model` (the config's
+    data.tokenizer then names that copy).
 
     Each file is written under a temporary name and moved into place, so a crash never leaves a
     half-written file under the final name. Returns `out_dir`.
     """
+    model_bytes = None
+    if tokenizer is not None:  # read first: a bad tokenizer fails before anything is written
+        from scse_dist.data.tokenizer import Tokenizer
+
+        model_bytes = Tokenizer.load(tokenizer).model_bytes  # fsspec; fails unless it is a model
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state_dict = _strip_wrapper_prefixes(dict(state_dict))
@@ -80,6 +97,9 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
                for n, t in tensors.items()}
     metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
     atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=metadata))
+    if model_bytes is not None:
+        atomic_write(out / TOKENIZER_NAME, lambda p: p.write_bytes(model_bytes))
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=TOKENIZER_NAME))
     atomic_write(out / CONFIG_NAME, lambda p: save_config(cfg, p))
     return str(out)
 
@@ -95,6 +115,42 @@ def _resolve_paths(path: str | os.PathLike) -> tuple[Path, Path]:
             raise FileNotFoundError(f"exported model file {str(f)!r} is missing "
                                     f"(an export holds {WEIGHTS_NAME} and {CONFIG_NAME})")
     return weights, config
+
+
+def load_export_config(path: str | os.PathLike) -> RunConfig:
+    """The RunConfig of an export (its dir or its .safetensors file), data.tokenizer resolved: the
+    bare name `tokenizer.model` means the export's own copy."""
+    _, config = _resolve_paths(path)
+    cfg = load_config(config)  # ConfigError (a ValueError) names config.yaml if it is invalid
+    if cfg.data.tokenizer == TOKENIZER_NAME:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+            cfg.data, tokenizer=str(config.parent / TOKENIZER_NAME)))
+    return cfg
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    return "://" in str(path)
+
+
+@contextlib.contextmanager
+def local_export(path: str | os.PathLike) -> Iterator[str]:
+    """`path` itself when it is local; an export dir given as an fsspec URL (s3://, memory://,
+    file://, ...) is copied to a temporary dir for the duration of the `with`."""
+    if not is_url(path):
+        yield str(path)
+        return
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(path))
+    root = root.rstrip("/")
+    with tempfile.TemporaryDirectory(prefix="scse-export-") as tmp:
+        for name in (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME):
+            if fs.isfile(f"{root}/{name}"):
+                fs.get_file(f"{root}/{name}", os.path.join(tmp, name))
+            elif name != TOKENIZER_NAME:  # exports made before the tokenizer went along lack it
+                raise FileNotFoundError(f"exported model file {str(path).rstrip('/')}/{name} is "
+                                        f"missing (an export holds {WEIGHTS_NAME} and {CONFIG_NAME})")
+        yield tmp
 
 
 def _read_aliases(weights: Path) -> dict[str, str]:
@@ -152,7 +208,7 @@ def load_exported_model(path: str | os.PathLike, device: str | torch.device = "c
     from scse_dist.model import LoopedLM
 
     weights, config = _resolve_paths(path)
-    cfg = load_config(config)  # ConfigError (a ValueError) names config.yaml if it is invalid
+    cfg = load_export_config(path)
     state = read_export_weights(weights)
     model = LoopedLM(cfg.model)
     problems = weights_mismatch(model.state_dict(), state)

@@ -95,6 +95,10 @@ CASES = {
         ("{d}/run-nodepth --out {d}/rep", BAD_INPUT,
          "{d}/run-nodepth/eval/heldout.json: field 'results' must be a list of objects"),
     ],
+    "export": [
+        ("{d}/missing --out {d}/x", NO_INPUT, "checkpoint '{d}/missing' does not exist"),
+        ("{d} --out {d}/x", NO_INPUT, "'{d}' is neither an export"),
+    ],
     "launch": [
         ("{d}/missing.yaml --local", BAD_CONFIG, "{d}/missing.yaml' does not exist"),
         ("{d}/typo.yaml --local", BAD_CONFIG, "train.max_step: unknown field"),
@@ -103,9 +107,10 @@ CASES = {
     ],
 }
 SCRIPTS = {"data": "scse-data", "eval": "scse-eval", "train": "scse-train", "report": "scse-report",
-           "launch": "scse-launch"}
+           "launch": "scse-launch", "export": "scse-export"}
 MODULES = {"data": "scse_dist.data.cli", "eval": "scse_dist.eval.cli", "train": "scse_dist.train.cli",
-           "report": "scse_dist.eval.report", "launch": "scse_dist.launch.scheduler"}
+           "report": "scse_dist.eval.report", "launch": "scse_dist.launch.scheduler",
+           "export": "scse_dist.export_cli"}
 IDS = [(command, i) for command, rows in CASES.items() for i in range(len(rows))]
 
 

@@ -1,11 +1,10 @@
-"""Evaluation tasks: WikiText sliding window, LAMBADA, diagnose, corpus held-out, bad data, CLI,
-and loading a DeepSpeed checkpoint dir. A tiny random model with the tiny_data tokenizer."""
+"""Evaluation tasks: WikiText sliding window, LAMBADA, diagnose, corpus held-out, bad data, CLI.
+A tiny random model with the tiny_data tokenizer. (Loading a DeepSpeed checkpoint dir:
+tests/test_export_portable.py.)"""
 
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,13 +14,12 @@ import torch.nn.functional as F
 from scse_dist.config import config_from_dict
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.eval.cli import main
-from scse_dist.eval.loading import load_model
 from scse_dist.data.sources import read_lambada, read_wikitext_articles
 from scse_dist.eval.scoring import document_windows
 from scse_dist.eval.tasks import diagnose_rows, run_task
 from scse_dist.export import load_exported_model, save_exported_model
 from scse_dist.model import LoopedLM
-from conftest import REPO_ROOT, TINY_VOCAB
+from conftest import TINY_VOCAB
 
 WIKI = (" \n = Robert Boulter = \n \n Robert Boulter is an English film and television actor . \n"
         " \n = = Career = = \n \n In 2000 Boulter had a guest @-@ starring role . \n \n"
@@ -201,20 +199,3 @@ def test_cli_diagnose_on_shards_writes_every_depth(export, tiny_data, tmp_path):
     data = json.loads(out.read_text())
     assert data["task"] == "diagnose" and [r["depth"] for r in data["results"]] == [1, 4]
     assert {"bias_norm", "deviation_norm", "motion_norm"} <= set(data["results"][0])
-
-
-def test_deepspeed_checkpoint_dir_loads_the_same_weights_as_the_export(tmp_path, tiny_config,
-                                                                        subprocess_env):
-    cfg = tiny_config(tmp_path, "train.max_steps=2", "train.checkpoint_every=2")
-    out = subprocess.run([sys.executable, str(REPO_ROOT / "launch/train.py"), "--config", cfg],
-                         capture_output=True, text=True, env=subprocess_env, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = tmp_path / "runs" / "tiny"
-    exported, _ = load_exported_model(run_dir / "export")
-    for path in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "step-0000002"):
-        model, loaded_cfg = load_model(path)
-        assert loaded_cfg.name == "tiny"
-        for (k, a), b in zip(exported.state_dict().items(), model.state_dict().values()):
-            assert torch.equal(a, b), k
-    with pytest.raises(FileNotFoundError, match="neither an export"):
-        load_model(tmp_path)

@@ -132,6 +132,18 @@ def check_eval(name: str, depths: list[int], metric: str) -> Callable[[Path, str
     return check
 
 
+def check_export(d: Path, out: str) -> None:
+    from safetensors.torch import load_file
+
+    ours, trainers = d / "quickstart-export", d / "runs/quickstart/export"
+    names = ["config.yaml", "model.safetensors", "tokenizer.model"]
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in trainers.iterdir()) == names
+    assert (ours / "tokenizer.model").read_bytes() == (d / "data/quickstart/tokenizer.model").read_bytes()
+    assert (ours / "config.yaml").read_text() == (trainers / "config.yaml").read_text()
+    a, b = load_file(str(ours / "model.safetensors")), load_file(str(trainers / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
 def check_report(d: Path, out: str) -> None:
     report = (d / "reports/quickstart/report.md").read_text()
     assert "quickstart-T8" in report and "heldout" in report
@@ -184,6 +196,7 @@ RUN = [
          check_eval("lambada.json", [1, 2, 4, 8, 16, 32], "accuracy")),
     Step("scse-eval --checkpoint runs/quickstart/checkpoints --task diagnose --depths 1,8,48 --out diagnose.json",
          check_eval("diagnose.json", [1, 8, 48], "deviation_norm")),
+    Step("scse-export runs/quickstart --out quickstart-export", check_export),
     Step("scse-report runs/quickstart runs/quickstart-T8 --out reports/quickstart --wandb offline",
          check_report),
     Step("scse-launch configs/tiny-cpu.yaml --local", check_launch_local),

@@ -3,9 +3,10 @@
     scse-eval --checkpoint runs/x/export --task {heldout,wikitext,lambada,diagnose} \\
               --data PATH_OR_URL --depths 1,8,48 --out results.json [--stride 128] ...
 
---checkpoint is an export dir or a DeepSpeed checkpoint dir (run dir, checkpoints/ or a tag).
-Defaults for --data, --depths, --batch-size, --max-batches, --seq-len and --tokenizer come from
-the model's config (data.path, eval.*, data.seq_len, data.tokenizer).
+--checkpoint is an export dir (a path or an fsspec URL) or a DeepSpeed checkpoint dir (run dir,
+checkpoints/ or a tag). Defaults for --data, --depths, --batch-size, --max-batches, --seq-len and
+--tokenizer come from the model's config (data.path, eval.*, data.seq_len, data.tokenizer; an
+export's tokenizer is its own tokenizer.model).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _non_negative(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scse-eval", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True,
-                   help="export dir (model.safetensors + config.yaml) or DeepSpeed checkpoint dir")
+                   help="export dir (model.safetensors, config.yaml, tokenizer.model; a path or an "
+                        "fsspec URL) or DeepSpeed checkpoint dir")
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data", default=None,
                    help="heldout/diagnose: shard dir with index.json or a JSONL/text corpus; "
@@ -83,9 +85,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     stderr naming the file (and line)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    from scse_dist.export import local_export
+
+    with local_export(args.checkpoint) as checkpoint:  # a URL: a temporary local copy
+        evaluate(parser, args, checkpoint)
+    return 0
+
+
+def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint: str) -> None:
     from scse_dist.eval.loading import checkpoint_config, load_model
 
-    cfg = checkpoint_config(args.checkpoint)
+    cfg = checkpoint_config(checkpoint)
     seq_len = args.seq_len or cfg.data.seq_len
     if seq_len > cfg.model.max_seq_len:
         parser.error(f"--seq-len {seq_len} exceeds the model's max_seq_len={cfg.model.max_seq_len}")
@@ -101,11 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # --tokenizer given: used for text, and checked against the shards' own for shard data.
     tokenizer = load_tokenizer(args.tokenizer, cfg) if args.tokenizer else None
     task_data = read_task_data(args.task, cfg, data, tokenizer)  # bad data fails before the weights load
-    model, _ = load_model(args.checkpoint, device=args.device)
+    model, _ = load_model(checkpoint, device=args.device)
     run_task(args.task, model, cfg, data, args.depths or cfg.eval.depths, args.out,
              checkpoint_label=args.checkpoint, stride=args.stride, max_batches=max_batches,
              task_data=task_data)
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ Accepted paths:
 - an export: a dir with model.safetensors + config.yaml (or the .safetensors file itself);
 - a run dir (`runs/x`, holding checkpoints/), its `checkpoints/` dir (the `latest` tag is used),
   or one tag dir `checkpoints/step-NNNNNNN`. The weights are consolidated to fp32 from the ZeRO
-  files (any stage) and the config is the run's `config.yaml`.
+  files (any stage) and the config is the tag's recorded `config.json` (tags saved before it was
+  recorded: the run's `config.yaml`).
+
+An export given as an fsspec URL is read through `scse_dist.export.local_export` (scse-eval does).
 """
 
 from __future__ import annotations
@@ -45,39 +48,50 @@ def _is_export(p: Path) -> bool:
     return p.suffix == ".safetensors" or (p / WEIGHTS_NAME).is_file()
 
 
-def _config_path(p: Path) -> Path:
-    """config.yaml of an export, or of the run a DeepSpeed checkpoint dir belongs to."""
-    from scse_dist.export import CONFIG_NAME, _resolve_paths
+def deepspeed_checkpoint(path: str | os.PathLike) -> tuple[Path, str, Path]:
+    """(checkpoints root, tag, config file) of a run dir, its checkpoints/ dir or one tag dir."""
+    from scse_dist.export import CONFIG_NAME
+    from scse_dist.train.manifest import CONFIG_NAME as TAG_CONFIG_NAME
 
-    if _is_export(p):
-        return _resolve_paths(p)[1]
+    p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist")
-    root, _ = _deepspeed_location(p)
-    config = root.parent / CONFIG_NAME
-    if not config.is_file():
-        raise FileNotFoundError(f"{str(root)!r}: the run's {CONFIG_NAME} is missing at {str(config)!r}")
-    return config
+    root, tag = _deepspeed_location(p)
+    for config in (root / tag / TAG_CONFIG_NAME, root.parent / CONFIG_NAME):
+        if config.is_file():
+            return root, tag, config
+    raise FileNotFoundError(f"{str(root / tag)!r}: no {TAG_CONFIG_NAME} in the tag and the run's "
+                            f"{CONFIG_NAME} is missing at {str(root.parent / CONFIG_NAME)!r}")
 
 
 def checkpoint_config(path: str | os.PathLike) -> RunConfig:
     """The RunConfig of an export or a DeepSpeed checkpoint, without loading any weights."""
-    return load_config(_config_path(Path(path)))
+    from scse_dist.export import load_export_config
+
+    if _is_export(Path(path)):
+        return load_export_config(path)
+    return load_config(deepspeed_checkpoint(path)[2])
+
+
+def checkpoint_weights(root: Path, tag: str) -> dict[str, torch.Tensor]:
+    """The fp32 weights of DeepSpeed checkpoint `tag` under `root`, engine prefixes stripped."""
+    from scse_dist.export import _strip_wrapper_prefixes
+
+    return _strip_wrapper_prefixes(_deepspeed_state_dict(root, tag))
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, RunConfig]:
     """The model (eval mode, on `device`) and its RunConfig from an export or a DeepSpeed checkpoint."""
-    from scse_dist.export import _strip_wrapper_prefixes, load_exported_model
+    from scse_dist.export import load_exported_model
     from scse_dist.model import LoopedLM
 
     p = Path(path)
     if _is_export(p):
         return load_exported_model(p, device=device)
-    config = _config_path(p)
-    root, tag = _deepspeed_location(p)
+    root, tag, config = deepspeed_checkpoint(p)
     cfg = load_config(config)
     model = LoopedLM(cfg.model)
-    state = _strip_wrapper_prefixes(_deepspeed_state_dict(root, tag))
+    state = checkpoint_weights(root, tag)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:

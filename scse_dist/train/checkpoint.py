@@ -186,7 +186,8 @@ def resume_if_present(engine: Any, run_dir: str | Path, stream: Any, named: Opti
 
 def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,
                  storage: Any = None) -> Optional[str]:
-    """Consolidate checkpoint `tag` to one fp32 state dict and save_exported_model it (rank 0).
+    """Consolidate checkpoint `tag` to one fp32 state dict and save_exported_model it (rank 0),
+    with a copy of the run's tokenizer, so that the export is usable on its own.
 
     Returns the export dir on rank 0, None elsewhere. Works for every ZeRO stage on CPU: at ZeRO
     1-3 rank 0 alone reads the tag's partition files rather than gathering live partitions; at
@@ -200,7 +201,8 @@ def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,
         if storage is not None:  # a remote run: other nodes' shards may exist only remotely
             storage.complete_tag(tag)
         state_dict = fp32_state_dict(engine, checkpoint_dir(run_dir), tag)
-        out = save_exported_model(state_dict, cfg, str(Path(run_dir) / "export"))
+        out = save_exported_model(state_dict, cfg, str(Path(run_dir) / "export"),
+                                  tokenizer=cfg.data.tokenizer)
     barrier()
     return out
 

@@ -1,0 +1,60 @@
+"""`scse-export`: the trainer's export (same files) from a DeepSpeed checkpoint.
+
+    scse-export RUN_DIR_OR_TAG --out DIR [--tokenizer PATH_OR_URL]
+
+RUN_DIR_OR_TAG is a run dir, its checkpoints/ dir (the tag `latest` names) or one step-N tag dir.
+DIR gets model.safetensors (the fp32 weights, consolidated on CPU from any ZeRO stage),
+config.yaml (the tag's config) and tokenizer.model (a copy of the config's data.tokenizer, a path
+relative to where the run was launched, or --tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+import torch
+
+from scse_dist.cli_errors import InputError, cli_main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scse-export", description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", metavar="RUN_DIR_OR_TAG",
+                   help="run dir, its checkpoints/ dir, or one checkpoints/step-N tag dir")
+    p.add_argument("--out", required=True, help="export dir to write")
+    p.add_argument("--tokenizer", default=None,
+                   help="sentencepiece model to copy in; default: the config's data.tokenizer")
+    return p
+
+
+@cli_main("scse-export")
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 done; 2 bad arguments or config; 65 a tokenizer that is not one, or weights
+    that do not fit the config; 66 a checkpoint, config or tokenizer that is missing or
+    unreadable. Errors are one line on stderr naming the file."""
+    args = build_parser().parse_args(argv)
+    from scse_dist.config import load_config
+    from scse_dist.data.tokenizer import Tokenizer
+    from scse_dist.eval.loading import checkpoint_weights, deepspeed_checkpoint
+    from scse_dist.export import describe_mismatch, save_exported_model, weights_mismatch
+    from scse_dist.model import LoopedLM
+
+    root, tag, config = deepspeed_checkpoint(args.checkpoint)
+    cfg = load_config(config)
+    tokenizer = args.tokenizer or cfg.data.tokenizer
+    Tokenizer.load(tokenizer)  # a missing tokenizer fails before the (slow) consolidation
+    state = checkpoint_weights(root, tag)
+    with torch.device("meta"):  # shapes only: no memory for a second copy of the weights
+        expected = LoopedLM(cfg.model).state_dict()
+    problems = weights_mismatch(expected, state)
+    if problems:
+        raise InputError(f"checkpoint {str(root / tag)!r} does not match {str(config)!r}; "
+                         f"{describe_mismatch(problems)}")
+    out = save_exported_model(state, cfg, args.out, tokenizer=tokenizer)
+    print(f"scse-export: {root / tag} -> {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
