@@ -141,15 +141,20 @@ def local_export(path: str | os.PathLike) -> Iterator[str]:
         return
     import fsspec
 
-    fs, root = fsspec.core.url_to_fs(str(path))
-    root = root.rstrip("/")
+    url = str(path).rstrip("/")
     with tempfile.TemporaryDirectory(prefix="scse-export-") as tmp:
-        for name in (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME):
-            if fs.isfile(f"{root}/{name}"):
-                fs.get_file(f"{root}/{name}", os.path.join(tmp, name))
-            elif name != TOKENIZER_NAME:  # exports made before the tokenizer went along lack it
-                raise FileNotFoundError(f"exported model file {str(path).rstrip('/')}/{name} is "
-                                        f"missing (an export holds {WEIGHTS_NAME} and {CONFIG_NAME})")
+        try:
+            fs, root = fsspec.core.url_to_fs(url)
+            for name in (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME):
+                if fs.isfile(f"{root}/{name}"):
+                    fs.get_file(f"{root}/{name}", os.path.join(tmp, name))
+                elif name != TOKENIZER_NAME:  # exports made before the tokenizer went along lack it
+                    raise FileNotFoundError(f"exported model file {url}/{name} is missing "
+                                            f"(an export holds {WEIGHTS_NAME} and {CONFIG_NAME})")
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # only fsspec runs here: unknown protocol, missing backend, network
+            raise OSError(f"export {url} cannot be read: {type(exc).__name__}: {exc}") from exc
         yield tmp
 
 

@@ -95,6 +95,9 @@ def test_missing_file_at_a_url_is_named(export, capsys, tmp_path):
     assert eval_main(["--checkpoint", "memory://half", "--task", "lambada", "--data",
                       str(root / "lambada.jsonl"), "--out", str(tmp_path / "x.json")]) == 66
     assert "memory://half/model.safetensors is missing" in capsys.readouterr().err
+    assert eval_main(["--checkpoint", "nosuchprotocol://x/export", "--task", "lambada", "--data",
+                      str(root / "lambada.jsonl"), "--out", str(tmp_path / "x.json")]) == 66
+    assert "export nosuchprotocol://x/export cannot be read: ValueError" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
