@@ -92,9 +92,8 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
     if faults is not None:
         faults.mid_save(step)
     barrier()  # every rank has written its shard: only now may the tag become visible
-    _write_manifest(tmp, storage)  # before the upload lists the tag's files: it travels too
+    tag_sizes = _write_manifest(tmp, storage)
     remote = storage is not None and storage.remote is not None
-    uploaded_sizes = storage.tag_manifest(tmp) if remote else {}
     if is_rank0():
         final = root / tag
         if final.exists():  # an earlier run reached this step but died before updating latest
@@ -105,15 +104,17 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
                           protect=storage.not_uploaded() if remote else set())
     barrier()
     if remote:  # rank 0's copy is renamed; another node's shards are still under the tmp name
-        storage.start_upload(tag, root / tag if is_rank0() else tmp, uploaded_sizes, faults)
+        storage.start_upload(tag, root / tag if is_rank0() else tmp, tag_sizes, faults)
     return tag
 
 
-def _write_manifest(tmp: Path, storage: Any) -> None:
+def _write_manifest(tmp: Path, storage: Any) -> dict[str, int]:
     """Every rank hashes its share of the tag's files; rank 0 writes the union as the manifest.
 
     A local run dir is shared by all ranks: rank r hashes every world-th file. Remote runs stage
-    on node-local disks: each node's LOCAL_RANK 0 hashes the files on its node."""
+    on node-local disks: each node's LOCAL_RANK 0 hashes the files on its node. Returns {file:
+    size} of the whole tag, every node's files and (on rank 0) the manifest itself: what a remote
+    upload is verified against."""
     if storage is not None and storage.remote is not None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         index, count = (0, 1) if local_rank == 0 else (0, 0)
@@ -121,8 +122,12 @@ def _write_manifest(tmp: Path, storage: Any) -> None:
         index, count = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     files = manifest.tag_files(tmp) if count else []
     shares = _gather(manifest.hash_files(tmp, manifest.share_of(files, index, count)) if count else {})
+    entries = {name: entry for share in shares for name, entry in share.items()}
+    sizes = {name: entry["size"] for name, entry in entries.items()}
     if is_rank0():
-        manifest.write_manifest(tmp, {name: entry for share in shares for name, entry in share.items()})
+        manifest.write_manifest(tmp, entries)
+        sizes[manifest.MANIFEST_NAME] = (tmp / manifest.MANIFEST_NAME).stat().st_size
+    return sizes
 
 
 def remove_partial_saves(run_dir: str | Path) -> list[Path]:

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import fsspec
-import torch.distributed as dist
 
 from scse_dist.launch.distributed import barrier, is_rank0
 
@@ -186,19 +185,6 @@ class RunStorage:
     def not_uploaded(self) -> set[str]:
         """Tags this node holds that the remote lacks: local pruning must keep them."""
         return set(self._pending)
-
-    def tag_manifest(self, local_tmp_tag: Path) -> dict[str, int]:
-        """Every rank, after all wrote tag `local_tmp_tag`: {file: size} of the whole tag, every
-        node's shards included (each node lists its own staging copy), to verify the remote tag."""
-        mine = {}
-        if self.remote is not None and _local_rank() == 0 and local_tmp_tag.is_dir():
-            mine = {p.relative_to(local_tmp_tag).as_posix(): p.stat().st_size
-                    for p in local_tmp_tag.rglob("*") if p.is_file()}
-        gathered = [mine]
-        if dist.is_initialized():
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, mine)
-        return {name: size for node in gathered for name, size in node.items()}
 
     def start_upload(self, tag: str, source: Path, manifest: dict[str, int],
                      faults: Any = None) -> None:
