@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from proc_memory import status_kib  # benchmarks/, beside this script
+from proc_memory import run_child, status_kib  # benchmarks/, beside this script
 from scse_dist.model.loss import chunked_cross_entropy
 
 
@@ -77,10 +74,7 @@ def measure(variant: str, args: argparse.Namespace) -> dict:
     b, s = (2, 512) if args.quick else (8, 1024)
     setting = {"variant": variant, "batch": b, "seq": s, "d": 768, "vocab": 32000,
                "threads": args.threads, "device": args.device}
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(setting)], env=env,
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_child(__file__, "--child", json.dumps(setting))
 
 
 def main() -> None:

@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 
-from proc_memory import status_kib  # benchmarks/, beside this script
+from proc_memory import run_child, status_kib  # benchmarks/, beside this script
 from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM, flops_per_token
 
@@ -116,11 +113,8 @@ def memory_child(setting: dict) -> None:
 
 
 def peak_memory(ckpt: str, depth: int, quick: bool, threads: int) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     setting = json.dumps({"ckpt": ckpt, "depth": depth, "quick": quick, "threads": threads})
-    out = subprocess.run([sys.executable, __file__, "--memory-child", setting], env=env,
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return run_child(__file__, "--memory-child", setting)
 
 
 def main() -> None:
