@@ -17,63 +17,11 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config field is unknown, mistyped or inconsistent. The message names the field."""
+# The model package owns its config (it is copied into exports as remote code); re-exported here.
+from scse_dist.model.config import ConfigError, ModelConfig, check_model_config  # noqa: F401
 
 
 # --------------------------------------------------------------------------- sections
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int = 4096
-    d_model: int = 256
-    n_heads: int = 4
-    # SwiGLU hidden width; 0 picks the usual 8/3 * d_model rounded up to a multiple of 64.
-    ffn_hidden: int = 0
-    max_seq_len: int = 256
-    n_prelude: int = 1
-    n_core: int = 1
-    n_coda: int = 1
-    recurrence: Literal["untied", "looped", "additive", "scse"] = "scse"
-    # `untied` only: match the looped model's unrolled depth (n_prelude + n_core*depth + n_coda
-    # distinct blocks) or its parameter count (n_prelude + n_core + n_coda blocks, no loop).
-    untied_match: Literal["depth", "params"] = "depth"
-    residual: Literal["preln", "deepnorm", "deeploop"] = "deeploop"
-    # How the source re-enters each step. "default": none for scse/looped, add for additive.
-    inject: Literal["default", "none", "add", "concat"] = "default"
-    anchor: Literal["learned", "source", "zero"] = "learned"
-    init_state: Literal["source", "zeros", "random"] = "source"
-    zero_mask: bool = True
-    forcing_bias_scale: float = 0.0
-    # Nominal loop depth T: the default forward depth, the mean of sampled training depth, and
-    # the T in the unrolled depth N that deepnorm/deeploop constants are computed from.
-    depth: int = 4
-    activation_checkpointing: Literal["none", "loop", "block"] = "none"
-    tie_embeddings: bool = True
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    init_std: float = 0.02
-
-    @property
-    def resolved_inject(self) -> str:
-        if self.inject != "default":
-            return self.inject
-        return "add" if self.recurrence == "additive" else "none"
-
-    @property
-    def resolved_ffn_hidden(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        return ((8 * self.d_model // 3) + 63) // 64 * 64
-
-    @property
-    def unrolled_depth(self) -> int:
-        """N = n_prelude + n_core*T + n_coda at the nominal depth (every loop visit counts)."""
-        if self.recurrence == "untied" and self.untied_match == "params":
-            return self.n_prelude + self.n_core + self.n_coda
-        return self.n_prelude + self.n_core * self.depth + self.n_coda
 
 
 @dataclass
@@ -236,43 +184,10 @@ class RunConfig:
 # --------------------------------------------------------------------------- validation
 
 
-def check_model_config(m: ModelConfig) -> None:
-    """Combinations of model fields that cannot work. LoopedLM calls this too, so a ModelConfig
-    built in code gets the same messages as one loaded from YAML."""
-    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model.n_heads: d_model={m.d_model} must split into {m.n_heads} heads "
-                          "of even width (RoPE rotates pairs)")
-    if not 0.0 <= m.forcing_bias_scale <= 1.0:
-        raise ConfigError(f"model.forcing_bias_scale: must lie in [0, 1], got {m.forcing_bias_scale}")
-    if m.recurrence == "untied":
-        if m.resolved_inject != "none":
-            raise ConfigError(f"model.inject: untied has no loop to inject into, got {m.inject!r}")
-        return
-    if m.recurrence == "scse" and m.zero_mask and m.forcing_bias_scale > 0:
-        raise ConfigError("model.zero_mask: the zero-deviation mask belongs to forcing_bias_scale=0; "
-                          f"got forcing_bias_scale={m.forcing_bias_scale} with zero_mask=true "
-                          "(set model.zero_mask=false)")
-    input_enters = (m.resolved_inject != "none" or m.init_state == "source"
-                    or (m.recurrence == "scse" and m.anchor != "zero"))
-    if not input_enters:
-        what = "anchor=zero, " if m.recurrence == "scse" else ""
-        raise ConfigError(f"model.inject: recurrence={m.recurrence} with {what}init_state="
-                          f"{m.init_state} and inject=none never sees the input (the loop state "
-                          "starts from noise or zeros); use inject add or concat")
-    # An anchor equal to the initial state gives D_0 = 0 for every token: with lambda = 0 the
-    # loop then computes nothing (the spec's first trap).
-    if m.recurrence == "scse" and m.forcing_bias_scale == 0 and \
-            (m.anchor, m.init_state) in {("source", "source"), ("zero", "zeros")}:
-        raise ConfigError(f"model.init_state: anchor={m.anchor} with init_state={m.init_state} "
-                          "gives D_0 = 0 for every token, so the loop computes nothing; pick another "
-                          "init_state")
-
-
 def _check_consistency(cfg: RunConfig) -> None:
     m, t, d = cfg.model, cfg.train, cfg.train.depth
+    check_model_config(m)
     positive = {
-        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_heads": m.n_heads,
-        "model.max_seq_len": m.max_seq_len, "model.n_core": m.n_core, "model.depth": m.depth,
         "data.seq_len": cfg.data.seq_len, "train.micro_batch_size": t.micro_batch_size,
         "train.grad_accum_steps": t.grad_accum_steps, "train.max_steps": t.max_steps,
         "train.log_every": t.log_every, "train.checkpoint_every": t.checkpoint_every,
@@ -283,14 +198,12 @@ def _check_consistency(cfg: RunConfig) -> None:
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{name}: must be > 0, got {value}")
-    for name, value in {"model.n_prelude": m.n_prelude, "model.n_coda": m.n_coda,
-                        "model.ffn_hidden": m.ffn_hidden, "train.warmup_steps": t.warmup_steps,
+    for name, value in {"train.warmup_steps": t.warmup_steps,
                         "train.global_batch_size": t.global_batch_size,
                         "train.depth.backprop_steps": d.backprop_steps,
                         "eval.max_batches": cfg.eval.max_batches}.items():
         if value < 0:
             raise ConfigError(f"{name}: must be >= 0, got {value}")
-    check_model_config(m)
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if t.zero_stage not in (0, 1, 2, 3):

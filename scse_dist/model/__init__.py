@@ -1,9 +1,22 @@
-"""The model family: looped Transformer LMs (looped, additive, SCSE) and untied references."""
+"""The model family: looped Transformer LMs (looped, additive, SCSE) and untied references.
 
-from scse_dist.model.blocks import Block, RMSNorm, residual_constants
-from scse_dist.model.flops import flops_per_token
-from scse_dist.model.looped_lm import LMOutput, LoopedLM
-from scse_dist.model.recurrence import LoopCore
+Self-contained: nothing here imports the rest of scse_dist (relative imports only), so the
+package can be copied verbatim, under any name, into an export as remote code. Names load lazily
+so that `scse_dist.config` (which re-exports `.config`) does not import torch.
+"""
 
-__all__ = ["Block", "LMOutput", "LoopCore", "LoopedLM", "RMSNorm", "flops_per_token",
-           "residual_constants"]
+import importlib
+
+_EXPORTS = {
+    "Block": "blocks", "RMSNorm": "blocks", "residual_constants": "blocks",
+    "ConfigError": "config", "ModelConfig": "config", "check_model_config": "config",
+    "flops_per_token": "flops", "LMOutput": "looped_lm", "LoopedLM": "looped_lm",
+    "LoopCore": "recurrence",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

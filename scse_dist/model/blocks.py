@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from scse_dist.config import ModelConfig
+from .config import ModelConfig
 
 
 def residual_constants(cfg: ModelConfig) -> tuple[float, float]:

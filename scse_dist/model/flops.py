@@ -15,7 +15,7 @@ Norms, RoPE, softmax and elementwise ops are left out (they are a few percent at
 
 from __future__ import annotations
 
-from scse_dist.config import ModelConfig
+from .config import ModelConfig
 
 
 def flops_per_token(cfg: ModelConfig, depth: int, seq_len: int) -> float:

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scse_dist.config import ModelConfig
-from scse_dist.model.blocks import Block, RMSNorm, RopeTables, rope_tables
-from scse_dist.model.loss import IGNORE_INDEX, chunked_cross_entropy
-from scse_dist.model.recurrence import DIAGNOSTICS, LoopCore
+from .config import ModelConfig
+from .blocks import Block, RMSNorm, RopeTables, rope_tables
+from .loss import IGNORE_INDEX, chunked_cross_entropy
+from .recurrence import DIAGNOSTICS, LoopCore
 
 
 class LMOutput(NamedTuple):

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from scse_dist.config import ModelConfig, check_model_config
-from scse_dist.model.blocks import Block, RopeTables, rope_tables
+from .config import ModelConfig, check_model_config
+from .blocks import Block, RopeTables, rope_tables
 
 Context = dict[str, torch.Tensor]
 # Names of the diagnostics LoopCore.forward appends to its outputs, in order.
