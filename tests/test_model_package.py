@@ -30,7 +30,7 @@ def test_model_package_imports_only_itself() -> None:
                 continue
             outside += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "scse_dist"]
     assert outside == []
-    assert (PACKAGE / "config.py").is_file()
+    assert (PACKAGE / "config.py").is_file() and (PACKAGE / "transitions.py").is_file()
 
 
 def test_package_copied_under_another_name_builds_the_same_model(tmp_path: Path) -> None:

@@ -28,10 +28,9 @@ def residual_constants(cfg: ModelConfig) -> tuple[float, float]:
     constants when no block is revisited (untied, or a single loop step), as the spec requires.
     """
     n = cfg.unrolled_depth
-    revisited = cfg.recurrence != "untied" and cfg.depth > 1
     if cfg.residual == "preln":
         return 1.0, 1.0
-    if cfg.residual == "deeploop" and revisited:
+    if cfg.residual == "deeploop" and cfg.transition.revisits_blocks:
         return (2 * n) ** 0.5, (8 * n) ** -0.5
     return (2 * n) ** 0.25, (8 * n) ** -0.25
 
@@ -49,19 +48,36 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), fp32, (S, head_dim/2)
+# (cos, sin), fp32: (S, head_dim/2) for positions 0..S-1, or (B, 1, S, head_dim/2) per sequence
+RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 
-def rope_tables(seq_len: int, cfg: ModelConfig, device: torch.device) -> RopeTables:
-    """RoPE's cos/sin for positions 0..seq_len-1.
+def rope_tables(seq_len: int, cfg: ModelConfig, device: torch.device,
+                position_ids: Optional[torch.Tensor] = None) -> RopeTables:
+    """RoPE's cos/sin for positions 0..seq_len-1, or for `position_ids` (B, S) when given.
 
     Made once per model forward and handed to every block call (a loop makes T of them), in fp32
     rather than stored as buffers, so casting the model to bf16 never degrades them.
     """
     half = cfg.d_model // cfg.n_heads // 2
     inv_freq = cfg.rope_theta ** (-torch.arange(0, half, device=device, dtype=torch.float32) / half)
+    if position_ids is not None:  # per sequence (left padding), broadcast over heads
+        angles = (position_ids.to(device, torch.float32)[..., None] * inv_freq)[:, None]
+        return angles.cos(), angles.sin()
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, S) 1/0 key padding mask -> (B, 1, S, S) bool: causal and not a padding key.
+
+    Each position also sees itself, so a padding row's softmax is never empty (no NaN); real
+    tokens never see padding, so their values do not depend on it.
+    """
+    s = attention_mask.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
+    keys = attention_mask.bool()[:, None, None, :]
+    return (causal & keys) | torch.eye(s, dtype=torch.bool, device=attention_mask.device)
 
 
 def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
@@ -79,12 +95,17 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """mask: None (plain causal, the training path) or attention_mask_4d's (B, 1, S, S)."""
         b, s, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(b, s, d))
 
 
@@ -106,7 +127,7 @@ class Block(nn.Module):
     `checkpointed` (set by the owner for activation_checkpointing=block) recomputes the block in
     backward with non-reentrant torch checkpointing: reentrant breaks ZeRO-2/3 and DDP when a
     module runs several times per step. `rope` comes from the model's forward (rope_tables); a
-    block called on its own makes its own.
+    block called on its own makes its own. `mask` (attention_mask_4d) only for padded batches.
     """
 
     def __init__(self, cfg: ModelConfig, checkpointed: bool = False) -> None:
@@ -142,11 +163,12 @@ class Block(nn.Module):
         for lin in (self.attn.proj, self.mlp.down):
             nn.init.normal_(lin.weight, std=out_std)
 
-    def _forward(self, h: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    def _forward(self, h: torch.Tensor, rope: RopeTables,
+                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.post_ln:
-            h = self.norm1(self.alpha * h + self.attn(h, rope))
+            h = self.norm1(self.alpha * h + self.attn(h, rope, mask))
             return self.norm2(self.alpha * h + self.mlp(h))
-        h = h + self.attn(self.norm1(h), rope)
+        h = h + self.attn(self.norm1(h), rope, mask)
         return h + self.mlp(self.norm2(h))
 
     def compile_math(self, backend: str) -> None:
@@ -157,8 +179,11 @@ class Block(nn.Module):
         serves every block, every loop step and every T."""
         self._forward = torch.compile(self._forward, backend=backend)
 
-    def forward(self, h: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: Optional[RopeTables] = None,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
+        # The mask is passed only when set, so the default path calls _forward as before.
+        args = (h, rope) if mask is None else (h, rope, mask)
         if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self._forward, h, rope, use_reentrant=False)
-        return self._forward(h, rope)
+            return checkpoint(self._forward, *args, use_reentrant=False)
+        return self._forward(*args)

@@ -46,10 +46,15 @@ class ModelConfig:
     init_std: float = 0.02
 
     @property
+    def transition(self):
+        """The recurrence's Transition (scse_dist.model.transitions), made on each access."""
+        from .transitions import transition_for  # it imports this module
+
+        return transition_for(self)
+
+    @property
     def resolved_inject(self) -> str:
-        if self.inject != "default":
-            return self.inject
-        return "add" if self.recurrence == "additive" else "none"
+        return self.inject if self.inject != "default" else self.transition.default_inject
 
     @property
     def resolved_ffn_hidden(self) -> int:
@@ -60,9 +65,8 @@ class ModelConfig:
     @property
     def unrolled_depth(self) -> int:
         """N = n_prelude + n_core*T + n_coda at the nominal depth (every loop visit counts)."""
-        if self.recurrence == "untied" and self.untied_match == "params":
-            return self.n_prelude + self.n_core + self.n_coda
-        return self.n_prelude + self.n_core * self.depth + self.n_coda
+        steps = self.transition.fixed_depth or self.depth
+        return self.n_prelude + self.n_core * steps + self.n_coda
 
 
 def check_model_config(m: ModelConfig) -> None:
@@ -79,25 +83,4 @@ def check_model_config(m: ModelConfig) -> None:
                           "of even width (RoPE rotates pairs)")
     if not 0.0 <= m.forcing_bias_scale <= 1.0:
         raise ConfigError(f"model.forcing_bias_scale: must lie in [0, 1], got {m.forcing_bias_scale}")
-    if m.recurrence == "untied":
-        if m.resolved_inject != "none":
-            raise ConfigError(f"model.inject: untied has no loop to inject into, got {m.inject!r}")
-        return
-    if m.recurrence == "scse" and m.zero_mask and m.forcing_bias_scale > 0:
-        raise ConfigError("model.zero_mask: the zero-deviation mask belongs to forcing_bias_scale=0; "
-                          f"got forcing_bias_scale={m.forcing_bias_scale} with zero_mask=true "
-                          "(set model.zero_mask=false)")
-    input_enters = (m.resolved_inject != "none" or m.init_state == "source"
-                    or (m.recurrence == "scse" and m.anchor != "zero"))
-    if not input_enters:
-        what = "anchor=zero, " if m.recurrence == "scse" else ""
-        raise ConfigError(f"model.inject: recurrence={m.recurrence} with {what}init_state="
-                          f"{m.init_state} and inject=none never sees the input (the loop state "
-                          "starts from noise or zeros); use inject add or concat")
-    # An anchor equal to the initial state gives D_0 = 0 for every token: with lambda = 0 the
-    # loop then computes nothing (the spec's first trap).
-    if m.recurrence == "scse" and m.forcing_bias_scale == 0 and \
-            (m.anchor, m.init_state) in {("source", "source"), ("zero", "zeros")}:
-        raise ConfigError(f"model.init_state: anchor={m.anchor} with init_state={m.init_state} "
-                          "gives D_0 = 0 for every token, so the loop computes nothing; pick another "
-                          "init_state")
+    m.transition.check()

@@ -6,8 +6,9 @@ matmuls per forward matmul):
                    + 2 * 2 * S * d         attention scores QK^T and the weighted sum AV. Causal
                                            attention is counted in full (not halved), as is
                                            conventional (PaLM / nanoGPT MFU), so MFU is comparable.
-  blocks run       n_prelude + n_core * calls + n_coda, calls = T + 1 for scse (r* = Phi(h*) once),
-                   T for looped/additive; untied runs its fixed stack once.
+  blocks run       n_prelude + n_core * calls + n_coda, calls = Transition.core_calls(T): T + 1
+                   for scse (r* = Phi(h*) once), T for looped/additive; untied runs its fixed
+                   stack once (T must be its fixed depth).
   concat adapter   2 * 2d * d per core call;  learned anchor  2 * d^2 once (scse)
   LM head          2 * d * V
 Norms, RoPE, softmax and elementwise ops are left out (they are a few percent at most).
@@ -19,21 +20,13 @@ from .config import ModelConfig
 
 
 def flops_per_token(cfg: ModelConfig, depth: int, seq_len: int) -> float:
-    if depth < 1:
-        raise ValueError(f"depth: must be >= 1, got {depth}")
+    transition = cfg.transition
+    transition.check_depth(depth)  # untied: only its fixed depth
+    calls = transition.core_calls(depth)
     d, f = cfg.d_model, cfg.resolved_ffn_hidden
     block = 2 * (4 * d * d + 3 * d * f) + 2 * 2 * seq_len * d
-    if cfg.recurrence == "untied":
-        fixed = cfg.depth if cfg.untied_match == "depth" else 1
-        if depth != fixed:
-            raise ValueError(f"depth: recurrence=untied (untied_match={cfg.untied_match}) has the "
-                             f"fixed depth {fixed}, got {depth}")
-        calls = fixed
-    else:
-        calls = depth + 1 if cfg.recurrence == "scse" else depth
     forward = (cfg.n_prelude + cfg.n_core * calls + cfg.n_coda) * block + 2 * d * cfg.vocab_size
     if cfg.resolved_inject == "concat":
         forward += calls * 2 * (2 * d) * d
-    if cfg.recurrence == "scse" and cfg.anchor == "learned":
-        forward += 2 * d * d
+    forward += transition.own_flops()
     return 3.0 * forward

@@ -7,12 +7,8 @@ flat tuple of tensors: ZeRO-3 reduces a leaf's gradients in a full backward hook
 only for Tensor or tuple outputs (checked with DeepSpeed 0.19.8: a dict output left the grads
 unreduced and the optimizer step failed).
 
-Transitions (cfg.recurrence), with Phi(h) = F(h), F(h + s) or F(W[h; s]) by cfg.inject:
-  looped / additive   x_0 = H0,        x_{t+1} = Phi(x_t),                          h_t = x_t
-  scse                x_0 = H0 - h*,   x_{t+1} = m(x_t) * (Phi(h* + x_t) - ref),    h_t = h* + x_t
-                      with h* = anchor(s), r* = Phi(h*) once per forward,
-                      ref = r* - lambda * (r* - h*) = h* + (1 - lambda) * b,  b = r* - h*
-  untied              like looped, but step t runs its own distinct group of n_core blocks
+The recurrence itself (cfg.recurrence: how x_0, x_{t+1} and h_t are formed) is a `Transition`
+(scse_dist/model/transitions.py, which states the algebra of each); LoopCore holds one.
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig, check_model_config
 from .blocks import Block, RopeTables, rope_tables
+from .transitions import transition_for
 
 Context = dict[str, torch.Tensor]
 # Names of the diagnostics LoopCore.forward appends to its outputs, in order.
@@ -40,26 +37,19 @@ class LoopCore(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.d_model
-        self.kind = cfg.recurrence
+        check_model_config(cfg)
+        self.cfg = cfg
+        self.transition = transition_for(cfg)  # no parameters: all of them live here
         self.inject = cfg.resolved_inject
-        self.anchor_kind = cfg.anchor
         self.init_state = cfg.init_state
-        self.forcing_bias_scale = cfg.forcing_bias_scale
-        self.zero_mask = cfg.zero_mask and self.kind == "scse"
         self.checkpoint_steps = cfg.activation_checkpointing == "loop"
         self.n_core = cfg.n_core
-        self.cfg = cfg
-        check_model_config(cfg)
-        # untied is a plain stack: one distinct group of n_core blocks per "step".
-        groups = 1
-        if self.kind == "untied" and cfg.untied_match == "depth":
-            groups = cfg.depth
-        self.fixed_depth: Optional[int] = groups if self.kind == "untied" else None
+        self.fixed_depth: Optional[int] = self.transition.fixed_depth
         ckpt_blocks = cfg.activation_checkpointing == "block"
         self.blocks = nn.ModuleList(Block(cfg, checkpointed=ckpt_blocks)
-                                    for _ in range(cfg.n_core * groups))
+                                    for _ in range(cfg.n_core * self.transition.block_groups))
         self.anchor: Optional[nn.Linear] = None
-        if self.kind == "scse" and self.anchor_kind == "learned":
+        if self.transition.learned_anchor:
             self.anchor = nn.Linear(d, d, bias=False)
             # Orthogonal init: h* = Q s keeps each token's norm, so the anchor sits as far from 0
             # as s does (RMSNorm's Jacobian scales like 1/sqrt(eps) at 0: a zero init blows up the
@@ -79,23 +69,21 @@ class LoopCore(nn.Module):
 
     def anchor_of(self, s: torch.Tensor) -> torch.Tensor:
         """h* for scse; the source s is the reference anchor of the other kinds (diagnostics)."""
-        if self.kind != "scse" or self.anchor_kind == "source":
-            return s
-        if self.anchor_kind == "zero":
-            return torch.zeros_like(s)
-        return self.anchor(s)
+        return self.transition.anchor(self, s)
 
     def phi(self, h: torch.Tensor, s: torch.Tensor, t: int = 0,
-            rope: Optional[RopeTables] = None) -> torch.Tensor:
-        """One core application Phi(h); `t` picks the block group (only untied has several)."""
+            rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None
+            ) -> torch.Tensor:
+        """One core application Phi(h); `t` picks the block group (only untied has several).
+        mask: the attention mask of LoopedLM.forward (None: plain causal)."""
         rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
         if self.inject == "add":
             h = h + s
         elif self.inject == "concat":
             h = self.adapter(torch.cat([h, s], dim=-1))
-        group = t if self.kind == "untied" else 0
+        group = self.transition.group(t)
         for block in self.blocks[group * self.n_core:(group + 1) * self.n_core]:
-            h = block(h, rope)
+            h = block(h, rope, mask)
         return h
 
     def initial_state(self, s: torch.Tensor) -> torch.Tensor:
@@ -108,49 +96,35 @@ class LoopCore(nn.Module):
         return torch.randn_like(s) * s.detach().float().pow(2).mean().sqrt().to(s.dtype)
 
     def start(self, s: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
-              rope: Optional[RopeTables] = None) -> tuple[torch.Tensor, Context]:
+              rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, Context]:
         """The loop variable x_0 and the per-forward context (source, anchor, RoPE's cos/sin,
-        r*, ref)."""
+        the attention mask if any, and what the transition adds: scse's r* and ref)."""
         h0 = self.initial_state(s) if initial_state is None else initial_state
-        anchor = self.anchor_of(s)
         cos, sin = rope_tables(s.shape[-2], self.cfg, s.device) if rope is None else rope
-        ctx: Context = {"source": s, "anchor": anchor, "cos": cos, "sin": sin}
-        if self.kind != "scse":
-            return h0, ctx
-        response = self.phi(anchor, s, rope=(cos, sin))  # r*: the one extra core call of SCSE
-        ctx["response"] = response
-        # lerp is exact at both ends: ref = r* for lambda 0 (so a zero row gives exactly 0 even
-        # without the mask), ref = h* for lambda 1.
-        ctx["ref"] = torch.lerp(response, anchor, self.forcing_bias_scale)
-        return h0 - anchor, ctx
+        ctx: Context = {"source": s, "anchor": self.anchor_of(s), "cos": cos, "sin": sin}
+        if mask is not None:
+            ctx["mask"] = mask
+        return self.transition.start(self, h0, ctx), ctx
 
     def step(self, x: torch.Tensor, ctx: Context, t: int = 0) -> torch.Tensor:
         """x_t -> x_{t+1} (x is the deviation D for scse, the state h otherwise)."""
-        rope = ctx["cos"], ctx["sin"]
-        if self.kind != "scse":
-            return self.phi(x, ctx["source"], t, rope)
-        delta = self.phi(ctx["anchor"] + x, ctx["source"], t, rope) - ctx["ref"]
-        if self.zero_mask:
-            # Attention mixes rows: without this a row sitting exactly at its anchor would be
-            # moved by its neighbours. With it the anchor invariance is exact, bit for bit
-            # (0 * finite = +-0). A multiply, not masked_fill: one op fewer each way (~2% step).
-            delta = delta * (x != 0).any(dim=-1, keepdim=True).to(delta.dtype)
-        return delta
+        return self.transition.step(self, x, ctx, t)
 
     def state(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         """h_t from the loop variable."""
-        return ctx["anchor"] + x if self.kind == "scse" else x
+        return self.transition.state(x, ctx)
 
     # ------------------------------------------------------------------ the whole loop
 
     def core_calls(self, depth: int) -> int:
-        """Phi applications of a forward to `depth`: r* once more for scse."""
-        return depth + 1 if self.kind == "scse" else depth
+        """Phi applications of a forward to `depth` (scse: r* once more)."""
+        return self.transition.core_calls(depth)
 
     def forward(self, s: torch.Tensor, depth: int, readout_depths: Optional[Iterable[int]] = None,
                 backprop_steps: int = 0, initial_state: Optional[torch.Tensor] = None,
-                diagnostics: bool = False, rope: Optional[RopeTables] = None
-                ) -> tuple[torch.Tensor, ...]:
+                diagnostics: bool = False, rope: Optional[RopeTables] = None,
+                mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
         """Run `depth` steps once. Returns a flat tuple: h_t for t in sorted(readout_depths)
         (default (depth,)), then, if diagnostics, the DIAGNOSTICS tensors in that order.
 
@@ -159,6 +133,7 @@ class LoopCore(nn.Module):
         backprop_steps=k in (0, depth): the first depth-k steps run without grad and the state is
         detached before the last k (the anchor and r* keep their grad).
         rope: RoPE's cos/sin from the model's forward (made here when not given).
+        mask: the attention mask from the model's forward (None: plain causal attention).
         """
         if backprop_steps < 0:
             raise ValueError(f"backprop_steps: must be >= 0, got {backprop_steps}")
@@ -167,7 +142,7 @@ class LoopCore(nn.Module):
             raise ValueError(f"readout_depths: must lie in 1..{depth}, got {readouts}")
         grad = torch.is_grad_enabled()
         frozen_steps = depth - backprop_steps if 0 < backprop_steps < depth else 0
-        x, ctx = self.start(s, initial_state, rope)
+        x, ctx = self.start(s, initial_state, rope, mask)
         states: list[torch.Tensor] = []
         h_prev = self.state(x, ctx).detach() if diagnostics else None
         deviation, motion = [], []
@@ -197,7 +172,4 @@ class LoopCore(nn.Module):
     def _forcing_bias_norm(self, ctx: Context) -> torch.Tensor:
         """Mean ||what a zero deviation moves to||: lambda*b for scse, Phi(s) - s otherwise (an
         extra probe call, not counted in core_calls since the output does not depend on it)."""
-        if self.kind == "scse":
-            return _row_norm_mean(self.forcing_bias_scale * (ctx["response"] - ctx["anchor"]))
-        s = ctx["source"]
-        return _row_norm_mean(self.phi(s, s, rope=(ctx["cos"], ctx["sin"])) - s)
+        return _row_norm_mean(self.transition.forcing_bias(self, ctx))

@@ -1,0 +1,223 @@
+"""One class per recurrence (cfg.recurrence): how the loop starts, steps and exposes h_t.
+
+With Phi(h) = F(h), F(h + s) or F(W[h; s]) by cfg.inject, and x the loop variable:
+  looped / additive   x_0 = H0,        x_{t+1} = Phi(x_t),                          h_t = x_t
+  scse                x_0 = H0 - h*,   x_{t+1} = m(x_t) * (Phi(h* + x_t) - ref),    h_t = h* + x_t
+                      with h* = anchor(s), r* = Phi(h*) once per forward,
+                      ref = r* - lambda * (r* - h*) = h* + (1 - lambda) * b,  b = r* - h*
+  untied              like looped, but step t runs its own distinct group of n_core blocks
+
+A transition holds no parameters: `LoopCore` owns them all (their names are the checkpoint
+format, and it is the one ZeRO-3 leaf), and passes itself to `start`, `step` and the probes.
+Adding a recurrence is one subclass here plus its name in ModelConfig.recurrence.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from .config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:  # annotations only: config imports this module, which stays free of torch
+    import torch
+
+    from .recurrence import Context, LoopCore
+
+
+class Transition:
+    """looped: x_{t+1} = Phi(x_t), one shared block group; the base of the others."""
+
+    default_inject = "none"  # cfg.inject "default" resolves to this
+    extra_core_calls = 0  # Phi applications per forward beyond one per step
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+
+    # ------------------------------------------------------------------ structure
+
+    @property
+    def fixed_depth(self) -> Optional[int]:
+        """The only depth it runs at, or None when any depth runs (a loop)."""
+        return None
+
+    @property
+    def block_groups(self) -> int:
+        """Distinct groups of n_core blocks held by LoopCore."""
+        return 1
+
+    def group(self, t: int) -> int:
+        """The block group step t runs."""
+        return 0
+
+    @property
+    def revisits_blocks(self) -> bool:
+        """Whether a forward at the nominal depth runs some core block more than once."""
+        return self.fixed_depth is None and self.cfg.depth > 1
+
+    def core_calls(self, depth: int) -> int:
+        """Phi applications of a forward to `depth`."""
+        return depth + self.extra_core_calls
+
+    def check_depth(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"depth: must be >= 1, got {depth}")
+        if self.fixed_depth is not None and depth != self.fixed_depth:
+            raise ValueError(f"depth: recurrence={self.cfg.recurrence} (untied_match="
+                             f"{self.cfg.untied_match}) has the fixed depth {self.fixed_depth}, "
+                             f"got {depth}")
+
+    @property
+    def learned_anchor(self) -> bool:
+        """Whether LoopCore holds an anchor map a(s) (a d x d linear)."""
+        return False
+
+    def own_flops(self) -> float:
+        """Forward FLOPs per token outside Phi: the learned anchor's matmul, once."""
+        return 2.0 * self.cfg.d_model ** 2 if self.learned_anchor else 0.0
+
+    # ------------------------------------------------------------------ config checks
+
+    def input_enters(self) -> bool:
+        m = self.cfg
+        return m.resolved_inject != "none" or m.init_state == "source"
+
+    _no_input = ""  # what else keeps the input out, in check's message
+
+    def check(self) -> None:
+        """Field combinations this recurrence cannot run (ConfigError naming the field)."""
+        m = self.cfg
+        if not self.input_enters():
+            raise ConfigError(f"model.inject: recurrence={m.recurrence} with {self._no_input}init_state="
+                              f"{m.init_state} and inject=none never sees the input (the loop "
+                              "state starts from noise or zeros); use inject add or concat")
+
+    # ------------------------------------------------------------------ the loop
+
+    def anchor(self, core: LoopCore, s: torch.Tensor) -> torch.Tensor:
+        """h*: the reference point deviations are measured from (the source s by default)."""
+        return s
+
+    def start(self, core: LoopCore, h0: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """x_0 from the initial state; may add entries to ctx (once per forward)."""
+        return h0
+
+    def step(self, core: LoopCore, x: torch.Tensor, ctx: Context, t: int) -> torch.Tensor:
+        """x_t -> x_{t+1}."""
+        return core.phi(x, ctx["source"], t, (ctx["cos"], ctx["sin"]), ctx.get("mask"))
+
+    def state(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """The readable hidden state h_t from the loop variable x_t."""
+        return x
+
+    def forcing_bias(self, core: LoopCore, ctx: Context) -> torch.Tensor:
+        """Where a zero deviation moves: Phi(s) - s (an extra probe call, not in core_calls)."""
+        s = ctx["source"]
+        return core.phi(s, s, 0, (ctx["cos"], ctx["sin"]), ctx.get("mask")) - s
+
+
+class Looped(Transition):
+    pass
+
+
+class Additive(Transition):
+    """looped with the source added before every step (inject add by default)."""
+
+    default_inject = "add"
+
+
+class Untied(Transition):
+    """A plain stack: step t runs its own group of n_core blocks, at one fixed depth."""
+
+    @property
+    def fixed_depth(self) -> Optional[int]:
+        return self.block_groups
+
+    @property
+    def block_groups(self) -> int:
+        return self.cfg.depth if self.cfg.untied_match == "depth" else 1
+
+    def group(self, t: int) -> int:
+        return t
+
+    def check(self) -> None:
+        if self.cfg.resolved_inject != "none":
+            raise ConfigError(f"model.inject: untied has no loop to inject into, got "
+                              f"{self.cfg.inject!r}")
+
+
+class Scse(Transition):
+    """The deviation D = h - h* from an input-conditioned anchor; r* = Phi(h*) once per forward."""
+
+    extra_core_calls = 1
+    _no_input = "anchor=zero, "
+
+    @property
+    def zero_mask(self) -> bool:
+        return self.cfg.zero_mask
+
+    @property
+    def learned_anchor(self) -> bool:
+        return self.cfg.anchor == "learned"
+
+    def input_enters(self) -> bool:
+        return super().input_enters() or self.cfg.anchor != "zero"
+
+    def check(self) -> None:
+        m = self.cfg
+        if m.zero_mask and m.forcing_bias_scale > 0:
+            raise ConfigError("model.zero_mask: the zero-deviation mask belongs to "
+                              f"forcing_bias_scale=0; got forcing_bias_scale={m.forcing_bias_scale}"
+                              " with zero_mask=true (set model.zero_mask=false)")
+        super().check()
+        # An anchor equal to the initial state gives D_0 = 0 for every token: with lambda = 0
+        # the loop then computes nothing (the spec's first trap).
+        if m.forcing_bias_scale == 0 and \
+                (m.anchor, m.init_state) in {("source", "source"), ("zero", "zeros")}:
+            raise ConfigError(f"model.init_state: anchor={m.anchor} with init_state={m.init_state}"
+                              " gives D_0 = 0 for every token, so the loop computes nothing; pick "
+                              "another init_state")
+
+    def anchor(self, core: LoopCore, s: torch.Tensor) -> torch.Tensor:
+        if self.cfg.anchor == "source":
+            return s
+        if self.cfg.anchor == "zero":
+            return s.new_zeros(s.shape)
+        return core.anchor(s)
+
+    def start(self, core: LoopCore, h0: torch.Tensor, ctx: Context) -> torch.Tensor:
+        anchor = ctx["anchor"]
+        # r*: the one extra core call of SCSE
+        response = core.phi(anchor, ctx["source"], 0, (ctx["cos"], ctx["sin"]), ctx.get("mask"))
+        ctx["response"] = response
+        # lerp is exact at both ends: ref = r* for lambda 0 (so a zero row gives exactly 0 even
+        # without the mask), ref = h* for lambda 1.
+        ctx["ref"] = response.lerp(anchor, self.cfg.forcing_bias_scale)
+        return h0 - anchor
+
+    def step(self, core: LoopCore, x: torch.Tensor, ctx: Context, t: int) -> torch.Tensor:
+        delta = core.phi(ctx["anchor"] + x, ctx["source"], t, (ctx["cos"], ctx["sin"]),
+                         ctx.get("mask")) - ctx["ref"]
+        if self.zero_mask:
+            # Attention mixes rows: without this a row sitting exactly at its anchor would be
+            # moved by its neighbours. With it the anchor invariance is exact, bit for bit
+            # (0 * finite = +-0). A multiply, not masked_fill: one op fewer each way (~2% step).
+            delta = delta * (x != 0).any(dim=-1, keepdim=True).to(delta.dtype)
+        return delta
+
+    def state(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return ctx["anchor"] + x
+
+    def forcing_bias(self, core: LoopCore, ctx: Context) -> torch.Tensor:
+        return self.cfg.forcing_bias_scale * (ctx["response"] - ctx["anchor"])
+
+
+TRANSITIONS: dict[str, type[Transition]] = {
+    "untied": Untied, "looped": Looped, "additive": Additive, "scse": Scse}
+
+
+def transition_for(cfg: ModelConfig) -> Transition:
+    try:
+        return TRANSITIONS[cfg.recurrence](cfg)
+    except KeyError:
+        raise ConfigError(f"model.recurrence: must be one of {', '.join(TRANSITIONS)}; got "
+                          f"{cfg.recurrence!r}") from None
