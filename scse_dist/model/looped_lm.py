@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .blocks import Block, RMSNorm, RopeTables, rope_tables
+from .blocks import Block, RMSNorm, RopeTables, attention_mask_4d, rope_tables
 from .loss import IGNORE_INDEX, chunked_cross_entropy
 from .recurrence import DIAGNOSTICS, LoopCore
 
@@ -60,17 +60,30 @@ class LoopedLM(nn.Module):
         """RoPE's cos/sin for this sequence length: made once per forward, used by every block."""
         return rope_tables(tokens.shape[-1], self.cfg, tokens.device)
 
-    def source(self, tokens: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
+    def positions(self, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                  position_ids: Optional[torch.Tensor] = None
+                  ) -> tuple[RopeTables, Optional[torch.Tensor]]:
+        """RoPE tables and the attention mask of one forward (see forward's docstring)."""
+        if attention_mask is None and position_ids is None:
+            return self.rope(tokens), None  # the training path: positions 0..S-1, is_causal
+        if position_ids is None:  # left padding: a sequence's first real token is position 0
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        rope = rope_tables(tokens.shape[-1], self.cfg, tokens.device, position_ids)
+        return rope, None if attention_mask is None else attention_mask_4d(attention_mask)
+
+    def source(self, tokens: torch.Tensor, rope: Optional[RopeTables] = None,
+               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """s = P(E[tokens]) (or the embedding when n_prelude = 0)."""
         h = self.embed(tokens)
         for block in self.prelude:
-            h = block(h, rope)
+            h = block(h, rope, mask)
         return h
 
-    def head_input(self, h: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
+    def head_input(self, h: torch.Tensor, rope: Optional[RopeTables] = None,
+                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What the LM head reads from a loop state: coda, then the final norm."""
         for block in self.coda:
-            h = block(h, rope)
+            h = block(h, rope, mask)
         return self.norm(h)
 
     @property
@@ -78,9 +91,10 @@ class LoopedLM(nn.Module):
         """(V, d): the embedding matrix when tied. Read at use: ZeRO-3 gathers it on access."""
         return self.head.weight if self.head is not None else self.embed.weight
 
-    def readout(self, h: torch.Tensor, rope: Optional[RopeTables] = None) -> torch.Tensor:
+    def readout(self, h: torch.Tensor, rope: Optional[RopeTables] = None,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits from a loop state: coda, final norm, head."""
-        return F.linear(self.head_input(h, rope), self.head_weight)
+        return F.linear(self.head_input(h, rope, mask), self.head_weight)
 
     def compile_blocks(self) -> None:
         """Compile every block's math with torch.compile (train.compile; regional, see
@@ -125,7 +139,9 @@ class LoopedLM(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 depth: Optional[int] = None, readout_depths: Optional[Iterable[int]] = None,
                 backprop_steps: int = 0, diagnostics: bool = False, keep_logits: bool = True,
-                initial_state: Optional[torch.Tensor] = None) -> LMOutput:
+                initial_state: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> LMOutput:
         """Run the loop once to the final depth and read out the requested depths.
 
         tokens, targets: (B, S) long; targets equal to IGNORE_INDEX (-100) are left out.
@@ -137,13 +153,18 @@ class LoopedLM(nn.Module):
         backprop_steps=k > 0: gradients flow through only the last k loop steps.
         diagnostics: per-step deviation/motion norms and the forcing-bias norm; outputs unchanged.
         initial_state: (B, S, d) replaces H0.
+        attention_mask: (B, S) 1 for real tokens, 0 for padding (left padding: generation,
+        batched evaluation); padding keys are masked in every block. position_ids: (B, S) RoPE
+        positions; with a mask and no position_ids, each row counts from its first real token.
+        Both None (training): plain causal attention at positions 0..S-1, the path whose numbers
+        every test pins. (A KV cache would add one slot per physical block x loop step here.)
         """
         final, readouts = self._resolve_depths(depth, readout_depths)
         wanted = sorted(set(readouts or []) | {final})
-        rope = self.rope(tokens)
-        outs = self.core(self.source(tokens, rope), final, readout_depths=wanted,
+        rope, mask = self.positions(tokens, attention_mask, position_ids)
+        outs = self.core(self.source(tokens, rope, mask), final, readout_depths=wanted,
                          backprop_steps=backprop_steps, initial_state=initial_state,
-                         diagnostics=diagnostics, rope=rope)
+                         diagnostics=diagnostics, rope=rope, mask=mask)
         states = dict(zip(wanted, outs))
         diag = dict(zip(DIAGNOSTICS, outs[len(wanted):])) if diagnostics else None
         logits_by_depth: dict[int, torch.Tensor] = {}
@@ -151,10 +172,10 @@ class LoopedLM(nn.Module):
         for t in wanted:
             if not keep_logits:
                 if targets is not None:
-                    loss_by_depth[t] = chunked_cross_entropy(self.head_input(states[t], rope),
-                                                             self.head_weight, targets)
+                    loss_by_depth[t] = chunked_cross_entropy(
+                        self.head_input(states[t], rope, mask), self.head_weight, targets)
                 continue
-            logits_by_depth[t] = logits = self.readout(states[t], rope)
+            logits_by_depth[t] = logits = self.readout(states[t], rope, mask)
             if targets is not None:
                 loss_by_depth[t] = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                                    ignore_index=IGNORE_INDEX)
