@@ -11,7 +11,7 @@ _EXPORTS = {
     "Block": "blocks", "RMSNorm": "blocks", "residual_constants": "blocks",
     "ConfigError": "config", "ModelConfig": "config", "check_model_config": "config",
     "flops_per_token": "flops", "LMOutput": "looped_lm", "LoopedLM": "looped_lm",
-    "LoopCore": "recurrence",
+    "LoopCore": "recurrence", "Transition": "transitions", "transition_for": "transitions",
 }
 __all__ = sorted(_EXPORTS)
 
