@@ -22,9 +22,9 @@ VOCAB = 256  # no shards at the configs' data.path: the plateau reference is ln 
 
 def write_run(study, variant, seed, *, recurrence=None, heldout=None, lambada=None,
               diagnose=None, losses=(6.0, 4.0, 3.5), skipped=0, stage="final", evaluated=True,
-              started=True):
+              started=True, subdir=None):
     """One run dir as the trainer and scse-eval leave it; returns its runs.json entry."""
-    run_dir = study / variant / f"seed{seed}"
+    run_dir = study / variant / (subdir or f"seed{seed}")
     entry = {"variant": variant, "seed": seed, "lr": 1e-3, "stage": stage,
              "run_dir": str(run_dir.relative_to(study)), "config": str(run_dir / "config.yaml"),
              "overrides": []}
@@ -72,11 +72,12 @@ def numbers(study):
 HEALTHY_DIAG = {t: (10.0 + t, 1.0 / t if t else 0.0, 2.0) for t in DEPTHS}
 
 
-@pytest.fixture
-def comparison(tmp_path):
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory):
     """additive, scse (better everywhere), looped (better at T=1, worse at T=8) and untied (one
-    point, unresolved), 3 seeds each; lambada accuracy for additive and scse."""
-    study = tmp_path / "cmp"
+    point, unresolved), 3 seeds each; lambada accuracy for additive and scse. Reported once
+    (python -m scse_dist.study.report's main), without wandb."""
+    study = tmp_path_factory.mktemp("studies") / "cmp"
     base = {1: 50.0, 2: 40.0, 4: 30.0, 8: 32.0}
     looped_shift = {1: [-3.0, -3.1, -3.2], 2: [1.0, -1.0, 0.5], 4: [2.0, -2.0, 1.0], 8: [4.0, 4.1, 4.2]}
     entries = []
@@ -91,8 +92,10 @@ def comparison(tmp_path):
         entries.append(write_run(study, "untied", s, heldout={4: add[4] + [3.0, -3.0, 1.0][s]}))
     (study / "lr_choice.json").write_text(json.dumps(
         {"scse": {"lr": 1e-3, "scores": {"0.001": 30.5, "0.003": 31.25}}}))
-    return write_study(study, entries, variants={"additive": {}, "scse": {}, "looped": {}, "untied": {}},
-                       seeds=[0, 1, 2])
+    write_study(study, entries, variants={"additive": {}, "scse": {}, "looped": {}, "untied": {}},
+                seeds=[0, 1, 2])
+    assert study_report_main([str(study), "--wandb", "disabled"]) == 0
+    return study
 
 
 def test_t_quantile_matches_the_tables():
@@ -113,7 +116,6 @@ def test_t_interval_of_three_seeds_and_of_one():
 
 
 def test_aggregate_has_the_mean_std_and_t_interval_per_variant_and_depth(comparison):
-    write_study_report(comparison, wandb_mode="disabled")
     agg = numbers(comparison)["aggregate"]
     additive = agg["additive/heldout/ppl"]
     assert sorted(additive, key=int) == ["1", "2", "4", "8"]
@@ -128,7 +130,6 @@ def test_aggregate_has_the_mean_std_and_t_interval_per_variant_and_depth(compari
 
 
 def test_paired_verdicts_follow_the_metric_direction(comparison):
-    write_study_report(comparison, wandb_mode="disabled")
     paired = numbers(comparison)["paired"]
     assert paired["scse - additive/heldout/ppl"]["verdict"] == "better at all depths"
     diff = paired["scse - additive/heldout/ppl"]["depths"]["2"]
@@ -152,7 +153,6 @@ def test_verdict_cells():
 
 
 def test_extrapolation_ratio_past_the_training_depth(comparison):
-    write_study_report(comparison, wandb_mode="disabled")
     report = (comparison / "report" / "report.md").read_text()
     # additive trained at T=4 (fixed depth): mean ppl 33 at T=8 over 31 at T=4
     assert f"| additive heldout ppl (4) | {33 / 31:.3f} |" in report
@@ -205,15 +205,27 @@ def test_flagged_runs_leave_the_aggregate_when_the_spec_says_so(tmp_path):
     assert "excluded from the aggregate" in (study / "report" / "report.md").read_text()
 
 
+def write_validation(study, entry, ppl):
+    """scse-study's LR sweep score: eval/validation.json, task heldout on the validation data."""
+    cfg = config_from_dict({"name": "v", "model": {"vocab_size": VOCAB}})
+    write_results(study / entry["run_dir"] / "eval" / "validation.json", "heldout", "v", cfg,
+                  [{"depth": 4, "loss": math.log(ppl), "ppl": ppl, "tokens": 10}])
+
+
 def test_missing_and_failed_runs_are_named_and_the_rest_aggregated(tmp_path):
     study = tmp_path / "partial"
     entries = [write_run(study, "scse", s, heldout={1: 10.0 + s, 2: 8.0 + s}) for s in range(2)]
+    write_validation(study, entries[0], 1e6)  # not a test result: never aggregated
+    for e in entries:  # as scse-study wrote it from another cwd: resolved inside the study dir
+        e["run_dir"] = f"elsewhere/{study.name}/{e['run_dir']}"
     entries.append(write_run(study, "scse", 2, evaluated=False, losses=(6.0, 5.0)))
     entries.append(write_run(study, "scse", 3, started=False))
-    write_study(study, entries)
+    sweep = write_run(study, "scse", 0, stage="sweep", evaluated=False, subdir="lr0.001/seed0")
+    write_validation(study, sweep, 40.0)  # a finished sweep run: scored, no test results
+    write_study(study, entries + [sweep])
     assert scse_report_main(["--study", str(study), "--wandb", "disabled"]) == 0
     report = (study / "report" / "report.md").read_text()
-    assert "4 runs: 2 finished, 2 missing" in report
+    assert "5 runs: 3 finished, 2 missing" in report and "2 final-stage runs in the aggregate" in report
     assert "- scse/seed2 lr=0.001 (final, " in report
     assert "no evaluation results (training stopped at step 20 of 30)" in report
     assert "- scse/seed3 lr=0.001 (final, " in report and "no run dir (never started)" in report
@@ -228,7 +240,6 @@ def test_plots_are_pngs_and_the_flops_axis_counts_scse_extra_call(comparison):
     from scse_dist.study.collect import load_study
     from scse_dist.study.report import StudyReport
 
-    assert study_report_main([str(comparison), "--wandb", "disabled"]) == 0
     for name in ("frontier_depth.png", "frontier_flops.png", "diagnose.png"):
         image = matplotlib.image.imread(str(comparison / "report" / name))
         assert image.shape[0] > 100 and image[..., :3].std() > 0.01, name
@@ -242,12 +253,12 @@ def test_plots_are_pngs_and_the_flops_axis_counts_scse_extra_call(comparison):
     assert len(series["untied"]) == 1  # an untied model is a point
 
 
-def test_the_study_is_logged_to_wandb_as_one_group(comparison, monkeypatch):
+def test_the_study_is_logged_to_wandb_as_one_group(comparison, tmp_path, monkeypatch):
     import scse_dist.eval.report as eval_report
 
     calls = []
     monkeypatch.setattr(eval_report, "log_to_wandb", lambda *a, **k: calls.append((a, k)))
-    write_study_report(comparison)  # offline by default
+    assert write_study_report(comparison, tmp_path / "w") == tmp_path / "w" / "report.md"  # offline
     (results, cfg), kwargs = calls[0][0], calls[0][1]
     assert len(calls) == 1 and kwargs["group"] == "cmp" and cfg.mode == "offline"
     means = {(r["_label"], r["task"]): {x["depth"]: x[next(k for k in x if k != "depth")]
@@ -269,3 +280,11 @@ def test_unigram_entropy_is_counted_from_the_training_shards(tiny_data):
     got = unigram_entropy(tiny_data["path"], index["vocab_size"])
     assert got.nats == pytest.approx(expected) and 0 < got.nats < math.log(index["vocab_size"])
     assert "training tokens" in got.source
+
+
+def test_scse_report_needs_runs_or_a_study_dir(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        scse_report_main([])
+    assert exc.value.code == 2 and "give run dirs, or --study STUDY_DIR" in capsys.readouterr().err
+    assert scse_report_main(["--study", str(tmp_path)]) == 66
+    assert "no runs.json (not a study dir" in capsys.readouterr().err

@@ -26,6 +26,11 @@ from scse_dist.config import RunConfig, config_from_dict, load_config
 from scse_dist.eval.report import _read_results, eval_dir
 
 
+# scse-study scores each LR sweep run into eval/validation.json (task heldout, validation data):
+# it counts the sweep run as finished, and is never read as a test result.
+VALIDATION_NAME = "validation.json"
+
+
 @dataclass
 class StudyRun:
     """One (variant, seed, lr, stage) of the study and, when it finished, its results."""
@@ -82,10 +87,15 @@ def _read_json(path: Path) -> Any:
 
 
 def _resolve_run_dir(study_dir: Path, run_dir: str) -> Path:
-    """runs.json may hold absolute paths, paths relative to the study dir, or to the cwd."""
+    """runs.json may hold absolute paths, or paths relative to the study dir or to the cwd that
+    scse-study ran in (the report job may run elsewhere: then the part after the study dir's
+    name is taken relative to the study dir)."""
     p = Path(run_dir)
-    if p.is_absolute() or not (study_dir / p).exists() and p.exists():
+    if p.is_absolute() or p.exists() and not (study_dir / p).exists():
         return p
+    if not (study_dir / p).exists() and study_dir.name in p.parts:
+        tail = p.parts[len(p.parts) - 1 - p.parts[::-1].index(study_dir.name) + 1:]
+        return study_dir.joinpath(*tail)
     return study_dir / p
 
 
@@ -131,6 +141,8 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
         return run
     config_from_eval = None
     for f in sorted(eval_dir(run.run_dir).glob("*.json")):
+        if f.name == VALIDATION_NAME:  # a sweep run's score on the validation split: not a result
+            continue
         try:
             data = _read_results(f)
         except InputError as exc:
@@ -142,7 +154,7 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
             config_from_eval = config_from_eval or data.get("config")
     if run.config is None and config_from_eval:
         run.config = config_from_dict(config_from_eval)
-    if not run.results:
+    if not run.results and not (run.stage == "sweep" and (eval_dir(run.run_dir) / VALIDATION_NAME).is_file()):
         steps = [r["step"] for r in run.metrics if "step" in r]
         planned = run.config.train.max_steps if run.config else "?"
         where = f"training stopped at step {steps[-1]} of {planned}" if steps else "no training log"

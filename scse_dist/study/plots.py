@@ -60,10 +60,10 @@ def diagnose_plot(by_variant: dict[str, dict[str, list[tuple[int, float]]]], pat
     fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.6), squeeze=False)
     for ax, (variant, norms) in zip(axes[0], by_variant.items()):
         for name, points in norms.items():
-            points = sorted(points)
+            points = sorted((t, v) for t, v in points if v > 0)  # log axis: a collapsed norm of 0 drops
             ax.plot([t for t, _ in points], [v for _, v in points], marker="o", label=name)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("symlog", linthresh=1e-3)  # motion_norm is 0 at T=0 and may reach ~0
+        ax.set_yscale("log")  # the norms span decades when a loop converges or collapses
         ax.set_xlabel("loop depth T")
         ax.set_title(variant)
         ax.grid(True, alpha=0.3)

@@ -221,10 +221,13 @@ class StudyReport:
             lines += [f"- {r.label} ({r.stage}, `{r.run_dir}`): {r.missing}" for r in self.missing]
             lines.append("")
         if s.lr_choice:
-            lines += ["## Learning rate (chosen on validation)", "", "| variant | chosen lr | scores (lr: metric) |",
-                      "|---|---:|---|"]
+            metrics = {c.get("metric") for c in s.lr_choice.values() if c.get("metric")}
+            lines += ["## Learning rate (chosen on validation)", "",
+                      f"Score: {', '.join(sorted(metrics)) or 'the validation metric'} (the chosen lr "
+                      "has the best score); a failed sweep run has no score.", "",
+                      "| variant | chosen lr | scores (lr: score) |", "|---|---:|---|"]
             for variant, choice in s.lr_choice.items():
-                scores = ", ".join(f"{lr}: {v:.4g}" if isinstance(v, (int, float)) else f"{lr}: {v}"
+                scores = ", ".join(f"{lr}: {v:.4g}" if isinstance(v, (int, float)) else f"{lr}: failed"
                                    for lr, v in (choice.get("scores") or {}).items())
                 lines.append(f"| {variant} | {choice.get('lr')} | {scores} |")
             lines.append("")
