@@ -166,7 +166,8 @@ class StudyReport:
         return next((r.config for r in self.included if r.variant == variant and r.config), None)
 
     def extrapolation(self) -> list[tuple[str, int, dict[int, float]]]:
-        """(variant/task label, training depth, {T > T_train: mean(T) / mean(T_train)})."""
+        """(label, reference depth, {T > ref: mean(T) / mean(ref)}): ref is the deepest evaluated
+        T within the training range (the training depth itself when it was evaluated)."""
         rows = []
         for (variant, task), by_depth in self.table.items():
             cfg = self.config_of(variant)
@@ -177,7 +178,8 @@ class StudyReport:
             base = by_depth[max(reference)].mean
             ratios = {d: iv.mean / base for d, iv in by_depth.items() if d > max(reference) and base}
             if ratios:
-                rows.append((f"{variant} {task} {HEADLINE[task]}", max(reference), ratios))
+                rows.append((f"{variant} {task} {HEADLINE[task]} (trained to T={t_train})",
+                             max(reference), ratios))
         return rows
 
     def frontier_series(self, x: str) -> dict:
@@ -249,8 +251,10 @@ class StudyReport:
                     lines += _depth_table("pair", rows, extra=("verdict", verdicts)) + [""]
         extrapolation = self.extrapolation()
         if extrapolation:
-            lines += ["## Extrapolation ratio: metric at T / metric at the training depth", ""]
-            lines += _depth_table("variant task (T_train)", [(f"{n} ({t})", r) for n, t, r in extrapolation],
+            lines += ["## Extrapolation ratio: metric at T / metric at the training depth", "",
+                      "Means over seeds; the reference is the deepest evaluated T within the training "
+                      "range (ref).", ""]
+            lines += _depth_table("variant task", [(f"{n}, ref T={t}", r) for n, t, r in extrapolation],
                                   fmt=lambda v: "" if v is None else f"{v:.3f}") + [""]
         lines += ["## Plots", ""] + [f"![{name}]({Path(p).name})" for name, p in images.items()]
         return "\n".join(lines) + "\n"
