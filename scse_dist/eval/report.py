@@ -1,6 +1,7 @@
 """Reports: a training run's evaluation JSONs -> markdown table, quality-frontier PNG, wandb.
 
     scse-report runs/scse runs/additive runs/untied --out reports/main   # compare several runs
+    scse-report --study runs/my-study      # a study's seeds aggregated (scse_dist.study.report)
 
 A run's results are `RUN/eval/*.json` (written by scse_dist.eval.tasks.run_task). The table has
 one row per (run, task, metric) and one column per depth; the plot draws each task's headline
@@ -118,8 +119,9 @@ def frontier_plot(results: list[dict], path: str | Path) -> str:
     return str(path)
 
 
-def log_to_wandb(results: list[dict], wandb_cfg: Any, name: str, group: str, out_dir: str | Path) -> None:
-    """The table's numbers as one wandb run (job_type eval) in the training run's group."""
+def log_to_wandb(results: list[dict], wandb_cfg: Any, name: str, group: str, out_dir: str | Path,
+                 images: Optional[dict[str, str]] = None) -> None:
+    """The table's numbers (and any PNGs, by title) as one wandb run (job_type eval) in `group`."""
     import wandb
 
     run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, group=group, name=name,
@@ -132,7 +134,8 @@ def log_to_wandb(results: list[dict], wandb_cfg: Any, name: str, group: str, out
                 if r.get(metric) is not None:
                     table.add_data(d["_label"], d["task"], metric, r["depth"], r[metric])
                     summary[f"{d['task']}/{metric}@T{r['depth']}"] = r[metric]
-    run.log({"eval/results": table, **summary})
+    pictures = {f"eval/{title}": wandb.Image(str(path)) for title, path in (images or {}).items()}
+    run.log({"eval/results": table, **summary, **pictures})
     run.finish()
 
 
@@ -167,14 +170,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done; 2 bad arguments; 65 a results JSON that is not one; 66 a run without
     results. Errors are one line on stderr naming the file."""
     p = argparse.ArgumentParser(prog="scse-report", description=__doc__.split("\n")[0])
-    p.add_argument("runs", nargs="+", help="run dirs (each holding eval/*.json)")
-    p.add_argument("--out", default="report", help="output dir for report.md and frontier.png")
-    p.add_argument("--wandb", choices=["offline", "online", "disabled"], default="disabled",
-                   help="also log the numbers to wandb (group scse-report)")
+    p.add_argument("runs", nargs="*", help="run dirs (each holding eval/*.json)")
+    p.add_argument("--study", help="a study dir instead of runs: seeds aggregated, paired "
+                   "comparisons, flags (default --out STUDY/report, --wandb offline)")
+    p.add_argument("--out", default=None, help="output dir for report.md and frontier.png "
+                   "(default: report)")
+    p.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None,
+                   help="also log the numbers to wandb (group scse-report; a study's own group)")
     args = p.parse_args(argv)
+    if args.study:
+        if args.runs:
+            p.error("give run dirs or --study, not both")
+        from scse_dist.study.report import write_study_report
+
+        print(f"wrote {write_study_report(args.study, args.out, args.wandb or 'offline')}")
+        return 0
+    if not args.runs:
+        p.error("give run dirs, or --study STUDY_DIR")
     from scse_dist.config import WandbConfig
 
-    paths = write_report(args.runs, args.out, WandbConfig(enabled=True, mode=args.wandb),
+    paths = write_report(args.runs, args.out or "report",
+                         WandbConfig(enabled=True, mode=args.wandb or "disabled"),
                          wandb_name="scse-report", wandb_group="scse-report")
     print(f"wrote {paths['report']} and {paths['plot']}")
     return 0

@@ -1,0 +1,184 @@
+"""A study directory read back: its spec, its runs, and what each run left behind.
+
+Layout (written by `scse-study`):
+    <study>/study.yaml       the resolved spec (name, variants, seeds, pairs, exclude_flagged, lr)
+    <study>/runs.json        [{"variant", "seed", "lr", "stage": "sweep"|"final", "run_dir",
+                               "config", "overrides"}, ...]
+    <study>/lr_choice.json   {variant: {"lr": chosen, "scores": {lr: validation metric}}} (a sweep)
+    <run_dir>/config.yaml, metrics.jsonl, eval/*.json  (the trainer's and scse-eval's outputs)
+
+A run is finished when its evaluation JSONs exist. Anything else (no run dir, no results, an
+unreadable JSON) makes it a missing run, named in the report with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from scse_dist.cli_errors import InputError
+from scse_dist.config import RunConfig, config_from_dict, load_config
+from scse_dist.eval.report import _read_results, eval_dir
+
+
+# scse-study scores each LR sweep run into eval/validation.json (task heldout, validation data):
+# it counts the sweep run as finished, and is never read as a test result.
+VALIDATION_NAME = "validation.json"
+
+
+@dataclass
+class StudyRun:
+    """One (variant, seed, lr, stage) of the study and, when it finished, its results."""
+
+    variant: str
+    seed: int
+    lr: Optional[float]
+    stage: str
+    run_dir: Path
+    config: Optional[RunConfig] = None
+    # task -> {depth -> result row}; empty when the run has not finished
+    results: dict[str, dict[int, dict]] = field(default_factory=dict)
+    metrics: list[dict] = field(default_factory=list)  # metrics.jsonl rows, in order
+    missing: Optional[str] = None  # why the run has no results
+
+    @property
+    def label(self) -> str:
+        return f"{self.variant}/seed{self.seed}" + (f" lr={self.lr:g}" if self.lr is not None else "")
+
+
+@dataclass
+class Study:
+    dir: Path
+    name: str
+    spec: dict
+    runs: list[StudyRun]
+    lr_choice: dict[str, Any]
+
+    @property
+    def variants(self) -> list[str]:
+        """The spec's variant order (then any others the runs name)."""
+        spec = self.spec.get("variants") or {}
+        names = list(spec) if isinstance(spec, dict) else [v if isinstance(v, str) else v["name"]
+                                                            for v in spec]
+        return names + sorted({r.variant for r in self.runs} - set(names))
+
+    @property
+    def pairs(self) -> list[tuple[str, str]]:
+        """The spec's pairs, else each variant against `additive` (when the study has one)."""
+        if self.spec.get("pairs"):
+            return [(str(a), str(b)) for a, b in self.spec["pairs"]]
+        return [(v, "additive") for v in self.variants if v != "additive" and "additive" in self.variants]
+
+    @property
+    def exclude_flagged(self) -> bool:
+        return bool(self.spec.get("exclude_flagged", False))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _resolve_run_dir(study_dir: Path, run_dir: str) -> Path:
+    """runs.json may hold absolute paths, or paths relative to the study dir or to the cwd that
+    scse-study ran in (the report job may run elsewhere: then the part after the study dir's
+    name is taken relative to the study dir)."""
+    p = Path(run_dir)
+    if p.is_absolute() or p.exists() and not (study_dir / p).exists():
+        return p
+    if not (study_dir / p).exists() and study_dir.name in p.parts:
+        tail = p.parts[len(p.parts) - 1 - p.parts[::-1].index(study_dir.name) + 1:]
+        return study_dir.joinpath(*tail)
+    return study_dir / p
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl rows; a torn last line (a run killed mid-write) is skipped."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _run_config(study_dir: Path, run: StudyRun, entry: dict) -> Optional[RunConfig]:
+    """run_dir/config.yaml, else runs.json's config (a path or a dict); None if neither reads
+    (load_run then takes an eval JSON's config)."""
+    given = entry.get("config")
+    if isinstance(given, str):
+        given = _resolve_run_dir(study_dir, given)
+    for c in (run.run_dir / "config.yaml", given):
+        try:
+            if isinstance(c, dict):
+                return config_from_dict(c)
+            if isinstance(c, (str, Path)) and Path(c).is_file():
+                return load_config(c)
+        except (ValueError, OSError):
+            continue
+    return None
+
+
+def load_run(study_dir: Path, entry: dict) -> StudyRun:
+    run = StudyRun(variant=str(entry["variant"]), seed=int(entry["seed"]),
+                   lr=None if entry.get("lr") is None else float(entry["lr"]),
+                   stage=str(entry.get("stage", "final")),
+                   run_dir=_resolve_run_dir(study_dir, str(entry["run_dir"])))
+    run.metrics = read_metrics(run.run_dir / "metrics.jsonl")
+    run.config = _run_config(study_dir, run, entry)
+    if not run.run_dir.is_dir():
+        run.missing = "no run dir (never started)"
+        return run
+    config_from_eval = None
+    for f in sorted(eval_dir(run.run_dir).glob("*.json")):
+        if f.name == VALIDATION_NAME:  # a sweep run's score on the validation split: not a result
+            continue
+        try:
+            data = _read_results(f)
+        except InputError as exc:
+            run.missing = f"unreadable results: {exc}"
+            run.results = {}
+            return run
+        if data is not None:
+            run.results[data["task"]] = {r["depth"]: r for r in data["results"]}
+            config_from_eval = config_from_eval or data.get("config")
+    if run.config is None and config_from_eval:
+        run.config = config_from_dict(config_from_eval)
+    if not run.results and not (run.stage == "sweep" and (eval_dir(run.run_dir) / VALIDATION_NAME).is_file()):
+        steps = [r["step"] for r in run.metrics if "step" in r]
+        planned = run.config.train.max_steps if run.config else "?"
+        where = f"training stopped at step {steps[-1]} of {planned}" if steps else "no training log"
+        run.missing = f"no evaluation results ({where})"
+    return run
+
+
+def load_study(study_dir: str | Path) -> Study:
+    study_dir = Path(study_dir)
+    spec_path, runs_path = study_dir / "study.yaml", study_dir / "runs.json"
+    if not runs_path.is_file():
+        raise FileNotFoundError(f"{study_dir}: no runs.json (not a study dir; run scse-study first)")
+    spec = yaml.safe_load(spec_path.read_text()) if spec_path.is_file() else {}
+    entries = _read_json(runs_path)
+    if not isinstance(entries, list):
+        raise InputError(f"{runs_path}: expected a list of runs")
+    lr_path = study_dir / "lr_choice.json"
+    return Study(dir=study_dir, name=str(spec.get("name") or study_dir.name), spec=spec or {},
+                 runs=[load_run(study_dir, e) for e in entries],
+                 lr_choice=_read_json(lr_path) if lr_path.is_file() else {})
+
+
+def finite(value: Any) -> Optional[float]:
+    """value as a float when it is a finite number, else None (diverged results are null)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None

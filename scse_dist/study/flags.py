@@ -1,0 +1,148 @@
+"""Pathology flags of one study run, from its training log (metrics.jsonl) and its evaluation.
+
+    plateau         the final training loss is within `plateau_margin` nats of (or above) the
+                    unigram entropy of the training data: the model learned no more than token
+                    frequencies (the issue's untied/looped baselines stuck at 6.93 = ln 1024).
+    loop inactive   the headline metric is flat in T from T=2 on (relative spread < flat_rel) and
+                    the diagnostics show the loop fell onto its anchor (deviation_norm at the
+                    deepest T < collapse_ratio x its largest value: diagnose records no anchor
+                    norm, so the deviation is measured against its own scale) or stopped moving
+                    (motion_norm at T=2 < motion_rel x deviation_norm at T=1). Without diagnose
+                    results the flat metric alone flags, and the detail says so.
+    divergence      the final logged loss is non-finite, or above its minimum by > divergence_margin.
+    non-finite      the trainer skipped steps for a NaN/Inf loss or gradient (skipped_steps > 0).
+
+The unigram entropy (nats, like the loss) is counted from up to `max_tokens` tokens of the
+run's training shards (eos included, as the model sees them); when those cannot be read, ln V
+stands in, an upper bound that still catches a model stuck at the uniform distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from scse_dist.study.collect import StudyRun, finite
+
+
+@dataclass(frozen=True)
+class FlagThresholds:
+    plateau_margin: float = 0.1
+    flat_rel: float = 0.02
+    collapse_ratio: float = 0.1
+    motion_rel: float = 0.01
+    divergence_margin: float = 1.0
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # plateau | loop inactive | divergence | non-finite
+    detail: str
+
+
+@dataclass(frozen=True)
+class UnigramEntropy:
+    nats: float
+    source: str  # how it was obtained, for the report
+
+
+_ENTROPY_CACHE: dict[tuple[str, int], UnigramEntropy] = {}
+
+
+def unigram_entropy(data_path: str, vocab_size: int, max_tokens: int = 2_000_000) -> UnigramEntropy:
+    """-sum p ln p of the token frequencies of the training shards at `data_path` (cached)."""
+    key = (str(data_path), vocab_size)
+    if key not in _ENTROPY_CACHE:
+        _ENTROPY_CACHE[key] = _count_entropy(str(data_path), vocab_size, max_tokens)
+    return _ENTROPY_CACHE[key]
+
+
+def _count_entropy(data_path: str, vocab_size: int, max_tokens: int) -> UnigramEntropy:
+    from scse_dist.data.shards import iter_samples, resolve_split
+
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    try:
+        _, index, _, urls = resolve_split(data_path, "train")
+        for url in urls:
+            for _, tokens, _ in iter_samples(url, index["eos_id"]):
+                counts += np.bincount(tokens.astype(np.int64), minlength=vocab_size)[:vocab_size]
+                if counts.sum() >= max_tokens:
+                    break
+            if counts.sum() >= max_tokens:
+                break
+    except Exception as exc:  # JSONL corpus, missing or remote shards: fall back, and say so
+        return UnigramEntropy(math.log(vocab_size), f"ln V = ln {vocab_size} (training shards at "
+                              f"{data_path} not readable: {type(exc).__name__})")
+    total = int(counts.sum())
+    if total == 0:
+        return UnigramEntropy(math.log(vocab_size), f"ln V = ln {vocab_size} ({data_path}: no tokens)")
+    p = counts[counts > 0] / total
+    return UnigramEntropy(float(-(p * np.log(p)).sum()),
+                          f"unigram entropy of {total:,} training tokens of {data_path}")
+
+
+def headline_by_depth(run: StudyRun) -> tuple[Optional[str], dict[int, float]]:
+    """(task, {depth: metric}) of the first task with results among heldout, wikitext, lambada."""
+    from scse_dist.eval.report import REPORT_METRICS
+
+    for task in ("heldout", "wikitext", "lambada"):
+        if task in run.results:
+            metric = REPORT_METRICS[task][0]
+            values = {d: finite(r.get(metric)) for d, r in run.results[task].items()}
+            return f"{task} {metric}", {d: v for d, v in values.items() if v is not None}
+    return None, {}
+
+
+def _loop_inactive(run: StudyRun, th: FlagThresholds) -> Optional[Flag]:
+    if run.config is not None and run.config.model.recurrence == "untied":
+        return None
+    name, values = headline_by_depth(run)
+    deep = [v for d, v in sorted(values.items()) if d >= 2]
+    if len(deep) < 2:
+        return None
+    spread = (max(deep) - min(deep)) / max(abs(min(deep)), 1e-12)
+    if spread >= th.flat_rel:
+        return None
+    flat = f"{name} flat for T >= 2 (spread {100 * spread:.2f}%)"
+    diag = run.results.get("diagnose")
+    if not diag:
+        return Flag("loop inactive", f"{flat}; no diagnose results to confirm")
+    deviation = {d: finite(r.get("deviation_norm")) for d, r in diag.items()}
+    deviation = {d: v for d, v in deviation.items() if v is not None}
+    motion2 = finite(diag.get(2, {}).get("motion_norm"))
+    why = []
+    if deviation:
+        deepest, largest = deviation[max(deviation)], max(deviation.values())
+        if largest > 0 and deepest < th.collapse_ratio * largest:
+            why.append(f"deviation_norm fell to {deepest:.3g} from {largest:.3g}")
+    if motion2 is not None and deviation.get(1) and motion2 < th.motion_rel * deviation[1]:
+        why.append(f"motion_norm at T=2 is {motion2:.3g} against deviation_norm {deviation[1]:.3g}")
+    return Flag("loop inactive", f"{flat}; {'; '.join(why)}") if why else None
+
+
+def run_flags(run: StudyRun, entropy: Optional[UnigramEntropy],
+              th: FlagThresholds = FlagThresholds()) -> list[Flag]:
+    """Every pathology flag that `run`'s log and results raise (see the module docstring)."""
+    flags: list[Flag] = []
+    losses = [r.get("loss") for r in run.metrics if "loss" in r]
+    if losses:
+        final = losses[-1]
+        good = [x for x in losses if finite(x) is not None]
+        if finite(final) is None:
+            flags.append(Flag("divergence", f"final training loss is {final}"))
+        elif good and final > min(good) + th.divergence_margin:
+            flags.append(Flag("divergence", f"final loss {final:.3f} is above its minimum "
+                                            f"{min(good):.3f} by more than {th.divergence_margin}"))
+        elif entropy is not None and final > entropy.nats - th.plateau_margin:
+            flags.append(Flag("plateau", f"final loss {final:.3f} within {th.plateau_margin} nats "
+                                         f"of the unigram entropy {entropy.nats:.3f} (or above it)"))
+    skipped = max((int(r.get("skipped_steps") or 0) for r in run.metrics), default=0)
+    if skipped:
+        flags.append(Flag("non-finite", f"{skipped} step(s) skipped for a non-finite loss or gradient"))
+    inactive = _loop_inactive(run, th)
+    if inactive:
+        flags.append(inactive)
+    return flags

@@ -1,0 +1,338 @@
+"""The study report: seeds aggregated per variant and depth, paired comparisons with a verdict,
+extrapolation ratios, pathology flags, the learning-rate choice, and the frontier plots.
+
+    python -m scse_dist.study.report STUDY_DIR        # or: scse-report --study STUDY_DIR
+
+Writes STUDY_DIR/report/ (report.md, aggregate.json, frontier_depth.png, frontier_flops.png,
+diagnose.png) and logs the aggregate to wandb (offline by default) in the study's group.
+Intervals are 95% Student-t intervals over seeds, mean +- t_{0.975, n-1} s / sqrt(n); paired
+comparisons take the per-seed difference (A - B, seeds matched) at each depth and its t interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from scse_dist.cli_errors import cli_main
+from scse_dist.config import ModelConfig, RunConfig
+from scse_dist.study.collect import Study, StudyRun, finite, load_study
+from scse_dist.study.flags import Flag, run_flags, unigram_entropy
+from scse_dist.study.plots import diagnose_plot, frontier_plot
+from scse_dist.study.stats import Interval, t_interval
+
+# The headline metric of each task that the study compares, and which way is better.
+HEADLINE = {"heldout": "ppl", "wikitext": "word_ppl", "lambada": "accuracy"}
+HIGHER_IS_BETTER = {"accuracy"}
+DIAGNOSE_NORMS = ("deviation_norm", "motion_norm", "bias_norm")
+INTERVAL_METHOD = ("95% Student-t intervals over seeds: mean ± t(0.975, n-1)·s/√n "
+                   "(s the sample standard deviation); no bootstrap")
+REPORT_NAME = "report.md"
+
+Table = dict[tuple[str, str], dict[int, Interval]]  # (variant, task) -> depth -> Interval
+
+
+def flops_at(model: ModelConfig, depth: int, seq_len: int) -> Optional[float]:
+    """Training FLOPs per token over the unrolled depth at loop depth T (SCSE's T+1 core calls
+    included): the one place the report calls scse_dist.model.flops."""
+    from scse_dist.model.flops import flops_per_token
+
+    try:
+        return flops_per_token(model, depth, seq_len)
+    except ValueError:  # e.g. an untied model asked at another depth than its fixed one
+        return None
+
+
+def training_depth(cfg: RunConfig) -> Optional[int]:
+    """The deepest T the run trained at: model.depth, or the sampler's max (uniform: 2x mean by
+    default; poisson_lognormal: its max, else the mean, as it has no bound). None for untied."""
+    m, d = cfg.model, cfg.train.depth
+    if m.recurrence == "untied":
+        return None
+    if d.kind == "uniform":
+        return d.max or 2 * m.depth
+    if d.kind == "poisson_lognormal" and d.max:
+        return d.max
+    return m.depth
+
+
+def _values(runs: list[StudyRun], task: str) -> dict[int, dict[int, float]]:
+    """depth -> seed -> the task's headline metric (finite values only)."""
+    out: dict[int, dict[int, float]] = {}
+    for run in runs:
+        for depth, row in run.results.get(task, {}).items():
+            value = finite(row.get(HEADLINE[task]))
+            if value is not None:
+                out.setdefault(depth, {})[run.seed] = value
+    return out
+
+
+def aggregate(runs: list[StudyRun], variants: list[str]) -> Table:
+    """Per (variant, task) and depth: the t interval of the headline metric over seeds."""
+    table: Table = {}
+    for variant in variants:
+        mine = [r for r in runs if r.variant == variant]
+        for task in HEADLINE:
+            by_depth = _values(mine, task)
+            if by_depth:
+                table[(variant, task)] = {d: t_interval(list(v.values())) for d, v in sorted(by_depth.items())}
+    return table
+
+
+def paired(runs: list[StudyRun], a: str, b: str, task: str) -> dict[int, Interval]:
+    """depth -> t interval of (A - B) over the seeds both variants have at that depth."""
+    va = _values([r for r in runs if r.variant == a], task)
+    vb = _values([r for r in runs if r.variant == b], task)
+    out = {}
+    for depth in sorted(set(va) & set(vb)):
+        seeds = sorted(set(va[depth]) & set(vb[depth]))
+        if seeds:
+            out[depth] = t_interval([va[depth][s] - vb[depth][s] for s in seeds])
+    return out
+
+
+def verdict(diffs: dict[int, Interval], higher_is_better: bool) -> str:
+    """'better at all depths', 'better at depths 4, 8', 'worse at ...', or 'not resolved at n
+    seeds' when every interval contains 0 (or one seed leaves no interval)."""
+    if not diffs:
+        return "no common depths"
+    sign = 1 if higher_is_better else -1
+    better = [d for d, iv in diffs.items() if iv.excludes_zero() and sign * iv.mean > 0]
+    worse = [d for d, iv in diffs.items() if iv.excludes_zero() and sign * iv.mean < 0]
+    n = min(iv.n for iv in diffs.values())
+    if not better and not worse:
+        return f"not resolved at {n} seed{'s' if n != 1 else ''}"
+    parts = []
+    for word, depths in (("better", better), ("worse", worse)):
+        if len(depths) == len(diffs):
+            parts.append(f"{word} at all depths")
+        elif depths:
+            parts.append(f"{word} at depths {', '.join(map(str, depths))}")
+    return "; ".join(parts)
+
+
+def _cell(iv: Optional[Interval]) -> str:
+    if iv is None:
+        return ""
+    if iv.std is None:
+        return f"{iv.mean:.4g} (n=1)"
+    return f"{iv.mean:.4g} ± {iv.half_width:.3g} (sd {iv.std:.3g}, n={iv.n})"
+
+
+def _depth_table(header: str, rows: list[tuple[str, dict[int, Any]]], fmt=_cell,
+                 extra: Optional[tuple[str, list[str]]] = None) -> list[str]:
+    depths = sorted({d for _, cells in rows for d in cells})
+    head = f"| {header} | " + " | ".join(f"T={d}" for d in depths) + " |" + (f" {extra[0]} |" if extra else "")
+    lines = [head, "|---|" + "---:|" * len(depths) + ("---|" if extra else "")]
+    for i, (name, cells) in enumerate(rows):
+        line = f"| {name} | " + " | ".join(fmt(cells.get(d)) for d in depths) + " |"
+        lines.append(line + (f" {extra[1][i]} |" if extra else ""))
+    return lines
+
+
+class StudyReport:
+    """Everything the report shows, computed once from a loaded study."""
+
+    def __init__(self, study: Study) -> None:
+        self.study = study
+        self.finished = [r for r in study.runs if r.missing is None]
+        self.missing = [r for r in study.runs if r.missing is not None]
+        self.entropy = {}
+        self.flags: dict[str, list[Flag]] = {}
+        for run in self.finished:
+            entropy = None
+            if run.config is not None:
+                entropy = unigram_entropy(run.config.data.path, run.config.model.vocab_size)
+                self.entropy[entropy.source] = entropy.nats
+            self.flags[run.label] = run_flags(run, entropy)
+        final = [r for r in self.finished if r.stage == "final"]
+        self.excluded = [r for r in final if study.exclude_flagged and self.flags[r.label]]
+        self.included = [r for r in final if r not in self.excluded]
+        self.variants = [v for v in study.variants if any(r.variant == v for r in self.included)]
+        self.table = aggregate(self.included, self.variants)
+        self.pairs = {(a, b, task): paired(self.included, a, b, task)
+                      for a, b in study.pairs for task in HEADLINE}
+        self.pairs = {k: v for k, v in self.pairs.items() if v}
+
+    def marked(self, variant: str) -> str:
+        """The variant's name, marked with how many of its aggregated runs are flagged."""
+        n = sum(1 for r in self.included if r.variant == variant and self.flags.get(r.label))
+        return f"{variant} ({n} flagged)" if n else variant
+
+    def config_of(self, variant: str) -> Optional[RunConfig]:
+        return next((r.config for r in self.included if r.variant == variant and r.config), None)
+
+    def extrapolation(self) -> list[tuple[str, int, dict[int, float]]]:
+        """(label, reference depth, {T > ref: mean(T) / mean(ref)}): ref is the deepest evaluated
+        T within the training range (the training depth itself when it was evaluated)."""
+        rows = []
+        for (variant, task), by_depth in self.table.items():
+            cfg = self.config_of(variant)
+            t_train = training_depth(cfg) if cfg else None
+            reference = [d for d in by_depth if t_train is not None and d <= t_train]
+            if not reference:
+                continue
+            base = by_depth[max(reference)].mean
+            ratios = {d: iv.mean / base for d, iv in by_depth.items() if d > max(reference) and base}
+            if ratios:
+                rows.append((f"{variant} {task} {HEADLINE[task]} (trained to T={t_train})",
+                             max(reference), ratios))
+        return rows
+
+    def frontier_series(self, x: str) -> dict:
+        series: dict = {}
+        for (variant, task), by_depth in self.table.items():
+            cfg = self.config_of(variant)
+            points = []
+            for depth, iv in by_depth.items():
+                pos = depth if x == "depth" else (
+                    flops_at(cfg.model, depth, cfg.data.seq_len) if cfg else None)
+                if pos is not None:
+                    points.append((pos, iv))
+            if points:
+                series.setdefault(f"{task} {HEADLINE[task]}", {})[variant] = points
+        return series
+
+    def diagnose_series(self) -> dict:
+        out: dict = {}
+        for variant in self.variants:
+            runs = [r for r in self.included if r.variant == variant and "diagnose" in r.results]
+            norms = {}
+            for name in DIAGNOSE_NORMS:
+                by_depth: dict[int, list[float]] = {}
+                for run in runs:
+                    for depth, row in run.results["diagnose"].items():
+                        if finite(row.get(name)) is not None:
+                            by_depth.setdefault(depth, []).append(row[name])
+                if by_depth:
+                    norms[name] = [(d, sum(v) / len(v)) for d, v in sorted(by_depth.items())]
+            if norms:
+                out[variant] = norms
+        return out
+
+    def markdown(self, images: dict[str, str]) -> str:
+        s, lines = self.study, [f"# Study report: {self.study.name}", ""]
+        lines += [f"Study dir: `{s.dir}`. {len(s.runs)} runs: {len(self.finished)} finished, "
+                  f"{len(self.missing)} missing; {len(self.included)} final-stage runs in the aggregate.",
+                  "", f"Intervals: {INTERVAL_METHOD}.", ""]
+        if self.missing:
+            lines += ["## Missing or failed runs", ""]
+            lines += [f"- {r.label} ({r.stage}, `{r.run_dir}`): {r.missing}" for r in self.missing]
+            lines.append("")
+        if s.lr_choice:
+            metrics = {c.get("metric") for c in s.lr_choice.values() if c.get("metric")}
+            lines += ["## Learning rate (chosen on validation)", "",
+                      f"Score: {', '.join(sorted(metrics)) or 'the validation metric'} (the chosen lr "
+                      "has the best score); a failed sweep run has no score.", "",
+                      "| variant | chosen lr | scores (lr: score) |", "|---|---:|---|"]
+            for variant, choice in s.lr_choice.items():
+                scores = ", ".join(f"{lr}: {v:.4g}" if isinstance(v, (int, float)) else f"{lr}: failed"
+                                   for lr, v in (choice.get("scores") or {}).items())
+                lines.append(f"| {variant} | {choice.get('lr')} | {scores} |")
+            lines.append("")
+        lines += self._flag_lines()
+        for task, metric in HEADLINE.items():
+            rows = [(self.marked(v), self.table[(v, task)]) for v in self.variants if (v, task) in self.table]
+            if rows:
+                better = "higher" if metric in HIGHER_IS_BETTER else "lower"
+                lines += [f"## {task} {metric} ({better} is better): mean ± 95% half-width over seeds", ""]
+                lines += _depth_table("variant", rows) + [""]
+        if self.pairs:
+            lines += ["## Paired comparisons (A - B, per seed, matched by seed)", ""]
+            for task, metric in HEADLINE.items():
+                rows = [(f"{a} - {b}", d) for (a, b, t), d in self.pairs.items() if t == task]
+                if rows:
+                    verdicts = [f"{a} {verdict(d, metric in HIGHER_IS_BETTER)}"
+                                for (a, b, t), d in self.pairs.items() if t == task]
+                    lines += [f"### {task} {metric}", ""]
+                    lines += _depth_table("pair", rows, extra=("verdict", verdicts)) + [""]
+        extrapolation = self.extrapolation()
+        if extrapolation:
+            lines += ["## Extrapolation ratio: metric at T / metric at the training depth", "",
+                      "Means over seeds; the reference is the deepest evaluated T within the training "
+                      "range (ref).", ""]
+            lines += _depth_table("variant task", [(f"{n}, ref T={t}", r) for n, t, r in extrapolation],
+                                  fmt=lambda v: "" if v is None else f"{v:.3f}") + [""]
+        lines += ["## Plots", ""] + [f"![{name}]({Path(p).name})" for name, p in images.items()]
+        return "\n".join(lines) + "\n"
+
+    def _flag_lines(self) -> list[str]:
+        flagged = [(r, self.flags[r.label]) for r in self.finished if self.flags.get(r.label)]
+        sources = "; ".join(f"{src}: {nats:.3f} nats" for src, nats in self.entropy.items())
+        lines = ["## Pathology flags", "", f"Plateau reference: {sources or 'no config to read'}.", ""]
+        if not flagged:
+            return lines + ["No run is flagged.", ""]
+        action = "excluded from" if self.study.exclude_flagged else "included in (and marked)"
+        lines += [f"Flagged runs are {action} the aggregate (spec exclude_flagged="
+                  f"{str(self.study.exclude_flagged).lower()}).", "", "| run | stage | flag | detail |",
+                  "|---|---|---|---|"]
+        for run, flags in flagged:
+            lines += [f"| {run.label} | {run.stage} | {f.name} | {f.detail} |" for f in flags]
+        return lines + [""]
+
+    def numbers(self) -> dict:
+        """aggregate.json: the report's numbers for scripts and the project notes."""
+        return {"study": self.study.name, "interval": INTERVAL_METHOD,
+                "missing": {r.label: r.missing for r in self.missing},
+                "flags": {k: [asdict(f) for f in v] for k, v in self.flags.items() if v},
+                "excluded": [r.label for r in self.excluded],
+                "aggregate": {f"{v}/{t}/{HEADLINE[t]}": {str(d): asdict(iv) for d, iv in by_d.items()}
+                              for (v, t), by_d in self.table.items()},
+                "paired": {f"{a} - {b}/{t}/{HEADLINE[t]}": {
+                    "verdict": verdict(d, HEADLINE[t] in HIGHER_IS_BETTER),
+                    "depths": {str(k): asdict(iv) for k, iv in d.items()}}
+                    for (a, b, t), d in self.pairs.items()}}
+
+
+def _log_to_wandb(report: StudyReport, out: Path, mode: str, images: dict[str, str]) -> None:
+    from scse_dist.config import WandbConfig
+    from scse_dist.eval.report import log_to_wandb
+
+    # The per-variant means in the single-run report's shape: one row per (variant, task).
+    results = [{"_label": variant, "task": task,
+                "results": [{"depth": d, HEADLINE[task]: iv.mean} for d, iv in by_depth.items()]}
+               for (variant, task), by_depth in report.table.items()]
+    log_to_wandb(results, WandbConfig(mode=mode), name=f"{report.study.name}-report",
+                 group=report.study.name, out_dir=out, images=images)
+
+
+def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
+                       wandb_mode: str = "offline") -> Path:
+    """Write report.md, aggregate.json and the PNGs into out_dir (default STUDY_DIR/report);
+    log to wandb unless wandb_mode is "disabled". Returns the report.md path."""
+    report = StudyReport(load_study(study_dir))
+    out = Path(out_dir) if out_dir is not None else Path(study_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    images = {}
+    if report.table:
+        images["frontier vs loop depth"] = frontier_plot(report.frontier_series("depth"),
+                                                         out / "frontier_depth.png", "loop depth T")
+        images["frontier vs FLOPs"] = frontier_plot(report.frontier_series("flops"), out / "frontier_flops.png",
+                                                    "training FLOPs per token (unrolled depth)", log_base=10)
+    diag = report.diagnose_series()
+    if diag:
+        images["loop diagnostics"] = diagnose_plot(diag, out / "diagnose.png")
+    (out / REPORT_NAME).write_text(report.markdown(images), encoding="utf-8")
+    (out / "aggregate.json").write_text(json.dumps(report.numbers(), indent=2) + "\n", encoding="utf-8")
+    if wandb_mode != "disabled":
+        _log_to_wandb(report, out, wandb_mode, images)
+    return out / REPORT_NAME
+
+
+@cli_main("scse-report")
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m scse_dist.study.report", description=__doc__.split("\n")[0])
+    p.add_argument("study_dir", help="a study dir (holding runs.json)")
+    p.add_argument("--out", default=None, help="output dir (default STUDY_DIR/report)")
+    p.add_argument("--wandb", choices=["offline", "online", "disabled"], default="offline")
+    args = p.parse_args(argv)
+    path = write_study_report(args.study_dir, args.out, args.wandb)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""Small-sample statistics for a study: Student-t quantiles and 95% intervals over seeds.
+
+No scipy: a study report runs as a Slurm job in the training environment. The t quantile is the
+numerical inverse (bisection) of the t CDF, which is written with the regularized incomplete beta
+function (continued fraction, as in Numerical Recipes 6.4):
+    P(T <= t) = 1 - I_{df / (df + t^2)}(df / 2, 1 / 2) / 2     for t >= 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+def _beta_continued_fraction(a: float, b: float, x: float) -> float:
+    tiny, eps = 1e-300, 1e-15
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < eps:
+            break
+    return h
+
+
+def regularized_beta(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularized incomplete beta function, for x in [0, 1]."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                 + a * math.log(x) + b * math.log1p(-x))
+    # The continued fraction converges fast for x < (a + 1) / (a + b + 2); use symmetry beyond.
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with `df` degrees of freedom."""
+    tail = 0.5 * regularized_beta(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The t with P(T <= t) = p (e.g. t_quantile(0.975, 2) = 4.3027), by bisection on t_cdf."""
+    if not 0.0 < p < 1.0 or df <= 0:
+        raise ValueError(f"t_quantile: need 0 < p < 1 and df > 0, got p={p}, df={df}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:  # bracket: t_{0.999, 1} is about 318
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Mean over n values, the sample standard deviation (n - 1) and a two-sided t interval.
+
+    With one value the spread and interval are unknown (None): one seed resolves nothing."""
+
+    n: int
+    mean: float
+    std: Optional[float]
+    low: Optional[float]
+    high: Optional[float]
+
+    @property
+    def half_width(self) -> Optional[float]:
+        return None if self.high is None else self.high - self.mean
+
+    def excludes_zero(self) -> bool:
+        return self.low is not None and (self.low > 0 or self.high < 0)
+
+
+def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:
+    """mean +- t_{(1+level)/2, n-1} * std / sqrt(n) over `values` (non-finite values are the
+    caller's to drop: a NaN here would poison every seed's mean)."""
+    xs = [float(v) for v in values]
+    if not xs:
+        raise ValueError("t_interval: no values")
+    n = len(xs)
+    mean = sum(xs) / n
+    if n < 2:
+        return Interval(n, mean, None, None, None)
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    half = t_quantile(0.5 + level / 2.0, n - 1) * std / math.sqrt(n)
+    return Interval(n, mean, std, mean - half, mean + half)

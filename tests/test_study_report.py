@@ -1,0 +1,290 @@
+"""Study report on synthetic study dirs written with the real writers (config.yaml, metrics.jsonl,
+eval/*.json): means, spreads and t intervals over seeds, paired verdicts, pathology flags,
+missing runs, exclusion, plots."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from scse_dist.config import WandbConfig, config_from_dict, save_config
+from scse_dist.eval.report import main as scse_report_main
+from scse_dist.eval.results import write_results
+from scse_dist.study.report import main as study_report_main
+from scse_dist.study.report import verdict, write_study_report
+from scse_dist.study.stats import Interval, t_interval, t_quantile
+from scse_dist.train.metrics import MetricsLogger
+
+DEPTHS = (1, 2, 4, 8)
+VOCAB = 256  # no shards at the configs' data.path: the plateau reference is ln 256 = 5.545
+
+
+def write_run(study, variant, seed, *, recurrence=None, heldout=None, lambada=None,
+              diagnose=None, losses=(6.0, 4.0, 3.5), skipped=0, stage="final", evaluated=True,
+              started=True, subdir=None):
+    """One run dir as the trainer and scse-eval leave it; returns its runs.json entry."""
+    run_dir = study / variant / (subdir or f"seed{seed}")
+    entry = {"variant": variant, "seed": seed, "lr": 1e-3, "stage": stage,
+             "run_dir": str(run_dir.relative_to(study)), "config": str(run_dir / "config.yaml"),
+             "overrides": []}
+    if not started:
+        return entry
+    cfg = config_from_dict({
+        "name": f"{variant}-seed{seed}", "output_dir": str(study / variant),
+        "model": {"recurrence": recurrence or variant, "vocab_size": VOCAB, "d_model": 32,
+                  "n_heads": 2, "max_seq_len": 32, "depth": 4},
+        "data": {"path": str(study / "no-shards"), "seq_len": 32},
+        "train": {"max_steps": 30, "seed": seed}, "wandb": {"enabled": False}})
+    run_dir.mkdir(parents=True)
+    save_config(cfg, run_dir / "config.yaml")
+    log = MetricsLogger(str(run_dir), True, cfg.wandb, cfg.name, {})
+    for i, loss in enumerate(losses):
+        log.log({"step": 10 * (i + 1), "loss": loss, "lr": 1e-3, "depth": 4, "tokens_per_s": 1.0,
+                 "step_time_s": 0.1, "skipped_steps": skipped if i == len(losses) - 1 else 0})
+    log.close()
+    if not evaluated:
+        return entry
+    label = f"{cfg.name}@step-30"
+    if heldout:
+        write_results(run_dir / "eval" / "heldout.json", "heldout", label, cfg,
+                      [{"depth": t, "loss": math.log(v), "ppl": v, "tokens": 100} for t, v in heldout.items()])
+    if lambada:
+        write_results(run_dir / "eval" / "lambada.json", "lambada", label, cfg,
+                      [{"depth": t, "accuracy": a, "loss": 3.0, "ppl": 20.0} for t, a in lambada.items()])
+    if diagnose:
+        write_results(run_dir / "eval" / "diagnose.json", "diagnose", label, cfg,
+                      [{"depth": t, "bias_norm": b, "effective_bias_norm": 0.0, "deviation_norm": dev,
+                        "motion_norm": mot, "batches": 1} for t, (dev, mot, b) in diagnose.items()])
+    return entry
+
+
+def write_study(study, entries, **spec):
+    (study / "study.yaml").write_text(yaml.safe_dump({"name": study.name, **spec}))
+    (study / "runs.json").write_text(json.dumps(entries))
+    return study
+
+
+def numbers(study):
+    return json.loads((study / "report" / "aggregate.json").read_text())
+
+
+HEALTHY_DIAG = {t: (10.0 + t, 1.0 / t if t else 0.0, 2.0) for t in DEPTHS}
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory):
+    """additive, scse (better everywhere), looped (better at T=1, worse at T=8) and untied (one
+    point, unresolved), 3 seeds each; lambada accuracy for additive and scse. Reported once
+    (python -m scse_dist.study.report's main), without wandb."""
+    study = tmp_path_factory.mktemp("studies") / "cmp"
+    base = {1: 50.0, 2: 40.0, 4: 30.0, 8: 32.0}
+    looped_shift = {1: [-3.0, -3.1, -3.2], 2: [1.0, -1.0, 0.5], 4: [2.0, -2.0, 1.0], 8: [4.0, 4.1, 4.2]}
+    entries = []
+    for s in range(3):
+        add = {t: v + s for t, v in base.items()}
+        entries.append(write_run(study, "additive", s, heldout=add, lambada={t: 0.2 for t in DEPTHS},
+                                 diagnose=HEALTHY_DIAG))
+        entries.append(write_run(study, "scse", s, heldout={t: v - 5 - 0.1 * s for t, v in add.items()},
+                                 lambada={t: 0.25 + 0.01 * s for t in DEPTHS}, diagnose=HEALTHY_DIAG))
+        entries.append(write_run(study, "looped", s,
+                                 heldout={t: v + looped_shift[t][s] for t, v in add.items()}))
+        entries.append(write_run(study, "untied", s, heldout={4: add[4] + [3.0, -3.0, 1.0][s]}))
+    (study / "lr_choice.json").write_text(json.dumps(
+        {"scse": {"lr": 1e-3, "scores": {"0.001": 30.5, "0.003": 31.25}}}))
+    write_study(study, entries, variants={"additive": {}, "scse": {}, "looped": {}, "untied": {}},
+                seeds=[0, 1, 2])
+    assert study_report_main([str(study), "--wandb", "disabled"]) == 0
+    return study
+
+
+def test_t_quantile_matches_the_tables():
+    assert t_quantile(0.975, 2) == pytest.approx(4.3027, abs=1e-4)
+    assert t_quantile(0.975, 4) == pytest.approx(2.7764, abs=1e-4)
+    assert t_quantile(0.975, 1) == pytest.approx(12.7062, abs=1e-4)
+    assert t_quantile(0.95, 10) == pytest.approx(1.8125, abs=1e-4)
+    assert t_quantile(0.025, 3) == pytest.approx(-3.1824, abs=1e-4)
+    assert t_quantile(0.975, 10_000) == pytest.approx(1.9602, abs=1e-4)  # -> the normal's 1.96
+
+
+def test_t_interval_of_three_seeds_and_of_one():
+    iv = t_interval([1.0, 2.0, 3.0])
+    assert (iv.n, iv.mean, iv.std) == (3, 2.0, 1.0)
+    assert iv.low == pytest.approx(2 - 4.3027 / math.sqrt(3), abs=1e-4)
+    assert iv.high == pytest.approx(2 + 4.3027 / math.sqrt(3), abs=1e-4)
+    assert t_interval([5.0]) == Interval(1, 5.0, None, None, None)
+
+
+def test_aggregate_has_the_mean_std_and_t_interval_per_variant_and_depth(comparison):
+    agg = numbers(comparison)["aggregate"]
+    additive = agg["additive/heldout/ppl"]
+    assert sorted(additive, key=int) == ["1", "2", "4", "8"]
+    assert additive["4"]["mean"] == pytest.approx(31.0) and additive["4"]["std"] == pytest.approx(1.0)
+    assert additive["4"]["low"] == pytest.approx(31 - 4.3027 / math.sqrt(3), abs=1e-4)
+    assert agg["untied/heldout/ppl"]["4"]["mean"] == pytest.approx(31 + 1 / 3)
+    assert list(agg["untied/heldout/ppl"]) == ["4"]
+    report = (comparison / "report" / "report.md").read_text()
+    assert "Student-t intervals over seeds" in report and "no bootstrap" in report
+    assert "| additive | 51 ± 2.48 (sd 1, n=3) | 41 ± 2.48 (sd 1, n=3) |" in report
+    assert "| scse | 0.001 | 0.001: 30.5, 0.003: 31.25 |" in report  # the lr section
+
+
+def test_paired_verdicts_follow_the_metric_direction(comparison):
+    paired = numbers(comparison)["paired"]
+    assert paired["scse - additive/heldout/ppl"]["verdict"] == "better at all depths"
+    diff = paired["scse - additive/heldout/ppl"]["depths"]["2"]
+    assert diff["mean"] == pytest.approx(-5.1) and diff["std"] == pytest.approx(0.1)
+    assert paired["scse - additive/lambada/accuracy"]["verdict"] == "better at all depths"  # higher
+    assert paired["looped - additive/heldout/ppl"]["verdict"] == "better at depths 1; worse at depths 8"
+    assert paired["untied - additive/heldout/ppl"]["verdict"] == "not resolved at 3 seeds"
+    report = (comparison / "report" / "report.md").read_text()
+    assert "| looped - additive |" in report and "looped better at depths 1; worse at depths 8 |" in report
+
+
+def test_verdict_cells():
+    sure_down, unsure = Interval(3, -2.0, 0.1, -2.3, -1.7), Interval(3, 0.5, 2.0, -4.0, 5.0)
+    up = Interval(3, 2.0, 0.1, 1.7, 2.3)
+    assert verdict({1: sure_down, 2: sure_down}, higher_is_better=False) == "better at all depths"
+    assert verdict({1: sure_down, 2: sure_down}, higher_is_better=True) == "worse at all depths"
+    assert verdict({1: unsure, 4: sure_down, 8: sure_down}, False) == "better at depths 4, 8"
+    assert verdict({1: unsure, 2: up}, False) == "worse at depths 2"
+    assert verdict({1: unsure}, False) == "not resolved at 3 seeds"
+    assert verdict({1: Interval(1, -9.0, None, None, None)}, False) == "not resolved at 1 seed"
+
+
+def test_extrapolation_ratio_past_the_training_depth(comparison):
+    report = (comparison / "report" / "report.md").read_text()
+    # additive trained at T=4 (fixed depth): mean ppl 33 at T=8 over 31 at T=4
+    assert f"| additive heldout ppl (trained to T=4), ref T=4 | {33 / 31:.3f} |" in report
+
+
+def flagged_study(tmp_path, exclude):
+    study = tmp_path / ("excl" if exclude else "incl")
+    good = {t: 30.0 - t for t in DEPTHS}
+    entries = [write_run(study, "additive", s, heldout={t: v + s for t, v in good.items()},
+                         diagnose=HEALTHY_DIAG) for s in range(3)]
+    entries += [
+        write_run(study, "scse", 0, heldout=good, diagnose=HEALTHY_DIAG),
+        # the loop fell onto its anchor: flat ppl from T=2, deviation 15 -> 0.7
+        write_run(study, "scse", 1, heldout={1: 300.0, 2: 266.0, 4: 266.0, 8: 266.1},
+                  diagnose={1: (15.0, 3.0, 1.0), 2: (5.0, 2.0, 1.0), 4: (1.0, 0.1, 1.0),
+                            8: (0.7, 0.01, 1.0)}),
+        write_run(study, "scse", 2, heldout={t: v + 1 for t, v in good.items()}, diagnose=HEALTHY_DIAG),
+        write_run(study, "untied", 0, heldout={4: 900.0}, losses=(6.9, 6.0, 5.6)),  # ln 256 - 0.1 < 5.6
+        write_run(study, "looped", 0, heldout=good, skipped=2),
+        write_run(study, "looped", 1, heldout=good, losses=(6.0, 3.0, 4.5)),
+    ]
+    return write_study(study, entries, pairs=[["scse", "additive"]], exclude_flagged=exclude)
+
+
+def test_flags_are_raised_listed_and_counted_by_default(tmp_path):
+    study = flagged_study(tmp_path, exclude=False)
+    write_study_report(study, wandb_mode="disabled")
+    flags = {run: [f["name"] for f in fl] for run, fl in numbers(study)["flags"].items()}
+    assert flags == {"scse/seed1 lr=0.001": ["loop inactive"], "untied/seed0 lr=0.001": ["plateau"],
+                     "looped/seed0 lr=0.001": ["non-finite"], "looped/seed1 lr=0.001": ["divergence"]}
+    report = (study / "report" / "report.md").read_text()
+    assert "included in (and marked) the aggregate" in report
+    assert "| scse/seed1 lr=0.001 | final | loop inactive | heldout ppl flat for T >= 2" in report
+    assert "deviation_norm fell to 0.7 from 15" in report
+    assert "ln V = ln 256" in report and "5.545 nats" in report
+    assert numbers(study)["aggregate"]["scse/heldout/ppl"]["4"]["n"] == 3
+    assert "| scse (1 flagged) | 119.7 ± 388 (sd 156, n=3) |" in report  # counted, and marked
+    assert numbers(study)["excluded"] == []
+
+
+def test_flagged_runs_leave_the_aggregate_when_the_spec_says_so(tmp_path):
+    study = flagged_study(tmp_path, exclude=True)
+    write_study_report(study, wandb_mode="disabled")
+    nums = numbers(study)
+    assert sorted(nums["excluded"]) == ["looped/seed0 lr=0.001", "looped/seed1 lr=0.001",
+                                        "scse/seed1 lr=0.001", "untied/seed0 lr=0.001"]
+    scse = nums["aggregate"]["scse/heldout/ppl"]["4"]
+    assert scse["n"] == 2 and scse["mean"] == pytest.approx(26.5)
+    assert "untied/heldout/ppl" not in nums["aggregate"]
+    assert "excluded from the aggregate" in (study / "report" / "report.md").read_text()
+
+
+def write_validation(study, entry, ppl):
+    """scse-study's LR sweep score: eval/validation.json, task heldout on the validation data."""
+    cfg = config_from_dict({"name": "v", "model": {"vocab_size": VOCAB}})
+    write_results(study / entry["run_dir"] / "eval" / "validation.json", "heldout", "v", cfg,
+                  [{"depth": 4, "loss": math.log(ppl), "ppl": ppl, "tokens": 10}])
+
+
+def test_missing_and_failed_runs_are_named_and_the_rest_aggregated(tmp_path):
+    study = tmp_path / "partial"
+    entries = [write_run(study, "scse", s, heldout={1: 10.0 + s, 2: 8.0 + s}) for s in range(2)]
+    write_validation(study, entries[0], 1e6)  # not a test result: never aggregated
+    for e in entries:  # as scse-study wrote it from another cwd: resolved inside the study dir
+        e["run_dir"] = f"elsewhere/{study.name}/{e['run_dir']}"
+    entries.append(write_run(study, "scse", 2, evaluated=False, losses=(6.0, 5.0)))
+    entries.append(write_run(study, "scse", 3, started=False))
+    sweep = write_run(study, "scse", 0, stage="sweep", evaluated=False, subdir="lr0.001/seed0")
+    write_validation(study, sweep, 40.0)  # a finished sweep run: scored, no test results
+    write_study(study, entries + [sweep])
+    assert scse_report_main(["--study", str(study), "--wandb", "disabled"]) == 0
+    report = (study / "report" / "report.md").read_text()
+    assert "5 runs: 3 finished, 2 missing" in report and "2 final-stage runs in the aggregate" in report
+    assert "- scse/seed2 lr=0.001 (final, " in report
+    assert "no evaluation results (training stopped at step 20 of 30)" in report
+    assert "- scse/seed3 lr=0.001 (final, " in report and "no run dir (never started)" in report
+    agg = numbers(study)["aggregate"]["scse/heldout/ppl"]
+    assert agg["1"]["n"] == 2 and agg["1"]["mean"] == pytest.approx(10.5)
+
+
+def test_plots_are_pngs_and_the_flops_axis_counts_scse_extra_call(comparison):
+    import matplotlib.image
+
+    from scse_dist.model.flops import flops_per_token
+    from scse_dist.study.collect import load_study
+    from scse_dist.study.report import StudyReport
+
+    for name in ("frontier_depth.png", "frontier_flops.png", "diagnose.png"):
+        image = matplotlib.image.imread(str(comparison / "report" / name))
+        assert image.shape[0] > 100 and image[..., :3].std() > 0.01, name
+        assert f"]({name})" in (comparison / "report" / "report.md").read_text()
+    report = StudyReport(load_study(comparison))
+    series = report.frontier_series("flops")["heldout ppl"]
+    scse_cfg = report.config_of("scse").model
+    assert [x for x, _ in series["scse"]] == [flops_per_token(scse_cfg, t, 32) for t in DEPTHS]
+    additive_x = [x for x, _ in series["additive"]]
+    assert all(s > a for (s, _), a in zip(series["scse"], additive_x))  # T+1 core calls
+    assert len(series["untied"]) == 1  # an untied model is a point
+
+
+def test_the_study_is_logged_to_wandb_as_one_group(comparison, tmp_path, monkeypatch):
+    import scse_dist.eval.report as eval_report
+
+    calls = []
+    monkeypatch.setattr(eval_report, "log_to_wandb", lambda *a, **k: calls.append((a, k)))
+    assert write_study_report(comparison, tmp_path / "w") == tmp_path / "w" / "report.md"  # offline
+    (results, cfg), kwargs = calls[0][0], calls[0][1]
+    assert len(calls) == 1 and kwargs["group"] == "cmp" and cfg.mode == "offline"
+    means = {(r["_label"], r["task"]): {x["depth"]: x[next(k for k in x if k != "depth")]
+                                        for x in r["results"]} for r in results}
+    assert means[("additive", "heldout")][4] == pytest.approx(31.0)
+    assert set(kwargs["images"]) == {"frontier vs loop depth", "frontier vs FLOPs", "loop diagnostics"}
+
+
+def test_unigram_entropy_is_counted_from_the_training_shards(tiny_data):
+    import numpy as np
+
+    from scse_dist.data.shards import iter_samples, resolve_split
+    from scse_dist.study.flags import unigram_entropy
+
+    _, index, _, urls = resolve_split(tiny_data["path"], "train")
+    tokens = np.concatenate([t for u in urls for _, t, _ in iter_samples(u, index["eos_id"])])
+    p = np.bincount(tokens) / len(tokens)
+    expected = -(p[p > 0] * np.log(p[p > 0])).sum()
+    got = unigram_entropy(tiny_data["path"], index["vocab_size"])
+    assert got.nats == pytest.approx(expected) and 0 < got.nats < math.log(index["vocab_size"])
+    assert "training tokens" in got.source
+
+
+def test_scse_report_needs_runs_or_a_study_dir(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        scse_report_main([])
+    assert exc.value.code == 2 and "give run dirs, or --study STUDY_DIR" in capsys.readouterr().err
+    assert scse_report_main(["--study", str(tmp_path)]) == 66
+    assert "no runs.json (not a study dir" in capsys.readouterr().err
