@@ -1,5 +1,7 @@
 """Exported model I/O: `model.safetensors` (fp32 weights), `config.yaml` (the resolved RunConfig)
-and `tokenizer.model` (the sentencepiece model the run trained with).
+and `tokenizer.model` (the sentencepiece model the run trained with), plus the Hugging Face
+remote code (`config.json`, `*_scse.py` and the model package's modules; see scse_dist/hf), so
+`AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)` loads it without scse-dist.
 
 The exported directory is what eval and inference read; it holds no optimizer state and needs no
 DeepSpeed. safetensors never unpickles, so loading an untrusted export cannot run code.
@@ -67,18 +69,23 @@ def _dedupe_shared(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch
 
 def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out_dir: str,
                         tokenizer: Optional[str] = None) -> str:
-    """Write `out_dir/model.safetensors` (fp32, contiguous, ties saved once), `out_dir/config.yaml`
-    and, given a `tokenizer` path or fsspec URL, its copy `out_dir/tokenizer.model` (the config's
-    data.tokenizer then names that copy).
+    """Write `out_dir/model.safetensors` (fp32, contiguous, ties saved once), `out_dir/config.yaml`,
+    the Hugging Face files (scse_dist.hf.write_hf_files) and, given a `tokenizer` path or fsspec
+    URL, its copy `out_dir/tokenizer.model` (the config's data.tokenizer then names that copy; the
+    HF files then include the tokenizer's).
 
     Each file is written under a temporary name and moved into place, so a crash never leaves a
     half-written file under the final name. Returns `out_dir`.
     """
-    model_bytes = None
+    from scse_dist.hf import write_hf_files
+
+    model_bytes, special_ids = None, None
     if tokenizer is not None:  # read first: a bad tokenizer fails before anything is written
         from scse_dist.data.tokenizer import Tokenizer
 
-        model_bytes = Tokenizer.load(tokenizer).model_bytes  # fsspec; fails unless it is a model
+        loaded = Tokenizer.load(tokenizer)  # fsspec; fails unless it is a model
+        model_bytes = loaded.model_bytes
+        special_ids = {"eos": loaded.eos_id, "unk": loaded.sp.unk_id()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state_dict = _strip_wrapper_prefixes(dict(state_dict))
@@ -101,6 +108,7 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
         atomic_write(out / TOKENIZER_NAME, lambda p: p.write_bytes(model_bytes))
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=TOKENIZER_NAME))
     atomic_write(out / CONFIG_NAME, lambda p: save_config(cfg, p))
+    write_hf_files(out, cfg.model, special_ids)
     return str(out)
 
 

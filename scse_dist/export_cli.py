@@ -4,8 +4,8 @@
 
 RUN_DIR_OR_TAG is a run dir, its checkpoints/ dir (the tag `latest` names) or one step-N tag dir.
 DIR gets model.safetensors (the fp32 weights, consolidated on CPU from any ZeRO stage),
-config.yaml (the tag's config) and tokenizer.model (a copy of the config's data.tokenizer, a path
-relative to where the run was launched, or --tokenizer).
+config.yaml (the tag's config), tokenizer.model (a copy of the config's data.tokenizer, a path
+relative to where the run was launched, or --tokenizer) and the Hugging Face files (scse_dist/hf).
 """
 
 from __future__ import annotations

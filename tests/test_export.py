@@ -9,6 +9,7 @@ import yaml
 from safetensors import safe_open
 
 from scse_dist.export import load_exported_model, save_exported_model
+from scse_dist.hf import hf_file_names
 from scse_dist.model import LoopedLM
 
 from conftest import tiny_cfg
@@ -31,7 +32,8 @@ def test_round_trip_gives_identical_logits(tmp_path, recurrence, residual):
     with torch.no_grad():
         before = model(tokens).logits
     out = save_exported_model(model.state_dict(), cfg, str(tmp_path / "export"))
-    assert sorted(p.name for p in Path(out).iterdir()) == ["config.yaml", "model.safetensors"]
+    assert sorted(p.name for p in Path(out).iterdir()) == sorted(
+        ["config.yaml", "model.safetensors", *hf_file_names(with_tokenizer=False)])
 
     loaded, loaded_cfg = load_exported_model(out)
     assert loaded_cfg == cfg
@@ -127,7 +129,8 @@ def test_save_replaces_atomically_and_leaves_no_temp_files(tmp_path):
     torch.manual_seed(1)
     second = LoopedLM(cfg.model)
     save_exported_model(second.state_dict(), cfg, str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["config.yaml", "model.safetensors", *hf_file_names(with_tokenizer=False)])
     loaded, _ = load_exported_model(tmp_path)
     name, value = next(iter(second.state_dict().items()))
     assert torch.equal(loaded.state_dict()[name], value)

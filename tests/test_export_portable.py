@@ -19,9 +19,11 @@ from scse_dist.eval.cli import main as eval_main
 from scse_dist.eval.loading import load_model
 from scse_dist.export import load_exported_model, save_exported_model
 from scse_dist.export_cli import main as export_main
+from scse_dist.hf import hf_file_names
 from scse_dist.model import LoopedLM
 
-EXPORT_FILES = ["config.yaml", "model.safetensors", "tokenizer.model"]
+EXPORT_FILES = sorted(["config.yaml", "model.safetensors", "tokenizer.model",
+                       *hf_file_names(with_tokenizer=True)])
 LAMBADA = ["the cat sees the red ball today . the dog likes the red ball",
            "my sister paints the blue river . the robot builds a quiet house"]
 
@@ -130,7 +132,7 @@ def test_scse_export_makes_the_trainers_files(trained, tiny_data, tmp_path, caps
     ours, theirs = tmp_path / "out", trained / "export"
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir()) \
         == EXPORT_FILES
-    for name in ("config.yaml", "tokenizer.model"):
+    for name in ("config.yaml", "tokenizer.model", "config.json", "modeling_scse.py"):
         assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
     a, b = load_file(str(ours / "model.safetensors")), load_file(str(theirs / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

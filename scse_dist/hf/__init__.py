@@ -1,0 +1,81 @@
+"""Hugging Face `transformers` remote code for an export: `write_hf_files(out_dir, ...)`.
+
+An export then loads with `AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)`
+(and AutoConfig, AutoTokenizer) in an environment with torch, transformers, safetensors and
+sentencepiece and no scse-dist. The export dir gets:
+- config.json: `model_type`, `auto_map`, the ModelConfig fields, the tokenizer's special ids;
+- configuration_scse.py, modeling_scse.py, tokenization_scse.py (the files beside this one);
+- the model package's modules (scse_dist/model/*.py but its __init__), copied verbatim and flat.
+
+Flat, because transformers' dynamic-module loader (4.57 and 5.x alike) copies a remote file's
+relative imports by the regex `from .NAME import` to `NAME.py` beside it: a subpackage
+(`from .pkg.mod import`) becomes the file `pkg.mod.py` and fails. The package's modules only
+import each other as `from .NAME import`, so copied side by side they work unchanged, and
+modeling_scse.py imports `.looped_lm` as one of them. The three files here are therefore not
+importable where they lie; they run only in an export (tests/test_hf_export.py loads one).
+Nothing here imports transformers: the core install writes these files without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from scse_dist.atomic import atomic_write
+from scse_dist.model.config import ModelConfig
+
+HERE = Path(__file__).parent
+MODEL_PACKAGE = HERE.parent / "model"
+REMOTE_CODE = ("configuration_scse.py", "modeling_scse.py", "tokenization_scse.py")
+HF_CONFIG_NAME = "config.json"
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+
+
+def model_package_modules() -> list[Path]:
+    """The model package's modules copied into an export (all but __init__.py)."""
+    modules = sorted(p for p in MODEL_PACKAGE.glob("*.py") if p.name != "__init__.py")
+    clash = sorted({p.name for p in modules} & set(REMOTE_CODE))
+    assert not clash, f"model package modules clash with the remote-code files: {clash}"
+    return modules
+
+
+def hf_config(model: ModelConfig, special_ids: Optional[dict[str, int]]) -> dict:
+    """config.json's content. special_ids: the tokenizer's {"eos": .., "unk": ..}, or None for an
+    export without a tokenizer (then no AutoTokenizer)."""
+    auto_map = {"AutoConfig": "configuration_scse.ScseConfig",
+                "AutoModelForCausalLM": "modeling_scse.ScseForCausalLM"}
+    config = {"model_type": "scse", "architectures": ["ScseForCausalLM"], "auto_map": auto_map,
+              **dataclasses.asdict(model), "dtype": "float32", "use_cache": False,
+              "tie_word_embeddings": False}
+    if special_ids is not None:
+        auto_map["AutoTokenizer"] = ["tokenization_scse.ScseTokenizer", None]
+        eos = special_ids["eos"]
+        # Documents start after an EOS (tokenization_scse.py), so it is also the BOS; and the pad.
+        config.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    return config
+
+
+def write_hf_files(out_dir: str | Path, model: ModelConfig,
+                   special_ids: Optional[dict[str, int]] = None) -> None:
+    """Write config.json (and, with a tokenizer, tokenizer_config.json), the remote code and the
+    model package's modules into `out_dir` (each file atomically)."""
+    out = Path(out_dir)
+    for src in [HERE / name for name in REMOTE_CODE] + model_package_modules():
+        atomic_write(out / src.name, lambda p, src=src: shutil.copyfile(src, p))
+    config = hf_config(model, special_ids)
+    atomic_write(out / HF_CONFIG_NAME,
+                 lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"))
+    if special_ids is not None:
+        tokenizer_config = {"tokenizer_class": "ScseTokenizer",
+                            "auto_map": {"AutoTokenizer": ["tokenization_scse.ScseTokenizer", None]}}
+        atomic_write(out / TOKENIZER_CONFIG_NAME,
+                     lambda p: p.write_text(json.dumps(tokenizer_config, indent=2) + "\n"))
+
+
+def hf_file_names(with_tokenizer: bool) -> list[str]:
+    """The names write_hf_files adds to an export."""
+    names = [HF_CONFIG_NAME, *REMOTE_CODE, *(p.name for p in model_package_modules())]
+    return sorted(names + ([TOKENIZER_CONFIG_NAME] if with_tokenizer else []))

@@ -1,0 +1,43 @@
+"""`ScseConfig`: the Hugging Face config of an scse-dist model (remote code, see scse_dist/hf).
+
+Its fields are those of the model package's `ModelConfig` (config.py, copied beside this file in
+an export), with the same defaults; `model_config()` turns them back into the ModelConfig that
+`LoopedLM` is built from, checked by the package's own `check_model_config`.
+"""
+
+import dataclasses
+
+from transformers import PretrainedConfig
+
+from .config import ModelConfig, check_model_config
+
+# transformers 4.57 copies only the modules this file imports itself; config.py reaches these
+# (see modeling_scse.py).
+from .blocks import Block  # noqa: F401
+from .recurrence import LoopCore  # noqa: F401
+from .transitions import transition_for  # noqa: F401
+
+MODEL_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+
+
+class ScseConfig(PretrainedConfig):
+    model_type = "scse"
+    # The names other transformers code reads, mapped onto ModelConfig's.
+    attribute_map = {"hidden_size": "d_model", "num_attention_heads": "n_heads",
+                     "max_position_embeddings": "max_seq_len"}
+
+    def __init__(self, **kwargs):
+        for name, default in MODEL_FIELDS.items():
+            setattr(self, name, kwargs.pop(name, default))
+        # A tied head is structural in LoopedLM (no head parameter; the head reads the embedding),
+        # so transformers has nothing to tie: with tie_word_embeddings False neither 4.x (list
+        # `_tied_weights_keys`) nor 5.x (dict) looks for an output embedding.
+        kwargs["tie_word_embeddings"] = False
+        # No KV cache yet: generation recomputes the whole sequence each token (modeling_scse).
+        kwargs.setdefault("use_cache", False)
+        super().__init__(**kwargs)
+
+    def model_config(self) -> ModelConfig:
+        cfg = ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS})
+        check_model_config(cfg)
+        return cfg

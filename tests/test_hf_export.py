@@ -1,0 +1,225 @@
+"""An export loads in Hugging Face transformers as remote code, without scse-dist, and gives the
+native model's numbers: logits at depths 1, 4, 32 (fp32, 1e-5), a left-padded batch equal to each
+sequence alone, the tokenizer's ids and text equal to scse-dist's, greedy generation equal to the
+native model's (recomputed each token).
+
+The transformers side runs in a subprocess whose cwd is a temp dir, with scse_dist blocked from
+import and the export copied to a new place. It runs with the installed transformers (CI: 5.x)
+and, when $SCSE_TF457_PATH names a dir holding transformers 4.57 (`pip install --no-deps --target
+DIR transformers==4.57.1 tokenizers==0.22.1 huggingface_hub==0.36.0`), with that one first on
+the path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB
+from scse_dist.config import config_from_dict
+from scse_dist.data.tokenizer import Tokenizer
+from scse_dist.export import load_exported_model, save_exported_model
+from scse_dist.hf import HERE, MODEL_PACKAGE, REMOTE_CODE
+from scse_dist.model import LoopedLM
+
+DEPTHS = (1, 4, 32)
+GENERATE_STEPS, NEW_TOKENS = 8, 5
+TEXTS = ["the cat sees a green box today.", "  Two  spaces,\ttabs\nand lines.  ",
+         "Grüße aus Köln — naïve café, 東京, emoji 😀 and </s> <unk> as text."]
+PROMPTS = ["the old man", "a small bird follows the tall tree in the park. my sister"]
+
+CHILD = r"""
+import importlib.abc, json, sys
+class NoScseDist(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "scse_dist":
+            raise ImportError("scse_dist is not importable here: " + name)
+sys.meta_path.insert(0, NoScseDist())
+import torch, transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+torch.manual_seed(0)
+job = torch.load(sys.argv[1])
+out = {"version": transformers.__version__, "exports": []}
+for export in job["exports"]:
+    config = AutoConfig.from_pretrained(export["dir"], trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(export["dir"], trust_remote_code=True).eval()
+    tok = AutoTokenizer.from_pretrained(export["dir"], trust_remote_code=True)
+    res = {"config": {k: getattr(config, k) for k in export["fields"]}}
+    with torch.no_grad():
+        ids = job["tokens"]
+        res["logits"] = {t: model(ids, num_steps=t).logits for t in job["depths"]}
+        res["default_depth"] = model(ids).logits
+        res["by_depth"] = model(ids, readout_depths=[1, 4]).logits_by_depth
+        res["loss"] = model(ids, labels=ids, num_steps=4).loss
+        batch = tok(job["prompts"], return_tensors="pt", padding=True)
+        res["padded_ids"], res["padded_mask"] = batch.input_ids, batch.attention_mask
+        res["padded_logits"] = model(**batch, num_steps=4).logits
+        res["generated_batch"] = model.generate(**batch, num_steps=job["steps"], do_sample=False,
+                                                max_new_tokens=job["new_tokens"])
+        res["generated_alone"] = [model.generate(**tok([p], return_tensors="pt"), do_sample=False,
+                                                 num_steps=job["steps"],
+                                                 max_new_tokens=job["new_tokens"])[0]
+                                  for p in job["prompts"]]
+    res["encoded"] = [tok(t, add_special_tokens=False).input_ids for t in job["texts"]]
+    res["encoded_special"] = [tok(t).input_ids for t in job["texts"]]
+    res["decoded"] = [tok.decode(i) for i in res["encoded"]]
+    res["decoded_skip"] = [tok.decode(i, skip_special_tokens=True) for i in res["encoded_special"]]
+    out["exports"].append(res)
+torch.save(out, sys.argv[2])
+assert not any(m.split(".")[0] == "scse_dist" for m in sys.modules)
+"""
+
+
+def _relative_imports(path: Path) -> set[str]:
+    """transformers' own rule (dynamic_module_utils.get_relative_imports): `from .NAME import`."""
+    return set(re.findall(r"^\s*from\s+\.(\S+)\s+import", path.read_text(), flags=re.MULTILINE))
+
+
+def _source(name: str) -> Path:
+    return HERE / f"{name}.py" if (HERE / f"{name}.py").is_file() else MODEL_PACKAGE / f"{name}.py"
+
+
+def test_remote_files_import_every_module_they_reach():
+    # transformers 4.57 copies only a remote file's own relative imports into its module cache but
+    # needs every module they reach; each of them must sit in the export as a flat module.
+    for name in ("modeling_scse", "configuration_scse"):
+        direct = _relative_imports(_source(name))
+        reached, todo = set(), set(direct)
+        while todo:
+            module = todo.pop()
+            assert _source(module).is_file(), f"{name} reaches .{module}, which is no flat module"
+            reached.add(module)
+            todo |= _relative_imports(_source(module)) - reached
+        assert reached <= direct, f"{name}.py must import {sorted(reached - direct)} itself"
+
+
+def _export(root: Path, tokenizer: str, **model) -> Path:
+    cfg = config_from_dict({"name": "hf", "data": {"seq_len": 64},
+                            "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2,
+                                      "ffn_hidden": 64, "max_seq_len": 64, "depth": 3, **model}})
+    torch.manual_seed(0)
+    return Path(save_exported_model(LoopedLM(cfg.model).state_dict(), cfg, str(root),
+                                    tokenizer=tokenizer))
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, tiny_data) -> list[Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return [_export(root / "scse", tiny_data["tokenizer"], n_core=2),
+            _export(root / "additive", tiny_data["tokenizer"], recurrence="additive",
+                    residual="preln", tie_embeddings=False)]
+
+
+def test_export_writes_the_remote_code_and_config(exports):
+    path = exports[0]
+    _, cfg = load_exported_model(path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "scse" and config["auto_map"] == {
+        "AutoConfig": "configuration_scse.ScseConfig",
+        "AutoModelForCausalLM": "modeling_scse.ScseForCausalLM",
+        "AutoTokenizer": ["tokenization_scse.ScseTokenizer", None]}
+    assert {k: config[k] for k in dataclasses.asdict(cfg.model)} == dataclasses.asdict(cfg.model)
+    eos = Tokenizer.load(str(path / "tokenizer.model")).eos_id
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (eos,) * 3
+    for source in [HERE / n for n in REMOTE_CODE] + sorted(MODEL_PACKAGE.glob("*.py")):
+        copy = path / source.name
+        assert copy.is_file() != (source.name == "__init__.py"), source.name
+        assert source.name == "__init__.py" or copy.read_bytes() == source.read_bytes()
+
+
+def _native(path: Path, tokens: torch.Tensor, tokenizer: Tokenizer) -> dict:
+    """What the HF side must reproduce, from scse-dist's own model and tokenizer."""
+    model, _ = load_exported_model(path)
+    out: dict = {"prompt_ids": [[tokenizer.eos_id, *tokenizer.encode(p)] for p in PROMPTS]}
+    with torch.no_grad():
+        out["logits"] = {t: model(tokens, depth=t).logits for t in DEPTHS}
+        out["default_depth"] = model(tokens).logits
+        logits = model(tokens, depth=4).logits
+        out["loss"] = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                        tokens[:, 1:].flatten())
+        out["alone_logits"] = [model(torch.tensor([ids]), depth=4).logits[0]
+                               for ids in out["prompt_ids"]]
+        out["greedy"] = []
+        for ids in out["prompt_ids"]:  # greedy, the whole sequence recomputed each token
+            seq = torch.tensor([ids])
+            for _ in range(NEW_TOKENS):
+                nxt = model(seq, depth=GENERATE_STEPS).logits[:, -1].argmax(-1, keepdim=True)
+                seq = torch.cat([seq, nxt], dim=1)
+            out["greedy"].append(seq[0, len(ids):])
+    return out
+
+
+def _transformers_variants() -> list:
+    installed = pytest.param(None, id="installed", marks=pytest.mark.skipif(
+        importlib.util.find_spec("transformers") is None, reason="transformers is not installed"))
+    tf457 = os.environ.get("SCSE_TF457_PATH")
+    other = pytest.param(tf457, id="tf457", marks=pytest.mark.skipif(
+        not tf457, reason="set SCSE_TF457_PATH to a dir holding transformers 4.57 (see docstring)"))
+    return [installed, other]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transformers_path", _transformers_variants())
+def test_transformers_loads_the_export_without_scse_dist(exports, tiny_data, tmp_path,
+                                                         transformers_path):
+    tokenizer = Tokenizer.load(tiny_data["tokenizer"])
+    tokens = torch.randint(3, TINY_VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
+    copies = []
+    for path in exports:  # the export copied to a new place, loaded from there
+        copies.append(tmp_path / "elsewhere" / path.name)
+        shutil.copytree(path, copies[-1])
+    job = {"exports": [{"dir": str(c), "fields": ["depth", "recurrence", "d_model"]}
+                       for c in copies],
+           "tokens": tokens, "depths": DEPTHS, "prompts": PROMPTS, "texts": TEXTS,
+           "steps": GENERATE_STEPS, "new_tokens": NEW_TOKENS}
+    torch.save(job, tmp_path / "job.pt")
+    (tmp_path / "cwd").mkdir()
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HOME": str(tmp_path / "hf_home"),
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if transformers_path:
+        env["PYTHONPATH"] = transformers_path
+    run = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "job.pt"),
+                          str(tmp_path / "out.pt")], cwd=tmp_path / "cwd", env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    hf = torch.load(tmp_path / "out.pt")
+    assert hf["version"].startswith("4.57") if transformers_path else hf["version"]
+    print(f"transformers {hf['version']}")
+    for path, res in zip(exports, hf["exports"]):
+        native, (_, cfg) = _native(path, tokens, tokenizer), load_exported_model(path)
+        assert res["config"] == {"depth": 3, "recurrence": cfg.model.recurrence, "d_model": 32}
+        for t in DEPTHS:
+            diff = (res["logits"][t] - native["logits"][t]).abs().max().item()
+            print(f"{path.name} depth {t}: max |HF - native| logit = {diff:.2e}")
+            assert diff <= 1e-5, (path.name, t, diff)
+        assert torch.allclose(res["default_depth"], native["default_depth"], atol=1e-5, rtol=0)
+        assert sorted(res["by_depth"]) == [1, 4]
+        for t, logits in res["by_depth"].items():
+            assert torch.allclose(logits, native["logits"][t], atol=1e-5, rtol=0)
+        assert torch.allclose(res["loss"], native["loss"], atol=1e-6, rtol=0)
+        # the tokenizer: scse-dist's ids and text; a prompt starts after an EOS, as in training
+        assert res["encoded"] == [tokenizer.encode(t) for t in TEXTS]
+        assert res["encoded_special"] == [[tokenizer.eos_id, *tokenizer.encode(t)] for t in TEXTS]
+        assert res["decoded"] == res["decoded_skip"] == TEXTS
+        # left padding: each row's real tokens give the logits that sequence has alone
+        width = res["padded_ids"].shape[1]
+        for row, ids in enumerate(native["prompt_ids"]):
+            assert res["padded_ids"][row, width - len(ids):].tolist() == ids
+            assert res["padded_mask"][row].sum().item() == len(ids)
+            diff = (res["padded_logits"][row, width - len(ids):] - native["alone_logits"][row])
+            print(f"{path.name} padded row {row}: max logit diff = {diff.abs().max().item():.2e}")
+            assert diff.abs().max().item() <= 1e-5
+        # greedy generate at num_steps=8 == native greedy, batched (left-padded) and alone
+        for row, (ids, want) in enumerate(zip(native["prompt_ids"], native["greedy"])):
+            assert res["generated_batch"][row, width:].tolist() == want.tolist()
+            assert res["generated_alone"][row][len(ids):].tolist() == want.tolist()
