@@ -1,7 +1,7 @@
 """An export loads in Hugging Face transformers as remote code, without scse-dist, and gives the
 native model's numbers: logits at depths 1, 4, 32 (fp32, 1e-5), a left-padded batch equal to each
 sequence alone, the tokenizer's ids and text equal to scse-dist's, greedy generation equal to the
-native model's (recomputed each token).
+native model's (recomputed each token); and what save_pretrained writes loads back the same.
 
 The transformers side runs in a subprocess whose cwd is a temp dir, with scse_dist blocked from
 import and the export copied to a new place. It runs with the installed transformers (CI: 5.x)
@@ -74,6 +74,15 @@ for export in job["exports"]:
     res["encoded_special"] = [tok(t).input_ids for t in job["texts"]]
     res["decoded"] = [tok.decode(i) for i in res["encoded"]]
     res["decoded_skip"] = [tok.decode(i, skip_special_tokens=True) for i in res["encoded_special"]]
+    # save_pretrained writes transformers' own layout (`model.`-prefixed names); it loads back
+    model.save_pretrained(export["dir"] + "-resaved")
+    tok.save_pretrained(export["dir"] + "-resaved")
+    again = AutoModelForCausalLM.from_pretrained(export["dir"] + "-resaved", trust_remote_code=True)
+    tok_again = AutoTokenizer.from_pretrained(export["dir"] + "-resaved", trust_remote_code=True)
+    with torch.no_grad():
+        res["resaved_equal"] = torch.equal(again(job["tokens"], num_steps=4).logits,
+                                           res["logits"][4])
+    res["resaved_encoded"] = [tok_again(t).input_ids for t in job["texts"]]
     out["exports"].append(res)
 torch.save(out, sys.argv[2])
 assert not any(m.split(".")[0] == "scse_dist" for m in sys.modules)
@@ -211,6 +220,7 @@ def test_transformers_loads_the_export_without_scse_dist(exports, tiny_data, tmp
         assert res["encoded"] == [tokenizer.encode(t) for t in TEXTS]
         assert res["encoded_special"] == [[tokenizer.eos_id, *tokenizer.encode(t)] for t in TEXTS]
         assert res["decoded"] == res["decoded_skip"] == TEXTS
+        assert res["resaved_equal"] and res["resaved_encoded"] == res["encoded_special"]
         # left padding: each row's real tokens give the logits that sequence has alone
         width = res["padded_ids"].shape[1]
         for row, ids in enumerate(native["prompt_ids"]):
