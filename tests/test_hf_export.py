@@ -70,6 +70,13 @@ for export in job["exports"]:
                                                  num_steps=job["steps"],
                                                  max_new_tokens=job["new_tokens"])[0]
                                   for p in job["prompts"]]
+        class FilledCache:  # any Cache with tokens in it: the model has no cache to use it with
+            def get_seq_length(self):
+                return 3
+        try:
+            model(ids[:, -1:], past_key_values=FilledCache())
+        except ValueError as exc:
+            res["cache_refused"] = str(exc)
     res["encoded"] = [tok(t, add_special_tokens=False).input_ids for t in job["texts"]]
     res["encoded_special"] = [tok(t).input_ids for t in job["texts"]]
     res["decoded"] = [tok.decode(i) for i in res["encoded"]]
@@ -216,6 +223,7 @@ def test_transformers_loads_the_export_without_scse_dist(exports, tiny_data, tmp
         for t, logits in res["by_depth"].items():
             assert torch.allclose(logits, native["logits"][t], atol=1e-5, rtol=0)
         assert torch.allclose(res["loss"], native["loss"], atol=1e-6, rtol=0)
+        assert "has no KV cache yet" in res["cache_refused"]
         # the tokenizer: scse-dist's ids and text; a prompt starts after an EOS, as in training
         assert res["encoded"] == [tokenizer.encode(t) for t in TEXTS]
         assert res["encoded_special"] == [[tokenizer.eos_id, *tokenizer.encode(t)] for t in TEXTS]
