@@ -254,10 +254,10 @@ def test_plots_are_pngs_and_the_flops_axis_counts_scse_extra_call(comparison):
 
 
 def test_the_study_is_logged_to_wandb_as_one_group(comparison, tmp_path, monkeypatch):
-    import scse_dist.eval.report as eval_report
+    import scse_dist.eval.results as eval_results
 
     calls = []
-    monkeypatch.setattr(eval_report, "log_to_wandb", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(eval_results, "log_to_wandb", lambda *a, **k: calls.append((a, k)))
     assert write_study_report(comparison, tmp_path / "w") == tmp_path / "w" / "report.md"  # offline
     (results, cfg), kwargs = calls[0][0], calls[0][1]
     assert len(calls) == 1 and kwargs["group"] == "cmp" and cfg.mode == "offline"

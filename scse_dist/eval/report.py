@@ -12,23 +12,15 @@ axes (an untied model is a single point at its fixed depth).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scse_dist.cli_errors import InputError, cli_main
+from scse_dist.cli_errors import cli_main
+from scse_dist.eval.results import (REPORT_METRICS, TASK_ORDER, eval_dir, log_to_wandb,
+                                     read_results)
 
-# Metrics shown per task, headline first (the headline is the one plotted).
-REPORT_METRICS = {"heldout": ("ppl",), "wikitext": ("word_ppl", "ppl", "bits_per_byte"),
-                  "lambada": ("accuracy", "ppl"),
-                  "diagnose": ("deviation_norm", "motion_norm", "bias_norm")}
-TASK_ORDER = tuple(REPORT_METRICS)
 REPORT_NAME, PLOT_NAME = "report.md", "frontier.png"
-
-
-def eval_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "eval"
 
 
 def collect(run_dirs: Sequence[str | Path]) -> list[dict]:
@@ -37,7 +29,7 @@ def collect(run_dirs: Sequence[str | Path]) -> list[dict]:
     for run_dir in run_dirs:
         found = []
         for f in sorted(eval_dir(run_dir).glob("*.json")):
-            data = _read_results(f)
+            data = read_results(f)
             if data is not None:
                 found.append(data)
         if not found:
@@ -50,25 +42,6 @@ def collect(run_dirs: Sequence[str | Path]) -> list[dict]:
             data["_label"] = label
         results += sorted(found, key=lambda d: TASK_ORDER.index(d["task"]))
     return results
-
-
-def _read_results(path: Path) -> Optional[dict]:
-    """A results JSON (scse_dist.eval.results) checked enough to report; None for other JSON."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not a results JSON (not UTF-8 text: byte {exc.object[exc.start]:#04x} "
-                         f"at offset {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not a results JSON ({exc.msg} at line {exc.lineno})") from None
-    if not (isinstance(data, dict) and data.get("task") in REPORT_METRICS and "results" in data):
-        return None  # e.g. scheduled.json
-    rows = data["results"]
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("depth"), int)
-                                             for r in rows):
-        raise InputError(f"{path}: field 'results' must be a list of objects with an integer "
-                         "'depth' (rewrite it with scse-eval)")
-    return data
 
 
 def _fmt(value: Any) -> str:
@@ -117,26 +90,6 @@ def frontier_plot(results: list[dict], path: str | Path) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
-
-
-def log_to_wandb(results: list[dict], wandb_cfg: Any, name: str, group: str, out_dir: str | Path,
-                 images: Optional[dict[str, str]] = None) -> None:
-    """The table's numbers (and any PNGs, by title) as one wandb run (job_type eval) in `group`."""
-    import wandb
-
-    run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, group=group, name=name,
-                     job_type="eval", mode=wandb_cfg.mode, dir=str(out_dir), reinit=True)
-    table = wandb.Table(columns=["run", "task", "metric", "depth", "value"])
-    summary = {}
-    for d in results:
-        for r in d["results"]:
-            for metric in REPORT_METRICS[d["task"]]:
-                if r.get(metric) is not None:
-                    table.add_data(d["_label"], d["task"], metric, r["depth"], r[metric])
-                    summary[f"{d['task']}/{metric}@T{r['depth']}"] = r[metric]
-    pictures = {f"eval/{title}": wandb.Image(str(path)) for title, path in (images or {}).items()}
-    run.log({"eval/results": table, **summary, **pictures})
-    run.finish()
 
 
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, wandb_cfg: Any = None,

@@ -14,9 +14,10 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from scse_dist.atomic import atomic_write_text
+from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, config_to_dict
 
 def _finite_or_none(value: Any) -> Any:
@@ -27,6 +28,13 @@ def _finite_or_none(value: Any) -> Any:
     if isinstance(value, list):
         return [_finite_or_none(v) for v in value]
     return value
+
+# Metrics shown per task, headline first (the headline is the one plotted).
+REPORT_METRICS = {"heldout": ("ppl",), "wikitext": ("word_ppl", "ppl", "bits_per_byte"),
+                  "lambada": ("accuracy", "ppl"),
+                  "diagnose": ("deviation_norm", "motion_norm", "bias_norm")}
+TASK_ORDER = tuple(REPORT_METRICS)
+
 
 
 def write_results(path: str | os.PathLike, task: str, checkpoint: str, cfg: RunConfig,
@@ -69,3 +77,46 @@ def format_table(rows: Sequence[dict], metrics: Sequence[str] = ("ppl", "loss"))
 
     rule = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
     return "\n".join([fmt(header), rule, *(fmt(line) for line in body)])
+
+
+def eval_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "eval"
+
+
+def read_results(path: Path) -> Optional[dict]:
+    """A results JSON (scse_dist.eval.results) checked enough to report; None for other JSON."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not a results JSON (not UTF-8 text: byte {exc.object[exc.start]:#04x} "
+                         f"at offset {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not a results JSON ({exc.msg} at line {exc.lineno})") from None
+    if not (isinstance(data, dict) and data.get("task") in REPORT_METRICS and "results" in data):
+        return None  # e.g. scheduled.json
+    rows = data["results"]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("depth"), int)
+                                             for r in rows):
+        raise InputError(f"{path}: field 'results' must be a list of objects with an integer "
+                         "'depth' (rewrite it with scse-eval)")
+    return data
+
+
+def log_to_wandb(results: list[dict], wandb_cfg: Any, name: str, group: str, out_dir: str | Path,
+                 images: Optional[dict[str, str]] = None) -> None:
+    """The table's numbers (and any PNGs, by title) as one wandb run (job_type eval) in `group`."""
+    import wandb
+
+    run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, group=group, name=name,
+                     job_type="eval", mode=wandb_cfg.mode, dir=str(out_dir), reinit=True)
+    table = wandb.Table(columns=["run", "task", "metric", "depth", "value"])
+    summary = {}
+    for d in results:
+        for r in d["results"]:
+            for metric in REPORT_METRICS[d["task"]]:
+                if r.get(metric) is not None:
+                    table.add_data(d["_label"], d["task"], metric, r["depth"], r[metric])
+                    summary[f"{d['task']}/{metric}@T{r['depth']}"] = r[metric]
+    pictures = {f"eval/{title}": wandb.Image(str(path)) for title, path in (images or {}).items()}
+    run.log({"eval/results": table, **summary, **pictures})
+    run.finish()

@@ -23,7 +23,7 @@ import yaml
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, config_from_dict, load_config
-from scse_dist.eval.report import _read_results, eval_dir
+from scse_dist.eval.results import eval_dir, read_results
 
 
 # scse-study scores each LR sweep run into eval/validation.json (task heldout, validation data):
@@ -144,7 +144,7 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
         if f.name == VALIDATION_NAME:  # a sweep run's score on the validation split: not a result
             continue
         try:
-            data = _read_results(f)
+            data = read_results(f)
         except InputError as exc:
             run.missing = f"unreadable results: {exc}"
             run.results = {}

@@ -86,7 +86,7 @@ def _count_entropy(data_path: str, vocab_size: int, max_tokens: int) -> UnigramE
 
 def headline_by_depth(run: StudyRun) -> tuple[Optional[str], dict[int, float]]:
     """(task, {depth: metric}) of the first task with results among heldout, wikitext, lambada."""
-    from scse_dist.eval.report import REPORT_METRICS
+    from scse_dist.eval.results import REPORT_METRICS
 
     for task in ("heldout", "wikitext", "lambada"):
         if task in run.results:

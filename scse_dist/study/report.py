@@ -289,7 +289,7 @@ class StudyReport:
 
 def _log_to_wandb(report: StudyReport, out: Path, mode: str, images: dict[str, str]) -> None:
     from scse_dist.config import WandbConfig
-    from scse_dist.eval.report import log_to_wandb
+    from scse_dist.eval.results import log_to_wandb
 
     # The per-variant means in the single-run report's shape: one row per (variant, task).
     results = [{"_label": variant, "task": task,
