@@ -22,11 +22,11 @@ import yaml
 
 from scse_dist.atomic import atomic_write_text
 from scse_dist.config import config_to_dict
-from scse_dist.export import WEIGHTS_NAME
 from scse_dist.study.spec import Run, StudySpec, expand, run_config
 
 SPEC_NAME, RUNS_NAME, LR_CHOICE_NAME = "study.yaml", "runs.json", "lr_choice.json"
 VALIDATION_NAME = "validation.json"  # a sweep run's score: eval/validation.json
+WEIGHTS_NAME = "model.safetensors"  # scse_dist.export.WEIGHTS_NAME; importing it would load torch
 
 
 class StudyError(RuntimeError):
