@@ -141,3 +141,16 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
     assert again.stdout.count("done, skipped") == 2 and again.stdout.count("resuming") == 1
     assert "resumed" in again.stdout + again.stderr  # the trainer resumed the step-4 checkpoint
     assert (d / "scse/seed1/export/model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name, variants, sweep, final", [("repro-cpu", 9, 18, 27),
+                                                         ("gpt2-small", 9, 27, 27)])
+def test_shipped_study_specs_parse_and_expand(name, variants, sweep, final):
+    spec = load_spec(REPO_ROOT / "configs" / "studies" / f"{name}.yaml")
+    assert len(spec.variants) == variants and "untied" in spec.variants
+    assert {"scse-preln", "scse-deeploop", "additive-preln", "additive-deeploop"} <= set(spec.variants)
+    stages = [r.stage for r in expand(spec)]
+    assert (stages.count("sweep"), stages.count("final")) == (sweep, final)
+    assert spec.evals.depths[-1] == (48 if name == "gpt2-small" else 32)
+    assert spec.evals.tasks == ["heldout", "wikitext", "lambada"]
+    assert not set(spec.lr.validation.split("/")) & {"wiki.valid.raw", "lambada-dev.txt"}
