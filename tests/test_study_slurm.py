@@ -118,3 +118,39 @@ def test_slurm_study_array_capped_failure_named_and_report_after(slurm_cluster, 
             assert report["JobState"] == "COMPLETED", report_out
         text = (d / "report.md").read_text()
         assert "broken" in text and "additive" in text, text
+
+
+def test_slurm_two_stage_lr_sweep_submits_stage_two_after_the_choice(slurm_cluster, tmp_path,
+                                                                     tiny_config, user_env):
+    from conftest import tiny_documents
+
+    base = tiny_config(tmp_path, "train.max_steps=3", "train.checkpoint_every=3")
+    (tmp_path / "valid.txt").write_text("\n\n".join(tiny_documents(6, seed=3)))
+    spec = {"name": "two", "out": str(tmp_path / "studies"), "base": base,
+            "variants": {"scse": {"overrides": {}}}, "seeds": [4],
+            "lr": {"values": [1e-4, 3e-3], "validation": str(tmp_path / "valid.txt")},
+            "evals": {"tasks": ["heldout"], "depths": [1]}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    env = dict(user_env, WANDB_MODE="disabled")
+    for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_ARRAY_TASK_ID"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "-m", "scse_dist.study.cli", str(path), "--slurm",
+                          "--max-parallel", "2", "--sbatch-args",
+                          "--nodes=1 --ntasks-per-node=1 --cpus-per-task=1 --gpus-per-node=0 --time=10"],
+                         capture_output=True, text=True, cwd=REPO_ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    d = tmp_path / "studies" / "two"
+    sweep = json.loads((d / "slurm" / "sweep.json").read_text())
+    assert len(sweep["runs"]) == 2 and not (d / "lr_choice.json").exists()
+    assert wait_final(sweep["next"], timeout_s=240)["JobState"] == "COMPLETED"  # stage-2 submit job
+    # the sweep runs scheduled no evaluation jobs of their own; the stage-2 job scored them
+    assert not list(d.glob("scse/lr*/seed0/eval/scheduled.json"))
+    choice = json.loads((d / "lr_choice.json").read_text())["scse"]
+    assert set(choice["scores"]) == {"0.0001", "0.003"} and choice["failed"] == []
+    final = json.loads((d / "slurm" / "final.json").read_text())
+    assert final["runs"] == [str(d / "scse" / "seed4")]
+    assert wait_final(final["next"], timeout_s=240)["JobState"] == "COMPLETED"
+    cfg = yaml.safe_load((d / "scse" / "seed4" / "config.yaml").read_text())
+    assert cfg["train"]["lr"] == choice["lr"] and cfg["train"]["seed"] == 4
+    assert (d / "scse" / "seed4" / "export" / "model.safetensors").is_file()
