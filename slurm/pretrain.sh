@@ -29,6 +29,11 @@
 #SBATCH --error=slurm-%x-%j.err
 set -euo pipefail
 
+# Job arrays (scse-study): `sbatch --array=0-N%P slurm/pretrain.sh --config-list LIST`, where
+# line i+1 of LIST is the config of array task i.
+if [ "${1:-}" = "--config-list" ]; then
+  set -- "$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" "${2:?usage: --config-list FILE}")" "${@:3}"
+fi
 CONFIG=${1:?usage: sbatch slurm/pretrain.sh CONFIG [key.sub=value ...]}
 shift
 REQUEUE_EXIT_CODE=75  # scse_dist.train.faults: preempted, checkpoint saved, rerun to resume

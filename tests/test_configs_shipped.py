@@ -23,7 +23,8 @@ from conftest import TINY_VOCAB
 from scse_dist.config import RunConfig, config_to_dict, load_config
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml"))  # DeepSpeed presets are JSON
+# DeepSpeed presets are JSON; configs/studies/ holds study specs (tests/test_study.py), not runs.
+CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "studies" not in p.parts)
 MIN_STEPS = 3
 
 # The size of each shrunk field: a config keeps its own value where it is already at most this.

@@ -204,7 +204,19 @@ RUN = [
 
 ENVIRONMENT = "sets up the environment this test runs in"
 SLURM = "needs a Slurm cluster; tests/test_slurm_e2e.py submits slurm/*.sh to a real local Slurm"
+STUDY = ("a study trains dozens of runs (minutes to days); tests/test_study.py runs --dry-run and "
+         "--local on tiny specs, tests/test_study_slurm.py --slurm, and parses both shipped specs")
+SHARED = "reads ../shared/data, which the project's tests must not depend on"
 NOT_RUN = {
+    "scse-study configs/studies/repro-cpu.yaml --dry-run": STUDY,
+    "scse-study configs/studies/repro-cpu.yaml --local": STUDY,
+    "scse-study configs/studies/gpt2-small.yaml --slurm --max-parallel 4": STUDY,
+    "scse-data tokenizer --input ../shared/data/webtext/c4_en_train00000_first1000.jsonl --vocab-size 4096 --out data/webtext/tokenizer.model": SHARED,
+    "scse-data shards --input ../shared/data/webtext/c4_en_train00000_first1000.jsonl --tokenizer data/webtext/tokenizer.model --out data/webtext/shards --heldout-fraction 0.05": SHARED,
+    "mkdir -p data/eval": SHARED,
+    "head -c 50000 ../shared/data/webtext/openwebtext_sample.txt > data/eval/owt-valid.txt": SHARED,
+    "head -c 20000 ../shared/data/wikitext-2-raw/wiki.valid.raw > data/eval/wiki.valid.raw": SHARED,
+    "head -n 100 ../shared/data/lambada/lambada_development_plain_text.txt > data/eval/lambada-dev.txt": SHARED,
     "python3 -m venv .venv": ENVIRONMENT,
     ". .venv/bin/activate": ENVIRONMENT,
     "pip install torch==2.13.0 setuptools wheel": ENVIRONMENT,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,10 @@ def schedule_evals(cfg: RunConfig, train_job: str) -> list[str]:
         return []
     import submitit
 
+    # From an array task (scse-study), sbatch would hand the eval jobs this task's SLURM_ARRAY_*
+    # variables, and submitit in them would look for its files under the array task's id.
+    for key in [k for k in os.environ if k.startswith("SLURM_ARRAY_")]:
+        del os.environ[key]
     e = cfg.eval
     executor = submitit.AutoExecutor(folder=str(run_dir / "slurm" / "%j"), cluster="slurm")
     params = dict(timeout_min=e.slurm_time_min, cpus_per_task=e.slurm_cpus, nodes=1,

@@ -1,0 +1,114 @@
+"""A study on disk: the layout the runners write and the report reads, run status, LR choice.
+
+    <out>/<study>/study.yaml        the resolved spec (variants expanded, base path resolved)
+    <out>/<study>/runs.json         [{"variant", "seed", "lr", "stage", "run_dir", "config",
+                                      "overrides"}, ...]: every run known so far
+    <out>/<study>/lr_choice.json    {variant: {"lr", "scores": {lr: loss}, "failed": [...], ...}}
+    <out>/<study>/<variant>/seed<k>/             a final run (stage 2)
+    <out>/<study>/<variant>/lr<value>/seed<k>/   an LR sweep run (stage 1)
+
+Each run dir holds `config.yaml` (its resolved RunConfig, written before training) and what the
+trainer writes there: metrics.jsonl, checkpoints/, export/, eval/<task>.json. A run is done when
+its export and every evaluation of its stage exist (a sweep run: eval/validation.json).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import yaml
+
+from scse_dist.atomic import atomic_write_text
+from scse_dist.config import config_to_dict
+from scse_dist.study.spec import Run, StudySpec, expand, run_config
+
+SPEC_NAME, RUNS_NAME, LR_CHOICE_NAME = "study.yaml", "runs.json", "lr_choice.json"
+VALIDATION_NAME = "validation.json"  # a sweep run's score: eval/validation.json
+WEIGHTS_NAME = "model.safetensors"  # scse_dist.export.WEIGHTS_NAME; importing it would load torch
+
+
+class StudyError(RuntimeError):
+    """The study cannot go on (e.g. every LR sweep run of a variant failed)."""
+
+
+def evals_of(spec: StudySpec, run: Run) -> list[str]:
+    """The eval/<name>.json files a run must have to count as done."""
+    return [VALIDATION_NAME] if run.stage == "sweep" else [f"{t}.json" for t in spec.evals.tasks]
+
+
+def status(spec: StudySpec, run: Run) -> str:
+    """done (export and evaluations exist), partial (something was started), or new."""
+    d = Path(run.run_dir)
+    if (d / "export" / WEIGHTS_NAME).is_file() and \
+            all((d / "eval" / name).is_file() for name in evals_of(spec, run)):
+        return "done"
+    started = (d / "metrics.jsonl").is_file() or (d / "checkpoints").is_dir() or (d / "export").is_dir()
+    return "partial" if started else "new"
+
+
+def read_choice(spec: StudySpec) -> dict[str, float] | None:
+    path = spec.study_dir / LR_CHOICE_NAME
+    if not spec.lr or not path.is_file():
+        return None
+    return {v: c["lr"] for v, c in json.loads(path.read_text()).items()}
+
+
+def write_study(spec: StudySpec, stage: str) -> list[Run]:
+    """Write study.yaml, each run's config.yaml and runs.json for `stage` (and the stages before
+    it); returns the stage's runs. Final runs need the LR choice first when the spec sweeps."""
+    chosen = read_choice(spec)
+    d = spec.study_dir
+    d.mkdir(parents=True, exist_ok=True)
+    resolved = dataclasses.asdict(spec)
+    resolved["pairs"] = [list(p) for p in spec.pairs]
+    atomic_write_text(d / SPEC_NAME, yaml.safe_dump(resolved, sort_keys=False))
+    known = expand(spec, chosen, ("sweep",) if stage == "sweep" else ("sweep", "final"))
+    for run in known:
+        cfg = run_config(spec, run)
+        Path(run.run_dir).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run.config, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    atomic_write_text(d / RUNS_NAME, json.dumps([r.record() for r in known], indent=2) + "\n")
+    return [r for r in known if r.stage == stage]
+
+
+def evaluate_validation(spec: StudySpec, run: Run) -> float | None:
+    """The sweep score of a run: loss on `lr.validation` at the training depth (None: no export).
+    Computed once into eval/validation.json."""
+    out = Path(run.run_dir) / "eval" / VALIDATION_NAME
+    if not out.is_file():
+        if not (Path(run.run_dir) / "export" / WEIGHTS_NAME).is_file():
+            return None
+        from scse_dist.eval.loading import load_model
+        from scse_dist.eval.tasks import run_task
+
+        model, cfg = load_model(Path(run.run_dir) / "export")
+        run_task("heldout", model, cfg, spec.lr.validation, [cfg.model.depth], str(out),
+                 checkpoint_label=f"{run.run_dir}@export (validation)",
+                 max_batches=cfg.eval.max_batches)
+    loss = json.loads(out.read_text())["results"][0]["loss"]
+    return loss if loss is not None else float("inf")  # a diverged run loses the choice
+
+
+def choose_lrs(spec: StudySpec) -> dict[str, float]:
+    """Each variant's rate: the lowest validation loss over its sweep runs, at the training depth.
+    Writes lr_choice.json; StudyError when a variant has no sweep run that finished."""
+    choice, missing = {}, []
+    for variant in spec.variants:
+        runs = [r for r in expand(spec, None, ("sweep",)) if r.variant == variant]
+        scores = {r.lr: evaluate_validation(spec, r) for r in runs}
+        done = {lr: s for lr, s in scores.items() if s is not None}
+        if not done:
+            missing.append(variant)
+            continue
+        best = min(done, key=done.get)
+        choice[variant] = {"lr": best, "scores": {f"{lr:g}": s for lr, s in scores.items()},
+                           "failed": [r.run_dir for r in runs if scores[r.lr] is None],
+                           "metric": "loss on lr.validation at model.depth",
+                           "validation": spec.lr.validation}
+    if missing:
+        raise StudyError(f"no LR sweep run finished for variant(s) {', '.join(missing)}; see "
+                         f"{spec.study_dir}/<variant>/lr*/ and rerun the study")
+    atomic_write_text(spec.study_dir / LR_CHOICE_NAME, json.dumps(choice, indent=2) + "\n")
+    return {v: c["lr"] for v, c in choice.items()}

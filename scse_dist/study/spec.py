@@ -1,0 +1,310 @@
+"""A study spec (YAML) and its expansion into runs.
+
+    name: repro-cpu            # the study dir is <out>/<name>
+    out: studies
+    base: ../repro-cpu-base.yaml   # a run config, relative to this file (may use `base:` itself)
+    overrides: {data.path: ...}    # dotted keys laid on every run
+    variants:                      # name -> the overrides that make it
+      scse: {overrides: {model.recurrence: scse}}
+      additive: {overrides: {model.recurrence: additive}}
+    seeds: [0, 1, 2]
+    axes:                          # multiplied out; `variants:` limits an axis to some variants
+      model.residual: {values: [preln, deeploop], variants: [scse, additive]}
+    lr: {values: [1e-3, 3e-3], seed: 0, steps: 300, validation: path/to/valid.jsonl}
+    pairs: [[scse-preln, additive-preln]]   # default: each variant against `additive*`
+    exclude_flagged: false
+    evals: {tasks: [heldout, wikitext], depths: [1, 2, 4], wikitext: ..., lambada: ...}
+
+A run is <study>/<variant>/seed<k>; with `lr`, stage 1 (sweep) runs <variant>/lr<value>/seed<k>
+at `lr.seed`, scored on `lr.validation` (never a test set), and stage 2 (final) trains every
+seed at the variant's chosen rate (<study>/lr_choice.json).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from scse_dist.config import ConfigError, RunConfig, _read_yaml, config_from_dict
+
+
+
+class SpecError(ConfigError):
+    """A study spec field is missing, mistyped or makes a run config that does not load; the
+    message names the field. A ConfigError: the commands exit 2 on it."""
+
+
+EVAL_TASKS = ("heldout", "wikitext", "lambada", "diagnose")
+
+
+@dataclass
+class LrSweep:
+    values: list[float]
+    validation: str  # a JSONL/text corpus or a shard dir: what the rate is chosen on
+    seed: int = 0
+    steps: int = 0  # 0: the run config's train.max_steps
+
+
+@dataclass
+class StudyEvals:
+    tasks: list[str] = field(default_factory=lambda: ["heldout"])
+    depths: list[int] = field(default_factory=lambda: [1, 2, 4])
+    wikitext: Optional[str] = None
+    lambada: Optional[str] = None
+
+
+@dataclass
+class Axis:
+    key: str
+    values: list[Any]
+    variants: list[str]  # empty: every variant
+
+
+@dataclass
+class StudySpec:
+    name: str
+    base: str  # resolved against the spec file's directory
+    variants: dict[str, dict[str, Any]]  # expanded variant name -> dotted overrides
+    seeds: list[int]
+    out: str = "studies"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    lr: Optional[LrSweep] = None
+    pairs: list[tuple[str, str]] = field(default_factory=list)
+    exclude_flagged: bool = False
+    evals: StudyEvals = field(default_factory=StudyEvals)
+    path: str = ""  # the spec file
+
+    @property
+    def study_dir(self) -> Path:
+        return Path(self.out) / self.name
+
+
+@dataclass
+class Run:
+    variant: str
+    seed: int
+    lr: Optional[float]  # None: stage-2 rate not chosen yet
+    stage: str  # "sweep" | "final"
+    run_dir: str
+    overrides: dict[str, Any]
+
+    @property
+    def config(self) -> str:
+        return str(Path(self.run_dir) / "config.yaml")
+
+    def record(self) -> dict:
+        return {"variant": self.variant, "seed": self.seed, "lr": self.lr, "stage": self.stage,
+                "run_dir": self.run_dir, "config": self.config, "overrides": self.overrides}
+
+
+# --------------------------------------------------------------------------- parsing
+
+def _need(values: dict, key: str, kind: type | tuple, where: str) -> Any:
+    if key not in values:
+        raise SpecError(f"{where + ': ' if where else ''}missing field {key!r}")
+    value = values[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise SpecError(f"{where + '.' if where else ''}{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def _check_keys(values: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(values) - allowed)
+    if unknown:
+        raise SpecError(f"{where + '.' if where else ''}{unknown[0]}: unknown field; known: {', '.join(sorted(allowed))}")
+
+
+def _suffix(key: str, value: Any) -> str:
+    return str(value) if isinstance(value, str) else f"{key.split('.')[-1]}{value}"
+
+
+def _expand_variants(variants: dict, axes: list[Axis]) -> dict[str, tuple[str, tuple, dict]]:
+    """{expanded name: (variant, axis-value suffixes, overrides)}, e.g. scse-deeploop."""
+    out: dict[str, tuple[str, tuple, dict]] = {}
+    for name, over in variants.items():
+        mine = [a for a in axes if not a.variants or name in a.variants]
+        for combo in itertools.product(*[a.values for a in mine]):
+            suffix = tuple(_suffix(a.key, v) for a, v in zip(mine, combo))
+            out["-".join([name, *suffix])] = (name, suffix, {**over, **{a.key: v for a, v in zip(mine, combo)}})
+    return out
+
+
+def _default_pairs(expanded: dict[str, tuple[str, tuple, dict]]) -> list[tuple[str, str]]:
+    """Each variant against `additive` with the same axis values (else the first additive one)."""
+    additive = {suffix: full for full, (name, suffix, _) in expanded.items() if name == "additive"}
+    if not additive:
+        return []
+    return [(full, additive.get(suffix, next(iter(additive.values()))))
+            for full, (name, suffix, _) in expanded.items() if name != "additive"]
+
+
+def parse_spec(values: Any, file: str = "<spec>") -> StudySpec:
+    """Check and expand a spec mapping; SpecError naming the field (`file: variants.x: ...`)."""
+    try:
+        return _parse(values, file)
+    except SpecError as exc:
+        msg = str(exc)
+        raise SpecError(msg if msg.startswith(file) else f"{file}: {msg}") from None
+
+
+def _parse(values: Any, file: str) -> StudySpec:
+    if not isinstance(values, dict):
+        raise SpecError("a study spec is a mapping at the top level")
+    _check_keys(values, {"name", "out", "base", "overrides", "variants", "seeds", "axes", "lr",
+                         "pairs", "exclude_flagged", "evals"}, "")
+    name = _need(values, "name", str, "")
+    if not name or "/" in name:
+        raise SpecError(f"name: a non-empty study name without '/', got {name!r}")
+    base = str(Path(file).parent / _need(values, "base", str, ""))
+    variants: dict[str, dict] = {}
+    for vname, body in _need(values, "variants", dict, "").items():
+        if not isinstance(body, dict) or set(body) - {"overrides"}:
+            raise SpecError(f"variants.{vname}: expected {{overrides: {{dotted.key: value}}}}")
+        over = body.get("overrides") or {}
+        if not isinstance(over, dict):
+            raise SpecError(f"variants.{vname}.overrides: expected a mapping")
+        variants[str(vname)] = over
+    if not variants:
+        raise SpecError("variants: name at least one variant")
+    seeds = values.get("seeds", [0])
+    if not isinstance(seeds, list) or not seeds or not all(type(s) is int for s in seeds) \
+            or len(set(seeds)) != len(seeds):
+        raise SpecError(f"seeds: a non-empty list of distinct integers, got {seeds!r}")
+    axes = []
+    for key, body in (values.get("axes") or {}).items():
+        body = body if isinstance(body, dict) else {"values": body}
+        _check_keys(body, {"values", "variants"}, f"axes.{key}")
+        vals, only = body.get("values"), body.get("variants") or []
+        if not isinstance(vals, list) or not vals:
+            raise SpecError(f"axes.{key}: a non-empty list of values, got {vals!r}")
+        stray = [v for v in only if v not in variants]
+        if stray:
+            raise SpecError(f"axes.{key}.variants: {stray[0]!r} is not a variant")
+        axes.append(Axis(str(key), vals, list(only)))
+    expanded = _expand_variants(variants, axes)
+    lr = None
+    if values.get("lr") is not None:
+        body = _need(values, "lr", dict, "")
+        _check_keys(body, {"values", "validation", "seed", "steps"}, "lr")
+        rates = body.get("values")
+        try:
+            rates = [float(r) for r in rates]  # YAML reads `3e-4` as a string
+        except (TypeError, ValueError):
+            raise SpecError(f"lr.values: a non-empty list of learning rates, got {rates!r}") from None
+        if not rates or any(r <= 0 for r in rates):
+            raise SpecError(f"lr.values: a non-empty list of positive rates, got {rates!r}")
+        validation = _need(body, "validation", str, "lr")
+        lr = LrSweep(rates, validation, int(body.get("seed", 0)), int(body.get("steps", 0)))
+    pairs = values.get("pairs")
+    if pairs is None:
+        pairs = _default_pairs(expanded)
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise SpecError(f"pairs[{i}]: expected [variant, baseline], got {pair!r}")
+        for v in pair:
+            if v not in expanded:
+                raise SpecError(f"pairs[{i}]: {v!r} is not a variant; known: {', '.join(expanded)}")
+    ev = values.get("evals") or {}
+    _check_keys(ev, {f.name for f in dataclasses.fields(StudyEvals)}, "evals")
+    evals = StudyEvals(**ev)
+    for task in evals.tasks:
+        if task not in EVAL_TASKS:
+            raise SpecError(f"evals.tasks: {task!r} is not one of {', '.join(EVAL_TASKS)}")
+    overrides = values.get("overrides") or {}
+    if not isinstance(overrides, dict):
+        raise SpecError(f"overrides: expected a mapping of dotted keys")
+    exclude = values.get("exclude_flagged", False)
+    if not isinstance(exclude, bool):
+        raise SpecError(f"exclude_flagged: expected true or false, got {exclude!r}")
+    spec = StudySpec(name=name, base=base, variants={k: v[2] for k, v in expanded.items()}, seeds=seeds,
+                     out=str(values.get("out", "studies")), overrides=overrides, lr=lr,
+                     pairs=[tuple(p) for p in pairs], exclude_flagged=exclude, evals=evals,
+                     path=file)
+    for run in expand(spec, chosen={v: 1e-3 for v in expanded}):  # every variant's config must load
+        run_config(spec, run)
+    return spec
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> StudySpec:
+    """Read a spec file; `key=value` overrides (top-level or `overrides.data.path=...`)."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"study spec {str(p)!r} does not exist")
+    try:
+        values = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise SpecError(f"study spec {p}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    for item in overrides or []:
+        key, _, raw = item.partition("=")
+        if not raw and "=" not in item:
+            raise SpecError(f"override {item!r}: expected key=value")
+        if key.startswith("overrides."):
+            values.setdefault("overrides", {})[key[len("overrides."):]] = yaml.safe_load(raw)
+        else:
+            values[key] = yaml.safe_load(raw)
+    return parse_spec(values, str(p))
+
+
+# --------------------------------------------------------------------------- expansion
+
+def expand(spec: StudySpec, chosen: dict[str, float] | None = None,
+           stages: tuple[str, ...] = ("sweep", "final")) -> list[Run]:
+    """Every run of the study. Final runs carry the chosen rate (None until it is chosen)."""
+    runs: list[Run] = []
+    d = spec.study_dir
+    for variant, over in spec.variants.items():
+        if spec.lr and "sweep" in stages:
+            for rate in spec.lr.values:
+                extra = {"train.lr": rate, "train.seed": spec.lr.seed}
+                if spec.lr.steps:
+                    extra["train.max_steps"] = spec.lr.steps
+                runs.append(Run(variant, spec.lr.seed, rate, "sweep",
+                                str(d / variant / f"lr{rate:g}" / f"seed{spec.lr.seed}"),
+                                {**over, **extra}))
+        if "final" in stages:
+            rate = (chosen or {}).get(variant) if spec.lr else None
+            for seed in spec.seeds:
+                extra = {"train.seed": seed, **({"train.lr": rate} if rate is not None else {})}
+                runs.append(Run(variant, seed, rate, "final", str(d / variant / f"seed{seed}"),
+                                {**over, **extra}))
+    return runs
+
+
+def _set_dotted(values: dict, key: str, value: Any, where: str) -> None:
+    parts = key.split(".")
+    node = values
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SpecError(f"{where}: {key}: {part!r} is not a section")
+    node[parts[-1]] = copy.deepcopy(value)
+
+
+def run_config(spec: StudySpec, run: Run) -> RunConfig:
+    """The resolved RunConfig of a run: base, study overrides, variant, seed/lr, then the study's
+    fixed fields (run dir, evaluation tasks and depths; evaluations are the study's jobs)."""
+    try:
+        values = _read_yaml(Path(spec.base))
+    except ConfigError as exc:
+        raise SpecError(f"{spec.path}: base: {exc}") from None
+    run_dir = Path(run.run_dir)
+    study = {"name": run_dir.name, "output_dir": str(run_dir.parent),
+             "eval.depths": spec.evals.depths, "eval.tasks": spec.evals.tasks,
+             "eval.after_train": False, "wandb.group": spec.name}
+    for key in ("wikitext", "lambada"):
+        if getattr(spec.evals, key):
+            study[f"eval.{key}"] = getattr(spec.evals, key)
+    where = f"{spec.path}: variants.{run.variant}"
+    for key, value in {**spec.overrides, **run.overrides, **study}.items():
+        _set_dotted(values, str(key), value, where)
+    try:
+        return config_from_dict(values)
+    except ConfigError as exc:
+        raise SpecError(f"{where} (run {run.run_dir}): {exc}") from None
+

@@ -1,0 +1,156 @@
+"""scse-study: a spec expands to the runs it names (variants x axes x seeds, LR sweep), bad specs
+fail naming the field, --dry-run prints the table, --local trains and evaluates every run, picks
+each variant's learning rate on the validation corpus, and a rerun repeats nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO_ROOT, tiny_documents
+from scse_dist.study.spec import SpecError, expand, load_spec, parse_spec
+
+REPORT_MERGED = importlib.util.find_spec("scse_dist.study.report") is not None
+
+
+def study_spec(base: str, out: str, **fields) -> dict:
+    spec = {"name": "s", "out": out, "base": base,
+            "variants": {"scse": {"overrides": {"model.recurrence": "scse"}},
+                         "additive": {"overrides": {"model.recurrence": "additive"}},
+                         "looped": {"overrides": {"model.recurrence": "looped"}}},
+            "seeds": [0, 1, 2],
+            "axes": {"model.residual": {"values": ["preln", "deeploop"],
+                                        "variants": ["scse", "additive"]}},
+            "evals": {"tasks": ["heldout"], "depths": [1, 2]}}
+    spec.update(fields)
+    return spec
+
+
+def write_spec(path: Path, spec: dict) -> str:
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return str(path)
+
+
+def study(*args: str, cwd=REPO_ROOT, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "scse_dist.study.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env)
+
+
+def test_expansion_counts_names_and_resolved_configs(tmp_path, tiny_config):
+    base = tiny_config(tmp_path)
+    spec = parse_spec(study_spec(base, str(tmp_path / "out"),
+                                 lr={"values": [1e-3, "3e-3"], "validation": "v.txt", "steps": 7}),
+                      str(tmp_path / "spec.yaml"))
+    # scse and additive x 2 residuals, looped alone: 5 variants
+    assert list(spec.variants) == ["scse-preln", "scse-deeploop", "additive-preln",
+                                   "additive-deeploop", "looped"]
+    assert spec.pairs == [("scse-preln", "additive-preln"), ("scse-deeploop", "additive-deeploop"),
+                          ("looped", "additive-preln")]
+    runs = expand(spec)
+    sweep = [r for r in runs if r.stage == "sweep"]
+    final = [r for r in runs if r.stage == "final"]
+    assert (len(sweep), len(final)) == (5 * 2, 5 * 3)
+    assert sweep[1].run_dir == str(tmp_path / "out/s/scse-preln/lr0.003/seed0")
+    assert sweep[1].overrides == {"model.recurrence": "scse", "model.residual": "preln",
+                                  "train.lr": 3e-3, "train.seed": 0, "train.max_steps": 7}
+    assert final[0].run_dir == str(tmp_path / "out/s/scse-preln/seed0") and final[0].lr is None
+    chosen = expand(spec, {v: 0.5 for v in spec.variants}, ("final",))
+    assert {r.lr for r in chosen} == {0.5} and chosen[4].overrides["train.seed"] == 1
+
+    from scse_dist.study.spec import run_config
+    cfg = run_config(spec, chosen[4])  # scse-deeploop seed 1
+    assert (cfg.name, cfg.output_dir) == ("seed1", str(tmp_path / "out/s/scse-deeploop"))
+    assert (cfg.model.recurrence, cfg.model.residual, cfg.train.seed, cfg.train.lr) == \
+        ("scse", "deeploop", 1, 0.5)
+    assert (cfg.eval.depths, cfg.eval.tasks, cfg.eval.after_train) == ([1, 2], ["heldout"], False)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"seeds": [0, 0]}, "seeds: a non-empty list of distinct integers"),
+    ({"variants": {"scse": {"override": {}}}}, "variants.scse: expected {overrides:"),
+    ({"lr": {"values": [1e-3]}}, "lr: missing field 'validation'"),
+    ({"axes": {"model.residual": {"values": ["preln"], "variants": ["nope"]}}},
+     "axes.model.residual.variants: 'nope' is not a variant"),
+    ({"pairs": [["scse", "untied"]]}, "pairs[0]: 'untied' is not a variant"),
+    ({"evals": {"tasks": ["mmlu"]}}, "evals.tasks: 'mmlu' is not one of"),
+    ({"variants": {"scse": {"overrides": {"model.recurrence": "rnn"}}}},
+     "variants.scse (run "),  # the run config's own error follows: model.recurrence: must be one of
+    ({"sedes": [0]}, "sedes: unknown field"),
+])
+def test_bad_spec_names_the_field(tmp_path, tiny_config, change, message):
+    spec = study_spec(tiny_config(tmp_path), str(tmp_path / "out"), **{"axes": {}, **change})
+    with pytest.raises(SpecError) as err:
+        parse_spec(spec, "spec.yaml")
+    assert str(err.value).startswith("spec.yaml: ") and message in str(err.value), str(err.value)
+
+
+def test_dry_run_table_and_bad_spec_exit_status(tmp_path, tiny_config):
+    path = write_spec(tmp_path / "spec.yaml", study_spec(tiny_config(tmp_path), str(tmp_path / "out")))
+    out = study(path, "--dry-run")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["variant", "seed", "lr", "stage", "run_dir", "status"]
+    assert len(lines) == 1 + 5 * 3 and all(line.split()[-1] == "new" for line in lines[1:])
+    assert lines[1].split() == ["scse-preln", "0", "base", "final", str(tmp_path / "out/s/scse-preln/seed0"),
+                                "new"]
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    bad = study(path, "--dry-run", "seeds=[]")
+    assert bad.returncode == 2 and "seeds: a non-empty list" in bad.stderr and not bad.stdout
+
+
+@pytest.mark.slow
+def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_config, user_env):
+    base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint_every=2")
+    (tmp_path / "valid.txt").write_text("\n\n".join(tiny_documents(8, seed=7)))
+    spec = {"name": "local", "out": str(tmp_path / "studies"), "base": base,
+            "variants": {"scse": {"overrides": {}}}, "seeds": [1],
+            "lr": {"values": [1e-4, 3e-3], "seed": 0, "validation": str(tmp_path / "valid.txt")},
+            "evals": {"tasks": ["heldout"], "depths": [1, 2]}}
+    path = write_spec(tmp_path / "spec.yaml", spec)
+    first = study(path, "--local", env=user_env)
+    d = tmp_path / "studies" / "local"
+    runs = json.loads((d / "runs.json").read_text())
+    assert [(r["stage"], r["lr"], r["run_dir"]) for r in runs] == [
+        ("sweep", 1e-4, str(d / "scse/lr0.0001/seed0")), ("sweep", 3e-3, str(d / "scse/lr0.003/seed0")),
+        ("final", 3e-3, str(d / "scse/seed1"))], first.stdout + first.stderr
+    choice = json.loads((d / "lr_choice.json").read_text())["scse"]
+    scores = {lr: json.loads((d / f"scse/lr{lr}/seed0/eval/validation.json").read_text())
+              ["results"][0]["loss"] for lr in ("0.0001", "0.003")}
+    assert choice["scores"] == scores and choice["lr"] == 3e-3 == float(min(scores, key=scores.get))
+    final = yaml.safe_load((d / "scse/seed1/config.yaml").read_text())
+    assert (final["train"]["lr"], final["train"]["seed"], final["name"]) == (3e-3, 1, "seed1")
+    heldout = json.loads((d / "scse/seed1/eval/heldout.json").read_text())
+    assert [r["depth"] for r in heldout["results"]] == [1, 2]
+    assert (yaml.safe_load((d / "study.yaml").read_text())["variants"] == {"scse": {}})
+    assert first.stdout.count("scse-study: starting") == 3
+    if REPORT_MERGED:  # depends on the study report (scse_dist.study.report, another branch)
+        assert first.returncode == 0, first.stderr
+
+    # Rerun: nothing trains again; the final run made partial again resumes (its export removed).
+    import shutil
+    shutil.rmtree(d / "scse/seed1/export")
+    table = study(path, "--dry-run")
+    assert [line.split()[-1] for line in table.stdout.splitlines()[1:]] == ["done", "done", "partial"]
+    again = study(path, "--local", env=user_env)
+    assert again.stdout.count("done, skipped") == 2 and again.stdout.count("resuming") == 1
+    assert "resumed" in again.stdout + again.stderr  # the trainer resumed the step-4 checkpoint
+    assert (d / "scse/seed1/export/model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name, variants, sweep, final", [("repro-cpu", 9, 18, 27),
+                                                         ("gpt2-small", 9, 27, 27)])
+def test_shipped_study_specs_parse_and_expand(name, variants, sweep, final):
+    spec = load_spec(REPO_ROOT / "configs" / "studies" / f"{name}.yaml")
+    assert len(spec.variants) == variants and "untied" in spec.variants
+    assert {"scse-preln", "scse-deeploop", "additive-preln", "additive-deeploop"} <= set(spec.variants)
+    stages = [r.stage for r in expand(spec)]
+    assert (stages.count("sweep"), stages.count("final")) == (sweep, final)
+    assert spec.evals.depths[-1] == (48 if name == "gpt2-small" else 32)
+    assert spec.evals.tasks == ["heldout", "wikitext", "lambada"]
+    assert not set(spec.lr.validation.split("/")) & {"wiki.valid.raw", "lambada-dev.txt"}
