@@ -18,7 +18,6 @@ import yaml
 
 from conftest import REPO_ROOT
 from test_slurm_e2e import job_info, running_cluster, wait_final
-from test_study import REPORT_MERGED
 
 pytestmark = pytest.mark.slow
 
@@ -113,11 +112,10 @@ def test_slurm_study_array_capped_failure_named_and_report_after(slurm_cluster, 
     else:  # every evaluation had ended already: the stage job ran the report itself
         assert "scse-study: report: -m scse_dist.study.report" in stage_log, stage_log
         report_out = stage_log
-    if REPORT_MERGED:  # depends on the study report (scse_dist.study.report, another branch)
-        if match:
-            assert report["JobState"] == "COMPLETED", report_out
-        text = (d / "report.md").read_text()
-        assert "broken" in text and "additive" in text, text
+    if match:
+        assert report["JobState"] == "COMPLETED", report_out
+    text = (d / "report" / "report.md").read_text()
+    assert "broken" in text and "additive" in text, text
 
 
 def test_slurm_two_stage_lr_sweep_submits_stage_two_after_the_choice(slurm_cluster, tmp_path,
