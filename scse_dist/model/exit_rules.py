@@ -75,7 +75,8 @@ class ExitRule:
             if logp_prev is None or logp_new is None:
                 raise ValueError("exit rule kl: needs the log-probs of both steps")
             logp_prev, logp_new = logp_prev.float(), logp_new.float()
-            kl = (logp_prev.exp() * (logp_prev - logp_new)).sum(-1)
+            # >= 0 in exact arithmetic; rounding can dip below, which tau = 0 must not count
+            kl = (logp_prev.exp() * (logp_prev - logp_new)).sum(-1).clamp(min=0)
             return kl < self.threshold
         motion = (d_new.float() - d_prev.float()).norm(dim=-1)
         size = d_prev.float().norm(dim=-1)
