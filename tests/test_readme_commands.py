@@ -132,6 +132,13 @@ def check_eval(name: str, depths: list[int], metric: str) -> Callable[[Path, str
     return check
 
 
+def check_eval_exit(d: Path, out: str) -> None:
+    [row] = _results(d / "exit.json")
+    assert row["depth"] == 32 and row["exit"] == "motion:0.02"  # the cap: the config's deepest
+    assert 1 <= row["mean_steps"] <= 32 and sum(row["steps_histogram"].values()) == row["tokens"]
+    assert math.isfinite(row["ppl"]) and "mean_steps" in out
+
+
 def check_export(d: Path, out: str) -> None:
     from safetensors.torch import load_file
 
@@ -196,6 +203,8 @@ RUN = [
          check_eval("lambada.json", [1, 2, 4, 8, 16, 32], "accuracy")),
     Step("scse-eval --checkpoint runs/quickstart/checkpoints --task diagnose --depths 1,8,48 --out diagnose.json",
          check_eval("diagnose.json", [1, 8, 48], "deviation_norm")),
+    Step("scse-eval --checkpoint runs/quickstart/export --task heldout --data data/quickstart/shards --exit motion:0.02 --out exit.json",
+         check_eval_exit),
     Step("scse-export runs/quickstart --out quickstart-export", check_export),
     Step("scse-report runs/quickstart runs/quickstart-T8 --out reports/quickstart --wandb offline",
          check_report),

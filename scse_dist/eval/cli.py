@@ -2,6 +2,7 @@
 
     scse-eval --checkpoint runs/x/export --task {heldout,wikitext,lambada,diagnose} \\
               --data PATH_OR_URL --depths 1,8,48 --out results.json [--stride 128] ...
+    scse-eval ... --exit motion:0.02    adaptive depth per token: quality and steps used
 
 --checkpoint is an export dir (a path or an fsspec URL) or a DeepSpeed checkpoint dir (run dir,
 checkpoints/ or a tag). Defaults for --data, --depths, --batch-size, --max-batches, --seq-len and
@@ -20,6 +21,7 @@ import torch
 from scse_dist.cli_errors import cli_main
 from scse_dist.config import RunConfig
 from scse_dist.eval.tasks import TASKS, load_tokenizer, read_task_data, run_task
+from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
 
 
 def run_heldout_eval(model: torch.nn.Module, cfg: RunConfig, data_path: str, depths: list[int],
@@ -54,6 +56,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _exit_rule(text: str) -> ExitRule:
+    try:
+        return parse_exit_rule(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scse-eval", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True,
@@ -74,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wikitext sliding-window stride in tokens; default seq_len // 2")
     p.add_argument("--tokenizer", default=None, help="text inputs; default: config data.tokenizer")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--exit", type=_exit_rule, default=None, metavar="RULE",
+                   help="adaptive depth per token: fixed | kl:TAU | motion:TAU, optionally "
+                        ",min=N,max=N (e.g. motion:0.02); reports quality with the mean and "
+                        "distribution of steps used, at the cap max (default: the largest depth)")
     return p
 
 
@@ -85,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stderr naming the file (and line)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.exit is not None and args.task == "diagnose":
+        parser.error("--exit: diagnose measures the loop at fixed depths; use heldout, wikitext "
+                     "or lambada")
     from scse_dist.export import local_export
 
     with local_export(args.checkpoint) as checkpoint:  # a URL: a temporary local copy
@@ -114,7 +130,7 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoi
     model, _ = load_model(checkpoint, device=args.device)
     run_task(args.task, model, cfg, data, args.depths or cfg.eval.depths, args.out,
              checkpoint_label=args.checkpoint, stride=args.stride, max_batches=max_batches,
-             task_data=task_data)
+             task_data=task_data, exit_rule=args.exit)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ rather than as a full batch.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
+
+from scse_dist.eval.exit_stats import ExitStats
 
 # Targets equal to this are padding and do not count (the torch cross-entropy convention).
 IGNORE_INDEX = -100
@@ -30,13 +32,17 @@ def _resolve_depths(model: torch.nn.Module, depths: list[int]) -> list[int]:
 
 
 def evaluate_heldout(model: torch.nn.Module, batches: Iterable[torch.Tensor], depths: list[int],
-                     max_batches: int = 0) -> list[dict]:
+                     max_batches: int = 0, exit_stats: Optional[ExitStats] = None) -> list[dict]:
     """Mean token NLL and perplexity of `model` on `batches` (B, S+1) at each depth in `depths`.
 
     Returns `[{"depth", "loss", "ppl", "tokens"}]` sorted by depth. `max_batches` 0 means all.
     An untied model (`model.fixed_depth` set) is evaluated at its own depth only.
+    exit_stats: adaptive depth by its rule, one row at the cap (ExitStats.depth); the steps each
+    scored token used are added to it.
     """
     depths = _resolve_depths(model, depths)
+    if exit_stats is not None:
+        depths = [exit_stats.depth(depths)]
     untied = getattr(model, "fixed_depth", None) is not None
     device = next(model.parameters()).device
     nll_sum = {d: 0.0 for d in depths}
@@ -54,7 +60,12 @@ def evaluate_heldout(model: torch.nn.Module, batches: Iterable[torch.Tensor], de
                 batch = batch.to(device, non_blocking=True)
                 inputs, targets = batch[:, :-1], batch[:, 1:]
                 n = int(targets.ne(IGNORE_INDEX).sum())
-                if untied:  # one depth, the model's own; it cannot read out others
+                if exit_stats is not None:
+                    out = model(inputs, targets, depth=depths[0], keep_logits=False,
+                                exit_rule=exit_stats.rule)
+                    losses = {depths[0]: out.loss}
+                    exit_stats.add(out.steps_used, targets.ne(IGNORE_INDEX))
+                elif untied:  # one depth, the model's own; it cannot read out others
                     out = model(inputs, targets, keep_logits=False)
                     losses = {depths[0]: out.loss}
                 else:

@@ -8,11 +8,12 @@ count, and whether every scored target is the greedy argmax.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.perplexity import IGNORE_INDEX, _resolve_depths
 
 
@@ -58,9 +59,14 @@ def context_target_window(context: list[int], target: list[int], eos_id: int, se
 
 
 def score_windows(model: torch.nn.Module, windows: Sequence[Window], depths: list[int],
-                  batch_size: int) -> tuple[list[int], list[list[Score]]]:
-    """Score every window at every depth. Returns (depths evaluated, scores[d_index][window])."""
+                  batch_size: int, exit_stats: Optional[ExitStats] = None
+                  ) -> tuple[list[int], list[list[Score]]]:
+    """Score every window at every depth. Returns (depths evaluated, scores[d_index][window]).
+    exit_stats: adaptive depth by its rule at one depth, the cap; it counts the scored tokens'
+    steps."""
     depths = _resolve_depths(model, depths)
+    if exit_stats is not None:
+        depths = [exit_stats.depth(depths)]
     device = next(model.parameters()).device
     scores: list[list[Score]] = [[] for _ in depths]
     was_training = model.training
@@ -80,7 +86,13 @@ def score_windows(model: torch.nn.Module, windows: Sequence[Window], depths: lis
                 mask = targets.ne(IGNORE_INDEX)
                 safe = targets.clamp_min(0)
                 # one depth's logits at a time: a sweep at a large vocabulary fits in memory
-                for k, (_, logits) in enumerate(model.iter_depth_logits(inputs, depths)):
+                if exit_stats is None:
+                    per_depth = model.iter_depth_logits(inputs, depths)
+                else:
+                    out = model(inputs, depth=depths[0], exit_rule=exit_stats.rule)
+                    exit_stats.add(out.steps_used, mask)
+                    per_depth = [(depths[0], out.logits)]
+                for k, (_, logits) in enumerate(per_depth):
                     logits = logits.float()
                     nll = F.cross_entropy(logits.transpose(1, 2), safe, reduction="none") * mask
                     wrong = logits.argmax(-1).ne(safe) & mask

@@ -18,6 +18,8 @@ import torch
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig
+from scse_dist.model.exit_rules import ExitRule
+from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.perplexity import _resolve_depths, evaluate_heldout
 from scse_dist.data.sources import Passage, read_corpus, read_lambada, read_wikitext_articles
 from scse_dist.eval.results import format_table, write_results
@@ -28,6 +30,8 @@ TASKS = ("heldout", "wikitext", "lambada", "diagnose")
 TABLE_METRICS = {"heldout": ("ppl", "loss"), "wikitext": ("ppl", "word_ppl", "bits_per_byte"),
                  "lambada": ("accuracy", "ppl"),
                  "diagnose": ("bias_norm", "deviation_norm", "motion_norm")}
+# With --exit: the steps each scored token used (ExitStats.summary).
+STEP_METRICS = ("mean_steps", "steps_p50", "steps_p90")
 
 
 def _exp(x: float) -> float:
@@ -35,7 +39,8 @@ def _exp(x: float) -> float:
 
 
 def document_rows(model: torch.nn.Module, tokenizer: Any, documents: list[str], depths: list[int],
-                  seq_len: int, stride: int, batch_size: int) -> list[dict]:
+                  seq_len: int, stride: int, batch_size: int,
+                  exit_stats: Optional[ExitStats] = None) -> list[dict]:
     """Token ppl, word ppl and bits per byte of `documents` (each scored on its own, sliding window).
 
     word_ppl = exp(total NLL / whitespace words of the original text) and bits_per_byte =
@@ -43,7 +48,7 @@ def document_rows(model: torch.nn.Module, tokenizer: Any, documents: list[str], 
     """
     ids = tokenizer.encode_batch([d.strip() for d in documents])
     windows = [w for doc in ids for w in document_windows(doc, tokenizer.eos_id, seq_len, stride)]
-    depths, scores = score_windows(model, windows, depths, batch_size)
+    depths, scores = score_windows(model, windows, depths, batch_size, exit_stats)
     words = sum(len(d.split()) for d in documents)
     n_bytes = sum(len(d.encode("utf-8")) for d in documents)
     rows = []
@@ -68,12 +73,13 @@ def _target_ids(tokenizer: Any, passage: Passage) -> tuple[list[int], list[int]]
 
 
 def lambada_rows(model: torch.nn.Module, tokenizer: Any, passages: list[Passage],
-                 depths: list[int], seq_len: int, batch_size: int) -> list[dict]:
+                 depths: list[int], seq_len: int, batch_size: int,
+                 exit_stats: Optional[ExitStats] = None) -> list[dict]:
     windows: list[Window] = []
     for p in passages:
         context, target = _target_ids(tokenizer, p)
         windows.append(context_target_window(context, target, tokenizer.eos_id, seq_len))
-    depths, scores = score_windows(model, windows, depths, batch_size)
+    depths, scores = score_windows(model, windows, depths, batch_size, exit_stats)
     rows = []
     for d, per_window in zip(depths, scores):
         nll = sum(s.nll for s in per_window)
@@ -193,33 +199,49 @@ def read_task_data(task: str, cfg: RunConfig, data: str, tokenizer: Any = None) 
 def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depths: list[int],
              out_path: str, checkpoint_label: str, *, tokenizer: Any = None,
              stride: Optional[int] = None, max_batches: int = 0,
-             task_data: Optional[TaskData] = None) -> list[dict]:
+             task_data: Optional[TaskData] = None,
+             exit_rule: Optional[ExitRule] = None) -> list[dict]:
     """Evaluate `task` on `data`, print a table, write `out_path`. Returns the rows.
 
     Sequence length and batch size come from cfg.data.seq_len and cfg.eval.batch_size; the data
     is `task_data` when read already, else read_task_data(task, cfg, data, tokenizer); stride
-    defaults to seq_len // 2.
+    defaults to seq_len // 2. exit_rule: adaptive depth per token (not diagnose), one row at
+    the cap (the rule's max_steps, else max(depths)) with the steps used (ExitStats.summary).
     """
+    if exit_rule is not None and task == "diagnose":
+        raise ValueError("exit_rule: diagnose measures the loop at fixed depths; use --exit with "
+                         "heldout, wikitext or lambada")
+    stats = ExitStats(exit_rule) if exit_rule is not None else None
     tokenizer, inputs, shards = task_data or read_task_data(task, cfg, data, tokenizer)
     seq_len, batch_size = cfg.data.seq_len, cfg.eval.batch_size
     stride = stride or max(1, seq_len // 2)
     extra: dict[str, Any] = {"data": str(data), "seq_len": seq_len, "batch_size": batch_size}
     if task == "heldout" and shards:
-        rows = evaluate_heldout(model, inputs, depths, max_batches=max_batches)
+        rows = evaluate_heldout(model, inputs, depths, max_batches=max_batches, exit_stats=stats)
         extra["max_batches"] = max_batches
     elif task == "heldout":  # a corpus: every document scored on its own, no overlap
-        rows = document_rows(model, tokenizer, inputs, depths, seq_len, seq_len, batch_size)
+        rows = document_rows(model, tokenizer, inputs, depths, seq_len, seq_len, batch_size,
+                             stats)
     elif task == "wikitext":
-        rows = document_rows(model, tokenizer, inputs, depths, seq_len, stride, batch_size)
+        rows = document_rows(model, tokenizer, inputs, depths, seq_len, stride, batch_size, stats)
         extra["stride"] = stride
     elif task == "lambada":
-        rows = lambada_rows(model, tokenizer, inputs, depths, seq_len, batch_size)
+        rows = lambada_rows(model, tokenizer, inputs, depths, seq_len, batch_size, stats)
     else:
         batches = inputs if shards else _packed_batches(tokenizer, inputs, seq_len, batch_size)
         rows = diagnose_rows(model, batches, depths, max_batches=max_batches)
         extra["max_batches"] = max_batches
-    print(f"{task}: {checkpoint_label} ({cfg.model.recurrence}, {cfg.model.residual}) on {data}")
-    print(format_table(rows, TABLE_METRICS[task]))
+    metrics = TABLE_METRICS[task]
+    if stats is not None:
+        for row in rows:
+            row.update(stats.summary())
+        metrics += STEP_METRICS
+    print(f"{task}: {checkpoint_label} ({cfg.model.recurrence}, {cfg.model.residual}) on {data}"
+          + (f", exit {exit_rule}" if exit_rule is not None else ""))
+    print(format_table(rows, metrics))
+    if stats is not None:
+        print("steps per token: " + ", ".join(f"{k}: {n}" for k, n in
+                                               rows[0]["steps_histogram"].items()))
     write_results(out_path, task, checkpoint_label, cfg, rows, extra=extra)
     print(f"wrote {out_path}")
     return rows

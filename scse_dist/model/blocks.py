@@ -10,7 +10,7 @@ where G is attention then SwiGLU (two sub-layers per block, each with its own re
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +87,14 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
+class KVHook(Protocol):
+    """What a block's attention reads instead of its own keys/values: `update` receives this
+    call's (B, H, S, head_dim) k and v after RoPE and returns those attended to (a cache across
+    loop steps; adaptive depth's merge of exited tokens' latest K/V). None: the plain path."""
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -96,12 +104,15 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, rope: RopeTables,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """mask: None (plain causal, the training path) or attention_mask_4d's (B, 1, S, S)."""
+                mask: Optional[torch.Tensor] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
+        """mask: None (plain causal, the training path) or attention_mask_4d's (B, 1, S, S).
+        kv: a KVHook whose update(k, v) gives the keys/values attended to (after RoPE)."""
         b, s, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if kv is not None:
+            k, v = kv.update(k, v)
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -164,11 +175,11 @@ class Block(nn.Module):
             nn.init.normal_(lin.weight, std=out_std)
 
     def _forward(self, h: torch.Tensor, rope: RopeTables,
-                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 mask: Optional[torch.Tensor] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
         if self.post_ln:
-            h = self.norm1(self.alpha * h + self.attn(h, rope, mask))
+            h = self.norm1(self.alpha * h + self.attn(h, rope, mask, kv))
             return self.norm2(self.alpha * h + self.mlp(h))
-        h = h + self.attn(self.norm1(h), rope, mask)
+        h = h + self.attn(self.norm1(h), rope, mask, kv)
         return h + self.mlp(self.norm2(h))
 
     def compile_math(self, backend: str) -> None:
@@ -180,10 +191,13 @@ class Block(nn.Module):
         self._forward = torch.compile(self._forward, backend=backend)
 
     def forward(self, h: torch.Tensor, rope: Optional[RopeTables] = None,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                mask: Optional[torch.Tensor] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
+        """kv: see KVHook (None: the training path)."""
         rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
-        # The mask is passed only when set, so the default path calls _forward as before.
+        # The mask and kv are passed only when set, so the default path calls _forward as before.
         args = (h, rope) if mask is None else (h, rope, mask)
+        if kv is not None:
+            args = (h, rope, mask, kv)
         if self.checkpointed and torch.is_grad_enabled():
             return checkpoint(self._forward, *args, use_reentrant=False)
         return self._forward(*args)

@@ -14,6 +14,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .blocks import Block, RMSNorm, RopeTables, attention_mask_4d, rope_tables
+from .exit_rules import ExitRule
 from .loss import IGNORE_INDEX, chunked_cross_entropy
 from .recurrence import DIAGNOSTICS, LoopCore
 
@@ -28,7 +29,8 @@ class LMOutput(NamedTuple):
     loss_by_depth: Optional[dict[int, torch.Tensor]]
     diagnostics: Optional[dict[str, torch.Tensor]]
     core_calls: int  # Phi applications the output depends on (scse: T+1, others: T)
-    depth: int  # the final depth run
+    depth: int  # the final depth run (with an exit rule: the most steps a token may take)
+    steps_used: Optional[torch.Tensor] = None  # (B, S) long: loop steps per token (exit_rule)
 
 
 class LoopedLM(nn.Module):
@@ -141,7 +143,8 @@ class LoopedLM(nn.Module):
                 backprop_steps: int = 0, diagnostics: bool = False, keep_logits: bool = True,
                 initial_state: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> LMOutput:
+                position_ids: Optional[torch.Tensor] = None,
+                exit_rule: Optional[ExitRule] = None) -> LMOutput:
         """Run the loop once to the final depth and read out the requested depths.
 
         tokens, targets: (B, S) long; targets equal to IGNORE_INDEX (-100) are left out.
@@ -158,13 +161,30 @@ class LoopedLM(nn.Module):
         positions; with a mask and no position_ids, each row counts from its first real token.
         Both None (training): plain causal attention at positions 0..S-1, the path whose numbers
         every test pins. (A KV cache would add one slot per physical block x loop step here.)
+        exit_rule: adaptive depth per token (eval, no grad; LoopCore.adaptive): the loop runs up
+        to the rule's max_steps (else the depth above), each token stops when the rule fires, and
+        the output's steps_used says how many steps each took. Not with readout_depths,
+        backprop_steps, diagnostics or initial_state.
         """
+        if exit_rule is not None:
+            if readout_depths is not None or backprop_steps or diagnostics \
+                    or initial_state is not None:
+                raise ValueError("exit_rule: adaptive depth reads out one state per token; it "
+                                 "takes no readout_depths, backprop_steps, diagnostics or "
+                                 "initial_state")
+            depth = exit_rule.max_steps or depth
         final, readouts = self._resolve_depths(depth, readout_depths)
         wanted = sorted(set(readouts or []) | {final})
         rope, mask = self.positions(tokens, attention_mask, position_ids)
+        log_probs = None
+        if exit_rule is not None and exit_rule.needs_readout:
+            def log_probs(h: torch.Tensor) -> torch.Tensor:
+                return F.log_softmax(self.readout(h, rope, mask).float(), dim=-1)
         outs = self.core(self.source(tokens, rope, mask), final, readout_depths=wanted,
                          backprop_steps=backprop_steps, initial_state=initial_state,
-                         diagnostics=diagnostics, rope=rope, mask=mask)
+                         diagnostics=diagnostics, rope=rope, mask=mask, exit_rule=exit_rule,
+                         log_probs=log_probs)
+        steps_used = outs[1] if exit_rule is not None else None
         states = dict(zip(wanted, outs))
         diag = dict(zip(DIAGNOSTICS, outs[len(wanted):])) if diagnostics else None
         logits_by_depth: dict[int, torch.Tensor] = {}
@@ -187,4 +207,5 @@ class LoopedLM(nn.Module):
             diagnostics=diag,
             core_calls=self.core.core_calls(final),
             depth=final,
+            steps_used=steps_used,
         )

@@ -13,19 +13,38 @@ The recurrence itself (cfg.recurrence: how x_0, x_{t+1} and h_t are formed) is a
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig, check_model_config
-from .blocks import Block, RopeTables, rope_tables
+from .blocks import Block, KVHook, RopeTables, rope_tables
+from .exit_rules import ExitRule
 from .transitions import transition_for
 
-Context = dict[str, torch.Tensor]
+Context = dict[str, torch.Tensor]  # plus "kv": the KVHooks of a run with adaptive depth
 # Names of the diagnostics LoopCore.forward appends to its outputs, in order.
 DIAGNOSTICS = ("deviation_norm", "motion_norm", "forcing_bias_norm")
+
+
+class ExitedKV:
+    """Adaptive depth's K/V for one core block: a token that has exited keeps the K/V of its last
+    active step, so later steps of the other tokens attend to its latest available K/V (as a
+    cache would hold them in generation). `active` (B, S) bool is set by the loop each step."""
+
+    def __init__(self) -> None:
+        self.active: Optional[torch.Tensor] = None
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is not None:
+            keep_new = self.active[:, None, :, None]  # (B, 1, S, 1) against (B, H, S, head_dim)
+            k, v = torch.where(keep_new, k, self.k), torch.where(keep_new, v, self.v)
+        self.k, self.v = k, v
+        return k, v
 
 
 def _row_norm_mean(x: torch.Tensor) -> torch.Tensor:
@@ -72,18 +91,19 @@ class LoopCore(nn.Module):
         return self.transition.anchor(self, s)
 
     def phi(self, h: torch.Tensor, s: torch.Tensor, t: int = 0,
-            rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None
-            ) -> torch.Tensor:
+            rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None,
+            kv: Optional[Sequence[KVHook]] = None) -> torch.Tensor:
         """One core application Phi(h); `t` picks the block group (only untied has several).
-        mask: the attention mask of LoopedLM.forward (None: plain causal)."""
+        mask: the attention mask of LoopedLM.forward (None: plain causal). kv: one KVHook per
+        core block (ctx["kv"]; None: the plain path)."""
         rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
         if self.inject == "add":
             h = h + s
         elif self.inject == "concat":
             h = self.adapter(torch.cat([h, s], dim=-1))
         group = self.transition.group(t)
-        for block in self.blocks[group * self.n_core:(group + 1) * self.n_core]:
-            h = block(h, rope, mask)
+        for i, block in enumerate(self.blocks[group * self.n_core:(group + 1) * self.n_core]):
+            h = block(h, rope, mask) if kv is None else block(h, rope, mask, kv[i])
         return h
 
     def initial_state(self, s: torch.Tensor) -> torch.Tensor:
@@ -124,7 +144,9 @@ class LoopCore(nn.Module):
     def forward(self, s: torch.Tensor, depth: int, readout_depths: Optional[Iterable[int]] = None,
                 backprop_steps: int = 0, initial_state: Optional[torch.Tensor] = None,
                 diagnostics: bool = False, rope: Optional[RopeTables] = None,
-                mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+                mask: Optional[torch.Tensor] = None, exit_rule: Optional[ExitRule] = None,
+                log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                ) -> tuple[torch.Tensor, ...]:
         """Run `depth` steps once. Returns a flat tuple: h_t for t in sorted(readout_depths)
         (default (depth,)), then, if diagnostics, the DIAGNOSTICS tensors in that order.
 
@@ -134,7 +156,10 @@ class LoopCore(nn.Module):
         detached before the last k (the anchor and r* keep their grad).
         rope: RoPE's cos/sin from the model's forward (made here when not given).
         mask: the attention mask from the model's forward (None: plain causal attention).
+        exit_rule: adaptive depth (see adaptive); returns (h, steps_used) instead.
         """
+        if exit_rule is not None:
+            return self.adaptive(s, depth, exit_rule, rope, mask, log_probs)
         if backprop_steps < 0:
             raise ValueError(f"backprop_steps: must be >= 0, got {backprop_steps}")
         readouts = sorted(set(readout_depths)) if readout_depths is not None else [depth]
@@ -167,6 +192,38 @@ class LoopCore(nn.Module):
         if not diagnostics:
             return tuple(states)
         return (*states, torch.stack(deviation), torch.stack(motion), self._forcing_bias_norm(ctx))
+
+    @torch.no_grad()
+    def adaptive(self, s: torch.Tensor, depth: int, rule: ExitRule,
+                 rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None,
+                 log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token exit, teacher-forced and batched (eval; no grad): up to rule.cap(depth)
+        steps; after step t a token whose rule fires keeps its loop variable (x_{t+1} =
+        where(active, step(x_t), x_t)) and its latest K/V in every core block (ExitedKV).
+        Returns h and steps_used (B, S) long. log_probs(h) -> (B, S, V): the per-step read-out,
+        needed by rule.needs_readout (kl). The motion rule reads D = h - anchor (anchor_of)."""
+        if rule.needs_readout and log_probs is None:
+            raise ValueError(f"exit rule {rule}: needs a read-out per step (log_probs)")
+        x, ctx = self.start(s, None, rope, mask)
+        hooks = [ExitedKV() for _ in range(self.n_core)]
+        ctx["kv"] = hooks  # type: ignore[assignment]
+        active = torch.ones(s.shape[:-1], dtype=torch.bool, device=s.device)
+        steps_used = torch.zeros(s.shape[:-1], dtype=torch.long, device=s.device)
+        h = self.state(x, ctx)
+        d_prev, logp_prev = h - ctx["anchor"], log_probs(h) if rule.needs_readout else None
+        for t in range(rule.cap(depth)):
+            if not bool(active.any()):
+                break  # every token has exited: the remaining steps would change nothing
+            for hook in hooks:
+                hook.active = active
+            x = torch.where(active[..., None], self.step(x, ctx, t), x)
+            steps_used += active
+            h = self.state(x, ctx)
+            d_new, logp_new = h - ctx["anchor"], log_probs(h) if rule.needs_readout else None
+            active = active & ~rule.exited(t + 1, d_prev, d_new, logp_prev, logp_new)
+            d_prev, logp_prev = d_new, logp_new
+        return h, steps_used
 
     @torch.no_grad()
     def _forcing_bias_norm(self, ctx: Context) -> torch.Tensor:

@@ -103,7 +103,8 @@ class Transition:
 
     def step(self, core: LoopCore, x: torch.Tensor, ctx: Context, t: int) -> torch.Tensor:
         """x_t -> x_{t+1}."""
-        return core.phi(x, ctx["source"], t, (ctx["cos"], ctx["sin"]), ctx.get("mask"))
+        return core.phi(x, ctx["source"], t, (ctx["cos"], ctx["sin"]), ctx.get("mask"),
+                        ctx.get("kv"))
 
     def state(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         """The readable hidden state h_t from the loop variable x_t."""
@@ -196,7 +197,7 @@ class Scse(Transition):
 
     def step(self, core: LoopCore, x: torch.Tensor, ctx: Context, t: int) -> torch.Tensor:
         delta = core.phi(ctx["anchor"] + x, ctx["source"], t, (ctx["cos"], ctx["sin"]),
-                         ctx.get("mask")) - ctx["ref"]
+                         ctx.get("mask"), ctx.get("kv")) - ctx["ref"]
         if self.zero_mask:
             # Attention mixes rows: without this a row sitting exactly at its anchor would be
             # moved by its neighbours. With it the anchor invariance is exact, bit for bit
