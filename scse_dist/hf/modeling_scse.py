@@ -9,7 +9,7 @@ transformers' keyword validation (it accepts forward's parameters because
 prepare_inputs_for_generation takes **kwargs):
 - num_steps: loop depth T (default: the config's `depth`; untied models have one fixed depth);
 - readout_depths: also read out these depths of the same loop run (`logits_by_depth`);
-- exit_rule: handed to LoopedLM.forward as is, for models whose package has exit rules.
+- exit_rule: an ExitRule or its text ("motion:0.02,max=32"): per-token adaptive depth.
 `attention_mask` (left padding) and `position_ids` are honoured: a left-padded batch gives each
 sequence the logits it has alone.
 """
@@ -31,6 +31,7 @@ from .loss import IGNORE_INDEX
 # the package that it and configuration_scse.py reach (tests/test_hf_export.py checks the list).
 from .blocks import Block  # noqa: F401
 from .config import ModelConfig  # noqa: F401
+from .exit_rules import parse_exit_rule
 from .recurrence import LoopCore  # noqa: F401
 from .transitions import transition_for  # noqa: F401
 
@@ -101,7 +102,8 @@ class ScseForCausalLM(PreTrainedModel, GenerationMixin):  # GenerationMixin expl
             attention_mask = None  # no padding: the plain causal path the model was trained on
         loop_args = {"depth": num_steps, "readout_depths": readout_depths}
         if exit_rule is not None:
-            loop_args["exit_rule"] = exit_rule
+            loop_args["exit_rule"] = (parse_exit_rule(exit_rule) if isinstance(exit_rule, str)
+                                      else exit_rule)
         out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          **loop_args)
         loss = None
