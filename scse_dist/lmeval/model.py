@@ -24,7 +24,6 @@ ours.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from contextlib import ExitStack
 from typing import Any, Optional
@@ -84,13 +83,13 @@ def _int_arg(name: str, value: Any) -> Optional[int]:
 class ScseLM(LM):
     def __init__(self, pretrained: str, depth: Any = None, exit: str = "fixed",
                  batch_size: Any = None, max_length: Any = None, stride: Any = None,
-                 device: Optional[str] = None, **unused: Any):
+                 device: Optional[str] = None, max_batch_size: Any = None):
         super().__init__()
         from scse_dist.eval.loading import checkpoint_config, load_model
         from scse_dist.export import local_export
 
-        # lm-eval passes its own settings (max_batch_size, ...) to every model; the ones a
-        # window scorer has no use for are ignored.
+        # lm-eval's CLI passes batch_size, max_batch_size and device to every model; automatic
+        # batch sizing (auto, max_batch_size) is not supported: auto means the config's size.
         batch_size = None if str(batch_size).startswith("auto") else batch_size
         if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             # lm-eval's CLI passes --device, default cuda:0, whether or not there is a GPU
@@ -116,7 +115,6 @@ class ScseLM(LM):
         if self.stride > self.max_length:
             raise ValueError(f"stride={self.stride} exceeds max_length={self.max_length}")
         self._device = torch.device(device)
-        self.cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=self.max_length))
 
     @property
     def device(self) -> torch.device:
