@@ -57,9 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import scse_dist.lmeval.model  # noqa: F401  (registers --model scse)
 
     args = hoist_model_args(list(sys.argv[1:] if argv is None else argv))
-    subcommand = bool(args) and args[0] in ("run", "ls", "validate")
-    if not any(a == "--include_path" or a.startswith("--include_path=") for a in args) and \
-            (not subcommand or args[0] in ("run", "ls")):
+    # run, ls and validate all take --include_path; without arguments lm-eval prints its help
+    if args and not any(a == "--include_path" or a.startswith("--include_path=") for a in args):
         args += ["--include_path", TASKS_DIR]
     sys.argv = ["scse-lm-eval", *args]  # lm-eval's CLI parses sys.argv itself
     cli_evaluate()
