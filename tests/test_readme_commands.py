@@ -151,6 +151,17 @@ def check_export(d: Path, out: str) -> None:
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
+def check_lm_eval(d: Path, out: str) -> None:
+    (results,) = (d / "lm-eval").rglob("results_*.json")
+    metrics = json.loads(results.read_text())["results"]
+    assert 0 <= metrics["scse_lambada"]["acc,none"] <= 1
+    assert math.isfinite(metrics["scse_wikitext"]["word_perplexity,none"])
+    # the same files through scse-eval (its lambada.json, at depths 1..32, holds depth 8)
+    ours = next(r for r in _results(d / "lambada.json") if r["depth"] == 8)
+    assert metrics["scse_lambada"]["acc,none"] == ours["accuracy"]
+    assert metrics["scse_lambada"]["perplexity,none"] == pytest.approx(ours["word_ppl"], rel=1e-6)
+
+
 def check_report(d: Path, out: str) -> None:
     report = (d / "reports/quickstart/report.md").read_text()
     assert "quickstart-T8" in report and "heldout" in report
@@ -206,6 +217,8 @@ RUN = [
     Step("scse-eval --checkpoint runs/quickstart/export --task heldout --data data/quickstart/shards --exit motion:0.02 --out exit.json",
          check_eval_exit),
     Step("scse-export runs/quickstart --out quickstart-export", check_export),
+    Step("scse-lm-eval --model scse --model_args pretrained=runs/quickstart/export,depth=8 --tasks scse_lambada,scse_wikitext --metadata lambada=lambada_test.jsonl wikitext=wikitext-103-raw/wiki.test.raw --output_path lm-eval",
+         check_lm_eval),
     Step("scse-report runs/quickstart runs/quickstart-T8 --out reports/quickstart --wandb offline",
          check_report),
     Step("scse-launch configs/tiny-cpu.yaml --local", check_launch_local),
@@ -230,6 +243,7 @@ NOT_RUN = {
     ". .venv/bin/activate": ENVIRONMENT,
     "pip install torch==2.13.0 setuptools wheel": ENVIRONMENT,
     "pip install --no-build-isolation -e '.[dev]'": ENVIRONMENT,
+    "pip install -e '.[lm-eval]'": ENVIRONMENT + " (the dev extra includes lm-eval)",
     "pytest": "runs the test suite, this test included",
     "sbatch slurm/pretrain.sh configs/gpt2-small-scse.yaml": SLURM,
     "sbatch slurm/eval.sh --checkpoint runs/NAME/export --task lambada --data lambada_test.jsonl --out x.json":

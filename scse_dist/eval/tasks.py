@@ -2,7 +2,8 @@
 
     heldout   perplexity on held-out shards (a dir with index.json), or on any JSONL/text corpus
     wikitext  WikiText raw: document-wise sliding window; ppl, word_ppl, bits_per_byte
-    lambada   last-word prediction: accuracy (every target token is the argmax) and target ppl
+    lambada   last-word prediction: accuracy (every target token is the argmax), target ppl per
+              token and word_ppl per target word (lm-eval's LAMBADA perplexity)
     diagnose  per depth ||b|| (forcing bias at the anchor), ||D_t||, ||h_t - h_{t-1}||
 
 `run_task` is the one entry the CLI, the trainer and the launcher call: it evaluates, prints a
@@ -61,23 +62,28 @@ def document_rows(model: torch.nn.Module, tokenizer: Any, documents: list[str], 
     return rows
 
 
-def _target_ids(tokenizer: Any, passage: Passage) -> tuple[list[int], list[int]]:
+def context_target_ids(tokenizer: Any, context_text: str, target_text: str
+                       ) -> tuple[list[int], list[int]]:
     """Context and target ids. The target is what encoding context + target adds after the
     context's own encoding (how the model saw such text in training); if the tokenizer merges
-    across the boundary, the target is encoded alone."""
-    context = tokenizer.encode(passage.context)
-    full = tokenizer.encode(passage.context + passage.target)
+    across the boundary, the target is encoded alone. (The lm-eval model scores its
+    (context, continuation) requests with this too: scse_dist.lmeval.)"""
+    context = tokenizer.encode(context_text)
+    full = tokenizer.encode(context_text + target_text)
     if full[:len(context)] == context and len(full) > len(context):
         return context, full[len(context):]
-    return context, tokenizer.encode(passage.target.strip())
+    return context, tokenizer.encode(target_text.strip())
 
 
 def lambada_rows(model: torch.nn.Module, tokenizer: Any, passages: list[Passage],
                  depths: list[int], seq_len: int, batch_size: int,
                  exit_stats: Optional[ExitStats] = None) -> list[dict]:
+    """accuracy: every target token is the argmax. ppl = exp(NLL / target tokens), per token;
+    word_ppl = exp(NLL / passages), per target word: lm-eval's LAMBADA `perplexity` (the mean
+    over passages of each target's summed log-likelihood), which compares across tokenizers."""
     windows: list[Window] = []
     for p in passages:
-        context, target = _target_ids(tokenizer, p)
+        context, target = context_target_ids(tokenizer, p.context, p.target)
         windows.append(context_target_window(context, target, tokenizer.eos_id, seq_len))
     depths, scores = score_windows(model, windows, depths, batch_size, exit_stats)
     rows = []
@@ -85,7 +91,8 @@ def lambada_rows(model: torch.nn.Module, tokenizer: Any, passages: list[Passage]
         nll = sum(s.nll for s in per_window)
         tokens = sum(s.count for s in per_window)
         rows.append({"depth": d, "accuracy": sum(s.all_correct for s in per_window) / len(per_window),
-                     "loss": nll / tokens, "ppl": _exp(nll / tokens), "examples": len(per_window),
+                     "loss": nll / tokens, "ppl": _exp(nll / tokens),
+                     "word_ppl": _exp(nll / len(per_window)), "examples": len(per_window),
                      "target_tokens": tokens})
     return rows
 

@@ -1,0 +1,3 @@
+from scse_dist.lmeval.cli import main
+
+raise SystemExit(main())

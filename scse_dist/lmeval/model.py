@@ -1,0 +1,203 @@
+"""The lm-evaluation-harness model `scse`: an export scored with the project's own scorer.
+
+    --model scse --model_args pretrained=EXPORT,depth=T,exit=fixed,batch_size=B,device=cpu
+
+Model args (all but `pretrained` optional):
+    pretrained   export dir (model.safetensors, config.yaml, tokenizer.model), a path or an fsspec
+                 URL, or a DeepSpeed checkpoint dir (as scse-eval's --checkpoint)
+    depth        loop depth T; default the config's model.depth
+    exit         exit rule; `fixed` (every token runs T steps) is the only one so far
+    batch_size   windows per forward; default the config's eval.batch_size
+    max_length   tokens per window; default the config's data.seq_len (as scse-eval)
+    stride       loglikelihood_rolling's sliding-window stride; default max_length // 2 (as
+                 scse-eval --task wikitext)
+    device       cpu, cuda, cuda:1, ...
+
+Requests are scored the way scse-eval scores its tasks (scse_dist.eval.scoring): a
+(context, continuation) pair is the window EOS + context + continuation, cut from the left to
+max_length inputs, the continuation's ids being what encoding context + continuation adds after
+the context's own ids; a rolling request is the document's sliding windows, EOS first. Batches are
+right-padded, which causal attention makes exact. So scse-eval and lm-eval agree to rounding on
+the same data, and the harness's task code (document reading, target split, aggregation) checks
+ours.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import ExitStack
+from typing import Any, Optional
+
+import torch
+
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from scse_dist.eval.scoring import Score, Window, context_target_window, document_windows, score_windows
+from scse_dist.eval.tasks import context_target_ids, load_tokenizer
+
+EXIT_RULES = ("fixed",)
+
+
+class FixedExit:
+    """Every token runs the loop `depth` steps. An exit rule scores windows (loglikelihood) and
+    gives next-token logits (generation); adaptive rules plug in beside it (parse_exit_rule)."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+
+    def score(self, model: torch.nn.Module, windows: list[Window], batch_size: int) -> list[Score]:
+        return score_windows(model, windows, [self.depth], batch_size)[1][0]
+
+    def next_logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits for the token after each row of `tokens` (B, S)."""
+        return model(tokens, depth=self.depth).logits[:, -1].float()
+
+    def __repr__(self) -> str:
+        return f"fixed(depth={self.depth})"
+
+
+def parse_exit_rule(text: str, depth: int) -> FixedExit:
+    """The exit rule named by the `exit=` model arg."""
+    name = text.split(":", 1)[0]
+    if name == "fixed" and ":" not in text:
+        return FixedExit(depth)
+    raise ValueError(f"exit={text!r}: exit rules other than 'fixed' are not available yet "
+                     f"(available: {', '.join(EXIT_RULES)})")
+
+
+def _int_arg(name: str, value: Any) -> Optional[int]:
+    if value is None or value == "":
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r}: expected a positive integer") from None
+    if number < 1:
+        raise ValueError(f"{name}={value!r}: expected a positive integer")
+    return number
+
+
+@register_model("scse")
+class ScseLM(LM):
+    def __init__(self, pretrained: str, depth: Any = None, exit: str = "fixed",
+                 batch_size: Any = None, max_length: Any = None, stride: Any = None,
+                 device: Optional[str] = None, max_batch_size: Any = None):
+        super().__init__()
+        from scse_dist.eval.loading import checkpoint_config, load_model
+        from scse_dist.export import local_export
+
+        # lm-eval's CLI passes batch_size, max_batch_size and device to every model; automatic
+        # batch sizing (auto, max_batch_size) is not supported: auto means the config's size.
+        batch_size = None if str(batch_size).startswith("auto") else batch_size
+        if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+            # lm-eval's CLI passes --device, default cuda:0, whether or not there is a GPU
+            if device:
+                print(f"scse: device {device} is not available; using cpu", file=sys.stderr)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        with ExitStack() as stack:  # a URL: a temporary local copy, kept while loading
+            local = stack.enter_context(local_export(str(pretrained)))
+            cfg = checkpoint_config(local)
+            self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
+            self.model, _ = load_model(local, device=device)
+        fixed = getattr(self.model, "fixed_depth", None)
+        self.depth = _int_arg("depth", depth) or fixed or cfg.model.depth
+        if fixed is not None and self.depth != fixed:
+            raise ValueError(f"depth={self.depth}: an untied model has a fixed depth of {fixed}")
+        self.exit_rule = parse_exit_rule(str(exit), self.depth)
+        self.batch_size = _int_arg("batch_size", batch_size) or cfg.eval.batch_size
+        self.max_length = _int_arg("max_length", max_length) or cfg.data.seq_len
+        if self.max_length > cfg.model.max_seq_len:
+            raise ValueError(f"max_length={self.max_length} exceeds the model's "
+                             f"max_seq_len={cfg.model.max_seq_len}")
+        self.stride = _int_arg("stride", stride) or max(1, self.max_length // 2)
+        if self.stride > self.max_length:
+            raise ValueError(f"stride={self.stride} exceeds max_length={self.max_length}")
+        self._device = torch.device(device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.sha256
+
+    # ----------------------------------------------------------------- loglikelihood
+
+    def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False
+                      ) -> list[tuple[float, bool]]:
+        windows = []
+        for request in requests:
+            context, continuation = request.args
+            context_ids, target_ids = context_target_ids(self.tokenizer, context, continuation)
+            windows.append(context_target_window(context_ids, target_ids, self.eot_token_id,
+                                                 self.max_length))
+        scores = self.exit_rule.score(self.model, windows, self.batch_size)
+        return [(-s.nll, s.all_correct) for s in scores]
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False
+                              ) -> list[float]:
+        windows, owner = [], []
+        for i, request in enumerate(requests):
+            (text,) = request.args
+            for w in document_windows(self.tokenizer.encode(text), self.eot_token_id,
+                                      self.max_length, self.stride):
+                windows.append(w)
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, score in zip(owner, self.exit_rule.score(self.model, windows, self.batch_size)):
+            totals[i] -= score.nll
+        return totals
+
+    # ----------------------------------------------------------------- generation
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        """Each request alone, EOS + context, recomputed per token (no KV cache yet). Greedy unless
+        do_sample (temperature, top_p); stops at EOS, max_gen_toks, or the first `until` string,
+        which is cut off."""
+        return [self._generate(*request.args) for request in requests]
+
+    def _generate(self, context: str, gen_kwargs: dict) -> str:
+        kwargs = dict(gen_kwargs or {})
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = int(kwargs.pop("max_gen_toks", 256))
+        do_sample = bool(kwargs.pop("do_sample", False))
+        temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
+        top_p = float(kwargs.pop("top_p", 1.0))
+        generator = torch.Generator().manual_seed(int(kwargs.pop("seed", 0)))
+        ids = [self.eot_token_id, *self.tokenizer.encode(context)]
+        new: list[int] = []
+        text = ""
+        with torch.inference_mode():
+            for _ in range(max_new):
+                window = torch.tensor([(ids + new)[-self.max_length:]], device=self._device)
+                logits = self.exit_rule.next_logits(self.model, window)[0].cpu()
+                token = _pick(logits, do_sample and temperature > 0, temperature, top_p, generator)
+                if token == self.eot_token_id:
+                    break
+                new.append(token)
+                text = self.tokenizer.decode(new)
+                if any(stop in text for stop in until):
+                    break
+        for stop in until:
+            text = text.split(stop, 1)[0]
+        return text
+
+
+def _pick(logits: torch.Tensor, sample: bool, temperature: float, top_p: float,
+          generator: torch.Generator) -> int:
+    if not sample:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:  # keep the smallest set of most likely tokens whose mass reaches top_p
+        sorted_probs, order = probs.sort(descending=True)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= top_p
+        probs[order[drop]] = 0.0
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,168 @@
+"""lm-evaluation-harness: `scse-lm-eval --model scse` on the offline tasks agrees with scse-eval
+on the same files (an independent reading of the data and aggregation of the metrics), without
+touching the Hugging Face hub; the exit rule, generation and the CLI's argument handling."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+
+from conftest import REPO_ROOT, TINY_VOCAB, tiny_documents  # noqa: E402
+from scse_dist.config import config_from_dict  # noqa: E402
+from scse_dist.data.tokenizer import Tokenizer  # noqa: E402
+from scse_dist.eval.cli import main as eval_main  # noqa: E402
+from scse_dist.export import save_exported_model  # noqa: E402
+from scse_dist.lmeval import TASKS_DIR  # noqa: E402
+from scse_dist.lmeval.cli import hoist_model_args  # noqa: E402
+from scse_dist.lmeval.model import FixedExit, ScseLM, parse_exit_rule  # noqa: E402
+from scse_dist.model import LoopedLM  # noqa: E402
+
+DEPTH = 2
+
+
+def _train(cfg, tokenizer: Tokenizer, steps: int = 150) -> LoopedLM:
+    """A few AdamW steps on the tiny grammar at fixed depth: enough that LAMBADA's last words
+    ("at night.", "with great care.") are sometimes the argmax, so accuracy is not trivially 0."""
+    torch.manual_seed(0)
+    model = LoopedLM(cfg.model)
+    stream = []
+    for ids in tokenizer.encode_batch(tiny_documents(300, seed=1)):
+        stream += [*ids, tokenizer.eos_id]
+    seq = cfg.data.seq_len + 1
+    rows = torch.tensor([stream[i:i + seq] for i in range(0, len(stream) - seq, seq)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        batch = rows[torch.randint(len(rows), (16,), generator=gen)]
+        loss = model(batch[:, :-1], batch[:, 1:], depth=DEPTH, keep_logits=False).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def lm_data(tmp_path_factory, tiny_data):
+    """(export dir, LAMBADA JSONL, WikiText raw file) of a briefly trained tiny model."""
+    root = tmp_path_factory.mktemp("lmeval")
+    cfg = config_from_dict({"name": "tiny", "data": {"seq_len": 32, "tokenizer": tiny_data["tokenizer"]},
+                            "eval": {"batch_size": 3},
+                            "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2,
+                                      "ffn_hidden": 64, "max_seq_len": 64, "depth": DEPTH}})
+    model = _train(cfg, Tokenizer.load(tiny_data["tokenizer"]))
+    export = save_exported_model(model.state_dict(), cfg, str(root / "export"),
+                                 tokenizer=tiny_data["tokenizer"])
+    docs = tiny_documents(24, seed=7)
+    (root / "lambada.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    # WikiText raw layout: " = Title = " headings, blank lines of one space, paragraphs
+    (root / "wiki.test.raw").write_text("".join(
+        f" \n = Article {i} = \n \n {d} \n \n" for i, d in enumerate(tiny_documents(6, seed=8))))
+    return Path(export), root / "lambada.jsonl", root / "wiki.test.raw"
+
+
+def _scse_eval(task: str, export: Path, data: Path, out: Path) -> dict:
+    assert eval_main(["--checkpoint", str(export), "--task", task, "--data", str(data),
+                      "--depths", str(DEPTH), "--batch-size", "2", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    return row
+
+
+def _scse_lm_eval_command() -> list[str]:
+    """The console script as users run it; `python -m` where the venv's install predates it."""
+    script = shutil.which("scse-lm-eval", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "scse_dist.lmeval"]
+
+
+def test_lm_eval_agrees_with_scse_eval(lm_data, tmp_path, user_env):
+    export, lambada, wiki = lm_data
+    env = dict(user_env, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
+               TRANSFORMERS_OFFLINE="1")
+    out = subprocess.run(
+        [*_scse_lm_eval_command(), "--model", "scse",
+         "--model_args", f"pretrained={export},depth={DEPTH},exit=fixed,batch_size=2,device=cpu",
+         "--tasks", "scse_lambada,scse_wikitext",
+         "--metadata", f"lambada={lambada}", f"wikitext={wiki}", "--output_path", "results"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (results_file,) = (tmp_path / "results").rglob("results_*.json")
+    results = json.loads(results_file.read_text())["results"]
+    lm_lambada, lm_wiki = results["scse_lambada"], results["scse_wikitext"]
+
+    ours = _scse_eval("lambada", export, lambada, tmp_path / "lambada.json")
+    assert ours["examples"] == 24 and 0 < ours["accuracy"] < 1  # a test that can tell them apart
+    assert lm_lambada["acc,none"] == ours["accuracy"]
+    # lm-eval's LAMBADA perplexity is per passage (exp of the mean target log-likelihood):
+    # scse-eval's word_ppl; its ppl is per target token.
+    assert lm_lambada["perplexity,none"] == pytest.approx(ours["word_ppl"], rel=1e-6)
+    assert ours["word_ppl"] == pytest.approx(math.exp(ours["loss"] * ours["target_tokens"] / 24),
+                                             rel=1e-9)
+
+    ours = _scse_eval("wikitext", export, wiki, tmp_path / "wikitext.json")
+    assert ours["documents"] == 6
+    assert lm_wiki["word_perplexity,none"] == pytest.approx(ours["word_ppl"], rel=1e-6)
+    assert lm_wiki["bits_per_byte,none"] == pytest.approx(ours["bits_per_byte"], rel=1e-6)
+    assert lm_wiki["byte_perplexity,none"] == pytest.approx(2 ** ours["bits_per_byte"], rel=1e-6)
+
+
+def test_exit_rules_other_than_fixed_are_refused():
+    assert isinstance(parse_exit_rule("fixed", 4), FixedExit) and parse_exit_rule("fixed", 4).depth == 4
+    for rule in ("kl:0.01", "motion:0.02", "fixed:3"):
+        with pytest.raises(ValueError, match=rf"exit={rule!r}: exit rules other than 'fixed' are "
+                                             r"not available yet \(available: fixed\)"):
+            parse_exit_rule(rule, 4)
+
+
+def test_model_args_batch_size_and_device_become_cli_flags():
+    # lm-eval's CLI passes --batch_size/--device to every model; the same names in --model_args
+    # would be a duplicate keyword
+    assert hoist_model_args(["--model", "scse", "--model_args",
+                             "pretrained=/m,batch_size=8,depth=4,device=cpu", "--tasks", "t"]) == \
+        ["--model", "scse", "--model_args", "pretrained=/m,depth=4", "--tasks", "t",
+         "--batch_size", "8", "--device", "cpu"]
+    assert hoist_model_args(["--model_args=pretrained=/m"]) == ["--model_args", "pretrained=/m"]
+
+
+def test_generate_until_is_greedy_and_stops(lm_data):
+    export, _, _ = lm_data
+    lm = ScseLM(str(export), depth=str(DEPTH), batch_size="2", device="cpu")
+    context = "Story 5. The cat sees the red ball"
+    ids = [lm.tokenizer.eos_id, *lm.tokenizer.encode(context)]
+    with torch.inference_mode():
+        for _ in range(6):  # greedy by hand, recomputed each token
+            ids.append(int(lm.model(torch.tensor([ids]), depth=DEPTH).logits[0, -1].argmax()))
+    greedy = lm.tokenizer.decode(ids[-6:])
+    assert greedy.strip(), greedy
+    plain, = lm.generate_until([SimpleNamespace(args=(context, {"until": [], "max_gen_toks": 6}))])
+    assert plain == greedy
+    stop = greedy.strip()[-1]
+    cut, = lm.generate_until([SimpleNamespace(args=(context, {"until": [stop], "max_gen_toks": 6}))])
+    assert cut == greedy.split(stop, 1)[0] and stop not in cut
+
+
+def test_model_args_are_checked(lm_data):
+    export, _, _ = lm_data
+    with pytest.raises(ValueError, match="not available yet"):
+        ScseLM(str(export), exit="motion:0.02", device="cpu")
+    with pytest.raises(ValueError, match=r"depth='0': expected a positive integer"):
+        ScseLM(str(export), depth="0", device="cpu")
+    with pytest.raises(ValueError, match="max_length=65 exceeds the model's max_seq_len=64"):
+        ScseLM(str(export), max_length="65", device="cpu")
+
+
+def test_task_files_are_package_data():
+    """The tasks lm-eval reads from the installed package are listed in pyproject's package-data."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    data = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    patterns = data["scse_dist.lmeval"]
+    shipped = {p.name for p in Path(TASKS_DIR).iterdir() if p.suffix in (".yaml", ".py")}
+    assert shipped == {"scse_lambada.yaml", "scse_wikitext.yaml", "scse_tasks.py"}
+    assert all(any(Path("tasks", name).match(p) for p in patterns) for name in shipped)
