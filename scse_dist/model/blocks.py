@@ -10,7 +10,7 @@ where G is attention then SwiGLU (two sub-layers per block, each with its own re
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,12 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x) * self.weight
+
+
+class KVHook(Protocol):
+    """What attention calls to use a KV cache (scse_dist.model.kv_cache.KVSlot is one)."""
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 # (cos, sin), fp32: (S, head_dim/2) for positions 0..S-1, or (B, 1, S, head_dim/2) per sequence
@@ -95,13 +101,18 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: RopeTables,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """mask: None (plain causal, the training path) or attention_mask_4d's (B, 1, S, S)."""
+    def forward(self, x: torch.Tensor, rope: RopeTables, mask: Optional[torch.Tensor] = None,
+                kv: Optional[KVHook] = None) -> torch.Tensor:
+        """mask: None (plain causal, the training path) or attention_mask_4d's (B, 1, S, S).
+        kv: a KV cache hook (scse_dist.model.kv_cache): `kv.update(k, v)` takes this call's keys
+        and values (after RoPE) and returns the ones to attend over, cached then new; the mask is
+        then (B, 1, S, L + S) and must be given."""
         b, s, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if kv is not None:
+            k, v = kv.update(k, v)
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -163,12 +174,12 @@ class Block(nn.Module):
         for lin in (self.attn.proj, self.mlp.down):
             nn.init.normal_(lin.weight, std=out_std)
 
-    def _forward(self, h: torch.Tensor, rope: RopeTables,
-                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _forward(self, h: torch.Tensor, rope: RopeTables, mask: Optional[torch.Tensor] = None,
+                 kv: Optional[KVHook] = None) -> torch.Tensor:
         if self.post_ln:
-            h = self.norm1(self.alpha * h + self.attn(h, rope, mask))
+            h = self.norm1(self.alpha * h + self.attn(h, rope, mask, kv))
             return self.norm2(self.alpha * h + self.mlp(h))
-        h = h + self.attn(self.norm1(h), rope, mask)
+        h = h + self.attn(self.norm1(h), rope, mask, kv)
         return h + self.mlp(self.norm2(h))
 
     def compile_math(self, backend: str) -> None:
@@ -180,10 +191,12 @@ class Block(nn.Module):
         self._forward = torch.compile(self._forward, backend=backend)
 
     def forward(self, h: torch.Tensor, rope: Optional[RopeTables] = None,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                mask: Optional[torch.Tensor] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
         rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
-        # The mask is passed only when set, so the default path calls _forward as before.
+        # The mask and kv are passed only when set, so the default path calls _forward as before.
         args = (h, rope) if mask is None else (h, rope, mask)
+        if kv is not None:
+            args = (h, rope, mask, kv)
         if self.checkpointed and torch.is_grad_enabled():
             return checkpoint(self._forward, *args, use_reentrant=False)
         return self._forward(*args)

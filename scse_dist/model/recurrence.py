@@ -13,7 +13,7 @@ The recurrence itself (cfg.recurrence: how x_0, x_{t+1} and h_t are formed) is a
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +23,14 @@ from .config import ModelConfig, check_model_config
 from .blocks import Block, RopeTables, rope_tables
 from .transitions import transition_for
 
-Context = dict[str, torch.Tensor]
+if TYPE_CHECKING:
+    from .blocks import KVHook
+    from .exit_rules import ExitRule
+    from .kv_cache import LoopKV
+
+# Per-forward tensors (source, anchor, cos, sin, mask, ...) and, when decoding with a KV cache,
+# "kv": the cache's LoopKV view.
+Context = dict[str, Any]
 # Names of the diagnostics LoopCore.forward appends to its outputs, in order.
 DIAGNOSTICS = ("deviation_norm", "motion_norm", "forcing_bias_norm")
 
@@ -72,19 +79,27 @@ class LoopCore(nn.Module):
         return self.transition.anchor(self, s)
 
     def phi(self, h: torch.Tensor, s: torch.Tensor, t: int = 0,
-            rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None
-            ) -> torch.Tensor:
+            rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None,
+            kv: Optional[Sequence[KVHook]] = None) -> torch.Tensor:
         """One core application Phi(h); `t` picks the block group (only untied has several).
-        mask: the attention mask of LoopedLM.forward (None: plain causal)."""
+        mask: the attention mask of LoopedLM.forward (None: plain causal). kv: one KV cache hook
+        per block of the group (decoding), else None."""
         rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
         if self.inject == "add":
             h = h + s
         elif self.inject == "concat":
             h = self.adapter(torch.cat([h, s], dim=-1))
         group = self.transition.group(t)
-        for block in self.blocks[group * self.n_core:(group + 1) * self.n_core]:
-            h = block(h, rope, mask)
+        for j, block in enumerate(self.blocks[group * self.n_core:(group + 1) * self.n_core]):
+            h = block(h, rope, mask, None if kv is None else kv[j])
         return h
+
+    def phi_ctx(self, h: torch.Tensor, ctx: Context, t: int = 0, response: bool = False
+                ) -> torch.Tensor:
+        """Phi with this forward's source, RoPE and mask, and, when decoding with a KV cache, the
+        cache's hooks for this call: loop step t, or scse's r* = Phi(h*) call (`response`)."""
+        kv = ctx["kv"].hooks(t, response) if "kv" in ctx else None
+        return self.phi(h, ctx["source"], t, (ctx["cos"], ctx["sin"]), ctx.get("mask"), kv)
 
     def initial_state(self, s: torch.Tensor) -> torch.Tensor:
         """H0 by cfg.init_state."""
@@ -96,15 +111,18 @@ class LoopCore(nn.Module):
         return torch.randn_like(s) * s.detach().float().pow(2).mean().sqrt().to(s.dtype)
 
     def start(self, s: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
-              rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None
-              ) -> tuple[torch.Tensor, Context]:
+              rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None,
+              kv: Optional[LoopKV] = None) -> tuple[torch.Tensor, Context]:
         """The loop variable x_0 and the per-forward context (source, anchor, RoPE's cos/sin,
-        the attention mask if any, and what the transition adds: scse's r* and ref)."""
+        the attention mask and KV cache view if any, and what the transition adds: scse's r* and
+        ref)."""
         h0 = self.initial_state(s) if initial_state is None else initial_state
         cos, sin = rope_tables(s.shape[-2], self.cfg, s.device) if rope is None else rope
         ctx: Context = {"source": s, "anchor": self.anchor_of(s), "cos": cos, "sin": sin}
         if mask is not None:
             ctx["mask"] = mask
+        if kv is not None:
+            ctx["kv"] = kv
         return self.transition.start(self, h0, ctx), ctx
 
     def step(self, x: torch.Tensor, ctx: Context, t: int = 0) -> torch.Tensor:
@@ -173,3 +191,44 @@ class LoopCore(nn.Module):
         """Mean ||what a zero deviation moves to||: lambda*b for scse, Phi(s) - s otherwise (an
         extra probe call, not counted in core_calls since the output does not depend on it)."""
         return _row_norm_mean(self.transition.forcing_bias(self, ctx))
+
+    # ------------------------------------------------------------------ decoding
+
+    @torch.no_grad()
+    def decode(self, s: torch.Tensor, depth: int, rope: RopeTables, mask: torch.Tensor,
+               kv: LoopKV, exit_rule: Optional[ExitRule] = None,
+               log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loop for new tokens against a KV cache (LoopedLM.decode_step): (h, steps), the
+        final state and the loop steps each token ran, (B, S).
+
+        exit_rule (scse_dist.model.exit_rules.ExitRule; None: every token runs `depth`): after
+        each step a token may exit; it then keeps its state and its last K/V stands in for the
+        steps it skips (`kv.active`), so other tokens attend to its latest available K/V. The
+        loop stops when every token has exited. log_probs(h) -> (B, S, V): read-out for rules
+        that need one (kl).
+        """
+        x, ctx = self.start(s, rope=rope, mask=mask, kv=kv)
+        steps = torch.zeros(s.shape[:-1], dtype=torch.long, device=s.device)
+        if exit_rule is None:
+            for t in range(depth):
+                x = self.step(x, ctx, t)
+            kv.finish(depth)
+            return self.state(x, ctx), steps + depth
+        active = torch.ones_like(steps, dtype=torch.bool)
+        d_prev = self.state(x, ctx) - ctx["anchor"]
+        logp_prev = log_probs(self.state(x, ctx)) if exit_rule.needs_readout else None
+        t = 0
+        while t < depth and bool(active.any()):
+            kv.active = active
+            x = torch.where(active[..., None], self.step(x, ctx, t), x)
+            steps += active.long()
+            t += 1
+            h = self.state(x, ctx)
+            d_new = h - ctx["anchor"]
+            logp_new = log_probs(h) if exit_rule.needs_readout else None
+            active = active & ~exit_rule.exited(t, d_prev, d_new, logp_prev, logp_new)
+            d_prev, logp_prev = d_new, logp_new
+        kv.active = None
+        kv.finish(t)
+        return self.state(x, ctx), steps
