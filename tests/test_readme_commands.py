@@ -144,6 +144,10 @@ def check_export(d: Path, out: str) -> None:
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
+def check_generate(d: Path, out: str) -> None:
+    assert out.startswith("Return the") and len(out.strip()) > len("Return the")
+
+
 def check_report(d: Path, out: str) -> None:
     report = (d / "reports/quickstart/report.md").read_text()
     assert "quickstart-T8" in report and "heldout" in report
@@ -197,6 +201,8 @@ RUN = [
     Step("scse-eval --checkpoint runs/quickstart/checkpoints --task diagnose --depths 1,8,48 --out diagnose.json",
          check_eval("diagnose.json", [1, 8, 48], "deviation_norm")),
     Step("scse-export runs/quickstart --out quickstart-export", check_export),
+    Step('scse-generate runs/quickstart/export --prompt "Return the" --max-new-tokens 40',
+         check_generate),
     Step("scse-report runs/quickstart runs/quickstart-T8 --out reports/quickstart --wandb offline",
          check_report),
     Step("scse-launch configs/tiny-cpu.yaml --local", check_launch_local),
