@@ -166,11 +166,8 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 def _exit_rule(text: Optional[str]):
     if text is None:
         return None
-    try:
-        from scse_dist.model.exit_rules import parse_exit_rule
-    except ImportError:  # pragma: no cover - the exit rules land in their own change
-        raise InputError("--exit: this installation has no exit rules (scse_dist.model.exit_rules)"
-                         ) from None
+    from scse_dist.model.exit_rules import parse_exit_rule
+
     try:
         return parse_exit_rule(text)
     except ValueError as exc:

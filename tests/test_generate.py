@@ -15,6 +15,7 @@ import torch
 from conftest import REPO_ROOT, TINY_VOCAB
 from scse_dist.generate import Sampling, generate, main as generate_main
 from scse_dist.model import LoopedLM, ModelConfig
+from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
 from scse_dist.model.kv_cache import KVCache
 
 KINDS = [dict(recurrence="untied"), dict(recurrence="looped"), dict(recurrence="additive"),
@@ -141,14 +142,12 @@ def test_a_new_token_costs_one_token_at_depth_t(kw: dict) -> None:
     assert model.core.core_calls(DEPTH) == DEPTH + (kw["recurrence"] == "scse")
 
 
-class ExitWhenSumPositive:
-    """A per-token exit rule with ExitRule's interface (scse_dist.model.exit_rules): a token
-    exits after a step whose deviation sums to > 0 (so tokens exit at different steps)."""
+class ExitWhenSumPositive(ExitRule):
+    """A per-token exit rule whose decisions do not hinge on near-ties (as motion:tau's may): a
+    token exits after a step whose deviation sums to > 0, so tokens exit at different steps."""
 
-    needs_readout = False
-
-    def cap(self, depth: int) -> int:
-        return depth
+    def __init__(self) -> None:
+        super().__init__("fixed")
 
     def exited(self, step, d_prev, d_new, logp_prev=None, logp_new=None) -> torch.Tensor:
         return (d_new.float().sum(-1) > 0) | (step >= 5)
@@ -175,6 +174,24 @@ def test_exit_aware_cache_matches_the_teacher_forced_exit(kw: dict, mode: str) -
                                    rtol=0, atol=1e-5)
         fixed = model.decode_step(seq, KVCache(mode), depth=5).logits
         assert not torch.allclose(fixed, whole.logits)  # exiting changed something
+
+
+@pytest.mark.parametrize("kw", [dict(recurrence="scse"), dict(recurrence="additive")], ids=kind_id)
+def test_generation_under_an_exit_rule_equals_recomputing(kw: dict) -> None:
+    """motion:tau through the exact cache gives the tokens and exit steps of recomputing the
+    whole sequence under the same rule (the teacher-forced adaptive forward) at every token."""
+    model = tiny_model(depth=6, **kw)
+    rule = parse_exit_rule("motion:0.5,min=2")
+    batch = prompts(6, 3)
+    cached = generate(model, batch, max_new_tokens=6, exit_rule=rule)
+    assert cached == generate(model, batch, max_new_tokens=6, exit_rule=rule, cache="none")
+    used = [s for row in cached.steps for s in row]
+    assert min(used) >= 2 and max(used) <= 6 and sum(used) < 6 * len(used)  # some exit early
+    with torch.no_grad():
+        seq = torch.tensor([batch[0] + cached.tokens[0][:-1]])
+        forward = model(seq, exit_rule=rule)
+    assert forward.logits[0, len(batch[0]) - 1:].argmax(-1).tolist() == cached.tokens[0]
+    assert forward.steps_used[0, len(batch[0]) - 1:].tolist() == cached.steps[0]
 
 
 def test_cache_refuses_another_depth_or_batch() -> None:

@@ -48,12 +48,6 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-class KVHook(Protocol):
-    """What attention calls to use a KV cache (scse_dist.model.kv_cache.KVSlot is one)."""
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
 # (cos, sin), fp32: (S, head_dim/2) for positions 0..S-1, or (B, 1, S, head_dim/2) per sequence
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -93,6 +87,14 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
 
+class KVHook(Protocol):
+    """What a block's attention reads instead of its own keys/values: `update` receives this
+    call's (B, H, S, head_dim) k and v after RoPE and returns those attended to (a cache across
+    loop steps; adaptive depth's merge of exited tokens' latest K/V). None: the plain path."""
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -101,12 +103,10 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: RopeTables, mask: Optional[torch.Tensor] = None,
-                kv: Optional[KVHook] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTables,
+                mask: Optional[torch.Tensor] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
         """mask: None (plain causal, the training path) or attention_mask_4d's (B, 1, S, S).
-        kv: a KV cache hook (scse_dist.model.kv_cache): `kv.update(k, v)` takes this call's keys
-        and values (after RoPE) and returns the ones to attend over, cached then new; the mask is
-        then (B, 1, S, L + S) and must be given."""
+        kv: a KVHook whose update(k, v) gives the keys/values attended to (after RoPE)."""
         b, s, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
@@ -174,8 +174,8 @@ class Block(nn.Module):
         for lin in (self.attn.proj, self.mlp.down):
             nn.init.normal_(lin.weight, std=out_std)
 
-    def _forward(self, h: torch.Tensor, rope: RopeTables, mask: Optional[torch.Tensor] = None,
-                 kv: Optional[KVHook] = None) -> torch.Tensor:
+    def _forward(self, h: torch.Tensor, rope: RopeTables,
+                 mask: Optional[torch.Tensor] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
         if self.post_ln:
             h = self.norm1(self.alpha * h + self.attn(h, rope, mask, kv))
             return self.norm2(self.alpha * h + self.mlp(h))
@@ -192,6 +192,7 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor, rope: Optional[RopeTables] = None,
                 mask: Optional[torch.Tensor] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
+        """kv: see KVHook (None: the training path)."""
         rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
         # The mask and kv are passed only when set, so the default path calls _forward as before.
         args = (h, rope) if mask is None else (h, rope, mask)

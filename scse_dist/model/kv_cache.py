@@ -125,9 +125,10 @@ class KVCache:
 
 
 class _StepHook:
-    """One core block's hook at one step: rows that have exited reuse their latest K/V."""
+    """One core block's hook at one step: rows that have exited reuse their latest K/V; then the
+    slot (if any) appends them to the cached ones."""
 
-    def __init__(self, view: LoopKV, j: int, slot: KVSlot, response: bool) -> None:
+    def __init__(self, view: LoopKV, j: int, slot: Optional[KVSlot], response: bool) -> None:
         self.view, self.j, self.slot, self.response = view, j, slot, response
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,31 +139,37 @@ class _StepHook:
                 k_last, v_last = view.latest[self.j]
                 k, v = torch.where(keep, k, k_last), torch.where(keep, v, v_last)
             view.latest[self.j] = (k, v)
-        return self.slot.update(k, v)
+        return (k, v) if self.slot is None else self.slot.update(k, v)
 
 
 class LoopKV:
-    """The core's view of the cache during one call: the hooks of each step's blocks.
+    """The core's view of the K/V during one loop run (LoopCore.adaptive): each step's hooks.
 
-    `active` (B, S) bool, set by LoopCore.decode under an exit rule: tokens still iterating.
-    An exited token's latest K/V stand in for the steps it skips, at every later step and, via
-    `finish`, in the slots of steps the loop did not run at all (exact mode).
+    `active` (B, S) bool, set by the loop under an exit rule: tokens still iterating. An exited
+    token's latest K/V stand in for the steps it skips, at every later step and, via `finish`,
+    in the cache slots of steps the loop did not run at all. cache None (teacher-forced adaptive
+    depth, no generation): only that stand-in, nothing is kept.
     """
 
-    def __init__(self, cache: KVCache, core) -> None:
+    def __init__(self, cache: Optional[KVCache], core) -> None:
         self.cache, self.core = cache, core
         self.active: Optional[torch.Tensor] = None
         self.latest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block in group -> K/V
 
     def hooks(self, t: int, response: bool = False) -> list[_StepHook]:
-        n = self.core.n_core
+        """One hook per core block of step t's group, or of scse's r* call (`response`)."""
+        n, cache = self.core.n_core, self.cache  # (a KVCache with no tokens yet is falsy)
         if response:
-            return [_StepHook(self, j, self.cache.slot("response", j), True) for j in range(n)]
+            return [_StepHook(self, j, None if cache is None else cache.slot("response", j), True)
+                    for j in range(n)]
         base = self.core.transition.group(t) * n
-        return [_StepHook(self, j, self.cache.core_slot(base + j, t), False) for j in range(n)]
+        return [_StepHook(self, j, None if cache is None else cache.core_slot(base + j, t), False)
+                for j in range(n)]
 
     def finish(self, steps_run: int) -> None:
-        """Fill the slots of steps steps_run..depth-1 with each block's latest K/V."""
+        """Fill the cache slots of steps steps_run..depth-1 with each block's latest K/V."""
+        if self.cache is None:
+            return
         for t in range(steps_run, self.cache.depth):
             for hook in self.hooks(t):
                 if hook.slot.pending is None:

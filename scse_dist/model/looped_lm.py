@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Iterable, Iterator, NamedTuple, Optional
+from typing import Iterable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,12 +14,10 @@ from torch import nn
 
 from .config import ModelConfig
 from .blocks import Block, RMSNorm, RopeTables, attention_mask_4d, rope_tables
+from .exit_rules import ExitRule
 from .loss import IGNORE_INDEX, chunked_cross_entropy
 from .kv_cache import KVCache, LoopKV
 from .recurrence import DIAGNOSTICS, LoopCore
-
-if TYPE_CHECKING:
-    from .exit_rules import ExitRule
 
 
 class LMOutput(NamedTuple):
@@ -32,7 +30,8 @@ class LMOutput(NamedTuple):
     loss_by_depth: Optional[dict[int, torch.Tensor]]
     diagnostics: Optional[dict[str, torch.Tensor]]
     core_calls: int  # Phi applications the output depends on (scse: T+1, others: T)
-    depth: int  # the final depth run
+    depth: int  # the final depth run (with an exit rule: the most steps a token may take)
+    steps_used: Optional[torch.Tensor] = None  # (B, S) long: loop steps per token (exit_rule)
 
 
 class DecodeOutput(NamedTuple):
@@ -150,7 +149,8 @@ class LoopedLM(nn.Module):
                 backprop_steps: int = 0, diagnostics: bool = False, keep_logits: bool = True,
                 initial_state: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> LMOutput:
+                position_ids: Optional[torch.Tensor] = None,
+                exit_rule: Optional[ExitRule] = None) -> LMOutput:
         """Run the loop once to the final depth and read out the requested depths.
 
         tokens, targets: (B, S) long; targets equal to IGNORE_INDEX (-100) are left out.
@@ -166,14 +166,31 @@ class LoopedLM(nn.Module):
         batched evaluation); padding keys are masked in every block. position_ids: (B, S) RoPE
         positions; with a mask and no position_ids, each row counts from its first real token.
         Both None (training): plain causal attention at positions 0..S-1, the path whose numbers
-        every test pins. Generation with a KV cache: decode_step.
+        every test pins. Generation with a KV cache across loop steps: decode_step.
+        exit_rule: adaptive depth per token (eval, no grad; LoopCore.adaptive): the loop runs up
+        to the rule's max_steps (else the depth above), each token stops when the rule fires, and
+        the output's steps_used says how many steps each took. Not with readout_depths,
+        backprop_steps, diagnostics or initial_state.
         """
+        if exit_rule is not None:
+            if readout_depths is not None or backprop_steps or diagnostics \
+                    or initial_state is not None:
+                raise ValueError("exit_rule: adaptive depth reads out one state per token; it "
+                                 "takes no readout_depths, backprop_steps, diagnostics or "
+                                 "initial_state")
+            depth = exit_rule.max_steps or depth
         final, readouts = self._resolve_depths(depth, readout_depths)
         wanted = sorted(set(readouts or []) | {final})
         rope, mask = self.positions(tokens, attention_mask, position_ids)
+        log_probs = None
+        if exit_rule is not None and exit_rule.needs_readout:
+            def log_probs(h: torch.Tensor) -> torch.Tensor:
+                return F.log_softmax(self.readout(h, rope, mask).float(), dim=-1)
         outs = self.core(self.source(tokens, rope, mask), final, readout_depths=wanted,
                          backprop_steps=backprop_steps, initial_state=initial_state,
-                         diagnostics=diagnostics, rope=rope, mask=mask)
+                         diagnostics=diagnostics, rope=rope, mask=mask, exit_rule=exit_rule,
+                         log_probs=log_probs)
+        steps_used = outs[1] if exit_rule is not None else None
         states = dict(zip(wanted, outs))
         diag = dict(zip(DIAGNOSTICS, outs[len(wanted):])) if diagnostics else None
         logits_by_depth: dict[int, torch.Tensor] = {}
@@ -196,6 +213,7 @@ class LoopedLM(nn.Module):
             diagnostics=diag,
             core_calls=self.core.core_calls(final),
             depth=final,
+            steps_used=steps_used,
         )
 
     @torch.no_grad()
@@ -207,13 +225,14 @@ class LoopedLM(nn.Module):
 
         tokens (B, S); attention_mask (B, S): 1 real, 0 padding (left-padded prompts; None: all
         real). depth: loop steps (default cfg.depth, untied: its fixed depth); every call on one
-        cache runs the same depth. exit_rule: per-token early exit (LoopCore.decode), its
-        max_steps (if set) replacing depth. Each new token costs one token at that depth (+1 core
-        call for scse), whatever the cache's length.
+        cache runs the same depth. exit_rule: per-token early exit (LoopCore.adaptive), its
+        max_steps (if set) replacing depth, as in forward; a token that exits keeps its state and
+        its latest K/V fill the cache slots of the steps it skipped. Each new token costs one
+        token at that depth (+1 core call for scse), whatever the cache's length.
         """
-        depth, _ = self._resolve_depths(depth, None)
         if exit_rule is not None:
-            depth = exit_rule.cap(depth)
+            depth = exit_rule.max_steps or depth
+        depth, _ = self._resolve_depths(depth, None)
         if cache.depth is None:
             cache.depth = depth
         elif cache.depth != depth:
@@ -231,8 +250,9 @@ class LoopedLM(nn.Module):
                 h = block(h, rope, mask, cache.slot("coda", i))
             return F.linear(self.norm(h), self.head_weight)
 
-        h, steps = self.core.decode(h, depth, rope, mask, LoopKV(cache, self.core), exit_rule,
-                                    log_probs=lambda h: coda_head(h).float().log_softmax(-1))
+        h, steps = self.core.adaptive(h, depth, exit_rule, rope, mask,
+                                      lambda h: coda_head(h).float().log_softmax(-1),
+                                      LoopKV(cache, self.core))
         logits = coda_head(h)
         cache.commit(attention_mask)
         return DecodeOutput(logits, steps)

@@ -13,20 +13,17 @@ The recurrence itself (cfg.recurrence: how x_0, x_{t+1} and h_t are formed) is a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig, check_model_config
-from .blocks import Block, RopeTables, rope_tables
+from .blocks import Block, KVHook, RopeTables, rope_tables
+from .exit_rules import ExitRule
+from .kv_cache import LoopKV
 from .transitions import transition_for
-
-if TYPE_CHECKING:
-    from .blocks import KVHook
-    from .exit_rules import ExitRule
-    from .kv_cache import LoopKV
 
 # Per-forward tensors (source, anchor, cos, sin, mask, ...) and, when decoding with a KV cache,
 # "kv": the cache's LoopKV view.
@@ -82,16 +79,16 @@ class LoopCore(nn.Module):
             rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None,
             kv: Optional[Sequence[KVHook]] = None) -> torch.Tensor:
         """One core application Phi(h); `t` picks the block group (only untied has several).
-        mask: the attention mask of LoopedLM.forward (None: plain causal). kv: one KV cache hook
-        per block of the group (decoding), else None."""
+        mask: the attention mask of LoopedLM.forward (None: plain causal). kv: one KVHook per
+        core block (from ctx["kv"], see phi_ctx; None: the plain path)."""
         rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
         if self.inject == "add":
             h = h + s
         elif self.inject == "concat":
             h = self.adapter(torch.cat([h, s], dim=-1))
         group = self.transition.group(t)
-        for j, block in enumerate(self.blocks[group * self.n_core:(group + 1) * self.n_core]):
-            h = block(h, rope, mask, None if kv is None else kv[j])
+        for i, block in enumerate(self.blocks[group * self.n_core:(group + 1) * self.n_core]):
+            h = block(h, rope, mask) if kv is None else block(h, rope, mask, kv[i])
         return h
 
     def phi_ctx(self, h: torch.Tensor, ctx: Context, t: int = 0, response: bool = False
@@ -142,7 +139,9 @@ class LoopCore(nn.Module):
     def forward(self, s: torch.Tensor, depth: int, readout_depths: Optional[Iterable[int]] = None,
                 backprop_steps: int = 0, initial_state: Optional[torch.Tensor] = None,
                 diagnostics: bool = False, rope: Optional[RopeTables] = None,
-                mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+                mask: Optional[torch.Tensor] = None, exit_rule: Optional[ExitRule] = None,
+                log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                ) -> tuple[torch.Tensor, ...]:
         """Run `depth` steps once. Returns a flat tuple: h_t for t in sorted(readout_depths)
         (default (depth,)), then, if diagnostics, the DIAGNOSTICS tensors in that order.
 
@@ -152,7 +151,10 @@ class LoopCore(nn.Module):
         detached before the last k (the anchor and r* keep their grad).
         rope: RoPE's cos/sin from the model's forward (made here when not given).
         mask: the attention mask from the model's forward (None: plain causal attention).
+        exit_rule: adaptive depth (see adaptive); returns (h, steps_used) instead.
         """
+        if exit_rule is not None:
+            return self.adaptive(s, depth, exit_rule, rope, mask, log_probs)
         if backprop_steps < 0:
             raise ValueError(f"backprop_steps: must be >= 0, got {backprop_steps}")
         readouts = sorted(set(readout_depths)) if readout_depths is not None else [depth]
@@ -192,43 +194,49 @@ class LoopCore(nn.Module):
         extra probe call, not counted in core_calls since the output does not depend on it)."""
         return _row_norm_mean(self.transition.forcing_bias(self, ctx))
 
-    # ------------------------------------------------------------------ decoding
+    # ------------------------------------------------------------------ adaptive depth, decoding
 
     @torch.no_grad()
-    def decode(self, s: torch.Tensor, depth: int, rope: RopeTables, mask: torch.Tensor,
-               kv: LoopKV, exit_rule: Optional[ExitRule] = None,
-               log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The loop for new tokens against a KV cache (LoopedLM.decode_step): (h, steps), the
-        final state and the loop steps each token ran, (B, S).
+    def adaptive(self, s: torch.Tensor, depth: int, rule: Optional[ExitRule],
+                 rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None,
+                 log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 kv: Optional[LoopKV] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token exit, teacher-forced and batched (eval; no grad): up to rule.cap(depth)
+        steps; after step t a token whose rule fires keeps its loop variable (x_{t+1} =
+        where(active, step(x_t), x_t)) and its latest K/V in every core block (LoopKV.active), so
+        later steps of the other tokens attend to its latest available K/V. The loop stops once
+        every token has exited. Returns h and steps_used (B, S) long. log_probs(h) -> (B, S, V):
+        the per-step read-out, needed by rule.needs_readout (kl). The motion rule reads
+        D = h - anchor (anchor_of). rule None: every token runs `depth` steps.
 
-        exit_rule (scse_dist.model.exit_rules.ExitRule; None: every token runs `depth`): after
-        each step a token may exit; it then keeps its state and its last K/V stands in for the
-        steps it skips (`kv.active`), so other tokens attend to its latest available K/V. The
-        loop stops when every token has exited. log_probs(h) -> (B, S, V): read-out for rules
-        that need one (kl).
+        kv: a KV cache's view (LoopedLM.decode_step), whose slots the steps read and append to;
+        None: a view without a cache, which only carries exited tokens' latest K/V.
         """
-        x, ctx = self.start(s, rope=rope, mask=mask, kv=kv)
-        steps = torch.zeros(s.shape[:-1], dtype=torch.long, device=s.device)
-        if exit_rule is None:
-            for t in range(depth):
+        if rule is not None and rule.needs_readout and log_probs is None:
+            raise ValueError(f"exit rule {rule}: needs a read-out per step (log_probs)")
+        kv = LoopKV(None, self) if kv is None else kv
+        x, ctx = self.start(s, None, rope, mask, kv)
+        active = torch.ones(s.shape[:-1], dtype=torch.bool, device=s.device)
+        steps_used = torch.zeros(s.shape[:-1], dtype=torch.long, device=s.device)
+        readout = rule is not None and rule.needs_readout
+        h = self.state(x, ctx)
+        d_prev, logp_prev = h - ctx["anchor"], log_probs(h) if readout else None
+        steps_run = 0
+        for t in range(depth if rule is None else rule.cap(depth)):
+            if not bool(active.any()):
+                break  # every token has exited: the remaining steps would change nothing
+            if rule is None:
                 x = self.step(x, ctx, t)
-            kv.finish(depth)
-            return self.state(x, ctx), steps + depth
-        active = torch.ones_like(steps, dtype=torch.bool)
-        d_prev = self.state(x, ctx) - ctx["anchor"]
-        logp_prev = log_probs(self.state(x, ctx)) if exit_rule.needs_readout else None
-        t = 0
-        while t < depth and bool(active.any()):
-            kv.active = active
-            x = torch.where(active[..., None], self.step(x, ctx, t), x)
-            steps += active.long()
-            t += 1
+            else:
+                kv.active = active
+                x = torch.where(active[..., None], self.step(x, ctx, t), x)
+            steps_used += active
+            steps_run = t + 1
             h = self.state(x, ctx)
-            d_new = h - ctx["anchor"]
-            logp_new = log_probs(h) if exit_rule.needs_readout else None
-            active = active & ~exit_rule.exited(t, d_prev, d_new, logp_prev, logp_new)
-            d_prev, logp_prev = d_new, logp_new
+            if rule is not None:
+                d_new, logp_new = h - ctx["anchor"], log_probs(h) if readout else None
+                active = active & ~rule.exited(t + 1, d_prev, d_new, logp_prev, logp_new)
+                d_prev, logp_prev = d_new, logp_new
         kv.active = None
-        kv.finish(t)
-        return self.state(x, ctx), steps
+        kv.finish(steps_run)
+        return h, steps_used
