@@ -176,12 +176,15 @@ def test_exit_aware_cache_matches_the_teacher_forced_exit(kw: dict, mode: str) -
         assert not torch.allclose(fixed, whole.logits)  # exiting changed something
 
 
-@pytest.mark.parametrize("kw", [dict(recurrence="scse"), dict(recurrence="additive")], ids=kind_id)
-def test_generation_under_an_exit_rule_equals_recomputing(kw: dict) -> None:
-    """motion:tau through the exact cache gives the tokens and exit steps of recomputing the
-    whole sequence under the same rule (the teacher-forced adaptive forward) at every token."""
+@pytest.mark.parametrize("rule, kw", [("motion:0.5,min=2", dict(recurrence="scse")),
+                                      ("motion:0.5,min=2", dict(recurrence="additive")),
+                                      ("kl:0.001,min=2", dict(recurrence="scse"))])
+def test_generation_under_an_exit_rule_equals_recomputing(rule: str, kw: dict) -> None:
+    """An exit rule through the exact cache gives the tokens and exit steps of recomputing the
+    whole sequence under the same rule (the teacher-forced adaptive forward) at every token; kl
+    reads out every step through the cached coda."""
     model = tiny_model(depth=6, **kw)
-    rule = parse_exit_rule("motion:0.5,min=2")
+    rule = parse_exit_rule(rule)
     batch = prompts(6, 3)
     cached = generate(model, batch, max_new_tokens=6, exit_rule=rule)
     assert cached == generate(model, batch, max_new_tokens=6, exit_rule=rule, cache="none")
@@ -268,8 +271,20 @@ def test_scse_generate_prompt_file_is_one_batch(export, tmp_path, capsys) -> Non
     (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
     (["--prompt", "x", "--top-p", "0"], "--top-p: must lie in (0, 1], got 0.0"),
     (["--prompt", "x", "--depth", "0"], "--depth: must be >= 1, got 0"),
+    (["--prompt", "x", "--exit", "fast:1"], "--exit: exit rule 'fast:1': unknown kind 'fast'"),
 ])
 def test_scse_generate_bad_input_is_one_line(export, capsys, argv, message) -> None:
     assert generate_main([export, *argv]) == 65
     err = capsys.readouterr().err
     assert err.startswith("scse-generate: error: ") and message in err and err.count("\n") == 1
+
+
+def test_scse_generate_reports_the_steps_an_exit_rule_used(export, capsys) -> None:
+    argv = [export, "--prompt", "the cat sees", "--max-new-tokens", "5", "--depth", "6",
+            "--exit", "motion:0.5,min=2"]
+    assert generate_main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("the cat sees")
+    assert "scse-generate: exit motion:0.5,min=2: mean loop steps per token " in err
+    mean = float(err.split("per token ")[1].split()[0])
+    assert 2 <= mean <= 6
