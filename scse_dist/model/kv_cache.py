@@ -22,8 +22,8 @@ Use (LoopedLM.decode_step): the prompt is one call, each generated token another
 
 Attention calls `KVSlot.update(k, v)` (blocks.KVHook) with the keys and values of the new tokens
 after RoPE and attends over what it returns: the cached ones followed by the new ones. A slot may
-be updated several times in one call (shared mode: once per step; a per-step read-out): the last
-update is what `commit` appends, at the end of the call.
+be updated several times in one call (shared mode: once per step; a per-step read-out): each
+overwrites the last, and `commit`, at the end of the call, keeps the last.
 """
 
 from __future__ import annotations
@@ -37,26 +37,49 @@ CACHE_MODES = ("exact", "shared")
 
 
 class KVSlot:
-    """The cached keys and values of one attention call site: (B, H, L, head_dim) each."""
+    """The cached keys and values of one attention call site, (B, H, L, head_dim) each.
+
+    Held in buffers with spare room (doubled when full), so appending a token copies only that
+    token: the cost of a new token does not grow with L beyond attention's own reads. `update`
+    writes the new K/V after the cached ones and returns views up to them; a second update in the
+    same call (shared mode, a per-step read-out) overwrites the same place."""
 
     def __init__(self) -> None:
-        self.k: Optional[torch.Tensor] = None
-        self.v: Optional[torch.Tensor] = None
-        self.pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.k_buf: Optional[torch.Tensor] = None
+        self.v_buf: Optional[torch.Tensor] = None
+        self.length = 0  # committed tokens
+        self.pending = 0  # tokens written by this call's updates, not yet committed
+
+    @property
+    def k(self) -> Optional[torch.Tensor]:
+        return None if self.k_buf is None else self.k_buf[:, :, :self.length]
+
+    @property
+    def v(self) -> Optional[torch.Tensor]:
+        return None if self.v_buf is None else self.v_buf[:, :, :self.length]
+
+    def _reserve(self, k: torch.Tensor, end: int) -> None:
+        if self.k_buf is not None and self.k_buf.shape[2] >= end:
+            return
+        b, h, _, d = k.shape
+        room = max(end, 2 * (0 if self.k_buf is None else self.k_buf.shape[2]), 16)
+        k_buf, v_buf = k.new_empty(b, h, room, d), k.new_empty(b, h, room, d)
+        if self.k_buf is not None:
+            k_buf[:, :, :self.length] = self.k
+            v_buf[:, :, :self.length] = self.v
+        self.k_buf, self.v_buf = k_buf, v_buf
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.pending = (k, v)
-        if self.k is None:
-            return k, v
-        return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        end = self.length + k.shape[2]
+        self._reserve(k, end)
+        self.k_buf[:, :, self.length:end] = k
+        self.v_buf[:, :, self.length:end] = v
+        self.pending = k.shape[2]
+        return self.k_buf[:, :, :end], self.v_buf[:, :, :end]
 
     def commit(self) -> None:
-        if self.pending is None:
-            return
-        k, v = self.pending
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        self.pending = None
+        self.length += self.pending
+        self.pending = 0
 
 
 class KVCache:
@@ -87,10 +110,11 @@ class KVCache:
         return self.slot("core", block) if self.mode == "shared" else self.slot("core", block, step)
 
     def tensors(self) -> list[torch.Tensor]:
+        """The cached keys and values, one (B, H, L, head_dim) view each."""
         return [t for s in self.slots.values() for t in (s.k, s.v) if t is not None]
 
     def nbytes(self) -> int:
-        """Bytes held by cached keys and values."""
+        """Bytes of cached keys and values (the buffers' spare room not counted)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def positions(self, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,5 +196,5 @@ class LoopKV:
             return
         for t in range(steps_run, self.cache.depth):
             for hook in self.hooks(t):
-                if hook.slot.pending is None:
+                if not hook.slot.pending:
                     hook.slot.update(*self.latest[hook.j])
