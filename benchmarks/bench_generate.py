@@ -1,8 +1,9 @@
 """Generation with the loop-step KV cache: speed against prefix length, and the shared mode's cost.
 
-1. Greedy tokens per CPU-second (1 thread) after a prefix of L tokens, with the exact cache (each new token: one token at
-   depth T, +1 core call for scse) and without one (the whole sequence recomputed per token). The
-   cached rate should stay about flat in L; the uncached one falls roughly as 1/L.
+1. Greedy tokens per CPU-second (1 thread) after a prefix of L tokens, with the exact cache (each
+   new token: one token at depth T, +1 core call for scse) and without one (the whole sequence
+   recomputed per token). The cached rate should stay about flat in L; the uncached one falls
+   roughly as 1/L.
 2. Held-out likelihood of teacher-forced incremental decoding (every token fed one at a time
    through the cache, the next one scored) with the `shared` cache (one slot per core block,
    memory constant in T) against `exact`, at several depths: mean NLL, perplexity and their ratio.
@@ -128,8 +129,8 @@ def main(argv=None) -> int:
     print(f"{'T':>4} {'forward ppl':>12} {'exact ppl':>10} {'shared ppl':>11} "
           f"{'NLL shared/exact':>17} {'ppl shared/exact':>17}")
     for t in [int(x) for x in args.depths.split(",")]:
-        full, exact, shared = (forward_nll(model, rows, t), incremental_nll(model, rows, t, "exact"),
-                               incremental_nll(model, rows, t, "shared"))
+        full = forward_nll(model, rows, t)
+        exact, shared = (incremental_nll(model, rows, t, mode) for mode in ("exact", "shared"))
         print(f"{t:>4} {math.exp(full):>12.3f} {math.exp(exact):>10.3f} {math.exp(shared):>11.3f} "
               f"{shared / exact:>17.4f} {math.exp(shared - exact):>17.4f}")
     return 0

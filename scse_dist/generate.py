@@ -41,7 +41,8 @@ class Generation(NamedTuple):
     steps: list[list[int]]  # loop steps each new token's input ran (its exit step under a rule)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, attention_mask), both (B, max_len): prompts right-aligned, padding masked."""
     width = max(len(p) for p in prompts)
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -53,7 +54,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.T
     return tokens, mask
 
 
-def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
+                ) -> torch.Tensor:
     """(B, V) logits -> (B,) next tokens."""
     if sampling.temperature == 0:
         return logits.argmax(-1)
