@@ -145,7 +145,9 @@ def check_export(d: Path, out: str) -> None:
 
 
 def check_generate(d: Path, out: str) -> None:
-    assert out.startswith("Return the") and len(out.strip()) > len("Return the")
+    # the prompt, then the continuation (a 30-step model may well continue with blank lines or
+    # stop at EOS: what it generates is tested in tests/test_generate.py)
+    assert out.startswith("Return the") and out.endswith("\n")
 
 
 def check_report(d: Path, out: str) -> None:
