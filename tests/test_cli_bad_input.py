@@ -99,6 +99,12 @@ CASES = {
         ("{d}/missing --out {d}/x", NO_INPUT, "checkpoint '{d}/missing' does not exist"),
         ("{d} --out {d}/x", NO_INPUT, "'{d}' is neither an export"),
     ],
+    "generate": [
+        ("{d}/missing --prompt x", NO_INPUT, "checkpoint '{d}/missing' does not exist"),
+        ("{broken} --prompt x", BAD_INPUT, "is not a readable safetensors export"),
+        ("{export} --prompt-file {d}/missing.txt", NO_INPUT, "{d}/missing.txt"),
+        ("{export} --prompt-file {d}/binary.txt", BAD_INPUT, "{d}/binary.txt: not UTF-8 text"),
+    ],
     "launch": [
         ("{d}/missing.yaml --local", BAD_CONFIG, "{d}/missing.yaml' does not exist"),
         ("{d}/typo.yaml --local", BAD_CONFIG, "train.max_step: unknown field"),
@@ -107,10 +113,10 @@ CASES = {
     ],
 }
 SCRIPTS = {"data": "scse-data", "eval": "scse-eval", "train": "scse-train", "report": "scse-report",
-           "launch": "scse-launch", "export": "scse-export"}
+           "launch": "scse-launch", "export": "scse-export", "generate": "scse-generate"}
 MODULES = {"data": "scse_dist.data.cli", "eval": "scse_dist.eval.cli", "train": "scse_dist.train.cli",
            "report": "scse_dist.eval.report", "launch": "scse_dist.launch.scheduler",
-           "export": "scse_dist.export_cli"}
+           "export": "scse_dist.export_cli", "generate": "scse_dist.generate"}
 IDS = [(command, i) for command, rows in CASES.items() for i in range(len(rows))]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from scse_dist.config import ModelConfig
 from scse_dist.model import ExitRule, LoopedLM, parse_exit_rule
-from scse_dist.model.recurrence import ExitedKV
+from scse_dist.model.kv_cache import LoopKV
 
 KINDS = [dict(recurrence="looped"), dict(recurrence="additive"), dict(recurrence="scse"),
          dict(recurrence="scse", inject="concat", residual="preln")]
@@ -102,14 +102,14 @@ def test_a_token_exiting_at_e_is_read_out_from_its_state_at_e(kw: dict) -> None:
 
 
 def test_exited_kv_keeps_the_last_active_steps_keys_and_values() -> None:
-    kv = ExitedKV()
+    view = LoopKV(None, tiny(recurrence="looped").core)  # no cache: only the exited tokens' K/V
     k1, v1, k2, v2 = (torch.full((1, 2, 3, 4), float(i)) for i in range(4))
-    kv.active = torch.tensor([[True, True, True]])
-    assert kv.update(k1, v1) == (k1, v1)
-    kv.active = torch.tensor([[True, False, True]])  # the middle token has exited
-    k, v = kv.update(k2, v2)
+    view.active = torch.tensor([[True, True, True]])
+    assert view.hooks(0)[0].update(k1, v1) == (k1, v1)
+    view.active = torch.tensor([[True, False, True]])  # the middle token has exited
+    k, v = view.hooks(1)[0].update(k2, v2)
     assert k[0, :, :, 0].tolist() == [[2.0, 0.0, 2.0]] * 2 and v[0, 0, :, 0].tolist() == [3.0, 1.0, 3.0]
-    k, _ = kv.update(k2 + 5, v2)  # still the step-1 keys for it, the newest for the others
+    k, _ = view.hooks(2)[0].update(k2 + 5, v2)  # still the step-1 keys for it, the newest for the others
     assert k[0, 0, :, 0].tolist() == [7.0, 0.0, 7.0]
 
 

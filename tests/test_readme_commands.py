@@ -162,6 +162,12 @@ def check_lm_eval(d: Path, out: str) -> None:
     assert metrics["scse_lambada"]["perplexity,none"] == pytest.approx(ours["word_ppl"], rel=1e-6)
 
 
+def check_generate(d: Path, out: str) -> None:
+    # the prompt, then the continuation (a 30-step model may well continue with blank lines or
+    # stop at EOS: what it generates is tested in tests/test_generate.py)
+    assert out.startswith("Return the") and out.endswith("\n")
+
+
 def check_report(d: Path, out: str) -> None:
     report = (d / "reports/quickstart/report.md").read_text()
     assert "quickstart-T8" in report and "heldout" in report
@@ -219,6 +225,8 @@ RUN = [
     Step("scse-export runs/quickstart --out quickstart-export", check_export),
     Step("scse-lm-eval --model scse --model_args pretrained=runs/quickstart/export,depth=8 --tasks scse_lambada,scse_wikitext --metadata lambada=lambada_test.jsonl wikitext=wikitext-103-raw/wiki.test.raw --output_path lm-eval",
          check_lm_eval),
+    Step('scse-generate runs/quickstart/export --prompt "Return the" --max-new-tokens 40',
+         check_generate),
     Step("scse-report runs/quickstart runs/quickstart-T8 --out reports/quickstart --wandb offline",
          check_report),
     Step("scse-launch configs/tiny-cpu.yaml --local", check_launch_local),

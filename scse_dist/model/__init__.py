@@ -12,6 +12,7 @@ _EXPORTS = {
     "ConfigError": "config", "ExitRule": "exit_rules", "parse_exit_rule": "exit_rules", "ModelConfig": "config", "check_model_config": "config",
     "flops_per_token": "flops", "LMOutput": "looped_lm", "LoopedLM": "looped_lm",
     "LoopCore": "recurrence", "Transition": "transitions", "transition_for": "transitions",
+    "DecodeOutput": "looped_lm", "KVCache": "kv_cache",
 }
 __all__ = sorted(_EXPORTS)
 

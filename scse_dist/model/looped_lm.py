@@ -16,6 +16,7 @@ from .config import ModelConfig
 from .blocks import Block, RMSNorm, RopeTables, attention_mask_4d, rope_tables
 from .exit_rules import ExitRule
 from .loss import IGNORE_INDEX, chunked_cross_entropy
+from .kv_cache import KVCache, LoopKV
 from .recurrence import DIAGNOSTICS, LoopCore
 
 
@@ -31,6 +32,11 @@ class LMOutput(NamedTuple):
     core_calls: int  # Phi applications the output depends on (scse: T+1, others: T)
     depth: int  # the final depth run (with an exit rule: the most steps a token may take)
     steps_used: Optional[torch.Tensor] = None  # (B, S) long: loop steps per token (exit_rule)
+
+
+class DecodeOutput(NamedTuple):
+    logits: torch.Tensor  # (B, S, V) for the new tokens
+    steps: torch.Tensor  # (B, S) long: loop steps each new token ran (its depth, or its exit)
 
 
 class LoopedLM(nn.Module):
@@ -160,7 +166,7 @@ class LoopedLM(nn.Module):
         batched evaluation); padding keys are masked in every block. position_ids: (B, S) RoPE
         positions; with a mask and no position_ids, each row counts from its first real token.
         Both None (training): plain causal attention at positions 0..S-1, the path whose numbers
-        every test pins. (A KV cache would add one slot per physical block x loop step here.)
+        every test pins. Generation with a KV cache across loop steps: decode_step.
         exit_rule: adaptive depth per token (eval, no grad; LoopCore.adaptive): the loop runs up
         to the rule's max_steps (else the depth above), each token stops when the rule fires, and
         the output's steps_used says how many steps each took. Not with readout_depths,
@@ -209,3 +215,44 @@ class LoopedLM(nn.Module):
             depth=final,
             steps_used=steps_used,
         )
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache, *, depth: Optional[int] = None,
+                    attention_mask: Optional[torch.Tensor] = None,
+                    exit_rule: Optional[ExitRule] = None) -> DecodeOutput:
+        """Logits of new tokens given the ones in `cache`, whose K/V it then appends
+        (scse_dist.model.kv_cache). The prefill is the same call with the whole prompt.
+
+        tokens (B, S); attention_mask (B, S): 1 real, 0 padding (left-padded prompts; None: all
+        real). depth: loop steps (default cfg.depth, untied: its fixed depth); every call on one
+        cache runs the same depth. exit_rule: per-token early exit (LoopCore.adaptive), its
+        max_steps (if set) replacing depth, as in forward; a token that exits keeps its state and
+        its latest K/V fill the cache slots of the steps it skipped. Each new token costs one
+        token at that depth (+1 core call for scse), whatever the cache's length.
+        """
+        if exit_rule is not None:
+            depth = exit_rule.max_steps or depth
+        depth, _ = self._resolve_depths(depth, None)
+        if cache.depth is None:
+            cache.depth = depth
+        elif cache.depth != depth:
+            raise ValueError(f"depth: this cache holds {cache.depth} loop steps, got depth={depth}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(tokens)
+        position_ids, mask = cache.positions(attention_mask.to(tokens.device))
+        rope = rope_tables(tokens.shape[-1], self.cfg, tokens.device, position_ids)
+        h = self.embed(tokens)
+        for i, block in enumerate(self.prelude):
+            h = block(h, rope, mask, cache.slot("prelude", i))
+
+        def coda_head(h: torch.Tensor) -> torch.Tensor:
+            for i, block in enumerate(self.coda):
+                h = block(h, rope, mask, cache.slot("coda", i))
+            return F.linear(self.norm(h), self.head_weight)
+
+        h, steps = self.core.adaptive(h, depth, exit_rule, rope, mask,
+                                      lambda h: coda_head(h).float().log_softmax(-1),
+                                      LoopKV(cache, self.core))
+        logits = coda_head(h)
+        cache.commit(attention_mask)
+        return DecodeOutput(logits, steps)

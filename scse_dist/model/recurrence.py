@@ -13,7 +13,7 @@ The recurrence itself (cfg.recurrence: how x_0, x_{t+1} and h_t are formed) is a
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -22,29 +22,14 @@ from torch.utils.checkpoint import checkpoint
 from .config import ModelConfig, check_model_config
 from .blocks import Block, KVHook, RopeTables, rope_tables
 from .exit_rules import ExitRule
+from .kv_cache import LoopKV
 from .transitions import transition_for
 
-Context = dict[str, torch.Tensor]  # plus "kv": the KVHooks of a run with adaptive depth
+# Per-forward tensors (source, anchor, cos, sin, mask, ...) and, when decoding with a KV cache,
+# "kv": the cache's LoopKV view.
+Context = dict[str, Any]
 # Names of the diagnostics LoopCore.forward appends to its outputs, in order.
 DIAGNOSTICS = ("deviation_norm", "motion_norm", "forcing_bias_norm")
-
-
-class ExitedKV:
-    """Adaptive depth's K/V for one core block: a token that has exited keeps the K/V of its last
-    active step, so later steps of the other tokens attend to its latest available K/V (as a
-    cache would hold them in generation). `active` (B, S) bool is set by the loop each step."""
-
-    def __init__(self) -> None:
-        self.active: Optional[torch.Tensor] = None
-        self.k: Optional[torch.Tensor] = None
-        self.v: Optional[torch.Tensor] = None
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k is not None:
-            keep_new = self.active[:, None, :, None]  # (B, 1, S, 1) against (B, H, S, head_dim)
-            k, v = torch.where(keep_new, k, self.k), torch.where(keep_new, v, self.v)
-        self.k, self.v = k, v
-        return k, v
 
 
 def _row_norm_mean(x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +80,7 @@ class LoopCore(nn.Module):
             kv: Optional[Sequence[KVHook]] = None) -> torch.Tensor:
         """One core application Phi(h); `t` picks the block group (only untied has several).
         mask: the attention mask of LoopedLM.forward (None: plain causal). kv: one KVHook per
-        core block (ctx["kv"]; None: the plain path)."""
+        core block (from ctx["kv"], see phi_ctx; None: the plain path)."""
         rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
         if self.inject == "add":
             h = h + s
@@ -105,6 +90,13 @@ class LoopCore(nn.Module):
         for i, block in enumerate(self.blocks[group * self.n_core:(group + 1) * self.n_core]):
             h = block(h, rope, mask) if kv is None else block(h, rope, mask, kv[i])
         return h
+
+    def phi_ctx(self, h: torch.Tensor, ctx: Context, t: int = 0, response: bool = False
+                ) -> torch.Tensor:
+        """Phi with this forward's source, RoPE and mask, and, when decoding with a KV cache, the
+        cache's hooks for this call: loop step t, or scse's r* = Phi(h*) call (`response`)."""
+        kv = ctx["kv"].hooks(t, response) if "kv" in ctx else None
+        return self.phi(h, ctx["source"], t, (ctx["cos"], ctx["sin"]), ctx.get("mask"), kv)
 
     def initial_state(self, s: torch.Tensor) -> torch.Tensor:
         """H0 by cfg.init_state."""
@@ -116,15 +108,18 @@ class LoopCore(nn.Module):
         return torch.randn_like(s) * s.detach().float().pow(2).mean().sqrt().to(s.dtype)
 
     def start(self, s: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
-              rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None
-              ) -> tuple[torch.Tensor, Context]:
+              rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None,
+              kv: Optional[LoopKV] = None) -> tuple[torch.Tensor, Context]:
         """The loop variable x_0 and the per-forward context (source, anchor, RoPE's cos/sin,
-        the attention mask if any, and what the transition adds: scse's r* and ref)."""
+        the attention mask and KV cache view if any, and what the transition adds: scse's r* and
+        ref)."""
         h0 = self.initial_state(s) if initial_state is None else initial_state
         cos, sin = rope_tables(s.shape[-2], self.cfg, s.device) if rope is None else rope
         ctx: Context = {"source": s, "anchor": self.anchor_of(s), "cos": cos, "sin": sin}
         if mask is not None:
             ctx["mask"] = mask
+        if kv is not None:
+            ctx["kv"] = kv
         return self.transition.start(self, h0, ctx), ctx
 
     def step(self, x: torch.Tensor, ctx: Context, t: int = 0) -> torch.Tensor:
@@ -194,39 +189,54 @@ class LoopCore(nn.Module):
         return (*states, torch.stack(deviation), torch.stack(motion), self._forcing_bias_norm(ctx))
 
     @torch.no_grad()
-    def adaptive(self, s: torch.Tensor, depth: int, rule: ExitRule,
-                 rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None,
-                 log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token exit, teacher-forced and batched (eval; no grad): up to rule.cap(depth)
-        steps; after step t a token whose rule fires keeps its loop variable (x_{t+1} =
-        where(active, step(x_t), x_t)) and its latest K/V in every core block (ExitedKV).
-        Returns h and steps_used (B, S) long. log_probs(h) -> (B, S, V): the per-step read-out,
-        needed by rule.needs_readout (kl). The motion rule reads D = h - anchor (anchor_of)."""
-        if rule.needs_readout and log_probs is None:
-            raise ValueError(f"exit rule {rule}: needs a read-out per step (log_probs)")
-        x, ctx = self.start(s, None, rope, mask)
-        hooks = [ExitedKV() for _ in range(self.n_core)]
-        ctx["kv"] = hooks  # type: ignore[assignment]
-        active = torch.ones(s.shape[:-1], dtype=torch.bool, device=s.device)
-        steps_used = torch.zeros(s.shape[:-1], dtype=torch.long, device=s.device)
-        h = self.state(x, ctx)
-        d_prev, logp_prev = h - ctx["anchor"], log_probs(h) if rule.needs_readout else None
-        for t in range(rule.cap(depth)):
-            if not bool(active.any()):
-                break  # every token has exited: the remaining steps would change nothing
-            for hook in hooks:
-                hook.active = active
-            x = torch.where(active[..., None], self.step(x, ctx, t), x)
-            steps_used += active
-            h = self.state(x, ctx)
-            d_new, logp_new = h - ctx["anchor"], log_probs(h) if rule.needs_readout else None
-            active = active & ~rule.exited(t + 1, d_prev, d_new, logp_prev, logp_new)
-            d_prev, logp_prev = d_new, logp_new
-        return h, steps_used
-
-    @torch.no_grad()
     def _forcing_bias_norm(self, ctx: Context) -> torch.Tensor:
         """Mean ||what a zero deviation moves to||: lambda*b for scse, Phi(s) - s otherwise (an
         extra probe call, not counted in core_calls since the output does not depend on it)."""
         return _row_norm_mean(self.transition.forcing_bias(self, ctx))
+
+    # ------------------------------------------------------------------ adaptive depth, decoding
+
+    @torch.no_grad()
+    def adaptive(self, s: torch.Tensor, depth: int, rule: Optional[ExitRule],
+                 rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None,
+                 log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 kv: Optional[LoopKV] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token exit, teacher-forced and batched (eval; no grad): up to rule.cap(depth)
+        steps; after step t a token whose rule fires keeps its loop variable (x_{t+1} =
+        where(active, step(x_t), x_t)) and its latest K/V in every core block (LoopKV.active), so
+        later steps of the other tokens attend to its latest available K/V. The loop stops once
+        every token has exited. Returns h and steps_used (B, S) long. log_probs(h) -> (B, S, V):
+        the per-step read-out, needed by rule.needs_readout (kl). The motion rule reads
+        D = h - anchor (anchor_of). rule None: every token runs `depth` steps.
+
+        kv: a KV cache's view (LoopedLM.decode_step), whose slots the steps read and append to;
+        None: a view without a cache, which only carries exited tokens' latest K/V.
+        """
+        if rule is not None and rule.needs_readout and log_probs is None:
+            raise ValueError(f"exit rule {rule}: needs a read-out per step (log_probs)")
+        kv = LoopKV(None, self) if kv is None else kv
+        x, ctx = self.start(s, None, rope, mask, kv)
+        active = torch.ones(s.shape[:-1], dtype=torch.bool, device=s.device)
+        steps_used = torch.zeros(s.shape[:-1], dtype=torch.long, device=s.device)
+        readout = rule is not None and rule.needs_readout
+        h = self.state(x, ctx)
+        d_prev, logp_prev = h - ctx["anchor"], log_probs(h) if readout else None
+        steps_run = 0
+        for t in range(depth if rule is None else rule.cap(depth)):
+            if not bool(active.any()):
+                break  # every token has exited: the remaining steps would change nothing
+            if rule is None:
+                x = self.step(x, ctx, t)
+            else:
+                kv.active = active
+                x = torch.where(active[..., None], self.step(x, ctx, t), x)
+            steps_used += active
+            steps_run = t + 1
+            h = self.state(x, ctx)
+            if rule is not None:
+                d_new, logp_new = h - ctx["anchor"], log_probs(h) if readout else None
+                active = active & ~rule.exited(t + 1, d_prev, d_new, logp_prev, logp_new)
+                d_prev, logp_prev = d_new, logp_new
+        kv.active = None
+        kv.finish(steps_run)
+        return h, steps_used

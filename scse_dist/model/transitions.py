@@ -103,8 +103,7 @@ class Transition:
 
     def step(self, core: LoopCore, x: torch.Tensor, ctx: Context, t: int) -> torch.Tensor:
         """x_t -> x_{t+1}."""
-        return core.phi(x, ctx["source"], t, (ctx["cos"], ctx["sin"]), ctx.get("mask"),
-                        ctx.get("kv"))
+        return core.phi_ctx(x, ctx, t)
 
     def state(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         """The readable hidden state h_t from the loop variable x_t."""
@@ -188,7 +187,7 @@ class Scse(Transition):
     def start(self, core: LoopCore, h0: torch.Tensor, ctx: Context) -> torch.Tensor:
         anchor = ctx["anchor"]
         # r*: the one extra core call of SCSE
-        response = core.phi(anchor, ctx["source"], 0, (ctx["cos"], ctx["sin"]), ctx.get("mask"))
+        response = core.phi_ctx(anchor, ctx, 0, response=True)
         ctx["response"] = response
         # lerp is exact at both ends: ref = r* for lambda 0 (so a zero row gives exactly 0 even
         # without the mask), ref = h* for lambda 1.
@@ -196,8 +195,7 @@ class Scse(Transition):
         return h0 - anchor
 
     def step(self, core: LoopCore, x: torch.Tensor, ctx: Context, t: int) -> torch.Tensor:
-        delta = core.phi(ctx["anchor"] + x, ctx["source"], t, (ctx["cos"], ctx["sin"]),
-                         ctx.get("mask"), ctx.get("kv")) - ctx["ref"]
+        delta = core.phi_ctx(ctx["anchor"] + x, ctx, t) - ctx["ref"]
         if self.zero_mask:
             # Attention mixes rows: without this a row sitting exactly at its anchor would be
             # moved by its neighbours. With it the anchor invariance is exact, bit for bit

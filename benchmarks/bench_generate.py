@@ -1,0 +1,140 @@
+"""Generation with the loop-step KV cache: speed against prefix length, and the shared mode's cost.
+
+1. Greedy tokens per CPU-second (1 thread) after a prefix of L tokens, with the exact cache (each
+   new token: one token at depth T, +1 core call for scse) and without one (the whole sequence
+   recomputed per token). The cached rate should stay about flat in L; the uncached one falls
+   roughly as 1/L.
+2. Held-out likelihood of teacher-forced incremental decoding (every token fed one at a time
+   through the cache, the next one scored) with the `shared` cache (one slot per core block,
+   memory constant in T) against `exact`, at several depths: mean NLL, perplexity and their ratio.
+   `exact` is also checked against one full forward over the same rows (it must agree).
+
+    python benchmarks/bench_generate.py                      # runs/quickstart/export if present
+    python benchmarks/bench_generate.py EXPORT_OR_RUN_DIR --prefixes 32,128,512,1024 --depths 4,8,32
+
+Without a model (no argument and no quickstart export) part 1 runs on a random-init model of the
+quickstart's size and part 2 is skipped (a random model's likelihood says nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scse_dist.model import LoopedLM, ModelConfig  # noqa: E402
+from scse_dist.model.kv_cache import KVCache  # noqa: E402
+
+QUICKSTART_EXPORT = REPO / "runs" / "quickstart" / "export"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", default=None, help="export or run dir (default: "
+                   "runs/quickstart/export when it exists)")
+    p.add_argument("--prefixes", default="32,128,512,1024")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--depth", type=int, default=None, help="depth for part 1 (default: model's)")
+    p.add_argument("--depths", default="4,8,32", help="depths for part 2")
+    p.add_argument("--rows", type=int, default=8, help="held-out rows for part 2")
+    p.add_argument("--threads", type=int, default=1, help="1: rates are tokens per CPU-second")
+    return p.parse_args(argv)
+
+
+@torch.no_grad()
+def tokens_per_second(model: LoopedLM, prefix: torch.Tensor, n: int, depth: int, cached: bool
+                      ) -> float:
+    seq = prefix
+    if cached:
+        cache = KVCache("exact")
+        logits = model.decode_step(prefix, cache, depth=depth).logits  # the prefill: not timed
+    else:
+        logits = model(prefix, depth=depth).logits
+    start = time.process_time()  # CPU time of this 1-thread process: robust to shared cores
+    for _ in range(n):
+        nxt = logits[:, -1:].argmax(-1)
+        if cached:
+            logits = model.decode_step(nxt, cache, depth=depth).logits
+        else:
+            seq = torch.cat([seq, nxt], 1)
+            logits = model(seq, depth=depth).logits
+    return n / (time.process_time() - start)
+
+
+@torch.no_grad()
+def incremental_nll(model: LoopedLM, rows: torch.Tensor, depth: int, mode: str) -> float:
+    """Mean NLL of rows[:, 1:] given the tokens before, fed one token at a time through a cache."""
+    cache, total = KVCache(mode), 0.0
+    for i in range(rows.shape[1] - 1):
+        logits = model.decode_step(rows[:, i:i + 1], cache, depth=depth).logits[:, 0]
+        total += F.cross_entropy(logits.float(), rows[:, i + 1], reduction="sum").item()
+    return total / (rows.shape[0] * (rows.shape[1] - 1))
+
+
+@torch.no_grad()
+def forward_nll(model: LoopedLM, rows: torch.Tensor, depth: int) -> float:
+    logits = model(rows[:, :-1], depth=depth).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten()).item()
+
+
+def heldout_rows(cfg, n: int) -> torch.Tensor:
+    from scse_dist.eval.tasks import _shard_stream
+
+    rows = []
+    for batch in _shard_stream(cfg.data.path, cfg):
+        rows += list(batch)
+        if len(rows) >= n:
+            break
+    return torch.stack(rows[:n])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    path = args.model or (str(QUICKSTART_EXPORT) if QUICKSTART_EXPORT.exists() else None)
+    if path is not None:
+        from scse_dist.eval.loading import load_model
+
+        model, cfg = load_model(path)
+        print(f"model: {path} ({cfg.model.recurrence}, d {cfg.model.d_model}, "
+              f"{model.num_parameters() / 1e6:.2f}M params)")
+    else:
+        torch.manual_seed(0)
+        model, cfg = LoopedLM(ModelConfig(d_model=128, n_heads=4, depth=4)).eval(), None
+        print("model: random-init, quickstart size (no export found): timing only")
+    depth = args.depth or model.fixed_depth or model.cfg.depth
+    print(f"\n1. greedy tokens per CPU-second after a prefix of L tokens, depth {depth}, batch 1, "
+          f"{args.new_tokens} new tokens, {args.threads} thread(s)")
+    print(f"{'L':>6} {'exact cache':>12} {'no cache':>10} {'speed-up':>9}")
+    gen = torch.Generator().manual_seed(0)
+    for length in [int(x) for x in args.prefixes.split(",")]:
+        prefix = torch.randint(0, model.cfg.vocab_size, (1, length), generator=gen)
+        cached = tokens_per_second(model, prefix, args.new_tokens, depth, cached=True)
+        plain = tokens_per_second(model, prefix, args.new_tokens, depth, cached=False)
+        print(f"{length:>6} {cached:>12.1f} {plain:>10.1f} {cached / plain:>8.1f}x")
+    if cfg is None:
+        return 0
+    rows = heldout_rows(cfg, args.rows)
+    print(f"\n2. held-out NLL, teacher-forced one token at a time through the cache "
+          f"({rows.shape[0]} rows x {rows.shape[1] - 1} predictions)")
+    print(f"{'T':>4} {'forward ppl':>12} {'exact ppl':>10} {'shared ppl':>11} "
+          f"{'NLL shared/exact':>17} {'ppl shared/exact':>17}")
+    for t in [int(x) for x in args.depths.split(",")]:
+        full = forward_nll(model, rows, t)
+        exact, shared = (incremental_nll(model, rows, t, mode) for mode in ("exact", "shared"))
+        print(f"{t:>4} {math.exp(full):>12.3f} {math.exp(exact):>10.3f} {math.exp(shared):>11.3f} "
+              f"{shared / exact:>17.4f} {math.exp(shared - exact):>17.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
