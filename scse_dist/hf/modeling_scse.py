@@ -32,6 +32,7 @@ from .loss import IGNORE_INDEX
 from .blocks import Block  # noqa: F401
 from .config import ModelConfig  # noqa: F401
 from .exit_rules import parse_exit_rule
+from .kv_cache import KVCache  # noqa: F401
 from .recurrence import LoopCore  # noqa: F401
 from .transitions import transition_for  # noqa: F401
 
