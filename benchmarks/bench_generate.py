@@ -11,6 +11,7 @@
 
     python benchmarks/bench_generate.py                      # runs/quickstart/export if present
     python benchmarks/bench_generate.py EXPORT_OR_RUN_DIR --prefixes 32,128,512,1024 --depths 4,8,32
+    python benchmarks/bench_generate.py --device cuda --dtype bf16 --size gpt2-small  # GPU timing
 
 Without a model (no argument and no quickstart export) part 1 runs on a random-init model of the
 quickstart's size and part 2 is skipped (a random model's likelihood says nothing).
@@ -46,7 +47,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--depths", default="4,8,32", help="depths for part 2")
     p.add_argument("--rows", type=int, default=8, help="held-out rows for part 2")
     p.add_argument("--threads", type=int, default=1, help="1: rates are tokens per CPU-second")
+    p.add_argument("--device", default="cpu", help="cpu (CPU-seconds) or cuda (wall seconds)")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--size", default="quickstart", choices=sorted(RANDOM_SIZES),
+                   help="the random-init model's size when no export is given")
+    p.add_argument("--batch", type=int, default=1, help="sequences generated at once")
     return p.parse_args(argv)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Random-init timing models: the quickstart's size, and GPT-2 small's (configs/gpt2-small-scse.yaml).
+RANDOM_SIZES = {"quickstart": dict(d_model=128, n_heads=4, depth=4),
+                "gpt2-small": dict(vocab_size=32000, d_model=768, n_heads=12, n_prelude=2,
+                                   n_core=2, n_coda=2, depth=4, max_seq_len=2048)}
+
+
+def clock(device: torch.device) -> float:
+    """CPU time of this process on CPU (robust to shared cores); wall time after a sync on GPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.process_time()
 
 
 @torch.no_grad()
@@ -58,7 +79,7 @@ def tokens_per_second(model: LoopedLM, prefix: torch.Tensor, n: int, depth: int,
         logits = model.decode_step(prefix, cache, depth=depth).logits  # the prefill: not timed
     else:
         logits = model(prefix, depth=depth).logits
-    start = time.process_time()  # CPU time of this 1-thread process: robust to shared cores
+    start = clock(prefix.device)
     for _ in range(n):
         nxt = logits[:, -1:].argmax(-1)
         if cached:
@@ -66,7 +87,7 @@ def tokens_per_second(model: LoopedLM, prefix: torch.Tensor, n: int, depth: int,
         else:
             seq = torch.cat([seq, nxt], 1)
             logits = model(seq, depth=depth).logits
-    return n / (time.process_time() - start)
+    return n * prefix.shape[0] / (clock(prefix.device) - start)
 
 
 @torch.no_grad()
@@ -99,31 +120,37 @@ def heldout_rows(cfg, n: int) -> torch.Tensor:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     torch.set_flush_denormal(True)
     path = args.model or (str(QUICKSTART_EXPORT) if QUICKSTART_EXPORT.exists() else None)
     if path is not None:
         from scse_dist.eval.loading import load_model
 
         model, cfg = load_model(path)
+        model = model.to(device, DTYPES[args.dtype]).eval()
         print(f"model: {path} ({cfg.model.recurrence}, d {cfg.model.d_model}, "
               f"{model.num_parameters() / 1e6:.2f}M params)")
     else:
         torch.manual_seed(0)
-        model, cfg = LoopedLM(ModelConfig(d_model=128, n_heads=4, depth=4)).eval(), None
-        print("model: random-init, quickstart size (no export found): timing only")
+        model = LoopedLM(ModelConfig(**RANDOM_SIZES[args.size])).to(device, DTYPES[args.dtype])
+        model, cfg = model.eval(), None
+        print(f"model: random-init, {args.size} size ({model.num_parameters() / 1e6:.1f}M params, "
+              "no export given): timing only")
     depth = args.depth or model.fixed_depth or model.cfg.depth
-    print(f"\n1. greedy tokens per CPU-second after a prefix of L tokens, depth {depth}, batch 1, "
-          f"{args.new_tokens} new tokens, {args.threads} thread(s)")
+    unit = "wall second" if device.type == "cuda" else "CPU-second"
+    print(f"\n1. greedy tokens per {unit} after a prefix of L tokens, depth {depth}, batch "
+          f"{args.batch}, {args.new_tokens} new tokens, {args.dtype} on {device}")
     print(f"{'L':>6} {'exact cache':>12} {'no cache':>10} {'speed-up':>9}")
     gen = torch.Generator().manual_seed(0)
     for length in [int(x) for x in args.prefixes.split(",")]:
-        prefix = torch.randint(0, model.cfg.vocab_size, (1, length), generator=gen)
+        prefix = torch.randint(0, model.cfg.vocab_size, (args.batch, length), generator=gen)
+        prefix = prefix.to(device)
         cached = tokens_per_second(model, prefix, args.new_tokens, depth, cached=True)
         plain = tokens_per_second(model, prefix, args.new_tokens, depth, cached=False)
         print(f"{length:>6} {cached:>12.1f} {plain:>10.1f} {cached / plain:>8.1f}x")
     if cfg is None:
         return 0
-    rows = heldout_rows(cfg, args.rows)
+    rows = heldout_rows(cfg, args.rows).to(device)
     print(f"\n2. held-out NLL, teacher-forced one token at a time through the cache "
           f"({rows.shape[0]} rows x {rows.shape[1] - 1} predictions)")
     print(f"{'T':>4} {'forward ppl':>12} {'exact ppl':>10} {'shared ppl':>11} "
