@@ -72,6 +72,7 @@ for export in job["exports"]:
         batch = tok(job["prompts"], return_tensors="pt", padding=True)
         res["padded_ids"], res["padded_mask"] = batch.input_ids, batch.attention_mask
         res["padded_logits"] = model(**batch, num_steps=4).logits
+        width = batch.input_ids.shape[1]
         core_block = model.model.core.blocks[0]  # one physical core block: its calls' lengths
         calls = []
         core_block.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[1]))
@@ -85,11 +86,19 @@ for export in job["exports"]:
                 alone = [model.generate(**tok([p], return_tensors="pt"), num_steps=steps,
                                         use_cache=use_cache, **greedy)[0] for p in job["prompts"]]
                 res["generated"][steps, use_cache] = (batched, alone)
+        # a cache handed back to generate: 2 tokens, then the rest continuing from that cache
+        field = lambda step: step["cache"] if "cache" in step else step["past_key_values"]
+        cache_arg = "cache" if transformers.__version__ >= "5" else "past_key_values"
+        first = model.generate(**batch, num_steps=8, do_sample=False, max_new_tokens=2,
+                               return_dict_in_generate=True)
+        mask = torch.cat([batch.attention_mask, torch.ones_like(first.sequences[:, width:])], 1)
+        res["continued"] = model.generate(first.sequences, attention_mask=mask, num_steps=8,
+                                          do_sample=False, max_new_tokens=job["new_tokens"] - 2,
+                                          **{cache_arg: field(first)})
         res["shared"] = model.generate(**batch, num_steps=8, cache_mode="shared", **greedy)
         res["exit"] = [model.generate(**tok([p], return_tensors="pt"), exit_rule=job["exit"],
                                       **greedy)[0] for p in job["prompts"]]
         # forward with use_cache: a prefix, then one token at a time with the returned cache
-        field = lambda step: step["cache"] if "cache" in step else step["past_key_values"]
         step = model(ids[:, :20], use_cache=True, num_steps=4)
         steps_logits, cache = [step.logits], field(step)
         for i in range(20, ids.shape[1]):
@@ -99,7 +108,6 @@ for export in job["exports"]:
         res["cached_logits"] = torch.cat(steps_logits, 1)
         res["cache_length"] = cache.get_seq_length()
         res["refused"] = []
-        cache_arg = "cache" if transformers.__version__ >= "5" else "past_key_values"
         class FilledCache:  # something not this model's cache, with tokens in it
             def get_seq_length(self):
                 return 3
@@ -320,6 +328,7 @@ def test_transformers_loads_the_export_without_scse_dist(exports, tiny_data, tmp
             assert calls == [prefill] * per_token + [1] * per_token * (NEW_TOKENS - 1)
             assert res["calls"][steps, False] == [n for i in range(NEW_TOKENS)
                                                   for n in [prefill + i] * per_token]
+        assert torch.equal(res["continued"], res["generated"][8, True][0])
         # the shared cache: the prefill is exact, so the first token is too
         assert res["shared"].shape == res["generated"][8, True][0].shape
         assert res["shared"][:, width].tolist() == res["generated"][8, True][0][:, width].tolist()
