@@ -1,7 +1,11 @@
 """An export loads in Hugging Face transformers as remote code, without scse-dist, and gives the
 native model's numbers: logits at depths 1, 4, 32 (fp32, 1e-5), a left-padded batch equal to each
 sequence alone, the tokenizer's ids and text equal to scse-dist's, greedy generation equal to the
-native model's (recomputed each token); and what save_pretrained writes loads back the same.
+native model's recomputed greedy at num_steps 1 and 8, batched and alone, both through the
+model's KV cache (generate's default) and without it (use_cache=False); and what save_pretrained
+writes loads back the same. With the cache, a core block runs T (+1 for scse) single-token calls
+per new token after the prefill (a forward hook counts them); a foreign cache is refused; a bf16
+load generates.
 
 The transformers side runs in a subprocess whose cwd is a temp dir, with scse_dist blocked from
 import and the export copied to a new place. It runs with the installed transformers (CI: 5.x)
@@ -29,11 +33,14 @@ from conftest import TINY_VOCAB
 from scse_dist.config import config_from_dict
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.export import load_exported_model, save_exported_model
+from scse_dist.generate import generate
 from scse_dist.hf import HERE, MODEL_PACKAGE, REMOTE_CODE
 from scse_dist.model import LoopedLM
+from scse_dist.model.exit_rules import parse_exit_rule
 
 DEPTHS = (1, 4, 32)
-GENERATE_STEPS, NEW_TOKENS = 8, 5
+GENERATE_STEPS, NEW_TOKENS = (1, 8), 5
+EXIT_RULE = "motion:0.05,max=8"  # generate's exit_rule, through the cache
 TEXTS = ["the cat sees a green box today.", "  Two  spaces,\ttabs\nand lines.  ",
          "Grüße aus Köln — naïve café, 東京, emoji 😀 and </s> <unk> as text."]
 PROMPTS = ["the old man", "a small bird follows the tall tree in the park. my sister"]
@@ -49,6 +56,7 @@ import torch, transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 torch.manual_seed(0)
 job = torch.load(sys.argv[1])
+print("transformers", transformers.__version__, file=sys.stderr)
 out = {"version": transformers.__version__, "exports": []}
 for export in job["exports"]:
     config = AutoConfig.from_pretrained(export["dir"], trust_remote_code=True)
@@ -64,19 +72,62 @@ for export in job["exports"]:
         batch = tok(job["prompts"], return_tensors="pt", padding=True)
         res["padded_ids"], res["padded_mask"] = batch.input_ids, batch.attention_mask
         res["padded_logits"] = model(**batch, num_steps=4).logits
-        res["generated_batch"] = model.generate(**batch, num_steps=job["steps"], do_sample=False,
-                                                max_new_tokens=job["new_tokens"])
-        res["generated_alone"] = [model.generate(**tok([p], return_tensors="pt"), do_sample=False,
-                                                 num_steps=job["steps"],
-                                                 max_new_tokens=job["new_tokens"])[0]
-                                  for p in job["prompts"]]
-        class FilledCache:  # any Cache with tokens in it: the model has no cache to use it with
+        width = batch.input_ids.shape[1]
+        core_block = model.model.core.blocks[0]  # one physical core block: its calls' lengths
+        calls = []
+        core_block.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[1]))
+        greedy = dict(do_sample=False, max_new_tokens=job["new_tokens"])
+        res["generated"], res["calls"] = {}, {}
+        for steps in job["steps"]:
+            for use_cache in (True, False):
+                calls.clear()
+                batched = model.generate(**batch, num_steps=steps, use_cache=use_cache, **greedy)
+                res["calls"][steps, use_cache] = list(calls)
+                alone = [model.generate(**tok([p], return_tensors="pt"), num_steps=steps,
+                                        use_cache=use_cache, **greedy)[0] for p in job["prompts"]]
+                res["generated"][steps, use_cache] = (batched, alone)
+        # a cache handed back to generate: 2 tokens, then the rest continuing from that cache
+        field = lambda step: step["cache"] if "cache" in step else step["past_key_values"]
+        cache_arg = "cache" if transformers.__version__ >= "5" else "past_key_values"
+        first = model.generate(**batch, num_steps=8, do_sample=False, max_new_tokens=2,
+                               return_dict_in_generate=True)
+        mask = torch.cat([batch.attention_mask, torch.ones_like(first.sequences[:, width:])], 1)
+        res["continued"] = model.generate(first.sequences, attention_mask=mask, num_steps=8,
+                                          do_sample=False, max_new_tokens=job["new_tokens"] - 2,
+                                          **{cache_arg: field(first)})
+        res["shared"] = model.generate(**batch, num_steps=8, cache_mode="shared", **greedy)
+        res["exit"] = [model.generate(**tok([p], return_tensors="pt"), exit_rule=job["exit"],
+                                      **greedy)[0] for p in job["prompts"]]
+        # forward with use_cache: a prefix, then one token at a time with the returned cache
+        step = model(ids[:, :20], use_cache=True, num_steps=4)
+        steps_logits, cache = [step.logits], field(step)
+        for i in range(20, ids.shape[1]):
+            step = model(ids[:, i:i + 1], past_key_values=cache, num_steps=4)
+            assert field(step) is cache
+            steps_logits.append(step.logits)
+        res["cached_logits"] = torch.cat(steps_logits, 1)
+        res["cache_length"] = cache.get_seq_length()
+        res["refused"] = []
+        class FilledCache:  # something not this model's cache, with tokens in it
             def get_seq_length(self):
                 return 3
-        try:
-            model(ids[:, -1:], past_key_values=FilledCache())
-        except ValueError as exc:
-            res["cache_refused"] = str(exc)
+        for call in (lambda: model(ids[:, -1:], past_key_values=FilledCache()),
+                     lambda: model(ids[:, -1:], past_key_values=transformers.DynamicCache()),
+                     lambda: model.generate(**batch, **{cache_arg: transformers.DynamicCache()},
+                                            **greedy),
+                     lambda: model(ids[:, -1:], past_key_values=cache, num_steps=5),
+                     lambda: model.generate(**batch, cache_mode="bogus", **greedy)):
+            try:
+                call()
+                res["refused"].append(None)
+            except ValueError as exc:
+                res["refused"].append(str(exc))
+        # bf16 (`dtype`: 5.x, and 4.57 too, where `torch_dtype` is its deprecated name)
+        bf16 = AutoModelForCausalLM.from_pretrained(export["dir"], trust_remote_code=True,
+                                                    dtype=torch.bfloat16).eval()
+        res["bf16_dtype"] = str(next(bf16.parameters()).dtype)
+        res["bf16_logits"] = bf16(**batch, num_steps=8).logits.float()
+        res["bf16_generated"] = bf16.generate(**batch, num_steps=8, **greedy)
     res["encoded"] = [tok(t, add_special_tokens=False).input_ids for t in job["texts"]]
     res["encoded_special"] = [tok(t).input_ids for t in job["texts"]]
     res["decoded"] = [tok.decode(i) for i in res["encoded"]]
@@ -153,6 +204,13 @@ def test_export_writes_the_remote_code_and_config(exports):
         assert source.name == "__init__.py" or copy.read_bytes() == source.read_bytes()
 
 
+def _after_eos(tokens: torch.Tensor, eos: int) -> list[int]:
+    """The tokens as HF generate returns them: after a sequence's EOS, EOS (its pad) again."""
+    tokens = tokens.tolist()
+    return tokens[:tokens.index(eos)] + [eos] * (len(tokens) - tokens.index(eos)) \
+        if eos in tokens else tokens
+
+
 def _native(path: Path, tokens: torch.Tensor, tokenizer: Tokenizer) -> dict:
     """What the HF side must reproduce, from scse-dist's own model and tokenizer."""
     model, _ = load_exported_model(path)
@@ -165,13 +223,19 @@ def _native(path: Path, tokens: torch.Tensor, tokenizer: Tokenizer) -> dict:
                                                         tokens[:, 1:].flatten())
         out["alone_logits"] = [model(torch.tensor([ids]), depth=4).logits[0]
                                for ids in out["prompt_ids"]]
-        out["greedy"] = []
-        for ids in out["prompt_ids"]:  # greedy, the whole sequence recomputed each token
-            seq = torch.tensor([ids])
-            for _ in range(NEW_TOKENS):
-                nxt = model(seq, depth=GENERATE_STEPS).logits[:, -1].argmax(-1, keepdim=True)
-                seq = torch.cat([seq, nxt], dim=1)
-            out["greedy"].append(seq[0, len(ids):])
+        out["greedy"] = {}  # greedy, the whole sequence recomputed each token
+        for steps in GENERATE_STEPS:
+            out["greedy"][steps] = []
+            for ids in out["prompt_ids"]:
+                seq = torch.tensor([ids])
+                for _ in range(NEW_TOKENS):
+                    nxt = model(seq, depth=steps).logits[:, -1].argmax(-1, keepdim=True)
+                    seq = torch.cat([seq, nxt], dim=1)
+                out["greedy"][steps].append(_after_eos(seq[0, len(ids):], tokenizer.eos_id))
+    rule = parse_exit_rule(EXIT_RULE)
+    out["exit"] = [_after_eos(torch.tensor(generate(model, [ids], max_new_tokens=NEW_TOKENS,
+                                                    exit_rule=rule).tokens[0]), tokenizer.eos_id)
+                   for ids in out["prompt_ids"]]
     return out
 
 
@@ -197,7 +261,7 @@ def test_transformers_loads_the_export_without_scse_dist(exports, tiny_data, tmp
     job = {"exports": [{"dir": str(c), "fields": ["depth", "recurrence", "d_model"]}
                        for c in copies],
            "tokens": tokens, "depths": DEPTHS, "prompts": PROMPTS, "texts": TEXTS,
-           "steps": GENERATE_STEPS, "new_tokens": NEW_TOKENS}
+           "steps": GENERATE_STEPS, "new_tokens": NEW_TOKENS, "exit": EXIT_RULE}
     torch.save(job, tmp_path / "job.pt")
     (tmp_path / "cwd").mkdir()
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HF_HOME": str(tmp_path / "hf_home"),
@@ -223,7 +287,16 @@ def test_transformers_loads_the_export_without_scse_dist(exports, tiny_data, tmp
         for t, logits in res["by_depth"].items():
             assert torch.allclose(logits, native["logits"][t], atol=1e-5, rtol=0)
         assert torch.allclose(res["loss"], native["loss"], atol=1e-6, rtol=0)
-        assert "has no KV cache yet" in res["cache_refused"]
+        # forward with the cache: a prefix, then one token per call == one forward over it all
+        diff = (res["cached_logits"] - native["logits"][4]).abs().max().item()
+        print(f"{path.name} cached forward, depth 4: max |cached - native| logit = {diff:.2e}")
+        assert diff <= 1e-5 and res["cache_length"] == tokens.shape[1]
+        foreign, dynamic, generate_dynamic, depth_change, bad_mode = res["refused"]
+        assert "must be the ScseCache this model returned" in foreign
+        assert "not FilledCache" in foreign and "not DynamicCache" in dynamic
+        assert "not DynamicCache" in generate_dynamic
+        assert "this cache holds 4 loop steps, got depth=5" in depth_change
+        assert "cache mode: must be one of exact, shared; got 'bogus'" in bad_mode
         # the tokenizer: scse-dist's ids and text; a prompt starts after an EOS, as in training
         assert res["encoded"] == [tokenizer.encode(t) for t in TEXTS]
         assert res["encoded_special"] == [[tokenizer.eos_id, *tokenizer.encode(t)] for t in TEXTS]
@@ -237,7 +310,36 @@ def test_transformers_loads_the_export_without_scse_dist(exports, tiny_data, tmp
             diff = (res["padded_logits"][row, width - len(ids):] - native["alone_logits"][row])
             print(f"{path.name} padded row {row}: max logit diff = {diff.abs().max().item():.2e}")
             assert diff.abs().max().item() <= 1e-5
-        # greedy generate at num_steps=8 == native greedy, batched (left-padded) and alone
-        for row, (ids, want) in enumerate(zip(native["prompt_ids"], native["greedy"])):
-            assert res["generated_batch"][row, width:].tolist() == want.tolist()
-            assert res["generated_alone"][row][len(ids):].tolist() == want.tolist()
+        # greedy generate == native greedy recomputed, batched (left-padded) and alone, with the
+        # cache and without, at num_steps 1 and 8
+        prefill = width
+        extra = 1 if cfg.model.recurrence == "scse" else 0  # r* = Phi(h*): one more core call
+        for steps in GENERATE_STEPS:
+            for use_cache in (True, False):
+                batched, alone = res["generated"][steps, use_cache]
+                for row, (ids, want) in enumerate(zip(native["prompt_ids"],
+                                                      native["greedy"][steps])):
+                    assert batched[row, width:].tolist() == want, (steps, use_cache, row)
+                    assert alone[row][len(ids):].tolist() == want, (steps, use_cache, row)
+            # a core block's calls: with the cache, the prefill, then T (+1) one-token calls per
+            # new token; without, the whole sequence again for every token
+            calls, per_token = res["calls"][steps, True], steps + extra
+            print(f"{path.name} T={steps}: core block calls with cache {calls}")
+            assert calls == [prefill] * per_token + [1] * per_token * (NEW_TOKENS - 1)
+            assert res["calls"][steps, False] == [n for i in range(NEW_TOKENS)
+                                                  for n in [prefill + i] * per_token]
+        assert torch.equal(res["continued"], res["generated"][8, True][0])
+        # the shared cache: the prefill is exact, so the first token is too
+        assert res["shared"].shape == res["generated"][8, True][0].shape
+        assert res["shared"][:, width].tolist() == res["generated"][8, True][0][:, width].tolist()
+        # an exit rule through the cache == scse-generate's (the native decode loop)
+        for row, (ids, want) in enumerate(zip(native["prompt_ids"], native["exit"])):
+            assert res["exit"][row][len(ids):].tolist() == want, row
+        # bf16 loads and generates: finite logits; the first new token (a tiny random model's
+        # logits are close together, so only that one) as in fp32
+        assert res["bf16_dtype"] == "torch.bfloat16"
+        assert torch.isfinite(res["bf16_logits"]).all()
+        print(f"{path.name} bf16 generated {res['bf16_generated'][:, width:].tolist()}, fp32 "
+              f"{res['generated'][8, True][0][:, width:].tolist()}")
+        assert res["bf16_generated"][:, width].tolist() == \
+            res["generated"][8, True][0][:, width].tolist()

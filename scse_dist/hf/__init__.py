@@ -48,7 +48,7 @@ def hf_config(model: ModelConfig, special_ids: Optional[dict[str, int]]) -> dict
     auto_map = {"AutoConfig": "configuration_scse.ScseConfig",
                 "AutoModelForCausalLM": "modeling_scse.ScseForCausalLM"}
     config = {"model_type": "scse", "architectures": ["ScseForCausalLM"], "auto_map": auto_map,
-              **dataclasses.asdict(model), "dtype": "float32", "use_cache": False,
+              **dataclasses.asdict(model), "dtype": "float32", "use_cache": True,
               "tie_word_embeddings": False}
     if special_ids is not None:
         auto_map["AutoTokenizer"] = ["tokenization_scse.ScseTokenizer", None]

@@ -35,8 +35,8 @@ class ScseConfig(PretrainedConfig):
         # so transformers has nothing to tie: with tie_word_embeddings False neither 4.x (list
         # `_tied_weights_keys`) nor 5.x (dict) looks for an output embedding.
         kwargs["tie_word_embeddings"] = False
-        # No KV cache yet: generation recomputes the whole sequence each token (modeling_scse).
-        kwargs.setdefault("use_cache", False)
+        # generate uses the model's own KV cache (ScseCache in modeling_scse) unless told not to.
+        kwargs.setdefault("use_cache", True)
         super().__init__(**kwargs)
 
     def model_config(self) -> ModelConfig:

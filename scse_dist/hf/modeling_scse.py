@@ -9,9 +9,17 @@ transformers' keyword validation (it accepts forward's parameters because
 prepare_inputs_for_generation takes **kwargs):
 - num_steps: loop depth T (default: the config's `depth`; untied models have one fixed depth);
 - readout_depths: also read out these depths of the same loop run (`logits_by_depth`);
-- exit_rule: an ExitRule or its text ("motion:0.02,max=32"): per-token adaptive depth.
+- exit_rule: an ExitRule or its text ("motion:0.02,max=32"): per-token adaptive depth;
+- cache_mode: "exact" (default) or "shared", the KV cache's mode (kv_cache.py).
 `attention_mask` (left padding) and `position_ids` are honoured: a left-padded batch gives each
 sequence the logits it has alone.
+
+KV cache: the model's own (kv_cache.KVCache: one slot per physical block x loop step), wrapped in
+`ScseCache`, a transformers `Cache` without transformers layers. `forward(..., use_cache=True)`
+(or with `past_key_values`) runs LoopedLM.decode_step: it returns the cache as the output's
+`past_key_values` (4.x) / `cache` (5.x) and takes it back with only the new tokens, so a new
+token costs one token at depth T (+1 core call for scse), not a re-run of the prefix. `generate`
+uses it unless `use_cache=False` (then every token recomputes the whole sequence).
 """
 
 from dataclasses import dataclass
@@ -20,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_scse import ScseConfig
@@ -32,12 +41,15 @@ from .loss import IGNORE_INDEX
 from .blocks import Block  # noqa: F401
 from .config import ModelConfig  # noqa: F401
 from .exit_rules import parse_exit_rule
-from .kv_cache import KVCache  # noqa: F401
+from .kv_cache import KVCache
 from .recurrence import LoopCore  # noqa: F401
 from .transitions import transition_for  # noqa: F401
 
 # forward's loop arguments, which generation hands on to every step.
 LOOP_ARGUMENTS = ("num_steps", "readout_depths", "exit_rule")
+# The output's cache field: `cache` in 5.x, `past_key_values` in 4.x.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ \
+    else "past_key_values"
 
 
 @dataclass
@@ -47,13 +59,43 @@ class ScseCausalLMOutput(CausalLMOutputWithPast):
     logits_by_depth: Optional[dict] = None
 
 
-def _cache_length(cache) -> int:
-    """Tokens held by a transformers Cache (4.57 and 5.x: get_seq_length) or a legacy tuple."""
-    if cache is None:
-        return 0
-    if hasattr(cache, "get_seq_length"):
-        return int(cache.get_seq_length())
-    return int(cache[0][0].shape[-2]) if len(cache) else 0
+class ScseCache(Cache):
+    """The model's KVCache as a transformers `Cache`, so generate keeps and hands it back.
+
+    It holds no transformers layers (`layers=[]`, which 4.57 and 5.x both accept): the K/V live
+    in `kv`, per physical block x loop step, which transformers' per-layer Cache cannot express.
+    transformers reads only `get_seq_length` (the cached length, left padding included) and the
+    flags below; what would edit the K/V behind the model's back (crop, beam reordering) refuses.
+    """
+
+    def __init__(self, mode: str = "exact") -> None:
+        super().__init__(layers=[])
+        self.kv = KVCache(mode)
+
+    @property
+    def mode(self) -> str:
+        return self.kv.mode
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return len(self.kv)
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:  # 5.x: no rollback (deferred stop checks, assisted decoding)
+        return False
+
+    def reset(self) -> None:
+        self.kv = KVCache(self.kv.mode)
+
+    def _refuse(self, *args, **kwargs):
+        raise NotImplementedError("ScseCache: the loop-step KV cache cannot be cropped or "
+                                  "reordered (beam search, assisted decoding); generate with "
+                                  "num_beams=1, or use_cache=False")
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _refuse
 
 
 class ScseForCausalLM(PreTrainedModel, GenerationMixin):  # GenerationMixin explicitly: 4.50+
@@ -87,46 +129,96 @@ class ScseForCausalLM(PreTrainedModel, GenerationMixin):  # GenerationMixin expl
                 position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
                 labels: Optional[torch.LongTensor] = None, num_steps: Optional[int] = None,
                 readout_depths: Optional[list] = None, exit_rule=None,
-                use_cache: Optional[bool] = None, return_dict: Optional[bool] = None, **kwargs):
+                cache_mode: Optional[str] = None, use_cache: Optional[bool] = None,
+                return_dict: Optional[bool] = None, cache=None, **kwargs):
         """Logits at loop depth `num_steps` (see the module docstring). labels: the input ids (or
         -100), shifted inside as usual for causal LMs. kwargs transformers passes and this model
-        does not use (cache_position, output_attentions, ...) are ignored; inputs_embeds is refused."""
+        does not use (cache_position, output_attentions, ...) are ignored; inputs_embeds is refused.
+
+        use_cache=True or a `past_key_values` (an ScseCache this model returned): input_ids are
+        the tokens after the cached ones, attention_mask covers them (or the cached ones too, as
+        transformers passes it), positions come from the cache; runs without autograd. Otherwise
+        (the default, so training keeps its gradients) the whole sequence is computed. `cache`:
+        5.x's name for past_key_values (a named parameter, so generate's validation takes it)."""
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("ScseForCausalLM: inputs_embeds is not supported; pass input_ids")
-        past_key_values = kwargs.get("cache", past_key_values)  # 5.x renames it `cache`
-        if _cache_length(past_key_values):
-            # The cache hook: until the model package has a KV cache, a filled cache cannot be
-            # honoured (input_ids would hold only the new tokens), so refuse rather than be wrong.
-            raise ValueError("ScseForCausalLM: this model has no KV cache yet; call it on the "
-                             "whole sequence with past_key_values=None (generate does)")
-        if attention_mask is not None and position_ids is None and bool(attention_mask.all()):
-            attention_mask = None  # no padding: the plain causal path the model was trained on
-        loop_args = {"depth": num_steps, "readout_depths": readout_depths}
+        cache = past_key_values if cache is None else cache
+        if cache is not None and use_cache is False:
+            raise ValueError("ScseForCausalLM: past_key_values given with use_cache=False")
         if exit_rule is not None:
-            loop_args["exit_rule"] = (parse_exit_rule(exit_rule) if isinstance(exit_rule, str)
-                                      else exit_rule)
-        out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         **loop_args)
+            exit_rule = parse_exit_rule(exit_rule) if isinstance(exit_rule, str) else exit_rule
+        if cache is not None or use_cache:
+            logits, cache = self._decode(input_ids, attention_mask, position_ids, cache,
+                                         num_steps, readout_depths, exit_rule, cache_mode)
+            logits_by_depth = None
+        else:
+            if cache_mode is not None:
+                raise ValueError("ScseForCausalLM: cache_mode needs use_cache=True")
+            if attention_mask is not None and position_ids is None and bool(attention_mask.all()):
+                attention_mask = None  # no padding: the plain causal path the model was trained on
+            loop_args = {"depth": num_steps, "readout_depths": readout_depths}
+            if exit_rule is not None:
+                loop_args["exit_rule"] = exit_rule
+            out = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             **loop_args)
+            logits, logits_by_depth = out.logits, out.logits_by_depth
         loss = None
         if labels is not None:  # next-token targets: labels shifted left, the last one ignored
             targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-            loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten(),
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                    ignore_index=IGNORE_INDEX)
-        # No cache is returned (the field is `past_key_values` in 4.x, `cache` in 5.x: left unset).
-        output = ScseCausalLMOutput(loss=loss, logits=out.logits, logits_by_depth=out.logits_by_depth)
+        output = ScseCausalLMOutput(loss=loss, logits=logits, logits_by_depth=logits_by_depth,
+                                    **{CACHE_FIELD: cache})
         return output if return_dict is not False else output.to_tuple()
+
+    def _decode(self, input_ids, attention_mask, position_ids, cache, num_steps, readout_depths,
+                exit_rule, cache_mode) -> tuple[torch.Tensor, ScseCache]:
+        """Logits of the new tokens through the KV cache (LoopedLM.decode_step), and the cache."""
+        if cache is None:
+            cache = ScseCache(cache_mode or "exact")
+        elif not isinstance(cache, ScseCache):
+            raise ValueError(f"ScseForCausalLM: past_key_values must be the ScseCache this model "
+                             f"returned (K/V per block x loop step), not {type(cache).__name__}; "
+                             f"start with past_key_values=None and use_cache=True")
+        elif cache_mode is not None and cache_mode != cache.mode:
+            raise ValueError(f"ScseForCausalLM: cache_mode={cache_mode!r}, but the cache given "
+                             f"is {cache.mode!r}")
+        if readout_depths is not None:
+            raise ValueError("ScseForCausalLM: readout_depths needs use_cache=False")
+        if position_ids is not None:
+            raise ValueError("ScseForCausalLM: with the KV cache, positions follow from the "
+                             "cache and attention_mask; pass no position_ids")
+        if attention_mask is not None:
+            past, new = len(cache.kv), input_ids.shape[1]
+            if attention_mask.shape[1] == past + new:  # transformers' convention: the whole mask
+                attention_mask = attention_mask[:, past:]
+            elif attention_mask.shape[1] != new:
+                raise ValueError(f"ScseForCausalLM: attention_mask has {attention_mask.shape[1]} "
+                                 f"columns; want the {new} new tokens' (or {past + new})")
+        out = self.model.decode_step(input_ids, cache.kv, depth=num_steps,
+                                     attention_mask=attention_mask, exit_rule=exit_rule)
+        return out.logits, cache
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        """generate builds no DynamicCache (4.57 and 5.x both ask this), whatever use_cache says:
-        the model has no KV cache yet. With one, this and prepare_inputs_for_generation change."""
+        """generate builds no DynamicCache (4.57 and 5.x both ask this): forward makes its own
+        ScseCache on the first call and returns it."""
         return False
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
-                                      **kwargs):
-        """Every generated token re-runs the whole sequence at depth num_steps: exact, with no
-        cache (so no Cache construction, and cache_position unused, in either transformers
-        version). A KV cache plugs in here: pass the cache and only the new tokens."""
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        inputs.update({name: kwargs[name] for name in LOOP_ARGUMENTS if name in kwargs})
-        return inputs
+                                      use_cache=None, cache_mode=None, cache=None, **kwargs):
+        """One generation step's forward inputs, the same in 4.57 and 5.x (this replaces theirs:
+        no cache_position, no next_sequence_length). With the cache (use_cache, generate's
+        default): the tokens after the cached ones and their mask columns, and the cache (none
+        before the prefill); without: the whole sequence, recomputed."""
+        cache = past_key_values if cache is None else cache  # 5.x names it `cache`
+        inputs = {name: kwargs[name] for name in LOOP_ARGUMENTS if name in kwargs}
+        if cache_mode is not None:
+            inputs["cache_mode"] = cache_mode
+        if cache is None and not use_cache:
+            return {**inputs, "input_ids": input_ids, "attention_mask": attention_mask,
+                    "use_cache": False}
+        past = 0 if cache is None else cache.get_seq_length()
+        return {**inputs, "input_ids": input_ids[:, past:], "past_key_values": cache,
+                "attention_mask": None if attention_mask is None else attention_mask[:, past:],
+                "use_cache": True}
