@@ -21,16 +21,32 @@ from scse_dist.data.tokenizer import Tokenizer  # noqa: E402
 from scse_dist.eval.cli import main as eval_main  # noqa: E402
 from scse_dist.export import save_exported_model  # noqa: E402
 from scse_dist.lmeval import TASKS_DIR  # noqa: E402
-from scse_dist.lmeval.cli import hoist_model_args  # noqa: E402
-from scse_dist.lmeval.model import FixedExit, ScseLM, parse_exit_rule  # noqa: E402
+from scse_dist.lmeval.cli import hoist_model_args, main as lm_eval_main  # noqa: E402
+from scse_dist.lmeval.model import ScseLM, exit_scorer  # noqa: E402
+from scse_dist.model.exit_rules import parse_exit_rule  # noqa: E402
 from scse_dist.model import LoopedLM  # noqa: E402
 
 DEPTH = 2
 
 
-def _train(cfg, tokenizer: Tokenizer, steps: int = 150) -> LoopedLM:
+def _train(cfg, tokenizer: Tokenizer, steps: int = 100) -> LoopedLM:
     """A few AdamW steps on the tiny grammar at fixed depth: enough that LAMBADA's last words
-    ("at night.", "with great care.") are sometimes the argmax, so accuracy is not trivially 0."""
+    ("at night.", "with great care.") are mostly the argmax (accuracy 0.875 at depth 2), so
+    accuracy is neither 0 nor 1. (~3 s on one quiet core.)"""
+    # One thread, subnormals flushed, as conftest's cpu_settings (a per-test fixture, which is
+    # not yet active when a module fixture runs): two busy-waiting threads on shared cores made
+    # this take minutes.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    try:
+        return _adamw_steps(cfg, tokenizer, steps)
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(False)
+
+
+def _adamw_steps(cfg, tokenizer: Tokenizer, steps: int) -> LoopedLM:
     torch.manual_seed(0)
     model = LoopedLM(cfg.model)
     stream = []
@@ -68,11 +84,20 @@ def lm_data(tmp_path_factory, tiny_data):
     return Path(export), root / "lambada.jsonl", root / "wiki.test.raw"
 
 
-def _scse_eval(task: str, export: Path, data: Path, out: Path) -> dict:
+def _scse_eval(task: str, export: Path, data: Path, out: Path, exit: str = "") -> dict:
     assert eval_main(["--checkpoint", str(export), "--task", task, "--data", str(data),
-                      "--depths", str(DEPTH), "--batch-size", "2", "--out", str(out)]) == 0
+                      "--depths", str(DEPTH), "--batch-size", "2", "--out", str(out),
+                      *(["--exit", exit] if exit else [])]) == 0
     (row,) = json.loads(out.read_text())["results"]
     return row
+
+
+def _run_scse_lm_eval(monkeypatch, out: Path, args: list[str]) -> dict:
+    """scse-lm-eval in this process (no second lm-eval import); its results JSON."""
+    monkeypatch.setattr(sys, "argv", sys.argv[:])  # main() sets sys.argv for lm-eval's parser
+    assert lm_eval_main(["--model", "scse", "--device", "cpu", "--output_path", str(out), *args]) == 0
+    (results_file,) = out.rglob("results_*.json")
+    return json.loads(results_file.read_text())
 
 
 def _scse_lm_eval_command() -> list[str]:
@@ -112,12 +137,38 @@ def test_lm_eval_agrees_with_scse_eval(lm_data, tmp_path, user_env):
     assert lm_wiki["byte_perplexity,none"] == pytest.approx(2 ** ours["bits_per_byte"], rel=1e-6)
 
 
-def test_exit_rules_other_than_fixed_are_refused():
-    assert isinstance(parse_exit_rule("fixed", 4), FixedExit) and parse_exit_rule("fixed", 4).depth == 4
-    for rule in ("kl:0.01", "motion:0.02", "fixed:3"):
-        with pytest.raises(ValueError, match=rf"exit={rule!r}: exit rules other than 'fixed' are "
-                                             r"not available yet \(available: fixed\)"):
-            parse_exit_rule(rule, 4)
+def test_exit_model_arg_is_scse_evals_exit(lm_data, tmp_path, monkeypatch):
+    """exit=RULE scores as scse-eval --exit RULE at the same cap (depth=, or the rule's max=):
+    the same accuracy, perplexity and steps used; lm-eval's results JSON carries the steps."""
+    export, lambada, _ = lm_data
+    for rule in ("motion:0.5", f"kl:0.2,min=2,max={DEPTH + 1}"):
+        results = _run_scse_lm_eval(
+            monkeypatch, tmp_path / rule,
+            ["--model_args", f"pretrained={export},depth={DEPTH},exit={rule},batch_size=2",
+             "--tasks", "scse_lambada", "--metadata", f"lambada={lambada}"])
+        ours = _scse_eval("lambada", export, lambada, tmp_path / f"{rule}.json", exit=rule)
+        lm = results["results"]["scse_lambada"]
+        assert lm["acc,none"] == ours["accuracy"]
+        assert lm["perplexity,none"] == pytest.approx(ours["word_ppl"], rel=1e-6)
+        steps = results["config"]["scse_steps"]["scse_lambada"]
+        assert results["config"]["scse_exit"] == steps["exit"] == ours["exit"] == rule
+        assert steps["steps_histogram"] == ours["steps_histogram"]
+        assert steps["mean_steps"] == ours["mean_steps"]
+        low, cap = (1, DEPTH) if rule.startswith("motion") else (2, DEPTH + 1)
+        assert low < steps["mean_steps"] < cap  # the rule exits some tokens early, not all
+
+
+def test_exit_rule_model_arg_is_parsed():
+    assert exit_scorer("fixed", 4).rule is None and exit_scorer("fixed", 4).depth == 4
+    # lm-eval splits --model_args at commas: min= and max= arrive as model args of their own
+    scorer = exit_scorer("motion:0.02", 4, {"min": 2, "max": 8})
+    assert scorer.rule == parse_exit_rule("motion:0.02,min=2,max=8") and scorer.depth == 4
+    with pytest.raises(ValueError, match="unknown kind 'motoin'"):
+        exit_scorer("motoin:0.02", 4)
+    with pytest.raises(ValueError, match="unknown model args bogus"):
+        exit_scorer("motion:0.02", 4, {"bogus": 1})
+    with pytest.raises(ValueError, match="fixed runs `depth` steps; set depth= instead of max="):
+        exit_scorer("fixed", 4, {"max": 8})
 
 
 def test_model_args_batch_size_and_device_become_cli_flags():
@@ -149,8 +200,8 @@ def test_generate_until_is_greedy_and_stops(lm_data):
 
 def test_model_args_are_checked(lm_data):
     export, _, _ = lm_data
-    with pytest.raises(ValueError, match="not available yet"):
-        ScseLM(str(export), exit="motion:0.02", device="cpu")
+    with pytest.raises(ValueError, match="exit rule 'kl:x': kl needs a numeric threshold"):
+        ScseLM(str(export), exit="kl:x", device="cpu")
     with pytest.raises(ValueError, match=r"depth='0': expected a positive integer"):
         ScseLM(str(export), depth="0", device="cpu")
     with pytest.raises(ValueError, match="max_length=65 exceeds the model's max_seq_len=64"):
