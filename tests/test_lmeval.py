@@ -4,6 +4,7 @@ touching the Hugging Face hub; the exit rule, generation and the CLI's argument 
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from scse_dist.data.tokenizer import Tokenizer  # noqa: E402
 from scse_dist.eval.cli import main as eval_main  # noqa: E402
 from scse_dist.export import save_exported_model  # noqa: E402
 from scse_dist.lmeval import TASKS_DIR  # noqa: E402
-from scse_dist.lmeval.cli import hoist_model_args, main as lm_eval_main  # noqa: E402
+from scse_dist.lmeval.cli import hoist_model_args  # noqa: E402
 from scse_dist.lmeval.model import ScseLM, exit_scorer  # noqa: E402
 from scse_dist.model.exit_rules import parse_exit_rule  # noqa: E402
 from scse_dist.model import LoopedLM  # noqa: E402
@@ -72,11 +73,13 @@ def lm_data(tmp_path_factory, tiny_data):
     cfg = config_from_dict({"name": "tiny", "data": {"seq_len": 32, "tokenizer": tiny_data["tokenizer"]},
                             "eval": {"batch_size": 3},
                             "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2,
-                                      "ffn_hidden": 64, "max_seq_len": 64, "depth": DEPTH}})
+                                      "ffn_hidden": 64, "max_seq_len": 32, "depth": DEPTH}})
     model = _train(cfg, Tokenizer.load(tiny_data["tokenizer"]))
     export = save_exported_model(model.state_dict(), cfg, str(root / "export"),
                                  tokenizer=tiny_data["tokenizer"])
-    docs = tiny_documents(24, seed=7)
+    # every third passage is one sentence: most of those fit a window whole, EOS in front; the
+    # others are cut from the left (lm-eval's hf model must agree with ours both ways)
+    docs = [d if i % 3 else d.split(". ")[-1] for i, d in enumerate(tiny_documents(24, seed=7))]
     (root / "lambada.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     # WikiText raw layout: " = Title = " headings, blank lines of one space, paragraphs
     (root / "wiki.test.raw").write_text("".join(
@@ -92,12 +95,17 @@ def _scse_eval(task: str, export: Path, data: Path, out: Path, exit: str = "") -
     return row
 
 
-def _run_scse_lm_eval(monkeypatch, out: Path, args: list[str]) -> dict:
-    """scse-lm-eval in this process (no second lm-eval import); its results JSON."""
-    monkeypatch.setattr(sys, "argv", sys.argv[:])  # main() sets sys.argv for lm-eval's parser
-    assert lm_eval_main(["--model", "scse", "--device", "cpu", "--output_path", str(out), *args]) == 0
-    (results_file,) = out.rglob("results_*.json")
-    return json.loads(results_file.read_text())
+def _evaluate(model: str, model_args: str, task: str, data: Path) -> dict:
+    """lm-eval's simple_evaluate (what its CLI runs) in this process on one offline task.
+    Its task index holds only the package's tasks: indexing lm-eval's ~10k stock task files takes
+    ~10-20 s per run (the CLI test above covers the CLI)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    metadata = {task.removeprefix("scse_"): str(data)}
+    tasks = TaskManager(include_path=TASKS_DIR, include_defaults=False, metadata=metadata)
+    return simple_evaluate(model=model, model_args=model_args, tasks=[task], task_manager=tasks,
+                           batch_size=2, device="cpu", metadata=metadata)
 
 
 def _scse_lm_eval_command() -> list[str]:
@@ -137,15 +145,13 @@ def test_lm_eval_agrees_with_scse_eval(lm_data, tmp_path, user_env):
     assert lm_wiki["byte_perplexity,none"] == pytest.approx(2 ** ours["bits_per_byte"], rel=1e-6)
 
 
-def test_exit_model_arg_is_scse_evals_exit(lm_data, tmp_path, monkeypatch):
+def test_exit_model_arg_is_scse_evals_exit(lm_data, tmp_path):
     """exit=RULE scores as scse-eval --exit RULE at the same cap (depth=, or the rule's max=):
     the same accuracy, perplexity and steps used; lm-eval's results JSON carries the steps."""
     export, lambada, _ = lm_data
     for rule in ("motion:0.5", f"kl:0.2,min=2,max={DEPTH + 1}"):
-        results = _run_scse_lm_eval(
-            monkeypatch, tmp_path / rule,
-            ["--model_args", f"pretrained={export},depth={DEPTH},exit={rule},batch_size=2",
-             "--tasks", "scse_lambada", "--metadata", f"lambada={lambada}"])
+        results = _evaluate("scse", f"pretrained={export},depth={DEPTH},exit={rule}",
+                            "scse_lambada", lambada)
         ours = _scse_eval("lambada", export, lambada, tmp_path / f"{rule}.json", exit=rule)
         lm = results["results"]["scse_lambada"]
         assert lm["acc,none"] == ours["accuracy"]
@@ -156,6 +162,43 @@ def test_exit_model_arg_is_scse_evals_exit(lm_data, tmp_path, monkeypatch):
         assert steps["mean_steps"] == ours["mean_steps"]
         low, cap = (1, DEPTH) if rule.startswith("motion") else (2, DEPTH + 1)
         assert low < steps["mean_steps"] < cap  # the rule exits some tokens early, not all
+
+
+HF_CHILD = """
+import json, sys
+import scse_dist.lmeval.model  # registers --model scse
+sys.path.insert(0, sys.argv[1])
+from test_lmeval import _evaluate
+export, lambada = sys.argv[2:4]
+out = {}
+for model, args in (("hf", f"pretrained={export},trust_remote_code=True"),
+                    ("scse", f"pretrained={export}")):
+    out[model] = _evaluate(model, args, "scse_lambada", lambada)["results"]["scse_lambada"]
+print(json.dumps(out))
+"""
+
+
+def test_hf_model_agrees_with_scse_model(lm_data, tmp_path, user_env):
+    """Plain lm-eval `--model hf --model_args pretrained=EXPORT,trust_remote_code=True` (the
+    export's remote code, at the config's depth) scores LAMBADA as `--model scse` does: lm-eval
+    splits and encodes context/continuation itself, EOS first (the tokenizer's BOS), and cuts
+    windows to max_length (the config's max_position_embeddings, here data.seq_len)."""
+    accelerate = pytest.importorskip("accelerate", reason="lm-eval's hf model needs lm_eval[hf]")
+    export, lambada, _ = lm_data
+    # the accelerate this process imports (it may live outside the venv), and a private HF home
+    # for the remote code's module cache
+    path = [str(Path(accelerate.__file__).parents[1]), user_env["PYTHONPATH"]]
+    env = dict(user_env, PYTHONPATH=os.pathsep.join(path), HF_HOME=str(tmp_path / "hf"),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-c", HF_CHILD, str(Path(__file__).parent),
+                          str(export), str(lambada)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    hf, scse = out["hf"], out["scse"]
+    assert 0 < scse["acc,none"] < 1
+    assert hf["acc,none"] == scse["acc,none"]
+    assert hf["perplexity,none"] == pytest.approx(scse["perplexity,none"], rel=1e-6)
 
 
 def test_exit_rule_model_arg_is_parsed():
@@ -204,8 +247,8 @@ def test_model_args_are_checked(lm_data):
         ScseLM(str(export), exit="kl:x", device="cpu")
     with pytest.raises(ValueError, match=r"depth='0': expected a positive integer"):
         ScseLM(str(export), depth="0", device="cpu")
-    with pytest.raises(ValueError, match="max_length=65 exceeds the model's max_seq_len=64"):
-        ScseLM(str(export), max_length="65", device="cpu")
+    with pytest.raises(ValueError, match="max_length=33 exceeds the model's max_seq_len=32"):
+        ScseLM(str(export), max_length="33", device="cpu")
 
 
 def test_task_files_are_package_data():

@@ -35,6 +35,8 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+import lm_eval.models  # noqa: F401  (lm-eval's own models: its registry loads them only when
+# it is empty, which registering `scse` first would make it never be)
 
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.scoring import Score, Window, context_target_window, document_windows, score_windows
