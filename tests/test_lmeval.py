@@ -169,13 +169,36 @@ import json, sys
 import scse_dist.lmeval.model  # registers --model scse
 sys.path.insert(0, sys.argv[1])
 from test_lmeval import _evaluate
-export, lambada = sys.argv[2:4]
-out = {}
-for model, args in (("hf", f"pretrained={export},trust_remote_code=True"),
-                    ("scse", f"pretrained={export}")):
-    out[model] = _evaluate(model, args, "scse_lambada", lambada)["results"]["scse_lambada"]
+export, lambada, wiki = sys.argv[2:5]
+hf = f"pretrained={export},trust_remote_code=True"
+out = {"hf": _evaluate("hf", hf, "scse_lambada", lambada)["results"]["scse_lambada"],
+       "scse": _evaluate("scse", f"pretrained={export}", "scse_lambada", lambada)["results"]["scse_lambada"],
+       "hf_wiki": _evaluate("hf", hf, "scse_wikitext", wiki)["results"]["scse_wikitext"]}
 print(json.dumps(out))
 """
+
+
+def _lm_eval_rolling_word_ppl(export: Path, wiki: Path) -> float:
+    """scse_wikitext's word perplexity as lm-eval's hf model computes it, by our scorer: its
+    rolling windows (disjoint, max_length tokens each, the last one filled with the preceding
+    tokens) over the article's ids as the tokenizer gives them, EOS first, after the prefix
+    token EOS: so each article also scores that EOS after EOS."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from scse_dist.data.sources import read_wikitext_articles
+    from scse_dist.eval.loading import load_model
+    from scse_dist.eval.scoring import Window, score_windows
+
+    tokenizer = Tokenizer.load(str(export / "tokenizer.model"))
+    model, cfg = load_model(str(export), device="cpu")
+    articles = read_wikitext_articles(str(wiki))
+    windows = []
+    for article in articles:
+        ids = [tokenizer.eos_id, *tokenizer.encode(article.strip())]
+        for context, scored in map(make_disjoint_window, get_rolling_token_windows(
+                ids, tokenizer.eos_id, cfg.model.max_seq_len, 1)):
+            windows.append(Window(context + scored, len(context) - 1))
+    (scores,) = score_windows(model, windows, [DEPTH], 2)[1]
+    return math.exp(sum(s.nll for s in scores) / sum(len(a.split()) for a in articles))
 
 
 def test_hf_model_agrees_with_scse_model(lm_data, tmp_path, user_env):
@@ -184,14 +207,14 @@ def test_hf_model_agrees_with_scse_model(lm_data, tmp_path, user_env):
     splits and encodes context/continuation itself, EOS first (the tokenizer's BOS), and cuts
     windows to max_length (the config's max_position_embeddings, here data.seq_len)."""
     accelerate = pytest.importorskip("accelerate", reason="lm-eval's hf model needs lm_eval[hf]")
-    export, lambada, _ = lm_data
+    export, lambada, wiki = lm_data
     # the accelerate this process imports (it may live outside the venv), and a private HF home
     # for the remote code's module cache
     path = [str(Path(accelerate.__file__).parents[1]), user_env["PYTHONPATH"]]
     env = dict(user_env, PYTHONPATH=os.pathsep.join(path), HF_HOME=str(tmp_path / "hf"),
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     run = subprocess.run([sys.executable, "-c", HF_CHILD, str(Path(__file__).parent),
-                          str(export), str(lambada)],
+                          str(export), str(lambada), str(wiki)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -199,6 +222,12 @@ def test_hf_model_agrees_with_scse_model(lm_data, tmp_path, user_env):
     assert 0 < scse["acc,none"] < 1
     assert hf["acc,none"] == scse["acc,none"]
     assert hf["perplexity,none"] == pytest.approx(scse["perplexity,none"], rel=1e-6)
+    # WikiText differs by lm-eval's rolling-window convention (see _lm_eval_rolling_word_ppl)
+    # from scse and scse-eval (overlapping windows, no EOS target); it is exactly that convention
+    ours = _scse_eval("wikitext", export, wiki, tmp_path / "wikitext.json")["word_ppl"]
+    hf_wiki = out["hf_wiki"]["word_perplexity,none"]
+    assert hf_wiki == pytest.approx(_lm_eval_rolling_word_ppl(export, wiki), rel=1e-6)
+    assert hf_wiki != pytest.approx(ours, rel=1e-3)
 
 
 def test_exit_rule_model_arg_is_parsed():
