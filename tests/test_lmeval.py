@@ -206,7 +206,8 @@ def test_hf_model_agrees_with_scse_model(lm_data, tmp_path, user_env):
     export's remote code, at the config's depth) scores LAMBADA as `--model scse` does: lm-eval
     splits and encodes context/continuation itself, EOS first (the tokenizer's BOS), and cuts
     windows to max_length (the config's max_position_embeddings, here data.seq_len)."""
-    accelerate = pytest.importorskip("accelerate", reason="lm-eval's hf model needs lm_eval[hf]")
+    accelerate = pytest.importorskip(
+        "accelerate", reason="lm-eval's hf model needs accelerate (pip install 'scse-dist[lm-eval]')")
     export, lambada, wiki = lm_data
     # the accelerate this process imports (it may live outside the venv), and a private HF home
     # for the remote code's module cache
