@@ -4,6 +4,7 @@ touching the Hugging Face hub; the exit rule, generation and the CLI's argument 
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -22,15 +23,31 @@ from scse_dist.eval.cli import main as eval_main  # noqa: E402
 from scse_dist.export import save_exported_model  # noqa: E402
 from scse_dist.lmeval import TASKS_DIR  # noqa: E402
 from scse_dist.lmeval.cli import hoist_model_args  # noqa: E402
-from scse_dist.lmeval.model import FixedExit, ScseLM, parse_exit_rule  # noqa: E402
+from scse_dist.lmeval.model import ScseLM, exit_scorer  # noqa: E402
+from scse_dist.model.exit_rules import parse_exit_rule  # noqa: E402
 from scse_dist.model import LoopedLM  # noqa: E402
 
 DEPTH = 2
 
 
-def _train(cfg, tokenizer: Tokenizer, steps: int = 150) -> LoopedLM:
+def _train(cfg, tokenizer: Tokenizer, steps: int = 100) -> LoopedLM:
     """A few AdamW steps on the tiny grammar at fixed depth: enough that LAMBADA's last words
-    ("at night.", "with great care.") are sometimes the argmax, so accuracy is not trivially 0."""
+    ("at night.", "with great care.") are mostly the argmax (accuracy 0.875 at depth 2), so
+    accuracy is neither 0 nor 1. (~3 s on one quiet core.)"""
+    # One thread, subnormals flushed, as conftest's cpu_settings (a per-test fixture, which is
+    # not yet active when a module fixture runs): two busy-waiting threads on shared cores made
+    # this take minutes.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    try:
+        return _adamw_steps(cfg, tokenizer, steps)
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(False)
+
+
+def _adamw_steps(cfg, tokenizer: Tokenizer, steps: int) -> LoopedLM:
     torch.manual_seed(0)
     model = LoopedLM(cfg.model)
     stream = []
@@ -56,11 +73,13 @@ def lm_data(tmp_path_factory, tiny_data):
     cfg = config_from_dict({"name": "tiny", "data": {"seq_len": 32, "tokenizer": tiny_data["tokenizer"]},
                             "eval": {"batch_size": 3},
                             "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2,
-                                      "ffn_hidden": 64, "max_seq_len": 64, "depth": DEPTH}})
+                                      "ffn_hidden": 64, "max_seq_len": 32, "depth": DEPTH}})
     model = _train(cfg, Tokenizer.load(tiny_data["tokenizer"]))
     export = save_exported_model(model.state_dict(), cfg, str(root / "export"),
                                  tokenizer=tiny_data["tokenizer"])
-    docs = tiny_documents(24, seed=7)
+    # every third passage is one sentence: most of those fit a window whole, EOS in front; the
+    # others are cut from the left (lm-eval's hf model must agree with ours both ways)
+    docs = [d if i % 3 else d.split(". ")[-1] for i, d in enumerate(tiny_documents(24, seed=7))]
     (root / "lambada.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     # WikiText raw layout: " = Title = " headings, blank lines of one space, paragraphs
     (root / "wiki.test.raw").write_text("".join(
@@ -68,11 +87,25 @@ def lm_data(tmp_path_factory, tiny_data):
     return Path(export), root / "lambada.jsonl", root / "wiki.test.raw"
 
 
-def _scse_eval(task: str, export: Path, data: Path, out: Path) -> dict:
+def _scse_eval(task: str, export: Path, data: Path, out: Path, exit: str = "") -> dict:
     assert eval_main(["--checkpoint", str(export), "--task", task, "--data", str(data),
-                      "--depths", str(DEPTH), "--batch-size", "2", "--out", str(out)]) == 0
+                      "--depths", str(DEPTH), "--batch-size", "2", "--out", str(out),
+                      *(["--exit", exit] if exit else [])]) == 0
     (row,) = json.loads(out.read_text())["results"]
     return row
+
+
+def _evaluate(model: str, model_args: str, task: str, data: Path) -> dict:
+    """lm-eval's simple_evaluate (what its CLI runs) in this process on one offline task.
+    Its task index holds only the package's tasks: indexing lm-eval's ~10k stock task files takes
+    ~10-20 s per run (the CLI test above covers the CLI)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    metadata = {task.removeprefix("scse_"): str(data)}
+    tasks = TaskManager(include_path=TASKS_DIR, include_defaults=False, metadata=metadata)
+    return simple_evaluate(model=model, model_args=model_args, tasks=[task], task_manager=tasks,
+                           batch_size=2, device="cpu", metadata=metadata)
 
 
 def _scse_lm_eval_command() -> list[str]:
@@ -112,12 +145,103 @@ def test_lm_eval_agrees_with_scse_eval(lm_data, tmp_path, user_env):
     assert lm_wiki["byte_perplexity,none"] == pytest.approx(2 ** ours["bits_per_byte"], rel=1e-6)
 
 
-def test_exit_rules_other_than_fixed_are_refused():
-    assert isinstance(parse_exit_rule("fixed", 4), FixedExit) and parse_exit_rule("fixed", 4).depth == 4
-    for rule in ("kl:0.01", "motion:0.02", "fixed:3"):
-        with pytest.raises(ValueError, match=rf"exit={rule!r}: exit rules other than 'fixed' are "
-                                             r"not available yet \(available: fixed\)"):
-            parse_exit_rule(rule, 4)
+def test_exit_model_arg_is_scse_evals_exit(lm_data, tmp_path):
+    """exit=RULE scores as scse-eval --exit RULE at the same cap (depth=, or the rule's max=):
+    the same accuracy, perplexity and steps used; lm-eval's results JSON carries the steps."""
+    export, lambada, _ = lm_data
+    for rule in ("motion:0.5", f"kl:0.2,min=2,max={DEPTH + 1}"):
+        results = _evaluate("scse", f"pretrained={export},depth={DEPTH},exit={rule}",
+                            "scse_lambada", lambada)
+        ours = _scse_eval("lambada", export, lambada, tmp_path / f"{rule}.json", exit=rule)
+        lm = results["results"]["scse_lambada"]
+        assert lm["acc,none"] == ours["accuracy"]
+        assert lm["perplexity,none"] == pytest.approx(ours["word_ppl"], rel=1e-6)
+        steps = results["config"]["scse_steps"]["scse_lambada"]
+        assert results["config"]["scse_exit"] == steps["exit"] == ours["exit"] == rule
+        assert steps["steps_histogram"] == ours["steps_histogram"]
+        assert steps["mean_steps"] == ours["mean_steps"]
+        low, cap = (1, DEPTH) if rule.startswith("motion") else (2, DEPTH + 1)
+        assert low < steps["mean_steps"] < cap  # the rule exits some tokens early, not all
+
+
+HF_CHILD = """
+import json, sys
+import scse_dist.lmeval.model  # registers --model scse
+sys.path.insert(0, sys.argv[1])
+from test_lmeval import _evaluate
+export, lambada, wiki = sys.argv[2:5]
+hf = f"pretrained={export},trust_remote_code=True"
+out = {"hf": _evaluate("hf", hf, "scse_lambada", lambada)["results"]["scse_lambada"],
+       "scse": _evaluate("scse", f"pretrained={export}", "scse_lambada", lambada)["results"]["scse_lambada"],
+       "hf_wiki": _evaluate("hf", hf, "scse_wikitext", wiki)["results"]["scse_wikitext"]}
+print(json.dumps(out))
+"""
+
+
+def _lm_eval_rolling_word_ppl(export: Path, wiki: Path) -> float:
+    """scse_wikitext's word perplexity as lm-eval's hf model computes it, by our scorer: its
+    rolling windows (disjoint, max_length tokens each, the last one filled with the preceding
+    tokens) over the article's ids as the tokenizer gives them, EOS first, after the prefix
+    token EOS: so each article also scores that EOS after EOS."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from scse_dist.data.sources import read_wikitext_articles
+    from scse_dist.eval.loading import load_model
+    from scse_dist.eval.scoring import Window, score_windows
+
+    tokenizer = Tokenizer.load(str(export / "tokenizer.model"))
+    model, cfg = load_model(str(export), device="cpu")
+    articles = read_wikitext_articles(str(wiki))
+    windows = []
+    for article in articles:
+        ids = [tokenizer.eos_id, *tokenizer.encode(article.strip())]
+        for context, scored in map(make_disjoint_window, get_rolling_token_windows(
+                ids, tokenizer.eos_id, cfg.model.max_seq_len, 1)):
+            windows.append(Window(context + scored, len(context) - 1))
+    (scores,) = score_windows(model, windows, [DEPTH], 2)[1]
+    return math.exp(sum(s.nll for s in scores) / sum(len(a.split()) for a in articles))
+
+
+def test_hf_model_agrees_with_scse_model(lm_data, tmp_path, user_env):
+    """Plain lm-eval `--model hf --model_args pretrained=EXPORT,trust_remote_code=True` (the
+    export's remote code, at the config's depth) scores LAMBADA as `--model scse` does: lm-eval
+    splits and encodes context/continuation itself, EOS first (the tokenizer's BOS), and cuts
+    windows to max_length (the config's max_position_embeddings, here data.seq_len)."""
+    accelerate = pytest.importorskip(
+        "accelerate", reason="lm-eval's hf model needs accelerate (pip install 'scse-dist[lm-eval]')")
+    export, lambada, wiki = lm_data
+    # the accelerate this process imports (it may live outside the venv), and a private HF home
+    # for the remote code's module cache
+    path = [str(Path(accelerate.__file__).parents[1]), user_env["PYTHONPATH"]]
+    env = dict(user_env, PYTHONPATH=os.pathsep.join(path), HF_HOME=str(tmp_path / "hf"),
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-c", HF_CHILD, str(Path(__file__).parent),
+                          str(export), str(lambada), str(wiki)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    hf, scse = out["hf"], out["scse"]
+    assert 0 < scse["acc,none"] < 1
+    assert hf["acc,none"] == scse["acc,none"]
+    assert hf["perplexity,none"] == pytest.approx(scse["perplexity,none"], rel=1e-6)
+    # WikiText differs by lm-eval's rolling-window convention (see _lm_eval_rolling_word_ppl)
+    # from scse and scse-eval (overlapping windows, no EOS target); it is exactly that convention
+    ours = _scse_eval("wikitext", export, wiki, tmp_path / "wikitext.json")["word_ppl"]
+    hf_wiki = out["hf_wiki"]["word_perplexity,none"]
+    assert hf_wiki == pytest.approx(_lm_eval_rolling_word_ppl(export, wiki), rel=1e-6)
+    assert hf_wiki != pytest.approx(ours, rel=1e-3)
+
+
+def test_exit_rule_model_arg_is_parsed():
+    assert exit_scorer("fixed", 4).rule is None and exit_scorer("fixed", 4).depth == 4
+    # lm-eval splits --model_args at commas: min= and max= arrive as model args of their own
+    scorer = exit_scorer("motion:0.02", 4, {"min": 2, "max": 8})
+    assert scorer.rule == parse_exit_rule("motion:0.02,min=2,max=8") and scorer.depth == 4
+    with pytest.raises(ValueError, match="unknown kind 'motoin'"):
+        exit_scorer("motoin:0.02", 4)
+    with pytest.raises(ValueError, match="unknown model args bogus"):
+        exit_scorer("motion:0.02", 4, {"bogus": 1})
+    with pytest.raises(ValueError, match="fixed runs `depth` steps; set depth= instead of max="):
+        exit_scorer("fixed", 4, {"max": 8})
 
 
 def test_model_args_batch_size_and_device_become_cli_flags():
@@ -149,12 +273,12 @@ def test_generate_until_is_greedy_and_stops(lm_data):
 
 def test_model_args_are_checked(lm_data):
     export, _, _ = lm_data
-    with pytest.raises(ValueError, match="not available yet"):
-        ScseLM(str(export), exit="motion:0.02", device="cpu")
+    with pytest.raises(ValueError, match="exit rule 'kl:x': kl needs a numeric threshold"):
+        ScseLM(str(export), exit="kl:x", device="cpu")
     with pytest.raises(ValueError, match=r"depth='0': expected a positive integer"):
         ScseLM(str(export), depth="0", device="cpu")
-    with pytest.raises(ValueError, match="max_length=65 exceeds the model's max_seq_len=64"):
-        ScseLM(str(export), max_length="65", device="cpu")
+    with pytest.raises(ValueError, match="max_length=33 exceeds the model's max_seq_len=32"):
+        ScseLM(str(export), max_length="33", device="cpu")
 
 
 def test_task_files_are_package_data():

@@ -252,6 +252,9 @@ NOT_RUN = {
     "pip install torch==2.13.0 setuptools wheel": ENVIRONMENT,
     "pip install --no-build-isolation -e '.[dev]'": ENVIRONMENT,
     "pip install -e '.[lm-eval]'": ENVIRONMENT + " (the dev extra includes lm-eval)",
+    "lm_eval --model hf --model_args pretrained=runs/quickstart/export,trust_remote_code=True --include_path scse_dist/lmeval/tasks --tasks scse_lambada --metadata lambada=lambada_test.jsonl --device cpu":
+        "lm-eval's hf model needs accelerate (lm_eval[hf]); tests/test_lmeval.py runs it on a tiny "
+        "export against --model scse (test_hf_model_agrees_with_scse_model)",
     "pytest": "runs the test suite, this test included",
     "sbatch slurm/pretrain.sh configs/gpt2-small-scse.yaml": SLURM,
     "sbatch slurm/eval.sh --checkpoint runs/NAME/export --task lambada --data lambada_test.jsonl --out x.json":

@@ -6,7 +6,9 @@ the whole text; strings like "</s>" in the text are text, not special tokens. Th
 with add_special_tokens=True (the default), is the EOS id in front: in scse-dist every document
 and passage starts after an EOS, in training and in evaluation, so that is what a prompt starts
 with. Nothing is appended. Decoding is sentencepiece's decode, so
-`decode(encode(text, add_special_tokens=False)) == text` wherever scse-dist's round trip holds.
+`decode(encode(text, add_special_tokens=False)) == text` wherever scse-dist's round trip holds;
+EOS decodes to "</s>" (sentencepiece's own decode drops it), or to nothing with
+skip_special_tokens=True.
 Padding is on the left (generation) with EOS as the pad token; the attention mask hides it.
 """
 
@@ -58,11 +60,22 @@ class ScseTokenizer(PreTrainedTokenizer):
         return self.sp_model.decode_pieces(list(tokens))
 
     def _decode(self, token_ids, skip_special_tokens: bool = False, **kwargs) -> str:
+        """sentencepiece's decode; a control token (EOS, the pad) is its piece, "</s>", unless
+        skip_special_tokens drops it. (sentencepiece alone decodes EOS to "", and lm-eval's hf model
+        takes a prefix token that decodes to "" as already present at the start of every text,
+        which would drop the EOS in front of its contexts.)"""
         ids = [token_ids] if isinstance(token_ids, int) else [int(i) for i in token_ids]
         if skip_special_tokens:
             special = set(self.all_special_ids)
             ids = [i for i in ids if i not in special]
-        return self.sp_model.decode(ids)
+        text, run = [], []
+        for i in ids:
+            if self.sp_model.is_control(i):
+                text += [self.sp_model.decode(run), self.sp_model.id_to_piece(i)]
+                run = []
+            else:
+                run.append(i)
+        return "".join(text) + self.sp_model.decode(run)
 
     def build_inputs_with_special_tokens(self, token_ids_0: list,
                                          token_ids_1: Optional[list] = None) -> list:

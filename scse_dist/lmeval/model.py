@@ -6,7 +6,9 @@ Model args (all but `pretrained` optional):
     pretrained   export dir (model.safetensors, config.yaml, tokenizer.model), a path or an fsspec
                  URL, or a DeepSpeed checkpoint dir (as scse-eval's --checkpoint)
     depth        loop depth T; default the config's model.depth
-    exit         exit rule; `fixed` (every token runs T steps) is the only one so far
+    exit         exit rule as scse-eval --exit takes it: fixed (every token runs T steps), kl:TAU or
+                 motion:TAU, optionally ,min=N,max=N (the cap: max, else T); lm-eval's results
+                 JSON then holds each task's steps used under config.scse_steps
     batch_size   windows per forward; default the config's eval.batch_size
     max_length   tokens per window; default the config's data.seq_len (as scse-eval)
     stride       loglikelihood_rolling's sliding-window stride; default max_length // 2 (as
@@ -33,38 +35,61 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+import lm_eval.models  # noqa: F401  (lm-eval's own models: its registry loads them only when
+# it is empty, which registering `scse` first would make it never be)
 
+from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.scoring import Score, Window, context_target_window, document_windows, score_windows
 from scse_dist.eval.tasks import context_target_ids, load_tokenizer
+from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
 
-EXIT_RULES = ("fixed",)
+class ExitScorer:
+    """Loop depth for the harness's requests: `depth` steps per token, or an exit rule's adaptive
+    depth capped at `depth` (the rule's max= overrides the cap), scored by scse-eval's own scorer
+    (score_windows with ExitStats), so `exit=motion:0.02` here equals `scse-eval --exit
+    motion:0.02` at the same cap. Steps used are counted per lm-eval task (`steps_summary`)."""
 
-
-class FixedExit:
-    """Every token runs the loop `depth` steps. An exit rule scores windows (loglikelihood) and
-    gives next-token logits (generation); adaptive rules plug in beside it (parse_exit_rule)."""
-
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, rule: Optional[ExitRule] = None):
         self.depth = depth
+        self.rule = rule
+        self.stats: dict[str, ExitStats] = {}  # task name -> steps of its scored tokens
 
-    def score(self, model: torch.nn.Module, windows: list[Window], batch_size: int) -> list[Score]:
-        return score_windows(model, windows, [self.depth], batch_size)[1][0]
+    def score(self, model: torch.nn.Module, windows: list[Window], batch_size: int,
+              task: str = "") -> list[Score]:
+        stats = None
+        if self.rule is not None:
+            stats = self.stats.setdefault(task, ExitStats(self.rule))
+        return score_windows(model, windows, [self.depth], batch_size, stats)[1][0]
 
     def next_logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """(B, V) logits for the token after each row of `tokens` (B, S)."""
-        return model(tokens, depth=self.depth).logits[:, -1].float()
+        if self.rule is None:
+            return model(tokens, depth=self.depth).logits[:, -1].float()
+        return model(tokens, depth=self.rule.cap(self.depth), exit_rule=self.rule).logits[:, -1].float()
+
+    def steps_summary(self) -> dict:
+        """{task: ExitStats.summary()} (mean_steps, steps_pNN, steps_histogram) of the scored
+        loglikelihood tokens; empty at fixed depth."""
+        return {task: stats.summary() for task, stats in sorted(self.stats.items())}
 
     def __repr__(self) -> str:
-        return f"fixed(depth={self.depth})"
+        return f"ExitScorer(depth={self.depth}, exit={self.rule or 'fixed'})"
 
 
-def parse_exit_rule(text: str, depth: int) -> FixedExit:
-    """The exit rule named by the `exit=` model arg."""
-    name = text.split(":", 1)[0]
-    if name == "fixed" and ":" not in text:
-        return FixedExit(depth)
-    raise ValueError(f"exit={text!r}: exit rules other than 'fixed' are not available yet "
-                     f"(available: {', '.join(EXIT_RULES)})")
+def exit_scorer(text: str, depth: int, options: Optional[dict] = None) -> ExitScorer:
+    """The scorer of the `exit=` model arg: a rule's text as scse-eval --exit takes it
+    (scse_dist.model.exit_rules.parse_exit_rule), "fixed" being plain fixed depth. lm-eval splits
+    --model_args at commas, so `exit=motion:0.02,min=2,max=8` arrives as exit="motion:0.02" and
+    the model args min=2, max=8: `options` ({"min": 2, "max": 8}) joins them back."""
+    unknown = sorted(set(options or {}) - {"min", "max"})
+    if unknown:
+        raise ValueError(f"unknown model args {', '.join(unknown)} (the exit rule's options are "
+                         "min= and max=)")
+    text = ",".join([str(text), *(f"{k}={v}" for k, v in (options or {}).items())])
+    rule = parse_exit_rule(text)
+    if rule.kind == "fixed" and rule.max_steps is not None:
+        raise ValueError(f"exit={text!r}: fixed runs `depth` steps; set depth= instead of max=")
+    return ExitScorer(depth, None if rule.kind == "fixed" else rule)
 
 
 def _int_arg(name: str, value: Any) -> Optional[int]:
@@ -83,7 +108,7 @@ def _int_arg(name: str, value: Any) -> Optional[int]:
 class ScseLM(LM):
     def __init__(self, pretrained: str, depth: Any = None, exit: str = "fixed",
                  batch_size: Any = None, max_length: Any = None, stride: Any = None,
-                 device: Optional[str] = None, max_batch_size: Any = None):
+                 device: Optional[str] = None, max_batch_size: Any = None, **exit_options: Any):
         super().__init__()
         from scse_dist.eval.loading import checkpoint_config, load_model
         from scse_dist.export import local_export
@@ -105,7 +130,7 @@ class ScseLM(LM):
         self.depth = _int_arg("depth", depth) or fixed or cfg.model.depth
         if fixed is not None and self.depth != fixed:
             raise ValueError(f"depth={self.depth}: an untied model has a fixed depth of {fixed}")
-        self.exit_rule = parse_exit_rule(str(exit), self.depth)
+        self.scorer = exit_scorer(str(exit), self.depth, exit_options)
         self.batch_size = _int_arg("batch_size", batch_size) or cfg.eval.batch_size
         self.max_length = _int_arg("max_length", max_length) or cfg.data.seq_len
         if self.max_length > cfg.model.max_seq_len:
@@ -138,7 +163,7 @@ class ScseLM(LM):
             context_ids, target_ids = context_target_ids(self.tokenizer, context, continuation)
             windows.append(context_target_window(context_ids, target_ids, self.eot_token_id,
                                                  self.max_length))
-        scores = self.exit_rule.score(self.model, windows, self.batch_size)
+        scores = self._score(requests, windows)
         return [(-s.nll, s.all_correct) for s in scores]
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False
@@ -151,9 +176,35 @@ class ScseLM(LM):
                 windows.append(w)
                 owner.append(i)
         totals = [0.0] * len(requests)
-        for i, score in zip(owner, self.exit_rule.score(self.model, windows, self.batch_size)):
+        for i, score in zip(owner, self._score([requests[i] for i in owner], windows)):
             totals[i] -= score.nll
         return totals
+
+    def _score(self, requests: list[Instance], windows: list[Window]) -> list[Score]:
+        """Each request's window(s) scored, task by task in request order (so the steps used are
+        counted per task, and a task's batches are those scse-eval forms on the same data)."""
+        tasks: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            tasks.setdefault(getattr(request, "task_name", None) or "", []).append(i)
+        scores: list[Optional[Score]] = [None] * len(windows)
+        for task, rows in tasks.items():
+            for i, score in zip(rows, self.scorer.score(self.model, [windows[i] for i in rows],
+                                                        self.batch_size, task)):
+                scores[i] = score
+            if self.scorer.rule is not None:
+                summary = self.scorer.stats[task].summary()
+                print(f"scse: {task or 'requests'}: exit {summary['exit']}: mean steps "
+                      f"{summary['mean_steps']:.3f} per scored token", file=sys.stderr)
+        return scores
+
+    def get_model_info(self) -> dict:
+        """What lm-eval adds to its results JSON's `config` (it asks every model that has this):
+        the depth, the exit rule and, with one, each task's steps used per scored token."""
+        info: dict[str, Any] = {"scse_depth": self.depth,
+                                "scse_exit": str(self.scorer.rule or "fixed")}
+        if self.scorer.rule is not None:
+            info["scse_steps"] = self.scorer.steps_summary()
+        return info
 
     # ----------------------------------------------------------------- generation
 
@@ -178,7 +229,7 @@ class ScseLM(LM):
         with torch.inference_mode():
             for _ in range(max_new):
                 window = torch.tensor([(ids + new)[-self.max_length:]], device=self._device)
-                logits = self.exit_rule.next_logits(self.model, window)[0].cpu()
+                logits = self.scorer.next_logits(self.model, window)[0].cpu()
                 token = _pick(logits, do_sample and temperature > 0, temperature, top_p, generator)
                 if token == self.eot_token_id:
                     break
