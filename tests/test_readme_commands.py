@@ -142,9 +142,13 @@ def check_eval_exit(d: Path, out: str) -> None:
 def check_export(d: Path, out: str) -> None:
     from safetensors.torch import load_file
 
+    from scse_dist.hf import hf_file_names
+
     ours, trainers = d / "quickstart-export", d / "runs/quickstart/export"
-    names = ["config.yaml", "model.safetensors", "tokenizer.model"]
+    names = sorted(["config.yaml", "model.safetensors", "tokenizer.model", *hf_file_names(True)])
     assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in trainers.iterdir()) == names
+    for name in ("config.json", "modeling_scse.py"):  # scse-export's HF files are the trainer's
+        assert (ours / name).read_bytes() == (trainers / name).read_bytes(), name
     assert (ours / "tokenizer.model").read_bytes() == (d / "data/quickstart/tokenizer.model").read_bytes()
     assert (ours / "config.yaml").read_text() == (trainers / "config.yaml").read_text()
     a, b = load_file(str(ours / "model.safetensors")), load_file(str(trainers / "model.safetensors"))
