@@ -9,9 +9,7 @@ import os
 import re
 import subprocess
 import sys
-import time
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 import yaml

@@ -218,7 +218,7 @@ def _parse(values: Any, file: str) -> StudySpec:
             raise SpecError(f"evals.tasks: {task!r} is not one of {', '.join(EVAL_TASKS)}")
     overrides = values.get("overrides") or {}
     if not isinstance(overrides, dict):
-        raise SpecError(f"overrides: expected a mapping of dotted keys")
+        raise SpecError("overrides: expected a mapping of dotted keys")
     exclude = values.get("exclude_flagged", False)
     if not isinstance(exclude, bool):
         raise SpecError(f"exclude_flagged: expected true or false, got {exclude!r}")
