@@ -51,16 +51,8 @@ def most_at_once(tasks: list[dict[str, str]]) -> int:
     return max(sum(s <= start < e for s, e in times) for start, _ in times)
 
 
-def test_slurm_study_array_capped_failure_named_and_report_after(slurm_cluster, tmp_path, tiny_config,
-                                                                 user_env):
-    base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint_every=4")
-    spec = {"name": "arr", "out": str(tmp_path / "studies"), "base": base,
-            "variants": {"scse": {"overrides": {}},
-                         "additive": {"overrides": {"model.recurrence": "additive"}},
-                         "looped": {"overrides": {"model.recurrence": "looped"}},
-                         # valid config, but no data there and no data.build: training fails
-                         "broken": {"overrides": {"data.path": str(tmp_path / "missing")}}},
-            "seeds": [0], "evals": {"tasks": ["heldout"], "depths": [1, 2]}}
+def submit_study(tmp_path, spec: dict, user_env: dict) -> None:
+    """`scse-study SPEC --slurm --max-parallel 2` as a user on the login node runs it."""
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     env = dict(user_env, WANDB_MODE="disabled")
@@ -71,6 +63,19 @@ def test_slurm_study_array_capped_failure_named_and_report_after(slurm_cluster, 
                           "--nodes=1 --ntasks-per-node=1 --cpus-per-task=1 --gpus-per-node=0 --time=10"],
                          capture_output=True, text=True, cwd=REPO_ROOT, env=env)
     assert out.returncode == 0, out.stderr
+
+
+def test_slurm_study_array_capped_failure_named_and_report_after(slurm_cluster, tmp_path, tiny_config,
+                                                                 user_env):
+    base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint_every=4")
+    spec = {"name": "arr", "out": str(tmp_path / "studies"), "base": base,
+            "variants": {"scse": {"overrides": {}},
+                         "additive": {"overrides": {"model.recurrence": "additive"}},
+                         "looped": {"overrides": {"model.recurrence": "looped"}},
+                         # valid config, but no data there and no data.build: training fails
+                         "broken": {"overrides": {"data.path": str(tmp_path / "missing")}}},
+            "seeds": [0], "evals": {"tasks": ["heldout"], "depths": [1, 2]}}
+    submit_study(tmp_path, spec, user_env)
     d = tmp_path / "studies" / "arr"
     submitted = json.loads((d / "slurm" / "final.json").read_text())
     assert len(submitted["runs"]) == 4
@@ -126,16 +131,7 @@ def test_slurm_two_stage_lr_sweep_submits_stage_two_after_the_choice(slurm_clust
             "variants": {"scse": {"overrides": {}}}, "seeds": [4],
             "lr": {"values": [1e-4, 3e-3], "validation": str(tmp_path / "valid.txt")},
             "evals": {"tasks": ["heldout"], "depths": [1]}}
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    env = dict(user_env, WANDB_MODE="disabled")
-    for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_ARRAY_TASK_ID"):
-        env.pop(key, None)
-    out = subprocess.run([sys.executable, "-m", "scse_dist.study.cli", str(path), "--slurm",
-                          "--max-parallel", "2", "--sbatch-args",
-                          "--nodes=1 --ntasks-per-node=1 --cpus-per-task=1 --gpus-per-node=0 --time=10"],
-                         capture_output=True, text=True, cwd=REPO_ROOT, env=env)
-    assert out.returncode == 0, out.stderr
+    submit_study(tmp_path, spec, user_env)
     d = tmp_path / "studies" / "two"
     sweep = json.loads((d / "slurm" / "sweep.json").read_text())
     assert len(sweep["runs"]) == 2 and not (d / "lr_choice.json").exists()
