@@ -41,6 +41,7 @@ import lm_eval.models  # noqa: F401  (lm-eval's own models: its registry loads t
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.scoring import Score, Window, context_target_window, document_windows, score_windows
 from scse_dist.eval.tasks import context_target_ids, load_tokenizer
+from scse_dist.generate import Sampling, next_tokens
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
 
 class ExitScorer:
@@ -222,6 +223,8 @@ class ScseLM(LM):
         do_sample = bool(kwargs.pop("do_sample", False))
         temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
         top_p = float(kwargs.pop("top_p", 1.0))
+        # scse-generate's sampler; greedy (Sampling()) unless do_sample with a temperature > 0
+        sampling = Sampling(temperature, top_p) if do_sample and temperature > 0 else Sampling()
         generator = torch.Generator().manual_seed(int(kwargs.pop("seed", 0)))
         ids = [self.eot_token_id, *self.tokenizer.encode(context)]
         new: list[int] = []
@@ -229,8 +232,8 @@ class ScseLM(LM):
         with torch.inference_mode():
             for _ in range(max_new):
                 window = torch.tensor([(ids + new)[-self.max_length:]], device=self._device)
-                logits = self.scorer.next_logits(self.model, window)[0].cpu()
-                token = _pick(logits, do_sample and temperature > 0, temperature, top_p, generator)
+                logits = self.scorer.next_logits(self.model, window).cpu()
+                token = int(next_tokens(logits, sampling, generator)[0])
                 if token == self.eot_token_id:
                     break
                 new.append(token)
@@ -240,15 +243,3 @@ class ScseLM(LM):
         for stop in until:
             text = text.split(stop, 1)[0]
         return text
-
-
-def _pick(logits: torch.Tensor, sample: bool, temperature: float, top_p: float,
-          generator: torch.Generator) -> int:
-    if not sample:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:  # keep the smallest set of most likely tokens whose mass reaches top_p
-        sorted_probs, order = probs.sort(descending=True)
-        drop = sorted_probs.cumsum(0) - sorted_probs >= top_p
-        probs[order[drop]] = 0.0
-    return int(torch.multinomial(probs, 1, generator=generator))
