@@ -140,7 +140,7 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
     assert (d / "scse/seed1/export/model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("name, variants, sweep, final", [("repro-cpu", 9, 18, 27),
+@pytest.mark.parametrize("name, variants, sweep, final", [("repro-cpu", 9, 27, 27),
                                                          ("gpt2-small", 9, 27, 27)])
 def test_shipped_study_specs_parse_and_expand(name, variants, sweep, final):
     spec = load_spec(REPO_ROOT / "configs" / "studies" / f"{name}.yaml")

@@ -91,7 +91,8 @@ def comparison(tmp_path_factory):
                                  heldout={t: v + looped_shift[t][s] for t, v in add.items()}))
         entries.append(write_run(study, "untied", s, heldout={4: add[4] + [3.0, -3.0, 1.0][s]}))
     (study / "lr_choice.json").write_text(json.dumps(
-        {"scse": {"lr": 1e-3, "scores": {"0.001": 30.5, "0.003": 31.25}}}))
+        {"scse": {"lr": 1e-3, "scores": {"0.001": 30.5, "0.003": 31.25}},
+         "additive": {"lr": 3e-3, "scores": {"0.001": 33.0, "0.003": 32.0, "0.01": 32.5}}}))
     write_study(study, entries, variants={"additive": {}, "scse": {}, "looped": {}, "untied": {}},
                 seeds=[0, 1, 2])
     assert study_report_main([str(study), "--wandb", "disabled"]) == 0
@@ -126,7 +127,9 @@ def test_aggregate_has_the_mean_std_and_t_interval_per_variant_and_depth(compari
     report = (comparison / "report" / "report.md").read_text()
     assert "Student-t intervals over seeds" in report and "no bootstrap" in report
     assert "| additive | 51 ± 2.48 (sd 1, n=3) | 41 ± 2.48 (sd 1, n=3) |" in report
-    assert "| scse | 0.001 | 0.001: 30.5, 0.003: 31.25 |" in report  # the lr section
+    # the lr section: a choice at the grid's edge is marked, one inside it is not
+    assert "| scse | 0.001 (grid edge: lowest) | 0.001: 30.5, 0.003: 31.25 |" in report
+    assert "| additive | 0.003 | 0.001: 33, 0.003: 32, 0.01: 32.5 |" in report
 
 
 def test_paired_verdicts_follow_the_metric_direction(comparison):

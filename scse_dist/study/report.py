@@ -122,6 +122,14 @@ def _cell(iv: Optional[Interval]) -> str:
     return f"{iv.mean:.4g} ± {iv.half_width:.3g} (sd {iv.std:.3g}, n={iv.n})"
 
 
+def _edge_mark(chosen: Any, scores: dict[str, Any]) -> str:
+    """" (grid edge)" when the chosen rate is the sweep's lowest or highest of several."""
+    grid = sorted(float(lr) for lr in scores)
+    if chosen is None or len(grid) < 2 or float(chosen) not in (grid[0], grid[-1]):
+        return ""
+    return " (grid edge: lowest)" if float(chosen) == grid[0] else " (grid edge: highest)"
+
+
 def _depth_table(header: str, rows: list[tuple[str, dict[int, Any]]], fmt=_cell,
                  extra: Optional[tuple[str, list[str]]] = None) -> list[str]:
     depths = sorted({d for _, cells in rows for d in cells})
@@ -226,12 +234,15 @@ class StudyReport:
             metrics = {c.get("metric") for c in s.lr_choice.values() if c.get("metric")}
             lines += ["## Learning rate (chosen on validation)", "",
                       f"Score: {', '.join(sorted(metrics)) or 'the validation metric'} (the chosen lr "
-                      "has the best score); a failed sweep run has no score.", "",
+                      "has the best score); a failed sweep run has no score. A choice at the edge "
+                      "of the grid is marked: the best rate may lie beyond it.", "",
                       "| variant | chosen lr | scores (lr: score) |", "|---|---:|---|"]
             for variant, choice in s.lr_choice.items():
-                scores = ", ".join(f"{lr}: {v:.4g}" if isinstance(v, (int, float)) else f"{lr}: failed"
-                                   for lr, v in (choice.get("scores") or {}).items())
-                lines.append(f"| {variant} | {choice.get('lr')} | {scores} |")
+                scores = choice.get("scores") or {}
+                cells = ", ".join(f"{lr}: {v:.4g}" if isinstance(v, (int, float)) else f"{lr}: failed"
+                                  for lr, v in scores.items())
+                lines.append(f"| {variant} | {choice.get('lr')}{_edge_mark(choice.get('lr'), scores)} "
+                             f"| {cells} |")
             lines.append("")
         lines += self._flag_lines()
         for task, metric in HEADLINE.items():
