@@ -69,6 +69,22 @@ def test_expansion_counts_names_and_resolved_configs(tmp_path, tiny_config):
     assert (cfg.eval.depths, cfg.eval.tasks, cfg.eval.after_train) == ([1, 2], ["heldout"], False)
 
 
+@pytest.mark.parametrize("name", ["repro-cpu", "gpt2-small"])
+def test_shipped_study_pairs_compare_like_with_like(name):
+    """Each paired comparison in a shipped spec holds everything but the method equal: the
+    residual (a baseline under another residual measures the residual), data, steps and depth."""
+    from scse_dist.study.spec import run_config
+
+    spec = load_spec(REPO_ROOT / "configs" / "studies" / f"{name}.yaml")
+    first = {r.variant: r for r in expand(spec, {v: 1e-3 for v in spec.variants}, ("final",))}
+    assert len(spec.pairs) == len(spec.variants) - 2  # all but additive-preln/-deeploop
+    for a, b in spec.pairs:
+        ca, cb = run_config(spec, first[a]), run_config(spec, first[b])
+        assert ca.model.residual == cb.model.residual, (a, b)
+        assert (ca.data, ca.train.max_steps, ca.model.d_model, ca.model.depth) == \
+            (cb.data, cb.train.max_steps, cb.model.d_model, cb.model.depth), (a, b)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"seeds": [0, 0]}, "seeds: a non-empty list of distinct integers"),
     ({"variants": {"scse": {"override": {}}}}, "variants.scse: expected {overrides:"),
