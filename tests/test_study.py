@@ -165,5 +165,5 @@ def test_shipped_study_specs_parse_and_expand(name, variants, sweep, final):
     stages = [r.stage for r in expand(spec)]
     assert (stages.count("sweep"), stages.count("final")) == (sweep, final)
     assert spec.evals.depths[-1] == (48 if name == "gpt2-small" else 32)
-    assert spec.evals.tasks == ["heldout", "wikitext", "lambada"]
+    assert spec.evals.tasks == ["heldout", "wikitext", "lambada", "diagnose"]  # diagnose: the loop flags and plot
     assert not set(spec.lr.validation.split("/")) & {"wiki.valid.raw", "lambada-dev.txt"}
