@@ -176,6 +176,9 @@ def flagged_study(tmp_path, exclude):
         write_run(study, "untied", 0, heldout={4: 900.0}, losses=(6.9, 6.0, 5.6)),  # ln 256 - 0.1 < 5.6
         write_run(study, "looped", 0, heldout=good, skipped=2),
         write_run(study, "looped", 1, heldout=good, losses=(6.0, 3.0, 4.5)),
+        # a sweep run at the final runs' rate and seed: its flag is its own, not seed 0's
+        write_run(study, "scse", 0, heldout=good, losses=(6.9, 6.0, 5.6), stage="sweep",
+                  subdir="lr0.001/seed0"),
     ]
     return write_study(study, entries, pairs=[["scse", "additive"]], exclude_flagged=exclude)
 
@@ -185,10 +188,13 @@ def test_flags_are_raised_listed_and_counted_by_default(tmp_path):
     write_study_report(study, wandb_mode="disabled")
     flags = {run: [f["name"] for f in fl] for run, fl in numbers(study)["flags"].items()}
     assert flags == {"scse/seed1 lr=0.001": ["loop inactive"], "untied/seed0 lr=0.001": ["plateau"],
-                     "looped/seed0 lr=0.001": ["non-finite"], "looped/seed1 lr=0.001": ["divergence"]}
+                     "looped/seed0 lr=0.001": ["non-finite"], "looped/seed1 lr=0.001": ["divergence"],
+                     "scse/seed0 lr=0.001 sweep": ["plateau"]}
     report = (study / "report" / "report.md").read_text()
     assert "included in (and marked) the aggregate" in report
     assert "| scse/seed1 lr=0.001 | final | loop inactive | heldout ppl flat for T >= 2" in report
+    assert "| scse/seed0 lr=0.001 sweep | sweep | plateau |" in report
+    assert "| scse/seed0 lr=0.001 | final |" not in report  # the final seed 0 is healthy
     assert "deviation_norm fell to 0.7 from 15" in report
     assert "ln V = ln 256" in report and "5.545 nats" in report
     assert numbers(study)["aggregate"]["scse/heldout/ppl"]["4"]["n"] == 3

@@ -48,7 +48,10 @@ class StudyRun:
 
     @property
     def label(self) -> str:
-        return f"{self.variant}/seed{self.seed}" + (f" lr={self.lr:g}" if self.lr is not None else "")
+        """Unique within a study: a sweep run and the final run at the chosen rate share variant,
+        seed and lr, so a sweep run's label says so (it keys the report's flags)."""
+        lr = f" lr={self.lr:g}" if self.lr is not None else ""
+        return f"{self.variant}/seed{self.seed}{lr}" + (" sweep" if self.stage == "sweep" else "")
 
 
 @dataclass
