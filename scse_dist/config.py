@@ -131,6 +131,9 @@ class EvalConfig:
     batch_size: int = 8
     max_batches: int = 0  # 0: the whole held-out split
     after_train: bool = True
+    # During training: held-out loss at `depths` every this many steps (0: off), rows of kind
+    # "eval" in metrics.jsonl and wandb (docs/training.md, "Evaluation during training").
+    every_steps: int = 0
     # Tasks `scse-launch` runs as jobs after training (heldout/diagnose read data.path).
     tasks: list[Literal["heldout", "wikitext", "lambada", "diagnose"]] = field(
         default_factory=lambda: ["heldout"])
@@ -148,7 +151,7 @@ class EvalConfig:
             if task in self.tasks and not getattr(self, task):
                 raise ConfigError(f"eval.{task}: eval.tasks lists {task!r}, so set eval.{task} "
                                   "to its data file")
-        for name in ("stride", "slurm_gpus"):
+        for name in ("stride", "slurm_gpus", "every_steps", "max_batches"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name}: must be >= 0, got {getattr(self, name)}")
         if self.slurm_cpus < 1 or self.slurm_time_min < 1:

@@ -70,7 +70,9 @@ def readme_commands(text: str) -> list[str]:
 
 
 def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    """The training rows (evaluation and sample rows carry a "kind")."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "kind" not in r]
 
 
 def _results(path: Path) -> list[dict]:

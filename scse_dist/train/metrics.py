@@ -91,13 +91,20 @@ class MetricsLogger:
                                      dir=run_dir, config=config_dict)
 
     def log(self, row: dict[str, Any]) -> None:
+        """A training row: the console line, then metrics.jsonl and wandb."""
         if not self.enabled:
             return
         print(format_line(row), flush=True)
+        self.write(row)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Any row (evaluation, samples: they carry a "kind") to metrics.jsonl and wandb only."""
+        if not self.enabled:
+            return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._wandb is not None:
-            self._wandb.log(row, step=row["step"])
+            self._wandb.log({k: v for k, v in row.items() if k != "kind"}, step=row["step"])
 
     def close(self) -> None:
         if self._file is not None:

@@ -1,0 +1,116 @@
+"""The trainer's callbacks: evaluation during training, metrics.jsonl cut at a resume, eval rows
+kept apart from training rows for their readers."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from scse_dist.config import WandbConfig
+from scse_dist.train.callbacks.heldout_eval import agreed_batches, reduce_rows
+from scse_dist.train.metrics import MetricsLogger
+from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
+
+TIMING = ("tokens_per_s", "mfu", "step_time_s")
+
+
+def write_rows(path: Path, rows: list[dict], torn: str = "") -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + torn)
+
+
+def test_study_reader_skips_eval_and_sample_rows(tmp_path):
+    from scse_dist.study.collect import read_metrics as study_rows
+
+    rows = [{"step": 10, "loss": 2.0}, {"step": 10, "kind": "eval", "heldout_loss_T1": 2.5},
+            {"step": 20, "kind": "sample", "text": "x"}, {"step": 20, "loss": 1.0}]
+    write_rows(tmp_path / "metrics.jsonl", rows)
+    assert study_rows(tmp_path / "metrics.jsonl") == [rows[0], rows[3]]
+
+
+def test_agreed_batches_stop_at_the_limit_or_when_the_batches_run_out():
+    batches = [torch.full((2, 3), i) for i in range(5)]
+    assert len(list(agreed_batches(iter(batches), 3, torch.device("cpu")))) == 3
+    assert len(list(agreed_batches(iter(batches), 0, torch.device("cpu")))) == 5
+    assert len(list(agreed_batches(iter(batches), 9, torch.device("cpu")))) == 5
+
+
+def test_reduce_rows_weights_each_depth_by_tokens_in_one_process():
+    rows = [{"depth": 1, "loss": 2.0, "ppl": 7.39, "tokens": 100},
+            {"depth": 4, "loss": 1.0, "ppl": 2.72, "tokens": 100}]
+    got = reduce_rows(rows, torch.device("cpu"))
+    assert [(r["depth"], r["tokens"]) for r in got] == [(1, 100), (4, 100)]
+    assert [r["loss"] for r in got] == pytest.approx([2.0, 1.0], rel=1e-12)
+    assert got[0]["ppl"] == pytest.approx(torch.tensor(2.0).exp().item())
+
+
+def test_eval_rows_go_to_the_file_and_wandb_but_not_the_console(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = MetricsLogger(str(tmp_path), True, WandbConfig(enabled=True, mode="offline"), "t", {})
+    logger.write({"step": 10, "kind": "eval", "task": "heldout", "heldout_loss_T4": 2.5})
+    logger.close()
+    assert capsys.readouterr().out == ""
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["heldout_loss_T4"] == 2.5
+    run = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    # wandb's service process may still be writing the file when finish() returns: wait for it.
+    deadline = time.monotonic() + 60
+    while b"heldout_loss_T4" not in run.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert b"heldout_loss_T4" in run.read_bytes()
+
+
+def run_trainer(config: str, env: dict, *overrides: str) -> str:
+    import subprocess
+
+    out = subprocess.run([sys.executable, TRAIN, "--config", config, *overrides], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_eval_during_training_leaves_training_alone_and_matches_the_final_eval(
+        tmp_path, tiny_config, subprocess_env):
+    for name in ("plain", "eval"):
+        (tmp_path / name).mkdir()
+    plain = tiny_config(tmp_path / "plain")
+    with_eval = tiny_config(tmp_path / "eval", "eval.every_steps=10", "eval.after_train=true")
+    run_trainer(plain, subprocess_env)
+    stdout = run_trainer(with_eval, subprocess_env)
+    reference = read_metrics(tmp_path / "plain" / "runs" / "tiny")
+    rows = read_metrics(tmp_path / "eval" / "runs" / "tiny")
+    train_rows = [r for r in rows if "kind" not in r]
+    drop = lambda r: {k: v for k, v in r.items() if k not in TIMING}  # noqa: E731
+    # the same seed gives bit-identical training rows with and without evaluation in between
+    assert [drop(r) for r in train_rows] == [drop(r) for r in reference]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [10, 20]
+    assert set(evals[0]) == {"step", "kind", "task", "heldout_loss_T1", "heldout_ppl_T1",
+                             "heldout_loss_T2", "heldout_ppl_T2", "tokens", "eval_time_s"}
+    # each eval row follows the training row of its step
+    assert [r["step"] for r in rows] == [1, 5, 10, 10, 15, 20, 20]
+    assert evals[1]["heldout_loss_T2"] < evals[0]["heldout_loss_T2"]
+    assert evals[0]["tokens"] == 2 * 4 * 32  # eval.max_batches=2 of eval.batch_size=4 x seq_len
+    final = json.loads((tmp_path / "eval" / "runs" / "tiny" / "eval" / "heldout.json").read_text())
+    # at world size 1 the last row is the after-training evaluation of the export, exactly
+    assert {r["depth"]: r["loss"] for r in final["results"]} == {
+        1: evals[1]["heldout_loss_T1"], 2: evals[1]["heldout_loss_T2"]}
+    assert "eval step     20 | heldout loss T1 " in stdout
+
+
+@pytest.mark.slow
+def test_eval_during_training_on_two_ranks_under_zero3(tmp_path, tiny_config, subprocess_env):
+    cfg = tiny_config(tmp_path, "train.zero_stage=3", "train.max_steps=4", "eval.every_steps=2",
+                      "eval.max_batches=3", "train.log_every=2", "train.checkpoint_every=4")
+    all_passed(train_ranks(cfg, subprocess_env))
+    evals = [r for r in read_metrics(tmp_path / "runs" / "tiny") if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [2, 4]
+    # max_batches=3 over 2 ranks: 2 batches each, every rank's tokens summed
+    assert all(r["tokens"] == 2 * 2 * 4 * 32 for r in evals)
+    assert all(0 < r["heldout_loss_T1"] < 10 and 0 < r["heldout_loss_T2"] < 10 for r in evals)
