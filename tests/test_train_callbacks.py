@@ -13,7 +13,7 @@ import torch
 
 from scse_dist.config import WandbConfig
 from scse_dist.train.callbacks.heldout_eval import agreed_batches, reduce_rows
-from scse_dist.train.metrics import MetricsLogger
+from scse_dist.train.metrics import MetricsLogger, cut_metrics
 from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
 TIMING = ("tokens_per_s", "mfu", "step_time_s")
@@ -21,6 +21,18 @@ TIMING = ("tokens_per_s", "mfu", "step_time_s")
 
 def write_rows(path: Path, rows: list[dict], torn: str = "") -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + torn)
+
+
+def test_cut_metrics_drops_rows_past_the_step_and_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 5, "loss": 3.0}, {"step": 10, "loss": 2.0}, {"step": 10, "kind": "eval"},
+            {"step": 15, "loss": 1.5}, {"step": 20, "kind": "eval"}]
+    write_rows(path, rows, torn='{"step": 25, "lo')
+    assert cut_metrics(path, 10) == 3
+    assert [json.loads(x) for x in path.read_text().splitlines()] == rows[:3]
+    assert cut_metrics(path, 10) == 0  # nothing past: the file is left as it is
+    assert cut_metrics(tmp_path / "absent.jsonl", 0) == 0
+    assert cut_metrics(path, 0) == 3 and path.read_text() == ""  # a fresh start keeps nothing
 
 
 def test_study_reader_skips_eval_and_sample_rows(tmp_path):

@@ -30,7 +30,7 @@ from scse_dist.train.checkpoint import resume_if_present
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import FaultInjector, TrainingStopped
-from scse_dist.train.metrics import MetricsLogger
+from scse_dist.train.metrics import MetricsLogger, cut_metrics
 from scse_dist.train.resume import plan_resume
 from scse_dist.train.step import train_step
 from scse_dist.train.storage import RunStorage
@@ -148,6 +148,8 @@ def _start(cfg: RunConfig) -> TrainState:
     engine, ds_config = build_engine(cfg, model)
     start_step = resume_if_present(engine, run_dir, stream, resume_tag)
     _check_resumed_step(start_step, cfg, run_dir)
+    if env.rank == 0:  # rows a dead run wrote past the resumed step would come twice
+        cut_metrics(run_dir / "metrics.jsonl", start_step)
     logger = MetricsLogger(str(run_dir), env.rank == 0, cfg.wandb, cfg.name, config_to_dict(cfg))
     state = TrainState(cfg=cfg, env=env, run_dir=run_dir, storage=storage, engine=engine,
                        stream=stream, tokenizer=tokenizer, logger=logger,

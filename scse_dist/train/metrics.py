@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from scse_dist.atomic import atomic_write_text
 from scse_dist.config import WandbConfig
 
 PEAK_FLOPS_ENV = "SCSE_PEAK_FLOPS"
@@ -65,6 +66,28 @@ def format_line(row: dict[str, Any]) -> str:
     if row.get("peak_mem_gib") is not None:
         parts.append(f"peak mem {row['peak_mem_gib']:.1f} GiB")
     return " | ".join(parts)
+
+
+def cut_metrics(path: str | Path, step: int) -> int:
+    """Drop the rows of `path` past `step` (and a torn last line), atomically; returns how many.
+
+    At a resume from checkpoint step N the rows a dead run wrote after N would be written again:
+    without the cut, metrics.jsonl would hold those steps twice and go backwards."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and int(row.get("step", 0)) <= step:
+            kept.append(line)
+    if len(kept) != len(lines):
+        atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+    return len(lines) - len(kept)
 
 
 class MetricsLogger:
