@@ -6,7 +6,8 @@ Exit status: 0 done; 2 bad config (one line on stderr, before any process group 
 for a global batch that does not divide at the launcher's world size); 3 too many non-finite
 steps in a row; 65 bad input data (shards of another tokenizer, a tokenizer file that is not one,
 corrupt data); 66 an input is missing or unreadable (data.path, data.tokenizer); 75 preempted by
-SIGTERM/SIGUSR1 after saving a checkpoint (rerun to resume). Errors are one line on stderr
+SIGTERM/SIGUSR1 or Ctrl-C after saving a checkpoint (rerun to resume); 130 a second Ctrl-C (stopped
+at once, nothing saved). Errors are one line on stderr
 (scse_dist.cli_errors), from every rank that meets them.
 """
 
