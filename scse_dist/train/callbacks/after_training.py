@@ -4,7 +4,7 @@ gone (no peer waits on it past a collective timeout); results in run_dir/eval/he
 from __future__ import annotations
 
 from scse_dist.train.callbacks.base import Callback, TrainState
-from scse_dist.train.checkpoint import tag_for
+from scse_dist.checkpoint.tags import tag_for
 
 
 class AfterTrainingEval(Callback):
@@ -14,7 +14,7 @@ class AfterTrainingEval(Callback):
         import torch
 
         from scse_dist.eval.cli import run_heldout_eval
-        from scse_dist.export import load_exported_model
+        from scse_dist.checkpoint.export import load_exported_model
 
         cfg = state.cfg
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -31,9 +31,9 @@ class TrainState:
     write the fields marked so."""
 
     cfg: RunConfig
-    env: Any  # scse_dist.launch.distributed.DistEnv
+    env: Any  # scse_dist.distributed.DistEnv
     run_dir: Path
-    storage: Any  # scse_dist.train.storage.RunStorage
+    storage: Any  # scse_dist.checkpoint.storage.RunStorage
     engine: Any  # the DeepSpeed engine; engine.module is the LoopedLM
     stream: Any  # the training TokenStream
     tokenizer: Any

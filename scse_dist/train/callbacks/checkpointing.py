@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 from scse_dist.train.callbacks.base import Callback, TrainState, every
-from scse_dist.train.checkpoint import save_checkpoint, tag_for
+from scse_dist.checkpoint.tags import save_checkpoint, tag_for
 
 
 class CheckpointCallback(Callback):
-    """Saves (all ranks; scse_dist.train.checkpoint.save_checkpoint) and owns the storage's end:
+    """Saves (all ranks; scse_dist.checkpoint.tags.save_checkpoint) and owns the storage's end:
     `storage.finish()` once, at the end of training or at the teardown of a stopped run."""
 
     def __init__(self) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from scse_dist.launch.distributed import barrier
+from scse_dist.distributed import barrier
 from scse_dist.train.callbacks.base import Callback, TrainState
-from scse_dist.train.checkpoint import export_final, tag_for
+from scse_dist.checkpoint.tags import export_final, tag_for
 
 
 class ExportCallback(Callback):
-    """run_dir/export (scse_dist.train.checkpoint.export_final); the path in summary["export_dir"]
+    """run_dir/export (scse_dist.checkpoint.tags.export_final); the path in summary["export_dir"]
     on rank 0. After the checkpoint callback, whose on_train_end saves the final step."""
 
     def on_train_end(self, state: TrainState) -> None:

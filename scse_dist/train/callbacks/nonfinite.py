@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from scse_dist.train.callbacks.base import Callback, TrainState
-from scse_dist.train.checkpoint import tag_for
+from scse_dist.checkpoint.tags import tag_for
 from scse_dist.train.faults import NonFiniteCounter
 
 
