@@ -4,6 +4,7 @@ kept apart from training rows for their readers."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -114,6 +115,11 @@ def test_eval_during_training_leaves_training_alone_and_matches_the_final_eval(
     assert {r["depth"]: r["loss"] for r in final["results"]} == {
         1: evals[1]["heldout_loss_T1"], 2: evals[1]["heldout_loss_T2"]}
     assert "eval step     20 | heldout loss T1 " in stdout
+    # the console line has elapsed time and ETA (console only: the rows' keys are unchanged);
+    # each save says so with its time
+    last = next(line for line in stdout.splitlines() if line.startswith("step     20 |"))
+    assert re.search(r"\| elapsed \d+:\d\d \| ETA 0:00$", last), last
+    assert re.search(r"^saved checkpoint step-0000010 \(\d+\.\d s\)$", stdout, re.M)
 
 
 @pytest.mark.slow

@@ -15,9 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from scse_dist.checkpoint.resume import plan_resume
+from scse_dist.checkpoint.storage import RunStorage
+from scse_dist.checkpoint.tags import resume_if_present
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
 from scse_dist.distributed import barrier, describe_placement, init_distributed, shutdown
+from scse_dist.threads import configure_threads
 from scse_dist.train.callbacks.after_training import AfterTrainingEval
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.callbacks.checkpointing import CheckpointCallback
@@ -26,14 +30,11 @@ from scse_dist.train.callbacks.heldout_eval import HeldoutEvalCallback
 from scse_dist.train.callbacks.metrics import MetricsCallback
 from scse_dist.train.callbacks.nonfinite import NonFiniteCallback
 from scse_dist.train.callbacks.preemption import PreemptionCallback
-from scse_dist.checkpoint.tags import resume_if_present
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import FaultInjector, TrainingStopped
 from scse_dist.train.metrics import MetricsLogger, cut_metrics
-from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.train.step import train_step
-from scse_dist.checkpoint.storage import RunStorage
 from scse_dist.train.warm_start import maybe_init_from
 
 
@@ -127,6 +128,8 @@ def _start(cfg: RunConfig) -> TrainState:
     if env.world_size > 1:  # every rank, so that a multi-node log shows each one started, and where
         print(describe_placement(env, os.environ), flush=True)
     cfg = with_world_batch(cfg, env.world_size)
+    if not torch.cuda.is_available():  # intra-op threads from the free cores (OMP_NUM_THREADS wins)
+        configure_threads()
     storage, resume_tag = _prepare_run_dir(cfg, env.rank == 0)
     run_dir = storage.local
     tokenizer = Tokenizer.load(cfg.data.tokenizer)

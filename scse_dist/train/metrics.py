@@ -113,11 +113,12 @@ class MetricsLogger:
                                      group=wandb_cfg.group, name=run_name, mode=wandb_cfg.mode,
                                      dir=run_dir, config=config_dict)
 
-    def log(self, row: dict[str, Any]) -> None:
-        """A training row: the console line, then metrics.jsonl and wandb."""
+    def log(self, row: dict[str, Any], console_tail: str = "") -> None:
+        """A training row: the console line (with `console_tail`, e.g. elapsed time and ETA, which
+        only the console shows), then metrics.jsonl and wandb."""
         if not self.enabled:
             return
-        print(format_line(row), flush=True)
+        print(format_line(row) + console_tail, flush=True)
         self.write(row)
 
     def write(self, row: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from scse_dist.progress import eta_seconds, format_duration
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.metrics import peak_flops, peak_memory
 from scse_dist.train.step import sum_over_ranks
@@ -20,6 +21,7 @@ class MetricsCallback(Callback):
 
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(state.engine.device) if state.rank0 else None
+        self.started = time.perf_counter()  # elapsed and ETA count this process's steps
         # (sum of good micro-batch losses, count) since the last row
         self.loss_window = torch.zeros(2, device=state.engine.device)
         self._new_window()
@@ -54,7 +56,15 @@ class MetricsCallback(Callback):
             "step": state.step, "loss": loss, "lr": state.lr, "depth": state.result.depth,
             "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": elapsed / self.window_steps,
             "tokens": state.step * state.tokens_per_step, "skipped_steps": state.skipped_steps,
-            "data_failures": int(data_failures), **peak_memory(state.engine.device)})
+            "data_failures": int(data_failures), **peak_memory(state.engine.device)},
+            console_tail=self._progress(state))
         state.first_loss = loss if state.first_loss is None else state.first_loss
         state.last_loss = loss
         self._new_window()
+
+    def _progress(self, state: TrainState) -> str:
+        """` | elapsed 1:02 | ETA 5:10`: time since this process's first step, and the rest at
+        the rate so far (evaluation and checkpoints included)."""
+        elapsed = time.perf_counter() - self.started
+        eta = eta_seconds(state.step - state.start_step, state.max_steps - state.start_step, elapsed)
+        return f" | elapsed {format_duration(elapsed)} | ETA {format_duration(eta)}"
