@@ -398,5 +398,10 @@ def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def config_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML (what config.yaml of a run holds; `scse-train --print-config`)."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    Path(path).write_text(config_yaml(cfg))

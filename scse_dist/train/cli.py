@@ -17,15 +17,43 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from scse_dist.cli_errors import cli_main
-from scse_dist.config import load_config
+from scse_dist.config import config_yaml, load_config
+
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+EXIT_STATUSES = """exit statuses:
+  0    finished: checkpoint, export (and evaluation) written
+  2    bad arguments or config, before anything starts (one line naming the field)
+  3    train.max_nonfinite_steps non-finite steps in a row; the last good checkpoint is kept
+  65   bad input data (another tokenizer's shards, corrupt data past data.max_failures)
+  66   an input is missing or unreadable (data.path, data.tokenizer)
+  75   preempted by SIGTERM, SIGUSR1 or Ctrl-C: the step in flight was saved; rerun to resume
+  130  a second Ctrl-C: stopped at once without saving"""
+
+
+def _epilog() -> str:
+    shipped = sorted(p.name for p in CONFIGS_DIR.glob("*.yaml")) if CONFIGS_DIR.is_dir() else []
+    configs = ("shipped configs (configs/): " + ", ".join(shipped)) if shipped else \
+        "shipped configs: configs/*.yaml in the repository"
+    return (f"{EXIT_STATUSES}\n\nconfig fields: docs/config.md (every field, its default and "
+            f"meaning); training: docs/training.md\n{configs}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="scse-train", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="scse-train", description=__doc__.split("\n\n")[0],
+                                     epilog=_epilog(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="run config YAML (defaults when omitted)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the parameter count, FLOPs per token at the run's depths, "
+                             "the tokens it will see and a memory estimate, then exit 0 without "
+                             "creating anything")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (YAML, overrides applied) and exit 0")
     # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment is what we use.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
@@ -37,9 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # a ConfigError is exit 2, before any process group
+    if args.print_config:
+        print(config_yaml(cfg), end="")
+        return 0
     from scse_dist.distributed import resolve_dist_env  # imports torch: after the config
 
-    cfg.train.grad_accum_for(resolve_dist_env(os.environ).world_size)
+    world_size = resolve_dist_env(os.environ).world_size
+    cfg.train.grad_accum_for(world_size)
+    if args.dry_run:
+        from scse_dist.train.dry_run import describe
+
+        print(describe(cfg, world_size))
+        return 0
     from scse_dist.train.faults import PREEMPT_SIGNALS, REQUEUE_EXIT_CODE, TrainingStopped
     from scse_dist.train.loop import train  # imports deepspeed only once the config is good
 
