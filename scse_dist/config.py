@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -106,6 +107,20 @@ class TrainConfig:
     # stream is refused); never moves them aside (run_dir/old-<time>/) and starts fresh; require
     # fails when there is nothing to resume.
     resume: Literal["auto", "never", "require"] = "auto"
+    # Resume from this checkpoint tag (step-N) instead of the newest; the run dir's newer tags
+    # are moved aside (run_dir/old-<time>/checkpoints). For one command line: a requeue with it
+    # still set goes back to step-N again.
+    resume_from: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.resume_from is None:
+            return
+        if not re.fullmatch(r"step-\d+", self.resume_from):
+            raise ConfigError(f"train.resume_from: expected a checkpoint tag like step-40, got "
+                              f"{self.resume_from!r}")
+        if self.resume == "never":
+            raise ConfigError("train.resume_from: contradicts train.resume=never (which starts "
+                              "fresh); leave train.resume at auto")
 
     def grad_accum_for(self, world_size: int) -> int:
         """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit)."""

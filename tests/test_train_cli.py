@@ -72,3 +72,14 @@ def test_dry_run_prints_the_facts_creates_nothing_and_imports_no_deepspeed(tmp_p
     assert "not built yet; data.build=stdlib_docs builds it at the start" in out.stdout
     assert "deepspeed imported: False" in lines
     assert not (tmp_path / "runs").exists() and not (tmp_path / "built").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.resume_from=last"], "train.resume_from: expected a checkpoint tag like step-40, got 'last'"),
+    (["train.resume_from=step-40", "train.resume=never"],
+     "train.resume_from: contradicts train.resume=never"),
+])
+def test_a_bad_resume_from_is_one_line_and_exit_2(tmp_path, tiny_config, capsys, overrides, message):
+    assert main(["--config", tiny_config(tmp_path), "--print-config", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
