@@ -132,3 +132,36 @@ def test_eval_during_training_on_two_ranks_under_zero3(tmp_path, tiny_config, su
     # max_batches=3 over 2 ranks: 2 batches each, every rank's tokens summed
     assert all(r["tokens"] == 2 * 2 * 4 * 32 for r in evals)
     assert all(0 < r["heldout_loss_T1"] < 10 and 0 < r["heldout_loss_T2"] < 10 for r in evals)
+
+
+@pytest.mark.slow
+def test_too_many_bad_samples_mid_training_is_one_line_exit_65_and_the_checkpoint_intact(
+        tmp_path, tiny_data, tiny_config, subprocess_env):
+    import shutil
+    import subprocess
+
+    from scse_dist.checkpoint.manifest import verify_tag
+
+    shards = tmp_path / "shards"
+    shutil.copytree(tiny_data["path"], shards)
+    config = tiny_config(tmp_path, f"data.path={shards}", "train.max_steps=10",
+                         "train.checkpoint_every=10")
+    run_trainer(config, subprocess_env)
+    # the shards go bad under the finished run; the continuation reads them
+    for entry in json.loads((shards / "index.json").read_text())["splits"]["train"]:
+        tar = shards / entry["url"]
+        data = bytearray(tar.read_bytes())
+        for at in [i for i in range(len(data)) if data.startswith(b"\x93NUMPY", i)]:
+            data[at:at + 6] = b"garbag"  # np.load fails on every sample
+        tar.write_bytes(bytes(data))
+    out = subprocess.run([sys.executable, TRAIN, "--config", config, "train.max_steps=30",
+                          "data.max_failures=0"], cwd=REPO, env=subprocess_env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 65, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("scse-train:")]
+    assert len(errors) == 1 and "more than data.max_failures=0" in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    ckpts = tmp_path / "runs" / "tiny" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-0000010"
+    assert verify_tag(ckpts / "step-0000010").intact
+    assert sorted(p.name for p in ckpts.glob("*step-*")) == ["step-0000010"]  # nothing half-saved
