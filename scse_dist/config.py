@@ -149,6 +149,14 @@ class EvalConfig:
     # During training: held-out loss at `depths` every this many steps (0: off), rows of kind
     # "eval" in metrics.jsonl and wandb (docs/training.md, "Evaluation during training").
     every_steps: int = 0
+    # During training: continuations of `sample_prompts` every this many steps (0: off), rank 0,
+    # `sample_tokens` new tokens each, sampled at `sample_temperature` (0: greedy) with
+    # train.seed; rows of kind "sample" in metrics.jsonl and a table in wandb.
+    sample_every: int = 0
+    sample_prompts: list[str] = field(
+        default_factory=lambda: ["The", "Return the", "This module provides"])
+    sample_tokens: int = 32
+    sample_temperature: float = 0.8
     # Tasks `scse-launch` runs as jobs after training (heldout/diagnose read data.path).
     tasks: list[Literal["heldout", "wikitext", "lambada", "diagnose"]] = field(
         default_factory=lambda: ["heldout"])
@@ -166,7 +174,13 @@ class EvalConfig:
             if task in self.tasks and not getattr(self, task):
                 raise ConfigError(f"eval.{task}: eval.tasks lists {task!r}, so set eval.{task} "
                                   "to its data file")
-        for name in ("stride", "slurm_gpus", "every_steps", "max_batches"):
+        if self.sample_every and not all(p.strip() for p in self.sample_prompts or [""]):
+            raise ConfigError("eval.sample_prompts: need at least one prompt, none empty, when "
+                              "eval.sample_every is set")
+        if self.sample_tokens < 1:
+            raise ConfigError(f"eval.sample_tokens: must be >= 1, got {self.sample_tokens}")
+        for name in ("stride", "slurm_gpus", "every_steps", "max_batches", "sample_every",
+                     "sample_temperature"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name}: must be >= 0, got {getattr(self, name)}")
         if self.slurm_cpus < 1 or self.slurm_time_min < 1:

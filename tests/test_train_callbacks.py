@@ -36,6 +36,18 @@ def test_cut_metrics_drops_rows_past_the_step_and_a_torn_line(tmp_path):
     assert cut_metrics(path, 0) == 3 and path.read_text() == ""  # a fresh start keeps nothing
 
 
+def test_a_continuation_keeps_its_leading_space(tiny_data):
+    from scse_dist.data.tokenizer import Tokenizer
+    from scse_dist.train.callbacks.samples import continuation
+
+    tok = Tokenizer.load(tiny_data["tokenizer"])
+    prompt, whole = tok.encode("The cat"), tok.encode("The cat sees the red ball")
+    assert whole[:len(prompt)] == prompt  # the prompt's pieces, then the continuation's
+    new = whole[len(prompt):] + [tok.eos_id]
+    assert tok.decode(new).startswith("sees")  # decoded alone, the space is lost
+    assert continuation(tok, prompt, new) == " sees the red ball"
+
+
 def test_study_reader_skips_eval_and_sample_rows(tmp_path):
     from scse_dist.study.collect import read_metrics as study_rows
 
@@ -67,9 +79,15 @@ def test_eval_rows_go_to_the_file_and_wandb_but_not_the_console(tmp_path, capsys
     monkeypatch.setenv("WANDB_SILENT", "true")
     logger = MetricsLogger(str(tmp_path), True, WandbConfig(enabled=True, mode="offline"), "t", {})
     logger.write({"step": 10, "kind": "eval", "task": "heldout", "heldout_loss_T4": 2.5})
+    logger.write({"step": 10, "kind": "sample", "depth": 4, "temperature": 0.8,
+                  "samples": [{"prompt": "Return the", "text": " value of x"}]})
     logger.close()
     assert capsys.readouterr().out == ""
-    assert json.loads((tmp_path / "metrics.jsonl").read_text())["heldout_loss_T4"] == 2.5
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["heldout_loss_T4"] == 2.5
+    assert json.loads(lines[1])["samples"] == [{"prompt": "Return the", "text": " value of x"}]
+    table = next((tmp_path / "wandb").rglob("samples_*.table.json"))  # the samples as a table
+    assert json.loads(table.read_text())["data"] == [["Return the", " value of x"]]
     run = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     # wandb's service process may still be writing the file when finish() returns: wait for it.
     deadline = time.monotonic() + 60
@@ -93,7 +111,8 @@ def test_eval_during_training_leaves_training_alone_and_matches_the_final_eval(
     for name in ("plain", "eval"):
         (tmp_path / name).mkdir()
     plain = tiny_config(tmp_path / "plain")
-    with_eval = tiny_config(tmp_path / "eval", "eval.every_steps=10", "eval.after_train=true")
+    with_eval = tiny_config(tmp_path / "eval", "eval.every_steps=10", "eval.after_train=true",
+                            "eval.sample_every=10", "eval.sample_tokens=5")
     run_trainer(plain, subprocess_env)
     stdout = run_trainer(with_eval, subprocess_env)
     reference = read_metrics(tmp_path / "plain" / "runs" / "tiny")
@@ -104,6 +123,13 @@ def test_eval_during_training_leaves_training_alone_and_matches_the_final_eval(
     assert [drop(r) for r in train_rows] == [drop(r) for r in reference]
     evals = [r for r in rows if r.get("kind") == "eval"]
     assert [r["step"] for r in evals] == [10, 20]
+    samples = [r for r in rows if r.get("kind") == "sample"]
+    assert [r["step"] for r in samples] == [10, 20]
+    assert [s["prompt"] for s in samples[0]["samples"]] == ["The", "Return the", "This module provides"]
+    assert all(s["text"] for r in samples for s in r["samples"])
+    assert samples[0]["depth"] == 2 and samples[0]["temperature"] == 0.8
+    assert "sample step     20 | 'Return the' -> " in stdout
+    rows = [r for r in rows if r.get("kind") != "sample"]
     assert set(evals[0]) == {"step", "kind", "task", "heldout_loss_T1", "heldout_ppl_T1",
                              "heldout_loss_T2", "heldout_ppl_T2", "tokens", "eval_time_s"}
     # each eval row follows the training row of its step

@@ -30,6 +30,7 @@ from scse_dist.train.callbacks.heldout_eval import HeldoutEvalCallback
 from scse_dist.train.callbacks.metrics import MetricsCallback
 from scse_dist.train.callbacks.nonfinite import NonFiniteCallback
 from scse_dist.train.callbacks.preemption import PreemptionCallback
+from scse_dist.train.callbacks.samples import SampleCallback
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import FaultInjector, TrainingStopped
@@ -56,6 +57,7 @@ def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Ca
     checkpoint of the same step, the final checkpoint before the export, the export before its
     evaluation."""
     optional = [HeldoutEvalCallback(cfg.eval.every_steps)] if cfg.eval.every_steps else []
+    optional += [SampleCallback(cfg.eval.sample_every)] if cfg.eval.sample_every else []
     return [NonFiniteCallback(cfg.train.max_nonfinite_steps), MetricsCallback(), *optional,
             CheckpointCallback(), preemption, ExportCallback(), AfterTrainingEval()]
 

@@ -128,7 +128,17 @@ class MetricsLogger:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if k != "kind"}, step=row["step"])
+            self._wandb.log(self._for_wandb(row), step=row["step"])
+
+    @staticmethod
+    def _for_wandb(row: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in row.items() if k != "kind"}
+        if "samples" in out:  # generations during training: one table per step
+            import wandb
+
+            out["samples"] = wandb.Table(columns=["prompt", "text"],
+                                         data=[[s["prompt"], s["text"]] for s in out["samples"]])
+        return out
 
     def close(self) -> None:
         if self._file is not None:
