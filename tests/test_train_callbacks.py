@@ -191,3 +191,15 @@ def test_too_many_bad_samples_mid_training_is_one_line_exit_65_and_the_checkpoin
     assert (ckpts / "latest").read_text().strip() == "step-0000010"
     assert verify_tag(ckpts / "step-0000010").intact
     assert sorted(p.name for p in ckpts.glob("*step-*")) == ["step-0000010"]  # nothing half-saved
+
+
+@pytest.mark.slow
+def test_time_between_steps_is_not_step_time(tmp_path, tiny_config, subprocess_env):
+    """tokens_per_s and step_time_s count the optimizer steps, not pauses between them (an
+    evaluation, a save; here a 3 s stall before step 3), which the elapsed time does count."""
+    config = tiny_config(tmp_path, "train.max_steps=5", "train.log_every=5")
+    env = dict(subprocess_env, SCSE_FAULT="stall@3", SCSE_FAULT_STALL_S="3")
+    stdout = run_trainer(config, env)
+    row = read_metrics(tmp_path / "runs" / "tiny")[-1]
+    assert row["step"] == 5 and 4 * row["step_time_s"] < 3.0, row  # steps 2-5, without the stall
+    assert re.search(r"^step      5 \|.*\| elapsed 0:0[3-9] \|", stdout, re.M), stdout

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import time
 from typing import Any
 
 import numpy as np
@@ -98,10 +99,12 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
         depth = None if model.fixed_depth is not None else \
             sample_depth(step, t.depth, state.cfg.model.depth, t.seed)
         state.lr = engine.get_lr()[0]  # the lr this step uses: the scheduler advances in step()
+        started = time.perf_counter()
         state.result = train_step(engine, (next(batches) for _ in range(t.grad_accum_steps)),
                                   depth=depth, backprop_steps=t.depth.backprop_steps,
                                   stop_requested=preemption.requested,
                                   loss_hook=lambda loss: state.faults.loss(step + 1, loss))
+        state.step_seconds = time.perf_counter() - started  # data included; hooks are not
         state.step = step + 1
         for callback in callbacks:
             callback.on_step_end(state)

@@ -43,6 +43,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     result: Any = None  # the last step's StepResult
     lr: float = 0.0  # the lr the last step used
+    step_seconds: float = 0.0  # wall time of the last optimizer step (its data included)
     last_saved: int = -1  # step of the newest checkpoint of this run (-1: none yet)
     skipped_steps: int = 0  # non-finite steps skipped so far (written by the non-finite callback)
     stop_reason: Optional[str] = None  # set by a hook: the run ends after this step (preemption)

@@ -14,7 +14,9 @@ from scse_dist.train.step import sum_over_ranks
 
 
 class MetricsCallback(Callback):
-    """Averages the loss over the steps since the last row (all ranks, one all-reduce per row)."""
+    """Averages the loss over the steps since the last row (all ranks, one all-reduce per row).
+    Throughput and step time count the optimizer steps' own time (their data loading included),
+    not what hooks do between them (evaluation, samples, checkpoint saves)."""
 
     def on_start(self, state: TrainState) -> None:
         from scse_dist.model import flops_per_token
@@ -27,7 +29,7 @@ class MetricsCallback(Callback):
         self._new_window()
 
     def _new_window(self) -> None:
-        self.window_start, self.window_steps, self.window_flops = time.perf_counter(), 0, 0.0
+        self.window_seconds, self.window_steps, self.window_flops = 0.0, 0, 0.0
         self.loss_window.zero_()
 
     def on_step_end(self, state: TrainState) -> None:
@@ -36,6 +38,7 @@ class MetricsCallback(Callback):
             self.loss_window += torch.stack(
                 [result.loss_sum, torch.tensor(float(result.micro_batches)).to(result.loss_sum)])
         self.window_steps += 1
+        self.window_seconds += state.step_seconds
         self.window_flops += self.flops_per_token(state.cfg.model, result.depth, state.cfg.data.seq_len)
         step = state.step
         if step % state.cfg.train.log_every == 0 or step == state.max_steps \
@@ -48,13 +51,13 @@ class MetricsCallback(Callback):
         total, count, data_failures = sum_over_ranks(torch.cat(
             [self.loss_window, self.loss_window.new_tensor([state.stream.failures])])).tolist()
         loss = total / count if count else float("nan")
-        elapsed = time.perf_counter() - self.window_start
-        tokens_per_s = state.tokens_per_step * self.window_steps / elapsed
+        seconds = self.window_seconds
+        tokens_per_s = state.tokens_per_step * self.window_steps / seconds
         mfu = (self.window_flops / self.window_steps) * tokens_per_s \
             / (state.env.world_size * self.peak) if self.peak else None
         state.logger.log({
             "step": state.step, "loss": loss, "lr": state.lr, "depth": state.result.depth,
-            "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": elapsed / self.window_steps,
+            "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": seconds / self.window_steps,
             "tokens": state.step * state.tokens_per_step, "skipped_steps": state.skipped_steps,
             "data_failures": int(data_failures), **peak_memory(state.engine.device)},
             console_tail=self._progress(state))
