@@ -203,3 +203,36 @@ def test_time_between_steps_is_not_step_time(tmp_path, tiny_config, subprocess_e
     row = read_metrics(tmp_path / "runs" / "tiny")[-1]
     assert row["step"] == 5 and 4 * row["step_time_s"] < 3.0, row  # steps 2-5, without the stall
     assert re.search(r"^step      5 \|.*\| elapsed 0:0[3-9] \|", stdout, re.M), stdout
+
+
+def test_a_second_ctrl_c_during_the_first_ones_line_exits_at_once(monkeypatch):
+    """The first Ctrl-C's flag is set before its line is written: a second one landing during the
+    write (seen on the loaded test machine) exits 130 instead of starting over."""
+    import signal
+
+    from scse_dist.train.faults import PreemptionFlag
+
+    flag = PreemptionFlag()  # not installed: its handler is called directly
+    exits, said = [], []
+
+    def exit_now(code: int) -> None:
+        exits.append(code)
+        raise SystemExit(code)  # os._exit does not return
+
+    monkeypatch.setattr("os._exit", exit_now)
+
+    def say(line: bytes) -> None:
+        said.append(line)
+        if len(said) == 1:  # the second Ctrl-C arrives while the first is being reported
+            flag._handle(signal.SIGINT, None)
+
+    flag._say = say
+    with pytest.raises(SystemExit):
+        flag._handle(signal.SIGINT, None)
+    assert exits == [130] and flag.signal_name == "SIGINT"
+    assert [line.split(b":")[1] for line in said] == [b" Ctrl-C", b" interrupted again"]
+    other = PreemptionFlag()  # SIGTERM first: a Ctrl-C after it is a first Ctrl-C, no exit
+    other._say = said.append
+    other._handle(signal.SIGTERM, None)
+    other._handle(signal.SIGINT, None)
+    assert other.signal_name == "SIGTERM" and exits == [130]

@@ -66,16 +66,17 @@ def start(config: str, env: dict, stall_s: float) -> Terminal:
     return term
 
 
+@pytest.mark.parametrize("workers", [0, 1])  # a data-loader worker gets the terminal's SIGINT too
 def test_ctrl_c_saves_the_step_in_flight_exits_75_and_the_rerun_resumes(tmp_path, tiny_config,
-                                                                        subprocess_env):
+                                                                        subprocess_env, workers):
     config = tiny_config(tmp_path, "train.max_steps=8", "train.log_every=1",
-                         "train.checkpoint_every=100")
+                         "train.checkpoint_every=100", f"data.num_workers={workers}")
     term = start(config, subprocess_env, stall_s=3)
     term.type(CTRL_C)
     status = term.exit_status()
     out = term.output.decode(errors="replace")
     assert status == 75, out[-3000:]
-    assert "scse-train: Ctrl-C: finishing the step in flight, saving a checkpoint" in out
+    assert out.count("scse-train: Ctrl-C: finishing the step in flight, saving a checkpoint") == 1
     assert "preempted by SIGINT: saved step-0000003 after step 3" in out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
     ckpts = tmp_path / "runs" / "tiny" / "checkpoints"

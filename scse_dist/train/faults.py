@@ -59,10 +59,13 @@ class PreemptionFlag:
     def __init__(self) -> None:
         self.signal_name: Optional[str] = None
         self._previous = {}
+        self._pid = os.getpid()
+        self._ctrl_c = False  # a Ctrl-C came: the next one exits at once
         # one line per Ctrl-C, from rank 0 only (every rank of a terminal's job gets the SIGINT)
         self._says = os.environ.get("RANK", "0") == "0"
 
     def install(self) -> "PreemptionFlag":
+        self._pid = os.getpid()
         for sig in (*PREEMPT_SIGNALS, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -75,12 +78,18 @@ class PreemptionFlag:
     def _handle(self, signum: int, frame: object) -> None:
         # Only set the flag: a handler runs between bytecodes, possibly inside a collective (or a
         # print: hence os.write, which cannot re-enter a buffered stream).
-        if signum == signal.SIGINT:
-            if self.requested:
-                self._say(_SECOND_CTRL_C)
-                os._exit(INTERRUPTED_EXIT_CODE)
-            self._say(_FIRST_CTRL_C)
-        self.signal_name = signal.Signals(signum).name
+        if os.getpid() != self._pid:  # a forked data-loader worker: the trainer process decides
+            return
+        if signum != signal.SIGINT:
+            self.signal_name = signal.Signals(signum).name
+            return
+        if self._ctrl_c:
+            self._say(_SECOND_CTRL_C)
+            os._exit(INTERRUPTED_EXIT_CODE)
+        # set before saying so: a second Ctrl-C that lands during the write must see them
+        self._ctrl_c = True
+        self.signal_name = self.signal_name or "SIGINT"
+        self._say(_FIRST_CTRL_C)
 
     def _say(self, line: bytes) -> None:
         if self._says:
