@@ -107,7 +107,7 @@ def forward_nll(model: LoopedLM, rows: torch.Tensor, depth: int) -> float:
 
 
 def heldout_rows(cfg, n: int) -> torch.Tensor:
-    from scse_dist.eval.tasks import _shard_stream
+    from scse_dist.eval.inputs import _shard_stream
 
     rows = []
     for batch in _shard_stream(cfg.data.path, cfg):

@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-import torch
-
-from scse_dist.cli_errors import InputError, cli_main
+from scse_dist.cli_errors import InputError, cli_main, command_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scse-export", description=__doc__.split("\n")[0])
+    p = command_parser("scse-export", __doc__)
     p.add_argument("checkpoint", metavar="RUN_DIR_OR_TAG",
                    help="run dir, its checkpoints/ dir, or one checkpoints/step-N tag dir")
     p.add_argument("--out", required=True, help="export dir to write")
@@ -38,12 +36,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from scse_dist.data.tokenizer import Tokenizer
     from scse_dist.eval.loading import checkpoint_weights, deepspeed_checkpoint
     from scse_dist.export import describe_mismatch, save_exported_model, weights_mismatch
-    from scse_dist.model import LoopedLM
 
     root, tag, config = deepspeed_checkpoint(args.checkpoint)
     cfg = load_config(config)
     tokenizer = args.tokenizer or cfg.data.tokenizer
     Tokenizer.load(tokenizer)  # a missing tokenizer fails before the (slow) consolidation
+    import torch  # after the inputs are checked: a bad path is reported in a fraction of a second
+
+    from scse_dist.model import LoopedLM
+
     state = checkpoint_weights(root, tag)
     with torch.device("meta"):  # shapes only: no memory for a second copy of the weights
         expected = LoopedLM(cfg.model).state_dict()

@@ -188,7 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     exit_rule = _exit_rule(args.exit)
     prompts = _read_prompts(args)
     from scse_dist.eval.loading import load_model
-    from scse_dist.eval.tasks import load_tokenizer
+    from scse_dist.eval.inputs import load_tokenizer
     from scse_dist.export import local_export
 
     with local_export(args.export) as path:

@@ -107,12 +107,19 @@ def ensure_data(cfg: DataConfig) -> None:
 
     Call it on one process (rank 0) and barrier: it does not lock against concurrent builders.
     """
-    if _exists(join(cfg.path, INDEX_NAME)) and (cfg.build != "stdlib_docs" or _current(cfg.path)):
-        return
-    if cfg.build == "stdlib_docs":  # absent, or written in an older shard format: (re)build
+    if needs_build(cfg):
         build_stdlib_corpus(cfg.path, cfg.tokenizer, cfg.build_vocab_size, cfg.heldout_fraction)
-        return
+
+
+def needs_build(cfg: DataConfig) -> bool:
+    """Whether ensure_data would build `cfg.path` (absent, or written in an older shard format,
+    with `cfg.build` set); FileNotFoundError when it is absent and nothing says how to build it."""
+    if _exists(join(cfg.path, INDEX_NAME)) and (cfg.build != "stdlib_docs" or _current(cfg.path)):
+        return False
+    if cfg.build == "stdlib_docs":
+        return True
     raise FileNotFoundError(
         f"data.path {cfg.path!r} has no {INDEX_NAME}. Build shards with `scse-data shards --input "
         f"<files> --tokenizer {cfg.tokenizer} --out {cfg.path}` (after `scse-data tokenizer`), or "
         "set data.build=stdlib_docs for the quickstart corpus (`scse-data quickstart`).")
+

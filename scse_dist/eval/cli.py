@@ -14,20 +14,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
-
-from scse_dist.cli_errors import cli_main
+from scse_dist.cli_errors import cli_main, command_parser
 from scse_dist.config import RunConfig
-from scse_dist.eval.tasks import TASKS, load_tokenizer, read_task_data, run_task
+from scse_dist.eval.inputs import TASKS, load_tokenizer, read_task_data
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
+
+if TYPE_CHECKING:  # imported once the inputs are read: bad input is reported without it
+    import torch
 
 
 def run_heldout_eval(model: torch.nn.Module, cfg: RunConfig, data_path: str, depths: list[int],
                      out_path: str, checkpoint_label: str, max_batches: int = 0) -> list[dict]:
     """Held-out perplexity of `model` at `depths` on `data_path`; prints, writes JSON (the trainer's
     in-process evaluation after training; see scse_dist.eval.tasks.run_task)."""
+    from scse_dist.eval.tasks import run_task
+
     return run_task("heldout", model, cfg, data_path, depths, out_path, checkpoint_label,
                     max_batches=max_batches)
 
@@ -64,7 +67,7 @@ def _exit_rule(text: str) -> ExitRule:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scse-eval", description=__doc__.split("\n")[0])
+    p = command_parser("scse-eval", __doc__)
     p.add_argument("--checkpoint", required=True,
                    help="export dir (model.safetensors, config.yaml, tokenizer.model; a path or an "
                         "fsspec URL) or DeepSpeed checkpoint dir")
@@ -82,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=_positive, default=None,
                    help="wikitext sliding-window stride in tokens; default seq_len // 2")
     p.add_argument("--tokenizer", default=None, help="text inputs; default: config data.tokenizer")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--exit", type=_exit_rule, default=None, metavar="RULE",
                    help="adaptive depth per token: fixed | kl:TAU | motion:TAU, optionally "
                         ",min=N,max=N (e.g. motion:0.02); reports quality with the mean and "
@@ -127,7 +130,12 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoi
     # --tokenizer given: used for text, and checked against the shards' own for shard data.
     tokenizer = load_tokenizer(args.tokenizer, cfg) if args.tokenizer else None
     task_data = read_task_data(args.task, cfg, data, tokenizer)  # bad data fails before the weights load
-    model, _ = load_model(checkpoint, device=args.device)
+    import torch  # only now: bad input above is reported without it
+
+    from scse_dist.eval.tasks import run_task
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, _ = load_model(checkpoint, device=device)
     run_task(args.task, model, cfg, data, args.depths or cfg.eval.depths, args.out,
              checkpoint_label=args.checkpoint, stride=args.stride, max_batches=max_batches,
              task_data=task_data, exit_rule=args.exit)

@@ -11,12 +11,11 @@ axes (an untied model is a single point at its fixed depth).
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scse_dist.cli_errors import cli_main
+from scse_dist.cli_errors import cli_main, command_parser
 from scse_dist.eval.results import (REPORT_METRICS, TASK_ORDER, eval_dir, log_to_wandb,
                                      read_results)
 
@@ -122,7 +121,7 @@ def report_run(run_dir: str | Path) -> dict[str, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done; 2 bad arguments; 65 a results JSON that is not one; 66 a run without
     results. Errors are one line on stderr naming the file."""
-    p = argparse.ArgumentParser(prog="scse-report", description=__doc__.split("\n")[0])
+    p = command_parser("scse-report", __doc__)
     p.add_argument("runs", nargs="*", help="run dirs (each holding eval/*.json)")
     p.add_argument("--study", help="a study dir instead of runs: seeds aggregated, paired "
                    "comparisons, flags (default --out STUDY/report, --wandb offline)")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from scse_dist.atomic import atomic_write_text
-from scse_dist.cli_errors import EXIT_CONFIG, cli_main
+from scse_dist.cli_errors import EXIT_CONFIG, cli_main, command_parser
 from scse_dist.config import RunConfig, load_config
 
 PRETRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "pretrain.sh"
@@ -109,7 +109,7 @@ def run_local(cfg: RunConfig) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scse-launch", description=__doc__.split("\n")[0])
+    p = command_parser("scse-launch", __doc__)
     p.add_argument("config", help="run config YAML")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     where = p.add_mutually_exclusive_group()
@@ -142,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if args.local:
+        from scse_dist.data.preflight import check_run_data
+
+        check_run_data(cfg, args.config, args.overrides)  # bad data: one line before torch
         print(f"scse-launch: report {run_local(cfg)}")
         return 0
     if args.after_job:

@@ -4,7 +4,9 @@
                  --tasks scse_lambada --metadata lambada=lambada_test.jsonl
 
 lm-eval 0.4 has no plugin entry point, so its `lm_eval` command cannot find a third-party model:
-this one imports the model (registering it) and runs lm-eval's CLI with the arguments as given.
+this one imports the model (registering it) when the arguments name it (`--model scse`; the import
+loads torch, which `--help` or `ls tasks` need not wait for) and runs lm-eval's CLI with the
+arguments as given.
 Without --include_path it adds the package's task dir (scse_dist.lmeval.TASKS_DIR).
 `batch_size=` and `device=` given in --model_args become --batch_size and --device: lm-eval's
 CLI passes those two to every model itself, and a model arg of the same name would collide.
@@ -15,9 +17,16 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from scse_dist.lmeval import TASKS_DIR
+from scse_dist.lmeval import MODEL_NAME, TASKS_DIR
 
 HOISTED = ("batch_size", "device")  # model args that lm-eval's CLI passes itself
+
+
+def names_scse_model(args: Sequence[str]) -> bool:
+    """Whether the arguments select our model: `--model scse`, `--model=scse` or `-m scse`."""
+    pairs = zip(args, [*args[1:], ""])
+    return any((flag in ("--model", "-m") and value == MODEL_NAME) or flag == f"--model={MODEL_NAME}"
+               for flag, value in pairs)
 
 
 def hoist_model_args(args: list[str]) -> list[str]:
@@ -54,9 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("scse-lm-eval: lm_eval is not installed; pip install 'scse-dist[lm-eval]'",
               file=sys.stderr)
         return 1
-    import scse_dist.lmeval.model  # noqa: F401  (registers --model scse)
-
     args = hoist_model_args(list(sys.argv[1:] if argv is None else argv))
+    if names_scse_model(args):
+        import scse_dist.lmeval.model  # noqa: F401  (registers --model scse)
     # run, ls and validate all take --include_path; without arguments lm-eval prints its help
     if args and not any(a == "--include_path" or a.startswith("--include_path=") for a in args):
         args += ["--include_path", TASKS_DIR]

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from scse_dist.cli_errors import cli_main
+from scse_dist.cli_errors import cli_main, command_parser
 from scse_dist.study.execute import run_local, run_slurm
 from scse_dist.study.plan import StudyError, read_choice, status
 from scse_dist.study.spec import expand, load_spec
@@ -35,7 +35,7 @@ def runs_table(spec) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scse-study", description=__doc__.split("\n")[0])
+    p = command_parser("scse-study", __doc__)
     p.add_argument("spec", help="study spec YAML (configs/studies/*.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value spec overrides")
     how = p.add_mutually_exclusive_group(required=True)

@@ -28,11 +28,9 @@ from scse_dist.atomic import atomic_write_text
 from scse_dist.config import RunConfig, config_to_dict
 from scse_dist.launch.distributed import barrier, is_rank0
 from scse_dist.train import manifest
-from scse_dist.train.manifest import CONFIG_NAME
+from scse_dist.train.manifest import CONFIG_NAME, META_NAME, TAG_PREFIX
 
-TAG_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
-META_NAME = "scse_meta.json"
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:

@@ -1,0 +1,61 @@
+"""Every command answers `--help` at once: neither torch nor DeepSpeed is imported (2.5 s of CPU
+for torch alone, 4-13 s on a loaded machine), and the help's description is a whole paragraph,
+never a line cut mid-sentence.
+
+Each case is a real process of the console script as a user runs it (or `python launch/train.py`),
+with Python's import profile telling what it loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, run_profiling_imports
+
+SCRIPTS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+# scse-lm-eval prints lm-eval's own help (its description is lm-eval's, not ours).
+OWN_HELP = sorted(set(SCRIPTS) - {"scse-lm-eval"})
+
+
+def command(name: str) -> list[str]:
+    """The venv's console script, else the entry point run by this interpreter."""
+    if name == "launch/train.py":
+        return [sys.executable, str(REPO_ROOT / "launch" / "train.py")]
+    script = Path(sys.executable).parent / name
+    if script.is_file():
+        return [str(script)]
+    module, func = SCRIPTS[name].split(":")
+    return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"]
+
+
+def description(help_text: str) -> str:
+    """The paragraph after the usage lines."""
+    return help_text.split("\n\n")[1]
+
+
+# scse_dist.generate holds the command and the library together, and is being reworked
+# (self-speculative decoding): its command moves to a module of its own after that lands.
+GENERATE_FIRST_IMPORTS_TORCH = pytest.mark.xfail(strict=True, reason="imports torch at the top")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=GENERATE_FIRST_IMPORTS_TORCH)
+                                  if n == "scse-generate" else n
+                                  for n in [*sorted(SCRIPTS), "launch/train.py"]])
+def test_help_imports_neither_torch_nor_deepspeed(name, subprocess_env):
+    proc = run_profiling_imports(command(name) + ["--help"], subprocess_env, cwd=REPO_ROOT,
+                                 timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout
+    assert not proc.imported & {"torch", "deepspeed"}, sorted(proc.imported)
+
+
+@pytest.mark.parametrize("name", OWN_HELP)
+def test_help_description_is_whole_sentences(name, subprocess_env):
+    proc = run_profiling_imports(command(name) + ["--help"], subprocess_env, cwd=REPO_ROOT,
+                                 timeout=120)
+    text = description(proc.stdout)
+    assert text.rstrip().endswith("."), f"{name} --help description is cut: {text!r}"
