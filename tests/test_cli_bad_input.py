@@ -74,6 +74,9 @@ CASES = {
         ("--config {d}/bad.yaml", BAD_CONFIG, "{d}/bad.yaml:2: not valid YAML"),
         ("--config {d}/typo.yaml", BAD_CONFIG,
          "train.max_step: unknown field (did you mean 'max_steps'?) (in {d}/typo.yaml)"),
+        ("--config {config} train.max_step=3", BAD_CONFIG,
+         "train.max_step: unknown field (did you mean 'max_steps'?) (on the command line: "
+         "train.max_step=3)"),
         ("--config {config} data.path={d}/missing", NO_INPUT, "{d}/missing"),
         ("--config {config} data.tokenizer={d}/binary.txt", BAD_INPUT,
          "tokenizer {d}/binary.txt: not a sentencepiece model"),
