@@ -115,12 +115,26 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
     return str(out)
 
 
+def not_an_export(directory: Path) -> Optional[str]:
+    """Why `directory` is not an export dir (it does not exist, is a file, or holds no weights);
+    None when it holds model.safetensors."""
+    if not directory.exists():
+        return f"exported model directory {str(directory)!r} does not exist"
+    if not directory.is_dir():
+        return f"{str(directory)!r} is a file, not an export directory"
+    if not (directory / WEIGHTS_NAME).is_file():
+        return (f"{str(directory)!r} is a directory but not an export: it has no {WEIGHTS_NAME} "
+                f"(an export holds {WEIGHTS_NAME} and {CONFIG_NAME})")
+    return None
+
+
 def _resolve_paths(path: str | os.PathLike) -> tuple[Path, Path]:
     p = Path(path)
     weights = p if p.suffix == ".safetensors" else p / WEIGHTS_NAME
     config = weights.parent / CONFIG_NAME
-    if not weights.parent.exists():
-        raise FileNotFoundError(f"exported model directory {str(weights.parent)!r} does not exist")
+    reason = not_an_export(p) if p.suffix != ".safetensors" else None
+    if reason:
+        raise FileNotFoundError(reason)
     for f in (weights, config):
         if not f.is_file():
             raise FileNotFoundError(f"exported model file {str(f)!r} is missing "
