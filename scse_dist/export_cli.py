@@ -14,6 +14,7 @@ import argparse
 from typing import Sequence
 
 from scse_dist.cli_errors import InputError, cli_main, command_parser
+from scse_dist.quiet import add_verbose_flag, set_verbose
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="export dir to write")
     p.add_argument("--tokenizer", default=None,
                    help="sentencepiece model to copy in; default: the config's data.tokenizer")
+    add_verbose_flag(p)
     return p
 
 
@@ -32,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     that do not fit the config; 66 a checkpoint, config or tokenizer that is missing or
     unreadable. Errors are one line on stderr naming the file."""
     args = build_parser().parse_args(argv)
+    set_verbose(args.verbose)
     from scse_dist.config import load_config
     from scse_dist.data.tokenizer import Tokenizer
     from scse_dist.eval.loading import checkpoint_weights, deepspeed_checkpoint

@@ -149,3 +149,23 @@ def test_scse_export_errors_are_one_line(trained, tmp_path, capsys):
     assert capsys.readouterr().err == (f"scse-export: error: tokenizer model {str(missing)!r} does "
                                        "not exist (train one with `scse-data tokenizer`)\n")
     assert not (tmp_path / "out").exists()  # nothing written before the tokenizer was read
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verbose", [False, True])
+def test_scse_export_of_a_checkpoint_is_quiet_unless_verbose(trained, tmp_path, user_env, verbose):
+    # DeepSpeed's accelerator warning, zero_to_fp32's lines and its progress bar: shown with -v
+    env = {k: v for k, v in user_env.items() if k not in ("DS_ACCELERATOR", "SCSE_VERBOSE")}
+    out = tmp_path / "out"
+    proc = subprocess.run([str(Path(sys.executable).parent / "scse-export"), str(trained), "--out",
+                           str(out), *(["-v"] if verbose else [])],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    done = f"scse-export: {trained / 'checkpoints' / 'step-0000002'} -> {out}\n"
+    if not verbose:
+        assert (proc.stdout, proc.stderr) == (done, "")
+        return
+    assert f"Processing zero checkpoint '{trained / 'checkpoints'}" in proc.stdout
+    assert proc.stdout.endswith(done) and "Loading checkpoint shards" in proc.stderr
+    if not torch.cuda.is_available():
+        assert "Setting accelerator to CPU" in proc.stdout + proc.stderr

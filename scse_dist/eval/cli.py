@@ -20,6 +20,7 @@ from scse_dist.cli_errors import cli_main, command_parser
 from scse_dist.config import RunConfig
 from scse_dist.eval.inputs import TASKS, load_tokenizer, read_task_data
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
+from scse_dist.quiet import add_verbose_flag, set_verbose
 
 if TYPE_CHECKING:  # imported once the inputs are read: bad input is reported without it
     import torch
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adaptive depth per token: fixed | kl:TAU | motion:TAU, optionally "
                         ",min=N,max=N (e.g. motion:0.02); reports quality with the mean and "
                         "distribution of steps used, at the cap max (default: the largest depth)")
+    add_verbose_flag(p)
     return p
 
 
@@ -101,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stderr naming the file (and line)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    set_verbose(args.verbose)
     if args.exit is not None and args.task == "diagnose":
         parser.error("--exit: diagnose measures the loop at fixed depths; use heldout, wikitext "
                      "or lambada")
