@@ -50,6 +50,20 @@ class Profiled(NamedTuple):
     imported: frozenset[str]
 
 
+def console_script(name: str) -> list[str]:
+    """The command line of console script `name` (pyproject.toml [project.scripts]): the venv's own
+    script when it runs this checkout's entry point, else that entry point run by this interpreter
+    (an editable install made before an entry point moved keeps the old script)."""
+    import tomllib
+
+    entry = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"][name]
+    module, func = entry.split(":")
+    script = Path(sys.executable).parent / name
+    if script.is_file() and f"from {module} import {func}" in script.read_text():
+        return [str(script)]
+    return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"]
+
+
 def run_profiling_imports(cmd: list[str], env: dict[str, str], **kwargs) -> Profiled:
     """subprocess.run(cmd) with Python's import profile on stderr, split off from the command's
     own lines (each profile line starts with 'import time:')."""

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO_ROOT, run_profiling_imports, tiny_config_dict, tiny_documents
+from conftest import (REPO_ROOT, console_script, run_profiling_imports, tiny_config_dict,
+                      tiny_documents)
 
 BAD_CONFIG, BAD_INPUT, NO_INPUT = 2, 65, 66  # scse_dist.cli_errors
 
@@ -121,18 +122,14 @@ LOADS_WEIGHTS = {"--task lambada --data {d}/good.jsonl --checkpoint {broken}", "
 IMPORTS_TORCH_FIRST = {"generate"}
 SCRIPTS = {"data": "scse-data", "eval": "scse-eval", "train": "scse-train", "report": "scse-report",
            "launch": "scse-launch", "export": "scse-export", "generate": "scse-generate"}
-MODULES = {"data": "scse_dist.data.cli", "eval": "scse_dist.eval.cli", "train": "scse_dist.train.cli",
-           "report": "scse_dist.eval.report", "launch": "scse_dist.launch.scheduler",
-           "export": "scse_dist.export_cli", "generate": "scse_dist.generate"}
 IDS = [(command, i) for command, rows in CASES.items() for i in range(len(rows))]
 
 
 def _command(name: str) -> list[str]:
-    """The console script of the venv running the tests, else `python -m` its module."""
+    """The console script (of the venv running the tests, or its entry point), or launch/train.py."""
     if name == "launch/train.py":
         return [sys.executable, str(REPO_ROOT / "launch" / "train.py")]
-    script = Path(sys.executable).parent / SCRIPTS[name]
-    return [str(script)] if script.is_file() else [sys.executable, "-m", MODULES[name]]
+    return console_script(SCRIPTS[name])
 
 
 def _write_inputs(d: Path, tiny_data: dict, export_root: Path) -> dict[str, str]:
@@ -140,7 +137,7 @@ def _write_inputs(d: Path, tiny_data: dict, export_root: Path) -> dict[str, str]
 
     from scse_dist.config import config_from_dict
     from scse_dist.data.tokenizer import train_tokenizer
-    from scse_dist.export import save_exported_model
+    from scse_dist.checkpoint.export import save_exported_model
     from scse_dist.model import LoopedLM
 
     (d / "empty.txt").write_text("")

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, run_profiling_imports
+from conftest import REPO_ROOT, console_script, run_profiling_imports
 
 SCRIPTS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 # scse-lm-eval prints lm-eval's own help (its description is lm-eval's, not ours).
@@ -22,14 +21,9 @@ OWN_HELP = sorted(set(SCRIPTS) - {"scse-lm-eval"})
 
 
 def command(name: str) -> list[str]:
-    """The venv's console script, else the entry point run by this interpreter."""
     if name == "launch/train.py":
         return [sys.executable, str(REPO_ROOT / "launch" / "train.py")]
-    script = Path(sys.executable).parent / name
-    if script.is_file():
-        return [str(script)]
-    module, func = SCRIPTS[name].split(":")
-    return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"]
+    return console_script(name)
 
 
 def description(help_text: str) -> str:

@@ -8,7 +8,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from scse_dist.export import load_exported_model, save_exported_model
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.hf import hf_file_names
 from scse_dist.model import LoopedLM
 
@@ -149,7 +149,7 @@ def test_views_of_one_buffer_are_stored_as_copies(tmp_path):
 
 
 def test_a_path_that_is_not_an_export_says_what_it_is(tmp_path):
-    from scse_dist.export import load_export_config
+    from scse_dist.checkpoint.export import load_export_config
     from scse_dist.train.warm_start import check_init_from
 
     (tmp_path / "notes").mkdir()

@@ -13,12 +13,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT, TINY_VOCAB
+from conftest import REPO_ROOT, TINY_VOCAB, console_script
 from scse_dist.config import config_from_dict
 from scse_dist.eval.cli import main as eval_main
-from scse_dist.eval.loading import load_model
-from scse_dist.export import load_exported_model, save_exported_model
-from scse_dist.export_cli import main as export_main
+from scse_dist.checkpoint.loading import load_model
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
+from scse_dist.checkpoint.export_cli import main as export_main
 from scse_dist.hf import hf_file_names
 from scse_dist.model import LoopedLM
 
@@ -157,8 +157,8 @@ def test_scse_export_of_a_checkpoint_is_quiet_unless_verbose(trained, tmp_path, 
     # DeepSpeed's accelerator warning, zero_to_fp32's lines and its progress bar: shown with -v
     env = {k: v for k, v in user_env.items() if k not in ("DS_ACCELERATOR", "SCSE_VERBOSE")}
     out = tmp_path / "out"
-    proc = subprocess.run([str(Path(sys.executable).parent / "scse-export"), str(trained), "--out",
-                           str(out), *(["-v"] if verbose else [])],
+    proc = subprocess.run([*console_script("scse-export"), str(trained), "--out", str(out),
+                           *(["-v"] if verbose else [])],
                           capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr
     done = f"scse-export: {trained / 'checkpoints' / 'step-0000002'} -> {out}\n"

@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from scse_dist.data.preflight import check_run_data
 
     check_run_data(cfg, args.config, args.overrides)  # bad data: one line before torch is imported
-    from scse_dist.launch.distributed import resolve_dist_env  # imports torch: after the checks
+    from scse_dist.distributed import resolve_dist_env  # imports torch: after the checks
 
     cfg.train.grad_accum_for(resolve_dist_env(os.environ).world_size)
     from scse_dist.train.faults import PREEMPT_SIGNALS, REQUEUE_EXIT_CODE, TrainingStopped
