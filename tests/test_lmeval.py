@@ -22,7 +22,7 @@ from scse_dist.data.tokenizer import Tokenizer  # noqa: E402
 from scse_dist.eval.cli import main as eval_main  # noqa: E402
 from scse_dist.checkpoint.export import save_exported_model  # noqa: E402
 from scse_dist.lmeval import TASKS_DIR  # noqa: E402
-from scse_dist.lmeval.cli import hoist_model_args  # noqa: E402
+from scse_dist.lmeval.cli import hoist_model_args, names_scse_model  # noqa: E402
 from scse_dist.lmeval.model import ScseLM, exit_scorer  # noqa: E402
 from scse_dist.model.exit_rules import parse_exit_rule  # noqa: E402
 from scse_dist.model import LoopedLM  # noqa: E402
@@ -252,6 +252,14 @@ def test_model_args_batch_size_and_device_become_cli_flags():
         ["--model", "scse", "--model_args", "pretrained=/m,depth=4", "--tasks", "t",
          "--batch_size", "8", "--device", "cpu"]
     assert hoist_model_args(["--model_args=pretrained=/m"]) == ["--model_args", "pretrained=/m"]
+
+
+def test_the_scse_model_is_imported_only_when_named():
+    # registering it imports torch: `--help`, `ls tasks` or another model need not wait for that
+    for args in (["--model", "scse"], ["run", "--model=scse", "--tasks", "t"], ["-m", "scse"]):
+        assert names_scse_model(args), args
+    for args in (["--help"], ["ls", "tasks"], ["--model", "hf"], ["--tasks", "scse"], ["-m"]):
+        assert not names_scse_model(args), args
 
 
 def test_generate_until_is_greedy_and_stops(lm_data):
