@@ -57,6 +57,9 @@ CASES = {
         ("--task lambada --data {d}/nofield.jsonl", BAD_INPUT,
          "{d}/nofield.jsonl:1: expected an object with a string field 'text'"),
         ("--task lambada --data {d}/missing.jsonl", NO_INPUT, "{d}/missing.jsonl"),
+        ("--task heldout --data {d}/run-noeval", NO_INPUT,
+         "input '{d}/run-noeval' is a directory, not a text or JSONL file (a shard directory "
+         "holds index.json)"),
         ("--task heldout --data http://127.0.0.1:1/x.jsonl", NO_INPUT, "http://127.0.0.1:1/x.jsonl"),
         ("--task lambada --data memory://nope/x.jsonl", NO_INPUT, "memory://nope/x.jsonl"),
         ("--task lambada --data {d}/good.jsonl --tokenizer {d}/binary.txt", BAD_INPUT,

@@ -101,6 +101,9 @@ def _lines(url: str) -> Iterator[tuple[int, str]]:
         f = fsspec.open(url, "rb", compression="infer").open()
     except FileNotFoundError:
         raise FileNotFoundError(f"input {url!r} does not exist") from None
+    except IsADirectoryError:
+        raise IsADirectoryError(f"input {url!r} is a directory, not a text or JSONL file (a shard "
+                                "directory holds index.json)") from None
     except Exception as exc:  # only fsspec runs here: unknown protocol, missing backend, network
         raise OSError(f"input {url!r} cannot be opened: {type(exc).__name__}: {exc}") from exc
     lineno = 0
