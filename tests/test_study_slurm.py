@@ -15,23 +15,17 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT
-from test_slurm_e2e import job_info, running_cluster, wait_final
+from slurm_cluster import running_cluster
+from test_slurm_e2e import job_info, wait_final
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def slurm_cluster():
-    """A one-node cluster with 4 CPUs (more than the 2 cores is fine), so that the array's cap,
-    not the node's CPUs, is what holds runs back. One that is running already is used as it is."""
-    before = os.environ.get("SCSE_SLURM_CPUS")
-    os.environ["SCSE_SLURM_CPUS"] = "4"
-    try:
-        yield from running_cluster(nodes=1)
-    finally:
-        os.environ.pop("SCSE_SLURM_CPUS")
-        if before is not None:
-            os.environ["SCSE_SLURM_CPUS"] = before
+    """The tests' one-node cluster with 4 CPUs (more than the 2 cores is fine), so that the cap,
+    not the node's CPUs, is what holds runs back."""
+    yield from running_cluster(nodes=1, cpus=4)
 
 
 def node_cpus() -> int:
@@ -55,7 +49,7 @@ def submit_study(tmp_path, spec: dict, user_env: dict) -> None:
     """`scse-study SPEC --slurm --max-parallel 2` as a user on the login node runs it."""
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    env = dict(user_env, WANDB_MODE="disabled")
+    env = dict(user_env, WANDB_MODE="disabled", SLURM_CONF=os.environ["SLURM_CONF"])  # the tests' cluster
     for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_ARRAY_TASK_ID"):
         env.pop(key, None)
     out = subprocess.run([sys.executable, "-m", "scse_dist.study.cli", str(path), "--slurm",
