@@ -15,6 +15,7 @@ its export and every evaluation of its stage exist (a sweep run: eval/validation
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 from pathlib import Path
 
@@ -112,3 +113,29 @@ def choose_lrs(spec: StudySpec) -> dict[str, float]:
                          f"{spec.study_dir}/<variant>/lr*/ and rerun the study")
     atomic_write_text(spec.study_dir / LR_CHOICE_NAME, json.dumps(choice, indent=2) + "\n")
     return {v: c["lr"] for v, c in choice.items()}
+
+
+def _inputs(spec: StudySpec, run: Run) -> dict[str, str]:
+    """field -> the local path a run reads (data the trainer builds itself, and URLs, left out)."""
+    cfg = run_config(spec, run)
+    found = {} if cfg.data.build else {"data.path": cfg.data.path, "data.tokenizer": cfg.data.tokenizer}
+    for task in ("wikitext", "lambada"):
+        if task in cfg.eval.tasks:
+            found[f"eval.{task}"] = getattr(cfg.eval, task)
+    if spec.lr and run.stage == "sweep":
+        found["lr.validation"] = spec.lr.validation
+    return {k: v for k, v in found.items() if v and "://" not in str(v)}
+
+
+def missing_inputs(spec: StudySpec) -> list[str]:
+    """One line per input file that some run needs and that is not there, naming the field and
+    the runs (all of them, or which)."""
+    runs = expand(spec, read_choice(spec))
+    needed: dict[tuple[str, str], list[str]] = {}
+    for run in runs:
+        for key, path in _inputs(spec, run).items():
+            if not Path(path).exists() and not glob.glob(path):
+                needed.setdefault((key, path), []).append(Path(run.run_dir).name)
+    return [f"missing input: {key} {path} (no such file or directory), needed by "
+            + (f"all {len(names)} runs" if len(names) == len(runs) else f"{len(names)} run(s): {', '.join(names)}")
+            for (key, path), names in needed.items()]
