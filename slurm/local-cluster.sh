@@ -31,7 +31,8 @@ DIR=${SCSE_SLURM_DIR:-/tmp/scse-slurm}
 CONF=${SCSE_SLURM_CONF:-/etc/slurm/slurm.conf}
 CTLD_PORT=${SCSE_SLURM_PORT:-6817}
 NNODES=${SCSE_SLURM_NODES:-1}
-CPUS=${SCSE_SLURM_CPUS:-$(nproc)}
+# (nproc would follow OMP_NUM_THREADS, which a shared machine often sets to 1)
+CPUS=${SCSE_SLURM_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 TIMEOUT=${SCSE_SLURM_TIMEOUT:-60}
 MARK="# written by scse-dist slurm/local-cluster.sh"
 HOST=$(hostname -s 2>/dev/null || hostname)

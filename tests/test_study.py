@@ -224,3 +224,12 @@ def test_shipped_study_specs_parse_and_expand(name, variants, sweep, final):
     assert spec.study_dir == REPO_ROOT / "studies" / name  # out: ../../studies, from the spec file
     assert spec.evals.tasks == ["heldout", "wikitext", "lambada", "diagnose"]  # diagnose: the loop flags and plot
     assert not set(spec.lr.validation.split("/")) & {"wiki.valid.raw", "lambada-dev.txt"}
+
+
+def test_shipped_cpu_cluster_study_runs_on_cpu_nodes_seed_major():
+    spec = load_spec(REPO_ROOT / "configs" / "studies" / "cpu-cluster.yaml")
+    assert spec.slurm.sbatch_args() == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
+                                        "--cpus-per-task=1", "--time=20"]
+    assert spec.study_dir == REPO_ROOT / "studies" / "cpu-cluster"
+    assert [Path(r.run_dir).name for r in expand(spec)] == [
+        "scse-seed0", "additive-seed0", "looped-seed0", "scse-seed1", "additive-seed1", "looped-seed1"]
