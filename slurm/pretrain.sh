@@ -37,7 +37,11 @@ set -euo pipefail
 if [ "${1:-}" = "--config-list" ]; then
   IFS=$'\t' read -r listed name < <(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" "${2:?usage: --config-list FILE}")
   set -- "$listed" "${@:3}"
-  if [ -n "${name:-}" ]; then scontrol update JobId="$SLURM_JOB_ID" JobName="$name" || true; fi
+  # ARRAY_ID_TASK names this task alone (one task's SLURM_JOB_ID equals the array's id, and
+  # updating that id renames every task of the array)
+  if [ -n "${name:-}" ]; then
+    scontrol update JobId="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" JobName="$name" || true
+  fi
 fi
 CONFIG=${1:?usage: sbatch slurm/pretrain.sh CONFIG [key.sub=value ...]}
 shift
