@@ -157,6 +157,12 @@ def test_dry_run_names_every_missing_input_and_the_runs_that_need_it(tmp_path, t
         "directory), needed by all 9 runs",
         f"scse-study: missing input: data.path {tmp_path / 'gone'} (no such file or directory), "
         "needed by 3 run(s): looped-seed0, looped-seed1, looped-seed2"]
+    # a sweep reads lr.validation and no test file; the final runs read the test files
+    spec["variants"]["looped"]["overrides"].pop("data.path")
+    spec["lr"] = {"values": [1e-3], "validation": str(tmp_path / "valid.txt")}
+    out = study(write_spec(tmp_path / "spec.yaml", spec), "--dry-run")
+    assert out.returncode == 66 and [line.split("needed by ")[1] for line in out.stderr.splitlines()] == \
+        ["all 3 sweep runs", "all 9 final runs"], out.stderr
 
 
 @pytest.mark.slow
