@@ -59,14 +59,19 @@ def study(tmp_path, spec: dict, user_env: dict, *args: str) -> subprocess.Comple
 
 def test_slurm_study_on_cpu_nodes_caps_every_job_and_evaluates_each_run_in_its_job(
         slurm_cluster, tmp_path, tiny_config, user_env):
+    from conftest import tiny_documents
+
     base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint_every=4")
+    (tmp_path / "wiki.txt").write_text("".join(f" = Article {i} = \n\n {doc} \n\n"
+                                               for i, doc in enumerate(tiny_documents(3, seed=5))))
     spec = {"name": "arr", "out": str(tmp_path / "studies"), "base": base,
             "variants": {"scse": {"overrides": {}},
                          "additive": {"overrides": {"model.recurrence": "additive"}},
                          "looped": {"overrides": {"model.recurrence": "looped"}},
                          # valid config, but no data there and no data.build: training fails
                          "broken": {"overrides": {"data.path": str(tmp_path / "missing")}}},
-            "seeds": [0], "evals": {"tasks": ["heldout", "diagnose"], "depths": [1, 2]},
+            "seeds": [0], "evals": {"tasks": ["heldout", "wikitext", "diagnose"], "depths": [1, 2],
+                                    "wikitext": str(tmp_path / "wiki.txt")},
             "slurm": {"time_min": 10}}
     out = study(tmp_path, spec, user_env)
     assert out.returncode == 0, out.stderr
@@ -109,6 +114,12 @@ def test_slurm_study_on_cpu_nodes_caps_every_job_and_evaluates_each_run_in_its_j
     assert "scse-study: report: -m scse_dist.study.report" in stage_log, stage_log
     text = (d / "report" / "report.md").read_text()
     assert "broken" in text and "additive" in text and "## heldout ppl" in text, text
+    # the report's default metrics: WikiText's ppl, word ppl and bits per byte, each compared
+    numbers = json.loads((d / "report" / "aggregate.json").read_text())
+    assert {k for k in numbers["aggregate"] if k.startswith("scse/")} == {
+        "scse/heldout/ppl", "scse/wikitext/ppl", "scse/wikitext/word_ppl", "scse/wikitext/bits_per_byte"}
+    assert numbers["paired"]["scse - additive/wikitext/bits_per_byte"]["verdict"] == "not resolved at 1 seed"
+    assert "## wikitext bits_per_byte (lower is better)" in text
     assert not list((d / "report").glob("wandb*"))  # every run config disables wandb
 
 
