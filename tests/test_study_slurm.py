@@ -158,7 +158,7 @@ def test_slurm_two_stage_lr_sweep_submits_stage_two_after_the_choice(slurm_clust
     sweep = json.loads((d / "slurm" / "sweep.json").read_text())
     assert len(sweep["runs"]) == 2 and not (d / "lr_choice.json").exists()
     stage2 = wait_final(sweep["next"], timeout_s=240)  # the job that chooses and submits stage 2
-    assert stage2["JobState"] == "COMPLETED"
+    assert (stage2["JobState"], stage2["JobName"]) == ("COMPLETED", "two-choose-lr")
     # the sweep runs were not evaluated on the test tasks; the stage-2 job scored them
     assert not list(d.glob("scse/scse-lr*-seed0/eval/heldout.json"))
     choice = json.loads((d / "lr_choice.json").read_text())["scse"]

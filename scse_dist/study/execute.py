@@ -136,7 +136,9 @@ def _next_job(spec: StudySpec, stage: str, after: list[str], cli_args: list[str]
            "--stage", stage]
     logs = spec.study_dir.resolve() / "slurm"
     partition = [f"--partition={spec.slurm.partition}"] if spec.slurm.partition else []
-    return _sbatch([f"--job-name={spec.name}-{stage}", "--ntasks=1", "--cpus-per-task=1", *partition,
+    # named for what it does: "-final" is the final array's own name
+    name = f"{spec.name}-{'choose-lr' if stage == 'final' else stage}"
+    return _sbatch([f"--job-name={name}", "--ntasks=1", "--cpus-per-task=1", *partition,
                     f"--output={logs}/%x-%j.out", *([f"--dependency=afterany:{':'.join(after)}"]
                                                    if after else []),
                     "--wrap", shlex.join(cmd)])
