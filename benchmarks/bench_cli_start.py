@@ -23,22 +23,32 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"])
+SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def script(name: str) -> list[str]:
+    """Console script `name` as its entry point run by this interpreter: what the installed script
+    does, also where an editable install predates a moved entry point."""
+    module, func = SCRIPTS[name].split(":")
+    return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"]
 
 
 def cases(tmp: str) -> list[tuple[str, list[str]]]:
     """(label, argv) of every case: each command's --help, then bad inputs (files under tmp)."""
     train = [sys.executable, str(REPO / "launch" / "train.py")]
-    rows = [(f"{name} --help", [name, "--help"]) for name in SCRIPTS]
+    rows = [(f"{name} --help", [*script(name), "--help"]) for name in sorted(SCRIPTS)]
     rows.append(("launch/train.py --help", [*train, "--help"]))
     bad = Path(tmp) / "bad.jsonl"
     bad.write_text('{"text": \n')
     rows += [
-        ("scse-data shards: missing tokenizer", ["scse-data", "shards", "--input", str(bad), "--tokenizer",
-                                                 f"{tmp}/missing.model", "--out", f"{tmp}/s"]),
-        ("scse-eval: missing --checkpoint", ["scse-eval", "--checkpoint", f"{tmp}/missing",
-                                             "--task", "lambada", "--out", f"{tmp}/r.json"]),
-        ("scse-export: missing checkpoint", ["scse-export", f"{tmp}/missing", "--out", f"{tmp}/x"]),
+        ("scse-data shards: missing tokenizer",
+         [*script("scse-data"), "shards", "--input", str(bad), "--tokenizer",
+          f"{tmp}/missing.model", "--out", f"{tmp}/s"]),
+        ("scse-eval: missing --checkpoint",
+         [*script("scse-eval"), "--checkpoint", f"{tmp}/missing", "--task", "lambada", "--out",
+          f"{tmp}/r.json"]),
+        ("scse-export: missing checkpoint",
+         [*script("scse-export"), f"{tmp}/missing", "--out", f"{tmp}/x"]),
         ("launch/train.py: missing data.path",
          [*train, "--config", str(REPO / "configs/tiny-cpu.yaml"), "data.build=null",
           f"data.path={tmp}/missing"]),
