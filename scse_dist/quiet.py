@@ -21,6 +21,7 @@ import contextlib
 import io
 import os
 import sys
+import threading
 from typing import Any, Iterator
 
 VERBOSE_ENV = "SCSE_VERBOSE"
@@ -52,16 +53,32 @@ def name_cpu_accelerator() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+class _HeldForThisThread(io.TextIOBase):
+    """A stream that holds what this thread writes and passes other threads' writes through (a
+    checkpoint upload thread's report must not be dropped with a library's chatter)."""
+
+    def __init__(self, original: Any, held: io.StringIO) -> None:
+        self.original, self.held, self.thread = original, held, threading.current_thread()
+
+    def write(self, text: str) -> int:
+        mine = threading.current_thread() is self.thread
+        return (self.held if mine else self.original).write(text)
+
+    def flush(self) -> None:
+        self.original.flush()
+
+
 @contextlib.contextmanager
 def quiet_output() -> Iterator[None]:
-    """What the block prints (stdout and stderr, through Python) is dropped when it succeeds and
-    printed on stderr when it raises; verbose: printed as it comes."""
+    """What the block prints (stdout and stderr, through Python, from this thread) is dropped
+    when it succeeds and printed on stderr when it raises; verbose: printed as it comes."""
     if is_verbose():
         yield
         return
     held = io.StringIO()
     try:
-        with contextlib.redirect_stdout(held), contextlib.redirect_stderr(held):
+        with contextlib.redirect_stdout(_HeldForThisThread(sys.stdout, held)), \
+                contextlib.redirect_stderr(_HeldForThisThread(sys.stderr, held)):
             yield
     except BaseException:
         sys.stderr.write(held.getvalue())

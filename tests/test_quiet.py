@@ -48,3 +48,16 @@ def test_held_output_is_dropped_on_success_and_replayed_on_failure(capsys, monke
     with quiet_output():
         print("Reconstructed fp32 state dict")
     assert capsys.readouterr().out == "Reconstructed fp32 state dict\n"
+
+
+def test_other_threads_output_is_not_held(capsys, monkeypatch):
+    # e.g. the checkpoint upload thread reporting a failure while the export consolidates
+    import threading
+
+    monkeypatch.delenv("SCSE_VERBOSE", raising=False)
+    with quiet_output():
+        print("Loading checkpoint shards")
+        other = threading.Thread(target=print, args=("upload of step-0000040 failed",))
+        other.start()
+        other.join()
+    assert capsys.readouterr() == ("upload of step-0000040 failed\n", "")
