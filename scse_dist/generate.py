@@ -12,74 +12,41 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from scse_dist.cli_errors import InputError, cli_main
 from scse_dist.model.kv_cache import KVCache
+from scse_dist.speculative import parse_speculative, speculative_generate
+from scse_dist.sampling import Generation, Sampling, left_pad, next_tokens  # noqa: F401 (API)
 
 CACHE_CHOICES = ("exact", "shared", "none")
-
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0  # 0: greedy (argmax)
-    top_p: float = 1.0  # nucleus: sample from the smallest set of tokens with this much mass
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must lie in (0, 1], got {self.top_p}")
-
-
-class Generation(NamedTuple):
-    tokens: list[list[int]]  # new tokens per sequence, up to and including EOS
-    steps: list[list[int]]  # loop steps each new token's input ran (its exit step under a rule)
-
-
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, attention_mask), both (B, max_len): prompts right-aligned, padding masked."""
-    width = max(len(p) for p in prompts)
-    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(tokens)
-    for i, p in enumerate(prompts):
-        if p:
-            tokens[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p):] = 1
-    return tokens, mask
-
-
-def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
-                ) -> torch.Tensor:
-    """(B, V) logits -> (B,) next tokens."""
-    if sampling.temperature == 0:
-        return logits.argmax(-1)
-    probs = (logits.float() / sampling.temperature).softmax(-1)
-    if sampling.top_p < 1:
-        sorted_probs, order = probs.sort(-1, descending=True)
-        # keep a token while the mass before it is below top_p (the first token always stays)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              depth: Optional[int] = None, sampling: Sampling = Sampling(),
              eos_id: Optional[int] = None, cache: str = "exact", exit_rule=None,
-             on_token: Optional[Callable[[int, int], None]] = None) -> Generation:
+             on_token: Optional[Callable[[int, int], None]] = None,
+             speculative: Optional[tuple[int, int]] = None) -> Generation:
     """Continue every prompt (token ids, non-empty) by up to max_new_tokens, stopping a sequence
     at eos_id. cache: "exact" / "shared" (KVCache modes) or "none" (recompute the whole sequence
-    for each token). on_token(row, token) is called for each new token as it is chosen."""
+    for each token). on_token(row, token) is called for each new token as it is chosen.
+    speculative=(d, K): self-speculative decoding (scse_dist.speculative), K tokens drafted at
+    loop depth d per round; greedy gives the same tokens, sampling the same distribution."""
     if cache not in CACHE_CHOICES:
         raise ValueError(f"cache: must be one of {', '.join(CACHE_CHOICES)}; got {cache!r}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: every prompt needs at least one token")
+    if speculative is not None:
+        if cache != "exact" or exit_rule is not None:
+            raise ValueError("speculative: runs with the exact cache and a fixed depth (no exit "
+                             "rule, no shared or no cache)")
+        return speculative_generate(model, prompts, max_new_tokens=max_new_tokens,
+                                    draft_depth=speculative[0], draft_tokens=speculative[1],
+                                    depth=depth, sampling=sampling, eos_id=eos_id,
+                                    on_token=on_token)
     device = next(model.parameters()).device
     tokens, mask = (t.to(device) for t in left_pad(prompts))
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
