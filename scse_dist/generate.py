@@ -2,6 +2,7 @@
 
     scse-generate EXPORT --prompt "Return the" [--depth T] [--exit RULE] [--max-new-tokens N]
                   [--temperature X --top-p P --seed S] [--cache exact|shared|none]
+                  [--speculative DRAFT_DEPTH[,K]]
 
 streams the continuation to the terminal. `--prompt-file F` generates for every line of F at once
 (one left-padded batch); each sequence gets the tokens it would get alone. `--cache none`
@@ -12,16 +13,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from scse_dist.cli_errors import InputError, cli_main
 from scse_dist.model.kv_cache import KVCache
-from scse_dist.speculative import parse_speculative, speculative_generate
+from scse_dist.speculative import DEFAULT_DRAFT_TOKENS, parse_speculative, speculative_generate
 from scse_dist.sampling import Generation, Sampling, left_pad, next_tokens  # noqa: F401 (API)
 
 CACHE_CHOICES = ("exact", "shared", "none")
+# --exit without --depth (and no max=) caps at this many times the model's depth: at the model's
+# own depth a rule could only end tokens before the depth they would run anyway, never deeper.
+EXIT_CAP_FACTOR = 8
 
 
 @torch.no_grad()
@@ -78,18 +83,27 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
     return Generation(new, steps)
 
 
-class TextStream:
-    """Prints a sequence's text as tokens arrive (decoding the whole continuation each time, so
-    pieces that merge across tokens print correctly)."""
+def continuation_text(tokenizer, prompt_ids: Sequence[int], new: Sequence[int]) -> str:
+    """The text the new tokens add after the prompt: decoded together with the prompt, so the
+    continuation keeps its leading space (a first new token '▁the' decodes alone as 'the')."""
+    new = [t for t in new if t != tokenizer.eos_id]
+    before, text = tokenizer.decode(list(prompt_ids)), tokenizer.decode(list(prompt_ids) + new)
+    return text[len(before):] if text.startswith(before) else tokenizer.decode(new)
 
-    def __init__(self, tokenizer, out=None) -> None:
-        self.tokenizer, self.out, self.ids, self.printed = tokenizer, out or sys.stdout, [], ""
+
+class TextStream:
+    """Prints a sequence's continuation as tokens arrive (decoding prompt + continuation each
+    time, so pieces that merge across tokens, and the first token's space, print right)."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], out=None) -> None:
+        self.tokenizer, self.prompt_ids = tokenizer, list(prompt_ids)
+        self.out, self.ids, self.printed = out or sys.stdout, [], ""
 
     def __call__(self, row: int, token: int) -> None:
         if token == self.tokenizer.eos_id:
             return
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
+        text = continuation_text(self.tokenizer, self.prompt_ids, self.ids)
         if text.startswith(self.printed):
             self.out.write(text[len(self.printed):])
             self.out.flush()
@@ -104,7 +118,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     src.add_argument("--prompt", help="the text to continue")
     src.add_argument("--prompt-file", help="one prompt per line, generated as one batch")
     p.add_argument("--depth", type=int, default=None, help="loop depth T (default: the model's)")
-    p.add_argument("--exit", default=None, help="per-token exit rule, e.g. motion:0.02,min=2")
+    p.add_argument("--exit", default=None, help="per-token exit rule, e.g. motion:0.02,min=2; "
+                   f"its cap: the rule's max=, else --depth, else {EXIT_CAP_FACTOR}x the model's "
+                   "depth (a rule can only end a token early below its cap)")
+    p.add_argument("--speculative", metavar="DRAFT_DEPTH[,K]", default=None,
+                   help="self-speculative decoding: draft K tokens (default "
+                   f"{DEFAULT_DRAFT_TOKENS}) at loop depth DRAFT_DEPTH, verify them at the full "
+                   "depth in one call; the same tokens greedy, the same distribution sampled")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -143,6 +163,15 @@ def _exit_rule(text: Optional[str]):
         raise InputError(f"--exit: {exc}") from None
 
 
+def _speculative(text: Optional[str]) -> Optional[tuple[int, int]]:
+    if text is None:
+        return None
+    try:
+        return parse_speculative(text)
+    except ValueError as exc:
+        raise InputError(f"--{exc}") from None
+
+
 @cli_main("scse-generate")
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
@@ -153,6 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         raise InputError(f"--{exc}".replace("_", "-", 1)) from None
     exit_rule = _exit_rule(args.exit)
+    speculative = _speculative(args.speculative)
     prompts = _read_prompts(args)
     from scse_dist.eval.loading import load_model
     from scse_dist.eval.tasks import load_tokenizer
@@ -165,30 +195,63 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for i, p in enumerate(ids):
         if not p:
             raise InputError(f"prompt {i + 1}: encodes to no tokens")
+    depth = args.depth if args.depth is not None else model.fixed_depth or cfg.model.depth
     try:
-        model.core.transition.check_depth(
-            args.depth if args.depth is not None else model.fixed_depth or cfg.model.depth)
+        model.core.transition.check_depth(depth)
     except ValueError as exc:
         raise InputError(f"--{exc}") from None
+    exit_rule = _exit_cap(exit_rule, args.depth, model)
+    _check_speculative(speculative, depth, args)
     single = len(prompts) == 1
-    stream = TextStream(tokenizer) if single else None
+    stream = TextStream(tokenizer, ids[0]) if single else None
     if single:
         print(prompts[0], end="", flush=True)
+    start = time.perf_counter()
     result = generate(model, ids, max_new_tokens=args.max_new_tokens, depth=args.depth,
                       sampling=sampling, eos_id=tokenizer.eos_id, cache=args.cache,
-                      exit_rule=exit_rule, on_token=stream)
+                      exit_rule=exit_rule, on_token=stream, speculative=speculative)
+    seconds = time.perf_counter() - start
     if single:
         print()
     else:
         for i, (text, new) in enumerate(zip(prompts, result.tokens)):
-            continuation = tokenizer.decode([t for t in new if t != tokenizer.eos_id])
-            print(f"[{i + 1}] {text}{continuation}")
+            print(f"[{i + 1}] {text}{continuation_text(tokenizer, ids[i], new)}")
+    _report(result, exit_rule, speculative, seconds)
+    return 0
+
+
+def _exit_cap(rule, depth: Optional[int], model):
+    """The rule with its cap: its own max=, else --depth, else EXIT_CAP_FACTOR x the model's."""
+    if rule is None or rule.max_steps is not None or depth is not None \
+            or model.fixed_depth is not None:
+        return rule
+    return rule.with_max(EXIT_CAP_FACTOR * model.cfg.depth)
+
+
+def _check_speculative(speculative: Optional[tuple[int, int]], depth: int,
+                       args: argparse.Namespace) -> None:
+    if speculative is None:
+        return
+    if args.exit is not None or args.cache != "exact":
+        raise InputError("--speculative: runs with the exact cache at a fixed depth; drop "
+                         "--exit and --cache")
+    if speculative[0] >= depth:
+        raise InputError(f"--speculative: the draft depth must lie in 1..{depth - 1} (below "
+                         f"the depth {depth}), got {speculative[0]}")
+
+
+def _report(result: Generation, exit_rule, speculative, seconds: float) -> None:
+    """One line on stderr: an exit rule's steps used; speculation's acceptance and speed."""
     if exit_rule is not None:
         used = [s for row in result.steps for s in row]
         print(f"scse-generate: exit {exit_rule}: mean loop steps per token "
               f"{sum(used) / len(used):.2f} (min {min(used)}, max {max(used)})", file=sys.stderr)
-    return 0
-
+    if speculative is not None:
+        spec, tokens = result.speculation, sum(len(row) for row in result.tokens)
+        accepted = f"{spec['accepted'] / spec['drafted']:.0%}" if spec["drafted"] else "-"
+        print(f"scse-generate: speculative {speculative[0]},{speculative[1]}: {accepted} of "
+              f"{spec['drafted']} drafted tokens accepted, {tokens / spec['rounds']:.2f} tokens "
+              f"per verification, {tokens / seconds:.1f} tokens/s", file=sys.stderr)
 
 if __name__ == "__main__":
     sys.exit(main())

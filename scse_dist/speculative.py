@@ -65,6 +65,18 @@ def accept(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor,
     return kept, correction
 
 
+def _judge(logits: torch.Tensor, q: list[torch.Tensor], drafted: torch.Tensor,
+           sampling: Sampling, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """accept's (kept, correction) from the verifier's logits (B, K+1, V). Greedy is the same
+    rule with one-hot p and q, done on the argmax alone (no (K+1) x V distributions built)."""
+    if sampling.temperature == 0:
+        best = logits.argmax(-1)
+        kept = (drafted == best[:, :drafted.shape[1]]).long().cumprod(-1).sum(-1)
+        return kept, best
+    p = token_probs(logits, sampling)
+    return accept(p, torch.stack(q, 1) if q else p[:, :0], drafted, generator)
+
+
 @torch.no_grad()
 def speculative_generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                          draft_depth: int, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
@@ -92,9 +104,8 @@ def speculative_generate(model, prompts: Sequence[Sequence[int]], *, max_new_tok
         drafts, q, drafted = _draft_round(model, pending, mask, cache, draft_depth, depth, k,
                                           sampling, generator)
         start = len(cache) - sum(d.x.shape[1] for d in drafts)
-        p = token_probs(verify(model, drafts, cache, draft_depth)[:, pending.shape[1] - 1:],
-                        sampling)
-        kept, correction = accept(p, torch.stack(q, 1) if q else p[:, :0], drafted, generator)
+        logits = verify(model, drafts, cache, draft_depth)[:, pending.shape[1] - 1:]
+        kept, correction = _judge(logits, q, drafted, sampling, generator)
         a = _batch_kept(kept, drafted, done, eos_id, k)
         counts["rounds"] += 1
         counts["drafted"] += k * done.count(False)
@@ -120,7 +131,8 @@ def _draft_round(model, pending: torch.Tensor, mask: torch.Tensor, cache: KVCach
     q, drafted = [], []
     for _ in range(k):
         logits = drafts[-1].logits[:, -1]
-        q.append(token_probs(logits, sampling))
+        if sampling.temperature > 0:  # greedy needs no q (_judge)
+            q.append(token_probs(logits, sampling))
         drafted.append(next_tokens(logits, sampling, generator))
         drafts.append(draft(model, drafted[-1][:, None], cache, draft_depth, depth))
     tokens = torch.stack(drafted, 1) if drafted else pending.new_zeros(pending.shape[0], 0)
