@@ -34,10 +34,14 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              depth: Optional[int] = None, sampling: Sampling = Sampling(),
              eos_id: Optional[int] = None, cache: str = "exact", exit_rule=None,
              on_token: Optional[Callable[[int, int], None]] = None,
-             speculative: Optional[tuple[int, int]] = None) -> Generation:
+             speculative: Optional[tuple[int, int]] = None,
+             generator: Optional[torch.Generator] = None,
+             stop: Optional[Callable[[int, list[int]], bool]] = None) -> Generation:
     """Continue every prompt (token ids, non-empty) by up to max_new_tokens, stopping a sequence
     at eos_id. cache: "exact" / "shared" (KVCache modes) or "none" (recompute the whole sequence
     for each token). on_token(row, token) is called for each new token as it is chosen.
+    generator: sampling's random numbers (default: a new one seeded with sampling.seed).
+    stop(row, new tokens) -> True also ends a row (a stop string: lm-eval's `until`).
     speculative=(d, K): self-speculative decoding (scse_dist.speculative), K tokens drafted at
     loop depth d per round; greedy gives the same tokens, sampling the same distribution."""
     if cache not in CACHE_CHOICES:
@@ -45,16 +49,17 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: every prompt needs at least one token")
     if speculative is not None:
-        if cache != "exact" or exit_rule is not None:
+        if cache != "exact" or exit_rule is not None or generator is not None or stop:
             raise ValueError("speculative: runs with the exact cache and a fixed depth (no exit "
-                             "rule, no shared or no cache)")
+                             "rule, no shared or no cache, no generator or stop)")
         return speculative_generate(model, prompts, max_new_tokens=max_new_tokens,
                                     draft_depth=speculative[0], draft_tokens=speculative[1],
                                     depth=depth, sampling=sampling, eos_id=eos_id,
                                     on_token=on_token)
     device = next(model.parameters()).device
     tokens, mask = (t.to(device) for t in left_pad(prompts))
-    generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    if generator is None:
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
     kv = KVCache(cache) if cache != "none" else None
     new: list[list[int]] = [[] for _ in prompts]
     steps: list[list[int]] = [[] for _ in prompts]
@@ -75,7 +80,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
             steps[row].append(int(out.steps[row, -1]))
             if on_token is not None:
                 on_token(row, token)
-            done[row] = token == eos_id
+            done[row] = token == eos_id or (stop is not None and stop(row, new[row]))
         if all(done):
             break
         step_in, mask_in = chosen[:, None], torch.ones_like(chosen)[:, None]
