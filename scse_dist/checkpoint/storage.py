@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import fsspec
 
-from scse_dist.launch.distributed import barrier, is_rank0
+from scse_dist.distributed import barrier, is_rank0
 
 STAGING_ENV = "SCSE_STAGING_DIR"
 UPLOAD_ATTEMPTS_ENV = "SCSE_UPLOAD_ATTEMPTS"  # tries per file (default 5)
@@ -216,7 +216,7 @@ class RunStorage:
                              after_file=lambda: faults.mid_upload(_step_of(tag)) if faults else None)
                 if is_rank0():
                     self._verify(tag, manifest)
-            except Exception as err:  # reported, never raised: training goes on (README, Faults)
+            except Exception as err:  # reported, never raised: training goes on (docs/checkpoints.md)
                 print(f"upload of {tag} to {self.remote} failed: {' '.join(str(err).split())}; it "
                       f"stays in {source} and is retried at the next save", flush=True)
                 continue
