@@ -26,7 +26,7 @@ import torch
 
 from scse_dist.model.kv_cache import KVCache
 from scse_dist.model.speculative import Drafted, check_draft_depth, draft, verify
-from scse_dist.sampling import Generation, Sampling, left_pad, next_tokens, token_probs
+from scse_dist.sampling import Generation, Sampling, left_pad, token_probs
 
 DEFAULT_DRAFT_TOKENS = 4
 
@@ -127,14 +127,17 @@ def _draft_round(model, pending: torch.Tensor, mask: torch.Tensor, cache: KVCach
     """The pending tokens and k drafted ones through the draft (the last drafted token too: its
     first steps are verify's input). Returns the drafts, q at each drafted position and the
     drafted tokens (B, k)."""
-    drafts = [draft(model, pending, cache, draft_depth, depth, mask)]
+    drafts = [draft(model, pending, cache, draft_depth, depth, mask, readout=k > 0)]
     q, drafted = [], []
-    for _ in range(k):
+    for i in range(k):
         logits = drafts[-1].logits[:, -1]
         if sampling.temperature > 0:  # greedy needs no q (_judge)
             q.append(token_probs(logits, sampling))
-        drafted.append(next_tokens(logits, sampling, generator))
-        drafts.append(draft(model, drafted[-1][:, None], cache, draft_depth, depth))
+            drafted.append(torch.multinomial(q[-1], 1, generator=generator).squeeze(-1))
+        else:
+            drafted.append(logits.argmax(-1))
+        drafts.append(draft(model, drafted[-1][:, None], cache, draft_depth, depth,
+                            readout=i + 1 < k))
     tokens = torch.stack(drafted, 1) if drafted else pending.new_zeros(pending.shape[0], 0)
     return drafts, q, tokens
 

@@ -299,7 +299,7 @@ def test_scse_generate_reports_the_steps_an_exit_rule_used(export, capsys) -> No
 def first_token_with_a_space(export: str, prompt: str) -> int:
     """A seed whose first sampled token starts with '▁' (a word after the prompt's last)."""
     from scse_dist.data.tokenizer import Tokenizer
-    from scse_dist.export import load_exported_model
+    from scse_dist.checkpoint.export import load_exported_model
 
     model, cfg = load_exported_model(export)
     tok = Tokenizer.load(cfg.data.tokenizer)

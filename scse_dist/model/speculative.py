@@ -29,7 +29,7 @@ POSITION_KEYS = ("source", "anchor", "response", "ref")
 
 
 class Drafted(NamedTuple):
-    logits: torch.Tensor  # (B, S, V) at the draft depth
+    logits: Optional[torch.Tensor]  # (B, S, V) at the draft depth (None: readout=False)
     x: torch.Tensor  # (B, S, d_model) the loop variable after the draft's steps
     context: dict  # POSITION_KEYS present, and RoPE's "cos"/"sin" (B, 1, S, head_dim/2)
 
@@ -42,10 +42,11 @@ def check_draft_depth(draft_depth: int, depth: int) -> None:
 
 @torch.no_grad()
 def draft(model, tokens: torch.Tensor, cache: KVCache, draft_depth: int, depth: int,
-          attention_mask: Optional[torch.Tensor] = None) -> Drafted:
+          attention_mask: Optional[torch.Tensor] = None, readout: bool = True) -> Drafted:
     """New tokens through the prelude, the loop's first `draft_depth` steps and the draft's
     coda: their depth-d logits, and what `verify` continues from. Commits the tokens to the
-    cache (their deeper step slots and the full-depth coda's stay to be filled by verify)."""
+    cache (their deeper step slots and the full-depth coda's stay to be filled by verify).
+    readout=False skips the head (a round's last drafted token: only its K/V are needed)."""
     check_draft_depth(draft_depth, depth)
     if cache.mode != "exact":
         raise ValueError("speculative: needs the exact cache (a shared slot holds only the last "
@@ -65,7 +66,7 @@ def draft(model, tokens: torch.Tensor, cache: KVCache, draft_depth: int, depth: 
     x, ctx = core.start(h, None, rope, mask, LoopKV(cache, core))
     for t in range(draft_depth):
         x = core.step(x, ctx, t)
-    logits = _coda_head(model, core.state(x, ctx), rope, mask, cache, "draft_coda")
+    logits = _coda_head(model, core.state(x, ctx), rope, mask, cache, "draft_coda", readout)
     cache.commit(attention_mask)
     context = {key: ctx[key] for key in POSITION_KEYS if key in ctx}
     context["cos"], context["sin"] = rope
@@ -93,7 +94,7 @@ def verify(model, drafts: Sequence[Drafted], cache: KVCache, draft_depth: int) -
 
 
 def _coda_head(model, h: torch.Tensor, rope, mask: torch.Tensor, cache: KVCache,
-               slots: str) -> torch.Tensor:
+               slots: str, readout: bool = True) -> Optional[torch.Tensor]:
     for i, block in enumerate(model.coda):
         h = block(h, rope, mask, cache.slot(slots, i))
-    return F.linear(model.norm(h), model.head_weight)
+    return F.linear(model.norm(h), model.head_weight) if readout else None
