@@ -173,15 +173,8 @@ def check_lm_eval(d: Path, out: str) -> None:
 
 
 def check_generate(d: Path, out: str) -> None:
-    # the prompt, then a sampled continuation that holds text, not only blank lines (what it
-    # generates is tested in tests/test_generate.py)
-    assert out.startswith("Return the") and out.endswith("\n")
-    assert out[len("Return the"):].strip()
-
-
-def check_generate_speculative(d: Path, out: str) -> None:
-    # greedy: a 30-step model may continue with blank lines; the same tokens as without
-    # --speculative is tested in tests/test_speculative.py and tests/test_generate.py
+    # the prompt, then the continuation (this test's 30-step model may sample EOS early: what
+    # generation prints is tested in tests/test_generate.py and tests/test_speculative.py)
     assert out.startswith("Return the") and out.endswith("\n")
 
 
@@ -245,7 +238,7 @@ RUN = [
     Step('scse-generate runs/quickstart/export --prompt "Return the" --max-new-tokens 40 --temperature 0.8 --top-p 0.95 --seed 1',
          check_generate),
     Step('scse-generate runs/quickstart/export --prompt "Return the" --max-new-tokens 40 --depth 8 --speculative 1,4',
-         check_generate_speculative),
+         check_generate),
     Step("scse-report runs/quickstart runs/quickstart-T8 --out reports/quickstart --wandb offline",
          check_report),
     Step("scse-launch configs/tiny-cpu.yaml --local", check_launch_local),
