@@ -248,11 +248,20 @@ ENVIRONMENT = "sets up the environment this test runs in"
 SLURM = "needs a Slurm cluster; tests/test_slurm_e2e.py submits slurm/*.sh to a real local Slurm"
 STUDY = ("a study trains dozens of runs (minutes to days); tests/test_study.py runs --dry-run and "
          "--local on tiny specs, tests/test_study_slurm.py --slurm, and parses both shipped specs")
+LOCAL_CLUSTER = ("the CPU-cluster study walkthrough starts the machine-wide local Slurm; "
+                 "tests/test_study_slurm.py runs the same on the tests' own cluster (spec defaults, "
+                 "no --sbatch-args, the cap, evaluations in the job, the report)")
 SHARED = "reads ../shared/data, which the project's tests must not depend on"
 NOT_RUN = {
     "scse-study configs/studies/repro-cpu.yaml --dry-run": STUDY,
     "scse-study configs/studies/repro-cpu.yaml --local": STUDY,
     "scse-study configs/studies/gpt2-small.yaml --slurm --max-parallel 4": STUDY,
+    "bash slurm/local-cluster.sh start": LOCAL_CLUSTER,
+    "scse-data quickstart --out data/tiny-cpu --vocab-size 512 --heldout-fraction 0.05": LOCAL_CLUSTER,
+    "scse-study configs/studies/cpu-cluster.yaml --dry-run": LOCAL_CLUSTER,
+    "scse-study configs/studies/cpu-cluster.yaml --slurm --max-parallel 2": LOCAL_CLUSTER,
+    "squeue -o '%.8i %.26j %.8T %.8M %R'": LOCAL_CLUSTER,
+    "cat studies/cpu-cluster/report/report.md": LOCAL_CLUSTER,
     "scse-data tokenizer --input ../shared/data/webtext/c4_en_train00000_first1000.jsonl --vocab-size 4096 --out data/webtext/tokenizer.model": SHARED,
     "scse-data shards --input ../shared/data/webtext/c4_en_train00000_first1000.jsonl --tokenizer data/webtext/tokenizer.model --out data/webtext/shards --heldout-fraction 0.05": SHARED,
     "mkdir -p data/eval": SHARED,
