@@ -89,6 +89,7 @@ def speculative_generate(model, prompts: Sequence[Sequence[int]], *, max_new_tok
         raise ValueError(f"speculative: K (drafted tokens per round) must be >= 1, got "
                          f"{draft_tokens}")
     depth = depth if depth is not None else model.fixed_depth or model.cfg.depth
+    model.core.transition.check_depth(depth)  # an untied model runs only its fixed depth
     check_draft_depth(draft_depth, depth)
     device = next(model.parameters()).device
     pending, mask = (t.to(device) for t in left_pad(prompts))

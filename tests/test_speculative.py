@@ -209,6 +209,9 @@ def test_bad_speculative_arguments_are_one_clear_error() -> None:
     with pytest.raises(ValueError, match=r"draft depth must lie in 1..3 \(below the depth 4\), "
                                          "got 4"):
         generate(model, prompts(3), max_new_tokens=2, speculative=(4, 2))
+    untied = model_of(**KINDS[0])
+    with pytest.raises(ValueError, match="has the fixed depth 4, got 5"):
+        generate(untied, prompts(3), max_new_tokens=2, depth=5, speculative=(1, 2))
     with pytest.raises(ValueError, match="speculative: runs with the exact cache"):
         generate(model, prompts(3), max_new_tokens=2, speculative=(1, 2), cache="shared")
 
