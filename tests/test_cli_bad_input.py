@@ -120,8 +120,8 @@ CASES = {
 }
 # The cases whose bad input is only found by loading the weights (with torch).
 LOADS_WEIGHTS = {"--task lambada --data {d}/good.jsonl --checkpoint {broken}", "{broken} --prompt x"}
-# Commands that still import torch before checking their input: scse_dist.generate holds the
-# command and the library together, and is being reworked (self-speculative decoding).
+# Commands that still import torch before checking their input (open): scse_dist.generate holds
+# the command and the torch library together (see tests/test_cli_fast.py).
 IMPORTS_TORCH_FIRST = {"generate"}
 SCRIPTS = {"data": "scse-data", "eval": "scse-eval", "train": "scse-train", "report": "scse-report",
            "launch": "scse-launch", "export": "scse-export", "generate": "scse-generate"}
