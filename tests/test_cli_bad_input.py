@@ -120,9 +120,6 @@ CASES = {
 }
 # The cases whose bad input is only found by loading the weights (with torch).
 LOADS_WEIGHTS = {"--task lambada --data {d}/good.jsonl --checkpoint {broken}", "{broken} --prompt x"}
-# Commands that still import torch before checking their input (open): scse_dist.generate holds
-# the command and the torch library together (see tests/test_cli_fast.py).
-IMPORTS_TORCH_FIRST = {"generate"}
 SCRIPTS = {"data": "scse-data", "eval": "scse-eval", "train": "scse-train", "report": "scse-report",
            "launch": "scse-launch", "export": "scse-export", "generate": "scse-generate"}
 IDS = [(command, i) for command, rows in CASES.items() for i in range(len(rows))]
@@ -209,8 +206,7 @@ def test_bad_input_is_one_line_naming_the_file(results, key):
     # Rejecting bad input needs neither torch nor DeepSpeed (seconds of imports), unless the bad
     # input is the weights themselves.
     heavy = sorted(proc.imported & {"torch", "deepspeed"})
-    torch_expected = args in LOADS_WEIGHTS or command in IMPORTS_TORCH_FIRST
-    assert heavy == (["torch"] if torch_expected else []), context
+    assert heavy == (["torch"] if args in LOADS_WEIGHTS else []), context
 
 
 def test_only_bad_input_becomes_a_line_a_bug_still_raises(capsys):

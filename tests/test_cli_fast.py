@@ -31,15 +31,7 @@ def description(help_text: str) -> str:
     return help_text.split("\n\n")[1]
 
 
-# Open: scse_dist.generate holds the command and the torch library together (the command's
-# constants live in torch modules: CACHE_CHOICES there, DEFAULT_DRAFT_TOKENS and
-# parse_speculative in scse_dist.speculative). Strict: this fails once the command is torch-free.
-GENERATE_FIRST_IMPORTS_TORCH = pytest.mark.xfail(strict=True, reason="imports torch at the top")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=GENERATE_FIRST_IMPORTS_TORCH)
-                                  if n == "scse-generate" else n
-                                  for n in [*sorted(SCRIPTS), "launch/train.py"]])
+@pytest.mark.parametrize("name", [*sorted(SCRIPTS), "launch/train.py"])
 def test_help_imports_neither_torch_nor_deepspeed(name, subprocess_env):
     proc = run_profiling_imports(command(name) + ["--help"], subprocess_env, cwd=REPO_ROOT,
                                  timeout=120)

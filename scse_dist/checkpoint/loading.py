@@ -86,13 +86,14 @@ def checkpoint_weights(root: Path, tag: str) -> dict[str, torch.Tensor]:
 def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, RunConfig]:
     """The model (eval mode, on `device`) and its RunConfig from an export or a DeepSpeed checkpoint."""
     from scse_dist.checkpoint.export import load_exported_model
-    from scse_dist.model import LoopedLM
 
     p = Path(path)
     if _is_export(p):
         return load_exported_model(p, device=device)
-    root, tag, config = deepspeed_checkpoint(p)
+    root, tag, config = deepspeed_checkpoint(p)  # a bad path fails here, before torch loads
     cfg = load_config(config)
+    from scse_dist.model import LoopedLM
+
     model = LoopedLM(cfg.model)
     state = checkpoint_weights(root, tag)
     try:
