@@ -10,6 +10,10 @@ Exit statuses shared by every command (scse-train adds 3 and 75, see scse_dist.t
     66  an input that is missing or cannot be read: no such file, an unreachable URL, no
         permission (OSError; sysexits' EX_NOINPUT)
 
+Ctrl-C in any command is one line, `<prog>: interrupted`, and exit status 130 (128 + SIGINT, what
+a shell reports), never a traceback; a command that saves partial work first raises
+`Interrupted("what was kept")` and the line says so.
+
 Errors are raised where the input is read, with the file and line in the message (e.g.
 scse_dist.data.sources); this module only maps their types to a line and a status. Anything else
 (a genuine bug) still ends in a traceback.
@@ -28,6 +32,11 @@ from scse_dist.config import ConfigError
 EXIT_CONFIG = 2
 EXIT_BAD_INPUT = 65
 EXIT_NO_INPUT = 66
+EXIT_INTERRUPTED = 130
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, after the command kept what it could; the message says what (one line)."""
 
 
 class InputError(ValueError):
@@ -64,6 +73,10 @@ def cli_main(prog: str) -> Callable:
         def run(argv: Optional[Sequence[str]] = None) -> int:
             try:
                 return main(argv)
+            except KeyboardInterrupt as exc:
+                note = f": {one_line(exc)}" if str(exc) else ""
+                print(f"\n{prog}: interrupted{note}", file=sys.stderr, flush=True)
+                return EXIT_INTERRUPTED
             except Exception as exc:
                 status = exit_status(exc)
                 if status is None:

@@ -1,4 +1,4 @@
-"""Every command in README.md's ```bash blocks runs as written, in a temp dir that looks like a
+"""Every command in the ```bash blocks of README.md and docs/*.md runs as written, in a temp dir that looks like a
 checkout (configs/, launch/, slurm/ linked in), so a README that drifts from the code fails here.
 
 Each command (a line, or one `&&` part of a line) is either in RUN, which holds its exact README
@@ -33,6 +33,12 @@ from scse_dist.launch.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+# Every page a user reads commands from: the README and the topic pages it links.
+DOC_PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
+
+
+def doc_text() -> str:
+    return "\n".join(page.read_text() for page in DOC_PAGES)
 
 # gpt2-small shrunk to CPU size through trailing overrides (what the README offers for trying it).
 GPT2_ON_CPU = (f"model.d_model=32 model.n_heads=2 model.vocab_size={TINY_VOCAB} "
@@ -259,7 +265,8 @@ NOT_RUN = {
     "lm_eval --model hf --model_args pretrained=runs/quickstart/export,trust_remote_code=True --include_path scse_dist/lmeval/tasks --tasks scse_lambada --metadata lambada=lambada_test.jsonl --device cpu":
         "lm-eval's hf model needs accelerate (lm_eval[hf]); tests/test_lmeval.py runs it on a tiny "
         "export against --model scse (test_hf_model_agrees_with_scse_model)",
-    "pytest": "runs the test suite, this test included",
+    "pytest": "runs the test suite's fast tier",
+    "pytest -m slow": "runs the test suite's slow tier, this test included",
     "sbatch slurm/pretrain.sh configs/gpt2-small-scse.yaml": SLURM,
     "sbatch slurm/eval.sh --checkpoint runs/NAME/export --task lambada --data lambada_test.jsonl --out x.json":
         SLURM,
@@ -267,12 +274,12 @@ NOT_RUN = {
 
 
 def test_every_readme_command_is_run_or_listed():
-    commands = readme_commands(README.read_text())
+    commands = readme_commands(doc_text())
     run = [s.command for s in RUN]
     unknown = [c for c in commands if c not in run and c not in NOT_RUN]
-    assert not unknown, f"README commands neither run by this test nor listed in NOT_RUN: {unknown}"
+    assert not unknown, f"README/docs commands neither run by this test nor listed in NOT_RUN: {unknown}"
     gone = [c for c in [*run, *NOT_RUN] if c not in commands]
-    assert not gone, f"commands this test expects that README.md no longer has: {gone}"
+    assert not gone, f"commands this test expects that README.md and docs/ no longer have: {gone}"
     assert len(set(run)) == len(run)
     # The shorter quickstart the tests run is the one the README offers.
     quickstart = next(s for s in RUN if s.check is check_quickstart)
@@ -298,9 +305,9 @@ def test_readme_commands_run_as_written(tmp_path, user_env):
     for name in ("configs", "launch", "slurm"):
         (checkout / name).symlink_to(REPO / name)
     write_inputs(checkout)
-    commands = readme_commands(README.read_text())
+    commands = readme_commands(doc_text())
     for step in RUN:
-        assert step.command in commands, f"README.md no longer has: {step.command}"
+        assert step.command in commands, f"README.md and docs/ no longer have: {step.command}"
         line = step.command
         for old, new in step.edits + ((launcher_port(line.split()[0]),)
                                       if line.split()[0] in ("deepspeed", "torchrun") else ()):

@@ -183,7 +183,7 @@ def resume_if_present(engine: Any, run_dir: str | Path, stream: Any, named: Opti
     _set_rng_state(ranks[rank % len(ranks)]["rng"])
     if saved_world != world and is_rank0():
         print(f"{root / named}: saved by {saved_world} ranks, resumed by {world} (the global batch "
-              "and LR schedule continue; the data position is exact, see README)", flush=True)
+              "and LR schedule continue; the data position is exact, see docs/data.md)", flush=True)
     if is_rank0():
         print(f"resumed {path} at step {step} (data stream and RNG restored)", flush=True)
     return step

@@ -1,6 +1,6 @@
 """Faults during training: preemption signals, non-finite steps, and fault injection for tests.
 
-Exit statuses of `scse-train` / `launch/train.py` (documented in the README, "Faults"):
+Exit statuses of `scse-train` / `launch/train.py` (documented in docs/checkpoints.md):
   0   finished (checkpoint and export written)
   2   config error, before any process group started
   3   stopped after `train.max_nonfinite_steps` non-finite steps in a row; the last good

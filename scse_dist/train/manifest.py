@@ -8,7 +8,7 @@ shards. A resume checks the tag `latest` names against it (`verify_tag`) and fal
 newest intact older tag.
 
 Why xxh3-64: it hashes ~5 GB/s on one CPU core against ~1.3 GB/s for sha256 and ~0.6 GB/s for
-blake2b (GPT-2-small-sized 1.5 GB file, README), and it only has to catch truncation and
+blake2b (GPT-2-small-sized 1.5 GB file, docs/checkpoints.md), and it only has to catch truncation and
 corruption, not an attacker.
 """
 

@@ -31,7 +31,7 @@ PREVIOUS_RUN_FILES = ("checkpoints", "metrics.jsonl", "export", "eval")
 # Fields that make a checkpoint another model or another token stream. Everything else may change
 # at a resume (max_steps, cadences, eval.*, wandb.*, ...); world size, num_workers, the batch
 # split and data.seq_len are the business of checkpoint.resume_if_present and TokenStream.resume
-# (token-exact positions, README "Data").
+# (token-exact positions, docs/data.md).
 REFUSED_PREFIXES = ("model.",)
 REFUSED_FIELDS = {"data.path", "data.tokenizer", "data.heldout_fraction",
                   "data.shuffle_buffer", "data.mixture_paths", "data.mixture_weights", "train.seed"}

@@ -216,7 +216,7 @@ class RunStorage:
                              after_file=lambda: faults.mid_upload(_step_of(tag)) if faults else None)
                 if is_rank0():
                     self._verify(tag, manifest)
-            except Exception as err:  # reported, never raised: training goes on (README, Faults)
+            except Exception as err:  # reported, never raised: training goes on (docs/checkpoints.md)
                 print(f"upload of {tag} to {self.remote} failed: {' '.join(str(err).split())}; it "
                       f"stays in {source} and is retried at the next save", flush=True)
                 continue
