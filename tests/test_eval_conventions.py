@@ -58,3 +58,31 @@ def test_lambada_passage_without_a_split_is_one_line(tmp_path, text, message):
     path.write_text(json.dumps({"text": "fine passage"}) + "\n" + json.dumps({"text": text}) + "\n")
     with pytest.raises(ValueError, match=re.escape(f"{path}:2: {message}")):
         read_lambada(str(path))
+
+
+WIKI = (" \n = Robert Boulter = \n \n Robert Boulter is an English film and television actor . "
+        "He had a guest @-@ starring role in 2000 , at 1 @,@ 000 m . \n \n"
+        " = Du Fu = \n \n Du Fu ( 712 – 770 ) was a prominent Chinese poet . \n")
+
+
+def test_wikitext_counts_against_lm_eval_wikitext_task(tmp_path):
+    """The conventions docs/evaluation.md states, checked against lm-eval's own `wikitext` task
+    code: the same bytes per article; words by str.split(), which is lm-eval's count less one for
+    the leading and one for the trailing whitespace of an article; and scse-eval scores the raw
+    text where lm-eval first detokenizes it (" @-@ " -> "-", " , " -> ", ")."""
+    from lm_eval.tasks.wikitext import preprocess_wikitext as stock
+    from scse_dist.data.sources import read_wikitext_articles
+
+    path = tmp_path / "wiki.test.raw"
+    path.write_text(WIKI)
+    articles = read_wikitext_articles(str(path))
+    assert len(articles) == 2
+    for page in articles:
+        counts = stock.process_results({"page": page}, [-1.0])
+        edges = int(page[0].isspace()) + int(page[-1].isspace())
+        assert edges == 2  # every article begins with " " and ends with "\n"
+        assert counts["word_perplexity"][1] == len(page.split()) + edges
+        assert counts["bits_per_byte"][1] == len(page.encode("utf-8"))
+    detokenized = stock.wikitext_detokenizer({"page": articles[0]})
+    assert "guest-starring" in detokenized and "1,000" in detokenized
+    assert "guest @-@ starring" in articles[0].strip()  # what scse-eval scores
