@@ -3,11 +3,14 @@ order, progress (items, rate, ETA) on stderr, and Ctrl-C writes the results of t
 marked partial, with one line saying how far it got (exit 130 from scse-eval)."""
 
 import json
+import fcntl
 import os
 import pty
 import re
 import signal
+import struct
 import subprocess
+import termios
 import time
 
 import pytest
@@ -173,9 +176,11 @@ def test_scse_eval_progress_lines_and_ctrl_c(export, tmp_path, user_env):
 
 @pytest.mark.slow
 def test_scse_eval_shows_a_bar_on_a_terminal(export, tmp_path, user_env):
-    """stderr a terminal (a pty): tqdm's bar, ending at 100% with the passage count."""
+    """stderr a terminal (a pty of 24 x 120, as a terminal window has a size): tqdm's bar,
+    ending at 100% with the passage count."""
     data = _lambada_file(tmp_path / "l.jsonl", _passages(10, seed=3))
     primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     proc = subprocess.Popen(_eval_command(export, data, tmp_path / "r.json"), env=user_env,
                             stdout=subprocess.DEVNULL, stderr=secondary)
     os.close(secondary)

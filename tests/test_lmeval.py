@@ -5,6 +5,7 @@ touching the Hugging Face hub; the exit rule, generation and the CLI's argument 
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -128,6 +129,11 @@ def test_lm_eval_agrees_with_scse_eval(lm_data, tmp_path, user_env):
     (results_file,) = (tmp_path / "results").rglob("results_*.json")
     results = json.loads(results_file.read_text())["results"]
     lm_lambada, lm_wiki = results["scse_lambada"], results["scse_wikitext"]
+    # lm-eval leaves progress to the model: the scse model's line per task (stderr is not a
+    # terminal here: one line at the end of each task)
+    for task, windows in (("scse_lambada", "24"), ("scse_wikitext", r"\d+")):
+        assert re.search(rf"^scse {task} T={DEPTH}: ({windows})/\1 window, [\d.]+ window/s, "
+                         r"elapsed \d+:\d\d, ETA 0:00$", out.stderr, re.M), out.stderr[-3000:]
 
     ours = _scse_eval("lambada", export, lambada, tmp_path / "lambada.json")
     assert ours["examples"] == 24 and 0 < ours["accuracy"] < 1  # a test that can tell them apart
