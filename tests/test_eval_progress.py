@@ -23,7 +23,7 @@ from scse_dist.eval import scorer as scorer_module
 from scse_dist.eval.scoring import context_target_window, score_windows
 from scse_dist.eval.tasks import context_target_ids, run_task
 from scse_dist.data.sources import read_lambada
-from scse_dist.export import load_exported_model, save_exported_model
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.model import LoopedLM
 from conftest import TINY_VOCAB
 

@@ -6,7 +6,8 @@ import time
 import pytest
 
 from scse_dist.config import config_from_dict
-from scse_dist.eval.report import collect, main, markdown_table, write_report
+from scse_dist.eval.report import collect, markdown_table, write_report
+from scse_dist.study.report_cli import main
 from scse_dist.eval.results import write_results
 
 

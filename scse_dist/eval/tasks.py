@@ -302,7 +302,7 @@ def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depth
     if exit_rule is not None and task == "diagnose":
         raise ValueError("exit_rule: diagnose measures the loop at fixed depths; use --exit with "
                          "heldout, wikitext or lambada")
-    from scse_dist.launch.distributed import is_rank0
+    from scse_dist.distributed import is_rank0
 
     stats = ExitStats(exit_rule) if exit_rule is not None else None
     tokenizer, inputs, shards = task_data or read_task_data(task, cfg, data, tokenizer)
