@@ -20,7 +20,7 @@ from scse_dist.cli_errors import Interrupted
 from scse_dist.config import config_from_dict
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.eval import scorer as scorer_module
-from scse_dist.eval.scoring import context_target_window, score_windows
+from scse_dist.eval.scoring import context_target_window, document_windows, score_windows
 from scse_dist.eval.tasks import context_target_ids, run_task
 from scse_dist.data.sources import read_lambada
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
@@ -135,6 +135,37 @@ def test_ctrl_c_in_heldout_keeps_the_batches_done(export, tiny_data, tmp_path, m
     partial = json.loads((tmp_path / "b.json").read_text())
     assert partial["partial"] == {"done": 2, "total": 3, "unit": "batch"}
     assert partial["results"] == full
+
+
+def test_ctrl_c_in_wikitext_keeps_the_documents_whose_windows_all_scored(export, tmp_path,
+                                                                         monkeypatch):
+    """Disjoint windows, one per batch, longest first: the long article's last window is shorter
+    than the short article's one, so stopping right after the short one leaves the long one
+    incomplete, and the partial rows are the short article's, as if run alone."""
+    model, cfg = load_exported_model(export)
+    cfg.eval.batch_size, seq_len = 1, cfg.data.seq_len
+    tok = Tokenizer.load(cfg.data.tokenizer)
+    short = " = Short = \n the cat sees the red ball . \n"
+    words = " ".join(_passages(40, seed=4)).split()
+    n = next(n for n in range(60, len(words))  # the long one's last window: 2-5 tokens
+             if 1 <= len(tok.encode(" = Long = \n " + " ".join(words[:n]))) % seq_len <= 4)
+    long = " = Long = \n " + " ".join(words[:n]) + " \n"
+    (tmp_path / "wiki.raw").write_text(long + short)
+    windows = [(doc, len(w.tokens)) for doc, text in enumerate([long, short])
+               for w in document_windows(tok.encode(text.strip()), tok.eos_id, seq_len, seq_len)]
+    order = sorted(windows, key=lambda w: -w[1])
+    batches = [doc for doc, _ in order].index(1) + 1  # up to the short article's one window
+    assert [doc for doc, _ in order[batches:]] == [0]  # the long one's last window to go
+    _stop_after(monkeypatch, batches)
+    with pytest.raises(Interrupted, match=r"^wikitext: 1/2 documents scored .*partial results in "):
+        run_task("wikitext", model, cfg, str(tmp_path / "wiki.raw"), [1, 2],
+                 str(tmp_path / "p.json"), "x", stride=seq_len)
+    partial = json.loads((tmp_path / "p.json").read_text())
+    assert partial["partial"] == {"done": 1, "total": 2, "unit": "document"}
+    monkeypatch.undo()
+    (tmp_path / "short.raw").write_text(short)
+    assert partial["results"] == run_task("wikitext", model, cfg, str(tmp_path / "short.raw"),
+                                          [1, 2], str(tmp_path / "s.json"), "x", stride=seq_len)
 
 
 # --------------------------------------------------------------------------- as a user runs it

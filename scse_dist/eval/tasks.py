@@ -58,16 +58,17 @@ def _progress(desc: Optional[str], total: Optional[int], unit: str) -> Progress:
 
 
 def _scores(model: torch.nn.Module, windows: list[Window], depths: list[int], batch_size: int,
-            exit_stats: Optional[ExitStats], desc: Optional[str], unit: str, per_item: Any
-            ) -> tuple[list[int], list[list[Optional[Score]]]]:
-    """score_windows with progress; on Ctrl-C, TaskInterrupted with `per_item(depths, scores)`:
-    (rows over the items whose windows are all scored, items done, items in all)."""
+            exit_stats: Optional[ExitStats], desc: Optional[str], unit: str, item: str,
+            per_item: Any) -> tuple[list[int], list[list[Optional[Score]]]]:
+    """score_windows with progress in `unit`s (one per window); on Ctrl-C, TaskInterrupted in
+    `item`s from `per_item(depths, scores)`: (rows over the items whose windows are all
+    scored, items done, items in all)."""
     try:
         with _progress(desc, len(windows), unit) as progress:
             return score_windows(model, windows, depths, batch_size, exit_stats, progress)
     except ScoringInterrupted as stop:
         rows, done, total = per_item(stop.depths, stop.scores)
-        raise TaskInterrupted(rows if done else None, done, total, unit) from None
+        raise TaskInterrupted(rows if done else None, done, total, item) from None
 
 
 def document_rows(model: torch.nn.Module, tokenizer: Any, documents: list[str], depths: list[int],
@@ -98,7 +99,7 @@ def document_rows(model: torch.nn.Module, tokenizer: Any, documents: list[str], 
         return table, len(done), len(documents)
 
     depths, scores = _scores(model, windows, depths, batch_size, exit_stats, desc, "window",
-                             per_document)
+                             "document", per_document)
     return _document_table(depths, scores, documents)
 
 
@@ -147,7 +148,7 @@ def lambada_rows(model: torch.nn.Module, tokenizer: Any, passages: list[Passage]
         return _lambada_table(depths, done), len(done[0]), len(passages)
 
     depths, scores = _scores(model, windows, depths, batch_size, exit_stats, desc, "passage",
-                             per_passage)
+                             "passage", per_passage)
     return _lambada_table(depths, scores)
 
 
