@@ -5,6 +5,7 @@ touching the Hugging Face hub; the exit rule, generation and the CLI's argument 
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from scse_dist.data.tokenizer import Tokenizer  # noqa: E402
 from scse_dist.eval.cli import main as eval_main  # noqa: E402
 from scse_dist.checkpoint.export import save_exported_model  # noqa: E402
 from scse_dist.lmeval import TASKS_DIR  # noqa: E402
-from scse_dist.lmeval.cli import hoist_model_args, names_scse_model  # noqa: E402
+from scse_dist.lmeval.cli import hoist_model_args, model_named  # noqa: E402
 from scse_dist.lmeval.model import ScseLM, exit_scorer  # noqa: E402
 from scse_dist.model.exit_rules import parse_exit_rule  # noqa: E402
 from scse_dist.model import LoopedLM  # noqa: E402
@@ -128,6 +129,11 @@ def test_lm_eval_agrees_with_scse_eval(lm_data, tmp_path, user_env):
     (results_file,) = (tmp_path / "results").rglob("results_*.json")
     results = json.loads(results_file.read_text())["results"]
     lm_lambada, lm_wiki = results["scse_lambada"], results["scse_wikitext"]
+    # lm-eval leaves progress to the model: the scse model's line per task (stderr is not a
+    # terminal here: one line at the end of each task)
+    for task, windows in (("scse_lambada", "24"), ("scse_wikitext", r"\d+")):
+        assert re.search(rf"^scse {task} T={DEPTH}: ({windows})/\1 window, [\d.]+ window/s, "
+                         r"elapsed \d+:\d\d, ETA 0:00$", out.stderr, re.M), out.stderr[-3000:]
 
     ours = _scse_eval("lambada", export, lambada, tmp_path / "lambada.json")
     assert ours["examples"] == 24 and 0 < ours["accuracy"] < 1  # a test that can tell them apart
@@ -254,12 +260,13 @@ def test_model_args_batch_size_and_device_become_cli_flags():
     assert hoist_model_args(["--model_args=pretrained=/m"]) == ["--model_args", "pretrained=/m"]
 
 
-def test_the_scse_model_is_imported_only_when_named():
-    # registering it imports torch: `--help`, `ls tasks` or another model need not wait for that
+def test_the_model_the_arguments_run():
+    # registering scse (and threads for any model) imports torch: `--help` and `ls tasks` skip it
     for args in (["--model", "scse"], ["run", "--model=scse", "--tasks", "t"], ["-m", "scse"]):
-        assert names_scse_model(args), args
-    for args in (["--help"], ["ls", "tasks"], ["--model", "hf"], ["--tasks", "scse"], ["-m"]):
-        assert not names_scse_model(args), args
+        assert model_named(args) == "scse", args
+    assert model_named(["--tasks", "scse", "--model", "hf"]) == "hf"
+    for args in (["--help"], ["ls", "tasks"], ["--tasks", "scse"], ["-m"]):
+        assert model_named(args) is None, args
 
 
 def test_generate_until_is_greedy_and_stops(lm_data):

@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done; 2 bad arguments; 65 bad input data (empty file, malformed JSON line,
     not UTF-8, a passage of one word, a tokenizer that is not one or too big for the model);
-    66 a checkpoint, data or tokenizer that is missing or unreadable. Errors are one line on
-    stderr naming the file (and line)."""
+    66 a checkpoint, data or tokenizer that is missing or unreadable; 130 Ctrl-C, after writing
+    the results of the items done (marked "partial"). Errors are one line on stderr naming the
+    file (and line). Progress (items done, rate, ETA) goes to stderr."""
     parser = build_parser()
     args = parser.parse_args(argv)
     set_verbose(args.verbose)
@@ -136,7 +137,9 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoi
     import torch  # only now: bad input above is reported without it
 
     from scse_dist.eval.tasks import run_task
+    from scse_dist.threads import configure_threads
 
+    configure_threads()  # torch's default threads beside another busy process: 10x slower
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, _ = load_model(checkpoint, device=device)
     run_task(args.task, model, cfg, data, args.depths or cfg.eval.depths, args.out,

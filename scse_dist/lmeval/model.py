@@ -45,6 +45,7 @@ from scse_dist.eval.tasks import context_target_ids
 from scse_dist.generate import Sampling, generate, next_tokens
 from scse_dist.lmeval import MODEL_NAME
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
+from scse_dist.progress import Progress
 
 class ExitScorer:
     """Loop depth for the harness's requests: `depth` steps per token, or an exit rule's adaptive
@@ -58,11 +59,11 @@ class ExitScorer:
         self.stats: dict[str, ExitStats] = {}  # task name -> steps of its scored tokens
 
     def score(self, model: torch.nn.Module, windows: list[Window], batch_size: int,
-              task: str = "") -> list[Score]:
+              task: str = "", progress: Optional[Progress] = None) -> list[Score]:
         stats = None
         if self.rule is not None:
             stats = self.stats.setdefault(task, ExitStats(self.rule))
-        return score_windows(model, windows, [self.depth], batch_size, stats)[1][0]
+        return score_windows(model, windows, [self.depth], batch_size, stats, progress)[1][0]
 
     def next_logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """(B, V) logits for the token after each row of `tokens` (B, S)."""
@@ -166,7 +167,7 @@ class ScseLM(LM):
             context_ids, target_ids = context_target_ids(self.tokenizer, context, continuation)
             windows.append(context_target_window(context_ids, target_ids, self.eot_token_id,
                                                  self.max_length))
-        scores = self._score(requests, windows)
+        scores = self._score(requests, windows, disable_tqdm)
         return [(-s.nll, s.all_correct) for s in scores]
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False
@@ -179,20 +180,28 @@ class ScseLM(LM):
                 windows.append(w)
                 owner.append(i)
         totals = [0.0] * len(requests)
-        for i, score in zip(owner, self._score([requests[i] for i in owner], windows)):
+        for i, score in zip(owner, self._score([requests[i] for i in owner], windows,
+                                               disable_tqdm)):
             totals[i] -= score.nll
         return totals
 
-    def _score(self, requests: list[Instance], windows: list[Window]) -> list[Score]:
+    def _score(self, requests: list[Instance], windows: list[Window], quiet: bool = False
+               ) -> list[Score]:
         """Each request's window(s) scored, task by task in request order (so the steps used are
-        counted per task, and a task's batches are those scse-eval forms on the same data)."""
+        counted per task, and a task's batches are those scse-eval forms on the same data).
+        lm-eval leaves progress to the model: windows done, rate and ETA per task on stderr
+        (scse_dist.progress) on rank 0, unless lm-eval passes disable_tqdm."""
         tasks: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
             tasks.setdefault(getattr(request, "task_name", None) or "", []).append(i)
         scores: list[Optional[Score]] = [None] * len(windows)
         for task, rows in tasks.items():
-            for i, score in zip(rows, self.scorer.score(self.model, [windows[i] for i in rows],
-                                                        self.batch_size, task)):
+            label = f"scse {task or 'requests'} T={self.depth}"
+            with Progress(len(rows), label, unit="window",
+                          enabled=not quiet and self.rank == 0) as progress:
+                task_scores = self.scorer.score(self.model, [windows[i] for i in rows],
+                                                self.batch_size, task, progress)
+            for i, score in zip(rows, task_scores):
                 scores[i] = score
             if self.scorer.rule is not None:
                 summary = self.scorer.stats[task].summary()
