@@ -1,0 +1,120 @@
+"""The scheduler backend protocol: a study goes through it only (a recording backend sees the
+arrays, caps, dependencies and checks it asks for), Slurm's flags are what the study submitted
+before the protocol, and the local backend runs real jobs here in dependency order."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from recording_backend import RecordingBackend
+from scse_dist.launch.backends import BackendError, Job, LocalBackend, Resources, SlurmBackend
+from scse_dist.launch.backends.slurm import resource_flags
+from scse_dist.study import execute
+from scse_dist.study.plan import StudyError
+from scse_dist.study.spec import parse_spec
+
+
+def spec_with_sweep(tmp_path, tiny_config, **fields):
+    spec = {"name": "s", "out": str(tmp_path / "studies"), "base": tiny_config(tmp_path),
+            "variants": {"scse": {"overrides": {}}, "looped": {"overrides": {"model.recurrence": "looped"}}},
+            "seeds": [0, 1], "lr": {"values": [1e-3, 3e-3], "validation": "v.txt"},
+            "slurm": {"gpus_per_node": 2, "time_min": 30}, **fields}
+    return parse_spec(spec, str(tmp_path / "spec.yaml"))
+
+
+def test_a_study_stage_is_one_checked_capped_array_then_a_job_after_it(tmp_path, tiny_config,
+                                                                      monkeypatch):
+    spec = spec_with_sweep(tmp_path, tiny_config)
+    backend = RecordingBackend(current="7")
+    monkeypatch.setenv("SCSE_STUDY_STAGE_JOB", "1")  # submitted by a stage job: after it
+    ids = execute.submit_stage(spec, "sweep", 3, backend, ["--account=me"], ["SPEC", "--backend=x"])
+    assert backend.kinds() == ["check", "array", "submit"]
+    (_, checked), (_, array, count, cap, array_id), (_, nxt, next_id) = backend.calls
+    assert checked == array and (count, cap) == (4, 3)  # 2 variants x 2 rates at lr.seed, cap 3
+    assert array.script and array.command == [str(execute.pretrain_script(None)), "--config-list",
+                                              str((spec.study_dir / "configs-sweep.txt").resolve())]
+    assert array.resources == Resources(gpus_per_node=2, time_min=30)  # the spec's slurm: section
+    assert (array.after, array.dependency, array.extra_args) == (["7"], "afterany", ["--account=me"])
+    assert array.env == {"SCSE_SCHEDULE_EVALS": "0", "SCSE_EVAL_IN_JOB": "0"}  # no test sets
+    assert (nxt.after, nxt.dependency, nxt.name) == ([array_id], "afterany", "s-choose-lr")
+    assert nxt.command[-4:] == ["SPEC", "--backend=x", "--stage", "final"]
+    assert ids == {"stage": "sweep", "array": array_id, "next": next_id,
+                   "runs": [str(tmp_path / f"studies/s/{v}/{v}-lr{r}-seed0")
+                            for v in ("scse", "looped") for r in ("0.001", "0.003")]}
+    assert json.loads((spec.study_dir / "slurm" / "sweep.json").read_text()) == ids
+
+
+def test_a_refused_request_is_one_line_naming_it_and_submits_nothing(tmp_path, tiny_config):
+    spec = spec_with_sweep(tmp_path, tiny_config)
+    backend = RecordingBackend(refuse="Requested node configuration is not available")
+    with pytest.raises(StudyError) as err:
+        execute.run_submitted(spec, "auto", 2, backend, ["--x"], [])
+    assert str(err.value) == ("the cluster cannot run the training jobs as requested (nodes=1 gpus=2 "
+                              "--x; spec field slurm and --sbatch-args): Requested node configuration "
+                              "is not available")
+    assert backend.kinds() == ["check"]
+
+
+def test_a_refused_next_job_cancels_the_array(tmp_path, tiny_config):
+    spec = spec_with_sweep(tmp_path, tiny_config)
+    backend = RecordingBackend(fail_submit_at=0)
+    with pytest.raises(StudyError, match="queue is full"):
+        execute.run_submitted(spec, "sweep", 2, backend, [], [])
+    assert backend.kinds() == ["check", "array", "cancel"] and backend.calls[-1] == ("cancel", "100")
+
+
+def test_slurm_flags_are_the_sbatch_command_the_study_always_submitted(tmp_path):
+    res = Resources(nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8, time_min=60,
+                    partition="gpu", mem="8G")
+    assert resource_flags(res) == ["--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4",
+                                   "--cpus-per-task=8", "--time=60", "--partition=gpu", "--mem=8G"]
+    job = Job(command=["slurm/pretrain.sh", "--config-list", "L"], script=True, name="s-final",
+              resources=Resources(), log_dir=Path("/logs"), after=["7"], dependency="afterany",
+              env={"SCSE_EVAL_IN_JOB": "1"}, extra_args=["--account=me"])
+    assert SlurmBackend().sbatch_args(job, array="0-3%2") == [
+        "--array=0-3%2", "--job-name=s-final", "--output=/logs/%x-%A_%a.out",
+        "--error=/logs/%x-%A_%a.err", "--export=ALL,SCSE_EVAL_IN_JOB=1", "--dependency=afterany:7",
+        "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1",
+        "--account=me", "slurm/pretrain.sh", "--config-list", "L"]
+    wrapped = SlurmBackend().sbatch_args(Job(command=["python", "-c", "print('a b')"]))
+    assert wrapped == ["--wrap", "python -c 'print('\"'\"'a b'\"'\"')'"]
+
+
+def test_local_jobs_run_in_order_and_afterok_skips_what_follows_a_failure(tmp_path, monkeypatch,
+                                                                         capsys):
+    monkeypatch.delenv("SCSE_LOCAL_JOB_ID", raising=False)
+    backend = LocalBackend()
+    log = tmp_path / "order.txt"
+
+    def job(text: str, code: int = 0, **kw) -> Job:
+        script = f"echo {text}:${{SCSE_ARRAY_TASK_ID:-}} >> {log}; exit {code}"
+        return Job(command=["bash", "-c", script], name=text, log_dir=tmp_path / "logs", **kw)
+
+    ok = backend.submit(job("first"))
+    failed = backend.submit(job("second", code=3, after=[ok]))
+    never = backend.submit(job("third", after=[ok, failed]))
+    anyway = backend.submit(job("fourth", after=[failed], dependency="afterany"))
+    array = backend.submit_array(job("task", after=[anyway]), count=3, max_parallel=2)
+    assert log.read_text().split() == ["first:", "second:", "fourth:", "task:0", "task:1", "task:2"]
+    assert backend.exit_status == {ok: 0, failed: 3, never: None, anyway: 0, array: 0}
+    assert (tmp_path / "logs" / f"task-{array}_2.out").is_file()
+    assert f"local job {failed} (second) exited 3" in capsys.readouterr().out
+    assert backend.current_job() is None
+    with pytest.raises(BackendError, match="no local job 1.2"):
+        backend.cancel("1.2")
+
+
+def test_local_check_names_what_this_machine_cannot_give(monkeypatch):
+    backend = LocalBackend()
+    with pytest.raises(BackendError, match="nodes and tasks_per_node must be 1, got 2 and 1"):
+        backend.check(Job(command=["x"], resources=Resources(nodes=2)))
+    monkeypatch.setattr("scse_dist.launch.backends.local.visible_gpus", lambda: 0)
+    with pytest.raises(BackendError, match=r"has 0 GPU\(s\) and \d+ CPU\(s\); asked for 1 and 1"):
+        backend.check(Job(command=["x"], resources=Resources(gpus_per_node=1)))
+    with pytest.raises(BackendError, match="takes no batch-system flags, got --hold"):
+        backend.check(Job(command=["x"], extra_args=["--hold"]))
+    backend.check(Job(command=[sys.executable], resources=Resources()))
