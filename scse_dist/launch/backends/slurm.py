@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+from pathlib import Path
 from typing import Optional
 
 from scse_dist.launch.backends.base import Backend, BackendError, Job, Resources
@@ -51,7 +52,9 @@ class SlurmBackend(Backend):
     def request_flags(self, job: Job) -> list[str]:
         return resource_flags(job.resources) if job.resources else []
 
-    def _sbatch(self, args: list[str]) -> str:
+    def _sbatch(self, job: Job, args: list[str]) -> str:
+        if job.log_dir is not None:  # Slurm does not create it: a job without it fails at once
+            Path(job.log_dir).mkdir(parents=True, exist_ok=True)
         out = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True,
                              env=_submit_env())
         if out.returncode != 0:
@@ -59,10 +62,10 @@ class SlurmBackend(Backend):
         return out.stdout.strip().split(";")[0]  # "id" or "id;cluster"
 
     def submit(self, job: Job) -> str:
-        return self._sbatch(self.sbatch_args(job))
+        return self._sbatch(job, self.sbatch_args(job))
 
     def submit_array(self, job: Job, count: int, max_parallel: int) -> str:
-        return self._sbatch(self.sbatch_args(job, array=f"0-{count - 1}%{max_parallel}"))
+        return self._sbatch(job, self.sbatch_args(job, array=f"0-{count - 1}%{max_parallel}"))
 
     def check(self, job: Job) -> None:
         # --test-only: Slurm says whether and when it could start the job, and submits nothing
