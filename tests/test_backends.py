@@ -5,10 +5,14 @@ before the protocol, and the local backend runs real jobs here in dependency ord
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from conftest import REPO_ROOT
 
 from recording_backend import RecordingBackend
 from scse_dist.launch.backends import BackendError, Job, LocalBackend, Resources, SlurmBackend
@@ -118,3 +122,43 @@ def test_local_check_names_what_this_machine_cannot_give(monkeypatch):
     with pytest.raises(BackendError, match="takes no batch-system flags, got --hold"):
         backend.check(Job(command=["x"], extra_args=["--hold"]))
     backend.check(Job(command=[sys.executable], resources=Resources()))
+
+
+@pytest.mark.slow
+def test_local_backend_runs_a_study_through_the_same_job_flow(tmp_path, tiny_config, user_env):
+    """scse-study --backend local: the final array (a run that trains and one that fails), each
+    evaluated in its job, then the report stage job naming the failure; about a minute."""
+    base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint_every=4")
+    spec = {"name": "loc", "out": str(tmp_path / "studies"), "base": base, "seeds": [0],
+            "variants": {"scse": {"overrides": {}},
+                         "broken": {"overrides": {"data.path": str(tmp_path / "missing")}}},
+            "evals": {"tasks": ["heldout"], "depths": [1, 2]}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    out = subprocess.run([sys.executable, "-m", "scse_dist.study.cli", str(tmp_path / "spec.yaml"),
+                          "--backend", "local"], capture_output=True, text=True, cwd=REPO_ROOT,
+                         env=dict(user_env, WANDB_MODE="disabled"), timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    d = tmp_path / "studies" / "loc"
+    final = json.loads((d / "slurm" / "final.json").read_text())
+    assert f"local job {final['array']}_0 (loc-final) exited 0" in out.stdout, out.stdout
+    assert f"local job {final['array']}_1 (loc-final) exited 66" in out.stdout, out.stdout
+    run = d / "scse" / "scse-seed0"
+    heldout = json.loads((run / "eval" / "heldout.json").read_text())
+    assert [r["depth"] for r in heldout["results"]] == [1, 2] and (run / "eval" / "report.md").is_file()
+    report_log = (d / "slurm" / f"loc-report-{final['next']}.out").read_text()
+    assert f"FAILED {d / 'broken' / 'broken-seed0'}: training did not finish" in report_log, report_log
+    assert "## heldout ppl" in (d / "report" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_local_backend_launch_trains_evaluates_and_reports_in_one_job(tmp_path, tiny_config, user_env):
+    cfg = tiny_config(tmp_path, "train.max_steps=4", "eval.tasks=[heldout]")
+    out = subprocess.run(["scse-launch", cfg, "--backend", "local"], capture_output=True, text=True,
+                         cwd=tmp_path, env=dict(user_env, WANDB_MODE="disabled"), timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.splitlines()[-1]  # the job id alone, as sbatch --parsable prints it
+    assert f"local job {job} (pretrain-local) exited 0" in out.stdout
+    run = tmp_path / "runs" / "tiny"
+    assert [r["depth"] for r in json.loads((run / "eval" / "heldout.json").read_text())["results"]] == [1, 2]
+    assert (run / "eval" / "report.md").is_file() and not (run / "eval" / "scheduled.json").exists()
+    assert "scse-launch: report" in (tmp_path / f"pretrain-local-{job}.out").read_text()
