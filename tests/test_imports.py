@@ -8,7 +8,7 @@ transitions name LoopCore in annotations only; recurrence imports them at run ti
 Layers, lowest first; a module may import its own layer and the ones below (within a layer, the
 cycle check keeps the graph acyclic):
     model  <-  config, cli_errors, atomic, progress, threads, distributed, hf  <-  data
-    <-  checkpoint  <-  train, eval, generate  <-  launch, study, lmeval
+    <-  checkpoint  <-  train, eval, generate (sampling, speculative)  <-  launch, study, lmeval
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ LAYERS = [
     {"config", "cli_errors", "atomic", "progress", "threads", "distributed", "hf"},
     {"data"},
     {"checkpoint"},
-    {"train", "eval", "generate"},
+    {"train", "eval", "generate", "sampling", "speculative"},
     {"launch", "study", "lmeval"},
 ]
 # Known and open: ModelConfig.transition imports transitions lazily, and transitions imports the

@@ -173,8 +173,8 @@ def check_lm_eval(d: Path, out: str) -> None:
 
 
 def check_generate(d: Path, out: str) -> None:
-    # the prompt, then the continuation (a 30-step model may well continue with blank lines or
-    # stop at EOS: what it generates is tested in tests/test_generate.py)
+    # the prompt, then the continuation (this test's 30-step model may sample EOS early: what
+    # generation prints is tested in tests/test_generate.py and tests/test_speculative.py)
     assert out.startswith("Return the") and out.endswith("\n")
 
 
@@ -235,7 +235,9 @@ RUN = [
     Step("scse-export runs/quickstart --out quickstart-export", check_export),
     Step("scse-lm-eval --model scse --model_args pretrained=runs/quickstart/export,depth=8 --tasks scse_lambada,scse_wikitext --metadata lambada=lambada_test.jsonl wikitext=wikitext-103-raw/wiki.test.raw --output_path lm-eval",
          check_lm_eval),
-    Step('scse-generate runs/quickstart/export --prompt "Return the" --max-new-tokens 40',
+    Step('scse-generate runs/quickstart/export --prompt "Return the" --max-new-tokens 40 --temperature 0.8 --top-p 0.95 --seed 1',
+         check_generate),
+    Step('scse-generate runs/quickstart/export --prompt "Return the" --max-new-tokens 40 --depth 8 --speculative 1,4',
          check_generate),
     Step("scse-report runs/quickstart runs/quickstart-T8 --out reports/quickstart --wandb offline",
          check_report),
