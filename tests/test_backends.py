@@ -105,6 +105,7 @@ def test_local_jobs_run_in_order_and_afterok_skips_what_follows_a_failure(tmp_pa
     array = backend.submit_array(job("task", after=[anyway]), count=3, max_parallel=2)
     assert log.read_text().split() == ["first:", "second:", "fourth:", "task:0", "task:1", "task:2"]
     assert backend.exit_status == {ok: 0, failed: 3, never: None, anyway: 0, array: 0}
+    assert (backend.ended_with(failed), backend.ended_with(never)) == (3, None)
     assert (tmp_path / "logs" / f"task-{array}_2.out").is_file()
     assert f"local job {failed} (second) exited 3" in capsys.readouterr().out
     assert backend.current_job() is None
@@ -162,3 +163,11 @@ def test_local_backend_launch_trains_evaluates_and_reports_in_one_job(tmp_path, 
     assert [r["depth"] for r in json.loads((run / "eval" / "heldout.json").read_text())["results"]] == [1, 2]
     assert (run / "eval" / "report.md").is_file() and not (run / "eval" / "scheduled.json").exists()
     assert "scse-launch: report" in (tmp_path / f"pretrain-local-{job}.out").read_text()
+    # a training job that fails here is scse-launch's failure too: its status and one line
+    broken = subprocess.run(["scse-launch", cfg, f"data.path={tmp_path}/missing", "name=broken",
+                             "--backend", "local"], capture_output=True, text=True, cwd=tmp_path,
+                            env=dict(user_env, WANDB_MODE="disabled"), timeout=600)
+    job = broken.stdout.splitlines()[-1]
+    assert broken.returncode == 66 and broken.stderr == \
+        f"scse-launch: training job {job} exited 66 (its logs say why)\n", broken.stderr
+    assert "scse-train: error:" in (tmp_path / f"pretrain-local-{job}.err").read_text()

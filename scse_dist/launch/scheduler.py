@@ -169,7 +169,8 @@ def pretrain_script(given: str | None, relative: str = "slurm/pretrain.sh") -> P
 
 def submit_training(args: argparse.Namespace, backend: Backend) -> int:
     """The training job: the backend's batch script with CONFIG and the overrides (its own
-    defaults for name, resources and logs). Prints the job id alone on stdout."""
+    defaults for name, resources and logs). Prints the job id alone on stdout; 0 once submitted,
+    or, when the backend ran the job in place (local), the job's exit status."""
     try:
         script = pretrain_script(args.script, backend.training_script)
     except FileNotFoundError as exc:
@@ -177,14 +178,19 @@ def submit_training(args: argparse.Namespace, backend: Backend) -> int:
         return EXIT_CONFIG
     job = Job(command=[str(script), args.config, *args.overrides], script=True,
               extra_args=shlex.split(args.sbatch_args))
-    print(backend.submit(job), flush=True)
-    return 0
+    job_id = backend.submit(job)
+    print(job_id, flush=True)
+    status = backend.ended_with(job_id)  # a job run in place: its status is ours
+    if status:
+        print(f"scse-launch: training job {job_id} exited {status} (its logs say why)", file=sys.stderr)
+    return status or 0
 
 
 @cli_main("scse-launch")
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 submitted (or, --local, done); 1 the backend refused a job; 2 bad config or
-    no batch script; 65 bad input data; 66 an input missing or unreadable (--local)."""
+    no batch script; 65 bad input data; 66 an input missing or unreadable (--local); with
+    --backend local, the training job's own status."""
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if args.local:

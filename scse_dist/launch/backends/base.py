@@ -87,3 +87,8 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def request_flags(self, job: Job) -> list[str]:
         """The job's resource request as the user would write it (error messages name these)."""
+
+    def ended_with(self, job_id: str) -> Optional[int]:
+        """The job's exit status if it already ended by the time `submit` returned (a backend
+        that runs jobs in place); None for a job that is queued or running, as on a cluster."""
+        return None

@@ -100,6 +100,9 @@ class LocalBackend(Backend):
         if job_id not in self.exit_status:
             raise BackendError(f"no local job {job_id} was submitted by this process")
 
+    def ended_with(self, job_id: str) -> Optional[int]:
+        return self.exit_status.get(job_id)
+
     def current_job(self) -> Optional[str]:
         return os.environ.get(JOB_ID_VAR)
 
