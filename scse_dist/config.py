@@ -137,7 +137,8 @@ class EvalConfig:
     wikitext: Optional[str] = None  # wiki.{valid,test}.raw path or URL, for the wikitext task
     lambada: Optional[str] = None  # LAMBADA JSONL or plain text, for the lambada task
     stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
-    # Slurm resources of each evaluation job (submitit); GPUs 0 evaluates on CPU.
+    # Resources of each evaluation job scse-launch submits (read into launch.backends.Resources;
+    # named slurm_* from before other backends, kept); GPUs 0 evaluates on CPU.
     slurm_gpus: int = 0
     slurm_cpus: int = 1
     slurm_time_min: int = 120
