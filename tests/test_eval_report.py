@@ -36,6 +36,17 @@ def test_table_has_one_row_per_run_task_metric_and_a_column_per_depth(tmp_path):
     assert len(table) == 6
 
 
+def test_partial_results_are_marked_in_the_table(tmp_path):
+    run = _run(tmp_path, "scse", "scse", {1: 40.0})
+    cfg = config_from_dict({"name": "scse"})
+    write_results(run / "eval" / "lambada.json", "lambada", "x", cfg,
+                  [{"depth": 1, "accuracy": 0.5, "ppl": 9.0}],
+                  extra={"partial": {"done": 1264, "total": 5153, "unit": "passage"}})
+    table = markdown_table(collect([run])).splitlines()
+    assert table[3] == "| scse (scse) | lambada (partial: 1264/5153 passage) | accuracy | 0.5000 |"
+    assert table[2] == "| scse (scse) | heldout | ppl | 40.0000 |"
+
+
 def test_report_writes_markdown_and_a_valid_png(tmp_path, capsys):
     import matplotlib.image
 

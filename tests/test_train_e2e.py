@@ -56,7 +56,9 @@ def test_single_process_run_learns_logs_checkpoints_and_evaluates(trained):
     assert rows[-1]["lr"] == pytest.approx(3e-3 * 0.1)  # last step: min_lr_ratio * lr
     assert all(1 <= r["depth"] <= 3 for r in rows)  # uniform 1..3
     assert rows[-1]["tokens"] == 20 * 4 * 32
-    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    # no MFU on CPU without SCSE_PEAK_FLOPS: tokens/s is the honest figure there
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in rows)
+    assert "mfu" not in trained["stdout"]
     assert all(r["skipped_steps"] == 0 and r["data_failures"] == 0 for r in rows)
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
     assert ckpts == ["step-0000010", "step-0000020"]
@@ -151,7 +153,8 @@ def test_bad_config_exits_2_naming_the_field_before_any_process_group(tmp_path, 
     out = run([sys.executable, TRAIN, "--config", cfg, "model.n_layerz=3"], env, timeout=60)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "model.n_layerz: unknown field" in lines[0] and cfg in lines[0]
+    assert len(lines) == 1 and "model.n_layerz: unknown field" in lines[0]
+    assert lines[0].endswith("(on the command line: model.n_layerz=3)")  # not the file's mistake
     assert out.stdout == ""
     assert not (tmp_path / "runs").exists()
 

@@ -1,18 +1,25 @@
-"""Running a study: in sequence on this machine (`--local`), or as Slurm job arrays (`--slurm`).
+"""Running a study: in sequence on this machine (`--local`), or as job arrays on a batch system
+(`--backend NAME`, `--slurm` for `--backend slurm`), through scse_dist.launch.backends only.
 
-Slurm, one stage at a time, each stage submitted by a job that waits for the one before:
+On a batch system, one stage at a time, each stage submitted by a job that waits for the one
+before (written here with Slurm's commands; the local backend runs the same jobs one after another):
 
     sweep   sbatch --array=0-N%P slurm/pretrain.sh --config-list <study>/configs-sweep.txt
             (no evaluation jobs: SCSE_SCHEDULE_EVALS=0), then a job afterany:<array> running
-            `scse-study SPEC --slurm --stage final`: it scores the sweep on lr.validation,
-            writes lr_choice.json and submits stage 2. The choice needs stage 1's results, so
-            stage 2 can only be submitted by a job that runs after it.
-    final   the same array over the final runs; each array task schedules its own evaluation
-            jobs (afterok, as `sbatch slurm/pretrain.sh` does), then a job afterany:<array>
-            runs `--stage report`.
-    report  cancels the evaluations of runs whose training failed (they can never run), and
-            submits the study report (`python -m scse_dist.study.report STUDY_DIR`) afterany on
-            the evaluation jobs still queued, or runs it at once when none are.
+            `scse-study SPEC --backend slurm --stage final`: it scores the sweep on lr.validation,
+            writes lr_choice.json and submits stage 2 (afterany on itself). The choice needs
+            stage 1's results, so stage 2 can only be submitted by a job that runs after it.
+    final   the same array over the final runs; each array task evaluates its run inside its
+            own allocation after training (SCSE_EVAL_IN_JOB=1: every eval task, then the run's
+            report), then a job afterany:<array> runs `--stage report`.
+    report  names the runs that did not finish and writes the study report.
+
+So at most P of the study's jobs run at once (the array's %P; the stage jobs run only between
+arrays), and a run's evaluations come before the next pending training run: they hold its array
+slot. Separate evaluation jobs (as `scse-launch` submits) would queue behind every pending array
+task on a small cluster and would not count against %P.
+Each training job asks for `spec.slurm` (default: one node, one task, no GPU, one CPU), then
+--sbatch-args; the request is checked (Slurm: `sbatch --test-only`) before anything is submitted.
 
 Finished runs are never resubmitted; unfinished ones resume from their checkpoint (train.resume
 auto), so rerunning a study after an interruption repeats nothing.
@@ -21,11 +28,12 @@ auto), so rerunning a study after an interruption repeats nothing.
 from __future__ import annotations
 
 import json
-import shlex
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+from scse_dist.launch.backends import Backend, BackendError, Job, Resources
 from scse_dist.launch.scheduler import evaluate_run, pretrain_script
 from scse_dist.study.plan import StudyError, choose_lrs, evaluate_validation, status, write_study
 from scse_dist.study.spec import Run, StudySpec
@@ -46,25 +54,50 @@ def run_report(spec: StudySpec) -> int:
 # --------------------------------------------------------------------------- local
 
 
-def _train_and_evaluate(spec: StudySpec, run: Run) -> bool:
-    """Train (resuming if a checkpoint exists) through scse-train, then the stage's evaluations."""
+# A bad config (2), bad input data (65) or a missing input (66): every run that reads the same
+# input fails the same way, so a study whose first runs all fail alike stops there.
+INPUT_EXITS = (2, 65, 66)
+FAIL_FAST_AFTER = 2
+
+
+def _train(run: Run) -> tuple[int, str]:
+    """scse-train on the run's config (resuming a checkpoint); (exit status, last stderr line).
+    Its stderr still reaches ours, line by line."""
+    proc = subprocess.Popen([sys.executable, "-m", "scse_dist.train.cli", "--config", run.config],
+                            stderr=subprocess.PIPE, text=True, errors="replace")
+    last = ""
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        last = line.strip() or last
+    return proc.wait(), last
+
+
+def _train_and_evaluate(spec: StudySpec, run: Run) -> tuple[int, str]:
+    """Train through scse-train, then the stage's evaluations; (0, "") or training's failure."""
     if not (Path(run.run_dir) / "export").is_dir():
-        train = subprocess.run([sys.executable, "-m", "scse_dist.train.cli", "--config", run.config])
-        if train.returncode != 0:
-            print(f"scse-study: FAILED {run.run_dir}: training exited {train.returncode}", flush=True)
-            return False
+        code, line = _train(run)
+        if code != 0:
+            print(f"scse-study: FAILED {run.run_dir}: training exited {code}", flush=True)
+            return code, line
     if run.stage == "sweep":
         evaluate_validation(spec, run)
     else:
         for task in spec.evals.tasks:
             if not (Path(run.run_dir) / "eval" / f"{task}.json").is_file():
                 evaluate_run(run.run_dir, task)
-    return True
+    return 0, ""
+
+
+def _all_alike(outcomes: list[tuple[int, str]]) -> bool:
+    """The first runs of this invocation all failed on the same input error."""
+    return len(outcomes) >= FAIL_FAST_AFTER and len(set(outcomes)) == 1 and \
+        outcomes[0][0] in INPUT_EXITS
 
 
 def run_local(spec: StudySpec) -> int:
-    """Every stage in sequence, finished runs skipped, then the report. 1 if a run failed."""
-    failed = []
+    """Every stage in sequence, finished runs skipped, then the report. 1 if a run failed; the
+    runs' exit status when the first ones all failed on the same input error (then it stops)."""
+    failed, outcomes = [], []
     for stage in _stages(spec):
         if stage == "final" and spec.lr:
             print(f"scse-study: chosen learning rates {choose_lrs(spec)}", flush=True)
@@ -75,38 +108,68 @@ def run_local(spec: StudySpec) -> int:
                 continue
             print(f"scse-study: {'resuming' if state == 'partial' else 'starting'} {run.run_dir}",
                   flush=True)
-            if not _train_and_evaluate(spec, run):
+            outcome = _train_and_evaluate(spec, run)
+            outcomes.append(outcome)
+            if outcome[0] != 0:
                 failed.append(run.run_dir)
+            if _all_alike(outcomes):
+                print(f"scse-study: stopped: the first {len(outcomes)} runs failed alike (exit "
+                      f"{outcome[0]}): {outcome[1]}", file=sys.stderr)
+                return outcome[0]
     report = run_report(spec)
     if failed:
         print(f"scse-study: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed or report else 0
 
 
-# --------------------------------------------------------------------------- slurm
+# --------------------------------------------------------------------------- batch system
 
 
-def _sbatch(args: list[str]) -> str:
-    out = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise StudyError(f"sbatch {' '.join(args)} failed: {out.stderr.strip()}")
-    return out.stdout.strip().split(";")[0]
+def _next_job(spec: StudySpec, stage: str, after: list[str], cli_args: list[str]) -> Job:
+    """A small job, afterany on `after`, that runs `scse-study SPEC --backend B --stage <stage>`."""
+    cmd = ["env", "SCSE_STUDY_STAGE_JOB=1", sys.executable, "-m", "scse_dist.study.cli", *cli_args,
+           "--stage", stage]
+    # named for what it does: "-final" is the final array's own name
+    name = f"{spec.name}-{'choose-lr' if stage == 'final' else stage}"
+    return Job(command=cmd, name=name, resources=Resources(partition=spec.slurm.partition),
+               log_dir=spec.study_dir.resolve() / "slurm", after=after, dependency="afterany")
 
 
-def _next_job(spec: StudySpec, stage: str, after: list[str], cli_args: list[str]) -> str:
-    """A small job, afterany on `after`, that runs `scse-study SPEC --slurm --stage <stage>`."""
-    cmd = [sys.executable, "-m", "scse_dist.study.cli", *cli_args, "--stage", stage]
-    logs = spec.study_dir.resolve() / "slurm"
-    return _sbatch([f"--job-name={spec.name}-{stage}", "--ntasks=1", "--cpus-per-task=1",
-                    f"--output={logs}/%x-%j.out", *([f"--dependency=afterany:{':'.join(after)}"]
-                                                   if after else []),
-                    "--wrap", shlex.join(cmd)])
+def check_request(backend: Backend, job: Job) -> None:
+    """StudyError, in one line, when the batch system says it could never run `job` (Slurm: more
+    nodes, CPUs or GPUs than any node has, an unknown partition), naming what was asked for."""
+    try:
+        backend.check(job)
+    except BackendError as exc:
+        asked = " ".join([*backend.request_flags(job), *job.extra_args])
+        raise StudyError(f"the cluster cannot run the training jobs as requested ({asked}; "
+                         f"spec field slurm and --sbatch-args): {exc}") from None
 
 
-def submit_stage(spec: StudySpec, stage: str, max_parallel: int, sbatch_args: list[str],
-                 cli_args: list[str]) -> dict:
+def _job_name(spec: StudySpec, run: Run) -> str:
+    """The name an array task takes when it starts: study, variant, (rate,) seed."""
+    return f"{spec.name}-{Path(run.run_dir).name}"
+
+
+def training_array(spec: StudySpec, stage: str, listing: Path, backend: Backend,
+                   extra_args: list[str]) -> Job:
+    """The job every array task of a stage runs: the backend's training script on one line of
+    `listing`, evaluated inside the job in the final stage (not in the LR sweep)."""
+    env = {"SCSE_SCHEDULE_EVALS": "0", "SCSE_EVAL_IN_JOB": "1" if stage == "final" else "0"}
+    # Submitted by a stage job: start after it ended, so that it never runs beside the array.
+    me = backend.current_job() if os.environ.get("SCSE_STUDY_STAGE_JOB") else None
+    script = pretrain_script(None, backend.training_script)
+    return Job(command=[str(script), "--config-list", str(listing.resolve())], script=True,
+               name=f"{spec.name}-{stage}", resources=spec.slurm,
+               log_dir=spec.study_dir.resolve() / "slurm", after=[me] if me else [],
+               dependency="afterany", env=env, extra_args=extra_args)
+
+
+def submit_stage(spec: StudySpec, stage: str, max_parallel: int, backend: Backend,
+                 extra_args: list[str], cli_args: list[str]) -> dict:
     """Submit one stage's unfinished runs as an array (cap `max_parallel`) and the job that
-    continues after it; returns {"array": id or None, "next": id, "runs": [...]}."""
+    continues after it; returns {"array": id or None, "next": id, "runs": [...]}. If the second
+    submission fails, the array is cancelled."""
     if stage == "final" and spec.lr:
         print(f"scse-study: chosen learning rates {choose_lrs(spec)}", flush=True)
     runs = [r for r in write_study(spec, stage) if status(spec, r) != "done"]
@@ -116,64 +179,46 @@ def submit_stage(spec: StudySpec, stage: str, max_parallel: int, sbatch_args: li
     array = None
     if runs:
         listing = spec.study_dir / f"configs-{stage}.txt"
-        listing.write_text("".join(str(Path(r.config).resolve()) + "\n" for r in runs))
-        env = ["--export=ALL,SCSE_SCHEDULE_EVALS=0"] if stage == "sweep" else []
-        array = _sbatch([f"--array=0-{len(runs) - 1}%{max_parallel}", f"--job-name={spec.name}-{stage}",
-                         f"--output={logs}/%x-%A_%a.out", f"--error={logs}/%x-%A_%a.err", *env,
-                         *sbatch_args, str(pretrain_script(None)), "--config-list",
-                         str(listing.resolve())])
+        # line i: array task i's config, a tab, the job name it takes when it starts
+        listing.write_text("".join(f"{Path(r.config).resolve()}\t{_job_name(spec, r)}\n" for r in runs))
+        job = training_array(spec, stage, listing, backend, extra_args)
+        check_request(backend, job)
+        array = backend.submit_array(job, len(runs), max_parallel)
         print(f"scse-study: stage {stage}: array job {array} of {len(runs)} run(s), at most "
-              f"{max_parallel} at once", flush=True)
-    nxt = _next_job(spec, following, [array] if array else [], cli_args)
+              f"{max_parallel} at once, each evaluated in its own job", flush=True)
+    try:
+        nxt = backend.submit(_next_job(spec, following, [array] if array else [], cli_args))
+    except BackendError:
+        if array:
+            backend.cancel(array)
+        raise
     print(f"scse-study: stage {following}: job {nxt} after {array or 'nothing'}", flush=True)
     ids = {"stage": stage, "array": array, "next": nxt, "runs": [r.run_dir for r in runs]}
     (logs / f"{stage}.json").write_text(json.dumps(ids, indent=2) + "\n")
     return ids
 
 
-def _queued(job_ids: list[str]) -> list[str]:
-    """The ids among `job_ids` that Slurm still has pending or running."""
-    if not job_ids:
-        return []
-    out = subprocess.run(["squeue", "-h", "-t", "PD,R,CG", "-o", "%i", "-j", ",".join(job_ids)],
-                         capture_output=True, text=True)
-    return [j for j in out.stdout.split() if j in job_ids]
-
-
-def submit_report(spec: StudySpec) -> str | None:
-    """After the final array: the report job, afterany on the evaluations still queued."""
-    waiting, hopeless = [], []
+def report_failures(spec: StudySpec) -> None:
+    """After the final array: one line for each run that did not finish."""
     for run in write_study(spec, "final"):
-        marker = Path(run.run_dir) / "eval" / "scheduled.json"
-        if not marker.is_file():
-            continue
-        ids = json.loads(marker.read_text())
-        jobs = [*ids["eval_jobs"].values(), ids["report_job"]]
-        trained = (Path(run.run_dir) / "export").is_dir()
-        (waiting if trained else hopeless).extend(jobs)
-        if not trained:
-            print(f"scse-study: FAILED {run.run_dir}: training did not finish (job "
-                  f"{ids['train_job']}); its evaluations are cancelled", flush=True)
-    if _queued(hopeless):
-        subprocess.run(["scancel", *_queued(hopeless)])
-    waiting = _queued(waiting)
-    if not waiting:
-        return None
-    logs = spec.study_dir.resolve() / "slurm"
-    return _sbatch([f"--job-name={spec.name}-study-report", "--ntasks=1", "--cpus-per-task=1",
-                    f"--output={logs}/%x-%j.out", f"--dependency=afterany:{':'.join(waiting)}",
-                    "--wrap", shlex.join([*REPORT_CMD, str(spec.study_dir.resolve())])])
+        state = status(spec, run)
+        if state != "done":
+            trained = (Path(run.run_dir) / "export").is_dir()
+            what = "its evaluation did not finish" if trained else "training did not finish"
+            print(f"scse-study: FAILED {run.run_dir}: {what}", flush=True)
 
 
-def run_slurm(spec: StudySpec, stage: str, max_parallel: int, sbatch_args: list[str],
-              cli_args: list[str]) -> int:
+def run_submitted(spec: StudySpec, stage: str, max_parallel: int, backend: Backend,
+                  extra_args: list[str], cli_args: list[str]) -> int:
+    """One step of a study on a batch system: submit a stage (and the job continuing after it),
+    or, as the last job, name the failed runs and write the report."""
     if stage == "auto":
         stage = "final" if not spec.lr or (spec.study_dir / "lr_choice.json").is_file() else "sweep"
     if stage == "report":
-        job = submit_report(spec)
-        if job:
-            print(f"scse-study: study report job {job}", flush=True)
-            return 0
+        report_failures(spec)
         return run_report(spec)
-    submit_stage(spec, stage, max_parallel, sbatch_args, cli_args)
+    try:
+        submit_stage(spec, stage, max_parallel, backend, extra_args, cli_args)
+    except BackendError as exc:
+        raise StudyError(str(exc)) from None
     return 0

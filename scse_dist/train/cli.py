@@ -68,15 +68,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_config:
         print(config_yaml(cfg), end="")
         return 0
-    from scse_dist.distributed import resolve_dist_env  # imports torch: after the config
-
-    world_size = resolve_dist_env(os.environ).world_size
-    cfg.train.grad_accum_for(world_size)
-    if args.dry_run:
+    if args.dry_run:  # before the data checks: it reports what they would say
         from scse_dist.train.dry_run import describe
 
-        print(describe(cfg, world_size))
+        print(describe(cfg, args.config, args.overrides))
         return 0
+    from scse_dist.data.preflight import check_run_data
+
+    check_run_data(cfg, args.config, args.overrides)  # bad data: one line before torch is imported
+    from scse_dist.distributed import resolve_dist_env  # imports torch: after the checks
+
+    cfg.train.grad_accum_for(resolve_dist_env(os.environ).world_size)
     from scse_dist.train.faults import PREEMPT_SIGNALS, REQUEUE_EXIT_CODE, TrainingStopped
     from scse_dist.train.loop import train  # imports deepspeed only once the config is good
 

@@ -8,7 +8,9 @@ estimate per rank. Creates nothing: no run dir, no data build, no process group,
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Optional, Sequence
 
 from scse_dist.config import RunConfig
 
@@ -66,10 +68,14 @@ def count_parameters(cfg: RunConfig) -> int:
         return LoopedLM(cfg.model).num_parameters()
 
 
-def describe(cfg: RunConfig, world_size: int) -> str:
-    """The dry run's report, one fact per line."""
+def describe(cfg: RunConfig, config_path: Optional[str] = None,
+             overrides: Sequence[str] = ()) -> str:
+    """The dry run's report, one fact per line, at the launcher's world size."""
+    from scse_dist.distributed import resolve_dist_env
     from scse_dist.model import flops_per_token
     from scse_dist.train.engine import resolve_precision
+
+    world_size = resolve_dist_env(os.environ).world_size
 
     t, seq_len = cfg.train, cfg.data.seq_len
     accum = t.grad_accum_for(world_size)
@@ -96,16 +102,23 @@ def describe(cfg: RunConfig, world_size: int) -> str:
         f"memory per rank (rough): {(states + activations) / GIB:.2f} GiB = weights, gradients "
         f"and optimizer state {states / GIB:.2f} GiB ({precision}, ZeRO-{t.zero_stage}) + "
         f"activations of one micro-batch at T={max(depths, default=0)} {activations / GIB:.2f} GiB",
-        f"data: {cfg.data.path} ({data_status(cfg)})",
+        f"data: {cfg.data.path} ({data_status(cfg, config_path, overrides)})",
     ]
     return "\n".join(lines)
 
 
-def data_status(cfg: RunConfig) -> str:
-    if "://" in cfg.data.path:
-        return "remote: not checked"
-    if (Path(cfg.data.path) / "index.json").is_file():
-        return "present"
-    if cfg.data.build:
-        return f"not built yet; data.build={cfg.data.build} builds it at the start"
-    return "missing: the run would stop with exit status 66"
+def data_status(cfg: RunConfig, config_path: Optional[str], overrides: Sequence[str]) -> str:
+    """What the run's data checks (scse_dist.data.preflight) would say, without building."""
+    from scse_dist.cli_errors import exit_status, one_line
+    from scse_dist.data.preflight import check_run_data
+    from scse_dist.data.quickstart import needs_build
+
+    try:
+        check_run_data(cfg, config_path, overrides)
+        building = needs_build(cfg.data)
+    except Exception as err:
+        if exit_status(err) is None:
+            raise
+        return f"the run would stop: {one_line(err)} (exit status {exit_status(err)})"
+    return f"not built yet; data.build={cfg.data.build} builds it at the start" if building \
+        else "present and readable"

@@ -19,7 +19,6 @@ import torch
 from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
 from scse_dist.checkpoint.tags import resume_if_present
-from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
 from scse_dist.distributed import barrier, describe_placement, init_distributed, shutdown
 from scse_dist.threads import configure_threads
@@ -125,8 +124,8 @@ def _teardown(state: TrainState, callbacks: list[Callback]) -> None:
 
 def _start(cfg: RunConfig) -> TrainState:
     """Process group, run dir, data, model, engine and the resumed step, as a TrainState."""
+    from scse_dist.data.preflight import load_run_tokenizer
     from scse_dist.data.stream import TokenStream
-    from scse_dist.data.tokenizer import Tokenizer
     from scse_dist.model import LoopedLM
 
     env = init_distributed()
@@ -137,10 +136,7 @@ def _start(cfg: RunConfig) -> TrainState:
         configure_threads()
     storage, resume_tag = _prepare_run_dir(cfg, env.rank == 0)
     run_dir = storage.local
-    tokenizer = Tokenizer.load(cfg.data.tokenizer)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise InputError(f"data.tokenizer: {cfg.data.tokenizer} has {tokenizer.vocab_size} tokens, "
-                         f"more than model.vocab_size={cfg.model.vocab_size}")
+    tokenizer = load_run_tokenizer(cfg)
     # The data is opened before the engine is built, so bad data (another tokenizer's shards,
     # too few documents) stops the run in seconds.
     stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
