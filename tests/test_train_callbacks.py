@@ -64,6 +64,25 @@ def test_agreed_batches_stop_at_the_limit_or_when_the_batches_run_out():
     assert len(list(agreed_batches(iter(batches), 9, torch.device("cpu")))) == 5
 
 
+@pytest.mark.parametrize("recurrence", ["scse", "untied"])
+def test_forward_rows_equal_the_evaluation_scorer(recurrence):
+    from scse_dist.eval.perplexity import evaluate_heldout
+    from scse_dist.model import LoopedLM
+    from scse_dist.model.config import ModelConfig
+    from scse_dist.train.callbacks.heldout_eval import forward_rows
+
+    torch.manual_seed(0)
+    model = LoopedLM(ModelConfig(vocab_size=64, d_model=32, n_heads=2, max_seq_len=16,
+                                 recurrence=recurrence, depth=2))
+    batches = [torch.randint(0, 64, (3, 17)) for _ in range(2)]
+    depths = [2] if recurrence == "untied" else [1, 2, 4]
+    want = evaluate_heldout(model, iter(batches), depths)
+    got = forward_rows(model, iter(batches), depths)
+    assert [(r["depth"], r["tokens"]) for r in got] == [(r["depth"], r["tokens"]) for r in want]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-6)
+    assert model.training  # restored
+
+
 def test_reduce_rows_weights_each_depth_by_tokens_in_one_process():
     rows = [{"depth": 1, "loss": 2.0, "ppl": 7.39, "tokens": 100},
             {"depth": 4, "loss": 1.0, "ppl": 2.72, "tokens": 100}]

@@ -5,7 +5,7 @@ TokenStream reads it for training, one reader per rank) without gradients; the s
 token counts are all-reduced, so the row is the loss over every rank's batches. eval.max_batches
 counts batches over all ranks (each rank takes ceil(max_batches / world size)). The ranks run the
 same number of forwards (a rank whose share runs out stops them all), which ZeRO-3's parameter
-gathers need. At world size 1 the numbers equal those of `scse-eval --task heldout` on a
+gathers need; under ZeRO-3 the losses come from the model's own forward (forward_rows). At world size 1 the numbers equal those of `scse-eval --task heldout` on a
 checkpoint of that step (same batches, same code: scse_dist.eval.perplexity.evaluate_heldout).
 
 Row in metrics.jsonl (and wandb), one per evaluation:
@@ -39,6 +39,36 @@ def agreed_batches(batches: Iterator[torch.Tensor], limit: int, device: torch.de
         if float(ran_out) > 0:
             return
         yield batch
+
+
+def forward_rows(model: torch.nn.Module, batches: Iterator[torch.Tensor], depths: list[int]
+                 ) -> list[dict]:
+    """evaluate_heldout's rows through the model's own forward (loss_by_depth). Under ZeRO-3:
+    the evaluation scorer reads the LM head's weight outside the forward, where ZeRO-3 holds it
+    partitioned; inside, its hooks gather every parameter. Equal to evaluate_heldout to ~1e-9."""
+    nll = {d: 0.0 for d in depths}
+    tokens, was_training = 0, model.training
+    untied = getattr(model, "fixed_depth", None) is not None
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                batch = batch.to(next(model.parameters()).device)
+                n = int(batch[:, 1:].ne(-100).sum())
+                if untied:  # its own depth only; it cannot read out others
+                    losses = {depths[0]: model(batch[:, :-1], batch[:, 1:], keep_logits=False).loss}
+                else:
+                    losses = model(batch[:, :-1], batch[:, 1:], depth=max(depths),
+                                   readout_depths=depths, keep_logits=False).loss_by_depth
+                for d in depths:  # mean CE x token count = summed NLL
+                    nll[d] += float(losses[d].double()) * n
+                tokens += n
+    finally:
+        model.train(was_training)
+    if tokens == 0:
+        raise ValueError("held-out evaluation: the batches held no tokens")
+    return [{"depth": d, "loss": nll[d] / tokens, "ppl": math.exp(min(nll[d] / tokens, 700.0)),
+             "tokens": tokens} for d in depths]
 
 
 def reduce_rows(rows: list[dict], device: torch.device) -> list[dict]:
@@ -83,7 +113,10 @@ class HeldoutEvalCallback(Callback):
         world = state.env.world_size
         limit = -(-state.cfg.eval.max_batches // world)  # ceil; 0 stays 0 (the whole split)
         batches = agreed_batches(iter(self._stream(state)), limit, device)
-        rows = evaluate_heldout(state.engine.module, batches, self.depths)
+        if state.engine.zero_optimization_stage() == 3:
+            rows = forward_rows(state.engine.module, batches, self.depths)
+        else:
+            rows = evaluate_heldout(state.engine.module, batches, self.depths)
         if world > 1:
             rows = reduce_rows(rows, device)
         row: dict = {"step": state.step, "kind": EVAL_KIND, "task": "heldout"}
