@@ -19,6 +19,7 @@ import yaml
 
 # The model package owns its config (it is copied into exports as remote code); re-exported here.
 from scse_dist.model.config import ConfigError, ModelConfig, check_model_config  # noqa: F401
+from scse_dist.task_registry import TASKS, field_value, unknown_task
 
 
 # --------------------------------------------------------------------------- sections
@@ -131,11 +132,12 @@ class EvalConfig:
     batch_size: int = 8
     max_batches: int = 0  # 0: the whole held-out split
     after_train: bool = True
-    # Tasks `scse-launch` runs as jobs after training (heldout/diagnose read data.path).
-    tasks: list[Literal["heldout", "wikitext", "lambada", "diagnose"]] = field(
-        default_factory=lambda: ["heldout"])
+    # Tasks `scse-launch` runs as jobs after training (scse_dist.task_registry; heldout and
+    # diagnose read data.path).
+    tasks: list[str] = field(default_factory=lambda: ["heldout"])
     wikitext: Optional[str] = None  # wiki.{valid,test}.raw path or URL, for the wikitext task
     lambada: Optional[str] = None  # LAMBADA JSONL or plain text, for the lambada task
+    data: dict[str, str] = field(default_factory=dict)  # task -> its file, for tasks with no field above
     stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
     # Slurm resources of each evaluation job (submitit); GPUs 0 evaluates on CPU.
     slurm_gpus: int = 0
@@ -144,9 +146,12 @@ class EvalConfig:
     slurm_partition: Optional[str] = None
 
     def __post_init__(self) -> None:
-        for task in ("wikitext", "lambada"):
-            if task in self.tasks and not getattr(self, task):
-                raise ConfigError(f"eval.{task}: eval.tasks lists {task!r}, so set eval.{task} "
+        for i, task in enumerate(self.tasks):
+            if task not in TASKS:
+                raise ConfigError(f"eval.tasks[{i}]: {unknown_task(task)}")
+            need = TASKS[task].data_field
+            if need and not field_value(self, need):
+                raise ConfigError(f"eval.{need}: eval.tasks lists {task!r}, so set eval.{need} "
                                   "to its data file")
         for name in ("stride", "slurm_gpus"):
             if getattr(self, name) < 0:
@@ -261,6 +266,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{where}: must be one of {', '.join(map(str, choices))}; got {value!r}")
         return value
+    if origin is dict:  # str -> value, e.g. eval.data
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        value_tp = typing.get_args(tp)[1]
+        return {str(k): _coerce(v, value_tp, f"{where}.{k}") for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, (int, float, str)) and not isinstance(value, bool) and item_tp is int:

@@ -7,7 +7,7 @@ transitions name LoopCore in annotations only; recurrence imports them at run ti
 
 Layers, lowest first; a module may import its own layer and the ones below (within a layer, the
 cycle check keeps the graph acyclic):
-    model  <-  config, cli_errors, atomic, progress, threads, distributed, hf  <-  data
+    model  <-  config, task_registry, cli_errors, atomic, progress, threads, distributed, hf  <-  data
     <-  checkpoint  <-  train, eval, generate (sampling, speculative)  <-  launch, study, lmeval
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(scse_dist.__file__).parent
 
 LAYERS = [
     {"model"},
-    {"config", "cli_errors", "atomic", "progress", "threads", "distributed", "hf"},
+    {"config", "task_registry", "cli_errors", "atomic", "progress", "threads", "distributed", "hf"},
     {"data"},
     {"checkpoint"},
     {"train", "eval", "generate", "sampling", "speculative"},

@@ -20,8 +20,9 @@ import torch
 
 from scse_dist.cli_errors import cli_main
 from scse_dist.config import RunConfig
-from scse_dist.eval.tasks import TASKS, load_tokenizer, read_task_data, run_task
+from scse_dist.eval.tasks import load_tokenizer, no_exit_rule, read_task_data, run_task
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
+from scse_dist.task_registry import TASKS
 
 
 def run_heldout_eval(model: torch.nn.Module, cfg: RunConfig, data_path: str, depths: list[int],
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True,
                    help="export dir (model.safetensors, config.yaml, tokenizer.model; a path or an "
                         "fsspec URL) or DeepSpeed checkpoint dir")
-    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--task", required=True, choices=list(TASKS))
     p.add_argument("--data", default=None,
                    help="heldout/diagnose: shard dir with index.json or a JSONL/text corpus; "
                         "wikitext: wiki.*.raw; lambada: JSONL or plain text (paths or fsspec URLs); "
@@ -99,9 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     file (and line). Progress (items done, rate, ETA) goes to stderr."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.exit is not None and args.task == "diagnose":
-        parser.error("--exit: diagnose measures the loop at fixed depths; use heldout, wikitext "
-                     "or lambada")
+    if args.exit is not None and not TASKS[args.task].scores_tokens:
+        parser.error(f"--exit: {no_exit_rule(args.task)}")
     from scse_dist.checkpoint.export import local_export
 
     with local_export(args.checkpoint) as checkpoint:  # a URL: a temporary local copy
