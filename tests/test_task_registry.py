@@ -154,3 +154,22 @@ def test_a_study_report_shows_the_task_with_its_direction(tmp_path, toy):
     assert numbers["aggregate"]["scse/toy/first_hit"]["1"]["mean"] == pytest.approx(0.51)
     assert numbers["paired"]["scse - additive/toy/first_hit"]["verdict"] == "better at all depths"
     assert numbers["paired"]["scse - additive/toy/first_nll"]["verdict"] == "worse at all depths"
+
+
+def test_a_study_spec_takes_the_task_its_data_and_report_metrics(tmp_path, tiny_config, toy):
+    from scse_dist.study.plan import _inputs
+    from scse_dist.study.spec import SpecError, expand, parse_spec, run_config
+
+    data = str(tmp_path / "toy.txt")
+    spec = {"name": "s", "out": str(tmp_path / "out"), "base": tiny_config(tmp_path),
+            "variants": {"scse": {}}, "seeds": [0],
+            "evals": {"tasks": ["heldout", "toy"], "depths": [1, 2], "data": {"toy": data}},
+            "report": {"metrics": {"toy": ["first_hit"]}}}
+    parsed = parse_spec(spec, "spec.yaml")
+    (run,) = expand(parsed)
+    assert run_config(parsed, run).eval.data == {"toy": data}
+    assert _inputs(parsed, run)["eval.data.toy"] == data  # --dry-run checks it exists
+    spec["report"] = {"metrics": {"toy": ["first_hits"]}}
+    with pytest.raises(SpecError, match=r"report.metrics.toy: 'first_hits' is not a metric of toy "
+                                        r"\(did you mean 'first_hit'\?\)"):
+        parse_spec(spec, "spec.yaml")

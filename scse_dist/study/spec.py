@@ -13,7 +13,8 @@
     lr: {values: [1e-3, 3e-3], seed: 0, steps: 300, validation: path/to/valid.jsonl}
     pairs: [[scse-preln, additive-preln]]   # default: each variant against `additive*`
     exclude_flagged: false
-    evals: {tasks: [heldout, wikitext], depths: [1, 2, 4], wikitext: ..., lambada: ...}
+    evals: {tasks: [heldout, wikitext], depths: [1, 2, 4], wikitext: ..., lambada: ...,
+            data: {task: file}}   # data: a task's file when it has no field of its own
     order: seed-major              # or variant-major: the order runs are started in
     slurm: {nodes: 1, tasks_per_node: 1, gpus_per_node: 0, cpus_per_task: 1, time_min: 60}
     report: {metrics: {lambada: [ppl, accuracy]}}   # the metrics the report shows, per task
