@@ -28,11 +28,11 @@ from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.perplexity import HeldoutInterrupted, evaluate_heldout
 from scse_dist.eval.scorer import resolve_depths
 from scse_dist.data.sources import Passage
+from scse_dist.eval.inputs import TaskData, get_task, no_exit_rule, read_task_data
 from scse_dist.eval.results import format_table, write_results
 from scse_dist.eval.scoring import (Score, ScoringInterrupted, Window, context_target_window,
                                     document_windows, score_windows)
 from scse_dist.progress import Progress
-from scse_dist.task_registry import TASKS, Task, either, unknown_task
 
 # With --exit: the steps each scored token used (ExitStats.summary).
 STEP_METRICS = ("mean_steps", "steps_p50", "steps_p90")
@@ -215,31 +215,6 @@ def _diagnose_table(sums: dict[str, torch.Tensor], n: int, depths: list[int]) ->
              "motion_norm": float(means["motion_norm"][d]), "batches": n} for d in depths]
 
 
-def is_shard_dir(path: str) -> bool:
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(str(path))
-    return fs.isfile(root.rstrip("/") + "/index.json")
-
-
-def _shard_stream(path: str, cfg: RunConfig, tokenizer: Any = None):
-    from scse_dist.data.shards import read_index
-    from scse_dist.data.stream import TokenStream
-
-    # Shards from a bigger tokenizer would index past the embedding: say so instead of crashing.
-    index = read_index(str(path))
-    if index["vocab_size"] > cfg.model.vocab_size:
-        raise InputError(f"{path}: shards were written with vocab_size={index['vocab_size']}, "
-                         f"more than the model's model.vocab_size={cfg.model.vocab_size}")
-    if not index["splits"].get("heldout"):
-        raise InputError(f"{path}: index.json lists no heldout shards "
-                         "(build shards with data.heldout_fraction > 0)")
-    # A tokenizer given explicitly must be the shards' own (TokenStream compares the hashes).
-    return TokenStream(path, split="heldout", seq_len=cfg.data.seq_len,
-                       batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0, loop=False,
-                       tokenizer_sha256=getattr(tokenizer, "sha256", None))
-
-
 def _packed_batches(tokenizer: Any, documents: list[str], seq_len: int, batch_size: int):
     """(B, seq_len + 1) batches of the documents end to end, EOS after each (as in training)."""
     stream: list[int] = []
@@ -248,43 +223,6 @@ def _packed_batches(tokenizer: Any, documents: list[str], seq_len: int, batch_si
     rows = [stream[i:i + seq_len + 1] for i in range(0, len(stream) - seq_len, seq_len)]
     for i in range(0, len(rows), batch_size):
         yield torch.tensor(rows[i:i + batch_size])
-
-
-def load_tokenizer(path: str, cfg: RunConfig):
-    from scse_dist.data.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.load(path)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise InputError(f"tokenizer {path}: {tokenizer.vocab_size} pieces, more than the model's "
-                         f"model.vocab_size={cfg.model.vocab_size}")
-    return tokenizer
-
-
-class TaskData(NamedTuple):
-    """What a task reads, read and checked: a held-out shard stream, or the tokenizer and the
-    documents (heldout/diagnose corpus, wikitext) or passages (lambada)."""
-
-    tokenizer: Any
-    inputs: Any
-    shards: bool
-
-
-def get_task(name: str) -> Task:
-    if name not in TASKS:
-        raise ValueError(f"task: {unknown_task(name)}")
-    return TASKS[name]
-
-
-def read_task_data(task: str, cfg: RunConfig, data: str, tokenizer: Any = None) -> TaskData:
-    """Open `task`'s data; bad data fails here, so scse-eval calls it before loading a model.
-
-    The tokenizer (text inputs only) defaults to cfg.data.tokenizer; one given with shard data
-    must be the shards' own."""
-    record = get_task(task)
-    if record.heldout and is_shard_dir(data):
-        return TaskData(tokenizer, _shard_stream(data, cfg, tokenizer), shards=True)
-    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg)
-    return TaskData(tokenizer, record.read(data), shards=False)
 
 
 def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depths: list[int],
@@ -362,12 +300,6 @@ class TaskRun(NamedTuple):
     exit_stats: Optional[ExitStats]
     desc: Optional[str]
     extra: dict
-
-
-def no_exit_rule(task: str) -> str:
-    """Why `task` takes no exit rule, naming the tasks that do."""
-    takes = [name for name, t in TASKS.items() if t.scores_tokens]
-    return f"{task} measures the loop at fixed depths; use --exit with {either(takes)}"
 
 
 def heldout_rows(run: TaskRun) -> list[dict]:
