@@ -200,7 +200,8 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
     table = study(path, "--dry-run")
     assert [line.split()[-1] for line in table.stdout.splitlines()[1:]] == ["done", "done", "partial"]
     again = study(path, "--local", env=user_env)
-    assert "final stage: 2 of 3 runs done, 1 to run" in again.stdout
+    assert "sweep stage: 2 of 2 runs done, 0 to run" in again.stdout
+    assert "final stage: 0 of 1 runs done, 1 to run" in again.stdout
     assert again.stdout.count("] resuming ") == 1 and "] starting " not in again.stdout
     assert "resumed" in again.stdout + again.stderr  # the trainer resumed the step-4 checkpoint
     assert (d / "scse/scse-seed1/export/model.safetensors").is_file()
