@@ -18,11 +18,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from scse_dist.launch.distributed import barrier, is_rank0
 from scse_dist.train.manifest import UNIVERSAL_DIR as UNIVERSAL
@@ -50,13 +53,16 @@ def _convert(source: Path, final: Path) -> None:
     if tmp.exists():  # a conversion that was killed
         shutil.rmtree(tmp)
     start = time.perf_counter()
+    staged = _muon_staged(source, source.with_name(f".tmp-{source.name}-{MUON_STAGED}"))
     # one process: a process pool forked from a rank would inherit its process group
-    args = argparse.Namespace(input_folder=str(source), output_folder=str(tmp),
+    args = argparse.Namespace(input_folder=str(staged or source), output_folder=str(tmp),
                               num_extract_workers=1, num_merge_workers=1,
                               keep_temp_folder=False, strict=True, inject_missing_state=True)
     with contextlib.redirect_stdout(io.StringIO()):  # its progress lines
         ds_to_universal.main(args)
     os.replace(tmp, final)
+    if staged:
+        shutil.rmtree(staged)
     print(f"converted {source} to a universal checkpoint {final} in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
 
@@ -68,6 +74,50 @@ def load_universal(engine: Any, root: Path, tag: str) -> tuple[Any, Any]:
     config = engine._config
     config.load_universal_checkpoint = True
     try:
-        return engine.load_checkpoint(str(root), tag=tag)
+        loaded = engine.load_checkpoint(str(root), tag=tag)
     finally:
         config.load_universal_checkpoint = False
+    _restore_muon_momentum(engine)
+    return loaded
+
+
+# Muon (train.optimizer: muon) at ZeRO-1/2: DeepSpeed's ds_to_universal reads exp_avg and
+# exp_avg_sq from every param group, but a Muon group holds one state, its momentum_buffer. The
+# conversion reads a staged copy of the tag (links to its files, rewritten optimizer files) in
+# which that momentum travels as exp_avg (exp_avg_sq: zeros); after the load it is renamed back.
+MUON_STAGED = "muon-staged"
+MOMENTUM = "momentum_buffer"
+
+
+def _muon_staged(source: Path, staged: Path) -> Path | None:
+    """The staged copy of tag `source` when its run used Muon, else None."""
+    run_config = json.loads((source / "config.json").read_text()) \
+        if (source / "config.json").is_file() else {}
+    if run_config.get("train", {}).get("optimizer") != "muon":
+        return None
+    if staged.exists():
+        shutil.rmtree(staged)
+    staged.mkdir()
+    for path in source.iterdir():
+        if path.name.startswith(".") or path.name == UNIVERSAL:
+            continue
+        if path.name.endswith("optim_states.pt"):
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            for group in state["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+                if MOMENTUM in group:
+                    group["exp_avg"] = group.pop(MOMENTUM)
+                    group["exp_avg_sq"] = torch.zeros_like(group["exp_avg"])
+            torch.save(state, staged / path.name)
+        else:
+            (staged / path.name).symlink_to(path.resolve(), target_is_directory=path.is_dir())
+    return staged
+
+
+def _restore_muon_momentum(engine: Any) -> None:
+    """Rename a loaded Muon group's exp_avg back to momentum_buffer (see _muon_staged)."""
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for group in getattr(optimizer, "param_groups", []):
+        state = optimizer.state.get(group["params"][0], {}) if group.get("use_muon") else {}
+        if "exp_avg" in state:
+            state[MOMENTUM] = state.pop("exp_avg")
+            state.pop("exp_avg_sq", None)
