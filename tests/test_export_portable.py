@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from conftest import REPO_ROOT, TINY_VOCAB
 from scse_dist.config import config_from_dict
 from scse_dist.eval.cli import main as eval_main
-from scse_dist.eval.loading import load_model
-from scse_dist.export import load_exported_model, save_exported_model
-from scse_dist.export_cli import main as export_main
+from scse_dist.checkpoint.loading import load_model
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
+from scse_dist.checkpoint.export_cli import main as export_main
 from scse_dist.hf import hf_file_names
 from scse_dist.model import LoopedLM
 
@@ -113,6 +113,7 @@ def trained(tmp_path_factory, tiny_config, subprocess_env):
     return root / "runs" / "tiny"
 
 
+@pytest.mark.slow
 def test_deepspeed_checkpoint_dir_loads_the_same_weights_as_the_export(trained, tmp_path):
     exported, _ = load_exported_model(trained / "export")
     for path in (trained, trained / "checkpoints", trained / "checkpoints" / "step-0000002"):

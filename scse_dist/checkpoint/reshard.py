@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from scse_dist.launch.distributed import barrier, is_rank0
-from scse_dist.train.manifest import UNIVERSAL_DIR as UNIVERSAL
+from scse_dist.distributed import barrier, is_rank0
+from scse_dist.checkpoint.manifest import UNIVERSAL_DIR as UNIVERSAL
 
 
 
