@@ -82,9 +82,12 @@ def load_universal(engine: Any, root: Path, tag: str) -> tuple[Any, Any]:
 
 
 # Muon (train.optimizer: muon) at ZeRO-1/2: DeepSpeed's ds_to_universal reads exp_avg and
-# exp_avg_sq from every param group, but a Muon group holds one state, its momentum_buffer. The
-# conversion reads a staged copy of the tag (links to its files, rewritten optimizer files) in
-# which that momentum travels as exp_avg (exp_avg_sq: zeros); after the load it is renamed back.
+# exp_avg_sq from every param group, but a Muon group holds one state, its momentum_buffer, laid
+# out over the whole matrices that touch a rank's partition rather than over the partition, so no
+# per-parameter slice of it can be cut by the partition's fragment map. The conversion reads a
+# staged copy of the tag (links to its files, rewritten optimizer files) in which each Muon group
+# carries zero moments of the partition's size; after the load they are dropped, so Muon's
+# momentum restarts from zero (AdamW's moments and every fp32 weight carry over exactly).
 MUON_STAGED = "muon-staged"
 MOMENTUM = "momentum_buffer"
 
@@ -102,22 +105,29 @@ def _muon_staged(source: Path, staged: Path) -> Path | None:
         if path.name.startswith(".") or path.name == UNIVERSAL:
             continue
         if path.name.endswith("optim_states.pt"):
-            state = torch.load(path, map_location="cpu", weights_only=False)
-            for group in state["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
-                if MOMENTUM in group:
-                    group["exp_avg"] = group.pop(MOMENTUM)
-                    group["exp_avg_sq"] = torch.zeros_like(group["exp_avg"])
-            torch.save(state, staged / path.name)
+            torch.save(_without_momentum(torch.load(path, map_location="cpu", weights_only=False)),
+                       staged / path.name)
         else:
             (staged / path.name).symlink_to(path.resolve(), target_is_directory=path.is_dir())
     return staged
 
 
+def _without_momentum(state: dict) -> dict:
+    optim = state["optimizer_state_dict"]
+    for index, group in optim["base_optimizer_state"]["state"].items():
+        if group.pop(MOMENTUM, None) is not None:
+            zeros = torch.zeros_like(optim["single_partition_of_fp32_groups"][index])
+            group["exp_avg"], group["exp_avg_sq"] = zeros, zeros.clone()
+    return state
+
+
 def _restore_muon_momentum(engine: Any) -> None:
-    """Rename a loaded Muon group's exp_avg back to momentum_buffer (see _muon_staged)."""
+    """Drop the zero moments a loaded Muon group got from _muon_staged: its momentum_buffer is
+    made afresh (zeros) at the next step."""
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    for group in getattr(optimizer, "param_groups", []):
-        state = optimizer.state.get(group["params"][0], {}) if group.get("use_muon") else {}
-        if "exp_avg" in state:
-            state[MOMENTUM] = state.pop("exp_avg")
-            state.pop("exp_avg_sq", None)
+    muon = [g for g in getattr(optimizer, "param_groups", []) if g.get("use_muon")]
+    for group in muon:
+        optimizer.state.pop(group["params"][0], None)
+    if muon and is_rank0():
+        print("train.optimizer: muon: Muon's momentum restarts from zero at the new world size "
+              "(AdamW's moments and the weights carry over)", flush=True)
