@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT, tiny_documents
+from scse_dist.launch.backends.slurm import resource_flags
 from scse_dist.study.spec import SpecError, expand, load_spec, parse_spec
 
 
@@ -80,7 +81,7 @@ def test_variant_major_order_relative_out_and_slurm_resources(tmp_path, tiny_con
                                                        ("scse-preln", 2), ("scse-deeploop", 0)]
     # out: relative to the spec file, like base:
     assert spec.study_dir == tmp_path / "specs" / "studies" / "s"
-    assert spec.slurm.sbatch_args() == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
+    assert resource_flags(spec.slurm) == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
                                         "--cpus-per-task=2", "--time=30"]
     typed = load_spec(write_spec(tmp_path / "spec.yaml", study_spec(tiny_config(tmp_path), "x")), ["out=here"])
     assert typed.study_dir == Path.cwd() / "here" / "s"  # typed on the command line: the cwd's
@@ -190,7 +191,7 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
     assert heldout["checkpoint"] == "scse-seed1@export"  # the results say which run they are
     assert [r["depth"] for r in heldout["results"]] == [1, 2]
     assert (yaml.safe_load((d / "study.yaml").read_text())["variants"] == {"scse": {}})
-    assert first.stdout.count("scse-study: starting") == 3
+    assert first.stdout.count("] starting ") == 3 and ", ETA " in first.stdout
     assert first.returncode == 0, first.stderr
 
     # Rerun: nothing trains again; the final run made partial again resumes (its export removed).
@@ -199,7 +200,9 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
     table = study(path, "--dry-run")
     assert [line.split()[-1] for line in table.stdout.splitlines()[1:]] == ["done", "done", "partial"]
     again = study(path, "--local", env=user_env)
-    assert again.stdout.count("done, skipped") == 2 and again.stdout.count("resuming") == 1
+    assert "sweep stage: 2 of 2 runs done, 0 to run" in again.stdout
+    assert "final stage: 0 of 1 runs done, 1 to run" in again.stdout
+    assert again.stdout.count("] resuming ") == 1 and "] starting " not in again.stdout
     assert "resumed" in again.stdout + again.stderr  # the trainer resumed the step-4 checkpoint
     assert (d / "scse/scse-seed1/export/model.safetensors").is_file()
 
@@ -210,7 +213,7 @@ def test_local_study_stops_when_its_first_runs_fail_on_the_same_input(tmp_path, 
                       overrides={"data.path": str(tmp_path / "no-shards")})
     out = study(write_spec(tmp_path / "spec.yaml", spec), "--local", env=user_env)
     assert out.returncode == 66, out.stderr
-    assert out.stdout.count("scse-study: starting") == 2  # looped never started
+    assert out.stdout.count("] starting ") == 2  # looped never started
     errors = [line for line in out.stderr.splitlines() if line.startswith("scse-train: error:")]
     assert len(errors) == 2 and errors[0] == errors[1]
     assert f"data.path '{tmp_path / 'no-shards'}' has no index.json" in errors[0]
@@ -234,7 +237,7 @@ def test_shipped_study_specs_parse_and_expand(name, variants, sweep, final):
 
 def test_shipped_cpu_cluster_study_runs_on_cpu_nodes_seed_major():
     spec = load_spec(REPO_ROOT / "configs" / "studies" / "cpu-cluster.yaml")
-    assert spec.slurm.sbatch_args() == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
+    assert resource_flags(spec.slurm) == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
                                         "--cpus-per-task=1", "--time=20"]
     assert spec.study_dir == REPO_ROOT / "studies" / "cpu-cluster"
     assert [Path(r.run_dir).name for r in expand(spec)] == [
