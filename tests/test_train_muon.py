@@ -151,7 +151,8 @@ def test_muon_config_fields_and_the_ds_config():
         load_config(None, ["train.optimizer=muon", "train.zero_stage=3"])
     assert str(err.value) == (
         "train.zero_stage: train.optimizer: muon works at ZeRO stage 0, 1 or 2, not 3; set "
-        "train.zero_stage: 2 (it partitions gradients and optimizer state too) or use torch_adamw")
+        "train.zero_stage: 2 (it partitions gradients and optimizer state too) or use torch_adamw "
+        "(on the command line: train.zero_stage=3)")
     for override, message in (("train.muon_lr=0", "train.muon_lr: must be > 0, got 0.0"),
                               ("train.muon_momentum=1", "train.muon_momentum: must lie in [0, 1), "
                                                         "got 1.0"),
@@ -159,7 +160,7 @@ def test_muon_config_fields_and_the_ds_config():
                                                              ">= 0, got -1.0")):
         with pytest.raises(ConfigError) as err:
             load_config(None, [override])
-        assert str(err.value) == message
+        assert str(err.value) == f"{message} (on the command line: {override})"
     muon = load_config(None, ["train.optimizer=muon", "train.grad_clip=0.5"])
     assert (muon.train.muon_lr, muon.train.muon_momentum, muon.train.muon_weight_decay) == \
         (0.02, 0.95, 0.0)
