@@ -87,8 +87,16 @@ class TrainConfig:
     # repeat with the same value (engine.build_ds_config).
     deepspeed_config: Optional[str] = None
     # torch_adamw: torch.optim.AdamW, fused on CUDA (no nvcc or JIT build). deepspeed_fused_adam:
-    # DeepSpeed's FusedAdam, which JIT-compiles a CUDA extension at start-up (CUDA only).
-    optimizer: Literal["torch_adamw", "deepspeed_fused_adam"] = "torch_adamw"
+    # DeepSpeed's FusedAdam, which JIT-compiles a CUDA extension at start-up (CUDA only). muon:
+    # Muon for the 2-D matrices of prelude, core and coda, AdamW (lr, betas, weight_decay above)
+    # for the embedding/head and gains (scse_dist.train.muon); ZeRO stage 0-2.
+    optimizer: Literal["torch_adamw", "deepspeed_fused_adam", "muon"] = "torch_adamw"
+    # Muon's own settings (train.optimizer: muon). lr in units of spectral norm per step, under
+    # the same warmup-cosine schedule; 0.02, momentum 0.95 (Nesterov) and no weight decay are
+    # the defaults of Keller Jordan's reference implementation.
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
     log_every: int = 10
     checkpoint_every: int = 100
@@ -220,6 +228,7 @@ def _check_consistency(cfg: RunConfig) -> None:
         raise ConfigError("train.init_from: an export dir or URL, or null; got an empty string")
     if t.lr <= 0:
         raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
+    _check_muon(t)
     if d.kind == "uniform" and d.max and d.max < d.min:
         raise ConfigError(f"train.depth.max: {d.max} is below train.depth.min={d.min}")
     if d.sigma <= 0:
@@ -237,6 +246,20 @@ def _check_consistency(cfg: RunConfig) -> None:
         raise ConfigError(f"data.heldout_fraction: must lie in [0, 1), got {cfg.data.heldout_fraction}")
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
+
+
+def _check_muon(t: TrainConfig) -> None:
+    if t.muon_lr <= 0:
+        raise ConfigError(f"train.muon_lr: must be > 0, got {t.muon_lr}")
+    if not 0.0 <= t.muon_momentum < 1.0:
+        raise ConfigError(f"train.muon_momentum: must lie in [0, 1), got {t.muon_momentum}")
+    if t.muon_weight_decay < 0:
+        raise ConfigError(f"train.muon_weight_decay: must be >= 0, got {t.muon_weight_decay}")
+    if t.optimizer == "muon" and t.zero_stage == 3:
+        # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at stage 3
+        raise ConfigError("train.zero_stage: train.optimizer: muon works at ZeRO stage 0, 1 or 2, "
+                          "not 3; set train.zero_stage: 2 (it partitions gradients and optimizer "
+                          "state too) or use torch_adamw")
 
 
 # --------------------------------------------------------------------------- dict <-> dataclass
