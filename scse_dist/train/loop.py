@@ -20,7 +20,8 @@ from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
 from scse_dist.checkpoint.tags import resume_if_present
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
-from scse_dist.distributed import barrier, describe_placement, init_distributed, shutdown
+from scse_dist.distributed import (abandon, barrier, describe_placement, init_distributed,
+                                   shutdown)
 from scse_dist.threads import configure_threads
 from scse_dist.train.callbacks.after_training import AfterTrainingEval
 from scse_dist.train.callbacks.base import Callback, TrainState
@@ -67,7 +68,11 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     preemption = PreemptionCallback()  # first: a signal during start-up is honoured at step 1
     state = None
     try:
-        state = _start(cfg)
+        try:
+            state = _start(cfg)
+        except BaseException:  # a refused config or bad data: nothing to save, nothing to wait for
+            abandon()
+            raise
         callbacks = default_callbacks(state.cfg, preemption)
         try:
             _run(state, callbacks, preemption)
