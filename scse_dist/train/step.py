@@ -90,9 +90,11 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
                      keep_logits=False)
         ran_depth = out.depth
         loss = loss_hook(out.loss)
-        local_bad += (~torch.isfinite(loss.detach())).float()
+        # model.loop_stability's term joins the objective; the LM loss alone is what runs log.
+        objective = loss if out.aux_loss is None else loss + out.aux_loss
+        local_bad += (~torch.isfinite(objective.detach())).float()
         loss_sum += loss.detach().float()
-        engine.backward(loss)
+        engine.backward(objective)
         if micro == accum:  # the boundary: decide before the update that engine.step() makes
             if stage0:
                 local_bad += _grads_nonfinite(engine).to(local_bad)
