@@ -156,7 +156,7 @@ def train_step(engine, cfg, step: int, depth: int) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     counter = GatherCounter()
-    from scse_dist.launch.distributed import init_distributed, shutdown
+    from scse_dist.distributed import init_distributed, shutdown
     from scse_dist.train.depth import sample_depth
 
     env = init_distributed()
@@ -212,7 +212,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> list[dict]:
-    from scse_dist.launch.distributed import free_port
+    from scse_dist.distributed import free_port
 
     out = Path(tempfile.mkdtemp()) / "bench.json"
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),

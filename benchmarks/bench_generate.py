@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     torch.set_flush_denormal(True)
     path = args.model or (str(QUICKSTART_EXPORT) if QUICKSTART_EXPORT.exists() else None)
     if path is not None:
-        from scse_dist.eval.loading import load_model
+        from scse_dist.checkpoint.loading import load_model
 
         model, cfg = load_model(path)
         model = model.to(device, DTYPES[args.dtype]).eval()

@@ -187,9 +187,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise InputError(f"--{exc}".replace("_", "-", 1)) from None
     exit_rule = _exit_rule(args.exit)
     prompts = _read_prompts(args)
-    from scse_dist.eval.loading import load_model
+    from scse_dist.checkpoint.loading import load_model
     from scse_dist.eval.tasks import load_tokenizer
-    from scse_dist.export import local_export
+    from scse_dist.checkpoint.export import local_export
 
     with local_export(args.export) as path:
         model, cfg = load_model(path, device=args.device)

@@ -42,7 +42,7 @@ if [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && [ "${SCSE_SCHEDULE_EVALS:-1}" = 1 ]; t
   python -m scse_dist.launch.scheduler "$CONFIG" "$@" --after-job "$SLURM_JOB_ID"
 fi
 
-# Rendezvous: rank 0 lives on the first host of the allocation. scse_dist.launch.distributed maps
+# Rendezvous: rank 0 lives on the first host of the allocation. scse_dist.distributed maps
 # SLURM_PROCID / SLURM_STEP_NUM_TASKS / SLURM_LOCALID to RANK / WORLD_SIZE / LOCAL_RANK in each
 # task of the srun step below (SLURM_STEP_NUM_TASKS: the step's tasks; this batch shell, which is
 # no step, has only SLURM_NTASKS, so a python run here directly would be rank 0 of 1).

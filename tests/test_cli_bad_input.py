@@ -116,7 +116,7 @@ SCRIPTS = {"data": "scse-data", "eval": "scse-eval", "train": "scse-train", "rep
            "launch": "scse-launch", "export": "scse-export", "generate": "scse-generate"}
 MODULES = {"data": "scse_dist.data.cli", "eval": "scse_dist.eval.cli", "train": "scse_dist.train.cli",
            "report": "scse_dist.eval.report", "launch": "scse_dist.launch.scheduler",
-           "export": "scse_dist.export_cli", "generate": "scse_dist.generate"}
+           "export": "scse_dist.checkpoint.export_cli", "generate": "scse_dist.generate"}
 IDS = [(command, i) for command, rows in CASES.items() for i in range(len(rows))]
 
 
@@ -133,7 +133,7 @@ def _write_inputs(d: Path, tiny_data: dict, export_root: Path) -> dict[str, str]
 
     from scse_dist.config import config_from_dict
     from scse_dist.data.tokenizer import train_tokenizer
-    from scse_dist.export import save_exported_model
+    from scse_dist.checkpoint.export import save_exported_model
     from scse_dist.model import LoopedLM
 
     (d / "empty.txt").write_text("")

@@ -11,7 +11,7 @@ from scse_dist.data.stream import TokenStream
 from scse_dist.eval.perplexity import evaluate_heldout
 from scse_dist.eval.results import format_table
 from scse_dist.eval.cli import main
-from scse_dist.export import load_exported_model, save_exported_model
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.model import LoopedLM
 
 VOCAB = 64

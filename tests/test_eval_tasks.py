@@ -17,7 +17,7 @@ from scse_dist.eval.cli import main
 from scse_dist.data.sources import read_lambada, read_wikitext_articles
 from scse_dist.eval.scoring import document_windows
 from scse_dist.eval.tasks import diagnose_rows, run_task
-from scse_dist.export import load_exported_model, save_exported_model
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.model import LoopedLM
 from conftest import TINY_VOCAB
 

@@ -8,7 +8,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from scse_dist.export import load_exported_model, save_exported_model
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.hf import hf_file_names
 from scse_dist.model import LoopedLM
 

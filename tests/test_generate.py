@@ -216,7 +216,7 @@ def test_cache_refuses_another_depth_or_batch() -> None:
 @pytest.fixture(scope="module")
 def export(tmp_path_factory, tiny_data):
     from scse_dist.config import config_from_dict
-    from scse_dist.export import save_exported_model
+    from scse_dist.checkpoint.export import save_exported_model
 
     cfg = config_from_dict({"name": "tiny", "data": {"seq_len": 16},
                             "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2,
@@ -229,7 +229,7 @@ def export(tmp_path_factory, tiny_data):
 
 def expected_text(export: str, prompt: str, **kw) -> str:
     from scse_dist.data.tokenizer import Tokenizer
-    from scse_dist.export import load_exported_model
+    from scse_dist.checkpoint.export import load_exported_model
 
     model, cfg = load_exported_model(export)
     tok = Tokenizer.load(cfg.data.tokenizer)

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from scse_dist.launch.distributed import (SLURM_PORT_BASE, DistEnv, describe_placement,
+from scse_dist.distributed import (SLURM_PORT_BASE, DistEnv, describe_placement,
                                           resolve_dist_env, scontrol_first_host)
 
 
@@ -101,7 +101,7 @@ def test_missing_scontrol_needs_master_addr_for_a_node_range(monkeypatch, tmp_pa
 def test_init_distributed_without_launcher_starts_a_gloo_group_of_one():
     code = textwrap.dedent("""\
         import os, torch.distributed as dist
-        from scse_dist.launch.distributed import init_distributed, shutdown
+        from scse_dist.distributed import init_distributed, shutdown
         env = init_distributed()
         t = __import__('torch').ones(1); dist.all_reduce(t)
         print(env.rank, env.world_size, dist.get_backend(), float(t), os.environ['WORLD_SIZE'])

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from conftest import TINY_VOCAB, tiny_documents
-from scse_dist.launch.distributed import free_port
+from scse_dist.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from scse_dist.config import WandbConfig, config_from_dict, save_config
-from scse_dist.eval.report import main as scse_report_main
+from scse_dist.study.report_cli import main as scse_report_main
 from scse_dist.eval.results import write_results
 from scse_dist.study.report import main as study_report_main
 from scse_dist.study.report import verdict, write_study_report

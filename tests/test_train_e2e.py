@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from scse_dist.config import load_config
-from scse_dist.launch.distributed import free_port
+from scse_dist.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "launch" / "train.py")
@@ -69,7 +69,7 @@ def test_single_process_run_learns_logs_checkpoints_and_evaluates(trained):
 def test_export_equals_the_final_checkpoint(trained):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from scse_dist.export import load_exported_model
+    from scse_dist.checkpoint.export import load_exported_model
     from scse_dist.model import LoopedLM
 
     run_dir = trained["run_dir"]

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from scse_dist.config import load_config
-from scse_dist.train import manifest
-from scse_dist.train.ckpt_cli import main as ckpt_main
-from scse_dist.train.resume import refused_changes
+from scse_dist.checkpoint import manifest
+from scse_dist.checkpoint.cli import main as ckpt_main
+from scse_dist.checkpoint.resume import refused_changes
 from train_procs import REPO, TRAIN
 
 MODEL_FILE = "mp_rank_00_model_states.pt"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scse_dist.train.storage import RunStorage, is_remote
-from scse_dist.launch.distributed import free_port
+from scse_dist.checkpoint.storage import RunStorage, is_remote
+from scse_dist.distributed import free_port
 from train_procs import RankResult
 
 pytest.importorskip("s3fs")

@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 from scse_dist.config import ConfigError, TrainConfig
-from scse_dist.launch.distributed import free_port
+from scse_dist.distributed import free_port
 from train_procs import REPO, TRAIN, all_passed, run_ranks
 
 TOL = 1e-5

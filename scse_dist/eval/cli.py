@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.exit is not None and args.task == "diagnose":
         parser.error("--exit: diagnose measures the loop at fixed depths; use heldout, wikitext "
                      "or lambada")
-    from scse_dist.export import local_export
+    from scse_dist.checkpoint.export import local_export
 
     with local_export(args.checkpoint) as checkpoint:  # a URL: a temporary local copy
         evaluate(parser, args, checkpoint)
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint: str) -> None:
-    from scse_dist.eval.loading import checkpoint_config, load_model
+    from scse_dist.checkpoint.loading import checkpoint_config, load_model
 
     cfg = checkpoint_config(checkpoint)
     seq_len = args.seq_len or cfg.data.seq_len

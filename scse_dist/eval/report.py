@@ -11,12 +11,10 @@ axes (an untied model is a single point at its fixed depth).
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scse_dist.cli_errors import cli_main
 from scse_dist.eval.results import (REPORT_METRICS, TASK_ORDER, eval_dir, log_to_wandb,
                                      read_results)
 
@@ -116,38 +114,3 @@ def report_run(run_dir: str | Path) -> dict[str, str]:
     cfg = load_config(Path(run_dir) / "config.yaml")
     return write_report([run_dir], eval_dir(run_dir), cfg.wandb, wandb_name=f"{cfg.name}-eval",
                         wandb_group=cfg.wandb.group or cfg.name)
-
-
-@cli_main("scse-report")
-def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 done; 2 bad arguments; 65 a results JSON that is not one; 66 a run without
-    results. Errors are one line on stderr naming the file."""
-    p = argparse.ArgumentParser(prog="scse-report", description=__doc__.split("\n")[0])
-    p.add_argument("runs", nargs="*", help="run dirs (each holding eval/*.json)")
-    p.add_argument("--study", help="a study dir instead of runs: seeds aggregated, paired "
-                   "comparisons, flags (default --out STUDY/report, --wandb offline)")
-    p.add_argument("--out", default=None, help="output dir for report.md and frontier.png "
-                   "(default: report)")
-    p.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None,
-                   help="also log the numbers to wandb (group scse-report; a study's own group)")
-    args = p.parse_args(argv)
-    if args.study:
-        if args.runs:
-            p.error("give run dirs or --study, not both")
-        from scse_dist.study.report import write_study_report
-
-        print(f"wrote {write_study_report(args.study, args.out, args.wandb or 'offline')}")
-        return 0
-    if not args.runs:
-        p.error("give run dirs, or --study STUDY_DIR")
-    from scse_dist.config import WandbConfig
-
-    paths = write_report(args.runs, args.out or "report",
-                         WandbConfig(enabled=True, mode=args.wandb or "disabled"),
-                         wandb_name="scse-report", wandb_group="scse-report")
-    print(f"wrote {paths['report']} and {paths['plot']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

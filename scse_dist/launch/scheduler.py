@@ -44,7 +44,7 @@ def evaluate_run(run_dir: str, task: str) -> str:
     """Evaluate RUN/export on `task` (settings from the export's config); returns the JSON path."""
     import torch
 
-    from scse_dist.eval.loading import load_model
+    from scse_dist.checkpoint.loading import load_model
     from scse_dist.eval.tasks import run_task
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -111,8 +111,8 @@ class ScseLM(LM):
                  batch_size: Any = None, max_length: Any = None, stride: Any = None,
                  device: Optional[str] = None, max_batch_size: Any = None, **exit_options: Any):
         super().__init__()
-        from scse_dist.eval.loading import checkpoint_config, load_model
-        from scse_dist.export import local_export
+        from scse_dist.checkpoint.loading import checkpoint_config, load_model
+        from scse_dist.checkpoint.export import local_export
 
         # lm-eval's CLI passes batch_size, max_batch_size and device to every model; automatic
         # batch sizing (auto, max_batch_size) is not supported: auto means the config's size.

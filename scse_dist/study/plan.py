@@ -26,7 +26,7 @@ from scse_dist.study.spec import Run, StudySpec, expand, run_config
 
 SPEC_NAME, RUNS_NAME, LR_CHOICE_NAME = "study.yaml", "runs.json", "lr_choice.json"
 VALIDATION_NAME = "validation.json"  # a sweep run's score: eval/validation.json
-WEIGHTS_NAME = "model.safetensors"  # scse_dist.export.WEIGHTS_NAME; importing it would load torch
+WEIGHTS_NAME = "model.safetensors"  # scse_dist.checkpoint.export.WEIGHTS_NAME; importing it would load torch
 
 
 class StudyError(RuntimeError):
@@ -80,7 +80,7 @@ def evaluate_validation(spec: StudySpec, run: Run) -> float | None:
     if not out.is_file():
         if not (Path(run.run_dir) / "export" / WEIGHTS_NAME).is_file():
             return None
-        from scse_dist.eval.loading import load_model
+        from scse_dist.checkpoint.loading import load_model
         from scse_dist.eval.tasks import run_task
 
         model, cfg = load_model(Path(run.run_dir) / "export")

@@ -158,7 +158,7 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module,
                  loop_leaf: bool = True) -> tuple[Any, dict[str, Any]]:
     """deepspeed.initialize with our ds_config, AdamW param groups and the warmup-cosine schedule.
 
-    Returns (engine, ds_config). Call after the process group is up (launch.distributed).
+    Returns (engine, ds_config). Call after the process group is up (scse_dist.distributed).
     `loop_leaf=False` leaves ZeRO-3 to gather per call (only benchmarks/bench_distributed.py
     wants that, to measure what the leaf saves).
     """

@@ -14,16 +14,16 @@ import torch
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
-from scse_dist.launch.distributed import barrier, describe_placement, init_distributed, shutdown
-from scse_dist.train.checkpoint import export_final, resume_if_present, save_checkpoint, tag_for
+from scse_dist.distributed import barrier, describe_placement, init_distributed, shutdown
+from scse_dist.checkpoint.tags import export_final, resume_if_present, save_checkpoint, tag_for
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import (REQUEUE_EXIT_CODE, FaultInjector, NonFiniteCounter,
                                    PreemptionFlag, TrainingStopped)
 from scse_dist.train.metrics import MetricsLogger, peak_flops, peak_memory
-from scse_dist.train.resume import plan_resume
+from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.train.step import sum_over_ranks, train_step
-from scse_dist.train.storage import RunStorage
+from scse_dist.checkpoint.storage import RunStorage
 from scse_dist.train.warm_start import maybe_init_from
 
 
@@ -208,7 +208,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
 def _evaluate_export(export_dir: str, cfg: RunConfig, run_dir: Path) -> str:
     from scse_dist.eval.cli import run_heldout_eval
-    from scse_dist.export import load_exported_model
+    from scse_dist.checkpoint.export import load_exported_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, export_cfg = load_exported_model(export_dir, device=device)

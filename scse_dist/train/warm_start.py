@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import fsspec
 
 from scse_dist.cli_errors import InputError
-from scse_dist.export import WEIGHTS_NAME, describe_mismatch, read_export_weights, weights_mismatch
-from scse_dist.train.storage import is_remote
+from scse_dist.checkpoint.export import WEIGHTS_NAME, describe_mismatch, read_export_weights, weights_mismatch
+from scse_dist.checkpoint.storage import is_remote
 
 if TYPE_CHECKING:
     from torch import nn

@@ -5,7 +5,7 @@ Rank 0 decides and broadcasts, so every rank loads the same tag or raises the sa
 1. `train.resume`: `auto` resumes when there is a checkpoint; `never` moves the run dir's previous
    checkpoints, metrics, export and eval aside (`old-<time>/`, nothing deleted) and starts fresh;
    `require` fails when there is nothing to resume.
-2. The tag `latest` names is verified against its manifest (scse_dist.train.manifest); a broken
+2. The tag `latest` names is verified against its manifest (scse_dist.checkpoint.manifest); a broken
    tag is reported in one line naming the file, and the newest intact older tag is used instead.
 3. The chosen tag's recorded config (`config.json` in the tag) is compared with this run's, field
    by field: a changed model, or a data field that changes the token stream, is refused.
@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, RunConfig, config_to_dict
-from scse_dist.launch.distributed import is_rank0
-from scse_dist.train.checkpoint import checkpoint_dir, list_checkpoints, remove_partial_saves
-from scse_dist.train.manifest import CONFIG_NAME, verify_tag
+from scse_dist.distributed import is_rank0
+from scse_dist.checkpoint.tags import checkpoint_dir, list_checkpoints, remove_partial_saves
+from scse_dist.checkpoint.manifest import CONFIG_NAME, verify_tag
 # Moved aside by `train.resume: never` (the new run would append to or overwrite them).
 PREVIOUS_RUN_FILES = ("checkpoints", "metrics.jsonl", "export", "eval")
 # Fields that make a checkpoint another model or another token stream. Everything else may change

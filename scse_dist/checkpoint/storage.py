@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import fsspec
 
-from scse_dist.launch.distributed import barrier, is_rank0
+from scse_dist.distributed import barrier, is_rank0
 
 STAGING_ENV = "SCSE_STAGING_DIR"
 UPLOAD_ATTEMPTS_ENV = "SCSE_UPLOAD_ATTEMPTS"  # tries per file (default 5)

@@ -7,7 +7,7 @@ Accepted paths:
   files (any stage) and the config is the tag's recorded `config.json` (tags saved before it was
   recorded: the run's `config.yaml`).
 
-An export given as an fsspec URL is read through `scse_dist.export.local_export` (scse-eval does).
+An export given as an fsspec URL is read through `scse_dist.checkpoint.export.local_export` (scse-eval does).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_config
-from scse_dist.zero_weights import fp32_state_dict
+from scse_dist.checkpoint.zero_weights import fp32_state_dict
 
 
 def _deepspeed_location(path: Path) -> tuple[Path, str]:
@@ -43,15 +43,15 @@ def _deepspeed_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
 
 
 def _is_export(p: Path) -> bool:
-    from scse_dist.export import WEIGHTS_NAME
+    from scse_dist.checkpoint.export import WEIGHTS_NAME
 
     return p.suffix == ".safetensors" or (p / WEIGHTS_NAME).is_file()
 
 
 def deepspeed_checkpoint(path: str | os.PathLike) -> tuple[Path, str, Path]:
     """(checkpoints root, tag, config file) of a run dir, its checkpoints/ dir or one tag dir."""
-    from scse_dist.export import CONFIG_NAME
-    from scse_dist.train.manifest import CONFIG_NAME as TAG_CONFIG_NAME
+    from scse_dist.checkpoint.export import CONFIG_NAME
+    from scse_dist.checkpoint.manifest import CONFIG_NAME as TAG_CONFIG_NAME
 
     p = Path(path)
     if not p.exists():
@@ -66,7 +66,7 @@ def deepspeed_checkpoint(path: str | os.PathLike) -> tuple[Path, str, Path]:
 
 def checkpoint_config(path: str | os.PathLike) -> RunConfig:
     """The RunConfig of an export or a DeepSpeed checkpoint, without loading any weights."""
-    from scse_dist.export import load_export_config
+    from scse_dist.checkpoint.export import load_export_config
 
     if _is_export(Path(path)):
         return load_export_config(path)
@@ -75,14 +75,14 @@ def checkpoint_config(path: str | os.PathLike) -> RunConfig:
 
 def checkpoint_weights(root: Path, tag: str) -> dict[str, torch.Tensor]:
     """The fp32 weights of DeepSpeed checkpoint `tag` under `root`, engine prefixes stripped."""
-    from scse_dist.export import _strip_wrapper_prefixes
+    from scse_dist.checkpoint.export import _strip_wrapper_prefixes
 
     return _strip_wrapper_prefixes(_deepspeed_state_dict(root, tag))
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, RunConfig]:
     """The model (eval mode, on `device`) and its RunConfig from an export or a DeepSpeed checkpoint."""
-    from scse_dist.export import load_exported_model
+    from scse_dist.checkpoint.export import load_exported_model
     from scse_dist.model import LoopedLM
 
     p = Path(path)

@@ -36,8 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from scse_dist.config import load_config
     from scse_dist.data.tokenizer import Tokenizer
-    from scse_dist.eval.loading import checkpoint_weights, deepspeed_checkpoint
-    from scse_dist.export import describe_mismatch, save_exported_model, weights_mismatch
+    from scse_dist.checkpoint.loading import checkpoint_weights, deepspeed_checkpoint
+    from scse_dist.checkpoint.export import describe_mismatch, save_exported_model, weights_mismatch
     from scse_dist.model import LoopedLM
 
     root, tag, config = deepspeed_checkpoint(args.checkpoint)

@@ -6,7 +6,7 @@ save itself: the step, every rank's data-stream position and RNG states, and the
 Saving is atomic: every rank writes tag `.tmp-step-N`; after a barrier (all ranks done) rank 0
 renames it to `step-N` and then replaces `latest` (written to a temporary file, then renamed).
 Before the rename, rank 0 adds `config.json` (the resolved config, compared at a resume) and
-`manifest.json` (every file's size and hash, verified at a resume; scse_dist.train.manifest).
+`manifest.json` (every file's size and hash, verified at a resume; scse_dist.checkpoint.manifest).
 A kill at any point leaves `latest` naming a complete checkpoint; a leftover `.tmp-*` directory is
 removed at the next start.
 """
@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from scse_dist.atomic import atomic_write_text
 from scse_dist.config import RunConfig, config_to_dict
-from scse_dist.launch.distributed import barrier, is_rank0
-from scse_dist.train import manifest
-from scse_dist.train.manifest import CONFIG_NAME
+from scse_dist.distributed import barrier, is_rank0
+from scse_dist.checkpoint import manifest
+from scse_dist.checkpoint.manifest import CONFIG_NAME
 
 TAG_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -72,7 +72,7 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
                     faults: Any = None, storage: Any = None) -> str:
     """Save tag step-{step} atomically (all ranks call this), then prune to keep_checkpoints.
 
-    With a remote `storage` (train.storage.RunStorage), the previous save's upload finishes first;
+    With a remote `storage` (checkpoint.storage.RunStorage), the previous save's upload finishes first;
     after the local commit every node uploads its shards in the background and rank 0 publishes
     the remote `latest` once the whole tag is uploaded and verified (storage.start_upload)."""
     if storage is not None:
@@ -168,7 +168,7 @@ def resume_if_present(engine: Any, run_dir: str | Path, stream: Any, named: Opti
     saved_world = json.loads(meta.read_text())["world_size"] if meta.is_file() else world
     if saved_world != world and engine.zero_optimization_stage() > 0:
         # ZeRO partitions belong to one world size: load DeepSpeed's universal form of the tag
-        from scse_dist.train.reshard import convert_once, load_universal
+        from scse_dist.checkpoint.reshard import convert_once, load_universal
 
         path, client_state = load_universal(engine, root, convert_once(root, named))
     else:  # ZeRO-0 keeps whole states: any world size loads them as they are
@@ -198,8 +198,8 @@ def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,
     1-3 rank 0 alone reads the tag's partition files rather than gathering live partitions; at
     ZeRO-0 it holds the whole weights itself.
     """
-    from scse_dist.export import save_exported_model
-    from scse_dist.zero_weights import fp32_state_dict
+    from scse_dist.checkpoint.export import save_exported_model
+    from scse_dist.checkpoint.zero_weights import fp32_state_dict
 
     out: Optional[str] = None
     if is_rank0():

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scse_dist.launch.distributed import barrier, is_rank0
-from scse_dist.train.manifest import UNIVERSAL_DIR as UNIVERSAL
+from scse_dist.distributed import barrier, is_rank0
+from scse_dist.checkpoint.manifest import UNIVERSAL_DIR as UNIVERSAL
 
 
 
