@@ -131,3 +131,23 @@ def test_callback_logs_on_its_steps_only() -> None:
                                   rank0=True)
     skipped.before_update(Engine, 5)
     assert skipped.on_step_end(model, 5) == {}
+
+
+def test_diagnostics_for_a_run_config(tmp_path, capsys) -> None:
+    from scse_dist.config import load_config
+    from scse_dist.train.diagnostics import diagnostics_for
+
+    data = f"data.path={tmp_path / 'none'}"
+    cfg = load_config(None, [data, "train.log_every=7", "train.depth.kind=uniform",
+                             "model.depth=3"])
+    callback = diagnostics_for(cfg, zero_stage=1, rank0=True)
+    assert (callback.every, callback.depth, callback.max_depth) == (7, 3, 6)
+    assert callback.window is None  # no held-out split there: said in one line, grads still run
+    assert capsys.readouterr().out.startswith(f"loop diagnostics: no held-out batch in {tmp_path}")
+    assert callback.due(14) and not callback.due(15)
+    every_5 = load_config(None, [data, "train.diagnostics_every=5"])
+    assert diagnostics_for(every_5, 1, rank0=False).every == 5
+    off = load_config(None, [data, "train.diagnostics_every=0"])
+    assert not diagnostics_for(off, 1, rank0=True).due(10)
+    untied = load_config(None, [data, "model.recurrence=untied", "model.residual=preln"])
+    assert not diagnostics_for(untied, 1, rank0=True).due(10)

@@ -25,6 +25,7 @@ GRAD_GROUPS = ("anchor", "core", "prelude", "coda", "embed")
 KEYS_DOC = """\
 diag/D_norm_t{t}       |D_t|, t = 0..max_depth; D = h - h* (scse) or h - s (looped, additive)
 diag/D_ratio_t{t}      |D_{t+1}| / |D_t| (0 when both are 0, inf when only |D_t| is)
+diag/D_kept            |D_T| / |D_0| at the training depth T (what the loop kept of D_0)
 diag/anchor_norm       R = |h*| (the source s for looped/additive)
 diag/core_scale        rho = ||g||_2 = RMS(g) * sqrt(d), g the core's output norm gain
                        (post-LN only: the last core block's norm2; absent under preln)
@@ -101,6 +102,7 @@ def loop_diagnostics(model: torch.nn.Module, window: torch.Tensor, depth: int,
     norms = [float(_row_norms(d).mean()) for d in deviations]
     out = {f"D_norm_t{t}": n for t, n in enumerate(norms)}
     out.update({f"D_ratio_t{t}": _ratio(norms[t + 1], norms[t]) for t in range(max_depth)})
+    out["D_kept"] = _ratio(norms[depth], norms[0])
     out["anchor_norm"] = float(_row_norms(anchor).mean())
     rho = core_scale(model)
     if rho is not None:
@@ -192,6 +194,36 @@ class DiagnosticsCallback:
             finally:
                 model.train(was_training)
         return row if self.rank0 else {}
+
+
+def heldout_window(cfg: Any) -> Optional[torch.Tensor]:
+    """The fixed batch: the first eval.batch_size sequences of data.path's held-out split (None,
+    with one printed line, when there is none)."""
+    from scse_dist.data.stream import TokenStream
+
+    try:
+        stream = TokenStream(cfg.data.path, split="heldout", seq_len=cfg.data.seq_len,
+                             batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0,
+                             loop=False)
+        return next(iter(stream))
+    except (OSError, ValueError, StopIteration) as err:  # InputError is a ValueError
+        print(f"loop diagnostics: no held-out batch in {cfg.data.path} ({err}); only gradient "
+              "shares are logged", flush=True)
+        return None
+
+
+def diagnostics_for(cfg: Any, zero_stage: int, rank0: bool) -> DiagnosticsCallback:
+    """The trainer's DiagnosticsCallback for a RunConfig: every train.diagnostics_every steps
+    (null: log_every), T = model.depth, up to the largest trained depth. Off for untied."""
+    from scse_dist.train.depth import largest_trained_depth
+
+    t, m = cfg.train, cfg.model
+    every = t.log_every if t.diagnostics_every is None else t.diagnostics_every
+    if m.recurrence == "untied":
+        every = 0
+    window = heldout_window(cfg) if rank0 and every > 0 and zero_stage < 3 else None
+    return DiagnosticsCallback(every, window, m.depth, largest_trained_depth(t.depth, m.depth),
+                               zero_stage, rank0)
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -17,6 +17,7 @@ from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
 from scse_dist.distributed import barrier, describe_placement, init_distributed, shutdown
 from scse_dist.checkpoint.tags import export_final, resume_if_present, save_checkpoint, tag_for
 from scse_dist.train.depth import sample_depth
+from scse_dist.train.diagnostics import diagnostics_for
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import (REQUEUE_EXIT_CODE, FaultInjector, NonFiniteCounter,
                                    PreemptionFlag, TrainingStopped)
@@ -103,6 +104,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
               f"{'bf16' if ds_config['bf16']['enabled'] else 'fp32'}, steps {start_step}..{t.max_steps}",
               flush=True)
 
+    # Loop diagnostics every train.diagnostics_every steps (docs/loop-diagnostics.md).
+    diagnostics = diagnostics_for(cfg, ds_config["zero_optimization"]["stage"], rank0)
     faults = FaultInjector(env.rank)
     nonfinite = NonFiniteCounter(t.max_nonfinite_steps)
     first_loss: Optional[float] = None
@@ -122,7 +125,9 @@ def train(cfg: RunConfig) -> dict[str, Any]:
             result = train_step(engine, (next(batches) for _ in range(t.grad_accum_steps)),
                                 depth=depth, backprop_steps=t.depth.backprop_steps,
                                 stop_requested=lambda: preemption.requested,
-                                loss_hook=lambda loss: faults.loss(done, loss))
+                                loss_hook=lambda loss: faults.loss(done, loss),
+                                before_update=lambda engine: diagnostics.before_update(engine, done))
+            diag_row = diagnostics.on_step_end(engine.module, done)
             nonfinite.update(done, result.skipped, tag_for(last_saved) if last_saved > 0 else None)
             if result.skipped and rank0:
                 print(f"step {done}: non-finite loss or gradient, step skipped ({nonfinite.in_a_row} "
@@ -147,11 +152,14 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                             "tokens_per_s": tokens_per_s, "mfu": mfu,
                             "step_time_s": elapsed / window_steps, "tokens": done * tokens_per_step,
                             "skipped_steps": nonfinite.total, "data_failures": int(data_failures),
-                            **peak_memory(engine.device)})
+                            **peak_memory(engine.device), **diag_row})
+                diag_row = {}
                 first_loss = loss if first_loss is None else first_loss
                 last_loss = loss
                 window_start, window_steps, window_flops = time.perf_counter(), 0, 0.0
                 loss_window.zero_()
+            if diag_row:  # diagnostics off the log steps get a row of their own
+                logger.log({"step": done, **diag_row})
             if done % t.checkpoint_every == 0 or done == t.max_steps or result.stop:
                 save_checkpoint(engine, run_dir, done, stream, cfg, faults, storage)
                 last_saved = done
