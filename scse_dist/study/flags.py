@@ -7,8 +7,11 @@
                     the diagnostics show the loop fell onto its anchor (deviation_norm at the
                     deepest T < collapse_ratio x its largest value: diagnose records no anchor
                     norm, so the deviation is measured against its own scale) or stopped moving
-                    (motion_norm at T=2 < motion_rel x deviation_norm at T=1). Without diagnose
-                    results the flat metric alone flags, and the detail says so.
+                    (motion_norm at T=2 < motion_rel x deviation_norm at T=1), or the training
+                    log's last loop diagnostics say so (diag/D_kept = |D_T|/|D_0| below
+                    collapse_ratio: docs/loop-diagnostics.md). Without either the flat metric
+                    alone flags, and the detail says so. A run with no evaluation is flagged by
+                    the training diagnostics alone.
     divergence      the final logged loss is non-finite, or above its minimum by > divergence_margin.
     non-finite      the trainer skipped steps for a NaN/Inf loss or gradient (skipped_steps > 0).
 
@@ -96,20 +99,32 @@ def headline_by_depth(run: StudyRun) -> tuple[Optional[str], dict[int, float]]:
     return None, {}
 
 
+def _collapsed_in_training(run: StudyRun, th: FlagThresholds) -> Optional[str]:
+    """Why the training log's last loop diagnostics show a loop fallen onto its anchor, or None."""
+    rows = [r for r in run.metrics if finite(r.get("diag/D_kept")) is not None]
+    if not rows or rows[-1]["diag/D_kept"] >= th.collapse_ratio:
+        return None
+    last = rows[-1]
+    return (f"in training |D_T|/|D_0| was {last['diag/D_kept']:.3g} at step {last.get('step')} "
+            "(diag/D_kept)")
+
+
 def _loop_inactive(run: StudyRun, th: FlagThresholds) -> Optional[Flag]:
     if run.config is not None and run.config.model.recurrence == "untied":
         return None
+    training = _collapsed_in_training(run, th)
     name, values = headline_by_depth(run)
     deep = [v for d, v in sorted(values.items()) if d >= 2]
     if len(deep) < 2:
-        return None
+        return Flag("loop inactive", training) if training and not values else None
     spread = (max(deep) - min(deep)) / max(abs(min(deep)), 1e-12)
     if spread >= th.flat_rel:
         return None
     flat = f"{name} flat for T >= 2 (spread {100 * spread:.2f}%)"
     diag = run.results.get("diagnose")
     if not diag:
-        return Flag("loop inactive", f"{flat}; no diagnose results to confirm")
+        confirm = training or "no diagnose results or training diagnostics to confirm"
+        return Flag("loop inactive", f"{flat}; {confirm}")
     deviation = {d: finite(r.get("deviation_norm")) for d, r in diag.items()}
     deviation = {d: v for d, v in deviation.items() if v is not None}
     motion2 = finite(diag.get(2, {}).get("motion_norm"))
@@ -120,6 +135,8 @@ def _loop_inactive(run: StudyRun, th: FlagThresholds) -> Optional[Flag]:
             why.append(f"deviation_norm fell to {deepest:.3g} from {largest:.3g}")
     if motion2 is not None and deviation.get(1) and motion2 < th.motion_rel * deviation[1]:
         why.append(f"motion_norm at T=2 is {motion2:.3g} against deviation_norm {deviation[1]:.3g}")
+    if training:
+        why.append(training)
     return Flag("loop inactive", f"{flat}; {'; '.join(why)}") if why else None
 
 
