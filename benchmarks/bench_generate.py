@@ -8,10 +8,17 @@
    through the cache, the next one scored) with the `shared` cache (one slot per core block,
    memory constant in T) against `exact`, at several depths: mean NLL, perplexity and their ratio.
    `exact` is also checked against one full forward over the same rows (it must agree).
+3. Self-speculative decoding (scse_dist.speculative), batch 1, measured side by side with cached
+   full-depth decoding in one run: tokens per CPU-second over --spec-new-tokens tokens at depth
+   --spec-depth, for each draft depth d and K drafted tokens per round, greedy (the tokens must be
+   identical) and sampled (temperature 1, the model's own distribution), with the acceptance rate
+   and tokens per round; and "a plain model": an untied model of equal unrolled depth and width,
+   random-init (only its speed is used), decoded through the same cache.
 
     python benchmarks/bench_generate.py                      # runs/quickstart/export if present
     python benchmarks/bench_generate.py EXPORT_OR_RUN_DIR --prefixes 32,128,512,1024 --depths 4,8,32
     python benchmarks/bench_generate.py --device cuda --dtype bf16 --size gpt2-small  # GPU timing
+    python benchmarks/bench_generate.py EXPORT --parts 3 --spec-depth 8 --spec-new-tokens 256
 
 Without a model (no argument and no quickstart export) part 1 runs on a random-init model of the
 quickstart's size and part 2 is skipped (a random model's likelihood says nothing).
@@ -52,6 +59,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--size", default="quickstart", choices=sorted(RANDOM_SIZES),
                    help="the random-init model's size when no export is given")
     p.add_argument("--batch", type=int, default=1, help="sequences generated at once")
+    p.add_argument("--parts", default="1,2,3", help="which parts to run")
+    p.add_argument("--spec-depth", type=int, default=8, help="part 3: the full depth T")
+    p.add_argument("--spec-new-tokens", type=int, default=256)
+    p.add_argument("--draft-depths", default="1,2", help="part 3: draft depths d")
+    p.add_argument("--draft-tokens", default="2,4,8", help="part 3: tokens drafted per round K")
+    p.add_argument("--repeats", type=int, default=3, help="part 3: alternating runs per row")
+    p.add_argument("--spec-prompt-tokens", type=int, default=32,
+                   help="part 3: the prompt, the start of a held-out row (random without one)")
     return p.parse_args(argv)
 
 
@@ -106,6 +121,77 @@ def forward_nll(model: LoopedLM, rows: torch.Tensor, depth: int) -> float:
     return F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten()).item()
 
 
+def timed_generation(model: LoopedLM, prompt: list[int], n: int, depth: int, sampling,
+                     speculative=None):
+    """(Generation, tokens per CPU-second) of one batch-1 run of n new tokens."""
+    from scse_dist.generate import generate
+
+    start = clock(next(model.parameters()).device)
+    out = generate(model, [prompt], max_new_tokens=n, depth=depth, sampling=sampling,
+                   speculative=speculative)
+    return out, n / (clock(next(model.parameters()).device) - start)
+
+
+def plain_model_rate(model: LoopedLM, prompt: list[int], n: int, depth: int) -> float:
+    """Greedy tokens/s of an untied model as deep (unrolled) and wide as `model` at `depth`."""
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    cfg = replace(model.cfg, recurrence="untied", untied_match="depth", depth=depth,
+                  inject="default")
+    plain = LoopedLM(cfg).to(next(model.parameters()).device).eval()
+    return timed_generation(plain, prompt, n, depth, sampling_of(0.0))[1]
+
+
+def sampling_of(temperature: float):
+    from scse_dist.generate import Sampling
+
+    return Sampling(temperature=temperature, seed=0)
+
+
+def side_by_side(model: LoopedLM, prompt: list[int], args: argparse.Namespace, temperature: float,
+                 speculative) -> tuple[float, float, object, object]:
+    """Cached full depth and speculative decoding run alternately args.repeats times (a shared
+    machine's load shifts within seconds): (median full-depth tokens/s, median of the per-pair
+    speed-ups, the full-depth Generation, the speculative one)."""
+    rates, ratios = [], []
+    for _ in range(args.repeats):
+        ref, base = timed_generation(model, prompt, args.spec_new_tokens, args.spec_depth,
+                                     sampling_of(temperature))
+        out, rate = timed_generation(model, prompt, args.spec_new_tokens, args.spec_depth,
+                                     sampling_of(temperature), speculative)
+        rates.append(base)
+        ratios.append(rate / base)
+    return sorted(rates)[len(rates) // 2], sorted(ratios)[len(ratios) // 2], ref, out
+
+
+def speculative_table(model: LoopedLM, prompt: list[int], args: argparse.Namespace) -> None:
+    depth, n = args.spec_depth, args.spec_new_tokens
+    print(f"\n3. self-speculative decoding: batch 1, depth {depth}, {n} new tokens, prompt of "
+          f"{len(prompt)} tokens; tokens per CPU-second, each row's full-depth and speculative "
+          f"runs alternating, median of {args.repeats}")
+    print(f"{'decoding':>9} {'d':>3} {'K':>3} {'cached':>8} {'spec':>8} {'speed-up':>9} "
+          f"{'accepted':>9} {'tok/round':>10} {'same tokens':>12}")
+    bases = []
+    for temperature in (0.0, 1.0):
+        kind = "greedy" if temperature == 0 else "sampled"
+        for d in [int(x) for x in args.draft_depths.split(",")]:
+            for k in [int(x) for x in args.draft_tokens.split(",")]:
+                base, ratio, ref, out = side_by_side(model, prompt, args, temperature, (d, k))
+                bases.append(base)
+                spec = out.speculation
+                same = ("yes" if out.tokens == ref.tokens else "NO") if temperature == 0 \
+                    else "(sampled)"
+                print(f"{kind:>9} {d:>3} {k:>3} {base:>8.1f} {base * ratio:>8.1f} {ratio:>8.2f}x "
+                      f"{spec['accepted'] / spec['drafted']:>9.2f} {n / spec['rounds']:>10.2f} "
+                      f"{same:>12}")
+    base = sorted(bases)[len(bases) // 2]
+    plain = plain_model_rate(model, prompt, n, depth)
+    print(f"a plain model (untied, {model.cfg.n_prelude + model.cfg.n_core * depth + model.cfg.n_coda}"
+          f" blocks, random-init: its speed only), greedy, cached: {plain:.1f} tokens/s, "
+          f"{plain / base:.2f}x the looped model's median cached rate {base:.1f}")
+
+
 def heldout_rows(cfg, n: int) -> torch.Tensor:
     from scse_dist.eval.tasks import _shard_stream
 
@@ -115,6 +201,35 @@ def heldout_rows(cfg, n: int) -> torch.Tensor:
         if len(rows) >= n:
             break
     return torch.stack(rows[:n])
+
+
+def cache_table(model: LoopedLM, args: argparse.Namespace, device: torch.device) -> None:
+    depth = args.depth or model.fixed_depth or model.cfg.depth
+    unit = "wall second" if device.type == "cuda" else "CPU-second"
+    print(f"\n1. greedy tokens per {unit} after a prefix of L tokens, depth {depth}, batch "
+          f"{args.batch}, {args.new_tokens} new tokens, {args.dtype} on {device}")
+    print(f"{'L':>6} {'exact cache':>12} {'no cache':>10} {'speed-up':>9}")
+    gen = torch.Generator().manual_seed(0)
+    for length in [int(x) for x in args.prefixes.split(",")]:
+        prefix = torch.randint(0, model.cfg.vocab_size, (args.batch, length), generator=gen)
+        prefix = prefix.to(device)
+        cached = tokens_per_second(model, prefix, args.new_tokens, depth, cached=True)
+        plain = tokens_per_second(model, prefix, args.new_tokens, depth, cached=False)
+        print(f"{length:>6} {cached:>12.1f} {plain:>10.1f} {cached / plain:>8.1f}x")
+
+
+def shared_cache_table(model: LoopedLM, cfg, args: argparse.Namespace, device: torch.device
+                       ) -> None:
+    rows = heldout_rows(cfg, args.rows).to(device)
+    print(f"\n2. held-out NLL, teacher-forced one token at a time through the cache "
+          f"({rows.shape[0]} rows x {rows.shape[1] - 1} predictions)")
+    print(f"{'T':>4} {'forward ppl':>12} {'exact ppl':>10} {'shared ppl':>11} "
+          f"{'NLL shared/exact':>17} {'ppl shared/exact':>17}")
+    for t in [int(x) for x in args.depths.split(",")]:
+        full = forward_nll(model, rows, t)
+        exact, shared = (incremental_nll(model, rows, t, mode) for mode in ("exact", "shared"))
+        print(f"{t:>4} {math.exp(full):>12.3f} {math.exp(exact):>10.3f} {math.exp(shared):>11.3f} "
+              f"{shared / exact:>17.4f} {math.exp(shared - exact):>17.4f}")
 
 
 def main(argv=None) -> int:
@@ -136,30 +251,17 @@ def main(argv=None) -> int:
         model, cfg = model.eval(), None
         print(f"model: random-init, {args.size} size ({model.num_parameters() / 1e6:.1f}M params, "
               "no export given): timing only")
-    depth = args.depth or model.fixed_depth or model.cfg.depth
-    unit = "wall second" if device.type == "cuda" else "CPU-second"
-    print(f"\n1. greedy tokens per {unit} after a prefix of L tokens, depth {depth}, batch "
-          f"{args.batch}, {args.new_tokens} new tokens, {args.dtype} on {device}")
-    print(f"{'L':>6} {'exact cache':>12} {'no cache':>10} {'speed-up':>9}")
-    gen = torch.Generator().manual_seed(0)
-    for length in [int(x) for x in args.prefixes.split(",")]:
-        prefix = torch.randint(0, model.cfg.vocab_size, (args.batch, length), generator=gen)
-        prefix = prefix.to(device)
-        cached = tokens_per_second(model, prefix, args.new_tokens, depth, cached=True)
-        plain = tokens_per_second(model, prefix, args.new_tokens, depth, cached=False)
-        print(f"{length:>6} {cached:>12.1f} {plain:>10.1f} {cached / plain:>8.1f}x")
-    if cfg is None:
-        return 0
-    rows = heldout_rows(cfg, args.rows).to(device)
-    print(f"\n2. held-out NLL, teacher-forced one token at a time through the cache "
-          f"({rows.shape[0]} rows x {rows.shape[1] - 1} predictions)")
-    print(f"{'T':>4} {'forward ppl':>12} {'exact ppl':>10} {'shared ppl':>11} "
-          f"{'NLL shared/exact':>17} {'ppl shared/exact':>17}")
-    for t in [int(x) for x in args.depths.split(",")]:
-        full = forward_nll(model, rows, t)
-        exact, shared = (incremental_nll(model, rows, t, mode) for mode in ("exact", "shared"))
-        print(f"{t:>4} {math.exp(full):>12.3f} {math.exp(exact):>10.3f} {math.exp(shared):>11.3f} "
-              f"{shared / exact:>17.4f} {math.exp(shared - exact):>17.4f}")
+    parts = {int(x) for x in args.parts.split(",")}
+    if 1 in parts:
+        cache_table(model, args, device)
+    if cfg is not None and 2 in parts:
+        shared_cache_table(model, cfg, args, device)
+    if 3 in parts:
+        gen = torch.Generator().manual_seed(0)
+        prompt = heldout_rows(cfg, 1)[0, :args.spec_prompt_tokens].tolist() if cfg is not None \
+            else torch.randint(0, model.cfg.vocab_size, (args.spec_prompt_tokens,),
+                               generator=gen).tolist()
+        speculative_table(model, prompt, args)
     return 0
 
 

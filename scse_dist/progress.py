@@ -61,10 +61,15 @@ class Progress:
         self._printed_at: Optional[float] = None
         self._bar = None
         if enabled and self._stream.isatty():
+            import shutil
+
             from tqdm import tqdm
 
+            # A pty with no window size (`script` without a terminal) reports 0 columns, and
+            # tqdm then draws nothing: fall back to 100.
+            sized = shutil.get_terminal_size((0, 0)).columns > 0
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=self._stream,
-                             dynamic_ncols=True, leave=True)
+                             dynamic_ncols=sized, ncols=None if sized else 100, leave=True)
 
     def __enter__(self) -> "Progress":
         return self

@@ -2,30 +2,47 @@
 # A real Slurm on localhost, for developers and the tests (Debian/Ubuntu, as root):
 #   bash slurm/local-cluster.sh install            # apt-get install slurmctld slurmd slurm-client munge
 #   bash slurm/local-cluster.sh start [--nodes N]  # munged + slurmctld + one slurmd per node; waits
-#                                                  # until every node is idle
-#   bash slurm/local-cluster.sh status             # "up: NODES" (exit 0) or "down" (exit 1)
-#   bash slurm/local-cluster.sh stop               # cancels jobs, stops exactly the daemons start started
-# Then sbatch/squeue/scontrol work as on a cluster (config in /etc/slurm). No systemd, no cgroups.
+#                                                  # until every node is up
+#   bash slurm/local-cluster.sh status             # "up: NODE=STATE ...; J active job(s)" (exit 0)
+#                                                  # or "down: WHY" (exit 1)
+#   bash slurm/local-cluster.sh stop [--force]     # stops exactly the daemons start started
+# Then sbatch/squeue/scontrol work as on a cluster. No systemd, no cgroups.
+#
+# Safe to share: a cluster with jobs is never taken down by accident. `start` on a running
+# cluster keeps it (and its jobs) and says so; `start` with another configuration (--nodes,
+# SCSE_SLURM_CPUS) on a cluster with queued or running jobs refuses; `stop` on a cluster with
+# jobs refuses unless --force (which cancels them). The job state (StateSaveLocation) is kept
+# across restarts: jobs and job ids survive a stop/start of the daemons.
+#
 # One node (the default) is this host, `hostname -s`. --nodes N > 1 makes N virtual nodes vnode1..N,
 # each its own slurmd on its own port, all on this host (Debian builds Slurm with multiple-slurmd):
 # `sbatch --nodes=2` then runs one batch shell and srun tasks on two "nodes", with distinct
 # SLURM_NODEID and SLURMD_NODENAME, and `scontrol show hostnames` lists vnode1, vnode2.
-# Knobs: SCSE_SLURM_DIR (state, logs, pids; default /tmp/scse-slurm), SCSE_SLURM_NODES (default
-# node count, 1), SCSE_SLURM_CPUS (CPUs per node, default nproc; more than the machine has is fine),
-# SCSE_SLURM_TIMEOUT (seconds to wait, default 60).
+#
+# Knobs: SCSE_SLURM_DIR (state, logs, pids; default /tmp/scse-slurm), SCSE_SLURM_CONF (the
+# slurm.conf to write; default /etc/slurm/slurm.conf, where the client commands look; any other
+# path needs SLURM_CONF=that path in the client's environment), SCSE_SLURM_PORT (slurmctld's port,
+# default 6817; node i's slurmd listens on PORT + i), SCSE_SLURM_NODES (default node count, 1),
+# SCSE_SLURM_CPUS (CPUs per node, default nproc; more than the machine has is fine),
+# SCSE_SLURM_TIMEOUT (seconds to wait, default 60). Two clusters with different DIR, CONF and PORT
+# run side by side (the test suite runs its own that way and never touches this default one).
 set -euo pipefail
 DIR=${SCSE_SLURM_DIR:-/tmp/scse-slurm}
+CONF=${SCSE_SLURM_CONF:-/etc/slurm/slurm.conf}
+CTLD_PORT=${SCSE_SLURM_PORT:-6817}
 NNODES=${SCSE_SLURM_NODES:-1}
-CPUS=${SCSE_SLURM_CPUS:-$(nproc)}
-SLURMD_PORT=6818  # the first node's; virtual node i listens on SLURMD_PORT + i - 1
+# (nproc would follow OMP_NUM_THREADS, which a shared machine often sets to 1)
+CPUS=${SCSE_SLURM_CPUS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 TIMEOUT=${SCSE_SLURM_TIMEOUT:-60}
-CONF=/etc/slurm/slurm.conf  # where the client commands look
 MARK="# written by scse-dist slurm/local-cluster.sh"
 HOST=$(hostname -s 2>/dev/null || hostname)
 VNODE_PREFIX=vnode
+FORCE=0
+export SLURM_CONF=$CONF  # this script's own sinfo/squeue/scontrol talk to this cluster
 
 log() { echo "[local-cluster] $*" >&2; }
-die() { log "ERROR: $*"; for f in "$DIR"/log/*; do [ -s "$f" ] && { echo "== $f" >&2; tail -n 20 "$f" >&2; }; done; exit 1; }
+die() { log "ERROR: $*"; exit 1; }
+die_logs() { log "ERROR: $*"; for f in "$DIR"/log/*; do [ -s "$f" ] && { echo "== $f" >&2; tail -n 20 "$f" >&2; }; done; exit 1; }
 [ "$(id -u)" = 0 ] || die "run as root (slurmd must be root)"
 
 # Pids we started, with their start time so a recycled pid is never killed.
@@ -37,13 +54,13 @@ start_bg() {  # start_bg NAME CMD... (CMD stays in the foreground; setsid: immun
   setsid "$@" </dev/null >"$DIR/log/$name.out" 2>&1 &
   local pid=$! st=""
   for _ in 1 2 3 4 5 6 7 8 9 10; do st=$(starttime "$pid") && [ -n "$st" ] && break; sleep 0.05; done
-  [ -n "$st" ] || die "$name exited at once"
+  [ -n "$st" ] || die_logs "$name exited at once"
   echo "$pid $st" > "$DIR/pids/$name"
 }
 wait_until() {  # wait_until WHAT CMD...
   local what=$1 end=$(( $(date +%s) + TIMEOUT )); shift
   until "$@" >/dev/null 2>&1; do
-    [ "$(date +%s)" -lt "$end" ] || die "$what not ready after ${TIMEOUT}s"
+    [ "$(date +%s)" -lt "$end" ] || die_logs "$what not ready after ${TIMEOUT}s"
     sleep 0.1
   done
 }
@@ -51,24 +68,25 @@ munge_ok() { munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; }
 node_names() {  # node_names N: the names of an N-node cluster
   if [ "$1" = 1 ]; then echo "$HOST"; else seq -f "$VNODE_PREFIX%g" 1 "$1"; fi
 }
-# The nodes slurmctld knows, each with its state, e.g. "vnode1 idle" (one line per node).
+# The nodes slurmctld knows, each with its state, e.g. "vnode1 allocated" (one line per node).
 node_states() { sinfo -h -N -o '%N %T' 2>/dev/null | sort -u; }
-all_idle() {  # all_idle NAMES...: exactly these nodes, all idle
-  [ "$(node_states)" = "$(printf '%s idle\n' "$@" | sort -u)" ]
+# A node that runs jobs or can: idle, allocated, mixed, completing (a suffix like + is a detail);
+# '*' means not responding, and down/drained/failing/inval/unknown nodes take no jobs.
+state_up() { case $1 in *'*'*) return 1 ;; idle*|alloc*|mix*|completing*|planned*|reserved*) return 0 ;; *) return 1 ;; esac; }
+all_up() {  # all_up NAMES...: slurmctld knows exactly these nodes, and each is up
+  local name state names=()
+  while read -r name state; do state_up "$state" || return 1; names+=("$name"); done < <(node_states)
+  [ "$(printf '%s\n' "${names[@]}" | sort)" = "$(printf '%s\n' "$@" | sort)" ]
 }
+active_jobs() { squeue -h -o %i 2>/dev/null | wc -l; }  # pending, running, completing, suspended
 # The slurmds we started (pid files pids/slurmd-NODE), also those of an earlier --nodes.
 started_slurmds() { local f; for f in "$DIR"/pids/slurmd*; do [ -e "$f" ] && basename "$f"; done; }
-running_nodes() {  # the node names, if slurmctld and every slurmd we started are up and idle
-  local d names=()
-  alive slurmctld || return 1
-  for d in $(started_slurmds); do alive "$d" || return 1; names+=("${d#slurmd-}"); done
-  [ "${#names[@]}" -gt 0 ] && all_idle "${names[@]}" && printf '%s\n' "${names[@]}" | sort
-}
+ctld_up() { alive slurmctld && scontrol ping 2>/dev/null | grep -q "is UP"; }
 
-install_packages() {
+install_packages() {  # install_packages [-v]: -v says so when there is nothing to install
   local missing=0
   for b in slurmctld slurmd sbatch munged; do command -v "$b" >/dev/null || missing=1; done
-  [ "$missing" = 1 ] || { log "slurm and munge are installed"; return; }
+  [ "$missing" = 1 ] || { [ "${1:-}" != -v ] || log "slurm and munge are installed"; return; }
   export DEBIAN_FRONTEND=noninteractive
   # keep the packages' maintainer scripts from starting daemons
   local policy=0
@@ -79,23 +97,18 @@ install_packages() {
   log "installed slurmctld slurmd slurm-client munge"
 }
 
-write_config() {  # write_config NAMES...
-  local n port=$SLURMD_PORT nodes="" mem=$(( $(awk '/^MemTotal:/{print $2}' /proc/meminfo) / 1024 * 9 / 10 ))
-  mkdir -p /etc/slurm
-  for f in "$CONF" /etc/slurm/cgroup.conf; do
-    if [ -f "$f" ] && ! grep -qF "$MARK" "$f"; then cp -n "$f" "$f.orig"; log "kept the old $f as $f.orig"; fi
-  done
-  # slurmd 22.05 always loads a cgroup plugin; v1's init touches nothing (v2 needs systemd).
-  printf '%s\nCgroupPlugin=cgroup/v1\nCgroupAutomount=no\n' "$MARK" > /etc/slurm/cgroup.conf
+render_config() {  # render_config NAMES...: the slurm.conf of a cluster of these nodes, on stdout
+  local n port=$((CTLD_PORT + 1)) nodes="" mem=$(( $(awk '/^MemTotal:/{print $2}' /proc/meminfo) / 1024 * 9 / 10 ))
   # Every node is a slurmd on this host (NodeHostname), told apart by its port.
   for n in "$@"; do
     nodes+="NodeName=$n NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$port CPUs=$CPUS RealMemory=$mem State=UNKNOWN"$'\n'
     port=$((port + 1))
   done
-  cat > "$CONF" <<CONF
+  cat <<CONF
 $MARK
 ClusterName=scse-local
 SlurmctldHost=$HOST(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -133,13 +146,54 @@ ${nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 }
 
+write_config() {  # write_config NAMES...
+  local f etc; etc=$(dirname "$CONF")
+  mkdir -p "$etc"
+  for f in "$CONF" "$etc/cgroup.conf"; do
+    if [ -f "$f" ] && ! grep -qF "$MARK" "$f"; then cp -n "$f" "$f.orig"; log "kept the old $f as $f.orig"; fi
+  done
+  # slurmd 22.05 always loads a cgroup plugin (from cgroup.conf beside slurm.conf); v1's init
+  # touches nothing (v2 needs systemd).
+  printf '%s\nCgroupPlugin=cgroup/v1\nCgroupAutomount=no\n' "$MARK" > "$etc/cgroup.conf"
+  render_config "$@" > "$CONF"
+}
+
+start_munge() {
+  munge_ok && return
+  install -d -o munge -g munge -m 0700 /etc/munge /var/lib/munge /var/log/munge
+  install -d -o munge -g munge -m 0755 /run/munge
+  [ -s /etc/munge/munge.key ] || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+  chown munge:munge /etc/munge/munge.key; chmod 0400 /etc/munge/munge.key
+  # munged refuses to run as root
+  start_bg munged setpriv --reuid=munge --regid=munge --init-groups /usr/sbin/munged --foreground
+  wait_until munged munge_ok
+}
+
+start_slurmds() {  # start_slurmds NAMES...: those of our slurmds that are not running
+  local n
+  for n in "$@"; do
+    mkdir -p "$DIR/spool/$n"
+    alive "slurmd-$n" || start_bg "slurmd-$n" /usr/sbin/slurmd -D -f "$CONF" -N "$n"
+  done
+}
+
 start() {
   [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive integer, not '$NNODES'"
   local n nodes; mapfile -t nodes < <(node_names "$NNODES")
   install_packages
   mkdir -p "$DIR"/{log,pids,run,state,spool}
-  if [ "$(running_nodes)" = "$(printf '%s\n' "${nodes[@]}" | sort)" ] && munge_ok && grep -qF "$MARK" "$CONF"; then
-    log "already running: ${nodes[*]}"; return
+  if ctld_up && grep -qF "$MARK" "$CONF"; then
+    local jobs; jobs=$(active_jobs)
+    if [ "$(cat "$CONF")" = "$(render_config "${nodes[@]}")" ]; then
+      start_munge; start_slurmds "${nodes[@]}"  # any that died; the running ones are kept
+      wait_until "nodes ${nodes[*]}" all_up "${nodes[@]}"
+      log "already running: $(echo $(node_states | tr ' ' =)); $jobs active job(s); kept as it is"
+      return
+    fi
+    [ "$jobs" = 0 ] || die "running with another configuration ($CONF) and $jobs active job(s) \
+(squeue); not restarting it. Wait for them, or 'stop --force' to cancel them, or start a second \
+cluster with its own SCSE_SLURM_DIR, SCSE_SLURM_CONF and SCSE_SLURM_PORT"
+    log "running with another configuration and no jobs: restarting as ${nodes[*]}"
   fi
   stop_daemons
   # slurmctld checks that its host resolves; the jobs resolve node names (MASTER_ADDR=vnode1).
@@ -147,23 +201,29 @@ start() {
   for n in "$HOST" "${nodes[@]}"; do
     getent hosts "$n" >/dev/null || echo "127.0.0.1 $n" >> /etc/hosts
   done
-  if ! munge_ok; then
-    install -d -o munge -g munge -m 0700 /etc/munge /var/lib/munge /var/log/munge
-    install -d -o munge -g munge -m 0755 /run/munge
-    [ -s /etc/munge/munge.key ] || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-    chown munge:munge /etc/munge/munge.key; chmod 0400 /etc/munge/munge.key
-    # munged refuses to run as root
-    start_bg munged setpriv --reuid=munge --regid=munge --init-groups /usr/sbin/munged --foreground
-    wait_until munged munge_ok
-  fi
+  start_munge
   write_config "${nodes[@]}"
-  rm -rf "${DIR:?}/state" "${DIR:?}/spool" "$DIR"/log/slurm*; mkdir -p "$DIR/state"
-  for n in "${nodes[@]}"; do mkdir -p "$DIR/spool/$n"; done
-  start_bg slurmctld /usr/sbin/slurmctld -D -i
+  rm -f "$DIR"/log/slurm*
+  # The state dir is kept: jobs queued before a restart (or a crash) are recovered, never lost.
+  start_bg slurmctld /usr/sbin/slurmctld -D -i -f "$CONF"
   wait_until slurmctld sh -c 'scontrol ping | grep -q "is UP"'
-  for n in "${nodes[@]}"; do start_bg "slurmd-$n" /usr/sbin/slurmd -D -N "$n"; done
-  wait_until "nodes ${nodes[*]}" all_idle "${nodes[@]}"
-  log "nodes ${nodes[*]} idle ($CPUS CPUs each); state and logs in $DIR"
+  start_slurmds "${nodes[@]}"
+  wait_until "nodes ${nodes[*]}" all_up "${nodes[@]}"
+  log "nodes ${nodes[*]} up ($CPUS CPUs each); slurmctld port $CTLD_PORT; config $CONF; state and logs in $DIR"
+}
+
+status() {
+  alive slurmctld || { echo "down: slurmctld is not running (pid file $DIR/pids/slurmctld)"; return 1; }
+  ctld_up || { echo "down: slurmctld does not answer 'scontrol ping' ($CONF)"; return 1; }
+  local d names=() states
+  for d in $(started_slurmds); do
+    alive "$d" || { echo "down: ${d#slurmd-}'s slurmd is not running"; return 1; }
+    names+=("${d#slurmd-}")
+  done
+  [ "${#names[@]}" -gt 0 ] || { echo "down: no slurmd started"; return 1; }
+  states=$(echo $(node_states | tr ' ' =))
+  all_up "${names[@]}" || { echo "down: nodes $states"; return 1; }
+  echo "up: $states; $(active_jobs) active job(s)"
 }
 
 stop_one() {
@@ -177,31 +237,41 @@ stop_one() {
 stop_daemons() { local d; for d in $(started_slurmds); do stop_one "$d"; done; stop_one slurmctld; }
 
 stop() {
-  if alive slurmctld; then
-    local jobs; jobs=$(squeue -h -o %i 2>/dev/null || true)
-    if [ -n "$jobs" ]; then
-      scancel $jobs 2>/dev/null || true
-      for _ in $(seq 100); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.1; done
+  if ctld_up; then
+    local jobs; jobs=$(active_jobs)
+    if [ "$jobs" != 0 ] && [ "$FORCE" != 1 ]; then
+      die "$jobs active job(s) (squeue); not stopping. 'stop --force' cancels them first"
+    fi
+    if [ "$jobs" != 0 ]; then
+      log "cancelling $jobs job(s)"
+      scancel --full $(squeue -h -o %i) 2>/dev/null || true
+      for _ in $(seq 100); do [ "$(active_jobs)" = 0 ] && break; sleep 0.1; done
     fi
   fi
   stop_daemons
-  stop_one munged
+  # munged is shared by every cluster on this host: it stays while another slurmctld runs.
+  if pgrep -x slurmctld >/dev/null; then
+    alive munged && log "munged kept: another slurmctld uses it"
+  else
+    stop_one munged
+  fi
   log "stopped"
 }
 
-usage() { echo "usage: $0 install | start [--nodes N] | stop | status" >&2; exit 2; }
+usage() { echo "usage: $0 install | start [--nodes N] | stop [--force] | status" >&2; exit 2; }
 cmd=${1:-}; [ $# = 0 ] || shift
 while [ $# -gt 0 ]; do
   case "$1" in
     --nodes) [ $# -ge 2 ] || usage; NNODES=$2; shift 2 ;;
     --nodes=*) NNODES=${1#--nodes=}; shift ;;
+    --force) FORCE=1; shift ;;
     *) usage ;;
   esac
 done
 case "$cmd" in
-  install) install_packages ;;
+  install) install_packages -v ;;
   start) start ;;
   stop) stop ;;
-  status) if nodes=$(running_nodes); then echo "up: $(echo $nodes)"; else echo down; exit 1; fi ;;
+  status) status ;;
   *) usage ;;
 esac

@@ -16,6 +16,8 @@
 #    (--signal=USR1@120); they finish the step, save a checkpoint and exit 75. This script then
 #    requeues the job (--requeue allows it), and the next start resumes from the checkpoint.
 #    Set SCSE_SCHEDULE_EVALS=0 to train without scheduling evaluations.
+# 4. SCSE_EVAL_IN_JOB=1 (what scse-study sets): after training succeeded, every eval task and the
+#    run's report run here, in this job's allocation, instead of as separate jobs.
 #SBATCH --job-name=scse-pretrain
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8
@@ -30,9 +32,16 @@
 set -euo pipefail
 
 # Job arrays (scse-study): `sbatch --array=0-N%P slurm/pretrain.sh --config-list LIST`, where
-# line i+1 of LIST is the config of array task i.
+# line i+1 of LIST is the config of array task i, optionally a tab and the job name it takes
+# (the array's tasks share one name until they start; then squeue shows what each one runs).
 if [ "${1:-}" = "--config-list" ]; then
-  set -- "$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" "${2:?usage: --config-list FILE}")" "${@:3}"
+  IFS=$'\t' read -r listed name < <(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" "${2:?usage: --config-list FILE}")
+  set -- "$listed" "${@:3}"
+  # ARRAY_ID_TASK names this task alone (one task's SLURM_JOB_ID equals the array's id, and
+  # updating that id renames every task of the array)
+  if [ -n "${name:-}" ]; then
+    scontrol update JobId="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" JobName="$name" || true
+  fi
 fi
 CONFIG=${1:?usage: sbatch slurm/pretrain.sh CONFIG [key.sub=value ...]}
 shift
@@ -55,5 +64,8 @@ if [ "$status" = "$REQUEUE_EXIT_CODE" ]; then
   echo "pretrain.sh: training was preempted and saved a checkpoint; requeueing job $SLURM_JOB_ID"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
+fi
+if [ "$status" = 0 ] && [ "${SCSE_EVAL_IN_JOB:-0}" = 1 ]; then
+  python -m scse_dist.launch.scheduler "$CONFIG" "$@" --evaluate || status=$?
 fi
 exit "$status"

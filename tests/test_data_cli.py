@@ -23,6 +23,7 @@ def test_ensure_data_without_build_names_path_and_command(tmp_path):
     assert str(tmp_path / "shards") in str(err.value) and "scse-data" in str(err.value)
 
 
+@pytest.mark.slow
 def test_quickstart_builds_stdlib_corpus_once(tmp_path, capsys):
     cfg = DataConfig(path=str(tmp_path / "shards"), tokenizer=str(tmp_path / "tok.model"),
                      build="stdlib_docs", build_vocab_size=512, heldout_fraction=0.05)

@@ -15,6 +15,9 @@ from scse_dist.data.shards import load_sample_table, read_index, write_shards  #
 from scse_dist.data.stream import TokenStream  # noqa: E402
 from test_data_stream import IntTokenizer, docs_of  # noqa: E402
 
+# A moto S3 server per test (30-100 s each on 2 busy cores): the slow tier.
+pytestmark = pytest.mark.slow
+
 
 def test_shards_written_to_and_streamed_from_s3(s3_bucket, tmp_path):
     docs = docs_of(120)

@@ -6,7 +6,8 @@ import time
 import pytest
 
 from scse_dist.config import config_from_dict
-from scse_dist.eval.report import collect, main, markdown_table, write_report
+from scse_dist.eval.report import collect, markdown_table, write_report
+from scse_dist.study.report_cli import main
 from scse_dist.eval.results import write_results
 
 
@@ -33,6 +34,17 @@ def test_table_has_one_row_per_run_task_metric_and_a_column_per_depth(tmp_path):
     assert table[4] == "| scse (scse) | lambada | ppl | 9.0000 |  | 9.0000 |"
     assert table[5] == "| untied (untied) | heldout | ppl |  | 30.0000 |  |"
     assert len(table) == 6
+
+
+def test_partial_results_are_marked_in_the_table(tmp_path):
+    run = _run(tmp_path, "scse", "scse", {1: 40.0})
+    cfg = config_from_dict({"name": "scse"})
+    write_results(run / "eval" / "lambada.json", "lambada", "x", cfg,
+                  [{"depth": 1, "accuracy": 0.5, "ppl": 9.0}],
+                  extra={"partial": {"done": 1264, "total": 5153, "unit": "passage"}})
+    table = markdown_table(collect([run])).splitlines()
+    assert table[3] == "| scse (scse) | lambada (partial: 1264/5153 passage) | accuracy | 0.5000 |"
+    assert table[2] == "| scse (scse) | heldout | ppl | 40.0000 |"
 
 
 def test_report_writes_markdown_and_a_valid_png(tmp_path, capsys):

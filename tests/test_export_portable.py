@@ -113,6 +113,7 @@ def trained(tmp_path_factory, tiny_config, subprocess_env):
     return root / "runs" / "tiny"
 
 
+@pytest.mark.slow
 def test_deepspeed_checkpoint_dir_loads_the_same_weights_as_the_export(trained, tmp_path):
     exported, _ = load_exported_model(trained / "export")
     for path in (trained, trained / "checkpoints", trained / "checkpoints" / "step-0000002"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, TINY_VOCAB
-from scse_dist.generate import Sampling, generate, main as generate_main
+from scse_dist.generate import Sampling, continuation_text, generate, main as generate_main
 from scse_dist.model import LoopedLM, ModelConfig
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
 from scse_dist.model.kv_cache import KVCache
@@ -234,7 +234,7 @@ def expected_text(export: str, prompt: str, **kw) -> str:
     model, cfg = load_exported_model(export)
     tok = Tokenizer.load(cfg.data.tokenizer)
     out = generate(model, [tok.encode(prompt)], eos_id=tok.eos_id, **kw)
-    return prompt + tok.decode([t for t in out.tokens[0] if t != tok.eos_id])
+    return prompt + continuation_text(tok, tok.encode(prompt), out.tokens[0])
 
 
 def test_scse_generate_streams_seeded_text(export, subprocess_env, capsys) -> None:
@@ -272,6 +272,12 @@ def test_scse_generate_prompt_file_is_one_batch(export, tmp_path, capsys) -> Non
     (["--prompt", "x", "--top-p", "0"], "--top-p: must lie in (0, 1], got 0.0"),
     (["--prompt", "x", "--depth", "0"], "--depth: must be >= 1, got 0"),
     (["--prompt", "x", "--exit", "fast:1"], "--exit: exit rule 'fast:1': unknown kind 'fast'"),
+    (["--prompt", "x", "--speculative", "1,x"], "--speculative: expected DRAFT_DEPTH[,K] with "
+                                                "positive integers (e.g. 2,4), got '1,x'"),
+    (["--prompt", "x", "--speculative", "2"], "--speculative: the draft depth must lie in 1..1 "
+                                              "(below the depth 2), got 2"),
+    (["--prompt", "x", "--speculative", "1", "--cache", "shared"],
+     "--speculative: runs with the exact cache at a fixed depth; drop --exit and --cache"),
 ])
 def test_scse_generate_bad_input_is_one_line(export, capsys, argv, message) -> None:
     assert generate_main([export, *argv]) == 65
@@ -288,3 +294,56 @@ def test_scse_generate_reports_the_steps_an_exit_rule_used(export, capsys) -> No
     assert "scse-generate: exit motion:0.5,min=2: mean loop steps per token " in err
     mean = float(err.split("per token ")[1].split()[0])
     assert 2 <= mean <= 6
+
+
+def first_token_with_a_space(export: str, prompt: str) -> int:
+    """A seed whose first sampled token starts with '▁' (a word after the prompt's last)."""
+    from scse_dist.data.tokenizer import Tokenizer
+    from scse_dist.checkpoint.export import load_exported_model
+
+    model, cfg = load_exported_model(export)
+    tok = Tokenizer.load(cfg.data.tokenizer)
+    for seed in range(50):
+        out = generate(model, [tok.encode(prompt)], max_new_tokens=1,
+                       sampling=Sampling(1.0, 1.0, seed))
+        alone = tok.decode(out.tokens[0])  # sentencepiece drops a leading space here
+        if alone and not alone.startswith(" ") and \
+                continuation_text(tok, tok.encode(prompt), out.tokens[0]).startswith(" "):
+            return seed
+    raise AssertionError("no seed in 0..49 gives a first token with a leading space")
+
+
+def test_the_continuation_keeps_its_leading_space(export, capsys) -> None:
+    """'...functions for' + '▁the' prints '...functions for the', not '...functions forthe'
+    (the continuation decoded alone drops the space of its first piece)."""
+    seed = first_token_with_a_space(export, "the cat sees")
+    argv = [export, "--prompt", "the cat sees", "--max-new-tokens", "5", "--temperature", "1",
+            "--seed", str(seed)]
+    assert generate_main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("the cat sees ") and not out.startswith("the cat sees  ")
+    assert out == expected_text(export, "the cat sees", max_new_tokens=5,
+                                sampling=Sampling(1.0, 1.0, seed)) + "\n"
+
+
+def test_exit_without_depth_caps_at_8x_the_models_depth(export, capsys) -> None:
+    """The tiny model's depth is 2: motion:0 never fires, so every token runs the cap, 16."""
+    argv = [export, "--prompt", "the cat sees", "--max-new-tokens", "3", "--exit", "motion:0"]
+    assert generate_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "scse-generate: exit motion:0,max=16: mean loop steps per token 16.00 (min 16, max 16)" \
+        in err
+    assert generate_main(argv + ["--depth", "3"]) == 0  # --depth is the cap when given
+    assert "exit motion:0: mean loop steps per token 3.00" in capsys.readouterr().err
+
+
+def test_scse_generate_speculative_prints_the_same_text(export, capsys) -> None:
+    argv = [export, "--prompt", "the cat sees", "--max-new-tokens", "12", "--depth", "4"]
+    assert generate_main(argv) == 0
+    plain = capsys.readouterr().out
+    assert generate_main(argv + ["--speculative", "2,3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("scse-generate: speculative 2,3: ") and " drafted tokens accepted, " \
+        in line and line.endswith(" tokens/s")

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# Trains at two ZeRO stages in subprocesses (about 45 s): the slow tier.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
 gpu_check = sys.modules["gpu_check"] = importlib.util.module_from_spec(spec)

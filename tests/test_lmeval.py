@@ -5,6 +5,7 @@ touching the Hugging Face hub; the exit rule, generation and the CLI's argument 
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -128,6 +129,11 @@ def test_lm_eval_agrees_with_scse_eval(lm_data, tmp_path, user_env):
     (results_file,) = (tmp_path / "results").rglob("results_*.json")
     results = json.loads(results_file.read_text())["results"]
     lm_lambada, lm_wiki = results["scse_lambada"], results["scse_wikitext"]
+    # lm-eval leaves progress to the model: the scse model's line per task (stderr is not a
+    # terminal here: one line at the end of each task)
+    for task, windows in (("scse_lambada", "24"), ("scse_wikitext", r"\d+")):
+        assert re.search(rf"^scse {task} T={DEPTH}: ({windows})/\1 window, [\d.]+ window/s, "
+                         r"elapsed \d+:\d\d, ETA 0:00$", out.stderr, re.M), out.stderr[-3000:]
 
     ours = _scse_eval("lambada", export, lambada, tmp_path / "lambada.json")
     assert ours["examples"] == 24 and 0 < ours["accuracy"] < 1  # a test that can tell them apart
@@ -269,6 +275,52 @@ def test_generate_until_is_greedy_and_stops(lm_data):
     stop = greedy.strip()[-1]
     cut, = lm.generate_until([SimpleNamespace(args=(context, {"until": [stop], "max_gen_toks": 6}))])
     assert cut == greedy.split(stop, 1)[0] and stop not in cut
+
+
+def _generate_by_recomputing(lm: ScseLM, context: str, kwargs: dict) -> str:
+    """generate_until as it was before the KV cache: every token from a sliding window of the
+    last max_length tokens, recomputed (the reference the cached path must equal)."""
+    from scse_dist.generate import Sampling, next_tokens
+
+    until, max_new = kwargs.get("until", []), kwargs.get("max_gen_toks", 256)
+    sampling = Sampling(kwargs.get("temperature", 1.0), kwargs.get("top_p", 1.0)) \
+        if kwargs.get("do_sample") else Sampling()
+    generator = torch.Generator().manual_seed(kwargs.get("seed", 0))
+    ids, new, text = [lm.eot_token_id, *lm.tokenizer.encode(context)], [], ""
+    with torch.inference_mode():
+        for _ in range(max_new):
+            window = torch.tensor([(ids + new)[-lm.max_length:]])
+            token = int(next_tokens(lm.scorer.next_logits(lm.model, window), sampling,
+                                    generator)[0])
+            if token == lm.eot_token_id:
+                break
+            new.append(token)
+            text = lm.tokenizer.decode(new)
+            if any(stop in text for stop in until):
+                break
+    for stop in until:
+        text = text.split(stop, 1)[0]
+    return text
+
+
+@pytest.mark.parametrize("exit", ["fixed", "motion:0.3"])
+def test_generate_until_through_the_cache_equals_recomputing(lm_data, exit):
+    """Short contexts fit the 32-token window (the cache alone), longer ones outgrow it while
+    generating (cache, then sliding), the longest start beyond it (sliding alone); greedy,
+    sampled with a seed, and cut at an `until` string: the same text as recomputing per token."""
+    export, _, _ = lm_data
+    lm = ScseLM(str(export), depth=str(DEPTH), exit=exit, device="cpu")
+    short, longer = "The cat sees", "Story 5. The cat sees the red ball"
+    longest = " ".join(["The old man likes a green box."] * 3)
+    sizes = [len(lm.tokenizer.encode(text)) + 1 for text in (short, longer, longest)]  # + EOS
+    assert sizes[0] + 16 <= lm.max_length < sizes[1] + 16 and sizes[1] < lm.max_length < sizes[2]
+    cases = [{"until": [], "max_gen_toks": 16}, {"until": ["."], "max_gen_toks": 16},
+             {"until": [], "max_gen_toks": 16, "do_sample": True, "temperature": 1.0, "seed": 3}]
+    requests = [(context, kwargs) for context in (short, longer, longest) for kwargs in cases]
+    got = lm.generate_until([SimpleNamespace(args=r) for r in requests])
+    want = [_generate_by_recomputing(lm, *r) for r in requests]
+    assert got == want
+    assert len({text for text in got if text}) >= 5  # not all empty or alike
 
 
 def test_model_args_are_checked(lm_data):

@@ -173,8 +173,8 @@ def check_lm_eval(d: Path, out: str) -> None:
 
 
 def check_generate(d: Path, out: str) -> None:
-    # the prompt, then the continuation (a 30-step model may well continue with blank lines or
-    # stop at EOS: what it generates is tested in tests/test_generate.py)
+    # the prompt, then the continuation (this test's 30-step model may sample EOS early: what
+    # generation prints is tested in tests/test_generate.py and tests/test_speculative.py)
     assert out.startswith("Return the") and out.endswith("\n")
 
 
@@ -235,7 +235,9 @@ RUN = [
     Step("scse-export runs/quickstart --out quickstart-export", check_export),
     Step("scse-lm-eval --model scse --model_args pretrained=runs/quickstart/export,depth=8 --tasks scse_lambada,scse_wikitext --metadata lambada=lambada_test.jsonl wikitext=wikitext-103-raw/wiki.test.raw --output_path lm-eval",
          check_lm_eval),
-    Step('scse-generate runs/quickstart/export --prompt "Return the" --max-new-tokens 40',
+    Step('scse-generate runs/quickstart/export --prompt "Return the" --max-new-tokens 40 --temperature 0.8 --top-p 0.95 --seed 1',
+         check_generate),
+    Step('scse-generate runs/quickstart/export --prompt "Return the" --max-new-tokens 40 --depth 8 --speculative 1,4',
          check_generate),
     Step("scse-report runs/quickstart runs/quickstart-T8 --out reports/quickstart --wandb offline",
          check_report),
@@ -246,11 +248,20 @@ ENVIRONMENT = "sets up the environment this test runs in"
 SLURM = "needs a Slurm cluster; tests/test_slurm_e2e.py submits slurm/*.sh to a real local Slurm"
 STUDY = ("a study trains dozens of runs (minutes to days); tests/test_study.py runs --dry-run and "
          "--local on tiny specs, tests/test_study_slurm.py --slurm, and parses both shipped specs")
+LOCAL_CLUSTER = ("the CPU-cluster study walkthrough starts the machine-wide local Slurm; "
+                 "tests/test_study_slurm.py runs the same on the tests' own cluster (spec defaults, "
+                 "no --sbatch-args, the cap, evaluations in the job, the report)")
 SHARED = "reads ../shared/data, which the project's tests must not depend on"
 NOT_RUN = {
     "scse-study configs/studies/repro-cpu.yaml --dry-run": STUDY,
     "scse-study configs/studies/repro-cpu.yaml --local": STUDY,
     "scse-study configs/studies/gpt2-small.yaml --slurm --max-parallel 4": STUDY,
+    "bash slurm/local-cluster.sh start": LOCAL_CLUSTER,
+    "scse-data quickstart --out data/tiny-cpu --vocab-size 512 --heldout-fraction 0.05": LOCAL_CLUSTER,
+    "scse-study configs/studies/cpu-cluster.yaml --dry-run": LOCAL_CLUSTER,
+    "scse-study configs/studies/cpu-cluster.yaml --slurm --max-parallel 2": LOCAL_CLUSTER,
+    "squeue -o '%.8i %.26j %.8T %.8M %R'": LOCAL_CLUSTER,
+    "cat studies/cpu-cluster/report/report.md": LOCAL_CLUSTER,
     "scse-data tokenizer --input ../shared/data/webtext/c4_en_train00000_first1000.jsonl --vocab-size 4096 --out data/webtext/tokenizer.model": SHARED,
     "scse-data shards --input ../shared/data/webtext/c4_en_train00000_first1000.jsonl --tokenizer data/webtext/tokenizer.model --out data/webtext/shards --heldout-fraction 0.05": SHARED,
     "mkdir -p data/eval": SHARED,

@@ -5,7 +5,6 @@ evaluations twice."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -14,32 +13,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT
+from slurm_cluster import running_cluster
 
 pytestmark = pytest.mark.slow
-CLUSTER = ["bash", str(REPO_ROOT / "slurm" / "local-cluster.sh")]
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL"}
 # GPU-less, one task per node: override pretrain.sh's multi-node GPU defaults (and --nodes=2).
 SBATCH = ["sbatch", "--parsable", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0",
           "--time=10"]
-
-
-def running_cluster(nodes: int):
-    """A module fixture's body: a local cluster of `nodes` nodes while the module runs. Afterwards
-    it is stopped, or, when a developer had one running, brought back to the node count it had."""
-    if os.geteuid() != 0:
-        pytest.skip("a local Slurm needs root (slurmd runs as root)")
-    if not shutil.which("apt-get") and not shutil.which("slurmctld"):
-        pytest.skip("no Slurm packages and no apt-get to install them")
-    before = subprocess.run([*CLUSTER, "status"], capture_output=True, text=True)  # "up: NODE..."
-    start = subprocess.run([*CLUSTER, "start", "--nodes", str(nodes)], capture_output=True, text=True,
-                           timeout=600)
-    assert start.returncode == 0, start.stderr[-3000:]
-    yield
-    if before.returncode != 0:
-        subprocess.run([*CLUSTER, "stop"], capture_output=True, timeout=120)
-    else:  # a no-op when it has the same nodes
-        subprocess.run([*CLUSTER, "start", "--nodes", str(len(before.stdout.split()) - 1)],
-                       capture_output=True, timeout=600)
 
 
 @pytest.fixture(scope="module")

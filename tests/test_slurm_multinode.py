@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from test_slurm_e2e import logs, preempt_and_wait, running_cluster, scheduled, submit, wait_final
+from slurm_cluster import running_cluster
+from test_slurm_e2e import logs, preempt_and_wait, scheduled, submit, wait_final
 
 pytestmark = pytest.mark.slow
 # describe_placement's line, printed by every rank at start-up

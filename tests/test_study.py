@@ -54,19 +54,36 @@ def test_expansion_counts_names_and_resolved_configs(tmp_path, tiny_config):
     sweep = [r for r in runs if r.stage == "sweep"]
     final = [r for r in runs if r.stage == "final"]
     assert (len(sweep), len(final)) == (5 * 2, 5 * 3)
-    assert sweep[1].run_dir == str(tmp_path / "out/s/scse-preln/lr0.003/seed0")
+    assert sweep[1].run_dir == str(tmp_path / "out/s/scse-preln/scse-preln-lr0.003-seed0")
     assert sweep[1].overrides == {"model.recurrence": "scse", "model.residual": "preln",
                                   "train.lr": 3e-3, "train.seed": 0, "train.max_steps": 7}
-    assert final[0].run_dir == str(tmp_path / "out/s/scse-preln/seed0") and final[0].lr is None
+    assert final[0].run_dir == str(tmp_path / "out/s/scse-preln/scse-preln-seed0") and final[0].lr is None
+    # seed-major: every variant's seed 0, then every variant's seed 1, ...
+    assert [(r.variant, r.seed) for r in final[:6]] == [(v, 0) for v in spec.variants] + [("scse-preln", 1)]
     chosen = expand(spec, {v: 0.5 for v in spec.variants}, ("final",))
-    assert {r.lr for r in chosen} == {0.5} and chosen[4].overrides["train.seed"] == 1
+    assert {r.lr for r in chosen} == {0.5} and chosen[6].overrides["train.seed"] == 1
 
     from scse_dist.study.spec import run_config
-    cfg = run_config(spec, chosen[4])  # scse-deeploop seed 1
-    assert (cfg.name, cfg.output_dir) == ("seed1", str(tmp_path / "out/s/scse-deeploop"))
+    cfg = run_config(spec, next(r for r in chosen if (r.variant, r.seed) == ("scse-deeploop", 1)))
+    assert (cfg.name, cfg.output_dir) == ("scse-deeploop-seed1", str(tmp_path / "out/s/scse-deeploop"))
     assert (cfg.model.recurrence, cfg.model.residual, cfg.train.seed, cfg.train.lr) == \
         ("scse", "deeploop", 1, 0.5)
     assert (cfg.eval.depths, cfg.eval.tasks, cfg.eval.after_train) == ([1, 2], ["heldout"], False)
+
+
+def test_variant_major_order_relative_out_and_slurm_resources(tmp_path, tiny_config):
+    spec = parse_spec(study_spec(tiny_config(tmp_path), "studies", order="variant-major",
+                                 slurm={"cpus_per_task": 2, "time_min": 30}),
+                      str(tmp_path / "specs" / "spec.yaml"))
+    final = expand(spec, stages=("final",))
+    assert [(r.variant, r.seed) for r in final[:4]] == [("scse-preln", 0), ("scse-preln", 1),
+                                                       ("scse-preln", 2), ("scse-deeploop", 0)]
+    # out: relative to the spec file, like base:
+    assert spec.study_dir == tmp_path / "specs" / "studies" / "s"
+    assert spec.slurm.sbatch_args() == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
+                                        "--cpus-per-task=2", "--time=30"]
+    typed = load_spec(write_spec(tmp_path / "spec.yaml", study_spec(tiny_config(tmp_path), "x")), ["out=here"])
+    assert typed.study_dir == Path.cwd() / "here" / "s"  # typed on the command line: the cwd's
 
 
 @pytest.mark.parametrize("name", ["repro-cpu", "gpt2-small"])
@@ -95,7 +112,14 @@ def test_shipped_study_pairs_compare_like_with_like(name):
     ({"evals": {"tasks": ["mmlu"]}}, "evals.tasks: 'mmlu' is not one of"),
     ({"variants": {"scse": {"overrides": {"model.recurrence": "rnn"}}}},
      "variants.scse (run "),  # the run config's own error follows: model.recurrence: must be one of
-    ({"sedes": [0]}, "sedes: unknown field"),
+    ({"sedes": [0]}, "sedes: unknown field (did you mean 'seeds'?)"),
+    ({"evals": {"task": ["heldout"]}}, "evals.task: unknown field (did you mean 'tasks'?)"),
+    ({"order": "random"}, "order: one of seed-major, variant-major, got 'random'"),
+    ({"slurm": {"gpus": 1}}, "slurm.gpus: unknown field (did you mean 'gpus_per_node'?)"),
+    ({"slurm": {"nodes": 0}}, "slurm: nodes, tasks_per_node and cpus_per_task must be >= 1"),
+    ({"report": {"metrics": {"lambada": ["acc"]}}},
+     "report.metrics.lambada: 'acc' is not a metric of lambada (lambada writes ppl, accuracy"),
+    ({"report": {"metrics": {"wikitext": ["bpb"]}}}, "report.metrics.wikitext: 'bpb' is not a metric"),
 ])
 def test_bad_spec_names_the_field(tmp_path, tiny_config, change, message):
     spec = study_spec(tiny_config(tmp_path), str(tmp_path / "out"), **{"axes": {}, **change})
@@ -111,11 +135,34 @@ def test_dry_run_table_and_bad_spec_exit_status(tmp_path, tiny_config):
     lines = out.stdout.splitlines()
     assert lines[0].split() == ["variant", "seed", "lr", "stage", "run_dir", "status"]
     assert len(lines) == 1 + 5 * 3 and all(line.split()[-1] == "new" for line in lines[1:])
-    assert lines[1].split() == ["scse-preln", "0", "base", "final", str(tmp_path / "out/s/scse-preln/seed0"),
-                                "new"]
+    # the rate each run trains at (the base config's, without a sweep)
+    assert lines[1].split() == ["scse-preln", "0", "0.003", "final",
+                                str(tmp_path / "out/s/scse-preln/scse-preln-seed0"), "new"]
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    assert not out.stderr  # every input is there
     bad = study(path, "--dry-run", "seeds=[]")
     assert bad.returncode == 2 and "seeds: a non-empty list" in bad.stderr and not bad.stdout
+    sweep = study(path, "--dry-run", "lr={values: [0.001], validation: v.txt}")
+    assert {line.split()[2] for line in sweep.stdout.splitlines()[1:] if "final" in line} == {"from-sweep"}
+
+
+def test_dry_run_names_every_missing_input_and_the_runs_that_need_it(tmp_path, tiny_config):
+    spec = study_spec(tiny_config(tmp_path), str(tmp_path / "out"), axes={},
+                      evals={"tasks": ["heldout", "lambada"], "lambada": str(tmp_path / "lambada.txt")})
+    spec["variants"]["looped"]["overrides"]["data.path"] = str(tmp_path / "gone")
+    out = study(write_spec(tmp_path / "spec.yaml", spec), "--dry-run")
+    assert out.returncode == 66 and len(out.stdout.splitlines()) == 1 + 3 * 3
+    assert out.stderr.splitlines() == [
+        f"scse-study: missing input: eval.lambada {tmp_path / 'lambada.txt'} (no such file or "
+        "directory), needed by all 9 runs",
+        f"scse-study: missing input: data.path {tmp_path / 'gone'} (no such file or directory), "
+        "needed by 3 run(s): looped-seed0, looped-seed1, looped-seed2"]
+    # a sweep reads lr.validation and no test file; the final runs read the test files
+    spec["variants"]["looped"]["overrides"].pop("data.path")
+    spec["lr"] = {"values": [1e-3], "validation": str(tmp_path / "valid.txt")}
+    out = study(write_spec(tmp_path / "spec.yaml", spec), "--dry-run")
+    assert out.returncode == 66 and [line.split("needed by ")[1] for line in out.stderr.splitlines()] == \
+        ["all 3 sweep runs", "all 9 final runs"], out.stderr
 
 
 @pytest.mark.slow
@@ -131,15 +178,16 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
     d = tmp_path / "studies" / "local"
     runs = json.loads((d / "runs.json").read_text())
     assert [(r["stage"], r["lr"], r["run_dir"]) for r in runs] == [
-        ("sweep", 1e-4, str(d / "scse/lr0.0001/seed0")), ("sweep", 3e-3, str(d / "scse/lr0.003/seed0")),
-        ("final", 3e-3, str(d / "scse/seed1"))], first.stdout + first.stderr
+        ("sweep", 1e-4, str(d / "scse/scse-lr0.0001-seed0")), ("sweep", 3e-3, str(d / "scse/scse-lr0.003-seed0")),
+        ("final", 3e-3, str(d / "scse/scse-seed1"))], first.stdout + first.stderr
     choice = json.loads((d / "lr_choice.json").read_text())["scse"]
-    scores = {lr: json.loads((d / f"scse/lr{lr}/seed0/eval/validation.json").read_text())
+    scores = {lr: json.loads((d / f"scse/scse-lr{lr}-seed0/eval/validation.json").read_text())
               ["results"][0]["loss"] for lr in ("0.0001", "0.003")}
     assert choice["scores"] == scores and choice["lr"] == 3e-3 == float(min(scores, key=scores.get))
-    final = yaml.safe_load((d / "scse/seed1/config.yaml").read_text())
-    assert (final["train"]["lr"], final["train"]["seed"], final["name"]) == (3e-3, 1, "seed1")
-    heldout = json.loads((d / "scse/seed1/eval/heldout.json").read_text())
+    final = yaml.safe_load((d / "scse/scse-seed1/config.yaml").read_text())
+    assert (final["train"]["lr"], final["train"]["seed"], final["name"]) == (3e-3, 1, "scse-seed1")
+    heldout = json.loads((d / "scse/scse-seed1/eval/heldout.json").read_text())
+    assert heldout["checkpoint"] == "scse-seed1@export"  # the results say which run they are
     assert [r["depth"] for r in heldout["results"]] == [1, 2]
     assert (yaml.safe_load((d / "study.yaml").read_text())["variants"] == {"scse": {}})
     assert first.stdout.count("scse-study: starting") == 3
@@ -147,13 +195,27 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
 
     # Rerun: nothing trains again; the final run made partial again resumes (its export removed).
     import shutil
-    shutil.rmtree(d / "scse/seed1/export")
+    shutil.rmtree(d / "scse/scse-seed1/export")
     table = study(path, "--dry-run")
     assert [line.split()[-1] for line in table.stdout.splitlines()[1:]] == ["done", "done", "partial"]
     again = study(path, "--local", env=user_env)
     assert again.stdout.count("done, skipped") == 2 and again.stdout.count("resuming") == 1
     assert "resumed" in again.stdout + again.stderr  # the trainer resumed the step-4 checkpoint
-    assert (d / "scse/seed1/export/model.safetensors").is_file()
+    assert (d / "scse/scse-seed1/export/model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_local_study_stops_when_its_first_runs_fail_on_the_same_input(tmp_path, tiny_config, user_env):
+    spec = study_spec(tiny_config(tmp_path), str(tmp_path / "out"), axes={}, seeds=[0],
+                      overrides={"data.path": str(tmp_path / "no-shards")})
+    out = study(write_spec(tmp_path / "spec.yaml", spec), "--local", env=user_env)
+    assert out.returncode == 66, out.stderr
+    assert out.stdout.count("scse-study: starting") == 2  # looped never started
+    errors = [line for line in out.stderr.splitlines() if line.startswith("scse-train: error:")]
+    assert len(errors) == 2 and errors[0] == errors[1]
+    assert f"data.path '{tmp_path / 'no-shards'}' has no index.json" in errors[0]
+    assert out.stderr.splitlines()[-1] == \
+        f"scse-study: stopped: the first 2 runs failed alike (exit 66): {errors[0]}", out.stderr
 
 
 @pytest.mark.parametrize("name, variants, sweep, final", [("repro-cpu", 9, 27, 27),
@@ -165,5 +227,15 @@ def test_shipped_study_specs_parse_and_expand(name, variants, sweep, final):
     stages = [r.stage for r in expand(spec)]
     assert (stages.count("sweep"), stages.count("final")) == (sweep, final)
     assert spec.evals.depths[-1] == (48 if name == "gpt2-small" else 32)
+    assert spec.study_dir == REPO_ROOT / "studies" / name  # out: ../../studies, from the spec file
     assert spec.evals.tasks == ["heldout", "wikitext", "lambada", "diagnose"]  # diagnose: the loop flags and plot
     assert not set(spec.lr.validation.split("/")) & {"wiki.valid.raw", "lambada-dev.txt"}
+
+
+def test_shipped_cpu_cluster_study_runs_on_cpu_nodes_seed_major():
+    spec = load_spec(REPO_ROOT / "configs" / "studies" / "cpu-cluster.yaml")
+    assert spec.slurm.sbatch_args() == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
+                                        "--cpus-per-task=1", "--time=20"]
+    assert spec.study_dir == REPO_ROOT / "studies" / "cpu-cluster"
+    assert [Path(r.run_dir).name for r in expand(spec)] == [
+        "scse-seed0", "additive-seed0", "looped-seed0", "scse-seed1", "additive-seed1", "looped-seed1"]

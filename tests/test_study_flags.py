@@ -28,8 +28,8 @@ def test_flat_metric_confirmed_by_the_training_diagnostics() -> None:
 
 def test_a_loop_that_kept_its_deviation_is_not_confirmed() -> None:
     assert flags(run_of(FLAT, [1.0, 0.05, 0.8])) == [(
-        "loop inactive", "heldout ppl flat for T >= 2 (spread 0.00%); no diagnose results or "
-        "training diagnostics to confirm")]
+        "loop inactive", "heldout ppl flat for T >= 2 (spread 0.00%); no diagnose results to "
+        "confirm")]
 
 
 def test_training_diagnostics_alone_flag_an_unevaluated_run_only() -> None:

@@ -267,7 +267,10 @@ def test_the_study_is_logged_to_wandb_as_one_group(comparison, tmp_path, monkeyp
 
     calls = []
     monkeypatch.setattr(eval_results, "log_to_wandb", lambda *a, **k: calls.append((a, k)))
-    assert write_study_report(comparison, tmp_path / "w") == tmp_path / "w" / "report.md"  # offline
+    # every run config disables wandb: by default the report logs nothing either
+    assert write_study_report(comparison, tmp_path / "quiet") == tmp_path / "quiet" / "report.md"
+    assert calls == [] and not (tmp_path / "quiet" / "wandb").exists()
+    assert write_study_report(comparison, tmp_path / "w", "offline") == tmp_path / "w" / "report.md"
     (results, cfg), kwargs = calls[0][0], calls[0][1]
     assert len(calls) == 1 and kwargs["group"] == "cmp" and cfg.mode == "offline"
     means = {(r["_label"], r["task"]): {x["depth"]: x[next(k for k in x if k != "depth")]
@@ -297,3 +300,68 @@ def test_scse_report_needs_runs_or_a_study_dir(tmp_path, capsys):
     assert exc.value.code == 2 and "give run dirs, or --study STUDY_DIR" in capsys.readouterr().err
     assert scse_report_main(["--study", str(tmp_path)]) == 66
     assert "no runs.json (not a study dir" in capsys.readouterr().err
+
+
+def test_every_metric_of_a_task_is_reported_and_equal_differences_say_no_difference(tmp_path):
+    """LAMBADA accuracy 0 for every run (as at small sizes): the paired verdict says 'no
+    difference'; LAMBADA ppl and WikiText's three metrics are in the report by default, and the
+    spec's report.metrics picks others."""
+    study = tmp_path / "metrics"
+    entries = []
+    for s in range(3):
+        for variant, shift in (("additive", 0.0), ("scse", -40.0)):
+            run = write_run(study, variant, s, heldout={1: 60.0 + shift / 4 + s, 2: 50.0 + shift / 4 + s})
+            rows = [{"depth": t, "accuracy": 0.0, "loss": math.log(700 + shift + s), "ppl": 700.0 + shift + s,
+                     "word_ppl": 900.0 + shift, "examples": 50} for t in (1, 2)]
+            wiki = [{"depth": t, "loss": 5.0 + shift / 100, "ppl": math.exp(5.0 + shift / 100),
+                     "word_ppl": 400.0 + shift + s, "bits_per_byte": 2.0 + shift / 100 + 0.01 * s}
+                    for t in (1, 2)]
+            cfg = config_from_dict({"name": "x", "model": {"vocab_size": VOCAB}})
+            write_results(study / run["run_dir"] / "eval" / "lambada.json", "lambada", "x", cfg, rows)
+            write_results(study / run["run_dir"] / "eval" / "wikitext.json", "wikitext", "x", cfg, wiki)
+            entries.append(run)
+    write_study(study, entries)
+    write_study_report(study)
+    nums = numbers(study)
+    assert {k.split("/", 1)[1] for k in nums["aggregate"]} == {
+        "heldout/ppl", "lambada/ppl", "lambada/accuracy", "wikitext/ppl", "wikitext/word_ppl",
+        "wikitext/bits_per_byte"}
+    paired = nums["paired"]
+    assert paired["scse - additive/lambada/accuracy"]["verdict"] == \
+        "no difference (equal at every depth in all 3 seeds)"
+    assert paired["scse - additive/lambada/ppl"]["verdict"] == "better at all depths"
+    assert paired["scse - additive/wikitext/bits_per_byte"]["verdict"] == "better at all depths"
+    report = (study / "report" / "report.md").read_text()
+    assert "## lambada ppl (lower is better)" in report and "## lambada accuracy (higher is better)" in report
+    assert "| scse - additive | 0 ± 0 (sd 0, n=3) | 0 ± 0 (sd 0, n=3) | scse no difference" in report
+    assert "## wikitext bits_per_byte (lower is better)" in report
+
+    write_study(study, entries, report={"metrics": {"lambada": ["word_ppl"], "heldout": ["loss"]}})
+    write_study_report(study)
+    chosen = {k.split("/", 1)[1] for k in numbers(study)["aggregate"]}
+    assert chosen == {"heldout/loss", "lambada/word_ppl", "wikitext/ppl", "wikitext/word_ppl",
+                      "wikitext/bits_per_byte"}
+
+
+def test_a_seed_flat_in_t_far_above_its_variants_other_seeds_is_flagged(tmp_path):
+    """additive-deeploop in the issue: one seed flat in T at loss 6.09 while the others reached
+    5.3-5.6, below the entropy: here 4.09 against 3.3-3.6 (the plateau reference is 5.545)."""
+    study = tmp_path / "outlier"
+    entries = [write_run(study, "additive", s, losses=(6.0, 4.0, final),
+                         heldout={1: 40.0 + s, 2: 30.0 + s, 4: 25.0 + s, 8: 24.0 + s})
+               for s, final in ((0, 3.3), (1, 3.6))]
+    entries.append(write_run(study, "additive", 2, losses=(6.0, 4.5, 4.09),
+                             heldout={1: 70.0, 2: 60.0, 4: 60.1, 8: 60.05}))
+    # flat too, but diagnose shows a moving loop and it is not above its peer: no flag
+    entries.append(write_run(study, "scse", 0, losses=(6.0, 3.5), heldout={2: 30.0, 4: 30.1},
+                             diagnose=HEALTHY_DIAG))
+    entries.append(write_run(study, "scse", 1, losses=(6.0, 3.6), heldout={2: 31.0, 4: 40.0}))
+    write_study(study, entries)
+    write_study_report(study)
+    flags = numbers(study)["flags"]
+    assert list(flags) == ["additive/seed2 lr=0.001"]
+    details = {f["name"]: f["detail"] for f in flags["additive/seed2 lr=0.001"]}
+    tail = "final loss 4.090, 0.49 nats above its variant's other seeds (3.300-3.600)"
+    assert details == {
+        "plateau": f"heldout ppl flat for T >= 2 (spread 0.17%) at {tail}",
+        "loop inactive": f"heldout ppl flat for T >= 2 (spread 0.17%); {tail}"}

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from scse_dist.config import WandbConfig
-from scse_dist.train.metrics import (MetricsLogger, format_line, measure_cpu_flops, peak_flops,
-                                     peak_memory)
+from scse_dist.train.metrics import MetricsLogger, format_line, peak_flops, peak_memory
 
 
 def row(step, loss, mfu=0.25):
@@ -16,11 +15,20 @@ def row(step, loss, mfu=0.25):
             "step_time_s": 0.05, "tokens": step * 100}
 
 
-def test_cpu_peak_is_measured_and_env_overrides_it(monkeypatch):
-    measured = measure_cpu_flops(seconds=0.05, n=128)
-    assert 1e7 < measured < 1e13  # any real CPU lands in this band for fp32 matmul
+def test_cpu_has_no_peak_unless_the_env_sets_one(monkeypatch):
+    """A matmul timed on a shared CPU is not a peak (it read MFU above 100%): none on CPU."""
+    monkeypatch.delenv("SCSE_PEAK_FLOPS", raising=False)
+    assert peak_flops(torch.device("cpu")) is None
     monkeypatch.setenv("SCSE_PEAK_FLOPS", "3.5e12")
     assert peak_flops(torch.device("cpu")) == 3.5e12
+
+
+def test_cuda_peak_is_the_bf16_table_entry(monkeypatch):
+    monkeypatch.delenv("SCSE_PEAK_FLOPS", raising=False)
+    for name, peak in [("NVIDIA H200", 989e12), ("NVIDIA H100 PCIe", 756e12),
+                       ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 3090", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert peak_flops(torch.device("cuda")) == peak, name
 
 
 def test_format_line_shows_every_field():

@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done; 2 bad arguments; 65 bad input data (empty file, malformed JSON line,
     not UTF-8, a passage of one word, a tokenizer that is not one or too big for the model);
-    66 a checkpoint, data or tokenizer that is missing or unreadable. Errors are one line on
-    stderr naming the file (and line)."""
+    66 a checkpoint, data or tokenizer that is missing or unreadable; 130 Ctrl-C, after writing
+    the results of the items done (marked "partial"). Errors are one line on stderr naming the
+    file (and line). Progress (items done, rate, ETA) goes to stderr."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.exit is not None and args.task == "diagnose":
@@ -110,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint: str) -> None:
     from scse_dist.checkpoint.loading import checkpoint_config, load_model
+    from scse_dist.threads import configure_threads
+
+    configure_threads()  # torch's default threads beside another busy process: 10x slower
 
     cfg = checkpoint_config(checkpoint)
     seq_len = args.seq_len or cfg.data.seq_len

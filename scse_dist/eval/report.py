@@ -59,8 +59,18 @@ def markdown_table(results: list[dict]) -> str:
         by_depth = {r["depth"]: r for r in d["results"]}
         for metric in REPORT_METRICS[d["task"]]:
             cells = [_fmt(by_depth[t].get(metric)) if t in by_depth else "" for t in depths]
-            lines.append(f"| {d['_label']} | {d['task']} | {metric} | " + " | ".join(cells) + " |")
+            lines.append(f"| {d['_label']} | {_task_cell(d)} | {metric} | " + " | ".join(cells)
+                         + " |")
     return "\n".join(lines)
+
+
+def _task_cell(data: dict) -> str:
+    """The task, and for results cut short by Ctrl-C (scse-eval's "partial") how far they got."""
+    part = data.get("partial")
+    if not isinstance(part, dict):
+        return data["task"]
+    total = f"/{part.get('total')}" if part.get("total") else ""
+    return f"{data['task']} (partial: {part.get('done')}{total} {part.get('unit')})"
 
 
 def frontier_plot(results: list[dict], path: str | Path) -> str:

@@ -3,7 +3,11 @@
 A `Window` is a token sequence whose targets from `first_scored` on count; the earlier ones are
 context only. WikiText's sliding window and LAMBADA's context + target are both windows, so one
 scorer serves both: per window and depth it returns the summed NLL of the scored targets, their
-count, and whether every scored target is the greedy argmax.
+count, and whether every scored target is the greedy argmax (scse_dist.eval.scorer).
+
+Windows are batched longest first, so a batch pads only to its own widest window, and the
+scores come back in the windows' order: each window's score is the same either way (a test
+holds sorted against unsorted equal).
 """
 
 from __future__ import annotations
@@ -11,21 +15,17 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from scse_dist.eval.exit_stats import ExitStats
-from scse_dist.eval.perplexity import IGNORE_INDEX, _resolve_depths
+from scse_dist.eval.scorer import IGNORE_INDEX, DepthScorer, Score, scoring_mode
+
+__all__ = ["Window", "Score", "ScoringInterrupted", "document_windows", "context_target_window",
+           "score_windows"]
 
 
 class Window(NamedTuple):
     tokens: list[int]  # inputs tokens[:-1], targets tokens[1:]
     first_scored: int  # index into the targets of the first scored one
-
-
-class Score(NamedTuple):
-    nll: float  # summed NLL (nats) of the scored targets
-    count: int
-    all_correct: bool  # every scored target is the argmax
 
 
 def document_windows(ids: list[int], eos_id: int, seq_len: int, stride: int) -> list[Window]:
@@ -58,47 +58,50 @@ def context_target_window(context: list[int], target: list[int], eos_id: int, se
     return Window(seq, len(seq) - 1 - len(target))
 
 
+class ScoringInterrupted(KeyboardInterrupt):
+    """Ctrl-C while scoring windows: the depths and the scores so far, scores[d][i] None for a
+    window not yet scored (a KeyboardInterrupt still, for callers that only stop)."""
+
+    def __init__(self, depths: list[int], scores: list[list[Optional[Score]]]) -> None:
+        super().__init__()
+        self.depths, self.scores = depths, scores
+
+
+def _padded(chunk: Sequence[Window]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of a batch of windows, right-padded (causal attention never sees it),
+    targets IGNORE_INDEX but where scored."""
+    width = max(len(w.tokens) for w in chunk) - 1
+    inputs = torch.zeros(len(chunk), width, dtype=torch.long)
+    targets = torch.full((len(chunk), width), IGNORE_INDEX, dtype=torch.long)
+    for i, w in enumerate(chunk):
+        n = len(w.tokens) - 1
+        inputs[i, :n] = torch.tensor(w.tokens[:-1])
+        targets[i, w.first_scored:n] = torch.tensor(w.tokens[w.first_scored + 1:])
+    return inputs, targets
+
+
 def score_windows(model: torch.nn.Module, windows: Sequence[Window], depths: list[int],
-                  batch_size: int, exit_stats: Optional[ExitStats] = None
-                  ) -> tuple[list[int], list[list[Score]]]:
-    """Score every window at every depth. Returns (depths evaluated, scores[d_index][window]).
-    exit_stats: adaptive depth by its rule at one depth, the cap; it counts the scored tokens'
-    steps."""
-    depths = _resolve_depths(model, depths)
-    if exit_stats is not None:
-        depths = [exit_stats.depth(depths)]
-    device = next(model.parameters()).device
-    scores: list[list[Score]] = [[] for _ in depths]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            for start in range(0, len(windows), batch_size):
-                chunk = windows[start:start + batch_size]
-                width = max(len(w.tokens) for w in chunk) - 1
-                inputs = torch.zeros(len(chunk), width, dtype=torch.long)
-                targets = torch.full((len(chunk), width), IGNORE_INDEX, dtype=torch.long)
-                for i, w in enumerate(chunk):  # right padding: causal attention never sees it
-                    n = len(w.tokens) - 1
-                    inputs[i, :n] = torch.tensor(w.tokens[:-1])
-                    targets[i, w.first_scored:n] = torch.tensor(w.tokens[w.first_scored + 1:])
-                inputs, targets = inputs.to(device), targets.to(device)
-                mask = targets.ne(IGNORE_INDEX)
-                safe = targets.clamp_min(0)
-                # one depth's logits at a time: a sweep at a large vocabulary fits in memory
-                if exit_stats is None:
-                    per_depth = model.iter_depth_logits(inputs, depths)
-                else:
-                    out = model(inputs, depth=depths[0], exit_rule=exit_stats.rule)
-                    exit_stats.add(out.steps_used, mask)
-                    per_depth = [(depths[0], out.logits)]
-                for k, (_, logits) in enumerate(per_depth):
-                    logits = logits.float()
-                    nll = F.cross_entropy(logits.transpose(1, 2), safe, reduction="none") * mask
-                    wrong = logits.argmax(-1).ne(safe) & mask
-                    for i in range(len(chunk)):
-                        scores[k].append(Score(float(nll[i].double().sum()), int(mask[i].sum()),
-                                               not bool(wrong[i].any())))
-    finally:
-        model.train(was_training)
-    return depths, scores
+                  batch_size: int, exit_stats: Optional[ExitStats] = None, progress=None,
+                  sort: bool = True) -> tuple[list[int], list[list[Score]]]:
+    """Score every window at every depth. Returns (depths evaluated, scores[d_index][window]),
+    in the windows' order. exit_stats: adaptive depth by its rule at one depth, the cap; it
+    counts the scored tokens' steps. progress: a scse_dist.progress.Progress, updated by the
+    windows of each batch. sort=False: batches in the windows' order (for the test that the
+    order changes nothing). Ctrl-C raises ScoringInterrupted with the scores so far."""
+    scorer = DepthScorer(model, depths, exit_stats)
+    order = sorted(range(len(windows)), key=lambda i: -len(windows[i].tokens)) if sort \
+        else list(range(len(windows)))
+    scores: list[list[Optional[Score]]] = [[None] * len(windows) for _ in scorer.depths]
+    with scoring_mode(model):
+        try:
+            for start in range(0, len(order), batch_size):
+                picked = order[start:start + batch_size]
+                batch = scorer(*_padded([windows[i] for i in picked]))
+                for k, per_row in enumerate(batch):
+                    for i, score in zip(picked, per_row):
+                        scores[k][i] = score
+                if progress is not None:
+                    progress.update(len(picked))
+        except KeyboardInterrupt:
+            raise ScoringInterrupted(scorer.depths, scores) from None
+    return scorer.depths, scores  # type: ignore[return-value]  (every window scored)

@@ -6,8 +6,10 @@
               token and word_ppl per target word (lm-eval's LAMBADA perplexity)
     diagnose  per depth ||b|| (forcing bias at the anchor), ||D_t||, ||h_t - h_{t-1}||
 
-`run_task` is the one entry the CLI, the trainer and the launcher call: it evaluates, prints a
-table and writes the results JSON (scse_dist.eval.results).
+`run_task` is the one entry the CLI, the trainer and the launcher call: it evaluates (with
+progress on rank 0: items done, rate, ETA), prints a table and writes the results JSON
+(scse_dist.eval.results). On Ctrl-C it writes the results of the items done so far, marked
+`"partial": {"done", "total", "unit"}`, and raises cli_errors.Interrupted with a line saying so.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from typing import Any, Iterable, NamedTuple, Optional
 
 import torch
 
-from scse_dist.cli_errors import InputError
+from scse_dist.cli_errors import InputError, Interrupted
 from scse_dist.config import RunConfig
 from scse_dist.model.exit_rules import ExitRule
 from scse_dist.eval.exit_stats import ExitStats
-from scse_dist.eval.perplexity import _resolve_depths, evaluate_heldout
+from scse_dist.eval.perplexity import HeldoutInterrupted, evaluate_heldout
+from scse_dist.eval.scorer import resolve_depths
 from scse_dist.data.sources import Passage, read_corpus, read_lambada, read_wikitext_articles
 from scse_dist.eval.results import format_table, write_results
-from scse_dist.eval.scoring import Window, context_target_window, document_windows, score_windows
+from scse_dist.eval.scoring import (Score, ScoringInterrupted, Window, context_target_window,
+                                    document_windows, score_windows)
+from scse_dist.progress import Progress
 
 TASKS = ("heldout", "wikitext", "lambada", "diagnose")
 # Columns of each task's console table (all of them are in the JSON rows).
@@ -39,17 +44,67 @@ def _exp(x: float) -> float:
     return math.exp(min(x, 700.0))
 
 
+class TaskInterrupted(KeyboardInterrupt):
+    """Ctrl-C inside a task: the rows of the items done (None if none) and how far it got."""
+
+    def __init__(self, rows: Optional[list[dict]], done: int, total: Optional[int], unit: str):
+        super().__init__()
+        self.rows, self.done, self.total, self.unit = rows, done, total, unit
+
+
+def _progress(desc: Optional[str], total: Optional[int], unit: str) -> Progress:
+    """Progress of a task's items; desc None: quiet (not rank 0, or the caller asked)."""
+    return Progress(total, desc or "", unit=unit, enabled=desc is not None)
+
+
+def _scores(model: torch.nn.Module, windows: list[Window], depths: list[int], batch_size: int,
+            exit_stats: Optional[ExitStats], desc: Optional[str], unit: str, item: str,
+            per_item: Any) -> tuple[list[int], list[list[Optional[Score]]]]:
+    """score_windows with progress in `unit`s (one per window); on Ctrl-C, TaskInterrupted in
+    `item`s from `per_item(depths, scores)`: (rows over the items whose windows are all
+    scored, items done, items in all)."""
+    try:
+        with _progress(desc, len(windows), unit) as progress:
+            return score_windows(model, windows, depths, batch_size, exit_stats, progress)
+    except ScoringInterrupted as stop:
+        rows, done, total = per_item(stop.depths, stop.scores)
+        raise TaskInterrupted(rows if done else None, done, total, item) from None
+
+
 def document_rows(model: torch.nn.Module, tokenizer: Any, documents: list[str], depths: list[int],
                   seq_len: int, stride: int, batch_size: int,
-                  exit_stats: Optional[ExitStats] = None) -> list[dict]:
+                  exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None) -> list[dict]:
     """Token ppl, word ppl and bits per byte of `documents` (each scored on its own, sliding window).
 
     word_ppl = exp(total NLL / whitespace words of the original text) and bits_per_byte =
     total NLL / ln 2 / UTF-8 bytes: both divide the same total, so they compare across tokenizers.
+    desc: a progress line's label (None: quiet). Ctrl-C: TaskInterrupted with the rows of the
+    documents whose windows were all scored.
     """
     ids = tokenizer.encode_batch([d.strip() for d in documents])
-    windows = [w for doc in ids for w in document_windows(doc, tokenizer.eos_id, seq_len, stride)]
-    depths, scores = score_windows(model, windows, depths, batch_size, exit_stats)
+    windows, owner = [], []
+    for i, doc in enumerate(ids):
+        for w in document_windows(doc, tokenizer.eos_id, seq_len, stride):
+            windows.append(w)
+            owner.append(i)
+
+    def per_document(depths: list[int], scores: list[list[Optional[Score]]]):
+        complete = [True] * len(documents)
+        for i, score in zip(owner, scores[0]):
+            complete[i] = complete[i] and score is not None
+        kept = [k for k, score in enumerate(scores[0]) if complete[owner[k]]]
+        done = [d for d, ok in zip(documents, complete) if ok]
+        table = _document_table(depths, [[s[k] for k in kept] for s in scores], done) \
+            if done else None
+        return table, len(done), len(documents)
+
+    depths, scores = _scores(model, windows, depths, batch_size, exit_stats, desc, "window",
+                             "document", per_document)
+    return _document_table(depths, scores, documents)
+
+
+def _document_table(depths: list[int], scores: list[list[Score]], documents: list[str]
+                    ) -> list[dict]:
     words = sum(len(d.split()) for d in documents)
     n_bytes = sum(len(d.encode("utf-8")) for d in documents)
     rows = []
@@ -77,17 +132,31 @@ def context_target_ids(tokenizer: Any, context_text: str, target_text: str
 
 def lambada_rows(model: torch.nn.Module, tokenizer: Any, passages: list[Passage],
                  depths: list[int], seq_len: int, batch_size: int,
-                 exit_stats: Optional[ExitStats] = None) -> list[dict]:
+                 exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None) -> list[dict]:
     """accuracy: every target token is the argmax. ppl = exp(NLL / target tokens), per token;
     word_ppl = exp(NLL / passages), per target word: lm-eval's LAMBADA `perplexity` (the mean
-    over passages of each target's summed log-likelihood), which compares across tokenizers."""
+    over passages of each target's summed log-likelihood), which compares across tokenizers.
+    desc: a progress line's label (None: quiet). Ctrl-C: TaskInterrupted with the rows of the
+    passages scored."""
     windows: list[Window] = []
     for p in passages:
         context, target = context_target_ids(tokenizer, p.context, p.target)
         windows.append(context_target_window(context, target, tokenizer.eos_id, seq_len))
-    depths, scores = score_windows(model, windows, depths, batch_size, exit_stats)
+
+    def per_passage(depths: list[int], scores: list[list[Optional[Score]]]):
+        done = [[s for s in per_depth if s is not None] for per_depth in scores]
+        return _lambada_table(depths, done), len(done[0]), len(passages)
+
+    depths, scores = _scores(model, windows, depths, batch_size, exit_stats, desc, "passage",
+                             "passage", per_passage)
+    return _lambada_table(depths, scores)
+
+
+def _lambada_table(depths: list[int], scores: list[list[Score]]) -> list[dict]:
     rows = []
     for d, per_window in zip(depths, scores):
+        if not per_window:
+            return []
         nll = sum(s.nll for s in per_window)
         tokens = sum(s.count for s in per_window)
         rows.append({"depth": d, "accuracy": sum(s.all_correct for s in per_window) / len(per_window),
@@ -98,36 +167,49 @@ def lambada_rows(model: torch.nn.Module, tokenizer: Any, passages: list[Passage]
 
 
 def diagnose_rows(model: torch.nn.Module, batches: Iterable[torch.Tensor], depths: list[int],
-                  max_batches: int = 0) -> list[dict]:
+                  max_batches: int = 0, desc: Optional[str] = None) -> list[dict]:
     """Mean per-token norms of the trained loop on real text (batches (B, S+1) of token ids).
 
     bias_norm: ||b|| = ||Phi(h*) - h*|| at the anchor (scse: h* = a(s); the other kinds: h* = s, the
     forcing bias their transition produces at the source). effective_bias_norm: where a zero
     deviation actually moves (scse: lambda * b, 0 for SCSE proper). deviation_norm: ||h_T - h*||;
-    motion_norm: ||h_T - h_{T-1}||.
+    motion_norm: ||h_T - h_{T-1}||. desc: a progress line's label (None: quiet). Ctrl-C:
+    TaskInterrupted with the means over the batches done.
     """
-    depths = _resolve_depths(model, depths)
-    device = next(model.parameters()).device
-    core = model.core
+    depths = resolve_depths(model, depths)
     sums: dict[str, torch.Tensor] = {}
     n = 0
-    with torch.inference_mode():
-        for i, batch in enumerate(batches):
-            if max_batches and i >= max_batches:
-                break
-            inputs = batch[:, :-1].to(device)
-            diag = model(inputs, depth=max(depths), diagnostics=True, keep_logits=False).diagnostics
-            s = model.source(inputs)
-            anchor = core.anchor_of(s)
-            bias = (core.phi(anchor, s) - anchor).float().norm(dim=-1).mean()
-            values = {"bias_norm": bias, "effective_bias_norm": diag["forcing_bias_norm"],
-                      "deviation_norm": diag["deviation_norm"],
-                      "motion_norm": torch.cat([diag["motion_norm"].new_zeros(1), diag["motion_norm"]])}
-            for k, v in values.items():
-                sums[k] = sums.get(k, 0) + v.double().cpu()
-            n += 1
+    try:
+        with torch.inference_mode(), _progress(desc, max_batches or None, "batch") as progress:
+            for i, batch in enumerate(batches):
+                if max_batches and i >= max_batches:
+                    break
+                for k, v in _diagnose_batch(model, batch, depths).items():
+                    sums[k] = sums.get(k, 0) + v
+                n += 1
+                progress.update(1)
+    except KeyboardInterrupt:
+        raise TaskInterrupted(_diagnose_table(sums, n, depths) if n else None, n,
+                              max_batches or None, "batch") from None
     if n == 0:
         raise InputError("diagnose: the data held no batches")
+    return _diagnose_table(sums, n, depths)
+
+
+def _diagnose_batch(model: torch.nn.Module, batch: torch.Tensor, depths: list[int]
+                    ) -> dict[str, torch.Tensor]:
+    inputs = batch[:, :-1].to(next(model.parameters()).device)
+    diag = model(inputs, depth=max(depths), diagnostics=True, keep_logits=False).diagnostics
+    s = model.source(inputs)
+    anchor = model.core.anchor_of(s)
+    bias = (model.core.phi(anchor, s) - anchor).float().norm(dim=-1).mean()
+    values = {"bias_norm": bias, "effective_bias_norm": diag["forcing_bias_norm"],
+              "deviation_norm": diag["deviation_norm"],
+              "motion_norm": torch.cat([diag["motion_norm"].new_zeros(1), diag["motion_norm"]])}
+    return {k: v.double().cpu() for k, v in values.items()}
+
+
+def _diagnose_table(sums: dict[str, torch.Tensor], n: int, depths: list[int]) -> list[dict]:
     means = {k: v / n for k, v in sums.items()}
     return [{"depth": d, "bias_norm": float(means["bias_norm"]),
              "effective_bias_norm": float(means["effective_bias_norm"]),
@@ -207,37 +289,34 @@ def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depth
              out_path: str, checkpoint_label: str, *, tokenizer: Any = None,
              stride: Optional[int] = None, max_batches: int = 0,
              task_data: Optional[TaskData] = None,
-             exit_rule: Optional[ExitRule] = None) -> list[dict]:
+             exit_rule: Optional[ExitRule] = None, progress: bool = True) -> list[dict]:
     """Evaluate `task` on `data`, print a table, write `out_path`. Returns the rows.
 
     Sequence length and batch size come from cfg.data.seq_len and cfg.eval.batch_size; the data
     is `task_data` when read already, else read_task_data(task, cfg, data, tokenizer); stride
     defaults to seq_len // 2. exit_rule: adaptive depth per token (not diagnose), one row at
     the cap (the rule's max_steps, else max(depths)) with the steps used (ExitStats.summary).
+    progress: items done, rate and ETA on stderr (scse_dist.progress), on rank 0 only.
+    Ctrl-C: the results of the items done are written, marked "partial", and
+    cli_errors.Interrupted says how far it got.
     """
     if exit_rule is not None and task == "diagnose":
         raise ValueError("exit_rule: diagnose measures the loop at fixed depths; use --exit with "
                          "heldout, wikitext or lambada")
+    from scse_dist.distributed import is_rank0
+
     stats = ExitStats(exit_rule) if exit_rule is not None else None
     tokenizer, inputs, shards = task_data or read_task_data(task, cfg, data, tokenizer)
     seq_len, batch_size = cfg.data.seq_len, cfg.eval.batch_size
     stride = stride or max(1, seq_len // 2)
     extra: dict[str, Any] = {"data": str(data), "seq_len": seq_len, "batch_size": batch_size}
-    if task == "heldout" and shards:
-        rows = evaluate_heldout(model, inputs, depths, max_batches=max_batches, exit_stats=stats)
-        extra["max_batches"] = max_batches
-    elif task == "heldout":  # a corpus: every document scored on its own, no overlap
-        rows = document_rows(model, tokenizer, inputs, depths, seq_len, seq_len, batch_size,
-                             stats)
-    elif task == "wikitext":
-        rows = document_rows(model, tokenizer, inputs, depths, seq_len, stride, batch_size, stats)
-        extra["stride"] = stride
-    elif task == "lambada":
-        rows = lambada_rows(model, tokenizer, inputs, depths, seq_len, batch_size, stats)
-    else:
-        batches = inputs if shards else _packed_batches(tokenizer, inputs, seq_len, batch_size)
-        rows = diagnose_rows(model, batches, depths, max_batches=max_batches)
-        extra["max_batches"] = max_batches
+    desc = _progress_label(task, model, depths, exit_rule) if progress and is_rank0() else None
+    try:
+        rows = _task_rows(task, model, tokenizer, inputs, shards, depths, seq_len, stride,
+                          batch_size, max_batches, stats, desc, extra)
+    except TaskInterrupted as stop:
+        raise Interrupted(_write_partial(stop, task, out_path, checkpoint_label, cfg, stats,
+                                         extra)) from None
     metrics = TABLE_METRICS[task]
     if stats is not None:
         for row in rows:
@@ -252,3 +331,56 @@ def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depth
     write_results(out_path, task, checkpoint_label, cfg, rows, extra=extra)
     print(f"wrote {out_path}")
     return rows
+
+
+def _progress_label(task: str, model: torch.nn.Module, depths: list[int],
+                    exit_rule: Optional[ExitRule]) -> str:
+    """`lambada T=1,8,48`, or with an exit rule `lambada exit motion:0.02`."""
+    if exit_rule is not None:
+        return f"{task} exit {exit_rule}"
+    fixed = getattr(model, "fixed_depth", None)
+    shown = [fixed] if fixed is not None else sorted({int(d) for d in depths})
+    return f"{task} T={','.join(map(str, shown))}"
+
+
+def _task_rows(task: str, model: torch.nn.Module, tokenizer: Any, inputs: Any, shards: bool,
+               depths: list[int], seq_len: int, stride: int, batch_size: int, max_batches: int,
+               stats: Optional[ExitStats], desc: Optional[str], extra: dict) -> list[dict]:
+    """The task's rows; adds the task's own settings to `extra`."""
+    if task == "heldout" and shards:
+        extra["max_batches"] = max_batches
+        try:
+            with _progress(desc, max_batches or None, "batch") as bar:
+                return evaluate_heldout(model, inputs, depths, max_batches=max_batches,
+                                        exit_stats=stats, progress=bar)
+        except HeldoutInterrupted as stop:
+            raise TaskInterrupted(stop.rows, stop.batches, max_batches or None, "batch") from None
+    if task == "heldout":  # a corpus: every document scored on its own, no overlap
+        return document_rows(model, tokenizer, inputs, depths, seq_len, seq_len, batch_size,
+                             stats, desc)
+    if task == "wikitext":
+        extra["stride"] = stride
+        return document_rows(model, tokenizer, inputs, depths, seq_len, stride, batch_size,
+                             stats, desc)
+    if task == "lambada":
+        return lambada_rows(model, tokenizer, inputs, depths, seq_len, batch_size, stats, desc)
+    extra["max_batches"] = max_batches
+    batches = inputs if shards else _packed_batches(tokenizer, inputs, seq_len, batch_size)
+    return diagnose_rows(model, batches, depths, max_batches=max_batches, desc=desc)
+
+
+def _write_partial(stop: TaskInterrupted, task: str, out_path: str, checkpoint_label: str,
+                   cfg: RunConfig, stats: Optional[ExitStats], extra: dict) -> str:
+    """Write the rows of the items done, marked partial; the line that says how far it got."""
+    total = f"/{stop.total}" if stop.total else ""
+    where = f"{task}: {stop.done}{total} {stop.unit}{'es' if stop.unit == 'batch' else 's'} " \
+            "scored (all depths in one pass)"
+    if not stop.rows:
+        return f"{where}; no results written"
+    rows = stop.rows
+    if stats is not None:
+        for row in rows:
+            row.update(stats.summary())
+    extra = dict(extra, partial={"done": stop.done, "total": stop.total, "unit": stop.unit})
+    write_results(out_path, task, checkpoint_label, cfg, rows, extra=extra)
+    return f"{where}; partial results in {out_path}"

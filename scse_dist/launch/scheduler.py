@@ -3,6 +3,7 @@
     scse-launch CONFIG [key.sub=value ...]                 # sbatch slurm/pretrain.sh CONFIG ...
     scse-launch CONFIG [key.sub=value ...] --local         # everything here, in this process
     scse-launch CONFIG [key.sub=value ...] --after-job ID  # only the evaluation jobs of job ID
+    scse-launch CONFIG [key.sub=value ...] --evaluate      # evaluate the trained run here, then report
 
 On Slurm, `slurm/pretrain.sh` (the training job) calls `--after-job $SLURM_JOB_ID` first thing:
 that submits, through submitit, one job per task in `eval.tasks` with `--dependency=afterok:ID`
@@ -97,6 +98,15 @@ def schedule_evals(cfg: RunConfig, train_job: str) -> list[str]:
     return [*ids["eval_jobs"].values(), ids["report_job"]]
 
 
+def evaluate_all(cfg: RunConfig) -> str:
+    """Every task of eval.tasks that has no result yet (a requeued job repeats none), then the
+    run's report. Returns report.md."""
+    for task in cfg.eval.tasks:
+        if not (Path(cfg.run_dir) / "eval" / f"{task}.json").is_file():
+            evaluate_run(cfg.run_dir, task)
+    return report_run(cfg.run_dir)
+
+
 def run_local(cfg: RunConfig) -> str:
     """Train in this process, then every task of eval.tasks, then the report. Returns report.md."""
     from scse_dist.train.loop import train
@@ -116,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--local", action="store_true", help="run everything in this process")
     where.add_argument("--after-job", metavar="JOBID",
                        help="only submit the evaluation and report jobs, afterok:JOBID")
+    where.add_argument("--evaluate", action="store_true",
+                       help="evaluate the trained run on every eval task here, then its report")
     p.add_argument("--sbatch-args", default="",
                    help="extra sbatch flags for the training job, e.g. '--nodes=4 --time=2-0'")
     p.add_argument("--script", help="the training batch script (default: slurm/pretrain.sh of "
@@ -146,6 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.after_job:
         schedule_evals(cfg, args.after_job)
+        return 0
+    if args.evaluate:
+        print(f"scse-launch: report {evaluate_all(cfg)}")
         return 0
     try:
         script = pretrain_script(args.script)

@@ -61,6 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args and not any(a == "--include_path" or a.startswith("--include_path=") for a in args):
         args += ["--include_path", TASKS_DIR]
     sys.argv = ["scse-lm-eval", *args]  # lm-eval's CLI parses sys.argv itself
+    from scse_dist.threads import configure_threads
+
+    configure_threads()  # as scse-eval: no busy-waiting threads beyond the free cores
     cli_evaluate()
     return 0
 

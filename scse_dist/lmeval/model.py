@@ -41,8 +41,9 @@ import lm_eval.models  # noqa: F401  (lm-eval's own models: its registry loads t
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.scoring import Score, Window, context_target_window, document_windows, score_windows
 from scse_dist.eval.tasks import context_target_ids, load_tokenizer
-from scse_dist.generate import Sampling, next_tokens
+from scse_dist.generate import Sampling, generate, next_tokens
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
+from scse_dist.progress import Progress
 
 class ExitScorer:
     """Loop depth for the harness's requests: `depth` steps per token, or an exit rule's adaptive
@@ -56,11 +57,11 @@ class ExitScorer:
         self.stats: dict[str, ExitStats] = {}  # task name -> steps of its scored tokens
 
     def score(self, model: torch.nn.Module, windows: list[Window], batch_size: int,
-              task: str = "") -> list[Score]:
+              task: str = "", progress: Optional[Progress] = None) -> list[Score]:
         stats = None
         if self.rule is not None:
             stats = self.stats.setdefault(task, ExitStats(self.rule))
-        return score_windows(model, windows, [self.depth], batch_size, stats)[1][0]
+        return score_windows(model, windows, [self.depth], batch_size, stats, progress)[1][0]
 
     def next_logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """(B, V) logits for the token after each row of `tokens` (B, S)."""
@@ -164,7 +165,7 @@ class ScseLM(LM):
             context_ids, target_ids = context_target_ids(self.tokenizer, context, continuation)
             windows.append(context_target_window(context_ids, target_ids, self.eot_token_id,
                                                  self.max_length))
-        scores = self._score(requests, windows)
+        scores = self._score(requests, windows, disable_tqdm)
         return [(-s.nll, s.all_correct) for s in scores]
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False
@@ -177,20 +178,28 @@ class ScseLM(LM):
                 windows.append(w)
                 owner.append(i)
         totals = [0.0] * len(requests)
-        for i, score in zip(owner, self._score([requests[i] for i in owner], windows)):
+        for i, score in zip(owner, self._score([requests[i] for i in owner], windows,
+                                               disable_tqdm)):
             totals[i] -= score.nll
         return totals
 
-    def _score(self, requests: list[Instance], windows: list[Window]) -> list[Score]:
+    def _score(self, requests: list[Instance], windows: list[Window], quiet: bool = False
+               ) -> list[Score]:
         """Each request's window(s) scored, task by task in request order (so the steps used are
-        counted per task, and a task's batches are those scse-eval forms on the same data)."""
+        counted per task, and a task's batches are those scse-eval forms on the same data).
+        lm-eval leaves progress to the model: windows done, rate and ETA per task on stderr
+        (scse_dist.progress) on rank 0, unless lm-eval passes disable_tqdm."""
         tasks: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
             tasks.setdefault(getattr(request, "task_name", None) or "", []).append(i)
         scores: list[Optional[Score]] = [None] * len(windows)
         for task, rows in tasks.items():
-            for i, score in zip(rows, self.scorer.score(self.model, [windows[i] for i in rows],
-                                                        self.batch_size, task)):
+            label = f"scse {task or 'requests'} T={self.depth}"
+            with Progress(len(rows), label, unit="window",
+                          enabled=not quiet and self.rank == 0) as progress:
+                task_scores = self.scorer.score(self.model, [windows[i] for i in rows],
+                                                self.batch_size, task, progress)
+            for i, score in zip(rows, task_scores):
                 scores[i] = score
             if self.scorer.rule is not None:
                 summary = self.scorer.stats[task].summary()
@@ -210,9 +219,11 @@ class ScseLM(LM):
     # ----------------------------------------------------------------- generation
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        """Each request alone, EOS + context, recomputed per token (no KV cache yet). Greedy unless
-        do_sample (temperature, top_p); stops at EOS, max_gen_toks, or the first `until` string,
-        which is cut off."""
+        """Each request alone, continuing EOS + context. Greedy unless do_sample (temperature,
+        top_p); stops at EOS, max_gen_toks, or the first `until` string, which is cut off.
+        Through the KV cache (scse_dist.generate) while the sequence fits max_length; beyond, a
+        sliding window of max_length tokens, recomputed per token (the cache cannot drop its
+        oldest tokens: their K/V shaped every later token's)."""
         return [self._generate(*request.args) for request in requests]
 
     def _generate(self, context: str, gen_kwargs: dict) -> str:
@@ -225,21 +236,42 @@ class ScseLM(LM):
         top_p = float(kwargs.pop("top_p", 1.0))
         # scse-generate's sampler; greedy (Sampling()) unless do_sample with a temperature > 0
         sampling = Sampling(temperature, top_p) if do_sample and temperature > 0 else Sampling()
-        generator = torch.Generator().manual_seed(int(kwargs.pop("seed", 0)))
+        generator = torch.Generator(device=self._device).manual_seed(int(kwargs.pop("seed", 0)))
         ids = [self.eot_token_id, *self.tokenizer.encode(context)]
+
+        def stopped(new: list[int]) -> bool:
+            return any(stop in self.tokenizer.decode(new) for stop in until)
+
+        # the token after a sequence of n tokens sees them all while n <= max_length
+        fits = min(max_new, self.max_length - len(ids) + 1)
         new: list[int] = []
-        text = ""
+        if fits > 0:
+            new = generate(self.model, [ids], max_new_tokens=fits, depth=self.depth,
+                           sampling=sampling, eos_id=self.eot_token_id,
+                           exit_rule=self.scorer.rule, generator=generator,
+                           stop=lambda row, tokens: stopped(tokens)).tokens[0]
+        ended = bool(new) and (new[-1] == self.eot_token_id or stopped(new))
+        if new and new[-1] == self.eot_token_id:
+            new.pop()
+        if not ended:
+            new = self._slide(ids, new, max_new, sampling, generator, stopped)
+        text = self.tokenizer.decode(new)
+        for stop in until:
+            text = text.split(stop, 1)[0]
+        return text
+
+    def _slide(self, ids: list[int], new: list[int], max_new: int, sampling: Sampling,
+               generator: torch.Generator, stopped) -> list[int]:
+        """Tokens past the window: each from the last max_length tokens, recomputed."""
+        new = list(new)
         with torch.inference_mode():
-            for _ in range(max_new):
+            while len(new) < max_new:
                 window = torch.tensor([(ids + new)[-self.max_length:]], device=self._device)
-                logits = self.scorer.next_logits(self.model, window).cpu()
+                logits = self.scorer.next_logits(self.model, window)
                 token = int(next_tokens(logits, sampling, generator)[0])
                 if token == self.eot_token_id:
                     break
                 new.append(token)
-                text = self.tokenizer.decode(new)
-                if any(stop in text for stop in until):
+                if stopped(new):
                     break
-        for stop in until:
-            text = text.split(stop, 1)[0]
-        return text
+        return new

@@ -131,21 +131,44 @@ class KVCache:
         start = self.next_position if self.next_position is not None else \
             torch.zeros(b, dtype=torch.long, device=new.device)
         position_ids = (start[:, None] + new.long().cumsum(-1) - 1).clamp(min=0)
-        past = len(self)
         keys = new if self.key_mask is None else torch.cat([self.key_mask, new], dim=1)
-        q = torch.arange(s, device=new.device)[:, None] + past
-        k = torch.arange(past + s, device=new.device)[None, :]
-        mask = ((k <= q) & keys[:, None, None, :]) | (k == q)
-        return position_ids, mask
+        return position_ids, _causal_mask(keys, s)
+
+    def trailing_mask(self, s: int) -> torch.Tensor:
+        """(B, 1, s, L) attention mask of the last s cached tokens as queries (self-speculative
+        verification: their keys are in some slots already, and are appended to the others)."""
+        return _causal_mask(self.key_mask, s)
+
+    def commit_slots(self) -> None:
+        """Append every slot's new K/V, leaving the padding mask and positions as they are."""
+        for s in self.slots.values():
+            s.commit()
 
     def commit(self, attention_mask: torch.Tensor) -> None:
         """End of a call: append every slot's new K/V and the new tokens' padding mask."""
-        for s in self.slots.values():
-            s.commit()
+        self.commit_slots()
         new = attention_mask.bool()
         self.key_mask = new if self.key_mask is None else torch.cat([self.key_mask, new], dim=1)
         added = new.long().sum(-1)
         self.next_position = added if self.next_position is None else self.next_position + added
+
+    def truncate(self, length: int) -> None:
+        """Forget every token after the first `length` (rejected speculative drafts): the K/V
+        stay in the buffers and are overwritten by the next update."""
+        for s in self.slots.values():
+            s.length, s.pending = min(s.length, length), 0
+        if self.key_mask is not None and length < self.key_mask.shape[1]:
+            self.next_position = self.next_position - self.key_mask[:, length:].long().sum(-1)
+            self.key_mask = self.key_mask[:, :length]
+
+
+def _causal_mask(keys: torch.Tensor, s: int) -> torch.Tensor:
+    """(B, 1, s, L) bool for the last s of L keys as queries: causal, padding keys masked, and
+    each query sees itself (so a padding row's softmax is never empty)."""
+    past = keys.shape[1] - s
+    q = torch.arange(s, device=keys.device)[:, None] + past
+    k = torch.arange(keys.shape[1], device=keys.device)[None, :]
+    return ((k <= q) & keys[:, None, None, :]) | (k == q)
 
 
 class _StepHook:

@@ -141,12 +141,20 @@ class LoopedLM(nn.Module):
         """One loop run to max(depths), then (depth, logits) per depth in increasing order, each
         computed only when the caller asks for it: a caller that reduces each before the next
         holds one (B, S, V) tensor at a time, not one per depth (a depth sweep at a 50K vocab)."""
+        for t, h in self.iter_depth_head_inputs(tokens, depths):
+            yield t, F.linear(h, self.head_weight)
+
+    def iter_depth_head_inputs(self, tokens: torch.Tensor, depths: Iterable[int]
+                               ) -> Iterator[tuple[int, torch.Tensor]]:
+        """As iter_depth_logits, but (depth, the LM head's input (B, S, d)): coda and final
+        norm run on every position, and a caller that scores a few positions applies the head
+        (`head_weight`) to those rows only (scse_dist.eval.scorer)."""
         final, readouts = self._resolve_depths(None, depths)
         assert readouts is not None
         rope = self.rope(tokens)
         states = self.core(self.source(tokens, rope), final, readout_depths=readouts, rope=rope)
         for t, state in zip(readouts, states):
-            yield t, self.readout(state, rope)
+            yield t, self.head_input(state, rope)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 depth: Optional[int] = None, readout_depths: Optional[Iterable[int]] = None,

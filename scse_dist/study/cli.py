@@ -17,18 +17,20 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from scse_dist.cli_errors import cli_main
+from scse_dist.cli_errors import EXIT_NO_INPUT, cli_main
 from scse_dist.study.execute import run_local, run_slurm
-from scse_dist.study.plan import StudyError, read_choice, status
-from scse_dist.study.spec import expand, load_spec
+from scse_dist.study.plan import StudyError, missing_inputs, read_choice, status
+from scse_dist.study.spec import expand, load_spec, run_config
 
 
 def runs_table(spec) -> str:
-    """One line per run: variant, seed, lr, stage, run dir, status (done/partial/new)."""
+    """One line per run: variant, seed, lr (the rate it trains at; 'from-sweep' until the sweep
+    picked it), stage, run dir, status (done/partial/new)."""
     chosen = read_choice(spec)
     rows = [("variant", "seed", "lr", "stage", "run_dir", "status")]
     for run in expand(spec, chosen):
-        lr = f"{run.lr:g}" if run.lr is not None else ("chosen" if spec.lr else "base")
+        lr = run.lr if run.lr is not None else (None if spec.lr else run_config(spec, run).train.lr)
+        lr = f"{lr:g}" if lr is not None else "from-sweep"
         rows.append((run.variant, str(run.seed), lr, run.stage, run.run_dir, status(spec, run)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
@@ -43,9 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--local", action="store_true", help="run everything here, in sequence")
     how.add_argument("--slurm", action="store_true", help="submit job arrays")
     p.add_argument("--max-parallel", type=int, default=4, metavar="P",
-                   help="--slurm: at most P training runs at once (the array's %%P)")
+                   help="--slurm: at most P of the study's jobs at once: the arrays' %%P; each run "
+                        "is evaluated inside its training job, and the stage jobs run between arrays")
     p.add_argument("--sbatch-args", default="",
-                   help="--slurm: extra sbatch flags for the training arrays")
+                   help="--slurm: extra sbatch flags for the training arrays, after the spec's "
+                        "slurm: resources (e.g. '--time=2-0 --account=me')")
     p.add_argument("--stage", choices=["auto", "sweep", "final", "report"], default="auto",
                    help=argparse.SUPPRESS)  # the jobs that continue a study call this
     return p
@@ -53,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 @cli_main("scse-study")
 def main(argv: Sequence[str] | None = None) -> int:
-    """0 done (or submitted); 1 a run or the report failed; 2 bad spec or arguments."""
+    """0 done (or submitted); 1 a run or the report failed; 2 bad spec or arguments; 66 (--dry-run)
+    an input file of some run is missing."""
     args = build_parser().parse_intermixed_args(argv)
     if args.max_parallel < 1:
         print("scse-study: --max-parallel: must be >= 1", file=sys.stderr)
@@ -62,7 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.dry_run:
             print(runs_table(spec))
-            return 0
+            missing = missing_inputs(spec)
+            for line in missing:
+                print(f"scse-study: {line}", file=sys.stderr)
+            return EXIT_NO_INPUT if missing else 0
         if args.local:
             return run_local(spec)
         cli_args = [str(Path(args.spec).resolve()), *args.overrides, "--slurm",

@@ -5,14 +5,19 @@ Slurm, one stage at a time, each stage submitted by a job that waits for the one
     sweep   sbatch --array=0-N%P slurm/pretrain.sh --config-list <study>/configs-sweep.txt
             (no evaluation jobs: SCSE_SCHEDULE_EVALS=0), then a job afterany:<array> running
             `scse-study SPEC --slurm --stage final`: it scores the sweep on lr.validation,
-            writes lr_choice.json and submits stage 2. The choice needs stage 1's results, so
-            stage 2 can only be submitted by a job that runs after it.
-    final   the same array over the final runs; each array task schedules its own evaluation
-            jobs (afterok, as `sbatch slurm/pretrain.sh` does), then a job afterany:<array>
-            runs `--stage report`.
-    report  cancels the evaluations of runs whose training failed (they can never run), and
-            submits the study report (`python -m scse_dist.study.report STUDY_DIR`) afterany on
-            the evaluation jobs still queued, or runs it at once when none are.
+            writes lr_choice.json and submits stage 2 (afterany on itself). The choice needs
+            stage 1's results, so stage 2 can only be submitted by a job that runs after it.
+    final   the same array over the final runs; each array task evaluates its run inside its
+            own allocation after training (SCSE_EVAL_IN_JOB=1: every eval task, then the run's
+            report), then a job afterany:<array> runs `--stage report`.
+    report  names the runs that did not finish and writes the study report.
+
+So at most P of the study's jobs run at once (the array's %P; the stage jobs run only between
+arrays), and a run's evaluations come before the next pending training run: they hold its array
+slot. Separate evaluation jobs (as `scse-launch` submits) would queue behind every pending array
+task on a small cluster and would not count against %P.
+Each training job asks for `spec.slurm` (default: one node, one task, no GPU, one CPU), then
+--sbatch-args; the request is checked with `sbatch --test-only` before anything is submitted.
 
 Finished runs are never resubmitted; unfinished ones resume from their checkpoint (train.resume
 auto), so rerunning a study after an interruption repeats nothing.
@@ -21,6 +26,7 @@ auto), so rerunning a study after an interruption repeats nothing.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -46,25 +52,50 @@ def run_report(spec: StudySpec) -> int:
 # --------------------------------------------------------------------------- local
 
 
-def _train_and_evaluate(spec: StudySpec, run: Run) -> bool:
-    """Train (resuming if a checkpoint exists) through scse-train, then the stage's evaluations."""
+# A bad config (2), bad input data (65) or a missing input (66): every run that reads the same
+# input fails the same way, so a study whose first runs all fail alike stops there.
+INPUT_EXITS = (2, 65, 66)
+FAIL_FAST_AFTER = 2
+
+
+def _train(run: Run) -> tuple[int, str]:
+    """scse-train on the run's config (resuming a checkpoint); (exit status, last stderr line).
+    Its stderr still reaches ours, line by line."""
+    proc = subprocess.Popen([sys.executable, "-m", "scse_dist.train.cli", "--config", run.config],
+                            stderr=subprocess.PIPE, text=True, errors="replace")
+    last = ""
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        last = line.strip() or last
+    return proc.wait(), last
+
+
+def _train_and_evaluate(spec: StudySpec, run: Run) -> tuple[int, str]:
+    """Train through scse-train, then the stage's evaluations; (0, "") or training's failure."""
     if not (Path(run.run_dir) / "export").is_dir():
-        train = subprocess.run([sys.executable, "-m", "scse_dist.train.cli", "--config", run.config])
-        if train.returncode != 0:
-            print(f"scse-study: FAILED {run.run_dir}: training exited {train.returncode}", flush=True)
-            return False
+        code, line = _train(run)
+        if code != 0:
+            print(f"scse-study: FAILED {run.run_dir}: training exited {code}", flush=True)
+            return code, line
     if run.stage == "sweep":
         evaluate_validation(spec, run)
     else:
         for task in spec.evals.tasks:
             if not (Path(run.run_dir) / "eval" / f"{task}.json").is_file():
                 evaluate_run(run.run_dir, task)
-    return True
+    return 0, ""
+
+
+def _all_alike(outcomes: list[tuple[int, str]]) -> bool:
+    """The first runs of this invocation all failed on the same input error."""
+    return len(outcomes) >= FAIL_FAST_AFTER and len(set(outcomes)) == 1 and \
+        outcomes[0][0] in INPUT_EXITS
 
 
 def run_local(spec: StudySpec) -> int:
-    """Every stage in sequence, finished runs skipped, then the report. 1 if a run failed."""
-    failed = []
+    """Every stage in sequence, finished runs skipped, then the report. 1 if a run failed; the
+    runs' exit status when the first ones all failed on the same input error (then it stops)."""
+    failed, outcomes = [], []
     for stage in _stages(spec):
         if stage == "final" and spec.lr:
             print(f"scse-study: chosen learning rates {choose_lrs(spec)}", flush=True)
@@ -75,8 +106,14 @@ def run_local(spec: StudySpec) -> int:
                 continue
             print(f"scse-study: {'resuming' if state == 'partial' else 'starting'} {run.run_dir}",
                   flush=True)
-            if not _train_and_evaluate(spec, run):
+            outcome = _train_and_evaluate(spec, run)
+            outcomes.append(outcome)
+            if outcome[0] != 0:
                 failed.append(run.run_dir)
+            if _all_alike(outcomes):
+                print(f"scse-study: stopped: the first {len(outcomes)} runs failed alike (exit "
+                      f"{outcome[0]}): {outcome[1]}", file=sys.stderr)
+                return outcome[0]
     report = run_report(spec)
     if failed:
         print(f"scse-study: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
@@ -95,12 +132,32 @@ def _sbatch(args: list[str]) -> str:
 
 def _next_job(spec: StudySpec, stage: str, after: list[str], cli_args: list[str]) -> str:
     """A small job, afterany on `after`, that runs `scse-study SPEC --slurm --stage <stage>`."""
-    cmd = [sys.executable, "-m", "scse_dist.study.cli", *cli_args, "--stage", stage]
+    cmd = ["env", "SCSE_STUDY_STAGE_JOB=1", sys.executable, "-m", "scse_dist.study.cli", *cli_args,
+           "--stage", stage]
     logs = spec.study_dir.resolve() / "slurm"
-    return _sbatch([f"--job-name={spec.name}-{stage}", "--ntasks=1", "--cpus-per-task=1",
+    partition = [f"--partition={spec.slurm.partition}"] if spec.slurm.partition else []
+    # named for what it does: "-final" is the final array's own name
+    name = f"{spec.name}-{'choose-lr' if stage == 'final' else stage}"
+    return _sbatch([f"--job-name={name}", "--ntasks=1", "--cpus-per-task=1", *partition,
                     f"--output={logs}/%x-%j.out", *([f"--dependency=afterany:{':'.join(after)}"]
                                                    if after else []),
                     "--wrap", shlex.join(cmd)])
+
+
+def check_request(args: list[str], resources: list[str]) -> None:
+    """StudyError, in one line, when Slurm says it could never run the job `sbatch args` would
+    submit (`sbatch --test-only`: more nodes, CPUs or GPUs than any node has, an unknown
+    partition); `resources` are the flags to name."""
+    out = subprocess.run(["sbatch", "--test-only", *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        reason = [line for line in out.stderr.splitlines() if line.strip()][-1:] or ["no reason given"]
+        raise StudyError(f"the cluster cannot run the training jobs as requested ({' '.join(resources)}; "
+                         f"spec field slurm and --sbatch-args): {reason[0].strip()}")
+
+
+def _job_name(spec: StudySpec, run: Run) -> str:
+    """The Slurm name an array task takes when it starts: study, variant, (rate,) seed."""
+    return f"{spec.name}-{Path(run.run_dir).name}"
 
 
 def submit_stage(spec: StudySpec, stage: str, max_parallel: int, sbatch_args: list[str],
@@ -116,14 +173,19 @@ def submit_stage(spec: StudySpec, stage: str, max_parallel: int, sbatch_args: li
     array = None
     if runs:
         listing = spec.study_dir / f"configs-{stage}.txt"
-        listing.write_text("".join(str(Path(r.config).resolve()) + "\n" for r in runs))
-        env = ["--export=ALL,SCSE_SCHEDULE_EVALS=0"] if stage == "sweep" else []
-        array = _sbatch([f"--array=0-{len(runs) - 1}%{max_parallel}", f"--job-name={spec.name}-{stage}",
-                         f"--output={logs}/%x-%A_%a.out", f"--error={logs}/%x-%A_%a.err", *env,
-                         *sbatch_args, str(pretrain_script(None)), "--config-list",
-                         str(listing.resolve())])
+        # line i: array task i's config, a tab, the job name it takes when it starts
+        listing.write_text("".join(f"{Path(r.config).resolve()}\t{_job_name(spec, r)}\n" for r in runs))
+        env = "ALL,SCSE_SCHEDULE_EVALS=0" + (",SCSE_EVAL_IN_JOB=1" if stage == "final" else "")
+        # Submitted by a stage job: start after it ended, so that it never runs beside the array.
+        me = os.environ.get("SLURM_JOB_ID") if os.environ.get("SCSE_STUDY_STAGE_JOB") else None
+        args = [f"--array=0-{len(runs) - 1}%{max_parallel}", f"--job-name={spec.name}-{stage}",
+                f"--output={logs}/%x-%A_%a.out", f"--error={logs}/%x-%A_%a.err", f"--export={env}",
+                *([f"--dependency=afterany:{me}"] if me else []), *spec.slurm.sbatch_args(),
+                *sbatch_args, str(pretrain_script(None)), "--config-list", str(listing.resolve())]
+        check_request(args, [*spec.slurm.sbatch_args(), *sbatch_args])
+        array = _sbatch(args)
         print(f"scse-study: stage {stage}: array job {array} of {len(runs)} run(s), at most "
-              f"{max_parallel} at once", flush=True)
+              f"{max_parallel} at once, each evaluated in its own job", flush=True)
     nxt = _next_job(spec, following, [array] if array else [], cli_args)
     print(f"scse-study: stage {following}: job {nxt} after {array or 'nothing'}", flush=True)
     ids = {"stage": stage, "array": array, "next": nxt, "runs": [r.run_dir for r in runs]}
@@ -131,38 +193,14 @@ def submit_stage(spec: StudySpec, stage: str, max_parallel: int, sbatch_args: li
     return ids
 
 
-def _queued(job_ids: list[str]) -> list[str]:
-    """The ids among `job_ids` that Slurm still has pending or running."""
-    if not job_ids:
-        return []
-    out = subprocess.run(["squeue", "-h", "-t", "PD,R,CG", "-o", "%i", "-j", ",".join(job_ids)],
-                         capture_output=True, text=True)
-    return [j for j in out.stdout.split() if j in job_ids]
-
-
-def submit_report(spec: StudySpec) -> str | None:
-    """After the final array: the report job, afterany on the evaluations still queued."""
-    waiting, hopeless = [], []
+def report_failures(spec: StudySpec) -> None:
+    """After the final array: one line for each run that did not finish."""
     for run in write_study(spec, "final"):
-        marker = Path(run.run_dir) / "eval" / "scheduled.json"
-        if not marker.is_file():
-            continue
-        ids = json.loads(marker.read_text())
-        jobs = [*ids["eval_jobs"].values(), ids["report_job"]]
-        trained = (Path(run.run_dir) / "export").is_dir()
-        (waiting if trained else hopeless).extend(jobs)
-        if not trained:
-            print(f"scse-study: FAILED {run.run_dir}: training did not finish (job "
-                  f"{ids['train_job']}); its evaluations are cancelled", flush=True)
-    if _queued(hopeless):
-        subprocess.run(["scancel", *_queued(hopeless)])
-    waiting = _queued(waiting)
-    if not waiting:
-        return None
-    logs = spec.study_dir.resolve() / "slurm"
-    return _sbatch([f"--job-name={spec.name}-study-report", "--ntasks=1", "--cpus-per-task=1",
-                    f"--output={logs}/%x-%j.out", f"--dependency=afterany:{':'.join(waiting)}",
-                    "--wrap", shlex.join([*REPORT_CMD, str(spec.study_dir.resolve())])])
+        state = status(spec, run)
+        if state != "done":
+            trained = (Path(run.run_dir) / "export").is_dir()
+            what = "its evaluation did not finish" if trained else "training did not finish"
+            print(f"scse-study: FAILED {run.run_dir}: {what}", flush=True)
 
 
 def run_slurm(spec: StudySpec, stage: str, max_parallel: int, sbatch_args: list[str],
@@ -170,10 +208,7 @@ def run_slurm(spec: StudySpec, stage: str, max_parallel: int, sbatch_args: list[
     if stage == "auto":
         stage = "final" if not spec.lr or (spec.study_dir / "lr_choice.json").is_file() else "sweep"
     if stage == "report":
-        job = submit_report(spec)
-        if job:
-            print(f"scse-study: study report job {job}", flush=True)
-            return 0
+        report_failures(spec)
         return run_report(spec)
     submit_stage(spec, stage, max_parallel, sbatch_args, cli_args)
     return 0

@@ -2,16 +2,19 @@
 
     plateau         the final training loss is within `plateau_margin` nats of (or above) the
                     unigram entropy of the training data: the model learned no more than token
-                    frequencies (the issue's untied/looped baselines stuck at 6.93 = ln 1024).
+                    frequencies (the issue's untied/looped baselines stuck at 6.93 = ln 1024);
+                    or the headline metric is flat in T and the final loss is more than
+                    `outlier_margin` nats above every other seed of its variant (a seed stuck on
+                    a plateau of its own, e.g. loss 6.09 against 5.3-5.6, far below the entropy).
     loop inactive   the headline metric is flat in T from T=2 on (relative spread < flat_rel) and
                     the diagnostics show the loop fell onto its anchor (deviation_norm at the
                     deepest T < collapse_ratio x its largest value: diagnose records no anchor
                     norm, so the deviation is measured against its own scale) or stopped moving
                     (motion_norm at T=2 < motion_rel x deviation_norm at T=1), or the training
                     log's last loop diagnostics say so (diag/D_kept = |D_T|/|D_0| below
-                    collapse_ratio: docs/loop-diagnostics.md). Without either the flat metric
-                    alone flags, and the detail says so. A run with no evaluation is flagged by
-                    the training diagnostics alone.
+                    collapse_ratio: docs/loop-diagnostics.md), or the run is the outlier above.
+                    Without any of these the flat metric alone flags, and the detail says so. A
+                    run with no evaluation is flagged by the training diagnostics alone.
     divergence      the final logged loss is non-finite, or above its minimum by > divergence_margin.
     non-finite      the trainer skipped steps for a NaN/Inf loss or gradient (skipped_steps > 0).
 
@@ -38,6 +41,7 @@ class FlagThresholds:
     collapse_ratio: float = 0.1
     motion_rel: float = 0.01
     divergence_margin: float = 1.0
+    outlier_margin: float = 0.3
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,35 @@ def headline_by_depth(run: StudyRun) -> tuple[Optional[str], dict[int, float]]:
     return None, {}
 
 
+def flat_in_t(run: StudyRun, th: FlagThresholds) -> Optional[str]:
+    """'heldout ppl flat for T >= 2 (spread 0.41%)' when the headline metric barely moves with T
+    (a looped model; never an untied one), else None."""
+    if run.config is not None and run.config.model.recurrence == "untied":
+        return None
+    name, values = headline_by_depth(run)
+    deep = [v for d, v in sorted(values.items()) if d >= 2]
+    if len(deep) < 2:
+        return None
+    spread = (max(deep) - min(deep)) / max(abs(min(deep)), 1e-12)
+    return f"{name} flat for T >= 2 (spread {100 * spread:.2f}%)" if spread < th.flat_rel else None
+
+
+def _final_loss(run: StudyRun) -> Optional[float]:
+    losses = [r.get("loss") for r in run.metrics if "loss" in r]
+    return finite(losses[-1]) if losses else None
+
+
+def above_peers(run: StudyRun, peers: list[StudyRun], th: FlagThresholds) -> Optional[str]:
+    """'final loss 6.090, 0.49 nats above its variant's other seeds (5.300-5.600)' when it is
+    more than outlier_margin above all of them, else None."""
+    final = _final_loss(run)
+    others = [x for x in (_final_loss(p) for p in peers) if x is not None]
+    if final is None or not others or final <= max(others) + th.outlier_margin:
+        return None
+    return (f"final loss {final:.3f}, {final - max(others):.2f} nats above its variant's other "
+            f"seeds ({min(others):.3f}-{max(others):.3f})")
+
+
 def _collapsed_in_training(run: StudyRun, th: FlagThresholds) -> Optional[str]:
     """Why the training log's last loop diagnostics show a loop fallen onto its anchor, or None."""
     rows = [r for r in run.metrics if finite(r.get("diag/D_kept")) is not None]
@@ -109,22 +142,16 @@ def _collapsed_in_training(run: StudyRun, th: FlagThresholds) -> Optional[str]:
             "(diag/D_kept)")
 
 
-def _loop_inactive(run: StudyRun, th: FlagThresholds) -> Optional[Flag]:
-    if run.config is not None and run.config.model.recurrence == "untied":
-        return None
+def _loop_inactive(run: StudyRun, th: FlagThresholds, outlier: Optional[str]) -> Optional[Flag]:
     training = _collapsed_in_training(run, th)
-    name, values = headline_by_depth(run)
-    deep = [v for d, v in sorted(values.items()) if d >= 2]
-    if len(deep) < 2:
-        return Flag("loop inactive", training) if training and not values else None
-    spread = (max(deep) - min(deep)) / max(abs(min(deep)), 1e-12)
-    if spread >= th.flat_rel:
-        return None
-    flat = f"{name} flat for T >= 2 (spread {100 * spread:.2f}%)"
+    flat = flat_in_t(run, th)
+    if flat is None:  # an unevaluated run has only its training diagnostics to go on
+        unevaluated = not headline_by_depth(run)[1]
+        return Flag("loop inactive", training) if training and unevaluated else None
     diag = run.results.get("diagnose")
     if not diag:
-        confirm = training or "no diagnose results or training diagnostics to confirm"
-        return Flag("loop inactive", f"{flat}; {confirm}")
+        confirm = "; ".join(x for x in (training, outlier) if x)
+        return Flag("loop inactive", f"{flat}; {confirm or 'no diagnose results to confirm'}")
     deviation = {d: finite(r.get("deviation_norm")) for d, r in diag.items()}
     deviation = {d: v for d, v in deviation.items() if v is not None}
     motion2 = finite(diag.get(2, {}).get("motion_norm"))
@@ -137,13 +164,18 @@ def _loop_inactive(run: StudyRun, th: FlagThresholds) -> Optional[Flag]:
         why.append(f"motion_norm at T=2 is {motion2:.3g} against deviation_norm {deviation[1]:.3g}")
     if training:
         why.append(training)
+    if outlier:
+        why.append(outlier)
     return Flag("loop inactive", f"{flat}; {'; '.join(why)}") if why else None
 
 
-def run_flags(run: StudyRun, entropy: Optional[UnigramEntropy],
-              th: FlagThresholds = FlagThresholds()) -> list[Flag]:
-    """Every pathology flag that `run`'s log and results raise (see the module docstring)."""
+def run_flags(run: StudyRun, entropy: Optional[UnigramEntropy], th: FlagThresholds = FlagThresholds(),
+              peers: Optional[list[StudyRun]] = None) -> list[Flag]:
+    """Every pathology flag that `run`'s log and results raise (see the module docstring);
+    `peers`: the other finished seeds of its variant and stage."""
     flags: list[Flag] = []
+    flat = flat_in_t(run, th)
+    outlier = above_peers(run, peers or [], th) if flat else None
     losses = [r.get("loss") for r in run.metrics if "loss" in r]
     if losses:
         final = losses[-1]
@@ -156,10 +188,12 @@ def run_flags(run: StudyRun, entropy: Optional[UnigramEntropy],
         elif entropy is not None and final > entropy.nats - th.plateau_margin:
             flags.append(Flag("plateau", f"final loss {final:.3f} within {th.plateau_margin} nats "
                                          f"of the unigram entropy {entropy.nats:.3f} (or above it)"))
+        elif outlier:
+            flags.append(Flag("plateau", f"{flat} at {outlier}"))
     skipped = max((int(r.get("skipped_steps") or 0) for r in run.metrics), default=0)
     if skipped:
         flags.append(Flag("non-finite", f"{skipped} step(s) skipped for a non-finite loss or gradient"))
-    inactive = _loop_inactive(run, th)
+    inactive = _loop_inactive(run, th, outlier)
     if inactive:
         flags.append(inactive)
     return flags

@@ -15,6 +15,7 @@ its export and every evaluation of its stage exist (a sweep run: eval/validation
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 from pathlib import Path
 
@@ -112,3 +113,41 @@ def choose_lrs(spec: StudySpec) -> dict[str, float]:
                          f"{spec.study_dir}/<variant>/lr*/ and rerun the study")
     atomic_write_text(spec.study_dir / LR_CHOICE_NAME, json.dumps(choice, indent=2) + "\n")
     return {v: c["lr"] for v, c in choice.items()}
+
+
+def _inputs(spec: StudySpec, run: Run) -> dict[str, str]:
+    """field -> the local path a run reads (data the trainer builds itself, and URLs, left out)."""
+    cfg = run_config(spec, run)
+    found = {} if cfg.data.build else {"data.path": cfg.data.path, "data.tokenizer": cfg.data.tokenizer}
+    if run.stage == "sweep":
+        found["lr.validation"] = spec.lr.validation
+    else:  # the test tasks: final runs only
+        for task in ("wikitext", "lambada"):
+            if task in cfg.eval.tasks:
+                found[f"eval.{task}"] = getattr(cfg.eval, task)
+    return {k: v for k, v in found.items() if v and "://" not in str(v)}
+
+
+def _which(needing: list[Run], runs: list[Run]) -> str:
+    """'all 54 runs', 'all 27 sweep runs', or '3 run(s): a, b, c' (the first 4 named)."""
+    if len(needing) == len(runs):
+        return f"all {len(runs)} runs"
+    stages = {r.stage for r in needing}
+    if len(stages) == 1 and len(needing) == sum(r.stage in stages for r in runs):
+        return f"all {len(needing)} {stages.pop()} runs"
+    names = [Path(r.run_dir).name for r in needing]
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    return f"{len(names)} run(s): {', '.join(names[:4])}{more}"
+
+
+def missing_inputs(spec: StudySpec) -> list[str]:
+    """One line per input file that some run needs and that is not there, naming the field and
+    the runs that need it."""
+    runs = expand(spec, read_choice(spec))
+    needed: dict[tuple[str, str], list[Run]] = {}
+    for run in runs:
+        for key, path in _inputs(spec, run).items():
+            if not Path(path).exists() and not glob.glob(path):
+                needed.setdefault((key, path), []).append(run)
+    return [f"missing input: {key} {path} (no such file or directory), needed by {_which(needing, runs)}"
+            for (key, path), needing in needed.items()]

@@ -4,7 +4,10 @@ extrapolation ratios, pathology flags, the learning-rate choice, and the frontie
     python -m scse_dist.study.report STUDY_DIR        # or: scse-report --study STUDY_DIR
 
 Writes STUDY_DIR/report/ (report.md, aggregate.json, frontier_depth.png, frontier_flops.png,
-diagnose.png) and logs the aggregate to wandb (offline by default) in the study's group.
+diagnose.png) and logs the aggregate to wandb in the study's group (offline, unless every run's
+config disables wandb: then nothing is logged; --wandb decides otherwise).
+The metrics shown per task are the spec's `report.metrics` (default: heldout ppl; WikiText ppl,
+word ppl and bits per byte; LAMBADA ppl and accuracy).
 Intervals are 95% Student-t intervals over seeds, mean +- t_{0.975, n-1} s / sqrt(n); paired
 comparisons take the per-seed difference (A - B, seeds matched) at each depth and its t interval.
 """
@@ -22,17 +25,22 @@ from scse_dist.config import ModelConfig, RunConfig
 from scse_dist.study.collect import Study, StudyRun, finite, load_study
 from scse_dist.study.flags import Flag, run_flags, unigram_entropy
 from scse_dist.study.plots import diagnose_plot, frontier_plot
+from scse_dist.study.spec import DEFAULT_REPORT_METRICS
 from scse_dist.study.stats import Interval, t_interval
 
-# The headline metric of each task that the study compares, and which way is better.
-HEADLINE = {"heldout": "ppl", "wikitext": "word_ppl", "lambada": "accuracy"}
 HIGHER_IS_BETTER = {"accuracy"}
 DIAGNOSE_NORMS = ("deviation_norm", "motion_norm", "bias_norm")
 INTERVAL_METHOD = ("95% Student-t intervals over seeds: mean ± t(0.975, n-1)·s/√n "
                    "(s the sample standard deviation); no bootstrap")
 REPORT_NAME = "report.md"
 
-Table = dict[tuple[str, str], dict[int, Interval]]  # (variant, task) -> depth -> Interval
+Table = dict[tuple[str, str, str], dict[int, Interval]]  # (variant, task, metric) -> depth -> Interval
+
+
+def report_metrics(study: Study) -> dict[str, list[str]]:
+    """task -> the metrics the report shows: the spec's report.metrics over the defaults."""
+    given = (study.spec.get("report") or {}).get("metrics") or {}
+    return {**DEFAULT_REPORT_METRICS, **given}
 
 
 def flops_at(model: ModelConfig, depth: int, seq_len: int) -> Optional[float]:
@@ -59,33 +67,35 @@ def training_depth(cfg: RunConfig) -> Optional[int]:
     return m.depth
 
 
-def _values(runs: list[StudyRun], task: str) -> dict[int, dict[int, float]]:
-    """depth -> seed -> the task's headline metric (finite values only)."""
+def _values(runs: list[StudyRun], task: str, metric: str) -> dict[int, dict[int, float]]:
+    """depth -> seed -> the task's metric (finite values only)."""
     out: dict[int, dict[int, float]] = {}
     for run in runs:
         for depth, row in run.results.get(task, {}).items():
-            value = finite(row.get(HEADLINE[task]))
+            value = finite(row.get(metric))
             if value is not None:
                 out.setdefault(depth, {})[run.seed] = value
     return out
 
 
-def aggregate(runs: list[StudyRun], variants: list[str]) -> Table:
-    """Per (variant, task) and depth: the t interval of the headline metric over seeds."""
+def aggregate(runs: list[StudyRun], variants: list[str], metrics: dict[str, list[str]]) -> Table:
+    """Per (variant, task, metric) and depth: the t interval of the metric over seeds."""
     table: Table = {}
     for variant in variants:
         mine = [r for r in runs if r.variant == variant]
-        for task in HEADLINE:
-            by_depth = _values(mine, task)
-            if by_depth:
-                table[(variant, task)] = {d: t_interval(list(v.values())) for d, v in sorted(by_depth.items())}
+        for task, names in metrics.items():
+            for metric in names:
+                by_depth = _values(mine, task, metric)
+                if by_depth:
+                    table[(variant, task, metric)] = {d: t_interval(list(v.values()))
+                                                      for d, v in sorted(by_depth.items())}
     return table
 
 
-def paired(runs: list[StudyRun], a: str, b: str, task: str) -> dict[int, Interval]:
+def paired(runs: list[StudyRun], a: str, b: str, task: str, metric: str) -> dict[int, Interval]:
     """depth -> t interval of (A - B) over the seeds both variants have at that depth."""
-    va = _values([r for r in runs if r.variant == a], task)
-    vb = _values([r for r in runs if r.variant == b], task)
+    va = _values([r for r in runs if r.variant == a], task, metric)
+    vb = _values([r for r in runs if r.variant == b], task, metric)
     out = {}
     for depth in sorted(set(va) & set(vb)):
         seeds = sorted(set(va[depth]) & set(vb[depth]))
@@ -95,10 +105,14 @@ def paired(runs: list[StudyRun], a: str, b: str, task: str) -> dict[int, Interva
 
 
 def verdict(diffs: dict[int, Interval], higher_is_better: bool) -> str:
-    """'better at all depths', 'better at depths 4, 8', 'worse at ...', or 'not resolved at n
-    seeds' when every interval contains 0 (or one seed leaves no interval)."""
+    """'better at all depths', 'better at depths 4, 8', 'worse at ...', 'no difference' when every
+    seed's difference is exactly 0 at every depth (e.g. accuracy 0 for both), or 'not resolved at
+    n seeds' when every interval contains 0 (or one seed leaves no interval)."""
     if not diffs:
         return "no common depths"
+    if all(iv.mean == 0 and not iv.std for iv in diffs.values()):
+        n = min(iv.n for iv in diffs.values())
+        return f"no difference (equal at every depth in all {n} seed{'s' if n != 1 else ''})"
     sign = 1 if higher_is_better else -1
     better = [d for d, iv in diffs.items() if iv.excludes_zero() and sign * iv.mean > 0]
     worse = [d for d, iv in diffs.items() if iv.excludes_zero() and sign * iv.mean < 0]
@@ -155,14 +169,18 @@ class StudyReport:
             if run.config is not None:
                 entropy = unigram_entropy(run.config.data.path, run.config.model.vocab_size)
                 self.entropy[entropy.source] = entropy.nats
-            self.flags[run.label] = run_flags(run, entropy)
+            # a final run's other seeds (a sweep run's neighbours differ in lr, not seed)
+            peers = [r for r in self.finished if run.stage == "final" and r is not run
+                     and (r.variant, r.stage) == (run.variant, "final")]
+            self.flags[run.label] = run_flags(run, entropy, peers=peers)
         final = [r for r in self.finished if r.stage == "final"]
         self.excluded = [r for r in final if study.exclude_flagged and self.flags[r.label]]
         self.included = [r for r in final if r not in self.excluded]
         self.variants = [v for v in study.variants if any(r.variant == v for r in self.included)]
-        self.table = aggregate(self.included, self.variants)
-        self.pairs = {(a, b, task): paired(self.included, a, b, task)
-                      for a, b in study.pairs for task in HEADLINE}
+        self.metrics = report_metrics(study)
+        self.table = aggregate(self.included, self.variants, self.metrics)
+        self.pairs = {(a, b, task, metric): paired(self.included, a, b, task, metric)
+                      for a, b in study.pairs for task, names in self.metrics.items() for metric in names}
         self.pairs = {k: v for k, v in self.pairs.items() if v}
 
     def marked(self, variant: str) -> str:
@@ -177,7 +195,7 @@ class StudyReport:
         """(label, reference depth, {T > ref: mean(T) / mean(ref)}): ref is the deepest evaluated
         T within the training range (the training depth itself when it was evaluated)."""
         rows = []
-        for (variant, task), by_depth in self.table.items():
+        for (variant, task, metric), by_depth in self.table.items():
             cfg = self.config_of(variant)
             t_train = training_depth(cfg) if cfg else None
             reference = [d for d in by_depth if t_train is not None and d <= t_train]
@@ -186,13 +204,16 @@ class StudyReport:
             base = by_depth[max(reference)].mean
             ratios = {d: iv.mean / base for d, iv in by_depth.items() if d > max(reference) and base}
             if ratios:
-                rows.append((f"{variant} {task} {HEADLINE[task]} (trained to T={t_train})",
+                rows.append((f"{variant} {task} {metric} (trained to T={t_train})",
                              max(reference), ratios))
         return rows
 
     def frontier_series(self, x: str) -> dict:
+        """The first reported metric of each task (one panel per task), per variant."""
         series: dict = {}
-        for (variant, task), by_depth in self.table.items():
+        for (variant, task, metric), by_depth in self.table.items():
+            if metric != self.metrics[task][0]:
+                continue
             cfg = self.config_of(variant)
             points = []
             for depth, iv in by_depth.items():
@@ -201,7 +222,7 @@ class StudyReport:
                 if pos is not None:
                     points.append((pos, iv))
             if points:
-                series.setdefault(f"{task} {HEADLINE[task]}", {})[variant] = points
+                series.setdefault(f"{task} {metric}", {})[variant] = points
         return series
 
     def diagnose_series(self) -> dict:
@@ -245,19 +266,20 @@ class StudyReport:
                              f"| {cells} |")
             lines.append("")
         lines += self._flag_lines()
-        for task, metric in HEADLINE.items():
-            rows = [(self.marked(v), self.table[(v, task)]) for v in self.variants if (v, task) in self.table]
+        for task, metric in self._task_metrics():
+            rows = [(self.marked(v), self.table[(v, task, metric)]) for v in self.variants
+                    if (v, task, metric) in self.table]
             if rows:
                 better = "higher" if metric in HIGHER_IS_BETTER else "lower"
                 lines += [f"## {task} {metric} ({better} is better): mean ± 95% half-width over seeds", ""]
                 lines += _depth_table("variant", rows) + [""]
         if self.pairs:
             lines += ["## Paired comparisons (A - B, per seed, matched by seed)", ""]
-            for task, metric in HEADLINE.items():
-                rows = [(f"{a} - {b}", d) for (a, b, t), d in self.pairs.items() if t == task]
-                if rows:
-                    verdicts = [f"{a} {verdict(d, metric in HIGHER_IS_BETTER)}"
-                                for (a, b, t), d in self.pairs.items() if t == task]
+            for task, metric in self._task_metrics():
+                mine = [(a, b, d) for (a, b, t, m), d in self.pairs.items() if (t, m) == (task, metric)]
+                if mine:
+                    rows = [(f"{a} - {b}", d) for a, b, d in mine]
+                    verdicts = [f"{a} {verdict(d, metric in HIGHER_IS_BETTER)}" for a, b, d in mine]
                     lines += [f"### {task} {metric}", ""]
                     lines += _depth_table("pair", rows, extra=("verdict", verdicts)) + [""]
         extrapolation = self.extrapolation()
@@ -269,6 +291,9 @@ class StudyReport:
                                   fmt=lambda v: "" if v is None else f"{v:.3f}") + [""]
         lines += ["## Plots", ""] + [f"![{name}]({Path(p).name})" for name, p in images.items()]
         return "\n".join(lines) + "\n"
+
+    def _task_metrics(self) -> list[tuple[str, str]]:
+        return [(task, metric) for task, names in self.metrics.items() for metric in names]
 
     def _flag_lines(self) -> list[str]:
         flagged = [(r, self.flags[r.label]) for r in self.finished if self.flags.get(r.label)]
@@ -290,12 +315,12 @@ class StudyReport:
                 "missing": {r.label: r.missing for r in self.missing},
                 "flags": {k: [asdict(f) for f in v] for k, v in self.flags.items() if v},
                 "excluded": [r.label for r in self.excluded],
-                "aggregate": {f"{v}/{t}/{HEADLINE[t]}": {str(d): asdict(iv) for d, iv in by_d.items()}
-                              for (v, t), by_d in self.table.items()},
-                "paired": {f"{a} - {b}/{t}/{HEADLINE[t]}": {
-                    "verdict": verdict(d, HEADLINE[t] in HIGHER_IS_BETTER),
+                "aggregate": {f"{v}/{t}/{m}": {str(d): asdict(iv) for d, iv in by_d.items()}
+                              for (v, t, m), by_d in self.table.items()},
+                "paired": {f"{a} - {b}/{t}/{m}": {
+                    "verdict": verdict(d, m in HIGHER_IS_BETTER),
                     "depths": {str(k): asdict(iv) for k, iv in d.items()}}
-                    for (a, b, t), d in self.pairs.items()}}
+                    for (a, b, t, m), d in self.pairs.items()}}
 
 
 def _log_to_wandb(report: StudyReport, out: Path, mode: str, images: dict[str, str]) -> None:
@@ -303,17 +328,27 @@ def _log_to_wandb(report: StudyReport, out: Path, mode: str, images: dict[str, s
     from scse_dist.eval.results import log_to_wandb
 
     # The per-variant means in the single-run report's shape: one row per (variant, task).
-    results = [{"_label": variant, "task": task,
-                "results": [{"depth": d, HEADLINE[task]: iv.mean} for d, iv in by_depth.items()]}
-               for (variant, task), by_depth in report.table.items()]
+    rows: dict[tuple[str, str], dict[int, dict]] = {}
+    for (variant, task, metric), by_depth in report.table.items():
+        for d, iv in by_depth.items():
+            rows.setdefault((variant, task), {}).setdefault(d, {"depth": d})[metric] = iv.mean
+    results = [{"_label": variant, "task": task, "results": list(by_depth.values())}
+               for (variant, task), by_depth in rows.items()]
     log_to_wandb(results, WandbConfig(mode=mode), name=f"{report.study.name}-report",
                  group=report.study.name, out_dir=out, images=images)
 
 
+def wandb_wanted(study: Study) -> bool:
+    """False when every run config the study has disables wandb (then "auto" logs nothing)."""
+    configs = [r.config for r in study.runs if r.config is not None]
+    return not configs or any(c.wandb.enabled for c in configs)
+
+
 def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
-                       wandb_mode: str = "offline") -> Path:
+                       wandb_mode: str = "auto") -> Path:
     """Write report.md, aggregate.json and the PNGs into out_dir (default STUDY_DIR/report);
-    log to wandb unless wandb_mode is "disabled". Returns the report.md path."""
+    log to wandb unless wandb_mode is "disabled" (or "auto" and every run disables wandb: else
+    offline). Returns the report.md path."""
     report = StudyReport(load_study(study_dir))
     out = Path(out_dir) if out_dir is not None else Path(study_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
@@ -328,6 +363,8 @@ def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
         images["loop diagnostics"] = diagnose_plot(diag, out / "diagnose.png")
     (out / REPORT_NAME).write_text(report.markdown(images), encoding="utf-8")
     (out / "aggregate.json").write_text(json.dumps(report.numbers(), indent=2) + "\n", encoding="utf-8")
+    if wandb_mode == "auto":
+        wandb_mode = "offline" if wandb_wanted(report.study) else "disabled"
     if wandb_mode != "disabled":
         _log_to_wandb(report, out, wandb_mode, images)
     return out / REPORT_NAME
@@ -338,7 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scse_dist.study.report", description=__doc__.split("\n")[0])
     p.add_argument("study_dir", help="a study dir (holding runs.json)")
     p.add_argument("--out", default=None, help="output dir (default STUDY_DIR/report)")
-    p.add_argument("--wandb", choices=["offline", "online", "disabled"], default="offline")
+    p.add_argument("--wandb", choices=["auto", "offline", "online", "disabled"], default="auto",
+                   help="auto (default): offline, or nothing when every run's config disables wandb")
     args = p.parse_args(argv)
     path = write_study_report(args.study_dir, args.out, args.wandb)
     print(f"wrote {path}")

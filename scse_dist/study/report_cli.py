@@ -19,7 +19,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scse-report", description="Evaluation report of runs, or of a study")
     p.add_argument("runs", nargs="*", help="run dirs (each holding eval/*.json)")
     p.add_argument("--study", help="a study dir instead of runs: seeds aggregated, paired "
-                   "comparisons, flags (default --out STUDY/report, --wandb offline)")
+                   "comparisons, flags (default --out STUDY/report; wandb offline unless every run "
+                   "disables it)")
     p.add_argument("--out", default=None, help="output dir for report.md and frontier.png "
                    "(default: report)")
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None,
@@ -30,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error("give run dirs or --study, not both")
         from scse_dist.study.report import write_study_report
 
-        print(f"wrote {write_study_report(args.study, args.out, args.wandb or 'offline')}")
+        print(f"wrote {write_study_report(args.study, args.out, args.wandb or 'auto')}")
         return 0
     if not args.runs:
         p.error("give run dirs, or --study STUDY_DIR")

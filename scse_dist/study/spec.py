@@ -1,7 +1,7 @@
 """A study spec (YAML) and its expansion into runs.
 
     name: repro-cpu            # the study dir is <out>/<name>
-    out: studies
+    out: ../../studies             # relative to this file, like base: (default: ./studies)
     base: ../repro-cpu-base.yaml   # a run config, relative to this file (may use `base:` itself)
     overrides: {data.path: ...}    # dotted keys laid on every run
     variants:                      # name -> the overrides that make it
@@ -14,8 +14,12 @@
     pairs: [[scse-preln, additive-preln]]   # default: each variant against `additive*`
     exclude_flagged: false
     evals: {tasks: [heldout, wikitext], depths: [1, 2, 4], wikitext: ..., lambada: ...}
+    order: seed-major              # or variant-major: the order runs are started in
+    slurm: {nodes: 1, tasks_per_node: 1, gpus_per_node: 0, cpus_per_task: 1, time_min: 60}
+    report: {metrics: {lambada: [ppl, accuracy]}}   # the metrics the report shows, per task
 
-A run is <study>/<variant>/seed<k>; with `lr`, stage 1 (sweep) runs <variant>/lr<value>/seed<k>
+A run is <study>/<variant>/<variant>-seed<k> (its name, <variant>-seed<k>, is in its results,
+logs and Slurm job name); with `lr`, stage 1 (sweep) runs <variant>/<variant>-lr<value>-seed<k>
 at `lr.seed`, scored on `lr.validation` (never a test set), and stage 2 (final) trains every
 seed at the variant's chosen rate (<study>/lr_choice.json).
 """
@@ -24,7 +28,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import itertools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -41,6 +47,12 @@ class SpecError(ConfigError):
 
 
 EVAL_TASKS = ("heldout", "wikitext", "lambada", "diagnose")
+# Every metric each task writes per depth (scse_dist.eval.tasks), and what the report shows by
+# default (`report: {metrics: {task: [...]}}` in a spec changes it, task by task).
+TASK_METRICS = {"heldout": ("ppl", "loss"), "wikitext": ("ppl", "word_ppl", "bits_per_byte", "loss"),
+                "lambada": ("ppl", "accuracy", "word_ppl", "loss")}
+DEFAULT_REPORT_METRICS = {"heldout": ["ppl"], "wikitext": ["ppl", "word_ppl", "bits_per_byte"],
+                          "lambada": ["ppl", "accuracy"]}
 
 
 @dataclass
@@ -57,6 +69,29 @@ class StudyEvals:
     depths: list[int] = field(default_factory=lambda: [1, 2, 4])
     wikitext: Optional[str] = None
     lambada: Optional[str] = None
+
+
+@dataclass
+class SlurmResources:
+    """What each training job of a study asks Slurm for (`--slurm`). The defaults fit a CPU
+    cluster; a GPU study sets gpus_per_node (and tasks_per_node, one per GPU)."""
+
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    time_min: int = 0  # 0: slurm/pretrain.sh's limit
+    partition: Optional[str] = None
+    mem: Optional[str] = None  # e.g. 8G; None: the cluster's default
+
+    def sbatch_args(self) -> list[str]:
+        args = [f"--nodes={self.nodes}", f"--ntasks-per-node={self.tasks_per_node}",
+                f"--gpus-per-node={self.gpus_per_node}", f"--cpus-per-task={self.cpus_per_task}"]
+        optional = {"--time": self.time_min or None, "--partition": self.partition, "--mem": self.mem}
+        return args + [f"{flag}={value}" for flag, value in optional.items() if value is not None]
+
+
+RUN_ORDERS = ("seed-major", "variant-major")
 
 
 @dataclass
@@ -78,6 +113,9 @@ class StudySpec:
     pairs: list[tuple[str, str]] = field(default_factory=list)
     exclude_flagged: bool = False
     evals: StudyEvals = field(default_factory=StudyEvals)
+    order: str = "seed-major"
+    slurm: SlurmResources = field(default_factory=SlurmResources)
+    report: dict[str, Any] = field(default_factory=dict)  # read by scse_dist.study.report
     path: str = ""  # the spec file
 
     @property
@@ -115,9 +153,39 @@ def _need(values: dict, key: str, kind: type | tuple, where: str) -> Any:
 
 
 def _check_keys(values: dict, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(values) - allowed)
+    unknown = sorted(set(values) - allowed, key=str)
     if unknown:
-        raise SpecError(f"{where + '.' if where else ''}{unknown[0]}: unknown field; known: {', '.join(sorted(allowed))}")
+        key = str(unknown[0])
+        close = difflib.get_close_matches(key, sorted(allowed), n=1) or \
+            [a for a in sorted(allowed) if a.startswith(key)][:1]  # gpus -> gpus_per_node
+        hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(sorted(allowed))}"
+        raise SpecError(f"{where + '.' if where else ''}{unknown[0]}: unknown field{hint}")
+
+
+def _check_report_metrics(metrics: Any) -> None:
+    if not isinstance(metrics, dict):
+        raise SpecError(f"report.metrics: expected {{task: [metric, ...]}}, got {metrics!r}")
+    _check_keys(metrics, set(TASK_METRICS), "report.metrics")
+    for task, names in metrics.items():
+        if not isinstance(names, list) or not names:
+            raise SpecError(f"report.metrics.{task}: a non-empty list of metrics, got {names!r}")
+        for name in names:
+            if name not in TASK_METRICS[task]:
+                close = difflib.get_close_matches(str(name), TASK_METRICS[task], n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"{task} writes {', '.join(TASK_METRICS[task])}"
+                raise SpecError(f"report.metrics.{task}: {name!r} is not a metric of {task} ({hint})")
+
+
+def _section(values: dict, key: str, cls: type) -> Any:
+    """A spec section read into the dataclass `cls` (fields checked, ints typed)."""
+    body = values.get(key) or {}
+    if not isinstance(body, dict):
+        raise SpecError(f"{key}: expected a mapping, got {body!r}")
+    _check_keys(body, {f.name for f in dataclasses.fields(cls)}, key)
+    for f in dataclasses.fields(cls):
+        if f.type in (int, "int") and f.name in body and (type(body[f.name]) is not int or body[f.name] < 0):
+            raise SpecError(f"{key}.{f.name}: expected a whole number >= 0, got {body[f.name]!r}")
+    return cls(**body)
 
 
 def _suffix(key: str, value: Any) -> str:
@@ -157,7 +225,7 @@ def _parse(values: Any, file: str) -> StudySpec:
     if not isinstance(values, dict):
         raise SpecError("a study spec is a mapping at the top level")
     _check_keys(values, {"name", "out", "base", "overrides", "variants", "seeds", "axes", "lr",
-                         "pairs", "exclude_flagged", "evals"}, "")
+                         "pairs", "exclude_flagged", "evals", "order", "slurm", "report"}, "")
     name = _need(values, "name", str, "")
     if not name or "/" in name:
         raise SpecError(f"name: a non-empty study name without '/', got {name!r}")
@@ -210,9 +278,7 @@ def _parse(values: Any, file: str) -> StudySpec:
         for v in pair:
             if v not in expanded:
                 raise SpecError(f"pairs[{i}]: {v!r} is not a variant; known: {', '.join(expanded)}")
-    ev = values.get("evals") or {}
-    _check_keys(ev, {f.name for f in dataclasses.fields(StudyEvals)}, "evals")
-    evals = StudyEvals(**ev)
+    evals = _section(values, "evals", StudyEvals)
     for task in evals.tasks:
         if task not in EVAL_TASKS:
             raise SpecError(f"evals.tasks: {task!r} is not one of {', '.join(EVAL_TASKS)}")
@@ -222,10 +288,23 @@ def _parse(values: Any, file: str) -> StudySpec:
     exclude = values.get("exclude_flagged", False)
     if not isinstance(exclude, bool):
         raise SpecError(f"exclude_flagged: expected true or false, got {exclude!r}")
+    order = values.get("order", "seed-major")
+    if order not in RUN_ORDERS:
+        raise SpecError(f"order: one of {', '.join(RUN_ORDERS)}, got {order!r}")
+    slurm = _section(values, "slurm", SlurmResources)
+    if min(slurm.nodes, slurm.tasks_per_node, slurm.cpus_per_task) < 1:
+        raise SpecError("slurm: nodes, tasks_per_node and cpus_per_task must be >= 1")
+    report = values.get("report") or {}
+    if not isinstance(report, dict):
+        raise SpecError(f"report: expected a mapping, got {report!r}")
+    _check_keys(report, {"metrics"}, "report")
+    _check_report_metrics(report.get("metrics") or {})
+    # `out:` is relative to the spec file, like `base:` (the default, ./studies, to the cwd)
+    out = os.path.normpath(Path(file).parent / values["out"]) if "out" in values else "studies"
     spec = StudySpec(name=name, base=base, variants={k: v[2] for k, v in expanded.items()}, seeds=seeds,
-                     out=str(values.get("out", "studies")), overrides=overrides, lr=lr,
+                     out=out, overrides=overrides, lr=lr,
                      pairs=[tuple(p) for p in pairs], exclude_flagged=exclude, evals=evals,
-                     path=file)
+                     order=order, slurm=slurm, report=report, path=file)
     for run in expand(spec, chosen={v: 1e-3 for v in expanded}):  # every variant's config must load
         run_config(spec, run)
     return spec
@@ -246,6 +325,8 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> StudySpec
             raise SpecError(f"override {item!r}: expected key=value")
         if key.startswith("overrides."):
             values.setdefault("overrides", {})[key[len("overrides."):]] = yaml.safe_load(raw)
+        elif key == "out":  # typed on the command line: relative to where it is typed
+            values[key] = str(Path(raw).resolve())
         else:
             values[key] = yaml.safe_load(raw)
     return parse_spec(values, str(p))
@@ -258,21 +339,24 @@ def expand(spec: StudySpec, chosen: dict[str, float] | None = None,
     """Every run of the study. Final runs carry the chosen rate (None until it is chosen)."""
     runs: list[Run] = []
     d = spec.study_dir
-    for variant, over in spec.variants.items():
-        if spec.lr and "sweep" in stages:
+    if spec.lr and "sweep" in stages:
+        for variant, over in spec.variants.items():
             for rate in spec.lr.values:
                 extra = {"train.lr": rate, "train.seed": spec.lr.seed}
                 if spec.lr.steps:
                     extra["train.max_steps"] = spec.lr.steps
                 runs.append(Run(variant, spec.lr.seed, rate, "sweep",
-                                str(d / variant / f"lr{rate:g}" / f"seed{spec.lr.seed}"),
+                                str(d / variant / f"{variant}-lr{rate:g}-seed{spec.lr.seed}"),
                                 {**over, **extra}))
-        if "final" in stages:
+    if "final" in stages:
+        # seed-major: every variant's seed 0 first, so a study cut short still compares variants
+        grid = [(v, s) for s in spec.seeds for v in spec.variants] if spec.order == "seed-major" \
+            else [(v, s) for v in spec.variants for s in spec.seeds]
+        for variant, seed in grid:
             rate = (chosen or {}).get(variant) if spec.lr else None
-            for seed in spec.seeds:
-                extra = {"train.seed": seed, **({"train.lr": rate} if rate is not None else {})}
-                runs.append(Run(variant, seed, rate, "final", str(d / variant / f"seed{seed}"),
-                                {**over, **extra}))
+            extra = {"train.seed": seed, **({"train.lr": rate} if rate is not None else {})}
+            runs.append(Run(variant, seed, rate, "final", str(d / variant / f"{variant}-seed{seed}"),
+                            {**spec.variants[variant], **extra}))
     return runs
 
 

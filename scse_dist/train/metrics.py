@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,30 +22,20 @@ CUDA_PEAK_BF16: list[tuple[str, float]] = [
 ]
 
 
-def measure_cpu_flops(seconds: float = 0.3, n: int = 512) -> float:
-    """FLOP/s of an fp32 n x n matmul loop on this CPU: the 'peak' that CPU MFU is relative to."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up: first call pays allocation and thread start
-    calls, start = 0, time.perf_counter()
-    while True:
-        a @ b
-        calls += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return 2.0 * n ** 3 * calls / elapsed
-
-
 def peak_flops(device: torch.device) -> Optional[float]:
-    """Per-device peak FLOP/s: env override, else CUDA name table, else a measured CPU matmul.
+    """Per-device peak FLOP/s: $SCSE_PEAK_FLOPS, else the bf16 table on CUDA, else None.
 
-    None for an unknown GPU (MFU is then left out rather than guessed).
+    None on CPU (unless the env var is set) and for an unknown GPU: MFU is then left out rather
+    than guessed. A CPU has no table entry, and a matmul timed at start-up measures whatever
+    the other jobs on a shared machine leave free, not a peak (it read 51% MFU, and over 100% at
+    times, for a 1.2M-parameter model); tokens/s is the honest figure there.
     """
     if os.environ.get(PEAK_FLOPS_ENV):
         return float(os.environ[PEAK_FLOPS_ENV])
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return next((flops for key, flops in CUDA_PEAK_BF16 if key in name), None)
-    return measure_cpu_flops()
+    return None
 
 
 def peak_memory(device: torch.device) -> dict[str, float]:

@@ -1,0 +1,100 @@
+"""Self-speculative decoding's two model calls: a draft at loop depth d, its verification to T.
+
+A looped model carries its own draft model: itself, stopped after d loop steps and read out
+there. Step t of a token reads only steps <= t (of itself and of the tokens before it), so the
+first d steps of a drafted token are exactly the full-depth model's first d steps: `draft`
+computes them once, writes their K/V into the cache's step slots 0..d-1 (and the prelude's, and
+scse's r* slots: h* and r* = Phi(h*) are computed once per token, here), and hands the loop
+variable after step d to `verify`, which runs only steps d..T-1 over all drafted positions in
+one call, then the coda and head.
+
+The draft's read-out runs the coda over the step-d state with its own K/V slots ("draft_coda",
+i), so the draft is exactly the model at depth d (with a cache); the full-depth coda's slots hold
+the verifier's. The decoding loop (accepting, rejecting, rolling the cache back with
+KVCache.truncate) is scse_dist.speculative.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .blocks import rope_tables
+from .kv_cache import KVCache, LoopKV
+
+# Per-position entries of the loop's context that verification reuses (scse: h*, r*, ref).
+POSITION_KEYS = ("source", "anchor", "response", "ref")
+
+
+class Drafted(NamedTuple):
+    logits: Optional[torch.Tensor]  # (B, S, V) at the draft depth (None: readout=False)
+    x: torch.Tensor  # (B, S, d_model) the loop variable after the draft's steps
+    context: dict  # POSITION_KEYS present, and RoPE's "cos"/"sin" (B, 1, S, head_dim/2)
+
+
+def check_draft_depth(draft_depth: int, depth: int) -> None:
+    if not 1 <= draft_depth < depth:
+        raise ValueError(f"speculative: the draft depth must lie in 1..{depth - 1} (below the "
+                         f"depth {depth}), got {draft_depth}")
+
+
+@torch.no_grad()
+def draft(model, tokens: torch.Tensor, cache: KVCache, draft_depth: int, depth: int,
+          attention_mask: Optional[torch.Tensor] = None, readout: bool = True) -> Drafted:
+    """New tokens through the prelude, the loop's first `draft_depth` steps and the draft's
+    coda: their depth-d logits, and what `verify` continues from. Commits the tokens to the
+    cache (their deeper step slots and the full-depth coda's stay to be filled by verify).
+    readout=False skips the head (a round's last drafted token: only its K/V are needed)."""
+    check_draft_depth(draft_depth, depth)
+    if cache.mode != "exact":
+        raise ValueError("speculative: needs the exact cache (a shared slot holds only the last "
+                         "step's K/V, which a draft does not reach)")
+    if cache.depth is None:
+        cache.depth = depth
+    elif cache.depth != depth:
+        raise ValueError(f"depth: this cache holds {cache.depth} loop steps, got depth={depth}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(tokens)
+    position_ids, mask = cache.positions(attention_mask.to(tokens.device))
+    rope = rope_tables(tokens.shape[-1], model.cfg, tokens.device, position_ids)
+    h = model.embed(tokens)
+    for i, block in enumerate(model.prelude):
+        h = block(h, rope, mask, cache.slot("prelude", i))
+    core = model.core
+    x, ctx = core.start(h, None, rope, mask, LoopKV(cache, core))
+    for t in range(draft_depth):
+        x = core.step(x, ctx, t)
+    logits = _coda_head(model, core.state(x, ctx), rope, mask, cache, "draft_coda", readout)
+    cache.commit(attention_mask)
+    context = {key: ctx[key] for key in POSITION_KEYS if key in ctx}
+    context["cos"], context["sin"] = rope
+    return Drafted(logits, x, context)
+
+
+@torch.no_grad()
+def verify(model, drafts: Sequence[Drafted], cache: KVCache, draft_depth: int) -> torch.Tensor:
+    """Full-depth logits (B, S, V) of the drafted positions, the last S tokens in the cache:
+    loop steps draft_depth..T-1 from each draft's loop variable, one call over all of them, then
+    the coda and head. Appends their K/V to those steps' slots and the coda's."""
+    x = torch.cat([d.x for d in drafts], dim=1)
+    ctx = {key: torch.cat([d.context[key] for d in drafts], dim=1)
+           for key in POSITION_KEYS if key in drafts[0].context}
+    ctx["cos"], ctx["sin"] = (torch.cat([d.context[key] for d in drafts], dim=-2)
+                              for key in ("cos", "sin"))
+    mask = ctx["mask"] = cache.trailing_mask(x.shape[1])
+    core = model.core
+    ctx["kv"] = LoopKV(cache, core)
+    for t in range(draft_depth, cache.depth):
+        x = core.step(x, ctx, t)
+    logits = _coda_head(model, core.state(x, ctx), (ctx["cos"], ctx["sin"]), mask, cache, "coda")
+    cache.commit_slots()
+    return logits
+
+
+def _coda_head(model, h: torch.Tensor, rope, mask: torch.Tensor, cache: KVCache,
+               slots: str, readout: bool = True) -> Optional[torch.Tensor]:
+    for i, block in enumerate(model.coda):
+        h = block(h, rope, mask, cache.slot(slots, i))
+    return F.linear(model.norm(h), model.head_weight) if readout else None

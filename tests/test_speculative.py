@@ -1,0 +1,224 @@
+"""Self-speculative decoding (scse_dist.speculative, scse_dist.model.speculative).
+
+Greedy: the very tokens of full-depth cached decoding, on every recurrence, in padded batches,
+with an EOS inside a draft. Sampled: the distribution of full-depth sampling (chi-square against
+the exact probabilities, and a sampler that skips the rejection rule must fail the same test).
+The draft's work is reused: every position passes each core block T (+1 for scse) times in all,
+never more, and a round verifies its K+1 positions in one call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scse_dist.generate import Sampling, generate
+from scse_dist.model import LoopedLM, ModelConfig
+from scse_dist.model.kv_cache import KVCache
+from scse_dist.model.speculative import draft
+from scse_dist.sampling import token_probs
+from scse_dist.speculative import accept, parse_speculative
+
+DEPTH = 4
+# preln (and scse's concat inject, and a deeploop scse with its weights shaken below): tiny
+# random models whose greedy tokens vary and whose shallow drafts disagree with the full depth
+# often enough to exercise rejection (a deeploop model at init repeats one token).
+KINDS = [dict(recurrence="untied", residual="preln"), dict(recurrence="looped", residual="preln"),
+         dict(recurrence="additive", residual="preln"), dict(recurrence="scse", residual="preln"),
+         dict(recurrence="scse", inject="concat"), dict(recurrence="scse")]
+
+
+def kind_id(kw: dict) -> str:
+    return "-".join(map(str, kw.values()))
+
+
+def model_of(vocab: int = 64, depth: int = DEPTH, **kw) -> LoopedLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=vocab, d_model=32, n_heads=2, ffn_hidden=64, max_seq_len=64,
+                      n_prelude=1, n_core=2, n_coda=1, depth=depth, init_std=0.3, **kw)
+    model = LoopedLM(cfg).eval()
+    if cfg.residual == "deeploop":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def prompts(*lengths: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("kw", KINDS, ids=kind_id)
+def test_greedy_equals_full_depth_greedy(kw: dict) -> None:
+    model = model_of(**kw)
+    batch = prompts(7, 3, 5)  # left-padded
+    want = generate(model, batch, max_new_tokens=16, depth=DEPTH)
+    assert min(len(set(row)) for row in want.tokens) >= 5  # not one repeated token
+    accepted = []
+    for d, k in [(1, 3), (2, 4), (3, 2), (1, 1)]:
+        got = generate(model, batch, max_new_tokens=16, depth=DEPTH, speculative=(d, k))
+        assert got.tokens == want.tokens, (d, k)
+        assert got.steps == want.steps
+        accepted.append(got.speculation["accepted"] / got.speculation["drafted"])
+        alone = generate(model, batch[1:2], max_new_tokens=16, depth=DEPTH, speculative=(d, k))
+        assert alone.tokens == want.tokens[1:2], (d, k)
+    assert 0 < min(accepted) and max(accepted) < 1  # some drafts kept, some rejected
+
+
+def test_eos_inside_a_draft_ends_the_row_there() -> None:
+    model = model_of(**KINDS[3])
+    batch = prompts(6, 4)
+    free = generate(model, batch, max_new_tokens=14, depth=DEPTH)
+    eos = free.tokens[0][5]
+    want = generate(model, batch, max_new_tokens=14, depth=DEPTH, eos_id=eos)
+    assert want.tokens[0] == free.tokens[0][:free.tokens[0].index(eos) + 1]
+    for d, k in [(2, 8), (3, 4), (1, 2)]:
+        got = generate(model, batch, max_new_tokens=14, depth=DEPTH, eos_id=eos, speculative=(d, k))
+        assert got.tokens == want.tokens, (d, k)
+    # with every draft kept (d close to T), the EOS arrives inside a round's drafts
+    assert generate(model, batch[:1], max_new_tokens=14, depth=DEPTH, eos_id=eos,
+                    speculative=(3, 8)).tokens == want.tokens[:1]
+
+
+@pytest.mark.parametrize("kw", [KINDS[3], KINDS[1]], ids=kind_id)
+def test_draft_is_the_model_at_the_draft_depth(kw: dict) -> None:
+    """The draft (first d steps, its own coda slots) gives the logits of decoding at depth d."""
+    model = model_of(**kw)
+    seq = torch.tensor(prompts(9))
+    spec, plain = KVCache(), KVCache()
+    for lo, hi in [(0, 6), (6, 7), (7, 9)]:
+        got = draft(model, seq[:, lo:hi], spec, 2, DEPTH).logits
+        want = model.decode_step(seq[:, lo:hi], plain, depth=2).logits
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [KINDS[3], KINDS[1], KINDS[0]], ids=kind_id)
+def test_verification_reuses_the_drafts_steps(kw: dict) -> None:
+    """Tokens through the core blocks: every position processed (kept or rejected) passes each
+    core block core_calls(T) times in all, as in plain decoding: the verifier never recomputes
+    the draft's steps (nor scse's r*); and each round verifies in one call of K+1 positions."""
+    model = model_of(**kw)
+    seen: list[int] = []
+    hooks = [b.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
+             for b in model.core.blocks]
+    verified: list[int] = []
+    coda = model.coda[0].register_forward_pre_hook(lambda _, args: verified.append(args[0].shape[1]))
+    out = generate(model, prompts(5), max_new_tokens=13, depth=DEPTH, speculative=(1, 3))
+    for h in hooks + [coda]:
+        h.remove()
+    rounds, drafted = out.speculation["rounds"], out.speculation["drafted"]
+    positions = 5 + (rounds - 1) + drafted  # the prompt, then each round's pending + drafts
+    assert sum(seen) == positions * model.core.n_core * model.core.core_calls(DEPTH)
+    # the coda: once per draft call (the pending tokens, each drafted one), once per round's
+    # verification, over all its positions: the prompt + 3 drafts first, then 1 + 3
+    assert len(verified) == drafted + 2 * rounds
+    assert verified[:6] == [5, 1, 1, 1, 8, 1] and verified.count(4) >= 1
+
+
+def test_accept_rule_gives_the_verifiers_distribution() -> None:
+    """The rule alone, 200,000 rows at once: the token at each position is distributed as p
+    there, whatever q proposed (chi-square, p-value > 1e-3)."""
+    gen = torch.Generator().manual_seed(0)
+    b, k, v = 200_000, 2, 6
+    p = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.05, 0.05, 0.1, 0.2, 0.3, 0.3],
+                      [0.3, 0.0, 0.3, 0.0, 0.2, 0.2]]).expand(b, k + 1, v)
+    q = torch.tensor([[0.1, 0.1, 0.2, 0.2, 0.2, 0.2], [0.3, 0.3, 0.1, 0.1, 0.1, 0.1]]
+                     ).expand(b, k, v)
+    drafted = torch.multinomial(q.reshape(-1, v), 1, generator=gen).view(b, k)
+    kept, correction = accept(p, q, drafted, gen)
+    first = torch.where(kept > 0, drafted[:, 0], correction[:, 0])
+    assert chi2_p_value(first, p[0, 0]) > 1e-3
+    second_rows = kept > 0  # the chain reached position 2
+    second = torch.where(kept > 1, drafted[:, 1], correction[:, 1])[second_rows]
+    assert chi2_p_value(second, p[0, 1]) > 1e-3
+    assert chi2_p_value(correction[kept == 2, 2], p[0, 2]) > 1e-3
+    # the test has power: the drafts themselves (q) fail it
+    assert chi2_p_value(drafted[:, 0], p[0, 0]) < 1e-6
+
+
+def chi2_p_value(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square goodness of fit of integer samples to probs (cells of zero
+    probability must be empty: any sample there gives 0)."""
+    counts = torch.bincount(samples.flatten(), minlength=probs.numel()).double()
+    expected = probs.double() * counts.sum()
+    if bool((counts[expected == 0] > 0).any()):
+        return 0.0
+    live = expected > 0
+    stat = ((counts[live] - expected[live]) ** 2 / expected[live]).sum()
+    df = int(live.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+@torch.no_grad()
+def exact_pair_probs(model: LoopedLM, prompt: list[int], sampling: Sampling, depth: int
+                     ) -> torch.Tensor:
+    """P(first two new tokens = (i, j)) under sampling at `depth`, (V * V,)."""
+    v = model.cfg.vocab_size
+    first = token_probs(model(torch.tensor([prompt]), depth=depth).logits[0, -1], sampling)
+    rows = torch.tensor([prompt + [i] for i in range(v)])
+    second = token_probs(model(rows, depth=depth).logits[:, -1], sampling)  # (V, V)
+    return (first[:, None] * second).flatten()
+
+
+@pytest.mark.slow
+def test_sampling_is_exact_in_distribution() -> None:
+    """The first two sampled tokens of 3,200 rows (400 seeded runs of 8 identical prompts):
+    their joint distribution fits full-depth sampling's exact one (chi-square over the V^2
+    cells, the rare ones pooled), at drafts deep enough to keep many and shallow enough to
+    reject some. Sampling the drafts without the rejection rule fails the same test."""
+    model = model_of(vocab=6, depth=3, recurrence="scse", residual="preln")
+    prompt = [1, 4, 2]
+    sampling = Sampling(temperature=1.5)
+    want = exact_pair_probs(model, prompt, sampling, 3)
+    pairs, kept, drafted = [], 0, 0
+    for seed in range(400):
+        out = generate(model, [prompt] * 8, max_new_tokens=2, depth=3, speculative=(1, 2),
+                       sampling=Sampling(temperature=1.5, seed=seed))
+        pairs += [row[0] * 6 + row[1] for row in out.tokens]
+        kept, drafted = kept + out.speculation["accepted"], drafted + out.speculation["drafted"]
+    assert 0.2 < kept / drafted < 0.95  # both branches of the rule ran
+    assert pooled_p_value(torch.tensor(pairs), want) > 1e-3
+    # a sampler without the rule (the draft's tokens taken as they come) is caught
+    draft_model = [token_probs(draft(model, torch.tensor([prompt]), KVCache(), 1, 3).logits[0, -1],
+                               sampling)]
+    assert not torch.allclose(draft_model[0], want.view(6, 6).sum(1), atol=0.02)
+    gen = torch.Generator().manual_seed(0)
+    wrong = torch.multinomial(draft_model[0], 3200, replacement=True, generator=gen)
+    assert pooled_p_value(wrong, want.view(6, 6).sum(1)) < 1e-6
+
+
+def pooled_p_value(samples: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0
+                   ) -> float:
+    """chi2_p_value with the cells expected to hold fewer than min_expected samples pooled."""
+    n = samples.numel()
+    small = probs * n < min_expected
+    if not bool(small.any()):
+        return chi2_p_value(samples, probs)
+    index = torch.cumsum(~small, 0) - 1  # big cells keep their order; the small ones -> last
+    index[small] = int((~small).sum())
+    pooled = torch.zeros(int(index.max()) + 1, dtype=probs.dtype).index_add_(0, index, probs)
+    return chi2_p_value(index[samples], pooled)
+
+
+def test_bad_speculative_arguments_are_one_clear_error() -> None:
+    model = model_of(**KINDS[1])
+    assert parse_speculative("2") == (2, 4) and parse_speculative("1,8") == (1, 8)
+    for text in ("0,4", "2,0", "a", "1,2,3", ""):
+        with pytest.raises(ValueError, match=r"speculative: expected DRAFT_DEPTH\[,K\]"):
+            parse_speculative(text)
+    with pytest.raises(ValueError, match=r"draft depth must lie in 1..3 \(below the depth 4\), "
+                                         "got 4"):
+        generate(model, prompts(3), max_new_tokens=2, speculative=(4, 2))
+    untied = model_of(**KINDS[0])
+    with pytest.raises(ValueError, match="has the fixed depth 4, got 5"):
+        generate(untied, prompts(3), max_new_tokens=2, depth=5, speculative=(1, 2))
+    with pytest.raises(ValueError, match="speculative: runs with the exact cache"):
+        generate(model, prompts(3), max_new_tokens=2, speculative=(1, 2), cache="shared")
+
+
+def test_a_round_never_passes_max_new_tokens() -> None:
+    model = model_of(**KINDS[3])
+    for n in (1, 2, 5, 9):
+        got = generate(model, prompts(4, 2), max_new_tokens=n, depth=DEPTH, speculative=(3, 4))
+        assert [len(r) for r in got.tokens] == [n, n]
+        assert got.tokens == generate(model, prompts(4, 2), max_new_tokens=n, depth=DEPTH).tokens
