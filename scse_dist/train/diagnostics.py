@@ -164,7 +164,7 @@ class DiagnosticsCallback:
         self.every, self.window = every, window
         self.depth, self.max_depth = depth, max_depth
         self.enabled = every > 0 and zero_stage < 3
-        self.zero_stage, self.rank0 = zero_stage, rank0
+        self.rank0 = rank0
         self._grads: dict[str, float] = {}
 
     def due(self, step: int) -> bool:
@@ -174,12 +174,11 @@ class DiagnosticsCallback:
     def before_update(self, engine: Any, step: int) -> None:
         if not self.due(step):
             return
-        grad_of = (lambda p: p.grad)
-        if self.zero_stage > 0:
-            from deepspeed.utils import safe_get_full_grad
+        # The full gradient at any stage 0-2: p.grad, a bf16 optimizer's fp32 buffer, or ZeRO's
+        # partitions all-reduced (a collective: every rank gets here at the same steps).
+        from deepspeed.utils import safe_get_full_grad
 
-            grad_of = safe_get_full_grad
-        self._grads = gradient_shares(engine.module, grad_of)
+        self._grads = gradient_shares(engine.module, safe_get_full_grad)
 
     def on_step_end(self, model: torch.nn.Module, step: int) -> dict[str, float]:
         if not self.due(step):
