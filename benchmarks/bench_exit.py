@@ -21,8 +21,8 @@ import torch
 
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.perplexity import evaluate_heldout
-from scse_dist.eval.tasks import read_task_data
 from scse_dist.checkpoint.export import load_exported_model
+from scse_dist.eval.inputs import read_task_data
 from scse_dist.model import parse_exit_rule
 
 

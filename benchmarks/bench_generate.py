@@ -193,7 +193,7 @@ def speculative_table(model: LoopedLM, prompt: list[int], args: argparse.Namespa
 
 
 def heldout_rows(cfg, n: int) -> torch.Tensor:
-    from scse_dist.eval.tasks import _shard_stream
+    from scse_dist.eval.inputs import _shard_stream
 
     rows = []
     for batch in _shard_stream(cfg.data.path, cfg):

@@ -17,10 +17,14 @@ a shell reports), never a traceback; a command that saves partial work first rai
 Errors are raised where the input is read, with the file and line in the message (e.g.
 scse_dist.data.sources); this module only maps their types to a line and a status. Anything else
 (a genuine bug) still ends in a traceback.
+
+`command_parser(prog, __doc__)` gives a command's `--help` its module docstring: the first
+paragraph whole (never a line cut mid-sentence) and the rest, with its examples, below the options.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import io
 import json
@@ -42,6 +46,14 @@ class Interrupted(KeyboardInterrupt):
 class InputError(ValueError):
     """Input data a user can fix. The message names the file (file:line where there is one) and
     says what is wrong and what to do. A ValueError, so library callers may catch either."""
+
+
+def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """An ArgumentParser whose help shows `doc`: its first paragraph as the description, the rest
+    (usage examples, defaults) as the epilog, both as written."""
+    first, _, rest = doc.strip().partition("\n\n")
+    return argparse.ArgumentParser(prog=prog, description=first, epilog=rest or None,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def exit_status(exc: BaseException) -> Optional[int]:

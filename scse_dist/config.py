@@ -140,7 +140,8 @@ class EvalConfig:
     wikitext: Optional[str] = None  # wiki.{valid,test}.raw path or URL, for the wikitext task
     lambada: Optional[str] = None  # LAMBADA JSONL or plain text, for the lambada task
     stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
-    # Slurm resources of each evaluation job (submitit); GPUs 0 evaluates on CPU.
+    # Resources of each evaluation job scse-launch submits (read into launch.backends.Resources;
+    # named slurm_* from before other backends, kept); GPUs 0 evaluates on CPU.
     slurm_gpus: int = 0
     slurm_cpus: int = 1
     slurm_time_min: int = 120
@@ -385,14 +386,37 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML config (or defaults when `path` is None), apply overrides, validate."""
+    """Load a YAML config (or defaults when `path` is None), apply overrides, validate.
+
+    An error names where to fix it: the file, or the command line when the file alone is free
+    of it (so a typo in an override is not blamed on the file)."""
     values = _read_yaml(Path(path)) if path is not None else {}
-    apply_overrides(values, overrides or [])
     try:
-        return config_from_dict(values)
+        return config_from_dict(apply_overrides(copy.deepcopy(values), overrides or []))
     except ConfigError as exc:
-        where = f" (in {path})" if path else ""
-        raise ConfigError(f"{exc}{where}") from None
+        source = _error_source(exc, path, values, overrides or [])
+        raise ConfigError(f"{exc} ({source})" if source else str(exc)) from None
+
+
+def _error_source(exc: ConfigError, path: str | Path | None, values: dict,
+                  overrides: list[str]) -> str:
+    """'in FILE' when the file alone has the same error; else 'on the command line: ...' with the
+    overrides of the field the error names (all of them when it names none)."""
+    if overrides:
+        try:
+            config_from_dict(values)
+        except ConfigError as without:
+            if str(without) == str(exc) and path is not None:
+                return f"in {path}"
+        field = str(exc).split(":", 1)[0]
+        named = [o for o in overrides if _same_field(o.split("=", 1)[0].strip(), field)]
+        return "on the command line: " + " ".join(named or overrides)
+    return f"in {path}" if path is not None else ""
+
+
+def _same_field(key: str, field: str) -> bool:
+    """Whether override key `key` sets `field` or a section holding it, or a field inside it."""
+    return key == field or field.startswith(key + ".") or key.startswith(field + ".")
 
 
 def config_to_dict(cfg: Any) -> dict:

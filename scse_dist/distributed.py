@@ -139,6 +139,9 @@ def _skip_deepspeed_shm_build() -> None:
     # inference all-reduce, which training never calls. `build_shm_op` returns None when the op is
     # marked incompatible in `deepspeed.ops.__compatible_ops__`, a module-level dict that DeepSpeed
     # probes once (0.2 s) and keeps, so flipping that one entry skips the build with no patching.
+    from scse_dist.quiet import name_cpu_accelerator
+
+    name_cpu_accelerator()  # the first DeepSpeed import of a training process
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

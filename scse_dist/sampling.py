@@ -3,23 +3,11 @@ lm-eval's and self-speculative decoding's), and the left-padded batch generation
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-
-@dataclass
-class Sampling:
-    temperature: float = 0.0  # 0: greedy (argmax)
-    top_p: float = 1.0  # nucleus: sample from the smallest set of tokens with this much mass
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must lie in (0, 1], got {self.top_p}")
+from scse_dist.generate_options import Sampling  # noqa: F401 (defined without torch; API here)
 
 
 class Generation(NamedTuple):

@@ -24,24 +24,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from scse_dist.generate_options import DEFAULT_DRAFT_TOKENS
 from scse_dist.model.kv_cache import KVCache
 from scse_dist.model.speculative import Drafted, check_draft_depth, draft, verify
 from scse_dist.sampling import Generation, Sampling, left_pad, token_probs
-
-DEFAULT_DRAFT_TOKENS = 4
-
-
-def parse_speculative(text: str) -> tuple[int, int]:
-    """"D" or "D,K" (the draft depth, the drafted tokens per round; K default 4) -> (D, K)."""
-    parts = text.split(",")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        values = []
-    if len(values) not in (1, 2) or min(values) < 1:
-        raise ValueError(f"speculative: expected DRAFT_DEPTH[,K] with positive integers (e.g. "
-                         f"2,4), got {text!r}")
-    return values[0], values[1] if len(values) == 2 else DEFAULT_DRAFT_TOKENS
 
 
 def accept(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor,

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import pytest
 import yaml
@@ -38,6 +39,41 @@ def tiny_documents(n: int = 600, seed: int = 0) -> list[str]:
                      f"{rng.choice(_ENDINGS)}" for _ in range(rng.randint(3, 8))]
         docs.append(f"Story {i}. " + " ".join(s.capitalize() for s in sentences))
     return docs
+
+
+class Profiled(NamedTuple):
+    """A finished process run with PYTHONPROFILEIMPORTTIME=1: its own stderr, and the top-level
+    packages it imported (what a command pays for before it answers)."""
+    returncode: int
+    stdout: str
+    stderr: str
+    imported: frozenset[str]
+
+
+def console_script(name: str) -> list[str]:
+    """The command line of console script `name` (pyproject.toml [project.scripts]): the venv's own
+    script when it runs this checkout's entry point, else that entry point run by this interpreter
+    (an editable install made before an entry point moved keeps the old script)."""
+    import tomllib
+
+    entry = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"][name]
+    module, func = entry.split(":")
+    script = Path(sys.executable).parent / name
+    if script.is_file() and f"from {module} import {func}" in script.read_text():
+        return [str(script)]
+    return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"]
+
+
+def run_profiling_imports(cmd: list[str], env: dict[str, str], **kwargs) -> Profiled:
+    """subprocess.run(cmd) with Python's import profile on stderr, split off from the command's
+    own lines (each profile line starts with 'import time:')."""
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env=dict(env, PYTHONPROFILEIMPORTTIME="1"), **kwargs)
+    profile = [line for line in proc.stderr.splitlines(True) if line.startswith("import time:")]
+    own = "".join(line for line in proc.stderr.splitlines(True) if not line.startswith("import time:"))
+    # "import time: self [us] | cumulative | imported package" -> the top-level package
+    packages = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in profile[1:]}
+    return Profiled(proc.returncode, proc.stdout, own, frozenset(packages))
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 It has its own state dir, slurm.conf and ports (TEST_CLUSTER), so starting, reconfiguring or
 stopping it never touches the default cluster (/etc/slurm/slurm.conf, /tmp/scse-slurm) or its
 jobs. While a test module uses it, os.environ["SLURM_CONF"] points every client command (sbatch,
-squeue, scontrol, submitit) and the jobs they submit at it. SCSE_TEST_SLURM_DIR and
+squeue, scontrol, scancel) and the jobs they submit at it. SCSE_TEST_SLURM_DIR and
 SCSE_TEST_SLURM_PORT move it (default /tmp/scse-slurm-tests, slurmctld on 6960, slurmds above).
 """
 

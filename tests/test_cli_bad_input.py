@@ -10,7 +10,6 @@ importing; the tests then check one result each. No network: unreachable URLs po
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO_ROOT, tiny_config_dict, tiny_documents
+from conftest import (REPO_ROOT, console_script, run_profiling_imports, tiny_config_dict,
+                      tiny_documents)
 
 BAD_CONFIG, BAD_INPUT, NO_INPUT = 2, 65, 66  # scse_dist.cli_errors
 
@@ -57,6 +57,9 @@ CASES = {
         ("--task lambada --data {d}/nofield.jsonl", BAD_INPUT,
          "{d}/nofield.jsonl:1: expected an object with a string field 'text'"),
         ("--task lambada --data {d}/missing.jsonl", NO_INPUT, "{d}/missing.jsonl"),
+        ("--task heldout --data {d}/run-noeval", NO_INPUT,
+         "input '{d}/run-noeval' is a directory, not a text or JSONL file (a shard directory "
+         "holds index.json)"),
         ("--task heldout --data http://127.0.0.1:1/x.jsonl", NO_INPUT, "http://127.0.0.1:1/x.jsonl"),
         ("--task lambada --data memory://nope/x.jsonl", NO_INPUT, "memory://nope/x.jsonl"),
         ("--task lambada --data {d}/good.jsonl --tokenizer {d}/binary.txt", BAD_INPUT,
@@ -75,6 +78,9 @@ CASES = {
         ("--config {d}/bad.yaml", BAD_CONFIG, "{d}/bad.yaml:2: not valid YAML"),
         ("--config {d}/typo.yaml", BAD_CONFIG,
          "train.max_step: unknown field (did you mean 'max_steps'?) (in {d}/typo.yaml)"),
+        ("--config {config} train.max_step=3", BAD_CONFIG,
+         "train.max_step: unknown field (did you mean 'max_steps'?) (on the command line: "
+         "train.max_step=3)"),
         ("--config {config} data.path={d}/missing", NO_INPUT, "{d}/missing"),
         ("--config {config} data.tokenizer={d}/binary.txt", BAD_INPUT,
          "tokenizer {d}/binary.txt: not a sentencepiece model"),
@@ -112,20 +118,18 @@ CASES = {
          "tokenizer {d}/binary.txt: not a sentencepiece model"),
     ],
 }
+# The cases whose bad input is only found by loading the weights (with torch).
+LOADS_WEIGHTS = {"--task lambada --data {d}/good.jsonl --checkpoint {broken}", "{broken} --prompt x"}
 SCRIPTS = {"data": "scse-data", "eval": "scse-eval", "train": "scse-train", "report": "scse-report",
            "launch": "scse-launch", "export": "scse-export", "generate": "scse-generate"}
-MODULES = {"data": "scse_dist.data.cli", "eval": "scse_dist.eval.cli", "train": "scse_dist.train.cli",
-           "report": "scse_dist.eval.report", "launch": "scse_dist.launch.scheduler",
-           "export": "scse_dist.checkpoint.export_cli", "generate": "scse_dist.generate"}
 IDS = [(command, i) for command, rows in CASES.items() for i in range(len(rows))]
 
 
 def _command(name: str) -> list[str]:
-    """The console script of the venv running the tests, else `python -m` its module."""
+    """The console script (of the venv running the tests, or its entry point), or launch/train.py."""
     if name == "launch/train.py":
         return [sys.executable, str(REPO_ROOT / "launch" / "train.py")]
-    script = Path(sys.executable).parent / SCRIPTS[name]
-    return [str(script)] if script.is_file() else [sys.executable, "-m", MODULES[name]]
+    return console_script(SCRIPTS[name])
 
 
 def _write_inputs(d: Path, tiny_data: dict, export_root: Path) -> dict[str, str]:
@@ -175,8 +179,7 @@ def results(tmp_path_factory, tiny_data, subprocess_env):
         argv = args.format(**paths).split()
         if command == "eval":
             argv = ["--checkpoint", paths["export"], "--out", f"{d}/r{i}.json", *argv]
-        return subprocess.run(_command(command) + argv, capture_output=True, text=True,
-                              env=subprocess_env, cwd=d, timeout=300)
+        return run_profiling_imports(_command(command) + argv, subprocess_env, cwd=d, timeout=300)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         done = dict(zip(IDS, pool.map(run, IDS)))
@@ -191,7 +194,8 @@ def test_bad_input_is_one_line_naming_the_file(results, key):
     args, status, names = CASES[command][i]
     proc = done[key]
     err = proc.stderr
-    context = f"{command} {args}: rc {proc.returncode}\nstderr: {err}\nstdout tail: {proc.stdout[-500:]}"
+    context = (f"{command} {args}: rc {proc.returncode}\nstderr: {err}\nstdout tail: {proc.stdout[-500:]}"
+               f"\nimported torch/deepspeed: {sorted(proc.imported & {'torch', 'deepspeed'})}")
     assert "Traceback" not in err, context
     assert err.endswith("\n") and err.count("\n") == 1, context
     prog = SCRIPTS.get(command, "scse-train")
@@ -199,6 +203,10 @@ def test_bad_input_is_one_line_naming_the_file(results, key):
     assert err.startswith(f"{prog}: {kind}: "), context
     assert names.format(**paths) in err, context
     assert proc.returncode == status, context
+    # Rejecting bad input needs neither torch nor DeepSpeed (seconds of imports), unless the bad
+    # input is the weights themselves.
+    heavy = sorted(proc.imported & {"torch", "deepspeed"})
+    assert heavy == (["torch"] if args in LOADS_WEIGHTS else []), context
 
 
 def test_only_bad_input_becomes_a_line_a_bug_still_raises(capsys):

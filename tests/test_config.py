@@ -82,6 +82,29 @@ def test_file_errors_name_the_file(tmp_path):
     assert "typo.yaml" in str(err.value)
 
 
+def test_an_error_names_where_it_is_fixed_the_file_or_the_command_line(tmp_path):
+    good, typo = tmp_path / "good.yaml", tmp_path / "typo.yaml"
+    good.write_text("train:\n  max_steps: 3\n")
+    typo.write_text("train:\n  max_step: 3\n")
+
+    def error(path, overrides):
+        with pytest.raises(ConfigError) as err:
+            load_config(path, overrides)
+        return str(err.value)
+
+    unknown = "train.max_step: unknown field (did you mean 'max_steps'?)"
+    # a typo in an override is the command line's, even with a file given; only its override named
+    assert error(good, ["name=x", "train.max_step=4"]) == f"{unknown} (on the command line: train.max_step=4)"
+    assert error(None, ["train.max_step=4"]) == f"{unknown} (on the command line: train.max_step=4)"
+    # a clash an override causes with the file's values: the command line, all of it shown
+    assert error(good, ["model.max_seq_len=64", "name=x"]) == (
+        "data.seq_len: 256 exceeds model.max_seq_len=64 (on the command line: model.max_seq_len=64 "
+        "name=x)")
+    # the file's own error stays the file's, overrides or not
+    assert error(typo, ["name=x"]) == f"{unknown} (in {typo})"
+    assert error(typo, []) == f"{unknown} (in {typo})"
+
+
 def test_save_then_load_round_trips(tmp_path):
     cfg = load_config(None, ["model.recurrence=looped", "eval.depths=2,3", "data.build=stdlib_docs"])
     save_config(cfg, tmp_path / "c.yaml")

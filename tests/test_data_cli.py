@@ -155,3 +155,48 @@ def test_wikitext_articles_as_documents(tmp_path, capsys):
     main(["shards", "--input", str(src), "--tokenizer", model, "--out", out + "2"])
     assert "3 documents" not in capsys.readouterr().out  # blank-line split: many more
     assert sum(e["documents"] for e in read_index(out + "2")["splits"]["train"]) == 3 * (1 + 4 + 3)
+
+
+def test_build_rule_refuses_a_moved_path_unless_the_build_is_asked_there(tiny_data, tmp_path):
+    from scse_dist.data.quickstart import check_build_asked
+
+    cfg = DataConfig(path=str(tmp_path / "typo" / "shards"), tokenizer="data/q/tokenizer.model",
+                     build="stdlib_docs")
+    for overrides in (["data.path=x"], ["data.tokenizer=x"],
+                      ["name=y", "data.path=x", "data.tokenizer=z"]):
+        with pytest.raises(FileNotFoundError, match="builds only into the data.path and "
+                                                    "data.tokenizer that file names"):
+            check_build_asked(cfg, "run.yaml", overrides)
+    # asked for on the command line, or the file's own paths: the build goes ahead
+    check_build_asked(cfg, "run.yaml", ["data.path=x", "data.build=stdlib_docs"])
+    check_build_asked(cfg, "run.yaml", ["train.max_steps=3"])
+    # a moved path that holds shards builds nothing, so there is nothing to refuse
+    there = DataConfig(path=tiny_data["path"], tokenizer=tiny_data["tokenizer"], build="stdlib_docs")
+    check_build_asked(there, "run.yaml", [f"data.path={tiny_data['path']}"])
+    assert not (tmp_path / "typo").exists()
+
+
+@pytest.mark.slow
+def test_mistyped_data_path_with_a_build_is_refused_and_creates_nothing(tmp_path, user_env):
+    """Issue 20 item 2: quickstart.yaml (data.build: stdlib_docs) with data.path mistyped on the
+    command line used to create that dir, rewrite the quickstart tokenizer and train."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    cwd = tmp_path / "project"
+    cwd.mkdir()
+    typo = tmp_path / "nonexistent" / "shards"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "launch" / "train.py"), "--config",
+                           str(REPO_ROOT / "configs" / "quickstart.yaml"), "name=x",
+                           f"data.path={typo}"],
+                          capture_output=True, text=True, cwd=cwd, env=user_env, timeout=300)
+    assert proc.returncode == 66, proc.stderr
+    assert proc.stderr == (
+        f"scse-train: error: data.path '{typo}' (on the command line) holds no shards, and "
+        f"data.build=stdlib_docs in {REPO_ROOT / 'configs' / 'quickstart.yaml'} builds only into "
+        "the data.path and data.tokenizer that file names; check the path, or add "
+        "data.build=stdlib_docs to the command line to build there\n")
+    assert proc.stdout == ""
+    assert sorted(tmp_path.iterdir()) == [cwd] and list(cwd.iterdir()) == []  # nothing written

@@ -146,3 +146,19 @@ def test_views_of_one_buffer_are_stored_as_copies(tmp_path):
     stored = load_file(str(tmp_path / "model.safetensors"))
     assert torch.equal(stored["a"], buf[:5]) and torch.equal(stored["b"], buf[5:])
     assert torch.equal(stored["fused"], buf)
+
+
+def test_a_path_that_is_not_an_export_says_what_it_is(tmp_path):
+    from scse_dist.checkpoint.export import load_export_config
+    from scse_dist.train.warm_start import check_init_from
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    no_weights = f"'{tmp_path}/notes' is a directory but not an export: it has no model.safetensors"
+    for load, prefix in ((load_export_config, ""), (check_init_from, "train.init_from: ")):
+        for path, reason in [(tmp_path / "notes", no_weights),
+                             (tmp_path / "file.txt", f"'{tmp_path}/file.txt' is a file, not an export"),
+                             (tmp_path / "gone", f"'{tmp_path}/gone' does not exist")]:
+            with pytest.raises(FileNotFoundError) as err:
+                load(str(path))
+            assert str(err.value).startswith(prefix) and reason in str(err.value), err.value

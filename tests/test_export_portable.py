@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT, TINY_VOCAB
+from conftest import REPO_ROOT, TINY_VOCAB, console_script
 from scse_dist.config import config_from_dict
 from scse_dist.eval.cli import main as eval_main
 from scse_dist.checkpoint.loading import load_model
@@ -150,3 +150,23 @@ def test_scse_export_errors_are_one_line(trained, tmp_path, capsys):
     assert capsys.readouterr().err == (f"scse-export: error: tokenizer model {str(missing)!r} does "
                                        "not exist (train one with `scse-data tokenizer`)\n")
     assert not (tmp_path / "out").exists()  # nothing written before the tokenizer was read
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verbose", [False, True])
+def test_scse_export_of_a_checkpoint_is_quiet_unless_verbose(trained, tmp_path, user_env, verbose):
+    # DeepSpeed's accelerator warning, zero_to_fp32's lines and its progress bar: shown with -v
+    env = {k: v for k, v in user_env.items() if k not in ("DS_ACCELERATOR", "SCSE_VERBOSE")}
+    out = tmp_path / "out"
+    proc = subprocess.run([*console_script("scse-export"), str(trained), "--out", str(out),
+                           *(["-v"] if verbose else [])],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    done = f"scse-export: {trained / 'checkpoints' / 'step-0000002'} -> {out}\n"
+    if not verbose:
+        assert (proc.stdout, proc.stderr) == (done, "")
+        return
+    assert f"Processing zero checkpoint '{trained / 'checkpoints'}" in proc.stdout
+    assert proc.stdout.endswith(done) and "Loading checkpoint shards" in proc.stderr
+    if not torch.cuda.is_available():
+        assert "Setting accelerator to CPU" in proc.stdout + proc.stderr

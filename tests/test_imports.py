@@ -7,8 +7,9 @@ transitions name LoopCore in annotations only; recurrence imports them at run ti
 
 Layers, lowest first; a module may import its own layer and the ones below (within a layer, the
 cycle check keeps the graph acyclic):
-    model  <-  config, cli_errors, atomic, progress, threads, distributed, hf  <-  data
-    <-  checkpoint  <-  train, eval, generate (sampling, speculative)  <-  launch, study, lmeval
+    model  <-  config, cli_errors, atomic, progress, quiet, threads, distributed, hf  <-  data
+    <-  checkpoint  <-  train, eval, generate (_cli, _options, sampling, speculative)  <-  launch,
+    study, lmeval
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ ROOT = Path(scse_dist.__file__).parent
 
 LAYERS = [
     {"model"},
-    {"config", "cli_errors", "atomic", "progress", "threads", "distributed", "hf"},
+    {"config", "cli_errors", "atomic", "progress", "quiet", "threads", "distributed", "hf"},
     {"data"},
     {"checkpoint"},
-    {"train", "eval", "generate", "sampling", "speculative"},
+    {"train", "eval", "generate", "generate_cli", "generate_options", "sampling", "speculative"},
     {"launch", "study", "lmeval"},
 ]
 # Known and open: ModelConfig.transition imports transitions lazily, and transitions imports the
@@ -172,7 +173,7 @@ def test_a_planted_upward_import_is_caught(tmp_path):
 
 
 @pytest.mark.parametrize("leaf", ["scse_dist.data.sample_format", "scse_dist.progress",
-                                  "scse_dist.threads"])
+                                  "scse_dist.quiet", "scse_dist.threads"])
 def test_leaves_import_nothing_of_scse_dist(leaf):
     graph = _graph()
     assert graph[leaf] == set()

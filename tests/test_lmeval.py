@@ -23,7 +23,7 @@ from scse_dist.data.tokenizer import Tokenizer  # noqa: E402
 from scse_dist.eval.cli import main as eval_main  # noqa: E402
 from scse_dist.checkpoint.export import save_exported_model  # noqa: E402
 from scse_dist.lmeval import TASKS_DIR  # noqa: E402
-from scse_dist.lmeval.cli import hoist_model_args  # noqa: E402
+from scse_dist.lmeval.cli import hoist_model_args, model_named  # noqa: E402
 from scse_dist.lmeval.model import ScseLM, exit_scorer  # noqa: E402
 from scse_dist.model.exit_rules import parse_exit_rule  # noqa: E402
 from scse_dist.model import LoopedLM  # noqa: E402
@@ -258,6 +258,15 @@ def test_model_args_batch_size_and_device_become_cli_flags():
         ["--model", "scse", "--model_args", "pretrained=/m,depth=4", "--tasks", "t",
          "--batch_size", "8", "--device", "cpu"]
     assert hoist_model_args(["--model_args=pretrained=/m"]) == ["--model_args", "pretrained=/m"]
+
+
+def test_the_model_the_arguments_run():
+    # registering scse (and threads for any model) imports torch: `--help` and `ls tasks` skip it
+    for args in (["--model", "scse"], ["run", "--model=scse", "--tasks", "t"], ["-m", "scse"]):
+        assert model_named(args) == "scse", args
+    assert model_named(["--tasks", "scse", "--model", "hf"]) == "hf"
+    for args in (["--help"], ["ls", "tasks"], ["--tasks", "scse"], ["-m"]):
+        assert model_named(args) is None, args
 
 
 def test_generate_until_is_greedy_and_stops(lm_data):

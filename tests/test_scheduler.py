@@ -1,5 +1,6 @@
-"""scse-launch: --local runs training, every eval task and the report; Slurm scheduling submits
-each eval job afterok the training job, the report after them, and only once per training job."""
+"""scse-launch: --local runs training, every eval task and the report; scheduling submits, through
+the backend protocol only, each eval job afterok the training job, the report after them, and only
+once per training job; a refused submission cancels what was submitted."""
 
 import json
 import subprocess
@@ -7,56 +8,61 @@ import sys
 
 import pytest
 
+from recording_backend import RecordingBackend
 from scse_dist.config import load_config
 from scse_dist.launch import scheduler
+from scse_dist.launch.backends import Resources
 
 
-class FakeJob:
-    def __init__(self, job_id):
-        self.job_id = job_id
-
-
-class FakeExecutor:
-    """Records what schedule_evals submits instead of calling sbatch."""
-
-    submitted: list = []
-
-    def __init__(self, folder, cluster):
-        assert cluster == "slurm"
-        self.params = {}
-
-    def update_parameters(self, **params):
-        self.params.update(params)
-
-    def submit(self, fn, *args):
-        job = FakeJob(str(100 + len(FakeExecutor.submitted)))
-        FakeExecutor.submitted.append((fn.__name__, args, dict(self.params)))
-        return job
-
-
-def test_eval_jobs_depend_on_training_and_are_scheduled_once_per_job(tmp_path, tiny_config,
-                                                                     monkeypatch):
-    import submitit
-
-    monkeypatch.setattr(submitit, "AutoExecutor", FakeExecutor)
-    FakeExecutor.submitted = []
-    cfg = load_config(tiny_config(tmp_path, "eval.tasks=[heldout,diagnose]", "eval.slurm_gpus=1"))
-    assert scheduler.schedule_evals(cfg, "42") == ["100", "101", "102"]
-    (fn1, args1, p1), (fn2, args2, _), (fn3, args3, p3) = FakeExecutor.submitted
+def test_eval_jobs_depend_on_training_and_are_scheduled_once_per_job(tmp_path, tiny_config):
+    backend = RecordingBackend()
+    cfg = load_config(tiny_config(tmp_path, "eval.tasks=[heldout,diagnose]", "eval.slurm_gpus=1",
+                                  "eval.slurm_partition=eval"))
+    assert scheduler.schedule_evals(cfg, "42", backend) == ["100", "101", "102"]
+    assert backend.kinds() == ["submit"] * 3  # through the protocol only
+    (_, j1, _), (_, j2, _), (_, j3, _) = backend.calls
     run_dir = str((tmp_path / "runs" / "tiny").resolve())
-    assert (fn1, args1, fn2, args2) == ("evaluate_run", (run_dir, "heldout"),
-                                        "evaluate_run", (run_dir, "diagnose"))
-    assert p1["slurm_additional_parameters"] == {"dependency": "afterok:42"}
-    assert p1["gpus_per_node"] == 1 and p1["name"] == "tiny-eval"
-    assert (fn3, args3) == ("report_run", (run_dir,))
-    assert p3["slurm_additional_parameters"] == {"dependency": "afterok:100:101"}
+    job_cmd = [sys.executable, "-m", "scse_dist.launch.run_job"]
+    assert (j1.command, j2.command) == ([*job_cmd, "evaluate", run_dir, "heldout"],
+                                        [*job_cmd, "evaluate", run_dir, "diagnose"])
+    assert (j1.after, j1.dependency, j1.name) == (["42"], "afterok", "tiny-eval")
+    assert j1.resources == Resources(nodes=1, tasks_per_node=1, gpus_per_node=1, cpus_per_task=1,
+                                     time_min=120, partition="eval")
+    assert str(j1.log_dir) == f"{run_dir}/slurm" and not j1.script
+    assert (j3.command, j3.name) == ([*job_cmd, "report", run_dir], "tiny-report")
+    assert (j3.after, j3.dependency) == (["100", "101"], "afterok")
     marker = json.loads((tmp_path / "runs" / "tiny" / "eval" / "scheduled.json").read_text())
     assert marker == {"train_job": "42", "eval_jobs": {"heldout": "100", "diagnose": "101"},
                       "report_job": "102"}
     # the requeued training job (same id) calls again: nothing new
-    assert scheduler.schedule_evals(cfg, "42") == [] and len(FakeExecutor.submitted) == 3
+    assert scheduler.schedule_evals(cfg, "42", backend) == [] and len(backend.calls) == 3
     # a new training job of the same run is a new training: its evaluations are scheduled
-    assert len(scheduler.schedule_evals(cfg, "43")) == 3
+    assert len(scheduler.schedule_evals(cfg, "43", backend)) == 3
+
+
+def test_a_refused_report_job_cancels_the_eval_jobs_and_is_one_line(tmp_path, tiny_config, capsys,
+                                                                   monkeypatch):
+    backend = RecordingBackend(fail_submit_at=2)
+    monkeypatch.setattr(scheduler, "get_backend", lambda name: backend)
+    config = tiny_config(tmp_path, "eval.tasks=[heldout,diagnose]")
+    assert scheduler.main([config, "--after-job", "42"]) == 1
+    assert capsys.readouterr().err == "scse-launch: queue is full\n"
+    assert [c[0] if c[0] == "submit" else c for c in backend.calls] == \
+        ["submit", "submit", ("cancel", "100"), ("cancel", "101")]
+    assert not (tmp_path / "runs" / "tiny" / "eval" / "scheduled.json").exists()  # retried next time
+
+
+def test_the_training_job_is_the_backends_script_with_config_and_overrides(tmp_path, tiny_config,
+                                                                          capsys, monkeypatch):
+    backend = RecordingBackend()
+    monkeypatch.setattr(scheduler, "get_backend", lambda name: backend)
+    config = tiny_config(tmp_path)
+    assert scheduler.main([config, "train.max_steps=3", "--sbatch-args", "--nodes=4 --hold"]) == 0
+    assert capsys.readouterr().out == "100\n"  # the job id alone
+    ((kind, job, _),) = backend.calls
+    assert job.command == [str(scheduler.CHECKOUT / "slurm" / "pretrain.sh"), config, "train.max_steps=3"]
+    assert job.script and job.extra_args == ["--nodes=4", "--hold"]
+    assert (job.name, job.resources, job.log_dir, job.after) == (None, None, None, [])  # the script's
 
 
 def test_tasks_that_need_a_file_say_which_field(tmp_path, tiny_config, capsys):
@@ -86,12 +92,12 @@ def test_local_launch_trains_evaluates_every_task_and_reports(tmp_path, tiny_con
 
 def test_training_script_is_found_or_named(tmp_path, tiny_config, monkeypatch, capsys):
     """The package's checkout first, else ./slurm/pretrain.sh, else an error naming both."""
-    assert scheduler.pretrain_script(None) == scheduler.PRETRAIN_SCRIPT  # this checkout
-    monkeypatch.setattr(scheduler, "PRETRAIN_SCRIPT", tmp_path / "site-packages" / "pretrain.sh")
+    assert scheduler.pretrain_script(None) == scheduler.CHECKOUT / "slurm" / "pretrain.sh"
+    monkeypatch.setattr(scheduler, "CHECKOUT", tmp_path / "site-packages")
     monkeypatch.chdir(tmp_path)
     assert scheduler.main([tiny_config(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "site-packages/pretrain.sh or " in err and str(tmp_path / "slurm" / "pretrain.sh") in err
+    assert "site-packages/slurm/pretrain.sh or " in err and str(tmp_path / "slurm" / "pretrain.sh") in err
     (tmp_path / "slurm").mkdir()
     (tmp_path / "slurm" / "pretrain.sh").write_text("#!/bin/bash\n")
     assert scheduler.pretrain_script(None) == tmp_path / "slurm" / "pretrain.sh"

@@ -16,7 +16,8 @@ from scse_dist.model import LoopedLM, ModelConfig
 from scse_dist.model.kv_cache import KVCache
 from scse_dist.model.speculative import draft
 from scse_dist.sampling import token_probs
-from scse_dist.speculative import accept, parse_speculative
+from scse_dist.generate_options import parse_speculative
+from scse_dist.speculative import accept
 
 DEPTH = 4
 # preln (and scse's concat inject, and a deeploop scse with its weights shaken below): tiny

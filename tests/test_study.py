@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT, tiny_documents
+from scse_dist.launch.backends.slurm import resource_flags
 from scse_dist.study.spec import SpecError, expand, load_spec, parse_spec
 
 
@@ -80,7 +81,7 @@ def test_variant_major_order_relative_out_and_slurm_resources(tmp_path, tiny_con
                                                        ("scse-preln", 2), ("scse-deeploop", 0)]
     # out: relative to the spec file, like base:
     assert spec.study_dir == tmp_path / "specs" / "studies" / "s"
-    assert spec.slurm.sbatch_args() == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
+    assert resource_flags(spec.slurm) == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
                                         "--cpus-per-task=2", "--time=30"]
     typed = load_spec(write_spec(tmp_path / "spec.yaml", study_spec(tiny_config(tmp_path), "x")), ["out=here"])
     assert typed.study_dir == Path.cwd() / "here" / "s"  # typed on the command line: the cwd's
@@ -234,7 +235,7 @@ def test_shipped_study_specs_parse_and_expand(name, variants, sweep, final):
 
 def test_shipped_cpu_cluster_study_runs_on_cpu_nodes_seed_major():
     spec = load_spec(REPO_ROOT / "configs" / "studies" / "cpu-cluster.yaml")
-    assert spec.slurm.sbatch_args() == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
+    assert resource_flags(spec.slurm) == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
                                         "--cpus-per-task=1", "--time=20"]
     assert spec.study_dir == REPO_ROOT / "studies" / "cpu-cluster"
     assert [Path(r.run_dir).name for r in expand(spec)] == [

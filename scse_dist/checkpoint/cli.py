@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from scse_dist.cli_errors import cli_main
-from scse_dist.checkpoint.tags import META_NAME, TAG_PREFIX
-from scse_dist.checkpoint.manifest import CONFIG_NAME, verify_tag
+from scse_dist.checkpoint.manifest import CONFIG_NAME, META_NAME, TAG_PREFIX, verify_tag
 
 EXIT_BROKEN = 1
 

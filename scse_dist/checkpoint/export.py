@@ -25,15 +25,16 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional
 
-import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from scse_dist.atomic import atomic_write
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_config, save_config
 
-if TYPE_CHECKING:  # the model package imports torch modules only; keep export importable alone
+if TYPE_CHECKING:  # torch is imported where weights are read or written: a command that only
+    # reads an export's config (or rejects a bad path) answers without it
+    import torch
+
     from scse_dist.model import LoopedLM
 
 WEIGHTS_NAME = "model.safetensors"
@@ -77,6 +78,8 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
     Each file is written under a temporary name and moved into place, so a crash never leaves a
     half-written file under the final name. Returns `out_dir`.
     """
+    from safetensors.torch import save_file
+
     from scse_dist.hf import write_hf_files
 
     model_bytes, special_ids = None, None
@@ -112,12 +115,26 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
     return str(out)
 
 
+def not_an_export(directory: Path) -> Optional[str]:
+    """Why `directory` is not an export dir (it does not exist, is a file, or holds no weights);
+    None when it holds model.safetensors."""
+    if not directory.exists():
+        return f"exported model directory {str(directory)!r} does not exist"
+    if not directory.is_dir():
+        return f"{str(directory)!r} is a file, not an export directory"
+    if not (directory / WEIGHTS_NAME).is_file():
+        return (f"{str(directory)!r} is a directory but not an export: it has no {WEIGHTS_NAME} "
+                f"(an export holds {WEIGHTS_NAME} and {CONFIG_NAME})")
+    return None
+
+
 def _resolve_paths(path: str | os.PathLike) -> tuple[Path, Path]:
     p = Path(path)
     weights = p if p.suffix == ".safetensors" else p / WEIGHTS_NAME
     config = weights.parent / CONFIG_NAME
-    if not weights.parent.exists():
-        raise FileNotFoundError(f"exported model directory {str(weights.parent)!r} does not exist")
+    reason = not_an_export(p) if p.suffix != ".safetensors" else None
+    if reason:
+        raise FileNotFoundError(reason)
     for f in (weights, config):
         if not f.is_file():
             raise FileNotFoundError(f"exported model file {str(f)!r} is missing "
@@ -176,6 +193,8 @@ def _read_aliases(weights: Path) -> dict[str, str]:
 
 def read_export_weights(weights: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The tensors of an export's model.safetensors, tied aliases restored (InputError if unreadable)."""
+    from safetensors.torch import load_file
+
     weights = str(weights)
     try:
         state = load_file(weights)

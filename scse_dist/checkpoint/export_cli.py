@@ -13,18 +13,18 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-import torch
-
-from scse_dist.cli_errors import InputError, cli_main
+from scse_dist.cli_errors import InputError, cli_main, command_parser
+from scse_dist.quiet import add_verbose_flag, set_verbose
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scse-export", description=__doc__.split("\n")[0])
+    p = command_parser("scse-export", __doc__)
     p.add_argument("checkpoint", metavar="RUN_DIR_OR_TAG",
                    help="run dir, its checkpoints/ dir, or one checkpoints/step-N tag dir")
     p.add_argument("--out", required=True, help="export dir to write")
     p.add_argument("--tokenizer", default=None,
                    help="sentencepiece model to copy in; default: the config's data.tokenizer")
+    add_verbose_flag(p)
     return p
 
 
@@ -34,16 +34,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     that do not fit the config; 66 a checkpoint, config or tokenizer that is missing or
     unreadable. Errors are one line on stderr naming the file."""
     args = build_parser().parse_args(argv)
+    set_verbose(args.verbose)
     from scse_dist.config import load_config
     from scse_dist.data.tokenizer import Tokenizer
-    from scse_dist.checkpoint.loading import checkpoint_weights, deepspeed_checkpoint
     from scse_dist.checkpoint.export import describe_mismatch, save_exported_model, weights_mismatch
-    from scse_dist.model import LoopedLM
+    from scse_dist.checkpoint.loading import checkpoint_weights, deepspeed_checkpoint
 
     root, tag, config = deepspeed_checkpoint(args.checkpoint)
     cfg = load_config(config)
     tokenizer = args.tokenizer or cfg.data.tokenizer
     Tokenizer.load(tokenizer)  # a missing tokenizer fails before the (slow) consolidation
+    import torch  # after the inputs are checked: a bad path is reported in a fraction of a second
+
+    from scse_dist.model import LoopedLM
+
     state = checkpoint_weights(root, tag)
     with torch.device("meta"):  # shapes only: no memory for a second copy of the weights
         expected = LoopedLM(cfg.model).state_dict()

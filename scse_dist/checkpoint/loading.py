@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_config
-from scse_dist.checkpoint.zero_weights import fp32_state_dict
+
+if TYPE_CHECKING:  # imported where weights load: a bad path is reported without it
+    import torch
 
 
 def _deepspeed_location(path: Path) -> tuple[Path, str]:
@@ -36,6 +37,8 @@ def _deepspeed_location(path: Path) -> tuple[Path, str]:
 
 
 def _deepspeed_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
+    from scse_dist.checkpoint.zero_weights import fp32_state_dict
+
     tag_dir = root / tag
     if not tag_dir.is_dir():
         raise FileNotFoundError(f"{str(root)!r}: checkpoint tag {tag!r} does not exist")
@@ -83,13 +86,14 @@ def checkpoint_weights(root: Path, tag: str) -> dict[str, torch.Tensor]:
 def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, RunConfig]:
     """The model (eval mode, on `device`) and its RunConfig from an export or a DeepSpeed checkpoint."""
     from scse_dist.checkpoint.export import load_exported_model
-    from scse_dist.model import LoopedLM
 
     p = Path(path)
     if _is_export(p):
         return load_exported_model(p, device=device)
-    root, tag, config = deepspeed_checkpoint(p)
+    root, tag, config = deepspeed_checkpoint(p)  # a bad path fails here, before torch loads
     cfg = load_config(config)
+    from scse_dist.model import LoopedLM
+
     model = LoopedLM(cfg.model)
     state = checkpoint_weights(root, tag)
     try:

@@ -25,6 +25,10 @@ from scse_dist.atomic import atomic_write_text
 
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.json"  # the resolved config of the run that saved a tag (see train.resume)
+# A tag's name and its step record (written by train.checkpoint; here, without torch, so that
+# scse-ckpt reads tags without importing it).
+TAG_PREFIX = "step-"
+META_NAME = "scse_meta.json"
 HASH_NAME = "xxh3_64"
 # Derived from a committed tag later (train/reshard.py: its universal form, and that conversion's
 # temporary dir), so not part of what the manifest vouches for.

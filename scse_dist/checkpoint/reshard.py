@@ -44,6 +44,9 @@ def convert_once(root: Path, tag: str) -> str:
 
 
 def _convert(source: Path, final: Path) -> None:
+    from scse_dist.quiet import name_cpu_accelerator
+
+    name_cpu_accelerator()
     from deepspeed.checkpoint import ds_to_universal
 
     tmp = final.with_name(f".tmp-{final.name}")

@@ -28,10 +28,14 @@ def fp32_state_dict(engine: Any = None, root: Optional[str | Path] = None,
         stage = engine.zero_optimization_stage()
     else:
         stage = 1 if list((Path(root) / tag).glob("*optim_states.pt")) else 0
+    from scse_dist.quiet import name_cpu_accelerator, quiet_output
+
+    name_cpu_accelerator()
     if stage > 0 and root is not None:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        with quiet_output():  # its progress lines and bar; shown with -v, or if it fails
+            return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     if engine is not None:
         import deepspeed
 

@@ -14,10 +14,10 @@ import time
 from typing import Iterable, Iterator
 
 from scse_dist.cli_errors import cli_main
-from scse_dist.data.shards import (iter_samples, load_sample_table, read_index, shard_url, table_url,
-                                   write_shards)
-from scse_dist.data.sources import TEXT_SPLITS, iter_documents
-from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
+from scse_dist.data.sources import TEXT_SPLITS
+
+# The readers and writers (numpy, sentencepiece, fsspec) are imported by the subcommand that
+# uses them, so `--help` and a bad argument answer at once.
 
 
 class _Counter:
@@ -38,6 +38,9 @@ def _rate(n: float, seconds: float) -> str:
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> None:
+    from scse_dist.data.sources import iter_documents
+    from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
+
     start = time.time()
     docs = _Counter(iter_documents(args.input, text_field=args.text_field, text_split=args.text_split))
     train_tokenizer(docs, args.vocab_size, args.out, model_type=args.model_type,
@@ -50,6 +53,10 @@ def cmd_tokenizer(args: argparse.Namespace) -> None:
 
 
 def cmd_shards(args: argparse.Namespace) -> None:
+    from scse_dist.data.shards import write_shards
+    from scse_dist.data.sources import iter_documents
+    from scse_dist.data.tokenizer import Tokenizer
+
     start = time.time()
     tok = Tokenizer.load(args.tokenizer)
     docs = _Counter(iter_documents(args.input, text_field=args.text_field, text_split=args.text_split))
@@ -67,6 +74,8 @@ def cmd_shards(args: argparse.Namespace) -> None:
 
 def inspect_shards(path: str) -> bool:
     """Print per-split counts and re-read every shard; return True when all match the index."""
+    from scse_dist.data.shards import iter_samples, load_sample_table, read_index, shard_url, table_url
+
     index = read_index(path)
     print(f"{path}: {index['format']}, vocab {index['vocab_size']}, {index['dtype']}, "
           f"eos {index['eos_id']}, tokenizer sha256 {index['tokenizer_sha256'][:16]}")

@@ -12,7 +12,7 @@ import ast
 import os
 import sysconfig
 import time
-from typing import Iterator
+from typing import Iterator, Optional, Sequence
 
 import fsspec
 
@@ -107,12 +107,41 @@ def ensure_data(cfg: DataConfig) -> None:
 
     Call it on one process (rank 0) and barrier: it does not lock against concurrent builders.
     """
-    if _exists(join(cfg.path, INDEX_NAME)) and (cfg.build != "stdlib_docs" or _current(cfg.path)):
-        return
-    if cfg.build == "stdlib_docs":  # absent, or written in an older shard format: (re)build
+    if needs_build(cfg):
         build_stdlib_corpus(cfg.path, cfg.tokenizer, cfg.build_vocab_size, cfg.heldout_fraction)
-        return
+
+
+def needs_build(cfg: DataConfig) -> bool:
+    """Whether ensure_data would build `cfg.path` (absent, or written in an older shard format,
+    with `cfg.build` set); FileNotFoundError when it is absent and nothing says how to build it."""
+    if _exists(join(cfg.path, INDEX_NAME)) and (cfg.build != "stdlib_docs" or _current(cfg.path)):
+        return False
+    if cfg.build == "stdlib_docs":
+        return True
     raise FileNotFoundError(
         f"data.path {cfg.path!r} has no {INDEX_NAME}. Build shards with `scse-data shards --input "
         f"<files> --tokenizer {cfg.tokenizer} --out {cfg.path}` (after `scse-data tokenizer`), or "
         "set data.build=stdlib_docs for the quickstart corpus (`scse-data quickstart`).")
+
+
+def check_build_asked(cfg: DataConfig, config_path: Optional[str], overrides: Sequence[str]) -> None:
+    """The build rule: `data.build` writes only into the data.path and data.tokenizer named where
+    data.build itself is set. A build set in the config file, with data.path or data.tokenizer
+    moved on the command line, is refused (FileNotFoundError, exit 66) when it would build: a
+    mistyped path must not create a corpus somewhere else and overwrite the file's tokenizer.
+    Giving data.build on the command line too asks for the build there."""
+    keys = [item.split("=", 1)[0].strip() for item in overrides]
+
+    def given(name: str) -> bool:  # set by an override of the field or of a section holding it
+        return any(name == key or name.startswith(key + ".") for key in keys)
+
+    moved = [name for name in ("data.path", "data.tokenizer") if given(name)]
+    if not moved or given("data.build") or not needs_build(cfg):
+        return
+    what = (f"data.path {cfg.path!r} (on the command line) holds no shards" if "data.path" in moved
+            else f"data.tokenizer {cfg.tokenizer!r} is on the command line and data.path "
+                 f"{cfg.path!r} holds no shards")
+    raise FileNotFoundError(
+        f"{what}, and data.build={cfg.build} in {config_path} builds only into the data.path and "
+        f"data.tokenizer that file names; check the path, or add data.build={cfg.build} to the "
+        "command line to build there")

@@ -292,6 +292,16 @@ def read_index(path: str) -> dict:
     return index
 
 
+def check_tokenizer(path: str, index: dict, tokenizer_sha256: str) -> None:
+    """InputError unless the shards at `path` (whose index is `index`) were written with the
+    tokenizer whose sha256 is `tokenizer_sha256`: another tokenizer's ids are other words."""
+    if tokenizer_sha256 != index["tokenizer_sha256"]:
+        raise InputError(f"{path.rstrip('/')}/index.json: the shards were written with another "
+                         f"tokenizer (sha256 {index['tokenizer_sha256']}, data.tokenizer has "
+                         f"{tokenizer_sha256}); set data.tokenizer to the shards' tokenizer or "
+                         "rebuild the shards with `scse-data shards`")
+
+
 def shard_url(path: str, shard: dict) -> str:
     """Absolute URL of a shard entry (index urls are relative to the shard directory)."""
     u = shard["url"]

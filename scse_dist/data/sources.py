@@ -32,8 +32,6 @@ import re
 import zlib
 from typing import Iterator, Literal, NamedTuple
 
-import fsspec
-
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
 
@@ -47,6 +45,8 @@ def expand_inputs(urls: list[str] | tuple[str, ...] | str) -> list[str]:
     """URLs or globs -> the concrete file URLs, in argument order, each glob sorted."""
     if isinstance(urls, str):
         urls = [urls]
+    import fsspec  # here, not at the top: commands that only parse their arguments skip it
+
     out: list[str] = []
     for url in urls:
         local = "://" not in url or url.startswith("file://")
@@ -95,10 +95,15 @@ def _lines(url: str) -> Iterator[tuple[int, str]]:
     Read as bytes and decoded line by line, so a byte that is not UTF-8 is reported at its line.
     "\r\n" line ends become "\n" (what text mode would give).
     """
+    import fsspec
+
     try:
         f = fsspec.open(url, "rb", compression="infer").open()
     except FileNotFoundError:
         raise FileNotFoundError(f"input {url!r} does not exist") from None
+    except IsADirectoryError:
+        raise IsADirectoryError(f"input {url!r} is a directory, not a text or JSONL file (a shard "
+                                "directory holds index.json)") from None
     except Exception as exc:  # only fsspec runs here: unknown protocol, missing backend, network
         raise OSError(f"input {url!r} cannot be opened: {type(exc).__name__}: {exc}") from exc
     lineno = 0

@@ -47,7 +47,7 @@ from scse_dist.cli_errors import InputError
 from scse_dist.data.packing import WindowPacker
 from scse_dist.data.reader import Sample, ShardReader, documents_of
 from scse_dist.data.relayout import carried_items
-from scse_dist.data.shards import resolve_split, table_url
+from scse_dist.data.shards import check_tokenizer, resolve_split, table_url
 
 Item = tuple[int, int, int, int]  # (shard, sample, document or -1 for the whole sample, first token)
 PREFETCH_SAMPLES = 16  # remote samples fetched concurrently (~2 MB at 64K uint16 tokens)
@@ -75,11 +75,8 @@ class TokenStream:
         self.num_workers, self.shuffle_buffer, self.max_failures = num_workers, shuffle_buffer, max_failures
         self.shuffle = (split == "train") if shuffle is None else shuffle
         self.root, self.index, self.shards, self.urls = resolve_split(self.path, split)
-        if tokenizer_sha256 is not None and tokenizer_sha256 != self.index["tokenizer_sha256"]:
-            raise InputError(f"{self.path}/index.json: the shards were written with another tokenizer "
-                             f"(sha256 {self.index['tokenizer_sha256']}, data.tokenizer has "
-                             f"{tokenizer_sha256}); set data.tokenizer to the shards' tokenizer "
-                             "or rebuild the shards with `scse-data shards`")
+        if tokenizer_sha256 is not None:
+            check_tokenizer(self.path, self.index, tokenizer_sha256)
         self.eos = int(self.index["eos_id"])
         self.slots = max(1, num_workers)
         self.n_readers = world_size * self.slots

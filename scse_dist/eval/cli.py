@@ -14,20 +14,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
-
-from scse_dist.cli_errors import cli_main
+from scse_dist.cli_errors import cli_main, command_parser
 from scse_dist.config import RunConfig
-from scse_dist.eval.tasks import TASKS, load_tokenizer, read_task_data, run_task
+from scse_dist.eval.inputs import TASKS, load_tokenizer, read_task_data
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
+from scse_dist.quiet import add_verbose_flag, set_verbose
+
+if TYPE_CHECKING:  # imported once the inputs are read: bad input is reported without it
+    import torch
 
 
 def run_heldout_eval(model: torch.nn.Module, cfg: RunConfig, data_path: str, depths: list[int],
                      out_path: str, checkpoint_label: str, max_batches: int = 0) -> list[dict]:
     """Held-out perplexity of `model` at `depths` on `data_path`; prints, writes JSON (the trainer's
     in-process evaluation after training; see scse_dist.eval.tasks.run_task)."""
+    from scse_dist.eval.tasks import run_task
+
     return run_task("heldout", model, cfg, data_path, depths, out_path, checkpoint_label,
                     max_batches=max_batches)
 
@@ -64,7 +68,7 @@ def _exit_rule(text: str) -> ExitRule:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scse-eval", description=__doc__.split("\n")[0])
+    p = command_parser("scse-eval", __doc__)
     p.add_argument("--checkpoint", required=True,
                    help="export dir (model.safetensors, config.yaml, tokenizer.model; a path or an "
                         "fsspec URL) or DeepSpeed checkpoint dir")
@@ -82,11 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=_positive, default=None,
                    help="wikitext sliding-window stride in tokens; default seq_len // 2")
     p.add_argument("--tokenizer", default=None, help="text inputs; default: config data.tokenizer")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--exit", type=_exit_rule, default=None, metavar="RULE",
                    help="adaptive depth per token: fixed | kl:TAU | motion:TAU, optionally "
                         ",min=N,max=N (e.g. motion:0.02); reports quality with the mean and "
                         "distribution of steps used, at the cap max (default: the largest depth)")
+    add_verbose_flag(p)
     return p
 
 
@@ -99,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     file (and line). Progress (items done, rate, ETA) goes to stderr."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    set_verbose(args.verbose)
     if args.exit is not None and args.task == "diagnose":
         parser.error("--exit: diagnose measures the loop at fixed depths; use heldout, wikitext "
                      "or lambada")
@@ -111,9 +117,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint: str) -> None:
     from scse_dist.checkpoint.loading import checkpoint_config, load_model
-    from scse_dist.threads import configure_threads
-
-    configure_threads()  # torch's default threads beside another busy process: 10x slower
 
     cfg = checkpoint_config(checkpoint)
     seq_len = args.seq_len or cfg.data.seq_len
@@ -131,7 +134,14 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoi
     # --tokenizer given: used for text, and checked against the shards' own for shard data.
     tokenizer = load_tokenizer(args.tokenizer, cfg) if args.tokenizer else None
     task_data = read_task_data(args.task, cfg, data, tokenizer)  # bad data fails before the weights load
-    model, _ = load_model(checkpoint, device=args.device)
+    import torch  # only now: bad input above is reported without it
+
+    from scse_dist.eval.tasks import run_task
+    from scse_dist.threads import configure_threads
+
+    configure_threads()  # torch's default threads beside another busy process: 10x slower
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, _ = load_model(checkpoint, device=device)
     run_task(args.task, model, cfg, data, args.depths or cfg.eval.depths, args.out,
              checkpoint_label=args.checkpoint, stride=args.stride, max_batches=max_batches,
              task_data=task_data, exit_rule=args.exit)

@@ -107,8 +107,11 @@ def log_to_wandb(results: list[dict], wandb_cfg: Any, name: str, group: str, out
     """The table's numbers (and any PNGs, by title) as one wandb run (job_type eval) in `group`."""
     import wandb
 
+    from scse_dist.quiet import wandb_settings
+
     run = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, group=group, name=name,
-                     job_type="eval", mode=wandb_cfg.mode, dir=str(out_dir), reinit=True)
+                     job_type="eval", mode=wandb_cfg.mode, dir=str(out_dir), reinit=True,
+                     settings=wandb_settings())
     table = wandb.Table(columns=["run", "task", "metric", "depth", "value"])
     summary = {}
     for d in results:

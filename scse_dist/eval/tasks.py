@@ -15,7 +15,7 @@ progress on rank 0: items done, rate, ETA), prints a table and writes the result
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, NamedTuple, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -25,13 +25,13 @@ from scse_dist.model.exit_rules import ExitRule
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.perplexity import HeldoutInterrupted, evaluate_heldout
 from scse_dist.eval.scorer import resolve_depths
-from scse_dist.data.sources import Passage, read_corpus, read_lambada, read_wikitext_articles
+from scse_dist.data.sources import Passage
+from scse_dist.eval.inputs import TaskData, read_task_data
 from scse_dist.eval.results import format_table, write_results
 from scse_dist.eval.scoring import (Score, ScoringInterrupted, Window, context_target_window,
                                     document_windows, score_windows)
 from scse_dist.progress import Progress
 
-TASKS = ("heldout", "wikitext", "lambada", "diagnose")
 # Columns of each task's console table (all of them are in the JSON rows).
 TABLE_METRICS = {"heldout": ("ppl", "loss"), "wikitext": ("ppl", "word_ppl", "bits_per_byte"),
                  "lambada": ("accuracy", "ppl"),
@@ -217,31 +217,6 @@ def _diagnose_table(sums: dict[str, torch.Tensor], n: int, depths: list[int]) ->
              "motion_norm": float(means["motion_norm"][d]), "batches": n} for d in depths]
 
 
-def is_shard_dir(path: str) -> bool:
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(str(path))
-    return fs.isfile(root.rstrip("/") + "/index.json")
-
-
-def _shard_stream(path: str, cfg: RunConfig, tokenizer: Any = None):
-    from scse_dist.data.shards import read_index
-    from scse_dist.data.stream import TokenStream
-
-    # Shards from a bigger tokenizer would index past the embedding: say so instead of crashing.
-    index = read_index(str(path))
-    if index["vocab_size"] > cfg.model.vocab_size:
-        raise InputError(f"{path}: shards were written with vocab_size={index['vocab_size']}, "
-                         f"more than the model's model.vocab_size={cfg.model.vocab_size}")
-    if not index["splits"].get("heldout"):
-        raise InputError(f"{path}: index.json lists no heldout shards "
-                         "(build shards with data.heldout_fraction > 0)")
-    # A tokenizer given explicitly must be the shards' own (TokenStream compares the hashes).
-    return TokenStream(path, split="heldout", seq_len=cfg.data.seq_len,
-                       batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0, loop=False,
-                       tokenizer_sha256=getattr(tokenizer, "sha256", None))
-
-
 def _packed_batches(tokenizer: Any, documents: list[str], seq_len: int, batch_size: int):
     """(B, seq_len + 1) batches of the documents end to end, EOS after each (as in training)."""
     stream: list[int] = []
@@ -250,39 +225,6 @@ def _packed_batches(tokenizer: Any, documents: list[str], seq_len: int, batch_si
     rows = [stream[i:i + seq_len + 1] for i in range(0, len(stream) - seq_len, seq_len)]
     for i in range(0, len(rows), batch_size):
         yield torch.tensor(rows[i:i + batch_size])
-
-
-def load_tokenizer(path: str, cfg: RunConfig):
-    from scse_dist.data.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.load(path)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise InputError(f"tokenizer {path}: {tokenizer.vocab_size} pieces, more than the model's "
-                         f"model.vocab_size={cfg.model.vocab_size}")
-    return tokenizer
-
-
-class TaskData(NamedTuple):
-    """What a task reads, read and checked: a held-out shard stream, or the tokenizer and the
-    documents (heldout/diagnose corpus, wikitext) or passages (lambada)."""
-
-    tokenizer: Any
-    inputs: Any
-    shards: bool
-
-
-def read_task_data(task: str, cfg: RunConfig, data: str, tokenizer: Any = None) -> TaskData:
-    """Open `task`'s data; bad data fails here, so scse-eval calls it before loading a model.
-
-    The tokenizer (text inputs only) defaults to cfg.data.tokenizer; one given with shard data
-    must be the shards' own."""
-    if task not in TASKS:
-        raise ValueError(f"task: must be one of {', '.join(TASKS)}; got {task!r}")
-    if task in ("heldout", "diagnose") and is_shard_dir(data):
-        return TaskData(tokenizer, _shard_stream(data, cfg, tokenizer), shards=True)
-    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg)
-    read = {"lambada": read_lambada, "wikitext": read_wikitext_articles}.get(task, read_corpus)
-    return TaskData(tokenizer, read(data), shards=False)
 
 
 def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depths: list[int],

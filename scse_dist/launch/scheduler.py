@@ -1,16 +1,20 @@
-"""`scse-launch`: train, then evaluate and report by themselves, on Slurm or on this machine.
+"""`scse-launch`: train, then evaluate and report by themselves, on a batch system or here.
 
     scse-launch CONFIG [key.sub=value ...]                 # sbatch slurm/pretrain.sh CONFIG ...
+    scse-launch CONFIG [...] --backend local               # the same job flow, run on this machine
     scse-launch CONFIG [key.sub=value ...] --local         # everything here, in this process
     scse-launch CONFIG [key.sub=value ...] --after-job ID  # only the evaluation jobs of job ID
     scse-launch CONFIG [key.sub=value ...] --evaluate      # evaluate the trained run here, then report
 
-On Slurm, `slurm/pretrain.sh` (the training job) calls `--after-job $SLURM_JOB_ID` first thing:
-that submits, through submitit, one job per task in `eval.tasks` with `--dependency=afterok:ID`
-and a report job after all of them. So evaluation starts only once training succeeded; if
-training fails, Slurm never starts them (a local cluster with `kill_invalid_depend` cancels
-them). A requeued training job keeps its id and runs pretrain.sh again: the jobs already
-scheduled for that id are recorded in `RUN/eval/scheduled.json`, so they are not submitted twice.
+The training job is the backend's batch script (scse_dist.launch.backends: `slurm` runs
+slurm/pretrain.sh through sbatch, `local` runs launch/pretrain-local.sh here). On Slurm, the
+training job calls `--after-job $SLURM_JOB_ID` first thing: that submits one job per task in
+`eval.tasks` with an afterok dependency on it and a report job after all of them. So evaluation
+starts only once training succeeded; if training fails, Slurm never starts them (a local cluster
+with `kill_invalid_depend` cancels them). A requeued training job keeps its id and runs
+pretrain.sh again: the jobs already scheduled for that id are recorded in
+`RUN/eval/scheduled.json`, so they are not submitted twice. The local backend's script evaluates
+inside the training job instead (its jobs run one after another anyway).
 
 Every evaluation job, and `--local`, runs the same `evaluate_run`: the export's config says which
 data each task reads, and `run_task` writes `RUN/eval/<task>.json`; `report_run` then writes
@@ -22,17 +26,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import subprocess
+import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from scse_dist.atomic import atomic_write_text
-from scse_dist.cli_errors import EXIT_CONFIG, cli_main
+from scse_dist.cli_errors import EXIT_CONFIG, cli_main, command_parser
 from scse_dist.config import RunConfig, load_config
+from scse_dist.launch.backends import BACKENDS, Backend, BackendError, Job, Resources, get_backend
 
-PRETRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "pretrain.sh"
+CHECKOUT = Path(__file__).resolve().parents[2]
 SCHEDULED_NAME = "scheduled.json"
 
 
@@ -64,38 +68,51 @@ def report_run(run_dir: str) -> str:
     return write(run_dir)["report"]
 
 
-def schedule_evals(cfg: RunConfig, train_job: str) -> list[str]:
-    """Submit the eval jobs (afterok:train_job) and the report job; once per training job id."""
+def eval_resources(cfg: RunConfig) -> Resources:
+    """What each evaluation job asks for: the eval.slurm_* fields, one task on one node."""
+    e = cfg.eval
+    return Resources(nodes=1, tasks_per_node=1, gpus_per_node=e.slurm_gpus, cpus_per_task=e.slurm_cpus,
+                     time_min=e.slurm_time_min, partition=e.slurm_partition)
+
+
+def eval_jobs(cfg: RunConfig, train_job: str) -> tuple[list[Job], Job]:
+    """One job per eval task, afterok on the training job; the report job, whose dependencies
+    (the eval jobs' ids) are filled in once they are known."""
     run_dir = Path(cfg.run_dir).resolve()
-    marker = run_dir / "eval" / SCHEDULED_NAME
+    command = [sys.executable, "-m", "scse_dist.launch.run_job"]
+    job = Job(command=[], name=f"{cfg.name}-eval", resources=eval_resources(cfg),
+              log_dir=run_dir / "slurm", after=[str(train_job)])
+    evals = [dataclasses.replace(job, command=[*command, "evaluate", str(run_dir), task])
+             for task in cfg.eval.tasks]
+    report = dataclasses.replace(job, command=[*command, "report", str(run_dir)],
+                                 name=f"{cfg.name}-report", after=[])
+    return evals, report
+
+
+def schedule_evals(cfg: RunConfig, train_job: str, backend: Backend) -> list[str]:
+    """Submit the eval jobs (afterok:train_job) and the report job; once per training job id.
+    If a submission fails, the jobs already submitted are cancelled."""
+    marker = Path(cfg.run_dir).resolve() / "eval" / SCHEDULED_NAME
     if marker.is_file() and json.loads(marker.read_text()).get("train_job") == str(train_job):
         print(f"scse-launch: evaluations of job {train_job} were already scheduled ({marker})")
         return []
-    import submitit
-
-    # From an array task (scse-study), sbatch would hand the eval jobs this task's SLURM_ARRAY_*
-    # variables, and submitit in them would look for its files under the array task's id.
-    for key in [k for k in os.environ if k.startswith("SLURM_ARRAY_")]:
-        del os.environ[key]
-    e = cfg.eval
-    executor = submitit.AutoExecutor(folder=str(run_dir / "slurm" / "%j"), cluster="slurm")
-    params = dict(timeout_min=e.slurm_time_min, cpus_per_task=e.slurm_cpus, nodes=1,
-                  tasks_per_node=1, slurm_partition=e.slurm_partition)
-    if e.slurm_gpus:
-        params["gpus_per_node"] = e.slurm_gpus
-    executor.update_parameters(name=f"{cfg.name}-eval", **params,
-                               slurm_additional_parameters={"dependency": f"afterok:{train_job}"})
-    jobs = [executor.submit(evaluate_run, str(run_dir), task) for task in e.tasks]
-    executor.update_parameters(name=f"{cfg.name}-report", slurm_additional_parameters={
-        "dependency": "afterok:" + ":".join(j.job_id for j in jobs)})
-    report = executor.submit(report_run, str(run_dir))
-    ids = {"train_job": str(train_job), "eval_jobs": {t: j.job_id for t, j in zip(e.tasks, jobs)},
-           "report_job": report.job_id}
+    evals, report = eval_jobs(cfg, train_job)
+    submitted: list[str] = []
+    try:
+        for job in evals:
+            submitted.append(backend.submit(job))
+        report_id = backend.submit(dataclasses.replace(report, after=submitted or [str(train_job)]))
+    except BackendError:
+        for job_id in submitted:
+            backend.cancel(job_id)
+        raise
+    ids = {"train_job": str(train_job), "eval_jobs": dict(zip(cfg.eval.tasks, submitted)),
+           "report_job": report_id}
     marker.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(marker, json.dumps(ids, indent=2) + "\n")
     print(f"scse-launch: after job {train_job}: eval jobs {ids['eval_jobs']}, report job "
           f"{ids['report_job']}", flush=True)
-    return [*ids["eval_jobs"].values(), ids["report_job"]]
+    return [*submitted, report_id]
 
 
 def evaluate_all(cfg: RunConfig) -> str:
@@ -119,7 +136,7 @@ def run_local(cfg: RunConfig) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scse-launch", description=__doc__.split("\n")[0])
+    p = command_parser("scse-launch", __doc__)
     p.add_argument("config", help="run config YAML")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     where = p.add_mutually_exclusive_group()
@@ -128,18 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only submit the evaluation and report jobs, afterok:JOBID")
     where.add_argument("--evaluate", action="store_true",
                        help="evaluate the trained run on every eval task here, then its report")
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="slurm",
+                   help="the batch system the jobs go to (default slurm)")
     p.add_argument("--sbatch-args", default="",
-                   help="extra sbatch flags for the training job, e.g. '--nodes=4 --time=2-0'")
-    p.add_argument("--script", help="the training batch script (default: slurm/pretrain.sh of "
-                                    "this checkout, else of the current directory)")
+                   help="extra flags of the backend's submit command for the training job, "
+                        "e.g. '--nodes=4 --time=2-0' (Slurm)")
+    p.add_argument("--script", help="the training batch script (default: the backend's, e.g. "
+                                    "slurm/pretrain.sh, of this checkout, else of the current directory)")
     return p
 
 
-def pretrain_script(given: str | None) -> Path:
-    """The batch script to submit. pretrain.sh runs `launch/train.py` from the directory sbatch
-    is called in, so a checkout is needed anyway: the package's own (an editable install), else
-    the current directory's."""
-    candidates = [Path(given)] if given else [PRETRAIN_SCRIPT, Path.cwd() / "slurm" / "pretrain.sh"]
+def pretrain_script(given: str | None, relative: str = "slurm/pretrain.sh") -> Path:
+    """The batch script to submit. It runs `launch/train.py` from the directory it is submitted
+    in, so a checkout is needed anyway: the package's own (an editable install), else the
+    current directory's."""
+    candidates = [Path(given)] if given else [CHECKOUT / relative, Path.cwd() / relative]
     for path in candidates:
         if path.is_file():
             return path
@@ -147,28 +167,49 @@ def pretrain_script(given: str | None) -> Path:
                             "scse-launch from the scse-dist checkout or pass --script")
 
 
+def submit_training(args: argparse.Namespace, backend: Backend) -> int:
+    """The training job: the backend's batch script with CONFIG and the overrides (its own
+    defaults for name, resources and logs). Prints the job id alone on stdout; 0 once submitted,
+    or, when the backend ran the job in place (local), the job's exit status."""
+    try:
+        script = pretrain_script(args.script, backend.training_script)
+    except FileNotFoundError as exc:
+        print(f"scse-launch: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    job = Job(command=[str(script), args.config, *args.overrides], script=True,
+              extra_args=shlex.split(args.sbatch_args))
+    job_id = backend.submit(job)
+    print(job_id, flush=True)
+    status = backend.ended_with(job_id)  # a job run in place: its status is ours
+    if status:
+        print(f"scse-launch: training job {job_id} exited {status} (its logs say why)", file=sys.stderr)
+    return status or 0
+
+
 @cli_main("scse-launch")
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 submitted (or, --local, done); 2 bad config or no batch script; 65 bad input
-    data; 66 an input missing or unreadable (--local); otherwise sbatch's status."""
+    """Exit status: 0 submitted (or, --local, done); 1 the backend refused a job; 2 bad config or
+    no batch script; 65 bad input data; 66 an input missing or unreadable (--local); with
+    --backend local, the training job's own status."""
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if args.local:
+        from scse_dist.data.preflight import check_run_data
+
+        check_run_data(cfg, args.config, args.overrides)  # bad data: one line before torch
         print(f"scse-launch: report {run_local(cfg)}")
-        return 0
-    if args.after_job:
-        schedule_evals(cfg, args.after_job)
         return 0
     if args.evaluate:
         print(f"scse-launch: report {evaluate_all(cfg)}")
         return 0
     try:
-        script = pretrain_script(args.script)
-    except FileNotFoundError as exc:
+        if args.after_job:
+            schedule_evals(cfg, args.after_job, get_backend(args.backend))
+            return 0
+        return submit_training(args, get_backend(args.backend))
+    except BackendError as exc:
         print(f"scse-launch: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    cmd = ["sbatch", *args.sbatch_args.split(), str(script), args.config, *args.overrides]
-    return subprocess.run(cmd).returncode
+        return 1
 
 
 if __name__ == "__main__":

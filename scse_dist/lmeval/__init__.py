@@ -7,3 +7,4 @@ Importing this package does not import lm_eval (an optional extra: `pip install 
 from pathlib import Path
 
 TASKS_DIR = str(Path(__file__).resolve().parent / "tasks")
+MODEL_NAME = "scse"  # lm-eval's --model name of scse_dist.lmeval.model

@@ -40,8 +40,10 @@ import lm_eval.models  # noqa: F401  (lm-eval's own models: its registry loads t
 
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.scoring import Score, Window, context_target_window, document_windows, score_windows
-from scse_dist.eval.tasks import context_target_ids, load_tokenizer
+from scse_dist.eval.inputs import load_tokenizer
+from scse_dist.eval.tasks import context_target_ids
 from scse_dist.generate import Sampling, generate, next_tokens
+from scse_dist.lmeval import MODEL_NAME
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
 from scse_dist.progress import Progress
 
@@ -106,7 +108,7 @@ def _int_arg(name: str, value: Any) -> Optional[int]:
     return number
 
 
-@register_model("scse")
+@register_model(MODEL_NAME)
 class ScseLM(LM):
     def __init__(self, pretrained: str, depth: Any = None, exit: str = "fixed",
                  batch_size: Any = None, max_length: Any = None, stride: Any = None,

@@ -12,9 +12,10 @@ Text form, for command lines: "fixed", "kl:0.01", "motion:0.02", optionally ",mi
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:  # imported where a rule is applied, so a command line parses a rule without it
+    import torch
 
 EXIT_KINDS = ("fixed", "kl", "motion")
 
@@ -66,6 +67,8 @@ class ExitRule:
         """(...,) bool per token: whether it stops after `step` steps (1-based, counted after the
         update d_prev -> d_new). d_*: (..., d) deviations from the anchor; logp_*: (..., V)
         log-probs of the read-outs at steps step-1 and step (kl only)."""
+        import torch
+
         shape = d_new.shape[:-1]
         if self.max_steps is not None and step >= self.max_steps:
             return torch.ones(shape, dtype=torch.bool, device=d_new.device)

@@ -1,9 +1,11 @@
 """`scse-study SPEC.yaml`: a grid of runs (variants x axes x seeds, an optional LR sweep) from one
-spec, on this machine or on Slurm, then the study report.
+spec, on this machine or on a batch system, then the study report.
 
     scse-study SPEC.yaml [key=value ...] --dry-run        # the table of runs and their status
     scse-study SPEC.yaml --local                          # in sequence here, then the report
     scse-study SPEC.yaml --slurm [--max-parallel P]       # job arrays, at most P runs at once
+    scse-study SPEC.yaml --backend NAME [...]             # the same on any backend (--slurm:
+                                                          # slurm; local: this machine's jobs)
 
 `key=value` overrides top-level spec fields (`out=/scratch/studies`) or the overrides every run
 gets (`overrides.data.path=...`). See scse_dist.study.spec (format), .plan (layout), .execute.
@@ -17,8 +19,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from scse_dist.cli_errors import EXIT_NO_INPUT, cli_main
-from scse_dist.study.execute import run_local, run_slurm
+from scse_dist.cli_errors import EXIT_NO_INPUT, cli_main, command_parser
+from scse_dist.launch.backends import BACKENDS, get_backend
+from scse_dist.study.execute import run_local, run_submitted
 from scse_dist.study.plan import StudyError, missing_inputs, read_choice, status
 from scse_dist.study.spec import expand, load_spec, run_config
 
@@ -37,19 +40,24 @@ def runs_table(spec) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scse-study", description=__doc__.split("\n")[0])
+    p = command_parser("scse-study", __doc__)
     p.add_argument("spec", help="study spec YAML (configs/studies/*.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value spec overrides")
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--dry-run", action="store_true", help="print the runs and their status")
     how.add_argument("--local", action="store_true", help="run everything here, in sequence")
-    how.add_argument("--slurm", action="store_true", help="submit job arrays")
+    how.add_argument("--slurm", action="store_const", const="slurm", dest="backend",
+                     help="submit Slurm job arrays (= --backend slurm)")
+    how.add_argument("--backend", choices=sorted(BACKENDS),
+                     help="submit job arrays to this batch system (scse_dist.launch.backends)")
     p.add_argument("--max-parallel", type=int, default=4, metavar="P",
-                   help="--slurm: at most P of the study's jobs at once: the arrays' %%P; each run "
-                        "is evaluated inside its training job, and the stage jobs run between arrays")
+                   help="--slurm/--backend: at most P of the study's jobs at once: the arrays' "
+                        "%%P; each run is evaluated inside its training job, and the stage jobs "
+                        "run between arrays")
     p.add_argument("--sbatch-args", default="",
-                   help="--slurm: extra sbatch flags for the training arrays, after the spec's "
-                        "slurm: resources (e.g. '--time=2-0 --account=me')")
+                   help="--slurm/--backend: extra flags of the backend's submit command for the "
+                        "training arrays, after the spec's slurm: resources (e.g. '--time=2-0 "
+                        "--account=me' for sbatch)")
     p.add_argument("--stage", choices=["auto", "sweep", "final", "report"], default="auto",
                    help=argparse.SUPPRESS)  # the jobs that continue a study call this
     return p
@@ -73,9 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_NO_INPUT if missing else 0
         if args.local:
             return run_local(spec)
-        cli_args = [str(Path(args.spec).resolve()), *args.overrides, "--slurm",
+        cli_args = [str(Path(args.spec).resolve()), *args.overrides, f"--backend={args.backend}",
                     f"--max-parallel={args.max_parallel}", f"--sbatch-args={args.sbatch_args}"]
-        return run_slurm(spec, args.stage, args.max_parallel, shlex.split(args.sbatch_args), cli_args)
+        return run_submitted(spec, args.stage, args.max_parallel, get_backend(args.backend),
+                             shlex.split(args.sbatch_args), cli_args)
     except StudyError as exc:
         print(f"scse-study: {exc}", file=sys.stderr)
         return 1

@@ -1,10 +1,12 @@
-"""Running a study: in sequence on this machine (`--local`), or as Slurm job arrays (`--slurm`).
+"""Running a study: in sequence on this machine (`--local`), or as job arrays on a batch system
+(`--backend NAME`, `--slurm` for `--backend slurm`), through scse_dist.launch.backends only.
 
-Slurm, one stage at a time, each stage submitted by a job that waits for the one before:
+On a batch system, one stage at a time, each stage submitted by a job that waits for the one
+before (written here with Slurm's commands; the local backend runs the same jobs one after another):
 
     sweep   sbatch --array=0-N%P slurm/pretrain.sh --config-list <study>/configs-sweep.txt
             (no evaluation jobs: SCSE_SCHEDULE_EVALS=0), then a job afterany:<array> running
-            `scse-study SPEC --slurm --stage final`: it scores the sweep on lr.validation,
+            `scse-study SPEC --backend slurm --stage final`: it scores the sweep on lr.validation,
             writes lr_choice.json and submits stage 2 (afterany on itself). The choice needs
             stage 1's results, so stage 2 can only be submitted by a job that runs after it.
     final   the same array over the final runs; each array task evaluates its run inside its
@@ -17,7 +19,7 @@ arrays), and a run's evaluations come before the next pending training run: they
 slot. Separate evaluation jobs (as `scse-launch` submits) would queue behind every pending array
 task on a small cluster and would not count against %P.
 Each training job asks for `spec.slurm` (default: one node, one task, no GPU, one CPU), then
---sbatch-args; the request is checked with `sbatch --test-only` before anything is submitted.
+--sbatch-args; the request is checked (Slurm: `sbatch --test-only`) before anything is submitted.
 
 Finished runs are never resubmitted; unfinished ones resume from their checkpoint (train.resume
 auto), so rerunning a study after an interruption repeats nothing.
@@ -27,11 +29,11 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+from scse_dist.launch.backends import Backend, BackendError, Job, Resources
 from scse_dist.launch.scheduler import evaluate_run, pretrain_script
 from scse_dist.study.plan import StudyError, choose_lrs, evaluate_validation, status, write_study
 from scse_dist.study.spec import Run, StudySpec
@@ -120,50 +122,54 @@ def run_local(spec: StudySpec) -> int:
     return 1 if failed or report else 0
 
 
-# --------------------------------------------------------------------------- slurm
+# --------------------------------------------------------------------------- batch system
 
 
-def _sbatch(args: list[str]) -> str:
-    out = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise StudyError(f"sbatch {' '.join(args)} failed: {out.stderr.strip()}")
-    return out.stdout.strip().split(";")[0]
-
-
-def _next_job(spec: StudySpec, stage: str, after: list[str], cli_args: list[str]) -> str:
-    """A small job, afterany on `after`, that runs `scse-study SPEC --slurm --stage <stage>`."""
+def _next_job(spec: StudySpec, stage: str, after: list[str], cli_args: list[str]) -> Job:
+    """A small job, afterany on `after`, that runs `scse-study SPEC --backend B --stage <stage>`."""
     cmd = ["env", "SCSE_STUDY_STAGE_JOB=1", sys.executable, "-m", "scse_dist.study.cli", *cli_args,
            "--stage", stage]
-    logs = spec.study_dir.resolve() / "slurm"
-    partition = [f"--partition={spec.slurm.partition}"] if spec.slurm.partition else []
     # named for what it does: "-final" is the final array's own name
     name = f"{spec.name}-{'choose-lr' if stage == 'final' else stage}"
-    return _sbatch([f"--job-name={name}", "--ntasks=1", "--cpus-per-task=1", *partition,
-                    f"--output={logs}/%x-%j.out", *([f"--dependency=afterany:{':'.join(after)}"]
-                                                   if after else []),
-                    "--wrap", shlex.join(cmd)])
+    return Job(command=cmd, name=name, resources=Resources(partition=spec.slurm.partition),
+               log_dir=spec.study_dir.resolve() / "slurm", after=after, dependency="afterany")
 
 
-def check_request(args: list[str], resources: list[str]) -> None:
-    """StudyError, in one line, when Slurm says it could never run the job `sbatch args` would
-    submit (`sbatch --test-only`: more nodes, CPUs or GPUs than any node has, an unknown
-    partition); `resources` are the flags to name."""
-    out = subprocess.run(["sbatch", "--test-only", *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        reason = [line for line in out.stderr.splitlines() if line.strip()][-1:] or ["no reason given"]
-        raise StudyError(f"the cluster cannot run the training jobs as requested ({' '.join(resources)}; "
-                         f"spec field slurm and --sbatch-args): {reason[0].strip()}")
+def check_request(backend: Backend, job: Job) -> None:
+    """StudyError, in one line, when the batch system says it could never run `job` (Slurm: more
+    nodes, CPUs or GPUs than any node has, an unknown partition), naming what was asked for."""
+    try:
+        backend.check(job)
+    except BackendError as exc:
+        asked = " ".join([*backend.request_flags(job), *job.extra_args])
+        raise StudyError(f"the cluster cannot run the training jobs as requested ({asked}; "
+                         f"spec field slurm and --sbatch-args): {exc}") from None
 
 
 def _job_name(spec: StudySpec, run: Run) -> str:
-    """The Slurm name an array task takes when it starts: study, variant, (rate,) seed."""
+    """The name an array task takes when it starts: study, variant, (rate,) seed."""
     return f"{spec.name}-{Path(run.run_dir).name}"
 
 
-def submit_stage(spec: StudySpec, stage: str, max_parallel: int, sbatch_args: list[str],
-                 cli_args: list[str]) -> dict:
+def training_array(spec: StudySpec, stage: str, listing: Path, backend: Backend,
+                   extra_args: list[str]) -> Job:
+    """The job every array task of a stage runs: the backend's training script on one line of
+    `listing`, evaluated inside the job in the final stage (not in the LR sweep)."""
+    env = {"SCSE_SCHEDULE_EVALS": "0", "SCSE_EVAL_IN_JOB": "1" if stage == "final" else "0"}
+    # Submitted by a stage job: start after it ended, so that it never runs beside the array.
+    me = backend.current_job() if os.environ.get("SCSE_STUDY_STAGE_JOB") else None
+    script = pretrain_script(None, backend.training_script)
+    return Job(command=[str(script), "--config-list", str(listing.resolve())], script=True,
+               name=f"{spec.name}-{stage}", resources=spec.slurm,
+               log_dir=spec.study_dir.resolve() / "slurm", after=[me] if me else [],
+               dependency="afterany", env=env, extra_args=extra_args)
+
+
+def submit_stage(spec: StudySpec, stage: str, max_parallel: int, backend: Backend,
+                 extra_args: list[str], cli_args: list[str]) -> dict:
     """Submit one stage's unfinished runs as an array (cap `max_parallel`) and the job that
-    continues after it; returns {"array": id or None, "next": id, "runs": [...]}."""
+    continues after it; returns {"array": id or None, "next": id, "runs": [...]}. If the second
+    submission fails, the array is cancelled."""
     if stage == "final" and spec.lr:
         print(f"scse-study: chosen learning rates {choose_lrs(spec)}", flush=True)
     runs = [r for r in write_study(spec, stage) if status(spec, r) != "done"]
@@ -175,18 +181,17 @@ def submit_stage(spec: StudySpec, stage: str, max_parallel: int, sbatch_args: li
         listing = spec.study_dir / f"configs-{stage}.txt"
         # line i: array task i's config, a tab, the job name it takes when it starts
         listing.write_text("".join(f"{Path(r.config).resolve()}\t{_job_name(spec, r)}\n" for r in runs))
-        env = "ALL,SCSE_SCHEDULE_EVALS=0" + (",SCSE_EVAL_IN_JOB=1" if stage == "final" else "")
-        # Submitted by a stage job: start after it ended, so that it never runs beside the array.
-        me = os.environ.get("SLURM_JOB_ID") if os.environ.get("SCSE_STUDY_STAGE_JOB") else None
-        args = [f"--array=0-{len(runs) - 1}%{max_parallel}", f"--job-name={spec.name}-{stage}",
-                f"--output={logs}/%x-%A_%a.out", f"--error={logs}/%x-%A_%a.err", f"--export={env}",
-                *([f"--dependency=afterany:{me}"] if me else []), *spec.slurm.sbatch_args(),
-                *sbatch_args, str(pretrain_script(None)), "--config-list", str(listing.resolve())]
-        check_request(args, [*spec.slurm.sbatch_args(), *sbatch_args])
-        array = _sbatch(args)
+        job = training_array(spec, stage, listing, backend, extra_args)
+        check_request(backend, job)
+        array = backend.submit_array(job, len(runs), max_parallel)
         print(f"scse-study: stage {stage}: array job {array} of {len(runs)} run(s), at most "
               f"{max_parallel} at once, each evaluated in its own job", flush=True)
-    nxt = _next_job(spec, following, [array] if array else [], cli_args)
+    try:
+        nxt = backend.submit(_next_job(spec, following, [array] if array else [], cli_args))
+    except BackendError:
+        if array:
+            backend.cancel(array)
+        raise
     print(f"scse-study: stage {following}: job {nxt} after {array or 'nothing'}", flush=True)
     ids = {"stage": stage, "array": array, "next": nxt, "runs": [r.run_dir for r in runs]}
     (logs / f"{stage}.json").write_text(json.dumps(ids, indent=2) + "\n")
@@ -203,12 +208,17 @@ def report_failures(spec: StudySpec) -> None:
             print(f"scse-study: FAILED {run.run_dir}: {what}", flush=True)
 
 
-def run_slurm(spec: StudySpec, stage: str, max_parallel: int, sbatch_args: list[str],
-              cli_args: list[str]) -> int:
+def run_submitted(spec: StudySpec, stage: str, max_parallel: int, backend: Backend,
+                  extra_args: list[str], cli_args: list[str]) -> int:
+    """One step of a study on a batch system: submit a stage (and the job continuing after it),
+    or, as the last job, name the failed runs and write the report."""
     if stage == "auto":
         stage = "final" if not spec.lr or (spec.study_dir / "lr_choice.json").is_file() else "sweep"
     if stage == "report":
         report_failures(spec)
         return run_report(spec)
-    submit_stage(spec, stage, max_parallel, sbatch_args, cli_args)
+    try:
+        submit_stage(spec, stage, max_parallel, backend, extra_args, cli_args)
+    except BackendError as exc:
+        raise StudyError(str(exc)) from None
     return 0

@@ -1,14 +1,20 @@
 """`scse-report`: the report of runs (their eval/*.json) or of a study dir.
 
-It sits above both (study imports eval, never the reverse), so one command serves them.
+    scse-report runs/scse runs/additive runs/untied --out reports/main   # compare several runs
+    scse-report --study runs/my-study      # a study's seeds aggregated (scse_dist.study.report)
+
+A run's report is a markdown table (one row per run, task and metric, one column per depth) and
+a quality-frontier plot (each task's headline metric against depth, one line per run).
 """
+
+# It sits above both eval and study (study imports eval, never the reverse), so one command
+# serves them.
 
 from __future__ import annotations
 
-import argparse
 from typing import Sequence
 
-from scse_dist.cli_errors import cli_main
+from scse_dist.cli_errors import cli_main, command_parser
 from scse_dist.eval.report import write_report
 
 
@@ -16,7 +22,7 @@ from scse_dist.eval.report import write_report
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done; 2 bad arguments; 65 a results JSON that is not one; 66 a run without
     results. Errors are one line on stderr naming the file."""
-    p = argparse.ArgumentParser(prog="scse-report", description="Evaluation report of runs, or of a study")
+    p = command_parser("scse-report", __doc__)
     p.add_argument("runs", nargs="*", help="run dirs (each holding eval/*.json)")
     p.add_argument("--study", help="a study dir instead of runs: seeds aggregated, paired "
                    "comparisons, flags (default --out STUDY/report; wandb offline unless every run "

@@ -38,6 +38,7 @@ from typing import Any, Optional
 import yaml
 
 from scse_dist.config import ConfigError, RunConfig, _read_yaml, config_from_dict
+from scse_dist.launch.backends.base import Resources
 
 
 
@@ -71,26 +72,6 @@ class StudyEvals:
     lambada: Optional[str] = None
 
 
-@dataclass
-class SlurmResources:
-    """What each training job of a study asks Slurm for (`--slurm`). The defaults fit a CPU
-    cluster; a GPU study sets gpus_per_node (and tasks_per_node, one per GPU)."""
-
-    nodes: int = 1
-    tasks_per_node: int = 1
-    gpus_per_node: int = 0
-    cpus_per_task: int = 1
-    time_min: int = 0  # 0: slurm/pretrain.sh's limit
-    partition: Optional[str] = None
-    mem: Optional[str] = None  # e.g. 8G; None: the cluster's default
-
-    def sbatch_args(self) -> list[str]:
-        args = [f"--nodes={self.nodes}", f"--ntasks-per-node={self.tasks_per_node}",
-                f"--gpus-per-node={self.gpus_per_node}", f"--cpus-per-task={self.cpus_per_task}"]
-        optional = {"--time": self.time_min or None, "--partition": self.partition, "--mem": self.mem}
-        return args + [f"{flag}={value}" for flag, value in optional.items() if value is not None]
-
-
 RUN_ORDERS = ("seed-major", "variant-major")
 
 
@@ -114,7 +95,10 @@ class StudySpec:
     exclude_flagged: bool = False
     evals: StudyEvals = field(default_factory=StudyEvals)
     order: str = "seed-major"
-    slurm: SlurmResources = field(default_factory=SlurmResources)
+    # What each training job asks the batch system for (scse_dist.launch.backends). The field
+    # keeps its name `slurm:`; the defaults fit a CPU cluster (one node, one task, one CPU, no
+    # GPU); a GPU study sets gpus_per_node and tasks_per_node (one per GPU).
+    slurm: Resources = field(default_factory=Resources)
     report: dict[str, Any] = field(default_factory=dict)  # read by scse_dist.study.report
     path: str = ""  # the spec file
 
@@ -291,7 +275,7 @@ def _parse(values: Any, file: str) -> StudySpec:
     order = values.get("order", "seed-major")
     if order not in RUN_ORDERS:
         raise SpecError(f"order: one of {', '.join(RUN_ORDERS)}, got {order!r}")
-    slurm = _section(values, "slurm", SlurmResources)
+    slurm = _section(values, "slurm", Resources)
     if min(slurm.nodes, slurm.tasks_per_node, slurm.cpus_per_task) < 1:
         raise SpecError("slurm: nodes, tasks_per_node and cpus_per_task must be >= 1")
     report = values.get("report") or {}

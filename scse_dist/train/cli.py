@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # a ConfigError is exit 2, before any process group
-    from scse_dist.distributed import resolve_dist_env  # imports torch: after the config
+    from scse_dist.data.preflight import check_run_data
+
+    check_run_data(cfg, args.config, args.overrides)  # bad data: one line before torch is imported
+    from scse_dist.distributed import resolve_dist_env  # imports torch: after the checks
 
     cfg.train.grad_accum_for(resolve_dist_env(os.environ).world_size)
     from scse_dist.train.faults import PREEMPT_SIGNALS, REQUEUE_EXIT_CODE, TrainingStopped

@@ -162,6 +162,9 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module,
     `loop_leaf=False` leaves ZeRO-3 to gather per call (only benchmarks/bench_distributed.py
     wants that, to measure what the leaf saves).
     """
+    from scse_dist.quiet import name_cpu_accelerator
+
+    name_cpu_accelerator()
     import deepspeed
 
     ds_config = build_ds_config(cfg)

@@ -12,7 +12,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
 from scse_dist.distributed import barrier, describe_placement, init_distributed, shutdown
 from scse_dist.checkpoint.tags import export_final, resume_if_present, save_checkpoint, tag_for
@@ -45,7 +44,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     """Train `cfg` on every rank of the launcher's world; return a summary (complete on rank 0)."""
     from scse_dist.data.quickstart import ensure_data
     from scse_dist.data.stream import TokenStream
-    from scse_dist.data.tokenizer import Tokenizer
+    from scse_dist.data.preflight import load_run_tokenizer
     from scse_dist.model import LoopedLM, flops_per_token
 
     # Installed first, so a preemption during start-up is also honoured at the first step.
@@ -68,10 +67,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     if rank0:
         save_config(cfg, run_dir / "config.yaml")
 
-    tokenizer = Tokenizer.load(cfg.data.tokenizer)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise InputError(f"data.tokenizer: {cfg.data.tokenizer} has {tokenizer.vocab_size} tokens, "
-                         f"more than model.vocab_size={cfg.model.vocab_size}")
+    tokenizer = load_run_tokenizer(cfg)
     # The data is opened before the engine is built, so bad data (another tokenizer's shards,
     # too few documents) stops the run in seconds.
     stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,

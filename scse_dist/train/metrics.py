@@ -82,9 +82,11 @@ class MetricsLogger:
         if wandb_cfg.enabled and wandb_cfg.mode != "disabled":
             import wandb
 
+            from scse_dist.quiet import wandb_settings
+
             self._wandb = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity,
                                      group=wandb_cfg.group, name=run_name, mode=wandb_cfg.mode,
-                                     dir=run_dir, config=config_dict)
+                                     dir=run_dir, config=config_dict, settings=wandb_settings())
 
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:

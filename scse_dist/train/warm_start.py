@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import fsspec
 
 from scse_dist.cli_errors import InputError
-from scse_dist.checkpoint.export import WEIGHTS_NAME, describe_mismatch, read_export_weights, weights_mismatch
+from scse_dist.checkpoint.export import (WEIGHTS_NAME, describe_mismatch, not_an_export,
+                                         read_export_weights, weights_mismatch)
 from scse_dist.checkpoint.storage import is_remote
 
 if TYPE_CHECKING:
@@ -31,15 +32,25 @@ def _weights_url(source: str) -> str:
     return source if source.endswith(".safetensors") else f"{source}/{WEIGHTS_NAME}"
 
 
+def check_init_from(source: str) -> None:
+    """FileNotFoundError naming train.init_from unless a local source is an export (or its
+    .safetensors file); a URL is checked when it is read."""
+    url = _weights_url(source)
+    if is_remote(url):
+        return
+    path = Path(fsspec.core.strip_protocol(url))
+    if path.is_file():
+        return
+    reason = not_an_export(path.parent) if path.name == WEIGHTS_NAME else None
+    raise FileNotFoundError(f"train.init_from: {reason or f'{str(path)!r} does not exist'}")
+
+
 def read_init_weights(source: str) -> dict:
     """The export's tensors; a URL's model.safetensors is downloaded to a temp dir first."""
     url = _weights_url(source)
     if not is_remote(url):
-        path = Path(fsspec.core.strip_protocol(url))
-        if not path.is_file():
-            raise FileNotFoundError(f"train.init_from: {url} does not exist (an export dir holds "
-                                    f"{WEIGHTS_NAME} and config.yaml)")
-        return read_export_weights(path)
+        check_init_from(source)
+        return read_export_weights(Path(fsspec.core.strip_protocol(url)))
     fs, remote_path = fsspec.core.url_to_fs(url)
     with tempfile.TemporaryDirectory(prefix="scse-init-from-") as tmp:
         local = Path(tmp) / WEIGHTS_NAME

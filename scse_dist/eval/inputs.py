@@ -1,0 +1,83 @@
+"""What an evaluation task reads, read and checked before any model loads: the task names, the
+tokenizer, and each task's data (held-out shards, a corpus, WikiText articles, LAMBADA passages).
+
+Nothing here imports torch until a good shard dir is opened as a stream, so `scse-eval` reports a
+bad file, a bad tokenizer or shards of another tokenizer in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from scse_dist.cli_errors import InputError
+from scse_dist.config import RunConfig
+from scse_dist.data.sources import read_corpus, read_lambada, read_wikitext_articles
+
+TASKS = ("heldout", "wikitext", "lambada", "diagnose")
+
+
+def is_shard_dir(path: str) -> bool:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(path))
+    return fs.isfile(root.rstrip("/") + "/index.json")
+
+
+def check_heldout_shards(path: str, cfg: RunConfig, tokenizer: Any = None) -> None:
+    """InputError unless `path` holds held-out shards the model can read: ids within its vocab,
+    a heldout split, and (a tokenizer given) written with that tokenizer."""
+    from scse_dist.data.shards import check_tokenizer, read_index
+
+    # Shards from a bigger tokenizer would index past the embedding: say so instead of crashing.
+    index = read_index(str(path))
+    if index["vocab_size"] > cfg.model.vocab_size:
+        raise InputError(f"{path}: shards were written with vocab_size={index['vocab_size']}, "
+                         f"more than the model's model.vocab_size={cfg.model.vocab_size}")
+    if not index["splits"].get("heldout"):
+        raise InputError(f"{path}: index.json lists no heldout shards "
+                         "(build shards with data.heldout_fraction > 0)")
+    if tokenizer is not None:  # one given explicitly must be the shards' own
+        check_tokenizer(str(path), index, tokenizer.sha256)
+
+
+def _shard_stream(path: str, cfg: RunConfig, tokenizer: Any = None):
+    """The held-out split of the shards at `path` as (B, seq_len + 1) batches, checked first."""
+    check_heldout_shards(path, cfg, tokenizer)
+    from scse_dist.data.stream import TokenStream  # imports torch: only for shards that passed
+
+    return TokenStream(path, split="heldout", seq_len=cfg.data.seq_len,
+                       batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0, loop=False,
+                       tokenizer_sha256=getattr(tokenizer, "sha256", None))
+
+
+def load_tokenizer(path: str, cfg: RunConfig):
+    from scse_dist.data.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(path)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise InputError(f"tokenizer {path}: {tokenizer.vocab_size} pieces, more than the model's "
+                         f"model.vocab_size={cfg.model.vocab_size}")
+    return tokenizer
+
+
+class TaskData(NamedTuple):
+    """What a task reads, read and checked: a held-out shard stream, or the tokenizer and the
+    documents (heldout/diagnose corpus, wikitext) or passages (lambada)."""
+
+    tokenizer: Any
+    inputs: Any
+    shards: bool
+
+
+def read_task_data(task: str, cfg: RunConfig, data: str, tokenizer: Any = None) -> TaskData:
+    """Open `task`'s data; bad data fails here, so scse-eval calls it before loading a model.
+
+    The tokenizer (text inputs only) defaults to cfg.data.tokenizer; one given with shard data
+    must be the shards' own."""
+    if task not in TASKS:
+        raise ValueError(f"task: must be one of {', '.join(TASKS)}; got {task!r}")
+    if task in ("heldout", "diagnose") and is_shard_dir(data):
+        return TaskData(tokenizer, _shard_stream(data, cfg, tokenizer), shards=True)
+    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg)
+    read = {"lambada": read_lambada, "wikitext": read_wikitext_articles}.get(task, read_corpus)
+    return TaskData(tokenizer, read(data), shards=False)

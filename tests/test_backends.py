@@ -1,0 +1,173 @@
+"""The scheduler backend protocol: a study goes through it only (a recording backend sees the
+arrays, caps, dependencies and checks it asks for), Slurm's flags are what the study submitted
+before the protocol, and the local backend runs real jobs here in dependency order."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO_ROOT
+
+from recording_backend import RecordingBackend
+from scse_dist.launch.backends import BackendError, Job, LocalBackend, Resources, SlurmBackend
+from scse_dist.launch.backends.slurm import resource_flags
+from scse_dist.study import execute
+from scse_dist.study.plan import StudyError
+from scse_dist.study.spec import parse_spec
+
+
+def spec_with_sweep(tmp_path, tiny_config, **fields):
+    spec = {"name": "s", "out": str(tmp_path / "studies"), "base": tiny_config(tmp_path),
+            "variants": {"scse": {"overrides": {}}, "looped": {"overrides": {"model.recurrence": "looped"}}},
+            "seeds": [0, 1], "lr": {"values": [1e-3, 3e-3], "validation": "v.txt"},
+            "slurm": {"gpus_per_node": 2, "time_min": 30}, **fields}
+    return parse_spec(spec, str(tmp_path / "spec.yaml"))
+
+
+def test_a_study_stage_is_one_checked_capped_array_then_a_job_after_it(tmp_path, tiny_config,
+                                                                      monkeypatch):
+    spec = spec_with_sweep(tmp_path, tiny_config)
+    backend = RecordingBackend(current="7")
+    monkeypatch.setenv("SCSE_STUDY_STAGE_JOB", "1")  # submitted by a stage job: after it
+    ids = execute.submit_stage(spec, "sweep", 3, backend, ["--account=me"], ["SPEC", "--backend=x"])
+    assert backend.kinds() == ["check", "array", "submit"]
+    (_, checked), (_, array, count, cap, array_id), (_, nxt, next_id) = backend.calls
+    assert checked == array and (count, cap) == (4, 3)  # 2 variants x 2 rates at lr.seed, cap 3
+    assert array.script and array.command == [str(execute.pretrain_script(None)), "--config-list",
+                                              str((spec.study_dir / "configs-sweep.txt").resolve())]
+    assert array.resources == Resources(gpus_per_node=2, time_min=30)  # the spec's slurm: section
+    assert (array.after, array.dependency, array.extra_args) == (["7"], "afterany", ["--account=me"])
+    assert array.env == {"SCSE_SCHEDULE_EVALS": "0", "SCSE_EVAL_IN_JOB": "0"}  # no test sets
+    assert (nxt.after, nxt.dependency, nxt.name) == ([array_id], "afterany", "s-choose-lr")
+    assert nxt.command[-4:] == ["SPEC", "--backend=x", "--stage", "final"]
+    assert ids == {"stage": "sweep", "array": array_id, "next": next_id,
+                   "runs": [str(tmp_path / f"studies/s/{v}/{v}-lr{r}-seed0")
+                            for v in ("scse", "looped") for r in ("0.001", "0.003")]}
+    assert json.loads((spec.study_dir / "slurm" / "sweep.json").read_text()) == ids
+
+
+def test_a_refused_request_is_one_line_naming_it_and_submits_nothing(tmp_path, tiny_config):
+    spec = spec_with_sweep(tmp_path, tiny_config)
+    backend = RecordingBackend(refuse="Requested node configuration is not available")
+    with pytest.raises(StudyError) as err:
+        execute.run_submitted(spec, "auto", 2, backend, ["--x"], [])
+    assert str(err.value) == ("the cluster cannot run the training jobs as requested (nodes=1 gpus=2 "
+                              "--x; spec field slurm and --sbatch-args): Requested node configuration "
+                              "is not available")
+    assert backend.kinds() == ["check"]
+
+
+def test_a_refused_next_job_cancels_the_array(tmp_path, tiny_config):
+    spec = spec_with_sweep(tmp_path, tiny_config)
+    backend = RecordingBackend(fail_submit_at=0)
+    with pytest.raises(StudyError, match="queue is full"):
+        execute.run_submitted(spec, "sweep", 2, backend, [], [])
+    assert backend.kinds() == ["check", "array", "cancel"] and backend.calls[-1] == ("cancel", "100")
+
+
+def test_slurm_flags_are_the_sbatch_command_the_study_always_submitted(tmp_path):
+    res = Resources(nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8, time_min=60,
+                    partition="gpu", mem="8G")
+    assert resource_flags(res) == ["--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4",
+                                   "--cpus-per-task=8", "--time=60", "--partition=gpu", "--mem=8G"]
+    job = Job(command=["slurm/pretrain.sh", "--config-list", "L"], script=True, name="s-final",
+              resources=Resources(), log_dir=Path("/logs"), after=["7"], dependency="afterany",
+              env={"SCSE_EVAL_IN_JOB": "1"}, extra_args=["--account=me"])
+    assert SlurmBackend().sbatch_args(job, array="0-3%2") == [
+        "--array=0-3%2", "--job-name=s-final", "--output=/logs/%x-%A_%a.out",
+        "--error=/logs/%x-%A_%a.err", "--export=ALL,SCSE_EVAL_IN_JOB=1", "--dependency=afterany:7",
+        "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1",
+        "--account=me", "slurm/pretrain.sh", "--config-list", "L"]
+    wrapped = SlurmBackend().sbatch_args(Job(command=["python", "-c", "print('a b')"]))
+    assert wrapped == ["--wrap", "python -c 'print('\"'\"'a b'\"'\"')'"]
+
+
+def test_local_jobs_run_in_order_and_afterok_skips_what_follows_a_failure(tmp_path, monkeypatch,
+                                                                         capsys):
+    monkeypatch.delenv("SCSE_LOCAL_JOB_ID", raising=False)
+    backend = LocalBackend()
+    log = tmp_path / "order.txt"
+
+    def job(text: str, code: int = 0, **kw) -> Job:
+        script = f"echo {text}:${{SCSE_ARRAY_TASK_ID:-}} >> {log}; exit {code}"
+        return Job(command=["bash", "-c", script], name=text, log_dir=tmp_path / "logs", **kw)
+
+    ok = backend.submit(job("first"))
+    failed = backend.submit(job("second", code=3, after=[ok]))
+    never = backend.submit(job("third", after=[ok, failed]))
+    anyway = backend.submit(job("fourth", after=[failed], dependency="afterany"))
+    array = backend.submit_array(job("task", after=[anyway]), count=3, max_parallel=2)
+    assert log.read_text().split() == ["first:", "second:", "fourth:", "task:0", "task:1", "task:2"]
+    assert backend.exit_status == {ok: 0, failed: 3, never: None, anyway: 0, array: 0}
+    assert (backend.ended_with(failed), backend.ended_with(never)) == (3, None)
+    assert (tmp_path / "logs" / f"task-{array}_2.out").is_file()
+    assert f"local job {failed} (second) exited 3" in capsys.readouterr().out
+    assert backend.current_job() is None
+    with pytest.raises(BackendError, match="no local job 1.2"):
+        backend.cancel("1.2")
+
+
+def test_local_check_names_what_this_machine_cannot_give(monkeypatch):
+    backend = LocalBackend()
+    with pytest.raises(BackendError, match="nodes and tasks_per_node must be 1, got 2 and 1"):
+        backend.check(Job(command=["x"], resources=Resources(nodes=2)))
+    monkeypatch.setattr("scse_dist.launch.backends.local.visible_gpus", lambda: 0)
+    with pytest.raises(BackendError, match=r"has 0 GPU\(s\) and \d+ CPU\(s\); asked for 1 and 1"):
+        backend.check(Job(command=["x"], resources=Resources(gpus_per_node=1)))
+    with pytest.raises(BackendError, match="takes no batch-system flags, got --hold"):
+        backend.check(Job(command=["x"], extra_args=["--hold"]))
+    backend.check(Job(command=[sys.executable], resources=Resources()))
+
+
+@pytest.mark.slow
+def test_local_backend_runs_a_study_through_the_same_job_flow(tmp_path, tiny_config, user_env):
+    """scse-study --backend local: the final array (a run that trains and one that fails), each
+    evaluated in its job, then the report stage job naming the failure; about a minute."""
+    base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint_every=4")
+    spec = {"name": "loc", "out": str(tmp_path / "studies"), "base": base, "seeds": [0],
+            "variants": {"scse": {"overrides": {}},
+                         "broken": {"overrides": {"data.path": str(tmp_path / "missing")}}},
+            "evals": {"tasks": ["heldout"], "depths": [1, 2]}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    out = subprocess.run([sys.executable, "-m", "scse_dist.study.cli", str(tmp_path / "spec.yaml"),
+                          "--backend", "local"], capture_output=True, text=True, cwd=REPO_ROOT,
+                         env=dict(user_env, WANDB_MODE="disabled"), timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    d = tmp_path / "studies" / "loc"
+    final = json.loads((d / "slurm" / "final.json").read_text())
+    assert f"local job {final['array']}_0 (loc-final) exited 0" in out.stdout, out.stdout
+    assert f"local job {final['array']}_1 (loc-final) exited 66" in out.stdout, out.stdout
+    run = d / "scse" / "scse-seed0"
+    heldout = json.loads((run / "eval" / "heldout.json").read_text())
+    assert [r["depth"] for r in heldout["results"]] == [1, 2] and (run / "eval" / "report.md").is_file()
+    report_log = (d / "slurm" / f"loc-report-{final['next']}.out").read_text()
+    assert f"FAILED {d / 'broken' / 'broken-seed0'}: training did not finish" in report_log, report_log
+    assert "## heldout ppl" in (d / "report" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_local_backend_launch_trains_evaluates_and_reports_in_one_job(tmp_path, tiny_config, user_env):
+    cfg = tiny_config(tmp_path, "train.max_steps=4", "eval.tasks=[heldout]")
+    out = subprocess.run(["scse-launch", cfg, "--backend", "local"], capture_output=True, text=True,
+                         cwd=tmp_path, env=dict(user_env, WANDB_MODE="disabled"), timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = out.stdout.splitlines()[-1]  # the job id alone, as sbatch --parsable prints it
+    assert f"local job {job} (pretrain-local) exited 0" in out.stdout
+    run = tmp_path / "runs" / "tiny"
+    assert [r["depth"] for r in json.loads((run / "eval" / "heldout.json").read_text())["results"]] == [1, 2]
+    assert (run / "eval" / "report.md").is_file() and not (run / "eval" / "scheduled.json").exists()
+    assert "scse-launch: report" in (tmp_path / f"pretrain-local-{job}.out").read_text()
+    # a training job that fails here is scse-launch's failure too: its status and one line
+    broken = subprocess.run(["scse-launch", cfg, f"data.path={tmp_path}/missing", "name=broken",
+                             "--backend", "local"], capture_output=True, text=True, cwd=tmp_path,
+                            env=dict(user_env, WANDB_MODE="disabled"), timeout=600)
+    job = broken.stdout.splitlines()[-1]
+    assert broken.returncode == 66 and broken.stderr == \
+        f"scse-launch: training job {job} exited 66 (its logs say why)\n", broken.stderr
+    assert "scse-train: error:" in (tmp_path / f"pretrain-local-{job}.err").read_text()
