@@ -19,6 +19,7 @@ import yaml
 
 # The model package owns its config (it is copied into exports as remote code); re-exported here.
 from scse_dist.model.config import ConfigError, ModelConfig, check_model_config  # noqa: F401
+from scse_dist.task_registry import TASKS, field_value, unknown_task
 
 
 # --------------------------------------------------------------------------- sections
@@ -86,8 +87,16 @@ class TrainConfig:
     # repeat with the same value (engine.build_ds_config).
     deepspeed_config: Optional[str] = None
     # torch_adamw: torch.optim.AdamW, fused on CUDA (no nvcc or JIT build). deepspeed_fused_adam:
-    # DeepSpeed's FusedAdam, which JIT-compiles a CUDA extension at start-up (CUDA only).
-    optimizer: Literal["torch_adamw", "deepspeed_fused_adam"] = "torch_adamw"
+    # DeepSpeed's FusedAdam, which JIT-compiles a CUDA extension at start-up (CUDA only). muon:
+    # Muon for the 2-D matrices of prelude, core and coda, AdamW (lr, betas, weight_decay above)
+    # for the embedding/head and gains (scse_dist.train.muon); ZeRO stage 0-2.
+    optimizer: Literal["torch_adamw", "deepspeed_fused_adam", "muon"] = "torch_adamw"
+    # Muon's own settings (train.optimizer: muon). lr in units of spectral norm per step, under
+    # the same warmup-cosine schedule; 0.02, momentum 0.95 (Nesterov) and no weight decay are
+    # the defaults of Keller Jordan's reference implementation.
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
     log_every: int = 10
     # Loop diagnostics (scse_dist.train.diagnostics: deviation norms, anchor scale, gradient
@@ -134,11 +143,12 @@ class EvalConfig:
     batch_size: int = 8
     max_batches: int = 0  # 0: the whole held-out split
     after_train: bool = True
-    # Tasks `scse-launch` runs as jobs after training (heldout/diagnose read data.path).
-    tasks: list[Literal["heldout", "wikitext", "lambada", "diagnose"]] = field(
-        default_factory=lambda: ["heldout"])
+    # Tasks `scse-launch` runs as jobs after training (scse_dist.task_registry; heldout and
+    # diagnose read data.path).
+    tasks: list[str] = field(default_factory=lambda: ["heldout"])
     wikitext: Optional[str] = None  # wiki.{valid,test}.raw path or URL, for the wikitext task
     lambada: Optional[str] = None  # LAMBADA JSONL or plain text, for the lambada task
+    data: dict[str, str] = field(default_factory=dict)  # task -> its file, for tasks with no field above
     stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
     # Resources of each evaluation job scse-launch submits (read into launch.backends.Resources;
     # named slurm_* from before other backends, kept); GPUs 0 evaluates on CPU.
@@ -148,9 +158,12 @@ class EvalConfig:
     slurm_partition: Optional[str] = None
 
     def __post_init__(self) -> None:
-        for task in ("wikitext", "lambada"):
-            if task in self.tasks and not getattr(self, task):
-                raise ConfigError(f"eval.{task}: eval.tasks lists {task!r}, so set eval.{task} "
+        for i, task in enumerate(self.tasks):
+            if task not in TASKS:
+                raise ConfigError(f"eval.tasks[{i}]: {unknown_task(task)}")
+            need = TASKS[task].data_field
+            if need and not field_value(self, need):
+                raise ConfigError(f"eval.{need}: eval.tasks lists {task!r}, so set eval.{need} "
                                   "to its data file")
         for name in ("stride", "slurm_gpus"):
             if getattr(self, name) < 0:
@@ -219,6 +232,7 @@ def _check_consistency(cfg: RunConfig) -> None:
         raise ConfigError("train.init_from: an export dir or URL, or null; got an empty string")
     if t.lr <= 0:
         raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
+    _check_muon(t)
     if d.kind == "uniform" and d.max and d.max < d.min:
         raise ConfigError(f"train.depth.max: {d.max} is below train.depth.min={d.min}")
     if d.sigma <= 0:
@@ -236,6 +250,20 @@ def _check_consistency(cfg: RunConfig) -> None:
         raise ConfigError(f"data.heldout_fraction: must lie in [0, 1), got {cfg.data.heldout_fraction}")
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
+
+
+def _check_muon(t: TrainConfig) -> None:
+    if t.muon_lr <= 0:
+        raise ConfigError(f"train.muon_lr: must be > 0, got {t.muon_lr}")
+    if not 0.0 <= t.muon_momentum < 1.0:
+        raise ConfigError(f"train.muon_momentum: must lie in [0, 1), got {t.muon_momentum}")
+    if t.muon_weight_decay < 0:
+        raise ConfigError(f"train.muon_weight_decay: must be >= 0, got {t.muon_weight_decay}")
+    if t.optimizer == "muon" and t.zero_stage == 3:
+        # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at stage 3
+        raise ConfigError("train.zero_stage: train.optimizer: muon works at ZeRO stage 0, 1 or 2, "
+                          "not 3; set train.zero_stage: 2 (it partitions gradients and optimizer "
+                          "state too) or use torch_adamw")
 
 
 # --------------------------------------------------------------------------- dict <-> dataclass
@@ -266,6 +294,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{where}: must be one of {', '.join(map(str, choices))}; got {value!r}")
         return value
+    if origin is dict:  # str -> value, e.g. eval.data
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        value_tp = typing.get_args(tp)[1]
+        return {str(k): _coerce(v, value_tp, f"{where}.{k}") for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, (int, float, str)) and not isinstance(value, bool) and item_tp is int:

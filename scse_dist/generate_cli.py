@@ -107,6 +107,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model, cfg = load_model(path, device=args.device)
         tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
     from scse_dist.generate import TextStream, continuation_text, generate
+    from scse_dist.threads import configure_threads
+
+    configure_threads()  # as scse-eval: no busy-waiting threads beyond the free cores
     ids = [tokenizer.encode(text) for text in prompts]
     for i, p in enumerate(ids):
         if not p:

@@ -1,6 +1,6 @@
 """Test helper, one process per rank: load checkpoint TAG of a run at this world size (through
 its universal form when the world size differs) and save every parameter's full fp32 weight,
-exp_avg and exp_avg_sq (gathered over the ranks) to OUT.
+exp_avg and exp_avg_sq (only the weight for a Muon matrix), gathered over the ranks, to OUT.
 
     python tests/resume_probe.py CONFIG OUT TAG
 """
@@ -39,7 +39,9 @@ def main(config: str, out: str, tag: str) -> None:
     state = {}
     for name, param in engine.module.named_parameters():
         state[f"{name}.fp32"] = safe_get_full_fp32_param(param).cpu()
-        for key in ("exp_avg", "exp_avg_sq"):
+        # train.optimizer: muon: a Muon matrix has no Adam moments (its momentum is not per slice)
+        muon = getattr(param, "use_muon", False)
+        for key in () if muon else ("exp_avg", "exp_avg_sq"):
             state[f"{name}.{key}"] = safe_get_full_optimizer_state(param, key).cpu()
     if is_rank0():
         torch.save(state, out)

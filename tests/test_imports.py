@@ -7,9 +7,9 @@ transitions name LoopCore in annotations only; recurrence imports them at run ti
 
 Layers, lowest first; a module may import its own layer and the ones below (within a layer, the
 cycle check keeps the graph acyclic):
-    model  <-  config, cli_errors, atomic, progress, quiet, threads, distributed, hf  <-  data
-    <-  checkpoint  <-  train, eval, generate (_cli, _options, sampling, speculative)  <-  launch,
-    study, lmeval
+    model  <-  config, task_registry, cli_errors, atomic, progress, quiet, threads, distributed, hf
+    <-  data  <-  checkpoint  <-  train, eval, generate (_cli, _options, sampling, speculative)
+    <-  launch, study, lmeval
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ ROOT = Path(scse_dist.__file__).parent
 
 LAYERS = [
     {"model"},
-    {"config", "cli_errors", "atomic", "progress", "quiet", "threads", "distributed", "hf"},
+    {"config", "task_registry", "cli_errors", "atomic", "progress", "quiet", "threads",
+     "distributed", "hf"},
     {"data"},
     {"checkpoint"},
     {"train", "eval", "generate", "generate_cli", "generate_options", "sampling", "speculative"},

@@ -191,7 +191,7 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
     assert heldout["checkpoint"] == "scse-seed1@export"  # the results say which run they are
     assert [r["depth"] for r in heldout["results"]] == [1, 2]
     assert (yaml.safe_load((d / "study.yaml").read_text())["variants"] == {"scse": {}})
-    assert first.stdout.count("scse-study: starting") == 3
+    assert first.stdout.count("] starting ") == 3 and ", ETA " in first.stdout
     assert first.returncode == 0, first.stderr
 
     # Rerun: nothing trains again; the final run made partial again resumes (its export removed).
@@ -200,7 +200,9 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
     table = study(path, "--dry-run")
     assert [line.split()[-1] for line in table.stdout.splitlines()[1:]] == ["done", "done", "partial"]
     again = study(path, "--local", env=user_env)
-    assert again.stdout.count("done, skipped") == 2 and again.stdout.count("resuming") == 1
+    assert "sweep stage: 2 of 2 runs done, 0 to run" in again.stdout
+    assert "final stage: 0 of 1 runs done, 1 to run" in again.stdout
+    assert again.stdout.count("] resuming ") == 1 and "] starting " not in again.stdout
     assert "resumed" in again.stdout + again.stderr  # the trainer resumed the step-4 checkpoint
     assert (d / "scse/scse-seed1/export/model.safetensors").is_file()
 
@@ -211,7 +213,7 @@ def test_local_study_stops_when_its_first_runs_fail_on_the_same_input(tmp_path, 
                       overrides={"data.path": str(tmp_path / "no-shards")})
     out = study(write_spec(tmp_path / "spec.yaml", spec), "--local", env=user_env)
     assert out.returncode == 66, out.stderr
-    assert out.stdout.count("scse-study: starting") == 2  # looped never started
+    assert out.stdout.count("] starting ") == 2  # looped never started
     errors = [line for line in out.stderr.splitlines() if line.startswith("scse-train: error:")]
     assert len(errors) == 2 and errors[0] == errors[1]
     assert f"data.path '{tmp_path / 'no-shards'}' has no index.json" in errors[0]

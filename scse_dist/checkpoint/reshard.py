@@ -18,11 +18,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from scse_dist.distributed import barrier, is_rank0
 from scse_dist.checkpoint.manifest import UNIVERSAL_DIR as UNIVERSAL
@@ -53,13 +56,16 @@ def _convert(source: Path, final: Path) -> None:
     if tmp.exists():  # a conversion that was killed
         shutil.rmtree(tmp)
     start = time.perf_counter()
+    staged = _muon_staged(source, source.with_name(f".tmp-{source.name}-{MUON_STAGED}"))
     # one process: a process pool forked from a rank would inherit its process group
-    args = argparse.Namespace(input_folder=str(source), output_folder=str(tmp),
+    args = argparse.Namespace(input_folder=str(staged or source), output_folder=str(tmp),
                               num_extract_workers=1, num_merge_workers=1,
                               keep_temp_folder=False, strict=True, inject_missing_state=True)
     with contextlib.redirect_stdout(io.StringIO()):  # its progress lines
         ds_to_universal.main(args)
     os.replace(tmp, final)
+    if staged:
+        shutil.rmtree(staged)
     print(f"converted {source} to a universal checkpoint {final} in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
 
@@ -71,6 +77,60 @@ def load_universal(engine: Any, root: Path, tag: str) -> tuple[Any, Any]:
     config = engine._config
     config.load_universal_checkpoint = True
     try:
-        return engine.load_checkpoint(str(root), tag=tag)
+        loaded = engine.load_checkpoint(str(root), tag=tag)
     finally:
         config.load_universal_checkpoint = False
+    _restore_muon_momentum(engine)
+    return loaded
+
+
+# Muon (train.optimizer: muon) at ZeRO-1/2: DeepSpeed's ds_to_universal reads exp_avg and
+# exp_avg_sq from every param group, but a Muon group holds one state, its momentum_buffer, laid
+# out over the whole matrices that touch a rank's partition rather than over the partition, so no
+# per-parameter slice of it can be cut by the partition's fragment map. The conversion reads a
+# staged copy of the tag (links to its files, rewritten optimizer files) in which each Muon group
+# carries zero moments of the partition's size; after the load they are dropped, so Muon's
+# momentum restarts from zero (AdamW's moments and every fp32 weight carry over exactly).
+MUON_STAGED = "muon-staged"
+MOMENTUM = "momentum_buffer"
+
+
+def _muon_staged(source: Path, staged: Path) -> Path | None:
+    """The staged copy of tag `source` when its run used Muon, else None."""
+    run_config = json.loads((source / "config.json").read_text()) \
+        if (source / "config.json").is_file() else {}
+    if run_config.get("train", {}).get("optimizer") != "muon":
+        return None
+    if staged.exists():
+        shutil.rmtree(staged)
+    staged.mkdir()
+    for path in source.iterdir():
+        if path.name.startswith(".") or path.name == UNIVERSAL:
+            continue
+        if path.name.endswith("optim_states.pt"):
+            torch.save(_without_momentum(torch.load(path, map_location="cpu", weights_only=False)),
+                       staged / path.name)
+        else:
+            (staged / path.name).symlink_to(path.resolve(), target_is_directory=path.is_dir())
+    return staged
+
+
+def _without_momentum(state: dict) -> dict:
+    optim = state["optimizer_state_dict"]
+    for index, group in optim["base_optimizer_state"]["state"].items():
+        if group.pop(MOMENTUM, None) is not None:
+            zeros = torch.zeros_like(optim["single_partition_of_fp32_groups"][index])
+            group["exp_avg"], group["exp_avg_sq"] = zeros, zeros.clone()
+    return state
+
+
+def _restore_muon_momentum(engine: Any) -> None:
+    """Drop the zero moments a loaded Muon group got from _muon_staged: its momentum_buffer is
+    made afresh (zeros) at the next step."""
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    muon = [g for g in getattr(optimizer, "param_groups", []) if g.get("use_muon")]
+    for group in muon:
+        optimizer.state.pop(group["params"][0], None)
+    if muon and is_rank0():
+        print("train.optimizer: muon: Muon's momentum restarts from zero at the new world size "
+              "(AdamW's moments and the weights carry over)", flush=True)

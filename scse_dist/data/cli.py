@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sample-tokens", type=int, default=65536, help="tokens per tar sample")
     s.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: in this process)")
     s.add_argument("--progress-every", type=float, default=10.0,
-                   help="seconds between progress lines (docs/s, tokens/s); 0 for none")
+                   help="seconds between progress lines when stderr is not a terminal (a bar when it is); 0 for none")
     s.set_defaults(func=cmd_shards)
 
     i = sub.add_parser("inspect", help="print counts and check that every shard reads")

@@ -44,7 +44,6 @@ import io
 import itertools
 import json
 import tarfile
-import time
 from typing import Any, Iterable, Iterator
 
 import fsspec
@@ -56,6 +55,7 @@ from scse_dist.config import ConfigError
 from scse_dist.data.sample_format import (FORMAT, TABLE_COLUMNS, decode_sample,  # noqa: F401
                                           load_sample_table, npy_bytes)
 from scse_dist.data.tokenizer import Tokenizer
+from scse_dist.progress import Progress
 
 SPLITS = ("train", "heldout")
 INDEX_NAME = "index.json"
@@ -186,9 +186,10 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
                  encode_batch: int = 256, progress_every: float = 0.0, workers: int = 0) -> dict:
     """Tokenize `documents` into train/heldout shards under `out`; write and return the index.
 
-    Documents that encode to nothing are skipped. `progress_every` > 0 prints a progress line
-    (documents/s, tokens/s) at most that often (seconds). `workers` > 1 tokenizes in that many
-    processes; batches come back in input order, so the shards are byte-identical to workers=0.
+    Documents that encode to nothing are skipped. `progress_every` > 0 shows progress (a bar on a
+    terminal; else a line of documents, docs/s and tokens/s at most that often, in seconds).
+    `workers` > 1 tokenizes in that many processes; batches come back in input order, so the
+    shards are byte-identical to workers=0.
     """
     if not 0.0 <= heldout_fraction < 1.0:
         raise ConfigError(f"heldout_fraction: must lie in [0, 1), got {heldout_fraction}")
@@ -202,8 +203,9 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {s: _SplitWriter(fs, root, s, dtype, tokenizer.eos_id, sample_tokens, shard_bytes)
                for s in SPLITS}
-    start = last = time.time()
     n_docs = n_tokens = 0
+    progress = Progress(None, f"shards {out}", unit="doc", enabled=progress_every > 0,
+                        every_s=progress_every)
 
     if workers > 1:
         import multiprocessing
@@ -216,16 +218,16 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
         encoded = ((b, tokenizer.encode_batch(b)) for b in _batches(documents, encode_batch))
     try:
         for batch, batch_ids in encoded:
+            kept = 0
             for text, ids in zip(batch, batch_ids):
                 if len(ids):
                     writers["heldout" if is_heldout(text, heldout_fraction) else "train"].add(ids)
-                    n_docs, n_tokens = n_docs + 1, n_tokens + len(ids)
-            if progress_every > 0 and time.time() - last >= progress_every:
-                last = time.time()
-                dt = max(last - start, 1e-9)
-                print(f"  {n_docs:,} documents, {n_tokens:,} tokens: {n_docs / dt:,.0f} docs/s, "
-                      f"{n_tokens / dt:,.0f} tokens/s", flush=True)
+                    n_docs, n_tokens, kept = n_docs + 1, n_tokens + len(ids), kept + 1
+            progress.set_postfix(tokens=f"{n_tokens:,}",
+                                 tokens_per_s=f"{n_tokens / max(progress.elapsed, 1e-9):,.0f}")
+            progress.update(kept)
     finally:
+        progress.close()
         if pool is not None:
             pool.terminate()
     if n_docs == 0:  # an index of nothing would let a job "train" on no data

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from scse_dist.cli_errors import cli_main, command_parser
 from scse_dist.config import RunConfig
-from scse_dist.eval.inputs import TASKS, load_tokenizer, read_task_data
+from scse_dist.eval.inputs import TASKS, load_tokenizer, no_exit_rule, read_task_data
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
 from scse_dist.quiet import add_verbose_flag, set_verbose
 
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True,
                    help="export dir (model.safetensors, config.yaml, tokenizer.model; a path or an "
                         "fsspec URL) or DeepSpeed checkpoint dir")
-    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--task", required=True, choices=list(TASKS))
     p.add_argument("--data", default=None,
                    help="heldout/diagnose: shard dir with index.json or a JSONL/text corpus; "
                         "wikitext: wiki.*.raw; lambada: JSONL or plain text (paths or fsspec URLs); "
@@ -105,9 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     set_verbose(args.verbose)
-    if args.exit is not None and args.task == "diagnose":
-        parser.error("--exit: diagnose measures the loop at fixed depths; use heldout, wikitext "
-                     "or lambada")
+    if args.exit is not None and not TASKS[args.task].scores_tokens:
+        parser.error(f"--exit: {no_exit_rule(args.task)}")
     from scse_dist.checkpoint.export import local_export
 
     with local_export(args.checkpoint) as checkpoint:  # a URL: a temporary local copy

@@ -1,5 +1,6 @@
-"""What an evaluation task reads, read and checked before any model loads: the task names, the
-tokenizer, and each task's data (held-out shards, a corpus, WikiText articles, LAMBADA passages).
+"""What an evaluation task reads, read and checked before any model loads: the task's record
+(scse_dist.task_registry), the tokenizer, and the task's data through the record's reader
+(held-out shards, a corpus, WikiText articles, LAMBADA passages).
 
 Nothing here imports torch until a good shard dir is opened as a stream, so `scse-eval` reports a
 bad file, a bad tokenizer or shards of another tokenizer in a fraction of a second.
@@ -11,9 +12,7 @@ from typing import Any, NamedTuple
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig
-from scse_dist.data.sources import read_corpus, read_lambada, read_wikitext_articles
-
-TASKS = ("heldout", "wikitext", "lambada", "diagnose")
+from scse_dist.task_registry import TASKS, Task, either, unknown_task
 
 
 def is_shard_dir(path: str) -> bool:
@@ -69,15 +68,29 @@ class TaskData(NamedTuple):
     shards: bool
 
 
+def get_task(name: str) -> Task:
+    """The registry's record of `name` (scse_dist.task_registry), or a ValueError with a
+    did-you-mean."""
+    if name not in TASKS:
+        raise ValueError(f"task: {unknown_task(name)}")
+    return TASKS[name]
+
+
+def no_exit_rule(task: str) -> str:
+    """Why `task` takes no exit rule, naming the tasks that do."""
+    takes = [name for name, t in TASKS.items() if t.scores_tokens]
+    return f"{task} measures the loop at fixed depths; use --exit with {either(takes)}"
+
+
 def read_task_data(task: str, cfg: RunConfig, data: str, tokenizer: Any = None) -> TaskData:
-    """Open `task`'s data; bad data fails here, so scse-eval calls it before loading a model.
+    """Open `task`'s data with its record's reader (held-out shards, for a task that reads the
+    held-out split, as a stream); bad data fails here, so scse-eval calls it before loading a
+    model.
 
     The tokenizer (text inputs only) defaults to cfg.data.tokenizer; one given with shard data
     must be the shards' own."""
-    if task not in TASKS:
-        raise ValueError(f"task: must be one of {', '.join(TASKS)}; got {task!r}")
-    if task in ("heldout", "diagnose") and is_shard_dir(data):
+    record = get_task(task)
+    if record.heldout and is_shard_dir(data):
         return TaskData(tokenizer, _shard_stream(data, cfg, tokenizer), shards=True)
     tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg)
-    read = {"lambada": read_lambada, "wikitext": read_wikitext_articles}.get(task, read_corpus)
-    return TaskData(tokenizer, read(data), shards=False)
+    return TaskData(tokenizer, record.read(data), shards=False)

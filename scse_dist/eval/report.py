@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scse_dist.eval.results import (REPORT_METRICS, TASK_ORDER, eval_dir, log_to_wandb,
-                                     read_results)
+from scse_dist.eval.results import eval_dir, log_to_wandb, read_results
+from scse_dist.task_registry import TASKS
 
 REPORT_NAME, PLOT_NAME = "report.md", "frontier.png"
 
@@ -38,7 +38,7 @@ def collect(run_dirs: Sequence[str | Path]) -> list[dict]:
         used.add(label)
         for data in found:
             data["_label"] = label
-        results += sorted(found, key=lambda d: TASK_ORDER.index(d["task"]))
+        results += sorted(found, key=lambda d: list(TASKS).index(d["task"]))
     return results
 
 
@@ -57,7 +57,7 @@ def markdown_table(results: list[dict]) -> str:
              "|---|---|---|" + "---:|" * len(depths)]
     for d in results:
         by_depth = {r["depth"]: r for r in d["results"]}
-        for metric in REPORT_METRICS[d["task"]]:
+        for metric in TASKS[d["task"]].report:
             cells = [_fmt(by_depth[t].get(metric)) if t in by_depth else "" for t in depths]
             lines.append(f"| {d['_label']} | {_task_cell(d)} | {metric} | " + " | ".join(cells)
                          + " |")
@@ -80,10 +80,10 @@ def frontier_plot(results: list[dict], path: str | Path) -> str:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    tasks = [t for t in TASK_ORDER if any(d["task"] == t for d in results)]
+    tasks = [t for t in TASKS if any(d["task"] == t for d in results)]
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        metric = REPORT_METRICS[task][0]
+        metric = TASKS[task].headline
         for d in (d for d in results if d["task"] == task):
             points = sorted((r["depth"], r.get(metric)) for r in d["results"])
             points = [(t, v) for t, v in points if v is not None and math.isfinite(v)]

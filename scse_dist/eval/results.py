@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 from scse_dist.atomic import atomic_write_text
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, config_to_dict
+from scse_dist.task_registry import TASKS
 
 def _finite_or_none(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -28,13 +29,6 @@ def _finite_or_none(value: Any) -> Any:
     if isinstance(value, list):
         return [_finite_or_none(v) for v in value]
     return value
-
-# Metrics shown per task, headline first (the headline is the one plotted).
-REPORT_METRICS = {"heldout": ("ppl",), "wikitext": ("word_ppl", "ppl", "bits_per_byte"),
-                  "lambada": ("accuracy", "ppl"),
-                  "diagnose": ("deviation_norm", "motion_norm", "bias_norm")}
-TASK_ORDER = tuple(REPORT_METRICS)
-
 
 
 def write_results(path: str | os.PathLike, task: str, checkpoint: str, cfg: RunConfig,
@@ -92,7 +86,7 @@ def read_results(path: Path) -> Optional[dict]:
                          f"at offset {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise InputError(f"{path}: not a results JSON ({exc.msg} at line {exc.lineno})") from None
-    if not (isinstance(data, dict) and data.get("task") in REPORT_METRICS and "results" in data):
+    if not (isinstance(data, dict) and data.get("task") in TASKS and "results" in data):
         return None  # e.g. scheduled.json
     rows = data["results"]
     if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("depth"), int)
@@ -116,7 +110,7 @@ def log_to_wandb(results: list[dict], wandb_cfg: Any, name: str, group: str, out
     summary = {}
     for d in results:
         for r in d["results"]:
-            for metric in REPORT_METRICS[d["task"]]:
+            for metric in TASKS[d["task"]].report:
                 if r.get(metric) is not None:
                     table.add_data(d["_label"], d["task"], metric, r["depth"], r[metric])
                     summary[f"{d['task']}/{metric}@T{r['depth']}"] = r[metric]

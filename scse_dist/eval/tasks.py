@@ -1,13 +1,15 @@
-"""The evaluation tasks of `scse-eval`, each at several loop depths in one forward per batch.
+"""The evaluation tasks' scorers, each at several loop depths in one forward per batch.
 
+Each task is a record in scse_dist.task_registry (its reader, its scorer here, its metrics):
     heldout   perplexity on held-out shards (a dir with index.json), or on any JSONL/text corpus
     wikitext  WikiText raw: document-wise sliding window; ppl, word_ppl, bits_per_byte
     lambada   last-word prediction: accuracy (every target token is the argmax), target ppl per
               token and word_ppl per target word (lm-eval's LAMBADA perplexity)
     diagnose  per depth ||b|| (forcing bias at the anchor), ||D_t||, ||h_t - h_{t-1}||
 
-`run_task` is the one entry the CLI, the trainer and the launcher call: it evaluates (with
-progress on rank 0: items done, rate, ETA), prints a table and writes the results JSON
+A scorer takes a TaskRun and returns one row per depth. `run_task` is the one entry the CLI, the
+trainer and the launcher call: it evaluates (with progress on rank 0: items done, rate, ETA),
+prints a table and writes the results JSON
 (scse_dist.eval.results). On Ctrl-C it writes the results of the items done so far, marked
 `"partial": {"done", "total", "unit"}`, and raises cli_errors.Interrupted with a line saying so.
 """
@@ -15,7 +17,7 @@ progress on rank 0: items done, rate, ETA), prints a table and writes the result
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 import torch
 
@@ -26,16 +28,12 @@ from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.perplexity import HeldoutInterrupted, evaluate_heldout
 from scse_dist.eval.scorer import resolve_depths
 from scse_dist.data.sources import Passage
-from scse_dist.eval.inputs import TaskData, read_task_data
+from scse_dist.eval.inputs import TaskData, get_task, no_exit_rule, read_task_data
 from scse_dist.eval.results import format_table, write_results
 from scse_dist.eval.scoring import (Score, ScoringInterrupted, Window, context_target_window,
                                     document_windows, score_windows)
 from scse_dist.progress import Progress
 
-# Columns of each task's console table (all of them are in the JSON rows).
-TABLE_METRICS = {"heldout": ("ppl", "loss"), "wikitext": ("ppl", "word_ppl", "bits_per_byte"),
-                 "lambada": ("accuracy", "ppl"),
-                 "diagnose": ("bias_norm", "deviation_norm", "motion_norm")}
 # With --exit: the steps each scored token used (ExitStats.summary).
 STEP_METRICS = ("mean_steps", "steps_p50", "steps_p90")
 
@@ -242,9 +240,9 @@ def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depth
     Ctrl-C: the results of the items done are written, marked "partial", and
     cli_errors.Interrupted says how far it got.
     """
-    if exit_rule is not None and task == "diagnose":
-        raise ValueError("exit_rule: diagnose measures the loop at fixed depths; use --exit with "
-                         "heldout, wikitext or lambada")
+    record = get_task(task)
+    if exit_rule is not None and not record.scores_tokens:
+        raise ValueError(f"exit_rule: {no_exit_rule(task)}")
     from scse_dist.distributed import is_rank0
 
     stats = ExitStats(exit_rule) if exit_rule is not None else None
@@ -254,12 +252,12 @@ def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depth
     extra: dict[str, Any] = {"data": str(data), "seq_len": seq_len, "batch_size": batch_size}
     desc = _progress_label(task, model, depths, exit_rule) if progress and is_rank0() else None
     try:
-        rows = _task_rows(task, model, tokenizer, inputs, shards, depths, seq_len, stride,
-                          batch_size, max_batches, stats, desc, extra)
+        rows = record.score(TaskRun(model, tokenizer, inputs, shards, depths, seq_len, stride,
+                                    batch_size, max_batches, stats, desc, extra))
     except TaskInterrupted as stop:
         raise Interrupted(_write_partial(stop, task, out_path, checkpoint_label, cfg, stats,
                                          extra)) from None
-    metrics = TABLE_METRICS[task]
+    metrics = record.table
     if stats is not None:
         for row in rows:
             row.update(stats.summary())
@@ -285,30 +283,57 @@ def _progress_label(task: str, model: torch.nn.Module, depths: list[int],
     return f"{task} T={','.join(map(str, shown))}"
 
 
-def _task_rows(task: str, model: torch.nn.Module, tokenizer: Any, inputs: Any, shards: bool,
-               depths: list[int], seq_len: int, stride: int, batch_size: int, max_batches: int,
-               stats: Optional[ExitStats], desc: Optional[str], extra: dict) -> list[dict]:
-    """The task's rows; adds the task's own settings to `extra`."""
-    if task == "heldout" and shards:
-        extra["max_batches"] = max_batches
-        try:
-            with _progress(desc, max_batches or None, "batch") as bar:
-                return evaluate_heldout(model, inputs, depths, max_batches=max_batches,
-                                        exit_stats=stats, progress=bar)
-        except HeldoutInterrupted as stop:
-            raise TaskInterrupted(stop.rows, stop.batches, max_batches or None, "batch") from None
-    if task == "heldout":  # a corpus: every document scored on its own, no overlap
-        return document_rows(model, tokenizer, inputs, depths, seq_len, seq_len, batch_size,
-                             stats, desc)
-    if task == "wikitext":
-        extra["stride"] = stride
-        return document_rows(model, tokenizer, inputs, depths, seq_len, stride, batch_size,
-                             stats, desc)
-    if task == "lambada":
-        return lambada_rows(model, tokenizer, inputs, depths, seq_len, batch_size, stats, desc)
-    extra["max_batches"] = max_batches
-    batches = inputs if shards else _packed_batches(tokenizer, inputs, seq_len, batch_size)
-    return diagnose_rows(model, batches, depths, max_batches=max_batches, desc=desc)
+class TaskRun(NamedTuple):
+    """What a task's scorer gets: the model, the data its reader read (or a held-out shard
+    stream: `shards`), the settings, the ExitStats of an exit rule (None: fixed depths), a
+    progress label (None: quiet) and `extra`, a dict of settings it adds to the results JSON."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    inputs: Any
+    shards: bool
+    depths: list[int]
+    seq_len: int
+    stride: int
+    batch_size: int
+    max_batches: int
+    exit_stats: Optional[ExitStats]
+    desc: Optional[str]
+    extra: dict
+
+
+def heldout_rows(run: TaskRun) -> list[dict]:
+    """Held-out shards (their heldout split, up to max_batches), or a corpus: every document
+    scored on its own, windows without overlap."""
+    if not run.shards:
+        return document_rows(run.model, run.tokenizer, run.inputs, run.depths, run.seq_len,
+                             run.seq_len, run.batch_size, run.exit_stats, run.desc)
+    run.extra["max_batches"] = run.max_batches
+    try:
+        with _progress(run.desc, run.max_batches or None, "batch") as bar:
+            return evaluate_heldout(run.model, run.inputs, run.depths, max_batches=run.max_batches,
+                                    exit_stats=run.exit_stats, progress=bar)
+    except HeldoutInterrupted as stop:
+        raise TaskInterrupted(stop.rows, stop.batches, run.max_batches or None, "batch") from None
+
+
+def wikitext_rows(run: TaskRun) -> list[dict]:
+    run.extra["stride"] = run.stride
+    return document_rows(run.model, run.tokenizer, run.inputs, run.depths, run.seq_len,
+                         run.stride, run.batch_size, run.exit_stats, run.desc)
+
+
+def lambada_task_rows(run: TaskRun) -> list[dict]:
+    return lambada_rows(run.model, run.tokenizer, run.inputs, run.depths, run.seq_len,
+                        run.batch_size, run.exit_stats, run.desc)
+
+
+def diagnose_task_rows(run: TaskRun) -> list[dict]:
+    run.extra["max_batches"] = run.max_batches
+    batches = run.inputs if run.shards else _packed_batches(run.tokenizer, run.inputs,
+                                                            run.seq_len, run.batch_size)
+    return diagnose_rows(run.model, batches, run.depths, max_batches=run.max_batches,
+                         desc=run.desc)
 
 
 def _write_partial(stop: TaskInterrupted, task: str, out_path: str, checkpoint_label: str,

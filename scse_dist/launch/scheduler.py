@@ -35,14 +35,15 @@ from scse_dist.atomic import atomic_write_text
 from scse_dist.cli_errors import EXIT_CONFIG, cli_main, command_parser
 from scse_dist.config import RunConfig, load_config
 from scse_dist.launch.backends import BACKENDS, Backend, BackendError, Job, Resources, get_backend
+from scse_dist.task_registry import TASKS, data_path
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 SCHEDULED_NAME = "scheduled.json"
 
 
 def task_data(cfg: RunConfig, task: str) -> str:
-    """The data a task reads: the held-out shards, or the eval.wikitext / eval.lambada file."""
-    return {"wikitext": cfg.eval.wikitext, "lambada": cfg.eval.lambada}.get(task) or cfg.data.path
+    """The data a task reads: its eval.* file (eval.lambada, ...), else the held-out shards."""
+    return data_path(TASKS[task], cfg)
 
 
 def evaluate_run(run_dir: str, task: str) -> str:
@@ -55,7 +56,7 @@ def evaluate_run(run_dir: str, task: str) -> str:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg = load_model(Path(run_dir) / "export", device=device)
     out = str(Path(run_dir) / "eval" / f"{task}.json")
-    max_batches = cfg.eval.max_batches if task in ("heldout", "diagnose") else 0
+    max_batches = cfg.eval.max_batches if TASKS[task].heldout else 0
     run_task(task, model, cfg, task_data(cfg, task), cfg.eval.depths, out,
              checkpoint_label=f"{cfg.name}@export", stride=cfg.eval.stride or None,
              max_batches=max_batches)

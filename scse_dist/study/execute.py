@@ -31,10 +31,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from scse_dist.launch.backends import Backend, BackendError, Job, Resources
 from scse_dist.launch.scheduler import evaluate_run, pretrain_script
+from scse_dist.progress import eta_seconds, format_duration
 from scse_dist.study.plan import StudyError, choose_lrs, evaluate_validation, status, write_study
 from scse_dist.study.spec import Run, StudySpec
 
@@ -101,12 +103,17 @@ def run_local(spec: StudySpec) -> int:
     for stage in _stages(spec):
         if stage == "final" and spec.lr:
             print(f"scse-study: chosen learning rates {choose_lrs(spec)}", flush=True)
-        for run in write_study(spec, stage):
+        runs = write_study(spec, stage)
+        todo = [run for run in runs if status(spec, run) != "done"]
+        print(f"scse-study: {stage} stage: {len(runs) - len(todo)} of {len(runs)} runs done, "
+              f"{len(todo)} to run", flush=True)
+        start = time.perf_counter()
+        for i, run in enumerate(todo):
+            elapsed = time.perf_counter() - start
             state = status(spec, run)
-            if state == "done":
-                print(f"scse-study: done, skipped: {run.run_dir}", flush=True)
-                continue
-            print(f"scse-study: {'resuming' if state == 'partial' else 'starting'} {run.run_dir}",
+            print(f"scse-study: [{i + 1}/{len(todo)} {stage}] "
+                  f"{'resuming' if state == 'partial' else 'starting'} {run.run_dir} (elapsed "
+                  f"{format_duration(elapsed)}, ETA {format_duration(eta_seconds(i, len(todo), elapsed))})",
                   flush=True)
             outcome = _train_and_evaluate(spec, run)
             outcomes.append(outcome)

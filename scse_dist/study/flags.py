@@ -32,6 +32,7 @@ from typing import Optional
 import numpy as np
 
 from scse_dist.study.collect import StudyRun, finite
+from scse_dist.task_registry import TASKS
 
 
 @dataclass(frozen=True)
@@ -92,14 +93,13 @@ def _count_entropy(data_path: str, vocab_size: int, max_tokens: int) -> UnigramE
 
 
 def headline_by_depth(run: StudyRun) -> tuple[Optional[str], dict[int, float]]:
-    """(task, {depth: metric}) of the first task with results among heldout, wikitext, lambada."""
-    from scse_dist.eval.results import REPORT_METRICS
-
-    for task in ("heldout", "wikitext", "lambada"):
-        if task in run.results:
-            metric = REPORT_METRICS[task][0]
-            values = {d: finite(r.get(metric)) for d, r in run.results[task].items()}
-            return f"{task} {metric}", {d: v for d, v in values.items() if v is not None}
+    """(task, {depth: metric}) of the first quality task (registry order: heldout, wikitext,
+    lambada, ...; not a diagnostic) with results, its headline metric."""
+    for task in (t for t in TASKS.values() if not t.diagnostic):
+        if task.name in run.results:
+            metric = task.headline
+            values = {d: finite(r.get(metric)) for d, r in run.results[task.name].items()}
+            return f"{task.name} {metric}", {d: v for d, v in values.items() if v is not None}
     return None, {}
 
 

@@ -24,6 +24,7 @@ import yaml
 from scse_dist.atomic import atomic_write_text
 from scse_dist.config import config_to_dict
 from scse_dist.study.spec import Run, StudySpec, expand, run_config
+from scse_dist.task_registry import TASKS, field_value
 
 SPEC_NAME, RUNS_NAME, LR_CHOICE_NAME = "study.yaml", "runs.json", "lr_choice.json"
 VALIDATION_NAME = "validation.json"  # a sweep run's score: eval/validation.json
@@ -122,9 +123,9 @@ def _inputs(spec: StudySpec, run: Run) -> dict[str, str]:
     if run.stage == "sweep":
         found["lr.validation"] = spec.lr.validation
     else:  # the test tasks: final runs only
-        for task in ("wikitext", "lambada"):
-            if task in cfg.eval.tasks:
-                found[f"eval.{task}"] = getattr(cfg.eval, task)
+        for task in (TASKS[name] for name in cfg.eval.tasks):
+            if task.data_field:
+                found[f"eval.{task.data_field}"] = field_value(cfg.eval, task.data_field)
     return {k: v for k, v in found.items() if v and "://" not in str(v)}
 
 

@@ -25,10 +25,10 @@ from scse_dist.config import ModelConfig, RunConfig
 from scse_dist.study.collect import Study, StudyRun, finite, load_study
 from scse_dist.study.flags import Flag, run_flags, unigram_entropy
 from scse_dist.study.plots import diagnose_plot, frontier_plot
-from scse_dist.study.spec import DEFAULT_REPORT_METRICS
+from scse_dist.study.spec import default_report_metrics
 from scse_dist.study.stats import Interval, t_interval
+from scse_dist.task_registry import TASKS
 
-HIGHER_IS_BETTER = {"accuracy"}
 DIAGNOSE_NORMS = ("deviation_norm", "motion_norm", "bias_norm")
 INTERVAL_METHOD = ("95% Student-t intervals over seeds: mean ± t(0.975, n-1)·s/√n "
                    "(s the sample standard deviation); no bootstrap")
@@ -40,7 +40,11 @@ Table = dict[tuple[str, str, str], dict[int, Interval]]  # (variant, task, metri
 def report_metrics(study: Study) -> dict[str, list[str]]:
     """task -> the metrics the report shows: the spec's report.metrics over the defaults."""
     given = (study.spec.get("report") or {}).get("metrics") or {}
-    return {**DEFAULT_REPORT_METRICS, **given}
+    return {**default_report_metrics(), **given}
+
+
+def higher_is_better(task: str, metric: str) -> bool:
+    return metric in TASKS[task].higher_is_better
 
 
 def flops_at(model: ModelConfig, depth: int, seq_len: int) -> Optional[float]:
@@ -270,7 +274,7 @@ class StudyReport:
             rows = [(self.marked(v), self.table[(v, task, metric)]) for v in self.variants
                     if (v, task, metric) in self.table]
             if rows:
-                better = "higher" if metric in HIGHER_IS_BETTER else "lower"
+                better = TASKS[task].better(metric)
                 lines += [f"## {task} {metric} ({better} is better): mean ± 95% half-width over seeds", ""]
                 lines += _depth_table("variant", rows) + [""]
         if self.pairs:
@@ -279,7 +283,7 @@ class StudyReport:
                 mine = [(a, b, d) for (a, b, t, m), d in self.pairs.items() if (t, m) == (task, metric)]
                 if mine:
                     rows = [(f"{a} - {b}", d) for a, b, d in mine]
-                    verdicts = [f"{a} {verdict(d, metric in HIGHER_IS_BETTER)}" for a, b, d in mine]
+                    verdicts = [f"{a} {verdict(d, higher_is_better(task, metric))}" for a, b, d in mine]
                     lines += [f"### {task} {metric}", ""]
                     lines += _depth_table("pair", rows, extra=("verdict", verdicts)) + [""]
         extrapolation = self.extrapolation()
@@ -318,7 +322,7 @@ class StudyReport:
                 "aggregate": {f"{v}/{t}/{m}": {str(d): asdict(iv) for d, iv in by_d.items()}
                               for (v, t, m), by_d in self.table.items()},
                 "paired": {f"{a} - {b}/{t}/{m}": {
-                    "verdict": verdict(d, m in HIGHER_IS_BETTER),
+                    "verdict": verdict(d, higher_is_better(t, m)),
                     "depths": {str(k): asdict(iv) for k, iv in d.items()}}
                     for (a, b, t, m), d in self.pairs.items()}}
 

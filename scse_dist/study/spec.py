@@ -13,7 +13,8 @@
     lr: {values: [1e-3, 3e-3], seed: 0, steps: 300, validation: path/to/valid.jsonl}
     pairs: [[scse-preln, additive-preln]]   # default: each variant against `additive*`
     exclude_flagged: false
-    evals: {tasks: [heldout, wikitext], depths: [1, 2, 4], wikitext: ..., lambada: ...}
+    evals: {tasks: [heldout, wikitext], depths: [1, 2, 4], wikitext: ..., lambada: ...,
+            data: {task: file}}   # data: a task's file when it has no field of its own
     order: seed-major              # or variant-major: the order runs are started in
     slurm: {nodes: 1, tasks_per_node: 1, gpus_per_node: 0, cpus_per_task: 1, time_min: 60}
     report: {metrics: {lambada: [ppl, accuracy]}}   # the metrics the report shows, per task
@@ -39,6 +40,7 @@ import yaml
 
 from scse_dist.config import ConfigError, RunConfig, _read_yaml, config_from_dict
 from scse_dist.launch.backends.base import Resources
+from scse_dist.task_registry import TASKS, field_value
 
 
 
@@ -47,13 +49,15 @@ class SpecError(ConfigError):
     message names the field. A ConfigError: the commands exit 2 on it."""
 
 
-EVAL_TASKS = ("heldout", "wikitext", "lambada", "diagnose")
-# Every metric each task writes per depth (scse_dist.eval.tasks), and what the report shows by
-# default (`report: {metrics: {task: [...]}}` in a spec changes it, task by task).
-TASK_METRICS = {"heldout": ("ppl", "loss"), "wikitext": ("ppl", "word_ppl", "bits_per_byte", "loss"),
-                "lambada": ("ppl", "accuracy", "word_ppl", "loss")}
-DEFAULT_REPORT_METRICS = {"heldout": ["ppl"], "wikitext": ["ppl", "word_ppl", "bits_per_byte"],
-                          "lambada": ["ppl", "accuracy"]}
+def task_metrics() -> dict[str, tuple[str, ...]]:
+    """task -> every metric a spec's `report: {metrics: {task: [...]}}` may pick (the quality
+    tasks of scse_dist.task_registry; diagnose has its own plot)."""
+    return {name: t.metrics for name, t in TASKS.items() if t.study_metrics}
+
+
+def default_report_metrics() -> dict[str, list[str]]:
+    """task -> what the study report shows when the spec does not say."""
+    return {name: list(t.study_metrics) for name, t in TASKS.items() if t.study_metrics}
 
 
 @dataclass
@@ -70,6 +74,7 @@ class StudyEvals:
     depths: list[int] = field(default_factory=lambda: [1, 2, 4])
     wikitext: Optional[str] = None
     lambada: Optional[str] = None
+    data: dict[str, str] = field(default_factory=dict)  # like eval.data: task -> its file
 
 
 RUN_ORDERS = ("seed-major", "variant-major")
@@ -149,14 +154,15 @@ def _check_keys(values: dict, allowed: set[str], where: str) -> None:
 def _check_report_metrics(metrics: Any) -> None:
     if not isinstance(metrics, dict):
         raise SpecError(f"report.metrics: expected {{task: [metric, ...]}}, got {metrics!r}")
-    _check_keys(metrics, set(TASK_METRICS), "report.metrics")
+    known = task_metrics()
+    _check_keys(metrics, set(known), "report.metrics")
     for task, names in metrics.items():
         if not isinstance(names, list) or not names:
             raise SpecError(f"report.metrics.{task}: a non-empty list of metrics, got {names!r}")
         for name in names:
-            if name not in TASK_METRICS[task]:
-                close = difflib.get_close_matches(str(name), TASK_METRICS[task], n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"{task} writes {', '.join(TASK_METRICS[task])}"
+            if name not in known[task]:
+                close = difflib.get_close_matches(str(name), known[task], n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"{task} writes {', '.join(known[task])}"
                 raise SpecError(f"report.metrics.{task}: {name!r} is not a metric of {task} ({hint})")
 
 
@@ -264,8 +270,8 @@ def _parse(values: Any, file: str) -> StudySpec:
                 raise SpecError(f"pairs[{i}]: {v!r} is not a variant; known: {', '.join(expanded)}")
     evals = _section(values, "evals", StudyEvals)
     for task in evals.tasks:
-        if task not in EVAL_TASKS:
-            raise SpecError(f"evals.tasks: {task!r} is not one of {', '.join(EVAL_TASKS)}")
+        if task not in TASKS:
+            raise SpecError(f"evals.tasks: {task!r} is not one of {', '.join(TASKS)}")
     overrides = values.get("overrides") or {}
     if not isinstance(overrides, dict):
         raise SpecError("overrides: expected a mapping of dotted keys")
@@ -365,9 +371,9 @@ def run_config(spec: StudySpec, run: Run) -> RunConfig:
     study = {"name": run_dir.name, "output_dir": str(run_dir.parent),
              "eval.depths": spec.evals.depths, "eval.tasks": spec.evals.tasks,
              "eval.after_train": False, "wandb.group": spec.name}
-    for key in ("wikitext", "lambada"):
-        if getattr(spec.evals, key):
-            study[f"eval.{key}"] = getattr(spec.evals, key)
+    for task in TASKS.values():  # each task's data file, where the spec names one
+        if task.data_field and field_value(spec.evals, task.data_field):
+            study[f"eval.{task.data_field}"] = field_value(spec.evals, task.data_field)
     where = f"{spec.path}: variants.{run.variant}"
     for key, value in {**spec.overrides, **run.overrides, **study}.items():
         _set_dotted(values, str(key), value, where)

@@ -42,13 +42,16 @@ def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
     generated = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps,
-        "gradient_clipping": t.grad_clip,
+        # muon clips its AdamW groups itself (scse_dist.train.muon says why)
+        "gradient_clipping": 0.0 if t.optimizer == "muon" else t.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": resolve_precision(t.precision) == "bf16"},
         "fp16": {"enabled": False},
         "steps_per_print": 1 << 30,  # we log ourselves (scse_dist.train.metrics)
         "wall_clock_breakdown": False,
     }
+    if t.optimizer == "muon":  # a subclass of DeepSpeed's own Muon, so not on its tested list
+        generated["zero_allow_untested_optimizer"] = True
     if t.optimizer == "deepspeed_fused_adam":
         if not on_cuda:
             raise ConfigError("train.optimizer: deepspeed_fused_adam needs a CUDA device (it "
@@ -117,11 +120,16 @@ def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str,
 def build_optimizer(cfg: RunConfig, model: torch.nn.Module,
                     on_cuda: Optional[bool] = None) -> Optional[torch.optim.Optimizer]:
     """torch.optim.AdamW over the decay/no-decay groups, fused on CUDA (a single multi-tensor
-    kernel that ships with torch: no nvcc, no JIT build); None when DeepSpeed builds its own."""
-    if cfg.train.optimizer != "torch_adamw":
-        return None
+    kernel that ships with torch: no nvcc, no JIT build); Muon with AdamW for train.optimizer:
+    muon; None when DeepSpeed builds its own."""
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
     t = cfg.train
+    if t.optimizer == "muon":
+        from scse_dist.train.muon import build_muon
+
+        return build_muon(model, t, on_cuda)
+    if t.optimizer != "torch_adamw":
+        return None
     return torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr,
                              betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                              fused=True if on_cuda else None)
@@ -188,4 +196,6 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module,
         model=model, optimizer=optimizer,
         model_parameters=None if optimizer else _param_groups(model, cfg.train.weight_decay),
         config=ds_config, lr_scheduler=lambda opt: build_lr_scheduler(opt, cfg.train))
+    if cfg.train.optimizer == "muon":  # wrapped by ZeRO-1/2 or bf16: each rank holds a slice
+        optimizer.partitioned = engine.optimizer is not optimizer
     return engine, ds_config

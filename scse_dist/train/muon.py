@@ -1,0 +1,107 @@
+"""train.optimizer: muon — Muon for the blocks' matrices, AdamW for everything else.
+
+Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/): SGD momentum (Nesterov) whose
+update of each 2-D weight matrix is orthogonalised by a quintic Newton–Schulz iteration and
+scaled by sqrt(max(1, rows/cols)). The method is for hidden matrices; embeddings, the LM head
+and gains stay on AdamW.
+
+The split (muon_split): every 2-D parameter of prelude, loop core and coda goes to Muon — the
+shared core's blocks, and also SCSE's learned anchor and the concat adapter, which are d x d
+(2d x d) linear maps of the hidden state like any projection. The embedding (the head too when
+tied), an untied head, the norms' gains and anything else not 2-D go to AdamW with train.lr,
+betas and the same decay/no-decay groups as torch_adamw.
+
+The implementation is DeepSpeed's MuonWithAuxAdam, handed to deepspeed.initialize as a client
+optimizer: ZeRO-1/2 recognise it and orthogonalise each matrix's whole gradient while they
+partition (a flat ZeRO partition holds pieces of matrices, which torch.optim.Muon cannot
+orthogonalise), and keep its momentum in the partitioned optimizer state.
+
+Clipping: at ZeRO-1/2 the partition DeepSpeed clips already holds Muon's orthogonalised update
+(norm ~ sqrt(width) per matrix, ~66 for the quickstart model), so its gradient_clipping would
+shrink every Muon step ~66-fold, and differently from ZeRO-0, which clips raw gradients. So
+DeepSpeed's clipping is off under muon, and this optimizer clips each AdamW group's gradient to
+train.grad_clip itself; Muon's update has a fixed norm by construction and needs none.
+
+Imports DeepSpeed: import it only where an engine is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+ADAMW_EPS = 1e-8  # torch.optim.AdamW's default, so the AdamW half equals torch_adamw's
+
+
+def muon_split(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(muon, adamw): the trainable 2-D parameters of prelude, core and coda; everything else."""
+    in_blocks = {id(p) for part in (model.prelude, model.core, model.coda)
+                 for p in part.parameters() if p.dim() == 2}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return ([p for p in trainable if id(p) in in_blocks],
+            [p for p in trainable if id(p) not in in_blocks])
+
+
+def _eager_kernels() -> None:
+    """Run DeepSpeed's Muon kernels eagerly. They are torch.compile'd at import; on CPU inductor
+    took 70 + 20 + 14 s to compile them for the quickstart's three matrix shapes (per process,
+    2 shared cores), while eager Newton–Schulz on those shapes takes 2-18 ms per call."""
+    from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
+
+    for name in ("muon_update", "zeropower_via_newtonschulz5", "zeropower_via_gram_newtonschulz"):
+        fn = getattr(original_muon, name)
+        setattr(original_muon, name, getattr(fn, "_torchdynamo_orig_callable", fn))
+    muon_optimizer.muon_update = original_muon.muon_update
+
+
+def build_muon(model: torch.nn.Module, train: Any, on_cuda: bool) -> torch.optim.Optimizer:
+    """MuonWithAuxAdam over muon_split(model), with the train.muon_* and AdamW settings."""
+    if not on_cuda:
+        _eager_kernels()
+    muon, adamw = muon_split(model)
+    decay = [p for p in adamw if p.dim() >= 2]  # the embedding/head; gains keep their scale
+    rest = [p for p in adamw if p.dim() < 2]
+    # AdamW's decay group first: the training log's `lr` is group 0's, train.lr as with AdamW
+    groups = [dict(params=params, use_muon=False, lr=train.lr, weight_decay=wd,
+                   betas=(train.beta1, train.beta2), eps=ADAMW_EPS)
+              for params, wd in ((decay, train.weight_decay), (rest, 0.0)) if params]
+    groups.append(dict(params=muon, use_muon=True, lr=train.muon_lr, momentum=train.muon_momentum,
+                       weight_decay=train.muon_weight_decay, ns_method="standard"))
+    muon_ids = {id(p) for p in muon}
+    for p in model.parameters():  # what ZeRO-1/2 read to find the matrices to orthogonalise
+        p.use_muon = id(p) in muon_ids
+    return MuonAdamW(groups, clip=train.grad_clip, adam_optimizer=torch.optim.AdamW,
+                     adam_optimizer_kwargs={"fused": True} if on_cuda else {})
+
+
+class MuonAdamW(MuonWithAuxAdam):
+    """DeepSpeed's MuonWithAuxAdam that first clips each AdamW group's gradient to `clip`."""
+
+    def __init__(self, param_groups: list[dict], clip: float, **kwargs: Any) -> None:
+        super().__init__(param_groups, **kwargs)
+        self.clip = clip
+        # True once DeepSpeed wraps this optimizer (ZeRO-1/2, bf16): each rank then steps only
+        # its slice of every group, so a group's squared norm is summed over the ranks.
+        self.partitioned = False
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, step_id: Any = None) -> Any:
+        if self.clip > 0:
+            for group in self.param_groups:  # ZeRO-1/2 step one group per call, on every rank
+                if not group["use_muon"]:
+                    self._clip_group(group)
+        return super().step(closure, step_id)
+
+    def _clip_group(self, group: dict) -> None:
+        grads = [p.grad for p in group["params"] if p.grad is not None]
+        if not grads:
+            return
+        square = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        if self.partitioned and dist.is_initialized():
+            dist.all_reduce(square)
+        scale = (self.clip / (square.sqrt() + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))

@@ -1,0 +1,175 @@
+"""Adding an eval task is one record plus its reader and scorer: a toy task registered here (and
+nowhere else) is accepted by config validation, run by `scse-eval --task toy` and by the
+launcher's evaluation job, and shown in a run's report and in a study report with the direction
+its record gives."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scse_dist.checkpoint.export import save_exported_model
+from scse_dist.cli_errors import InputError
+from scse_dist.config import ConfigError, config_from_dict, load_config, save_config
+from scse_dist.eval.cli import main as scse_eval
+from scse_dist.eval.report import report_run
+from scse_dist.eval.results import write_results
+from scse_dist.launch.scheduler import evaluate_run
+from scse_dist.model import LoopedLM
+from scse_dist.study.report import write_study_report
+from scse_dist.task_registry import TASKS, Task
+from conftest import tiny_config_dict
+from test_study_report import write_run, write_study
+
+LINES = ["the cat sees the red ball", "a small bird reads", "my sister paints the blue river"]
+
+
+def read_toy(path: str) -> list[str]:
+    lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise InputError(f"{path}: no lines")
+    return lines
+
+
+def score_toy(run) -> list[dict]:
+    """Per depth: the NLL of each line's first token right after EOS, and how often it is the
+    argmax."""
+    first = torch.tensor([run.tokenizer.encode(line)[0] for line in run.inputs])
+    eos = torch.full((len(first), 1), run.tokenizer.eos_id)
+    rows = []
+    with torch.inference_mode():
+        for depth in run.depths:
+            logits = run.model(eos, depth=depth).logits[:, -1].float()
+            rows.append({"depth": depth, "first_nll": F.cross_entropy(logits, first).item(),
+                         "first_hit": (logits.argmax(-1) == first).float().mean().item(),
+                         "lines": len(first)})
+    run.extra["toy_lines"] = len(first)
+    return rows
+
+
+TOY = Task("toy", reader=read_toy, scorer=score_toy, metrics=("first_nll", "first_hit"),
+           table=("first_nll", "first_hit"), report=("first_nll", "first_hit"),
+           higher_is_better=("first_hit",), data_field="data.toy")
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.setitem(TASKS, "toy", TOY)
+    return TOY
+
+
+def _config(tiny_data, tmp_path, **eval_fields):
+    values = tiny_config_dict(tiny_data, str(tmp_path / "runs"))
+    values["eval"].update(eval_fields)
+    return values
+
+
+def test_config_accepts_a_registered_task_and_asks_for_its_data(tiny_data, tmp_path, monkeypatch):
+    values = _config(tiny_data, tmp_path, tasks=["heldout", "toy"])
+    with pytest.raises(ConfigError, match=r"^eval.tasks\[1\]: must be one of heldout, wikitext, "
+                                          r"lambada, diagnose; got 'toy'$"):
+        config_from_dict(values)
+    monkeypatch.setitem(TASKS, "toy", TOY)
+    with pytest.raises(ConfigError, match="^eval.data.toy: eval.tasks lists 'toy', so set "
+                                          "eval.data.toy to its data file$"):
+        config_from_dict(values)
+    with pytest.raises(ConfigError, match=r"got 'tyo' \(did you mean 'toy'\?\)$"):
+        config_from_dict(_config(tiny_data, tmp_path, tasks=["tyo"]))
+    values["eval"]["data"] = {"toy": "toy.txt"}
+    assert config_from_dict(values).eval.data == {"toy": "toy.txt"}
+
+
+@pytest.fixture
+def toy_run(tiny_data, tmp_path, toy):
+    """A run dir as training leaves it (config.yaml, export/) whose config lists the toy task."""
+    data = tmp_path / "toy.txt"
+    data.write_text("\n".join(LINES) + "\n")
+    cfg = config_from_dict(_config(tiny_data, tmp_path, tasks=["heldout", "toy"],
+                                   data={"toy": str(data)}))
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True)
+    save_config(cfg, run_dir / "config.yaml")
+    torch.manual_seed(0)
+    model = LoopedLM(cfg.model).eval()
+    save_exported_model(model.state_dict(), cfg, str(run_dir / "export"))
+    return run_dir, model, cfg
+
+
+def _expected(model, tokenizer_path, depth):
+    from scse_dist.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(tokenizer_path)
+    with torch.no_grad():
+        logp = model(torch.tensor([[tok.eos_id]]), depth=depth).logits[0, -1].float().log_softmax(-1)
+    return -sum(float(logp[tok.encode(line)[0]]) for line in LINES) / len(LINES)
+
+
+def test_scse_eval_and_the_launcher_run_the_task_and_the_run_report_shows_it(toy_run, tmp_path,
+                                                                             capsys):
+    run_dir, model, cfg = toy_run
+    out = tmp_path / "cli.json"
+    assert scse_eval(["--checkpoint", str(run_dir / "export"), "--task", "toy", "--data",
+                      cfg.eval.data["toy"], "--depths", "1,2", "--out", str(out),
+                      "--device", "cpu"]) == 0
+    assert "| depth | first_nll | first_hit |" in capsys.readouterr().out  # the record's table
+    by_cli = json.loads(out.read_text())
+    assert by_cli["task"] == "toy" and by_cli["toy_lines"] == 3
+    for row in by_cli["results"]:
+        assert row["lines"] == 3
+        assert row["first_nll"] == pytest.approx(_expected(model, cfg.data.tokenizer, row["depth"]),
+                                                 rel=1e-5)
+    # the launcher's job: the export's config says where the toy data is (eval.data.toy)
+    assert evaluate_run(str(run_dir), "toy") == str(run_dir / "eval" / "toy.json")
+    by_launcher = json.loads((run_dir / "eval" / "toy.json").read_text())
+    assert by_launcher["data"] == cfg.eval.data["toy"] and "max_batches" not in by_launcher
+    assert by_launcher["results"] == by_cli["results"]
+    report = Path(report_run(str(run_dir))["report"]).read_text()
+    row = by_cli["results"][0], by_cli["results"][1]
+    assert f"| tiny (scse) | toy | first_nll | {row[0]['first_nll']:.4f} | " \
+           f"{row[1]['first_nll']:.4f} |" in report
+
+
+def test_a_study_report_shows_the_task_with_its_direction(tmp_path, toy):
+    """Variant scse hits more (first_hit, higher is better) and has a higher NLL (lower is
+    better) than additive at every seed: better on one, worse on the other."""
+    study = tmp_path / "toy-study"
+    entries = []
+    for seed in range(3):
+        for variant, shift in (("scse", 0.2 + 0.01 * seed), ("additive", 0.0)):
+            entry = write_run(study, variant, seed, heldout={1: 30.0, 2: 20.0})
+            run_dir = study / entry["run_dir"]
+            cfg = load_config(run_dir / "config.yaml")
+            write_results(run_dir / "eval" / "toy.json", "toy", "x", cfg,
+                          [{"depth": t, "first_nll": 2.0 + shift + 0.1 * t,
+                            "first_hit": 0.3 + shift} for t in (1, 2)])
+            entries.append(entry)
+    write_study(study, entries, variants={"scse": {}, "additive": {}}, seeds=[0, 1, 2],
+                pairs=[["scse", "additive"]])
+    report = write_study_report(study, wandb_mode="disabled").read_text()
+    assert "## toy first_nll (lower is better)" in report
+    assert "## toy first_hit (higher is better)" in report
+    numbers = json.loads((study / "report" / "aggregate.json").read_text())
+    assert numbers["aggregate"]["scse/toy/first_hit"]["1"]["mean"] == pytest.approx(0.51)
+    assert numbers["paired"]["scse - additive/toy/first_hit"]["verdict"] == "better at all depths"
+    assert numbers["paired"]["scse - additive/toy/first_nll"]["verdict"] == "worse at all depths"
+
+
+def test_a_study_spec_takes_the_task_its_data_and_report_metrics(tmp_path, tiny_config, toy):
+    from scse_dist.study.plan import _inputs
+    from scse_dist.study.spec import SpecError, expand, parse_spec, run_config
+
+    data = str(tmp_path / "toy.txt")
+    spec = {"name": "s", "out": str(tmp_path / "out"), "base": tiny_config(tmp_path),
+            "variants": {"scse": {}}, "seeds": [0],
+            "evals": {"tasks": ["heldout", "toy"], "depths": [1, 2], "data": {"toy": data}},
+            "report": {"metrics": {"toy": ["first_hit"]}}}
+    parsed = parse_spec(spec, "spec.yaml")
+    (run,) = expand(parsed)
+    assert run_config(parsed, run).eval.data == {"toy": data}
+    assert _inputs(parsed, run)["eval.data.toy"] == data  # --dry-run checks it exists
+    spec["report"] = {"metrics": {"toy": ["first_hits"]}}
+    with pytest.raises(SpecError, match=r"report.metrics.toy: 'first_hits' is not a metric of toy "
+                                        r"\(did you mean 'first_hit'\?\)"):
+        parse_spec(spec, "spec.yaml")
