@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -118,6 +119,20 @@ class TrainConfig:
     # stream is refused); never moves them aside (run_dir/old-<time>/) and starts fresh; require
     # fails when there is nothing to resume.
     resume: Literal["auto", "never", "require"] = "auto"
+    # Resume from this checkpoint tag (step-N) instead of the newest; the run dir's newer tags
+    # are moved aside (run_dir/old-<time>/checkpoints). For one command line: a requeue with it
+    # still set goes back to step-N again.
+    resume_from: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.resume_from is None:
+            return
+        if not re.fullmatch(r"step-\d+", self.resume_from):
+            raise ConfigError(f"train.resume_from: expected a checkpoint tag like step-40, got "
+                              f"{self.resume_from!r}")
+        if self.resume == "never":
+            raise ConfigError("train.resume_from: contradicts train.resume=never (which starts "
+                              "fresh); leave train.resume at auto")
 
     def grad_accum_for(self, world_size: int) -> int:
         """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit)."""
@@ -143,6 +158,17 @@ class EvalConfig:
     batch_size: int = 8
     max_batches: int = 0  # 0: the whole held-out split
     after_train: bool = True
+    # During training: held-out loss at `depths` every this many steps (0: off), rows of kind
+    # "eval" in metrics.jsonl and wandb (docs/training.md, "Evaluation during training").
+    every_steps: int = 0
+    # During training: continuations of `sample_prompts` every this many steps (0: off), rank 0,
+    # `sample_tokens` new tokens each, sampled at `sample_temperature` (0: greedy) with
+    # train.seed; rows of kind "sample" in metrics.jsonl and a table in wandb.
+    sample_every: int = 0
+    sample_prompts: list[str] = field(
+        default_factory=lambda: ["The", "Return the", "This module provides"])
+    sample_tokens: int = 32
+    sample_temperature: float = 0.8
     # Tasks `scse-launch` runs as jobs after training (scse_dist.task_registry; heldout and
     # diagnose read data.path).
     tasks: list[str] = field(default_factory=lambda: ["heldout"])
@@ -165,7 +191,13 @@ class EvalConfig:
             if need and not field_value(self, need):
                 raise ConfigError(f"eval.{need}: eval.tasks lists {task!r}, so set eval.{need} "
                                   "to its data file")
-        for name in ("stride", "slurm_gpus"):
+        if self.sample_every and not all(p.strip() for p in self.sample_prompts or [""]):
+            raise ConfigError("eval.sample_prompts: need at least one prompt, none empty, when "
+                              "eval.sample_every is set")
+        if self.sample_tokens < 1:
+            raise ConfigError(f"eval.sample_tokens: must be >= 1, got {self.sample_tokens}")
+        for name in ("stride", "slurm_gpus", "every_steps", "max_batches", "sample_every",
+                     "sample_temperature"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name}: must be >= 0, got {getattr(self, name)}")
         if self.slurm_cpus < 1 or self.slurm_time_min < 1:
@@ -456,5 +488,10 @@ def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def config_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML (what config.yaml of a run holds; `scse-train --print-config`)."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    Path(path).write_text(config_yaml(cfg))

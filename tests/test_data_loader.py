@@ -11,6 +11,7 @@ import fsspec
 import numpy as np
 import pytest
 
+from scse_dist.cli_errors import InputError
 from scse_dist.data.mixture import MixedStream
 from scse_dist.data.stream import TokenStream
 from test_data_stream import EOS, IntTokenizer, docs_of, write
@@ -199,7 +200,7 @@ def test_too_many_failures_stop_the_run(tmp_path):
     stream = TokenStream(out, seq_len=5, batch_size=2, max_failures=1, shuffle=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(RuntimeError, match="2 bad shards/samples, more than data.max_failures=1"):
+        with pytest.raises(InputError, match="2 bad shards/samples, more than data.max_failures=1"):
             list(islice(stream, 100))
     for e in index["splits"]["train"]:  # nothing readable at all: an error, not an endless loop
         corrupt(os.path.join(out, e["url"]), "truncate")

@@ -63,6 +63,31 @@ def test_report_writes_markdown_and_a_valid_png(tmp_path, capsys):
     assert "| scse (scse) | lambada | accuracy |" in capsys.readouterr().out
 
 
+def test_eval_rows_of_training_give_a_held_out_curve_per_depth(tmp_path, capsys):
+    import matplotlib.image
+
+    from scse_dist.eval.curves import eval_rows, loss_by_depth
+
+    with_rows = _run(tmp_path, "scse", "scse", {1: 40.0, 4: 20.0})
+    rows = [{"step": 10, "loss": 5.0}, {"step": 10, "kind": "eval", "task": "heldout",
+                                        "heldout_loss_T1": 4.0, "heldout_loss_T4": 3.5},
+            {"step": 20, "kind": "eval", "task": "heldout", "heldout_loss_T1": 3.0,
+             "heldout_loss_T4": 2.0}, {"step": 20, "kind": "sample", "text": "x"}]
+    (with_rows / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"st')
+    assert [r["step"] for r in eval_rows(with_rows)] == [10, 20]
+    assert loss_by_depth(eval_rows(with_rows)) == {1: [(10, 4.0), (20, 3.0)], 4: [(10, 3.5), (20, 2.0)]}
+    without = _run(tmp_path, "additive", "additive", {1: 41.0})
+    assert main([str(with_rows), str(without), "--out", str(tmp_path / "rep")]) == 0
+    assert "heldout_curve.png" in capsys.readouterr().out
+    assert "![held-out loss during training](heldout_curve.png)" in (tmp_path / "rep" / "report.md").read_text()
+    image = matplotlib.image.imread(str(tmp_path / "rep" / "heldout_curve.png"))
+    assert image.shape[1] > 200 and image[..., :3].std() > 0.01
+    # runs without evaluation rows: no curve, and the report does not mention one
+    assert main([str(without), "--out", str(tmp_path / "rep2")]) == 0
+    assert not (tmp_path / "rep2" / "heldout_curve.png").exists()
+    assert "heldout_curve" not in (tmp_path / "rep2" / "report.md").read_text()
+
+
 def test_a_run_without_results_and_a_broken_json_are_named(tmp_path):
     (tmp_path / "empty" / "eval").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="empty: no evaluation results"):

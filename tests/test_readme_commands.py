@@ -76,7 +76,9 @@ def readme_commands(text: str) -> list[str]:
 
 
 def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    """The training rows (evaluation and sample rows carry a "kind")."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "kind" not in r]
 
 
 def _results(path: Path) -> list[dict]:
@@ -106,6 +108,17 @@ def check_shards(d: Path, out: str) -> None:
 
 def check_inspect(d: Path, out: str) -> None:
     assert "OK: read 2,000 documents" in out
+
+
+def check_dry_run(d: Path, out: str) -> None:
+    assert "parameters: 1,180,544" in out and "tokens the run will see: 614,400" in out
+    assert not (d / "runs").exists() and not (d / "data/quickstart").exists()  # nothing created
+
+
+def check_print_config(d: Path, out: str) -> None:
+    printed = yaml.safe_load(out)
+    assert printed["name"] == "quickstart" and printed["eval"]["every_steps"] == 100
+    assert not (d / "runs").exists()
 
 
 def check_quickstart(d: Path, out: str) -> None:
@@ -212,6 +225,9 @@ RUN = [
     Step("scse-data shards --input 'corpus/*.jsonl.gz' --tokenizer data/web/tokenizer.model --out data/web/shards --heldout-fraction 0.005",
          check_shards),
     Step("scse-data inspect data/web/shards", check_inspect),
+    Step("python launch/train.py --config configs/quickstart.yaml --dry-run", check_dry_run),
+    Step("python launch/train.py --config configs/quickstart.yaml --print-config",
+         check_print_config),
     Step("python launch/train.py --config configs/quickstart.yaml", check_quickstart,
          append=f"train.max_steps={QUICKSTART_STEPS} eval.max_batches=2"),
     Step("python launch/train.py --config configs/quickstart.yaml name=quickstart-T8 model.depth=8 train.max_steps=50",
@@ -276,6 +292,9 @@ NOT_RUN = {
     "lm_eval --model hf --model_args pretrained=runs/quickstart/export,trust_remote_code=True --include_path scse_dist/lmeval/tasks --tasks scse_lambada --metadata lambada=lambada_test.jsonl --device cpu":
         "lm-eval's hf model needs accelerate (lm_eval[hf]); tests/test_lmeval.py runs it on a tiny "
         "export against --model scse (test_hf_model_agrees_with_scse_model)",
+    "python launch/train.py --config configs/quickstart.yaml train.resume_from=step-100":
+        "the test's quickstart runs 30 steps (no step-100); tests/test_train_resume.py resumes a "
+        "real run from a chosen tag (test_resume_from_a_chosen_tag_moves_the_newer_ones_aside)",
     "pytest": "runs the test suite's fast tier",
     "pytest -m slow": "runs the test suite's slow tier, this test included",
     "sbatch slurm/pretrain.sh configs/gpt2-small-scse.yaml": SLURM,

@@ -19,7 +19,7 @@ from scse_dist.config import load_config
 from scse_dist.checkpoint import manifest
 from scse_dist.checkpoint.cli import main as ckpt_main
 from scse_dist.checkpoint.resume import refused_changes
-from train_procs import REPO, TRAIN
+from train_procs import REPO, TRAIN, read_metrics
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 
@@ -221,3 +221,29 @@ def test_resume_never_moves_the_old_run_aside_and_require_needs_one(run_copy, tm
     assert out.stderr.strip() == (
         f"scse-train: config error: train.resume: require, but {fresh / 'runs' / 'tiny'} has no "
         f"checkpoint to resume ({fresh / 'runs' / 'tiny' / 'checkpoints' / 'latest'} does not exist)")
+
+
+def test_resume_from_a_chosen_tag_moves_the_newer_ones_aside(run_copy, subprocess_env):
+    config, run_dir = run_copy
+    first_rows = read_metrics(run_dir)
+    out = train(config, subprocess_env, "train.resume_from=step-10")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert resumed_tag(out.stdout) == ("step-0000010", 10)
+    aside = next(run_dir.glob("old-*/checkpoints"))
+    assert sorted(p.name for p in aside.iterdir()) == ["step-0000020"]  # moved, not deleted
+    assert "moved the newer checkpoints step-0000020 to" in out.stdout
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 5, 10, 11, 15, 20]
+    assert rows[-1]["loss"] == first_rows[-1]["loss"]  # the same steps 16-20 again, exactly
+
+
+def test_resume_from_a_missing_tag_lists_the_available_ones_and_changes_nothing(run_copy,
+                                                                                subprocess_env):
+    config, run_dir = run_copy
+    before = snapshot(run_dir)
+    out = train(config, subprocess_env, "train.resume_from=step-15")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"scse-train: config error: train.resume_from: {run_dir} has no checkpoint step-15; "
+        "available: step-0000010, step-0000020"]
+    assert snapshot(run_dir) == before

@@ -5,7 +5,8 @@ Rank 0 decides and broadcasts, so every rank loads the same tag or raises the sa
 1. `train.resume`: `auto` resumes when there is a checkpoint; `never` moves the run dir's previous
    checkpoints, metrics, export and eval aside (`old-<time>/`, nothing deleted) and starts fresh;
    `require` fails when there is nothing to resume.
-2. The tag `latest` names is verified against its manifest (scse_dist.checkpoint.manifest); a broken
+2. `train.resume_from: step-N` picks tag step-N instead (verified; one line listing the tags there
+   when it is absent; the newer tags are moved aside). Otherwise the tag `latest` names is verified against its manifest (scse_dist.checkpoint.manifest); a broken
    tag is reported in one line naming the file, and the newest intact older tag is used instead.
 3. The chosen tag's recorded config (`config.json` in the tag) is compared with this run's, field
    by field: a changed model, or a data field that changes the token stream, is refused.
@@ -24,7 +25,9 @@ import torch.distributed as dist
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, RunConfig, config_to_dict
 from scse_dist.distributed import is_rank0
-from scse_dist.checkpoint.tags import checkpoint_dir, list_checkpoints, remove_partial_saves
+from scse_dist.atomic import atomic_write_text
+from scse_dist.checkpoint.tags import (checkpoint_dir, list_checkpoints, remove_partial_saves,
+                                       tag_for)
 from scse_dist.checkpoint.manifest import CONFIG_NAME, verify_tag
 # Moved aside by `train.resume: never` (the new run would append to or overwrite them).
 PREVIOUS_RUN_FILES = ("checkpoints", "metrics.jsonl", "export", "eval")
@@ -102,6 +105,33 @@ def _move_previous_run(run_dir: Path) -> Optional[Path]:
     return aside
 
 
+def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
+    """train.resume_from: that tag, verified, made `latest`; the newer tags moved aside (they
+    belong to the abandoned continuation, and pruning would otherwise keep them over the new)."""
+    root = checkpoint_dir(run_dir)
+    if remote:
+        raise ConfigError("train.resume_from: not supported with a remote output_dir (only the "
+                          "remote `latest` is fetched); copy the run dir locally to resume from it")
+    want = tag_for(int(cfg.train.resume_from.split("-")[1]))
+    available = [p.name for p in list_checkpoints(run_dir)]
+    if want not in available:
+        raise ConfigError(f"train.resume_from: {run_dir} has no checkpoint {cfg.train.resume_from}; "
+                          f"available: {', '.join(available) or 'none'}")
+    status = verify_tag(root / want)
+    if not status.intact:
+        raise InputError(f"train.resume_from: checkpoint {want}: {status.problem}")
+    newer = [root / t for t in available if t > want]
+    if newer:
+        aside = run_dir / time.strftime("old-%Y%m%d-%H%M%S") / "checkpoints"
+        aside.mkdir(parents=True, exist_ok=True)
+        for path in newer:
+            path.rename(aside / path.name)
+        print(f"train.resume_from={cfg.train.resume_from}: moved the newer checkpoints "
+              f"{', '.join(p.name for p in newer)} to {aside}", flush=True)
+    atomic_write_text(root / "latest", want)  # a kill before the next save resumes it again
+    return want
+
+
 def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Optional[str]:
     mode = cfg.train.resume
     root = checkpoint_dir(run_dir)
@@ -116,7 +146,7 @@ def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Optional[str]:
         return None
     for path in remove_partial_saves(run_dir):
         print(f"removed {path}: a save that did not finish", flush=True)
-    tag = choose_tag(root)
+    tag = chosen_tag(cfg, run_dir, remote) if cfg.train.resume_from else choose_tag(root)
     if tag is None:
         if mode == "require":
             raise ConfigError(f"train.resume: require, but {run_dir} has no checkpoint to resume "

@@ -259,8 +259,9 @@ class TokenStream:
                     reader.prefetch([(s, j) for s, j, _, _ in items[i:fetched_to]])
                 packed = self._packed(reader, item)
                 if reader.failures > self.max_failures:
-                    raise RuntimeError(f"{self.path}: {reader.failures} bad shards/samples, more than "
-                                       f"data.max_failures={self.max_failures}; see the warnings")
+                    raise InputError(f"{self.path}: {reader.failures} bad shards/samples, more than "
+                                     f"data.max_failures={self.max_failures}; see the warnings, "
+                                     "then repair or rebuild the shards (or raise data.max_failures)")
                 if packed is None:
                     continue
                 epoch_has_data = True
@@ -321,8 +322,11 @@ class TokenStream:
                 self.reader_failures[slot] = progress["failures"]
                 self.bad.update(map(tuple, progress["bad"]))
                 if self.failures > self.max_failures:
-                    raise RuntimeError(f"{self.path}: {self.failures} bad shards/samples on rank "
-                                       f"{self.rank}, more than data.max_failures={self.max_failures}")
+                    # InputError: exit 65 and one line; the last checkpoint stays as it was
+                    raise InputError(f"{self.path}: {self.failures} bad shards/samples on rank "
+                                     f"{self.rank}, more than data.max_failures={self.max_failures}; "
+                                     "see the warnings, then repair or rebuild the shards (or raise "
+                                     "data.max_failures)")
             if batches.dim() == 2:
                 self.consumed += 1
                 self._log_starts(progress, 0)

@@ -103,15 +103,18 @@ def _resolve_run_dir(study_dir: Path, run_dir: str) -> Path:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl rows; a torn last line (a run killed mid-write) is skipped."""
+    """metrics.jsonl's training rows; a torn last line (a run killed mid-write) is skipped, and so
+    are rows with a "kind" (evaluation and samples during training, docs/training.md)."""
     if not path.is_file():
         return []
     rows = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(row, dict) and "kind" not in row:
+            rows.append(row)
     return rows
 
 

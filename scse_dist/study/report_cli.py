@@ -46,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths = write_report(args.runs, args.out or "report",
                          WandbConfig(enabled=True, mode=args.wandb or "disabled"),
                          wandb_name="scse-report", wandb_group="scse-report")
-    print(f"wrote {paths['report']} and {paths['plot']}")
+    print(f"wrote {paths['report']} and {paths['plot']}"
+          + (f" and {paths['curve']}" if paths["curve"] else ""))
     return 0
 
 

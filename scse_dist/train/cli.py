@@ -6,7 +6,8 @@ Exit status: 0 done; 2 bad config (one line on stderr, before any process group 
 for a global batch that does not divide at the launcher's world size); 3 too many non-finite
 steps in a row; 65 bad input data (shards of another tokenizer, a tokenizer file that is not one,
 corrupt data); 66 an input is missing or unreadable (data.path, data.tokenizer); 75 preempted by
-SIGTERM/SIGUSR1 after saving a checkpoint (rerun to resume). Errors are one line on stderr
+SIGTERM/SIGUSR1 or Ctrl-C after saving a checkpoint (rerun to resume); 130 a second Ctrl-C (stopped
+at once, nothing saved). Errors are one line on stderr
 (scse_dist.cli_errors), from every rank that meets them.
 """
 
@@ -16,15 +17,43 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from scse_dist.cli_errors import cli_main
-from scse_dist.config import load_config
+from scse_dist.config import config_yaml, load_config
+
+
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+EXIT_STATUSES = """exit statuses:
+  0    finished: checkpoint, export (and evaluation) written
+  2    bad arguments or config, before anything starts (one line naming the field)
+  3    train.max_nonfinite_steps non-finite steps in a row; the last good checkpoint is kept
+  65   bad input data (another tokenizer's shards, corrupt data past data.max_failures)
+  66   an input is missing or unreadable (data.path, data.tokenizer)
+  75   preempted by SIGTERM, SIGUSR1 or Ctrl-C: the step in flight was saved; rerun to resume
+  130  a second Ctrl-C: stopped at once without saving"""
+
+
+def _epilog() -> str:
+    shipped = sorted(p.name for p in CONFIGS_DIR.glob("*.yaml")) if CONFIGS_DIR.is_dir() else []
+    configs = ("shipped configs (configs/): " + ", ".join(shipped)) if shipped else \
+        "shipped configs: configs/*.yaml in the repository"
+    return (f"{EXIT_STATUSES}\n\nconfig fields: docs/config.md (every field, its default and "
+            f"meaning); training: docs/training.md\n{configs}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="scse-train", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="scse-train", description=__doc__.split("\n\n")[0],
+                                     epilog=_epilog(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="run config YAML (defaults when omitted)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the parameter count, FLOPs per token at the run's depths, "
+                             "the tokens it will see and a memory estimate, then exit 0 without "
+                             "creating anything")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (YAML, overrides applied) and exit 0")
     # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment is what we use.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
@@ -36,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # a ConfigError is exit 2, before any process group
+    if args.print_config:
+        print(config_yaml(cfg), end="")
+        return 0
+    if args.dry_run:  # before the data checks: it reports what they would say
+        from scse_dist.train.dry_run import describe
+
+        print(describe(cfg, args.config, args.overrides))
+        return 0
     from scse_dist.data.preflight import check_run_data
 
     check_run_data(cfg, args.config, args.overrides)  # bad data: one line before torch is imported

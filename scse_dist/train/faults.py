@@ -5,8 +5,9 @@ Exit statuses of `scse-train` / `launch/train.py` (documented in docs/checkpoint
   2   config error, before any process group started
   3   stopped after `train.max_nonfinite_steps` non-finite steps in a row; the last good
       checkpoint is left untouched
-  75  preempted (SIGTERM or SIGUSR1): the step in flight finished, a checkpoint was saved,
-      rerun (e.g. `scontrol requeue`) to resume. 75 is EX_TEMPFAIL, "try again later".
+  75  preempted (SIGTERM, SIGUSR1 or Ctrl-C): the step in flight finished, a checkpoint was
+      saved, rerun (e.g. `scontrol requeue`) to resume. 75 is EX_TEMPFAIL, "try again later".
+  130 a second Ctrl-C: stopped at once, nothing saved (the last checkpoint is intact)
 
 Fault injection (`SCSE_FAULT`, comma-separated `kind@step[:rankR]`, steps 1-based as in the
 metrics; no rank means every rank) lets tests drive these paths in real processes:
@@ -15,12 +16,15 @@ metrics; no rank means every rank) lets tests drive these paths in real processe
   kill_in_save@10     SIGKILL in the middle of saving checkpoint step 10 (files written, not committed)
   kill_in_upload@10   SIGKILL after the first file of checkpoint step 10 reached the remote
                       output_dir (committed locally, half uploaded, remote `latest` not moved)
+  stall@3             step 3 prints "fault: stalling step 3" and sleeps $SCSE_FAULT_STALL_S
+                      seconds (default 60) before it runs: a step in flight to interrupt
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,9 +32,14 @@ import torch
 
 REQUEUE_EXIT_CODE = 75
 NONFINITE_EXIT_CODE = 3
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended
 FAULT_ENV = "SCSE_FAULT"
+STALL_ENV = "SCSE_FAULT_STALL_S"
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_KINDS = {"nan", "sigterm", "sigusr1", "kill_in_save", "kill_in_upload"}
+_KINDS = {"nan", "sigterm", "sigusr1", "kill_in_save", "kill_in_upload", "stall"}
+_FIRST_CTRL_C = (b"scse-train: Ctrl-C: finishing the step in flight, saving a checkpoint, then exiting "
+                 b"(status 75; rerun to resume). Ctrl-C again stops at once without saving.\n")
+_SECOND_CTRL_C = b"scse-train: interrupted again: stopped without saving (the last checkpoint is intact)\n"
 
 
 class TrainingStopped(Exception):
@@ -42,15 +51,22 @@ class TrainingStopped(Exception):
 
 
 class PreemptionFlag:
-    """SIGTERM/SIGUSR1 set a flag instead of killing the process; the loop reads it once per step
-    (agreed across ranks) so the step in flight finishes and a checkpoint is saved."""
+    """SIGTERM/SIGUSR1 and Ctrl-C (SIGINT) set a flag instead of killing the process; the loop
+    reads it once per step (agreed across ranks) so the step in flight finishes and a checkpoint
+    is saved. A Ctrl-C after the flag is set exits at once with status 130: the user wants out
+    now, and atomic saves leave the last checkpoint intact whatever was in flight."""
 
     def __init__(self) -> None:
         self.signal_name: Optional[str] = None
         self._previous = {}
+        self._pid = os.getpid()
+        self._ctrl_c = False  # a Ctrl-C came: the next one exits at once
+        # one line per Ctrl-C, from rank 0 only (every rank of a terminal's job gets the SIGINT)
+        self._says = os.environ.get("RANK", "0") == "0"
 
     def install(self) -> "PreemptionFlag":
-        for sig in PREEMPT_SIGNALS:
+        self._pid = os.getpid()
+        for sig in (*PREEMPT_SIGNALS, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -60,8 +76,24 @@ class PreemptionFlag:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: object) -> None:
-        # Only set the flag: a handler runs between bytecodes, possibly inside a collective.
-        self.signal_name = signal.Signals(signum).name
+        # Only set the flag: a handler runs between bytecodes, possibly inside a collective (or a
+        # print: hence os.write, which cannot re-enter a buffered stream).
+        if os.getpid() != self._pid:  # a forked data-loader worker: the trainer process decides
+            return
+        if signum != signal.SIGINT:
+            self.signal_name = signal.Signals(signum).name
+            return
+        if self._ctrl_c:
+            self._say(_SECOND_CTRL_C)
+            os._exit(INTERRUPTED_EXIT_CODE)
+        # set before saying so: a second Ctrl-C that lands during the write must see them
+        self._ctrl_c = True
+        self.signal_name = self.signal_name or "SIGINT"
+        self._say(_FIRST_CTRL_C)
+
+    def _say(self, line: bytes) -> None:
+        if self._says:
+            os.write(2, line)
 
     @property
     def requested(self) -> bool:
@@ -104,6 +136,9 @@ class FaultInjector:
         for kind, sig in (("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1)):
             if self._due(kind, step):
                 os.kill(os.getpid(), sig)
+        if self._due("stall", step):
+            print(f"fault: stalling step {step}", flush=True)
+            time.sleep(float(os.environ.get(STALL_ENV, "60")))
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         return loss * float("nan") if self._due("nan", step) else loss

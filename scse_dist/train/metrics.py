@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import torch
 
+from scse_dist.atomic import atomic_write_text
 from scse_dist.config import WandbConfig
 
 PEAK_FLOPS_ENV = "SCSE_PEAK_FLOPS"
@@ -63,6 +64,28 @@ def format_line(row: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def cut_metrics(path: str | Path, step: int) -> int:
+    """Drop the rows of `path` past `step` (and a torn last line), atomically; returns how many.
+
+    At a resume from checkpoint step N the rows a dead run wrote after N would be written again:
+    without the cut, metrics.jsonl would hold those steps twice and go backwards."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and int(row.get("step", 0)) <= step:
+            kept.append(line)
+    if len(kept) != len(lines):
+        atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+    return len(lines) - len(kept)
+
+
 class MetricsLogger:
     """Writes each logged row to the console, run_dir/metrics.jsonl (flushed) and wandb.
 
@@ -88,14 +111,32 @@ class MetricsLogger:
                                      group=wandb_cfg.group, name=run_name, mode=wandb_cfg.mode,
                                      dir=run_dir, config=config_dict, settings=wandb_settings())
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: dict[str, Any], console_tail: str = "") -> None:
+        """A training row: the console line (with `console_tail`, e.g. elapsed time and ETA, which
+        only the console shows), then metrics.jsonl and wandb."""
         if not self.enabled:
             return
-        print(format_line(row), flush=True)
+        print(format_line(row) + console_tail, flush=True)
+        self.write(row)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Any row (evaluation, samples: they carry a "kind") to metrics.jsonl and wandb only."""
+        if not self.enabled:
+            return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._wandb is not None:
-            self._wandb.log(row, step=row["step"])
+            self._wandb.log(self._for_wandb(row), step=row["step"])
+
+    @staticmethod
+    def _for_wandb(row: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in row.items() if k != "kind"}
+        if "samples" in out:  # generations during training: one table per step
+            import wandb
+
+            out["samples"] = wandb.Table(columns=["prompt", "text"],
+                                         data=[[s["prompt"], s["text"]] for s in out["samples"]])
+        return out
 
     def close(self) -> None:
         if self._file is not None:

@@ -1,0 +1,65 @@
+"""Held-out loss against training step, from the evaluation rows the trainer writes during
+training (eval.every_steps; rows of kind "eval" in RUN/metrics.jsonl, docs/training.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional, Sequence
+
+CURVE_NAME = "heldout_curve.png"
+_LOSS_KEY = re.compile(r"^heldout_loss_T(\d+)$")
+
+
+def eval_rows(run_dir: str | Path) -> list[dict]:
+    """The run's evaluation rows in file order ([] without metrics.jsonl; torn lines skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("kind") == "eval":
+            rows.append(row)
+    return rows
+
+
+def loss_by_depth(rows: list[dict]) -> dict[int, list[tuple[int, float]]]:
+    """{depth: [(step, held-out loss), ...]} sorted by depth, then step."""
+    curves: dict[int, list[tuple[int, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            match = _LOSS_KEY.match(key)
+            if match:
+                curves.setdefault(int(match.group(1)), []).append((int(row["step"]), value))
+    return {d: sorted(points) for d, points in sorted(curves.items())}
+
+
+def heldout_curve_plot(run_dirs: Sequence[str | Path], path: str | Path) -> Optional[str]:
+    """One panel per run that has evaluation rows, one line per depth; None when none has."""
+    runs = [(Path(r), loss_by_depth(eval_rows(r))) for r in run_dirs]
+    runs = [(r, curves) for r, curves in runs if curves]
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.6), squeeze=False)
+    for ax, (run_dir, curves) in zip(axes[0], runs):
+        for depth, points in curves.items():
+            ax.plot([s for s, _ in points], [v for _, v in points], marker=".", label=f"T={depth}")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("held-out loss")
+        ax.set_title(run_dir.name)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,17 @@
+"""The export at the end of training: the final checkpoint consolidated to an fp32 model dir."""
+
+from __future__ import annotations
+
+from scse_dist.distributed import barrier
+from scse_dist.train.callbacks.base import Callback, TrainState
+from scse_dist.checkpoint.tags import export_final, tag_for
+
+
+class ExportCallback(Callback):
+    """run_dir/export (scse_dist.checkpoint.tags.export_final); the path in summary["export_dir"]
+    on rank 0. After the checkpoint callback, whose on_train_end saves the final step."""
+
+    def on_train_end(self, state: TrainState) -> None:
+        barrier()
+        state.summary["export_dir"] = export_final(state.engine, state.cfg, state.run_dir,
+                                                   tag_for(state.max_steps), state.storage)

@@ -1,0 +1,132 @@
+"""eval.every_steps: held-out loss at eval.depths during training, as rows of their own.
+
+Every rank evaluates its share of the held-out split (the shards' `heldout` split, read as
+TokenStream reads it for training, one reader per rank) without gradients; the summed NLL and
+token counts are all-reduced, so the row is the loss over every rank's batches. eval.max_batches
+counts batches over all ranks (each rank takes ceil(max_batches / world size)). The ranks run the
+same number of forwards (a rank whose share runs out stops them all), which ZeRO-3's parameter
+gathers need; under ZeRO-3 the losses come from the model's own forward (forward_rows). At world size 1 the numbers equal those of `scse-eval --task heldout` on a
+checkpoint of that step (same batches, same code: scse_dist.eval.perplexity.evaluate_heldout).
+
+Row in metrics.jsonl (and wandb), one per evaluation:
+    {"step": 40, "kind": "eval", "task": "heldout", "heldout_loss_T1": 5.89, "heldout_ppl_T1": 362.7,
+     ..., "tokens": 2048, "eval_time_s": 0.41}
+Training rows have no "kind"; readers of training rows skip rows that have one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import Iterator, Optional
+
+import torch
+
+from scse_dist.train.callbacks.base import Callback, TrainState, every
+from scse_dist.train.step import sum_over_ranks
+
+EVAL_KIND = "eval"
+
+
+def agreed_batches(batches: Iterator[torch.Tensor], limit: int, device: torch.device
+                   ) -> Iterator[torch.Tensor]:
+    """Up to `limit` (0: no limit) batches, while every rank still has one: one tiny all-reduce
+    per batch keeps the ranks' forward counts equal."""
+    for _ in (range(limit) if limit else itertools.count()):
+        batch = next(batches, None)
+        ran_out = sum_over_ranks(torch.tensor([float(batch is None)], device=device))
+        if float(ran_out) > 0:
+            return
+        yield batch
+
+
+def forward_rows(model: torch.nn.Module, batches: Iterator[torch.Tensor], depths: list[int]
+                 ) -> list[dict]:
+    """evaluate_heldout's rows through the model's own forward (loss_by_depth). Under ZeRO-3:
+    the evaluation scorer reads the LM head's weight outside the forward, where ZeRO-3 holds it
+    partitioned; inside, its hooks gather every parameter. Equal to evaluate_heldout to ~1e-9."""
+    nll = {d: 0.0 for d in depths}
+    tokens, was_training = 0, model.training
+    untied = getattr(model, "fixed_depth", None) is not None
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                batch = batch.to(next(model.parameters()).device)
+                n = int(batch[:, 1:].ne(-100).sum())
+                if untied:  # its own depth only; it cannot read out others
+                    losses = {depths[0]: model(batch[:, :-1], batch[:, 1:], keep_logits=False).loss}
+                else:
+                    losses = model(batch[:, :-1], batch[:, 1:], depth=max(depths),
+                                   readout_depths=depths, keep_logits=False).loss_by_depth
+                for d in depths:  # mean CE x token count = summed NLL
+                    nll[d] += float(losses[d].double()) * n
+                tokens += n
+    finally:
+        model.train(was_training)
+    if tokens == 0:
+        raise ValueError("held-out evaluation: the batches held no tokens")
+    return [{"depth": d, "loss": nll[d] / tokens, "ppl": math.exp(min(nll[d] / tokens, 700.0)),
+             "tokens": tokens} for d in depths]
+
+
+def reduce_rows(rows: list[dict], device: torch.device) -> list[dict]:
+    """Per-depth rows of one rank -> the same rows over every rank (token-weighted mean loss)."""
+    values = torch.tensor([r["loss"] * r["tokens"] for r in rows] + [rows[0]["tokens"]],
+                          dtype=torch.float64, device=device)
+    *nll, tokens = sum_over_ranks(values).tolist()
+    return [{"depth": r["depth"], "loss": s / tokens, "ppl": math.exp(min(s / tokens, 700.0)),
+             "tokens": int(tokens)} for r, s in zip(rows, nll)]
+
+
+class HeldoutEvalCallback(Callback):
+    def __init__(self, every_steps: int) -> None:
+        self.every_steps = every_steps
+        self.depths: list[int] = []
+
+    def on_start(self, state: TrainState) -> None:
+        model = state.engine.module
+        # an untied model reads out its own depth only (said once here, not at every eval)
+        fixed: Optional[int] = getattr(model, "fixed_depth", None)
+        self.depths = [fixed] if fixed is not None else sorted(set(state.cfg.eval.depths))
+        self._stream(state)  # a missing or too small held-out split fails now, not at step N
+
+    def _stream(self, state: TrainState):
+        from scse_dist.data.stream import TokenStream
+
+        cfg, env = state.cfg, state.env
+        return TokenStream(cfg.data.path, split="heldout", seq_len=cfg.data.seq_len,
+                           batch_size=cfg.eval.batch_size, rank=env.rank,
+                           world_size=env.world_size, seed=0, loop=False,
+                           tokenizer_sha256=state.tokenizer.sha256)
+
+    def on_step_end(self, state: TrainState) -> None:
+        if every(self.every_steps, state.step):
+            self.evaluate(state)
+
+    def evaluate(self, state: TrainState) -> dict:
+        from scse_dist.eval.perplexity import evaluate_heldout
+
+        start = time.perf_counter()
+        device = state.engine.device
+        world = state.env.world_size
+        limit = -(-state.cfg.eval.max_batches // world)  # ceil; 0 stays 0 (the whole split)
+        batches = agreed_batches(iter(self._stream(state)), limit, device)
+        if state.engine.zero_optimization_stage() == 3:
+            rows = forward_rows(state.engine.module, batches, self.depths)
+        else:
+            rows = evaluate_heldout(state.engine.module, batches, self.depths)
+        if world > 1:
+            rows = reduce_rows(rows, device)
+        row: dict = {"step": state.step, "kind": EVAL_KIND, "task": "heldout"}
+        for r in rows:
+            row[f"heldout_loss_T{r['depth']}"] = r["loss"]
+            row[f"heldout_ppl_T{r['depth']}"] = r["ppl"]
+        row.update(tokens=rows[0]["tokens"], eval_time_s=time.perf_counter() - start)
+        if state.rank0:
+            losses = " | ".join(f"T{r['depth']} {r['loss']:.4f}" for r in rows)
+            print(f"eval step {state.step:>6d} | heldout loss {losses} | {row['eval_time_s']:.2f} s",
+                  flush=True)
+        state.logger.write(row)
+        return row

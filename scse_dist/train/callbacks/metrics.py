@@ -1,0 +1,77 @@
+"""The training row: loss, lr, depth, throughput and MFU every train.log_every steps, to the console,
+metrics.jsonl and wandb (scse_dist.train.metrics.MetricsLogger, rank 0)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from scse_dist.progress import eta_seconds, format_duration
+from scse_dist.train.callbacks.base import Callback, TrainState
+from scse_dist.train.metrics import peak_flops, peak_memory
+from scse_dist.train.step import sum_over_ranks
+
+
+class MetricsCallback(Callback):
+    """Averages the loss over the steps since the last row (all ranks, one all-reduce per row).
+    Throughput and step time count the optimizer steps' own time (their data loading included),
+    not what hooks do between them (evaluation, samples, checkpoint saves)."""
+
+    def on_start(self, state: TrainState) -> None:
+        from scse_dist.model import flops_per_token
+
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops(state.engine.device) if state.rank0 else None
+        self.started = time.perf_counter()  # elapsed and ETA count this process's steps
+        # (sum of good micro-batch losses, count) since the last row
+        self.loss_window = torch.zeros(2, device=state.engine.device)
+        self._new_window()
+
+    def _new_window(self) -> None:
+        self.window_seconds, self.window_steps, self.window_flops = 0.0, 0, 0.0
+        self.loss_window.zero_()
+
+    def on_step_end(self, state: TrainState) -> None:
+        result = state.result
+        if not result.skipped:
+            self.loss_window += torch.stack(
+                [result.loss_sum, torch.tensor(float(result.micro_batches)).to(result.loss_sum)])
+        self.window_steps += 1
+        self.window_seconds += state.step_seconds
+        self.window_flops += self.flops_per_token(state.cfg.model, result.depth, state.cfg.data.seq_len)
+        step = state.step
+        if step % state.cfg.train.log_every == 0 or step == state.max_steps \
+                or step == state.start_step + 1:
+            self._log(state)
+        elif state.metrics_extra:  # loop diagnostics off a log step: a row of their own
+            state.logger.log({"step": step, **state.metrics_extra})
+        state.metrics_extra.clear()
+
+    def _log(self, state: TrainState) -> None:
+        # loss sum, token count and bad-input events (skipped corrupt shards or samples) of every
+        # rank in one all-reduce
+        total, count, data_failures = sum_over_ranks(torch.cat(
+            [self.loss_window, self.loss_window.new_tensor([state.stream.failures])])).tolist()
+        loss = total / count if count else float("nan")
+        seconds = self.window_seconds
+        tokens_per_s = state.tokens_per_step * self.window_steps / seconds
+        mfu = (self.window_flops / self.window_steps) * tokens_per_s \
+            / (state.env.world_size * self.peak) if self.peak else None
+        state.logger.log({
+            "step": state.step, "loss": loss, "lr": state.lr, "depth": state.result.depth,
+            "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": seconds / self.window_steps,
+            "tokens": state.step * state.tokens_per_step, "skipped_steps": state.skipped_steps,
+            "data_failures": int(data_failures), **peak_memory(state.engine.device),
+            **state.metrics_extra},
+            console_tail=self._progress(state))
+        state.first_loss = loss if state.first_loss is None else state.first_loss
+        state.last_loss = loss
+        self._new_window()
+
+    def _progress(self, state: TrainState) -> str:
+        """` | elapsed 1:02 | ETA 5:10`: time since this process's first step, and the rest at
+        the rate so far (evaluation and checkpoints included)."""
+        elapsed = time.perf_counter() - self.started
+        eta = eta_seconds(state.step - state.start_step, state.max_steps - state.start_step, elapsed)
+        return f" | elapsed {format_duration(elapsed)} | ETA {format_duration(eta)}"

@@ -1,0 +1,63 @@
+"""eval.sample_every: continuations of a few fixed prompts during training, to read along.
+
+Rank 0 generates (scse_dist.generate, KV cache) at the model's default depth, sampling at
+eval.sample_temperature with the run's seed (its own generator: training's random state is
+untouched, and the same seed at every step makes the samples comparable over training). One row:
+    {"step": 100, "kind": "sample", "depth": 4, "temperature": 0.8,
+     "samples": [{"prompt": "Return the", "text": " number of ..."}, ...]}
+in metrics.jsonl, a table in wandb, and a console line per prompt. Not under ZeRO-3, whose ranks
+each hold a slice of the weights (refused at the start).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from scse_dist.config import ConfigError
+from scse_dist.train.callbacks.base import Callback, TrainState, every
+
+SAMPLE_KIND = "sample"
+
+
+def continuation(tokenizer: Any, prompt: Sequence[int], new: Sequence[int]) -> str:
+    """The text `new` adds to `prompt`, its leading space kept (decoding `new` alone drops the
+    space that a word-initial piece carries)."""
+    new = [t for t in new if t != tokenizer.eos_id]
+    head, whole = tokenizer.decode(list(prompt)), tokenizer.decode([*prompt, *new])
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new)
+
+
+class SampleCallback(Callback):
+    def __init__(self, every_steps: int) -> None:
+        self.every_steps = every_steps
+
+    def on_start(self, state: TrainState) -> None:
+        if state.engine.zero_optimization_stage() == 3:
+            raise ConfigError("eval.sample_every: not with train.zero_stage=3 (each rank holds a "
+                              "slice of the weights); set it to 0 or use ZeRO 0-2")
+        self.prompts = [state.tokenizer.encode(p) for p in state.cfg.eval.sample_prompts]
+
+    def on_step_end(self, state: TrainState) -> None:
+        if state.rank0 and every(self.every_steps, state.step) and not state.result.stop:
+            self.sample(state)
+
+    def sample(self, state: TrainState) -> dict:
+        from scse_dist.generate import Sampling, generate
+
+        cfg, model = state.cfg, state.engine.module
+        sampling = Sampling(temperature=cfg.eval.sample_temperature, seed=cfg.train.seed)
+        was_training = model.training
+        model.eval()
+        try:
+            out = generate(model, self.prompts, max_new_tokens=cfg.eval.sample_tokens,
+                           sampling=sampling, eos_id=state.tokenizer.eos_id)
+        finally:
+            model.train(was_training)
+        samples = [{"prompt": text, "text": continuation(state.tokenizer, ids, new)}
+                   for text, ids, new in zip(cfg.eval.sample_prompts, self.prompts, out.tokens)]
+        for s in samples:
+            print(f"sample step {state.step:>6d} | {s['prompt']!r} -> {s['text']!r}"[:400], flush=True)
+        row = {"step": state.step, "kind": SAMPLE_KIND, "depth": cfg.model.depth,
+               "temperature": sampling.temperature, "samples": samples}
+        state.logger.write(row)
+        return row
