@@ -209,3 +209,14 @@ def test_a_rerun_with_fewer_steps_than_its_checkpoint_is_refused_and_saves_nothi
         f"scse-train: config error: train.max_steps: {trained['run_dir']} resumed at step ")
     assert "past train.max_steps=5: raise train.max_steps to continue that run" in out.stderr
     assert (sorted(p.name for p in ckpts.iterdir()), (ckpts / "latest").read_text()) == before
+
+
+def test_diagnostics_off_the_log_steps_get_rows_of_their_own(tmp_path, tiny_config, subprocess_env):
+    cfg = tiny_config(tmp_path, "train.max_steps=6", "train.diagnostics_every=3",
+                      "train.checkpoint_every=6")
+    stdout = must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))
+    rows = read_metrics(tmp_path / "runs" / "tiny")
+    assert [(r["step"], "loss" in r, "diag/D_kept" in r) for r in rows] == [
+        (1, True, False), (3, False, True), (5, True, False), (6, True, True)]
+    assert set(rows[1]) == {"step"} | DIAG_KEYS
+    assert "step      3 | D_T/D_0 " in stdout
