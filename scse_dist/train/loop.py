@@ -26,6 +26,7 @@ from scse_dist.threads import configure_threads
 from scse_dist.train.callbacks.after_training import AfterTrainingEval
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.callbacks.checkpointing import CheckpointCallback
+from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
 from scse_dist.train.callbacks.export import ExportCallback
 from scse_dist.train.callbacks.heldout_eval import HeldoutEvalCallback
 from scse_dist.train.callbacks.metrics import MetricsCallback
@@ -59,7 +60,9 @@ def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Ca
     evaluation."""
     optional = [HeldoutEvalCallback(cfg.eval.every_steps)] if cfg.eval.every_steps else []
     optional += [SampleCallback(cfg.eval.sample_every)] if cfg.eval.sample_every else []
-    return [NonFiniteCallback(cfg.train.max_nonfinite_steps), MetricsCallback(), *optional,
+    # Loop diagnostics before the row they join (state.metrics_extra).
+    return [NonFiniteCallback(cfg.train.max_nonfinite_steps), LoopDiagnosticsCallback(),
+            MetricsCallback(), *optional,
             CheckpointCallback(), preemption, ExportCallback(), AfterTrainingEval()]
 
 
@@ -107,7 +110,8 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
         state.result = train_step(engine, (next(batches) for _ in range(t.grad_accum_steps)),
                                   depth=depth, backprop_steps=t.depth.backprop_steps,
                                   stop_requested=preemption.requested,
-                                  loss_hook=lambda loss: state.faults.loss(step + 1, loss))
+                                  loss_hook=lambda loss: state.faults.loss(step + 1, loss),
+                                  before_update=lambda engine: _before_update(callbacks, state))
         state.step_seconds = time.perf_counter() - started  # data included; hooks are not
         state.step = step + 1
         for callback in callbacks:
@@ -116,6 +120,11 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
             return
     for callback in callbacks:
         callback.on_train_end(state)
+
+
+def _before_update(callbacks: list[Callback], state: TrainState) -> None:
+    for callback in callbacks:
+        callback.before_update(state)
 
 
 def _teardown(state: TrainState, callbacks: list[Callback]) -> None:
