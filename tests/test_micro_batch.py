@@ -163,3 +163,35 @@ def test_dry_run_counts_auto_at_its_largest_candidate(tiny_config, tmp_path, mon
     report = describe(tiny_cfg(tiny_config, tmp_path))
     assert "world size 1: 64 (auto: at most) sequences x 1 accumulation x 1 ranks x 32 tokens = " \
            "2,048 tokens per step" in report
+
+
+AGREE = """
+import os, torch
+from scse_dist.distributed import init_distributed, shutdown
+from scse_dist.train.micro_batch import agree
+env = init_distributed()
+print("agreed", agree([16, 8][env.rank], torch.device("cpu")))
+shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_smallest_choice(subprocess_env):
+    from train_procs import run_ranks
+
+    results = run_ranks(["-c", AGREE], subprocess_env, world=2, timeout=120)
+    assert [r.returncode for r in results] == [0, 0], results[0].tail() + results[1].tail()
+    assert [r.stdout.split()[-1] for r in results] == ["8", "8"]
+
+
+@pytest.mark.slow
+def test_auto_on_two_ranks_splits_the_rank_share_and_trains(tmp_path, tiny_config, subprocess_env):
+    from train_procs import all_passed, train_ranks
+
+    cfg = tiny_config(tmp_path, "train.micro_batch_size=auto", "train.global_batch_size=64",
+                      "train.depth.max=3", "train.max_steps=2", f"train.micro_batch_memory_gib={12 / 1024}")
+    results = train_ranks(cfg, subprocess_env)
+    stdout = all_passed(results)
+    assert "micro-batch auto: 8 (16 needs" in stdout, stdout
+    assert "grad_accum_steps 4 for global batch 64 at world size 2" in stdout
+    assert "micro-batch auto" not in results[1].stdout  # rank 0 says it once
