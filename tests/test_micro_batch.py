@@ -195,3 +195,21 @@ def test_auto_on_two_ranks_splits_the_rank_share_and_trains(tmp_path, tiny_confi
     assert "micro-batch auto: 8 (16 needs" in stdout, stdout
     assert "grad_accum_steps 4 for global batch 64 at world size 2" in stdout
     assert "micro-batch auto" not in results[1].stdout  # rank 0 says it once
+
+
+@pytest.mark.slow
+def test_a_resume_may_choose_another_micro_batch(tmp_path, tiny_config, subprocess_env):
+    """The config saved in the run dir keeps auto; the resumed run probes again and continues."""
+    cfg = tiny_config(tmp_path, "train.micro_batch_size=auto", "train.global_batch_size=64",
+                      "train.depth.max=3", "train.checkpoint_every=2", "train.log_every=1")
+    outs = []
+    for steps, budget_mib in ((2, 24), (4, 12)):
+        proc = subprocess.run([sys.executable, TRAIN, "--config", cfg, f"train.max_steps={steps}",
+                               f"train.micro_batch_memory_gib={budget_mib / 1024}"],
+                              env=subprocess_env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(proc.stdout)
+    assert "micro-batch auto: 16 (" in outs[0] and "steps 0..2" in outs[0]
+    assert "micro-batch auto: 8 (16 needs" in outs[1] and "steps 2..4" in outs[1]
+    assert "grad_accum_steps 8 for global batch 64" in outs[1]
+    assert [step for step, _ in _losses(tmp_path / "runs/tiny")] == [1, 2, 3, 4]
