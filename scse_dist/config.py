@@ -107,6 +107,9 @@ class TrainConfig:
     muon_weight_decay: float = 0.0
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
     log_every: int = 10
+    # Loop diagnostics (scse_dist.train.diagnostics: deviation norms, anchor scale, gradient
+    # shares) on one fixed held-out batch every this many steps; null: log_every; 0: off.
+    diagnostics_every: Optional[int] = None
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     seed: int = 0
@@ -271,6 +274,7 @@ def _check_consistency(cfg: RunConfig) -> None:
                         "train.global_batch_size": t.global_batch_size,
                         "train.micro_batch_memory_gib": t.micro_batch_memory_gib,
                         "train.depth.backprop_steps": d.backprop_steps,
+                        "train.diagnostics_every": t.diagnostics_every or 0,
                         "eval.max_batches": cfg.eval.max_batches}.items():
         if value < 0:
             raise ConfigError(f"{name}: must be >= 0, got {value}")

@@ -156,6 +156,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def abandon() -> None:
+    """Destroy the process group after a start-up error, without a barrier: the error may be
+    this rank's alone, and a barrier would wait for peers that never come. Left alive, gloo's
+    threads sometimes abort the exiting interpreter ("terminate called without an active
+    exception", exit -6 instead of the error's status)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def shutdown(engine: object | None = None) -> None:
     """Tear down in the order that avoids gloo's abort at interpreter exit (pytorch #190489)."""
     if not dist.is_initialized():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from scse_dist.config import DepthSamplingConfig
-from scse_dist.train.depth import sample_depth
+from scse_dist.train.depth import largest_trained_depth, sample_depth
 
 
 def draws(sampling, mean, n=3000, seed=0):
@@ -46,3 +46,16 @@ def test_poisson_lognormal_mean_and_floor():
 def test_poisson_lognormal_cap_when_max_set():
     t = draws(DepthSamplingConfig(kind="poisson_lognormal", min=1, max=6, sigma=1.0), 4, n=1000)
     assert t.max() == 6
+
+
+@pytest.mark.parametrize("kw,mean,want", [
+    (dict(kind="fixed"), 4, 4), (dict(kind="uniform"), 4, 8), (dict(kind="uniform", max=6), 4, 6),
+    (dict(kind="poisson_lognormal"), 4, 8), (dict(kind="poisson_lognormal", max=32), 4, 32),
+    (dict(kind="uniform", min=3, max=2), 1, 3)])
+def test_largest_trained_depth(kw, mean, want):
+    assert largest_trained_depth(DepthSamplingConfig(**kw), mean) == want
+
+
+def test_largest_trained_depth_bounds_every_uniform_draw():
+    sampling = DepthSamplingConfig(kind="uniform", min=2, max=0)
+    assert draws(sampling, 4, n=500).max() == largest_trained_depth(sampling, 4)

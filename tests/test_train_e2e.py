@@ -20,6 +20,14 @@ TRAIN = str(REPO / "launch" / "train.py")
 METRIC_KEYS = {"step", "loss", "lr", "depth", "tokens_per_s", "mfu", "step_time_s", "tokens",
                "skipped_steps", "data_failures"}
 
+# Loop diagnostics on log steps (log_every 5; depth 2 trained as U{1..3}: D up to t = 3)
+DIAG_KEYS = {f"diag/{k}" for k in (
+    "D_norm_t0", "D_norm_t1", "D_norm_t2", "D_norm_t3", "D_ratio_t0", "D_ratio_t1", "D_ratio_t2",
+    "D_kept", "anchor_norm", "core_scale", "anchor_over_scale", "response_norm", "source_norm",
+    "cos_D0_anchor", "cos_DT_anchor", "loss_t1", "loss_tT", "loop_gain", "grad_norm",
+    "grad_share_anchor", "grad_share_core", "grad_share_prelude", "grad_share_coda",
+    "grad_share_embed")}
+
 pytestmark = pytest.mark.slow
 
 
@@ -50,7 +58,13 @@ def test_single_process_run_learns_logs_checkpoints_and_evaluates(trained):
     run_dir = trained["run_dir"]
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 5, 10, 15, 20]
-    assert all(set(r) == METRIC_KEYS for r in rows)
+    assert set(rows[0]) == METRIC_KEYS  # step 1: a log step, not a diagnostics step
+    assert all(set(r) == METRIC_KEYS | DIAG_KEYS for r in rows[1:])
+    for r in rows[1:]:
+        shares = sum(v for k, v in r.items() if k.startswith("diag/grad_share_"))
+        assert shares == pytest.approx(1.0) and r["diag/D_norm_t0"] > 0
+        assert r["diag/loop_gain"] == r["diag/loss_t1"] - r["diag/loss_tT"]
+    assert "D_T/D_0" in trained["stdout"] and "R/rho" in trained["stdout"]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # 5.78 -> 4.6 measured
     assert rows[0]["lr"] == pytest.approx(3e-3 / 2)  # first warmup step: lr / warmup_steps
     assert rows[-1]["lr"] == pytest.approx(3e-3 * 0.1)  # last step: min_lr_ratio * lr
@@ -132,7 +146,11 @@ def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subp
     client = torch.load(step2 / "mp_rank_00_model_states.pt", weights_only=False)
     assert client["step"] == 2 and len(client["ranks"]) == 2
     assert [r["data"]["consumed_batches"] for r in client["ranks"]] == [2, 2]
-    assert [r["step"] for r in read_metrics(tmp_path / "runs" / "tiny")] == [1, 2]
+    rows = read_metrics(tmp_path / "runs" / "tiny")
+    assert [r["step"] for r in rows] == [1, 2]
+    # gradient shares from ZeRO-2's partitioned gradients (safe_get_full_grad on both ranks)
+    assert sum(v for k, v in rows[0].items() if k.startswith("diag/grad_share_")) == \
+        pytest.approx(1.0)
     assert (tmp_path / "runs" / "tiny" / "export" / "model.safetensors").is_file()
 
 
@@ -142,6 +160,8 @@ def test_zero3_with_the_loop_leaf_trains(tmp_path, tiny_config, subprocess_env):
     export = load_file(str(tmp_path / "runs" / "tiny" / "export" / "model.safetensors"))
     # counted before ZeRO-3 partitions the parameters (it printed 0 parameters once)
     assert f"training tiny: {sum(t.numel() for t in export.values()):,} parameters" in stdout
+    rows = read_metrics(tmp_path / "runs" / "tiny")
+    assert not any(k.startswith("diag/") for r in rows for k in r)  # skipped at ZeRO-3
 
 
 def test_bad_config_exits_2_naming_the_field_before_any_process_group(tmp_path, tiny_config,
@@ -189,3 +209,14 @@ def test_a_rerun_with_fewer_steps_than_its_checkpoint_is_refused_and_saves_nothi
         f"scse-train: config error: train.max_steps: {trained['run_dir']} resumed at step ")
     assert "past train.max_steps=5: raise train.max_steps to continue that run" in out.stderr
     assert (sorted(p.name for p in ckpts.iterdir()), (ckpts / "latest").read_text()) == before
+
+
+def test_diagnostics_off_the_log_steps_get_rows_of_their_own(tmp_path, tiny_config, subprocess_env):
+    cfg = tiny_config(tmp_path, "train.max_steps=6", "train.diagnostics_every=3",
+                      "train.checkpoint_every=6")
+    stdout = must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))
+    rows = read_metrics(tmp_path / "runs" / "tiny")
+    assert [(r["step"], "loss" in r, "diag/D_kept" in r) for r in rows] == [
+        (1, True, False), (3, False, True), (5, True, False), (6, True, True)]
+    assert set(rows[1]) == {"step"} | DIAG_KEYS
+    assert "step      3 | D_T/D_0 " in stdout

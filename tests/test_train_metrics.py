@@ -81,3 +81,13 @@ def test_wandb_offline_run_dir_holds_the_logged_keys(tmp_path, monkeypatch):
         time.sleep(0.2)
     for key in ("loss", "tokens_per_s", "mfu", "step_time_s", "depth", "d_model"):
         assert key.encode() in blob, key
+
+
+def test_format_line_shows_the_loop_diagnostics():
+    diag = {"diag/D_kept": 0.0123, "diag/anchor_over_scale": 1.2345, "diag/loop_gain": 0.25,
+            "diag/D_norm_t0": 15.0}  # the rest go to metrics.jsonl only
+    assert format_line({**row(40, 3.0, mfu=None), **diag}).endswith(
+        "| step 50 ms | D_T/D_0 0.0123 | R/rho 1.23 | loop gain 0.25")
+    # diagnostics off a log step: a row of its own, without the training fields
+    assert format_line({"step": 7, **diag}) == \
+        "step      7 | D_T/D_0 0.0123 | R/rho 1.23 | loop gain 0.25"

@@ -21,13 +21,14 @@ from .config import ModelConfig
 
 
 def residual_constants(cfg: ModelConfig) -> tuple[float, float]:
-    """(alpha, beta) for the residual form, from the unrolled depth N = cfg.unrolled_depth.
+    """(alpha, beta) for the residual form, from the unrolled depth N = cfg.residual_unrolled_depth
+    (cfg.unrolled_depth unless model.residual_depth is set).
 
     alpha scales the residual stream inside the Post-LN sum; beta is the xavier gain of the FFN,
     value and output projections. preln uses neither (1, 1). deeploop falls back to the DeepNorm
     constants when no block is revisited (untied, or a single loop step), as the spec requires.
     """
-    n = cfg.unrolled_depth
+    n = cfg.residual_unrolled_depth
     if cfg.residual == "preln":
         return 1.0, 1.0
     if cfg.residual == "deeploop" and cfg.transition.revisits_blocks:
@@ -168,7 +169,7 @@ class Block(nn.Module):
             return
         # GPT-2: normal(init_std), output projections shrunk by sqrt(2N) so the residual stream's
         # variance does not grow with depth.
-        out_std = cfg.init_std / math.sqrt(2 * cfg.unrolled_depth)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.residual_unrolled_depth)
         for lin in (self.attn.qkv, self.mlp.gate, self.mlp.up):
             nn.init.normal_(lin.weight, std=cfg.init_std)
         for lin in (self.attn.proj, self.mlp.down):

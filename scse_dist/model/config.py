@@ -36,6 +36,17 @@ class ModelConfig:
     init_state: Literal["source", "zeros", "random"] = "source"
     zero_mask: bool = True
     forcing_bias_scale: float = 0.0
+    # Interventions against SCSE's loop collapse (issue 17; docs/loop-diagnostics.md). Each is off
+    # by default, which leaves the recurrence bit for bit as it was.
+    # core_norm: h* = RMSNorm_core(a(s)), through the core's output norm (the last core block's
+    # norm2, shared weights), so the anchor's norm R tracks the core's output scale rho.
+    anchor_scale: Literal["free", "core_norm"] = "free"
+    # Weight of a loss term that keeps the loop moving (computed in LoopCore, no extra core
+    # call): mean hinge (floor - |D_T|/|D_0|)_+ plus the late motion |D_T - D_{T-1}| / |D_T|.
+    loop_stability: float = 0.0
+    # The T in the unrolled depth N that the residual constants (deepnorm/deeploop alpha, beta;
+    # preln's output-projection init) come from; 0: `depth`. Set it to the largest trained depth.
+    residual_depth: int = 0
     # Nominal loop depth T: the default forward depth, the mean of sampled training depth, and
     # the T in the unrolled depth N that deepnorm/deeploop constants are computed from.
     depth: int = 4
@@ -68,6 +79,12 @@ class ModelConfig:
         steps = self.transition.fixed_depth or self.depth
         return self.n_prelude + self.n_core * steps + self.n_coda
 
+    @property
+    def residual_unrolled_depth(self) -> int:
+        """The N of the residual constants: unrolled_depth at residual_depth when set."""
+        steps = self.transition.fixed_depth or self.residual_depth or self.depth
+        return self.n_prelude + self.n_core * steps + self.n_coda
+
 
 def check_model_config(m: ModelConfig) -> None:
     """Combinations of model fields that cannot work. LoopedLM calls this too, so a ModelConfig
@@ -81,6 +98,26 @@ def check_model_config(m: ModelConfig) -> None:
     if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
         raise ConfigError(f"model.n_heads: d_model={m.d_model} must split into {m.n_heads} heads "
                           "of even width (RoPE rotates pairs)")
+    if m.residual_depth < 0:
+        raise ConfigError(f"model.residual_depth: must be >= 0 (0: model.depth), got {m.residual_depth}")
+    if not m.loop_stability >= 0:  # also rejects NaN
+        raise ConfigError(f"model.loop_stability: must be >= 0, got {m.loop_stability}")
     if not 0.0 <= m.forcing_bias_scale <= 1.0:
         raise ConfigError(f"model.forcing_bias_scale: must lie in [0, 1], got {m.forcing_bias_scale}")
+    _check_interventions(m)
     m.transition.check()
+
+
+def _check_interventions(m: ModelConfig) -> None:
+    if m.anchor_scale != "free":
+        if m.recurrence != "scse":
+            raise ConfigError(f"model.anchor_scale: only scse has an anchor; got "
+                              f"anchor_scale={m.anchor_scale} with recurrence={m.recurrence}")
+        if m.residual == "preln":
+            raise ConfigError("model.anchor_scale: core_norm needs a Post-LN residual (deepnorm or "
+                              "deeploop), whose core output is normalised; got residual=preln")
+        if m.anchor == "zero":
+            raise ConfigError("model.anchor_scale: core_norm would normalise the zero anchor "
+                              "(RMSNorm at 0); use anchor learned or source")
+    if m.loop_stability > 0 and m.recurrence == "untied":
+        raise ConfigError("model.loop_stability: untied has no loop to keep moving; set it to 0")

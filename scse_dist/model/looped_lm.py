@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, check_model_config
 from .blocks import Block, RMSNorm, RopeTables, attention_mask_4d, rope_tables
 from .exit_rules import ExitRule
 from .loss import IGNORE_INDEX, chunked_cross_entropy
@@ -32,6 +32,9 @@ class LMOutput(NamedTuple):
     core_calls: int  # Phi applications the output depends on (scse: T+1, others: T)
     depth: int  # the final depth run (with an exit rule: the most steps a token may take)
     steps_used: Optional[torch.Tensor] = None  # (B, S) long: loop steps per token (exit_rule)
+    # cfg.loop_stability's weighted loss term, when it is on, targets are given and grad is
+    # enabled (training); the trainer adds it to `loss` before backward. Not in `loss`.
+    aux_loss: Optional[torch.Tensor] = None
 
 
 class DecodeOutput(NamedTuple):
@@ -42,6 +45,7 @@ class DecodeOutput(NamedTuple):
 class LoopedLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        check_model_config(cfg)  # before any block: they compute constants from the fields
         self.cfg = cfg
         ckpt_blocks = cfg.activation_checkpointing == "block"
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -194,13 +198,16 @@ class LoopedLM(nn.Module):
         if exit_rule is not None and exit_rule.needs_readout:
             def log_probs(h: torch.Tensor) -> torch.Tensor:
                 return F.log_softmax(self.readout(h, rope, mask).float(), dim=-1)
+        stability = self.cfg.loop_stability > 0 and exit_rule is None and targets is not None \
+            and torch.is_grad_enabled()
         outs = self.core(self.source(tokens, rope, mask), final, readout_depths=wanted,
                          backprop_steps=backprop_steps, initial_state=initial_state,
                          diagnostics=diagnostics, rope=rope, mask=mask, exit_rule=exit_rule,
-                         log_probs=log_probs)
+                         log_probs=log_probs, stability=stability)
         steps_used = outs[1] if exit_rule is not None else None
         states = dict(zip(wanted, outs))
         diag = dict(zip(DIAGNOSTICS, outs[len(wanted):])) if diagnostics else None
+        aux_loss = outs[-1] if stability else None
         logits_by_depth: dict[int, torch.Tensor] = {}
         loss_by_depth: dict[int, torch.Tensor] = {}
         for t in wanted:
@@ -222,6 +229,7 @@ class LoopedLM(nn.Module):
             core_calls=self.core.core_calls(final),
             depth=final,
             steps_used=steps_used,
+            aux_loss=aux_loss,
         )
 
     @torch.no_grad()

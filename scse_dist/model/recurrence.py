@@ -32,9 +32,29 @@ Context = dict[str, Any]
 DIAGNOSTICS = ("deviation_norm", "motion_norm", "forcing_bias_norm")
 
 
+# loop_stability's hinge floor on |D_T| / |D_0| per token: a loop that keeps half of its
+# starting deviation is not penalised; the collapsing seeds of issue 17 kept 1 to 4%.
+STABILITY_FLOOR = 0.5
+
+
 def _row_norm_mean(x: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of the per-token L2 norm, in fp32."""
     return x.detach().float().norm(dim=-1).mean()
+
+
+def stability_penalty(d_first: torch.Tensor, d_before: torch.Tensor, d_last: torch.Tensor,
+                      floor: float = STABILITY_FLOOR) -> torch.Tensor:
+    """The loop_stability term, unweighted, from deviations D_0, D_{T-1}, D_T (B, S, d):
+    mean over tokens with D_0 != 0 of (floor - |D_T|/|D_0|)_+, plus the mean over tokens of the
+    late motion |D_T - D_{T-1}| / |D_T| (0 where D_T = 0). D_0 is only a scale: no gradient."""
+    tiny = torch.finfo(torch.float32).tiny
+    n_first = d_first.detach().float().norm(dim=-1)
+    n_last = d_last.float().norm(dim=-1)
+    moving = (n_first > 0).float()
+    hinge = ((floor - n_last / n_first.clamp(min=tiny)).clamp(min=0) * moving).sum() \
+        / moving.sum().clamp(min=1)
+    late = ((d_last - d_before).float().norm(dim=-1) / n_last.clamp(min=tiny)).mean()
+    return hinge + late
 
 
 class LoopCore(nn.Module):
@@ -133,6 +153,15 @@ class LoopCore(nn.Module):
         """h_t from the loop variable."""
         return self.transition.state(x, ctx)
 
+    def deviation(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """D_t = h_t - anchor (scse: h*; the others: the source s), as the motion exit rule."""
+        return self.state(x, ctx) - ctx["anchor"]
+
+    def output_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The core's output norm (the last core block's norm2): under Post-LN every Phi output
+        leaves through it, so its RMS gain times sqrt(d) is the output scale rho."""
+        return self.blocks[self.n_core - 1].norm2(h)
+
     # ------------------------------------------------------------------ the whole loop
 
     def core_calls(self, depth: int) -> int:
@@ -143,10 +172,11 @@ class LoopCore(nn.Module):
                 backprop_steps: int = 0, initial_state: Optional[torch.Tensor] = None,
                 diagnostics: bool = False, rope: Optional[RopeTables] = None,
                 mask: Optional[torch.Tensor] = None, exit_rule: Optional[ExitRule] = None,
-                log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                ) -> tuple[torch.Tensor, ...]:
+                log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                stability: bool = False) -> tuple[torch.Tensor, ...]:
         """Run `depth` steps once. Returns a flat tuple: h_t for t in sorted(readout_depths)
-        (default (depth,)), then, if diagnostics, the DIAGNOSTICS tensors in that order.
+        (default (depth,)), then, if diagnostics, the DIAGNOSTICS tensors in that order, then, if
+        stability, cfg.loop_stability * stability_penalty(D_0, D_{depth-1}, D_depth).
 
         A tuple of tensors, not a dict: as a ZeRO-3 leaf this module's gradients are reduced in a
         full backward hook, which torch only calls for Tensor or tuple outputs.
@@ -171,7 +201,11 @@ class LoopCore(nn.Module):
         deviation, motion = [], []
         if diagnostics:
             deviation.append(_row_norm_mean(h_prev - ctx["anchor"]))
+        d_first = self.deviation(x, ctx) if stability else None
+        d_before = d_first
         for t in range(depth):
+            if stability and t == depth - 1:
+                d_before = self.deviation(x, ctx)
             with torch.set_grad_enabled(grad and t >= frozen_steps):
                 if self.checkpoint_steps and torch.is_grad_enabled():
                     # Non-reentrant only: reentrant breaks ZeRO-2/3 and DDP with reused modules.
@@ -187,9 +221,13 @@ class LoopCore(nn.Module):
                 deviation.append(_row_norm_mean(h - ctx["anchor"]))
                 motion.append(_row_norm_mean(h - h_prev))
                 h_prev = h
-        if not diagnostics:
-            return tuple(states)
-        return (*states, torch.stack(deviation), torch.stack(motion), self._forcing_bias_norm(ctx))
+        outs = tuple(states)
+        if diagnostics:
+            outs += (torch.stack(deviation), torch.stack(motion), self._forcing_bias_norm(ctx))
+        if stability:
+            penalty = stability_penalty(d_first, d_before, self.deviation(x, ctx))
+            outs += (self.cfg.loop_stability * penalty,)
+        return outs
 
     @torch.no_grad()
     def _forcing_bias_norm(self, ctx: Context) -> torch.Tensor:

@@ -178,11 +178,14 @@ class Scse(Transition):
                               "another init_state")
 
     def anchor(self, core: LoopCore, s: torch.Tensor) -> torch.Tensor:
-        if self.cfg.anchor == "source":
-            return s
         if self.cfg.anchor == "zero":
             return s.new_zeros(s.shape)
-        return core.anchor(s)
+        anchor = s if self.cfg.anchor == "source" else core.anchor(s)
+        if self.cfg.anchor_scale == "core_norm":
+            # Through the core's own output norm: |h*| then follows the scale rho of Phi's
+            # output, which nothing else ties it to (issue 17: R/rho drifting off 1 collapses D).
+            anchor = core.output_norm(anchor)
+        return anchor
 
     def start(self, core: LoopCore, h0: torch.Tensor, ctx: Context) -> torch.Tensor:
         anchor = ctx["anchor"]

@@ -10,9 +10,11 @@
                     the diagnostics show the loop fell onto its anchor (deviation_norm at the
                     deepest T < collapse_ratio x its largest value: diagnose records no anchor
                     norm, so the deviation is measured against its own scale) or stopped moving
-                    (motion_norm at T=2 < motion_rel x deviation_norm at T=1), or the run is the
-                    outlier above. Without diagnose results the flat metric alone flags, and the
-                    detail says so.
+                    (motion_norm at T=2 < motion_rel x deviation_norm at T=1), or the training
+                    log's last loop diagnostics say so (diag/D_kept = |D_T|/|D_0| below
+                    collapse_ratio: docs/loop-diagnostics.md), or the run is the outlier above.
+                    Without any of these the flat metric alone flags, and the detail says so. A
+                    run with no evaluation is flagged by the training diagnostics alone.
     divergence      the final logged loss is non-finite, or above its minimum by > divergence_margin.
     non-finite      the trainer skipped steps for a NaN/Inf loss or gradient (skipped_steps > 0).
 
@@ -130,13 +132,26 @@ def above_peers(run: StudyRun, peers: list[StudyRun], th: FlagThresholds) -> Opt
             f"seeds ({min(others):.3f}-{max(others):.3f})")
 
 
-def _loop_inactive(run: StudyRun, th: FlagThresholds, outlier: Optional[str]) -> Optional[Flag]:
-    flat = flat_in_t(run, th)
-    if flat is None:
+def _collapsed_in_training(run: StudyRun, th: FlagThresholds) -> Optional[str]:
+    """Why the training log's last loop diagnostics show a loop fallen onto its anchor, or None."""
+    rows = [r for r in run.metrics if finite(r.get("diag/D_kept")) is not None]
+    if not rows or rows[-1]["diag/D_kept"] >= th.collapse_ratio:
         return None
+    last = rows[-1]
+    return (f"in training |D_T|/|D_0| was {last['diag/D_kept']:.3g} at step {last.get('step')} "
+            "(diag/D_kept)")
+
+
+def _loop_inactive(run: StudyRun, th: FlagThresholds, outlier: Optional[str]) -> Optional[Flag]:
+    training = _collapsed_in_training(run, th)
+    flat = flat_in_t(run, th)
+    if flat is None:  # an unevaluated run has only its training diagnostics to go on
+        unevaluated = not headline_by_depth(run)[1]
+        return Flag("loop inactive", training) if training and unevaluated else None
     diag = run.results.get("diagnose")
     if not diag:
-        return Flag("loop inactive", f"{flat}; {outlier or 'no diagnose results to confirm'}")
+        confirm = "; ".join(x for x in (training, outlier) if x)
+        return Flag("loop inactive", f"{flat}; {confirm or 'no diagnose results to confirm'}")
     deviation = {d: finite(r.get("deviation_norm")) for d, r in diag.items()}
     deviation = {d: v for d, v in deviation.items() if v is not None}
     motion2 = finite(diag.get(2, {}).get("motion_norm"))
@@ -147,6 +162,8 @@ def _loop_inactive(run: StudyRun, th: FlagThresholds, outlier: Optional[str]) ->
             why.append(f"deviation_norm fell to {deepest:.3g} from {largest:.3g}")
     if motion2 is not None and deviation.get(1) and motion2 < th.motion_rel * deviation[1]:
         why.append(f"motion_norm at T=2 is {motion2:.3g} against deviation_norm {deviation[1]:.3g}")
+    if training:
+        why.append(training)
     if outlier:
         why.append(outlier)
     return Flag("loop inactive", f"{flat}; {'; '.join(why)}") if why else None

@@ -29,3 +29,11 @@ def sample_depth(step: int, sampling: DepthSamplingConfig, mean_depth: int, seed
         depth = max(int(rng.poisson(math.exp(tau))), sampling.min)
         return min(depth, sampling.max) if sampling.max else depth
     raise ValueError(f"train.depth.kind: unknown sampling kind {sampling.kind!r}")
+
+
+def largest_trained_depth(sampling: DepthSamplingConfig, mean_depth: int) -> int:
+    """The deepest T training draws: uniform's max (2*mean when 0), poisson_lognormal's max, or
+    2*mean when it is unbounded (its tail past that is rare), fixed's mean."""
+    if sampling.kind == "fixed":
+        return mean_depth
+    return max(sampling.max or 2 * mean_depth, sampling.min)

@@ -20,11 +20,13 @@ from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
 from scse_dist.checkpoint.tags import resume_if_present
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
-from scse_dist.distributed import barrier, describe_placement, init_distributed, shutdown
+from scse_dist.distributed import (abandon, barrier, describe_placement, init_distributed,
+                                   shutdown)
 from scse_dist.threads import configure_threads
 from scse_dist.train.callbacks.after_training import AfterTrainingEval
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.callbacks.checkpointing import CheckpointCallback
+from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
 from scse_dist.train.callbacks.export import ExportCallback
 from scse_dist.train.callbacks.heldout_eval import HeldoutEvalCallback
 from scse_dist.train.callbacks.metrics import MetricsCallback
@@ -61,7 +63,9 @@ def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Ca
     evaluation."""
     optional = [HeldoutEvalCallback(cfg.eval.every_steps)] if cfg.eval.every_steps else []
     optional += [SampleCallback(cfg.eval.sample_every)] if cfg.eval.sample_every else []
-    return [NonFiniteCallback(cfg.train.max_nonfinite_steps), MetricsCallback(), *optional,
+    # Loop diagnostics before the row they join (state.metrics_extra).
+    return [NonFiniteCallback(cfg.train.max_nonfinite_steps), LoopDiagnosticsCallback(),
+            MetricsCallback(), *optional,
             CheckpointCallback(), preemption, ExportCallback(), AfterTrainingEval()]
 
 
@@ -70,7 +74,11 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     preemption = PreemptionCallback()  # first: a signal during start-up is honoured at step 1
     state = None
     try:
-        state = _start(cfg)
+        try:
+            state = _start(cfg)
+        except BaseException:  # a refused config or bad data: nothing to save, nothing to wait for
+            abandon()
+            raise
         callbacks = default_callbacks(state.cfg, preemption)
         try:
             _run(state, callbacks, preemption)
@@ -105,7 +113,8 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
         state.result = train_step(engine, (next(batches) for _ in range(t.grad_accum_steps)),
                                   depth=depth, backprop_steps=t.depth.backprop_steps,
                                   stop_requested=preemption.requested,
-                                  loss_hook=lambda loss: state.faults.loss(step + 1, loss))
+                                  loss_hook=lambda loss: state.faults.loss(step + 1, loss),
+                                  before_update=lambda engine: _before_update(callbacks, state))
         state.step_seconds = time.perf_counter() - started  # data included; hooks are not
         state.step = step + 1
         for callback in callbacks:
@@ -114,6 +123,11 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
             return
     for callback in callbacks:
         callback.on_train_end(state)
+
+
+def _before_update(callbacks: list[Callback], state: TrainState) -> None:
+    for callback in callbacks:
+        callback.before_update(state)
 
 
 def _teardown(state: TrainState, callbacks: list[Callback]) -> None:

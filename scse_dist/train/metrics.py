@@ -46,14 +46,21 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
 
 
+# Loop diagnostics shown on the console line (all of them go to metrics.jsonl and wandb).
+CONSOLE_DIAGNOSTICS = (("diag/D_kept", "D_T/D_0"), ("diag/anchor_over_scale", "R/rho"),
+                       ("diag/loop_gain", "loop gain"))
+
+
 def format_line(row: dict[str, Any]) -> str:
-    parts = [f"step {row['step']:>6d}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}",
-             f"T {row['depth']:>2d}", f"tok/s {row['tokens_per_s']:,.0f}",
-             f"step {row['step_time_s'] * 1000:.0f} ms"]
+    parts = [f"step {row['step']:>6d}"]
+    if "loss" in row:  # a training row; a diagnostics-only row has just step and diag/
+        parts += [f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}", f"T {row['depth']:>2d}",
+                  f"tok/s {row['tokens_per_s']:,.0f}", f"step {row['step_time_s'] * 1000:.0f} ms"]
     if row.get("mfu") is not None:
         parts.append(f"mfu {100 * row['mfu']:.2f}%")
     if row.get("peak_mem_gib") is not None:
         parts.append(f"peak mem {row['peak_mem_gib']:.1f} GiB")
+    parts += [f"{label} {row[key]:.3g}" for key, label in CONSOLE_DIAGNOSTICS if key in row]
     return " | ".join(parts)
 
 

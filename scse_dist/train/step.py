@@ -62,8 +62,8 @@ def _optimizer_step_skipped(optimizer: Any, skip: bool) -> Iterator[None]:
 
 def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[int],
                backprop_steps: int = 0, stop_requested: Callable[[], bool] = lambda: False,
-               loss_hook: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-               ) -> StepResult:
+               loss_hook: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+               before_update: Callable[[Any], None] = lambda engine: None) -> StepResult:
     """Run one optimizer step of `engine` over `windows`, its gradient-accumulation micro-batches.
 
     Each window is a (B, S+1) token tensor: inputs window[:, :-1], targets window[:, 1:]. There
@@ -74,7 +74,9 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
     Before the update the ranks agree, in one all-reduce, whether any saw a non-finite loss (or,
     at ZeRO stage 0, gradient) and whether any was asked to stop (`stop_requested()`, read at the
     boundary). A non-finite step updates nothing on any rank. `loss_hook` sees each micro-batch's
-    loss before backward (fault injection in tests).
+    loss before backward (fault injection in tests). `before_update(engine)` runs at the
+    boundary, after the last backward and before engine.step(), on every rank: the gradients are
+    complete there (loop diagnostics read them).
     """
     accum = engine.gradient_accumulation_steps()
     stage0 = engine.zero_optimization_stage() == 0
@@ -90,13 +92,16 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
                      keep_logits=False)
         ran_depth = out.depth
         loss = loss_hook(out.loss)
-        local_bad += (~torch.isfinite(loss.detach())).float()
+        # model.loop_stability's term joins the objective; the LM loss alone is what runs log.
+        objective = loss if out.aux_loss is None else loss + out.aux_loss
+        local_bad += (~torch.isfinite(objective.detach())).float()
         loss_sum += loss.detach().float()
-        engine.backward(loss)
+        engine.backward(objective)
         if micro == accum:  # the boundary: decide before the update that engine.step() makes
             if stage0:
                 local_bad += _grads_nonfinite(engine).to(local_bad)
             bad, stop = _agree(local_bad, stop_requested())
+            before_update(engine)
         with _optimizer_step_skipped(engine.optimizer, bad and stage0):
             engine.step()
     if micro != accum:

@@ -4,6 +4,9 @@
 callback in its list order:
 
     on_start(state)          the engine is built and resumed; state.step is the resumed step
+    before_update(state)     at each step's update boundary: the last backward is done, the
+                             optimizer step not yet (the full gradients are there); state.step
+                             is still the steps done before this one
     on_step_end(state)       after each optimizer step; state.step is the steps done, state.result
                              the step's StepResult. A hook may set state.stop_reason to end the run
                              (the loop breaks after this step's hooks).
@@ -49,6 +52,9 @@ class TrainState:
     stop_reason: Optional[str] = None  # set by a hook: the run ends after this step (preemption)
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
+    # Entries a hook adds to this step's metrics row (MetricsCallback logs them with its row, or
+    # in a row of their own on a step it does not log) and then clears: loop diagnostics.
+    metrics_extra: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)  # returned by train(); hooks add to it
 
     @property
@@ -69,6 +75,9 @@ class Callback:
     """Base class: every hook does nothing. Subclass and override the hooks a concern needs."""
 
     def on_start(self, state: TrainState) -> None:
+        pass
+
+    def before_update(self, state: TrainState) -> None:
         pass
 
     def on_step_end(self, state: TrainState) -> None:

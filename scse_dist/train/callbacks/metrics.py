@@ -44,6 +44,9 @@ class MetricsCallback(Callback):
         if step % state.cfg.train.log_every == 0 or step == state.max_steps \
                 or step == state.start_step + 1:
             self._log(state)
+        elif state.metrics_extra:  # loop diagnostics off a log step: a row of their own
+            state.logger.log({"step": step, **state.metrics_extra})
+        state.metrics_extra.clear()
 
     def _log(self, state: TrainState) -> None:
         # loss sum, token count and bad-input events (skipped corrupt shards or samples) of every
@@ -59,7 +62,8 @@ class MetricsCallback(Callback):
             "step": state.step, "loss": loss, "lr": state.lr, "depth": state.result.depth,
             "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": seconds / self.window_steps,
             "tokens": state.step * state.tokens_per_step, "skipped_steps": state.skipped_steps,
-            "data_failures": int(data_failures), **peak_memory(state.engine.device)},
+            "data_failures": int(data_failures), **peak_memory(state.engine.device),
+            **state.metrics_extra},
             console_tail=self._progress(state))
         state.first_loss = loss if state.first_loss is None else state.first_loss
         state.last_loss = loss

@@ -1,0 +1,20 @@
+"""Loop diagnostics as a trainer callback (scse_dist.train.diagnostics; docs/loop-diagnostics.md):
+gradient shares at the update boundary, the loop's state on a held-out batch after the step, both
+every train.diagnostics_every steps, into that step's metrics row (state.metrics_extra)."""
+
+from __future__ import annotations
+
+from scse_dist.train.callbacks.base import Callback, TrainState
+from scse_dist.train.diagnostics import diagnostics_for
+
+
+class LoopDiagnosticsCallback(Callback):
+    def on_start(self, state: TrainState) -> None:
+        self.diagnostics = diagnostics_for(state.cfg, state.engine.zero_optimization_stage(),
+                                           state.rank0)
+
+    def before_update(self, state: TrainState) -> None:
+        self.diagnostics.before_update(state.engine, state.step + 1)
+
+    def on_step_end(self, state: TrainState) -> None:
+        state.metrics_extra.update(self.diagnostics.on_step_end(state.engine.module, state.step))

@@ -1,0 +1,153 @@
+"""Loop diagnostics (scse_dist.train.diagnostics): exact values on tiny models."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from scse_dist.config import ModelConfig
+from scse_dist.model import LoopedLM
+from scse_dist.train.diagnostics import (GRAD_GROUPS, DiagnosticsCallback, grad_group,
+                                         gradient_shares, loop_diagnostics)
+
+
+def tiny(**kw) -> ModelConfig:
+    return ModelConfig(**{**dict(vocab_size=64, d_model=32, n_heads=2, max_seq_len=32, depth=3),
+                          **kw})
+
+
+def model_of(seed: int = 0, **kw) -> LoopedLM:
+    torch.manual_seed(seed)
+    return LoopedLM(tiny(**kw)).eval()
+
+
+WINDOW = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def test_zero_deviation_start_stays_at_the_anchor() -> None:
+    model = model_of()
+    with torch.no_grad():  # Q = I: h* = s = H0, so D_0 = 0 and the mask keeps it there
+        model.core.anchor.weight.copy_(torch.eye(32))
+    diag = loop_diagnostics(model, WINDOW, depth=3, max_depth=5)
+    assert [diag[f"diag/D_norm_t{t}"] for t in range(6)] == [0.0] * 6
+    assert [diag[f"diag/D_ratio_t{t}"] for t in range(5)] == [0.0] * 5
+    assert diag["diag/cos_D0_anchor"] == diag["diag/cos_DT_anchor"] == 0.0
+    # every depth reads out h*: the loop is worth exactly nothing
+    assert diag["diag/loss_t1"] == diag["diag/loss_tT"] and diag["diag/loop_gain"] == 0.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_deeploop_init_is_neutral(seed: int) -> None:
+    """At init the Post-LN core outputs norm sqrt(d) per token (unit gains), the orthogonal
+    anchor keeps the source's norm sqrt(d): R = rho, and the loop neither grows nor shrinks D."""
+    diag = loop_diagnostics(model_of(seed), WINDOW, depth=3, max_depth=8)
+    root_d = math.sqrt(32)
+    assert diag["diag/core_scale"] == pytest.approx(root_d, rel=1e-6)
+    for key in ("anchor_norm", "source_norm", "response_norm"):
+        assert diag[f"diag/{key}"] == pytest.approx(root_d, rel=1e-5)
+    assert diag["diag/anchor_over_scale"] == pytest.approx(1.0, abs=1e-5)
+    # D_0 = s - Q s with Q s orthogonal to s in high dimension: |D_0| ~ sqrt(2d), cos ~ -1/sqrt 2
+    assert diag["diag/D_norm_t0"] == pytest.approx(math.sqrt(2) * root_d, rel=0.1)
+    assert diag["diag/cos_D0_anchor"] == pytest.approx(-2 ** -0.5, abs=0.1)
+    for t in range(8):
+        assert diag[f"diag/D_ratio_t{t}"] == pytest.approx(1.0, abs=2e-3)
+
+
+def test_values_agree_with_the_model_forward() -> None:
+    model = model_of(seed=3)
+    diag = loop_diagnostics(model, WINDOW, depth=3, max_depth=6)
+    tokens, targets = WINDOW[:, :-1], WINDOW[:, 1:]
+    with torch.no_grad():
+        out = model(tokens, targets, depth=6, readout_depths=[1, 3], keep_logits=False,
+                    diagnostics=True)
+    deviation = out.diagnostics["deviation_norm"].tolist()
+    assert [diag[f"diag/D_norm_t{t}"] for t in range(7)] == pytest.approx(deviation, rel=1e-6)
+    assert diag["diag/D_ratio_t2"] == pytest.approx(deviation[3] / deviation[2], rel=1e-6)
+    assert diag["diag/loss_t1"] == pytest.approx(float(out.loss_by_depth[1]), rel=1e-6)
+    assert diag["diag/loss_tT"] == pytest.approx(float(out.loss_by_depth[3]), rel=1e-6)
+    assert diag["diag/loop_gain"] == diag["diag/loss_t1"] - diag["diag/loss_tT"]
+
+
+def test_other_recurrences_measure_from_the_source() -> None:
+    diag = loop_diagnostics(model_of(recurrence="looped"), WINDOW, depth=3)
+    # looped starts at H0 = s, the reference point: D_0 = 0, then the loop moves off it
+    assert diag["diag/D_norm_t0"] == 0.0 and diag["diag/D_norm_t1"] > 0
+    assert diag["diag/D_ratio_t0"] == math.inf
+    assert diag["diag/anchor_norm"] == diag["diag/source_norm"]
+    assert loop_diagnostics(model_of(recurrence="untied"), WINDOW, depth=3) == {}
+
+
+def test_preln_has_no_core_scale() -> None:
+    diag = loop_diagnostics(model_of(residual="preln"), WINDOW, depth=2)
+    assert "diag/core_scale" not in diag and "diag/anchor_over_scale" not in diag
+    assert diag["diag/response_norm"] > 0
+
+
+def test_diagnostics_leave_the_rng_alone() -> None:
+    model = model_of(init_state="random", anchor="learned")
+    before = torch.random.get_rng_state()
+    loop_diagnostics(model, WINDOW, depth=2)
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_gradient_shares_are_exact() -> None:
+    model = model_of()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    model.core.anchor.weight.grad.fill_(1.0)  # 32*32 = 1024
+    model.prelude[0].norm1.weight.grad.fill_(2.0)  # 32 * 4 = 128
+    model.norm.weight.grad.fill_(1.0)  # coda: 32
+    model.core.blocks[0].norm2.weight.grad = None  # a parameter without grad counts nothing
+    shares = gradient_shares(model)
+    total = 1024 + 128 + 32
+    assert shares["diag/grad_norm"] == pytest.approx(math.sqrt(total))
+    assert shares["diag/grad_share_anchor"] == pytest.approx(1024 / total)
+    assert shares["diag/grad_share_prelude"] == pytest.approx(128 / total)
+    assert shares["diag/grad_share_coda"] == pytest.approx(32 / total)
+    assert shares["diag/grad_share_core"] == shares["diag/grad_share_embed"] == 0.0
+    assert {grad_group(n) for n, _ in model.named_parameters()} == set(GRAD_GROUPS)
+
+
+def test_callback_logs_on_its_steps_only() -> None:
+    model = model_of()
+    loss = model(WINDOW[:, :-1], WINDOW[:, 1:], keep_logits=False).loss
+    loss.backward()
+
+    class Engine:
+        module = model
+
+    callback = DiagnosticsCallback(every=5, window=WINDOW, depth=3, max_depth=4, zero_stage=0,
+                                   rank0=True)
+    callback.before_update(Engine, 4)
+    assert callback.on_step_end(model, 4) == {}
+    callback.before_update(Engine, 5)
+    row = callback.on_step_end(model, 5)
+    assert row["diag/grad_norm"] > 0 and row["diag/D_norm_t4"] > 0
+    assert sum(row[f"diag/grad_share_{g}"] for g in GRAD_GROUPS) == pytest.approx(1.0)
+    assert model.training is False  # left as it was
+    skipped = DiagnosticsCallback(every=5, window=WINDOW, depth=3, max_depth=4, zero_stage=3,
+                                  rank0=True)
+    skipped.before_update(Engine, 5)
+    assert skipped.on_step_end(model, 5) == {}
+
+
+def test_diagnostics_for_a_run_config(tmp_path, capsys) -> None:
+    from scse_dist.config import load_config
+    from scse_dist.train.diagnostics import diagnostics_for
+
+    data = f"data.path={tmp_path / 'none'}"
+    cfg = load_config(None, [data, "train.log_every=7", "train.depth.kind=uniform",
+                             "model.depth=3"])
+    callback = diagnostics_for(cfg, zero_stage=1, rank0=True)
+    assert (callback.every, callback.depth, callback.max_depth) == (7, 3, 6)
+    assert callback.window is None  # no held-out split there: said in one line, grads still run
+    assert capsys.readouterr().out.startswith(f"loop diagnostics: no held-out batch in {tmp_path}")
+    assert callback.due(14) and not callback.due(15)
+    every_5 = load_config(None, [data, "train.diagnostics_every=5"])
+    assert diagnostics_for(every_5, 1, rank0=False).every == 5
+    off = load_config(None, [data, "train.diagnostics_every=0"])
+    assert not diagnostics_for(off, 1, rank0=True).due(10)
+    untied = load_config(None, [data, "model.recurrence=untied", "model.residual=preln"])
+    assert not diagnostics_for(untied, 1, rank0=True).due(10)
