@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scse_dist.checkpoint.storage import RunStorage, is_remote
+from scse_dist.checkpoint.export import is_remote
+from scse_dist.checkpoint.storage import RunStorage
 from scse_dist.distributed import free_port
 from train_procs import RankResult
 

@@ -23,7 +23,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 from safetensors import SafetensorError
 
@@ -153,34 +153,60 @@ def load_export_config(path: str | os.PathLike) -> RunConfig:
     return cfg
 
 
-def is_url(path: str | os.PathLike) -> bool:
-    return "://" in str(path)
+LOCAL_PROTOCOLS = {"file", "local"}
+
+
+def is_remote(url: str | os.PathLike) -> bool:
+    """Whether `url` names remote storage (s3://, gs://, memory://, ...): the one check of the
+    package; a plain path and file:// are local."""
+    import fsspec
+
+    protocol = fsspec.core.split_protocol(str(url))[0] or "file"
+    return protocol not in LOCAL_PROTOCOLS
+
+
+@contextlib.contextmanager
+def fetched(url: str, names: Sequence[str], required: Sequence[str]) -> Iterator[str]:
+    """A temporary local dir holding the files `names` of the remote dir `url` (the one
+    downloader of the package); a missing `required` file is a FileNotFoundError naming it, any
+    other fsspec failure (unknown protocol, missing backend, network) an OSError."""
+    import fsspec
+
+    url = url.rstrip("/")
+    with tempfile.TemporaryDirectory(prefix="scse-fetched-") as tmp:
+        try:
+            fs, root = fsspec.core.url_to_fs(url)
+            for name in names:
+                if fs.isfile(f"{root}/{name}"):
+                    fs.get_file(f"{root}/{name}", os.path.join(tmp, name))
+                elif name in required:
+                    raise FileNotFoundError(f"{url}/{name} is missing")
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # only fsspec runs here
+            raise OSError(f"{url} cannot be read: {type(exc).__name__}: {exc}") from exc
+        yield tmp
 
 
 @contextlib.contextmanager
 def local_export(path: str | os.PathLike) -> Iterator[str]:
-    """`path` itself when it is local; an export dir given as an fsspec URL (s3://, memory://,
-    file://, ...) is copied to a temporary dir for the duration of the `with`."""
-    if not is_url(path):
-        yield str(path)
-        return
-    import fsspec
+    """`path` itself when it is local; an export dir given as a remote fsspec URL (s3://,
+    memory://, ...) is copied to a temporary dir for the duration of the `with`."""
+    if not is_remote(path):
+        import fsspec
 
-    url = str(path).rstrip("/")
-    with tempfile.TemporaryDirectory(prefix="scse-export-") as tmp:
-        try:
-            fs, root = fsspec.core.url_to_fs(url)
-            for name in (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME):
-                if fs.isfile(f"{root}/{name}"):
-                    fs.get_file(f"{root}/{name}", os.path.join(tmp, name))
-                elif name != TOKENIZER_NAME:  # exports made before the tokenizer went along lack it
-                    raise FileNotFoundError(f"exported model file {url}/{name} is missing "
-                                            f"(an export holds {WEIGHTS_NAME} and {CONFIG_NAME})")
-        except FileNotFoundError:
-            raise
-        except Exception as exc:  # only fsspec runs here: unknown protocol, missing backend, network
-            raise OSError(f"export {url} cannot be read: {type(exc).__name__}: {exc}") from exc
-        yield tmp
+        yield fsspec.core.strip_protocol(str(path)) if "://" in str(path) else str(path)
+        return
+    try:
+        # exports made before the tokenizer went along lack it
+        with fetched(str(path), (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME),
+                     required=(WEIGHTS_NAME, CONFIG_NAME)) as tmp:
+            yield tmp
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"exported model file {exc} (an export holds {WEIGHTS_NAME} and "
+                                f"{CONFIG_NAME})") from None
+    except OSError as exc:
+        raise OSError(f"export {exc}") from None
 
 
 def _read_aliases(weights: Path) -> dict[str, str]:

@@ -30,22 +30,17 @@ from typing import Any, Callable, Optional
 
 import fsspec
 
+from scse_dist.checkpoint.export import is_remote
 from scse_dist.distributed import barrier, is_rank0
 
 STAGING_ENV = "SCSE_STAGING_DIR"
 UPLOAD_ATTEMPTS_ENV = "SCSE_UPLOAD_ATTEMPTS"  # tries per file (default 5)
 UPLOAD_BACKOFF_ENV = "SCSE_UPLOAD_BACKOFF_S"  # first wait between tries, doubled each time (0.5)
-LOCAL_PROTOCOLS = {"file", "local"}
 
 
 def _local_rank() -> int:
     # init_distributed exports LOCAL_RANK for every launcher (Slurm's SLURM_LOCALID included).
     return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def is_remote(url: str) -> bool:
-    protocol = fsspec.core.split_protocol(url)[0] or "file"
-    return protocol not in LOCAL_PROTOCOLS
 
 
 def _upload_policy() -> tuple[int, float]:

@@ -12,16 +12,14 @@ weights do not depend on the loop depth T, so `model.depth` may differ from the 
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import fsspec
 
 from scse_dist.cli_errors import InputError
-from scse_dist.checkpoint.export import (WEIGHTS_NAME, describe_mismatch, not_an_export,
-                                         read_export_weights, weights_mismatch)
-from scse_dist.checkpoint.storage import is_remote
+from scse_dist.checkpoint.export import (WEIGHTS_NAME, describe_mismatch, fetched, is_remote,
+                                         not_an_export, read_export_weights, weights_mismatch)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -51,14 +49,12 @@ def read_init_weights(source: str) -> dict:
     if not is_remote(url):
         check_init_from(source)
         return read_export_weights(Path(fsspec.core.strip_protocol(url)))
-    fs, remote_path = fsspec.core.url_to_fs(url)
-    with tempfile.TemporaryDirectory(prefix="scse-init-from-") as tmp:
-        local = Path(tmp) / WEIGHTS_NAME
-        try:
-            fs.get_file(remote_path, str(local))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"train.init_from: {url} does not exist") from None
-        return read_export_weights(local)
+    folder, name = url.rsplit("/", 1)
+    try:
+        with fetched(folder, (name,), required=(name,)) as tmp:
+            return read_export_weights(Path(tmp) / name)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"train.init_from: {url} does not exist") from None
 
 
 def init_from_export(model: "nn.Module", source: str, strict: bool = True) -> list[str]:
