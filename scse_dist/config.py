@@ -67,12 +67,19 @@ class DepthSamplingConfig:
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 8
+    # Sequences per rank per micro-batch, or auto: the largest power of two dividing
+    # global_batch_size / world size that fits in memory, found by probing at start-up
+    # (scse_dist.train.micro_batch; needs global_batch_size).
+    micro_batch_size: Union[int, Literal["auto"]] = 8
     grad_accum_steps: int = 1
     # Sequences per optimizer step over all ranks; 0 means micro_batch_size * grad_accum_steps *
     # world size. When set, grad_accum_steps is derived from it at start-up (see grad_accum_for),
     # so the global batch, and the loss curve, stay the same at any world size.
     global_batch_size: int = 0
+    # micro_batch_size: auto on CPU (no out-of-memory signal there): the most a probe's peak RSS
+    # may grow, plus the optimizer state it does not allocate, in GiB. 0: half of MemAvailable
+    # at start-up, shared by the node's ranks (the rest for data workers and the page cache).
+    micro_batch_memory_gib: float = 0.0
     max_steps: int = 200
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
@@ -136,15 +143,30 @@ class TrainConfig:
             raise ConfigError("train.resume_from: contradicts train.resume=never (which starts "
                               "fresh); leave train.resume at auto")
 
-    def grad_accum_for(self, world_size: int) -> int:
-        """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit)."""
+    def micro_batch_candidates(self, world_size: int) -> list[int]:
+        """micro_batch_size: auto's candidates at `world_size`: the powers of two that divide the
+        global batch's share of one rank, largest first (ConfigError if there is no such share)."""
+        if self.global_batch_size % world_size:
+            raise ConfigError(f"train.global_batch_size: {self.global_batch_size} is not a multiple "
+                              f"of the world size ({world_size}), so train.micro_batch_size: auto "
+                              "has no per-rank share to split")
+        per_rank = self.global_batch_size // world_size
+        return [1 << k for k in range(per_rank.bit_length() - 1, -1, -1) if per_rank % (1 << k) == 0]
+
+    def grad_accum_for(self, world_size: int, micro_batch_size: Optional[int] = None) -> int:
+        """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit).
+        micro_batch_size: auto counts at its largest candidate unless `micro_batch_size` (the
+        one chosen) is given."""
         if not self.global_batch_size:
             return self.grad_accum_steps
-        per_pass = self.micro_batch_size * world_size
+        micro = micro_batch_size or self.micro_batch_size
+        if micro == "auto":
+            micro = self.micro_batch_candidates(world_size)[0]
+        per_pass = micro * world_size
         if self.global_batch_size % per_pass:
             raise ConfigError(
                 f"train.global_batch_size: {self.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size ({self.micro_batch_size}) x world size ({world_size})")
+                f"train.micro_batch_size ({micro}) x world size ({world_size})")
         accum = self.global_batch_size // per_pass
         if self.grad_accum_steps not in (1, accum):
             raise ConfigError(
@@ -239,7 +261,8 @@ def _check_consistency(cfg: RunConfig) -> None:
     m, t, d = cfg.model, cfg.train, cfg.train.depth
     check_model_config(m)
     positive = {
-        "data.seq_len": cfg.data.seq_len, "train.micro_batch_size": t.micro_batch_size,
+        "data.seq_len": cfg.data.seq_len,
+        "train.micro_batch_size": 1 if t.micro_batch_size == "auto" else t.micro_batch_size,
         "train.grad_accum_steps": t.grad_accum_steps, "train.max_steps": t.max_steps,
         "train.log_every": t.log_every, "train.checkpoint_every": t.checkpoint_every,
         "train.keep_checkpoints": t.keep_checkpoints, "train.depth.min": d.min,
@@ -251,6 +274,7 @@ def _check_consistency(cfg: RunConfig) -> None:
             raise ConfigError(f"{name}: must be > 0, got {value}")
     for name, value in {"train.warmup_steps": t.warmup_steps,
                         "train.global_batch_size": t.global_batch_size,
+                        "train.micro_batch_memory_gib": t.micro_batch_memory_gib,
                         "train.depth.backprop_steps": d.backprop_steps,
                         "train.diagnostics_every": t.diagnostics_every or 0,
                         "eval.max_batches": cfg.eval.max_batches}.items():
@@ -267,6 +291,7 @@ def _check_consistency(cfg: RunConfig) -> None:
     if t.lr <= 0:
         raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
     _check_muon(t)
+    _check_auto_micro_batch(t)
     if d.kind == "uniform" and d.max and d.max < d.min:
         raise ConfigError(f"train.depth.max: {d.max} is below train.depth.min={d.min}")
     if d.sigma <= 0:
@@ -284,6 +309,18 @@ def _check_consistency(cfg: RunConfig) -> None:
         raise ConfigError(f"data.heldout_fraction: must lie in [0, 1), got {cfg.data.heldout_fraction}")
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
+
+
+def _check_auto_micro_batch(t: TrainConfig) -> None:
+    if t.micro_batch_size != "auto":
+        return
+    if not t.global_batch_size:  # the batch that auto keeps while it picks the split
+        raise ConfigError("train.micro_batch_size: auto needs train.global_batch_size (the batch "
+                          "per optimizer step it keeps while choosing the micro-batch); set it, "
+                          "e.g. train.global_batch_size=64")
+    if t.grad_accum_steps != 1:
+        raise ConfigError(f"train.grad_accum_steps: {t.grad_accum_steps} with "
+                          "train.micro_batch_size: auto, which derives it; leave it at 1")
 
 
 def _check_muon(t: TrainConfig) -> None:
@@ -318,6 +355,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if optional:
             return None
         raise ConfigError(f"{where}: may not be null")
+    if typing.get_origin(tp) in (Union, types.UnionType):  # e.g. int or "auto": the first that takes it
+        return _coerce_union(value, typing.get_args(tp), where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
@@ -363,6 +402,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
     raise ConfigError(f"{where}: unsupported field type {tp}")  # pragma: no cover - schema bug
+
+
+def _coerce_union(value: Any, members: tuple, where: str) -> Any:
+    for member in members:
+        try:
+            return _coerce(value, member, where)
+        except ConfigError:
+            pass
+    wanted = " or ".join("an integer" if m is int else "a number" if m is float else
+                         ", ".join(map(repr, typing.get_args(m))) if typing.get_origin(m) is Literal
+                         else getattr(m, "__name__", str(m)) for m in members)
+    raise ConfigError(f"{where}: expected {wanted}, got {value!r}")
 
 
 def _build(cls: type, values: dict, prefix: str = "") -> Any:

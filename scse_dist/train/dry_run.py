@@ -41,14 +41,14 @@ def state_bytes(n_params: int, precision: str, zero_stage: int, world_size: int)
     return sum(n_params * b / (world_size if kind in sharded else 1) for kind, b in per_kind.items())
 
 
-def activation_bytes(cfg: RunConfig, depth: int, precision: str) -> float:
+def activation_bytes(cfg: RunConfig, depth: int, precision: str, micro_batch: int) -> float:
     """Rough activations of one micro-batch kept for backward at loop depth `depth`.
 
     Per block run, about 34 values per token and channel plus the attention scores (5 per head
     and key position: Korthikanti et al. 2022, at 2 bytes each in 16-bit), or only the block's
     input under activation checkpointing; plus the logits and their gradient in fp32."""
     m, t = cfg.model, cfg.train
-    tokens = t.micro_batch_size * cfg.data.seq_len
+    tokens = micro_batch * cfg.data.seq_len
     width = 2 if precision == "bf16" else 4
     per_block = tokens * m.d_model * (34 + 5 * m.n_heads * cfg.data.seq_len / m.d_model) * width / 2
     if m.activation_checkpointing:
@@ -80,18 +80,22 @@ def describe(cfg: RunConfig, config_path: Optional[str] = None,
 
     t, seq_len = cfg.train, cfg.data.seq_len
     accum = t.grad_accum_for(world_size)
-    tokens_per_step = world_size * t.micro_batch_size * accum * seq_len
+    # auto: its largest candidate, the most it may take (the probe at start-up may take less)
+    micro = t.micro_batch_candidates(world_size)[0] if t.micro_batch_size == "auto" \
+        else t.micro_batch_size
+    tokens_per_step = world_size * micro * accum * seq_len
     depths = training_depths(cfg)
     flops = [flops_per_token(cfg.model, d, seq_len) for d in depths]
     n_params = count_parameters(cfg)
     precision = resolve_precision(t.precision)
     states = state_bytes(n_params, precision, t.zero_stage, world_size)
-    activations = activation_bytes(cfg, max(depths, default=cfg.model.depth), precision)
+    activations = activation_bytes(cfg, max(depths, default=cfg.model.depth), precision, micro)
     mean = sum(flops) / len(flops) if flops else 0.0
     lines = [
         f"dry run of {cfg.name}: nothing is created (run dir {Path(cfg.output_dir) / cfg.name})",
         f"parameters: {n_params:,}",
-        f"world size {world_size}: {t.micro_batch_size} sequences x {accum} accumulation x "
+        f"world size {world_size}: {micro}{' (auto: at most)' if micro != t.micro_batch_size else ''}"
+        f" sequences x {accum} accumulation x "
         f"{world_size} ranks x {seq_len} tokens = {tokens_per_step:,} tokens per step",
         f"steps: {t.max_steps:,}, tokens the run will see: {t.max_steps * tokens_per_step:,}",
         f"training depth T ({t.depth.kind}): min {min(depths, default=0)}, mean "

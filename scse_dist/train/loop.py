@@ -49,8 +49,11 @@ def _seed_everything(seed: int) -> None:
 
 
 def with_world_batch(cfg: RunConfig, world_size: int) -> RunConfig:
-    """cfg with grad_accum_steps derived from train.global_batch_size at this world size."""
+    """cfg with grad_accum_steps derived from train.global_batch_size at this world size
+    (micro_batch_size: auto only checked here: its accumulation comes with the choice)."""
     accum = cfg.train.grad_accum_for(world_size)
+    if cfg.train.micro_batch_size == "auto":
+        return cfg
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=accum))
 
 
@@ -151,10 +154,6 @@ def _start(cfg: RunConfig) -> TrainState:
     storage, resume_tag = _prepare_run_dir(cfg, env.rank == 0)
     run_dir = storage.local
     tokenizer = load_run_tokenizer(cfg)
-    # The data is opened before the engine is built, so bad data (another tokenizer's shards,
-    # too few documents) stops the run in seconds.
-    stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
-                                     env.world_size, cfg.train.seed, tokenizer.sha256)
     _seed_everything(cfg.train.seed)
     if not torch.cuda.is_available():
         # Zero-start ablations produce subnormal floats, which make CPU math ~10x slower.
@@ -163,6 +162,11 @@ def _start(cfg: RunConfig) -> TrainState:
     n_params = model.num_parameters()  # before ZeRO-3 partitions them to empty placeholders
     # Before the engine: ZeRO-3 then partitions the loaded weights.
     maybe_init_from(model, cfg.train, resume_tag is not None, env.rank == 0)
+    cfg = _with_micro_batch(cfg, model, env)
+    # The data is opened before the engine is built, so bad data (another tokenizer's shards,
+    # too few documents) stops the run in seconds.
+    stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
+                                     env.world_size, cfg.train.seed, tokenizer.sha256)
     engine, ds_config = build_engine(cfg, model)
     start_step = resume_if_present(engine, run_dir, stream, resume_tag)
     _check_resumed_step(start_step, cfg, run_dir)
@@ -182,6 +186,25 @@ def _start(cfg: RunConfig) -> TrainState:
               f"{'bf16' if ds_config['bf16']['enabled'] else 'fp32'}, "
               f"steps {start_step}..{cfg.train.max_steps}", flush=True)
     return state
+
+
+def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:
+    """cfg with train.micro_batch_size: auto resolved by probing (scse_dist.train.micro_batch)
+    and grad_accum_steps re-derived from it; a fixed micro-batch as it is."""
+    if cfg.train.micro_batch_size != "auto":
+        return cfg
+    from scse_dist.train.micro_batch import find_micro_batch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    # Ranks of one node share its memory; unknown placement counts them all as on this node.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or env.world_size
+    size, line = find_micro_batch(cfg, model, env.world_size, local_world, device)
+    if env.rank == 0:
+        print(line, flush=True)
+    train = dataclasses.replace(cfg.train, micro_batch_size=size,
+                                grad_accum_steps=cfg.train.grad_accum_for(env.world_size, size))
+    return dataclasses.replace(cfg, train=train)
 
 
 def _prepare_run_dir(cfg: RunConfig, rank0: bool) -> tuple[RunStorage, Any]:
