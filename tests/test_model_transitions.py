@@ -8,7 +8,8 @@ import torch
 
 from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
-from scse_dist.model.transitions import TRANSITIONS, Additive, Scse, Transition, Untied, transition_for
+from scse_dist.model.transitions import (TRANSITIONS, Additive, Scse, Transition, Untied,
+                                         transition_for)
 
 
 def tiny(**kw) -> ModelConfig:
@@ -59,7 +60,11 @@ def test_transition_facts() -> None:
 def test_a_model_builds_its_transition_once(recurrence: str, monkeypatch) -> None:
     built = []
     init = Transition.__init__
-    monkeypatch.setattr(Transition, "__init__", lambda self, cfg: (built.append(self), init(self, cfg))[1])
+    def counted(self, cfg):
+        built.append(self)
+        init(self, cfg)
+
+    monkeypatch.setattr(Transition, "__init__", counted)
     model = LoopedLM(tiny(recurrence=recurrence, n_prelude=2, n_coda=2))
     assert len(built) == 1 and model.core.transition is built[0]
     model(torch.randint(0, 64, (1, 5)))
