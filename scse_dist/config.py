@@ -19,7 +19,9 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 # The model package owns its config (it is copied into exports as remote code); re-exported here.
-from scse_dist.model.config import ConfigError, ModelConfig, check_model_config  # noqa: F401
+# check_model_config is the full check (the fields, then the recurrence's own: transitions.py).
+from scse_dist.model.config import ConfigError, ModelConfig  # noqa: F401
+from scse_dist.model.transitions import check_model_config  # noqa: F401
 from scse_dist.task_registry import TASKS, field_value, unknown_task
 
 

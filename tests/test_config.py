@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from scse_dist.config import ConfigError, config_to_dict, load_config, save_config
+from scse_dist.model.transitions import transition_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -12,25 +13,25 @@ REPO = Path(__file__).resolve().parents[1]
 def test_defaults_resolve_derived_fields():
     cfg = load_config(None)
     assert cfg.model.recurrence == "scse" and cfg.model.residual == "deeploop"
-    assert cfg.model.resolved_inject == "none"
+    assert transition_for(cfg.model).resolved_inject == "none"
     assert cfg.model.resolved_ffn_hidden == 704  # 8/3*256 = 682 -> next multiple of 64
-    assert cfg.model.unrolled_depth == 1 + 1 * 4 + 1
+    assert transition_for(cfg.model).unrolled_depth == 1 + 1 * 4 + 1
     assert cfg.run_dir == "runs/run"
 
 
 def test_overrides_are_typed_and_nested():
     cfg = load_config(None, ["model.recurrence=additive", "train.lr=3e-4", "eval.depths=1,8,48",
                              "train.depth.kind=uniform", "wandb.enabled=false", "model.depth=8"])
-    assert cfg.model.resolved_inject == "add"
+    assert transition_for(cfg.model).resolved_inject == "add"
     assert cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
     assert cfg.eval.depths == [1, 8, 48]
     assert cfg.train.depth.kind == "uniform" and cfg.wandb.enabled is False
-    assert cfg.model.unrolled_depth == 10
+    assert transition_for(cfg.model).unrolled_depth == 10
 
 
 def test_untied_param_match_has_no_loop_visits():
     cfg = load_config(None, ["model.recurrence=untied", "model.untied_match=params", "model.residual=preln"])
-    assert cfg.model.unrolled_depth == 3
+    assert transition_for(cfg.model).unrolled_depth == 3
 
 
 @pytest.mark.parametrize("override, message", [

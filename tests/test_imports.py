@@ -32,9 +32,6 @@ LAYERS = [
     {"train", "eval", "generate", "generate_cli", "generate_options", "sampling", "speculative"},
     {"launch", "study", "lmeval"},
 ]
-# Known and open: ModelConfig.transition imports transitions lazily, and transitions imports the
-# config. Listed so that every other cycle fails; remove it when config.py becomes a leaf.
-KNOWN_CYCLE_EDGES = {("scse_dist.model.config", "scse_dist.model.transitions")}
 
 
 def _modules(root: Path = ROOT) -> dict[str, Path]:
@@ -121,16 +118,12 @@ def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return packages
 
 
-def _without_known(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    return {a: {b for b in deps if (a, b) not in KNOWN_CYCLE_EDGES} for a, deps in graph.items()}
-
-
 def test_no_import_cycles():
     graph = _graph()
     assert "scse_dist.data.sample_format" in graph and graph["scse_dist.data.reader"]
     # relative imports are seen: the model package imports itself only that way
     assert "scse_dist.model.config" in graph["scse_dist.model.blocks"]
-    assert _cycles(_without_known(graph)) == []
+    assert _cycles(graph) == []
 
 
 def test_no_package_level_cycles():
@@ -162,7 +155,7 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
 def test_a_planted_relative_cycle_in_model_is_caught(tmp_path):
     copy = _plant(tmp_path, {"model/loss.py": (ROOT / "model/loss.py").read_text()
                              + "\nfrom .looped_lm import LoopedLM  # planted\n"})
-    cycles = _cycles(_without_known(_graph(copy)))
+    cycles = _cycles(_graph(copy))
     assert any("scse_dist.model.loss" in c and "scse_dist.model.looped_lm" in c for c in cycles)
 
 
@@ -173,8 +166,8 @@ def test_a_planted_upward_import_is_caught(tmp_path):
                                      "scse_dist.data.packing -> scse_dist.train.engine"]
 
 
-@pytest.mark.parametrize("leaf", ["scse_dist.data.sample_format", "scse_dist.progress",
-                                  "scse_dist.quiet", "scse_dist.threads"])
+@pytest.mark.parametrize("leaf", ["scse_dist.model.config", "scse_dist.data.sample_format",
+                                  "scse_dist.progress", "scse_dist.quiet", "scse_dist.threads"])
 def test_leaves_import_nothing_of_scse_dist(leaf):
     graph = _graph()
     assert graph[leaf] == set()

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from scse_dist.config import ModelConfig
 from scse_dist.model import Block, LoopedLM, RMSNorm, flops_per_token, residual_constants
 from scse_dist.model.blocks import apply_rope, rope_tables
+from scse_dist.model.transitions import transition_for
 
 
 def cfg_of(**kw) -> ModelConfig:
@@ -37,12 +38,12 @@ def cfg_of(**kw) -> ModelConfig:
     (dict(residual="deeploop", recurrence="untied", untied_match="params"), 6 ** 0.25, 24 ** -0.25),
 ])
 def test_residual_constants(kw: dict, alpha: float, beta: float) -> None:
-    got = residual_constants(cfg_of(**kw))
+    got = residual_constants(transition_for(cfg_of(**kw)))
     assert got == pytest.approx((alpha, beta), rel=1e-12)
 
 
 def test_deeploop_constants_values() -> None:
-    alpha, beta = residual_constants(cfg_of(residual="deeploop"))
+    alpha, beta = residual_constants(transition_for(cfg_of(residual="deeploop")))
     assert alpha == pytest.approx(3.4641016, rel=1e-6) and beta == pytest.approx(0.1443376, rel=1e-6)
 
 
@@ -50,7 +51,7 @@ def test_deeploop_constants_values() -> None:
 def test_post_ln_init_uses_beta_gain_on_value_output_and_ffn(residual: str) -> None:
     torch.manual_seed(0)
     cfg = cfg_of(d_model=256, n_heads=4, residual=residual, ffn_hidden=256)
-    _, beta = residual_constants(cfg)
+    _, beta = residual_constants(transition_for(cfg))
     block = Block(cfg)
     xavier = math.sqrt(2 / (256 + 256))  # every matrix here is 256 x 256
     q, k, v = block.attn.qkv.weight.split(256, dim=0)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from scse_dist.config import ConfigError, ModelConfig
 from scse_dist.model import LoopedLM, residual_constants
 from scse_dist.model.recurrence import stability_penalty
+from scse_dist.model.transitions import transition_for
 from scse_dist.train.diagnostics import loop_diagnostics
 
 
@@ -167,7 +168,7 @@ def test_loop_stability_pushes_a_collapsing_loop_outward() -> None:
 @pytest.mark.parametrize("kw,n", [(dict(), 1 + 3 + 1), (dict(residual_depth=8), 1 + 8 + 1),
                                   (dict(residual_depth=8, n_core=2), 1 + 16 + 1)])
 def test_residual_constants_from_residual_depth(kw: dict, n: int) -> None:
-    assert residual_constants(tiny(**kw)) == ((2 * n) ** 0.5, (8 * n) ** -0.5)
+    assert residual_constants(transition_for(tiny(**kw))) == ((2 * n) ** 0.5, (8 * n) ** -0.5)
     alpha = LoopedLM(tiny(**kw)).core.blocks[0].alpha
     assert alpha == (2 * n) ** 0.5
 

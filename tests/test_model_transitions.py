@@ -8,7 +8,8 @@ import torch
 
 from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
-from scse_dist.model.transitions import TRANSITIONS, Additive, Scse, Untied
+from scse_dist.model.transitions import (TRANSITIONS, Additive, Scse, Transition, Untied,
+                                         transition_for)
 
 
 def tiny(**kw) -> ModelConfig:
@@ -46,8 +47,28 @@ def test_transition_facts() -> None:
     assert scse.core_calls(4) == 5 and scse.learned_anchor and scse.own_flops() == 2 * 32 ** 2
     assert scse.revisits_blocks and scse.group(3) == 0 and scse.fixed_depth is None
     assert Additive(tiny(recurrence="additive")).core_calls(4) == 4
-    assert tiny(recurrence="additive").resolved_inject == "add"
-    assert tiny(recurrence="looped").resolved_inject == "none"
+    assert Additive(tiny(recurrence="additive")).resolved_inject == "add"
+    assert transition_for(tiny(recurrence="looped")).resolved_inject == "none"
+    assert transition_for(tiny(recurrence="additive", inject="concat")).resolved_inject == "concat"
+    # N counts every loop visit; untied runs its fixed stack, residual_depth only the constants
+    assert scse.unrolled_depth == 1 + 2 * 3 + 1 and untied.unrolled_depth == 1 + 2 * 5 + 1
+    deep = Scse(tiny(residual_depth=8))
+    assert (deep.unrolled_depth, deep.residual_unrolled_depth) == (8, 18)
+
+
+@pytest.mark.parametrize("recurrence", sorted(TRANSITIONS))
+def test_a_model_builds_its_transition_once(recurrence: str, monkeypatch) -> None:
+    built = []
+    init = Transition.__init__
+    def counted(self, cfg):
+        built.append(self)
+        init(self, cfg)
+
+    monkeypatch.setattr(Transition, "__init__", counted)
+    model = LoopedLM(tiny(recurrence=recurrence, n_prelude=2, n_coda=2))
+    assert len(built) == 1 and model.core.transition is built[0]
+    model(torch.randint(0, 64, (1, 5)))
+    assert len(built) == 1  # a forward builds none
 
 
 @pytest.mark.parametrize("recurrence", sorted(TRANSITIONS))

@@ -9,15 +9,15 @@ import dataclasses
 
 from transformers import PretrainedConfig
 
-from .config import ModelConfig, check_model_config
+from .config import ModelConfig
+from .transitions import check_model_config
 
-# transformers 4.57 copies only the modules this file imports itself; config.py reaches these
-# (see modeling_scse.py).
+# transformers 4.57 copies only the modules this file imports itself; transitions.py reaches
+# config.py, and these are reached too (see modeling_scse.py).
 from .exit_rules import ExitRule  # noqa: F401
 from .kv_cache import KVCache  # noqa: F401
 from .blocks import Block  # noqa: F401
 from .recurrence import LoopCore  # noqa: F401
-from .transitions import transition_for  # noqa: F401
 
 MODEL_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 

@@ -18,20 +18,21 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .transitions import Transition, transition_for
 
 
-def residual_constants(cfg: ModelConfig) -> tuple[float, float]:
-    """(alpha, beta) for the residual form, from the unrolled depth N = cfg.residual_unrolled_depth
-    (cfg.unrolled_depth unless model.residual_depth is set).
+def residual_constants(transition: Transition) -> tuple[float, float]:
+    """(alpha, beta) for the residual form of transition.cfg, from the unrolled depth
+    N = transition.residual_unrolled_depth (its unrolled_depth unless model.residual_depth is set).
 
     alpha scales the residual stream inside the Post-LN sum; beta is the xavier gain of the FFN,
     value and output projections. preln uses neither (1, 1). deeploop falls back to the DeepNorm
     constants when no block is revisited (untied, or a single loop step), as the spec requires.
     """
-    n = cfg.residual_unrolled_depth
-    if cfg.residual == "preln":
+    n, residual = transition.residual_unrolled_depth, transition.cfg.residual
+    if residual == "preln":
         return 1.0, 1.0
-    if cfg.residual == "deeploop" and cfg.transition.revisits_blocks:
+    if residual == "deeploop" and transition.revisits_blocks:
         return (2 * n) ** 0.5, (8 * n) ** -0.5
     return (2 * n) ** 0.25, (8 * n) ** -0.25
 
@@ -140,22 +141,26 @@ class Block(nn.Module):
     backward with non-reentrant torch checkpointing: reentrant breaks ZeRO-2/3 and DDP when a
     module runs several times per step. `rope` comes from the model's forward (rope_tables); a
     block called on its own makes its own. `mask` (attention_mask_4d) only for padded batches.
+    `transition`: the model's (its unrolled depth sets the residual constants and the init); a
+    block built on its own makes one from cfg.
     """
 
-    def __init__(self, cfg: ModelConfig, checkpointed: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, checkpointed: bool = False,
+                 transition: Optional[Transition] = None) -> None:
         super().__init__()
         self.cfg = cfg
+        transition = transition or transition_for(cfg)
         self.post_ln = cfg.residual != "preln"
-        self.alpha, self.beta = residual_constants(cfg)
+        self.alpha, self.beta = residual_constants(transition)
         self.checkpointed = checkpointed
         self.attn = CausalSelfAttention(cfg)
         self.mlp = SwiGLU(cfg)
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self._init_weights(cfg)
+        self._init_weights(cfg, transition.residual_unrolled_depth)
 
     @torch.no_grad()
-    def _init_weights(self, cfg: ModelConfig) -> None:
+    def _init_weights(self, cfg: ModelConfig, unrolled_depth: int) -> None:
         d = cfg.d_model
         if self.post_ln:
             # DeepNet: xavier_normal with gain beta on FFN, value and output projections, gain 1
@@ -169,7 +174,7 @@ class Block(nn.Module):
             return
         # GPT-2: normal(init_std), output projections shrunk by sqrt(2N) so the residual stream's
         # variance does not grow with depth.
-        out_std = cfg.init_std / math.sqrt(2 * cfg.residual_unrolled_depth)
+        out_std = cfg.init_std / math.sqrt(2 * unrolled_depth)
         for lin in (self.attn.qkv, self.mlp.gate, self.mlp.up):
             nn.init.normal_(lin.weight, std=cfg.init_std)
         for lin in (self.attn.proj, self.mlp.down):

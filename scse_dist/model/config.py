@@ -1,7 +1,9 @@
 """The model's config: `ModelConfig` and the checks of its field combinations.
 
-Part of the model package (which imports nothing else of scse_dist, so it can be copied verbatim
-into an export as remote code); `scse_dist.config` re-exports both names.
+A leaf: it imports nothing of the package. What depends on the recurrence (the resolved inject,
+the unrolled depth, the recurrence's own checks) lives on its `Transition` (transitions.py), as
+does `check_model_config`, the full check. The model package imports nothing else of scse_dist,
+so it can be copied verbatim into an export as remote code; `scse_dist.config` re-exports these.
 """
 
 from __future__ import annotations
@@ -57,38 +59,15 @@ class ModelConfig:
     init_std: float = 0.02
 
     @property
-    def transition(self):
-        """The recurrence's Transition (scse_dist.model.transitions), made on each access."""
-        from .transitions import transition_for  # it imports this module
-
-        return transition_for(self)
-
-    @property
-    def resolved_inject(self) -> str:
-        return self.inject if self.inject != "default" else self.transition.default_inject
-
-    @property
     def resolved_ffn_hidden(self) -> int:
         if self.ffn_hidden:
             return self.ffn_hidden
         return ((8 * self.d_model // 3) + 63) // 64 * 64
 
-    @property
-    def unrolled_depth(self) -> int:
-        """N = n_prelude + n_core*T + n_coda at the nominal depth (every loop visit counts)."""
-        steps = self.transition.fixed_depth or self.depth
-        return self.n_prelude + self.n_core * steps + self.n_coda
 
-    @property
-    def residual_unrolled_depth(self) -> int:
-        """The N of the residual constants: unrolled_depth at residual_depth when set."""
-        steps = self.transition.fixed_depth or self.residual_depth or self.depth
-        return self.n_prelude + self.n_core * steps + self.n_coda
-
-
-def check_model_config(m: ModelConfig) -> None:
-    """Combinations of model fields that cannot work. LoopedLM calls this too, so a ModelConfig
-    built in code gets the same messages as one loaded from YAML."""
+def check_model_fields(m: ModelConfig) -> None:
+    """Field values and combinations that no recurrence can run. The recurrence's own checks come
+    after these in transitions.check_model_config, the full check."""
     for name in ("vocab_size", "d_model", "n_heads", "max_seq_len", "n_core", "depth"):
         if getattr(m, name) <= 0:
             raise ConfigError(f"model.{name}: must be > 0, got {getattr(m, name)}")
@@ -105,7 +84,6 @@ def check_model_config(m: ModelConfig) -> None:
     if not 0.0 <= m.forcing_bias_scale <= 1.0:
         raise ConfigError(f"model.forcing_bias_scale: must lie in [0, 1], got {m.forcing_bias_scale}")
     _check_interventions(m)
-    m.transition.check()
 
 
 def _check_interventions(m: ModelConfig) -> None:

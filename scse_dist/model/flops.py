@@ -17,16 +17,17 @@ Norms, RoPE, softmax and elementwise ops are left out (they are a few percent at
 from __future__ import annotations
 
 from .config import ModelConfig
+from .transitions import transition_for
 
 
 def flops_per_token(cfg: ModelConfig, depth: int, seq_len: int) -> float:
-    transition = cfg.transition
+    transition = transition_for(cfg)
     transition.check_depth(depth)  # untied: only its fixed depth
     calls = transition.core_calls(depth)
     d, f = cfg.d_model, cfg.resolved_ffn_hidden
     block = 2 * (4 * d * d + 3 * d * f) + 2 * 2 * seq_len * d
     forward = (cfg.n_prelude + cfg.n_core * calls + cfg.n_coda) * block + 2 * d * cfg.vocab_size
-    if cfg.resolved_inject == "concat":
+    if transition.resolved_inject == "concat":
         forward += calls * 2 * (2 * d) * d
     forward += transition.own_flops()
     return 3.0 * forward

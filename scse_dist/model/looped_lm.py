@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig, check_model_config
+from .config import ModelConfig
 from .blocks import Block, RMSNorm, RopeTables, attention_mask_4d, rope_tables
 from .exit_rules import ExitRule
 from .loss import IGNORE_INDEX, chunked_cross_entropy
 from .kv_cache import KVCache, LoopKV
 from .recurrence import DIAGNOSTICS, LoopCore
+from .transitions import check_model_config
 
 
 class LMOutput(NamedTuple):
@@ -45,13 +46,16 @@ class DecodeOutput(NamedTuple):
 class LoopedLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        check_model_config(cfg)  # before any block: they compute constants from the fields
+        # before any block: they compute constants from the fields. The model's one Transition,
+        # held by the core.
+        transition = check_model_config(cfg)
         self.cfg = cfg
         ckpt_blocks = cfg.activation_checkpointing == "block"
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.prelude = nn.ModuleList(Block(cfg, ckpt_blocks) for _ in range(cfg.n_prelude))
-        self.core = LoopCore(cfg)
-        self.coda = nn.ModuleList(Block(cfg, ckpt_blocks) for _ in range(cfg.n_coda))
+        self.prelude = nn.ModuleList(Block(cfg, ckpt_blocks, transition)
+                                     for _ in range(cfg.n_prelude))
+        self.core = LoopCore(cfg, transition)
+        self.coda = nn.ModuleList(Block(cfg, ckpt_blocks, transition) for _ in range(cfg.n_coda))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: Optional[nn.Linear] = None
         if not cfg.tie_embeddings:

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import ModelConfig, check_model_config
+from .config import ModelConfig
 from .blocks import Block, KVHook, RopeTables, rope_tables
 from .exit_rules import ExitRule
 from .kv_cache import LoopKV
-from .transitions import transition_for
+from .transitions import Transition, check_model_config
 
 # Per-forward tensors (source, anchor, cos, sin, mask, ...) and, when decoding with a KV cache,
 # "kv": the cache's LoopKV view.
@@ -58,19 +58,21 @@ def stability_penalty(d_first: torch.Tensor, d_before: torch.Tensor, d_last: tor
 
 
 class LoopCore(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, transition: Optional[Transition] = None) -> None:
+        """transition: the model's, checked (LoopedLM's); a core built on its own checks cfg and
+        makes its own."""
         super().__init__()
         d = cfg.d_model
-        check_model_config(cfg)
         self.cfg = cfg
-        self.transition = transition_for(cfg)  # no parameters: all of them live here
-        self.inject = cfg.resolved_inject
+        # the model's one Transition; no parameters: all of them live here
+        self.transition = transition or check_model_config(cfg)
+        self.inject = self.transition.resolved_inject
         self.init_state = cfg.init_state
         self.checkpoint_steps = cfg.activation_checkpointing == "loop"
         self.n_core = cfg.n_core
         self.fixed_depth: Optional[int] = self.transition.fixed_depth
         ckpt_blocks = cfg.activation_checkpointing == "block"
-        self.blocks = nn.ModuleList(Block(cfg, checkpointed=ckpt_blocks)
+        self.blocks = nn.ModuleList(Block(cfg, ckpt_blocks, self.transition)
                                     for _ in range(cfg.n_core * self.transition.block_groups))
         self.anchor: Optional[nn.Linear] = None
         if self.transition.learned_anchor:

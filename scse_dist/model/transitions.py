@@ -9,6 +9,9 @@ With Phi(h) = F(h), F(h + s) or F(W[h; s]) by cfg.inject, and x the loop variabl
 
 A transition holds no parameters: `LoopCore` owns them all (their names are the checkpoint
 format, and it is the one ZeRO-3 leaf), and passes itself to `start`, `step` and the probes.
+It also answers what the config's fields mean for this recurrence (the resolved inject, the
+unrolled depth N), and `check_model_config` runs the field checks and then its own. A model
+builds it once (LoopedLM hands it to LoopCore, which holds it, and to every Block).
 Adding a recurrence is one subclass here plus its name in ModelConfig.recurrence.
 """
 
@@ -16,9 +19,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, check_model_fields
 
-if TYPE_CHECKING:  # annotations only: config imports this module, which stays free of torch
+if TYPE_CHECKING:  # annotations only: this module stays free of torch (scse_dist.config imports it)
     import torch
 
     from .recurrence import Context, LoopCore
@@ -54,6 +57,24 @@ class Transition:
         """Whether a forward at the nominal depth runs some core block more than once."""
         return self.fixed_depth is None and self.cfg.depth > 1
 
+    @property
+    def resolved_inject(self) -> str:
+        """cfg.inject with "default" resolved for this recurrence."""
+        return self.cfg.inject if self.cfg.inject != "default" else self.default_inject
+
+    @property
+    def unrolled_depth(self) -> int:
+        """N = n_prelude + n_core*T + n_coda at the nominal depth (every loop visit counts)."""
+        return self._unrolled(self.fixed_depth or self.cfg.depth)
+
+    @property
+    def residual_unrolled_depth(self) -> int:
+        """The N of the residual constants: unrolled_depth at cfg.residual_depth when set."""
+        return self._unrolled(self.fixed_depth or self.cfg.residual_depth or self.cfg.depth)
+
+    def _unrolled(self, steps: int) -> int:
+        return self.cfg.n_prelude + self.cfg.n_core * steps + self.cfg.n_coda
+
     def core_calls(self, depth: int) -> int:
         """Phi applications of a forward to `depth`."""
         return depth + self.extra_core_calls
@@ -79,7 +100,7 @@ class Transition:
 
     def input_enters(self) -> bool:
         m = self.cfg
-        return m.resolved_inject != "none" or m.init_state == "source"
+        return self.resolved_inject != "none" or m.init_state == "source"
 
     _no_input = ""  # what else keeps the input out, in check's message
 
@@ -140,7 +161,7 @@ class Untied(Transition):
         return t
 
     def check(self) -> None:
-        if self.cfg.resolved_inject != "none":
+        if self.resolved_inject != "none":
             raise ConfigError(f"model.inject: untied has no loop to inject into, got "
                               f"{self.cfg.inject!r}")
 
@@ -223,3 +244,13 @@ def transition_for(cfg: ModelConfig) -> Transition:
     except KeyError:
         raise ConfigError(f"model.recurrence: must be one of {', '.join(TRANSITIONS)}; got "
                           f"{cfg.recurrence!r}") from None
+
+
+def check_model_config(cfg: ModelConfig) -> Transition:
+    """Every check of a model config: the fields (config.check_model_fields), then the recurrence's
+    own combinations. Returns the checked Transition, so that a model builds it once. LoopedLM
+    calls this too, so a ModelConfig built in code gets the same messages as one from YAML."""
+    check_model_fields(cfg)
+    transition = transition_for(cfg)
+    transition.check()
+    return transition

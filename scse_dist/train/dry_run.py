@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from scse_dist.config import RunConfig
+from scse_dist.model.transitions import transition_for
 
 GIB = 2**30
 # Bytes per parameter of each training state under mixed precision as DeepSpeed keeps them (fp32
@@ -52,7 +53,7 @@ def activation_bytes(cfg: RunConfig, depth: int, precision: str, micro_batch: in
     per_block = tokens * m.d_model * (34 + 5 * m.n_heads * cfg.data.seq_len / m.d_model) * width / 2
     if m.activation_checkpointing:
         per_block = tokens * m.d_model * width
-    calls = m.transition.core_calls(depth)
+    calls = transition_for(m).core_calls(depth)
     if t.depth.backprop_steps:
         calls = min(calls, t.depth.backprop_steps + 1)
     blocks = m.n_prelude + m.n_core * calls + m.n_coda
