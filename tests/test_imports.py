@@ -25,7 +25,7 @@ ROOT = Path(scse_dist.__file__).parent
 
 LAYERS = [
     {"model"},
-    {"config", "task_registry", "cli_errors", "atomic", "progress", "quiet", "threads",
+    {"config", "typed_yaml", "task_registry", "cli_errors", "atomic", "progress", "quiet", "threads",
      "distributed", "hf"},
     {"data"},
     {"checkpoint"},

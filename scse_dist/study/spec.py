@@ -38,7 +38,8 @@ from typing import Any, Optional
 
 import yaml
 
-from scse_dist.config import ConfigError, RunConfig, _read_yaml, config_from_dict
+from scse_dist.config import ConfigError, RunConfig, config_from_dict
+from scse_dist.typed_yaml import _read_yaml
 from scse_dist.launch.backends.base import Resources
 from scse_dist.task_registry import TASKS, field_value
 

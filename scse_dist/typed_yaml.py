@@ -1,0 +1,174 @@
+"""Typed YAML: a dataclass built from a nested dict with every value checked against its field's
+type (one `ConfigError` naming the field, with a did-you-mean for an unknown one), `key.sub=value`
+overrides, and YAML files that overlay a `base:` file. Generic: scse_dist.config applies it to
+the run config, scse_dist.study.spec to study specs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from scse_dist.model.config import ConfigError
+
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    tp, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where}: may not be null")
+    if typing.get_origin(tp) in (Union, types.UnionType):  # e.g. int or "auto": the first that takes it
+        return _coerce_union(value, typing.get_args(tp), where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+        return _build(tp, value, where)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: must be one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin is dict:  # str -> value, e.g. eval.data
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        value_tp = typing.get_args(tp)[1]
+        return {str(k): _coerce(v, value_tp, f"{where}.{k}") for k, v in value.items()}
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool) and item_tp is int:
+            value = [value] if not isinstance(value, str) else [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v if not isinstance(v, str) or item_tp is str else _parse_scalar(v), item_tp,
+                        f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported field type {tp}")  # pragma: no cover - schema bug
+
+
+def _coerce_union(value: Any, members: tuple, where: str) -> Any:
+    for member in members:
+        try:
+            return _coerce(value, member, where)
+        except ConfigError:
+            pass
+    wanted = " or ".join("an integer" if m is int else "a number" if m is float else
+                         ", ".join(map(repr, typing.get_args(m))) if typing.get_origin(m) is Literal
+                         else getattr(m, "__name__", str(m)) for m in members)
+    raise ConfigError(f"{where}: expected {wanted}, got {value!r}")
+
+
+def _build(cls: type, values: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(names)}"
+            raise ConfigError(f"{where}: unknown field{hint}")
+        kwargs[key] = _coerce(value, hints[key], where)
+    return cls(**kwargs)
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(values: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` strings (value parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = values
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {part!r} is not a section")
+        node[parts[-1]] = _parse_scalar(raw)
+    return values
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    """A copy of `base` with `over` laid on top: nested dicts merge key by key, any other value
+    of `over` replaces base's. Neither input is modified, nor shares anything with the result."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """Read a config file; `base: other.yaml` (relative to the file) is loaded first and overlaid,
+    so a baseline config states only what differs from the config it is compared against."""
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} " + ("is a directory, not a YAML file"
+                          if path.is_dir() else "does not exist"))
+    if path.resolve() in seen:
+        raise ConfigError(f"config file {str(path)!r}: `base` chain loops back to itself")
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                          f"at offset {exc.start}); a config is a YAML text file") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        what = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise ConfigError(f"config file {where}: not valid YAML ({what})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {str(path)!r}: expected a mapping at the top level")
+    base = values.pop("base", None)
+    if base is None:
+        return values
+    if not isinstance(base, str):
+        raise ConfigError(f"base: expected a file name, got {base!r} (in {path})")
+    return deep_merge(_read_yaml(path.parent / base, seen + (path.resolve(),)), values)
