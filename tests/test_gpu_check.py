@@ -38,7 +38,7 @@ def test_cpu_check_trains_both_stages_and_writes_the_summary(tmp_path, tiny_data
         assert r["loop_checkpointing"] is True and r["compile"] is False  # as the trainer ran
         assert [w["step"] for w in r["windows"]] == [1, 2, 4, 6]
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
-        assert 0 < r["mfu"] < 1
+        assert r["mfu"] is None  # on CPU no MFU unless SCSE_PEAK_FLOPS names a peak (docs/training.md)
         assert r["averaged_steps"] == "3-6"  # 6 steps logged every 2: the first window of 2 is out
         assert r["last_loss"] < r["first_loss"] - gpu_check.CPU.min_loss_drop
         assert sorted(r["ppl"], key=int) == ["1", "4", "32"]

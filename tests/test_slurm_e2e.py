@@ -52,7 +52,9 @@ def submit(tmp_path: Path, *overrides: str, nodes: int = 1) -> str:
     out = subprocess.run([*SBATCH, f"--nodes={nodes}", f"--output={tmp_path}/%x-%j.out", f"--error={tmp_path}/%x-%j.err",
                           "slurm/pretrain.sh", "configs/tiny-cpu.yaml", f"output_dir={tmp_path}/runs",
                           f"data.path={tmp_path}/data/shards",
-                          f"data.tokenizer={tmp_path}/data/tokenizer.model", *overrides],
+                          f"data.tokenizer={tmp_path}/data/tokenizer.model",
+                          # the build goes where the command line puts the data (docs/data.md)
+                          "data.build=stdlib_docs", *overrides],
                          capture_output=True, text=True, cwd=REPO_ROOT, env=env, check=True)
     return out.stdout.strip().split(";")[0]
 
