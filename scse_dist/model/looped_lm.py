@@ -237,6 +237,22 @@ class LoopedLM(nn.Module):
         )
 
     @torch.no_grad()
+    def cached_prelude(self, tokens: torch.Tensor, cache: KVCache, depth: int,
+                       attention_mask: torch.Tensor) -> tuple[torch.Tensor, RopeTables, torch.Tensor]:
+        """New tokens through the embedding and the prelude over the KV cache, the cache bound to
+        `depth` loop steps (every call on one cache runs the same depth): (h, rope, mask) for the
+        loop. Shared by decode_step and speculative drafting."""
+        if cache.depth is None:
+            cache.depth = depth
+        elif cache.depth != depth:
+            raise ValueError(f"depth: this cache holds {cache.depth} loop steps, got depth={depth}")
+        position_ids, mask = cache.positions(attention_mask.to(tokens.device))
+        rope = rope_tables(tokens.shape[-1], self.cfg, tokens.device, position_ids)
+        h = self.embed(tokens)
+        for i, block in enumerate(self.prelude):
+            h = block(h, rope, mask, cache.slot("prelude", i))
+        return h, rope, mask
+
     def decode_step(self, tokens: torch.Tensor, cache: KVCache, *, depth: Optional[int] = None,
                     attention_mask: Optional[torch.Tensor] = None,
                     exit_rule: Optional[ExitRule] = None) -> DecodeOutput:
@@ -253,17 +269,8 @@ class LoopedLM(nn.Module):
         if exit_rule is not None:
             depth = exit_rule.max_steps or depth
         depth, _ = self._resolve_depths(depth, None)
-        if cache.depth is None:
-            cache.depth = depth
-        elif cache.depth != depth:
-            raise ValueError(f"depth: this cache holds {cache.depth} loop steps, got depth={depth}")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(tokens)
-        position_ids, mask = cache.positions(attention_mask.to(tokens.device))
-        rope = rope_tables(tokens.shape[-1], self.cfg, tokens.device, position_ids)
-        h = self.embed(tokens)
-        for i, block in enumerate(self.prelude):
-            h = block(h, rope, mask, cache.slot("prelude", i))
+        attention_mask = torch.ones_like(tokens) if attention_mask is None else attention_mask
+        h, rope, mask = self.cached_prelude(tokens, cache, depth, attention_mask)
 
         def coda_head(h: torch.Tensor) -> torch.Tensor:
             for i, block in enumerate(self.coda):

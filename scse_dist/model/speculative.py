@@ -21,7 +21,6 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .blocks import rope_tables
 from .kv_cache import KVCache, LoopKV
 
 # Per-position entries of the loop's context that verification reuses (scse: h*, r*, ref).
@@ -51,17 +50,8 @@ def draft(model, tokens: torch.Tensor, cache: KVCache, draft_depth: int, depth: 
     if cache.mode != "exact":
         raise ValueError("speculative: needs the exact cache (a shared slot holds only the last "
                          "step's K/V, which a draft does not reach)")
-    if cache.depth is None:
-        cache.depth = depth
-    elif cache.depth != depth:
-        raise ValueError(f"depth: this cache holds {cache.depth} loop steps, got depth={depth}")
-    if attention_mask is None:
-        attention_mask = torch.ones_like(tokens)
-    position_ids, mask = cache.positions(attention_mask.to(tokens.device))
-    rope = rope_tables(tokens.shape[-1], model.cfg, tokens.device, position_ids)
-    h = model.embed(tokens)
-    for i, block in enumerate(model.prelude):
-        h = block(h, rope, mask, cache.slot("prelude", i))
+    attention_mask = torch.ones_like(tokens) if attention_mask is None else attention_mask
+    h, rope, mask = model.cached_prelude(tokens, cache, depth, attention_mask)
     core = model.core
     x, ctx = core.start(h, None, rope, mask, LoopKV(cache, core))
     for t in range(draft_depth):
