@@ -12,9 +12,10 @@ CURVE_NAME = "heldout_curve.png"
 _LOSS_KEY = re.compile(r"^heldout_loss_T(\d+)$")
 
 
-def eval_rows(run_dir: str | Path) -> list[dict]:
-    """The run's evaluation rows in file order ([] without metrics.jsonl; torn lines skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
+def metrics_rows(path: str | Path) -> list[dict]:
+    """Every row of a metrics.jsonl in file order ([] without the file); a torn line (a run
+    killed mid-write) is skipped. Training rows have no "kind"; evaluation and sample rows have."""
+    path = Path(path)
     if not path.is_file():
         return []
     rows = []
@@ -23,9 +24,14 @@ def eval_rows(run_dir: str | Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and row.get("kind") == "eval":
+        if isinstance(row, dict):
             rows.append(row)
     return rows
+
+
+def eval_rows(run_dir: str | Path) -> list[dict]:
+    """The run's evaluation rows in file order."""
+    return [row for row in metrics_rows(Path(run_dir) / "metrics.jsonl") if row.get("kind") == "eval"]
 
 
 def loss_by_depth(rows: list[dict]) -> dict[int, list[tuple[int, float]]]:

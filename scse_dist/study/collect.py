@@ -23,6 +23,7 @@ import yaml
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, config_from_dict, load_config
+from scse_dist.eval.curves import metrics_rows
 from scse_dist.eval.results import eval_dir, read_results
 
 
@@ -105,17 +106,7 @@ def _resolve_run_dir(study_dir: Path, run_dir: str) -> Path:
 def read_metrics(path: Path) -> list[dict]:
     """metrics.jsonl's training rows; a torn last line (a run killed mid-write) is skipped, and so
     are rows with a "kind" (evaluation and samples during training, docs/training.md)."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and "kind" not in row:
-            rows.append(row)
-    return rows
+    return [row for row in metrics_rows(path) if "kind" not in row]
 
 
 def _run_config(study_dir: Path, run: StudyRun, entry: dict) -> Optional[RunConfig]:
