@@ -22,7 +22,7 @@ VOCAB = 256  # no shards at the configs' data.path: the plateau reference is ln 
 
 def write_run(study, variant, seed, *, recurrence=None, heldout=None, lambada=None,
               diagnose=None, losses=(6.0, 4.0, 3.5), skipped=0, stage="final", evaluated=True,
-              started=True, subdir=None):
+              started=True, subdir=None, logged=None):
     """One run dir as the trainer and scse-eval leave it; returns its runs.json entry."""
     run_dir = study / variant / (subdir or f"seed{seed}")
     entry = {"variant": variant, "seed": seed, "lr": 1e-3, "stage": stage,
@@ -41,7 +41,8 @@ def write_run(study, variant, seed, *, recurrence=None, heldout=None, lambada=No
     log = MetricsLogger(str(run_dir), True, cfg.wandb, cfg.name, {})
     for i, loss in enumerate(losses):
         log.log({"step": 10 * (i + 1), "loss": loss, "lr": 1e-3, "depth": 4, "tokens_per_s": 1.0,
-                 "step_time_s": 0.1, "skipped_steps": skipped if i == len(losses) - 1 else 0})
+                 "step_time_s": 0.1, "skipped_steps": skipped if i == len(losses) - 1 else 0,
+                 **(logged[i] if logged else {})})
     log.close()
     if not evaluated:
         return entry
@@ -365,3 +366,35 @@ def test_a_seed_flat_in_t_far_above_its_variants_other_seeds_is_flagged(tmp_path
     assert details == {
         "plateau": f"heldout ppl flat for T >= 2 (spread 0.17%) at {tail}",
         "loop inactive": f"heldout ppl flat for T >= 2 (spread 0.17%); {tail}"}
+
+
+def test_the_training_logs_loop_diagnostics_are_drawn_per_run_and_a_collapse_is_dashed(tmp_path):
+    """A healthy and a collapsing seed (issue 17's pattern: |D_T|/|D_0| falls to 0.003 while R/rho
+    grows to 2): the collapsing run is flagged loop inactive, and the plot has both runs' series."""
+    import matplotlib.image
+
+    from scse_dist.study.collect import load_study
+    from scse_dist.study.report import StudyReport
+
+    def diag(kept, ratio, gain):
+        return [{"diag/D_kept": k, "diag/anchor_over_scale": r, "diag/loop_gain": g}
+                for k, r, g in zip(kept, ratio, gain)]
+
+    study = tmp_path / "collapse"
+    entries = [
+        write_run(study, "scse", 0, heldout={1: 40.0, 2: 30.0, 4: 25.0, 8: 24.0},
+                  logged=diag((1.0, 1.1, 1.2), (1.0, 1.05, 1.1), (0.01, 0.2, 0.3))),
+        write_run(study, "scse", 1, heldout={1: 50.0, 2: 41.0, 4: 41.05, 8: 41.02},
+                  logged=diag((1.0, 0.05, 0.003), (1.0, 1.6, 2.0), (0.01, 0.004, 0.0001))),
+        write_run(study, "additive", 0, heldout={1: 40.0, 2: 30.0, 4: 26.0, 8: 25.0})]
+    write_study(study, entries)
+    write_study_report(study)
+    report = StudyReport(load_study(study))
+    assert report.collapsed() == {"scse/seed1 lr=0.001"}
+    series = report.training_diagnostics_series()
+    assert list(series) == ["scse"]  # additive logged no loop diagnostics
+    assert series["scse"]["scse/seed1 lr=0.001"]["diag/D_kept"] == [(10, 1.0), (20, 0.05), (30, 0.003)]
+    assert series["scse"]["scse/seed0 lr=0.001"]["diag/anchor_over_scale"][-1] == (30, 1.1)
+    image = matplotlib.image.imread(str(study / "report" / "training_diagnostics.png"))
+    assert image.shape[0] > 100 and image[..., :3].std() > 0.01
+    assert "](training_diagnostics.png)" in (study / "report" / "report.md").read_text()

@@ -1,5 +1,6 @@
 """The study report's PNGs: the frontier against loop depth T and against FLOPs per token, with
-interval bands, one line per variant; and the loop diagnostics per variant."""
+interval bands, one line per variant; the loop diagnostics per variant after training; and the
+loop diagnostics logged during training, one line per run."""
 
 from __future__ import annotations
 
@@ -70,5 +71,40 @@ def diagnose_plot(by_variant: dict[str, dict[str, list[tuple[int, float]]]], pat
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+# The training log's loop diagnostics drawn per run (docs/loop-diagnostics.md): the deviation
+# kept over the loop, the anchor's norm over the core's output scale, and the loop's gain.
+TRAINING_DIAGNOSTICS = {"diag/D_kept": ("|D_T| / |D_0|", "log"),
+                        "diag/anchor_over_scale": ("R / rho", "linear"),
+                        "diag/loop_gain": ("loss(T=1) - loss(T) [nats]", "linear")}
+
+
+def training_diagnostics_plot(by_variant: dict[str, dict[str, dict[str, list[tuple[int, float]]]]],
+                              collapsed: set[str], path: str | Path) -> str:
+    """A row per variant, a column per TRAINING_DIAGNOSTICS metric, a line per run against the
+    training step; runs in `collapsed` (their labels) dashed, so a collapsing seed stands out
+    beside the healthy ones."""
+    plt = _pyplot()
+    cols = list(TRAINING_DIAGNOSTICS)
+    rows = max(1, len(by_variant))
+    fig, axes = plt.subplots(rows, len(cols), figsize=(4.2 * len(cols), 2.8 * rows), squeeze=False)
+    for axes_row, (variant, runs) in zip(axes, by_variant.items()):
+        for ax, metric in zip(axes_row, cols):
+            ylabel, scale = TRAINING_DIAGNOSTICS[metric]
+            for label, series in runs.items():
+                points = [(s, v) for s, v in series.get(metric, []) if scale != "log" or v > 0]
+                if points:
+                    ax.plot([s for s, _ in points], [v for _, v in points],
+                            linestyle="--" if label in collapsed else "-", label=label)
+            ax.set_yscale(scale)
+            ax.set_title(f"{variant}: {ylabel}", fontsize=9)
+            ax.set_xlabel("training step")
+            ax.grid(True, alpha=0.3)
+        axes_row[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return str(path)

@@ -24,7 +24,8 @@ from scse_dist.cli_errors import cli_main
 from scse_dist.config import ModelConfig, RunConfig
 from scse_dist.study.collect import Study, StudyRun, finite, load_study
 from scse_dist.study.flags import Flag, run_flags, unigram_entropy
-from scse_dist.study.plots import diagnose_plot, frontier_plot
+from scse_dist.study.plots import (TRAINING_DIAGNOSTICS, diagnose_plot, frontier_plot,
+                                  training_diagnostics_plot)
 from scse_dist.study.spec import default_report_metrics
 from scse_dist.study.stats import Interval, t_interval
 from scse_dist.task_registry import TASKS
@@ -246,6 +247,23 @@ class StudyReport:
                 out[variant] = norms
         return out
 
+    def training_diagnostics_series(self) -> dict:
+        """{variant: {run label: {metric: [(step, value)]}}} from the training logs' loop
+        diagnostics (final-stage runs; a recurrence without a loop logs none)."""
+        out: dict = {}
+        for run in self.included:
+            series = {m: [(r["step"], r[m]) for r in run.metrics
+                          if "step" in r and finite(r.get(m)) is not None]
+                      for m in TRAINING_DIAGNOSTICS}
+            if any(series.values()):
+                out.setdefault(run.variant, {})[run.label] = series
+        return out
+
+    def collapsed(self) -> set[str]:
+        """Labels of the runs flagged loop inactive (a loop fallen onto its anchor)."""
+        return {label for label, flags in self.flags.items()
+                if any(f.name == "loop inactive" for f in flags)}
+
     def markdown(self, images: dict[str, str]) -> str:
         s, lines = self.study, [f"# Study report: {self.study.name}", ""]
         lines += [f"Study dir: `{s.dir}`. {len(s.runs)} runs: {len(self.finished)} finished, "
@@ -365,6 +383,10 @@ def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
     diag = report.diagnose_series()
     if diag:
         images["loop diagnostics"] = diagnose_plot(diag, out / "diagnose.png")
+    during = report.training_diagnostics_series()
+    if during:
+        images["loop diagnostics during training (dashed: flagged loop inactive)"] = \
+            training_diagnostics_plot(during, report.collapsed(), out / "training_diagnostics.png")
     (out / REPORT_NAME).write_text(report.markdown(images), encoding="utf-8")
     (out / "aggregate.json").write_text(json.dumps(report.numbers(), indent=2) + "\n", encoding="utf-8")
     if wandb_mode == "auto":
