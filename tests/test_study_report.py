@@ -397,4 +397,10 @@ def test_the_training_logs_loop_diagnostics_are_drawn_per_run_and_a_collapse_is_
     assert series["scse"]["scse/seed0 lr=0.001"]["diag/anchor_over_scale"][-1] == (30, 1.1)
     image = matplotlib.image.imread(str(study / "report" / "training_diagnostics.png"))
     assert image.shape[0] > 100 and image[..., :3].std() > 0.01
-    assert "](training_diagnostics.png)" in (study / "report" / "report.md").read_text()
+    text = (study / "report" / "report.md").read_text()
+    assert "](training_diagnostics.png)" in text
+    # per run: heldout ppl at each T, its ratio at T=8 over the training depth 4, the last logged
+    # diagnostics and the flag
+    assert "| scse/seed1 lr=0.001 | 50 | 41 | 41.05 | 41.02 | 0.999 | 0.003 | 2 | 0.0001 | loop inactive |" in text
+    assert "| scse/seed0 lr=0.001 | 40 | 30 | 25 | 24 | 0.960 | 1.2 | 1.1 | 0.3 |  |" in text
+    assert "| additive/seed0 lr=0.001 | 40 | 30 | 26 | 25 | 0.962 |  |  |  |  |" in text

@@ -141,6 +141,10 @@ def _cell(iv: Optional[Interval]) -> str:
     return f"{iv.mean:.4g} ± {iv.half_width:.3g} (sd {iv.std:.3g}, n={iv.n})"
 
 
+def _number(value: Optional[float], fmt: str = ".4g") -> str:
+    return "" if value is None else format(value, fmt)
+
+
 def _edge_mark(chosen: Any, scores: dict[str, Any]) -> str:
     """" (grid edge)" when the chosen rate is the sweep's lowest or highest of several."""
     grid = sorted(float(lr) for lr in scores)
@@ -311,8 +315,39 @@ class StudyReport:
                       "range (ref).", ""]
             lines += _depth_table("variant task", [(f"{n}, ref T={t}", r) for n, t, r in extrapolation],
                                   fmt=lambda v: "" if v is None else f"{v:.3f}") + [""]
+        lines += self._run_lines()
         lines += ["## Plots", ""] + [f"![{name}]({Path(p).name})" for name, p in images.items()]
         return "\n".join(lines) + "\n"
+
+    def _run_lines(self) -> list[str]:
+        """A row per aggregated run: the first task's first metric at every depth, its ratio at
+        the deepest T over the training depth, and the training log's last loop diagnostics (so a
+        seed's collapse reads beside its numbers)."""
+        task = next(iter(self.metrics), None)
+        runs = [r for r in self.included if task in r.results]
+        if not runs:
+            return []
+        metric = self.metrics[task][0]
+        depths = sorted({d for r in runs for d in r.results[task]})
+        lines = [f"## Per run: {task} {metric}, the last training diagnostics, flags", "",
+                 "ratio: the metric at the deepest T over the training depth's; D_kept, R/rho and "
+                 "gain: the last logged diag/D_kept, diag/anchor_over_scale, diag/loop_gain.", "",
+                 "| run | " + " | ".join(f"T={d}" for d in depths)
+                 + " | ratio | D_kept | R/rho | gain | flags |",
+                 "|---|" + "---:|" * (len(depths) + 4) + "---|"]
+        for run in runs:
+            values = {d: finite(row.get(metric)) for d, row in run.results[task].items()}
+            t_train = training_depth(run.config) if run.config else None
+            ratio = None
+            if t_train in values and values[t_train] and max(values) > t_train:
+                ratio = values[max(values)] / values[t_train]
+            last = {m: next((finite(r.get(m)) for r in reversed(run.metrics)
+                             if finite(r.get(m)) is not None), None) for m in TRAINING_DIAGNOSTICS}
+            cells = [_number(values.get(d)) for d in depths] + [_number(ratio, ".3f")]
+            cells += [_number(last[m], ".3g") for m in TRAINING_DIAGNOSTICS]
+            flags = ", ".join(f.name for f in self.flags.get(run.label, []))
+            lines.append(f"| {run.label} | " + " | ".join(cells) + f" | {flags} |")
+        return lines + [""]
 
     def _task_metrics(self) -> list[tuple[str, str]]:
         return [(task, metric) for task, names in self.metrics.items() for metric in names]
