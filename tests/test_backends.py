@@ -128,7 +128,8 @@ def test_local_check_names_what_this_machine_cannot_give(monkeypatch):
 @pytest.mark.slow
 def test_local_backend_runs_a_study_through_the_same_job_flow(tmp_path, tiny_config, user_env):
     """scse-study --backend local: the final array (a run that trains and one that fails), each
-    evaluated in its job, then the report stage job naming the failure; about a minute."""
+    evaluated in its job, then the report stage job naming the failure and exiting 1, as the
+    command then does; about a minute."""
     base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint_every=4")
     spec = {"name": "loc", "out": str(tmp_path / "studies"), "base": base, "seeds": [0],
             "variants": {"scse": {"overrides": {}},
@@ -138,8 +139,11 @@ def test_local_backend_runs_a_study_through_the_same_job_flow(tmp_path, tiny_con
     out = subprocess.run([sys.executable, "-m", "scse_dist.study.cli", str(tmp_path / "spec.yaml"),
                           "--backend", "local"], capture_output=True, text=True, cwd=REPO_ROOT,
                          env=dict(user_env, WANDB_MODE="disabled"), timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
+    # the failed run fails the report job, and so the command, which names the run
+    assert out.returncode == 1, out.stdout + out.stderr
     d = tmp_path / "studies" / "loc"
+    assert out.stdout.rstrip().splitlines()[-1] == \
+        f"scse-study: FAILED {d / 'broken' / 'broken-seed0'}: training did not finish", out.stdout
     final = json.loads((d / "slurm" / "final.json").read_text())
     assert f"local job {final['array']}_0 (loc-final) exited 0" in out.stdout, out.stdout
     assert f"local job {final['array']}_1 (loc-final) exited 66" in out.stdout, out.stdout

@@ -92,7 +92,8 @@ def test_slurm_study_on_cpu_nodes_caps_every_job_and_evaluates_each_run_in_its_j
     # Every job of the study (training, evaluations, the report stage) counted: 2 at once at most,
     # and with 4 CPUs free, tasks 0 and 1 ran together.
     assert most_at_once(tasks + [report_job]) == 2, [(t["StartTime"], t["EndTime"]) for t in tasks]
-    assert report_job["JobState"] == "COMPLETED"
+    # the report is written, and the broken run fails the report job (exit 1)
+    assert (report_job["JobState"], report_job["ExitCode"]) == ("FAILED", "1:0"), report_job
     assert report_job["StartTime"] >= max(t["EndTime"] for t in tasks)
 
     # Each finished run was evaluated inside its own job, before the job ended and the next

@@ -205,14 +205,17 @@ def submit_stage(spec: StudySpec, stage: str, max_parallel: int, backend: Backen
     return ids
 
 
-def report_failures(spec: StudySpec) -> None:
-    """After the final array: one line for each run that did not finish."""
+def report_failures(spec: StudySpec) -> int:
+    """After the final array: one line for each run that did not finish; how many."""
+    failed = 0
     for run in write_study(spec, "final"):
         state = status(spec, run)
         if state != "done":
             trained = (Path(run.run_dir) / "export").is_dir()
             what = "its evaluation did not finish" if trained else "training did not finish"
             print(f"scse-study: FAILED {run.run_dir}: {what}", flush=True)
+            failed += 1
+    return failed
 
 
 def run_submitted(spec: StudySpec, stage: str, max_parallel: int, backend: Backend,
@@ -221,11 +224,16 @@ def run_submitted(spec: StudySpec, stage: str, max_parallel: int, backend: Backe
     or, as the last job, name the failed runs and write the report."""
     if stage == "auto":
         stage = "final" if not spec.lr or (spec.study_dir / "lr_choice.json").is_file() else "sweep"
-    if stage == "report":
-        report_failures(spec)
-        return run_report(spec)
+    if stage == "report":  # a failed run fails the report job (Slurm shows it FAILED)
+        failed = report_failures(spec)
+        return 1 if run_report(spec) or failed else 0
     try:
-        submit_stage(spec, stage, max_parallel, backend, extra_args, cli_args)
+        ids = submit_stage(spec, stage, max_parallel, backend, extra_args, cli_args)
     except BackendError as exc:
         raise StudyError(str(exc)) from None
-    return 0
+    # A batch system runs the next job later (None here); a backend that ran the whole chain in
+    # place (local) hands back how it ended, so a failed run is this command's failure too.
+    ended = backend.ended_with(ids["next"])
+    if ended and backend.current_job() is None:  # the user's own command: name the failures
+        report_failures(spec)
+    return ended or 0
