@@ -112,14 +112,24 @@ def test_one_ranks_state_alone_cannot_resume_another_layout(tmp_path):
 
 
 def test_brace_pattern_selects_shards(tmp_path):
-    out, index = write(tmp_path, docs_of(60), sample_tokens=20, shard_bytes=500)
+    out, index = write(tmp_path, docs_of(60), sample_tokens=20, shard_bytes=500, heldout_fraction=0.1)
     names = [e["url"] for e in index["splits"]["train"]]
     assert len(names) >= 3
     s = TokenStream(f"{out}/train-{{000000..000001}}.tar", seq_len=4, batch_size=1, shuffle=False)
     assert [os.path.basename(u) for u in s.urls] == names[:2]
     assert s.index["tokenizer_sha256"] == "a" * 64
-    with pytest.raises(FileNotFoundError, match="2 shard.*not listed in split 'train'.*train-000998.tar"):
+    with pytest.raises(FileNotFoundError, match="2 shard.*not listed in .*index.json, e.g. .*train-000998.tar"):
         TokenStream(f"{out}/train-{{000998..000999}}.tar")
+    # the trainer's start-up check finds the pattern's index (it looked for PATTERN/index.json)
+    from scse_dist.config import DataConfig
+    from scse_dist.data.quickstart import needs_build
+
+    assert needs_build(DataConfig(path=f"{out}/train-{{000000..000001}}.tar")) is False
+    # the held-out split beside a training pattern is read whole, as from the directory
+    held = [b.tolist() for b in TokenStream(f"{out}/train-{{000000..000001}}.tar", "heldout",
+                                            seq_len=4, batch_size=1, loop=False)]
+    assert held and held == [b.tolist() for b in TokenStream(out, "heldout", seq_len=4,
+                                                             batch_size=1, loop=False)]
 
 
 def test_missing_shard_and_unreachable_storage_fail_at_start_up(tmp_path):

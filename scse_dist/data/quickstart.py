@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence
 import fsspec
 
 from scse_dist.config import DataConfig
-from scse_dist.data.shards import INDEX_NAME, is_heldout, join, read_index, write_shards
+from scse_dist.data.shards import INDEX_NAME, index_root, is_heldout, join, read_index, write_shards
 from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
@@ -114,7 +114,8 @@ def ensure_data(cfg: DataConfig) -> None:
 def needs_build(cfg: DataConfig) -> bool:
     """Whether ensure_data would build `cfg.path` (absent, or written in an older shard format,
     with `cfg.build` set); FileNotFoundError when it is absent and nothing says how to build it."""
-    if _exists(join(cfg.path, INDEX_NAME)) and (cfg.build != "stdlib_docs" or _current(cfg.path)):
+    root = index_root(cfg.path)  # data.path may name the index file or a brace pattern of shards
+    if _exists(join(root, INDEX_NAME)) and (cfg.build != "stdlib_docs" or _current(root)):
         return False
     if cfg.build == "stdlib_docs":
         return True

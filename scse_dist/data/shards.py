@@ -259,8 +259,9 @@ _SHARD_FIELDS = ("url", "table", "tokens", "documents", "samples")
 
 
 def read_index(path: str) -> dict:
-    """Load and check `path`/index.json (`path` may also name the index file itself)."""
-    url = path if path.endswith(".json") else join(path, INDEX_NAME)
+    """Load and check `path`/index.json (`path` may also name the index file itself, or be a
+    brace pattern of shards whose directory holds it)."""
+    url = path if path.endswith(".json") else join(index_root(path), INDEX_NAME)
     try:
         with fsspec.open(url, "r") as f:
             text = f.read()
@@ -315,32 +316,43 @@ def table_url(path: str, shard: dict) -> str:
     return shard_url(path, {"url": shard["table"]})
 
 
+def index_root(path: str) -> str:
+    """The directory (or URL prefix) holding index.json for a data.path: the path itself, the
+    index file's directory, or a brace pattern's directory."""
+    if "{" in path.rsplit("/", 1)[-1]:
+        path = path.rsplit("/", 1)[0]
+    return path[: -len(INDEX_NAME) - 1] if path.endswith("/" + INDEX_NAME) else path.rstrip("/")
+
+
 def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[str]]:
     """(root, index, entries, urls) of the non-empty shards of `split` under `path`.
 
     `path` is a shard directory or URL prefix holding index.json, the index file itself, or a
     brace pattern of shard URLs (`s3://b/web/train-{000000..000127}.tar`) whose directory holds
-    index.json: the pattern then selects a subset of the split's shards, and every shard it names
-    must be listed there (the index carries the counts that resume and the split rely on).
+    index.json: the pattern then selects a subset of the shards of each split it names shards of
+    (a split it names none of is read whole: the held-out split beside a training pattern), and
+    every shard it names must be listed there (the index carries the counts resume relies on).
     """
     import braceexpand  # webdataset's own dependency
 
-    pattern = None
-    if "{" in path.rsplit("/", 1)[-1]:
-        pattern, path = path, path.rsplit("/", 1)[0]
-    root = path[: -len(INDEX_NAME) - 1] if path.endswith("/" + INDEX_NAME) else path.rstrip("/")
+    pattern = path if "{" in path.rsplit("/", 1)[-1] else None
+    root = index_root(path)
     index = read_index(root)
     if split not in index["splits"]:
         raise InputError(f"{root}: no split {split!r} (has {sorted(index['splits'])})")
     entries = [e for e in index["splits"][split] if e["tokens"] > 0]
     if pattern is not None:
-        by_url = {shard_url(root, e): e for e in index["splits"][split]}
+        listed = {shard_url(root, e) for es in index["splits"].values() for e in es}
         wanted = list(braceexpand.braceexpand(pattern))
-        unknown = [u for u in wanted if u not in by_url]
+        unknown = [u for u in wanted if u not in listed]
         if unknown:
-            raise FileNotFoundError(f"{pattern}: {len(unknown)} shard(s) not listed in split "
-                                    f"{split!r} of {join(root, INDEX_NAME)}, e.g. {unknown[0]}")
-        entries = [by_url[u] for u in wanted if by_url[u]["tokens"] > 0]
+            raise FileNotFoundError(f"{pattern}: {len(unknown)} shard(s) not listed in "
+                                    f"{join(root, INDEX_NAME)}, e.g. {unknown[0]}")
+        by_url = {shard_url(root, e): e for e in index["splits"][split]}
+        # The pattern narrows the split whose shards it names (training's, usually); a split it
+        # names none of (the held-out one beside a training pattern) is read whole.
+        if any(u in by_url for u in wanted):
+            entries = [by_url[u] for u in wanted if u in by_url and by_url[u]["tokens"] > 0]
     urls = [shard_url(root, e) for e in entries]
     check_shards_exist(urls + [table_url(root, e) for e in entries])
     return root, index, entries, urls
