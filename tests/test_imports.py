@@ -26,7 +26,7 @@ ROOT = Path(scse_dist.__file__).parent
 LAYERS = [
     {"model"},
     {"config", "typed_yaml", "task_registry", "cli_errors", "atomic", "progress", "quiet", "threads",
-     "distributed", "hf"},
+     "distributed", "hf", "figures"},
     {"data"},
     {"checkpoint"},
     {"train", "eval", "generate", "generate_cli", "generate_options", "sampling", "speculative"},

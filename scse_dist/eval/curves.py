@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 from typing import Optional, Sequence
 
+from scse_dist.figures import label, panels, save
+
 CURVE_NAME = "heldout_curve.png"
 _LOSS_KEY = re.compile(r"^heldout_loss_T(\d+)$")
 
@@ -51,21 +53,9 @@ def heldout_curve_plot(run_dirs: Sequence[str | Path], path: str | Path) -> Opti
     runs = [(r, curves) for r, curves in runs if curves]
     if not runs:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.6), squeeze=False)
+    fig, axes = panels(1, len(runs), 4.5, 3.6)
     for ax, (run_dir, curves) in zip(axes[0], runs):
         for depth, points in curves.items():
             ax.plot([s for s, _ in points], [v for _, v in points], marker=".", label=f"T={depth}")
-        ax.set_xlabel("training step")
-        ax.set_ylabel("held-out loss")
-        ax.set_title(run_dir.name)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path)
+        label(ax, "training step", "held-out loss", run_dir.name)
+    return save(fig, path)

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 from scse_dist.eval.curves import CURVE_NAME, heldout_curve_plot
 from scse_dist.eval.results import eval_dir, log_to_wandb, read_results
+from scse_dist.figures import label, panels, save
 from scse_dist.task_registry import TASKS
 
 REPORT_NAME, PLOT_NAME = "report.md", "frontier.png"
@@ -77,13 +78,8 @@ def _task_cell(data: dict) -> str:
 
 def frontier_plot(results: list[dict], path: str | Path) -> str:
     """One panel per task (its headline metric against depth), one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
     tasks = [t for t in TASKS if any(d["task"] == t for d in results)]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
+    fig, axes = panels(1, len(tasks), 4.5, 3.6)
     for ax, task in zip(axes[0], tasks):
         metric = TASKS[task].headline
         for d in (d for d in results if d["task"] == task):
@@ -91,15 +87,8 @@ def frontier_plot(results: list[dict], path: str | Path) -> str:
             points = [(t, v) for t, v in points if v is not None and math.isfinite(v)]
             ax.plot([t for t, _ in points], [v for _, v in points], marker="o", label=d["_label"])
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("loop depth T")
-        ax.set_ylabel(metric)
-        ax.set_title(task)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path)
+        label(ax, "loop depth T", metric, task)
+    return save(fig, path)
 
 
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, wandb_cfg: Any = None,
