@@ -170,3 +170,30 @@ def test_scse_export_of_a_checkpoint_is_quiet_unless_verbose(trained, tmp_path, 
     assert proc.stdout.endswith(done) and "Loading checkpoint shards" in proc.stderr
     if not torch.cuda.is_available():
         assert "Setting accelerator to CPU" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_bf16_checkpoint_exports_and_evaluates(tmp_path, tiny_config, subprocess_env, stage):
+    """bf16 checkpoints (DeepSpeed's bf16 wrapper at ZeRO-0 keeps fp32 masters inside the model
+    states; ZeRO-1 writes bf16_zero_*_optim_states.pt): scse-export of the tag gives the trainer's
+    export, and scse-eval reads the tag. At ZeRO-0 both are the module's bf16 weights widened."""
+    cfg = tiny_config(tmp_path, "train.max_steps=2", "train.checkpoint_every=2",
+                      "train.precision=bf16", f"train.zero_stage={stage}")
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "launch/train.py"), "--config", cfg],
+                         capture_output=True, text=True, env=subprocess_env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "runs" / "tiny"
+    tag = run / "checkpoints" / "step-0000002"
+    optim = sorted(p.name for p in tag.glob("*optim_states.pt"))
+    assert optim == ([] if stage == 0 else ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+    assert export_main([str(tag), "--out", str(tmp_path / "out")]) == 0
+    a, b = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(str(run / "export" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(v.dtype == torch.float32 for v in a.values())
+    if stage == 0:  # bf16 values, stored widened
+        assert all(torch.equal(v, v.bfloat16().float()) for v in a.values())
+    assert eval_main(["--checkpoint", str(tag), "--task", "heldout", "--depths", "1,2",
+                      "--max-batches", "2", "--out", str(tmp_path / "eval.json")]) == 0
+    rows = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert [r["depth"] for r in rows] == [1, 2] and all(0 < r["loss"] < 10 for r in rows)
