@@ -273,8 +273,13 @@ def test_scse_generate_prompt_file_is_one_batch(export, tmp_path, capsys) -> Non
     (["--prompt", "x", "--top-p", "0"], "--top-p: must lie in (0, 1], got 0.0"),
     (["--prompt", "x", "--depth", "0"], "--depth: must be >= 1, got 0"),
     (["--prompt", "x", "--exit", "fast:1"], "--exit: exit rule 'fast:1': unknown kind 'fast'"),
-    (["--prompt", "x", "--speculative", "1,x"], "--speculative: expected DRAFT_DEPTH[,K] with "
-                                                "positive integers (e.g. 2,4), got '1,x'"),
+    (["--prompt", "x", "--speculative", "1,x"], "--speculative: expected "
+     "DRAFT_DEPTH[,K|,auto[:MAX]]; K must be a positive integer, auto or auto:MAX (MAX a positive "
+     "integer), got 'x' in '1,x'"),
+    (["--prompt", "x", "--speculative", "1,auto:0"], "K must be a positive integer, auto or "
+     "auto:MAX (MAX a positive integer), got 'auto:0' in '1,auto:0'"),
+    (["--prompt", "x", "--speculative", "x,auto"], "--speculative: expected "
+     "DRAFT_DEPTH[,K|,auto[:MAX]]; DRAFT_DEPTH must be a positive integer, got 'x' in 'x,auto'"),
     (["--prompt", "x", "--speculative", "2"], "--speculative: the draft depth must lie in 1..1 "
                                               "(below the depth 2), got 2"),
     (["--prompt", "x", "--speculative", "1", "--cache", "shared"],
@@ -348,3 +353,10 @@ def test_scse_generate_speculative_prints_the_same_text(export, capsys) -> None:
     line = err.strip().splitlines()[-1]
     assert line.startswith("scse-generate: speculative 2,3: ") and " drafted tokens accepted, " \
         in line and line.endswith(" tokens/s")
+    assert generate_main(argv + ["--speculative", "2,auto:6"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("scse-generate: speculative 2,auto:6: ")
+    mean_k = float(line.split("mean K ")[1].split(",")[0])
+    assert 0 < mean_k <= 6
