@@ -17,7 +17,7 @@ from scse_dist.generate import Sampling, continuation_text, generate
 from scse_dist.generate_cli import main as generate_main
 from scse_dist.model import LoopedLM, ModelConfig
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
-from scse_dist.model.kv_cache import KVCache
+from scse_dist.model.kv_cache import KVCache, _causal_mask
 
 KINDS = [dict(recurrence="untied"), dict(recurrence="looped"), dict(recurrence="additive"),
          dict(recurrence="scse"), dict(recurrence="scse", inject="concat"),
@@ -196,6 +196,23 @@ def test_generation_under_an_exit_rule_equals_recomputing(rule: str, kw: dict) -
         forward = model(seq, exit_rule=rule)
     assert forward.logits[0, len(batch[0]) - 1:].argmax(-1).tolist() == cached.tokens[0]
     assert forward.steps_used[0, len(batch[0]) - 1:].tolist() == cached.steps[0]
+
+
+def test_one_new_tokens_mask_is_the_general_causal_mask() -> None:
+    """KVCache.positions' short path for one new token (each generated one) gives the general
+    mask exactly: over cached padding, after a truncation, for a real and a padding new token."""
+    gen = torch.Generator().manual_seed(0)
+    cache = KVCache()
+    for new in ([[1], [1], [1]], [[1], [0], [1]], [[0], [1], [1]]):
+        if cache.key_mask is None:
+            cache.commit(torch.rand(3, 6, generator=gen).gt(0.3).long())
+        keys = torch.cat([cache.key_mask, torch.tensor(new).bool()], dim=1)
+        got = cache.positions(torch.tensor(new))[1]
+        assert got.shape == (3, 1, 1, 7) and torch.equal(got, _causal_mask(keys, 1))
+        cache.commit(torch.tensor(new))
+        cache.truncate(6)
+    empty = KVCache().positions(torch.tensor([[1], [0]]))[1]
+    assert torch.equal(empty, _causal_mask(torch.tensor([[True], [False]]), 1))
 
 
 def test_cache_refuses_another_depth_or_batch() -> None:
