@@ -1,8 +1,9 @@
 """Self-speculative decoding (scse_dist.speculative, scse_dist.model.speculative).
 
 Greedy: the very tokens of full-depth cached decoding, on every recurrence, in padded batches,
-with an EOS inside a draft, at a fixed K and with K adapted per round (AdaptiveDraft, `auto`). Sampled: the distribution of full-depth sampling (chi-square against
-the exact probabilities, and a sampler that skips the rejection rule must fail the same test).
+with an EOS inside a draft, at a fixed K and with K adapted per round (AdaptiveDraft, `auto`).
+Sampled: the distribution of full-depth sampling (chi-square against the exact probabilities,
+also with auto; a sampler that skips the rejection rule must fail the same test).
 The draft's work is reused: every position passes each core block T (+1 for scse) times in all,
 never more, and a round verifies its K+1 positions in one call."""
 
