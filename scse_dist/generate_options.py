@@ -5,7 +5,7 @@ checks them before importing torch; scse_dist.sampling, .speculative and .genera
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 CACHE_CHOICES = ("exact", "shared", "none")
 # --exit without --depth (and no max=) caps at this many times the model's depth: at the model's
@@ -73,7 +73,7 @@ def parse_speculative(text: str) -> tuple[int, DraftTokens]:
     return draft_depth, draft_tokens
 
 
-def _draft_tokens(text: str):
+def _draft_tokens(text: str) -> Optional[DraftTokens]:
     if text == "auto":
         return AdaptiveDraft()
     if text.startswith("auto:"):
@@ -82,7 +82,7 @@ def _draft_tokens(text: str):
     return _positive(text)
 
 
-def _positive(text: str):
+def _positive(text: str) -> Optional[int]:
     """A positive integer's value, else None."""
     try:
         value = int(text)

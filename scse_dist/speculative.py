@@ -16,6 +16,10 @@ A batch shares one cache length, so a round keeps, in every row, the fewest draf
 row kept (a); each row's next token is then its own draft a+1 if it kept that one, else its
 correction. A row's token at each position is still drawn from p given its prefix, so the rows
 stay exact; they only lose the drafts they kept beyond a.
+
+K is fixed, or chosen per round by AdaptiveDraft (`--speculative D,auto`) from a alone: it grows
+after a round that kept all K and shrinks after one that did not. A round's K is then fixed
+before its drafts are drawn, and the rule above holds for any such K, so the output stays exact.
 """
 
 from __future__ import annotations
