@@ -12,8 +12,10 @@
    full-depth decoding in one run: tokens per CPU-second over --spec-new-tokens tokens at depth
    --spec-depth, for each draft depth d and K drafted tokens per round, greedy (the tokens must be
    identical) and sampled (temperature 1, the model's own distribution), with the acceptance rate
-   and tokens per round; and "a plain model": an untied model of equal unrolled depth and width,
-   random-init (only its speed is used), decoded through the same cache.
+   and tokens per round; K is each of --draft-tokens, `auto` among them (K adapted per round,
+   scse_dist.generate.AdaptiveDraft; its mean K printed); and "a plain model": an untied model of
+   equal unrolled depth and width, random-init (only its speed is used), decoded through the same
+   cache.
 
     python benchmarks/bench_generate.py                      # runs/quickstart/export if present
     python benchmarks/bench_generate.py EXPORT_OR_RUN_DIR --prefixes 32,128,512,1024 --depths 4,8,32
@@ -63,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec-depth", type=int, default=8, help="part 3: the full depth T")
     p.add_argument("--spec-new-tokens", type=int, default=256)
     p.add_argument("--draft-depths", default="1,2", help="part 3: draft depths d")
-    p.add_argument("--draft-tokens", default="2,4,8", help="part 3: tokens drafted per round K")
+    p.add_argument("--draft-tokens", default="2,4,8,auto", help="part 3: tokens drafted per "
+                   "round K, each an integer, auto or auto:MAX (K adapted per round)")
     p.add_argument("--repeats", type=int, default=3, help="part 3: alternating runs per row")
     p.add_argument("--spec-prompt-tokens", type=int, default=32,
                    help="part 3: the prompt, the start of a held-out row (random without one)")
@@ -170,19 +173,20 @@ def speculative_table(model: LoopedLM, prompt: list[int], args: argparse.Namespa
     print(f"\n3. self-speculative decoding: batch 1, depth {depth}, {n} new tokens, prompt of "
           f"{len(prompt)} tokens; tokens per CPU-second, each row's full-depth and speculative "
           f"runs alternating, median of {args.repeats}")
-    print(f"{'decoding':>9} {'d':>3} {'K':>3} {'cached':>8} {'spec':>8} {'speed-up':>9} "
-          f"{'accepted':>9} {'tok/round':>10} {'same tokens':>12}")
+    print(f"{'decoding':>9} {'d':>3} {'K':>7} {'mean K':>7} {'cached':>8} {'spec':>8} "
+          f"{'speed-up':>9} {'accepted':>9} {'tok/round':>10} {'same tokens':>12}")
     bases = []
     for temperature in (0.0, 1.0):
         kind = "greedy" if temperature == 0 else "sampled"
         for d in [int(x) for x in args.draft_depths.split(",")]:
-            for k in [int(x) for x in args.draft_tokens.split(",")]:
+            for k in args.draft_tokens:
                 base, ratio, ref, out = side_by_side(model, prompt, args, temperature, (d, k))
                 bases.append(base)
                 spec = out.speculation
                 same = ("yes" if out.tokens == ref.tokens else "NO") if temperature == 0 \
                     else "(sampled)"
-                print(f"{kind:>9} {d:>3} {k:>3} {base:>8.1f} {base * ratio:>8.1f} {ratio:>8.2f}x "
+                print(f"{kind:>9} {d:>3} {str(k):>7} {spec['mean_k']:>7.2f} {base:>8.1f} "
+                      f"{base * ratio:>8.1f} {ratio:>8.2f}x "
                       f"{spec['accepted'] / spec['drafted']:>9.2f} {n / spec['rounds']:>10.2f} "
                       f"{same:>12}")
     base = sorted(bases)[len(bases) // 2]
@@ -190,6 +194,20 @@ def speculative_table(model: LoopedLM, prompt: list[int], args: argparse.Namespa
     print(f"a plain model (untied, {model.cfg.n_prelude + model.cfg.n_core * depth + model.cfg.n_coda}"
           f" blocks, random-init: its speed only), greedy, cached: {plain:.1f} tokens/s, "
           f"{plain / base:.2f}x the looped model's median cached rate {base:.1f}")
+
+
+def draft_token_choices(text: str) -> list:
+    """--draft-tokens "2,4,auto" -> [2, 4, AdaptiveDraft()] (K as --speculative D,K reads it)."""
+    from scse_dist.generate_options import parse_speculative
+
+    choices = []
+    for k in text.split(","):
+        try:
+            choices.append(parse_speculative(f"1,{k}")[1])
+        except ValueError:
+            sys.exit(f"bench_generate.py: --draft-tokens: {k!r} is not a K (a positive integer, "
+                     "auto or auto:MAX)")
+    return choices
 
 
 def heldout_rows(cfg, n: int) -> torch.Tensor:
@@ -234,6 +252,7 @@ def shared_cache_table(model: LoopedLM, cfg, args: argparse.Namespace, device: t
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.draft_tokens = draft_token_choices(args.draft_tokens)  # a bad K: before the model loads
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.set_flush_denormal(True)

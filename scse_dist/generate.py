@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from scse_dist.generate_options import CACHE_CHOICES
+from scse_dist.generate_options import CACHE_CHOICES, AdaptiveDraft, DraftTokens  # noqa: F401 (API)
 from scse_dist.model.kv_cache import KVCache
 from scse_dist.speculative import speculative_generate
 from scse_dist.sampling import Generation, Sampling, left_pad, next_tokens  # noqa: F401 (API)
@@ -20,7 +20,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              depth: Optional[int] = None, sampling: Sampling = Sampling(),
              eos_id: Optional[int] = None, cache: str = "exact", exit_rule=None,
              on_token: Optional[Callable[[int, int], None]] = None,
-             speculative: Optional[tuple[int, int]] = None,
+             speculative: Optional[tuple[int, DraftTokens]] = None,
              generator: Optional[torch.Generator] = None,
              stop: Optional[Callable[[int, list[int]], bool]] = None) -> Generation:
     """Continue every prompt (token ids, non-empty) by up to max_new_tokens, stopping a sequence
@@ -29,7 +29,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
     generator: sampling's random numbers (default: a new one seeded with sampling.seed).
     stop(row, new tokens) -> True also ends a row (a stop string: lm-eval's `until`).
     speculative=(d, K): self-speculative decoding (scse_dist.speculative), K tokens drafted at
-    loop depth d per round; greedy gives the same tokens, sampling the same distribution."""
+    loop depth d per round, K an int or AdaptiveDraft() (K adapted per round from the acceptance
+    so far); greedy gives the same tokens, sampling the same distribution."""
     if cache not in CACHE_CHOICES:
         raise ValueError(f"cache: must be one of {', '.join(CACHE_CHOICES)}; got {cache!r}")
     if not prompts or any(len(p) == 0 for p in prompts):

@@ -2,7 +2,7 @@
 
     scse-generate EXPORT --prompt "Return the" [--depth T] [--exit RULE] [--max-new-tokens N]
                   [--temperature X --top-p P --seed S] [--cache exact|shared|none]
-                  [--speculative DRAFT_DEPTH[,K]]
+                  [--speculative DRAFT_DEPTH[,K|,auto[:MAX]]]
 
 `--prompt-file F` generates for every line of F at once (one left-padded batch); each sequence
 gets the tokens it would get alone. `--cache none` recomputes the whole sequence for every new
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from scse_dist.cli_errors import InputError, cli_main, command_parser
 from scse_dist.generate_options import (CACHE_CHOICES, DEFAULT_DRAFT_TOKENS, EXIT_CAP_FACTOR,
+                                        MAX_DRAFT_TOKENS, SPECULATIVE_FORM, DraftTokens,
                                         Sampling, parse_speculative)
 
 if TYPE_CHECKING:
@@ -36,10 +37,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--exit", default=None, help="per-token exit rule, e.g. motion:0.02,min=2; "
                    f"its cap: the rule's max=, else --depth, else {EXIT_CAP_FACTOR}x the model's "
                    "depth (a rule can only end a token early below its cap)")
-    p.add_argument("--speculative", metavar="DRAFT_DEPTH[,K]", default=None,
+    p.add_argument("--speculative", metavar=SPECULATIVE_FORM, default=None,
                    help="self-speculative decoding: draft K tokens (default "
                    f"{DEFAULT_DRAFT_TOKENS}) at loop depth DRAFT_DEPTH, verify them at the full "
-                   "depth in one call; the same tokens greedy, the same distribution sampled")
+                   "depth in one call; the same tokens greedy, the same distribution sampled. "
+                   "auto: K adapted per round (+2 after a round that kept every draft, else -1), "
+                   f"up to MAX (default {MAX_DRAFT_TOKENS})")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -78,7 +81,7 @@ def _exit_rule(text: Optional[str]):
         raise InputError(f"--exit: {exc}") from None
 
 
-def _speculative(text: Optional[str]) -> Optional[tuple[int, int]]:
+def _speculative(text: Optional[str]) -> Optional[tuple[int, DraftTokens]]:
     if text is None:
         return None
     try:
@@ -147,7 +150,7 @@ def _exit_cap(rule, depth: Optional[int], model):
     return rule.with_max(EXIT_CAP_FACTOR * model.cfg.depth)
 
 
-def _check_speculative(speculative: Optional[tuple[int, int]], depth: int,
+def _check_speculative(speculative: Optional[tuple[int, DraftTokens]], depth: int,
                        args: argparse.Namespace) -> None:
     if speculative is None:
         return
@@ -169,8 +172,9 @@ def _report(result: Generation, exit_rule, speculative, seconds: float) -> None:
         spec, tokens = result.speculation, sum(len(row) for row in result.tokens)
         accepted = f"{spec['accepted'] / spec['drafted']:.0%}" if spec["drafted"] else "-"
         print(f"scse-generate: speculative {speculative[0]},{speculative[1]}: {accepted} of "
-              f"{spec['drafted']} drafted tokens accepted, {tokens / spec['rounds']:.2f} tokens "
-              f"per verification, {tokens / seconds:.1f} tokens/s", file=sys.stderr)
+              f"{spec['drafted']} drafted tokens accepted, mean K {spec['mean_k']:.2f}, "
+              f"{tokens / spec['rounds']:.2f} tokens per verification, {tokens / seconds:.1f} "
+              "tokens/s", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ A batch shares one cache length, so a round keeps, in every row, the fewest draf
 row kept (a); each row's next token is then its own draft a+1 if it kept that one, else its
 correction. A row's token at each position is still drawn from p given its prefix, so the rows
 stay exact; they only lose the drafts they kept beyond a.
+
+K is fixed, or chosen per round by AdaptiveDraft (`--speculative D,auto`) from a alone: it grows
+after a round that kept all K and shrinks after one that did not. A round's K is then fixed
+before its drafts are drawn, and the rule above holds for any such K, so the output stays exact.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from scse_dist.generate_options import DEFAULT_DRAFT_TOKENS
+from scse_dist.generate_options import DEFAULT_DRAFT_TOKENS, AdaptiveDraft, DraftTokens
 from scse_dist.model.kv_cache import KVCache
 from scse_dist.model.speculative import Drafted, check_draft_depth, draft, verify
 from scse_dist.sampling import Generation, Sampling, left_pad, token_probs
@@ -65,13 +69,16 @@ def _judge(logits: torch.Tensor, q: list[torch.Tensor], drafted: torch.Tensor,
 
 @torch.no_grad()
 def speculative_generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                         draft_depth: int, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+                         draft_depth: int, draft_tokens: DraftTokens = DEFAULT_DRAFT_TOKENS,
                          depth: Optional[int] = None, sampling: Sampling = Sampling(),
                          eos_id: Optional[int] = None, on_token=None) -> Generation:
     """scse_dist.generate.generate's tokens (greedy: the same tokens; sampled: the same
-    distribution) with drafts of `draft_tokens` tokens at loop depth `draft_depth`. The result's
-    `speculation` counts rounds, drafted and accepted tokens (per row, summed)."""
-    if draft_tokens < 1:
+    distribution) with drafts of `draft_tokens` tokens at loop depth `draft_depth` (a fixed K, or
+    AdaptiveDraft: K chosen per round). The result's `speculation` counts rounds, drafted and
+    accepted tokens (per row, summed), and mean_k: the mean K drafted per round."""
+    schedule = draft_tokens if isinstance(draft_tokens, AdaptiveDraft) else None
+    k_next = schedule.start if schedule is not None else draft_tokens
+    if k_next < 1:
         raise ValueError(f"speculative: K (drafted tokens per round) must be >= 1, got "
                          f"{draft_tokens}")
     depth = depth if depth is not None else model.fixed_depth or model.cfg.depth
@@ -85,15 +92,19 @@ def speculative_generate(model, prompts: Sequence[Sequence[int]], *, max_new_tok
     new: list[list[int]] = [[] for _ in prompts]
     done = [False] * rows
     counts = {"rounds": 0, "drafted": 0, "accepted": 0}
+    k_sum = 0
     while not all(done) and len(new[done.index(False)]) < max_new_tokens:
         remaining = max_new_tokens - len(new[done.index(False)])
-        k = min(draft_tokens, remaining - 1)
+        k = min(k_next, remaining - 1)
         drafts, q, drafted = _draft_round(model, pending, mask, cache, draft_depth, depth, k,
                                           sampling, generator)
         start = len(cache) - sum(d.x.shape[1] for d in drafts)
         logits = verify(model, drafts, cache, draft_depth)[:, pending.shape[1] - 1:]
         kept, correction = _judge(logits, q, drafted, sampling, generator)
         a = _batch_kept(kept, drafted, done, eos_id, k)
+        if schedule is not None:
+            k_next = schedule.next(k_next, a == k)
+        k_sum += k
         counts["rounds"] += 1
         counts["drafted"] += k * done.count(False)
         counts["accepted"] += sum(int(kept[r]) for r in range(rows) if not done[r])
@@ -104,6 +115,7 @@ def speculative_generate(model, prompts: Sequence[Sequence[int]], *, max_new_tok
         _emit(chosen.tolist(), new, done, eos_id, on_token)
         cache.truncate(start + pending.shape[1] + a)
         pending, mask = last[:, None], torch.ones_like(last)[:, None]
+    counts["mean_k"] = k_sum / max(counts["rounds"], 1)
     return Generation(new, [[depth] * len(row) for row in new], counts)
 
 

@@ -17,7 +17,7 @@ from scse_dist.generate import Sampling, continuation_text, generate
 from scse_dist.generate_cli import main as generate_main
 from scse_dist.model import LoopedLM, ModelConfig
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
-from scse_dist.model.kv_cache import KVCache
+from scse_dist.model.kv_cache import KVCache, _causal_mask
 
 KINDS = [dict(recurrence="untied"), dict(recurrence="looped"), dict(recurrence="additive"),
          dict(recurrence="scse"), dict(recurrence="scse", inject="concat"),
@@ -198,6 +198,23 @@ def test_generation_under_an_exit_rule_equals_recomputing(rule: str, kw: dict) -
     assert forward.steps_used[0, len(batch[0]) - 1:].tolist() == cached.steps[0]
 
 
+def test_one_new_tokens_mask_is_the_general_causal_mask() -> None:
+    """KVCache.positions' short path for one new token (each generated one) gives the general
+    mask exactly: over cached padding, after a truncation, for a real and a padding new token."""
+    gen = torch.Generator().manual_seed(0)
+    cache = KVCache()
+    for new in ([[1], [1], [1]], [[1], [0], [1]], [[0], [1], [1]]):
+        if cache.key_mask is None:
+            cache.commit(torch.rand(3, 6, generator=gen).gt(0.3).long())
+        keys = torch.cat([cache.key_mask, torch.tensor(new).bool()], dim=1)
+        got = cache.positions(torch.tensor(new))[1]
+        assert got.shape == (3, 1, 1, 7) and torch.equal(got, _causal_mask(keys, 1))
+        cache.commit(torch.tensor(new))
+        cache.truncate(6)
+    empty = KVCache().positions(torch.tensor([[1], [0]]))[1]
+    assert torch.equal(empty, _causal_mask(torch.tensor([[True], [False]]), 1))
+
+
 def test_cache_refuses_another_depth_or_batch() -> None:
     model = tiny_model(recurrence="scse")
     cache = KVCache()
@@ -273,8 +290,13 @@ def test_scse_generate_prompt_file_is_one_batch(export, tmp_path, capsys) -> Non
     (["--prompt", "x", "--top-p", "0"], "--top-p: must lie in (0, 1], got 0.0"),
     (["--prompt", "x", "--depth", "0"], "--depth: must be >= 1, got 0"),
     (["--prompt", "x", "--exit", "fast:1"], "--exit: exit rule 'fast:1': unknown kind 'fast'"),
-    (["--prompt", "x", "--speculative", "1,x"], "--speculative: expected DRAFT_DEPTH[,K] with "
-                                                "positive integers (e.g. 2,4), got '1,x'"),
+    (["--prompt", "x", "--speculative", "1,x"], "--speculative: expected "
+     "DRAFT_DEPTH[,K|,auto[:MAX]]; K must be a positive integer, auto or auto:MAX (MAX a positive "
+     "integer), got 'x' in '1,x'"),
+    (["--prompt", "x", "--speculative", "1,auto:0"], "K must be a positive integer, auto or "
+     "auto:MAX (MAX a positive integer), got 'auto:0' in '1,auto:0'"),
+    (["--prompt", "x", "--speculative", "x,auto"], "--speculative: expected "
+     "DRAFT_DEPTH[,K|,auto[:MAX]]; DRAFT_DEPTH must be a positive integer, got 'x' in 'x,auto'"),
     (["--prompt", "x", "--speculative", "2"], "--speculative: the draft depth must lie in 1..1 "
                                               "(below the depth 2), got 2"),
     (["--prompt", "x", "--speculative", "1", "--cache", "shared"],
@@ -348,3 +370,10 @@ def test_scse_generate_speculative_prints_the_same_text(export, capsys) -> None:
     line = err.strip().splitlines()[-1]
     assert line.startswith("scse-generate: speculative 2,3: ") and " drafted tokens accepted, " \
         in line and line.endswith(" tokens/s")
+    assert generate_main(argv + ["--speculative", "2,auto:6"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("scse-generate: speculative 2,auto:6: ")
+    mean_k = float(line.split("mean K ")[1].split(",")[0])
+    assert 0 < mean_k <= 6

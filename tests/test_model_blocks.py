@@ -185,6 +185,26 @@ def test_rope_tables_are_made_once_per_forward(recurrence: str, monkeypatch) -> 
     assert made == [9]
 
 
+def test_rope_tables_values_and_their_cached_frequencies() -> None:
+    """Bit for bit the formula (the frequencies are made once per size and device), also for
+    position ids; the cached frequencies are made outside inference mode even when first asked
+    for inside it (scse-eval's forwards), so later autograd may use them."""
+    from scse_dist.model import blocks
+
+    cfg = cfg_of(d_model=32, n_heads=2, rope_theta=500.0)
+    blocks._inv_freq.cache_clear()
+    with torch.inference_mode():
+        cos, sin = rope_tables(6, cfg, torch.device("cpu"))
+    assert not blocks._inv_freq(8, 500.0, torch.device("cpu")).is_inference()
+    inv_freq = 500.0 ** (-torch.arange(0, 8, dtype=torch.float32) / 8)
+    angles = torch.outer(torch.arange(6, dtype=torch.float32), inv_freq)
+    assert torch.equal(cos, angles.cos()) and torch.equal(sin, angles.sin())
+    ids = torch.tensor([[0, 0, 1], [3, 4, 5]])
+    cos, sin = rope_tables(3, cfg, "cpu", ids)
+    assert cos.shape == (2, 1, 3, 8) and torch.equal(cos[1, 0], angles[3:].cos())
+    assert torch.equal(sin[0, 0, 1], angles[0].sin())
+
+
 def test_rope_tables_stay_fp32_in_a_bf16_model() -> None:
     model = LoopedLM(cfg_of())
     toks = torch.randint(0, 64, (2, 16))

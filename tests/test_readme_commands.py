@@ -255,6 +255,8 @@ RUN = [
          check_generate),
     Step('scse-generate runs/quickstart/export --prompt "Return the" --max-new-tokens 40 --depth 8 --speculative 1,4',
          check_generate),
+    Step('scse-generate runs/quickstart/export --prompt "Return the" --max-new-tokens 40 --depth 8 --speculative 1,auto',
+         check_generate),
     Step("scse-report runs/quickstart runs/quickstart-T8 --out reports/quickstart --wandb offline",
          check_report),
     Step("scse-launch configs/tiny-cpu.yaml --local", check_launch_local),

@@ -1,22 +1,26 @@
 """Self-speculative decoding (scse_dist.speculative, scse_dist.model.speculative).
 
 Greedy: the very tokens of full-depth cached decoding, on every recurrence, in padded batches,
-with an EOS inside a draft. Sampled: the distribution of full-depth sampling (chi-square against
-the exact probabilities, and a sampler that skips the rejection rule must fail the same test).
+with an EOS inside a draft, at a fixed K and with K adapted per round (AdaptiveDraft, `auto`).
+Sampled: the distribution of full-depth sampling (chi-square against the exact probabilities,
+also with auto; a sampler that skips the rejection rule must fail the same test).
 The draft's work is reused: every position passes each core block T (+1 for scse) times in all,
 never more, and a round verifies its K+1 positions in one call."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from scse_dist.generate import Sampling, generate
+from scse_dist.generate import AdaptiveDraft, Sampling, generate
 from scse_dist.model import LoopedLM, ModelConfig
 from scse_dist.model.kv_cache import KVCache
 from scse_dist.model.speculative import draft
 from scse_dist.sampling import token_probs
 from scse_dist.generate_options import parse_speculative
+from scse_dist import speculative
 from scse_dist.speculative import accept
 
 DEPTH = 4
@@ -56,7 +60,7 @@ def test_greedy_equals_full_depth_greedy(kw: dict) -> None:
     want = generate(model, batch, max_new_tokens=16, depth=DEPTH)
     assert min(len(set(row)) for row in want.tokens) >= 5  # not one repeated token
     accepted = []
-    for d, k in [(1, 3), (2, 4), (3, 2), (1, 1)]:
+    for d, k in [(1, 3), (2, 4), (3, 2), (1, 1), (1, AdaptiveDraft()), (2, AdaptiveDraft(1, 6))]:
         got = generate(model, batch, max_new_tokens=16, depth=DEPTH, speculative=(d, k))
         assert got.tokens == want.tokens, (d, k)
         assert got.steps == want.steps
@@ -73,12 +77,13 @@ def test_eos_inside_a_draft_ends_the_row_there() -> None:
     eos = free.tokens[0][5]
     want = generate(model, batch, max_new_tokens=14, depth=DEPTH, eos_id=eos)
     assert want.tokens[0] == free.tokens[0][:free.tokens[0].index(eos) + 1]
-    for d, k in [(2, 8), (3, 4), (1, 2)]:
+    for d, k in [(2, 8), (3, 4), (1, 2), (1, AdaptiveDraft()), (3, AdaptiveDraft(1, 8))]:
         got = generate(model, batch, max_new_tokens=14, depth=DEPTH, eos_id=eos, speculative=(d, k))
         assert got.tokens == want.tokens, (d, k)
     # with every draft kept (d close to T), the EOS arrives inside a round's drafts
-    assert generate(model, batch[:1], max_new_tokens=14, depth=DEPTH, eos_id=eos,
-                    speculative=(3, 8)).tokens == want.tokens[:1]
+    for k in (8, AdaptiveDraft(6)):
+        assert generate(model, batch[:1], max_new_tokens=14, depth=DEPTH, eos_id=eos,
+                        speculative=(3, k)).tokens == want.tokens[:1]
 
 
 @pytest.mark.parametrize("kw", [KINDS[3], KINDS[1]], ids=kind_id)
@@ -151,41 +156,62 @@ def chi2_p_value(samples: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def exact_pair_probs(model: LoopedLM, prompt: list[int], sampling: Sampling, depth: int
-                     ) -> torch.Tensor:
-    """P(first two new tokens = (i, j)) under sampling at `depth`, (V * V,)."""
+def exact_pair_probs(model: LoopedLM, prompt: list[int], sampling: Sampling, depth: int,
+                     at: int = 0) -> torch.Tensor:
+    """P(new tokens at, at+1 = (i, j)) under sampling at `depth`, (V * V,): every sequence of
+    the first at+1 new tokens enumerated with its probability, the first `at` summed out."""
     v = model.cfg.vocab_size
-    first = token_probs(model(torch.tensor([prompt]), depth=depth).logits[0, -1], sampling)
-    rows = torch.tensor([prompt + [i] for i in range(v)])
-    second = token_probs(model(rows, depth=depth).logits[:, -1], sampling)  # (V, V)
-    return (first[:, None] * second).flatten()
+    rows, weights = torch.tensor([prompt]), torch.ones(1)
+    for _ in range(at + 1):
+        probs = token_probs(model(rows, depth=depth).logits[:, -1], sampling)  # (N, V)
+        weights = (weights[:, None] * probs).flatten()
+        rows = torch.cat([rows.repeat_interleave(v, 0), torch.arange(v).repeat(len(rows))[:, None]],
+                         dim=1)
+    last = token_probs(model(rows, depth=depth).logits[:, -1], sampling)  # (N * V, V)
+    return (weights[:, None] * last).view(-1, v, v).sum(0).flatten()
+
+
+SAMPLED_MODEL = dict(vocab=6, depth=3, recurrence="scse", residual="preln")
 
 
 @pytest.mark.slow
-def test_sampling_is_exact_in_distribution() -> None:
-    """The first two sampled tokens of 3,200 rows (400 seeded runs of 8 identical prompts):
-    their joint distribution fits full-depth sampling's exact one (chi-square over the V^2
-    cells, the rare ones pooled), at drafts deep enough to keep many and shallow enough to
-    reject some. Sampling the drafts without the rejection rule fails the same test."""
-    model = model_of(vocab=6, depth=3, recurrence="scse", residual="preln")
+@pytest.mark.parametrize("draft_tokens, rows, runs, new_tokens", [
+    (2, 8, 400, 2), (AdaptiveDraft(1, 4), 2, 1600, 5)], ids=["K=2", "auto"])
+def test_sampling_is_exact_in_distribution(draft_tokens, rows: int, runs: int,
+                                           new_tokens: int) -> None:
+    """The last two of new_tokens sampled tokens of 3,200 rows (seeded runs of identical
+    prompts): their joint distribution fits full-depth sampling's exact one (chi-square over the
+    V^2 cells, the rare ones pooled), at drafts deep enough to keep many and shallow enough to
+    reject some. With auto, K grows in the runs whose rounds kept every draft: the tokens after
+    the first round come from rounds of different K, and stay exact (K looks only backwards)."""
+    model = model_of(**SAMPLED_MODEL)
     prompt = [1, 4, 2]
-    sampling = Sampling(temperature=1.5)
-    want = exact_pair_probs(model, prompt, sampling, 3)
-    pairs, kept, drafted = [], 0, 0
-    for seed in range(400):
-        out = generate(model, [prompt] * 8, max_new_tokens=2, depth=3, speculative=(1, 2),
-                       sampling=Sampling(temperature=1.5, seed=seed))
-        pairs += [row[0] * 6 + row[1] for row in out.tokens]
+    want = exact_pair_probs(model, prompt, Sampling(temperature=1.5), 3, at=new_tokens - 2)
+    pairs, kept, drafted, mean_k = [], 0, 0, set()
+    for seed in range(runs):
+        out = generate(model, [prompt] * rows, max_new_tokens=new_tokens, depth=3,
+                       speculative=(1, draft_tokens), sampling=Sampling(temperature=1.5, seed=seed))
+        pairs += [row[-2] * 6 + row[-1] for row in out.tokens]
         kept, drafted = kept + out.speculation["accepted"], drafted + out.speculation["drafted"]
+        mean_k.add(out.speculation["mean_k"])
+    assert len(pairs) == 3200
     assert 0.2 < kept / drafted < 0.95  # both branches of the rule ran
+    if isinstance(draft_tokens, AdaptiveDraft):
+        assert max(mean_k) > 1 and len(mean_k) > 2  # K grew in some runs, not in others
     assert pooled_p_value(torch.tensor(pairs), want) > 1e-3
-    # a sampler without the rule (the draft's tokens taken as they come) is caught
-    draft_model = [token_probs(draft(model, torch.tensor([prompt]), KVCache(), 1, 3).logits[0, -1],
-                               sampling)]
-    assert not torch.allclose(draft_model[0], want.view(6, 6).sum(1), atol=0.02)
+
+
+def test_chi_square_catches_a_sampler_without_the_rule() -> None:
+    """The test above has power: the depth-1 draft's own tokens (no rejection rule) fail it."""
+    model = model_of(**SAMPLED_MODEL)
+    prompt, sampling = [1, 4, 2], Sampling(temperature=1.5)
+    first = exact_pair_probs(model, prompt, sampling, 3).view(6, 6).sum(1)
+    draft_probs = token_probs(draft(model, torch.tensor([prompt]), KVCache(), 1, 3).logits[0, -1],
+                              sampling)
+    assert not torch.allclose(draft_probs, first, atol=0.02)
     gen = torch.Generator().manual_seed(0)
-    wrong = torch.multinomial(draft_model[0], 3200, replacement=True, generator=gen)
-    assert pooled_p_value(wrong, want.view(6, 6).sum(1)) < 1e-6
+    wrong = torch.multinomial(draft_probs, 3200, replacement=True, generator=gen)
+    assert pooled_p_value(wrong, first) < 1e-6
 
 
 def pooled_p_value(samples: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0
@@ -204,9 +230,18 @@ def pooled_p_value(samples: torch.Tensor, probs: torch.Tensor, min_expected: flo
 def test_bad_speculative_arguments_are_one_clear_error() -> None:
     model = model_of(**KINDS[1])
     assert parse_speculative("2") == (2, 4) and parse_speculative("1,8") == (1, 8)
-    for text in ("0,4", "2,0", "a", "1,2,3", ""):
-        with pytest.raises(ValueError, match=r"speculative: expected DRAFT_DEPTH\[,K\]"):
+    assert parse_speculative("1,auto") == (1, AdaptiveDraft(4, 32))
+    assert parse_speculative("2,auto:16") == (2, AdaptiveDraft(4, 16))
+    assert parse_speculative("2,auto:2") == (2, AdaptiveDraft(2, 2))  # starts at the cap
+    form = r"speculative: expected DRAFT_DEPTH\[,K\|,auto\[:MAX\]\]; "
+    for text, field, bad in [("0,4", "DRAFT_DEPTH", "0"), ("a", "DRAFT_DEPTH", "a"),
+                             ("", "DRAFT_DEPTH", ""), ("2,0", "K", "0"), ("1,2,3", "K", "2,3"),
+                             ("1,", "K", ""), ("1,auto:0", "K", "auto:0"),
+                             ("1,Auto", "K", "Auto"), ("1,auto:", "K", "auto:")]:
+        with pytest.raises(ValueError) as error:
             parse_speculative(text)
+        assert re.fullmatch(form + f"{field} must be a positive integer.*, got '{re.escape(bad)}' "
+                            f"in '{re.escape(text)}'", str(error.value)), str(error.value)
     with pytest.raises(ValueError, match=r"draft depth must lie in 1..3 \(below the depth 4\), "
                                          "got 4"):
         generate(model, prompts(3), max_new_tokens=2, speculative=(4, 2))
@@ -215,6 +250,44 @@ def test_bad_speculative_arguments_are_one_clear_error() -> None:
         generate(untied, prompts(3), max_new_tokens=2, depth=5, speculative=(1, 2))
     with pytest.raises(ValueError, match="speculative: runs with the exact cache"):
         generate(model, prompts(3), max_new_tokens=2, speculative=(1, 2), cache="shared")
+
+
+def test_adaptive_draft_schedule() -> None:
+    schedule = AdaptiveDraft(start=4, max=7)
+    assert [schedule.next(k, True) for k in (1, 4, 6, 7)] == [3, 6, 7, 7]
+    assert [schedule.next(k, False) for k in (1, 2, 7)] == [1, 1, 6]
+    assert str(AdaptiveDraft()) == "auto" and str(schedule) == "auto:7"
+    with pytest.raises(ValueError, match=r"auto's start K must lie in 1..max \(3\), got 4"):
+        AdaptiveDraft(4, 3)
+
+
+@pytest.mark.parametrize("d, reaches_cap", [(3, True), (1, False)])
+def test_auto_k_grows_after_full_acceptance_and_shrinks_after_a_rejection(
+        monkeypatch, d: int, reaches_cap: bool) -> None:
+    """Each round's K (the drafts verify gets) and drafts kept (a), recorded: K starts at 2,
+    then K + 2 (at most 5) after a round that kept all K, else K - 1 (at least 1), never more
+    than the tokens left minus one; mean_k is their mean. Both branches run; a depth-3 draft of
+    depth 4 is kept often enough for K to reach the cap, a depth-1 draft is not."""
+    rounds: list[list[int]] = []  # [K, a] per round
+    real_verify, real_kept = speculative.verify, speculative._batch_kept
+    monkeypatch.setattr(speculative, "verify", lambda model, drafts, *rest: (
+        rounds.append([len(drafts) - 1]), real_verify(model, drafts, *rest))[1])
+    monkeypatch.setattr(speculative, "_batch_kept", lambda *args: (
+        rounds[-1].append(real_kept(*args)), rounds[-1][-1])[1])
+    model = model_of(**KINDS[3])
+    out = generate(model, prompts(5, 3), max_new_tokens=30, depth=DEPTH,
+                   speculative=(d, AdaptiveDraft(2, 5)))
+    assert out.tokens == generate(model, prompts(5, 3), max_new_tokens=30, depth=DEPTH).tokens
+    made, k = 0, 2
+    for got_k, a in rounds:
+        assert got_k == min(k, 30 - made - 1)
+        made += a + 1
+        k = min(k + 2, 5) if a == got_k else max(k - 1, 1)
+    assert made == 30 and out.speculation["rounds"] == len(rounds)
+    assert out.speculation["mean_k"] == pytest.approx(sum(r[0] for r in rounds) / len(rounds))
+    ks = [r[0] for r in rounds]
+    assert any(y > x for x, y in zip(ks, ks[1:])) and any(y < x for x, y in zip(ks, ks[1:]))
+    assert (max(ks) == 5) == reaches_cap  # depth 3 of 4 drafts well enough to reach the cap
 
 
 def test_a_round_never_passes_max_new_tokens() -> None:

@@ -131,6 +131,10 @@ class KVCache:
         start = self.next_position if self.next_position is not None else \
             torch.zeros(b, dtype=torch.long, device=new.device)
         position_ids = (start[:, None] + new.long().cumsum(-1) - 1).clamp(min=0)
+        if s == 1:  # one token (each generated one): _causal_mask's value in 2 ops, not 7
+            seen = torch.ones_like(new)  # it sees every real cached token and itself
+            keys = seen if self.key_mask is None else torch.cat([self.key_mask, seen], dim=1)
+            return position_ids, keys[:, None, None, :]
         keys = new if self.key_mask is None else torch.cat([self.key_mask, new], dim=1)
         return position_ids, _causal_mask(keys, s)
 
