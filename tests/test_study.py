@@ -103,6 +103,20 @@ def test_shipped_study_pairs_compare_like_with_like(name):
             (cb.data, cb.train.max_steps, cb.model.d_model, cb.model.depth), (a, b)
 
 
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs" / "studies").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_shipped_study_spec_resolves_every_run(path):
+    """Each spec in configs/studies/ loads, and each of its runs resolves to a valid run config
+    (a mistyped override or a switch the model refuses fails here, not hours into a study)."""
+    from scse_dist.study.spec import run_config
+
+    spec = load_spec(path)
+    runs = expand(spec, {v: 1e-3 for v in spec.variants}, ("final",))
+    assert len(runs) == len(spec.variants) * len(spec.seeds)
+    configs = [run_config(spec, r) for r in runs]
+    assert {c.train.seed for c in configs} == set(spec.seeds)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"seeds": [0, 0]}, "seeds: a non-empty list of distinct integers"),
     ({"variants": {"scse": {"override": {}}}}, "variants.scse: expected {overrides:"),
