@@ -17,7 +17,7 @@ import yaml
 
 # The model package owns its config (it is copied into exports as remote code); re-exported here.
 # check_model_config is the full check (the fields, then the recurrence's own: transitions.py).
-from scse_dist.model.config import ConfigError, ModelConfig  # noqa: F401
+from scse_dist.model.config import ConfigError, ModelConfig, resolved_anchor_scale  # noqa: F401
 from scse_dist.model.transitions import check_model_config  # noqa: F401
 from scse_dist.task_registry import TASKS, field_value, unknown_task
 # The typed-YAML machinery; apply_overrides and deep_merge are part of this module's interface.
@@ -344,6 +344,8 @@ def config_from_dict(values: dict) -> RunConfig:
         raise ConfigError(f"config: expected a mapping at the top level, got {type(values).__name__}")
     cfg = _build(RunConfig, values)
     _check_consistency(cfg)
+    # A saved config names what ran, so "auto" is written down as what it meant here.
+    cfg.model.anchor_scale = resolved_anchor_scale(cfg.model)
     return cfg
 
 
@@ -358,6 +360,25 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     except ConfigError as exc:
         source = _error_source(exc, path, values, overrides or [])
         raise ConfigError(f"{exc} ({source})" if source else str(exc)) from None
+
+
+# A saved run config (a checkpoint's or an export's) written before a field existed ran with the
+# behaviour that field's default had then, not with today's default.
+SAVED_BEFORE = {"model": {"anchor_scale": "free"}}
+
+
+def load_saved_config(path: str | Path) -> RunConfig:
+    """load_config for the config a run saved (config.yaml, config.json): a field it lacks takes
+    the value it had when the run was made (SAVED_BEFORE), else today's default."""
+    values = _read_yaml(Path(path))
+    for section, fields in SAVED_BEFORE.items():
+        if isinstance(values.get(section), dict):
+            for name, value in fields.items():
+                values[section].setdefault(name, value)
+    try:
+        return config_from_dict(values)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (in {path})") from None
 
 
 def _error_source(exc: ConfigError, path: str | Path | None, values: dict,

@@ -70,7 +70,13 @@ def test_sorted_batches_give_each_window_the_same_score_in_input_order(export, t
     _, in_order = score_windows(model, windows, [1, 3], batch_size=3, sort=False)
     _, alone = score_windows(model, windows, [1, 3], batch_size=1)
     assert sorted_depths == [1, 3]
-    assert by_length == in_order == alone  # exactly: every nll, count and argmax flag
+    # every count and argmax flag exactly, every nll to float rounding: batches of other padded
+    # lengths reach the matmuls in other shapes, whose sums may round differently
+    for a, b, c in zip(by_length, in_order, alone):
+        assert [(s.count, s.all_correct) for s in a] == [(s.count, s.all_correct) for s in b] \
+            == [(s.count, s.all_correct) for s in c]
+        assert [s.nll for s in a] == pytest.approx([s.nll for s in c], rel=1e-6)
+        assert [s.nll for s in b] == pytest.approx([s.nll for s in c], rel=1e-6)
     assert [s.count for s in by_length[0]] == [len(w.tokens) - 1 - w.first_scored for w in windows]
 
 

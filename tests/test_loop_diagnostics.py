@@ -27,7 +27,7 @@ WINDOW = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)
 
 
 def test_zero_deviation_start_stays_at_the_anchor() -> None:
-    model = model_of()
+    model = model_of(anchor_scale="free")  # core_norm would normalise h* = Q s = s away from H0
     with torch.no_grad():  # Q = I: h* = s = H0, so D_0 = 0 and the mask keeps it there
         model.core.anchor.weight.copy_(torch.eye(32))
     diag = loop_diagnostics(model, WINDOW, depth=3, max_depth=5)

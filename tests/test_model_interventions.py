@@ -47,8 +47,8 @@ def reference_scse_loss(model: LoopedLM, depth: int) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), TARGETS.flatten())
 
 
-def test_defaults_compute_scse_as_written() -> None:
-    model = model_of()
+def test_free_anchor_computes_scse_as_written() -> None:
+    model = model_of(anchor_scale="free")
     out = model(TOKENS, TARGETS, depth=3)
     assert out.aux_loss is None
     assert torch.equal(out.loss, reference_scse_loss(model, 3))
@@ -61,7 +61,7 @@ def test_defaults_compute_scse_as_written() -> None:
 
 
 def test_core_norm_anchor_tracks_the_core_scale() -> None:
-    free, tied = model_of(), model_of(anchor_scale="core_norm")
+    free, tied = model_of(anchor_scale="free"), model_of(anchor_scale="core_norm")
     for model in (free, tied):
         with torch.no_grad():
             model.core.anchor.weight.mul_(3.0)  # R drifts to 3 rho ...
@@ -136,7 +136,7 @@ def test_loop_stability_is_a_training_term_only() -> None:
 
 
 def test_loop_stability_gradient_is_finite_at_the_anchor() -> None:
-    model = model_of(loop_stability=1.0)
+    model = model_of(loop_stability=1.0, anchor_scale="free")
     with torch.no_grad():  # D_0 = 0 everywhere: the mask holds every row at the anchor
         model.core.anchor.weight.copy_(torch.eye(32))
     out = model(TOKENS, TARGETS, depth=3)
@@ -148,7 +148,7 @@ def test_loop_stability_gradient_is_finite_at_the_anchor() -> None:
 def test_loop_stability_pushes_a_collapsing_loop_outward() -> None:
     """A step against the term's gradient alone raises |D_T| / |D_0| on a loop made to contract
     (the anchor scaled to 2 rho, the collapse direction of issue 17)."""
-    model = model_of(loop_stability=1.0)
+    model = model_of(loop_stability=1.0, anchor_scale="free")
     with torch.no_grad():
         model.core.anchor.weight.mul_(2.0)
     before = loop_diagnostics(model.eval(), WINDOW, 3)
@@ -178,3 +178,37 @@ def test_residual_depth_sets_preln_init_too() -> None:
     proj = LoopedLM(tiny(residual="preln", residual_depth=48, d_model=64)).core.blocks[0].attn.proj
     # GPT-2 init: std 0.02 / sqrt(2N), N = 1 + 48 + 1
     assert float(proj.weight.std()) == pytest.approx(0.02 / math.sqrt(100), rel=0.05)
+
+
+# ------------------------------------------------------------------ the default (issue 17's study)
+
+
+@pytest.mark.parametrize("kw, want", [
+    ({}, "core_norm"), ({"residual": "deepnorm"}, "core_norm"), ({"residual": "preln"}, "free"),
+    ({"anchor": "source", "init_state": "zeros"}, "free"), ({"anchor": "zero", "init_state": "random", "inject": "add"}, "free"),
+    ({"recurrence": "additive"}, "free"), ({"recurrence": "looped"}, "free"),
+    ({"anchor_scale": "free"}, "free")])
+def test_auto_anchor_scale_is_core_norm_where_it_applies(kw, want) -> None:
+    from scse_dist.config import config_from_dict
+    from scse_dist.model.config import resolved_anchor_scale
+
+    assert tiny().anchor_scale == "auto" and resolved_anchor_scale(tiny(**kw)) == want
+    # a run config names what ran: auto is written down resolved
+    model = {"vocab_size": 64, "d_model": 32, "n_heads": 2, "max_seq_len": 32, **kw}
+    run = config_from_dict({"model": model, "data": {"seq_len": 32}})
+    assert run.model.anchor_scale == want
+
+
+def test_a_saved_config_without_anchor_scale_ran_free(tmp_path) -> None:
+    """A run saved before the field existed trained free SCSE: loading its config must not turn
+    the default on under its weights (the HF config's default for a config.json without the
+    field is free too: configuration_scse.MODEL_FIELDS)."""
+    import yaml
+
+    from scse_dist.config import load_config, load_saved_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"model": {"vocab_size": 64, "d_model": 32, "n_heads": 2,
+                                              "max_seq_len": 32}, "data": {"seq_len": 32}}))
+    assert load_saved_config(path).model.anchor_scale == "free"
+    assert load_config(path).model.anchor_scale == "core_norm"  # a new run's config: the default

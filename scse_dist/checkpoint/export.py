@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 
 from scse_dist.atomic import atomic_write
 from scse_dist.cli_errors import InputError
-from scse_dist.config import RunConfig, load_config, save_config
+from scse_dist.config import RunConfig, load_saved_config, save_config
 
 if TYPE_CHECKING:  # torch is imported where weights are read or written: a command that only
     # reads an export's config (or rejects a bad path) answers without it
@@ -146,7 +146,7 @@ def load_export_config(path: str | os.PathLike) -> RunConfig:
     """The RunConfig of an export (its dir or its .safetensors file), data.tokenizer resolved: the
     bare name `tokenizer.model` means the export's own copy."""
     _, config = _resolve_paths(path)
-    cfg = load_config(config)  # ConfigError (a ValueError) names config.yaml if it is invalid
+    cfg = load_saved_config(config)  # ConfigError (a ValueError) names config.yaml if invalid
     if cfg.data.tokenizer == TOKENIZER_NAME:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(
             cfg.data, tokenizer=str(config.parent / TOKENIZER_NAME)))

@@ -35,13 +35,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     unreadable. Errors are one line on stderr naming the file."""
     args = build_parser().parse_args(argv)
     set_verbose(args.verbose)
-    from scse_dist.config import load_config
+    from scse_dist.config import load_saved_config
     from scse_dist.data.tokenizer import Tokenizer
     from scse_dist.checkpoint.export import describe_mismatch, save_exported_model, weights_mismatch
     from scse_dist.checkpoint.loading import checkpoint_weights, deepspeed_checkpoint
 
     root, tag, config = deepspeed_checkpoint(args.checkpoint)
-    cfg = load_config(config)
+    cfg = load_saved_config(config)
     tokenizer = args.tokenizer or cfg.data.tokenizer
     Tokenizer.load(tokenizer)  # a missing tokenizer fails before the (slow) consolidation
     import torch  # after the inputs are checked: a bad path is reported in a fraction of a second

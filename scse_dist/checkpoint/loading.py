@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scse_dist.cli_errors import InputError
-from scse_dist.config import RunConfig, load_config
+from scse_dist.config import RunConfig, load_saved_config
 
 if TYPE_CHECKING:  # imported where weights load: a bad path is reported without it
     import torch
@@ -73,7 +73,7 @@ def checkpoint_config(path: str | os.PathLike) -> RunConfig:
 
     if _is_export(Path(path)):
         return load_export_config(path)
-    return load_config(deepspeed_checkpoint(path)[2])
+    return load_saved_config(deepspeed_checkpoint(path)[2])
 
 
 def checkpoint_weights(root: Path, tag: str) -> dict[str, torch.Tensor]:
@@ -91,7 +91,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.M
     if _is_export(p):
         return load_exported_model(p, device=device)
     root, tag, config = deepspeed_checkpoint(p)  # a bad path fails here, before torch loads
-    cfg = load_config(config)
+    cfg = load_saved_config(config)
     from scse_dist.model import LoopedLM
 
     model = LoopedLM(cfg.model)

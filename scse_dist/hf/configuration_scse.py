@@ -20,6 +20,8 @@ from .blocks import Block  # noqa: F401
 from .recurrence import LoopCore  # noqa: F401
 
 MODEL_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+# An export's config.json names every field; one written before anchor_scale existed ran free.
+MODEL_FIELDS["anchor_scale"] = "free"
 
 
 class ScseConfig(PretrainedConfig):

@@ -41,8 +41,10 @@ class ModelConfig:
     # Interventions against SCSE's loop collapse (issue 17; docs/loop-diagnostics.md). Each is off
     # by default, which leaves the recurrence bit for bit as it was.
     # core_norm: h* = RMSNorm_core(a(s)), through the core's output norm (the last core block's
-    # norm2, shared weights), so the anchor's norm R tracks the core's output scale rho.
-    anchor_scale: Literal["free", "core_norm"] = "free"
+    # norm2, shared weights), so the anchor's norm R tracks the core's output scale rho. auto (the
+    # default): core_norm where it applies (scse, a Post-LN residual, the learned anchor), else free;
+    # free is SCSE as it was before issue 17's study (docs/scse-robustness.md).
+    anchor_scale: Literal["auto", "free", "core_norm"] = "auto"
     # Weight of a loss term that keeps the loop moving (computed in LoopCore, no extra core
     # call): mean hinge (floor - |D_T|/|D_0|)_+ plus the late motion |D_T - D_{T-1}| / |D_T|.
     loop_stability: float = 0.0
@@ -86,8 +88,17 @@ def check_model_fields(m: ModelConfig) -> None:
     _check_interventions(m)
 
 
+def resolved_anchor_scale(m: ModelConfig) -> str:
+    """"free" or "core_norm": what anchor_scale "auto" means for this model."""
+    if m.anchor_scale != "auto":
+        return m.anchor_scale
+    # the learned anchor only: "source" (h* = s exactly) and "zero" are ablations it would change
+    applies = m.recurrence == "scse" and m.residual != "preln" and m.anchor == "learned"
+    return "core_norm" if applies else "free"
+
+
 def _check_interventions(m: ModelConfig) -> None:
-    if m.anchor_scale != "free":
+    if m.anchor_scale == "core_norm":
         if m.recurrence != "scse":
             raise ConfigError(f"model.anchor_scale: only scse has an anchor; got "
                               f"anchor_scale={m.anchor_scale} with recurrence={m.recurrence}")

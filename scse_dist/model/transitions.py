@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from .config import ConfigError, ModelConfig, check_model_fields
+from .config import ConfigError, ModelConfig, check_model_fields, resolved_anchor_scale
 
 if TYPE_CHECKING:  # annotations only: this module stays free of torch (scse_dist.config imports it)
     import torch
@@ -202,7 +202,7 @@ class Scse(Transition):
         if self.cfg.anchor == "zero":
             return s.new_zeros(s.shape)
         anchor = s if self.cfg.anchor == "source" else core.anchor(s)
-        if self.cfg.anchor_scale == "core_norm":
+        if resolved_anchor_scale(self.cfg) == "core_norm":
             # Through the core's own output norm: |h*| then follows the scale rho of Phi's
             # output, which nothing else ties it to (issue 17: R/rho drifting off 1 collapses D).
             anchor = core.output_norm(anchor)
