@@ -38,8 +38,9 @@ class ModelConfig:
     init_state: Literal["source", "zeros", "random"] = "source"
     zero_mask: bool = True
     forcing_bias_scale: float = 0.0
-    # Interventions against SCSE's loop collapse (issue 17; docs/loop-diagnostics.md). Each is off
-    # by default, which leaves the recurrence bit for bit as it was.
+    # Interventions against SCSE's loop collapse (issue 17; docs/loop-diagnostics.md). The anchor's
+    # scale is on by default since the 5-seed study; the others are off, which leaves the
+    # recurrence bit for bit as it was.
     # core_norm: h* = RMSNorm_core(a(s)), through the core's output norm (the last core block's
     # norm2, shared weights), so the anchor's norm R tracks the core's output scale rho. auto (the
     # default): core_norm where it applies (scse, a Post-LN residual, the learned anchor), else free;

@@ -72,6 +72,12 @@ def training_depth(cfg: RunConfig) -> Optional[int]:
     return m.depth
 
 
+def reference_depth(depths, t_train: Optional[int]) -> Optional[int]:
+    """The extrapolation ratio's reference: the deepest evaluated T within the training range."""
+    within = [d for d in depths if t_train is not None and d <= t_train]
+    return max(within) if within else None
+
+
 def _values(runs: list[StudyRun], task: str, metric: str) -> dict[int, dict[int, float]]:
     """depth -> seed -> the task's metric (finite values only)."""
     out: dict[int, dict[int, float]] = {}
@@ -207,14 +213,13 @@ class StudyReport:
         for (variant, task, metric), by_depth in self.table.items():
             cfg = self.config_of(variant)
             t_train = training_depth(cfg) if cfg else None
-            reference = [d for d in by_depth if t_train is not None and d <= t_train]
-            if not reference:
+            ref = reference_depth(by_depth, t_train)
+            if ref is None:
                 continue
-            base = by_depth[max(reference)].mean
-            ratios = {d: iv.mean / base for d, iv in by_depth.items() if d > max(reference) and base}
+            base = by_depth[ref].mean
+            ratios = {d: iv.mean / base for d, iv in by_depth.items() if d > ref and base}
             if ratios:
-                rows.append((f"{variant} {task} {metric} (trained to T={t_train})",
-                             max(reference), ratios))
+                rows.append((f"{variant} {task} {metric} (trained to T={t_train})", ref, ratios))
         return rows
 
     def frontier_series(self, x: str) -> dict:
@@ -321,7 +326,7 @@ class StudyReport:
 
     def _run_lines(self) -> list[str]:
         """A row per aggregated run: the first task's first metric at every depth, its ratio at
-        the deepest T over the training depth, and the training log's last loop diagnostics (so a
+        the deepest T over the reference depth of extrapolation(), and the training log's last loop diagnostics (so a
         seed's collapse reads beside its numbers)."""
         task = next(iter(self.metrics), None)
         runs = [r for r in self.included if task in r.results]
@@ -330,17 +335,18 @@ class StudyReport:
         metric = self.metrics[task][0]
         depths = sorted({d for r in runs for d in r.results[task]})
         lines = [f"## Per run: {task} {metric}, the last training diagnostics, flags", "",
-                 "ratio: the metric at the deepest T over the training depth's; D_kept, R/rho and "
-                 "gain: the last logged diag/D_kept, diag/anchor_over_scale, diag/loop_gain.", "",
+                 "ratio: the metric at the deepest T over that at the deepest T within the "
+                 "training range; D_kept, R/rho and gain: the last logged diag/D_kept, "
+                 "diag/anchor_over_scale, diag/loop_gain.", "",
                  "| run | " + " | ".join(f"T={d}" for d in depths)
                  + " | ratio | D_kept | R/rho | gain | flags |",
                  "|---|" + "---:|" * (len(depths) + 4) + "---|"]
         for run in runs:
             values = {d: finite(row.get(metric)) for d, row in run.results[task].items()}
-            t_train = training_depth(run.config) if run.config else None
+            ref = reference_depth(values, training_depth(run.config) if run.config else None)
             ratio = None
-            if t_train in values and values[t_train] and max(values) > t_train:
-                ratio = values[max(values)] / values[t_train]
+            if ref is not None and values[ref] and values[max(values)] and max(values) > ref:
+                ratio = values[max(values)] / values[ref]
             last = {m: next((finite(r.get(m)) for r in reversed(run.metrics)
                              if finite(r.get(m)) is not None), None) for m in TRAINING_DIAGNOSTICS}
             cells = [_number(values.get(d)) for d in depths] + [_number(ratio, ".3f")]
