@@ -72,6 +72,33 @@ def test_expansion_counts_names_and_resolved_configs(tmp_path, tiny_config):
     assert (cfg.eval.depths, cfg.eval.tasks, cfg.eval.after_train) == ([1, 2], ["heldout"], False)
 
 
+def test_a_variant_sweeps_its_own_rate_field_over_its_own_grid(tmp_path, tiny_config):
+    """Muon's rate is train.muon_lr: a variant's lr: {key, values} sweeps that field over its own
+    grid, and its final runs set the chosen value there, leaving train.lr as configured."""
+    from scse_dist.study.spec import run_config
+
+    variants = {"adamw": {"overrides": {}},
+                "muon": {"overrides": {"train.optimizer": "muon"},
+                         "lr": {"key": "train.muon_lr", "values": ["1e-2", 0.04]}}}
+    spec = parse_spec(study_spec(tiny_config(tmp_path), str(tmp_path / "out"), axes={},
+                                 variants=variants, seeds=[0, 1],
+                                 lr={"values": [1e-3, 3e-3], "validation": "v.txt"}),
+                      str(tmp_path / "spec.yaml"))
+    assert spec.rate_key("adamw") == "train.lr" and spec.rate_key("muon") == "train.muon_lr"
+    sweep = [r for r in expand(spec) if r.stage == "sweep"]
+    assert [(r.variant, r.lr) for r in sweep] == [("adamw", 1e-3), ("adamw", 3e-3),
+                                                  ("muon", 0.01), ("muon", 0.04)]
+    assert sweep[3].run_dir.endswith("muon/muon-lr0.04-seed0")
+    muon = run_config(spec, sweep[3])
+    assert (muon.train.optimizer, muon.train.muon_lr) == ("muon", 0.04)
+    assert run_config(spec, sweep[0]).train.lr == 1e-3
+    assert muon.train.lr == 3e-3  # the base config's: Muon's AdamW half
+    final = expand(spec, {"adamw": 3e-3, "muon": 0.01}, ("final",))
+    cfgs = {(r.variant, r.seed): run_config(spec, r) for r in final}
+    assert (cfgs["muon", 1].train.muon_lr, cfgs["muon", 1].train.seed) == (0.01, 1)
+    assert cfgs["adamw", 1].train.lr == 3e-3
+
+
 def test_variant_major_order_relative_out_and_slurm_resources(tmp_path, tiny_config):
     spec = parse_spec(study_spec(tiny_config(tmp_path), "studies", order="variant-major",
                                  slurm={"cpus_per_task": 2, "time_min": 30}),
@@ -121,6 +148,12 @@ def test_every_shipped_study_spec_resolves_every_run(path):
     ({"seeds": [0, 0]}, "seeds: a non-empty list of distinct integers"),
     ({"variants": {"scse": {"override": {}}}}, "variants.scse: expected {overrides:"),
     ({"lr": {"values": [1e-3]}}, "lr: missing field 'validation'"),
+    ({"variants": {"scse": {"overrides": {}, "lr": {"key": "train.muon_lr", "values": [0.02]}}}},
+     "variants.scse.lr: needs the study's lr: section"),
+    ({"variants": {"scse": {"overrides": {}, "lr": {"key": "muon_lr", "values": [0.02]}}}},
+     "variants.scse.lr.key: a train.* field such as train.muon_lr, got 'muon_lr'"),
+    ({"variants": {"scse": {"overrides": {}, "lr": {"values": [0]}}}},
+     "variants.scse.lr.values: a non-empty list of positive rates"),
     ({"axes": {"model.residual": {"values": ["preln"], "variants": ["nope"]}}},
      "axes.model.residual.variants: 'nope' is not a variant"),
     ({"pairs": [["scse", "untied"]]}, "pairs[0]: 'untied' is not a variant"),

@@ -3,9 +3,10 @@
     <out>/<study>/study.yaml        the resolved spec (variants expanded, base path resolved)
     <out>/<study>/runs.json         [{"variant", "seed", "lr", "stage", "run_dir", "config",
                                       "overrides"}, ...]: every run known so far
-    <out>/<study>/lr_choice.json    {variant: {"lr", "scores": {lr: loss}, "failed": [...], ...}}
-    <out>/<study>/<variant>/seed<k>/             a final run (stage 2)
-    <out>/<study>/<variant>/lr<value>/seed<k>/   an LR sweep run (stage 1)
+    <out>/<study>/lr_choice.json    {variant: {"lr", "key" (the field it sets), "scores": {lr: loss},
+                                               "failed": [...], ...}}
+    <out>/<study>/<variant>/<variant>-seed<k>/             a final run (stage 2)
+    <out>/<study>/<variant>/<variant>-lr<value>-seed<k>/   an LR sweep run (stage 1)
 
 Each run dir holds `config.yaml` (its resolved RunConfig, written before training) and what the
 trainer writes there: metrics.jsonl, checkpoints/, export/, eval/<task>.json. A run is done when
@@ -105,7 +106,8 @@ def choose_lrs(spec: StudySpec) -> dict[str, float]:
             missing.append(variant)
             continue
         best = min(done, key=done.get)
-        choice[variant] = {"lr": best, "scores": {f"{lr:g}": s for lr, s in scores.items()},
+        choice[variant] = {"lr": best, "key": spec.rate_key(variant),
+                           "scores": {f"{lr:g}": s for lr, s in scores.items()},
                            "failed": [r.run_dir for r in runs if scores[r.lr] is None],
                            "metric": "loss on lr.validation at model.depth",
                            "validation": spec.lr.validation}

@@ -293,7 +293,9 @@ class StudyReport:
                 scores = choice.get("scores") or {}
                 cells = ", ".join(f"{lr}: {v:.4g}" if isinstance(v, (int, float)) else f"{lr}: failed"
                                   for lr, v in scores.items())
-                lines.append(f"| {variant} | {choice.get('lr')}{_edge_mark(choice.get('lr'), scores)} "
+                field = choice.get("key", "train.lr")  # a variant may sweep another rate (Muon's)
+                named = "" if field == "train.lr" else f"{field.split('.')[-1]} "
+                lines.append(f"| {variant} | {named}{choice.get('lr')}{_edge_mark(choice.get('lr'), scores)} "
                              f"| {cells} |")
             lines.append("")
         lines += self._flag_lines()

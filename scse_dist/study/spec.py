@@ -7,6 +7,8 @@
     variants:                      # name -> the overrides that make it
       scse: {overrides: {model.recurrence: scse}}
       additive: {overrides: {model.recurrence: additive}}
+      scse-muon: {overrides: {train.optimizer: muon},
+                  lr: {key: train.muon_lr, values: [0.01, 0.02]}}  # its own rate and grid
     seeds: [0, 1, 2]
     axes:                          # multiplied out; `variants:` limits an axis to some variants
       model.residual: {values: [preln, deeploop], variants: [scse, additive]}
@@ -22,7 +24,9 @@
 A run is <study>/<variant>/<variant>-seed<k> (its name, <variant>-seed<k>, is in its results,
 logs and Slurm job name); with `lr`, stage 1 (sweep) runs <variant>/<variant>-lr<value>-seed<k>
 at `lr.seed`, scored on `lr.validation` (never a test set), and stage 2 (final) trains every
-seed at the variant's chosen rate (<study>/lr_choice.json).
+seed at the variant's chosen rate (<study>/lr_choice.json). A variant's `lr: {key, values}` sweeps
+another field (Muon's `train.muon_lr`) over its own grid; seed, steps and validation stay the
+study's.
 """
 
 from __future__ import annotations
@@ -70,6 +74,13 @@ class LrSweep:
 
 
 @dataclass
+class VariantRate:
+    """What a variant's sweep sets: `key` over `values` (None: the study's lr.values)."""
+    key: str = "train.lr"
+    values: Optional[list[float]] = None
+
+
+@dataclass
 class StudyEvals:
     tasks: list[str] = field(default_factory=lambda: ["heldout"])
     depths: list[int] = field(default_factory=lambda: [1, 2, 4])
@@ -97,6 +108,7 @@ class StudySpec:
     out: str = "studies"
     overrides: dict[str, Any] = field(default_factory=dict)
     lr: Optional[LrSweep] = None
+    rates: dict[str, VariantRate] = field(default_factory=dict)  # variant -> its own sweep
     pairs: list[tuple[str, str]] = field(default_factory=list)
     exclude_flagged: bool = False
     evals: StudyEvals = field(default_factory=StudyEvals)
@@ -111,6 +123,14 @@ class StudySpec:
     @property
     def study_dir(self) -> Path:
         return Path(self.out) / self.name
+
+    def rate_key(self, variant: str) -> str:
+        """The config field a variant's sweep chooses (train.lr unless the variant says)."""
+        return self.rates.get(variant, VariantRate()).key
+
+    def rate_values(self, variant: str) -> list[float]:
+        own = self.rates.get(variant, VariantRate()).values
+        return own if own is not None else self.lr.values
 
 
 @dataclass
@@ -165,6 +185,27 @@ def _check_report_metrics(metrics: Any) -> None:
                 close = difflib.get_close_matches(str(name), known[task], n=1)
                 hint = f"did you mean {close[0]!r}?" if close else f"{task} writes {', '.join(known[task])}"
                 raise SpecError(f"report.metrics.{task}: {name!r} is not a metric of {task} ({hint})")
+
+
+def _positive_rates(rates: Any, where: str) -> list[float]:
+    try:
+        rates = [float(r) for r in rates]  # YAML reads `3e-4` as a string
+    except (TypeError, ValueError):
+        raise SpecError(f"{where}: a non-empty list of learning rates, got {rates!r}") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise SpecError(f"{where}: a non-empty list of positive rates, got {rates!r}")
+    return rates
+
+
+def _variant_rate(body: Any, where: str) -> VariantRate:
+    if not isinstance(body, dict):
+        raise SpecError(f"{where}: expected {{key: train.<field>, values: [...]}}, got {body!r}")
+    _check_keys(body, {"key", "values"}, where)
+    key = body.get("key", "train.lr")
+    if not isinstance(key, str) or not key.startswith("train."):
+        raise SpecError(f"{where}.key: a train.* field such as train.muon_lr, got {key!r}")
+    values = _positive_rates(body["values"], f"{where}.values") if "values" in body else None
+    return VariantRate(key, values)
 
 
 def _section(values: dict, key: str, cls: type) -> Any:
@@ -222,13 +263,17 @@ def _parse(values: Any, file: str) -> StudySpec:
         raise SpecError(f"name: a non-empty study name without '/', got {name!r}")
     base = str(Path(file).parent / _need(values, "base", str, ""))
     variants: dict[str, dict] = {}
+    own_rates: dict[str, VariantRate] = {}
     for vname, body in _need(values, "variants", dict, "").items():
-        if not isinstance(body, dict) or set(body) - {"overrides"}:
-            raise SpecError(f"variants.{vname}: expected {{overrides: {{dotted.key: value}}}}")
+        if not isinstance(body, dict) or set(body) - {"overrides", "lr"}:
+            raise SpecError(f"variants.{vname}: expected {{overrides: {{dotted.key: value}}}} "
+                            "and optionally lr: {key: ..., values: [...]}")
         over = body.get("overrides") or {}
         if not isinstance(over, dict):
             raise SpecError(f"variants.{vname}.overrides: expected a mapping")
         variants[str(vname)] = over
+        if body.get("lr") is not None:
+            own_rates[str(vname)] = _variant_rate(body["lr"], f"variants.{vname}.lr")
     if not variants:
         raise SpecError("variants: name at least one variant")
     seeds = values.get("seeds", [0])
@@ -251,15 +296,12 @@ def _parse(values: Any, file: str) -> StudySpec:
     if values.get("lr") is not None:
         body = _need(values, "lr", dict, "")
         _check_keys(body, {"values", "validation", "seed", "steps"}, "lr")
-        rates = body.get("values")
-        try:
-            rates = [float(r) for r in rates]  # YAML reads `3e-4` as a string
-        except (TypeError, ValueError):
-            raise SpecError(f"lr.values: a non-empty list of learning rates, got {rates!r}") from None
-        if not rates or any(r <= 0 for r in rates):
-            raise SpecError(f"lr.values: a non-empty list of positive rates, got {rates!r}")
+        rates = _positive_rates(body.get("values"), "lr.values")
         validation = _need(body, "validation", str, "lr")
         lr = LrSweep(rates, validation, int(body.get("seed", 0)), int(body.get("steps", 0)))
+    if own_rates and lr is None:
+        raise SpecError(f"variants.{next(iter(own_rates))}.lr: needs the study's lr: section "
+                        "(validation, seed, steps)")
     pairs = values.get("pairs")
     if pairs is None:
         pairs = _default_pairs(expanded)
@@ -292,8 +334,9 @@ def _parse(values: Any, file: str) -> StudySpec:
     _check_report_metrics(report.get("metrics") or {})
     # `out:` is relative to the spec file, like `base:` (the default, ./studies, to the cwd)
     out = os.path.normpath(Path(file).parent / values["out"]) if "out" in values else "studies"
+    rates = {full: own_rates[vname] for full, (vname, _, _) in expanded.items() if vname in own_rates}
     spec = StudySpec(name=name, base=base, variants={k: v[2] for k, v in expanded.items()}, seeds=seeds,
-                     out=out, overrides=overrides, lr=lr,
+                     out=out, overrides=overrides, lr=lr, rates=rates,
                      pairs=[tuple(p) for p in pairs], exclude_flagged=exclude, evals=evals,
                      order=order, slurm=slurm, report=report, path=file)
     for run in expand(spec, chosen={v: 1e-3 for v in expanded}):  # every variant's config must load
@@ -332,8 +375,8 @@ def expand(spec: StudySpec, chosen: dict[str, float] | None = None,
     d = spec.study_dir
     if spec.lr and "sweep" in stages:
         for variant, over in spec.variants.items():
-            for rate in spec.lr.values:
-                extra = {"train.lr": rate, "train.seed": spec.lr.seed}
+            for rate in spec.rate_values(variant):
+                extra = {spec.rate_key(variant): rate, "train.seed": spec.lr.seed}
                 if spec.lr.steps:
                     extra["train.max_steps"] = spec.lr.steps
                 runs.append(Run(variant, spec.lr.seed, rate, "sweep",
@@ -345,7 +388,7 @@ def expand(spec: StudySpec, chosen: dict[str, float] | None = None,
             else [(v, s) for v in spec.variants for s in spec.seeds]
         for variant, seed in grid:
             rate = (chosen or {}).get(variant) if spec.lr else None
-            extra = {"train.seed": seed, **({"train.lr": rate} if rate is not None else {})}
+            extra = {"train.seed": seed, **({spec.rate_key(variant): rate} if rate is not None else {})}
             runs.append(Run(variant, seed, rate, "final", str(d / variant / f"{variant}-seed{seed}"),
                             {**spec.variants[variant], **extra}))
     return runs
