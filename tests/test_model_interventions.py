@@ -186,13 +186,14 @@ def test_residual_depth_sets_preln_init_too() -> None:
 @pytest.mark.parametrize("kw, want", [
     ({}, "core_norm"), ({"residual": "deepnorm"}, "core_norm"), ({"residual": "preln"}, "free"),
     ({"anchor": "source", "init_state": "zeros"}, "free"), ({"anchor": "zero", "init_state": "random", "inject": "add"}, "free"),
-    ({"recurrence": "additive"}, "free"), ({"recurrence": "looped"}, "free"),
-    ({"anchor_scale": "free"}, "free")])
+    ({"recurrence": "additive"}, "free"), ({"recurrence": "looped"}, "free")])
 def test_auto_anchor_scale_is_core_norm_where_it_applies(kw, want) -> None:
     from scse_dist.config import config_from_dict
     from scse_dist.model.config import resolved_anchor_scale
 
-    assert tiny().anchor_scale == "auto" and resolved_anchor_scale(tiny(**kw)) == want
+    assert tiny().anchor_scale == "free"  # the default: SCSE as it was
+    kw = {"anchor_scale": "auto", **kw}
+    assert resolved_anchor_scale(tiny(**kw)) == want
     # a run config names what ran: auto is written down resolved
     model = {"vocab_size": 64, "d_model": 32, "n_heads": 2, "max_seq_len": 32, **kw}
     run = config_from_dict({"model": model, "data": {"seq_len": 32}})
@@ -211,4 +212,4 @@ def test_a_saved_config_without_anchor_scale_ran_free(tmp_path) -> None:
     path.write_text(yaml.safe_dump({"model": {"vocab_size": 64, "d_model": 32, "n_heads": 2,
                                               "max_seq_len": 32}, "data": {"seq_len": 32}}))
     assert load_saved_config(path).model.anchor_scale == "free"
-    assert load_config(path).model.anchor_scale == "core_norm"  # a new run's config: the default
+    assert load_config(path).model.anchor_scale == "free"  # today's default too

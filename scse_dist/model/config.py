@@ -38,14 +38,14 @@ class ModelConfig:
     init_state: Literal["source", "zeros", "random"] = "source"
     zero_mask: bool = True
     forcing_bias_scale: float = 0.0
-    # Interventions against SCSE's loop collapse (issue 17; docs/loop-diagnostics.md). The anchor's
-    # scale is on by default since the 5-seed study; the others are off, which leaves the
-    # recurrence bit for bit as it was.
+    # Interventions against SCSE's loop collapse (issue 17; docs/loop-diagnostics.md). Each is off
+    # by default, which leaves the recurrence bit for bit as it was.
     # core_norm: h* = RMSNorm_core(a(s)), through the core's output norm (the last core block's
-    # norm2, shared weights), so the anchor's norm R tracks the core's output scale rho. auto (the
-    # default): core_norm where it applies (scse, a Post-LN residual, the learned anchor), else free;
-    # free is SCSE as it was before issue 17's study (docs/scse-robustness.md).
-    anchor_scale: Literal["auto", "free", "core_norm"] = "auto"
+    # norm2, shared weights), so the anchor's norm R tracks the core's output scale rho. auto:
+    # core_norm where it applies (scse, a Post-LN residual, the learned anchor), else free (what
+    # configs/gpt2-small-scse.yaml names; not the default: it collapses at lower rates than free
+    # on two of the three corpora measured, docs/scse-robustness.md).
+    anchor_scale: Literal["auto", "free", "core_norm"] = "free"
     # Weight of a loss term that keeps the loop moving (computed in LoopCore, no extra core
     # call): mean hinge (floor - |D_T|/|D_0|)_+ plus the late motion |D_T - D_{T-1}| / |D_T|.
     loop_stability: float = 0.0
