@@ -17,7 +17,8 @@ import yaml
 
 # The model package owns its config (it is copied into exports as remote code); re-exported here.
 # check_model_config is the full check (the fields, then the recurrence's own: transitions.py).
-from scse_dist.model.config import ConfigError, ModelConfig, resolved_anchor_scale  # noqa: F401
+from scse_dist.model.config import (  # noqa: F401
+    VALUE_BEFORE_FIELD, ConfigError, ModelConfig, resolved_anchor_scale)
 from scse_dist.model.transitions import check_model_config  # noqa: F401
 from scse_dist.task_registry import TASKS, field_value, unknown_task
 # The typed-YAML machinery; apply_overrides and deep_merge are part of this module's interface.
@@ -364,7 +365,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 # A saved run config (a checkpoint's or an export's) written before a field existed ran with the
 # behaviour that field's default had then, not with today's default.
-SAVED_BEFORE = {"model": {"anchor_scale": "free"}}
+SAVED_BEFORE = {"model": VALUE_BEFORE_FIELD}
 
 
 def load_saved_config(path: str | Path) -> RunConfig:

@@ -9,7 +9,7 @@ import dataclasses
 
 from transformers import PretrainedConfig
 
-from .config import ModelConfig
+from .config import VALUE_BEFORE_FIELD, ModelConfig
 from .transitions import check_model_config
 
 # transformers 4.57 copies only the modules this file imports itself; transitions.py reaches
@@ -19,9 +19,9 @@ from .kv_cache import KVCache  # noqa: F401
 from .blocks import Block  # noqa: F401
 from .recurrence import LoopCore  # noqa: F401
 
-MODEL_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-# An export's config.json names every field; one written before anchor_scale existed ran free.
-MODEL_FIELDS["anchor_scale"] = "free"
+# An export's config.json names every field; one written before a field existed ran with the
+# value that field had then (VALUE_BEFORE_FIELD), like a saved run config.
+MODEL_FIELDS = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)}, **VALUE_BEFORE_FIELD}
 
 
 class ScseConfig(PretrainedConfig):

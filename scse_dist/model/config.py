@@ -89,6 +89,12 @@ def check_model_fields(m: ModelConfig) -> None:
     _check_interventions(m)
 
 
+# A model config saved before a field existed (a run's config.yaml, an export's config.json) ran
+# with the behaviour that field's default had then, not with today's: read by
+# scse_dist.config.load_saved_config and by the HF config (remote code) alike.
+VALUE_BEFORE_FIELD = {"anchor_scale": "free"}
+
+
 def resolved_anchor_scale(m: ModelConfig) -> str:
     """"free" or "core_norm": what anchor_scale "auto" means for this model."""
     if m.anchor_scale != "auto":
