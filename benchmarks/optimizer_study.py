@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from scse_dist.config import load_saved_config
 from scse_dist.study.stats import t_interval
 
 
@@ -55,19 +56,25 @@ def steps_to_reach(curve: dict[int, float], target: float) -> float | None:
     prev = None
     for step, loss in sorted(curve.items()):
         if loss <= target:
-            if prev is None or prev[1] == loss:
+            if prev is None:
                 return float(step)
-            (s0, l0) = prev
+            s0, l0 = prev  # l0 > target >= loss
             return s0 + (step - s0) * (l0 - target) / (l0 - loss)
         prev = (step, loss)
     return None
 
 
-def interval_cells(values: list[float]) -> str:
+def interval(values: list[float]) -> dict:
     iv = t_interval(values)
-    if iv.low is None:
-        return f"{iv.mean:.4g}"
-    return f"{iv.mean:.4g} [{iv.low:.4g}, {iv.high:.4g}]"
+    return {"mean": iv.mean, "low": iv.low, "high": iv.high}
+
+
+def interval_cell(iv: dict | None) -> str:
+    if iv is None:
+        return "n/a"
+    if iv["low"] is None:
+        return f"{iv['mean']:.4g}"
+    return f"{iv['mean']:.4g} [{iv['low']:.4g}, {iv['high']:.4g}]"
 
 
 def compare(runs: dict, candidate: str, baseline: str, tokens_per_step: dict) -> dict:
@@ -89,12 +96,10 @@ def compare(runs: dict, candidate: str, baseline: str, tokens_per_step: dict) ->
     summary = {"candidate": candidate, "baseline": baseline, "seeds": per_seed,
                "all_reached": len(reached) == len(per_seed)}
     if per_seed and summary["all_reached"]:
-        iv = t_interval(reached)
-        summary["tokens_saved"] = {"mean": iv.mean, "low": iv.low, "high": iv.high}
+        summary["tokens_saved"] = interval(reached)
         summary["token_ratio"] = [r["candidate_tokens_to_reach"] / r["baseline_tokens"] for r in per_seed]
     if per_seed:
-        iv = t_interval(diffs)
-        summary["final_loss_difference"] = {"mean": iv.mean, "low": iv.low, "high": iv.high}
+        summary["final_loss_difference"] = interval(diffs)
     return summary
 
 
@@ -124,10 +129,9 @@ def main() -> int:
         if not (run_dir / "checkpoints").is_dir():
             print(f"optimizer_study: {run_dir} has no checkpoints; skipped", file=sys.stderr)
             continue
-        cfg = yaml.safe_load(Path(record["config"]).read_text())
-        tokens_per_step[record["variant"]] = (cfg["train"]["micro_batch_size"]
-                                              * cfg["train"].get("grad_accum_steps", 1)
-                                              * cfg["data"]["seq_len"])
+        cfg = load_saved_config(record["config"])  # one rank per run (a CPU study)
+        tokens_per_step[record["variant"]] = (cfg.train.micro_batch_size * cfg.train.grad_accum_steps
+                                              * cfg.data.seq_len)
         curve = validation_curve(run_dir, validation, args.max_batches)
         runs.setdefault(record["variant"], {})[record["seed"]] = curve
         print(f"{run_dir.name}: " + " ".join(f"{s}:{v:.3f}" for s, v in sorted(curve.items())),
@@ -135,7 +139,8 @@ def main() -> int:
     if args.pairs:
         pairs = [tuple(x.split(":")) for x in args.pairs.split(",")]
     else:
-        pairs = [(v, v[: -len("_muon")]) for v in runs if v.endswith("_muon") and v[:-5] in runs]
+        pairs = [(v, v.removesuffix("_muon")) for v in runs
+                 if v.endswith("_muon") and v.removesuffix("_muon") in runs]
     summaries = [compare(runs, c, b, tokens_per_step) for c, b in pairs]
     print("\n| candidate | baseline | seeds | baseline final loss | candidate final loss | "
           "tokens to reach (share of baseline's) | tokens saved, mean [95%] | final loss diff [95%] |")
@@ -145,12 +150,11 @@ def main() -> int:
         reach = ", ".join("not reached" if r["candidate_tokens_to_reach"] is None else
                           f"{r['candidate_tokens_to_reach']:,.0f} ({r['candidate_tokens_to_reach'] / r['baseline_tokens']:.2f})"
                           for r in rows)
-        saved = interval_cells([r["tokens_saved"] for r in rows]) if s["all_reached"] else "n/a"
         base_final = ", ".join(f"{r['baseline_final_loss']:.3f}" for r in rows)
         cand_final = ", ".join(f"{r['candidate_final_loss']:.3f}" for r in rows)
         print(f"| {s['candidate']} | {s['baseline']} | {len(rows)} | {base_final} | {cand_final} | "
-              f"{reach} | {saved} | "
-              f"{interval_cells([r['candidate_final_loss'] - r['baseline_final_loss'] for r in rows])} |")
+              f"{reach} | {interval_cell(s.get('tokens_saved'))} | "
+              f"{interval_cell(s.get('final_loss_difference'))} |")
     (study / "optimizer_study.json").write_text(json.dumps(
         {"validation": validation, "curves": {v: {str(s): c for s, c in by.items()} for v, by in runs.items()},
          "comparisons": summaries}, indent=1) + "\n")
