@@ -66,6 +66,23 @@ class DepthSamplingConfig:
 
 
 @dataclass
+class CallbackSpec:
+    """One entry of train.callbacks: a trainer callback of the user's own (docs/training.md)."""
+
+    # "package.module:Class", a subclass of scse_dist.train.callbacks.Callback; imported when
+    # training starts (scse-train: before torch), not when a config is read.
+    class_path: str
+    # Its place in the hook order (higher first; the built-ins are 500 to -400); null: the
+    # class's own `priority` (Callback's default 0: after the rows, before the checkpoint).
+    priority: Optional[int] = None
+    # The fields of the class's `Config` dataclass, checked against it when it is imported.
+    init_args: dict[str, Any] = field(default_factory=dict)
+
+
+CALLBACK_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+@dataclass
 class TrainConfig:
     # Sequences per rank per micro-batch, or auto: the largest power of two dividing
     # global_batch_size / world size that fits in memory, found by probing at start-up
@@ -132,8 +149,15 @@ class TrainConfig:
     # are moved aside (run_dir/old-<time>/checkpoints). For one command line: a requeue with it
     # still set goes back to step-N again.
     resume_from: Optional[str] = None
+    # Callbacks of the user's own beside the built-in ones (CallbackSpec; docs/training.md,
+    # "Callbacks"); [] in every shipped config.
+    callbacks: list[CallbackSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        for i, spec in enumerate(self.callbacks):
+            if not CALLBACK_PATH.fullmatch(spec.class_path):
+                raise ConfigError(f"train.callbacks[{i}].class_path: expected 'package.module:Class'"
+                                  f", got {spec.class_path!r}")
         if self.resume_from is None:
             return
         if not re.fullmatch(r"step-\d+", self.resume_from):

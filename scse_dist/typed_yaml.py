@@ -29,6 +29,8 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
+    if tp is Any:  # checked later by whoever reads it (train.callbacks' init_args: the callback)
+        return value
     tp, optional = _unwrap_optional(tp)
     if value is None:
         if optional:

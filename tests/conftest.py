@@ -266,3 +266,64 @@ def tiny_cfg(**model):
     cfg = config_from_dict({"name": "tiny", "model": {**tiny, **model}, "data": {"seq_len": 16}})
     torch.manual_seed(0)
     return cfg
+
+
+class ModelOnlyEngine:
+    """What the trainer's callbacks read of a DeepSpeed engine (its module, device and ZeRO
+    stage), around a real model, with no DeepSpeed and no process group."""
+
+    def __init__(self, module, zero_stage: int = 0):
+        import torch
+
+        self.module, self.device, self._stage = module, torch.device("cpu"), zero_stage
+
+    def zero_optimization_stage(self) -> int:
+        return self._stage
+
+
+@pytest.fixture
+def train_state(tiny_config, tiny_data, tmp_path):
+    """Factory: train_state('a.b=c', ...) -> a TrainState of the tiny config (overrides applied)
+    at step 0, as train() hands it to the callbacks: the real model (in a ModelOnlyEngine),
+    training stream, tokenizer and rank-0 MetricsLogger (metrics.jsonl in state.run_dir), one
+    rank. A callback test sets state.step and state.result and calls the hooks itself, with no
+    training run."""
+    from scse_dist.checkpoint.storage import RunStorage
+    from scse_dist.config import load_config
+    from scse_dist.data.stream import TokenStream
+    from scse_dist.data.tokenizer import Tokenizer
+    from scse_dist.distributed import DistEnv
+    from scse_dist.model import LoopedLM
+    from scse_dist.train.callbacks.base import TrainState
+    from scse_dist.train.faults import FaultInjector
+    from scse_dist.train.metrics import MetricsLogger
+
+    loggers = []
+
+    def make(*overrides: str) -> TrainState:
+        cfg = load_config(tiny_config(tmp_path, *overrides))
+        storage = RunStorage.for_config(cfg)
+        storage.local.mkdir(parents=True, exist_ok=True)
+        tokenizer = Tokenizer.load(cfg.data.tokenizer)
+        stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, 0, 1,
+                                         cfg.train.seed, tokenizer.sha256)
+        logger = MetricsLogger(str(storage.local), True, cfg.wandb, cfg.name, {})
+        loggers.append(logger)
+        return TrainState(cfg=cfg, env=DistEnv(0, 1, 0, "127.0.0.1", 0, "none"),
+                          run_dir=storage.local, storage=storage,
+                          engine=ModelOnlyEngine(LoopedLM(cfg.model), cfg.train.zero_stage),
+                          stream=stream, tokenizer=tokenizer, logger=logger,
+                          faults=FaultInjector(0, ""), start_step=0)
+
+    yield make
+    for logger in loggers:
+        logger.close()
+
+
+def step_result(loss: float = 2.0, skipped: bool = False, stop: bool = False, depth: int = 2):
+    """A StepResult as train_step returns it (one micro-batch)."""
+    import torch
+
+    from scse_dist.train.step import StepResult
+
+    return StepResult(torch.tensor(loss), 1, skipped, stop, depth)

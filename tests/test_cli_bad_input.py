@@ -86,6 +86,13 @@ CASES = {
          "tokenizer {d}/binary.txt: not a sentencepiece model"),
         ("--config {config} data.tokenizer={other}", BAD_INPUT,
          "{shards}/index.json: the shards were written with another tokenizer"),
+        # a callback of the user's own: imported before torch, named in one line ({{ }}: braces)
+        ('--config {config} train.callbacks=[{{"class_path":"no_such_mod:Cb"}}]', BAD_CONFIG,
+         "train.callbacks[0].class_path: 'no_such_mod:Cb': cannot import no_such_mod (No module "
+         "named 'no_such_mod')"),
+        ('--config {config} train.callbacks=[{{"class_path":"json:JSONDecoder"}}]', BAD_CONFIG,
+         "train.callbacks[0].class_path: 'json:JSONDecoder' is not a subclass of "
+         "scse_dist.train.callbacks.Callback"),
     ],
     "launch/train.py": [
         ("--config {d}/bad.yaml", BAD_CONFIG, "{d}/bad.yaml:2: not valid YAML"),

@@ -11,6 +11,7 @@ from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
 from scse_dist.train.diagnostics import (GRAD_GROUPS, DiagnosticsCallback, grad_group,
                                          gradient_shares, loop_diagnostics)
+from scse_dist.train.metrics import format_line
 
 
 def tiny(**kw) -> ModelConfig:
@@ -70,13 +71,42 @@ def test_values_agree_with_the_model_forward() -> None:
     assert diag["diag/loop_gain"] == diag["diag/loss_t1"] - diag["diag/loss_tT"]
 
 
-def test_other_recurrences_measure_from_the_source() -> None:
-    diag = loop_diagnostics(model_of(recurrence="looped"), WINDOW, depth=3)
-    # looped starts at H0 = s, the reference point: D_0 = 0, then the loop moves off it
+AGAINST_D0 = {"diag/D_ratio_t0", "diag/D_kept", "diag/cos_D0_anchor"}
+
+
+@pytest.mark.parametrize("recurrence", ["looped", "additive"])
+def test_other_recurrences_measure_from_the_source(recurrence) -> None:
+    diag = loop_diagnostics(model_of(recurrence=recurrence), WINDOW, depth=3)
+    # they start at H0 = s, the reference point: D_0 = 0, then the loop moves off it
     assert diag["diag/D_norm_t0"] == 0.0 and diag["diag/D_norm_t1"] > 0
-    assert diag["diag/D_ratio_t0"] == math.inf
+    # what is measured against D_0 would be inf, inf and 0 by construction: not logged
+    assert AGAINST_D0.isdisjoint(diag) and "diag/D_ratio_t1" in diag
     assert diag["diag/anchor_norm"] == diag["diag/source_norm"]
+    assert "D_T/D_0" not in format_line({"step": 5, **diag})
+    # from zeros D_0 = -s: defined, and logged
+    zeros = loop_diagnostics(model_of(recurrence=recurrence, init_state="zeros", inject="add"),
+                             WINDOW, depth=3)
+    assert AGAINST_D0 <= set(zeros) and math.isfinite(zeros["diag/D_kept"])
     assert loop_diagnostics(model_of(recurrence="untied"), WINDOW, depth=3) == {}
+
+
+@pytest.mark.parametrize("fields, starts", [
+    (dict(recurrence="looped"), True), (dict(recurrence="additive"), True),
+    (dict(recurrence="looped", init_state="random", inject="add"), False),
+    (dict(recurrence="scse"), False),  # learned anchor, source start
+    (dict(recurrence="scse", anchor="source", forcing_bias_scale=0.5, zero_mask=False), True),
+    (dict(recurrence="scse", anchor="zero", init_state="zeros", inject="add",
+          forcing_bias_scale=0.5, zero_mask=False), True),
+])
+def test_the_transition_says_whether_the_loop_starts_at_its_anchor(fields, starts) -> None:
+    from scse_dist.model.transitions import check_model_config
+
+    assert check_model_config(tiny(**fields)).starts_at_anchor is starts
+    diag = loop_diagnostics(model_of(**fields), WINDOW, depth=3)
+    assert AGAINST_D0.isdisjoint(diag) if starts else AGAINST_D0 <= set(diag)
+    # an SCSE start that happens to sit at the anchor is measured: 0/0 reads 0, not undefined
+    if not starts and fields["recurrence"] == "scse":
+        assert math.isfinite(diag["diag/D_kept"])
 
 
 def test_preln_has_no_core_scale() -> None:

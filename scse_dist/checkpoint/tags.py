@@ -1,7 +1,8 @@
 """Checkpoints: DeepSpeed save/resume under run_dir/checkpoints, retention, and the final export.
 
 A checkpoint is a DeepSpeed tag `step-{N:07d}` whose client_state carries what DeepSpeed does not
-save itself: the step, every rank's data-stream position and RNG states, and the resolved config.
+save itself: the step, every rank's data-stream position and RNG states, the resolved config, and
+the trainer callbacks' states (rank 0's, scse_dist.train.callbacks.base).
 
 Saving is atomic: every rank writes tag `.tmp-step-N`; after a barrier (all ranks done) rank 0
 renames it to `step-N` and then replaces `latest` (written to a temporary file, then renamed).
@@ -66,9 +67,20 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
+def _from_rank0(obj: Any) -> Any:
+    # ZeRO-3 writes client_state on every rank: each must hold the same callback states.
+    if not dist.is_initialized():
+        return obj
+    out = [obj]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
 def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cfg: RunConfig,
-                    faults: Any = None, storage: Any = None) -> str:
+                    faults: Any = None, storage: Any = None,
+                    callback_states: Optional[dict[str, Any]] = None) -> str:
     """Save tag step-{step} atomically (all ranks call this), then prune to keep_checkpoints.
+    `callback_states` ({key: state_dict}) are rank 0's, saved for every rank.
 
     With a remote `storage` (checkpoint.storage.RunStorage), the previous save's upload finishes first;
     after the local commit every node uploads its shards in the background and rank 0 publishes
@@ -76,7 +88,8 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
     if storage is not None:
         storage.wait()  # one upload in flight at most: the previous save's finishes first
     per_rank = _gather({"data": stream.state_dict(), "rng": _rng_state()})
-    client_state = {"step": step, "ranks": per_rank, "config": config_to_dict(cfg)}
+    client_state = {"step": step, "ranks": per_rank, "config": config_to_dict(cfg),
+                    "callbacks": _from_rank0(callback_states or {})}
     root = checkpoint_dir(run_dir)
     tag = tag_for(step)
     tmp = root / f"{TMP_PREFIX}{tag}"
@@ -155,12 +168,14 @@ def prune_checkpoints(run_dir: str | Path, keep: int, protect: set[str] = frozen
     return old
 
 
-def resume_if_present(engine: Any, run_dir: str | Path, stream: Any, named: Optional[str]) -> int:
+def resume_if_present(engine: Any, run_dir: str | Path, stream: Any, named: Optional[str]
+                      ) -> tuple[int, dict[str, Any]]:
     """Load checkpoint tag `named` (verified and agreed by resume.plan_resume; None: none) and
-    return the step to continue from (0 if none)."""
+    return the step to continue from (0 if none) and the callbacks' saved states ({} if none;
+    a tag saved before callbacks had states holds none)."""
     root = checkpoint_dir(run_dir)
     if named is None:
-        return 0
+        return 0, {}
     world = dist.get_world_size() if dist.is_initialized() else 1
     meta = root / named / META_NAME
     saved_world = json.loads(meta.read_text())["world_size"] if meta.is_file() else world
@@ -184,7 +199,7 @@ def resume_if_present(engine: Any, run_dir: str | Path, stream: Any, named: Opti
               "and LR schedule continue; the data position is exact, see docs/data.md)", flush=True)
     if is_rank0():
         print(f"resumed {path} at step {step} (data stream and RNG restored)", flush=True)
-    return step
+    return step, dict(client_state.get("callbacks") or {})
 
 
 def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,

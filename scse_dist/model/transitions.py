@@ -92,6 +92,13 @@ class Transition:
         """Whether LoopCore holds an anchor map a(s) (a d x d linear)."""
         return False
 
+    @property
+    def starts_at_anchor(self) -> bool:
+        """Whether D_0 = h_0 - anchor is zero at every token by construction (here: the source
+        start, the anchor being the source), so that what is measured against D_0 (|D_T|/|D_0|,
+        cos(D_0, h*)) is undefined rather than a number the loop produced."""
+        return self.cfg.init_state == "source"
+
     def own_flops(self) -> float:
         """Forward FLOPs per token outside Phi: the learned anchor's matmul, once."""
         return 2.0 * self.cfg.d_model ** 2 if self.learned_anchor else 0.0
@@ -179,6 +186,10 @@ class Scse(Transition):
     @property
     def learned_anchor(self) -> bool:
         return self.cfg.anchor == "learned"
+
+    @property
+    def starts_at_anchor(self) -> bool:  # only with forcing_bias_scale > 0 (check refuses it at 0)
+        return (self.cfg.anchor, self.cfg.init_state) in {("source", "source"), ("zero", "zeros")}
 
     def input_enters(self) -> bool:
         return super().input_enters() or self.cfg.anchor != "zero"

@@ -76,6 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from scse_dist.data.preflight import check_run_data
 
     check_run_data(cfg, args.config, args.overrides)  # bad data: one line before torch is imported
+    from scse_dist.train.callbacks.assembly import check_callbacks
+
+    check_callbacks(cfg.train.callbacks)  # imports their modules (torch only if they do)
     from scse_dist.distributed import resolve_dist_env  # imports torch: after the checks
 
     cfg.train.grad_accum_for(resolve_dist_env(os.environ).world_size)

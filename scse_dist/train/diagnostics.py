@@ -21,11 +21,16 @@ import torch.nn.functional as F
 from scse_dist.model.loss import chunked_cross_entropy
 
 PREFIX = "diag/"
+# Measured against D_0: inf, inf and 0 by construction, not by the loop, when D_0 = 0 at every
+# token (Transition.starts_at_anchor: looped and additive from the source), so not logged then.
+AGAINST_D0 = ("D_ratio_t0", "D_kept", "cos_D0_anchor")
 GRAD_GROUPS = ("anchor", "core", "prelude", "coda", "embed")
 KEYS_DOC = """\
 diag/D_norm_t{t}       |D_t|, t = 0..max_depth; D = h - h* (scse) or h - s (looped, additive)
 diag/D_ratio_t{t}      |D_{t+1}| / |D_t| (0 when both are 0, inf when only |D_t| is)
 diag/D_kept            |D_T| / |D_0| at the training depth T (what the loop kept of D_0)
+                       (D_kept, D_ratio_t0, cos_D0_anchor: not logged for a recurrence that
+                       starts at its anchor, D_0 = 0 by construction: Transition.starts_at_anchor)
 diag/anchor_norm       R = |h*| (the source s for looped/additive)
 diag/core_scale        rho = ||g||_2 = RMS(g) * sqrt(d), g the core's output norm gain
                        (post-LN only: the last core block's norm2; absent under preln)
@@ -115,7 +120,8 @@ def loop_diagnostics(model: torch.nn.Module, window: torch.Tensor, depth: int,
     losses = {t: float(chunked_cross_entropy(model.head_input(states[t], rope), model.head_weight,
                                              targets)) for t in (1, depth)}
     out.update(loss_t1=losses[1], loss_tT=losses[depth], loop_gain=losses[1] - losses[depth])
-    return {PREFIX + k: v for k, v in out.items()}
+    undefined = AGAINST_D0 if model.core.transition.starts_at_anchor else ()
+    return {PREFIX + k: v for k, v in out.items() if k not in undefined}
 
 
 def grad_group(name: str) -> str:
@@ -214,11 +220,12 @@ def heldout_window(cfg: Any) -> Optional[torch.Tensor]:
 def diagnostics_for(cfg: Any, zero_stage: int, rank0: bool) -> DiagnosticsCallback:
     """The trainer's DiagnosticsCallback for a RunConfig: every train.diagnostics_every steps
     (null: log_every), T = model.depth, up to the largest trained depth. Off for untied."""
+    from scse_dist.model.transitions import transition_for
     from scse_dist.train.depth import largest_trained_depth
 
     t, m = cfg.train, cfg.model
     every = t.log_every if t.diagnostics_every is None else t.diagnostics_every
-    if m.recurrence == "untied":
+    if transition_for(m).fixed_depth is not None:  # no loop to diagnose (untied)
         every = 0
     window = heldout_window(cfg) if rank0 and every > 0 and zero_stage < 3 else None
     return DiagnosticsCallback(every, window, m.depth, largest_trained_depth(t.depth, m.depth),

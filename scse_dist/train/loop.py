@@ -2,7 +2,9 @@
 
 train() sets up (process group, run dir, data, model, engine, resume) into a TrainState, runs the
 steps, and hands every concern to a callback (scse_dist.train.callbacks): metrics, held-out
-evaluation, samples, checkpoints, preemption, non-finite steps, export, evaluation after training.
+evaluation, samples, checkpoints, preemption, non-finite steps, export, evaluation after training,
+and those of train.callbacks and train(cfg, callbacks=[...]), all in priority order
+(callbacks.base), their states restored from the checkpoint it resumes.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import dataclasses
 import os
 import random
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -24,6 +26,8 @@ from scse_dist.distributed import (abandon, barrier, describe_placement, init_di
                                    shutdown)
 from scse_dist.threads import configure_threads
 from scse_dist.train.callbacks.after_training import AfterTrainingEval
+from scse_dist.train.callbacks.assembly import (configured_callbacks, in_hook_order,
+                                              restore_states)
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.callbacks.checkpointing import CheckpointCallback
 from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
@@ -58,44 +62,53 @@ def with_world_batch(cfg: RunConfig, world_size: int) -> RunConfig:
 
 
 def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Callback]:
-    """In hook order: the non-finite count before the row that logs it, rows before the
-    checkpoint of the same step, the final checkpoint before the export, the export before its
-    evaluation."""
+    """The built-in callbacks of `cfg`, in their hook order (their priorities: callbacks.base)."""
     optional = [HeldoutEvalCallback(cfg.eval.every_steps)] if cfg.eval.every_steps else []
     optional += [SampleCallback(cfg.eval.sample_every)] if cfg.eval.sample_every else []
-    # Loop diagnostics before the row they join (state.metrics_extra).
     return [NonFiniteCallback(cfg.train.max_nonfinite_steps), LoopDiagnosticsCallback(),
             MetricsCallback(), *optional,
             CheckpointCallback(), preemption, ExportCallback(), AfterTrainingEval()]
 
 
-def train(cfg: RunConfig) -> dict[str, Any]:
-    """Train `cfg` on every rank of the launcher's world; return a summary (complete on rank 0)."""
+def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
+    """Train `cfg` on every rank of the launcher's world; return a summary (complete on rank 0).
+    `callbacks` run beside the built-in ones and train.callbacks' (new instances per call: they
+    hold the run's state)."""
+    configured = configured_callbacks(cfg.train.callbacks)  # a bad entry: before anything starts
     preemption = PreemptionCallback()  # first: a signal during start-up is honoured at step 1
     state = None
     try:
         try:
-            state = _start(cfg)
+            state, saved_states = _start(cfg)
         except BaseException:  # a refused config or bad data: nothing to save, nothing to wait for
             abandon()
             raise
-        callbacks = default_callbacks(state.cfg, preemption)
+        state.callbacks = in_hook_order([*default_callbacks(state.cfg, preemption), *configured,
+                                         *callbacks])
+        _restore_states(state, saved_states)
         try:
-            _run(state, callbacks, preemption)
+            _run(state, state.callbacks, preemption)
         except TrainingStopped:  # agreed by every rank: an orderly end, then the exit status
-            _teardown(state, callbacks)
+            _teardown(state, state.callbacks)
             raise
     finally:
         preemption.release(state)
-    _teardown(state, callbacks)
+    _teardown(state, state.callbacks)
     state.summary.update(first_loss=state.first_loss, final_loss=state.last_loss,
                          preempted=state.stop_reason)
     if state.stop_reason is not None:
         return {**state.summary, "steps": state.last_saved}
-    for callback in callbacks:
+    for callback in state.callbacks:
         callback.after_shutdown(state)
     _publish_outputs(state)
     return state.summary
+
+
+def _restore_states(state: TrainState, saved: dict[str, Any]) -> None:
+    left = restore_states(state.callbacks, saved)
+    if left and state.rank0:
+        print(f"resumed checkpoint holds the state of callbacks this run does not have, left "
+              f"unused: {', '.join(left)}", flush=True)
 
 
 def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCallback) -> None:
@@ -139,8 +152,9 @@ def _teardown(state: TrainState, callbacks: list[Callback]) -> None:
     shutdown(state.engine)
 
 
-def _start(cfg: RunConfig) -> TrainState:
-    """Process group, run dir, data, model, engine and the resumed step, as a TrainState."""
+def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
+    """Process group, run dir, data, model, engine and the resumed step, as a TrainState, and the
+    callbacks' states the resumed checkpoint saved ({} for a fresh start)."""
     from scse_dist.data.preflight import load_run_tokenizer
     from scse_dist.data.stream import TokenStream
     from scse_dist.model import LoopedLM
@@ -168,7 +182,7 @@ def _start(cfg: RunConfig) -> TrainState:
     stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
                                      env.world_size, cfg.train.seed, tokenizer.sha256)
     engine, ds_config = build_engine(cfg, model)
-    start_step = resume_if_present(engine, run_dir, stream, resume_tag)
+    start_step, callback_states = resume_if_present(engine, run_dir, stream, resume_tag)
     _check_resumed_step(start_step, cfg, run_dir)
     if env.rank == 0:  # rows a dead run wrote past the resumed step would come twice
         cut_metrics(run_dir / "metrics.jsonl", start_step)
@@ -185,7 +199,7 @@ def _start(cfg: RunConfig) -> TrainState:
               f"({env.launcher}), ZeRO-{ds_config['zero_optimization']['stage']}, "
               f"{'bf16' if ds_config['bf16']['enabled'] else 'fp32'}, "
               f"steps {start_step}..{cfg.train.max_steps}", flush=True)
-    return state
+    return state, callback_states
 
 
 def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:

@@ -8,6 +8,8 @@ from scse_dist.checkpoint.tags import tag_for
 
 
 class AfterTrainingEval(Callback):
+    priority = -400
+
     def after_shutdown(self, state: TrainState) -> None:
         if not (state.rank0 and state.cfg.eval.after_train):
             return

@@ -17,15 +17,46 @@ callback in its list order:
                              no peer should wait on (evaluation of the export, uploads)
 
 A hook that raises ends the run; hooks that run collectives must do so on every rank alike.
+
+Order: within each hook, callbacks run by `priority`, highest first (ties: the built-ins, then
+train.callbacks in its order, then `train(cfg, callbacks=[...])` in theirs). The built-ins:
+
+    500 NonFiniteCallback        the skipped-step count, before the row that logs it
+    400 LoopDiagnosticsCallback  diag/ entries, before the row they join (state.metrics_extra)
+    300 MetricsCallback          the training row
+    200 HeldoutEvalCallback      (eval.every_steps)
+    100 SampleCallback           (eval.sample_every)
+      0 (a callback's default)   after the rows, before the checkpoint that saves its state
+   -100 CheckpointCallback       rows and states of a step before its checkpoint
+   -200 PreemptionCallback
+   -300 ExportCallback           after the final checkpoint
+   -400 AfterTrainingEval        after the export
+
+State: `state_dict()` is saved with every checkpoint (all callbacks' in the tag's client state,
+rank 0's), and `load_state_dict()` gets it back before `on_start` on every rank of a resume, at
+any world size. A callback ordered after CheckpointCallback has its state saved before its own
+`on_step_end` of that step ran.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from scse_dist.config import RunConfig
+
+if TYPE_CHECKING:  # annotations only: this module stays free of torch (config checks import it)
+    from deepspeed import DeepSpeedEngine
+
+    from scse_dist.checkpoint.storage import RunStorage
+    from scse_dist.data.mixture import MixedStream
+    from scse_dist.data.stream import TokenStream
+    from scse_dist.data.tokenizer import Tokenizer
+    from scse_dist.distributed import DistEnv
+    from scse_dist.train.faults import FaultInjector
+    from scse_dist.train.metrics import MetricsLogger
+    from scse_dist.train.step import StepResult
 
 
 @dataclass
@@ -34,17 +65,17 @@ class TrainState:
     write the fields marked so."""
 
     cfg: RunConfig
-    env: Any  # scse_dist.distributed.DistEnv
+    env: DistEnv
     run_dir: Path
-    storage: Any  # scse_dist.checkpoint.storage.RunStorage
-    engine: Any  # the DeepSpeed engine; engine.module is the LoopedLM
-    stream: Any  # the training TokenStream
-    tokenizer: Any
-    logger: Any  # scse_dist.train.metrics.MetricsLogger (a no-op off rank 0)
-    faults: Any  # scse_dist.train.faults.FaultInjector
+    storage: RunStorage
+    engine: DeepSpeedEngine  # engine.module is the LoopedLM
+    stream: TokenStream | MixedStream  # the training stream (a mixture: data.mixture_paths)
+    tokenizer: Tokenizer
+    logger: MetricsLogger  # a no-op off rank 0
+    faults: FaultInjector
     start_step: int
     step: int = 0  # optimizer steps done
-    result: Any = None  # the last step's StepResult
+    _result: Optional[StepResult] = field(default=None, repr=False)  # see `result`
     lr: float = 0.0  # the lr the last step used
     step_seconds: float = 0.0  # wall time of the last optimizer step (its data included)
     last_saved: int = -1  # step of the newest checkpoint of this run (-1: none yet)
@@ -56,6 +87,19 @@ class TrainState:
     # in a row of their own on a step it does not log) and then clears: loop diagnostics.
     metrics_extra: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)  # returned by train(); hooks add to it
+    # The run's callbacks in hook order (set by train(); a checkpoint saves their states).
+    callbacks: list[Callback] = field(default_factory=list)
+
+    @property
+    def result(self) -> StepResult:
+        """The last step's StepResult: set before every on_step_end (RuntimeError before)."""
+        if self._result is None:
+            raise RuntimeError("TrainState.result: no step has run yet")
+        return self._result
+
+    @result.setter
+    def result(self, value: StepResult) -> None:
+        self._result = value
 
     @property
     def rank0(self) -> bool:
@@ -68,11 +112,34 @@ class TrainState:
     @property
     def tokens_per_step(self) -> int:
         t = self.cfg.train
-        return self.env.world_size * t.micro_batch_size * t.grad_accum_steps * self.cfg.data.seq_len
+        micro_batch = int(t.micro_batch_size)  # resolved at start-up: never "auto" here
+        return self.env.world_size * micro_batch * t.grad_accum_steps * self.cfg.data.seq_len
 
 
 class Callback:
-    """Base class: every hook does nothing. Subclass and override the hooks a concern needs."""
+    """Base class: every hook does nothing and there is no state. Subclass and override the hooks
+    a concern needs.
+
+    A callback named in train.callbacks (`{class_path: "pkg.mod:Class", priority: ..., init_args:
+    {...}}`) is built as `Class(Class.Config(**init_args))` when it declares a `Config` dataclass
+    (its fields checked like any config field), else as `Class()` (init_args must then be empty).
+    """
+
+    priority: int = 0  # hook order: higher first (module docstring); an entry sets its own
+    Config: ClassVar[Optional[type]] = None  # the dataclass of its train.callbacks init_args
+
+    @property
+    def state_key(self) -> str:
+        """Where its state lives in a checkpoint: `module:Class` (train() numbers repeats)."""
+        return f"{type(self).__module__}:{type(self).__qualname__}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs to carry on: plain values (numbers, strings, lists, dicts), the same
+        on every rank (rank 0's is the one saved)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The state_dict() a checkpoint saved, before on_start of the resumed run."""
 
     def on_start(self, state: TrainState) -> None:
         pass

@@ -1,10 +1,12 @@
 """Checkpoints during training: every train.checkpoint_every steps, at the last step, and at the
-step in flight when the run is preempted; the remote upload finished at the end."""
+step in flight when the run is preempted, each with every callback's state; the remote upload
+finished at the end."""
 
 from __future__ import annotations
 
 import time
 
+from scse_dist.train.callbacks.assembly import callback_states
 from scse_dist.train.callbacks.base import Callback, TrainState, every
 from scse_dist.checkpoint.tags import save_checkpoint, tag_for
 
@@ -12,6 +14,8 @@ from scse_dist.checkpoint.tags import save_checkpoint, tag_for
 class CheckpointCallback(Callback):
     """Saves (all ranks; scse_dist.checkpoint.tags.save_checkpoint) and owns the storage's end:
     `storage.finish()` once, at the end of training or at the teardown of a stopped run."""
+
+    priority = -100
 
     def __init__(self) -> None:
         self.finished = False
@@ -40,7 +44,7 @@ class CheckpointCallback(Callback):
     def save(state: TrainState, step: int) -> None:
         start = time.perf_counter()
         save_checkpoint(state.engine, state.run_dir, step, state.stream, state.cfg, state.faults,
-                        state.storage)
+                        state.storage, callback_states(state.callbacks))
         state.last_saved = step
         if state.rank0:
             print(f"saved checkpoint {tag_for(step)} ({time.perf_counter() - start:.1f} s)",

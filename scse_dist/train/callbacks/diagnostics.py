@@ -9,6 +9,8 @@ from scse_dist.train.diagnostics import diagnostics_for
 
 
 class LoopDiagnosticsCallback(Callback):
+    priority = 400
+
     def on_start(self, state: TrainState) -> None:
         self.diagnostics = diagnostics_for(state.cfg, state.engine.zero_optimization_stage(),
                                            state.rank0)

@@ -11,6 +11,8 @@ class ExportCallback(Callback):
     """run_dir/export (scse_dist.checkpoint.tags.export_final); the path in summary["export_dir"]
     on rank 0. After the checkpoint callback, whose on_train_end saves the final step."""
 
+    priority = -300
+
     def on_train_end(self, state: TrainState) -> None:
         barrier()
         state.summary["export_dir"] = export_final(state.engine, state.cfg, state.run_dir,

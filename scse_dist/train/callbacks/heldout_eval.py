@@ -38,6 +38,7 @@ def agreed_batches(batches: Iterator[torch.Tensor], limit: int, device: torch.de
         ran_out = sum_over_ranks(torch.tensor([float(batch is None)], device=device))
         if float(ran_out) > 0:
             return
+        assert batch is not None  # this rank counted itself into ran_out otherwise
         yield batch
 
 
@@ -81,6 +82,8 @@ def reduce_rows(rows: list[dict], device: torch.device) -> list[dict]:
 
 
 class HeldoutEvalCallback(Callback):
+    priority = 200
+
     def __init__(self, every_steps: int) -> None:
         self.every_steps = every_steps
         self.depths: list[int] = []

@@ -4,6 +4,7 @@ metrics.jsonl and wandb (scse_dist.train.metrics.MetricsLogger, rank 0)."""
 from __future__ import annotations
 
 import time
+from typing import Any, Optional
 
 import torch
 
@@ -18,9 +19,24 @@ class MetricsCallback(Callback):
     Throughput and step time count the optimizer steps' own time (their data loading included),
     not what hooks do between them (evaluation, samples, checkpoint saves)."""
 
+    priority = 300
+
+    def __init__(self) -> None:
+        # The run's first and last logged loss (summary["first_loss"], ["final_loss"]): its state,
+        # so that the first stays the run's first across resumes.
+        self.first_loss: Optional[float] = None
+        self.last_loss: Optional[float] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first_loss": self.first_loss, "last_loss": self.last_loss}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.first_loss, self.last_loss = state["first_loss"], state["last_loss"]
+
     def on_start(self, state: TrainState) -> None:
         from scse_dist.model import flops_per_token
 
+        state.first_loss, state.last_loss = self.first_loss, self.last_loss
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(state.engine.device) if state.rank0 else None
         self.started = time.perf_counter()  # elapsed and ETA count this process's steps
@@ -65,8 +81,9 @@ class MetricsCallback(Callback):
             "data_failures": int(data_failures), **peak_memory(state.engine.device),
             **state.metrics_extra},
             console_tail=self._progress(state))
-        state.first_loss = loss if state.first_loss is None else state.first_loss
-        state.last_loss = loss
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        self.last_loss = loss
+        state.first_loss, state.last_loss = self.first_loss, self.last_loss
         self._new_window()
 
     def _progress(self, state: TrainState) -> str:

@@ -12,6 +12,8 @@ from scse_dist.train.faults import REQUEUE_EXIT_CODE, PreemptionFlag
 
 
 class PreemptionCallback(Callback):
+    priority = -200
+
     def __init__(self) -> None:
         self.flag = PreemptionFlag().install()
 

@@ -28,6 +28,8 @@ def continuation(tokenizer: Any, prompt: Sequence[int], new: Sequence[int]) -> s
 
 
 class SampleCallback(Callback):
+    priority = 100
+
     def __init__(self, every_steps: int) -> None:
         self.every_steps = every_steps
 

@@ -1,0 +1,103 @@
+"""A run's callbacks: the built-in ones, train.callbacks (a user's own, named `package.module:Class`)
+and those `train(cfg, callbacks=[...])` is given, in hook order (priority); their states as a
+checkpoint saves them and a resume restores them.
+
+No torch here: scse-train builds the configured callbacks before it imports torch, so a bad entry
+is one ConfigError line (exit status 2) before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from scse_dist.config import CallbackSpec, ConfigError
+from scse_dist.train.callbacks.base import Callback
+from scse_dist.typed_yaml import _build as build_dataclass
+
+
+def configured_callbacks(specs: Sequence[CallbackSpec]) -> list[Callback]:
+    """One callback per train.callbacks entry, in the list's order."""
+    return [_instantiate(*resolved) for resolved in check_callbacks(specs)]
+
+
+def check_callbacks(specs: Sequence[CallbackSpec]) -> list[tuple[CallbackSpec, type[Callback], Any]]:
+    """Each entry's class imported and its init_args checked into its Config (None without one),
+    nothing built yet: a bad entry is a ConfigError naming it."""
+    return [(spec, *_resolve(spec, f"train.callbacks[{i}]")) for i, spec in enumerate(specs)]
+
+
+def _resolve(spec: CallbackSpec, where: str) -> tuple[type[Callback], Any]:
+    cls = _import_class(spec.class_path, f"{where}.class_path")
+    if cls.Config is not None:
+        return cls, _own_config(cls.Config, spec, f"{where}.init_args")
+    if spec.init_args:
+        raise ConfigError(f"{where}.init_args: {spec.class_path} declares no Config dataclass, "
+                          f"so it takes none; got {', '.join(sorted(spec.init_args))}")
+    return cls, None
+
+
+def _instantiate(spec: CallbackSpec, cls: type[Callback], config: Any) -> Callback:
+    callback = cls() if config is None else cls(config)  # type: ignore[call-arg]
+    if spec.priority is not None:
+        callback.priority = spec.priority
+    return callback
+
+
+def _import_class(path: str, where: str) -> type[Callback]:
+    module_name, _, names = path.partition(":")
+    try:
+        found: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{where}: {path!r}: cannot import {module_name} ({exc})") from None
+    for name in names.split("."):
+        if not hasattr(found, name):
+            raise ConfigError(f"{where}: {path!r}: {module_name} has no {names}")
+        found = getattr(found, name)
+    if not (isinstance(found, type) and issubclass(found, Callback)):
+        raise ConfigError(f"{where}: {path!r} is not a subclass of "
+                          "scse_dist.train.callbacks.Callback")
+    return found
+
+
+def _own_config(config_cls: type, spec: CallbackSpec, where: str) -> Any:
+    missing = [f.name for f in dataclasses.fields(config_cls)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               and f.name not in spec.init_args]
+    if missing:
+        raise ConfigError(f"{where}.{missing[0]}: required by {spec.class_path}, missing")
+    return build_dataclass(config_cls, spec.init_args, where)
+
+
+def in_hook_order(callbacks: Iterable[Callback]) -> list[Callback]:
+    """Highest priority first; equal priorities keep the order given."""
+    return sorted(callbacks, key=lambda callback: -callback.priority)
+
+
+def state_keys(callbacks: Sequence[Callback]) -> list[str]:
+    """Each callback's key in a checkpoint: its state_key, a repeat numbered (`key#2`, ...)."""
+    keys: list[str] = []
+    seen: dict[str, int] = {}
+    for callback in callbacks:
+        key = callback.state_key
+        seen[key] = seen.get(key, 0) + 1
+        keys.append(key if seen[key] == 1 else f"{key}#{seen[key]}")
+    return keys
+
+
+def callback_states(callbacks: Sequence[Callback]) -> dict[str, dict[str, Any]]:
+    """What a checkpoint saves: {key: state_dict()} of the callbacks that have a state."""
+    states = {key: callback.state_dict() for key, callback in zip(state_keys(callbacks), callbacks)}
+    return {key: state for key, state in states.items() if state}
+
+
+def restore_states(callbacks: Sequence[Callback], saved: dict[str, dict[str, Any]]) -> list[str]:
+    """load_state_dict of each callback whose key `saved` holds; returns the keys of `saved`
+    that no callback of this run took (a callback the resumed run no longer has)."""
+    keys = state_keys(callbacks)
+    for key, callback in zip(keys, callbacks):
+        if key in saved:
+            callback.load_state_dict(saved[key])
+    return sorted(set(saved) - set(keys))

@@ -1,0 +1,250 @@
+"""A run's callbacks (scse_dist.train.callbacks.assembly): train.callbacks entries built or refused
+in one line, the hook order by priority, states saved and restored. A toy callback of a user's
+own (tests/toy_callback.py, added the way docs/architecture.md says) runs on a TrainState with no
+training; the slow test resumes a real run at another world size and finds every state there."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import step_result
+from toy_callback import StepCounter
+from train_procs import REPO, TRAIN, read_metrics, train_ranks
+
+from scse_dist.config import CallbackSpec, ConfigError, load_config
+from scse_dist.train.callbacks.assembly import (
+    callback_states,
+    check_callbacks,
+    configured_callbacks,
+    in_hook_order,
+    restore_states,
+    state_keys,
+)
+from scse_dist.train.callbacks.base import Callback
+
+TOY = "toy_callback:StepCounter"
+
+
+def spec(class_path: str = TOY, **kw) -> CallbackSpec:
+    return CallbackSpec(class_path, **kw)
+
+
+def drive(state, callbacks: list[Callback], losses: list[float], skipped: set[int] = frozenset()):
+    """The loop's hook calls for len(losses) steps, as train() makes them, without a model step."""
+    for callback in callbacks:
+        callback.on_start(state)
+    for step, loss in enumerate(losses, start=state.start_step + 1):
+        state.result = step_result(loss, skipped=step in skipped)
+        state.lr, state.step_seconds, state.step = 1e-3, 0.01, step
+        for callback in callbacks:
+            callback.on_step_end(state)
+
+
+# --------------------------------------------------------------------------- config entries
+
+
+def test_an_entry_is_built_with_its_config_and_priority():
+    [toy] = configured_callbacks([spec(init_args={"every_steps": 3}, priority=7)])
+    assert isinstance(toy, StepCounter) and toy.every_steps == 3 and toy.priority == 7
+    [plain] = configured_callbacks([spec()])
+    assert plain.every_steps == 5 and plain.priority == 350 == StepCounter.priority
+
+
+@pytest.mark.parametrize("entry, message", [
+    (spec("no_such_module:Toy"), "train.callbacks[0].class_path: 'no_such_module:Toy': cannot "
+                                 "import no_such_module (No module named 'no_such_module')"),
+    (spec("toy_callback:Nope"), "train.callbacks[0].class_path: 'toy_callback:Nope': "
+                                "toy_callback has no Nope"),
+    (spec("json:JSONDecoder"), "train.callbacks[0].class_path: 'json:JSONDecoder' is not a "
+                               "subclass of scse_dist.train.callbacks.Callback"),
+    (spec(init_args={"every": 3}), "train.callbacks[0].init_args.every: unknown field (did you "
+                                   "mean 'every_steps'?)"),
+    (spec(init_args={"every_steps": "often"}), "train.callbacks[0].init_args.every_steps: "
+                                               "expected an integer, got 'often'"),
+    (spec("scse_dist.train.callbacks.export:ExportCallback", init_args={"x": 1}),
+     "train.callbacks[0].init_args: scse_dist.train.callbacks.export:ExportCallback declares no "
+     "Config dataclass, so it takes none; got x"),
+])
+def test_a_bad_entry_is_one_config_error_naming_it(entry, message):
+    with pytest.raises(ConfigError) as err:
+        check_callbacks([entry])
+    assert str(err.value) == message
+
+
+class Needs(Callback):
+    @dataclass
+    class Config:
+        threshold: float
+
+    def __init__(self, config: Config) -> None:
+        self.threshold = config.threshold
+
+
+def test_a_required_init_arg_is_named():
+    path = f"{__name__}:Needs"
+    with pytest.raises(ConfigError) as err:
+        check_callbacks([spec(path)])
+    assert str(err.value) == f"train.callbacks[0].init_args.threshold: required by {path}, missing"
+    [built] = configured_callbacks([spec(path, init_args={"threshold": 2})])
+    assert built.threshold == 2.0
+
+
+def test_the_config_checks_an_entrys_form_without_importing_it(tiny_config, tmp_path):
+    with pytest.raises(ConfigError, match=r"^train.callbacks\[1\].class_path: expected "
+                                          r"'package.module:Class', got 'toy_callback.StepCounter'"):
+        load_config(tiny_config(tmp_path, f"train.callbacks=[{{class_path: {TOY}}}, "
+                                          "{class_path: toy_callback.StepCounter}]"))
+    cfg = load_config(tiny_config(tmp_path, "train.callbacks=[{class_path: not_installed:X, "
+                                            "init_args: {anything: [1, 2]}}]"))
+    assert cfg.train.callbacks == [spec("not_installed:X", init_args={"anything": [1, 2]})]
+
+
+# --------------------------------------------------------------------------- order and state
+
+
+def test_the_built_ins_keep_their_order_and_an_entry_takes_its_place(tiny_config, tmp_path):
+    from scse_dist.train.callbacks.preemption import PreemptionCallback
+    from scse_dist.train.loop import default_callbacks
+
+    cfg = load_config(tiny_config(tmp_path, "eval.every_steps=5", "eval.sample_every=5"))
+    preemption = PreemptionCallback()
+    try:
+        built_in = default_callbacks(cfg, preemption)
+        assert in_hook_order(built_in) == built_in
+        names = lambda cbs: [type(c).__name__ for c in cbs]  # noqa: E731
+        assert names(built_in) == [
+            "NonFiniteCallback", "LoopDiagnosticsCallback", "MetricsCallback",
+            "HeldoutEvalCallback", "SampleCallback", "CheckpointCallback", "PreemptionCallback",
+            "ExportCallback", "AfterTrainingEval"]
+        late, early, default = (configured_callbacks([spec(priority=p)])[0] for p in (-250, 350, None))
+        plain = Callback()  # priority 0: after the rows, before the checkpoint
+        order = in_hook_order([*built_in, late, early, plain])
+        assert order.index(early) == 2 and order.index(plain) == 6
+        assert order.index(late) == order.index(preemption) + 1
+        assert default.priority == 350
+    finally:
+        preemption.flag.uninstall()
+
+
+def test_states_are_keyed_by_class_repeats_numbered_and_restored():
+    a, b = (StepCounter(StepCounter.Config()) for _ in range(2))
+    a.steps_seen, b.steps_seen = 4, 9
+    keys = state_keys([a, Callback(), b])
+    assert keys == [TOY, "scse_dist.train.callbacks.base:Callback", f"{TOY}#2"]
+    saved = callback_states([a, Callback(), b])  # a callback without state saves nothing
+    assert saved == {TOY: {"steps_seen": 4, "lowest_loss": math.inf},
+                     f"{TOY}#2": {"steps_seen": 9, "lowest_loss": math.inf}}
+    fresh = [StepCounter(StepCounter.Config()), StepCounter(StepCounter.Config())]
+    left = restore_states(fresh, {**saved, "gone.module:Old": {"x": 1}})
+    assert [c.steps_seen for c in fresh] == [4, 9] and left == ["gone.module:Old"]
+
+
+def test_the_toy_joins_the_training_row_and_carries_on_from_its_state(train_state):
+    from scse_dist.train.callbacks.metrics import MetricsCallback
+
+    state = train_state("train.log_every=2")
+    toy, metrics = StepCounter(StepCounter.Config(every_steps=2)), MetricsCallback()
+    drive(state, in_hook_order([metrics, toy]), [3.0, 2.5, 2.0, 2.75])
+    rows = read_metrics(state.run_dir)
+    assert [(r["step"], r["loss"], r["toy/steps_seen"], r["toy/lowest_loss"]) for r in rows
+            if "toy/steps_seen" in r] == [(2, 2.5, 2, 2.5), (4, 2.375, 4, 2.0)]
+    assert [r["step"] for r in rows] == [1, 2, 4]  # the first step's row, then every 2 steps
+    assert state.first_loss == 3.0 and state.last_loss == 2.375
+
+    # a resume: new instances restored from what a checkpoint saves, at step 4
+    saved = callback_states([toy, metrics])
+    later = train_state("train.log_every=2")
+    later.start_step = later.step = 4
+    toy2, metrics2 = StepCounter(StepCounter.Config(every_steps=2)), MetricsCallback()
+    assert restore_states([toy2, metrics2], saved) == []
+    drive(later, in_hook_order([metrics2, toy2]), [1.5, 1.0])
+    last = read_metrics(later.run_dir)[-1]
+    assert (last["step"], last["toy/steps_seen"], last["toy/lowest_loss"]) == (6, 6, 1.0)
+    assert later.first_loss == 3.0  # the run's first, not the resumed segment's
+
+
+def test_the_nonfinite_counts_carry_on_from_their_state(train_state):
+    from scse_dist.train.callbacks.nonfinite import NonFiniteCallback
+    from scse_dist.train.faults import TrainingStopped
+
+    state = train_state()
+    first = NonFiniteCallback(3)
+    drive(state, [first], [1.0, math.nan, math.nan], skipped={2, 3})
+    assert first.state_dict() == {"total": 2, "in_a_row": 2} and state.skipped_steps == 2
+    later, again = train_state(), NonFiniteCallback(3)
+    again.load_state_dict(first.state_dict())
+    later.start_step = later.step = 3
+    with pytest.raises(TrainingStopped, match="^step 4: 3 non-finite steps in a row"):
+        drive(later, [again], [math.nan], skipped={4})
+    assert later.skipped_steps == 2  # on_start's, from the state: the stopping step raised
+    assert again.state_dict() == {"total": 3, "in_a_row": 3}
+
+
+# --------------------------------------------------------------------------- a real resume
+
+
+@pytest.mark.slow
+def test_states_survive_a_preemption_and_a_resume_at_another_world_size(
+        tmp_path, tiny_config, subprocess_env):
+    """1 rank, preempted at step 10 after two non-finite steps; resumed by 2 ranks (ZeRO-1,
+    through the universal checkpoint) with one more: the counts go on (3 in a row, 3 in all), the
+    toy has seen every step, and the final checkpoint holds the run's first loss."""
+    import subprocess
+
+    cfg = tiny_config(tmp_path, "train.global_batch_size=4", "train.micro_batch_size=2",
+                      "train.max_nonfinite_steps=4",
+                      f"train.callbacks=[{{class_path: {TOY}, init_args: {{every_steps: 5}}}}]")
+    env = dict(subprocess_env, PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
+    first = subprocess.run([sys.executable, TRAIN, "--config", cfg], cwd=REPO, text=True,
+                           capture_output=True, timeout=300,
+                           env=dict(env, SCSE_FAULT="nan@9,nan@10,sigterm@10"))
+    assert first.returncode == 75, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "step 10: non-finite loss or gradient, step skipped (2 in a row, 2 in all)" in first.stdout
+    results = train_ranks(cfg, env, world=2, extra_env={"SCSE_FAULT": "nan@11"})
+    assert [r.returncode for r in results] == [0, 0], results[0].tail()
+    out = results[0].stdout
+    assert "saved by 1 ranks, resumed by 2" in out
+    assert "step 11: non-finite loss or gradient, step skipped (3 in a row, 3 in all)" in out
+    rows = [r for r in read_metrics(tmp_path / "runs" / "tiny") if "loss" in r]
+    assert [(r["step"], r["skipped_steps"]) for r in rows] == [
+        (1, 0), (5, 0), (10, 2), (11, 3), (15, 3), (20, 3)]
+    assert [(r["step"], r["toy/steps_seen"]) for r in rows if "toy/steps_seen" in r] == [
+        (5, 5), (10, 10), (15, 15), (20, 20)]
+    model_states = tmp_path / "runs" / "tiny" / "checkpoints" / "step-0000020" / \
+        "mp_rank_00_model_states.pt"
+    saved = torch.load(model_states, weights_only=False)["callbacks"]
+    assert saved["scse_dist.train.callbacks.metrics:MetricsCallback"] == {
+        "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"]}
+    assert saved["scse_dist.train.callbacks.nonfinite:NonFiniteCallback"] == {
+        "total": 3, "in_a_row": 0}
+    assert saved[TOY]["steps_seen"] == 20
+
+
+@pytest.mark.slow
+def test_mypy_checks_a_callback_against_the_typed_train_state(tmp_path):
+    """TrainState and the protocol are typed (no Any for engine, stream, logger, result, ...): the
+    package's callbacks and the toy pass mypy, and a typo in a callback is an error."""
+    import subprocess
+
+    pytest.importorskip("mypy")
+    broken = tmp_path / "broken_callback.py"
+    broken.write_text("from scse_dist.train.callbacks import Callback, TrainState\n\n\n"
+                      "class Broken(Callback):\n"
+                      "    def on_step_end(self, state: TrainState) -> None:\n"
+                      "        state.logger.write({'loss': state.result.loss})\n"
+                      "        state.stream.epochs += 1\n")
+    args = [sys.executable, "-m", "mypy", "--ignore-missing-imports", "--follow-imports=silent",
+            "--no-error-summary", "--cache-dir", str(tmp_path / "cache")]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    good = subprocess.run([*args, "scse_dist/train/callbacks", "tests/toy_callback.py"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert good.returncode == 0, good.stdout
+    bad = subprocess.run([*args, str(broken)], cwd=REPO, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert bad.returncode == 1
+    assert '"StepResult" has no attribute "loss"' in bad.stdout, bad.stdout
+    assert "has no attribute \"epochs\"" in bad.stdout, bad.stdout
