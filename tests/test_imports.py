@@ -8,7 +8,7 @@ transitions name LoopCore in annotations only; recurrence imports them at run ti
 Layers, lowest first; a module may import its own layer and the ones below (within a layer, the
 cycle check keeps the graph acyclic):
     model  <-  config, task_registry, cli_errors, atomic, progress, quiet, threads, distributed, hf
-    <-  data  <-  checkpoint  <-  train, eval, generate (_cli, _options, sampling, speculative)
+    <-  data  <-  checkpoint  <-  train, eval, generate
     <-  launch, study, lmeval
 """
 
@@ -29,7 +29,7 @@ LAYERS = [
      "distributed", "hf", "figures"},
     {"data"},
     {"checkpoint"},
-    {"train", "eval", "generate", "generate_cli", "generate_options", "sampling", "speculative"},
+    {"train", "eval", "generate"},
     {"launch", "study", "lmeval"},
 ]
 

@@ -38,14 +38,14 @@ def test_cut_metrics_drops_rows_past_the_step_and_a_torn_line(tmp_path):
 
 def test_a_continuation_keeps_its_leading_space(tiny_data):
     from scse_dist.data.tokenizer import Tokenizer
-    from scse_dist.train.callbacks.samples import continuation
+    from scse_dist.generate.text import continuation_text
 
     tok = Tokenizer.load(tiny_data["tokenizer"])
     prompt, whole = tok.encode("The cat"), tok.encode("The cat sees the red ball")
     assert whole[:len(prompt)] == prompt  # the prompt's pieces, then the continuation's
     new = whole[len(prompt):] + [tok.eos_id]
     assert tok.decode(new).startswith("sees")  # decoded alone, the space is lost
-    assert continuation(tok, prompt, new) == " sees the red ball"
+    assert continuation_text(tok, prompt, new) == " sees the red ball"
 
 
 def test_study_reader_skips_eval_and_sample_rows(tmp_path):
