@@ -48,15 +48,6 @@ def test_a_continuation_keeps_its_leading_space(tiny_data):
     assert continuation_text(tok, prompt, new) == " sees the red ball"
 
 
-def test_study_reader_skips_eval_and_sample_rows(tmp_path):
-    from scse_dist.study.collect import read_metrics as study_rows
-
-    rows = [{"step": 10, "loss": 2.0}, {"step": 10, "kind": "eval", "heldout_loss_T1": 2.5},
-            {"step": 20, "kind": "sample", "text": "x"}, {"step": 20, "loss": 1.0}]
-    write_rows(tmp_path / "metrics.jsonl", rows)
-    assert study_rows(tmp_path / "metrics.jsonl") == [rows[0], rows[3]]
-
-
 def test_agreed_batches_stop_at_the_limit_or_when_the_batches_run_out():
     batches = [torch.full((2, 3), i) for i in range(5)]
     assert len(list(agreed_batches(iter(batches), 3, torch.device("cpu")))) == 3
