@@ -8,7 +8,7 @@
    through the cache, the next one scored) with the `shared` cache (one slot per core block,
    memory constant in T) against `exact`, at several depths: mean NLL, perplexity and their ratio.
    `exact` is also checked against one full forward over the same rows (it must agree).
-3. Self-speculative decoding (scse_dist.speculative), batch 1, measured side by side with cached
+3. Self-speculative decoding (scse_dist.generate.speculative), batch 1, measured side by side with cached
    full-depth decoding in one run: tokens per CPU-second over --spec-new-tokens tokens at depth
    --spec-depth, for each draft depth d and K drafted tokens per round, greedy (the tokens must be
    identical) and sampled (temperature 1, the model's own distribution), with the acceptance rate
@@ -198,7 +198,7 @@ def speculative_table(model: LoopedLM, prompt: list[int], args: argparse.Namespa
 
 def draft_token_choices(text: str) -> list:
     """--draft-tokens "2,4,auto" -> [2, 4, AdaptiveDraft()] (K as --speculative D,K reads it)."""
-    from scse_dist.generate_options import parse_speculative
+    from scse_dist.generate import parse_speculative
 
     choices = []
     for k in text.split(","):

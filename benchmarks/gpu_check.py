@@ -128,12 +128,15 @@ def run_stage(stage: int, common: list[str], workdir: Path, steps: int, timeout:
         return {**result, "failure": f"ZeRO-{stage}: trainer exited with {rc}: {tail[-1].strip()[:300]} "
                                      f"(log {log})"}
 
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from scse_dist.run_dir import RunDir
     from scse_dist.train.metrics import format_line
+
+    run = RunDir(run_dir)
+    rows = run.metric_rows()
     print("".join(f"   {format_line(row)}\n" for row in rows), end="")  # the trainer's own lines
     tokens_per_s, mfu, averaged = steady_state(rows, warm_steps=max(1, steps // 3))
-    heldout = json.loads((run_dir / "eval" / "heldout.json").read_text())["results"]
-    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())  # what the trainer ran
+    heldout = json.loads(run.results("heldout").read_text())["results"]
+    resolved = yaml.safe_load(run.config.read_text())  # what the trainer ran
     result.update(
         compile=resolved["train"].get("compile", False),
         loop_checkpointing=resolved["model"]["activation_checkpointing"] == "loop",

@@ -30,19 +30,22 @@ from pathlib import Path
 import yaml
 
 from scse_dist.config import load_saved_config
+from scse_dist.run_dir import RunDir, is_complete
 from scse_dist.study.stats import t_interval
 
 
 def validation_curve(run_dir: Path, validation: str, max_batches: int) -> dict[int, float]:
-    """step -> validation loss at model.depth, for every kept checkpoint of a run."""
+    """step -> validation loss at model.depth, for every kept checkpoint of a run (each scored
+    once; a score a Ctrl-C left partial is scored again)."""
     from scse_dist.checkpoint.loading import load_model
     from scse_dist.eval.tasks import run_task
 
     curve = {}
-    for tag in sorted((run_dir / "checkpoints").glob("step-*")):
+    run = RunDir(run_dir)
+    for tag in sorted(run.checkpoints.glob("step-*")):
         step = int(tag.name.split("-")[1])
-        out = run_dir / "eval" / f"validation-step-{step}.json"
-        if not out.is_file():
+        out = run.results(f"validation-step-{step}")
+        if not is_complete(out):
             model, cfg = load_model(tag)
             run_task("heldout", model, cfg, validation, [cfg.model.depth], str(out),
                      checkpoint_label=f"{tag} (validation)",
@@ -126,7 +129,7 @@ def main() -> int:
         if record["stage"] != "final":
             continue
         run_dir = Path(record["run_dir"])
-        if not (run_dir / "checkpoints").is_dir():
+        if not RunDir(run_dir).checkpoints.is_dir():
             print(f"optimizer_study: {run_dir} has no checkpoints; skipped", file=sys.stderr)
             continue
         cfg = load_saved_config(record["config"])  # one rank per run (a CPU study)

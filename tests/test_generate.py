@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO_ROOT, TINY_VOCAB
 from scse_dist.generate import Sampling, continuation_text, generate
-from scse_dist.generate_cli import main as generate_main
+from scse_dist.generate.cli import main as generate_main
 from scse_dist.model import LoopedLM, ModelConfig
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
 from scse_dist.model.kv_cache import KVCache, _causal_mask
@@ -258,7 +258,7 @@ def expected_text(export: str, prompt: str, **kw) -> str:
 def test_scse_generate_streams_seeded_text(export, subprocess_env, capsys) -> None:
     argv = [export, "--prompt", "the cat sees", "--max-new-tokens", "7", "--temperature", "1",
             "--top-p", "0.95", "--seed", "3"]
-    run = subprocess.run([sys.executable, "-m", "scse_dist.generate_cli", *argv], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "scse_dist.generate.cli", *argv], capture_output=True,
                          text=True, env=subprocess_env, cwd=REPO_ROOT, timeout=120)
     assert run.returncode == 0, run.stderr
     want = expected_text(export, "the cat sees", max_new_tokens=7,

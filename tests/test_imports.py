@@ -7,8 +7,9 @@ transitions name LoopCore in annotations only; recurrence imports them at run ti
 
 Layers, lowest first; a module may import its own layer and the ones below (within a layer, the
 cycle check keeps the graph acyclic):
-    model  <-  config, task_registry, cli_errors, atomic, progress, quiet, threads, distributed, hf
-    <-  data  <-  checkpoint  <-  train, eval, generate (_cli, _options, sampling, speculative)
+    model  <-  config, task_registry, run_dir, cli_errors, atomic, progress, quiet, threads,
+               distributed, hf
+    <-  data  <-  checkpoint  <-  train, eval, generate
     <-  launch, study, lmeval
 """
 
@@ -25,11 +26,11 @@ ROOT = Path(scse_dist.__file__).parent
 
 LAYERS = [
     {"model"},
-    {"config", "typed_yaml", "task_registry", "cli_errors", "atomic", "progress", "quiet", "threads",
-     "distributed", "hf", "figures"},
+    {"config", "typed_yaml", "task_registry", "run_dir", "cli_errors", "atomic", "progress", "quiet",
+     "threads", "distributed", "hf", "figures"},
     {"data"},
     {"checkpoint"},
-    {"train", "eval", "generate", "generate_cli", "generate_options", "sampling", "speculative"},
+    {"train", "eval", "generate"},
     {"launch", "study", "lmeval"},
 ]
 
@@ -167,7 +168,8 @@ def test_a_planted_upward_import_is_caught(tmp_path):
 
 
 @pytest.mark.parametrize("leaf", ["scse_dist.model.config", "scse_dist.data.sample_format",
-                                  "scse_dist.progress", "scse_dist.quiet", "scse_dist.threads"])
+                                  "scse_dist.progress", "scse_dist.quiet", "scse_dist.threads",
+                                  "scse_dist.run_dir"])
 def test_leaves_import_nothing_of_scse_dist(leaf):
     graph = _graph()
     assert graph[leaf] == set()

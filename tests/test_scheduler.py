@@ -10,6 +10,7 @@ import pytest
 
 from recording_backend import RecordingBackend
 from scse_dist.config import load_config
+from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch import scheduler
 from scse_dist.launch.backends import Resources
 
@@ -85,7 +86,7 @@ def test_local_launch_trains_evaluates_every_task_and_reports(tmp_path, tiny_con
     assert f"| tiny (scse) | heldout | ppl | {heldout['results'][0]['ppl']:.4f} | {ppl:.4f} |" in report
     assert (eval_dir / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     # the same numbers as evaluating the export again
-    assert scheduler.evaluate_run(str(tmp_path / "runs" / "tiny"), "heldout")
+    assert evaluate_export(str(tmp_path / "runs" / "tiny"), "heldout")
     again = json.loads((eval_dir / "heldout.json").read_text())
     assert [r["ppl"] for r in again["results"]] == pytest.approx([r["ppl"] for r in heldout["results"]])
 

@@ -1,4 +1,4 @@
-"""Self-speculative decoding (scse_dist.speculative, scse_dist.model.speculative).
+"""Self-speculative decoding (scse_dist.generate.speculative, scse_dist.model.speculative).
 
 Greedy: the very tokens of full-depth cached decoding, on every recurrence, in padded batches,
 with an EOS inside a draft, at a fixed K and with K adapted per round (AdaptiveDraft, `auto`).
@@ -14,14 +14,12 @@ import re
 import pytest
 import torch
 
-from scse_dist.generate import AdaptiveDraft, Sampling, generate
+from scse_dist.generate import AdaptiveDraft, Sampling, generate, parse_speculative, token_probs
+from scse_dist.generate import speculative
+from scse_dist.generate.speculative import accept
 from scse_dist.model import LoopedLM, ModelConfig
 from scse_dist.model.kv_cache import KVCache
 from scse_dist.model.speculative import draft
-from scse_dist.sampling import token_probs
-from scse_dist.generate_options import parse_speculative
-from scse_dist import speculative
-from scse_dist.speculative import accept
 
 DEPTH = 4
 # preln (and scse's concat inject, and a deeploop scse with its weights shaken below): tiny

@@ -16,7 +16,7 @@ from scse_dist.config import ConfigError, config_from_dict, load_config, save_co
 from scse_dist.eval.cli import main as scse_eval
 from scse_dist.eval.report import report_run
 from scse_dist.eval.results import write_results
-from scse_dist.launch.scheduler import evaluate_run
+from scse_dist.launch import run_job
 from scse_dist.model import LoopedLM
 from scse_dist.study.report import write_study_report
 from scse_dist.task_registry import TASKS, Task
@@ -49,7 +49,9 @@ def score_toy(run) -> list[dict]:
     return rows
 
 
-TOY = Task("toy", reader=read_toy, scorer=score_toy, metrics=("first_nll", "first_hit"),
+# Named by import path, as a record in scse_dist/task_registry.py names a module of its own.
+TOY = Task("toy", reader="test_task_registry:read_toy", scorer="test_task_registry:score_toy",
+           metrics=("first_nll", "first_hit"),
            table=("first_nll", "first_hit"), report=("first_nll", "first_hit"),
            higher_is_better=("first_hit",), data_field="data.toy")
 
@@ -120,8 +122,10 @@ def test_scse_eval_and_the_launcher_run_the_task_and_the_run_report_shows_it(toy
         assert row["lines"] == 3
         assert row["first_nll"] == pytest.approx(_expected(model, cfg.data.tokenizer, row["depth"]),
                                                  rel=1e-5)
-    # the launcher's job: the export's config says where the toy data is (eval.data.toy)
-    assert evaluate_run(str(run_dir), "toy") == str(run_dir / "eval" / "toy.json")
+    # the launcher's evaluation job (evaluate_export): the export's config says where the toy
+    # data is (eval.data.toy)
+    assert run_job.main(["evaluate", str(run_dir), "toy"]) == 0
+    assert capsys.readouterr().out.endswith(f"scse-launch: toy: {run_dir / 'eval' / 'toy.json'}\n")
     by_launcher = json.loads((run_dir / "eval" / "toy.json").read_text())
     assert by_launcher["data"] == cfg.eval.data["toy"] and "max_batches" not in by_launcher
     assert by_launcher["results"] == by_cli["results"]

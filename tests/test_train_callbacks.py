@@ -38,23 +38,14 @@ def test_cut_metrics_drops_rows_past_the_step_and_a_torn_line(tmp_path):
 
 def test_a_continuation_keeps_its_leading_space(tiny_data):
     from scse_dist.data.tokenizer import Tokenizer
-    from scse_dist.train.callbacks.samples import continuation
+    from scse_dist.generate.text import continuation_text
 
     tok = Tokenizer.load(tiny_data["tokenizer"])
     prompt, whole = tok.encode("The cat"), tok.encode("The cat sees the red ball")
     assert whole[:len(prompt)] == prompt  # the prompt's pieces, then the continuation's
     new = whole[len(prompt):] + [tok.eos_id]
     assert tok.decode(new).startswith("sees")  # decoded alone, the space is lost
-    assert continuation(tok, prompt, new) == " sees the red ball"
-
-
-def test_study_reader_skips_eval_and_sample_rows(tmp_path):
-    from scse_dist.study.collect import read_metrics as study_rows
-
-    rows = [{"step": 10, "loss": 2.0}, {"step": 10, "kind": "eval", "heldout_loss_T1": 2.5},
-            {"step": 20, "kind": "sample", "text": "x"}, {"step": 20, "loss": 1.0}]
-    write_rows(tmp_path / "metrics.jsonl", rows)
-    assert study_rows(tmp_path / "metrics.jsonl") == [rows[0], rows[3]]
+    assert continuation_text(tok, prompt, new) == " sees the red ball"
 
 
 def test_agreed_batches_stop_at_the_limit_or_when_the_batches_run_out():

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from scse_dist.cli_errors import cli_main
 from scse_dist.checkpoint.manifest import CONFIG_NAME, META_NAME, TAG_PREFIX, verify_tag
+from scse_dist.run_dir import RunDir
 
 EXIT_BROKEN = 1
 
@@ -25,8 +26,8 @@ def checkpoints_root(path: str) -> Path:
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such run dir")
-    if (root / "checkpoints").is_dir():
-        return root / "checkpoints"
+    if RunDir(root).checkpoints.is_dir():
+        return RunDir(root).checkpoints
     if (root / "latest").is_file() or any(root.glob(f"{TAG_PREFIX}*")):
         return root
     raise FileNotFoundError(f"{root}: no checkpoints/ here (give a run dir or its checkpoints/)")

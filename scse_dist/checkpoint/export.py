@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 from scse_dist.atomic import atomic_write
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_saved_config, save_config
+from scse_dist.run_dir import WEIGHTS_NAME
 
 if TYPE_CHECKING:  # torch is imported where weights are read or written: a command that only
     # reads an export's config (or rejects a bad path) answers without it
@@ -37,7 +38,6 @@ if TYPE_CHECKING:  # torch is imported where weights are read or written: a comm
 
     from scse_dist.model import LoopedLM
 
-WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.yaml"
 TOKENIZER_NAME = "tokenizer.model"
 # safetensors metadata key: JSON {dropped_name: kept_name} for tensors that shared storage.

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_saved_config
+from scse_dist.run_dir import RunDir
 
 if TYPE_CHECKING:  # imported where weights load: a bad path is reported without it
     import torch
@@ -25,8 +26,8 @@ if TYPE_CHECKING:  # imported where weights load: a bad path is reported without
 
 def _deepspeed_location(path: Path) -> tuple[Path, str]:
     """(checkpoints root, tag) for a run dir, a checkpoints dir or a tag dir."""
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
+    if RunDir(path).checkpoints.is_dir():
+        path = RunDir(path).checkpoints
     if (path / "latest").is_file():
         return path, (path / "latest").read_text().strip()
     if list(path.glob("mp_rank_*_model_states.pt")):

@@ -25,12 +25,13 @@ import torch.distributed as dist
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, RunConfig, config_to_dict
 from scse_dist.distributed import is_rank0
+from scse_dist.run_dir import CHECKPOINTS_NAME, OUTPUT_NAMES
 from scse_dist.atomic import atomic_write_text
 from scse_dist.checkpoint.tags import (checkpoint_dir, list_checkpoints, remove_partial_saves,
                                        tag_for)
 from scse_dist.checkpoint.manifest import CONFIG_NAME, verify_tag
 # Moved aside by `train.resume: never` (the new run would append to or overwrite them).
-PREVIOUS_RUN_FILES = ("checkpoints", "metrics.jsonl", "export", "eval")
+PREVIOUS_RUN_FILES = OUTPUT_NAMES
 # Fields that make a checkpoint another model or another token stream. Everything else may change
 # at a resume (max_steps, cadences, eval.*, wandb.*, ...); world size, num_workers, the batch
 # split and data.seq_len are the business of checkpoint.resume_if_present and TokenStream.resume
@@ -122,7 +123,7 @@ def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
         raise InputError(f"train.resume_from: checkpoint {want}: {status.problem}")
     newer = [root / t for t in available if t > want]
     if newer:
-        aside = run_dir / time.strftime("old-%Y%m%d-%H%M%S") / "checkpoints"
+        aside = run_dir / time.strftime("old-%Y%m%d-%H%M%S") / CHECKPOINTS_NAME
         aside.mkdir(parents=True, exist_ok=True)
         for path in newer:
             path.rename(aside / path.name)

@@ -32,10 +32,16 @@ import fsspec
 
 from scse_dist.checkpoint.export import is_remote
 from scse_dist.distributed import barrier, is_rank0
+from scse_dist.run_dir import CHECKPOINTS_NAME, CONFIG_NAME, METRICS_NAME, RunDir
 
 STAGING_ENV = "SCSE_STAGING_DIR"
 UPLOAD_ATTEMPTS_ENV = "SCSE_UPLOAD_ATTEMPTS"  # tries per file (default 5)
 UPLOAD_BACKOFF_ENV = "SCSE_UPLOAD_BACKOFF_S"  # first wait between tries, doubled each time (0.5)
+LATEST = f"{CHECKPOINTS_NAME}/latest"  # paths relative to the run dir, local or remote
+
+
+def _tag(tag: str) -> str:
+    return f"{CHECKPOINTS_NAME}/{tag}"
 
 
 def _local_rank() -> int:
@@ -120,7 +126,7 @@ class RunStorage:
     def complete_tag(self, tag: str) -> None:
         """Rank 0 before consolidating `tag`: fetch the other nodes' shards (node-local staging)."""
         if self.remote is not None:
-            self._download(f"checkpoints/{tag}", missing_only=True)
+            self._download(_tag(tag), missing_only=True)
 
     def fetch_latest(self) -> Optional[str]:
         """Download the remote `latest` tag into staging unless it is there; all ranks call this."""
@@ -131,28 +137,28 @@ class RunStorage:
         return tag
 
     def _fetch_latest(self) -> Optional[str]:
-        latest = self._url("checkpoints/latest")
+        latest = self._url(LATEST)
         try:
             if not self.fs.isfile(latest):
                 return self._staging_tag() if self._staging_is_newer(None) else None
             tag = self.fs.cat_file(latest).decode().strip()
             if self._staging_is_newer(tag):
                 return self._staging_tag()
-            if not (self.local / "checkpoints" / tag).is_dir():
-                if not self.fs.isdir(self._url(f"checkpoints/{tag}")):
-                    raise RuntimeError(f"{self.remote}/checkpoints/latest names {tag!r}, which "
-                                       f"does not exist in {self.remote}/checkpoints")
-                self._download(f"checkpoints/{tag}")
-                if self.fs.isfile(self._url("metrics.jsonl")):  # the resumed run appends to it
-                    self._download("metrics.jsonl")
-            self._download("checkpoints/latest")
+            if not (RunDir(self.local).checkpoints / tag).is_dir():
+                if not self.fs.isdir(self._url(_tag(tag))):
+                    raise RuntimeError(f"{self.remote}/{LATEST} names {tag!r}, which "
+                                       f"does not exist in {self.remote}/{CHECKPOINTS_NAME}")
+                self._download(_tag(tag))
+                if self.fs.isfile(self._url(METRICS_NAME)):  # the resumed run appends to it
+                    self._download(METRICS_NAME)
+            self._download(LATEST)
         except OSError as err:
             raise OSError(f"reading {self.remote} (output_dir): {err}") from err
         print(f"staging {self.remote} in {self.local}: checkpoint {tag}", flush=True)
         return tag
 
     def _staging_tag(self) -> Optional[str]:
-        latest = self.local / "checkpoints" / "latest"
+        latest = RunDir(self.local).checkpoints / "latest"
         return latest.read_text().strip() if latest.is_file() else None
 
     def _staging_is_newer(self, remote_tag: Optional[str]) -> bool:
@@ -160,7 +166,7 @@ class RunStorage:
         run was killed mid-upload, on this machine): resume from it and upload it again, rather
         than going back to the remote tag."""
         tag = self._staging_tag()
-        path = self.local / "checkpoints" / tag if tag else None
+        path = RunDir(self.local).checkpoints / tag if tag else None
         if path is None or not path.is_dir() or (remote_tag is not None and tag <= remote_tag):
             return False
         self._pending[tag] = (path, {p.relative_to(path).as_posix(): p.stat().st_size
@@ -207,7 +213,7 @@ class RunStorage:
         for tag in sorted(self._pending):  # oldest first: a failed earlier tag is retried first
             source, manifest = self._pending[tag]
             try:
-                self._upload(f"checkpoints/{tag}", source,
+                self._upload(_tag(tag), source,
                              after_file=lambda: faults.mid_upload(_step_of(tag)) if faults else None)
                 if is_rank0():
                     self._verify(tag, manifest)
@@ -228,27 +234,28 @@ class RunStorage:
         """Every file of `manifest` is in the remote tag with its size (other nodes' shards may
         still be arriving: checked again with backoff)."""
         def check() -> None:
-            self.fs.invalidate_cache(self._url(f"checkpoints/{tag}"))
+            self.fs.invalidate_cache(self._url(_tag(tag)))
             remote = {info["name"].rsplit(f"{tag}/", 1)[-1]: info["size"]
-                      for info in self.fs.find(self._url(f"checkpoints/{tag}"), detail=True).values()}
+                      for info in self.fs.find(self._url(_tag(tag)), detail=True).values()}
             wrong = sorted(n for n, size in manifest.items() if remote.get(n) != size)
             if wrong:
-                raise OSError(f"{self.remote}/checkpoints/{tag} lacks or has a wrong size of "
+                raise OSError(f"{self.remote}/{_tag(tag)} lacks or has a wrong size of "
                               f"{', '.join(wrong)}")
         _retry(f"verifying {tag}", check)
 
     def _publish(self, tag: str) -> None:
         """Rank 0, once `tag` is complete and verified remotely: `latest`, metadata, pruning."""
-        _retry("publishing latest", lambda: self.fs.pipe_file(self._url("checkpoints/latest"),
+        _retry("publishing latest", lambda: self.fs.pipe_file(self._url(LATEST),
                                                                tag.encode()))
-        for name in ("config.yaml", "metrics.jsonl"):
+        for name in (CONFIG_NAME, METRICS_NAME):
             if (self.local / name).is_file():
                 self._upload(name)
-        tags = sorted(p.rsplit("/", 1)[-1] for p in self.fs.ls(self._url("checkpoints"), detail=False))
+        listed = self.fs.ls(self._url(CHECKPOINTS_NAME), detail=False)
+        tags = sorted(p.rsplit("/", 1)[-1] for p in listed)
         steps = [t for t in tags if t.startswith("step-")]
         for old in steps[:-self.keep]:
             if old != tag and old not in self._pending:
-                self.fs.rm(self._url(f"checkpoints/{old}"), recursive=True)
+                self.fs.rm(self._url(_tag(old)), recursive=True)
 
     def upload_outputs(self, *names: str) -> None:
         """Rank 0 at the end: mirror export/, eval/ and the final metrics (those that exist)."""

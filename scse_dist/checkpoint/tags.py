@@ -30,12 +30,13 @@ from scse_dist.config import RunConfig, config_to_dict
 from scse_dist.checkpoint import manifest
 from scse_dist.checkpoint.manifest import CONFIG_NAME, META_NAME, TAG_PREFIX
 from scse_dist.distributed import barrier, is_rank0
+from scse_dist.run_dir import RunDir
 
 TMP_PREFIX = ".tmp-"
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def tag_for(step: int) -> str:
@@ -219,7 +220,7 @@ def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,
         if storage is not None:  # a remote run: other nodes' shards may exist only remotely
             storage.complete_tag(tag)
         state_dict = fp32_state_dict(engine, checkpoint_dir(run_dir), tag)
-        out = save_exported_model(state_dict, cfg, str(Path(run_dir) / "export"),
+        out = save_exported_model(state_dict, cfg, str(RunDir(run_dir).export),
                                   tokenizer=cfg.data.tokenizer)
     barrier()
     return out

@@ -14,26 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from scse_dist.cli_errors import cli_main, command_parser
-from scse_dist.config import RunConfig
 from scse_dist.eval.inputs import TASKS, load_tokenizer, no_exit_rule, read_task_data
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
 from scse_dist.quiet import add_verbose_flag, set_verbose
-
-if TYPE_CHECKING:  # imported once the inputs are read: bad input is reported without it
-    import torch
-
-
-def run_heldout_eval(model: torch.nn.Module, cfg: RunConfig, data_path: str, depths: list[int],
-                     out_path: str, checkpoint_label: str, max_batches: int = 0) -> list[dict]:
-    """Held-out perplexity of `model` at `depths` on `data_path`; prints, writes JSON (the trainer's
-    in-process evaluation after training; see scse_dist.eval.tasks.run_task)."""
-    from scse_dist.eval.tasks import run_task
-
-    return run_task("heldout", model, cfg, data_path, depths, out_path, checkpoint_label,
-                    max_batches=max_batches)
 
 
 def _depth_list(text: str) -> list[int]:

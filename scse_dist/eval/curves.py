@@ -3,37 +3,20 @@ training (eval.every_steps; rows of kind "eval" in RUN/metrics.jsonl, docs/train
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Optional, Sequence
 
 from scse_dist.figures import label, panels, save
+from scse_dist.run_dir import EVAL_KIND, RunDir
 
 CURVE_NAME = "heldout_curve.png"
 _LOSS_KEY = re.compile(r"^heldout_loss_T(\d+)$")
 
 
-def metrics_rows(path: str | Path) -> list[dict]:
-    """Every row of a metrics.jsonl in file order ([] without the file); a torn line (a run
-    killed mid-write) is skipped. Training rows have no "kind"; evaluation and sample rows have."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def eval_rows(run_dir: str | Path) -> list[dict]:
     """The run's evaluation rows in file order."""
-    return [row for row in metrics_rows(Path(run_dir) / "metrics.jsonl") if row.get("kind") == "eval"]
+    return RunDir(run_dir).rows_of(EVAL_KIND)
 
 
 def loss_by_depth(rows: list[dict]) -> dict[int, list[tuple[int, float]]]:

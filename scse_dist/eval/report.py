@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from scse_dist.eval.curves import CURVE_NAME, heldout_curve_plot
-from scse_dist.eval.results import eval_dir, log_to_wandb, read_results
+from scse_dist.eval.results import log_to_wandb, read_results
 from scse_dist.figures import label, panels, save
+from scse_dist.run_dir import PARTIAL_KEY, RunDir
 from scse_dist.task_registry import TASKS
 
 REPORT_NAME, PLOT_NAME = "report.md", "frontier.png"
@@ -29,12 +30,12 @@ def collect(run_dirs: Sequence[str | Path]) -> list[dict]:
     results, used = [], set()
     for run_dir in run_dirs:
         found = []
-        for f in sorted(eval_dir(run_dir).glob("*.json")):
+        for f in sorted(RunDir(run_dir).eval.glob("*.json")):
             data = read_results(f)
             if data is not None:
                 found.append(data)
         if not found:
-            raise FileNotFoundError(f"{run_dir}: no evaluation results in {eval_dir(run_dir)}")
+            raise FileNotFoundError(f"{run_dir}: no evaluation results in {RunDir(run_dir).eval}")
         label = f"{found[0].get('run', Path(run_dir).name)} ({found[0].get('recurrence')})"
         if label in used:  # two runs of one name: tell them apart by directory
             label += f" [{run_dir}]"
@@ -69,7 +70,7 @@ def markdown_table(results: list[dict]) -> str:
 
 def _task_cell(data: dict) -> str:
     """The task, and for results cut short by Ctrl-C (scse-eval's "partial") how far they got."""
-    part = data.get("partial")
+    part = data.get(PARTIAL_KEY)
     if not isinstance(part, dict):
         return data["task"]
     total = f"/{part.get('total')}" if part.get("total") else ""
@@ -115,6 +116,7 @@ def report_run(run_dir: str | Path) -> dict[str, str]:
     """The report of one training run, into RUN/eval/, logged to the run's wandb group."""
     from scse_dist.config import load_config
 
-    cfg = load_config(Path(run_dir) / "config.yaml")
-    return write_report([run_dir], eval_dir(run_dir), cfg.wandb, wandb_name=f"{cfg.name}-eval",
+    run = RunDir(run_dir)
+    cfg = load_config(run.config)
+    return write_report([run_dir], run.eval, cfg.wandb, wandb_name=f"{cfg.name}-eval",
                         wandb_group=cfg.wandb.group or cfg.name)

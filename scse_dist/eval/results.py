@@ -73,10 +73,6 @@ def format_table(rows: Sequence[dict], metrics: Sequence[str] = ("ppl", "loss"))
     return "\n".join([fmt(header), rule, *(fmt(line) for line in body)])
 
 
-def eval_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "eval"
-
-
 def read_results(path: Path) -> Optional[dict]:
     """A results JSON (scse_dist.eval.results) checked enough to report; None for other JSON."""
     try:

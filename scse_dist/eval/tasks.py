@@ -7,11 +7,12 @@ Each task is a record in scse_dist.task_registry (its reader, its scorer here, i
               token and word_ppl per target word (lm-eval's LAMBADA perplexity)
     diagnose  per depth ||b|| (forcing bias at the anchor), ||D_t||, ||h_t - h_{t-1}||
 
-A scorer takes a TaskRun and returns one row per depth. `run_task` is the one entry the CLI, the
-trainer and the launcher call: it evaluates (with progress on rank 0: items done, rate, ETA),
-prints a table and writes the results JSON
-(scse_dist.eval.results). On Ctrl-C it writes the results of the items done so far, marked
-`"partial": {"done", "total", "unit"}`, and raises cli_errors.Interrupted with a line saying so.
+A scorer takes a TaskRun and returns one row per depth. `run_task` is the one entry the CLI and
+evaluate_export (scse_dist.eval.export_eval: the trainer, the launcher, a study) call: it
+evaluates (with progress on rank 0: items done, rate, ETA), prints a table and writes the results
+JSON (scse_dist.eval.results). On Ctrl-C it writes the results of the items done so far, marked
+`"partial": {"done", "total", "unit"}` (scse_dist.run_dir.is_complete is then False for it), and
+raises cli_errors.Interrupted with a line saying so.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from scse_dist.eval.results import format_table, write_results
 from scse_dist.eval.scoring import (Score, ScoringInterrupted, Window, context_target_window,
                                     document_windows, score_windows)
 from scse_dist.progress import Progress
+from scse_dist.run_dir import PARTIAL_KEY
 
 # With --exit: the steps each scored token used (ExitStats.summary).
 STEP_METRICS = ("mean_steps", "steps_p50", "steps_p90")
@@ -348,6 +350,6 @@ def _write_partial(stop: TaskInterrupted, task: str, out_path: str, checkpoint_l
     if stats is not None:
         for row in rows:
             row.update(stats.summary())
-    extra = dict(extra, partial={"done": stop.done, "total": stop.total, "unit": stop.unit})
+    extra = {**extra, PARTIAL_KEY: {"done": stop.done, "total": stop.total, "unit": stop.unit}}
     write_results(out_path, task, checkpoint_label, cfg, rows, extra=extra)
     return f"{where}; partial results in {out_path}"

@@ -12,7 +12,8 @@ import argparse
 from typing import Sequence
 
 from scse_dist.cli_errors import cli_main
-from scse_dist.launch.scheduler import evaluate_run, report_run
+from scse_dist.eval.export_eval import evaluate_export
+from scse_dist.launch.scheduler import report_run
 
 
 @cli_main("scse-launch")
@@ -25,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.what == "evaluate":
         if not args.task:
             p.error("evaluate needs a TASK")
-        print(f"scse-launch: {args.task}: {evaluate_run(args.run_dir, args.task)}")
+        print(f"scse-launch: {args.task}: {evaluate_export(args.run_dir, args.task)}")
     else:
         print(f"scse-launch: report {report_run(args.run_dir)}")
     return 0

@@ -16,8 +16,9 @@ pretrain.sh again: the jobs already scheduled for that id are recorded in
 `RUN/eval/scheduled.json`, so they are not submitted twice. The local backend's script evaluates
 inside the training job instead (its jobs run one after another anyway).
 
-Every evaluation job, and `--local`, runs the same `evaluate_run`: the export's config says which
-data each task reads, and `run_task` writes `RUN/eval/<task>.json`; `report_run` then writes
+Every evaluation job, and `--local`, runs the same `evaluate_export` (scse_dist.eval.export_eval,
+as the trainer and a study do): the export's config says which data each task reads, and
+`run_task` writes `RUN/eval/<task>.json`; `report_run` then writes
 `RUN/eval/report.md` and `frontier.png`.
 """
 
@@ -34,33 +35,12 @@ from typing import Sequence
 from scse_dist.atomic import atomic_write_text
 from scse_dist.cli_errors import EXIT_CONFIG, cli_main, command_parser
 from scse_dist.config import RunConfig, load_config
+from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch.backends import BACKENDS, Backend, BackendError, Job, Resources, get_backend
-from scse_dist.task_registry import TASKS, data_path
+from scse_dist.run_dir import RunDir
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 SCHEDULED_NAME = "scheduled.json"
-
-
-def task_data(cfg: RunConfig, task: str) -> str:
-    """The data a task reads: its eval.* file (eval.lambada, ...), else the held-out shards."""
-    return data_path(TASKS[task], cfg)
-
-
-def evaluate_run(run_dir: str, task: str) -> str:
-    """Evaluate RUN/export on `task` (settings from the export's config); returns the JSON path."""
-    import torch
-
-    from scse_dist.checkpoint.loading import load_model
-    from scse_dist.eval.tasks import run_task
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, cfg = load_model(Path(run_dir) / "export", device=device)
-    out = str(Path(run_dir) / "eval" / f"{task}.json")
-    max_batches = cfg.eval.max_batches if TASKS[task].heldout else 0
-    run_task(task, model, cfg, task_data(cfg, task), cfg.eval.depths, out,
-             checkpoint_label=f"{cfg.name}@export", stride=cfg.eval.stride or None,
-             max_batches=max_batches)
-    return out
 
 
 def report_run(run_dir: str) -> str:
@@ -93,7 +73,7 @@ def eval_jobs(cfg: RunConfig, train_job: str) -> tuple[list[Job], Job]:
 def schedule_evals(cfg: RunConfig, train_job: str, backend: Backend) -> list[str]:
     """Submit the eval jobs (afterok:train_job) and the report job; once per training job id.
     If a submission fails, the jobs already submitted are cancelled."""
-    marker = Path(cfg.run_dir).resolve() / "eval" / SCHEDULED_NAME
+    marker = RunDir(Path(cfg.run_dir).resolve()).eval / SCHEDULED_NAME
     if marker.is_file() and json.loads(marker.read_text()).get("train_job") == str(train_job):
         print(f"scse-launch: evaluations of job {train_job} were already scheduled ({marker})")
         return []
@@ -117,11 +97,11 @@ def schedule_evals(cfg: RunConfig, train_job: str, backend: Backend) -> list[str
 
 
 def evaluate_all(cfg: RunConfig) -> str:
-    """Every task of eval.tasks that has no result yet (a requeued job repeats none), then the
-    run's report. Returns report.md."""
+    """Every task of eval.tasks that has no complete result yet (a requeued job repeats none;
+    a Ctrl-C'd one is evaluated again), then the run's report. Returns report.md."""
     for task in cfg.eval.tasks:
-        if not (Path(cfg.run_dir) / "eval" / f"{task}.json").is_file():
-            evaluate_run(cfg.run_dir, task)
+        if not RunDir(cfg.run_dir).evaluated(task):
+            evaluate_export(cfg.run_dir, task)
     return report_run(cfg.run_dir)
 
 
@@ -132,7 +112,7 @@ def run_local(cfg: RunConfig) -> str:
     # The tasks below include held-out: the trainer's own after-train evaluation would repeat it.
     train(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, after_train=False)))
     for task in cfg.eval.tasks:
-        evaluate_run(cfg.run_dir, task)
+        evaluate_export(cfg.run_dir, task)
     return report_run(cfg.run_dir)
 
 

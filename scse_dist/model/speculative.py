@@ -11,7 +11,7 @@ one call, then the coda and head.
 The draft's read-out runs the coda over the step-d state with its own K/V slots ("draft_coda",
 i), so the draft is exactly the model at depth d (with a cache); the full-depth coda's slots hold
 the verifier's. The decoding loop (accepting, rejecting, rolling the cache back with
-KVCache.truncate) is scse_dist.speculative.
+KVCache.truncate) is scse_dist.generate.speculative.
 """
 
 from __future__ import annotations

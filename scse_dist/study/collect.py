@@ -5,7 +5,8 @@ Layout (written by `scse-study`):
     <study>/runs.json        [{"variant", "seed", "lr", "stage": "sweep"|"final", "run_dir",
                                "config", "overrides"}, ...]
     <study>/lr_choice.json   {variant: {"lr": chosen, "scores": {lr: validation metric}}} (a sweep)
-    <run_dir>/config.yaml, metrics.jsonl, eval/*.json  (the trainer's and scse-eval's outputs)
+    <run_dir>/config.yaml, metrics.jsonl, eval/*.json  (the trainer's and scse-eval's outputs;
+                                                        scse_dist.run_dir)
 
 A run is finished when its evaluation JSONs exist. Anything else (no run dir, no results, an
 unreadable JSON) makes it a missing run, named in the report with the reason.
@@ -23,13 +24,11 @@ import yaml
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, config_from_dict, load_config
-from scse_dist.eval.curves import metrics_rows
-from scse_dist.eval.results import eval_dir, read_results
-
+from scse_dist.eval.results import read_results
+from scse_dist.run_dir import VALIDATION_NAME, RunDir
 
 # scse-study scores each LR sweep run into eval/validation.json (task heldout, validation data):
 # it counts the sweep run as finished, and is never read as a test result.
-VALIDATION_NAME = "validation.json"
 
 
 @dataclass
@@ -103,19 +102,13 @@ def _resolve_run_dir(study_dir: Path, run_dir: str) -> Path:
     return study_dir / p
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl's training rows; a torn last line (a run killed mid-write) is skipped, and so
-    are rows with a "kind" (evaluation and samples during training, docs/training.md)."""
-    return [row for row in metrics_rows(path) if "kind" not in row]
-
-
 def _run_config(study_dir: Path, run: StudyRun, entry: dict) -> Optional[RunConfig]:
     """run_dir/config.yaml, else runs.json's config (a path or a dict); None if neither reads
     (load_run then takes an eval JSON's config)."""
     given = entry.get("config")
     if isinstance(given, str):
         given = _resolve_run_dir(study_dir, given)
-    for c in (run.run_dir / "config.yaml", given):
+    for c in (RunDir(run.run_dir).config, given):
         try:
             if isinstance(c, dict):
                 return config_from_dict(c)
@@ -131,14 +124,14 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
                    lr=None if entry.get("lr") is None else float(entry["lr"]),
                    stage=str(entry.get("stage", "final")),
                    run_dir=_resolve_run_dir(study_dir, str(entry["run_dir"])))
-    run.metrics = read_metrics(run.run_dir / "metrics.jsonl")
+    run.metrics = RunDir(run.run_dir).training_rows()
     run.config = _run_config(study_dir, run, entry)
     if not run.run_dir.is_dir():
         run.missing = "no run dir (never started)"
         return run
     config_from_eval = None
-    for f in sorted(eval_dir(run.run_dir).glob("*.json")):
-        if f.name == VALIDATION_NAME:  # a sweep run's score on the validation split: not a result
+    for f in sorted(RunDir(run.run_dir).eval.glob("*.json")):
+        if f.stem == VALIDATION_NAME:  # a sweep run's score on the validation split: not a result
             continue
         try:
             data = read_results(f)
@@ -151,7 +144,8 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
             config_from_eval = config_from_eval or data.get("config")
     if run.config is None and config_from_eval:
         run.config = config_from_dict(config_from_eval)
-    if not run.results and not (run.stage == "sweep" and (eval_dir(run.run_dir) / VALIDATION_NAME).is_file()):
+    scored = run.stage == "sweep" and RunDir(run.run_dir).results(VALIDATION_NAME).is_file()
+    if not run.results and not scored:
         steps = [r["step"] for r in run.metrics if "step" in r]
         planned = run.config.train.max_steps if run.config else "?"
         where = f"training stopped at step {steps[-1]} of {planned}" if steps else "no training log"

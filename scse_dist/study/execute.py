@@ -34,8 +34,10 @@ import sys
 import time
 from pathlib import Path
 
+from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch.backends import Backend, BackendError, Job, Resources
-from scse_dist.launch.scheduler import evaluate_run, pretrain_script
+from scse_dist.launch.scheduler import pretrain_script
+from scse_dist.run_dir import RunDir
 from scse_dist.progress import eta_seconds, format_duration
 from scse_dist.study.plan import StudyError, choose_lrs, evaluate_validation, status, write_study
 from scse_dist.study.spec import Run, StudySpec
@@ -76,7 +78,7 @@ def _train(run: Run) -> tuple[int, str]:
 
 def _train_and_evaluate(spec: StudySpec, run: Run) -> tuple[int, str]:
     """Train through scse-train, then the stage's evaluations; (0, "") or training's failure."""
-    if not (Path(run.run_dir) / "export").is_dir():
+    if not RunDir(run.run_dir).export.is_dir():
         code, line = _train(run)
         if code != 0:
             print(f"scse-study: FAILED {run.run_dir}: training exited {code}", flush=True)
@@ -85,8 +87,8 @@ def _train_and_evaluate(spec: StudySpec, run: Run) -> tuple[int, str]:
         evaluate_validation(spec, run)
     else:
         for task in spec.evals.tasks:
-            if not (Path(run.run_dir) / "eval" / f"{task}.json").is_file():
-                evaluate_run(run.run_dir, task)
+            if not RunDir(run.run_dir).evaluated(task):
+                evaluate_export(run.run_dir, task)
     return 0, ""
 
 
@@ -211,7 +213,7 @@ def report_failures(spec: StudySpec) -> int:
     for run in write_study(spec, "final"):
         state = status(spec, run)
         if state != "done":
-            trained = (Path(run.run_dir) / "export").is_dir()
+            trained = RunDir(run.run_dir).export.is_dir()
             what = "its evaluation did not finish" if trained else "training did not finish"
             print(f"scse-study: FAILED {run.run_dir}: {what}", flush=True)
             failed += 1

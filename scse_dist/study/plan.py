@@ -8,9 +8,10 @@
     <out>/<study>/<variant>/<variant>-seed<k>/             a final run (stage 2)
     <out>/<study>/<variant>/<variant>-lr<value>-seed<k>/   an LR sweep run (stage 1)
 
-Each run dir holds `config.yaml` (its resolved RunConfig, written before training) and what the
-trainer writes there: metrics.jsonl, checkpoints/, export/, eval/<task>.json. A run is done when
-its export and every evaluation of its stage exist (a sweep run: eval/validation.json).
+Each run dir (scse_dist.run_dir) holds `config.yaml` (its resolved RunConfig, written before
+training) and what the trainer writes there: metrics.jsonl, checkpoints/, export/,
+eval/<task>.json. A run is done when its export and every evaluation of its stage are complete (a
+sweep run: eval/validation.json); a Ctrl-C'd evaluation (marked partial) is not.
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ import yaml
 
 from scse_dist.atomic import atomic_write_text
 from scse_dist.config import config_to_dict
+from scse_dist.run_dir import VALIDATION_NAME, RunDir, is_complete
 from scse_dist.study.spec import Run, StudySpec, expand, run_config
 from scse_dist.task_registry import TASKS, field_value
 
 SPEC_NAME, RUNS_NAME, LR_CHOICE_NAME = "study.yaml", "runs.json", "lr_choice.json"
-VALIDATION_NAME = "validation.json"  # a sweep run's score: eval/validation.json
-WEIGHTS_NAME = "model.safetensors"  # scse_dist.checkpoint.export.WEIGHTS_NAME; importing it would load torch
 
 
 class StudyError(RuntimeError):
@@ -37,18 +37,16 @@ class StudyError(RuntimeError):
 
 
 def evals_of(spec: StudySpec, run: Run) -> list[str]:
-    """The eval/<name>.json files a run must have to count as done."""
-    return [VALIDATION_NAME] if run.stage == "sweep" else [f"{t}.json" for t in spec.evals.tasks]
+    """The evaluations (eval/<name>.json) a run must have complete to count as done."""
+    return [VALIDATION_NAME] if run.stage == "sweep" else list(spec.evals.tasks)
 
 
 def status(spec: StudySpec, run: Run) -> str:
-    """done (export and evaluations exist), partial (something was started), or new."""
-    d = Path(run.run_dir)
-    if (d / "export" / WEIGHTS_NAME).is_file() and \
-            all((d / "eval" / name).is_file() for name in evals_of(spec, run)):
+    """done (export and complete evaluations), partial (something was started), or new."""
+    d = RunDir(run.run_dir)
+    if d.exported() and all(d.evaluated(name) for name in evals_of(spec, run)):
         return "done"
-    started = (d / "metrics.jsonl").is_file() or (d / "checkpoints").is_dir() or (d / "export").is_dir()
-    return "partial" if started else "new"
+    return "partial" if d.started() else "new"
 
 
 def read_choice(spec: StudySpec) -> dict[str, float] | None:
@@ -78,18 +76,16 @@ def write_study(spec: StudySpec, stage: str) -> list[Run]:
 
 def evaluate_validation(spec: StudySpec, run: Run) -> float | None:
     """The sweep score of a run: loss on `lr.validation` at the training depth (None: no export).
-    Computed once into eval/validation.json."""
-    out = Path(run.run_dir) / "eval" / VALIDATION_NAME
-    if not out.is_file():
-        if not (Path(run.run_dir) / "export" / WEIGHTS_NAME).is_file():
+    Computed once into eval/validation.json (again when a Ctrl-C left it partial)."""
+    d = RunDir(run.run_dir)
+    out = d.results(VALIDATION_NAME)
+    if not is_complete(out):
+        if not d.exported():
             return None
-        from scse_dist.checkpoint.loading import load_model
-        from scse_dist.eval.tasks import run_task
+        from scse_dist.eval.export_eval import evaluate_export
 
-        model, cfg = load_model(Path(run.run_dir) / "export")
-        run_task("heldout", model, cfg, spec.lr.validation, [cfg.model.depth], str(out),
-                 checkpoint_label=f"{run.run_dir}@export (validation)",
-                 max_batches=cfg.eval.max_batches)
+        evaluate_export(d, "heldout", data=spec.lr.validation, at_model_depth=True,
+                        name=VALIDATION_NAME, label=f"{run.run_dir}@export (validation)")
     loss = json.loads(out.read_text())["results"][0]["loss"]
     return loss if loss is not None else float("inf")  # a diverged run loses the choice
 

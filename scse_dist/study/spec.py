@@ -45,6 +45,7 @@ import yaml
 from scse_dist.config import ConfigError, RunConfig, config_from_dict
 from scse_dist.typed_yaml import _read_yaml
 from scse_dist.launch.backends.base import Resources
+from scse_dist.run_dir import RunDir
 from scse_dist.task_registry import TASKS, field_value
 
 
@@ -144,7 +145,7 @@ class Run:
 
     @property
     def config(self) -> str:
-        return str(Path(self.run_dir) / "config.yaml")
+        return str(RunDir(self.run_dir).config)
 
     def record(self) -> dict:
         return {"variant": self.variant, "seed": self.seed, "lr": self.lr, "stage": self.stage,

@@ -24,6 +24,7 @@ from scse_dist.checkpoint.tags import resume_if_present
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
 from scse_dist.distributed import (abandon, barrier, describe_placement, init_distributed,
                                    shutdown)
+from scse_dist.run_dir import EVAL_NAME, EXPORT_NAME, METRICS_NAME, RunDir
 from scse_dist.threads import configure_threads
 from scse_dist.train.callbacks.after_training import AfterTrainingEval
 from scse_dist.train.callbacks.assembly import (configured_callbacks, in_hook_order,
@@ -185,7 +186,7 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
     start_step, callback_states = resume_if_present(engine, run_dir, stream, resume_tag)
     _check_resumed_step(start_step, cfg, run_dir)
     if env.rank == 0:  # rows a dead run wrote past the resumed step would come twice
-        cut_metrics(run_dir / "metrics.jsonl", start_step)
+        cut_metrics(RunDir(run_dir).metrics, start_step)
     logger = MetricsLogger(str(run_dir), env.rank == 0, cfg.wandb, cfg.name, config_to_dict(cfg))
     state = TrainState(cfg=cfg, env=env, run_dir=run_dir, storage=storage, engine=engine,
                        stream=stream, tokenizer=tokenizer, logger=logger,
@@ -235,7 +236,7 @@ def _prepare_run_dir(cfg: RunConfig, rank0: bool) -> tuple[RunStorage, Any]:
     # refused config leaves the run dir as it was (config.yaml included).
     resume_tag = plan_resume(cfg, storage.local, remote=storage.remote is not None)
     if rank0:
-        save_config(cfg, storage.local / "config.yaml")
+        save_config(cfg, RunDir(storage.local).config)
     return storage, resume_tag
 
 
@@ -252,11 +253,12 @@ def _publish_outputs(state: TrainState) -> None:
     """Rank 0, at the very end: export, eval and metrics to a remote run dir, and the last line."""
     if not state.rank0:
         return
-    state.storage.upload_outputs("export", "eval", "metrics.jsonl")
+    state.storage.upload_outputs(EXPORT_NAME, EVAL_NAME, METRICS_NAME)
     not_uploaded = state.summary.pop("not_uploaded", [])
     if not_uploaded:  # everything else is done; the checkpoint is only in staging
+        kept = RunDir(state.run_dir).checkpoints
         raise OSError(f"{state.storage.remote}: checkpoint {', '.join(not_uploaded)} could not be "
-                      f"uploaded (see above); it is kept in {state.run_dir / 'checkpoints'}: rerun "
+                      f"uploaded (see above); it is kept in {kept}: rerun "
                       "the same command on this machine to upload it")
     eval_path = state.summary["eval_path"]
     print(f"run dir {state.run_dir}: metrics.jsonl, checkpoints/, export/ "

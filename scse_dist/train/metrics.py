@@ -11,6 +11,7 @@ import torch
 
 from scse_dist.atomic import atomic_write_text
 from scse_dist.config import WandbConfig
+from scse_dist.run_dir import RunDir, metric_lines
 
 PEAK_FLOPS_ENV = "SCSE_PEAK_FLOPS"
 # Dense bf16 tensor-core peaks (FLOP/s), matched as substrings of torch.cuda.get_device_name().
@@ -69,18 +70,8 @@ def cut_metrics(path: str | Path, step: int) -> int:
 
     At a resume from checkpoint step N the rows a dead run wrote after N would be written again:
     without the cut, metrics.jsonl would hold those steps twice and go backwards."""
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    kept = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and int(row.get("step", 0)) <= step:
-            kept.append(line)
+    lines = metric_lines(path)
+    kept = [line for line, row in lines if row is not None and int(row.get("step", 0)) <= step]
     if len(kept) != len(lines):
         atomic_write_text(path, "".join(f"{line}\n" for line in kept))
     return len(lines) - len(kept)
@@ -101,7 +92,7 @@ class MetricsLogger:
             return
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         # Append: a resumed run continues the same file.
-        self._file = open(Path(run_dir) / "metrics.jsonl", "a")
+        self._file = open(RunDir(run_dir).metrics, "a")
         if wandb_cfg.enabled and wandb_cfg.mode != "disabled":
             import wandb
 

@@ -23,10 +23,9 @@ from typing import Iterator, Optional
 
 import torch
 
+from scse_dist.run_dir import EVAL_KIND
 from scse_dist.train.callbacks.base import Callback, TrainState, every
 from scse_dist.train.step import sum_over_ranks
-
-EVAL_KIND = "eval"
 
 
 def agreed_batches(batches: Iterator[torch.Tensor], limit: int, device: torch.device

@@ -11,20 +11,10 @@ each hold a slice of the weights (refused at the start).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
 from scse_dist.config import ConfigError
 from scse_dist.train.callbacks.base import Callback, TrainState, every
 
 SAMPLE_KIND = "sample"
-
-
-def continuation(tokenizer: Any, prompt: Sequence[int], new: Sequence[int]) -> str:
-    """The text `new` adds to `prompt`, its leading space kept (decoding `new` alone drops the
-    space that a word-initial piece carries)."""
-    new = [t for t in new if t != tokenizer.eos_id]
-    head, whole = tokenizer.decode(list(prompt)), tokenizer.decode([*prompt, *new])
-    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new)
 
 
 class SampleCallback(Callback):
@@ -44,7 +34,7 @@ class SampleCallback(Callback):
             self.sample(state)
 
     def sample(self, state: TrainState) -> dict:
-        from scse_dist.generate import Sampling, generate
+        from scse_dist.generate import Sampling, continuation_text, generate
 
         cfg, model = state.cfg, state.engine.module
         sampling = Sampling(temperature=cfg.eval.sample_temperature, seed=cfg.train.seed)
@@ -55,7 +45,7 @@ class SampleCallback(Callback):
                            sampling=sampling, eos_id=state.tokenizer.eos_id)
         finally:
             model.train(was_training)
-        samples = [{"prompt": text, "text": continuation(state.tokenizer, ids, new)}
+        samples = [{"prompt": text, "text": continuation_text(state.tokenizer, ids, new)}
                    for text, ids, new in zip(cfg.eval.sample_prompts, self.prompts, out.tokens)]
         for s in samples:
             print(f"sample step {state.step:>6d} | {s['prompt']!r} -> {s['text']!r}"[:400], flush=True)

@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from scse_dist.generate_options import Sampling  # noqa: F401 (defined without torch; API here)
+from scse_dist.generate.options import Sampling  # noqa: F401 (defined without torch; API here)
 
 
 class Generation(NamedTuple):

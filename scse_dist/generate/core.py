@@ -1,18 +1,18 @@
 """Text generation: greedy, temperature and top-p sampling over LoopedLM.decode_step's KV cache,
-and self-speculative decoding (scse_dist.speculative). The command is scse_dist.generate_cli.
+and self-speculative decoding (scse_dist.generate.speculative). The command is
+scse_dist.generate.cli.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from scse_dist.generate_options import CACHE_CHOICES, AdaptiveDraft, DraftTokens  # noqa: F401 (API)
+from scse_dist.generate.options import CACHE_CHOICES, DraftTokens
+from scse_dist.generate.sampling import Generation, Sampling, left_pad, next_tokens
+from scse_dist.generate.speculative import speculative_generate
 from scse_dist.model.kv_cache import KVCache
-from scse_dist.speculative import speculative_generate
-from scse_dist.sampling import Generation, Sampling, left_pad, next_tokens  # noqa: F401 (API)
 
 
 @torch.no_grad()
@@ -28,7 +28,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
     for each token). on_token(row, token) is called for each new token as it is chosen.
     generator: sampling's random numbers (default: a new one seeded with sampling.seed).
     stop(row, new tokens) -> True also ends a row (a stop string: lm-eval's `until`).
-    speculative=(d, K): self-speculative decoding (scse_dist.speculative), K tokens drafted at
+    speculative=(d, K): self-speculative decoding (scse_dist.generate.speculative), K tokens drafted at
     loop depth d per round, K an int or AdaptiveDraft() (K adapted per round from the acceptance
     so far); greedy gives the same tokens, sampling the same distribution."""
     if cache not in CACHE_CHOICES:
@@ -73,30 +73,3 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
         step_in, mask_in = chosen[:, None], torch.ones_like(chosen)[:, None]
         tokens, mask = torch.cat([tokens, step_in], 1), torch.cat([mask, mask_in], 1)
     return Generation(new, steps)
-
-
-def continuation_text(tokenizer, prompt_ids: Sequence[int], new: Sequence[int]) -> str:
-    """The text the new tokens add after the prompt: decoded together with the prompt, so the
-    continuation keeps its leading space (a first new token '▁the' decodes alone as 'the')."""
-    new = [t for t in new if t != tokenizer.eos_id]
-    before, text = tokenizer.decode(list(prompt_ids)), tokenizer.decode(list(prompt_ids) + new)
-    return text[len(before):] if text.startswith(before) else tokenizer.decode(new)
-
-
-class TextStream:
-    """Prints a sequence's continuation as tokens arrive (decoding prompt + continuation each
-    time, so pieces that merge across tokens, and the first token's space, print right)."""
-
-    def __init__(self, tokenizer, prompt_ids: Sequence[int], out=None) -> None:
-        self.tokenizer, self.prompt_ids = tokenizer, list(prompt_ids)
-        self.out, self.ids, self.printed = out or sys.stdout, [], ""
-
-    def __call__(self, row: int, token: int) -> None:
-        if token == self.tokenizer.eos_id:
-            return
-        self.ids.append(token)
-        text = continuation_text(self.tokenizer, self.prompt_ids, self.ids)
-        if text.startswith(self.printed):
-            self.out.write(text[len(self.printed):])
-            self.out.flush()
-            self.printed = text

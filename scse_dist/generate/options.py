@@ -1,6 +1,6 @@
 """Generation's options as a command line states them, without torch: sampling settings, cache
 modes, the exit rule's default cap, self-speculative decoding's DRAFT_DEPTH[,K|,auto]. scse-generate
-checks them before importing torch; scse_dist.sampling, .speculative and .generate use them."""
+checks them before importing torch; the package's sampling, speculative and core use them."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 `--prompt-file F` generates for every line of F at once (one left-padded batch); each sequence
 gets the tokens it would get alone. `--cache none` recomputes the whole sequence for every new
 token (the reference the cache must equal). The arguments and prompts are checked before torch
-is imported (scse_dist.generate, the library, imports it).
+is imported (scse_dist.generate.core, the library, imports it).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from scse_dist.cli_errors import InputError, cli_main, command_parser
-from scse_dist.generate_options import (CACHE_CHOICES, DEFAULT_DRAFT_TOKENS, EXIT_CAP_FACTOR,
+from scse_dist.generate.options import (CACHE_CHOICES, DEFAULT_DRAFT_TOKENS, EXIT_CAP_FACTOR,
                                         MAX_DRAFT_TOKENS, SPECULATIVE_FORM, DraftTokens,
                                         Sampling, parse_speculative)
 
 if TYPE_CHECKING:
-    from scse_dist.sampling import Generation
+    from scse_dist.generate.sampling import Generation
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -109,7 +109,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with local_export(args.export) as path:  # a missing or bad path fails before torch loads
         model, cfg = load_model(path, device=args.device)
         tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
-    from scse_dist.generate import TextStream, continuation_text, generate
+    from scse_dist.generate.core import generate
+    from scse_dist.generate.text import TextStream, continuation_text
     from scse_dist.threads import configure_threads
 
     configure_threads()  # as scse-eval: no busy-waiting threads beyond the free cores

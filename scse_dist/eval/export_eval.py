@@ -1,0 +1,41 @@
+"""Evaluate a run's export: the one function the trainer (after training), the launcher's
+evaluation jobs and a study (its tasks, its sweep's validation score) call.
+
+The export's own config gives the settings (eval.depths, eval.max_batches where the task reads
+held-out shards, eval.stride, and the file the task reads: eval.data.<task>, else data.path);
+the results go to RUN/eval/<name>.json (scse_dist.run_dir). A Ctrl-C leaves that file marked
+partial, so run_dir.is_complete() is False for it and the next call evaluates again.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from scse_dist.run_dir import RunDir
+from scse_dist.task_registry import TASKS, data_path
+
+
+def evaluate_export(run_dir: str | os.PathLike, task: str, *, data: Optional[str] = None,
+                    at_model_depth: bool = False, name: Optional[str] = None,
+                    label: Optional[str] = None) -> str:
+    """Evaluate RUN/export on `task` into RUN/eval/<name or task>.json; returns that path.
+
+    data: the file the task reads (default: its eval.* file, else data.path's held-out shards);
+    at_model_depth: at model.depth alone (the depth it trained at) instead of eval.depths;
+    label: the results' "checkpoint" (default "<run name>@export")."""
+    import torch
+
+    from scse_dist.checkpoint.loading import load_model
+    from scse_dist.eval.tasks import run_task
+
+    run = RunDir(run_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, cfg = load_model(run.export, device=device)
+    depths = [cfg.model.depth] if at_model_depth else cfg.eval.depths
+    out = str(run.results(name or task))
+    record = TASKS[task]
+    run_task(task, model, cfg, data or data_path(record, cfg), depths, out,
+             checkpoint_label=label or f"{cfg.name}@export", stride=cfg.eval.stride or None,
+             max_batches=cfg.eval.max_batches if record.heldout else 0)
+    return out
