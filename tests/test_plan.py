@@ -60,7 +60,7 @@ def test_auto_takes_the_largest_candidate_that_fits():
 
 
 def test_table_and_json_through_the_cli(capsys):
-    argv = ["--config", GPT2, "--plan", "--world-size", "16", "--gpu", "h200", "--tokens", "10e9"]
+    argv = ["--config", GPT2, "--plan", "--world-size", "16", "--gpu", "h200", "train.max_steps=500"]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert table.startswith("plan: gpt2-small-scse on 16 x H200 (2 nodes of 8), bf16, ZeRO-1")
@@ -71,10 +71,10 @@ def test_table_and_json_through_the_cli(capsys):
     assert "DeepSpeed has no estimator for ZeRO-1" not in table  # a note of the JSON only
     assert main(argv + ["--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    cfg = load_config(GPT2)
-    assert plan == json.loads(json.dumps(build(cfg, 16, Assumptions(gpu="h200", tokens=10e9))))
-    assert plan["tokens"] >= 10e9 and plan["memory_bytes"]["peak"] / GIB < 140
-    assert render(build(cfg, 16, Assumptions(gpu="h200", tokens=10e9))) + "\n" == table
+    expected = build(load_config(GPT2, ["train.max_steps=500"]), 16, Assumptions(gpu="h200"))
+    assert plan == json.loads(json.dumps(expected))
+    assert plan["steps"] == 500 and plan["memory_bytes"]["peak"] / GIB < 140
+    assert render(expected) + "\n" == table
 
 
 @pytest.mark.parametrize("argv, line", [
