@@ -68,7 +68,7 @@ def test_dry_run_prints_the_facts_creates_nothing_and_imports_no_deepspeed(tmp_p
     assert f"training depth T (uniform): min {min(depths)}, mean {sum(depths) / 12:.2f}, " \
            f"max {max(depths)}" in lines
     assert f"{flops_per_token(cfg.model, max(depths), 32):.3e} at T={max(depths)}" in out.stdout
-    assert any(line.startswith("memory per rank (rough): ") for line in lines)
+    assert any(line.startswith("memory per rank: ") for line in lines)
     assert "not built yet; data.build=stdlib_docs builds it at the start" in out.stdout
     assert "deepspeed imported: False" in lines
     assert not (tmp_path / "runs").exists() and not (tmp_path / "built").exists()

@@ -43,6 +43,39 @@ def _epilog() -> str:
             f"meaning); training: docs/training.md\n{configs}")
 
 
+# --plan's own flags: (flag, type, default shown in --help, help); None in args: the default
+PLAN_FLAGS = [
+    ("--world-size", int, "required with --plan", "GPUs the run trains on"),
+    ("--gpu", str, "h100", "h100, h200 or a100"),
+    ("--mfu", float, "0.40", "model FLOPs utilisation the time assumes, a fraction"),
+    ("--tokens", float, "train.max_steps steps", "tokens the run trains on, e.g. 10e9"),
+    ("--gpus-per-node", int, "8", "GPUs per node"),
+    ("--link-gbs", float, "the GPU's NVLink on one node, its NIC across nodes",
+     "GB/s each GPU sends in collectives"),
+    ("--memory-fraction", float, "0.90", "of each GPU's memory the plan may fill"),
+]
+
+
+def _plan_assumptions(args: argparse.Namespace):
+    """--plan's flags as Assumptions; a plan flag without --plan is a one-line error."""
+    from scse_dist.config import ConfigError
+
+    given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+             for flag, *_ in PLAN_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not args.plan:
+        named = [f"--{k.replace('_', '-')}" for k in given] + (["--json"] if args.json else [])
+        if named:
+            raise ConfigError(f"{named[0]}: only with --plan")
+        return None, None
+    world_size = given.pop("world_size", None)
+    if world_size is None:
+        raise ConfigError("--plan: needs --world-size (the GPUs the run trains on)")
+    from scse_dist.train.plan import Assumptions
+
+    return world_size, Assumptions(**given)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scse-train", description=__doc__.split("\n\n")[0],
                                      epilog=_epilog(),
@@ -52,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the parameter count, FLOPs per token at the run's depths, "
                              "the tokens it will see and a memory estimate, then exit 0 without "
                              "creating anything")
+    plan = parser.add_argument_group(
+        "planning a cluster run (--plan; docs/launching.md, 'Sizing a run')")
+    plan.add_argument("--plan", action="store_true",
+                      help="print memory per GPU (training state, activations with and without "
+                           "loop checkpointing, the largest micro-batch that fits), communication "
+                           "and time per step and for the run, then exit 0; needs --world-size")
+    for flag, kind, default, text in PLAN_FLAGS:
+        plan.add_argument(flag, type=kind, default=None, help=f"{text} (default {default})")
+    plan.add_argument("--json", action="store_true", help="the plan as JSON, for machines")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (YAML, overrides applied) and exit 0")
     # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment is what we use.
@@ -65,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # a ConfigError is exit 2, before any process group
+    world_size, assumptions = _plan_assumptions(args)
+    if args.plan:
+        import json
+
+        from scse_dist.train.plan import build, render
+
+        plan = build(cfg, world_size, assumptions)
+        print(json.dumps(plan, indent=2) if args.json else render(plan))
+        return 0
     if args.print_config:
         print(config_yaml(cfg), end="")
         return 0

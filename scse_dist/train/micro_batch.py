@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from scse_dist.config import ConfigError, RunConfig
-from scse_dist.train.dry_run import GIB, state_bytes, training_depths
+from scse_dist.train.sizing import GIB, state_memory, training_depths
 
 # Why a candidate does not fit, or None when it does.
 WhyNot = Callable[[int], Optional[str]]
@@ -97,7 +97,8 @@ def optimizer_reserve(cfg: RunConfig, model: torch.nn.Module, world_size: int) -
     optimizer's moments and master weights, as DeepSpeed will shard them."""
     n = sum(p.numel() for p in model.parameters())
     held = n * (4 + 4)
-    return max(0, int(state_bytes(n, _precision(cfg), cfg.train.zero_stage, world_size)) - held)
+    states = state_memory(n, _precision(cfg), cfg.train.zero_stage, world_size)
+    return max(0, int(states.total) - held)
 
 
 # --------------------------------------------------------------------------- "fits" on CUDA
