@@ -162,3 +162,26 @@ def test_a_path_that_is_not_an_export_says_what_it_is(tmp_path):
             with pytest.raises(FileNotFoundError) as err:
                 load(str(path))
             assert str(err.value).startswith(prefix) and reason in str(err.value), err.value
+
+
+def test_the_same_weights_give_the_same_bytes_in_every_process(tmp_path):
+    """safetensors writes its metadata keys in hash-map order, which varies between processes;
+    the export sorts them, so a run's export hashes the same however often it is written."""
+    import hashlib
+    import subprocess
+    import sys
+
+    cfg = tiny_cfg()
+    torch.save(LoopedLM(cfg.model).state_dict(), tmp_path / "state.pt")
+    script = ("import sys, torch; from conftest import tiny_cfg; "
+              "from scse_dist.checkpoint.export import save_exported_model; "
+              "save_exported_model(torch.load(sys.argv[1]), tiny_cfg(), sys.argv[2])")
+    digests = set()
+    for i in range(6):  # two orders occur about equally often: 6 processes all alike by luck ~3%
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / "state.pt"),
+                        str(tmp_path / f"e{i}")], check=True, cwd=Path(__file__).parent)
+        digests.add(hashlib.sha256((tmp_path / f"e{i}" / "model.safetensors").read_bytes())
+                    .hexdigest())
+    assert len(digests) == 1
+    with safe_open(str(tmp_path / "e0" / "model.safetensors"), "pt") as f:
+        assert list(f.metadata()) == sorted(f.metadata())

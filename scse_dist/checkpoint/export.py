@@ -46,6 +46,22 @@ _ALIASES_KEY = "scse_tied_aliases"
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
+def _save_canonical(tensors: dict, path: Path, metadata: dict[str, str]) -> None:
+    """save_file, then its metadata's keys sorted in place: safetensors writes them in hash-map
+    order, which differs between processes, so the same weights gave files of different bytes."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        canonical = json.dumps(header, separators=(",", ":")).encode()
+        if len(canonical) <= size:  # the same keys and values: never longer; pad as safetensors does
+            f.seek(8)
+            f.write(canonical.ljust(size, b" "))
+
+
 def _strip_wrapper_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for prefix in _WRAPPER_PREFIXES:
         if state_dict and all(k.startswith(prefix) for k in state_dict):
@@ -106,7 +122,7 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
     tensors = {n: t.clone() if t.numel() and storages[t.untyped_storage().data_ptr()] > 1 else t
                for n, t in tensors.items()}
     metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
-    atomic_write(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata=metadata))
+    atomic_write(out / WEIGHTS_NAME, lambda p: _save_canonical(tensors, p, metadata))
     if model_bytes is not None:
         atomic_write(out / TOKENIZER_NAME, lambda p: p.write_bytes(model_bytes))
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=TOKENIZER_NAME))
