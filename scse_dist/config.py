@@ -240,6 +240,21 @@ class WandbConfig:
 
 
 @dataclass
+class TensorBoardConfig:
+    # Rank 0 writes every row of metrics.jsonl as TensorBoard scalars too (train/*, eval/*,
+    # diag/*; samples as text), flushed per row. Needs the tensorboard package
+    # (pip install 'scse-dist[tensorboard]'); see docs/training.md, "TensorBoard".
+    enabled: bool = False
+    # The event files' directory (local); null: <run dir>/tensorboard.
+    log_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.log_dir is not None and ("://" in self.log_dir or not self.log_dir.strip()):
+            raise ConfigError(f"tensorboard.log_dir: a local directory, or null for <run dir>/"
+                              f"tensorboard; got {self.log_dir!r}")
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     output_dir: str = "runs"
@@ -248,6 +263,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
 
     @property
     def run_dir(self) -> str:

@@ -38,6 +38,7 @@ from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import FaultInjector, TrainingStopped
 from scse_dist.train.metrics import MetricsLogger, cut_metrics
 from scse_dist.train.step import train_step
+from scse_dist.train.tensorboard import tensorboard_log_dir
 from scse_dist.train.warm_start import maybe_init_from
 
 
@@ -172,7 +173,8 @@ def _start(cfg: RunConfig) -> TrainState:
     _check_resumed_step(start_step, cfg, run_dir)
     if env.rank == 0:  # rows a dead run wrote past the resumed step would come twice
         cut_metrics(run_dir / "metrics.jsonl", start_step)
-    logger = MetricsLogger(str(run_dir), env.rank == 0, cfg.wandb, cfg.name, config_to_dict(cfg))
+    logger = MetricsLogger(str(run_dir), env.rank == 0, cfg.wandb, cfg.name, config_to_dict(cfg),
+                           tensorboard_log_dir(cfg, run_dir), start_step)
     state = TrainState(cfg=cfg, env=env, run_dir=run_dir, storage=storage, engine=engine,
                        stream=stream, tokenizer=tokenizer, logger=logger,
                        faults=FaultInjector(env.rank), start_step=start_step, step=start_step,
