@@ -1,18 +1,22 @@
 """TensorBoard beside metrics.jsonl: the same numbers under grouped tags, a resumed run's restart
-marker, the missing package as one line."""
+marker, the missing package as one line; and a real run with TensorBoard and the profiler on."""
 
 from __future__ import annotations
 
+import json
+import re
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from scse_dist.config import ConfigError, WandbConfig, load_config
+from scse_dist.train.depth import sample_depth
 from scse_dist.train.metrics import MetricsLogger
 from scse_dist.train.tensorboard import check_tensorboard
-from train_procs import read_metrics
+from train_procs import REPO, TRAIN, read_metrics
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -122,15 +126,72 @@ def test_log_dir_must_be_local():
         load_config(None, ["tensorboard.log_dir=s3://bucket/tb"])
 
 
+def run_trainer(config: str, env: dict, *overrides: str) -> str:
+    out = subprocess.run([sys.executable, TRAIN, "--config", config, *overrides], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_a_run_with_tensorboard_and_the_profiler_then_a_resume_from_an_earlier_checkpoint(
+        tmp_path, tiny_config, subprocess_env):
+    """TensorBoard holds metrics.jsonl's numbers (training, eval and diagnostics rows), also after
+    a resume that rewrites steps 11..20; the profiler writes a Chrome trace of steps 3..4 with the
+    model's loop-step labels, and a resumed run past the window profiles nothing."""
+    config = tiny_config(tmp_path, "tensorboard.enabled=true", "eval.every_steps=5",
+                         "train.diagnostics_every=2", "profile.enabled=true",
+                         "profile.start_step=3", "profile.steps=2",
+                         "model.activation_checkpointing=loop")
+    run_dir = tmp_path / "runs" / "tiny"
+    out = run_trainer(config, subprocess_env)
+    rows = read_metrics(run_dir)
+    assert {r.get("kind") for r in rows} == {None, "eval"}
+    assert any("diag/D_kept" in r and "loss" not in r for r in rows)  # a diagnostics-only row
+    got = event_scalars(run_dir / "tensorboard")
+    assert got == expected_scalars(rows)
+    assert [s for s, _ in got["train/loss"]] == [1, 5, 10, 15, 20]
+    assert [s for s, _ in got["eval/heldout_loss_T2"]] == [5, 10, 15, 20]
+
+    trace_path = run_dir / "profile" / "rank0.steps3-4.pt.trace.json"
+    assert f"profile: steps 3..4 of rank 0 in {trace_path}" in out
+    assert sorted(p.name for p in (run_dir / "profile").iterdir()) == \
+        ["rank0.steps3-4.pt.trace.json", "rank0.steps3-4.txt"]
+    events = json.loads(trace_path.read_text())["traceEvents"]  # Chrome's trace format
+    spans = [e["name"] for e in events if e.get("ph") == "X"]
+    assert sorted({n for n in spans if n.startswith("ProfilerStep#")}) == \
+        ["ProfilerStep#3", "ProfilerStep#4"]
+    # Each training step's forward labels its T loop steps, and with loop checkpointing the
+    # backward's recomputation of each again (the diagnostics' pass steps the core itself).
+    cfg = load_config(config)
+    depths = [sample_depth(step - 1, cfg.train.depth, cfg.model.depth, cfg.train.seed)
+              for step in (3, 4)]
+    for suffix in ("", "_recompute"):
+        labels = sorted(n for n in spans if re.fullmatch(rf"loop_step_\d+{suffix}", n))
+        assert labels == sorted(f"loop_step_{t}{suffix}" for d in depths for t in range(d))
+
+    # From checkpoint step 10 again: metrics.jsonl is cut at 10 and TensorBoard hides 11..20 of
+    # the first run behind the new ones.
+    first = {tag: dict(points) for tag, points in got.items()}
+    out = run_trainer(config, subprocess_env, "train.resume_from=step-10", "train.lr=6e-3")
+    assert "profile: steps 3..4 were done before this run resumed at step 10: nothing profiled" in out
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 5, 10, 11, 15, 20]
+    got = event_scalars(run_dir / "tensorboard")
+    assert got == expected_scalars(rows)
+    assert got["train/loss"][:3] == [(s, first["train/loss"][s]) for s in (1, 5, 10)]
+    assert got["train/loss"][4][1] != first["train/loss"][15]  # the resumed run's, at lr 6e-3
+
+
 def test_a_fresh_start_moves_the_old_event_files_and_traces_aside_with_the_rest(tmp_path):
     from scse_dist.checkpoint.resume import _move_previous_run
 
-    for name in ("tensorboard", "checkpoints"):
+    for name in ("tensorboard", "profile", "checkpoints"):
         (tmp_path / name).mkdir()
     (tmp_path / "tensorboard" / "events.out.tfevents.1").write_bytes(b"x")
     (tmp_path / "metrics.jsonl").write_text("")
     aside = _move_previous_run(tmp_path)
     assert sorted(p.name for p in aside.iterdir()) == \
-        ["checkpoints", "metrics.jsonl", "tensorboard"]
+        ["checkpoints", "metrics.jsonl", "profile", "tensorboard"]
     assert (aside / "tensorboard" / "events.out.tfevents.1").read_bytes() == b"x"
     assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name]

@@ -30,7 +30,7 @@ from scse_dist.checkpoint.tags import (checkpoint_dir, list_checkpoints, remove_
                                        tag_for)
 from scse_dist.checkpoint.manifest import CONFIG_NAME, verify_tag
 # Moved aside by `train.resume: never` (the new run would append to or overwrite them).
-PREVIOUS_RUN_FILES = ("checkpoints", "metrics.jsonl", "export", "eval", "tensorboard")
+PREVIOUS_RUN_FILES = ("checkpoints", "metrics.jsonl", "export", "eval", "tensorboard", "profile")
 # Fields that make a checkpoint another model or another token stream. Everything else may change
 # at a resume (max_steps, cadences, eval.*, wandb.*, ...); world size, num_workers, the batch
 # split and data.seq_len are the business of checkpoint.resume_if_present and TokenStream.resume

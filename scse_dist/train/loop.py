@@ -32,6 +32,7 @@ from scse_dist.train.callbacks.heldout_eval import HeldoutEvalCallback
 from scse_dist.train.callbacks.metrics import MetricsCallback
 from scse_dist.train.callbacks.nonfinite import NonFiniteCallback
 from scse_dist.train.callbacks.preemption import PreemptionCallback
+from scse_dist.train.callbacks.profiler import ProfilerCallback
 from scse_dist.train.callbacks.samples import SampleCallback
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
@@ -67,7 +68,8 @@ def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Ca
     # Loop diagnostics before the row they join (state.metrics_extra).
     return [NonFiniteCallback(cfg.train.max_nonfinite_steps), LoopDiagnosticsCallback(),
             MetricsCallback(), *optional,
-            CheckpointCallback(), preemption, ExportCallback(), AfterTrainingEval()]
+            CheckpointCallback(), preemption, ExportCallback(), AfterTrainingEval(),
+            *([ProfilerCallback(cfg.profile)] if cfg.profile.enabled else [])]
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:
