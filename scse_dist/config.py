@@ -264,6 +264,62 @@ class WandbConfig:
 
 
 @dataclass
+class TensorBoardConfig:
+    # Rank 0 writes every row of metrics.jsonl as TensorBoard scalars too (train/*, eval/*,
+    # diag/*; samples as text), flushed per row. Needs the tensorboard package
+    # (pip install 'scse-dist[tensorboard]'); see docs/training.md, "TensorBoard".
+    enabled: bool = False
+    # The event files' directory (local); null: <run dir>/tensorboard.
+    log_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.log_dir is not None and ("://" in self.log_dir or not self.log_dir.strip()):
+            raise ConfigError(f"tensorboard.log_dir: a local directory, or null for <run dir>/"
+                              f"tensorboard; got {self.log_dir!r}")
+
+
+@dataclass
+class ProfileConfig:
+    # torch.profiler over optimizer steps start_step .. start_step + steps - 1, after
+    # warmup_steps profiled and thrown away (the profiler's own start-up), on the ranks listed:
+    # one Chrome trace per rank in <run dir>/profile/ (docs/training.md, "Profiling").
+    enabled: bool = False
+    start_step: int = 10
+    steps: int = 2
+    warmup_steps: int = 1
+    ranks: list[int] = field(default_factory=lambda: [0])
+    # Tensor shapes, allocations and Python stacks per op: bigger traces, more overhead.
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    # CUDA: DeepSpeed's flops profiler once, over this optimizer step (null: the step after the
+    # trace window, so neither profiler runs inside the other; 0: off), to
+    # <run dir>/profile/flops_step<N>.txt. Skipped on CPU, with a note.
+    flops_step: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("start_step", "steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"profile.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"profile.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if not self.ranks or any(r < 0 for r in self.ranks):
+            raise ConfigError(f"profile.ranks: need a non-empty list of ranks >= 0, got {self.ranks}")
+        if self.flops_step is not None and self.flops_step < 0:
+            raise ConfigError(f"profile.flops_step: must be >= 0 (0: off), got {self.flops_step}")
+
+    @property
+    def last_step(self) -> int:
+        """The last step the trace records."""
+        return self.start_step + self.steps - 1
+
+    @property
+    def flops_profile_step(self) -> int:
+        """The optimizer step DeepSpeed's flops profiler measures (0: none)."""
+        return self.last_step + 1 if self.flops_step is None else self.flops_step
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     output_dir: str = "runs"
@@ -272,6 +328,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     @property
     def run_dir(self) -> str:
@@ -333,6 +391,9 @@ def _check_consistency(cfg: RunConfig) -> None:
         raise ConfigError(f"data.heldout_fraction: must lie in [0, 1), got {cfg.data.heldout_fraction}")
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
+    if cfg.profile.enabled and cfg.profile.start_step > t.max_steps:
+        raise ConfigError(f"profile.start_step: {cfg.profile.start_step} is past train.max_steps="
+                          f"{t.max_steps}, so nothing would be profiled; lower it")
 
 
 def _check_auto_micro_batch(t: TrainConfig) -> None:

@@ -6,6 +6,8 @@ whether an evaluation of it is complete.
                            ("eval", "sample") that callbacks write during training
     RUN/checkpoints/       DeepSpeed tags step-<k>/ and `latest`
     RUN/export/            the exported model: model.safetensors, config.yaml, tokenizer.model
+    RUN/tensorboard/       TensorBoard event files (tensorboard.enabled)
+    RUN/profile/           profiler traces (profile.enabled)
     RUN/eval/<name>.json   a results JSON per task (a study's sweep run: validation.json), and
                            report.md, frontier.png, scheduled.json
 
@@ -26,11 +28,14 @@ METRICS_NAME = "metrics.jsonl"
 CHECKPOINTS_NAME = "checkpoints"
 EXPORT_NAME = "export"
 EVAL_NAME = "eval"
+TENSORBOARD_NAME = "tensorboard"  # event files (tensorboard.enabled; its log_dir's default)
+PROFILE_NAME = "profile"  # profiler traces and the flops profiler's report (profile.enabled)
 WEIGHTS_NAME = "model.safetensors"  # the export's weights (scse_dist.checkpoint.export)
 # A study's sweep run is scored on lr.validation into eval/validation.json: not a task's result.
 VALIDATION_NAME = "validation"
 # What training leaves in a run dir (a fresh start over them is refused or moves them aside).
-OUTPUT_NAMES = (CHECKPOINTS_NAME, METRICS_NAME, EXPORT_NAME, EVAL_NAME)
+OUTPUT_NAMES = (CHECKPOINTS_NAME, METRICS_NAME, EXPORT_NAME, EVAL_NAME, TENSORBOARD_NAME,
+                PROFILE_NAME)
 # The kind of the rows the trainer's held-out evaluation writes (train.callbacks.heldout_eval).
 EVAL_KIND = "eval"
 # The key of a results JSON cut short by Ctrl-C (scse_dist.eval.tasks.run_task): the rows of the

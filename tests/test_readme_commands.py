@@ -298,6 +298,15 @@ NOT_RUN = {
     "python launch/train.py --config configs/quickstart.yaml train.resume_from=step-100":
         "the test's quickstart runs 30 steps (no step-100); tests/test_train_resume.py resumes a "
         "real run from a chosen tag (test_resume_from_a_chosen_tag_moves_the_newer_ones_aside)",
+    "python launch/train.py --config configs/quickstart.yaml tensorboard.enabled=true":
+        "the 300-step quickstart with TensorBoard on; tests/test_train_tensorboard.py trains a tiny "
+        "run with it and reads the event files back against metrics.jsonl",
+    "tensorboard --logdir runs/quickstart/tensorboard":
+        "TensorBoard's web server runs until stopped; tests/test_train_tensorboard.py reads the "
+        "event files with TensorBoard's own loader (EventAccumulator)",
+    "python launch/train.py --config configs/quickstart.yaml profile.enabled=true profile.start_step=20 model.activation_checkpointing=loop":
+        "the 300-step quickstart, profiled; tests/test_train_tensorboard.py profiles a tiny run "
+        "under loop checkpointing and reads its trace's loop-step labels",
     "pytest": "runs the test suite's fast tier",
     "pytest -m slow": "runs the test suite's slow tier, this test included",
     "sbatch slurm/pretrain.sh configs/gpt2-small-scse.yaml": SLURM,

@@ -13,10 +13,12 @@ The recurrence itself (cfg.recurrence: how x_0, x_{t+1} and h_t are formed) is a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
@@ -35,6 +37,30 @@ DIAGNOSTICS = ("deviation_norm", "motion_norm", "forcing_bias_norm")
 # loop_stability's hinge floor on |D_T| / |D_0| per token: a loop that keeps half of its
 # starting deviation is not penalised; the collapsing seeds of issue 17 kept 1 to 4%.
 STABILITY_FLOOR = 0.5
+
+
+def loop_step_label(t: int, suffix: str = "") -> ContextManager[Any]:
+    """`loop_step_{t}{suffix}` around loop step t in a profiler trace (docs/training.md,
+    "Profiling"). Without an active profiler a null context: record_function alone costs ~5 us
+    per call even when nothing records (measured on CPU), the check ~0.1 us."""
+    if torch.autograd._profiler_enabled():
+        return record_function(f"loop_step_{t}{suffix}")
+    return contextlib.nullcontext()
+
+
+def _labelled_recompute(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`step` for a checkpointed loop step: the first call is the forward (labelled by the loop);
+    a later one, the backward's recomputation, is labelled loop_step_{t}_recompute."""
+    calls = 0
+
+    def run(x: torch.Tensor, ctx: Context, t: int) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return step(x, ctx, t)
+        with loop_step_label(t, "_recompute"):
+            return step(x, ctx, t)
+    return run
 
 
 def _row_norm_mean(x: torch.Tensor) -> torch.Tensor:
@@ -208,10 +234,10 @@ class LoopCore(nn.Module):
         for t in range(depth):
             if stability and t == depth - 1:
                 d_before = self.deviation(x, ctx)
-            with torch.set_grad_enabled(grad and t >= frozen_steps):
+            with torch.set_grad_enabled(grad and t >= frozen_steps), loop_step_label(t):
                 if self.checkpoint_steps and torch.is_grad_enabled():
                     # Non-reentrant only: reentrant breaks ZeRO-2/3 and DDP with reused modules.
-                    x = checkpoint(self.step, x, ctx, t, use_reentrant=False)
+                    x = checkpoint(_labelled_recompute(self.step), x, ctx, t, use_reentrant=False)
                 else:
                     x = self.step(x, ctx, t)
             if t + 1 == frozen_steps:

@@ -125,7 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(describe(cfg, args.config, args.overrides))
         return 0
     from scse_dist.data.preflight import check_run_data
+    from scse_dist.train.tensorboard import check_tensorboard
 
+    check_tensorboard(cfg)  # tensorboard.enabled without the package: one line, exit 2
     check_run_data(cfg, args.config, args.overrides)  # bad data: one line before torch is imported
     from scse_dist.train.callbacks.assembly import check_callbacks
 

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from scse_dist.config import ConfigError, RunConfig, deep_merge
+from scse_dist.run_dir import PROFILE_NAME
 from scse_dist.train.schedule import build_lr_scheduler
 
 # ds_config keys that a config field decides: (path in the ds_config, the config field). A JSON
@@ -52,6 +53,9 @@ def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
     }
     if t.optimizer == "muon":  # a subclass of DeepSpeed's own Muon, so not on its tested list
         generated["zero_allow_untested_optimizer"] = True
+    flops = flops_profiler_section(cfg, on_cuda)
+    if flops:
+        generated["flops_profiler"] = flops
     if t.optimizer == "deepspeed_fused_adam":
         if not on_cuda:
             raise ConfigError("train.optimizer: deepspeed_fused_adam needs a CUDA device (it "
@@ -59,6 +63,21 @@ def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
         generated["optimizer"] = {"type": "AdamW", "params": {
             "lr": t.lr, "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay}}
     return generated
+
+
+def flops_profiler_section(cfg: RunConfig, on_cuda: bool) -> Optional[dict[str, Any]]:
+    """DeepSpeed's flops profiler once, over optimizer step profile.flops_profile_step, when
+    profiling on CUDA (None otherwise: on CPU the profiler callback says it is skipped). Its
+    profile_step counts the steps done before the measured one (engine.global_steps)."""
+    p = cfg.profile
+    if not (p.enabled and on_cuda and p.flops_profile_step):
+        return None
+    step = p.flops_profile_step
+    # A remote output_dir's run dir is a staging dir this function does not know: stdout then.
+    output = None if "://" in cfg.run_dir else \
+        str(Path(cfg.run_dir) / PROFILE_NAME / f"flops_step{step}.txt")
+    return {"enabled": True, "profile_step": step - 1, "module_depth": -1, "top_modules": 3,
+            "detailed": True, "output_file": output}
 
 
 def _get(tree: dict, path: tuple[str, ...]) -> Any:

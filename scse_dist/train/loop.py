@@ -37,12 +37,14 @@ from scse_dist.train.callbacks.heldout_eval import HeldoutEvalCallback
 from scse_dist.train.callbacks.metrics import MetricsCallback
 from scse_dist.train.callbacks.nonfinite import NonFiniteCallback
 from scse_dist.train.callbacks.preemption import PreemptionCallback
+from scse_dist.train.callbacks.profiler import ProfilerCallback
 from scse_dist.train.callbacks.samples import SampleCallback
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import FaultInjector, TrainingStopped
 from scse_dist.train.metrics import MetricsLogger, cut_metrics
 from scse_dist.train.step import train_step
+from scse_dist.train.tensorboard import tensorboard_log_dir
 from scse_dist.train.warm_start import maybe_init_from
 
 
@@ -68,7 +70,8 @@ def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Ca
     optional += [SampleCallback(cfg.eval.sample_every)] if cfg.eval.sample_every else []
     return [NonFiniteCallback(cfg.train.max_nonfinite_steps), LoopDiagnosticsCallback(),
             MetricsCallback(), *optional,
-            CheckpointCallback(), preemption, ExportCallback(), AfterTrainingEval()]
+            CheckpointCallback(), preemption, ExportCallback(), AfterTrainingEval(),
+            *([ProfilerCallback(cfg.profile)] if cfg.profile.enabled else [])]
 
 
 def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
@@ -187,7 +190,8 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
     _check_resumed_step(start_step, cfg, run_dir)
     if env.rank == 0:  # rows a dead run wrote past the resumed step would come twice
         cut_metrics(RunDir(run_dir).metrics, start_step)
-    logger = MetricsLogger(str(run_dir), env.rank == 0, cfg.wandb, cfg.name, config_to_dict(cfg))
+    logger = MetricsLogger(str(run_dir), env.rank == 0, cfg.wandb, cfg.name, config_to_dict(cfg),
+                           tensorboard_log_dir(cfg, run_dir), start_step)
     state = TrainState(cfg=cfg, env=env, run_dir=run_dir, storage=storage, engine=engine,
                        stream=stream, tokenizer=tokenizer, logger=logger,
                        faults=FaultInjector(env.rank), start_step=start_step, step=start_step,

@@ -1,4 +1,5 @@
-"""Training metrics: peak FLOP/s for MFU, a console line, run_dir/metrics.jsonl and wandb (rank 0)."""
+"""Training metrics: peak FLOP/s for MFU, a console line, run_dir/metrics.jsonl, wandb and
+TensorBoard (rank 0)."""
 
 from __future__ import annotations
 
@@ -78,21 +79,31 @@ def cut_metrics(path: str | Path, step: int) -> int:
 
 
 class MetricsLogger:
-    """Writes each logged row to the console, run_dir/metrics.jsonl (flushed) and wandb.
+    """Writes each logged row to the console, run_dir/metrics.jsonl (flushed), wandb and, given a
+    `tensorboard_dir`, TensorBoard (scse_dist.train.tensorboard; `resumed_step`: the checkpoint
+    step the run resumed from, 0 for a fresh start).
 
     Only rank 0 makes one; the other ranks pass enabled=False and every call is a no-op.
     """
 
     def __init__(self, run_dir: str, enabled: bool, wandb_cfg: WandbConfig, run_name: str,
-                 config_dict: dict[str, Any]) -> None:
+                 config_dict: dict[str, Any], tensorboard_dir: Optional[str | Path] = None,
+                 resumed_step: int = 0) -> None:
         self.enabled = enabled
         self._file = None
         self._wandb = None
+        self._tensorboard = None
         if not enabled:
             return
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         # Append: a resumed run continues the same file.
         self._file = open(RunDir(run_dir).metrics, "a")
+        if tensorboard_dir is not None:
+            from scse_dist.train.tensorboard import TensorBoardSink
+
+            self._tensorboard = TensorBoardSink(tensorboard_dir, resumed_step)
+            print(f"tensorboard: {tensorboard_dir} (tensorboard --logdir {tensorboard_dir})",
+                  flush=True)
         if wandb_cfg.enabled and wandb_cfg.mode != "disabled":
             import wandb
 
@@ -111,13 +122,16 @@ class MetricsLogger:
         self.write(row)
 
     def write(self, row: dict[str, Any]) -> None:
-        """Any row (evaluation, samples: they carry a "kind") to metrics.jsonl and wandb only."""
+        """Any row (evaluation, samples: they carry a "kind") to metrics.jsonl, wandb and
+        TensorBoard only."""
         if not self.enabled:
             return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._wandb is not None:
             self._wandb.log(self._for_wandb(row), step=row["step"])
+        if self._tensorboard is not None:
+            self._tensorboard.write(row)
 
     @staticmethod
     def _for_wandb(row: dict[str, Any]) -> dict[str, Any]:
@@ -136,3 +150,6 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None

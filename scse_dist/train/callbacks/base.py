@@ -31,6 +31,7 @@ train.callbacks in its order, then `train(cfg, callbacks=[...])` in theirs). The
    -200 PreemptionCallback
    -300 ExportCallback           after the final checkpoint
    -400 AfterTrainingEval        after the export
+   -500 ProfilerCallback         (profile.enabled) last: a step's span holds all its hooks' work
 
 State: `state_dict()` is saved with every checkpoint (all callbacks' in the tag's client state,
 rank 0's), and `load_state_dict()` gets it back before `on_start` on every rank of a resume, at

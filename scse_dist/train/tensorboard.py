@@ -1,0 +1,93 @@
+"""TensorBoard beside metrics.jsonl and wandb: every row the MetricsLogger writes, as scalars.
+
+Tags by row: a training row's keys go to `train/<key>` (train/loss, train/lr, train/depth,
+train/tokens_per_s, ...), keys that already name a group keep it (diag/D_kept), a row of kind
+"eval" goes to `eval/<key>` (eval/heldout_loss_T4), any other kind to `<kind>/<key>`; the step
+is the row's. Values that are not numbers (the task's name, a null mfu) are left out; a samples
+row's generations become one markdown table under the text tag `sample/text`.
+
+A resumed run (from checkpoint step N) opens a new event file marked with TensorBoard's restart
+event at step N + 1 (SummaryWriter's purge_step): readers then hide what a dead run wrote past N,
+as metrics.jsonl is cut there (docs/training.md, "TensorBoard").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any, Optional
+
+from scse_dist.config import ConfigError, RunConfig
+from scse_dist.run_dir import TENSORBOARD_NAME
+
+NOT_INSTALLED = ("tensorboard.enabled: the tensorboard package is not installed; "
+                 "pip install 'scse-dist[tensorboard]' (or tensorboard), or set "
+                 "tensorboard.enabled: false")
+
+
+def check_tensorboard(cfg: RunConfig) -> None:
+    """ConfigError (one line) when cfg asks for TensorBoard and the package is missing; imports
+    nothing, so scse-train can say it before torch is loaded."""
+    if cfg.tensorboard.enabled and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(NOT_INSTALLED)
+
+
+def tensorboard_log_dir(cfg: RunConfig, run_dir: str | Path) -> Optional[Path]:
+    """Where the run's event files go; None when TensorBoard is off."""
+    if not cfg.tensorboard.enabled:
+        return None
+    return Path(cfg.tensorboard.log_dir) if cfg.tensorboard.log_dir else Path(run_dir) / TENSORBOARD_NAME
+
+
+def _number(value: Any) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The row's numbers by TensorBoard tag (see the module docstring)."""
+    kind = row.get("kind")
+    group = "train" if kind is None else str(kind)
+    out = {}
+    for key, value in row.items():
+        number = _number(value)
+        if key in ("step", "kind") or number is None:
+            continue
+        out[key if "/" in key else f"{group}/{key}"] = number
+    return out
+
+
+def samples_markdown(samples: list[dict[str, str]]) -> str:
+    """Generated samples as a markdown table (TensorBoard's text plugin renders markdown)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+    lines = ["| prompt | text |", "|---|---|"]
+    lines += [f"| {cell(s['prompt'])} | {cell(s['text'])} |" for s in samples]
+    return "\n".join(lines)
+
+
+class TensorBoardSink:
+    """Rank 0's event writer. `resumed_step`: the checkpoint step this run starts after (0: a
+    fresh start, whose restart event at step 1 hides a dead first attempt's points too)."""
+
+    def __init__(self, directory: str | Path, resumed_step: int) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # train() called without the CLI's check
+            raise ConfigError(NOT_INSTALLED) from None
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._writer = SummaryWriter(str(self.directory), purge_step=resumed_step + 1)
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = int(row["step"])
+        for tag, value in scalars(row).items():  # NaN and Inf too, as metrics.jsonl has them
+            self._writer.add_scalar(tag, value, step)
+        if row.get("samples"):  # a samples row (kind "sample"): the text tag sample/text
+            self._writer.add_text(f"{row.get('kind', 'sample')}/text",
+                                  samples_markdown(row["samples"]), step)
+        self._writer.flush()  # per row, like metrics.jsonl: a killed run loses nothing
+
+    def close(self) -> None:
+        self._writer.close()
