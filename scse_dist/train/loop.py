@@ -18,7 +18,8 @@ import torch
 
 from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
-from scse_dist.checkpoint.tags import resume_if_present
+from scse_dist.checkpoint.manifest import CONFIG_NAME
+from scse_dist.checkpoint.tags import checkpoint_dir, resume_if_present
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
 from scse_dist.distributed import (abandon, barrier, describe_placement, init_distributed,
                                    shutdown)
@@ -37,6 +38,7 @@ from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import FaultInjector, TrainingStopped
 from scse_dist.train.metrics import MetricsLogger, cut_metrics
+from scse_dist.train.schedule import follow_config_schedule
 from scse_dist.train.step import train_step
 from scse_dist.train.warm_start import maybe_init_from
 
@@ -169,6 +171,11 @@ def _start(cfg: RunConfig) -> TrainState:
                                      env.world_size, cfg.train.seed, tokenizer.sha256)
     engine, ds_config = build_engine(cfg, model)
     start_step = resume_if_present(engine, run_dir, stream, resume_tag)
+    if resume_tag is not None:  # the LR from this config's schedule at the resumed step
+        note = follow_config_schedule(engine.lr_scheduler, cfg.train,
+                                      checkpoint_dir(run_dir) / resume_tag / CONFIG_NAME)
+        if note and env.rank == 0:
+            print(note, flush=True)
     _check_resumed_step(start_step, cfg, run_dir)
     if env.rank == 0:  # rows a dead run wrote past the resumed step would come twice
         cut_metrics(run_dir / "metrics.jsonl", start_step)
