@@ -92,6 +92,10 @@ class TrainConfig:
     decay_fraction: float = 0.1
     decay_steps: Optional[int] = None
     decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"
+    # Weight of the z-loss z_loss * mean(logsumexp(logits)^2) added to the training objective
+    # (PaLM; 1e-4 is usual; 0: off). Logged as its own metric; the loss logged and evaluated is
+    # the cross-entropy alone.
+    z_loss: float = 0.0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -323,6 +327,8 @@ def _check_consistency(cfg: RunConfig) -> None:
         raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
     _check_muon(t)
     _check_schedule(t)
+    if not t.z_loss >= 0 or t.z_loss == float("inf"):  # also rejects NaN
+        raise ConfigError(f"train.z_loss: must be a finite weight >= 0, got {t.z_loss}")
     _check_auto_micro_batch(t)
     if d.kind == "uniform" and d.max and d.max < d.min:
         raise ConfigError(f"train.depth.max: {d.max} is below train.depth.min={d.min}")

@@ -116,7 +116,8 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
                                   depth=depth, backprop_steps=t.depth.backprop_steps,
                                   stop_requested=preemption.requested,
                                   loss_hook=lambda loss: state.faults.loss(step + 1, loss),
-                                  before_update=lambda engine: _before_update(callbacks, state))
+                                  before_update=lambda engine: _before_update(callbacks, state),
+                                  z_loss=t.z_loss)
         state.step_seconds = time.perf_counter() - started  # data included; hooks are not
         state.step = step + 1
         for callback in callbacks:
