@@ -99,8 +99,20 @@ class TrainConfig:
     micro_batch_memory_gib: float = 0.0
     max_steps: int = 200
     lr: float = 1e-3
+    # The LR at the end of the decay (cosine, linear, wsd), as a fraction of lr.
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
+    # The LR after the warmup (scse_dist.train.schedule): cosine or linear down to min_lr_ratio
+    # at the last step; constant; wsd (warmup-stable-decay): constant, then decay_shape over the
+    # last decay_steps steps (null: round(decay_fraction * max_steps)) down to min_lr_ratio.
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    decay_fraction: float = 0.1
+    decay_steps: Optional[int] = None
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"
+    # Weight of the z-loss z_loss * mean(logsumexp(logits)^2) added to the training objective
+    # (PaLM; 1e-4 is usual; 0: off). Logged as its own metric; the loss logged and evaluated is
+    # the cross-entropy alone.
+    z_loss: float = 0.0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -153,11 +165,28 @@ class TrainConfig:
     # "Callbacks"); [] in every shipped config.
     callbacks: list[CallbackSpec] = field(default_factory=list)
 
+    # Branch: a new run starts from another run's checkpoint with everything a resume restores
+    # (weights, optimizer state, step, data position, RNG) and its own schedule: a cooldown off
+    # a stable phase. A local run dir (its newest intact checkpoint) or one of its tags
+    # (runs/x/checkpoints/step-0001000); linked or copied into this run's checkpoints. A run
+    # that has a checkpoint of its own resumes that and ignores this.
+    branch_from: Optional[str] = None
+
     def __post_init__(self) -> None:
         for i, spec in enumerate(self.callbacks):
             if not CALLBACK_PATH.fullmatch(spec.class_path):
                 raise ConfigError(f"train.callbacks[{i}].class_path: expected 'package.module:Class'"
                                   f", got {spec.class_path!r}")
+        if self.branch_from is not None:
+            if not self.branch_from.strip():
+                raise ConfigError("train.branch_from: a run dir or checkpoint tag dir, or null; "
+                                  "got an empty string")
+            if self.resume_from is not None:
+                raise ConfigError("train.branch_from: contradicts train.resume_from (a tag of this "
+                                  "run); name the checkpoint to branch from in branch_from alone")
+            if self.init_from is not None:
+                raise ConfigError("train.branch_from: contradicts train.init_from (an export's "
+                                  "weights alone, fresh optimizer and data); set one of them")
         if self.resume_from is None:
             return
         if not re.fullmatch(r"step-\d+", self.resume_from):
@@ -166,6 +195,13 @@ class TrainConfig:
         if self.resume == "never":
             raise ConfigError("train.resume_from: contradicts train.resume=never (which starts "
                               "fresh); leave train.resume at auto")
+
+    def wsd_decay_steps(self) -> int:
+        """D, the steps of the wsd decay: decay_steps when set, else round(decay_fraction *
+        max_steps) (Python's round: half to even), at least 1."""
+        if self.decay_steps is not None:
+            return self.decay_steps
+        return max(1, round(self.decay_fraction * self.max_steps))
 
     def micro_batch_candidates(self, world_size: int) -> list[int]:
         """micro_batch_size: auto's candidates at `world_size`: the powers of two that divide the
@@ -373,6 +409,9 @@ def _check_consistency(cfg: RunConfig) -> None:
     if t.lr <= 0:
         raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
     _check_muon(t)
+    _check_schedule(t)
+    if not t.z_loss >= 0 or t.z_loss == float("inf"):  # also rejects NaN
+        raise ConfigError(f"train.z_loss: must be a finite weight >= 0, got {t.z_loss}")
     _check_auto_micro_batch(t)
     if d.kind == "uniform" and d.max and d.max < d.min:
         raise ConfigError(f"train.depth.max: {d.max} is below train.depth.min={d.min}")
@@ -406,6 +445,22 @@ def _check_auto_micro_batch(t: TrainConfig) -> None:
     if t.grad_accum_steps != 1:
         raise ConfigError(f"train.grad_accum_steps: {t.grad_accum_steps} with "
                           "train.micro_batch_size: auto, which derives it; leave it at 1")
+
+
+def _check_schedule(t: TrainConfig) -> None:
+    if not 0.0 < t.decay_fraction <= 1.0:
+        raise ConfigError(f"train.decay_fraction: must lie in (0, 1], got {t.decay_fraction}")
+    if t.decay_steps is not None and t.decay_steps < 1:
+        raise ConfigError(f"train.decay_steps: must be >= 1 (null: decay_fraction), got "
+                          f"{t.decay_steps}")
+    if t.schedule != "wsd":
+        return
+    decay = t.wsd_decay_steps()
+    if decay > t.max_steps - t.warmup_steps:
+        named = "train.decay_steps" if t.decay_steps is not None else "train.decay_fraction"
+        raise ConfigError(f"{named}: the wsd decay of {decay} steps overlaps the warmup of "
+                          f"{t.warmup_steps} in train.max_steps={t.max_steps}; it may take at most "
+                          f"{t.max_steps - t.warmup_steps}")
 
 
 def _check_muon(t: TrainConfig) -> None:

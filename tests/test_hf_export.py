@@ -1,5 +1,6 @@
 """An export loads in Hugging Face transformers as remote code, without scse-dist, and gives the
-native model's numbers: logits at depths 1, 4, 32 (fp32, 1e-5), a left-padded batch equal to each
+native model's numbers (a scse, an additive and a model.qk_norm export; one whose config.json
+predates qk_norm loads with it off): logits at depths 1, 4, 32 (fp32, 1e-5), a left-padded batch equal to each
 sequence alone, the tokenizer's ids and text equal to scse-dist's, greedy generation equal to the
 native model's recomputed greedy at num_steps 1 and 8, batched and alone, both through the
 model's KV cache (generate's default) and without it (use_cache=False); and what save_pretrained
@@ -175,8 +176,12 @@ def _export(root: Path, tokenizer: str, **model) -> Path:
                             "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2,
                                       "ffn_hidden": 64, "max_seq_len": 64, "depth": 3, **model}})
     torch.manual_seed(0)
-    return Path(save_exported_model(LoopedLM(cfg.model).state_dict(), cfg, str(root),
-                                    tokenizer=tokenizer))
+    model = LoopedLM(cfg.model)
+    with torch.no_grad():  # qk_norm's gains away from their init of ones: a path without one shows
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    return Path(save_exported_model(model.state_dict(), cfg, str(root), tokenizer=tokenizer))
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +189,8 @@ def exports(tmp_path_factory, tiny_data) -> list[Path]:
     root = tmp_path_factory.mktemp("hf")
     return [_export(root / "scse", tiny_data["tokenizer"], n_core=2),
             _export(root / "additive", tiny_data["tokenizer"], recurrence="additive",
-                    residual="preln", tie_embeddings=False)]
+                    residual="preln", tie_embeddings=False),
+            _export(root / "qknorm", tiny_data["tokenizer"], n_core=2, qk_norm=True)]
 
 
 def test_export_writes_the_remote_code_and_config(exports):
@@ -258,7 +264,11 @@ def test_transformers_loads_the_export_without_scse_dist(exports, tiny_data, tmp
     for path in exports:  # the export copied to a new place, loaded from there
         copies.append(tmp_path / "elsewhere" / path.name)
         shutil.copytree(path, copies[-1])
-    job = {"exports": [{"dir": str(c), "fields": ["depth", "recurrence", "d_model"]}
+    # the first as an export written before model.qk_norm existed: it loads with qk_norm off
+    old_config = json.loads((copies[0] / "config.json").read_text())
+    assert old_config.pop("qk_norm") is False
+    (copies[0] / "config.json").write_text(json.dumps(old_config))
+    job = {"exports": [{"dir": str(c), "fields": ["depth", "recurrence", "d_model", "qk_norm"]}
                        for c in copies],
            "tokens": tokens, "depths": DEPTHS, "prompts": PROMPTS, "texts": TEXTS,
            "steps": GENERATE_STEPS, "new_tokens": NEW_TOKENS, "exit": EXIT_RULE}
@@ -277,7 +287,8 @@ def test_transformers_loads_the_export_without_scse_dist(exports, tiny_data, tmp
     print(f"transformers {hf['version']}")
     for path, res in zip(exports, hf["exports"]):
         native, (_, cfg) = _native(path, tokens, tokenizer), load_exported_model(path)
-        assert res["config"] == {"depth": 3, "recurrence": cfg.model.recurrence, "d_model": 32}
+        assert res["config"] == {"depth": 3, "recurrence": cfg.model.recurrence, "d_model": 32,
+                                 "qk_norm": cfg.model.qk_norm}
         for t in DEPTHS:
             diff = (res["logits"][t] - native["logits"][t]).abs().max().item()
             print(f"{path.name} depth {t}: max |HF - native| logit = {diff:.2e}")

@@ -128,3 +128,66 @@ def test_no_full_vocabulary_tensor_in_the_chunked_loss(small_chunks, keep_logits
         assert seen.largest >= full
     else:
         assert seen.largest <= max(7 * VOCAB, VOCAB * 16)
+
+
+# --------------------------------------------------------------------------- z-loss
+
+
+def direct_terms(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                 z_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy, z term) the textbook way: full fp32 logits, autograd."""
+    logits = torch.nn.functional.linear(hidden, weight).float().flatten(0, 1)
+    kept = targets.flatten() != -100
+    ce = torch.nn.functional.cross_entropy(logits, targets.flatten(), ignore_index=-100)
+    z = z_weight * logits.logsumexp(-1)[kept].square().mean()
+    return ce, z
+
+
+@pytest.mark.parametrize("ignored", [True, False])
+def test_z_loss_equals_the_direct_computation_value_and_gradient(small_chunks, ignored) -> None:
+    gen = torch.Generator().manual_seed(3)
+    _, targets = batch(ignored)
+    # logits of a few units: lse^2 ~ 25, so the weight below makes the term visible
+    hidden = (3 * torch.randn(3, 20, 16, generator=gen)).requires_grad_()
+    weight = torch.randn(VOCAB, 16, generator=gen).requires_grad_()
+    w = 0.01
+    ce, z = direct_terms(hidden, weight, targets, w)
+    (ce + z).backward()
+    want_h, want_w = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    terms = loss_module.chunked_cross_entropy_with_z_loss(hidden, weight, targets, w)
+    assert z > 0.1 * ce  # the term is not negligible here, so its gradient is tested
+    torch.testing.assert_close(terms.z_loss, z, rtol=1e-6, atol=0)
+    torch.testing.assert_close(terms.cross_entropy, ce, rtol=1e-6, atol=0)
+    assert terms.objective.item() == (terms.cross_entropy + terms.z_loss).item()
+    assert not terms.cross_entropy.requires_grad and not terms.z_loss.requires_grad
+    terms.objective.backward()
+    torch.testing.assert_close(hidden.grad, want_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight.grad, want_w, rtol=1e-5, atol=1e-6)
+    # the z term's share of the gradient is large here, so a gradient without it would fail above
+    ce_only, _ = direct_terms(hidden, weight, targets, w)
+    ce_grad = torch.autograd.grad(ce_only, hidden)[0]
+    assert (ce_grad - want_h).abs().max() > 0.1 * want_h.abs().max()
+
+
+def test_z_loss_in_the_model_chunked_equals_full_logits(small_chunks) -> None:
+    model = model_of()
+    tokens, targets = batch(ignored=True)
+    outs = {}
+    for keep in (True, False):
+        model.zero_grad(set_to_none=True)
+        out = model(tokens, targets, keep_logits=keep, z_loss=1e-2)
+        out.objective.backward()
+        outs[keep] = (out, {n: p.grad.clone() for n, p in model.named_parameters()})
+    (full, full_grads), (chunked, chunked_grads) = outs[True], outs[False]
+    torch.testing.assert_close(chunked.z_loss, full.z_loss.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(chunked.loss, full.loss.detach(), rtol=1e-6, atol=1e-6)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    # the loss a caller reads is the cross-entropy alone, as without z_loss
+    plain = model(tokens, targets, keep_logits=False)
+    assert plain.z_loss is None and plain.objective is None
+    assert plain.loss.item() == chunked.loss.item()
+    with pytest.raises(ValueError, match="z_loss: a term of the training loss; it needs targets"):
+        model(tokens, z_loss=1e-4)

@@ -8,13 +8,19 @@ Rank 0 decides and broadcasts, so every rank loads the same tag or raises the sa
 2. `train.resume_from: step-N` picks tag step-N instead (verified; one line listing the tags there
    when it is absent; the newer tags are moved aside). Otherwise the tag `latest` names is verified against its manifest (scse_dist.checkpoint.manifest); a broken
    tag is reported in one line naming the file, and the newest intact older tag is used instead.
-3. The chosen tag's recorded config (`config.json` in the tag) is compared with this run's, field
-   by field: a changed model, or a data field that changes the token stream, is refused.
+3. `train.branch_from` (a new run with no checkpoint of its own): another run's checkpoint,
+   verified, is linked (or copied) into this run's checkpoints and resumed like one of its own:
+   weights, optimizer state, step, data position and RNG; the schedule is this run's.
+4. The chosen tag's recorded config (`config.json` in the tag) is compared with this run's, field
+   by field: a changed model, or a data field that changes the token stream, is refused. The LR
+   schedule may change (train.schedule.follow_config_schedule applies this run's).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,9 +33,9 @@ from scse_dist.config import ConfigError, RunConfig, config_to_dict
 from scse_dist.distributed import is_rank0
 from scse_dist.run_dir import CHECKPOINTS_NAME, OUTPUT_NAMES
 from scse_dist.atomic import atomic_write_text
-from scse_dist.checkpoint.tags import (checkpoint_dir, list_checkpoints, remove_partial_saves,
-                                       tag_for)
-from scse_dist.checkpoint.manifest import CONFIG_NAME, verify_tag
+from scse_dist.checkpoint.tags import (TMP_PREFIX, checkpoint_dir, list_checkpoints,
+                                       remove_partial_saves, tag_for)
+from scse_dist.checkpoint.manifest import CONFIG_NAME, MANIFEST_NAME, TAG_PREFIX, tag_files, verify_tag
 # Moved aside by `train.resume: never` (the new run would append to or overwrite them).
 PREVIOUS_RUN_FILES = OUTPUT_NAMES
 # Fields that make a checkpoint another model or another token stream. Everything else may change
@@ -133,26 +139,92 @@ def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
     return want
 
 
+def branch_source(spec: str) -> Path:
+    """train.branch_from's tag dir: the tag named, or a run dir's newest intact one, verified."""
+    if "://" in spec:
+        raise ConfigError(f"train.branch_from: {spec!r}: local paths only; copy the run dir (or the "
+                          "tag) here first")
+    path = Path(spec)
+    if (path / "checkpoints").is_dir():
+        tag = choose_tag(path / "checkpoints")
+        if tag is None:
+            raise ConfigError(f"train.branch_from: {path} has no checkpoint "
+                              f"({path / 'checkpoints' / 'latest'} does not exist)")
+        return path / "checkpoints" / tag
+    if not (path.is_dir() and path.name.startswith(TAG_PREFIX)):
+        raise ConfigError(f"train.branch_from: {spec!r} is neither a run dir (holding checkpoints/) "
+                          "nor a checkpoint tag (runs/<name>/checkpoints/step-NNNNNNN)")
+    status = verify_tag(path)
+    if not status.intact:
+        raise InputError(f"train.branch_from: checkpoint {path}: {status.problem}")
+    return path
+
+
+def _link_tag(source: Path, root: Path) -> None:
+    """source's files into root/<its name>, hard-linked where the file system allows (a tag's
+    files are never written again: saves make new tags), else copied; atomically (a .tmp- dir,
+    renamed), so a kill leaves no half tag."""
+    tmp = root / f"{TMP_PREFIX}{source.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    names = tag_files(source) + ([MANIFEST_NAME] if (source / MANIFEST_NAME).is_file() else [])
+    for name in names:
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source / name, tmp / name)
+        except OSError:  # another file system, or links not allowed
+            shutil.copy2(source / name, tmp / name)
+    os.replace(tmp, root / source.name)
+    atomic_write_text(root / "latest", source.name)
+
+
+def _branch(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
+    """train.branch_from: the source tag compared, then linked into this run; its tag name."""
+    if remote:
+        raise ConfigError("train.branch_from: not supported with a remote output_dir; branch into "
+                          "a local run dir")
+    source = branch_source(cfg.train.branch_from)
+    recorded = source / CONFIG_NAME
+    changes = refused_changes(json.loads(recorded.read_text()), config_to_dict(cfg)) \
+        if recorded.is_file() else []
+    if changes:
+        raise ConfigError(
+            f"train.branch_from: {source} is a checkpoint of another model or data stream: "
+            f"{'; '.join(changes)}. A branch continues the same model and token stream "
+            "(train.init_from starts a new run from an export's weights alone)")
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    _link_tag(source, root)
+    print(f"train.branch_from: starting from {source} (weights, optimizer state, step, data "
+          "position and RNG; the LR schedule is this run's)", flush=True)
+    return source.name
+
+
 def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Optional[str]:
     mode = cfg.train.resume
     root = checkpoint_dir(run_dir)
+    branch = cfg.train.branch_from
     if mode == "never":
         if remote:
             raise ConfigError("train.resume: never is not supported with a remote output_dir (its "
                               f"checkpoints would be overwritten); give this run another name")
         aside = _move_previous_run(run_dir)
         if aside is not None:
-            print(f"train.resume=never: moved the previous run's files to {aside}; starting fresh",
-                  flush=True)
-        return None
+            print(f"train.resume=never: moved the previous run's files to {aside}; starting "
+                  + ("over from train.branch_from" if branch else "fresh"), flush=True)
+        return _branch(cfg, run_dir, remote) if branch else None
     for path in remove_partial_saves(run_dir):
         print(f"removed {path}: a save that did not finish", flush=True)
     tag = chosen_tag(cfg, run_dir, remote) if cfg.train.resume_from else choose_tag(root)
+    if tag is None and branch:
+        return _branch(cfg, run_dir, remote)  # compared with the source's config there
     if tag is None:
         if mode == "require":
             raise ConfigError(f"train.resume: require, but {run_dir} has no checkpoint to resume "
                               f"({root / 'latest'} does not exist)")
         return None
+    if branch:
+        print(f"train.branch_from ignored: resuming this run's checkpoint {tag}", flush=True)
     recorded = root / tag / CONFIG_NAME
     if not recorded.is_file():
         _warn(f"checkpoint {tag} has no recorded {CONFIG_NAME}: its config is not compared")

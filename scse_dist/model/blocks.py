@@ -114,6 +114,11 @@ class CausalSelfAttention(nn.Module):
         self.d_model = cfg.d_model
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        # model.qk_norm: per-head RMSNorm of q and k before RoPE (absent when off: the state
+        # dict, and every number, stay as they were)
+        head_dim = cfg.d_model // cfg.n_heads
+        self.q_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: RopeTables,
                 mask: Optional[torch.Tensor] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
@@ -122,6 +127,8 @@ class CausalSelfAttention(nn.Module):
         b, s, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if kv is not None:
             k, v = kv.update(k, v)

@@ -57,6 +57,9 @@ class ModelConfig:
     depth: int = 4
     activation_checkpointing: Literal["none", "loop", "block"] = "none"
     tie_embeddings: bool = True
+    # RMSNorm on each head's queries and keys (over head_dim, one gain per channel shared by the
+    # heads) before RoPE, in every block (OLMo 2, Qwen3): bounds the attention logits.
+    qk_norm: bool = False
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     init_std: float = 0.02
@@ -92,7 +95,7 @@ def check_model_fields(m: ModelConfig) -> None:
 # A model config saved before a field existed (a run's config.yaml, an export's config.json) ran
 # with the behaviour that field's default had then, not with today's: read by
 # scse_dist.config.load_saved_config and by the HF config (remote code) alike.
-VALUE_BEFORE_FIELD = {"anchor_scale": "free"}
+VALUE_BEFORE_FIELD = {"anchor_scale": "free", "qk_norm": False}
 
 
 def resolved_anchor_scale(m: ModelConfig) -> str:

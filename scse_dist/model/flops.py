@@ -11,7 +11,8 @@ matmuls per forward matmul):
                    stack once (T must be its fixed depth).
   concat adapter   2 * 2d * d per core call;  learned anchor  2 * d^2 once (scse)
   LM head          2 * d * V
-Norms, RoPE, softmax and elementwise ops are left out (they are a few percent at most).
+Norms (model.qk_norm's too), RoPE, softmax, the z-loss and elementwise ops are left out (they
+are a few percent at most).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from torch import nn
 from .config import ModelConfig
 from .blocks import Block, RMSNorm, RopeTables, attention_mask_4d, rope_tables
 from .exit_rules import ExitRule
-from .loss import IGNORE_INDEX, chunked_cross_entropy
+from .loss import (IGNORE_INDEX, chunked_cross_entropy, chunked_cross_entropy_with_z_loss,
+                   z_loss_of_logits)
 from .kv_cache import KVCache, LoopKV
 from .recurrence import DIAGNOSTICS, LoopCore
 from .transitions import check_model_config
@@ -36,6 +37,11 @@ class LMOutput(NamedTuple):
     # cfg.loop_stability's weighted loss term, when it is on, targets are given and grad is
     # enabled (training); the trainer adds it to `loss` before backward. Not in `loss`.
     aux_loss: Optional[torch.Tensor] = None
+    # forward(z_loss=w > 0) with targets: z_loss is the term w * mean(logsumexp(logits)^2) at the
+    # final depth and `objective` = loss + z_loss, what training backpropagates (in the chunked
+    # path the one with a gradient: `loss` and `z_loss` are then its parts, for logging).
+    z_loss: Optional[torch.Tensor] = None
+    objective: Optional[torch.Tensor] = None
 
 
 class DecodeOutput(NamedTuple):
@@ -166,7 +172,7 @@ class LoopedLM(nn.Module):
                 initial_state: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
-                exit_rule: Optional[ExitRule] = None) -> LMOutput:
+                exit_rule: Optional[ExitRule] = None, z_loss: float = 0.0) -> LMOutput:
         """Run the loop once to the final depth and read out the requested depths.
 
         tokens, targets: (B, S) long; targets equal to IGNORE_INDEX (-100) are left out.
@@ -187,6 +193,8 @@ class LoopedLM(nn.Module):
         to the rule's max_steps (else the depth above), each token stops when the rule fires, and
         the output's steps_used says how many steps each took. Not with readout_depths,
         backprop_steps, diagnostics or initial_state.
+        z_loss: weight of PaLM's z-loss at the final depth (training; needs targets): the output's
+        z_loss and objective (LMOutput). `loss` stays the cross-entropy.
         """
         if exit_rule is not None:
             if readout_depths is not None or backprop_steps or diagnostics \
@@ -212,18 +220,29 @@ class LoopedLM(nn.Module):
         states = dict(zip(wanted, outs))
         diag = dict(zip(DIAGNOSTICS, outs[len(wanted):])) if diagnostics else None
         aux_loss = outs[-1] if stability else None
+        if z_loss and targets is None:
+            raise ValueError("z_loss: a term of the training loss; it needs targets")
         logits_by_depth: dict[int, torch.Tensor] = {}
         loss_by_depth: dict[int, torch.Tensor] = {}
+        z_term = objective = None
         for t in wanted:
             if not keep_logits:
-                if targets is not None:
-                    loss_by_depth[t] = chunked_cross_entropy(
-                        self.head_input(states[t], rope, mask), self.head_weight, targets)
+                if targets is None:
+                    continue
+                h = self.head_input(states[t], rope, mask)
+                if z_loss and t == final:
+                    objective, loss_by_depth[t], z_term = chunked_cross_entropy_with_z_loss(
+                        h, self.head_weight, targets, z_loss)
+                else:
+                    loss_by_depth[t] = chunked_cross_entropy(h, self.head_weight, targets)
                 continue
             logits_by_depth[t] = logits = self.readout(states[t], rope, mask)
             if targets is not None:
                 loss_by_depth[t] = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                                    ignore_index=IGNORE_INDEX)
+                if z_loss and t == final:
+                    z_term = z_loss * z_loss_of_logits(logits, targets)
+                    objective = loss_by_depth[t] + z_term
         return LMOutput(
             logits=logits_by_depth.get(final),
             loss=loss_by_depth.get(final),
@@ -234,6 +253,8 @@ class LoopedLM(nn.Module):
             depth=final,
             steps_used=steps_used,
             aux_loss=aux_loss,
+            z_loss=z_term,
+            objective=objective,
         )
 
     @torch.no_grad()

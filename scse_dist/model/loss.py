@@ -11,12 +11,20 @@ recomputed (the head costs 3 matmuls, as unchunked). Values and gradients equal 
 path's within fp32 summation-order rounding (the gradient of the logits is cast to the model
 dtype before the two matmuls, as autograd does there).
 
+`chunked_cross_entropy_with_z_loss` adds PaLM's z-loss, `z_weight * mean(logsumexp(logits)^2)`,
+in the same chunks: the logsumexp is the cross-entropy's, and the z term's gradient,
+`2 z_weight * lse * softmax`, joins the logits' gradient before the same two matmuls, so the head
+still costs 3 matmuls. Its objective (cross-entropy + z term) is the one output with a gradient;
+the two parts come beside it, for logging.
+
 The head weight is an input of the autograd Function, not captured: a tied head (the embedding
 matrix) then accumulates into the same .grad as the embedding lookup, and under ZeRO-3 the
 weight is whatever the hooks gathered when the caller read the attribute.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,13 +41,18 @@ def _chunks(n_rows: int, vocab: int) -> list[slice]:
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
+    """(objective, cross-entropy, z-loss term): the objective is the cross-entropy plus
+    z_weight * mean(lse^2), and the only output with a gradient, formed in forward for it."""
+
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                with_grad: bool) -> torch.Tensor:
+                with_grad: bool, z_weight: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         valid = targets != IGNORE_INDEX
         targets = targets.masked_fill(~valid, 0)
         count = valid.sum()
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total_z = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if with_grad else None
         # fp32 accumulator: the sum over chunks would otherwise round once per chunk in bf16.
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if with_grad else None
@@ -48,10 +61,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             picked = logits.gather(1, targets[rows, None])
             total += ((lse - picked).squeeze(1) * valid[rows]).sum()
+            if z_weight:
+                total_z += (lse.squeeze(1).square() * valid[rows]).sum()
             if not with_grad:
                 continue
-            # d mean / d logits = (softmax - onehot(target)) / count on kept rows, 0 on ignored.
+            # d mean / d logits = (softmax - onehot(target)) / count on kept rows, 0 on ignored;
+            # the z-loss adds z_weight * 2 lse * softmax / count.
             grad_logits = logits.sub_(lse).exp_()
+            if z_weight:
+                grad_logits *= 1.0 + (2.0 * z_weight) * lse
             grad_logits.scatter_add_(1, targets[rows, None], torch.full_like(picked, -1.0))
             grad_logits *= (valid[rows] / count)[:, None]
             grad_logits = grad_logits.to(hidden.dtype)
@@ -59,12 +77,17 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad_w += (grad_logits.t() @ hidden[rows]).float()
         if with_grad:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
-        return total / count  # 0/0 = nan when every target is ignored, as F.cross_entropy
+        # 0/0 = nan when every target is ignored, as F.cross_entropy
+        cross_entropy, z_term = total / count, z_weight * (total_z / count)
+        objective = total / count if not z_weight else cross_entropy + z_term
+        ctx.mark_non_differentiable(cross_entropy, z_term)
+        return objective, cross_entropy, z_term
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor, _grad_ce: torch.Tensor, _grad_z: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None, None
+        return (grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype), None,
+                None, None)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
@@ -74,5 +97,34 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
 
     hidden: (..., d); weight: (V, d); targets: hidden's leading shape, long.
     """
+    return _apply(hidden, weight, targets, 0.0)[0]
+
+
+class LossTerms(NamedTuple):
+    objective: torch.Tensor  # cross_entropy + z_loss, with the gradient of both
+    cross_entropy: torch.Tensor  # the mean cross-entropy alone (no gradient)
+    z_loss: torch.Tensor  # z_weight * mean(logsumexp(logits)^2) (no gradient)
+
+
+def chunked_cross_entropy_with_z_loss(hidden: torch.Tensor, weight: torch.Tensor,
+                                      targets: torch.Tensor, z_weight: float) -> LossTerms:
+    """chunked_cross_entropy plus PaLM's z-loss, z_weight * mean(logsumexp(logits)^2) over the
+    same kept rows, in the same chunks (the logsumexp is the cross-entropy's own; the
+    gradient of both is formed in one pass, 3 matmuls as without it). Only `objective` carries a
+    gradient: the cross-entropy and the z term are its parts, for logging."""
+    return LossTerms(*_apply(hidden, weight, targets, float(z_weight)))
+
+
+def _apply(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+           z_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _ChunkedCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), with_grad)
+    return _ChunkedCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), with_grad,
+                                      z_weight)
+
+
+def z_loss_of_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """mean(logsumexp(logits)^2) over the rows whose target is kept, from full logits (..., V)
+    (the unchunked path; its gradient by autograd)."""
+    kept = targets.flatten() != IGNORE_INDEX
+    lse = torch.logsumexp(logits.float().flatten(0, -2), dim=-1)
+    return (lse.square() * kept).sum() / kept.sum()

@@ -20,7 +20,8 @@ import torch
 
 from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
-from scse_dist.checkpoint.tags import resume_if_present
+from scse_dist.checkpoint.manifest import CONFIG_NAME
+from scse_dist.checkpoint.tags import checkpoint_dir, resume_if_present
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
 from scse_dist.distributed import (abandon, barrier, describe_placement, init_distributed,
                                    shutdown)
@@ -43,6 +44,7 @@ from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import FaultInjector, TrainingStopped
 from scse_dist.train.metrics import MetricsLogger, cut_metrics
+from scse_dist.train.schedule import follow_config_schedule
 from scse_dist.train.step import train_step
 from scse_dist.train.tensorboard import tensorboard_log_dir
 from scse_dist.train.warm_start import maybe_init_from
@@ -131,7 +133,8 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
                                   depth=depth, backprop_steps=t.depth.backprop_steps,
                                   stop_requested=preemption.requested,
                                   loss_hook=lambda loss: state.faults.loss(step + 1, loss),
-                                  before_update=lambda engine: _before_update(callbacks, state))
+                                  before_update=lambda engine: _before_update(callbacks, state),
+                                  z_loss=t.z_loss)
         state.step_seconds = time.perf_counter() - started  # data included; hooks are not
         state.step = step + 1
         for callback in callbacks:
@@ -187,6 +190,11 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
                                      env.world_size, cfg.train.seed, tokenizer.sha256)
     engine, ds_config = build_engine(cfg, model)
     start_step, callback_states = resume_if_present(engine, run_dir, stream, resume_tag)
+    if resume_tag is not None:  # the LR from this config's schedule at the resumed step
+        note = follow_config_schedule(engine.lr_scheduler, cfg.train,
+                                      checkpoint_dir(run_dir) / resume_tag / CONFIG_NAME)
+        if note and env.rank == 0:
+            print(note, flush=True)
     _check_resumed_step(start_step, cfg, run_dir)
     if env.rank == 0:  # rows a dead run wrote past the resumed step would come twice
         cut_metrics(RunDir(run_dir).metrics, start_step)

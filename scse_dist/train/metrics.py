@@ -56,7 +56,9 @@ CONSOLE_DIAGNOSTICS = (("diag/D_kept", "D_T/D_0"), ("diag/anchor_over_scale", "R
 def format_line(row: dict[str, Any]) -> str:
     parts = [f"step {row['step']:>6d}"]
     if "loss" in row:  # a training row; a diagnostics-only row has just step and diag/
-        parts += [f"loss {row['loss']:.4f}", f"lr {row['lr']:.3e}", f"T {row['depth']:>2d}",
+        parts += [f"loss {row['loss']:.4f}"]
+        parts += [f"z_loss {row['z_loss']:.3g}"] if "z_loss" in row else []  # train.z_loss
+        parts += [f"lr {row['lr']:.3e}", f"T {row['depth']:>2d}",
                   f"tok/s {row['tokens_per_s']:,.0f}", f"step {row['step_time_s'] * 1000:.0f} ms"]
     if row.get("mfu") is not None:
         parts.append(f"mfu {100 * row['mfu']:.2f}%")

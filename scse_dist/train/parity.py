@@ -65,7 +65,8 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
             sample_depth(step, t.depth, cfg.model.depth, t.seed)
         batch = global_batch(cfg, step, micro * accum * world)
         parts = (batch[(m * world + rank) * micro:(m * world + rank + 1) * micro] for m in range(accum))
-        result = train_step(engine, parts, depth=depth, backprop_steps=t.depth.backprop_steps)
+        result = train_step(engine, parts, depth=depth, backprop_steps=t.depth.backprop_steps,
+                            z_loss=t.z_loss)
         total = result.loss_sum.detach().cpu()
         dist.all_reduce(total)
         losses.append(float(total) / (world * accum))

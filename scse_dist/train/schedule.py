@@ -1,37 +1,154 @@
-"""Learning-rate schedule: linear warmup, then cosine decay to min_lr_ratio * lr."""
+"""Learning-rate schedules: linear warmup, then cosine, linear, constant or warmup-stable-decay.
+
+`LRSchedule(step)` is the LR multiplier of optimizer step `step` (0-based: the s-th update uses
+lr * multiplier(s)); `train.schedule` picks the shape after the warmup:
+
+  cosine    (default) from 1 at step W to min_lr_ratio at the last step (max_steps - 1)
+  linear    the same ends, a straight line between them
+  constant  1 after the warmup, whatever max_steps is
+  wsd       warmup-stable-decay: 1 until the decay, then `decay_shape` (linear, cosine or 1-sqrt)
+            over its last D steps (train.decay_steps, or round(decay_fraction * max_steps)),
+            reaching min_lr_ratio at the last step. Raising max_steps while in the stable phase
+            extends the run; a cooldown may branch from any stable checkpoint (train.branch_from).
+
+The warmup ramps 1/W, 2/W, ..., 1 over steps 0..W-1. Every decay runs from its anchor `a` (the
+last step at the peak: W for cosine and linear, max_steps - 1 - D for wsd) with progress
+p = (s - a) / (max_steps - 1 - a), clamped to [0, 1], so the multiplier past the last step stays
+at min_lr_ratio.
+
+The multiplier is a function of the config and the step only: a checkpoint keeps the step count
+of the scheduler, not its shape, so a resumed or branched run follows its own config's schedule
+from the step it resumes at (`ConfigLR`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from scse_dist.config import TrainConfig
 
+# The train.* fields the LR at a step depends on.
+SCHEDULE_FIELDS = ("lr", "muon_lr", "warmup_steps", "max_steps", "min_lr_ratio", "schedule",
+                   "decay_fraction", "decay_steps", "decay_shape")
+
 
 @dataclass(frozen=True)
-class WarmupCosine:
-    """LR multiplier for optimizer step s (0-based: the s-th update uses lr * self(s)).
-
-    Warmup ramps 1/W, 2/W, ..., 1 over steps 0..W-1; the cosine then runs from 1 at step W to
-    exactly min_ratio at the last step (max_steps - 1) and stays there past it.
-    """
+class LRSchedule:
+    """LR multiplier for optimizer step s (module docstring)."""
 
     warmup_steps: int
     max_steps: int
     min_ratio: float
+    kind: str = "cosine"
+    decay_steps: int = 0  # wsd only: D
+    decay_shape: str = "linear"  # wsd only
+
+    @classmethod
+    def from_config(cls, train: TrainConfig) -> "LRSchedule":
+        decay = train.wsd_decay_steps() if train.schedule == "wsd" else 0
+        return cls(train.warmup_steps, train.max_steps, train.min_lr_ratio, train.schedule,
+                   decay, train.decay_shape)
+
+    @property
+    def decay_anchor(self) -> float:
+        """The last step at the peak, from which the decay's progress counts (inf: none)."""
+        if self.kind == "constant":
+            return math.inf
+        if self.kind == "wsd":
+            return self.max_steps - 1 - self.decay_steps
+        return self.warmup_steps
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        span = max(1, self.max_steps - 1 - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        anchor = self.decay_anchor
+        if step <= anchor and self.kind in ("wsd", "constant"):  # the stable phase: exactly 1
+            return 1.0
+        span = max(1, self.max_steps - 1 - anchor)
+        progress = min(1.0, (step - anchor) / span)
+        shape = "cosine" if self.kind == "cosine" else \
+            "linear" if self.kind == "linear" else self.decay_shape
+        return self.min_ratio + (1.0 - self.min_ratio) * _decayed(shape, progress)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> LambdaLR:
-    # A LambdaLR handed to deepspeed.initialize is stepped by the engine once per optimizer step and
-    # saved in its checkpoints, so a resumed run continues the same curve.
-    return LambdaLR(optimizer, WarmupCosine(train.warmup_steps, train.max_steps, train.min_lr_ratio))
+def _decayed(shape: str, progress: float) -> float:
+    """1 at progress 0 down to 0 at progress 1."""
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if shape == "1-sqrt":
+        return 1.0 - math.sqrt(progress)
+    return 1.0 - progress
+
+
+class ConfigLR(LambdaLR):
+    """A LambdaLR whose state (what DeepSpeed saves in a checkpoint) is the step count only.
+
+    torch's LambdaLR also saves its base LRs and the schedule object's fields, and loading them
+    back would replace this run's schedule with the checkpoint's. Here the config decides:
+    `load_state_dict` takes the step and sets every group's LR to the config's schedule at that
+    step (`apply`), so an unchanged config resumes bit for bit and a changed one (a longer wsd
+    run, a cooldown branch) takes effect from the resumed step.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_epoch = state_dict["last_epoch"]
+        self._step_count = state_dict["_step_count"]
+        self.apply()
+
+    def lrs_at(self, step: int) -> list[float]:
+        # LambdaLR.get_lr's expression, so an unchanged schedule gives the saved floats exactly
+        return [base_lr * lmbda(step) for lmbda, base_lr in zip(self.lr_lambdas, self.base_lrs)]
+
+    def apply(self) -> None:
+        """Every param group's LR := the schedule's at the current step (after a checkpoint's
+        optimizer state, which holds the LRs of the run that saved it, is loaded)."""
+        lrs = self.lrs_at(self.last_epoch)
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = lrs
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> ConfigLR:
+    # Handed to deepspeed.initialize, it is stepped by the engine once per optimizer step and its
+    # step count saved in the checkpoints (ConfigLR: the schedule itself comes from the config).
+    return ConfigLR(optimizer, LRSchedule.from_config(train))
+
+
+def follow_config_schedule(scheduler: ConfigLR, train: TrainConfig,
+                           saved_config: Path) -> Optional[str]:
+    """After a resume or branch: every group's LR from this run's schedule at the resumed step
+    (the checkpoint's optimizer state holds the saving run's). Returns a line saying so when that
+    LR differs from the one the checkpoint's own schedule (its `config.json`) gives there; None
+    when they agree (an unchanged config, a wsd run extended in its stable phase)."""
+    scheduler.apply()
+    if not saved_config.is_file():
+        return None
+    saved = json.loads(saved_config.read_text()).get("train", {})
+    # a field the checkpoint lacks did not exist yet: its default is what that run did
+    defaults = TrainConfig()
+    before = dataclasses.replace(train, **{name: saved.get(name, getattr(defaults, name))
+                                           for name in SCHEDULE_FIELDS})
+    step = scheduler.last_epoch
+    old, new = before.lr * LRSchedule.from_config(before)(step), scheduler.get_last_lr()[0]
+    if old == new:
+        return None
+    return (f"train.schedule: step {step + 1} runs at lr {new:.4e} under this config's schedule "
+            f"({describe(train)}); the checkpoint's ({describe(before)}) had {old:.4e}")
+
+
+def describe(train: TrainConfig) -> str:
+    """The schedule in a few words: 'wsd linear, decay 200 of 2000 steps, warmup 100'."""
+    shape = {"wsd": f"wsd {train.decay_shape}, decay {train.wsd_decay_steps()} of"}.get(
+        train.schedule, train.schedule + ",")
+    return f"{shape} {train.max_steps} steps, warmup {train.warmup_steps}, lr {train.lr:g}"

@@ -20,6 +20,8 @@ class StepResult(NamedTuple):
     skipped: bool  # non-finite loss or gradient on some rank: no update anywhere
     stop: bool  # some rank was asked to stop (preemption): save after this step
     depth: int  # the loop depth the step ran
+    # sum over micro-batches of each one's z-loss term (train.z_loss > 0), else None
+    z_loss_sum: Optional[torch.Tensor] = None
 
 
 def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
@@ -63,7 +65,8 @@ def _optimizer_step_skipped(optimizer: Any, skip: bool) -> Iterator[None]:
 def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[int],
                backprop_steps: int = 0, stop_requested: Callable[[], bool] = lambda: False,
                loss_hook: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
-               before_update: Callable[[Any], None] = lambda engine: None) -> StepResult:
+               before_update: Callable[[Any], None] = lambda engine: None,
+               z_loss: float = 0.0) -> StepResult:
     """Run one optimizer step of `engine` over `windows`, its gradient-accumulation micro-batches.
 
     Each window is a (B, S+1) token tensor: inputs window[:, :-1], targets window[:, 1:]. There
@@ -76,11 +79,13 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
     boundary). A non-finite step updates nothing on any rank. `loss_hook` sees each micro-batch's
     loss before backward (fault injection in tests). `before_update(engine)` runs at the
     boundary, after the last backward and before engine.step(), on every rank: the gradients are
-    complete there (loop diagnostics read them).
+    complete there (loop diagnostics read them). `z_loss` > 0 adds that weight's z-loss to
+    the objective (the loss summed for logging stays the cross-entropy; the term has its own sum).
     """
     accum = engine.gradient_accumulation_steps()
     stage0 = engine.zero_optimization_stage() == 0
     loss_sum = torch.zeros((), device=engine.device)
+    z_sum = torch.zeros((), device=engine.device) if z_loss else None
     local_bad = torch.zeros((), device=engine.device)
     bad = stop = False
     ran_depth, micro = 0, 0
@@ -89,11 +94,15 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
             raise ValueError(f"train_step: more micro-batches than gradient_accumulation_steps={accum}")
         window = window.to(engine.device)
         out = engine(window[:, :-1], window[:, 1:], depth=depth, backprop_steps=backprop_steps,
-                     keep_logits=False)
+                     keep_logits=False, **({"z_loss": z_loss} if z_loss else {}))
         ran_depth = out.depth
-        loss = loss_hook(out.loss)
+        if z_sum is None:
+            loss = objective = loss_hook(out.loss)
+        else:  # the objective carries the gradient; out.loss is its cross-entropy part
+            objective, loss = loss_hook(out.objective), out.loss
+            z_sum += out.z_loss.detach().float()
         # model.loop_stability's term joins the objective; the LM loss alone is what runs log.
-        objective = loss if out.aux_loss is None else loss + out.aux_loss
+        objective = objective if out.aux_loss is None else objective + out.aux_loss
         local_bad += (~torch.isfinite(objective.detach())).float()
         loss_sum += loss.detach().float()
         engine.backward(objective)
@@ -108,4 +117,4 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
         raise ValueError(f"train_step: got {micro} micro-batches, expected "
                          f"gradient_accumulation_steps={accum}")
     skipped = bad or not engine.was_step_applied()
-    return StepResult(loss_sum, accum, skipped, stop, ran_depth)
+    return StepResult(loss_sum, accum, skipped, stop, ran_depth, z_sum)
