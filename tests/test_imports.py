@@ -10,11 +10,17 @@ cycle check keeps the graph acyclic):
     model  <-  config, task_registry, cli_errors, atomic, progress, quiet, threads, distributed, hf
     <-  data  <-  checkpoint  <-  train, eval, generate (_cli, _options, sampling, speculative)
     <-  launch, study, lmeval
+
+A package's own `config` module (scse_dist/data/config.py, train/config.py, eval/config.py: its
+section of the run config) sits in the config layer, not its package's: `scse_dist.config`
+composes the sections, and whatever reads a config imports them, without loading the package.
+So a section may import only the config layer and below, never its own package's modules.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,7 +73,10 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             named.update(f"{module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             named.update(a.name for a in node.names)
-    with_packages = {".".join(m.split(".")[:i]) for m in named for i in range(2, m.count(".") + 2)}
+    # importing a module imports its packages too, except that a section config's package is
+    # light by contract (test_section_packages_import_nothing): it counts as the config layer's
+    with_packages = {".".join(m.split(".")[:i]) for m in named
+                     for i in range(3 if _in_section(m) else 2, m.count(".") + 2)}
     return {m for m in with_packages if m in modules and m != name and not name.startswith(m + ".")}
 
 
@@ -94,7 +103,15 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _in_section(name: str) -> bool:
+    """Whether `name` is a package's section config (scse_dist.train.config) or a name in it."""
+    parts = name.split(".")
+    return len(parts) >= 3 and parts[2] == "config" and parts[1] not in LAYERS[0]
+
+
 def _top(module: str) -> str:
+    if _in_section(module):
+        return "config"  # a package's section of the run config: below the package
     return module.split(".")[1] if module.count(".") else ""
 
 
@@ -166,7 +183,27 @@ def test_a_planted_upward_import_is_caught(tmp_path):
                                      "scse_dist.data.packing -> scse_dist.train.engine"]
 
 
-@pytest.mark.parametrize("leaf", ["scse_dist.model.config", "scse_dist.data.sample_format",
+def test_section_configs_sit_in_the_config_layer():
+    graph = _graph()
+    sections = {"scse_dist.data.config", "scse_dist.train.config", "scse_dist.eval.config"}
+    assert sections <= graph["scse_dist.config"]
+    assert {_layer(m) for m in sections} == {_layer("scse_dist.config")}
+
+
+@pytest.mark.parametrize("package", ["scse_dist.data", "scse_dist.train", "scse_dist.eval"])
+def test_section_packages_import_nothing(package):
+    # importing a section config runs its package's __init__: it must stay this light
+    assert _graph()[package] == set()
+
+
+def test_a_section_config_importing_its_package_is_caught(tmp_path):
+    copy = _plant(tmp_path, {"train/config.py": (ROOT / "train/config.py").read_text()
+                             + "\nfrom scse_dist.train.schedule import build_lr_scheduler  # planted\n"})
+    assert "scse_dist.train.config -> scse_dist.train.schedule" in _upward(_graph(copy))
+
+
+@pytest.mark.parametrize("leaf", ["scse_dist.model.config", "scse_dist.data.config",
+                                  "scse_dist.data.sample_format",
                                   "scse_dist.progress", "scse_dist.quiet", "scse_dist.threads"])
 def test_leaves_import_nothing_of_scse_dist(leaf):
     graph = _graph()
@@ -177,3 +214,16 @@ def test_sample_format_is_shared_by_reader_and_writer():
     graph = _graph()
     assert "scse_dist.data.sample_format" in graph["scse_dist.data.reader"]
     assert "scse_dist.data.sample_format" in graph["scse_dist.data.shards"]
+
+
+def test_config_validation_loads_no_torch(subprocess_env):
+    """The commands check a config before torch loads: scse_dist.config and every section beside
+    its package load and validate a config without torch (nor the packages' heavy modules)."""
+    from conftest import REPO_ROOT, run_profiling_imports
+
+    code = ("from scse_dist.config import load_config; "
+            "load_config('configs/quickstart.yaml', ['train.max_steps=3', 'eval.tasks=[heldout]'])")
+    proc = run_profiling_imports([sys.executable, "-c", code], subprocess_env, cwd=REPO_ROOT,
+                                 timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "yaml" in proc.imported and not proc.imported & {"torch", "deepspeed", "numpy"}

@@ -1,0 +1,148 @@
+"""The `train:` section of a run config (with its `train.depth:` sampler) and the `wandb:` section
+the trainer's metrics log to.
+
+Beside the package it configures, and below it: it imports only the model's ConfigError, so
+`scse_dist.config` composes it without loading the trainer (or torch).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from scse_dist.model.config import ConfigError
+
+
+@dataclass
+class DepthSamplingConfig:
+    # fixed: T = model.depth every step. uniform: T ~ U{min, max} (max 0 -> 2*model.depth), the
+    # spec's 2..2*T_mean by default. poisson_lognormal: Huginn's scheme, mean model.depth, spread
+    # `sigma`, at least `min`.
+    kind: Literal["fixed", "uniform", "poisson_lognormal"] = "fixed"
+    min: int = 2
+    max: int = 0
+    sigma: float = 0.5
+    # Backpropagate through only the last k loop steps (0: all of them).
+    backprop_steps: int = 0
+
+
+@dataclass
+class TrainConfig:
+    # Sequences per rank per micro-batch, or auto: the largest power of two dividing
+    # global_batch_size / world size that fits in memory, found by probing at start-up
+    # (scse_dist.train.micro_batch; needs global_batch_size).
+    micro_batch_size: Union[int, Literal["auto"]] = 8
+    grad_accum_steps: int = 1
+    # Sequences per optimizer step over all ranks; 0 means micro_batch_size * grad_accum_steps *
+    # world size. When set, grad_accum_steps is derived from it at start-up (see grad_accum_for),
+    # so the global batch, and the loss curve, stay the same at any world size.
+    global_batch_size: int = 0
+    # micro_batch_size: auto on CPU (no out-of-memory signal there): the most a probe's peak RSS
+    # may grow, plus the optimizer state it does not allocate, in GiB. 0: half of MemAvailable
+    # at start-up, shared by the node's ranks (the rest for data workers and the page cache).
+    micro_batch_memory_gib: float = 0.0
+    max_steps: int = 200
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # auto: bf16 where the accelerator supports it, fp32 otherwise (CPU).
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    zero_stage: int = 1
+    # Optional DeepSpeed JSON merged over the generated config (e.g. configs/deepspeed/zero3.json):
+    # its values override generated keys, except keys a config field decides (engine._OWNED: batch
+    # sizes, clipping, ZeRO stage, precision, lr/betas/weight decay, scheduler), which it may only
+    # repeat with the same value (engine.build_ds_config).
+    deepspeed_config: Optional[str] = None
+    # torch_adamw: torch.optim.AdamW, fused on CUDA (no nvcc or JIT build). deepspeed_fused_adam:
+    # DeepSpeed's FusedAdam, which JIT-compiles a CUDA extension at start-up (CUDA only). muon:
+    # Muon for the 2-D matrices of prelude, core and coda, AdamW (lr, betas, weight_decay above)
+    # for the embedding/head and gains (scse_dist.train.muon); ZeRO stage 0-2.
+    optimizer: Literal["torch_adamw", "deepspeed_fused_adam", "muon"] = "torch_adamw"
+    # Muon's own settings (train.optimizer: muon). lr in units of spectral norm per step, under
+    # the same warmup-cosine schedule; 0.02, momentum 0.95 (Nesterov) and no weight decay are
+    # the defaults of Keller Jordan's reference implementation.
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
+    depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
+    log_every: int = 10
+    # Loop diagnostics (scse_dist.train.diagnostics: deviation norms, anchor scale, gradient
+    # shares) on one fixed held-out batch every this many steps; null: log_every; 0: off.
+    diagnostics_every: Optional[int] = None
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    seed: int = 0
+    # A step whose loss or gradient is NaN/Inf on any rank is skipped; this many in a row stop
+    # the run (exit status 3) with the last good checkpoint left as it was.
+    max_nonfinite_steps: int = 5
+    # torch.compile each block's math (regional: one graph for every loop step and depth T).
+    compile: bool = False
+    # Warm start: an export dir or URL whose weights (only) a new run starts from; a run that
+    # has a checkpoint resumes it and ignores this. Strict: every key and shape must match.
+    init_from: Optional[str] = None
+    init_from_strict: bool = True
+    # A run dir with checkpoints: auto resumes the newest intact one (a changed model or data
+    # stream is refused); never moves them aside (run_dir/old-<time>/) and starts fresh; require
+    # fails when there is nothing to resume.
+    resume: Literal["auto", "never", "require"] = "auto"
+    # Resume from this checkpoint tag (step-N) instead of the newest; the run dir's newer tags
+    # are moved aside (run_dir/old-<time>/checkpoints). For one command line: a requeue with it
+    # still set goes back to step-N again.
+    resume_from: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.resume_from is None:
+            return
+        if not re.fullmatch(r"step-\d+", self.resume_from):
+            raise ConfigError(f"train.resume_from: expected a checkpoint tag like step-40, got "
+                              f"{self.resume_from!r}")
+        if self.resume == "never":
+            raise ConfigError("train.resume_from: contradicts train.resume=never (which starts "
+                              "fresh); leave train.resume at auto")
+
+    def micro_batch_candidates(self, world_size: int) -> list[int]:
+        """micro_batch_size: auto's candidates at `world_size`: the powers of two that divide the
+        global batch's share of one rank, largest first (ConfigError if there is no such share)."""
+        if self.global_batch_size % world_size:
+            raise ConfigError(f"train.global_batch_size: {self.global_batch_size} is not a multiple "
+                              f"of the world size ({world_size}), so train.micro_batch_size: auto "
+                              "has no per-rank share to split")
+        per_rank = self.global_batch_size // world_size
+        return [1 << k for k in range(per_rank.bit_length() - 1, -1, -1) if per_rank % (1 << k) == 0]
+
+    def grad_accum_for(self, world_size: int, micro_batch_size: Optional[int] = None) -> int:
+        """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit).
+        micro_batch_size: auto counts at its largest candidate unless `micro_batch_size` (the
+        one chosen) is given."""
+        if not self.global_batch_size:
+            return self.grad_accum_steps
+        micro = micro_batch_size or self.micro_batch_size
+        if micro == "auto":
+            micro = self.micro_batch_candidates(world_size)[0]
+        per_pass = micro * world_size
+        if self.global_batch_size % per_pass:
+            raise ConfigError(
+                f"train.global_batch_size: {self.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size ({micro}) x world size ({world_size})")
+        accum = self.global_batch_size // per_pass
+        if self.grad_accum_steps not in (1, accum):
+            raise ConfigError(
+                f"train.grad_accum_steps: {self.grad_accum_steps} contradicts "
+                f"train.global_batch_size={self.global_batch_size}, which needs {accum} at world "
+                f"size {world_size}; leave grad_accum_steps at 1 or set global_batch_size to 0")
+        return accum
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = True
+    # offline by default: runs sync later with `wandb sync`; there is often no network.
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "scse-dist"
+    entity: Optional[str] = None
+    group: Optional[str] = None
