@@ -50,83 +50,16 @@ class RunConfig:
 
 
 def _check_consistency(cfg: RunConfig) -> None:
-    m, t, d = cfg.model, cfg.train, cfg.train.depth
-    check_model_config(m)
-    positive = {
-        "data.seq_len": cfg.data.seq_len,
-        "train.micro_batch_size": 1 if t.micro_batch_size == "auto" else t.micro_batch_size,
-        "train.grad_accum_steps": t.grad_accum_steps, "train.max_steps": t.max_steps,
-        "train.log_every": t.log_every, "train.checkpoint_every": t.checkpoint_every,
-        "train.keep_checkpoints": t.keep_checkpoints, "train.depth.min": d.min,
-        "train.max_nonfinite_steps": t.max_nonfinite_steps,
-        "eval.batch_size": cfg.eval.batch_size,
-    }
-    for name, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{name}: must be > 0, got {value}")
-    for name, value in {"train.warmup_steps": t.warmup_steps,
-                        "train.global_batch_size": t.global_batch_size,
-                        "train.micro_batch_memory_gib": t.micro_batch_memory_gib,
-                        "train.depth.backprop_steps": d.backprop_steps,
-                        "train.diagnostics_every": t.diagnostics_every or 0,
-                        "eval.max_batches": cfg.eval.max_batches}.items():
-        if value < 0:
-            raise ConfigError(f"{name}: must be >= 0, got {value}")
-    if cfg.data.seq_len > m.max_seq_len:
-        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if t.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError(f"train.min_lr_ratio: must lie in [0, 1], got {t.min_lr_ratio}")
-    if t.init_from is not None and not t.init_from.strip():
-        raise ConfigError("train.init_from: an export dir or URL, or null; got an empty string")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
-    _check_muon(t)
-    _check_auto_micro_batch(t)
-    if d.kind == "uniform" and d.max and d.max < d.min:
-        raise ConfigError(f"train.depth.max: {d.max} is below train.depth.min={d.min}")
-    if d.sigma <= 0:
-        raise ConfigError(f"train.depth.sigma: must be > 0, got {d.sigma}")
-    if any(x <= 0 for x in cfg.eval.depths) or not cfg.eval.depths:
-        raise ConfigError(f"eval.depths: need a non-empty list of depths >= 1, got {cfg.eval.depths}")
-    if len(cfg.data.mixture_weights) != len(cfg.data.mixture_paths) or \
-            any(w <= 0 for w in cfg.data.mixture_weights):
-        raise ConfigError(f"data.mixture_weights: need one positive weight per data.mixture_paths "
-                          f"entry, got {cfg.data.mixture_weights} for {len(cfg.data.mixture_paths)} paths")
-    for name in ("num_workers", "shuffle_buffer", "max_failures"):
-        if getattr(cfg.data, name) < 0:
-            raise ConfigError(f"data.{name}: must be >= 0, got {getattr(cfg.data, name)}")
-    if not 0.0 <= cfg.data.heldout_fraction < 1.0:
-        raise ConfigError(f"data.heldout_fraction: must lie in [0, 1), got {cfg.data.heldout_fraction}")
+    """The whole config: each section's own check (model first), then what spans sections."""
+    check_model_config(cfg.model)
+    cfg.data.check()
+    cfg.train.check()
+    cfg.eval.check()
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds "
+                          f"model.max_seq_len={cfg.model.max_seq_len}")
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
-
-
-def _check_auto_micro_batch(t: TrainConfig) -> None:
-    if t.micro_batch_size != "auto":
-        return
-    if not t.global_batch_size:  # the batch that auto keeps while it picks the split
-        raise ConfigError("train.micro_batch_size: auto needs train.global_batch_size (the batch "
-                          "per optimizer step it keeps while choosing the micro-batch); set it, "
-                          "e.g. train.global_batch_size=64")
-    if t.grad_accum_steps != 1:
-        raise ConfigError(f"train.grad_accum_steps: {t.grad_accum_steps} with "
-                          "train.micro_batch_size: auto, which derives it; leave it at 1")
-
-
-def _check_muon(t: TrainConfig) -> None:
-    if t.muon_lr <= 0:
-        raise ConfigError(f"train.muon_lr: must be > 0, got {t.muon_lr}")
-    if not 0.0 <= t.muon_momentum < 1.0:
-        raise ConfigError(f"train.muon_momentum: must lie in [0, 1), got {t.muon_momentum}")
-    if t.muon_weight_decay < 0:
-        raise ConfigError(f"train.muon_weight_decay: must be >= 0, got {t.muon_weight_decay}")
-    if t.optimizer == "muon" and t.zero_stage == 3:
-        # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at stage 3
-        raise ConfigError("train.zero_stage: train.optimizer: muon works at ZeRO stage 0, 1 or 2, "
-                          "not 3; set train.zero_stage: 2 (it partitions gradients and optimizer "
-                          "state too) or use torch_adamw")
 
 
 # --------------------------------------------------------------------------- loading

@@ -202,8 +202,7 @@ def test_a_section_config_importing_its_package_is_caught(tmp_path):
     assert "scse_dist.train.config -> scse_dist.train.schedule" in _upward(_graph(copy))
 
 
-@pytest.mark.parametrize("leaf", ["scse_dist.model.config", "scse_dist.data.config",
-                                  "scse_dist.data.sample_format",
+@pytest.mark.parametrize("leaf", ["scse_dist.model.config", "scse_dist.data.sample_format",
                                   "scse_dist.progress", "scse_dist.quiet", "scse_dist.threads"])
 def test_leaves_import_nothing_of_scse_dist(leaf):
     graph = _graph()

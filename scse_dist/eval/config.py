@@ -3,6 +3,8 @@
 
 Beside the package it configures, and below it: it imports only the task registry and the
 model's ConfigError, so `scse_dist.config` composes it without loading the evaluators (or torch).
+`check()` is the section's one validation; scse_dist.config runs it, then the checks across
+sections.
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ class EvalConfig:
     slurm_time_min: int = 120
     slurm_partition: Optional[str] = None
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
+        """Values no evaluation can use, and each listed task's data file (ConfigError naming the
+        field)."""
+        if any(x <= 0 for x in self.depths) or not self.depths:
+            raise ConfigError(f"eval.depths: need a non-empty list of depths >= 1, got {self.depths}")
+        if self.batch_size <= 0:
+            raise ConfigError(f"eval.batch_size: must be > 0, got {self.batch_size}")
         for i, task in enumerate(self.tasks):
             if task not in TASKS:
                 raise ConfigError(f"eval.tasks[{i}]: {unknown_task(task)}")

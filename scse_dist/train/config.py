@@ -2,7 +2,8 @@
 the trainer's metrics log to.
 
 Beside the package it configures, and below it: it imports only the model's ConfigError, so
-`scse_dist.config` composes it without loading the trainer (or torch).
+`scse_dist.config` composes it without loading the trainer (or torch). Each section's `check()`
+is its one validation; scse_dist.config runs them, then the checks across sections.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ class DepthSamplingConfig:
     sigma: float = 0.5
     # Backpropagate through only the last k loop steps (0: all of them).
     backprop_steps: int = 0
+
+    def check(self) -> None:
+        if self.min <= 0:
+            raise ConfigError(f"train.depth.min: must be > 0, got {self.min}")
+        if self.backprop_steps < 0:
+            raise ConfigError(f"train.depth.backprop_steps: must be >= 0, got {self.backprop_steps}")
+        if self.kind == "uniform" and self.max and self.max < self.min:
+            raise ConfigError(f"train.depth.max: {self.max} is below train.depth.min={self.min}")
+        if self.sigma <= 0:
+            raise ConfigError(f"train.depth.sigma: must be > 0, got {self.sigma}")
 
 
 @dataclass
@@ -95,7 +106,62 @@ class TrainConfig:
     # still set goes back to step-N again.
     resume_from: Optional[str] = None
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
+        """Values no run can train with (one ConfigError naming the field), train.depth's too."""
+        positive = {
+            "micro_batch_size": 1 if self.micro_batch_size == "auto" else self.micro_batch_size,
+            "grad_accum_steps": self.grad_accum_steps, "max_steps": self.max_steps,
+            "log_every": self.log_every, "checkpoint_every": self.checkpoint_every,
+            "keep_checkpoints": self.keep_checkpoints,
+            "max_nonfinite_steps": self.max_nonfinite_steps,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"train.{name}: must be > 0, got {value}")
+        for name, value in {"warmup_steps": self.warmup_steps,
+                            "global_batch_size": self.global_batch_size,
+                            "micro_batch_memory_gib": self.micro_batch_memory_gib,
+                            "diagnostics_every": self.diagnostics_every or 0}.items():
+            if value < 0:
+                raise ConfigError(f"train.{name}: must be >= 0, got {value}")
+        self.depth.check()
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio: must lie in [0, 1], got {self.min_lr_ratio}")
+        if self.init_from is not None and not self.init_from.strip():
+            raise ConfigError("train.init_from: an export dir or URL, or null; got an empty string")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
+        self._check_muon()
+        self._check_auto_micro_batch()
+        self._check_resume_from()
+
+    def _check_auto_micro_batch(self) -> None:
+        if self.micro_batch_size != "auto":
+            return
+        if not self.global_batch_size:  # the batch that auto keeps while it picks the split
+            raise ConfigError("train.micro_batch_size: auto needs train.global_batch_size (the "
+                              "batch per optimizer step it keeps while choosing the micro-batch); "
+                              "set it, e.g. train.global_batch_size=64")
+        if self.grad_accum_steps != 1:
+            raise ConfigError(f"train.grad_accum_steps: {self.grad_accum_steps} with "
+                              "train.micro_batch_size: auto, which derives it; leave it at 1")
+
+    def _check_muon(self) -> None:
+        if self.muon_lr <= 0:
+            raise ConfigError(f"train.muon_lr: must be > 0, got {self.muon_lr}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"train.muon_momentum: must lie in [0, 1), got {self.muon_momentum}")
+        if self.muon_weight_decay < 0:
+            raise ConfigError(f"train.muon_weight_decay: must be >= 0, got {self.muon_weight_decay}")
+        if self.optimizer == "muon" and self.zero_stage == 3:
+            # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at stage 3
+            raise ConfigError("train.zero_stage: train.optimizer: muon works at ZeRO stage 0, 1 or "
+                              "2, not 3; set train.zero_stage: 2 (it partitions gradients and "
+                              "optimizer state too) or use torch_adamw")
+
+    def _check_resume_from(self) -> None:
         if self.resume_from is None:
             return
         if not re.fullmatch(r"step-\d+", self.resume_from):
