@@ -16,9 +16,8 @@ import yaml
 
 # The model package owns its config (it is copied into exports as remote code); re-exported here.
 # check_model_config is the full check (the fields, then the recurrence's own: transitions.py).
-from scse_dist.model.config import (  # noqa: F401
-    VALUE_BEFORE_FIELD, ConfigError, ModelConfig, resolved_anchor_scale)
-from scse_dist.model.transitions import check_model_config  # noqa: F401
+from scse_dist.model.config import VALUE_BEFORE_FIELD, ConfigError, ModelConfig  # noqa: F401
+from scse_dist.model.transitions import check_model_config, resolved_anchor_scale  # noqa: F401
 # Each section's dataclass sits beside the package it configures (below it: a leaf the package's
 # __init__ does not weigh down); this module composes them into RunConfig and re-exports them.
 from scse_dist.data.config import DataConfig

@@ -2,8 +2,9 @@
 
 Read from the source (module-level and function-level imports alike, relative imports resolved),
 so it costs no torch import. A package's __init__ importing its own submodules is the usual
-pattern, not a cycle. Imports under `if TYPE_CHECKING:` load nothing and are left out (the model's
-transitions name LoopCore in annotations only; recurrence imports them at run time).
+pattern, not a cycle. Imports under `if TYPE_CHECKING:` load nothing and are left out of the
+layering, but not of the model's circle check: a transition reaches LoopCore through the `Core`
+protocol of its own module, so transitions.py names nothing of the model but its config.
 
 Layers, lowest first; a module may import its own layer and the ones below (within a layer, the
 cycle check keeps the graph acyclic):
@@ -57,13 +58,15 @@ def _absolute(name: str, path: Path, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """scse_dist modules that `name` imports anywhere in its source (with their packages)."""
+def _imports(name: str, path: Path, modules: dict[str, Path], annotations: bool = False) -> set[str]:
+    """scse_dist modules that `name` imports anywhere in its source (with their packages);
+    with `annotations`, also those under `if TYPE_CHECKING:`."""
     named = set()
     tree = ast.parse(path.read_text())
-    annotation_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                       and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-                       for stmt in block.body for n in ast.walk(stmt)}
+    annotation_only = set() if annotations else {
+        id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+        and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for stmt in block.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
         if id(node) in annotation_only:
             continue
@@ -140,6 +143,18 @@ def test_no_import_cycles():
     assert "scse_dist.data.sample_format" in graph and graph["scse_dist.data.reader"]
     # relative imports are seen: the model package imports itself only that way
     assert "scse_dist.model.config" in graph["scse_dist.model.blocks"]
+    assert _cycles(graph) == []
+
+
+def test_transitions_reach_the_core_through_their_own_protocol():
+    """No circle transitions <-> recurrence, not even one of annotations: a Transition is handed
+    the core as transitions.Core, so its module names nothing of the model but the config."""
+    modules = _modules()
+    seen = _imports("scse_dist.model.transitions", modules["scse_dist.model.transitions"], modules,
+                    annotations=True)
+    assert seen == {"scse_dist.model.config"}
+    graph = {m: _imports(m, p, modules, annotations=True) for m, p in modules.items()
+             if m.startswith("scse_dist.model")}
     assert _cycles(graph) == []
 
 

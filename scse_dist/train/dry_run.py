@@ -25,11 +25,12 @@ SHARDED_BY_STAGE = {0: (), 1: ("optimizer",), 2: ("optimizer", "gradients"),
 
 
 def training_depths(cfg: RunConfig) -> list[int]:
-    """The depth T of every step of the run (the loop kinds; an untied model has one)."""
+    """The depth T of every step of the run (a loop's sampled ones; a fixed stack has one)."""
     from scse_dist.train.depth import sample_depth
 
-    if cfg.model.recurrence == "untied":
-        return [cfg.model.depth] * cfg.train.max_steps
+    fixed = transition_for(cfg.model).fixed_depth
+    if fixed is not None:
+        return [fixed] * cfg.train.max_steps
     t = cfg.train
     return [sample_depth(step, t.depth, cfg.model.depth, t.seed) for step in range(t.max_steps)]
 
