@@ -14,7 +14,7 @@ itself to it as the `Core` protocol defined there (Phi, phi_ctx, anchor, output_
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
