@@ -114,6 +114,25 @@ def test_variant_major_order_relative_out_and_slurm_resources(tmp_path, tiny_con
     assert typed.study_dir == Path.cwd() / "here" / "s"  # typed on the command line: the cwd's
 
 
+def test_a_study_read_back_pairs_by_the_specs_rule(tmp_path, tiny_config):
+    """One default-pairs rule (study.spec.default_pairs): a spec without pairs and a study dir
+    whose study.yaml has none pair the same way; an empty list is no pairs in both."""
+    from scse_dist.study.collect import Study
+
+    base = tiny_config(tmp_path)
+    plain = parse_spec(study_spec(base, str(tmp_path / "out"), axes={}), str(tmp_path / "s.yaml"))
+    assert plain.pairs == [("scse", "additive"), ("looped", "additive")]
+
+    def read_back(**spec):
+        return Study(tmp_path, "s", {"variants": {v: {} for v in plain.variants}, **spec}, [], {})
+
+    assert read_back().pairs == plain.pairs
+    none = parse_spec(study_spec(base, str(tmp_path / "out"), axes={}, pairs=[]),
+                      str(tmp_path / "s.yaml"))
+    assert none.pairs == [] and read_back(pairs=[]).pairs == []
+    assert read_back(pairs=[["looped", "scse"]]).pairs == [("looped", "scse")]
+
+
 @pytest.mark.parametrize("name", ["repro-cpu", "gpt2-small"])
 def test_shipped_study_pairs_compare_like_with_like(name):
     """Each paired comparison in a shipped spec holds everything but the method equal: the

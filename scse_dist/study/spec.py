@@ -235,13 +235,19 @@ def _expand_variants(variants: dict, axes: list[Axis]) -> dict[str, tuple[str, t
     return out
 
 
-def _default_pairs(expanded: dict[str, tuple[str, tuple, dict]]) -> list[tuple[str, str]]:
-    """Each variant against `additive` with the same axis values (else the first additive one)."""
-    additive = {suffix: full for full, (name, suffix, _) in expanded.items() if name == "additive"}
-    if not additive:
+BASELINE = "additive"  # the variant every other is compared with unless the spec names pairs
+
+
+def default_pairs(variants: dict[str, tuple[str, tuple]]) -> list[tuple[str, str]]:
+    """The pairs a study compares when its spec names none: each variant against `additive` with
+    the same axis values (else the first additive one). `variants`: expanded name -> (the spec's
+    variant, its axis-value suffixes); a study read back without its axes passes (name, ()).
+    The one rule: the spec applies it, and so does a study dir whose study.yaml has no pairs."""
+    baseline = {suffix: full for full, (name, suffix) in variants.items() if name == BASELINE}
+    if not baseline:
         return []
-    return [(full, additive.get(suffix, next(iter(additive.values()))))
-            for full, (name, suffix, _) in expanded.items() if name != "additive"]
+    return [(full, baseline.get(suffix, next(iter(baseline.values()))))
+            for full, (name, suffix) in variants.items() if name != BASELINE]
 
 
 def parse_spec(values: Any, file: str = "<spec>") -> StudySpec:
@@ -304,7 +310,7 @@ def _parse(values: Any, file: str) -> StudySpec:
                         "(validation, seed, steps)")
     pairs = values.get("pairs")
     if pairs is None:
-        pairs = _default_pairs(expanded)
+        pairs = default_pairs({full: (name, suffix) for full, (name, suffix, _) in expanded.items()})
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
             raise SpecError(f"pairs[{i}]: expected [variant, baseline], got {pair!r}")
