@@ -39,8 +39,9 @@ Context = dict[str, Any]
 class Core(Protocol):
     """What a transition asks of the loop's module (LoopCore): Phi, and the parameters it owns."""
 
-    # a(s), the learned anchor map (a d x d linear), where the transition has one (learned_anchor)
-    anchor: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    @property
+    def anchor(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """a(s), the learned anchor map (a d x d linear), where the transition has one."""
 
     def phi(self, h: torch.Tensor, s: torch.Tensor, t: int = 0,
             rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
