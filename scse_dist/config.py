@@ -8,351 +8,27 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any
 
 import yaml
 
 # The model package owns its config (it is copied into exports as remote code); re-exported here.
 # check_model_config is the full check (the fields, then the recurrence's own: transitions.py).
-from scse_dist.model.config import (  # noqa: F401
-    VALUE_BEFORE_FIELD, ConfigError, ModelConfig, resolved_anchor_scale)
-from scse_dist.model.transitions import check_model_config  # noqa: F401
-from scse_dist.task_registry import TASKS, field_value, unknown_task
+from scse_dist.model.config import VALUE_BEFORE_FIELD, ConfigError, ModelConfig  # noqa: F401
+from scse_dist.model.transitions import check_model_config, resolved_anchor_scale  # noqa: F401
+# Each section's dataclass sits beside the package it configures (below it: a leaf the package's
+# __init__ does not weigh down); this module composes them into RunConfig and re-exports them.
+from scse_dist.data.config import DataConfig
+from scse_dist.eval.config import EvalConfig
+from scse_dist.train.config import (CallbackSpec, DepthSamplingConfig, ProfileConfig,  # noqa: F401
+                                    TensorBoardConfig, TrainConfig, WandbConfig)
 # The typed-YAML machinery; apply_overrides and deep_merge are part of this module's interface.
 from scse_dist.typed_yaml import _build, _read_yaml, apply_overrides, deep_merge  # noqa: F401
 
 
-# --------------------------------------------------------------------------- sections
-
-
-@dataclass
-class DataConfig:
-    # fsspec URL or path of a shard directory holding index.json (see scse_dist.data.shards).
-    path: str = "data/quickstart/shards"
-    # sentencepiece model the shards were written with.
-    tokenizer: str = "data/quickstart/tokenizer.model"
-    # If set and `path` has no index.json, build it first. "stdlib_docs": the quickstart corpus.
-    build: Optional[Literal["stdlib_docs"]] = None
-    build_vocab_size: int = 4096
-    heldout_fraction: float = 0.02
-    seq_len: int = 256
-    # DataLoader worker processes per rank (0: read in the training process). Each (rank, worker)
-    # is one reader; resuming needs the same world size and num_workers.
-    num_workers: int = 0
-    # Samples in the seeded shuffle buffer mixing each reader's samples across shards (0: off).
-    shuffle_buffer: int = 0
-    # Corrupt shards/samples skipped with a warning before the run stops.
-    max_failures: int = 100
-    # Train on a weighted mixture of these shard directories instead of `path` (held-out
-    # evaluation still reads `path`); weights are relative, one per path.
-    mixture_paths: list[str] = field(default_factory=list)
-    mixture_weights: list[float] = field(default_factory=list)
-
-
-@dataclass
-class DepthSamplingConfig:
-    # fixed: T = model.depth every step. uniform: T ~ U{min, max} (max 0 -> 2*model.depth), the
-    # spec's 2..2*T_mean by default. poisson_lognormal: Huginn's scheme, mean model.depth, spread
-    # `sigma`, at least `min`.
-    kind: Literal["fixed", "uniform", "poisson_lognormal"] = "fixed"
-    min: int = 2
-    max: int = 0
-    sigma: float = 0.5
-    # Backpropagate through only the last k loop steps (0: all of them).
-    backprop_steps: int = 0
-
-
-@dataclass
-class CallbackSpec:
-    """One entry of train.callbacks: a trainer callback of the user's own (docs/training.md)."""
-
-    # "package.module:Class", a subclass of scse_dist.train.callbacks.Callback; imported when
-    # training starts (scse-train: before torch), not when a config is read.
-    class_path: str
-    # Its place in the hook order (higher first; the built-ins are 500 to -400); null: the
-    # class's own `priority` (Callback's default 0: after the rows, before the checkpoint).
-    priority: Optional[int] = None
-    # The fields of the class's `Config` dataclass, checked against it when it is imported.
-    init_args: dict[str, Any] = field(default_factory=dict)
-
-
-CALLBACK_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-
-
-@dataclass
-class TrainConfig:
-    # Sequences per rank per micro-batch, or auto: the largest power of two dividing
-    # global_batch_size / world size that fits in memory, found by probing at start-up
-    # (scse_dist.train.micro_batch; needs global_batch_size).
-    micro_batch_size: Union[int, Literal["auto"]] = 8
-    grad_accum_steps: int = 1
-    # Sequences per optimizer step over all ranks; 0 means micro_batch_size * grad_accum_steps *
-    # world size. When set, grad_accum_steps is derived from it at start-up (see grad_accum_for),
-    # so the global batch, and the loss curve, stay the same at any world size.
-    global_batch_size: int = 0
-    # micro_batch_size: auto on CPU (no out-of-memory signal there): the most a probe's peak RSS
-    # may grow, plus the optimizer state it does not allocate, in GiB. 0: half of MemAvailable
-    # at start-up, shared by the node's ranks (the rest for data workers and the page cache).
-    micro_batch_memory_gib: float = 0.0
-    max_steps: int = 200
-    lr: float = 1e-3
-    # The LR at the end of the decay (cosine, linear, wsd), as a fraction of lr.
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    # The LR after the warmup (scse_dist.train.schedule): cosine or linear down to min_lr_ratio
-    # at the last step; constant; wsd (warmup-stable-decay): constant, then decay_shape over the
-    # last decay_steps steps (null: round(decay_fraction * max_steps)) down to min_lr_ratio.
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    decay_fraction: float = 0.1
-    decay_steps: Optional[int] = None
-    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"
-    # Weight of the z-loss z_loss * mean(logsumexp(logits)^2) added to the training objective
-    # (PaLM; 1e-4 is usual; 0: off). Logged as its own metric; the loss logged and evaluated is
-    # the cross-entropy alone.
-    z_loss: float = 0.0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    # auto: bf16 where the accelerator supports it, fp32 otherwise (CPU).
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    zero_stage: int = 1
-    # Optional DeepSpeed JSON merged over the generated config (e.g. configs/deepspeed/zero3.json):
-    # its values override generated keys, except keys a config field decides (engine._OWNED: batch
-    # sizes, clipping, ZeRO stage, precision, lr/betas/weight decay, scheduler), which it may only
-    # repeat with the same value (engine.build_ds_config).
-    deepspeed_config: Optional[str] = None
-    # torch_adamw: torch.optim.AdamW, fused on CUDA (no nvcc or JIT build). deepspeed_fused_adam:
-    # DeepSpeed's FusedAdam, which JIT-compiles a CUDA extension at start-up (CUDA only). muon:
-    # Muon for the 2-D matrices of prelude, core and coda, AdamW (lr, betas, weight_decay above)
-    # for the embedding/head and gains (scse_dist.train.muon); ZeRO stage 0-2.
-    optimizer: Literal["torch_adamw", "deepspeed_fused_adam", "muon"] = "torch_adamw"
-    # Muon's own settings (train.optimizer: muon). lr in units of spectral norm per step, under
-    # the same warmup-cosine schedule; 0.02, momentum 0.95 (Nesterov) and no weight decay are
-    # the defaults of Keller Jordan's reference implementation.
-    muon_lr: float = 0.02
-    muon_momentum: float = 0.95
-    muon_weight_decay: float = 0.0
-    depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
-    log_every: int = 10
-    # Loop diagnostics (scse_dist.train.diagnostics: deviation norms, anchor scale, gradient
-    # shares) on one fixed held-out batch every this many steps; null: log_every; 0: off.
-    diagnostics_every: Optional[int] = None
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
-    seed: int = 0
-    # A step whose loss or gradient is NaN/Inf on any rank is skipped; this many in a row stop
-    # the run (exit status 3) with the last good checkpoint left as it was.
-    max_nonfinite_steps: int = 5
-    # torch.compile each block's math (regional: one graph for every loop step and depth T).
-    compile: bool = False
-    # Warm start: an export dir or URL whose weights (only) a new run starts from; a run that
-    # has a checkpoint resumes it and ignores this. Strict: every key and shape must match.
-    init_from: Optional[str] = None
-    init_from_strict: bool = True
-    # A run dir with checkpoints: auto resumes the newest intact one (a changed model or data
-    # stream is refused); never moves them aside (run_dir/old-<time>/) and starts fresh; require
-    # fails when there is nothing to resume.
-    resume: Literal["auto", "never", "require"] = "auto"
-    # Resume from this checkpoint tag (step-N) instead of the newest; the run dir's newer tags
-    # are moved aside (run_dir/old-<time>/checkpoints). For one command line: a requeue with it
-    # still set goes back to step-N again.
-    resume_from: Optional[str] = None
-    # Callbacks of the user's own beside the built-in ones (CallbackSpec; docs/training.md,
-    # "Callbacks"); [] in every shipped config.
-    callbacks: list[CallbackSpec] = field(default_factory=list)
-
-    # Branch: a new run starts from another run's checkpoint with everything a resume restores
-    # (weights, optimizer state, step, data position, RNG) and its own schedule: a cooldown off
-    # a stable phase. A local run dir (its newest intact checkpoint) or one of its tags
-    # (runs/x/checkpoints/step-0001000); linked or copied into this run's checkpoints. A run
-    # that has a checkpoint of its own resumes that and ignores this.
-    branch_from: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        for i, spec in enumerate(self.callbacks):
-            if not CALLBACK_PATH.fullmatch(spec.class_path):
-                raise ConfigError(f"train.callbacks[{i}].class_path: expected 'package.module:Class'"
-                                  f", got {spec.class_path!r}")
-        if self.branch_from is not None:
-            if not self.branch_from.strip():
-                raise ConfigError("train.branch_from: a run dir or checkpoint tag dir, or null; "
-                                  "got an empty string")
-            if self.resume_from is not None:
-                raise ConfigError("train.branch_from: contradicts train.resume_from (a tag of this "
-                                  "run); name the checkpoint to branch from in branch_from alone")
-            if self.init_from is not None:
-                raise ConfigError("train.branch_from: contradicts train.init_from (an export's "
-                                  "weights alone, fresh optimizer and data); set one of them")
-        if self.resume_from is None:
-            return
-        if not re.fullmatch(r"step-\d+", self.resume_from):
-            raise ConfigError(f"train.resume_from: expected a checkpoint tag like step-40, got "
-                              f"{self.resume_from!r}")
-        if self.resume == "never":
-            raise ConfigError("train.resume_from: contradicts train.resume=never (which starts "
-                              "fresh); leave train.resume at auto")
-
-    def wsd_decay_steps(self) -> int:
-        """D, the steps of the wsd decay: decay_steps when set, else round(decay_fraction *
-        max_steps) (Python's round: half to even), at least 1."""
-        if self.decay_steps is not None:
-            return self.decay_steps
-        return max(1, round(self.decay_fraction * self.max_steps))
-
-    def micro_batch_candidates(self, world_size: int) -> list[int]:
-        """micro_batch_size: auto's candidates at `world_size`: the powers of two that divide the
-        global batch's share of one rank, largest first (ConfigError if there is no such share)."""
-        if self.global_batch_size % world_size:
-            raise ConfigError(f"train.global_batch_size: {self.global_batch_size} is not a multiple "
-                              f"of the world size ({world_size}), so train.micro_batch_size: auto "
-                              "has no per-rank share to split")
-        per_rank = self.global_batch_size // world_size
-        return [1 << k for k in range(per_rank.bit_length() - 1, -1, -1) if per_rank % (1 << k) == 0]
-
-    def grad_accum_for(self, world_size: int, micro_batch_size: Optional[int] = None) -> int:
-        """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit).
-        micro_batch_size: auto counts at its largest candidate unless `micro_batch_size` (the
-        one chosen) is given."""
-        if not self.global_batch_size:
-            return self.grad_accum_steps
-        micro = micro_batch_size or self.micro_batch_size
-        if micro == "auto":
-            micro = self.micro_batch_candidates(world_size)[0]
-        per_pass = micro * world_size
-        if self.global_batch_size % per_pass:
-            raise ConfigError(
-                f"train.global_batch_size: {self.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size ({micro}) x world size ({world_size})")
-        accum = self.global_batch_size // per_pass
-        if self.grad_accum_steps not in (1, accum):
-            raise ConfigError(
-                f"train.grad_accum_steps: {self.grad_accum_steps} contradicts "
-                f"train.global_batch_size={self.global_batch_size}, which needs {accum} at world "
-                f"size {world_size}; leave grad_accum_steps at 1 or set global_batch_size to 0")
-        return accum
-
-
-@dataclass
-class EvalConfig:
-    depths: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 48])
-    batch_size: int = 8
-    max_batches: int = 0  # 0: the whole held-out split
-    after_train: bool = True
-    # During training: held-out loss at `depths` every this many steps (0: off), rows of kind
-    # "eval" in metrics.jsonl and wandb (docs/training.md, "Evaluation during training").
-    every_steps: int = 0
-    # During training: continuations of `sample_prompts` every this many steps (0: off), rank 0,
-    # `sample_tokens` new tokens each, sampled at `sample_temperature` (0: greedy) with
-    # train.seed; rows of kind "sample" in metrics.jsonl and a table in wandb.
-    sample_every: int = 0
-    sample_prompts: list[str] = field(
-        default_factory=lambda: ["The", "Return the", "This module provides"])
-    sample_tokens: int = 32
-    sample_temperature: float = 0.8
-    # Tasks `scse-launch` runs as jobs after training (scse_dist.task_registry; heldout and
-    # diagnose read data.path).
-    tasks: list[str] = field(default_factory=lambda: ["heldout"])
-    wikitext: Optional[str] = None  # wiki.{valid,test}.raw path or URL, for the wikitext task
-    lambada: Optional[str] = None  # LAMBADA JSONL or plain text, for the lambada task
-    data: dict[str, str] = field(default_factory=dict)  # task -> its file, for tasks with no field above
-    stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
-    # Resources of each evaluation job scse-launch submits (read into launch.backends.Resources;
-    # named slurm_* from before other backends, kept); GPUs 0 evaluates on CPU.
-    slurm_gpus: int = 0
-    slurm_cpus: int = 1
-    slurm_time_min: int = 120
-    slurm_partition: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        for i, task in enumerate(self.tasks):
-            if task not in TASKS:
-                raise ConfigError(f"eval.tasks[{i}]: {unknown_task(task)}")
-            need = TASKS[task].data_field
-            if need and not field_value(self, need):
-                raise ConfigError(f"eval.{need}: eval.tasks lists {task!r}, so set eval.{need} "
-                                  "to its data file")
-        if self.sample_every and not all(p.strip() for p in self.sample_prompts or [""]):
-            raise ConfigError("eval.sample_prompts: need at least one prompt, none empty, when "
-                              "eval.sample_every is set")
-        if self.sample_tokens < 1:
-            raise ConfigError(f"eval.sample_tokens: must be >= 1, got {self.sample_tokens}")
-        for name in ("stride", "slurm_gpus", "every_steps", "max_batches", "sample_every",
-                     "sample_temperature"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"eval.{name}: must be >= 0, got {getattr(self, name)}")
-        if self.slurm_cpus < 1 or self.slurm_time_min < 1:
-            raise ConfigError("eval.slurm_cpus, eval.slurm_time_min: must be >= 1, got "
-                              f"{self.slurm_cpus}, {self.slurm_time_min}")
-
-
-@dataclass
-class WandbConfig:
-    enabled: bool = True
-    # offline by default: runs sync later with `wandb sync`; there is often no network.
-    mode: Literal["offline", "online", "disabled"] = "offline"
-    project: str = "scse-dist"
-    entity: Optional[str] = None
-    group: Optional[str] = None
-
-
-@dataclass
-class TensorBoardConfig:
-    # Rank 0 writes every row of metrics.jsonl as TensorBoard scalars too (train/*, eval/*,
-    # diag/*; samples as text), flushed per row. Needs the tensorboard package
-    # (pip install 'scse-dist[tensorboard]'); see docs/training.md, "TensorBoard".
-    enabled: bool = False
-    # The event files' directory (local); null: <run dir>/tensorboard.
-    log_dir: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        if self.log_dir is not None and ("://" in self.log_dir or not self.log_dir.strip()):
-            raise ConfigError(f"tensorboard.log_dir: a local directory, or null for <run dir>/"
-                              f"tensorboard; got {self.log_dir!r}")
-
-
-@dataclass
-class ProfileConfig:
-    # torch.profiler over optimizer steps start_step .. start_step + steps - 1, after
-    # warmup_steps profiled and thrown away (the profiler's own start-up), on the ranks listed:
-    # one Chrome trace per rank in <run dir>/profile/ (docs/training.md, "Profiling").
-    enabled: bool = False
-    start_step: int = 10
-    steps: int = 2
-    warmup_steps: int = 1
-    ranks: list[int] = field(default_factory=lambda: [0])
-    # Tensor shapes, allocations and Python stacks per op: bigger traces, more overhead.
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = False
-    # CUDA: DeepSpeed's flops profiler once, over this optimizer step (null: the step after the
-    # trace window, so neither profiler runs inside the other; 0: off), to
-    # <run dir>/profile/flops_step<N>.txt. Skipped on CPU, with a note.
-    flops_step: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        for name in ("start_step", "steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"profile.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"profile.warmup_steps: must be >= 0, got {self.warmup_steps}")
-        if not self.ranks or any(r < 0 for r in self.ranks):
-            raise ConfigError(f"profile.ranks: need a non-empty list of ranks >= 0, got {self.ranks}")
-        if self.flops_step is not None and self.flops_step < 0:
-            raise ConfigError(f"profile.flops_step: must be >= 0 (0: off), got {self.flops_step}")
-
-    @property
-    def last_step(self) -> int:
-        """The last step the trace records."""
-        return self.start_step + self.steps - 1
-
-    @property
-    def flops_profile_step(self) -> int:
-        """The optimizer step DeepSpeed's flops profiler measures (0: none)."""
-        return self.last_step + 1 if self.flops_step is None else self.flops_step
+# --------------------------------------------------------------------------- the run config
 
 
 @dataclass
@@ -376,105 +52,21 @@ class RunConfig:
 
 
 def _check_consistency(cfg: RunConfig) -> None:
-    m, t, d = cfg.model, cfg.train, cfg.train.depth
-    check_model_config(m)
-    positive = {
-        "data.seq_len": cfg.data.seq_len,
-        "train.micro_batch_size": 1 if t.micro_batch_size == "auto" else t.micro_batch_size,
-        "train.grad_accum_steps": t.grad_accum_steps, "train.max_steps": t.max_steps,
-        "train.log_every": t.log_every, "train.checkpoint_every": t.checkpoint_every,
-        "train.keep_checkpoints": t.keep_checkpoints, "train.depth.min": d.min,
-        "train.max_nonfinite_steps": t.max_nonfinite_steps,
-        "eval.batch_size": cfg.eval.batch_size,
-    }
-    for name, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{name}: must be > 0, got {value}")
-    for name, value in {"train.warmup_steps": t.warmup_steps,
-                        "train.global_batch_size": t.global_batch_size,
-                        "train.micro_batch_memory_gib": t.micro_batch_memory_gib,
-                        "train.depth.backprop_steps": d.backprop_steps,
-                        "train.diagnostics_every": t.diagnostics_every or 0,
-                        "eval.max_batches": cfg.eval.max_batches}.items():
-        if value < 0:
-            raise ConfigError(f"{name}: must be >= 0, got {value}")
-    if cfg.data.seq_len > m.max_seq_len:
-        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if t.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {t.zero_stage}")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError(f"train.min_lr_ratio: must lie in [0, 1], got {t.min_lr_ratio}")
-    if t.init_from is not None and not t.init_from.strip():
-        raise ConfigError("train.init_from: an export dir or URL, or null; got an empty string")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
-    _check_muon(t)
-    _check_schedule(t)
-    if not t.z_loss >= 0 or t.z_loss == float("inf"):  # also rejects NaN
-        raise ConfigError(f"train.z_loss: must be a finite weight >= 0, got {t.z_loss}")
-    _check_auto_micro_batch(t)
-    if d.kind == "uniform" and d.max and d.max < d.min:
-        raise ConfigError(f"train.depth.max: {d.max} is below train.depth.min={d.min}")
-    if d.sigma <= 0:
-        raise ConfigError(f"train.depth.sigma: must be > 0, got {d.sigma}")
-    if any(x <= 0 for x in cfg.eval.depths) or not cfg.eval.depths:
-        raise ConfigError(f"eval.depths: need a non-empty list of depths >= 1, got {cfg.eval.depths}")
-    if len(cfg.data.mixture_weights) != len(cfg.data.mixture_paths) or \
-            any(w <= 0 for w in cfg.data.mixture_weights):
-        raise ConfigError(f"data.mixture_weights: need one positive weight per data.mixture_paths "
-                          f"entry, got {cfg.data.mixture_weights} for {len(cfg.data.mixture_paths)} paths")
-    for name in ("num_workers", "shuffle_buffer", "max_failures"):
-        if getattr(cfg.data, name) < 0:
-            raise ConfigError(f"data.{name}: must be >= 0, got {getattr(cfg.data, name)}")
-    if not 0.0 <= cfg.data.heldout_fraction < 1.0:
-        raise ConfigError(f"data.heldout_fraction: must lie in [0, 1), got {cfg.data.heldout_fraction}")
+    """The whole config: each section's own check (model first), then what spans sections."""
+    check_model_config(cfg.model)
+    cfg.data.check()
+    cfg.train.check()
+    cfg.eval.check()
+    cfg.tensorboard.check()
+    cfg.profile.check()
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds "
+                          f"model.max_seq_len={cfg.model.max_seq_len}")
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
-    if cfg.profile.enabled and cfg.profile.start_step > t.max_steps:
+    if cfg.profile.enabled and cfg.profile.start_step > cfg.train.max_steps:
         raise ConfigError(f"profile.start_step: {cfg.profile.start_step} is past train.max_steps="
-                          f"{t.max_steps}, so nothing would be profiled; lower it")
-
-
-def _check_auto_micro_batch(t: TrainConfig) -> None:
-    if t.micro_batch_size != "auto":
-        return
-    if not t.global_batch_size:  # the batch that auto keeps while it picks the split
-        raise ConfigError("train.micro_batch_size: auto needs train.global_batch_size (the batch "
-                          "per optimizer step it keeps while choosing the micro-batch); set it, "
-                          "e.g. train.global_batch_size=64")
-    if t.grad_accum_steps != 1:
-        raise ConfigError(f"train.grad_accum_steps: {t.grad_accum_steps} with "
-                          "train.micro_batch_size: auto, which derives it; leave it at 1")
-
-
-def _check_schedule(t: TrainConfig) -> None:
-    if not 0.0 < t.decay_fraction <= 1.0:
-        raise ConfigError(f"train.decay_fraction: must lie in (0, 1], got {t.decay_fraction}")
-    if t.decay_steps is not None and t.decay_steps < 1:
-        raise ConfigError(f"train.decay_steps: must be >= 1 (null: decay_fraction), got "
-                          f"{t.decay_steps}")
-    if t.schedule != "wsd":
-        return
-    decay = t.wsd_decay_steps()
-    if decay > t.max_steps - t.warmup_steps:
-        named = "train.decay_steps" if t.decay_steps is not None else "train.decay_fraction"
-        raise ConfigError(f"{named}: the wsd decay of {decay} steps overlaps the warmup of "
-                          f"{t.warmup_steps} in train.max_steps={t.max_steps}; it may take at most "
-                          f"{t.max_steps - t.warmup_steps}")
-
-
-def _check_muon(t: TrainConfig) -> None:
-    if t.muon_lr <= 0:
-        raise ConfigError(f"train.muon_lr: must be > 0, got {t.muon_lr}")
-    if not 0.0 <= t.muon_momentum < 1.0:
-        raise ConfigError(f"train.muon_momentum: must lie in [0, 1), got {t.muon_momentum}")
-    if t.muon_weight_decay < 0:
-        raise ConfigError(f"train.muon_weight_decay: must be >= 0, got {t.muon_weight_decay}")
-    if t.optimizer == "muon" and t.zero_stage == 3:
-        # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at stage 3
-        raise ConfigError("train.zero_stage: train.optimizer: muon works at ZeRO stage 0, 1 or 2, "
-                          "not 3; set train.zero_stage: 2 (it partitions gradients and optimizer "
-                          "state too) or use torch_adamw")
+                          f"{cfg.train.max_steps}, so nothing would be profiled; lower it")
 
 
 # --------------------------------------------------------------------------- loading

@@ -1,13 +1,15 @@
 """Typed YAML: a dataclass built from a nested dict with every value checked against its field's
 type (one `ConfigError` naming the field, with a did-you-mean for an unknown one), `key.sub=value`
 overrides, and YAML files that overlay a `base:` file. Generic: scse_dist.config applies it to
-the run config, scse_dist.study.spec to study specs."""
+the run config, scse_dist.study.spec to study specs (whose files overlay an `extends:` file, as
+their `base:` names the run config)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from pathlib import Path
@@ -118,19 +120,30 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
-def apply_overrides(values: dict, overrides: list[str]) -> dict:
-    """Apply `a.b.c=value` strings (value parsed as YAML) to a nested dict, in place."""
+def _is_dotted(path: list[str], dotted: tuple[str, ...]) -> bool:
+    """Whether the mapping at `path` is one of `dotted` (patterns like variants.*.overrides)."""
+    return any(len(names) == len(path) and all(n in ("*", p) for n, p in zip(names, path))
+               for names in (pattern.split(".") for pattern in dotted))
+
+
+def apply_overrides(values: dict, overrides: list[str], dotted: tuple[str, ...] = ()) -> dict:
+    """Apply `a.b.c=value` strings (value parsed as YAML) to a nested dict, in place.
+
+    `dotted`: the mappings (their paths, `*` for any one name) whose keys are dotted paths
+    themselves, like a study spec's `overrides: {data.path: ...}`: an override into one takes
+    the rest of its key as one key (`overrides.data.path=x` sets overrides["data.path"])."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key.sub=value")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
-        node = values
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
+        node, i = values, 0
+        while i < len(parts) - 1 and not _is_dotted(parts[:i], dotted):
+            node = node.setdefault(parts[i], {})
             if not isinstance(node, dict):
-                raise ConfigError(f"{key}: {part!r} is not a section")
-        node[parts[-1]] = _parse_scalar(raw)
+                raise ConfigError(f"{key}: {parts[i]!r} is not a section")
+            i += 1
+        node[".".join(parts[i:])] = _parse_scalar(raw)
     return values
 
 
@@ -146,31 +159,41 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+def _read_yaml(path: Path, seen: tuple[Path, ...] = (), *, kind: str = "config file",
+               overlay: str = "base", file_relative: tuple[str, ...] = ()) -> dict:
     """Read a config file; `base: other.yaml` (relative to the file) is loaded first and overlaid,
-    so a baseline config states only what differs from the config it is compared against."""
+    so a baseline config states only what differs from the config it is compared against.
+
+    kind: what the file is, in messages. overlay: the key naming the file to overlay. file_relative:
+    top-level keys holding paths relative to their file; an overlaid file's are rewritten
+    relative to the file overlaying it, so each stays relative to the file that set it."""
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} " + ("is a directory, not a YAML file"
+        raise ConfigError(f"{kind} {str(path)!r} " + ("is a directory, not a YAML file"
                           if path.is_dir() else "does not exist"))
     if path.resolve() in seen:
-        raise ConfigError(f"config file {str(path)!r}: `base` chain loops back to itself")
+        raise ConfigError(f"{kind} {str(path)!r}: `{overlay}` chain loops back to itself")
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+        raise ConfigError(f"{kind} {str(path)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
                           f"at offset {exc.start}); a config is a YAML text file") from None
     except OSError as exc:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+        raise ConfigError(f"{kind} {str(path)!r} cannot be read: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
         what = getattr(exc, "problem", None) or " ".join(str(exc).split())
-        raise ConfigError(f"config file {where}: not valid YAML ({what})") from None
+        raise ConfigError(f"{kind} {where}: not valid YAML ({what})") from None
     if not isinstance(values, dict):
-        raise ConfigError(f"config file {str(path)!r}: expected a mapping at the top level")
-    base = values.pop("base", None)
+        raise ConfigError(f"{kind} {str(path)!r}: expected a mapping at the top level")
+    base = values.pop(overlay, None)
     if base is None:
         return values
     if not isinstance(base, str):
-        raise ConfigError(f"base: expected a file name, got {base!r} (in {path})")
-    return deep_merge(_read_yaml(path.parent / base, seen + (path.resolve(),)), values)
+        raise ConfigError(f"{overlay}: expected a file name, got {base!r} (in {path})")
+    under = _read_yaml(path.parent / base, seen + (path.resolve(),), kind=kind, overlay=overlay,
+                       file_relative=file_relative)
+    for key in file_relative:
+        if isinstance(under.get(key), str) and not os.path.isabs(under[key]):
+            under[key] = os.path.relpath((path.parent / base).parent / under[key], path.parent)
+    return deep_merge(under, values)

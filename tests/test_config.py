@@ -144,3 +144,25 @@ def test_docs_document_every_config_field():
     reference = (REPO / "docs" / "config.md").read_text()
     missing = [p for p in _field_paths(RunConfig) if f"`{p}`" not in reference]
     assert not missing, f"docs/config.md's config reference lacks {missing}"
+
+
+@pytest.mark.parametrize("section, message", [
+    ("data", "data.heldout_fraction: must lie in [0, 1), got 1.0"),
+    ("train", "train.depth.sigma: must be > 0, got 0.0"),
+    ("eval", "eval.sample_tokens: must be >= 1, got 0"),
+])
+def test_each_section_checks_itself_in_one_place(section, message):
+    """A section built in code answers with the message the YAML loader gives: its check() is the
+    one place its rules live (scse_dist.config only adds the checks across sections)."""
+    from scse_dist.config import DataConfig, DepthSamplingConfig, EvalConfig, TrainConfig
+    built = {"data": DataConfig(heldout_fraction=1.0),
+             "train": TrainConfig(depth=DepthSamplingConfig(sigma=0.0)),
+             "eval": EvalConfig(sample_tokens=0)}[section]
+    with pytest.raises(ConfigError) as err:
+        built.check()
+    assert str(err.value) == message
+    override = {"data": "data.heldout_fraction=1.0", "train": "train.depth.sigma=0",
+                "eval": "eval.sample_tokens=0"}[section]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value) == f"{message} (on the command line: {override})"

@@ -2,8 +2,9 @@
 
 Read from the source (module-level and function-level imports alike, relative imports resolved),
 so it costs no torch import. A package's __init__ importing its own submodules is the usual
-pattern, not a cycle. Imports under `if TYPE_CHECKING:` load nothing and are left out (the model's
-transitions name LoopCore in annotations only; recurrence imports them at run time).
+pattern, not a cycle. Imports under `if TYPE_CHECKING:` load nothing and are left out of the
+layering, but not of the model's circle check: a transition reaches LoopCore through the `Core`
+protocol of its own module, so transitions.py names nothing of the model but its config.
 
 Layers, lowest first; a module may import its own layer and the ones below (within a layer, the
 cycle check keeps the graph acyclic):
@@ -11,11 +12,17 @@ cycle check keeps the graph acyclic):
                distributed, hf
     <-  data  <-  checkpoint  <-  train, eval, generate
     <-  launch, study, lmeval
+
+A package's own `config` module (scse_dist/data/config.py, train/config.py, eval/config.py: its
+section of the run config) sits in the config layer, not its package's: `scse_dist.config`
+composes the sections, and whatever reads a config imports them, without loading the package.
+So a section may import only the config layer and below, never its own package's modules.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,13 +59,15 @@ def _absolute(name: str, path: Path, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """scse_dist modules that `name` imports anywhere in its source (with their packages)."""
+def _imports(name: str, path: Path, modules: dict[str, Path], annotations: bool = False) -> set[str]:
+    """scse_dist modules that `name` imports anywhere in its source (with their packages);
+    with `annotations`, also those under `if TYPE_CHECKING:`."""
     named = set()
     tree = ast.parse(path.read_text())
-    annotation_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                       and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-                       for stmt in block.body for n in ast.walk(stmt)}
+    annotation_only = set() if annotations else {
+        id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+        and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for stmt in block.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
         if id(node) in annotation_only:
             continue
@@ -68,7 +77,10 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             named.update(f"{module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             named.update(a.name for a in node.names)
-    with_packages = {".".join(m.split(".")[:i]) for m in named for i in range(2, m.count(".") + 2)}
+    # importing a module imports its packages too, except that a section config's package is
+    # light by contract (test_section_packages_import_nothing): it counts as the config layer's
+    with_packages = {".".join(m.split(".")[:i]) for m in named
+                     for i in range(3 if _in_section(m) else 2, m.count(".") + 2)}
     return {m for m in with_packages if m in modules and m != name and not name.startswith(m + ".")}
 
 
@@ -95,7 +107,15 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _in_section(name: str) -> bool:
+    """Whether `name` is a package's section config (scse_dist.train.config) or a name in it."""
+    parts = name.split(".")
+    return len(parts) >= 3 and parts[2] == "config" and parts[1] not in LAYERS[0]
+
+
 def _top(module: str) -> str:
+    if _in_section(module):
+        return "config"  # a package's section of the run config: below the package
     return module.split(".")[1] if module.count(".") else ""
 
 
@@ -124,6 +144,18 @@ def test_no_import_cycles():
     assert "scse_dist.data.sample_format" in graph and graph["scse_dist.data.reader"]
     # relative imports are seen: the model package imports itself only that way
     assert "scse_dist.model.config" in graph["scse_dist.model.blocks"]
+    assert _cycles(graph) == []
+
+
+def test_transitions_reach_the_core_through_their_own_protocol():
+    """No circle transitions <-> recurrence, not even one of annotations: a Transition is handed
+    the core as transitions.Core, so its module names nothing of the model but the config."""
+    modules = _modules()
+    seen = _imports("scse_dist.model.transitions", modules["scse_dist.model.transitions"], modules,
+                    annotations=True)
+    assert seen == {"scse_dist.model.config"}
+    graph = {m: _imports(m, p, modules, annotations=True) for m, p in modules.items()
+             if m.startswith("scse_dist.model")}
     assert _cycles(graph) == []
 
 
@@ -167,6 +199,25 @@ def test_a_planted_upward_import_is_caught(tmp_path):
                                      "scse_dist.data.packing -> scse_dist.train.engine"]
 
 
+def test_section_configs_sit_in_the_config_layer():
+    graph = _graph()
+    sections = {"scse_dist.data.config", "scse_dist.train.config", "scse_dist.eval.config"}
+    assert sections <= graph["scse_dist.config"]
+    assert {_layer(m) for m in sections} == {_layer("scse_dist.config")}
+
+
+@pytest.mark.parametrize("package", ["scse_dist.data", "scse_dist.train", "scse_dist.eval"])
+def test_section_packages_import_nothing(package):
+    # importing a section config runs its package's __init__: it must stay this light
+    assert _graph()[package] == set()
+
+
+def test_a_section_config_importing_its_package_is_caught(tmp_path):
+    copy = _plant(tmp_path, {"train/config.py": (ROOT / "train/config.py").read_text()
+                             + "\nfrom scse_dist.train.schedule import build_lr_scheduler  # planted\n"})
+    assert "scse_dist.train.config -> scse_dist.train.schedule" in _upward(_graph(copy))
+
+
 @pytest.mark.parametrize("leaf", ["scse_dist.model.config", "scse_dist.data.sample_format",
                                   "scse_dist.progress", "scse_dist.quiet", "scse_dist.threads",
                                   "scse_dist.run_dir"])
@@ -179,3 +230,16 @@ def test_sample_format_is_shared_by_reader_and_writer():
     graph = _graph()
     assert "scse_dist.data.sample_format" in graph["scse_dist.data.reader"]
     assert "scse_dist.data.sample_format" in graph["scse_dist.data.shards"]
+
+
+def test_config_validation_loads_no_torch(subprocess_env):
+    """The commands check a config before torch loads: scse_dist.config and every section beside
+    its package load and validate a config without torch (nor the packages' heavy modules)."""
+    from conftest import REPO_ROOT, run_profiling_imports
+
+    code = ("from scse_dist.config import load_config; "
+            "load_config('configs/quickstart.yaml', ['train.max_steps=3', 'eval.tasks=[heldout]'])")
+    proc = run_profiling_imports([sys.executable, "-c", code], subprocess_env, cwd=REPO_ROOT,
+                                 timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "yaml" in proc.imported and not proc.imported & {"torch", "deepspeed", "numpy"}

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from recurrences import over_recurrences
 from scse_dist.config import ModelConfig
 from scse_dist.model import Block, LoopedLM, RMSNorm, flops_per_token, residual_constants
 from scse_dist.model.blocks import apply_rope, rope_tables
@@ -109,8 +110,8 @@ def test_flops_hand_count() -> None:
     assert flops_per_token(looped, depth=3, seq_len=s) == 3 * (8 * block + 2 * 64 * 100)
 
 
-@pytest.mark.parametrize("recurrence,inject", [("looped", "none"), ("additive", "add"),
-                                              ("scse", "concat")])
+@over_recurrences(loops_only=True)
+@pytest.mark.parametrize("inject", ["none", "add", "concat"])
 def test_flops_match_torch_flop_counter(recurrence: str, inject: str) -> None:
     # torch's counter sees every matmul of forward and backward (2 per MAC, as here) but not the
     # CPU SDPA kernel: with our attention term taken out, the two must agree exactly.
@@ -119,7 +120,7 @@ def test_flops_match_torch_flop_counter(recurrence: str, inject: str) -> None:
     toks = torch.randint(0, 64, (2, 16))
     with FlopCounterMode(display=False) as counter:
         model(toks, toks, depth=3).loss.backward()
-    blocks = 1 + 3 + (recurrence == "scse") + 1
+    blocks = 1 + 3 + model.core.transition.extra_core_calls + 1
     attention = 3 * blocks * 2 * 2 * 16 * 32
     assert counter.get_total_flops() / toks.numel() == flops_per_token(cfg, 3, 16) - attention
 
@@ -160,7 +161,7 @@ def test_frozen_start_is_refused() -> None:
                     zero_mask=False))
 
 
-@pytest.mark.parametrize("recurrence", ["scse", "untied"])
+@over_recurrences()
 def test_rope_tables_are_made_once_per_forward(recurrence: str, monkeypatch) -> None:
     import scse_dist.model.blocks as blocks
     import scse_dist.model.looped_lm as looped_lm
@@ -181,7 +182,7 @@ def test_rope_tables_are_made_once_per_forward(recurrence: str, monkeypatch) -> 
     out.loss.backward()  # checkpointed blocks recompute with the same tables
     assert made == [16]
     made.clear()
-    list(model.iter_depth_logits(toks[:, :9], [4] if recurrence == "untied" else [1, 4]))
+    list(model.iter_depth_logits(toks[:, :9], [4] if model.fixed_depth else [1, 4]))
     assert made == [9]
 
 

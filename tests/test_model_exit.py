@@ -10,12 +10,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from recurrences import over_recurrences
 from scse_dist.config import ModelConfig
 from scse_dist.model import ExitRule, LoopedLM, parse_exit_rule
 from scse_dist.model.kv_cache import LoopKV
 
-KINDS = [dict(recurrence="looped"), dict(recurrence="additive"), dict(recurrence="scse"),
-         dict(recurrence="scse", inject="concat", residual="preln")]
+# each loop of the registry as configured by default, and with concat injection under Pre-LN
+VARIANTS = [dict(), dict(inject="concat", residual="preln")]
 
 
 def tiny(**kw) -> LoopedLM:
@@ -29,9 +30,10 @@ def tokens(b: int = 3, s: int = 16) -> torch.Tensor:
     return torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("kw", KINDS, ids=lambda kw: "-".join(map(str, kw.values())))
-def test_rules_that_never_exit_early_equal_the_plain_forward(kw: dict) -> None:
-    model, x = tiny(**kw), tokens()
+@over_recurrences(loops_only=True)
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())) or "default")
+def test_rules_that_never_exit_early_equal_the_plain_forward(recurrence: str, kw: dict) -> None:
+    model, x = tiny(recurrence=recurrence, **kw), tokens()
     with torch.no_grad():
         plain = model(x, depth=6).logits
         for rule in ("fixed,max=6", "motion:0,max=6", "kl:0,max=6"):
@@ -50,9 +52,11 @@ def test_untied_runs_at_its_fixed_depth_only() -> None:
             model(x, exit_rule=ExitRule("fixed", max_steps=6))
 
 
-@pytest.mark.parametrize("kw", KINDS, ids=lambda kw: "-".join(map(str, kw.values())))
-def test_all_exiting_together_equals_the_plain_forward_at_that_depth(kw: dict) -> None:
-    model, x = tiny(**kw), tokens()
+@over_recurrences(loops_only=True)
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())) or "default")
+def test_all_exiting_together_equals_the_plain_forward_at_that_depth(recurrence: str, kw: dict
+                                                                      ) -> None:
+    model, x = tiny(recurrence=recurrence, **kw), tokens()
     with torch.no_grad():
         for rule, depth in (("kl:1e9,min=2,max=8", 2), ("motion:1e12,min=3,max=8", 3)):
             out = model(x, exit_rule=parse_exit_rule(rule))
@@ -77,9 +81,10 @@ class ExitAt:
         return out
 
 
-@pytest.mark.parametrize("kw", KINDS, ids=lambda kw: "-".join(map(str, kw.values())))
-def test_a_token_exiting_at_e_is_read_out_from_its_state_at_e(kw: dict) -> None:
-    model, x = tiny(**kw), tokens()
+@over_recurrences(loops_only=True)
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())) or "default")
+def test_a_token_exiting_at_e_is_read_out_from_its_state_at_e(recurrence: str, kw: dict) -> None:
+    model, x = tiny(recurrence=recurrence, **kw), tokens()
     with torch.no_grad():  # sharper attention than at init, so tokens read each other strongly
         for block in model.core.blocks:
             block.attn.qkv.weight.mul_(4)

@@ -189,7 +189,7 @@ def test_residual_depth_sets_preln_init_too() -> None:
     ({"recurrence": "additive"}, "free"), ({"recurrence": "looped"}, "free")])
 def test_auto_anchor_scale_is_core_norm_where_it_applies(kw, want) -> None:
     from scse_dist.config import config_from_dict
-    from scse_dist.model.config import resolved_anchor_scale
+    from scse_dist.model.transitions import resolved_anchor_scale
 
     assert tiny().anchor_scale == "free"  # the default: SCSE as it was
     kw = {"anchor_scale": "auto", **kw}

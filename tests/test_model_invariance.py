@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from recurrences import over_recurrences
 from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
 
@@ -110,7 +111,7 @@ def test_lambda_one_without_mask_is_the_uncentered_recurrence(inject: str) -> No
 # ------------------------------------------------------------------ 3. parameters and core calls
 
 
-@pytest.mark.parametrize("recurrence", ["looped", "additive", "scse"])
+@over_recurrences(loops_only=True)
 def test_param_count_independent_of_depth(recurrence: str) -> None:
     counts = {LoopedLM(tiny(recurrence=recurrence, depth=t)).num_parameters() for t in (1, 4, 16)}
     assert len(counts) == 1
@@ -127,9 +128,10 @@ def test_untied_param_counts_follow_the_match() -> None:
     assert len(flat.core.blocks) == 2 and flat.fixed_depth == 1
 
 
-@pytest.mark.parametrize("recurrence,extra", [("scse", 1), ("looped", 0), ("additive", 0)])
-def test_core_calls_count_phi_applications(recurrence: str, extra: int) -> None:
+@over_recurrences(loops_only=True)
+def test_core_calls_count_phi_applications(recurrence: str) -> None:
     model = LoopedLM(tiny(recurrence=recurrence))
+    extra = model.core.transition.extra_core_calls  # scse: r* = Phi(h*) once per forward
     seen = []
     # Count real calls of the first core block: one per Phi application.
     model.core.blocks[0].register_forward_hook(lambda *_: seen.append(1))
@@ -144,7 +146,7 @@ def test_core_calls_count_phi_applications(recurrence: str, extra: int) -> None:
 # ------------------------------------------------------------------ 5. multi-depth read-out
 
 
-@pytest.mark.parametrize("recurrence", ["looped", "additive", "scse"])
+@over_recurrences(loops_only=True)
 def test_multi_depth_readout_equals_separate_runs(recurrence: str) -> None:
     torch.manual_seed(3)
     model = LoopedLM(tiny(recurrence=recurrence, residual="deeploop"))
@@ -156,7 +158,7 @@ def test_multi_depth_readout_equals_separate_runs(recurrence: str) -> None:
             assert torch.equal(multi.logits_by_depth[t], single.logits)
             assert torch.equal(multi.loss_by_depth[t], single.loss)
     assert multi.depth == 8 and torch.equal(multi.logits, multi.logits_by_depth[8])
-    assert multi.core_calls == 8 + (recurrence == "scse")
+    assert multi.core_calls == 8 + model.core.transition.extra_core_calls
     assert sorted(multi.logits_by_depth) == [1, 2, 4, 8]
     # the lazy per-depth read-out (what evaluation uses) gives the same logits, in depth order
     with torch.no_grad():
@@ -181,7 +183,7 @@ def test_keep_logits_false_keeps_losses_only() -> None:
 # ------------------------------------------------------------------ 8. diagnostics
 
 
-@pytest.mark.parametrize("recurrence", ["looped", "additive", "scse"])
+@over_recurrences(loops_only=True)
 def test_diagnostics_leave_outputs_unchanged_and_measure_norms(recurrence: str) -> None:
     torch.manual_seed(4)
     model = LoopedLM(tiny(recurrence=recurrence))
@@ -201,7 +203,7 @@ def test_diagnostics_leave_outputs_unchanged_and_measure_norms(recurrence: str) 
     want_motion = torch.stack([(b - a).norm(dim=-1).mean() for a, b in zip(h, h[1:])])
     torch.testing.assert_close(d["deviation_norm"], want_dev)
     torch.testing.assert_close(d["motion_norm"], want_motion)
-    if recurrence == "scse":
+    if model.core.transition.has_anchor:  # scse at lambda 0: no forcing bias at its anchor
         assert d["forcing_bias_norm"].item() == 0.0
     else:
         with torch.no_grad():

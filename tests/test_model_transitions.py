@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from recurrences import over_recurrences
 from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
 from scse_dist.model.transitions import (TRANSITIONS, Additive, Scse, Transition, Untied,
@@ -56,7 +57,7 @@ def test_transition_facts() -> None:
     assert (deep.unrolled_depth, deep.residual_unrolled_depth) == (8, 18)
 
 
-@pytest.mark.parametrize("recurrence", sorted(TRANSITIONS))
+@over_recurrences()
 def test_a_model_builds_its_transition_once(recurrence: str, monkeypatch) -> None:
     built = []
     init = Transition.__init__
@@ -71,7 +72,7 @@ def test_a_model_builds_its_transition_once(recurrence: str, monkeypatch) -> Non
     assert len(built) == 1  # a forward builds none
 
 
-@pytest.mark.parametrize("recurrence", sorted(TRANSITIONS))
+@over_recurrences()
 def test_core_steps_through_its_transition(recurrence: str) -> None:
     torch.manual_seed(0)
     model = LoopedLM(tiny(recurrence=recurrence)).eval()

@@ -114,6 +114,65 @@ def test_variant_major_order_relative_out_and_slurm_resources(tmp_path, tiny_con
     assert typed.study_dir == Path.cwd() / "here" / "s"  # typed on the command line: the cwd's
 
 
+def test_a_spec_extends_another_and_overrides_are_typed_yamls(tmp_path, tiny_config):
+    """A spec file is read by scse_dist.typed_yaml: `extends:` overlays another spec (mappings
+    merged; `base:` and `out:` relative to the file that sets them), and command-line overrides
+    are key.sub=value, with the keys of `overrides:` mappings dotted run-config fields."""
+    base = tiny_config(tmp_path)
+    (tmp_path / "specs").mkdir()
+    parent = study_spec("../" + Path(base).name, "../out", axes={},
+                        overrides={"train.max_steps": 7, "data.seq_len": 16})
+    write_spec(tmp_path / "specs" / "parent.yaml", parent)
+    (tmp_path / "more").mkdir()
+    child = write_spec(tmp_path / "more" / "child.yaml",
+                       {"extends": "../specs/parent.yaml", "name": "c", "seeds": [5],
+                        "overrides": {"train.max_steps": 9},
+                        "variants": {"looped": {"overrides": {"model.depth": 3}}}})
+    spec = load_spec(child)
+    assert Path(spec.base).resolve() == Path(base).resolve()  # the parent's base, from its dir
+    assert spec.study_dir.resolve() == tmp_path / "out" / "c"
+    assert (spec.name, spec.seeds) == ("c", [5])
+    assert spec.overrides == {"train.max_steps": 9, "data.seq_len": 16}
+    assert spec.variants["looped"] == {"model.recurrence": "looped", "model.depth": 3}
+    assert list(spec.variants) == ["scse", "additive", "looped"]
+
+    typed = load_spec(child, ["overrides.train.max_steps=11", "variants.scse.overrides.model.depth=5",
+                              "lr.values=[1e-3]", "lr.validation=v.txt", "seeds=[1,2]"])
+    assert typed.overrides == {"train.max_steps": 11, "data.seq_len": 16}
+    assert typed.variants["scse"] == {"model.recurrence": "scse", "model.depth": 5}
+    assert typed.lr.values == [1e-3] and typed.lr.validation == "v.txt" and typed.seeds == [1, 2]
+
+    with pytest.raises(SpecError, match=r"override 'seeds': expected key.sub=value"):
+        load_spec(child, ["seeds"])
+    loop = write_spec(tmp_path / "loop.yaml", {"extends": "loop.yaml"})
+    with pytest.raises(SpecError, match=r"study spec '.*loop.yaml': `extends` chain loops back"):
+        load_spec(loop)
+    with pytest.raises(SpecError, match=r"study spec '.*nope.yaml' does not exist"):
+        load_spec(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("name: [\n")
+    with pytest.raises(SpecError, match=r"study spec .*bad.yaml:2: not valid YAML"):
+        load_spec(tmp_path / "bad.yaml")
+
+
+def test_a_study_read_back_pairs_by_the_specs_rule(tmp_path, tiny_config):
+    """One default-pairs rule (study.spec.default_pairs): a spec without pairs and a study dir
+    whose study.yaml has none pair the same way; an empty list is no pairs in both."""
+    from scse_dist.study.collect import Study
+
+    base = tiny_config(tmp_path)
+    plain = parse_spec(study_spec(base, str(tmp_path / "out"), axes={}), str(tmp_path / "s.yaml"))
+    assert plain.pairs == [("scse", "additive"), ("looped", "additive")]
+
+    def read_back(**spec):
+        return Study(tmp_path, "s", {"variants": {v: {} for v in plain.variants}, **spec}, [], {})
+
+    assert read_back().pairs == plain.pairs
+    none = parse_spec(study_spec(base, str(tmp_path / "out"), axes={}, pairs=[]),
+                      str(tmp_path / "s.yaml"))
+    assert none.pairs == [] and read_back(pairs=[]).pairs == []
+    assert read_back(pairs=[["looped", "scse"]]).pairs == [("looped", "scse")]
+
+
 @pytest.mark.parametrize("name", ["repro-cpu", "gpt2-small"])
 def test_shipped_study_pairs_compare_like_with_like(name):
     """Each paired comparison in a shipped spec holds everything but the method equal: the

@@ -83,3 +83,18 @@ def test_a_bad_resume_from_is_one_line_and_exit_2(tmp_path, tiny_config, capsys,
     assert main(["--config", tiny_config(tmp_path), "--print-config", *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_dry_run_of_a_fixed_stack_counts_the_depth_it_runs(tmp_path, tiny_config, monkeypatch):
+    """untied with untied_match=params runs one block group whatever model.depth says: the dry run
+    asks the model's Transition (fixed_depth 1) instead of assuming model.depth (which made it
+    fail: 'has the fixed depth 1, got 4')."""
+    from scse_dist.model import flops_per_token
+    from scse_dist.train.dry_run import describe
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = load_config(tiny_config(tmp_path), ["model.recurrence=untied", "model.untied_match=params",
+                                              "train.max_steps=5"])
+    lines = describe(cfg).splitlines()
+    assert "training depth T (uniform): min 1, mean 1.00, max 1" in lines
+    assert f"{flops_per_token(cfg.model, 1, cfg.data.seq_len):.3e} at T=1" in "\n".join(lines)

@@ -9,10 +9,11 @@ import importlib
 
 _EXPORTS = {
     "Block": "blocks", "RMSNorm": "blocks", "residual_constants": "blocks",
-    "ConfigError": "config", "ModelConfig": "config", "check_model_fields": "config", "resolved_anchor_scale": "config",
+    "ConfigError": "config", "ModelConfig": "config", "check_model_fields": "config",
     "ExitRule": "exit_rules", "parse_exit_rule": "exit_rules", "check_model_config": "transitions",
     "flops_per_token": "flops", "LMOutput": "looped_lm", "LoopedLM": "looped_lm",
     "LoopCore": "recurrence", "Transition": "transitions", "transition_for": "transitions",
+    "register": "transitions", "resolved_anchor_scale": "transitions",
     "DecodeOutput": "looped_lm", "KVCache": "kv_cache",
 }
 __all__ = sorted(_EXPORTS)

@@ -1,8 +1,9 @@
 """The model's config: `ModelConfig` and the checks of its field combinations.
 
-A leaf: it imports nothing of the package. What depends on the recurrence (the resolved inject,
-the unrolled depth, the recurrence's own checks) lives on its `Transition` (transitions.py), as
-does `check_model_config`, the full check. The model package imports nothing else of scse_dist,
+A leaf: it imports nothing of the package. What depends on the recurrence (the names
+`recurrence` accepts, the resolved inject and anchor scale, the unrolled depth, the checks of
+anchor_scale and loop_stability and the recurrence's own) lives on its `Transition`
+(transitions.py), as does `check_model_config`, the full check. The model package imports nothing else of scse_dist,
 so it can be copied verbatim into an export as remote code; `scse_dist.config` re-exports these.
 """
 
@@ -27,7 +28,8 @@ class ModelConfig:
     n_prelude: int = 1
     n_core: int = 1
     n_coda: int = 1
-    recurrence: Literal["untied", "looped", "additive", "scse"] = "scse"
+    # A name in transitions.TRANSITIONS: untied, looped, additive, scse (or one registered there).
+    recurrence: str = "scse"
     # `untied` only: match the looped model's unrolled depth (n_prelude + n_core*depth + n_coda
     # distinct blocks) or its parameter count (n_prelude + n_core + n_coda blocks, no loop).
     untied_match: Literal["depth", "params"] = "depth"
@@ -89,34 +91,9 @@ def check_model_fields(m: ModelConfig) -> None:
         raise ConfigError(f"model.loop_stability: must be >= 0, got {m.loop_stability}")
     if not 0.0 <= m.forcing_bias_scale <= 1.0:
         raise ConfigError(f"model.forcing_bias_scale: must lie in [0, 1], got {m.forcing_bias_scale}")
-    _check_interventions(m)
 
 
 # A model config saved before a field existed (a run's config.yaml, an export's config.json) ran
 # with the behaviour that field's default had then, not with today's: read by
 # scse_dist.config.load_saved_config and by the HF config (remote code) alike.
 VALUE_BEFORE_FIELD = {"anchor_scale": "free", "qk_norm": False}
-
-
-def resolved_anchor_scale(m: ModelConfig) -> str:
-    """"free" or "core_norm": what anchor_scale "auto" means for this model."""
-    if m.anchor_scale != "auto":
-        return m.anchor_scale
-    # the learned anchor only: "source" (h* = s exactly) and "zero" are ablations it would change
-    applies = m.recurrence == "scse" and m.residual != "preln" and m.anchor == "learned"
-    return "core_norm" if applies else "free"
-
-
-def _check_interventions(m: ModelConfig) -> None:
-    if m.anchor_scale == "core_norm":
-        if m.recurrence != "scse":
-            raise ConfigError(f"model.anchor_scale: only scse has an anchor; got "
-                              f"anchor_scale={m.anchor_scale} with recurrence={m.recurrence}")
-        if m.residual == "preln":
-            raise ConfigError("model.anchor_scale: core_norm needs a Post-LN residual (deepnorm or "
-                              "deeploop), whose core output is normalised; got residual=preln")
-        if m.anchor == "zero":
-            raise ConfigError("model.anchor_scale: core_norm would normalise the zero anchor "
-                              "(RMSNorm at 0); use anchor learned or source")
-    if m.loop_stability > 0 and m.recurrence == "untied":
-        raise ConfigError("model.loop_stability: untied has no loop to keep moving; set it to 0")

@@ -142,8 +142,9 @@ class LoopedLM(nn.Module):
                              f"readout_depths={readouts}")
         fixed = self.fixed_depth
         if fixed is not None and any(t != fixed for t in asked):
-            raise ValueError(f"depth: recurrence=untied (untied_match={self.cfg.untied_match}) has "
-                             f"the fixed depth {fixed}; got depth={depth}, readout_depths={readouts}")
+            raise ValueError(f"depth: recurrence={self.cfg.recurrence} (untied_match="
+                             f"{self.cfg.untied_match}) has the fixed depth {fixed}; got "
+                             f"depth={depth}, readout_depths={readouts}")
         return final, readouts
 
     def iter_depth_logits(self, tokens: torch.Tensor, depths: Iterable[int]

@@ -8,7 +8,8 @@ only for Tensor or tuple outputs (checked with DeepSpeed 0.19.8: a dict output l
 unreduced and the optimizer step failed).
 
 The recurrence itself (cfg.recurrence: how x_0, x_{t+1} and h_t are formed) is a `Transition`
-(scse_dist/model/transitions.py, which states the algebra of each); LoopCore holds one.
+(scse_dist/model/transitions.py, which states the algebra of each); LoopCore holds one and passes
+itself to it as the `Core` protocol defined there (Phi, phi_ctx, anchor, output_norm).
 """
 
 from __future__ import annotations
@@ -25,11 +26,7 @@ from .config import ModelConfig
 from .blocks import Block, KVHook, RopeTables, rope_tables
 from .exit_rules import ExitRule
 from .kv_cache import LoopKV
-from .transitions import Transition, check_model_config
-
-# Per-forward tensors (source, anchor, cos, sin, mask, ...) and, when decoding with a KV cache,
-# "kv": the cache's LoopKV view.
-Context = dict[str, Any]
+from .transitions import Context, Transition, check_model_config
 # Names of the diagnostics LoopCore.forward appends to its outputs, in order.
 DIAGNOSTICS = ("deviation_norm", "motion_norm", "forcing_bias_norm")
 

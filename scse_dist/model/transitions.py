@@ -7,29 +7,61 @@ With Phi(h) = F(h), F(h + s) or F(W[h; s]) by cfg.inject, and x the loop variabl
                       ref = r* - lambda * (r* - h*) = h* + (1 - lambda) * b,  b = r* - h*
   untied              like looped, but step t runs its own distinct group of n_core blocks
 
-A transition holds no parameters: `LoopCore` owns them all (their names are the checkpoint
-format, and it is the one ZeRO-3 leaf), and passes itself to `start`, `step` and the probes.
-It also answers what the config's fields mean for this recurrence (the resolved inject, the
-unrolled depth N), and `check_model_config` runs the field checks and then its own. A model
-builds it once (LoopedLM hands it to LoopCore, which holds it, and to every Block).
-Adding a recurrence is one subclass here plus its name in ModelConfig.recurrence.
+A transition holds no parameters: the loop's module (`LoopCore`, recurrence.py) owns them all
+(their names are the checkpoint format, and it is the one ZeRO-3 leaf), and passes itself to
+`start`, `step` and the probes as a `Core`: the protocol below, all a transition may ask of it, so
+this module never imports recurrence.py. A transition also answers what the config's fields mean
+for this recurrence (the resolved inject and anchor scale, the unrolled depth N, whether it loops
+at all: `fixed_depth`), so code elsewhere asks it instead of comparing recurrence names, and
+`check_model_config` runs the field checks and then its own. A model builds it once (LoopedLM
+hands it to LoopCore, which holds it, and to every Block).
+
+Adding a recurrence is one subclass with a `name`, passed to `register` (here, or from a plugin or
+a test: tests/test_toy_extensions.py); the names model.recurrence accepts are the registry's.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-from .config import ConfigError, ModelConfig, check_model_fields, resolved_anchor_scale
+from .config import ConfigError, ModelConfig, check_model_fields
 
 if TYPE_CHECKING:  # annotations only: this module stays free of torch (scse_dist.config imports it)
+    from collections.abc import Callable, Sequence
+
     import torch
 
-    from .recurrence import Context, LoopCore
+# Per-forward tensors (source, anchor, cos, sin, mask, ...) and, when decoding with a KV cache,
+# "kv": the cache's LoopKV view.
+Context = dict[str, Any]
+
+
+class Core(Protocol):
+    """What a transition asks of the loop's module (LoopCore): Phi, and the parameters it owns."""
+
+    @property
+    def anchor(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """a(s), the learned anchor map (a d x d linear), where the transition has one."""
+
+    def phi(self, h: torch.Tensor, s: torch.Tensor, t: int = 0,
+            rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+            mask: Optional[torch.Tensor] = None, kv: Optional[Sequence[Any]] = None
+            ) -> torch.Tensor:
+        """One core application Phi(h) with the source s, step t's block group, RoPE's (cos,
+        sin), the attention mask and one KV hook per core block (blocks.KVHook)."""
+
+    def phi_ctx(self, h: torch.Tensor, ctx: Context, t: int = 0, response: bool = False
+                ) -> torch.Tensor:
+        """Phi with this forward's source, RoPE, mask and KV hooks (from ctx)."""
+
+    def output_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The core's output norm (the last core block's norm2)."""
 
 
 class Transition:
     """looped: x_{t+1} = Phi(x_t), one shared block group; the base of the others."""
 
+    name = "looped"  # its model.recurrence (the registry's key)
     default_inject = "none"  # cfg.inject "default" resolves to this
     extra_core_calls = 0  # Phi applications per forward beyond one per step
 
@@ -88,6 +120,13 @@ class Transition:
                              f"got {depth}")
 
     @property
+    def loops(self) -> bool:
+        """Whether it runs at any depth (a loop); False for a fixed stack (fixed_depth set)."""
+        return self.fixed_depth is None
+
+    has_anchor = False  # whether it evolves around an anchor h* of its own (else h* is the source)
+
+    @property
     def learned_anchor(self) -> bool:
         """Whether LoopCore holds an anchor map a(s) (a d x d linear)."""
         return False
@@ -98,6 +137,14 @@ class Transition:
         start, the anchor being the source), so that what is measured against D_0 (|D_T|/|D_0|,
         cos(D_0, h*)) is undefined rather than a number the loop produced."""
         return self.cfg.init_state == "source"
+
+    @property
+    def resolved_anchor_scale(self) -> str:
+        """"free" or "core_norm": cfg.anchor_scale with "auto" resolved for this model."""
+        if self.cfg.anchor_scale != "auto":
+            return self.cfg.anchor_scale
+        # the learned anchor only: "source" (h* = s exactly) and "zero" are ablations it would change
+        return "core_norm" if self.learned_anchor and self.cfg.residual != "preln" else "free"
 
     def own_flops(self) -> float:
         """Forward FLOPs per token outside Phi: the learned anchor's matmul, once."""
@@ -111,6 +158,24 @@ class Transition:
 
     _no_input = ""  # what else keeps the input out, in check's message
 
+    def check_interventions(self) -> None:
+        """anchor_scale and loop_stability against what this recurrence has (an anchor, a loop);
+        check_model_config runs it before check()."""
+        m = self.cfg
+        if m.anchor_scale == "core_norm":
+            if not self.has_anchor:
+                raise ConfigError(f"model.anchor_scale: only scse has an anchor; got "
+                                  f"anchor_scale={m.anchor_scale} with recurrence={m.recurrence}")
+            if m.residual == "preln":
+                raise ConfigError("model.anchor_scale: core_norm needs a Post-LN residual (deepnorm "
+                                  "or deeploop), whose core output is normalised; got residual=preln")
+            if m.anchor == "zero":
+                raise ConfigError("model.anchor_scale: core_norm would normalise the zero anchor "
+                                  "(RMSNorm at 0); use anchor learned or source")
+        if m.loop_stability > 0 and not self.loops:
+            raise ConfigError(f"model.loop_stability: {m.recurrence} has no loop to keep moving; "
+                              "set it to 0")
+
     def check(self) -> None:
         """Field combinations this recurrence cannot run (ConfigError naming the field)."""
         m = self.cfg
@@ -121,15 +186,15 @@ class Transition:
 
     # ------------------------------------------------------------------ the loop
 
-    def anchor(self, core: LoopCore, s: torch.Tensor) -> torch.Tensor:
+    def anchor(self, core: Core, s: torch.Tensor) -> torch.Tensor:
         """h*: the reference point deviations are measured from (the source s by default)."""
         return s
 
-    def start(self, core: LoopCore, h0: torch.Tensor, ctx: Context) -> torch.Tensor:
+    def start(self, core: Core, h0: torch.Tensor, ctx: Context) -> torch.Tensor:
         """x_0 from the initial state; may add entries to ctx (once per forward)."""
         return h0
 
-    def step(self, core: LoopCore, x: torch.Tensor, ctx: Context, t: int) -> torch.Tensor:
+    def step(self, core: Core, x: torch.Tensor, ctx: Context, t: int) -> torch.Tensor:
         """x_t -> x_{t+1}."""
         return core.phi_ctx(x, ctx, t)
 
@@ -137,7 +202,7 @@ class Transition:
         """The readable hidden state h_t from the loop variable x_t."""
         return x
 
-    def forcing_bias(self, core: LoopCore, ctx: Context) -> torch.Tensor:
+    def forcing_bias(self, core: Core, ctx: Context) -> torch.Tensor:
         """Where a zero deviation moves: Phi(s) - s (an extra probe call, not in core_calls)."""
         s = ctx["source"]
         return core.phi(s, s, 0, (ctx["cos"], ctx["sin"]), ctx.get("mask")) - s
@@ -150,11 +215,14 @@ class Looped(Transition):
 class Additive(Transition):
     """looped with the source added before every step (inject add by default)."""
 
+    name = "additive"
     default_inject = "add"
 
 
 class Untied(Transition):
     """A plain stack: step t runs its own group of n_core blocks, at one fixed depth."""
+
+    name = "untied"
 
     @property
     def fixed_depth(self) -> Optional[int]:
@@ -176,6 +244,8 @@ class Untied(Transition):
 class Scse(Transition):
     """The deviation D = h - h* from an input-conditioned anchor; r* = Phi(h*) once per forward."""
 
+    name = "scse"
+    has_anchor = True
     extra_core_calls = 1
     _no_input = "anchor=zero, "
 
@@ -209,17 +279,17 @@ class Scse(Transition):
                               " gives D_0 = 0 for every token, so the loop computes nothing; pick "
                               "another init_state")
 
-    def anchor(self, core: LoopCore, s: torch.Tensor) -> torch.Tensor:
+    def anchor(self, core: Core, s: torch.Tensor) -> torch.Tensor:
         if self.cfg.anchor == "zero":
             return s.new_zeros(s.shape)
         anchor = s if self.cfg.anchor == "source" else core.anchor(s)
-        if resolved_anchor_scale(self.cfg) == "core_norm":
+        if self.resolved_anchor_scale == "core_norm":
             # Through the core's own output norm: |h*| then follows the scale rho of Phi's
             # output, which nothing else ties it to (issue 17: R/rho drifting off 1 collapses D).
             anchor = core.output_norm(anchor)
         return anchor
 
-    def start(self, core: LoopCore, h0: torch.Tensor, ctx: Context) -> torch.Tensor:
+    def start(self, core: Core, h0: torch.Tensor, ctx: Context) -> torch.Tensor:
         anchor = ctx["anchor"]
         # r*: the one extra core call of SCSE
         response = core.phi_ctx(anchor, ctx, 0, response=True)
@@ -229,7 +299,7 @@ class Scse(Transition):
         ctx["ref"] = response.lerp(anchor, self.cfg.forcing_bias_scale)
         return h0 - anchor
 
-    def step(self, core: LoopCore, x: torch.Tensor, ctx: Context, t: int) -> torch.Tensor:
+    def step(self, core: Core, x: torch.Tensor, ctx: Context, t: int) -> torch.Tensor:
         delta = core.phi_ctx(ctx["anchor"] + x, ctx, t) - ctx["ref"]
         if self.zero_mask:
             # Attention mixes rows: without this a row sitting exactly at its anchor would be
@@ -241,12 +311,25 @@ class Scse(Transition):
     def state(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         return ctx["anchor"] + x
 
-    def forcing_bias(self, core: LoopCore, ctx: Context) -> torch.Tensor:
+    def forcing_bias(self, core: Core, ctx: Context) -> torch.Tensor:
         return self.cfg.forcing_bias_scale * (ctx["response"] - ctx["anchor"])
 
 
-TRANSITIONS: dict[str, type[Transition]] = {
-    "untied": Untied, "looped": Looped, "additive": Additive, "scse": Scse}
+# model.recurrence -> its Transition; the values the field accepts, in this order.
+TRANSITIONS: dict[str, type[Transition]] = {}
+
+
+def register(cls: type[Transition]) -> type[Transition]:
+    """Make `cls` the recurrence model.recurrence=cls.name builds (usable as a class decorator)."""
+    if cls.name in TRANSITIONS and TRANSITIONS[cls.name] is not cls:
+        raise ValueError(f"recurrence {cls.name!r}: already registered as "
+                         f"{TRANSITIONS[cls.name].__name__}")
+    TRANSITIONS[cls.name] = cls
+    return cls
+
+
+for _shipped in (Untied, Looped, Additive, Scse):
+    register(_shipped)
 
 
 def transition_for(cfg: ModelConfig) -> Transition:
@@ -257,11 +340,18 @@ def transition_for(cfg: ModelConfig) -> Transition:
                           f"{cfg.recurrence!r}") from None
 
 
+def resolved_anchor_scale(cfg: ModelConfig) -> str:
+    """"free" or "core_norm": what anchor_scale "auto" means for this model (its transition's)."""
+    return transition_for(cfg).resolved_anchor_scale
+
+
 def check_model_config(cfg: ModelConfig) -> Transition:
-    """Every check of a model config: the fields (config.check_model_fields), then the recurrence's
-    own combinations. Returns the checked Transition, so that a model builds it once. LoopedLM
-    calls this too, so a ModelConfig built in code gets the same messages as one from YAML."""
+    """Every check of a model config: the fields (config.check_model_fields), then what they need
+    of the recurrence and its own combinations. Returns the checked Transition, so that a model
+    builds it once. LoopedLM calls this too, so a ModelConfig built in code gets the same
+    messages as one from YAML."""
     check_model_fields(cfg)
     transition = transition_for(cfg)
+    transition.check_interventions()
     transition.check()
     return transition

@@ -26,6 +26,8 @@ from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, config_from_dict, load_config
 from scse_dist.eval.results import read_results
 from scse_dist.run_dir import VALIDATION_NAME, RunDir
+from scse_dist.study.spec import default_pairs
+
 
 # scse-study scores each LR sweep run into eval/validation.json (task heldout, validation data):
 # it counts the sweep run as finished, and is never read as a test result.
@@ -72,10 +74,11 @@ class Study:
 
     @property
     def pairs(self) -> list[tuple[str, str]]:
-        """The spec's pairs, else each variant against `additive` (when the study has one)."""
-        if self.spec.get("pairs"):
+        """The spec's pairs (study.yaml holds them resolved; an empty list is none), else the
+        spec's default rule over the variants (study.spec.default_pairs)."""
+        if self.spec.get("pairs") is not None:
             return [(str(a), str(b)) for a, b in self.spec["pairs"]]
-        return [(v, "additive") for v in self.variants if v != "additive" and "additive" in self.variants]
+        return default_pairs({v: (v, ()) for v in self.variants})
 
     @property
     def exclude_flagged(self) -> bool:

@@ -31,6 +31,7 @@ from typing import Optional
 
 import numpy as np
 
+from scse_dist.model.transitions import transition_for
 from scse_dist.study.collect import StudyRun, finite
 from scse_dist.task_registry import TASKS
 
@@ -105,8 +106,8 @@ def headline_by_depth(run: StudyRun) -> tuple[Optional[str], dict[int, float]]:
 
 def flat_in_t(run: StudyRun, th: FlagThresholds) -> Optional[str]:
     """'heldout ppl flat for T >= 2 (spread 0.41%)' when the headline metric barely moves with T
-    (a looped model; never an untied one), else None."""
-    if run.config is not None and run.config.model.recurrence == "untied":
+    (a looped model; never one without a loop, untied), else None."""
+    if run.config is not None and not transition_for(run.config.model).loops:
         return None
     name, values = headline_by_depth(run)
     deep = [v for d, v in sorted(values.items()) if d >= 2]

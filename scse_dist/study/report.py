@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 from scse_dist.cli_errors import cli_main
 from scse_dist.config import ModelConfig, RunConfig
+from scse_dist.model.transitions import transition_for
 from scse_dist.study.collect import Study, StudyRun, finite, load_study
 from scse_dist.study.flags import Flag, run_flags, unigram_entropy
 from scse_dist.study.plots import (TRAINING_DIAGNOSTICS, diagnose_plot, frontier_plot,
@@ -61,9 +62,10 @@ def flops_at(model: ModelConfig, depth: int, seq_len: int) -> Optional[float]:
 
 def training_depth(cfg: RunConfig) -> Optional[int]:
     """The deepest T the run trained at: model.depth, or the sampler's max (uniform: 2x mean by
-    default; poisson_lognormal: its max, else the mean, as it has no bound). None for untied."""
+    default; poisson_lognormal: its max, else the mean, as it has no bound). None for a model that
+    does not loop (untied)."""
     m, d = cfg.model, cfg.train.depth
-    if m.recurrence == "untied":
+    if not transition_for(m).loops:
         return None
     if d.kind == "uniform":
         return d.max or 2 * m.depth

@@ -1,5 +1,6 @@
 """A study spec (YAML) and its expansion into runs.
 
+    extends: repro-cpu.yaml        # optional: another spec this one overlays (scse_dist.typed_yaml)
     name: repro-cpu            # the study dir is <out>/<name>
     out: ../../studies             # relative to this file, like base: (default: ./studies)
     base: ../repro-cpu-base.yaml   # a run config, relative to this file (may use `base:` itself)
@@ -27,6 +28,12 @@ at `lr.seed`, scored on `lr.validation` (never a test set), and stage 2 (final) 
 seed at the variant's chosen rate (<study>/lr_choice.json). A variant's `lr: {key, values}` sweeps
 another field (Muon's `train.muon_lr`) over its own grid; seed, steps and validation stay the
 study's.
+
+The file is read by scse_dist.typed_yaml like a run config: `extends:` (a spec's `base:` is its
+run config) loads another spec first and lays this one over it, mappings merged key by key, and
+`base:` and `out:` stay relative to the file that sets them; command-line overrides are
+typed_yaml's `key.sub=value` (`seeds=[0,1]`, `lr.steps=50`), where the keys of `overrides:` and
+a variant's `overrides:` are dotted run-config fields themselves (`overrides.data.path=...`).
 """
 
 from __future__ import annotations
@@ -40,10 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from scse_dist.config import ConfigError, RunConfig, config_from_dict
-from scse_dist.typed_yaml import _read_yaml
+from scse_dist.typed_yaml import _read_yaml, apply_overrides
 from scse_dist.launch.backends.base import Resources
 from scse_dist.run_dir import RunDir
 from scse_dist.task_registry import TASKS, field_value
@@ -236,13 +241,19 @@ def _expand_variants(variants: dict, axes: list[Axis]) -> dict[str, tuple[str, t
     return out
 
 
-def _default_pairs(expanded: dict[str, tuple[str, tuple, dict]]) -> list[tuple[str, str]]:
-    """Each variant against `additive` with the same axis values (else the first additive one)."""
-    additive = {suffix: full for full, (name, suffix, _) in expanded.items() if name == "additive"}
-    if not additive:
+BASELINE = "additive"  # the variant every other is compared with unless the spec names pairs
+
+
+def default_pairs(variants: dict[str, tuple[str, tuple]]) -> list[tuple[str, str]]:
+    """The pairs a study compares when its spec names none: each variant against `additive` with
+    the same axis values (else the first additive one). `variants`: expanded name -> (the spec's
+    variant, its axis-value suffixes); a study read back without its axes passes (name, ()).
+    The one rule: the spec applies it, and so does a study dir whose study.yaml has no pairs."""
+    baseline = {suffix: full for full, (name, suffix) in variants.items() if name == BASELINE}
+    if not baseline:
         return []
-    return [(full, additive.get(suffix, next(iter(additive.values()))))
-            for full, (name, suffix, _) in expanded.items() if name != "additive"]
+    return [(full, baseline.get(suffix, next(iter(baseline.values()))))
+            for full, (name, suffix) in variants.items() if name != BASELINE]
 
 
 def parse_spec(values: Any, file: str = "<spec>") -> StudySpec:
@@ -305,7 +316,7 @@ def _parse(values: Any, file: str) -> StudySpec:
                         "(validation, seed, steps)")
     pairs = values.get("pairs")
     if pairs is None:
-        pairs = _default_pairs(expanded)
+        pairs = default_pairs({full: (name, suffix) for full, (name, suffix, _) in expanded.items()})
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
             raise SpecError(f"pairs[{i}]: expected [variant, baseline], got {pair!r}")
@@ -345,25 +356,26 @@ def _parse(values: Any, file: str) -> StudySpec:
     return spec
 
 
+# Top-level keys holding paths relative to the spec file that sets them, and the mappings whose
+# keys are dotted run-config fields (an override into one takes the rest of its key whole).
+SPEC_PATHS = ("base", "out")
+DOTTED_MAPPINGS = ("overrides", "variants.*.overrides")
+
+
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> StudySpec:
-    """Read a spec file; `key=value` overrides (top-level or `overrides.data.path=...`)."""
+    """Read a spec file (and the spec it `extends:`), then `key=value` overrides (typed_yaml's:
+    `seeds=[0,1]`, `lr.steps=50`, `overrides.data.path=...`); `out=` on the command line is
+    relative to where it is typed."""
     p = Path(path)
-    if not p.is_file():
-        raise SpecError(f"study spec {str(p)!r} does not exist")
+    given = [f"out={Path(item.split('=', 1)[1]).resolve()}" if item.startswith("out=") else item
+             for item in overrides or []]
     try:
-        values = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise SpecError(f"study spec {p}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    for item in overrides or []:
-        key, _, raw = item.partition("=")
-        if not raw and "=" not in item:
-            raise SpecError(f"override {item!r}: expected key=value")
-        if key.startswith("overrides."):
-            values.setdefault("overrides", {})[key[len("overrides."):]] = yaml.safe_load(raw)
-        elif key == "out":  # typed on the command line: relative to where it is typed
-            values[key] = str(Path(raw).resolve())
-        else:
-            values[key] = yaml.safe_load(raw)
+        values = _read_yaml(p, kind="study spec", overlay="extends", file_relative=SPEC_PATHS)
+        apply_overrides(values, given, DOTTED_MAPPINGS)
+    except SpecError:
+        raise
+    except ConfigError as exc:
+        raise SpecError(str(exc)) from None
     return parse_spec(values, str(p))
 
 

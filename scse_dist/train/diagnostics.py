@@ -219,13 +219,14 @@ def heldout_window(cfg: Any) -> Optional[torch.Tensor]:
 
 def diagnostics_for(cfg: Any, zero_stage: int, rank0: bool) -> DiagnosticsCallback:
     """The trainer's DiagnosticsCallback for a RunConfig: every train.diagnostics_every steps
-    (null: log_every), T = model.depth, up to the largest trained depth. Off for untied."""
+    (null: log_every), T = model.depth, up to the largest trained depth. Off for a model that
+    does not loop (untied)."""
     from scse_dist.model.transitions import transition_for
     from scse_dist.train.depth import largest_trained_depth
 
     t, m = cfg.train, cfg.model
     every = t.log_every if t.diagnostics_every is None else t.diagnostics_every
-    if transition_for(m).fixed_depth is not None:  # no loop to diagnose (untied)
+    if not transition_for(m).loops:
         every = 0
     window = heldout_window(cfg) if rank0 and every > 0 and zero_stage < 3 else None
     return DiagnosticsCallback(every, window, m.depth, largest_trained_depth(t.depth, m.depth),

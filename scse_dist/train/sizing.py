@@ -46,8 +46,7 @@ from pathlib import Path
 from typing import Optional
 
 from scse_dist.config import RunConfig
-from scse_dist.model.config import resolved_anchor_scale
-from scse_dist.model.transitions import transition_for
+from scse_dist.model.transitions import resolved_anchor_scale, transition_for
 
 GIB = 2**30
 # DeepSpeed's default, and configs/deepspeed/zero3.json's
@@ -55,13 +54,14 @@ STAGE3_MAX_LIVE_DEFAULT = 1_000_000_000
 
 
 def training_depths(cfg: RunConfig, steps: Optional[int] = None) -> list[int]:
-    """The depth T of every step of the run (the loop kinds; an untied model has one); `steps`
-    replaces train.max_steps (a planned run of another length)."""
+    """The depth T of every step of the run (a loop's sampled ones; a fixed stack has one);
+    `steps` replaces train.max_steps (a planned run of another length)."""
     from scse_dist.train.depth import sample_depth
 
     steps = cfg.train.max_steps if steps is None else steps
-    if cfg.model.recurrence == "untied":
-        return [cfg.model.depth] * steps
+    fixed = transition_for(cfg.model).fixed_depth
+    if fixed is not None:
+        return [fixed] * steps
     t = cfg.train
     return [sample_depth(step, t.depth, cfg.model.depth, t.seed) for step in range(steps)]
 
@@ -199,8 +199,9 @@ def activation_memory(cfg: RunConfig, depth: int, precision: str, micro_batch: i
         outside, in_loop, transient = blocks * tokens * m.d_model * width, 0, max(work, block)
     else:
         transient = work
-    # the learned anchor's input s; scse's ref = r* (alive all along); core_norm's anchor norm
-    anchor = tokens * m.d_model * width * (transition.learned_anchor + (m.recurrence == "scse"))
+    # the learned anchor's input s; the extra core call's output (scse's ref = r*, alive all
+    # along); core_norm's anchor norm
+    anchor = tokens * m.d_model * width * (transition.learned_anchor + transition.extra_core_calls)
     if resolved_anchor_scale(m) == "core_norm":
         anchor += norm
     if transition.resolved_inject == "concat":  # the adapter's input [h, s] per core call

@@ -1,0 +1,75 @@
+"""The `eval:` section of a run config: depths, batches, evaluation during training, the tasks
+`scse-launch` runs after training and their data files.
+
+Beside the package it configures, and below it: it imports only the task registry and the
+model's ConfigError, so `scse_dist.config` composes it without loading the evaluators (or torch).
+`check()` is the section's one validation; scse_dist.config runs it, then the checks across
+sections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from scse_dist.model.config import ConfigError
+from scse_dist.task_registry import TASKS, field_value, unknown_task
+
+
+@dataclass
+class EvalConfig:
+    depths: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 48])
+    batch_size: int = 8
+    max_batches: int = 0  # 0: the whole held-out split
+    after_train: bool = True
+    # During training: held-out loss at `depths` every this many steps (0: off), rows of kind
+    # "eval" in metrics.jsonl and wandb (docs/training.md, "Evaluation during training").
+    every_steps: int = 0
+    # During training: continuations of `sample_prompts` every this many steps (0: off), rank 0,
+    # `sample_tokens` new tokens each, sampled at `sample_temperature` (0: greedy) with
+    # train.seed; rows of kind "sample" in metrics.jsonl and a table in wandb.
+    sample_every: int = 0
+    sample_prompts: list[str] = field(
+        default_factory=lambda: ["The", "Return the", "This module provides"])
+    sample_tokens: int = 32
+    sample_temperature: float = 0.8
+    # Tasks `scse-launch` runs as jobs after training (scse_dist.task_registry; heldout and
+    # diagnose read data.path).
+    tasks: list[str] = field(default_factory=lambda: ["heldout"])
+    wikitext: Optional[str] = None  # wiki.{valid,test}.raw path or URL, for the wikitext task
+    lambada: Optional[str] = None  # LAMBADA JSONL or plain text, for the lambada task
+    data: dict[str, str] = field(default_factory=dict)  # task -> its file, for tasks with no field above
+    stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
+    # Resources of each evaluation job scse-launch submits (read into launch.backends.Resources;
+    # named slurm_* from before other backends, kept); GPUs 0 evaluates on CPU.
+    slurm_gpus: int = 0
+    slurm_cpus: int = 1
+    slurm_time_min: int = 120
+    slurm_partition: Optional[str] = None
+
+    def check(self) -> None:
+        """Values no evaluation can use, and each listed task's data file (ConfigError naming the
+        field)."""
+        if any(x <= 0 for x in self.depths) or not self.depths:
+            raise ConfigError(f"eval.depths: need a non-empty list of depths >= 1, got {self.depths}")
+        if self.batch_size <= 0:
+            raise ConfigError(f"eval.batch_size: must be > 0, got {self.batch_size}")
+        for i, task in enumerate(self.tasks):
+            if task not in TASKS:
+                raise ConfigError(f"eval.tasks[{i}]: {unknown_task(task)}")
+            need = TASKS[task].data_field
+            if need and not field_value(self, need):
+                raise ConfigError(f"eval.{need}: eval.tasks lists {task!r}, so set eval.{need} "
+                                  "to its data file")
+        if self.sample_every and not all(p.strip() for p in self.sample_prompts or [""]):
+            raise ConfigError("eval.sample_prompts: need at least one prompt, none empty, when "
+                              "eval.sample_every is set")
+        if self.sample_tokens < 1:
+            raise ConfigError(f"eval.sample_tokens: must be >= 1, got {self.sample_tokens}")
+        for name in ("stride", "slurm_gpus", "every_steps", "max_batches", "sample_every",
+                     "sample_temperature"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"eval.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.slurm_cpus < 1 or self.slurm_time_min < 1:
+            raise ConfigError("eval.slurm_cpus, eval.slurm_time_min: must be >= 1, got "
+                              f"{self.slurm_cpus}, {self.slurm_time_min}")
