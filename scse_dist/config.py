@@ -29,6 +29,35 @@ from scse_dist.typed_yaml import _build, _read_yaml, apply_overrides, deep_merge
 
 
 @dataclass
+class Resources:
+    """What one job asks of a batch system, on any backend (scse_dist.launch.backends turns it
+    into its own request): a run's training job (`resources:`), each evaluation job
+    (`eval.resources`), a study's training jobs (the spec's `resources:`)."""
+
+    nodes: int = 1
+    tasks_per_node: int = 1  # one training process each (one per GPU on a GPU node)
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    time_min: int = 0  # 0: no limit asked for (the cluster's own)
+    partition: Optional[str] = None  # None: the cluster's default
+    mem: Optional[str] = None  # e.g. 8G; None: the cluster's default
+
+    def problem(self) -> Optional[str]:
+        """What is wrong with the request, named by its fields, or None."""
+        if min(self.nodes, self.tasks_per_node, self.cpus_per_task) < 1:
+            return "nodes, tasks_per_node and cpus_per_task must be >= 1"
+        if min(self.gpus_per_node, self.time_min) < 0:
+            return "gpus_per_node and time_min must be >= 0"
+        return None
+
+
+@dataclass
+class EvalResources(Resources):
+    time_min: int = 120  # an evaluation job's limit: one task on one node, two hours
+
+
+
+@dataclass
 class DataConfig:
     # fsspec URL or path of a shard directory holding index.json (see scse_dist.data.shards).
     path: str = "data/quickstart/shards"
@@ -200,12 +229,9 @@ class EvalConfig:
     lambada: Optional[str] = None  # LAMBADA JSONL or plain text, for the lambada task
     data: dict[str, str] = field(default_factory=dict)  # task -> its file, for tasks with no field above
     stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
-    # Resources of each evaluation job scse-launch submits (read into launch.backends.Resources;
-    # named slurm_* from before other backends, kept); GPUs 0 evaluates on CPU.
-    slurm_gpus: int = 0
-    slurm_cpus: int = 1
-    slurm_time_min: int = 120
-    slurm_partition: Optional[str] = None
+    # What each evaluation job scse-launch submits asks for, on any backend (one task on one
+    # node; 0 GPUs evaluates on CPU). Formerly eval.slurm_gpus, _cpus, _time_min, _partition.
+    resources: EvalResources = field(default_factory=EvalResources)
 
     def __post_init__(self) -> None:
         for i, task in enumerate(self.tasks):
@@ -220,13 +246,17 @@ class EvalConfig:
                               "eval.sample_every is set")
         if self.sample_tokens < 1:
             raise ConfigError(f"eval.sample_tokens: must be >= 1, got {self.sample_tokens}")
-        for name in ("stride", "slurm_gpus", "every_steps", "max_batches", "sample_every",
+        for name in ("stride", "every_steps", "max_batches", "sample_every",
                      "sample_temperature"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name}: must be >= 0, got {getattr(self, name)}")
-        if self.slurm_cpus < 1 or self.slurm_time_min < 1:
-            raise ConfigError("eval.slurm_cpus, eval.slurm_time_min: must be >= 1, got "
-                              f"{self.slurm_cpus}, {self.slurm_time_min}")
+        res = self.resources
+        problem = res.problem() or ("an evaluation is one task on one node: nodes and "
+                                    "tasks_per_node must be 1" if (res.nodes, res.tasks_per_node)
+                                    != (1, 1) else None)
+        if problem or res.time_min < 1:
+            raise ConfigError(f"eval.resources: {problem or 'time_min must be >= 1'}, got "
+                              f"{dataclasses.asdict(res)}")
 
 
 @dataclass
@@ -248,6 +278,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # What the run's training job asks of a batch system (scse-launch --backend ...); nothing
+    # else reads it, so a run trains the same wherever it runs.
+    resources: Resources = field(default_factory=Resources)
 
     @property
     def run_dir(self) -> str:
@@ -307,6 +340,8 @@ def _check_consistency(cfg: RunConfig) -> None:
             raise ConfigError(f"data.{name}: must be >= 0, got {getattr(cfg.data, name)}")
     if not 0.0 <= cfg.data.heldout_fraction < 1.0:
         raise ConfigError(f"data.heldout_fraction: must lie in [0, 1), got {cfg.data.heldout_fraction}")
+    if cfg.resources.problem():
+        raise ConfigError(f"resources: {cfg.resources.problem()}")
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
 
@@ -340,9 +375,45 @@ def _check_muon(t: TrainConfig) -> None:
 # --------------------------------------------------------------------------- loading
 
 
+# Fields renamed since: old name -> new dotted name. A config that uses an old name still loads,
+# with one notice line per name and process.
+RENAMED_FIELDS = {"eval.slurm_gpus": "eval.resources.gpus_per_node",
+                  "eval.slurm_cpus": "eval.resources.cpus_per_task",
+                  "eval.slurm_time_min": "eval.resources.time_min",
+                  "eval.slurm_partition": "eval.resources.partition"}
+_noticed: set[str] = set()
+
+
+def _rename_old_fields(values: dict) -> None:
+    """Move the values of RENAMED_FIELDS' old names to their new ones, in place (the new name
+    wins when both are given), saying so once per name on stderr."""
+    import sys
+
+    for old, new in RENAMED_FIELDS.items():
+        *path, leaf = old.split(".")
+        node = values
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        *new_path, new_leaf = new.split(".")
+        target = values
+        for part in new_path:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{'.'.join(new_path)}: expected a mapping")
+        target.setdefault(new_leaf, value)
+        if old not in _noticed:
+            _noticed.add(old)
+            print(f"config: notice: {old} is now {new}; the old name is read for now",
+                  file=sys.stderr, flush=True)
+
+
 def config_from_dict(values: dict) -> RunConfig:
     if not isinstance(values, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(values).__name__}")
+    _rename_old_fields(values)
     cfg = _build(RunConfig, values)
     _check_consistency(cfg)
     # A saved config names what ran, so "auto" is written down as what it meant here.
