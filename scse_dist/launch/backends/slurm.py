@@ -63,7 +63,8 @@ def _submission_env() -> Iterator[None]:
 
 class SlurmTask:
     """What each task of a Slurm job runs (pickled by submitit): the job's command, with the
-    job's environment, signals forwarded; status 75 requeues the job (task 0 does)."""
+    job's environment, signals forwarded; status 75 requeues the job (task 0 does). `name`: the
+    name an array task takes once it starts."""
 
     def __init__(self, command: list[str], env: dict[str, str], name: Optional[str]) -> None:
         self.command, self.env, self.name = command, env, name
@@ -72,8 +73,9 @@ class SlurmTask:
         import submitit
 
         job_env = submitit.JobEnvironment()
-        if job_env.global_rank == 0 and self.name and job_env.array_job_id:
+        if job_env.global_rank == 0 and self.name:
             # an array's tasks share one name until they start; then squeue shows what each runs
+            # (submitit submits an array of one task as a plain job: renamed the same way)
             subprocess.run(["scontrol", "update", f"JobId={job_env.job_id}", f"JobName={self.name}"],
                            check=False)
         ended = run_child(self.command, env={**os.environ, **self.env})
@@ -133,7 +135,7 @@ class SlurmBackend(Backend):
     def submit(self, job: Job) -> str:
         executor = self._executor(job)
         with self._errors(), _submission_env():
-            submitted = executor.submit(SlurmTask(job.command, job.env, job.name))
+            submitted = executor.submit(SlurmTask(job.command, job.env, None))  # named already
         self._submitted[submitted.job_id] = executor.folder
         return submitted.job_id
 
