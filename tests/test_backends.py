@@ -221,3 +221,28 @@ def test_local_backend_launch_trains_evaluates_and_reports_in_one_job(tmp_path, 
     assert broken.returncode == 66 and broken.stderr == \
         f"scse-launch: training job {job} exited 66 (its logs say why)\n", broken.stderr
     assert "scse-train: error:" in (tmp_path / "runs" / "broken" / "logs" / f"broken-{job}.err").read_text()
+
+
+@pytest.mark.slow
+def test_a_non_editable_install_launches_from_any_directory(tmp_path, tiny_config, user_env):
+    """The package installed as a wheel (no checkout on the path), scse-launch run from a directory
+    of its own: the training job is the installed entry point, so it trains, evaluates and
+    reports as from the checkout."""
+    site = tmp_path / "site"
+    built = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                            "--no-build-isolation", "--target", str(site), str(REPO_ROOT)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    cfg = tiny_config(tmp_path, "train.max_steps=3", "eval.tasks=[heldout]")
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    env = dict(user_env, PYTHONPATH=str(site), WANDB_MODE="disabled")
+    where = subprocess.run([sys.executable, "-c", "import scse_dist; print(scse_dist.__file__)"],
+                           capture_output=True, text=True, cwd=exp, env=env, check=True).stdout
+    assert where.startswith(str(site)), where
+    out = subprocess.run([sys.executable, "-m", "scse_dist.launch.scheduler", cfg, "--backend", "local"],
+                         capture_output=True, text=True, cwd=exp, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    run = tmp_path / "runs" / "tiny"
+    assert [r["depth"] for r in json.loads((run / "eval" / "heldout.json").read_text())["results"]] == [1, 2]
+    assert (run / "eval" / "report.md").is_file()
