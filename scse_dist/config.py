@@ -22,6 +22,7 @@ from scse_dist.model.transitions import check_model_config, resolved_anchor_scal
 # __init__ does not weigh down); this module composes them into RunConfig and re-exports them.
 from scse_dist.data.config import DataConfig
 from scse_dist.eval.config import EvalConfig
+from scse_dist.launch.config import EvalResources, Resources  # noqa: F401
 from scse_dist.train.config import (CallbackSpec, DepthSamplingConfig, ProfileConfig,  # noqa: F401
                                     TensorBoardConfig, TrainConfig, WandbConfig)
 # The typed-YAML machinery; apply_overrides and deep_merge are part of this module's interface.
@@ -42,6 +43,9 @@ class RunConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    # What the run's training job asks of a batch system (scse-launch --backend ...); nothing
+    # else reads it, so a run trains the same wherever it runs.
+    resources: Resources = field(default_factory=Resources)
 
     @property
     def run_dir(self) -> str:
@@ -62,6 +66,8 @@ def _check_consistency(cfg: RunConfig) -> None:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds "
                           f"model.max_seq_len={cfg.model.max_seq_len}")
+    if cfg.resources.problem():
+        raise ConfigError(f"resources: {cfg.resources.problem()}")
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
     if cfg.profile.enabled and cfg.profile.start_step > cfg.train.max_steps:
@@ -72,9 +78,45 @@ def _check_consistency(cfg: RunConfig) -> None:
 # --------------------------------------------------------------------------- loading
 
 
+# Fields renamed since: old name -> new dotted name. A config that uses an old name still loads,
+# with one notice line per name and process.
+RENAMED_FIELDS = {"eval.slurm_gpus": "eval.resources.gpus_per_node",
+                  "eval.slurm_cpus": "eval.resources.cpus_per_task",
+                  "eval.slurm_time_min": "eval.resources.time_min",
+                  "eval.slurm_partition": "eval.resources.partition"}
+_noticed: set[str] = set()
+
+
+def _rename_old_fields(values: dict) -> None:
+    """Move the values of RENAMED_FIELDS' old names to their new ones, in place (the new name
+    wins when both are given), saying so once per name on stderr."""
+    import sys
+
+    for old, new in RENAMED_FIELDS.items():
+        *path, leaf = old.split(".")
+        node = values
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        *new_path, new_leaf = new.split(".")
+        target = values
+        for part in new_path:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{'.'.join(new_path)}: expected a mapping")
+        target.setdefault(new_leaf, value)
+        if old not in _noticed:
+            _noticed.add(old)
+            print(f"config: notice: {old} is now {new}; the old name is read for now",
+                  file=sys.stderr, flush=True)
+
+
 def config_from_dict(values: dict) -> RunConfig:
     if not isinstance(values, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(values).__name__}")
+    _rename_old_fields(values)
     cfg = _build(RunConfig, values)
     _check_consistency(cfg)
     # A saved config names what ran, so "auto" is written down as what it meant here.

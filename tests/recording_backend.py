@@ -4,18 +4,17 @@ which jobs, arrays, caps and dependencies they ask for without any batch system.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
-from scse_dist.launch.backends import Backend, BackendError, Job
+from scse_dist.launch.backends import Backend, BackendError, Job, Task
 
 
 class RecordingBackend(Backend):
     name = "recording"
-    training_script = "slurm/pretrain.sh"  # any script of the checkout
 
     def __init__(self, refuse: str = "", fail_submit_at: Optional[int] = None,
                  current: Optional[str] = None) -> None:
-        self.calls: list[tuple] = []  # ("submit", job) / ("array", job, count, cap) / ...
+        self.calls: list[tuple] = []  # ("submit", job, id) / ("array", job, tasks, cap, id) / ...
         self.refuse = refuse  # check() raises with this reason when set
         self.fail_submit_at = fail_submit_at  # the n-th submit (0-based) raises
         self.current = current
@@ -32,9 +31,9 @@ class RecordingBackend(Backend):
         self.calls.append(("submit", job, job_id))
         return job_id
 
-    def submit_array(self, job: Job, count: int, max_parallel: int) -> str:
+    def submit_array(self, job: Job, tasks: Sequence[Task], max_parallel: int) -> str:
         job_id = self._next_id()
-        self.calls.append(("array", job, count, max_parallel, job_id))
+        self.calls.append(("array", job, list(tasks), max_parallel, job_id))
         return job_id
 
     def check(self, job: Job) -> None:
@@ -50,7 +49,7 @@ class RecordingBackend(Backend):
 
     def request_flags(self, job: Job) -> list[str]:
         res = job.resources
-        return [f"nodes={res.nodes}", f"gpus={res.gpus_per_node}"] if res else []
+        return [f"nodes={res.nodes}", f"gpus={res.gpus_per_node}", *job.backend_args]
 
     def kinds(self) -> list[str]:
         return [c[0] for c in self.calls]

@@ -201,12 +201,14 @@ def test_a_planted_upward_import_is_caught(tmp_path):
 
 def test_section_configs_sit_in_the_config_layer():
     graph = _graph()
-    sections = {"scse_dist.data.config", "scse_dist.train.config", "scse_dist.eval.config"}
+    sections = {"scse_dist.data.config", "scse_dist.train.config", "scse_dist.eval.config",
+                "scse_dist.launch.config"}
     assert sections <= graph["scse_dist.config"]
     assert {_layer(m) for m in sections} == {_layer("scse_dist.config")}
 
 
-@pytest.mark.parametrize("package", ["scse_dist.data", "scse_dist.train", "scse_dist.eval"])
+@pytest.mark.parametrize("package", ["scse_dist.data", "scse_dist.train", "scse_dist.eval",
+                                     "scse_dist.launch"])
 def test_section_packages_import_nothing(package):
     # importing a section config runs its package's __init__: it must stay this light
     assert _graph()[package] == set()

@@ -263,12 +263,13 @@ RUN = [
 ]
 
 ENVIRONMENT = "sets up the environment this test runs in"
-SLURM = "needs a Slurm cluster; tests/test_slurm_e2e.py submits slurm/*.sh to a real local Slurm"
+SLURM = ("needs a Slurm cluster; tests/test_slurm_e2e.py runs scse-launch on a real local Slurm, "
+         "from a directory outside the checkout")
 STUDY = ("a study trains dozens of runs (minutes to days); tests/test_study.py runs --dry-run and "
          "--local on tiny specs, tests/test_study_slurm.py --slurm, and parses both shipped specs")
 LOCAL_CLUSTER = ("the CPU-cluster study walkthrough starts the machine-wide local Slurm; "
                  "tests/test_study_slurm.py runs the same on the tests' own cluster (spec defaults, "
-                 "no --sbatch-args, the cap, evaluations in the job, the report)")
+                 "no --backend-args, the cap, evaluations in the job, the report)")
 SHARED = "reads ../shared/data, which the project's tests must not depend on"
 NOT_RUN = {
     "scse-study configs/studies/repro-cpu.yaml --dry-run": STUDY,
@@ -309,7 +310,7 @@ NOT_RUN = {
         "under loop checkpointing and reads its trace's loop-step labels",
     "pytest": "runs the test suite's fast tier",
     "pytest -m slow": "runs the test suite's slow tier, this test included",
-    "sbatch slurm/pretrain.sh configs/gpt2-small-scse.yaml": SLURM,
+    "scse-launch configs/gpt2-small-scse.yaml": SLURM,
     "sbatch slurm/eval.sh --checkpoint runs/NAME/export --task lambada --data lambada_test.jsonl --out x.json":
         SLURM,
 }

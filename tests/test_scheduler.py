@@ -5,6 +5,7 @@ once per training job; a refused submission cancels what was submitted."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,13 +13,13 @@ from recording_backend import RecordingBackend
 from scse_dist.config import load_config
 from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch import scheduler
-from scse_dist.launch.backends import Resources
+from scse_dist.config import ConfigError, EvalResources, Resources
 
 
 def test_eval_jobs_depend_on_training_and_are_scheduled_once_per_job(tmp_path, tiny_config):
     backend = RecordingBackend()
-    cfg = load_config(tiny_config(tmp_path, "eval.tasks=[heldout,diagnose]", "eval.slurm_gpus=1",
-                                  "eval.slurm_partition=eval"))
+    cfg = load_config(tiny_config(tmp_path, "eval.tasks=[heldout,diagnose]",
+                                  "eval.resources.gpus_per_node=1", "eval.resources.partition=eval"))
     assert scheduler.schedule_evals(cfg, "42", backend) == ["100", "101", "102"]
     assert backend.kinds() == ["submit"] * 3  # through the protocol only
     (_, j1, _), (_, j2, _), (_, j3, _) = backend.calls
@@ -27,9 +28,9 @@ def test_eval_jobs_depend_on_training_and_are_scheduled_once_per_job(tmp_path, t
     assert (j1.command, j2.command) == ([*job_cmd, "evaluate", run_dir, "heldout"],
                                         [*job_cmd, "evaluate", run_dir, "diagnose"])
     assert (j1.after, j1.dependency, j1.name) == (["42"], "afterok", "tiny-eval")
-    assert j1.resources == Resources(nodes=1, tasks_per_node=1, gpus_per_node=1, cpus_per_task=1,
-                                     time_min=120, partition="eval")
-    assert str(j1.log_dir) == f"{run_dir}/slurm" and not j1.script
+    assert j1.resources == EvalResources(nodes=1, tasks_per_node=1, gpus_per_node=1, cpus_per_task=1,
+                                         time_min=120, partition="eval")
+    assert str(j1.log_dir) == f"{run_dir}/logs"
     assert (j3.command, j3.name) == ([*job_cmd, "report", run_dir], "tiny-report")
     assert (j3.after, j3.dependency) == (["100", "101"], "afterok")
     marker = json.loads((tmp_path / "runs" / "tiny" / "eval" / "scheduled.json").read_text())
@@ -53,17 +54,44 @@ def test_a_refused_report_job_cancels_the_eval_jobs_and_is_one_line(tmp_path, ti
     assert not (tmp_path / "runs" / "tiny" / "eval" / "scheduled.json").exists()  # retried next time
 
 
-def test_the_training_job_is_the_backends_script_with_config_and_overrides(tmp_path, tiny_config,
-                                                                          capsys, monkeypatch):
+def test_the_training_job_is_run_job_train_with_config_overrides_and_resources(
+        tmp_path, tiny_config, capsys, monkeypatch):
     backend = RecordingBackend()
     monkeypatch.setattr(scheduler, "get_backend", lambda name: backend)
+    monkeypatch.chdir(tmp_path)  # any directory: the config is passed on by its absolute path
     config = tiny_config(tmp_path)
-    assert scheduler.main([config, "train.max_steps=3", "--sbatch-args", "--nodes=4 --hold"]) == 0
+    relative = str(Path(config).relative_to(tmp_path))
+    assert scheduler.main([relative, "train.max_steps=3", "resources.nodes=2", "--backend-args",
+                           "--hold --account=me"]) == 0
     assert capsys.readouterr().out == "100\n"  # the job id alone
     ((kind, job, _),) = backend.calls
-    assert job.command == [str(scheduler.CHECKOUT / "slurm" / "pretrain.sh"), config, "train.max_steps=3"]
-    assert job.script and job.extra_args == ["--nodes=4", "--hold"]
-    assert (job.name, job.resources, job.log_dir, job.after) == (None, None, None, [])  # the script's
+    assert job.command == [sys.executable, "-m", "scse_dist.launch.run_job", "train", config,
+                           "train.max_steps=3", "resources.nodes=2", "--schedule-evals=recording"]
+    assert job.backend_args == ["--hold", "--account=me"] and job.resources == Resources(nodes=2)
+    run_dir = (tmp_path / "runs" / "tiny").resolve()
+    assert (job.name, job.log_dir, job.after) == ("tiny", run_dir / "logs", [])
+    # the old flag's name still works, with one notice line
+    assert scheduler.main([config, "--sbatch-args=--hold"]) == 0
+    assert backend.calls[-1][1].backend_args == ["--hold"]
+    assert capsys.readouterr().err == ("scse-launch: notice: --sbatch-args is now --backend-args; "
+                                       "the old name is read for now\n")
+
+
+def test_old_eval_resource_names_load_with_one_notice(tmp_path, tiny_config, capsys, monkeypatch):
+    from scse_dist import config as config_module
+
+    monkeypatch.setattr(config_module, "_noticed", set())
+    cfg = load_config(tiny_config(tmp_path), ["eval.slurm_gpus=2", "eval.slurm_time_min=30"])
+    again = load_config(tiny_config(tmp_path), ["eval.slurm_gpus=2"])
+    assert cfg.eval.resources == EvalResources(gpus_per_node=2, time_min=30)
+    assert again.eval.resources.gpus_per_node == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "config: notice: eval.slurm_gpus is now eval.resources.gpus_per_node; the old name is read for now",
+        "config: notice: eval.slurm_time_min is now eval.resources.time_min; the old name is read for now"]
+    with pytest.raises(ConfigError, match=r"eval.resources: an evaluation is one task on one node"):
+        load_config(tiny_config(tmp_path), ["eval.resources.nodes=2"])
+    with pytest.raises(ConfigError, match=r"^resources: nodes, tasks_per_node and cpus_per_task "):
+        load_config(tiny_config(tmp_path), ["resources.cpus_per_task=0"])
 
 
 def test_tasks_that_need_a_file_say_which_field(tmp_path, tiny_config, capsys):
@@ -89,18 +117,3 @@ def test_local_launch_trains_evaluates_every_task_and_reports(tmp_path, tiny_con
     assert evaluate_export(str(tmp_path / "runs" / "tiny"), "heldout")
     again = json.loads((eval_dir / "heldout.json").read_text())
     assert [r["ppl"] for r in again["results"]] == pytest.approx([r["ppl"] for r in heldout["results"]])
-
-
-def test_training_script_is_found_or_named(tmp_path, tiny_config, monkeypatch, capsys):
-    """The package's checkout first, else ./slurm/pretrain.sh, else an error naming both."""
-    assert scheduler.pretrain_script(None) == scheduler.CHECKOUT / "slurm" / "pretrain.sh"
-    monkeypatch.setattr(scheduler, "CHECKOUT", tmp_path / "site-packages")
-    monkeypatch.chdir(tmp_path)
-    assert scheduler.main([tiny_config(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "site-packages/slurm/pretrain.sh or " in err and str(tmp_path / "slurm" / "pretrain.sh") in err
-    (tmp_path / "slurm").mkdir()
-    (tmp_path / "slurm" / "pretrain.sh").write_text("#!/bin/bash\n")
-    assert scheduler.pretrain_script(None) == tmp_path / "slurm" / "pretrain.sh"
-    with pytest.raises(FileNotFoundError, match="nope.sh"):
-        scheduler.pretrain_script(str(tmp_path / "nope.sh"))

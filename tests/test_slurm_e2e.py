@@ -1,7 +1,7 @@
-"""A real single-node Slurm (slurm/local-cluster.sh): `sbatch slurm/pretrain.sh configs/tiny-cpu.yaml`
-trains, and the evaluation jobs it schedules run only after it, or never when it fails; a
-preemption signal makes training save, the job requeue itself and resume, without scheduling
-evaluations twice."""
+"""A real single-node Slurm (slurm/local-cluster.sh): `scse-launch configs/tiny-cpu.yaml`, run from a
+directory outside the checkout, submits the training job through submitit; it trains, and the
+evaluation jobs it schedules run only after it, or never when it fails; a preemption signal makes
+training save, the job requeue itself and resume, without scheduling evaluations twice."""
 
 import json
 import os
@@ -17,9 +17,6 @@ from slurm_cluster import running_cluster
 
 pytestmark = pytest.mark.slow
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL"}
-# GPU-less, one task per node: override pretrain.sh's multi-node GPU defaults (and --nodes=2).
-SBATCH = ["sbatch", "--parsable", "--ntasks-per-node=1", "--cpus-per-task=1", "--gpus-per-node=0",
-          "--time=10"]
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +41,26 @@ def wait_final(job_id: str, timeout_s: float = 180) -> dict[str, str]:
         time.sleep(0.5)
 
 
-def submit(tmp_path: Path, *overrides: str, nodes: int = 1) -> str:
+def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`scse-launch ...` as a user runs it, from a directory outside the checkout."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    out = subprocess.run([*SBATCH, f"--nodes={nodes}", f"--output={tmp_path}/%x-%j.out", f"--error={tmp_path}/%x-%j.err",
-                          "slurm/pretrain.sh", "configs/tiny-cpu.yaml", f"output_dir={tmp_path}/runs",
-                          f"data.path={tmp_path}/data/shards",
-                          f"data.tokenizer={tmp_path}/data/tokenizer.model",
-                          # the build goes where the command line puts the data (docs/data.md)
-                          "data.build=stdlib_docs", *overrides],
-                         capture_output=True, text=True, cwd=REPO_ROOT, env=env, check=True)
-    return out.stdout.strip().split(";")[0]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    return subprocess.run(["scse-launch", *args], capture_output=True, text=True, cwd=elsewhere,
+                          env=env)
+
+
+def submit(tmp_path: Path, *overrides: str, nodes: int = 1) -> str:
+    out = launch(tmp_path, str(REPO_ROOT / "configs" / "tiny-cpu.yaml"), f"output_dir={tmp_path}/runs",
+                 f"data.path={tmp_path}/data/shards", f"data.tokenizer={tmp_path}/data/tokenizer.model",
+                 # the build goes where the command line puts the data (docs/data.md)
+                 "data.build=stdlib_docs", f"resources.nodes={nodes}", "resources.time_min=10",
+                 *overrides)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]  # the job id alone
 
 
 def scheduled(run_dir: Path, timeout_s: float = 60) -> dict:
@@ -69,7 +73,8 @@ def scheduled(run_dir: Path, timeout_s: float = 60) -> dict:
 
 
 def logs(tmp_path: Path) -> str:
-    return "".join(p.read_text() for p in sorted(tmp_path.glob("scse-pretrain-*")))
+    """Every log of every run's jobs (submitit's <job>_<task>_log.out/.err in RUN/logs)."""
+    return "".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("runs/*/logs/*_log.*")))
 
 
 def preempt_and_wait(train: str, run_dir: Path, tmp_path: Path) -> dict[str, str]:
@@ -105,7 +110,7 @@ def test_training_then_dependent_evaluations_and_report(slurm_cluster, tmp_path)
     ended = trained["EndTime"]
     for job in [*ids["eval_jobs"].values(), ids["report_job"]]:
         info = wait_final(job)
-        assert info["JobState"] == "COMPLETED", (info, list((run_dir / "slurm").glob("*")))
+        assert info["JobState"] == "COMPLETED", (info, logs(tmp_path))
         assert info["StartTime"] >= ended  # ISO timestamps: afterok held them until training ended
     heldout = json.loads((run_dir / "eval" / "heldout.json").read_text())
     diagnose = json.loads((run_dir / "eval" / "diagnose.json").read_text())
@@ -125,8 +130,9 @@ def test_failed_training_never_runs_the_evaluations(slurm_cluster, tmp_path):
     for job in [*ids["eval_jobs"].values(), ids["report_job"]]:
         info = wait_final(job)
         assert info["JobState"] == "CANCELLED" or info["Reason"] == "DependencyNeverSatisfied", info
-        assert not list((run_dir / "slurm").glob(f"*-{job}.out"))  # Slurm never started it
+        assert not list((run_dir / "logs").glob(f"{job}_*_log.out"))  # Slurm never started it
     assert sorted(p.name for p in (run_dir / "eval").iterdir()) == ["scheduled.json"]
+    assert "scse-train: error:" in logs(tmp_path)
 
 
 def test_preemption_signal_requeues_and_resumes_without_rescheduling(slurm_cluster, tmp_path):
@@ -148,22 +154,29 @@ def test_preemption_signal_requeues_and_resumes_without_rescheduling(slurm_clust
     assert wait_final(ids["report_job"])["JobState"] == "COMPLETED"
 
 
-def test_scse_launch_submits_pretrain_sh_with_config_and_overrides(slurm_cluster, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "scse_dist.launch.scheduler", "configs/tiny-cpu.yaml",
-                          "name=held", f"output_dir={tmp_path}/runs", "--sbatch-args",
-                          f"--hold --parsable --nodes=1 --ntasks-per-node=1 --gpus-per-node=0 "
-                          f"--output={tmp_path}/%x-%j.out"],
-                         capture_output=True, text=True, cwd=REPO_ROOT, check=True)
-    job = out.stdout.strip().split(";")[0]
+def test_scse_launch_submits_through_submitit_from_any_directory(slurm_cluster, tmp_path):
+    out = launch(tmp_path, str(REPO_ROOT / "configs" / "tiny-cpu.yaml"), "name=held",
+                 f"output_dir={tmp_path}/runs", "resources.cpus_per_task=2",
+                 "--backend-args=--hold --comment=mine")
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.strip().splitlines()[-1]
     try:
         info = job_info(job)
-        assert info["JobName"] == "scse-pretrain" and info["Requeue"] == "1"
+        assert (info["JobName"], info["Requeue"], info["NumCPUs"], info["Comment"]) == \
+            ("held", "1", "2", "mine"), info
+        assert info["WorkDir"] == str(tmp_path / "elsewhere")  # the directory it was submitted in
         script = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True,
                                 text=True, check=True).stdout
-        assert "--signal=USR1@120" in script
-        args = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True,
-                              check=True).stdout
-        assert (f"Command={REPO_ROOT}/slurm/pretrain.sh configs/tiny-cpu.yaml name=held "
-                f"output_dir={tmp_path}/runs") in args
+        assert "#SBATCH --signal=USR1@120" in script and "#SBATCH --requeue" in script
+        assert "#SBATCH --hold" in script and "-m submitit.core._submit" in script
+        assert f"--output {tmp_path}/runs/held/logs/%j_%t_log.out" in script
+        # what every task runs: the installed training entry point, the config by its full path
+        import submitit
+
+        task = submitit.SlurmJob(folder=tmp_path / "runs" / "held" / "logs", job_id=job).submission()
+        assert task.function.command == [
+            sys.executable, "-m", "scse_dist.launch.run_job", "train",
+            str(REPO_ROOT / "configs" / "tiny-cpu.yaml"), "name=held", f"output_dir={tmp_path}/runs",
+            "resources.cpus_per_task=2", "--schedule-evals=slurm"]
     finally:
         subprocess.run(["scancel", job], check=True)

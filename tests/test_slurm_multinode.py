@@ -1,5 +1,5 @@
 """A real 2-node Slurm (`slurm/local-cluster.sh start --nodes 2`: two slurmds on this host):
-`sbatch --nodes=2 --ntasks-per-node=1 slurm/pretrain.sh configs/tiny-cpu.yaml` trains at world
+`scse-launch configs/tiny-cpu.yaml resources.nodes=2` trains at world
 size 2, one rank per node, rendezvous at the first node from `scontrol show hostnames`; a
 preemption signal reaches both nodes, the job requeues itself and resumes on both from the
 checkpoint, and the evaluations it scheduled run after it."""

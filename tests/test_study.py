@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT, tiny_documents
-from scse_dist.launch.backends.slurm import resource_flags
+from scse_dist.config import Resources
 from scse_dist.study.spec import SpecError, expand, load_spec, parse_spec
 
 
@@ -99,17 +99,16 @@ def test_a_variant_sweeps_its_own_rate_field_over_its_own_grid(tmp_path, tiny_co
     assert cfgs["adamw", 1].train.lr == 3e-3
 
 
-def test_variant_major_order_relative_out_and_slurm_resources(tmp_path, tiny_config):
+def test_variant_major_order_relative_out_and_resources(tmp_path, tiny_config):
     spec = parse_spec(study_spec(tiny_config(tmp_path), "studies", order="variant-major",
-                                 slurm={"cpus_per_task": 2, "time_min": 30}),
+                                 resources={"cpus_per_task": 2, "time_min": 30}),
                       str(tmp_path / "specs" / "spec.yaml"))
     final = expand(spec, stages=("final",))
     assert [(r.variant, r.seed) for r in final[:4]] == [("scse-preln", 0), ("scse-preln", 1),
                                                        ("scse-preln", 2), ("scse-deeploop", 0)]
     # out: relative to the spec file, like base:
     assert spec.study_dir == tmp_path / "specs" / "studies" / "s"
-    assert resource_flags(spec.slurm) == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
-                                        "--cpus-per-task=2", "--time=30"]
+    assert spec.resources == Resources(cpus_per_task=2, time_min=30)
     typed = load_spec(write_spec(tmp_path / "spec.yaml", study_spec(tiny_config(tmp_path), "x")), ["out=here"])
     assert typed.study_dir == Path.cwd() / "here" / "s"  # typed on the command line: the cwd's
 
@@ -222,8 +221,10 @@ def test_every_shipped_study_spec_resolves_every_run(path):
     ({"sedes": [0]}, "sedes: unknown field (did you mean 'seeds'?)"),
     ({"evals": {"task": ["heldout"]}}, "evals.task: unknown field (did you mean 'tasks'?)"),
     ({"order": "random"}, "order: one of seed-major, variant-major, got 'random'"),
-    ({"slurm": {"gpus": 1}}, "slurm.gpus: unknown field (did you mean 'gpus_per_node'?)"),
+    ({"resources": {"gpus": 1}}, "resources.gpus: unknown field (did you mean 'gpus_per_node'?)"),
+    ({"resources": {"nodes": 0}}, "resources: nodes, tasks_per_node and cpus_per_task must be >= 1"),
     ({"slurm": {"nodes": 0}}, "slurm: nodes, tasks_per_node and cpus_per_task must be >= 1"),
+    ({"slurm": {}, "resources": {}}, "slurm: is the old name of resources:; give one of them"),
     ({"report": {"metrics": {"lambada": ["acc"]}}},
      "report.metrics.lambada: 'acc' is not a metric of lambada (lambada writes ppl, accuracy"),
     ({"report": {"metrics": {"wikitext": ["bpb"]}}}, "report.metrics.wikitext: 'bpb' is not a metric"),
@@ -343,8 +344,8 @@ def test_shipped_study_specs_parse_and_expand(name, variants, sweep, final):
 
 def test_shipped_cpu_cluster_study_runs_on_cpu_nodes_seed_major():
     spec = load_spec(REPO_ROOT / "configs" / "studies" / "cpu-cluster.yaml")
-    assert resource_flags(spec.slurm) == ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0",
-                                        "--cpus-per-task=1", "--time=20"]
+    assert spec.resources == Resources(nodes=1, tasks_per_node=1, gpus_per_node=0, cpus_per_task=1,
+                                       time_min=20)
     assert spec.study_dir == REPO_ROOT / "studies" / "cpu-cluster"
     assert [Path(r.run_dir).name for r in expand(spec)] == [
         "scse-seed0", "additive-seed0", "looped-seed0", "scse-seed1", "additive-seed1", "looped-seed1"]

@@ -1,21 +1,20 @@
-"""scse-study --slurm on a real local Slurm with CPU nodes and no --sbatch-args (the spec's
+"""scse-study --slurm on a real local Slurm with CPU nodes and no --backend-args (the spec's
 default resources: one node, one task, no GPU): one job array of 4 tiny runs, at most 2 of the
 study's jobs at once counting evaluations and the report, each run evaluated in its own job
 before the next run trains, array tasks named after their variant and seed, one run that fails
-in training named in the report; a request the cluster cannot meet is refused before submitting."""
+in training named in the report; a request the cluster cannot meet is refused before submitting.
+The study is submitted as a user does, from an experiment directory outside the checkout."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from datetime import datetime
 
 import pytest
 import yaml
 
-from conftest import REPO_ROOT
 from slurm_cluster import running_cluster
 from test_slurm_e2e import wait_final
 
@@ -46,15 +45,17 @@ def most_at_once(records: list[dict[str, str]]) -> int:
 
 
 def study(tmp_path, spec: dict, user_env: dict, *args: str) -> subprocess.CompletedProcess:
-    """`scse-study SPEC --slurm --max-parallel 2` as a user on the login node runs it."""
-    path = tmp_path / "spec.yaml"
+    """`cd exp && scse-study spec.yaml --slurm --max-parallel 2` as a user on the login node runs
+    it, in a directory outside the checkout."""
+    exp = tmp_path / "exp"
+    exp.mkdir(exist_ok=True)
+    path = exp / "spec.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     env = dict(user_env, WANDB_MODE="disabled", SLURM_CONF=os.environ["SLURM_CONF"])  # the tests' cluster
     for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_ARRAY_TASK_ID"):
         env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "scse_dist.study.cli", str(path), "--slurm",
-                           "--max-parallel", "2", *args], capture_output=True, text=True, cwd=REPO_ROOT,
-                          env=env)
+    return subprocess.run(["scse-study", "spec.yaml", "--slurm", "--max-parallel", "2", *args],
+                          capture_output=True, text=True, cwd=exp, env=env)
 
 
 def test_slurm_study_on_cpu_nodes_caps_every_job_and_evaluates_each_run_in_its_job(
@@ -72,15 +73,13 @@ def test_slurm_study_on_cpu_nodes_caps_every_job_and_evaluates_each_run_in_its_j
                          "broken": {"overrides": {"data.path": str(tmp_path / "missing")}}},
             "seeds": [0], "evals": {"tasks": ["heldout", "wikitext", "diagnose"], "depths": [1, 2],
                                     "wikitext": str(tmp_path / "wiki.txt")},
-            "slurm": {"time_min": 10}}
+            "resources": {"time_min": 10}}
     out = study(tmp_path, spec, user_env)
     assert out.returncode == 0, out.stderr
     d = tmp_path / "studies" / "arr"
     run_dirs = [d / v / f"{v}-seed0" for v in ("scse", "additive", "looped", "broken")]
-    submitted = json.loads((d / "slurm" / "final.json").read_text())
+    submitted = json.loads((d / "logs" / "final.json").read_text())
     assert submitted["runs"] == [str(r) for r in run_dirs]
-    assert (d / "configs-final.txt").read_text().splitlines() == [
-        f"{r / 'config.yaml'}\tarr-{r.name}" for r in run_dirs]
 
     report_job = wait_final(submitted["next"], timeout_s=300)  # --stage report, afterany on the array
     tasks = jobs([submitted["array"]])
@@ -88,7 +87,8 @@ def test_slurm_study_on_cpu_nodes_caps_every_job_and_evaluates_each_run_in_its_j
         "0": ("arr-scse-seed0", "COMPLETED"), "1": ("arr-additive-seed0", "COMPLETED"),
         "2": ("arr-looped-seed0", "COMPLETED"), "3": ("arr-broken-seed0", "FAILED")}, tasks
     assert all(t["ArrayTaskThrottle"] == "2" for t in tasks)
-    assert all((t["NumCPUs"], t["TRES"].count("gpu")) == ("1", 0) for t in tasks)  # from spec.slurm
+    assert all((t["NumCPUs"], t["TRES"].count("gpu")) == ("1", 0) for t in tasks)  # spec.resources
+    assert all(t["WorkDir"] == str(tmp_path / "exp") for t in tasks)  # where it was submitted
     # Every job of the study (training, evaluations, the report stage) counted: 2 at once at most,
     # and with 4 CPUs free, tasks 0 and 1 ran together.
     assert most_at_once(tasks + [report_job]) == 2, [(t["StartTime"], t["EndTime"]) for t in tasks]
@@ -110,7 +110,7 @@ def test_slurm_study_on_cpu_nodes_caps_every_job_and_evaluates_each_run_in_its_j
     assert started["2"] >= first_free - 1
     assert not (run_dirs[3] / "export").exists()
 
-    stage_log = next((d / "slurm").glob("arr-report-*.out")).read_text()
+    stage_log = (d / "logs" / f"{submitted['next']}_0_log.out").read_text()
     assert f"FAILED {run_dirs[3]}: training did not finish" in stage_log, stage_log
     assert "scse-study: report: -m scse_dist.study.report" in stage_log, stage_log
     text = (d / "report" / "report.md").read_text()
@@ -129,18 +129,18 @@ def test_a_request_the_cluster_cannot_meet_is_one_line_and_submits_nothing(slurm
     before = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True,
                             check=True).stdout.split()
     spec = {"name": "big", "out": str(tmp_path / "studies"), "base": tiny_config(tmp_path),
-            "variants": {"scse": {"overrides": {}}}, "slurm": {"nodes": 3}}
+            "variants": {"scse": {"overrides": {}}}, "resources": {"nodes": 3}}
     out = study(tmp_path, spec, user_env)
     assert out.returncode == 1 and out.stderr.splitlines() == [
         "scse-study: the cluster cannot run the training jobs as requested (--nodes=3 "
-        "--ntasks-per-node=1 --gpus-per-node=0 --cpus-per-task=1; spec field slurm and "
-        "--sbatch-args): allocation failure: Requested node configuration is not available"], out.stderr
-    gpu = study(tmp_path, {**spec, "slurm": {"gpus_per_node": 1}}, user_env)
+        "--ntasks-per-node=1 --cpus-per-task=1; spec field resources and --backend-args): "
+        "allocation failure: Requested node configuration is not available"], out.stderr
+    gpu = study(tmp_path, {**spec, "resources": {"gpus_per_node": 1}}, user_env)
     assert gpu.returncode == 1 and len(gpu.stderr.splitlines()) == 1, gpu.stderr
     assert "--gpus-per-node=1" in gpu.stderr and "Invalid generic resource (gres) specification" in gpu.stderr
     after = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True,
                            check=True).stdout.split()
-    assert after == before and not (tmp_path / "studies" / "big" / "slurm" / "final.json").exists()
+    assert after == before and not (tmp_path / "studies" / "big" / "logs" / "final.json").exists()
 
 
 def test_slurm_two_stage_lr_sweep_submits_stage_two_after_the_choice(slurm_cluster, tmp_path,
@@ -156,7 +156,7 @@ def test_slurm_two_stage_lr_sweep_submits_stage_two_after_the_choice(slurm_clust
     out = study(tmp_path, spec, user_env)
     assert out.returncode == 0, out.stderr
     d = tmp_path / "studies" / "two"
-    sweep = json.loads((d / "slurm" / "sweep.json").read_text())
+    sweep = json.loads((d / "logs" / "sweep.json").read_text())
     assert len(sweep["runs"]) == 2 and not (d / "lr_choice.json").exists()
     stage2 = wait_final(sweep["next"], timeout_s=240)  # the job that chooses and submits stage 2
     assert (stage2["JobState"], stage2["JobName"]) == ("COMPLETED", "two-choose-lr")
@@ -164,7 +164,7 @@ def test_slurm_two_stage_lr_sweep_submits_stage_two_after_the_choice(slurm_clust
     assert not list(d.glob("scse/scse-lr*-seed0/eval/heldout.json"))
     choice = json.loads((d / "lr_choice.json").read_text())["scse"]
     assert set(choice["scores"]) == {"0.0001", "0.003"} and choice["failed"] == []
-    final = json.loads((d / "slurm" / "final.json").read_text())
+    final = json.loads((d / "logs" / "final.json").read_text())
     assert final["runs"] == [str(d / "scse" / "scse-seed4")]
     assert wait_final(final["next"], timeout_s=240)["JobState"] == "COMPLETED"
     # stage 2 started only after the job that submitted it ended: never beside it

@@ -9,9 +9,11 @@ sections.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from scse_dist.launch.config import EvalResources
 from scse_dist.model.config import ConfigError
 from scse_dist.task_registry import TASKS, field_value, unknown_task
 
@@ -40,12 +42,9 @@ class EvalConfig:
     lambada: Optional[str] = None  # LAMBADA JSONL or plain text, for the lambada task
     data: dict[str, str] = field(default_factory=dict)  # task -> its file, for tasks with no field above
     stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
-    # Resources of each evaluation job scse-launch submits (read into launch.backends.Resources;
-    # named slurm_* from before other backends, kept); GPUs 0 evaluates on CPU.
-    slurm_gpus: int = 0
-    slurm_cpus: int = 1
-    slurm_time_min: int = 120
-    slurm_partition: Optional[str] = None
+    # What each evaluation job scse-launch submits asks for, on any backend (one task on one
+    # node; 0 GPUs evaluates on CPU). Formerly eval.slurm_gpus, _cpus, _time_min, _partition.
+    resources: EvalResources = field(default_factory=EvalResources)
 
     def check(self) -> None:
         """Values no evaluation can use, and each listed task's data file (ConfigError naming the
@@ -66,10 +65,14 @@ class EvalConfig:
                               "eval.sample_every is set")
         if self.sample_tokens < 1:
             raise ConfigError(f"eval.sample_tokens: must be >= 1, got {self.sample_tokens}")
-        for name in ("stride", "slurm_gpus", "every_steps", "max_batches", "sample_every",
+        for name in ("stride", "every_steps", "max_batches", "sample_every",
                      "sample_temperature"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name}: must be >= 0, got {getattr(self, name)}")
-        if self.slurm_cpus < 1 or self.slurm_time_min < 1:
-            raise ConfigError("eval.slurm_cpus, eval.slurm_time_min: must be >= 1, got "
-                              f"{self.slurm_cpus}, {self.slurm_time_min}")
+        res = self.resources
+        problem = res.problem() or ("an evaluation is one task on one node: nodes and "
+                                    "tasks_per_node must be 1" if (res.nodes, res.tasks_per_node)
+                                    != (1, 1) else None)
+        if problem or res.time_min < 1:
+            raise ConfigError(f"eval.resources: {problem or 'time_min must be >= 1'}, got "
+                              f"{dataclasses.asdict(res)}")

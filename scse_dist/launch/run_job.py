@@ -1,34 +1,70 @@
-"""What the evaluation and report jobs that `scse-launch` schedules run:
+"""What the jobs that `scse-launch` and `scse-study` submit run, on every backend:
 
+    python -m scse_dist.launch.run_job train CONFIG [key=value ...] [--evaluate] [--schedule-evals B]
     python -m scse_dist.launch.run_job evaluate RUN_DIR TASK   # RUN/eval/TASK.json
     python -m scse_dist.launch.run_job report RUN_DIR          # RUN/eval/report.md
 
-A command line rather than a pickled function, so that any backend can run it.
+`train` is the one training job: it runs in every task of the job (one per rank); the first task
+first schedules the evaluation jobs on backend B after this job (`--schedule-evals`, once per job
+id), then every task trains (scse-train as a child, signals forwarded), then, with `--evaluate`,
+the first task evaluates every eval task and writes the run's report inside the job. Its exit
+status is training's: 75 when training was preempted and saved (a backend that can requeue does).
+Command lines of the installed package, rather than scripts of a checkout or pickled functions,
+so that any backend runs them from any directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Sequence
 
 from scse_dist.cli_errors import cli_main
 from scse_dist.eval.export_eval import evaluate_export
-from scse_dist.launch.scheduler import report_run
+from scse_dist.launch.children import run_child
+from scse_dist.launch.scheduler import evaluate_all, report_run, schedule_evals
+
+
+def train_job(config: str, overrides: list[str], evaluate: bool, schedule_on: str | None) -> int:
+    from scse_dist.config import load_config
+    from scse_dist.distributed import resolve_dist_env
+    from scse_dist.launch.backends import get_backend
+
+    cfg = load_config(config, overrides)
+    first = resolve_dist_env(os.environ).rank == 0
+    if schedule_on and first:
+        backend = get_backend(schedule_on)
+        job_id = backend.current_job()
+        if job_id:
+            schedule_evals(cfg, job_id, backend)
+    # evaluated below: the trainer's own held-out evaluation after training would repeat it
+    extra = ["eval.after_train=false"] if evaluate else []
+    ended = run_child([sys.executable, "-m", "scse_dist.train.cli", "--config", config, *overrides,
+                       *extra])
+    if ended.status == 0 and evaluate and first:
+        print(f"scse-launch: report {evaluate_all(cfg)}", flush=True)
+    return ended.status
 
 
 @cli_main("scse-launch")
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scse_dist.launch.run_job")
-    p.add_argument("what", choices=["evaluate", "report"])
-    p.add_argument("run_dir")
-    p.add_argument("task", nargs="?")
-    args = p.parse_args(argv)
+    p.add_argument("what", choices=["train", "evaluate", "report"])
+    p.add_argument("target", help="train: the run config; evaluate, report: the run dir")
+    p.add_argument("rest", nargs="*", help="train: key=value overrides; evaluate: the TASK")
+    p.add_argument("--evaluate", action="store_true", help="train: then evaluate and report here")
+    p.add_argument("--schedule-evals", metavar="BACKEND",
+                   help="train: first submit the evaluation jobs after this job on BACKEND")
+    args = p.parse_intermixed_args(argv)
+    if args.what == "train":
+        return train_job(args.target, args.rest, args.evaluate, args.schedule_evals)
     if args.what == "evaluate":
-        if not args.task:
-            p.error("evaluate needs a TASK")
-        print(f"scse-launch: {args.task}: {evaluate_export(args.run_dir, args.task)}")
+        if len(args.rest) != 1:
+            p.error("evaluate needs one TASK")
+        print(f"scse-launch: {args.rest[0]}: {evaluate_export(args.target, args.rest[0])}")
     else:
-        print(f"scse-launch: report {report_run(args.run_dir)}")
+        print(f"scse-launch: report {report_run(args.target)}")
     return 0
 
 

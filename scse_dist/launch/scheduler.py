@@ -1,20 +1,20 @@
 """`scse-launch`: train, then evaluate and report by themselves, on a batch system or here.
 
-    scse-launch CONFIG [key.sub=value ...]                 # sbatch slurm/pretrain.sh CONFIG ...
+    scse-launch CONFIG [key.sub=value ...]                 # a Slurm job (submitit), evals after it
     scse-launch CONFIG [...] --backend local               # the same job flow, run on this machine
     scse-launch CONFIG [key.sub=value ...] --local         # everything here, in this process
     scse-launch CONFIG [key.sub=value ...] --after-job ID  # only the evaluation jobs of job ID
     scse-launch CONFIG [key.sub=value ...] --evaluate      # evaluate the trained run here, then report
 
-The training job is the backend's batch script (scse_dist.launch.backends: `slurm` runs
-slurm/pretrain.sh through sbatch, `local` runs launch/pretrain-local.sh here). On Slurm, the
-training job calls `--after-job $SLURM_JOB_ID` first thing: that submits one job per task in
-`eval.tasks` with an afterok dependency on it and a report job after all of them. So evaluation
-starts only once training succeeded; if training fails, Slurm never starts them (a local cluster
-with `kill_invalid_depend` cancels them). A requeued training job keeps its id and runs
-pretrain.sh again: the jobs already scheduled for that id are recorded in
-`RUN/eval/scheduled.json`, so they are not submitted twice. The local backend's script evaluates
-inside the training job instead (its jobs run one after another anyway).
+The training job, on every backend, runs `python -m scse_dist.launch.run_job train CONFIG ...`
+(the installed package: any directory, no checkout), asking for the config's `resources:` and
+then `--backend-args`; its logs are in RUN/logs. On a cluster (Slurm) the job's first task first
+submits one job per task in `eval.tasks` with an afterok dependency on itself and a report job
+after all of them, so evaluation starts only once training succeeded (if training fails, Slurm
+never starts them; a local cluster with `kill_invalid_depend` cancels them). A requeued training
+job keeps its id: the jobs already scheduled for that id are recorded in
+`RUN/eval/scheduled.json`, so they are not submitted twice. On a backend that runs jobs in place
+(local) the training job evaluates and reports itself instead.
 
 Every evaluation job, and `--local`, runs the same `evaluate_export` (scse_dist.eval.export_eval,
 as the trainer and a study do): the export's config says which data each task reads, and
@@ -30,17 +30,19 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from scse_dist.atomic import atomic_write_text
-from scse_dist.cli_errors import EXIT_CONFIG, cli_main, command_parser
+from scse_dist.cli_errors import cli_main, command_parser
 from scse_dist.config import RunConfig, load_config
 from scse_dist.eval.export_eval import evaluate_export
-from scse_dist.launch.backends import BACKENDS, Backend, BackendError, Job, Resources, get_backend
+from scse_dist.launch.backends import BACKENDS, Backend, BackendError, Job, get_backend
+from scse_dist.launch.children import REQUEUE_EXIT_CODE, StoppedBySignal
 from scse_dist.run_dir import RunDir
 
-CHECKOUT = Path(__file__).resolve().parents[2]
 SCHEDULED_NAME = "scheduled.json"
+LOGS = "logs"  # RUN/logs, STUDY/logs: every backend's job output
+RUN_JOB = [sys.executable, "-m", "scse_dist.launch.run_job"]
 
 
 def report_run(run_dir: str) -> str:
@@ -49,20 +51,23 @@ def report_run(run_dir: str) -> str:
     return write(run_dir)["report"]
 
 
-def eval_resources(cfg: RunConfig) -> Resources:
-    """What each evaluation job asks for: the eval.slurm_* fields, one task on one node."""
-    e = cfg.eval
-    return Resources(nodes=1, tasks_per_node=1, gpus_per_node=e.slurm_gpus, cpus_per_task=e.slurm_cpus,
-                     time_min=e.slurm_time_min, partition=e.slurm_partition)
+def training_command(config: str, overrides: Sequence[str], evaluate: bool,
+                     schedule_on: Optional[str] = None) -> list[str]:
+    """The training job's command on every backend (scse_dist.launch.run_job train): CONFIG by
+    its absolute path (a job may start elsewhere), evaluated inside the job or scheduling the
+    evaluation jobs on the backend `schedule_on` after itself."""
+    flags = ["--evaluate"] if evaluate else []
+    flags += [f"--schedule-evals={schedule_on}"] if schedule_on else []
+    return [*RUN_JOB, "train", str(Path(config).resolve()), *overrides, *flags]
 
 
 def eval_jobs(cfg: RunConfig, train_job: str) -> tuple[list[Job], Job]:
     """One job per eval task, afterok on the training job; the report job, whose dependencies
     (the eval jobs' ids) are filled in once they are known."""
     run_dir = Path(cfg.run_dir).resolve()
-    command = [sys.executable, "-m", "scse_dist.launch.run_job"]
-    job = Job(command=[], name=f"{cfg.name}-eval", resources=eval_resources(cfg),
-              log_dir=run_dir / "slurm", after=[str(train_job)])
+    command = RUN_JOB
+    job = Job(command=[], name=f"{cfg.name}-eval", resources=cfg.eval.resources,
+              log_dir=run_dir / LOGS, after=[str(train_job)])
     evals = [dataclasses.replace(job, command=[*command, "evaluate", str(run_dir), task])
              for task in cfg.eval.tasks]
     report = dataclasses.replace(job, command=[*command, "report", str(run_dir)],
@@ -110,7 +115,9 @@ def run_local(cfg: RunConfig) -> str:
     from scse_dist.train.loop import train
 
     # The tasks below include held-out: the trainer's own after-train evaluation would repeat it.
-    train(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, after_train=False)))
+    summary = train(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, after_train=False)))
+    if summary["preempted"]:  # SIGINT/SIGTERM: the trainer saved; nothing to evaluate yet
+        raise StoppedBySignal(str(summary["preempted"]), REQUEUE_EXIT_CODE, "training")
     for task in cfg.eval.tasks:
         evaluate_export(cfg.run_dir, task)
     return report_run(cfg.run_dir)
@@ -128,37 +135,35 @@ def build_parser() -> argparse.ArgumentParser:
                        help="evaluate the trained run on every eval task here, then its report")
     p.add_argument("--backend", choices=sorted(BACKENDS), default="slurm",
                    help="the batch system the jobs go to (default slurm)")
-    p.add_argument("--sbatch-args", default="",
-                   help="extra flags of the backend's submit command for the training job, "
-                        "e.g. '--nodes=4 --time=2-0' (Slurm)")
-    p.add_argument("--script", help="the training batch script (default: the backend's, e.g. "
-                                    "slurm/pretrain.sh, of this checkout, else of the current directory)")
+    add_backend_args(p, "the training job, after the config's resources: (e.g. "
+                        "'--time=2-0 --account=me' for Slurm)")
     return p
 
 
-def pretrain_script(given: str | None, relative: str = "slurm/pretrain.sh") -> Path:
-    """The batch script to submit. It runs `launch/train.py` from the directory it is submitted
-    in, so a checkout is needed anyway: the package's own (an editable install), else the
-    current directory's."""
-    candidates = [Path(given)] if given else [CHECKOUT / relative, Path.cwd() / relative]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"no training batch script at {' or '.join(map(str, candidates))}; run "
-                            "scse-launch from the scse-dist checkout or pass --script")
+def add_backend_args(p: argparse.ArgumentParser, what: str) -> None:
+    """--backend-args, and its old name --sbatch-args (read for now, with a notice)."""
+    p.add_argument("--backend-args", default="", help=f"the backend's own flags for {what}")
+    p.add_argument("--sbatch-args", default=None, help=argparse.SUPPRESS)
 
 
-def submit_training(args: argparse.Namespace, backend: Backend) -> int:
-    """The training job: the backend's batch script with CONFIG and the overrides (its own
-    defaults for name, resources and logs). Prints the job id alone on stdout; 0 once submitted,
-    or, when the backend ran the job in place (local), the job's exit status."""
-    try:
-        script = pretrain_script(args.script, backend.training_script)
-    except FileNotFoundError as exc:
-        print(f"scse-launch: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    job = Job(command=[str(script), args.config, *args.overrides], script=True,
-              extra_args=shlex.split(args.sbatch_args))
+def backend_args(args: argparse.Namespace, prog: str) -> str:
+    if args.sbatch_args is None:
+        return args.backend_args
+    print(f"{prog}: notice: --sbatch-args is now --backend-args; the old name is read for now",
+          file=sys.stderr, flush=True)
+    return " ".join(a for a in (args.backend_args, args.sbatch_args) if a)
+
+
+def submit_training(args: argparse.Namespace, cfg: RunConfig, backend: Backend) -> int:
+    """The training job: run_job train with CONFIG and the overrides, the config's resources: and
+    --backend-args. Prints the job id alone on stdout; 0 once submitted, or, when the backend ran
+    the job in place (local), the job's exit status."""
+    in_place = backend.runs_in_place
+    command = training_command(args.config, args.overrides, evaluate=in_place,
+                               schedule_on=None if in_place else backend.name)
+    job = Job(command=command, name=cfg.name, resources=cfg.resources,
+              log_dir=Path(cfg.run_dir).resolve() / LOGS,
+              backend_args=shlex.split(backend_args(args, "scse-launch")))
     job_id = backend.submit(job)
     print(job_id, flush=True)
     status = backend.ended_with(job_id)  # a job run in place: its status is ours
@@ -169,11 +174,19 @@ def submit_training(args: argparse.Namespace, backend: Backend) -> int:
 
 @cli_main("scse-launch")
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 submitted (or, --local, done); 1 the backend refused a job; 2 bad config or
-    no batch script; 65 bad input data; 66 an input missing or unreadable (--local); with
-    --backend local, the training job's own status."""
+    """Exit status: 0 submitted (or, --local, done); 1 the backend refused a job; 2 bad config;
+    65 bad input data; 66 an input missing or unreadable (--local); 75 stopped by SIGINT or
+    SIGTERM, the run saved (rerun to resume); with --backend local, the training job's own status."""
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    try:
+        return _launch(args, cfg)
+    except StoppedBySignal as exc:
+        print(f"scse-launch: {exc}", file=sys.stderr, flush=True)
+        return exc.status
+
+
+def _launch(args: argparse.Namespace, cfg: RunConfig) -> int:
     if args.local:
         from scse_dist.data.preflight import check_run_data
 
@@ -187,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.after_job:
             schedule_evals(cfg, args.after_job, get_backend(args.backend))
             return 0
-        return submit_training(args, get_backend(args.backend))
+        return submit_training(args, cfg, get_backend(args.backend))
     except BackendError as exc:
         print(f"scse-launch: {exc}", file=sys.stderr)
         return 1

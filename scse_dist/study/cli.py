@@ -21,6 +21,8 @@ from typing import Sequence
 
 from scse_dist.cli_errors import EXIT_NO_INPUT, cli_main, command_parser
 from scse_dist.launch.backends import BACKENDS, get_backend
+from scse_dist.launch.children import StoppedBySignal
+from scse_dist.launch.scheduler import add_backend_args, backend_args
 from scse_dist.study.execute import run_local, run_submitted
 from scse_dist.study.plan import StudyError, missing_inputs, read_choice, status
 from scse_dist.study.spec import expand, load_spec, run_config
@@ -54,10 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--slurm/--backend: at most P of the study's jobs at once: the arrays' "
                         "%%P; each run is evaluated inside its training job, and the stage jobs "
                         "run between arrays")
-    p.add_argument("--sbatch-args", default="",
-                   help="--slurm/--backend: extra flags of the backend's submit command for the "
-                        "training arrays, after the spec's slurm: resources (e.g. '--time=2-0 "
-                        "--account=me' for sbatch)")
+    add_backend_args(p, "the training arrays (--slurm/--backend), after the spec's resources: "
+                        "(e.g. '--time=2-0 --account=me' for Slurm)")
     p.add_argument("--stage", choices=["auto", "sweep", "final", "report"], default="auto",
                    help=argparse.SUPPRESS)  # the jobs that continue a study call this
     return p
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 @cli_main("scse-study")
 def main(argv: Sequence[str] | None = None) -> int:
     """0 done (or submitted); 1 a run or the report failed; 2 bad spec or arguments; 66 (--dry-run)
-    an input file of some run is missing."""
+    an input file of some run is missing; 75 stopped by SIGINT or SIGTERM, the run in progress
+    saved (rerun to resume)."""
     args = build_parser().parse_intermixed_args(argv)
     if args.max_parallel < 1:
         print("scse-study: --max-parallel: must be >= 1", file=sys.stderr)
@@ -81,13 +82,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_NO_INPUT if missing else 0
         if args.local:
             return run_local(spec)
+        flags = backend_args(args, "scse-study")
         cli_args = [str(Path(args.spec).resolve()), *args.overrides, f"--backend={args.backend}",
-                    f"--max-parallel={args.max_parallel}", f"--sbatch-args={args.sbatch_args}"]
+                    f"--max-parallel={args.max_parallel}", f"--backend-args={flags}"]
         return run_submitted(spec, args.stage, args.max_parallel, get_backend(args.backend),
-                             shlex.split(args.sbatch_args), cli_args)
+                             shlex.split(flags), cli_args)
     except StudyError as exc:
         print(f"scse-study: {exc}", file=sys.stderr)
         return 1
+    except StoppedBySignal as exc:
+        print(f"scse-study: {exc}", file=sys.stderr, flush=True)
+        return exc.status
 
 
 if __name__ == "__main__":

@@ -2,41 +2,45 @@
 (`--backend NAME`, `--slurm` for `--backend slurm`), through scse_dist.launch.backends only.
 
 On a batch system, one stage at a time, each stage submitted by a job that waits for the one
-before (written here with Slurm's commands; the local backend runs the same jobs one after another):
+before (the local backend runs the same jobs one after another):
 
-    sweep   sbatch --array=0-N%P slurm/pretrain.sh --config-list <study>/configs-sweep.txt
-            (no evaluation jobs: SCSE_SCHEDULE_EVALS=0), then a job afterany:<array> running
-            `scse-study SPEC --backend slurm --stage final`: it scores the sweep on lr.validation,
-            writes lr_choice.json and submits stage 2 (afterany on itself). The choice needs
-            stage 1's results, so stage 2 can only be submitted by a job that runs after it.
-    final   the same array over the final runs; each array task evaluates its run inside its
-            own allocation after training (SCSE_EVAL_IN_JOB=1: every eval task, then the run's
+    sweep   an array over the sweep runs, task i running `python -m scse_dist.launch.run_job
+            train <run i's config>` (no evaluation), at most P at once; then a job afterany:<array>
+            running `scse-study SPEC --backend B --stage final`: it scores the sweep on
+            lr.validation, writes lr_choice.json and submits stage 2 (afterany on itself). The
+            choice needs stage 1's results, so stage 2 can only be submitted by a job after it.
+    final   the same array over the final runs, each task evaluating its run inside its own job
+            after training (`run_job train ... --evaluate`: every eval task, then the run's
             report), then a job afterany:<array> runs `--stage report`.
     report  names the runs that did not finish and writes the study report.
 
-So at most P of the study's jobs run at once (the array's %P; the stage jobs run only between
+So at most P of the study's jobs run at once (the array's cap; the stage jobs run only between
 arrays), and a run's evaluations come before the next pending training run: they hold its array
 slot. Separate evaluation jobs (as `scse-launch` submits) would queue behind every pending array
-task on a small cluster and would not count against %P.
-Each training job asks for `spec.slurm` (default: one node, one task, no GPU, one CPU), then
---sbatch-args; the request is checked (Slurm: `sbatch --test-only`) before anything is submitted.
+task on a small cluster and would not count against the cap.
+Each training job asks for `spec.resources` (default: one node, one task, no GPU, one CPU), then
+--backend-args; the request is checked (Slurm: `sbatch --test-only`) before anything is
+submitted. Job output is in <study>/logs.
 
-Finished runs are never resubmitted; unfinished ones resume from their checkpoint (train.resume
-auto), so rerunning a study after an interruption repeats nothing.
+`--local` runs each training as a child process (scse_dist.launch.children): SIGINT or SIGTERM
+is forwarded to it, it saves and exits 75, and the driver exits 75 after it with nothing left
+running. Finished runs are never resubmitted; unfinished ones resume from their checkpoint
+(train.resume auto), so rerunning a study after an interruption repeats nothing.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from scse_dist.eval.export_eval import evaluate_export
-from scse_dist.launch.backends import Backend, BackendError, Job, Resources
-from scse_dist.launch.scheduler import pretrain_script
+from scse_dist.launch.backends import Backend, BackendError, Job, Task
+from scse_dist.launch.children import StoppedBySignal, run_child, stop_on_signals
+from scse_dist.launch.config import Resources
+from scse_dist.launch.scheduler import LOGS, training_command
 from scse_dist.run_dir import RunDir
 from scse_dist.progress import eta_seconds, format_duration
 from scse_dist.study.plan import StudyError, choose_lrs, evaluate_validation, status, write_study
@@ -52,7 +56,10 @@ def _stages(spec: StudySpec) -> tuple[str, ...]:
 def run_report(spec: StudySpec) -> int:
     """The study report, in a child process; its exit status."""
     print(f"scse-study: report: {' '.join(REPORT_CMD[1:])} {spec.study_dir}", flush=True)
-    return subprocess.run([*REPORT_CMD, str(spec.study_dir)]).returncode
+    ended = run_child([*REPORT_CMD, str(spec.study_dir)])
+    if ended.signal_name:
+        raise StoppedBySignal(ended.signal_name, ended.status, "the study report")
+    return ended.status
 
 
 # --------------------------------------------------------------------------- local
@@ -66,14 +73,19 @@ FAIL_FAST_AFTER = 2
 
 def _train(run: Run) -> tuple[int, str]:
     """scse-train on the run's config (resuming a checkpoint); (exit status, last stderr line).
-    Its stderr still reaches ours, line by line."""
-    proc = subprocess.Popen([sys.executable, "-m", "scse_dist.train.cli", "--config", run.config],
-                            stderr=subprocess.PIPE, text=True, errors="replace")
-    last = ""
-    for line in proc.stderr:
+    Its stderr still reaches ours, line by line. A signal forwarded to it stops the study
+    (StoppedBySignal) once it has saved and exited."""
+    last = [""]
+
+    def echo(line: str) -> None:
         sys.stderr.write(line)
-        last = line.strip() or last
-    return proc.wait(), last
+        last[0] = line.strip() or last[0]
+
+    ended = run_child([sys.executable, "-m", "scse_dist.train.cli", "--config", run.config],
+                      on_stderr_line=echo)
+    if ended.signal_name:
+        raise StoppedBySignal(ended.signal_name, ended.status, f"training {run.run_dir}")
+    return ended.status, last[0]
 
 
 def _train_and_evaluate(spec: StudySpec, run: Run) -> tuple[int, str]:
@@ -100,7 +112,14 @@ def _all_alike(outcomes: list[tuple[int, str]]) -> bool:
 
 def run_local(spec: StudySpec) -> int:
     """Every stage in sequence, finished runs skipped, then the report. 1 if a run failed; the
-    runs' exit status when the first ones all failed on the same input error (then it stops)."""
+    runs' exit status when the first ones all failed on the same input error (then it stops).
+    SIGINT or SIGTERM: StoppedBySignal, after the run in progress saved (status 75)."""
+    doing = ["the study"]
+    with stop_on_signals(lambda: doing[0]):
+        return _run_local(spec, doing)
+
+
+def _run_local(spec: StudySpec, doing: list[str]) -> int:
     failed, outcomes = [], []
     for stage in _stages(spec):
         if stage == "final" and spec.lr:
@@ -117,7 +136,9 @@ def run_local(spec: StudySpec) -> int:
                   f"{'resuming' if state == 'partial' else 'starting'} {run.run_dir} (elapsed "
                   f"{format_duration(elapsed)}, ETA {format_duration(eta_seconds(i, len(todo), elapsed))})",
                   flush=True)
+            doing[0] = f"the evaluation of {run.run_dir}"  # (training is a child: forwarded)
             outcome = _train_and_evaluate(spec, run)
+            doing[0] = "the study"
             outcomes.append(outcome)
             if outcome[0] != 0:
                 failed.append(run.run_dir)
@@ -136,12 +157,12 @@ def run_local(spec: StudySpec) -> int:
 
 def _next_job(spec: StudySpec, stage: str, after: list[str], cli_args: list[str]) -> Job:
     """A small job, afterany on `after`, that runs `scse-study SPEC --backend B --stage <stage>`."""
-    cmd = ["env", "SCSE_STUDY_STAGE_JOB=1", sys.executable, "-m", "scse_dist.study.cli", *cli_args,
-           "--stage", stage]
+    cmd = [sys.executable, "-m", "scse_dist.study.cli", *cli_args, "--stage", stage]
     # named for what it does: "-final" is the final array's own name
     name = f"{spec.name}-{'choose-lr' if stage == 'final' else stage}"
-    return Job(command=cmd, name=name, resources=Resources(partition=spec.slurm.partition),
-               log_dir=spec.study_dir.resolve() / "slurm", after=after, dependency="afterany")
+    return Job(command=cmd, name=name, resources=Resources(partition=spec.resources.partition),
+               log_dir=spec.study_dir.resolve() / LOGS, after=after, dependency="afterany",
+               env={"SCSE_STUDY_STAGE_JOB": "1"})
 
 
 def check_request(backend: Backend, job: Job) -> None:
@@ -150,9 +171,9 @@ def check_request(backend: Backend, job: Job) -> None:
     try:
         backend.check(job)
     except BackendError as exc:
-        asked = " ".join([*backend.request_flags(job), *job.extra_args])
+        asked = " ".join(backend.request_flags(job))
         raise StudyError(f"the cluster cannot run the training jobs as requested ({asked}; "
-                         f"spec field slurm and --sbatch-args): {exc}") from None
+                         f"spec field resources and --backend-args): {exc}") from None
 
 
 def _job_name(spec: StudySpec, run: Run) -> str:
@@ -160,22 +181,23 @@ def _job_name(spec: StudySpec, run: Run) -> str:
     return f"{spec.name}-{Path(run.run_dir).name}"
 
 
-def training_array(spec: StudySpec, stage: str, listing: Path, backend: Backend,
-                   extra_args: list[str]) -> Job:
-    """The job every array task of a stage runs: the backend's training script on one line of
-    `listing`, evaluated inside the job in the final stage (not in the LR sweep)."""
-    env = {"SCSE_SCHEDULE_EVALS": "0", "SCSE_EVAL_IN_JOB": "1" if stage == "final" else "0"}
+def training_array(spec: StudySpec, stage: str, runs: list[Run], backend: Backend,
+                   backend_args: list[str]) -> tuple[Job, list[Task]]:
+    """A stage's array: what its tasks share (resources, logs, the dependency) and each task,
+    run_job train on its run's config, evaluated inside the job in the final stage (not in
+    the LR sweep)."""
     # Submitted by a stage job: start after it ended, so that it never runs beside the array.
     me = backend.current_job() if os.environ.get("SCSE_STUDY_STAGE_JOB") else None
-    script = pretrain_script(None, backend.training_script)
-    return Job(command=[str(script), "--config-list", str(listing.resolve())], script=True,
-               name=f"{spec.name}-{stage}", resources=spec.slurm,
-               log_dir=spec.study_dir.resolve() / "slurm", after=[me] if me else [],
-               dependency="afterany", env=env, extra_args=extra_args)
+    job = Job(command=[], name=f"{spec.name}-{stage}", resources=spec.resources,
+              log_dir=spec.study_dir.resolve() / LOGS, after=[me] if me else [],
+              dependency="afterany", backend_args=backend_args)
+    tasks = [Task(training_command(r.config, [], evaluate=stage == "final"), _job_name(spec, r))
+             for r in runs]
+    return job, tasks
 
 
 def submit_stage(spec: StudySpec, stage: str, max_parallel: int, backend: Backend,
-                 extra_args: list[str], cli_args: list[str]) -> dict:
+                 backend_args: list[str], cli_args: list[str]) -> dict:
     """Submit one stage's unfinished runs as an array (cap `max_parallel`) and the job that
     continues after it; returns {"array": id or None, "next": id, "runs": [...]}. If the second
     submission fails, the array is cancelled."""
@@ -183,16 +205,13 @@ def submit_stage(spec: StudySpec, stage: str, max_parallel: int, backend: Backen
         print(f"scse-study: chosen learning rates {choose_lrs(spec)}", flush=True)
     runs = [r for r in write_study(spec, stage) if status(spec, r) != "done"]
     following = "final" if stage == "sweep" else "report"
-    logs = spec.study_dir.resolve() / "slurm"
+    logs = spec.study_dir.resolve() / LOGS
     logs.mkdir(parents=True, exist_ok=True)
     array = None
     if runs:
-        listing = spec.study_dir / f"configs-{stage}.txt"
-        # line i: array task i's config, a tab, the job name it takes when it starts
-        listing.write_text("".join(f"{Path(r.config).resolve()}\t{_job_name(spec, r)}\n" for r in runs))
-        job = training_array(spec, stage, listing, backend, extra_args)
+        job, tasks = training_array(spec, stage, runs, backend, backend_args)
         check_request(backend, job)
-        array = backend.submit_array(job, len(runs), max_parallel)
+        array = backend.submit_array(job, tasks, max_parallel)
         print(f"scse-study: stage {stage}: array job {array} of {len(runs)} run(s), at most "
               f"{max_parallel} at once, each evaluated in its own job", flush=True)
     try:
@@ -221,7 +240,7 @@ def report_failures(spec: StudySpec) -> int:
 
 
 def run_submitted(spec: StudySpec, stage: str, max_parallel: int, backend: Backend,
-                  extra_args: list[str], cli_args: list[str]) -> int:
+                  backend_args: list[str], cli_args: list[str]) -> int:
     """One step of a study on a batch system: submit a stage (and the job continuing after it),
     or, as the last job, name the failed runs and write the report."""
     if stage == "auto":
@@ -230,7 +249,7 @@ def run_submitted(spec: StudySpec, stage: str, max_parallel: int, backend: Backe
         failed = report_failures(spec)
         return 1 if run_report(spec) or failed else 0
     try:
-        ids = submit_stage(spec, stage, max_parallel, backend, extra_args, cli_args)
+        ids = submit_stage(spec, stage, max_parallel, backend, backend_args, cli_args)
     except BackendError as exc:
         raise StudyError(str(exc)) from None
     # A batch system runs the next job later (None here); a backend that ran the whole chain in

@@ -19,11 +19,11 @@
     evals: {tasks: [heldout, wikitext], depths: [1, 2, 4], wikitext: ..., lambada: ...,
             data: {task: file}}   # data: a task's file when it has no field of its own
     order: seed-major              # or variant-major: the order runs are started in
-    slurm: {nodes: 1, tasks_per_node: 1, gpus_per_node: 0, cpus_per_task: 1, time_min: 60}
+    resources: {nodes: 1, tasks_per_node: 1, gpus_per_node: 0, cpus_per_task: 1, time_min: 60}
     report: {metrics: {lambada: [ppl, accuracy]}}   # the metrics the report shows, per task
 
 A run is <study>/<variant>/<variant>-seed<k> (its name, <variant>-seed<k>, is in its results,
-logs and Slurm job name); with `lr`, stage 1 (sweep) runs <variant>/<variant>-lr<value>-seed<k>
+logs and batch job name); with `lr`, stage 1 (sweep) runs <variant>/<variant>-lr<value>-seed<k>
 at `lr.seed`, scored on `lr.validation` (never a test set), and stage 2 (final) trains every
 seed at the variant's chosen rate (<study>/lr_choice.json). A variant's `lr: {key, values}` sweeps
 another field (Muon's `train.muon_lr`) over its own grid; seed, steps and validation stay the
@@ -43,14 +43,15 @@ import dataclasses
 import difflib
 import itertools
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from scse_dist.config import ConfigError, RunConfig, config_from_dict
-from scse_dist.typed_yaml import _read_yaml, apply_overrides
-from scse_dist.launch.backends.base import Resources
+from scse_dist.launch.config import Resources
 from scse_dist.run_dir import RunDir
+from scse_dist.typed_yaml import _read_yaml, apply_overrides
 from scse_dist.task_registry import TASKS, field_value
 
 
@@ -119,10 +120,10 @@ class StudySpec:
     exclude_flagged: bool = False
     evals: StudyEvals = field(default_factory=StudyEvals)
     order: str = "seed-major"
-    # What each training job asks the batch system for (scse_dist.launch.backends). The field
-    # keeps its name `slurm:`; the defaults fit a CPU cluster (one node, one task, one CPU, no
-    # GPU); a GPU study sets gpus_per_node and tasks_per_node (one per GPU).
-    slurm: Resources = field(default_factory=Resources)
+    # What each training job asks the batch system for, on any backend (formerly `slurm:`); the
+    # defaults fit a CPU cluster (one node, one task, one CPU, no GPU); a GPU study sets
+    # gpus_per_node and tasks_per_node (one per GPU).
+    resources: Resources = field(default_factory=Resources)
     report: dict[str, Any] = field(default_factory=dict)  # read by scse_dist.study.report
     path: str = ""  # the spec file
 
@@ -265,11 +266,27 @@ def parse_spec(values: Any, file: str = "<spec>") -> StudySpec:
         raise SpecError(msg if msg.startswith(file) else f"{file}: {msg}") from None
 
 
+def _resources_key(values: dict) -> str:
+    """`resources:`, or the old name `slurm:` (read for now, with a notice; not both)."""
+    if "slurm" not in values:
+        return "resources"
+    if "resources" in values:
+        raise SpecError("slurm: is the old name of resources:; give one of them")
+    if "slurm" not in _NOTICED:  # once per process
+        _NOTICED.add("slurm")
+        print("scse-study: notice: the spec's slurm: section is now resources:; the old name is "
+              "read for now", file=sys.stderr, flush=True)
+    return "slurm"
+
+
+_NOTICED: set[str] = set()
+
+
 def _parse(values: Any, file: str) -> StudySpec:
     if not isinstance(values, dict):
         raise SpecError("a study spec is a mapping at the top level")
     _check_keys(values, {"name", "out", "base", "overrides", "variants", "seeds", "axes", "lr",
-                         "pairs", "exclude_flagged", "evals", "order", "slurm", "report"}, "")
+                         "pairs", "exclude_flagged", "evals", "order", "resources", "slurm", "report"}, "")
     name = _need(values, "name", str, "")
     if not name or "/" in name:
         raise SpecError(f"name: a non-empty study name without '/', got {name!r}")
@@ -336,9 +353,9 @@ def _parse(values: Any, file: str) -> StudySpec:
     order = values.get("order", "seed-major")
     if order not in RUN_ORDERS:
         raise SpecError(f"order: one of {', '.join(RUN_ORDERS)}, got {order!r}")
-    slurm = _section(values, "slurm", Resources)
-    if min(slurm.nodes, slurm.tasks_per_node, slurm.cpus_per_task) < 1:
-        raise SpecError("slurm: nodes, tasks_per_node and cpus_per_task must be >= 1")
+    resources = _section(values, _resources_key(values), Resources)
+    if resources.problem():
+        raise SpecError(f"{_resources_key(values)}: {resources.problem()}")
     report = values.get("report") or {}
     if not isinstance(report, dict):
         raise SpecError(f"report: expected a mapping, got {report!r}")
@@ -350,7 +367,7 @@ def _parse(values: Any, file: str) -> StudySpec:
     spec = StudySpec(name=name, base=base, variants={k: v[2] for k, v in expanded.items()}, seeds=seeds,
                      out=out, overrides=overrides, lr=lr, rates=rates,
                      pairs=[tuple(p) for p in pairs], exclude_flagged=exclude, evals=evals,
-                     order=order, slurm=slurm, report=report, path=file)
+                     order=order, resources=resources, report=report, path=file)
     for run in expand(spec, chosen={v: 1e-3 for v in expanded}):  # every variant's config must load
         run_config(spec, run)
     return spec

@@ -146,8 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if summary["preempted"]:
         # The checkpoint is saved. The ranks exit 75 one after the other, and srun
         # --kill-on-bad-exit SIGTERMs the step's other tasks as soon as the first 75 arrives: a
-        # rank killed while it exits would make srun return 143 instead of 75, and pretrain.sh
-        # would not requeue. Ignored (not a Python handler, which the interpreter resets to the
+        # rank killed while it exits would make srun return 143 instead of 75, and the job
+        # would not be requeued. Ignored (not a Python handler, which the interpreter resets to the
         # default action while it exits) until the process is gone.
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)

@@ -1,11 +1,12 @@
 """What a batch system must do for `scse-launch` and `scse-study`: the whole protocol.
 
-A backend submits a job (a command, or a batch script and its arguments, with a name, resources,
-log folder, environment and dependencies), submits an array of such jobs with a cap on how many
-run at once, checks a resource request before anything is submitted, and cancels a job. The
-launcher and the study build `Job`s and call these methods only; what a job id looks like and how
-a dependency is written are the backend's business. A new cluster type is one `Backend` subclass
-plus its training batch script (see docs/architecture.md, "Where to add things").
+A backend submits a job (a command line, with a name, resources, log folder, environment and
+dependencies), submits an array of such jobs (one command per task) with a cap on how many run at
+once, checks a resource request before anything is submitted, and cancels a job. The launcher and
+the study build `Job`s and call these methods only; what a job id looks like, how a dependency is
+written and how a command reaches the nodes are the backend's business. Every command a job runs
+is an installed entry point (`python -m scse_dist...`), so a job needs no checkout and no script
+of its own. A new cluster type is one `Backend` subclass (docs/architecture.md, "A batch system").
 """
 
 from __future__ import annotations
@@ -13,11 +14,17 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
+
+from scse_dist.launch.config import Resources
 
 # afterok: start only if every dependency succeeded (a failed one means never);
 # afterany: start once every dependency ended, however it ended.
 Dependency = Literal["afterok", "afterany"]
+
+# A job's command that exits with this status was preempted and saved a checkpoint: a backend
+# that can requeue a job does, and the next start resumes (scse_dist.train.faults).
+REQUEUE_EXIT_CODE = 75
 
 
 class BackendError(Exception):
@@ -25,52 +32,44 @@ class BackendError(Exception):
 
 
 @dataclass
-class Resources:
-    """What one job asks for. The study spec's `slurm:` section and the eval.slurm_* fields of a
-    run config are read into this record; each backend turns it into its own request."""
-
-    nodes: int = 1
-    tasks_per_node: int = 1
-    gpus_per_node: int = 0
-    cpus_per_task: int = 1
-    time_min: int = 0  # 0: the batch script's (or the cluster's) own limit
-    partition: Optional[str] = None
-    mem: Optional[str] = None  # e.g. 8G; None: the cluster's default
-
-
-@dataclass
 class Job:
-    """One job. `command` is argv; with `script=True` its first item is the backend's batch script
-    (whose own defaults, e.g. #SBATCH lines, apply where a field here is None)."""
+    """One job: `command` (argv) runs in each of its tasks (nodes x tasks_per_node)."""
 
     command: list[str]
     name: Optional[str] = None
-    resources: Optional[Resources] = None  # None: the batch script's defaults
-    log_dir: Optional[Path] = None  # None: the batch script's (or the current directory)
+    resources: Resources = field(default_factory=Resources)
+    log_dir: Path = Path("logs")  # the job's output; made when the job is submitted
     after: list[str] = field(default_factory=list)  # job ids this one waits for
     dependency: Dependency = "afterok"
     env: dict[str, str] = field(default_factory=dict)  # set in the job, on top of the caller's
-    script: bool = False
-    extra_args: list[str] = field(default_factory=list)  # the backend's own flags (--sbatch-args)
+    backend_args: list[str] = field(default_factory=list)  # the backend's own flags (--backend-args)
+
+
+@dataclass
+class Task:
+    """One task of an array: its command, and the name it shows once it runs (where the batch
+    system can rename a running task; else the array's name stays)."""
+
+    command: list[str]
+    name: Optional[str] = None
 
 
 class Backend(abc.ABC):
     """A batch system. Job ids are strings; ids from `submit_array` can be waited on as a whole."""
 
     name: str
-    # The training batch script, relative to a checkout: it trains `CONFIG [key=value ...]` or,
-    # with `--config-list FILE`, the config on the line of its array task; then, when the job's
-    # SCSE_EVAL_IN_JOB is 1, evaluates the run and writes its report in the same job.
-    training_script: str
+    # True: each job runs to its end inside submit() (this machine), so a run is best evaluated
+    # inside its training job; False: jobs queue (a cluster), evaluations are jobs of their own.
+    runs_in_place: bool = False
 
     @abc.abstractmethod
     def submit(self, job: Job) -> str:
         """Submit one job; its id."""
 
     @abc.abstractmethod
-    def submit_array(self, job: Job, count: int, max_parallel: int) -> str:
-        """`count` copies of `job`, tasks 0..count-1, at most `max_parallel` running at once;
-        the array's id. The batch script reads its task index from the backend's environment."""
+    def submit_array(self, job: Job, tasks: Sequence[Task], max_parallel: int) -> str:
+        """One array of len(tasks) jobs like `job` (whose command is unused), task i running
+        tasks[i].command, at most `max_parallel` at once; the array's id."""
 
     @abc.abstractmethod
     def check(self, job: Job) -> None:

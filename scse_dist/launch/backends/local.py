@@ -1,8 +1,9 @@
 """This machine as a batch system: each job runs to its end when it is submitted, as a child
-process, with its output in LOG_DIR/NAME-ID.out and .err. So dependencies are met by order: an
-afterok job whose dependency failed never runs (as Slurm's kill_invalid_depend cancels it), and
-an array runs its tasks one after another (within any cap). The training script is
-launch/pretrain-local.sh; it reads its array task from SCSE_ARRAY_TASK_ID."""
+process (scse_dist.launch.children: signals forwarded, nothing left behind), with its output in
+LOG_DIR/NAME-ID.out and .err. So dependencies are met by order: an afterok job whose dependency
+failed never runs (as Slurm's kill_invalid_depend cancels it), and an array runs its tasks one
+after another (within any cap). A job that a signal stopped stops the submitting command too
+(StoppedBySignal): nothing after it is run, and a rerun resumes."""
 
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ import itertools
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
-from scse_dist.launch.backends.base import Backend, BackendError, Job, Resources
+from scse_dist.launch.backends.base import Backend, BackendError, Job, Task
+from scse_dist.launch.children import StoppedBySignal, run_child
 
 JOB_ID_VAR = "SCSE_LOCAL_JOB_ID"
-ARRAY_TASK_VAR = "SCSE_ARRAY_TASK_ID"
 _ids = itertools.count(1)
 
 
@@ -31,7 +31,7 @@ def visible_gpus() -> int:
 
 class LocalBackend(Backend):
     name = "local"
-    training_script = "launch/pretrain-local.sh"
+    runs_in_place = True
 
     def __init__(self) -> None:
         self.exit_status: dict[str, Optional[int]] = {}  # job id -> status; None: never ran
@@ -47,41 +47,43 @@ class LocalBackend(Backend):
             return True
         return all(self.exit_status.get(dep, 0) == 0 for dep in job.after)
 
-    def _run(self, job: Job, job_id: str, task: Optional[int] = None) -> int:
-        log_dir = Path(job.log_dir or ".")
+    def _run(self, job: Job, command: list[str], job_id: str, name: Optional[str]) -> int:
+        log_dir = Path(job.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
-        task_id = job_id if task is None else f"{job_id}_{task}"
-        name = job.name or Path(job.command[0]).stem
-        stem = log_dir / f"{name}-{task_id}"
-        env = {**os.environ, **job.env, JOB_ID_VAR: job_id, "SCSE_PYTHON": sys.executable}
-        if task is not None:
-            env[ARRAY_TASK_VAR] = str(task)
-        command = ["bash", *job.command] if job.script else job.command
+        name = name or job.name or "job"
+        stem = log_dir / f"{name}-{job_id}"
+        env = {**os.environ, **job.env, JOB_ID_VAR: job_id}
         with open(f"{stem}.out", "w") as out, open(f"{stem}.err", "w") as err:
-            status = subprocess.run(command, stdout=out, stderr=err, env=env).returncode
-        print(f"local job {task_id} ({name}) exited {status}; logs {stem}.out/.err",
+            ended = run_child(command, env=env, stdout=out, stderr=err)
+        print(f"local job {job_id} ({name}) exited {ended.status}; logs {stem}.out/.err",
               flush=True)
-        return status
+        if ended.signal_name:
+            self.exit_status[job_id] = ended.status
+            raise StoppedBySignal(ended.signal_name, ended.status, f"local job {job_id} ({name})")
+        return ended.status
 
     def submit(self, job: Job) -> str:
-        self._refuse_extra_args(job)
+        self._refuse_backend_args(job)
         job_id = self._new_id()
-        self.exit_status[job_id] = self._run(job, job_id) if self._may_run(job) else None
+        self.exit_status[job_id] = None
+        if self._may_run(job):
+            self.exit_status[job_id] = self._run(job, job.command, job_id, job.name)
         return job_id
 
-    def submit_array(self, job: Job, count: int, max_parallel: int) -> str:
-        self._refuse_extra_args(job)
+    def submit_array(self, job: Job, tasks: Sequence[Task], max_parallel: int) -> str:
+        self._refuse_backend_args(job)
         job_id = self._new_id()
+        self.exit_status[job_id] = None
         if not self._may_run(job):
-            self.exit_status[job_id] = None
             return job_id
-        statuses = [self._run(job, job_id, task) for task in range(count)]
+        statuses = [self._run(job, task.command, f"{job_id}_{i}", job.name)
+                    for i, task in enumerate(tasks)]
         self.exit_status[job_id] = next((s for s in statuses if s != 0), 0)
         return job_id
 
     def check(self, job: Job) -> None:
-        self._refuse_extra_args(job)
-        res = job.resources or Resources()
+        self._refuse_backend_args(job)
+        res = job.resources
         gpus, cpus = visible_gpus(), os.cpu_count() or 1
         if res.nodes != 1 or res.tasks_per_node != 1:
             raise BackendError(f"the local backend runs one task on this machine: nodes and "
@@ -90,10 +92,10 @@ class LocalBackend(Backend):
             raise BackendError(f"this machine has {gpus} GPU(s) and {cpus} CPU(s); asked for "
                                f"{res.gpus_per_node} and {res.cpus_per_task}")
 
-    def _refuse_extra_args(self, job: Job) -> None:
-        if job.extra_args:
-            raise BackendError(f"the local backend takes no batch-system flags, got "
-                               f"{' '.join(job.extra_args)}")
+    def _refuse_backend_args(self, job: Job) -> None:
+        if job.backend_args:
+            raise BackendError(f"the local backend takes no --backend-args, got "
+                               f"{' '.join(job.backend_args)}")
 
     def cancel(self, job_id: str) -> None:
         # every job submitted here has already ended: there is nothing left to stop
@@ -107,6 +109,6 @@ class LocalBackend(Backend):
         return os.environ.get(JOB_ID_VAR)
 
     def request_flags(self, job: Job) -> list[str]:
-        res = job.resources or Resources()
+        res = job.resources
         return [f"nodes={res.nodes}", f"tasks_per_node={res.tasks_per_node}",
                 f"gpus_per_node={res.gpus_per_node}", f"cpus_per_task={res.cpus_per_task}"]

@@ -1,29 +1,98 @@
-"""Slurm: jobs through `sbatch`, arrays through `--array=0-N%P`, checks through
-`sbatch --test-only`, cancelling through `scancel`; the training script is slurm/pretrain.sh."""
+"""Slurm through submitit: each job is a `submitit.SlurmExecutor` submission of a `SlurmTask`
+(a pickled callable that runs the job's command in every task, under srun), arrays are submitit's
+batch submissions with `array_parallelism` as the cap, dependencies and the backend's own flags
+are sbatch parameters submitit writes, cancelling is submitit's `Job.cancel`, and a requeue goes
+through submitit's job environment. Logs and submitit's pickles are in the job's log_dir
+(`<id>_<task>_log.out/.err`); it must be on a filesystem the nodes share, as the run dirs are.
+
+Preemption: the sbatch script asks for SIGUSR1 120 s before the time limit and allows a requeue.
+The signal reaches every process of the job; the trainer saves and exits 75, and the SlurmTask of
+task 0, seeing 75, requeues the job with submitit (`scontrol requeue`), so the next start resumes
+from the checkpoint. submitit's own checkpoint handler (SIGUSR2, pickling the callable's state) is
+not used: the state to save is the trainer's, and it saves it itself.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shlex
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterator, Optional, Sequence
 
-from scse_dist.launch.backends.base import Backend, BackendError, Job, Resources
+from scse_dist.launch.backends.base import (REQUEUE_EXIT_CODE, Backend, BackendError, Job,
+                                            Resources, Task)
+from scse_dist.launch.children import run_child
 
-
-def resource_flags(res: Resources) -> list[str]:
-    """sbatch's flags for a resource request (--time, --partition and --mem only when set)."""
-    flags = [f"--nodes={res.nodes}", f"--ntasks-per-node={res.tasks_per_node}",
-             f"--gpus-per-node={res.gpus_per_node}", f"--cpus-per-task={res.cpus_per_task}"]
-    optional = {"--time": res.time_min or None, "--partition": res.partition, "--mem": res.mem}
-    return flags + [f"{flag}={value}" for flag, value in optional.items() if value is not None]
+PREEMPT_SIGNAL = "USR1@120"  # what scse_dist.train.faults saves on, and how early
 
 
-def _submit_env() -> dict[str, str]:
-    """The environment sbatch runs in. Submitted from an array task (a study's training job), the
-    new job would inherit the task's SLURM_ARRAY_* variables and look like an array task itself."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_ARRAY_")}
+def resource_parameters(res: Resources) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters for a resource request (time, partition, mem and GPUs
+    only when asked for: else the cluster's defaults)."""
+    params: dict[str, Any] = {"nodes": res.nodes, "ntasks_per_node": res.tasks_per_node,
+                              "cpus_per_task": res.cpus_per_task, "time": res.time_min or None}
+    optional = {"gpus_per_node": res.gpus_per_node or None, "partition": res.partition, "mem": res.mem}
+    return {**params, **{k: v for k, v in optional.items() if v is not None}}
+
+
+def flag_parameters(flags: Sequence[str]) -> dict[str, Any]:
+    """--backend-args for sbatch (`--key=value` or `--key`) as submitit's additional_parameters."""
+    params: dict[str, Any] = {}
+    for flag in flags:
+        if not flag.startswith("--") or len(flag) < 3:
+            raise BackendError(f"--backend-args: {flag!r}: Slurm flags are given as --name=value "
+                               "or --name")
+        key, eq, value = flag[2:].partition("=")
+        params[key.replace("-", "_")] = value if eq else True
+    return params
+
+
+@contextlib.contextmanager
+def _submission_env() -> Iterator[None]:
+    """sbatch runs with this process's environment. Submitted from an array task, the new job
+    would inherit its SLURM_ARRAY_* variables and look like an array task to submitit."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SLURM_ARRAY_")}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+class SlurmTask:
+    """What each task of a Slurm job runs (pickled by submitit): the job's command, with the
+    job's environment, signals forwarded; status 75 requeues the job (task 0 does). `name`: the
+    name an array task takes once it starts."""
+
+    def __init__(self, command: list[str], env: dict[str, str], name: Optional[str]) -> None:
+        self.command, self.env, self.name = command, env, name
+
+    def __call__(self) -> int:
+        import submitit
+
+        job_env = submitit.JobEnvironment()
+        if job_env.global_rank == 0 and self.name:
+            # an array's tasks share one name until they start; then squeue shows what each runs
+            # (submitit submits an array of one task as a plain job: renamed the same way)
+            subprocess.run(["scontrol", "update", f"JobId={job_env.job_id}", f"JobName={self.name}"],
+                           check=False)
+        ended = run_child(self.command, env={**os.environ, **self.env})
+        if ended.status == REQUEUE_EXIT_CODE and job_env.global_rank != 0:
+            return 0  # task 0 requeues the job; a failure here would end task 0 first (srun)
+        if ended.status == REQUEUE_EXIT_CODE:
+            print(f"slurm backend: the job's command was preempted and saved; requeueing job "
+                  f"{job_env.job_id}", flush=True)
+            try:
+                job_env._requeue(countdown=0)  # submitit's requeue: scontrol requeue <job id>
+            except (subprocess.SubprocessError, OSError) as exc:  # e.g. the job was cancelled
+                print(f"slurm backend: requeue failed: {exc}", file=sys.stderr, flush=True)
+            return ended.status
+        if ended.status:
+            sys.stdout.flush()
+            raise SystemExit(ended.status)  # the job ends with the command's own status
+        return 0
 
 
 def _last_line(text: str) -> str:
@@ -33,51 +102,90 @@ def _last_line(text: str) -> str:
 
 class SlurmBackend(Backend):
     name = "slurm"
-    training_script = "slurm/pretrain.sh"
 
-    def sbatch_args(self, job: Job, array: str = "") -> list[str]:
-        """Everything after `sbatch`: flags, then the batch script and its arguments (or --wrap)."""
-        logs = f"%x-%A_%a" if array else "%x-%j"
-        args = [f"--array={array}"] if array else []
-        args += [f"--job-name={job.name}"] if job.name else []
-        if job.log_dir is not None:
-            args += [f"--output={job.log_dir}/{logs}.out", f"--error={job.log_dir}/{logs}.err"]
-        if job.env:
-            args.append("--export=" + ",".join(["ALL", *(f"{k}={v}" for k, v in job.env.items())]))
+    def __init__(self) -> None:
+        self._submitted: dict[str, Path] = {}  # job id -> its submitit folder, for cancel
+
+    def parameters(self, job: Job, array_parallelism: Optional[int] = None) -> dict[str, Any]:
+        """The SlurmExecutor parameters of `job`: its resources, name, dependency, the preemption
+        signal and requeue, then --backend-args (which win)."""
+        extra: dict[str, Any] = {"signal": PREEMPT_SIGNAL, "requeue": True}
         if job.after:
-            args.append(f"--dependency={job.dependency}:{':'.join(job.after)}")
-        args += self.request_flags(job) + job.extra_args
-        return args + (job.command if job.script else ["--wrap", shlex.join(job.command)])
+            extra["dependency"] = f"{job.dependency}:{':'.join(job.after)}"
+        extra.update(flag_parameters(job.backend_args))
+        params = {**resource_parameters(job.resources), "additional_parameters": extra,
+                  # one rank's failure ends the step at once instead of leaving the others waiting
+                  "srun_args": ["--kill-on-bad-exit=1"]}
+        if job.name:
+            params["job_name"] = job.name
+        if array_parallelism is not None:
+            params["array_parallelism"] = array_parallelism
+        return params
 
-    def request_flags(self, job: Job) -> list[str]:
-        return resource_flags(job.resources) if job.resources else []
+    def _executor(self, job: Job, array_parallelism: Optional[int] = None):
+        import submitit
 
-    def _sbatch(self, job: Job, args: list[str]) -> str:
-        if job.log_dir is not None:  # Slurm does not create it: a job without it fails at once
-            Path(job.log_dir).mkdir(parents=True, exist_ok=True)
-        out = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True,
-                             env=_submit_env())
-        if out.returncode != 0:
-            raise BackendError(f"sbatch {shlex.join(args)} failed: {_last_line(out.stderr)}")
-        return out.stdout.strip().split(";")[0]  # "id" or "id;cluster"
+        try:
+            executor = submitit.SlurmExecutor(folder=Path(job.log_dir).resolve(), max_num_timeout=0)
+            executor.update_parameters(**self.parameters(job, array_parallelism))
+        except (RuntimeError, ValueError) as exc:  # no srun here; a parameter submitit refuses
+            raise BackendError(f"slurm: {' '.join(str(exc).split())}") from None
+        return executor
 
     def submit(self, job: Job) -> str:
-        return self._sbatch(job, self.sbatch_args(job))
+        executor = self._executor(job)
+        with self._errors(), _submission_env():
+            submitted = executor.submit(SlurmTask(job.command, job.env, None))  # named already
+        self._submitted[submitted.job_id] = executor.folder
+        return submitted.job_id
 
-    def submit_array(self, job: Job, count: int, max_parallel: int) -> str:
-        return self._sbatch(job, self.sbatch_args(job, array=f"0-{count - 1}%{max_parallel}"))
+    def submit_array(self, job: Job, tasks: Sequence[Task], max_parallel: int) -> str:
+        executor = self._executor(job, array_parallelism=max_parallel)
+        with self._errors(), _submission_env():
+            with executor.batch():  # one sbatch --array on leaving the block
+                jobs = [executor.submit(SlurmTask(t.command, job.env, t.name)) for t in tasks]
+        array_id = jobs[0].job_id.split("_")[0]  # task i is <array id>_<i>
+        self._submitted[array_id] = executor.folder
+        return array_id
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        import submitit
+
+        try:
+            yield
+        except submitit.core.utils.FailedJobError as exc:
+            raise BackendError(f"sbatch failed: {_last_line(str(exc))}") from None
 
     def check(self, job: Job) -> None:
-        # --test-only: Slurm says whether and when it could start the job, and submits nothing
-        out = subprocess.run(["sbatch", "--test-only", *self.sbatch_args(job)], capture_output=True,
-                             text=True, env=_submit_env())
+        # --test-only on the sbatch script submitit would submit: whether and when Slurm could
+        # start it; nothing is submitted
+        from submitit.slurm.slurm import _make_sbatch_string
+
+        executor = self._executor(job)
+        text = _make_sbatch_string(command="true", folder=executor.folder, **executor.parameters)
+        with tempfile.NamedTemporaryFile("w", suffix=".sh") as script, _submission_env():
+            script.write(text)
+            script.flush()
+            out = subprocess.run(["sbatch", "--test-only", script.name], capture_output=True,
+                                 text=True)
         if out.returncode != 0:
             raise BackendError(_last_line(out.stderr))
 
     def cancel(self, job_id: str) -> None:
-        out = subprocess.run(["scancel", job_id], capture_output=True, text=True)
-        if out.returncode != 0:
-            raise BackendError(f"scancel {job_id} failed: {_last_line(out.stderr)}")
+        import submitit
+
+        if job_id not in self._submitted:
+            raise BackendError(f"no Slurm job {job_id} was submitted by this process")
+        try:  # an array's id cancels all its tasks
+            submitit.SlurmJob(folder=self._submitted[job_id], job_id=job_id).cancel(check=True)
+        except subprocess.CalledProcessError as exc:
+            raise BackendError(f"scancel {job_id} failed: exit {exc.returncode}") from None
 
     def current_job(self) -> Optional[str]:
         return os.environ.get("SLURM_JOB_ID")
+
+    def request_flags(self, job: Job) -> list[str]:
+        params = resource_parameters(job.resources)
+        return [f"--{k.replace('_', '-')}={v}" for k, v in params.items() if v is not None] + \
+            list(job.backend_args)

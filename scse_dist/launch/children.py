@@ -1,0 +1,107 @@
+"""Processes a command starts, stopped with it and never left behind.
+
+Every command that runs another (`scse-study --local` a training run, the local backend a job,
+a batch job its training) runs it through `run_child`: the child gets a process group of its own,
+so a terminal's Ctrl-C reaches it once, through the parent, and not twice; SIGINT, SIGTERM and
+SIGUSR1 (a batch system's warning before the time limit) that reach the parent are forwarded to
+it; the parent waits for it to end (training finishes its step, saves and exits 75) and then kills
+whatever is left in its group. The parent then stops too (`StoppedBySignal`, status 75 when the
+child saved): a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, Optional, Sequence
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+REQUEUE_EXIT_CODE = 75  # the trainer's "preempted, checkpoint saved, rerun to resume"
+
+
+@dataclass
+class Ended:
+    status: int
+    signal_name: Optional[str] = None  # the first signal forwarded to the child, if any
+
+
+class StoppedBySignal(Exception):
+    """A signal stopped the command while it ran `what`; `status` is its exit status (75: the
+    run saved a checkpoint and resumes when the command is run again)."""
+
+    def __init__(self, signal_name: str, status: int, what: str) -> None:
+        saved = "it saved a checkpoint, rerun to resume" if status == REQUEUE_EXIT_CODE else \
+            f"it exited {status}"
+        super().__init__(f"stopped by {signal_name} during {what} ({saved})")
+        self.signal_name, self.status = signal_name, status
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL to what is left of the child's process group (its own children, if it left any)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _forwarding(proc: subprocess.Popen, received: list[int]) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers can only be set in the main thread; a thread's child ends with it
+        return
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_child(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, stdout=None,
+              stderr=None, on_stderr_line: Optional[Callable[[str], None]] = None) -> Ended:
+    """Run `argv` to its end with the signals above forwarded; nothing of it is left afterwards.
+    With `on_stderr_line`, its stderr is read line by line (text) and handed to that function."""
+    proc = subprocess.Popen(list(argv), env=None if env is None else dict(env), stdout=stdout,
+                            stderr=subprocess.PIPE if on_stderr_line else stderr,
+                            text=bool(on_stderr_line), errors="replace" if on_stderr_line else None,
+                            start_new_session=True)
+    received: list[int] = []
+    try:
+        with _forwarding(proc, received):
+            if on_stderr_line:
+                for line in proc.stderr:
+                    on_stderr_line(line)
+            status = proc.wait()
+    finally:
+        if proc.poll() is None:  # the parent itself is failing: take the child with it
+            proc.kill()
+            proc.wait()
+        _kill_group(proc.pid)
+    return Ended(status, signal.Signals(received[0]).name if received else None)
+
+
+@contextlib.contextmanager
+def stop_on_signals(what: Callable[[], str]) -> Iterator[None]:
+    """While the body runs without a child: SIGINT and SIGTERM raise StoppedBySignal (status 75:
+    nothing half done is kept, a rerun redoes it); `what()` names the work in progress."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise StoppedBySignal(signal.Signals(signum).name, REQUEUE_EXIT_CODE, what())
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
