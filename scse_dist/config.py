@@ -193,6 +193,14 @@ class EvalConfig:
         default_factory=lambda: ["The", "Return the", "This module provides"])
     sample_tokens: int = 32
     sample_temperature: float = 0.8
+    # During training: the tasks in `downstream_tasks` (registry tasks with totals: lambada,
+    # wikitext, hellaswag, piqa, arc_easy, arc_challenge, multiple_choice; files from eval.lambada,
+    # eval.wikitext, eval.data.<task>) at `depths` every this many steps (0: off), each on the
+    # first `downstream_max_examples` examples of its file (0: all), every rank scoring its
+    # share; rows of kind "downstream" in metrics.jsonl and wandb (docs/training.md).
+    downstream_every: int = 0
+    downstream_tasks: list[str] = field(default_factory=list)
+    downstream_max_examples: int = 0
     # Tasks `scse-launch` runs as jobs after training (scse_dist.task_registry; heldout and
     # diagnose read data.path).
     tasks: list[str] = field(default_factory=lambda: ["heldout"])
@@ -221,12 +229,32 @@ class EvalConfig:
         if self.sample_tokens < 1:
             raise ConfigError(f"eval.sample_tokens: must be >= 1, got {self.sample_tokens}")
         for name in ("stride", "slurm_gpus", "every_steps", "max_batches", "sample_every",
-                     "sample_temperature"):
+                     "sample_temperature", "downstream_every", "downstream_max_examples"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name}: must be >= 0, got {getattr(self, name)}")
+        self._check_downstream()
         if self.slurm_cpus < 1 or self.slurm_time_min < 1:
             raise ConfigError("eval.slurm_cpus, eval.slurm_time_min: must be >= 1, got "
                               f"{self.slurm_cpus}, {self.slurm_time_min}")
+
+    def _check_downstream(self) -> None:
+        able = [name for name, task in TASKS.items() if task.downstream]
+        for i, task in enumerate(self.downstream_tasks):
+            where = f"eval.downstream_tasks[{i}]"
+            if task not in TASKS:
+                raise ConfigError(f"{where}: {unknown_task(task)}")
+            if not TASKS[task].downstream:
+                raise ConfigError(f"{where}: {task!r} does not run during training (held-out "
+                                  f"loss: eval.every_steps); the tasks that do: {', '.join(able)}")
+            if task in self.downstream_tasks[:i]:
+                raise ConfigError(f"{where}: {task!r} is listed twice")
+            need = TASKS[task].data_field
+            if need and not field_value(self, need):
+                raise ConfigError(f"eval.{need}: eval.downstream_tasks lists {task!r}, so set "
+                                  f"eval.{need} to its data file")
+        if self.downstream_every and not self.downstream_tasks:
+            raise ConfigError("eval.downstream_tasks: eval.downstream_every is set, so name the "
+                              f"tasks to run (any of {', '.join(able)})")
 
 
 @dataclass
@@ -291,6 +319,11 @@ def _check_consistency(cfg: RunConfig) -> None:
     if t.lr <= 0:
         raise ConfigError(f"train.lr: must be > 0, got {t.lr}")
     _check_muon(t)
+    if cfg.eval.downstream_every and t.zero_stage == 3:
+        # the scorer applies the LM head outside the forward, where ZeRO-3 keeps it partitioned
+        raise ConfigError("eval.downstream_every: downstream tasks during training run at ZeRO "
+                          "stage 0, 1 or 2, not train.zero_stage 3; evaluate the checkpoints "
+                          "with scse-eval instead")
     _check_auto_micro_batch(t)
     if d.kind == "uniform" and d.max and d.max < d.min:
         raise ConfigError(f"train.depth.max: {d.max} is below train.depth.min={d.min}")

@@ -27,6 +27,7 @@ from scse_dist.train.callbacks.after_training import AfterTrainingEval
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.callbacks.checkpointing import CheckpointCallback
 from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
+from scse_dist.train.callbacks.downstream import DownstreamEvalCallback
 from scse_dist.train.callbacks.export import ExportCallback
 from scse_dist.train.callbacks.heldout_eval import HeldoutEvalCallback
 from scse_dist.train.callbacks.metrics import MetricsCallback
@@ -63,6 +64,7 @@ def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Ca
     evaluation."""
     optional = [HeldoutEvalCallback(cfg.eval.every_steps)] if cfg.eval.every_steps else []
     optional += [SampleCallback(cfg.eval.sample_every)] if cfg.eval.sample_every else []
+    optional += [DownstreamEvalCallback(cfg.eval.downstream_every)] if cfg.eval.downstream_every else []
     # Loop diagnostics before the row they join (state.metrics_extra).
     return [NonFiniteCallback(cfg.train.max_nonfinite_steps), LoopDiagnosticsCallback(),
             MetricsCallback(), *optional,
