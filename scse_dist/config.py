@@ -68,6 +68,11 @@ def _check_consistency(cfg: RunConfig) -> None:
                           f"model.max_seq_len={cfg.model.max_seq_len}")
     if cfg.resources.problem():
         raise ConfigError(f"resources: {cfg.resources.problem()}")
+    if cfg.eval.downstream_every and cfg.train.zero_stage == 3:
+        # the scorer applies the LM head outside the forward, where ZeRO-3 keeps it partitioned
+        raise ConfigError("eval.downstream_every: downstream tasks during training run at ZeRO "
+                          "stage 0, 1 or 2, not train.zero_stage 3; evaluate the checkpoints "
+                          "with scse-eval instead")
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
     if cfg.profile.enabled and cfg.profile.start_step > cfg.train.max_steps:

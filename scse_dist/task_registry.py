@@ -50,6 +50,12 @@ class Task:
     scores_tokens: bool = True  # an exit rule (--exit) can stop each token's loop
     diagnostic: bool = False  # measures the loop, not quality: no headline for the study's flags,
     #                           no study metric table (the study plots it on its own)
+    # During training (eval.downstream_tasks), for the tasks that set both: `totals`
+    # (TaskRun) -> per depth {"depth": T, name: total, ...}, sums over the run's examples that
+    # add up across ranks' shares; `from_totals` (one depth's summed totals) -> its row, as
+    # `scorer` gives it. None: the task does not run during training.
+    totals: Optional[Ref] = None
+    from_totals: Optional[Ref] = None
 
     @property
     def headline(self) -> str:
@@ -67,6 +73,17 @@ class Task:
 
     def score(self, run: Any) -> list[dict]:
         return resolve(self.scorer)(run)
+
+    @property
+    def downstream(self) -> bool:
+        """Whether it can run during training (eval.downstream_tasks)."""
+        return self.totals is not None and self.from_totals is not None
+
+    def share_totals(self, run: Any) -> list[dict]:
+        return resolve(self.totals)(run)  # type: ignore[arg-type]
+
+    def row_of(self, totals: dict) -> dict:
+        return resolve(self.from_totals)(totals)  # type: ignore[arg-type]
 
 
 TASKS: dict[str, Task] = {}
@@ -114,13 +131,28 @@ register(Task("wikitext", f"{_SOURCES}:read_wikitext_articles", f"{_TASKS}:wikit
               metrics=("ppl", "word_ppl", "bits_per_byte", "loss"),
               table=("ppl", "word_ppl", "bits_per_byte"),
               report=("word_ppl", "ppl", "bits_per_byte"),
-              study_report=("ppl", "word_ppl", "bits_per_byte"), data_field="wikitext"))
+              study_report=("ppl", "word_ppl", "bits_per_byte"), data_field="wikitext",
+              totals=f"{_TASKS}:wikitext_totals", from_totals=f"{_TASKS}:document_metrics"))
 register(Task("lambada", f"{_SOURCES}:read_lambada", f"{_TASKS}:lambada_task_rows",
               metrics=("ppl", "accuracy", "word_ppl", "loss"), table=("accuracy", "ppl"),
               report=("accuracy", "ppl"), study_report=("ppl", "accuracy"),
-              higher_is_better=("accuracy",), data_field="lambada"))
+              higher_is_better=("accuracy",), data_field="lambada",
+              totals=f"{_TASKS}:lambada_totals", from_totals=f"{_TASKS}:lambada_metrics"))
 register(Task("diagnose", f"{_SOURCES}:read_corpus", f"{_TASKS}:diagnose_task_rows",
               metrics=("bias_norm", "effective_bias_norm", "deviation_norm", "motion_norm"),
               table=("bias_norm", "deviation_norm", "motion_norm"),
               report=("deviation_norm", "motion_norm", "bias_norm"), heldout=True,
               scores_tokens=False, diagnostic=True))
+
+# Multiple choice, scored as lm-eval scores these tasks (scse_dist.eval.multiple_choice); each
+# reads its local file from eval.data.<name> (formats: scse_dist.data.multiple_choice).
+_MC_READERS = {"hellaswag": "read_hellaswag", "piqa": "read_piqa", "arc_easy": "read_arc",
+               "arc_challenge": "read_arc", "multiple_choice": "read_multiple_choice"}
+for _name, _reader in _MC_READERS.items():
+    register(Task(_name, f"scse_dist.data.multiple_choice:{_reader}",
+                  "scse_dist.eval.multiple_choice:mc_task_rows",
+                  metrics=("acc_norm", "accuracy", "acc_bytes"), table=("accuracy", "acc_norm"),
+                  report=("acc_norm", "accuracy"),
+                  higher_is_better=("acc_norm", "accuracy", "acc_bytes"),
+                  data_field=f"data.{_name}", totals="scse_dist.eval.multiple_choice:mc_totals",
+                  from_totals="scse_dist.eval.multiple_choice:mc_metrics"))

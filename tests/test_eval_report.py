@@ -116,3 +116,32 @@ def test_report_numbers_go_to_an_offline_wandb_run_in_the_group(tmp_path, monkey
     assert table["columns"] == ["run", "task", "metric", "depth", "value"]
     assert table["data"] == [["scse (scse)", "heldout", "ppl", 1, 40.0],
                              ["scse (scse)", "heldout", "ppl", 8, 20.0]]
+
+
+def test_downstream_rows_of_training_give_a_curve_per_task_and_depth(tmp_path, capsys):
+    import matplotlib.image
+
+    from scse_dist.eval.curves import downstream_by_depth, eval_rows
+
+    run = _run(tmp_path, "scse", "scse", {1: 40.0, 4: 20.0})
+    rows = [{"step": 10, "loss": 5.0},
+            {"step": 10, "kind": "downstream", "arc_easy_acc_norm_T1": 0.25,
+             "arc_easy_accuracy_T1": 0.3, "arc_easy_acc_norm_T4": 0.3, "lambada_accuracy_T1": 0.1,
+             "lambada_ppl_T1": 90.0, "arc_easy_examples": 8, "downstream_time_s": 1.0},
+            {"step": 20, "kind": "downstream", "arc_easy_acc_norm_T1": 0.5,
+             "arc_easy_acc_norm_T4": 0.75, "lambada_accuracy_T1": 0.2, "lambada_ppl_T1": 50.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # each task's headline (arc_easy: acc_norm, lambada: accuracy), tasks in registry order
+    assert downstream_by_depth(eval_rows(run, "downstream")) == {
+        "lambada": {1: [(10, 0.1), (20, 0.2)]},
+        "arc_easy": {1: [(10, 0.25), (20, 0.5)], 4: [(10, 0.3), (20, 0.75)]}}
+    assert main([str(run), "--out", str(tmp_path / "rep")]) == 0
+    assert "downstream_curve.png" in capsys.readouterr().out
+    assert "![downstream tasks during training](downstream_curve.png)" in \
+        (tmp_path / "rep" / "report.md").read_text()
+    image = matplotlib.image.imread(str(tmp_path / "rep" / "downstream_curve.png"))
+    assert image.shape[1] > 600 and image[..., :3].std() > 0.01  # two panels, lines drawn
+    # a run without downstream rows: no curve
+    other = _run(tmp_path, "additive", "additive", {1: 41.0})
+    assert main([str(other), "--out", str(tmp_path / "rep2")]) == 0
+    assert not (tmp_path / "rep2" / "downstream_curve.png").exists()

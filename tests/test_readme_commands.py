@@ -244,6 +244,8 @@ RUN = [
          check_eval("wikitext.json", [1, 2, 4, 8, 16, 32], "word_ppl")),
     Step("scse-eval --checkpoint runs/quickstart/export --task lambada --data lambada_test.jsonl --out lambada.json",
          check_eval("lambada.json", [1, 2, 4, 8, 16, 32], "accuracy")),
+    Step("scse-eval --checkpoint runs/quickstart/export --task hellaswag --data hellaswag_val.jsonl --out hellaswag.json",
+         check_eval("hellaswag.json", [1, 2, 4, 8, 16, 32], "acc_norm")),
     Step("scse-eval --checkpoint runs/quickstart/checkpoints --task diagnose --depths 1,8,48 --out diagnose.json",
          check_eval("diagnose.json", [1, 8, 48], "deviation_norm")),
     Step("scse-eval --checkpoint runs/quickstart/export --task heldout --data data/quickstart/shards --exit motion:0.02 --out exit.json",
@@ -339,6 +341,10 @@ def write_inputs(d: Path) -> None:
     (d / "wikitext-103-raw").mkdir()
     (d / "wikitext-103-raw/wiki.test.raw").write_text(WIKITEXT)
     (d / "lambada_test.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in LAMBADA))
+    (d / "hellaswag_val.jsonl").write_text("".join(  # HellaSwag's own fields
+        json.dumps({"activity_label": "Story", "ctx_a": t.rsplit(" the ", 1)[0], "ctx_b": "",
+                    "endings": ["the " + t.rsplit(" the ", 1)[1], "a blue sky", "the end"],
+                    "label": 0}) + "\n" for t in LAMBADA))
 
 
 @pytest.mark.slow

@@ -71,7 +71,8 @@ def _config(tiny_data, tmp_path, **eval_fields):
 def test_config_accepts_a_registered_task_and_asks_for_its_data(tiny_data, tmp_path, monkeypatch):
     values = _config(tiny_data, tmp_path, tasks=["heldout", "toy"])
     with pytest.raises(ConfigError, match=r"^eval.tasks\[1\]: must be one of heldout, wikitext, "
-                                          r"lambada, diagnose; got 'toy'$"):
+                                          r"lambada, diagnose, hellaswag, piqa, arc_easy, "
+                                          r"arc_challenge, multiple_choice; got 'toy'$"):
         config_from_dict(values)
     monkeypatch.setitem(TASKS, "toy", TOY)
     with pytest.raises(ConfigError, match="^eval.data.toy: eval.tasks lists 'toy', so set "

@@ -35,6 +35,14 @@ class EvalConfig:
         default_factory=lambda: ["The", "Return the", "This module provides"])
     sample_tokens: int = 32
     sample_temperature: float = 0.8
+    # During training: the tasks in `downstream_tasks` (registry tasks with totals: lambada,
+    # wikitext, hellaswag, piqa, arc_easy, arc_challenge, multiple_choice; files from eval.lambada,
+    # eval.wikitext, eval.data.<task>) at `depths` every this many steps (0: off), each on the
+    # first `downstream_max_examples` examples of its file (0: all), every rank scoring its
+    # share; rows of kind "downstream" in metrics.jsonl and wandb (docs/training.md).
+    downstream_every: int = 0
+    downstream_tasks: list[str] = field(default_factory=list)
+    downstream_max_examples: int = 0
     # Tasks `scse-launch` runs as jobs after training (scse_dist.task_registry; heldout and
     # diagnose read data.path).
     tasks: list[str] = field(default_factory=lambda: ["heldout"])
@@ -66,9 +74,10 @@ class EvalConfig:
         if self.sample_tokens < 1:
             raise ConfigError(f"eval.sample_tokens: must be >= 1, got {self.sample_tokens}")
         for name in ("stride", "every_steps", "max_batches", "sample_every",
-                     "sample_temperature"):
+                     "sample_temperature", "downstream_every", "downstream_max_examples"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name}: must be >= 0, got {getattr(self, name)}")
+        self._check_downstream()
         res = self.resources
         problem = res.problem() or ("an evaluation is one task on one node: nodes and "
                                     "tasks_per_node must be 1" if (res.nodes, res.tasks_per_node)
@@ -76,3 +85,22 @@ class EvalConfig:
         if problem or res.time_min < 1:
             raise ConfigError(f"eval.resources: {problem or 'time_min must be >= 1'}, got "
                               f"{dataclasses.asdict(res)}")
+
+    def _check_downstream(self) -> None:
+        able = [name for name, task in TASKS.items() if task.downstream]
+        for i, task in enumerate(self.downstream_tasks):
+            where = f"eval.downstream_tasks[{i}]"
+            if task not in TASKS:
+                raise ConfigError(f"{where}: {unknown_task(task)}")
+            if not TASKS[task].downstream:
+                raise ConfigError(f"{where}: {task!r} does not run during training (held-out "
+                                  f"loss: eval.every_steps); the tasks that do: {', '.join(able)}")
+            if task in self.downstream_tasks[:i]:
+                raise ConfigError(f"{where}: {task!r} is listed twice")
+            need = TASKS[task].data_field
+            if need and not field_value(self, need):
+                raise ConfigError(f"eval.{need}: eval.downstream_tasks lists {task!r}, so set "
+                                  f"eval.{need} to its data file")
+        if self.downstream_every and not self.downstream_tasks:
+            raise ConfigError("eval.downstream_tasks: eval.downstream_every is set, so name the "
+                              f"tasks to run (any of {', '.join(able)})")

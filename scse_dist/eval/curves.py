@@ -1,5 +1,7 @@
-"""Held-out loss against training step, from the evaluation rows the trainer writes during
-training (eval.every_steps; rows of kind "eval" in RUN/metrics.jsonl, docs/training.md)."""
+"""Held-out loss and downstream metrics against training step, from the rows the trainer writes
+during training (RUN/metrics.jsonl, docs/training.md): eval.every_steps' rows of kind "eval"
+and eval.downstream_every's rows of kind "downstream" (keys `<task>_<metric>_T<depth>`,
+downstream_key)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,43 @@ from typing import Optional, Sequence
 
 from scse_dist.figures import label, panels, save
 from scse_dist.run_dir import EVAL_KIND, RunDir
+from scse_dist.task_registry import TASKS
 
 CURVE_NAME = "heldout_curve.png"
+DOWNSTREAM_CURVE_NAME = "downstream_curve.png"
+DOWNSTREAM_KIND = "downstream"
 _LOSS_KEY = re.compile(r"^heldout_loss_T(\d+)$")
 
 
-def eval_rows(run_dir: str | Path) -> list[dict]:
-    """The run's evaluation rows in file order."""
-    return RunDir(run_dir).rows_of(EVAL_KIND)
+def eval_rows(run_dir: str | Path, kind: str = EVAL_KIND) -> list[dict]:
+    """The run's rows of `kind` (evaluation: "eval", downstream tasks: "downstream") in file
+    order."""
+    return RunDir(run_dir).rows_of(kind)
+
+
+DOWNSTREAM_KEY = "{task}_{metric}_T{depth}"
+
+
+def downstream_key(task: str, metric: str, depth: int) -> str:
+    """The key of a downstream row's value: `hellaswag_acc_norm_T4`."""
+    return DOWNSTREAM_KEY.format(task=task, metric=metric, depth=depth)
+
+
+def downstream_by_depth(rows: list[dict]) -> dict[str, dict[int, list[tuple[int, float]]]]:
+    """{task: {depth: [(step, the task's headline metric), ...]}} from rows of kind downstream,
+    tasks in registry order, then depth, then step."""
+    curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    for task, record in TASKS.items():
+        key = re.compile("^" + re.escape(DOWNSTREAM_KEY.format(
+            task=task, metric=record.headline, depth="@")).replace("@", r"(\d+)") + "$")
+        for row in rows:
+            for name, value in row.items():
+                match = key.match(name)
+                if match:
+                    curves.setdefault(task, {}).setdefault(int(match.group(1)), []).append(
+                        (int(row["step"]), value))
+    return {task: {d: sorted(p) for d, p in sorted(by_depth.items())}
+            for task, by_depth in curves.items()}
 
 
 def loss_by_depth(rows: list[dict]) -> dict[int, list[tuple[int, float]]]:
@@ -41,4 +72,23 @@ def heldout_curve_plot(run_dirs: Sequence[str | Path], path: str | Path) -> Opti
         for depth, points in curves.items():
             ax.plot([s for s, _ in points], [v for _, v in points], marker=".", label=f"T={depth}")
         label(ax, "training step", "held-out loss", run_dir.name)
+    return save(fig, path)
+
+
+def downstream_curve_plot(run_dirs: Sequence[str | Path], path: str | Path) -> Optional[str]:
+    """One row of panels per run that has downstream rows, one panel per task (its headline
+    metric against step), one line per depth; None when no run has such rows."""
+    runs = [(Path(r), downstream_by_depth(eval_rows(r, DOWNSTREAM_KIND))) for r in run_dirs]
+    runs = [(r, tasks) for r, tasks in runs if tasks]
+    if not runs:
+        return None
+    fig, axes = panels(len(runs), max(len(tasks) for _, tasks in runs), 4.5, 3.6)
+    for row, (run_dir, tasks) in zip(axes, runs):
+        for ax, (task, curves) in zip(row, tasks.items()):
+            for depth, points in curves.items():
+                ax.plot([s for s, _ in points], [v for _, v in points], marker=".",
+                        label=f"T={depth}")
+            label(ax, "training step", TASKS[task].headline, f"{run_dir.name}: {task}")
+        for ax in row[len(tasks):]:
+            ax.set_visible(False)
     return save(fig, path)

@@ -7,7 +7,9 @@ A run's results are `RUN/eval/*.json` (written by scse_dist.eval.tasks.run_task)
 one row per (run, task, metric) and one column per depth; the plot draws each task's headline
 metric against depth (log scale), one line per run, so SCSE, additive and untied models share
 axes (an untied model is a single point at its fixed depth). Runs trained with eval.every_steps
-also get heldout_curve.png: held-out loss against training step, one line per depth.
+also get heldout_curve.png: held-out loss against training step, one line per depth; runs
+trained with eval.downstream_every downstream_curve.png: each task's headline metric against
+training step, one panel per run and task, one line per depth.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scse_dist.eval.curves import CURVE_NAME, heldout_curve_plot
+from scse_dist.eval.curves import (CURVE_NAME, DOWNSTREAM_CURVE_NAME, downstream_curve_plot,
+                                   heldout_curve_plot)
 from scse_dist.eval.results import log_to_wandb, read_results
 from scse_dist.figures import label, panels, save
 from scse_dist.run_dir import PARTIAL_KEY, RunDir
@@ -102,14 +105,19 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, wandb_cfg:
     plot = frontier_plot(results, out / PLOT_NAME)
     # runs trained with eval.every_steps: held-out loss against step, one line per depth
     curve = heldout_curve_plot(run_dirs, out / CURVE_NAME)
+    # runs trained with eval.downstream_every: each task's headline against step, per depth
+    downstream = downstream_curve_plot(run_dirs, out / DOWNSTREAM_CURVE_NAME)
     (out / REPORT_NAME).write_text(
         "# Evaluation report\n\nRuns: " + ", ".join(str(r) for r in run_dirs) + "\n\n" + table
         + f"\n\n![quality frontier]({PLOT_NAME})\n"
-        + (f"\n![held-out loss during training]({CURVE_NAME})\n" if curve else ""))
+        + (f"\n![held-out loss during training]({CURVE_NAME})\n" if curve else "")
+        + (f"\n![downstream tasks during training]({DOWNSTREAM_CURVE_NAME})\n"
+           if downstream else ""))
     print(table)
     if wandb_cfg is not None and wandb_cfg.enabled and wandb_cfg.mode != "disabled":
         log_to_wandb(results, wandb_cfg, wandb_name, wandb_group or wandb_name, out)
-    return {"report": str(out / REPORT_NAME), "plot": plot, "curve": curve}
+    return {"report": str(out / REPORT_NAME), "plot": plot, "curve": curve,
+            "downstream_curve": downstream}
 
 
 def report_run(run_dir: str | Path) -> dict[str, str]:

@@ -5,10 +5,14 @@ Each task is a record in scse_dist.task_registry (its reader, its scorer here, i
     wikitext  WikiText raw: document-wise sliding window; ppl, word_ppl, bits_per_byte
     lambada   last-word prediction: accuracy (every target token is the argmax), target ppl per
               token and word_ppl per target word (lm-eval's LAMBADA perplexity)
+    hellaswag, piqa, arc_easy, arc_challenge, multiple_choice: lm-eval's acc and acc_norm
+              (scse_dist.eval.multiple_choice)
     diagnose  per depth ||b|| (forcing bias at the anchor), ||D_t||, ||h_t - h_{t-1}||
 
-A scorer takes a TaskRun and returns one row per depth. `run_task` is the one entry the CLI and
-evaluate_export (scse_dist.eval.export_eval: the trainer, the launcher, a study) call: it
+A scorer takes a TaskRun and returns one row per depth. A task that can run during training
+(eval.downstream_tasks) also has `totals` (per depth, additive sums over its examples) and
+`from_totals` (a depth's row from those sums, summed over ranks). `run_task` is the one entry the
+CLI and evaluate_export (scse_dist.eval.export_eval: the trainer, the launcher, a study) call: it
 evaluates (with progress on rank 0: items done, rate, ETA), prints a table and writes the results
 JSON (scse_dist.eval.results). On Ctrl-C it writes the results of the items done so far, marked
 `"partial": {"done", "total", "unit"}` (scse_dist.run_dir.is_complete is then False for it), and
@@ -81,6 +85,15 @@ def document_rows(model: torch.nn.Module, tokenizer: Any, documents: list[str], 
     desc: a progress line's label (None: quiet). Ctrl-C: TaskInterrupted with the rows of the
     documents whose windows were all scored.
     """
+    return [document_metrics(t) for t in _document_totals(*_document_scores(
+        model, tokenizer, documents, depths, seq_len, stride, batch_size, exit_stats, desc),
+        documents)]
+
+
+def _document_scores(model: torch.nn.Module, tokenizer: Any, documents: list[str],
+                     depths: list[int], seq_len: int, stride: int, batch_size: int,
+                     exit_stats: Optional[ExitStats], desc: Optional[str]
+                     ) -> tuple[list[int], list[list[Score]]]:
     ids = tokenizer.encode_batch([d.strip() for d in documents])
     windows, owner = [], []
     for i, doc in enumerate(ids):
@@ -94,27 +107,32 @@ def document_rows(model: torch.nn.Module, tokenizer: Any, documents: list[str], 
             complete[i] = complete[i] and score is not None
         kept = [k for k, score in enumerate(scores[0]) if complete[owner[k]]]
         done = [d for d, ok in zip(documents, complete) if ok]
-        table = _document_table(depths, [[s[k] for k in kept] for s in scores], done) \
-            if done else None
+        table = [document_metrics(t) for t in _document_totals(
+            depths, [[s[k] for k in kept] for s in scores], done)] if done else None
         return table, len(done), len(documents)
 
-    depths, scores = _scores(model, windows, depths, batch_size, exit_stats, desc, "window",
-                             "document", per_document)
-    return _document_table(depths, scores, documents)
+    return _scores(model, windows, depths, batch_size, exit_stats, desc, "window", "document",
+                   per_document)
 
 
-def _document_table(depths: list[int], scores: list[list[Score]], documents: list[str]
-                    ) -> list[dict]:
+def _document_totals(depths: list[int], scores: list[list[Score]], documents: list[str]
+                     ) -> list[dict]:
+    """Per depth the additive totals of the documents' scores (summed over ranks in training)."""
     words = sum(len(d.split()) for d in documents)
     n_bytes = sum(len(d.encode("utf-8")) for d in documents)
-    rows = []
-    for d, per_window in zip(depths, scores):
-        nll = sum(s.nll for s in per_window)
-        tokens = sum(s.count for s in per_window)
-        rows.append({"depth": d, "loss": nll / tokens, "ppl": _exp(nll / tokens),
-                     "word_ppl": _exp(nll / words), "bits_per_byte": nll / math.log(2) / n_bytes,
-                     "tokens": tokens, "words": words, "bytes": n_bytes, "documents": len(documents)})
-    return rows
+    return [{"depth": d, "nll": sum(s.nll for s in per_window),
+             "tokens": sum(s.count for s in per_window), "words": words, "bytes": n_bytes,
+             "documents": len(documents)} for d, per_window in zip(depths, scores)]
+
+
+def document_metrics(totals: dict) -> dict:
+    """One depth's row from its totals (_document_totals, or their sum over ranks)."""
+    nll, tokens = totals["nll"], totals["tokens"]
+    return {"depth": totals["depth"], "loss": nll / tokens, "ppl": _exp(nll / tokens),
+            "word_ppl": _exp(nll / totals["words"]),
+            "bits_per_byte": nll / math.log(2) / totals["bytes"], "tokens": int(tokens),
+            "words": int(totals["words"]), "bytes": int(totals["bytes"]),
+            "documents": int(totals["documents"])}
 
 
 def context_target_ids(tokenizer: Any, context_text: str, target_text: str
@@ -138,6 +156,14 @@ def lambada_rows(model: torch.nn.Module, tokenizer: Any, passages: list[Passage]
     over passages of each target's summed log-likelihood), which compares across tokenizers.
     desc: a progress line's label (None: quiet). Ctrl-C: TaskInterrupted with the rows of the
     passages scored."""
+    return [lambada_metrics(t) for t in _lambada_totals(*_lambada_scores(
+        model, tokenizer, passages, depths, seq_len, batch_size, exit_stats, desc))]
+
+
+def _lambada_scores(model: torch.nn.Module, tokenizer: Any, passages: list[Passage],
+                    depths: list[int], seq_len: int, batch_size: int,
+                    exit_stats: Optional[ExitStats], desc: Optional[str]
+                    ) -> tuple[list[int], list[list[Score]]]:
     windows: list[Window] = []
     for p in passages:
         context, target = context_target_ids(tokenizer, p.context, p.target)
@@ -145,25 +171,26 @@ def lambada_rows(model: torch.nn.Module, tokenizer: Any, passages: list[Passage]
 
     def per_passage(depths: list[int], scores: list[list[Optional[Score]]]):
         done = [[s for s in per_depth if s is not None] for per_depth in scores]
-        return _lambada_table(depths, done), len(done[0]), len(passages)
+        rows = [lambada_metrics(t) for t in _lambada_totals(depths, done)] if done[0] else []
+        return rows, len(done[0]), len(passages)
 
-    depths, scores = _scores(model, windows, depths, batch_size, exit_stats, desc, "passage",
-                             "passage", per_passage)
-    return _lambada_table(depths, scores)
+    return _scores(model, windows, depths, batch_size, exit_stats, desc, "passage", "passage",
+                   per_passage)
 
 
-def _lambada_table(depths: list[int], scores: list[list[Score]]) -> list[dict]:
-    rows = []
-    for d, per_window in zip(depths, scores):
-        if not per_window:
-            return []
-        nll = sum(s.nll for s in per_window)
-        tokens = sum(s.count for s in per_window)
-        rows.append({"depth": d, "accuracy": sum(s.all_correct for s in per_window) / len(per_window),
-                     "loss": nll / tokens, "ppl": _exp(nll / tokens),
-                     "word_ppl": _exp(nll / len(per_window)), "examples": len(per_window),
-                     "target_tokens": tokens})
-    return rows
+def _lambada_totals(depths: list[int], scores: list[list[Score]]) -> list[dict]:
+    """Per depth the additive totals of the passages' scores (summed over ranks in training)."""
+    return [{"depth": d, "correct": sum(s.all_correct for s in per_window),
+             "nll": sum(s.nll for s in per_window),
+             "target_tokens": sum(s.count for s in per_window), "examples": len(per_window)} for d, per_window in zip(depths, scores)]
+
+
+def lambada_metrics(totals: dict) -> dict:
+    """One depth's row from its totals (_lambada_totals, or their sum over ranks)."""
+    n, nll, tokens = totals["examples"], totals["nll"], totals["target_tokens"]
+    return {"depth": totals["depth"], "accuracy": totals["correct"] / n, "loss": nll / tokens,
+            "ppl": _exp(nll / tokens), "word_ppl": _exp(nll / n), "examples": int(n),
+            "target_tokens": int(tokens)}
 
 
 def diagnose_rows(model: torch.nn.Module, batches: Iterable[torch.Tensor], depths: list[int],
@@ -328,6 +355,19 @@ def wikitext_rows(run: TaskRun) -> list[dict]:
 def lambada_task_rows(run: TaskRun) -> list[dict]:
     return lambada_rows(run.model, run.tokenizer, run.inputs, run.depths, run.seq_len,
                         run.batch_size, run.exit_stats, run.desc)
+
+
+# During training (eval.downstream_tasks): each rank's totals over its share, summed over ranks,
+# then each depth's row from the sums (the registry's `totals` and `from_totals`).
+def wikitext_totals(run: TaskRun) -> list[dict]:
+    return _document_totals(*_document_scores(run.model, run.tokenizer, run.inputs, run.depths,
+                                              run.seq_len, run.stride, run.batch_size,
+                                              run.exit_stats, run.desc), run.inputs)
+
+
+def lambada_totals(run: TaskRun) -> list[dict]:
+    return _lambada_totals(*_lambada_scores(run.model, run.tokenizer, run.inputs, run.depths,
+                                            run.seq_len, run.batch_size, run.exit_stats, run.desc))
 
 
 def diagnose_task_rows(run: TaskRun) -> list[dict]:

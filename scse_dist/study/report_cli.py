@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          WandbConfig(enabled=True, mode=args.wandb or "disabled"),
                          wandb_name="scse-report", wandb_group="scse-report")
     print(f"wrote {paths['report']} and {paths['plot']}"
-          + (f" and {paths['curve']}" if paths["curve"] else ""))
+          + "".join(f" and {paths[k]}" for k in ("curve", "downstream_curve") if paths[k]))
     return 0
 
 

@@ -33,6 +33,7 @@ from scse_dist.train.callbacks.assembly import (configured_callbacks, in_hook_or
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.callbacks.checkpointing import CheckpointCallback
 from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
+from scse_dist.train.callbacks.downstream import DownstreamEvalCallback
 from scse_dist.train.callbacks.export import ExportCallback
 from scse_dist.train.callbacks.heldout_eval import HeldoutEvalCallback
 from scse_dist.train.callbacks.metrics import MetricsCallback
@@ -70,6 +71,8 @@ def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Ca
     """The built-in callbacks of `cfg`, in their hook order (their priorities: callbacks.base)."""
     optional = [HeldoutEvalCallback(cfg.eval.every_steps)] if cfg.eval.every_steps else []
     optional += [SampleCallback(cfg.eval.sample_every)] if cfg.eval.sample_every else []
+    optional += [DownstreamEvalCallback(cfg.eval.downstream_every)] \
+        if cfg.eval.downstream_every else []
     return [NonFiniteCallback(cfg.train.max_nonfinite_steps), LoopDiagnosticsCallback(),
             MetricsCallback(), *optional,
             CheckpointCallback(), preemption, ExportCallback(), AfterTrainingEval(),

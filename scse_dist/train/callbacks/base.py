@@ -26,6 +26,7 @@ train.callbacks in its order, then `train(cfg, callbacks=[...])` in theirs). The
     300 MetricsCallback          the training row
     200 HeldoutEvalCallback      (eval.every_steps)
     100 SampleCallback           (eval.sample_every)
+     50 DownstreamEvalCallback   (eval.downstream_every)
       0 (a callback's default)   after the rows, before the checkpoint that saves its state
    -100 CheckpointCallback       rows and states of a step before its checkpoint
    -200 PreemptionCallback

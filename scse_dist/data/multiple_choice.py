@@ -1,0 +1,171 @@
+"""Multiple-choice evaluation data from local JSONL files: one `Choices` record per question.
+
+Each reader turns one dataset's local format into the context and answers lm-eval's task of the
+same name builds (its `doc_to_text` and `doc_to_choice`), so that scoring them as lm-eval does
+(scse_dist.eval.multiple_choice: each answer `" " + choice` after the context) gives lm-eval's
+acc and acc_norm:
+
+    multiple_choice  {"context": str, "choices": [str, ...], "label": int}   (the generic schema)
+    hellaswag        HellaSwag's JSONL (rowanz/hellaswag or the HF dataset's rows): activity_label,
+                     ctx_a, ctx_b (or ctx), endings, label; lm-eval's preprocessing ("[title]"
+                     and other bracketed artifacts removed) on the query and every ending
+    piqa             PIQA's JSONL: goal, sol1, sol2 and label, or without label the original
+                     release's labels file beside it (valid.jsonl -> valid-labels.lst, one 0/1
+                     a line); context "Question: {goal}\\nAnswer:"
+    arc              ARC (Easy or Challenge): the HF rows (question: str, choices: {text, label},
+                     answerKey) or AI2's own JSONL (question: {stem, choices: [{text, label}]},
+                     answerKey); context "Question: {question}\\nAnswer:"
+
+Bad input is one InputError naming the file and line (a missing field, a label out of range).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable, Iterator, NamedTuple
+
+from scse_dist.cli_errors import InputError
+from scse_dist.data.sources import _lines, _single_file
+
+
+class Choices(NamedTuple):
+    context: str
+    # The answers as lm-eval's doc_to_choice gives them: each is scored as " " + answer after the
+    # context, and acc_norm divides its log-likelihood by len(answer) in characters.
+    choices: tuple[str, ...]
+    label: int  # index of the right answer
+
+
+def _objects(url: str) -> Iterator[tuple[str, dict]]:
+    """("file:line", object) of every non-blank JSONL line."""
+    for lineno, line in _lines(url):
+        if not line.strip():
+            continue
+        where = f"{url}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        yield where, obj
+
+
+def _field(obj: dict, name: str, kind: type, where: str) -> Any:
+    value = obj.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise InputError(f"{where}: expected a {kind.__name__} field {name!r}, got "
+                         f"{type(value).__name__ if name in obj else 'none'}")
+    return value
+
+
+def _strings(value: Any, name: str, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) < 2 or \
+            not all(isinstance(v, str) and v.strip() for v in value):
+        raise InputError(f"{where}: {name!r} must be a list of at least 2 non-empty strings")
+    return tuple(value)
+
+
+def _index(label: Any, n: int, where: str) -> int:
+    """A label as int (HellaSwag and PIQA write it as "2" in some releases), checked in 0..n-1."""
+    if isinstance(label, str) and label.strip().isdigit():
+        label = int(label)
+    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < n:
+        raise InputError(f"{where}: label {label!r} is not an answer index 0..{n - 1}")
+    return label
+
+
+def _read(url: str, convert: Callable[[dict, str], Choices]) -> list[Choices]:
+    url = _single_file(url)
+    out = [convert(obj, where) for where, obj in _objects(url)]
+    if not out:
+        raise InputError(f"{url}: no questions (empty file?)")
+    return out
+
+
+def _generic(obj: dict, where: str) -> Choices:
+    choices = _strings(obj.get("choices"), "choices", where)
+    return Choices(_field(obj, "context", str, where), choices,
+                   _index(obj.get("label"), len(choices), where))
+
+
+def read_multiple_choice(url: str) -> list[Choices]:
+    """The generic schema: {"context": str, "choices": [str, ...], "label": int} per line."""
+    return _read(url, _generic)
+
+
+def _hellaswag_text(text: str) -> str:
+    """lm-eval's hellaswag preprocess: WikiHow's bracketed artifacts out, double spaces single."""
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
+
+
+def _hellaswag(obj: dict, where: str) -> Choices:
+    if "ctx_a" in obj:  # lm-eval: ctx_a + " " + ctx_b.capitalize()
+        ctx = _field(obj, "ctx_a", str, where) + " " + _field(obj, "ctx_b", str, where).capitalize()
+    else:
+        ctx = _field(obj, "ctx", str, where)
+    label = obj.get("activity_label")
+    query = _hellaswag_text(f"{label}: {ctx}" if isinstance(label, str) else ctx)
+    endings = _strings(obj.get("endings"), "endings", where)
+    return Choices(query, tuple(_hellaswag_text(e) for e in endings),
+                   _index(obj.get("label"), len(endings), where))
+
+
+def read_hellaswag(url: str) -> list[Choices]:
+    return _read(url, _hellaswag)
+
+
+def _piqa_labels(url: str) -> list[str]:
+    """The original release's labels beside its JSONL: valid.jsonl -> valid-labels.lst."""
+    stem = re.sub(r"\.(jsonl|json|ndjson)$", "", url)
+    path = stem + "-labels.lst"
+    try:
+        return [line.strip() for _, line in _lines(path) if line.strip()]
+    except FileNotFoundError:
+        raise InputError(f"{url}: PIQA rows without 'label' need the labels file {path}") from None
+
+
+def read_piqa(url: str) -> list[Choices]:
+    url = _single_file(url)
+    rows = list(_objects(url))
+    labels: list[Any] = [obj.get("label") for _, obj in rows]
+    if rows and any(label is None for label in labels):
+        labels = _piqa_labels(url)
+        if len(labels) != len(rows):
+            raise InputError(f"{url}: {len(rows)} questions but {len(labels)} labels in its "
+                             "labels file")
+    out = []
+    for (where, obj), label in zip(rows, labels):
+        goal = _field(obj, "goal", str, where)
+        choices = (_field(obj, "sol1", str, where), _field(obj, "sol2", str, where))
+        out.append(Choices(f"Question: {goal}\nAnswer:", choices, _index(label, 2, where)))
+    if not out:
+        raise InputError(f"{url}: no questions (empty file?)")
+    return out
+
+
+def _arc(obj: dict, where: str) -> Choices:
+    question = obj.get("question")
+    if isinstance(question, dict):  # AI2's JSONL: question.stem, question.choices [{text, label}]
+        stem = _field(question, "stem", str, where)
+        entries = question.get("choices")
+        if not isinstance(entries, list) or not all(isinstance(c, dict) for c in entries):
+            raise InputError(f"{where}: 'question.choices' must be a list of {{text, label}}")
+        texts = [c.get("text") for c in entries]
+        keys = [c.get("label") for c in entries]
+    else:  # the HF rows: question str, choices {text: [...], label: [...]}
+        stem = _field(obj, "question", str, where)
+        choices = _field(obj, "choices", dict, where)
+        texts, keys = choices.get("text"), choices.get("label")
+    texts = _strings(texts, "choices' text", where)
+    answer = _field(obj, "answerKey", str, where)
+    if not isinstance(keys, list) or len(keys) != len(texts) or answer not in keys:
+        raise InputError(f"{where}: answerKey {answer!r} is not one of the choices' labels {keys}")
+    return Choices(f"Question: {stem}\nAnswer:", texts, keys.index(answer))
+
+
+def read_arc(url: str) -> list[Choices]:
+    return _read(url, _arc)

@@ -1,0 +1,101 @@
+"""eval.downstream_every: downstream tasks (LAMBADA, WikiText, multiple choice) during training.
+
+Every `eval.downstream_every` steps each task of `eval.downstream_tasks` is scored at eval.depths
+(all depths in one loop run per batch) by the same scorer as `scse-eval --task` (the registry's
+`totals`): on the first `eval.downstream_max_examples` examples of its file (0: all), read once
+at start-up (a bad file stops the run before step 1), every rank scoring every world-size-th of
+them. A rank's result is additive totals (right answers, summed NLL, token counts), summed over
+ranks, and each depth's metrics come from the sums: the same numbers at any world size, and at
+world size 1 those of `scse-eval --task` on a checkpoint of that step.
+
+Row in metrics.jsonl (and wandb), one per evaluation, keys `<task>_<metric>_T<depth>`:
+    {"step": 40, "kind": "downstream", "hellaswag_acc_norm_T1": 0.27, "hellaswag_accuracy_T1":
+     0.26, ..., "hellaswag_examples": 500, "hellaswag_time_s": 2.0, ..., "downstream_time_s": 3.1}
+The first evaluation prints its cost against the step time once:
+    downstream eval: 3.10 s, = 12.4 training steps (0.25 s each)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from scse_dist.eval.curves import DOWNSTREAM_KIND, downstream_key
+from scse_dist.task_registry import TASKS, data_path
+from scse_dist.train.callbacks.base import Callback, TrainState, every
+from scse_dist.train.step import sum_over_ranks
+
+
+def reduce_totals(totals: list[dict], device: torch.device) -> list[dict]:
+    """Per-depth totals of one rank -> their sums over every rank (one all-reduce)."""
+    keys = [k for k in totals[0] if k != "depth"]
+    values = torch.tensor([float(t[k]) for t in totals for k in keys], dtype=torch.float64,
+                          device=device)
+    summed = iter(sum_over_ranks(values).tolist())
+    return [{"depth": t["depth"], **{k: next(summed) for k in keys}} for t in totals]
+
+
+def row_keys(task: str, row: dict) -> dict[str, Any]:
+    """A depth's row of `task` as metrics.jsonl keys: {"<task>_<metric>_T<depth>": value}."""
+    return {downstream_key(task, m, row["depth"]): row[m] for m in TASKS[task].metrics if m in row}
+
+
+class DownstreamEvalCallback(Callback):
+    priority = 50  # after the held-out evaluation (200) and the samples (100), before checkpoints
+
+    def __init__(self, every_steps: int) -> None:
+        self.every_steps = every_steps
+        self.depths: list[int] = []
+        self.shares: dict[str, tuple[int, list]] = {}  # task -> (examples in all, this rank's)
+        self.cost_printed = False
+
+    def on_start(self, state: TrainState) -> None:
+        cfg, env = state.cfg, state.env
+        fixed = getattr(state.engine.module, "fixed_depth", None)  # untied: its own depth only
+        self.depths = [fixed] if fixed is not None else sorted(set(cfg.eval.depths))
+        limit = cfg.eval.downstream_max_examples
+        for name in cfg.eval.downstream_tasks:
+            task = TASKS[name]
+            examples = list(task.read(data_path(task, cfg)))
+            examples = examples[:limit] if limit else examples
+            self.shares[name] = (len(examples), examples[env.rank::env.world_size])
+
+    def on_step_end(self, state: TrainState) -> None:
+        if every(self.every_steps, state.step):
+            self.evaluate(state)
+
+    def evaluate(self, state: TrainState) -> dict:
+        from scse_dist.eval.tasks import TaskRun
+
+        start = time.perf_counter()
+        cfg, device = state.cfg, state.engine.device
+        seq_len = cfg.data.seq_len
+        row: dict[str, Any] = {"step": state.step, "kind": DOWNSTREAM_KIND}
+        shown = []
+        for name, (n, share) in self.shares.items():
+            task, started = TASKS[name], time.perf_counter()
+            run = TaskRun(state.engine.module, state.tokenizer, share, False, self.depths,
+                          seq_len, cfg.eval.stride or max(1, seq_len // 2), cfg.eval.batch_size,
+                          0, None, None, {})
+            totals = task.share_totals(run)
+            if state.env.world_size > 1:
+                totals = reduce_totals(totals, device)
+            rows = [task.row_of(t) for t in totals]
+            for r in rows:
+                row.update(row_keys(name, r))
+            row[f"{name}_examples"] = n
+            row[f"{name}_time_s"] = time.perf_counter() - started  # this rank's, with the sum
+            shown.append(f"{name} {task.headline} " + " ".join(
+                f"T{r['depth']} {r[task.headline]:.4f}" for r in rows))
+        row["downstream_time_s"] = seconds = time.perf_counter() - start
+        if state.rank0:
+            print(f"downstream step {state.step:>6d} | " + " | ".join(shown)
+                  + f" | {seconds:.2f} s", flush=True)
+            if not self.cost_printed and state.step_seconds > 0:
+                print(f"downstream eval: {seconds:.2f} s, = {seconds / state.step_seconds:.1f} "
+                      f"training steps ({state.step_seconds:.3f} s each)", flush=True)
+        self.cost_printed = True
+        state.logger.write(row)
+        return row
