@@ -183,7 +183,7 @@ def worker(args: argparse.Namespace) -> None:
         engines = {c: make_engine(run_config(args, c, "fixed", depth), True)[0]
                    for c in ("none", "loop")}
         cfg = run_config(args, "none", "fixed", depth)
-        for c, engine in engines.items():
+        for engine in engines.values():
             train_step(engine, cfg, 0, depth)  # warm-up
         times = {"none": [], "loop": []}
         peaks = {"none": 0, "loop": 0}

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from scse_dist.eval.exit_stats import ExitStats
-from scse_dist.eval.perplexity import evaluate_heldout
 from scse_dist.checkpoint.export import load_exported_model
+from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.inputs import read_task_data
+from scse_dist.eval.perplexity import evaluate_heldout
 from scse_dist.model import parse_exit_rule
 
 

@@ -14,20 +14,26 @@ from typing import Any
 
 import yaml
 
-# The model package owns its config (it is copied into exports as remote code); re-exported here.
-# check_model_config is the full check (the fields, then the recurrence's own: transitions.py).
-from scse_dist.model.config import VALUE_BEFORE_FIELD, ConfigError, ModelConfig  # noqa: F401
-from scse_dist.model.transitions import check_model_config, resolved_anchor_scale  # noqa: F401
 # Each section's dataclass sits beside the package it configures (below it: a leaf the package's
 # __init__ does not weigh down); this module composes them into RunConfig and re-exports them.
+# The model package owns its config (it is copied into exports as remote code); re-exported here.
+# check_model_config is the full check (the fields, then the recurrence's own: transitions.py).
 from scse_dist.data.config import DataConfig
 from scse_dist.eval.config import EvalConfig
 from scse_dist.launch.config import EvalResources, Resources  # noqa: F401
-from scse_dist.train.config import (CallbackSpec, DepthSamplingConfig, ProfileConfig,  # noqa: F401
-                                    TensorBoardConfig, TrainConfig, WandbConfig)
+from scse_dist.model.config import VALUE_BEFORE_FIELD, ConfigError, ModelConfig  # noqa: F401
+from scse_dist.model.transitions import check_model_config, resolved_anchor_scale  # noqa: F401
+from scse_dist.train.config import (  # noqa: F401
+    CallbackSpec,
+    DepthSamplingConfig,
+    ProfileConfig,
+    TensorBoardConfig,
+    TrainConfig,
+    WandbConfig,
+)
+
 # The typed-YAML machinery; apply_overrides and deep_merge are part of this module's interface.
 from scse_dist.typed_yaml import _build, _read_yaml, apply_overrides, deep_merge  # noqa: F401
-
 
 # --------------------------------------------------------------------------- the run config
 

@@ -20,7 +20,6 @@ import yaml
 from scse_dist.model.config import ConfigError
 
 
-
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):

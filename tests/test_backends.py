@@ -13,7 +13,6 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT
-
 from recording_backend import RecordingBackend
 from scse_dist.launch.backends import BackendError, Job, LocalBackend, Resources, SlurmBackend, Task
 from scse_dist.launch.backends.slurm import flag_parameters, resource_parameters

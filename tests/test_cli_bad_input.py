@@ -17,8 +17,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (REPO_ROOT, console_script, run_profiling_imports, tiny_config_dict,
-                      tiny_documents)
+from conftest import (
+    REPO_ROOT,
+    console_script,
+    run_profiling_imports,
+    tiny_config_dict,
+    tiny_documents,
+)
 
 BAD_CONFIG, BAD_INPUT, NO_INPUT = 2, 65, 66  # scse_dist.cli_errors
 
@@ -142,9 +147,9 @@ def _command(name: str) -> list[str]:
 def _write_inputs(d: Path, tiny_data: dict, export_root: Path) -> dict[str, str]:
     import torch
 
+    from scse_dist.checkpoint.export import save_exported_model
     from scse_dist.config import config_from_dict
     from scse_dist.data.tokenizer import train_tokenizer
-    from scse_dist.checkpoint.export import save_exported_model
     from scse_dist.model import LoopedLM
 
     (d / "empty.txt").write_text("")

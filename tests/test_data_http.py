@@ -15,7 +15,7 @@ pytest.importorskip("aiohttp")
 
 from scse_dist.data.sources import iter_documents  # noqa: E402
 from scse_dist.data.stream import TokenStream  # noqa: E402
-from test_data_stream import IntTokenizer, docs_of, write  # noqa: E402
+from test_data_stream import docs_of, write  # noqa: E402
 
 # An HTTP server with byte ranges on loopback: the slow tier.
 pytestmark = pytest.mark.slow

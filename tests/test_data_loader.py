@@ -14,7 +14,7 @@ import pytest
 from scse_dist.cli_errors import InputError
 from scse_dist.data.mixture import MixedStream
 from scse_dist.data.stream import TokenStream
-from test_data_stream import EOS, IntTokenizer, docs_of, write
+from test_data_stream import EOS, docs_of, write
 
 
 def unique_docs(n: int, seed: int = 0) -> list[str]:
@@ -255,8 +255,9 @@ def test_layout_changes_read_every_token_and_sample_of_the_epoch_once(tmp_path, 
                                                       world_size=world, seed=7, loop=False,
                                                       num_workers=workers)
     tokens, states = Counter(), None
-    # the micro-batch may change with the layout too (positions are token counts)
-    for world, workers, batch, take in [(2, 0, 3, 5), (3, 0, 2, 4), (1, 2, 3, None)]:
+    # the micro-batch may change with the layout too (positions are token counts); `make` reads
+    # `batch` from here
+    for world, workers, batch, take in [(2, 0, 3, 5), (3, 0, 2, 4), (1, 2, 3, None)]:  # noqa: B007
         streams = [make(r, world, workers) for r in range(world)]
         for s in streams:
             if states:

@@ -13,8 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from scse_dist.data.shards import (TABLE_COLUMNS, is_heldout, iter_samples, load_sample_table, read_index,
-                                   write_shards)
+from scse_dist.data.shards import (
+    TABLE_COLUMNS,
+    is_heldout,
+    iter_samples,
+    load_sample_table,
+    read_index,
+    write_shards,
+)
 from scse_dist.data.stream import TokenStream
 
 EOS = 2

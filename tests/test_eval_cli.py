@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.config import config_from_dict
 from scse_dist.data.shards import read_index, write_shards
 from scse_dist.data.stream import TokenStream
+from scse_dist.eval.cli import main
 from scse_dist.eval.perplexity import evaluate_heldout
 from scse_dist.eval.results import format_table
-from scse_dist.eval.cli import main
-from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.model import LoopedLM
 
 VOCAB = 64

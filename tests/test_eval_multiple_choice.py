@@ -8,16 +8,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import TINY_VOCAB
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.config import config_from_dict
-from scse_dist.data.multiple_choice import (Choices, read_arc, read_hellaswag,
-                                            read_multiple_choice, read_piqa)
+from scse_dist.data.multiple_choice import (
+    Choices,
+    read_arc,
+    read_hellaswag,
+    read_multiple_choice,
+    read_piqa,
+)
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.eval.cli import main
 from scse_dist.eval.multiple_choice import mc_metrics, question_totals
 from scse_dist.eval.tasks import run_task
 from scse_dist.model import LoopedLM
-from conftest import TINY_VOCAB
 
 # Answers of very different lengths, so that acc and acc_norm can disagree.
 QUESTIONS = [

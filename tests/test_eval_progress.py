@@ -2,8 +2,8 @@
 order, progress (items, rate, ETA) on stderr, and Ctrl-C writes the results of the items done,
 marked partial, with one line saying how far it got (exit 130 from scse-eval)."""
 
-import json
 import fcntl
+import json
 import os
 import pty
 import re
@@ -16,16 +16,16 @@ import time
 import pytest
 import torch
 
+from conftest import TINY_VOCAB
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.cli_errors import Interrupted
 from scse_dist.config import config_from_dict
+from scse_dist.data.sources import read_lambada
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.eval import scorer as scorer_module
 from scse_dist.eval.scoring import context_target_window, document_windows, score_windows
 from scse_dist.eval.tasks import context_target_ids, run_task
-from scse_dist.data.sources import read_lambada
-from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.model import LoopedLM
-from conftest import TINY_VOCAB
 
 WORDS = ("the cat sees the red ball today . a small bird reads an open door at night . our "
          "teacher finds the tall tree and my sister paints the blue river").split()

@@ -7,8 +7,8 @@ import pytest
 
 from scse_dist.config import config_from_dict
 from scse_dist.eval.report import collect, markdown_table, write_report
-from scse_dist.study.report_cli import main
 from scse_dist.eval.results import write_results
+from scse_dist.study.report_cli import main
 
 
 def _run(root, name, recurrence, ppl_by_depth, accuracy_by_depth=None):

@@ -8,11 +8,10 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from conftest import tiny_cfg
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.hf import hf_file_names
 from scse_dist.model import LoopedLM
-
-from conftest import tiny_cfg
 
 
 def shared_groups_of(state: dict) -> list[list[str]]:

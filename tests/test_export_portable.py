@@ -14,11 +14,11 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TINY_VOCAB, console_script
-from scse_dist.config import config_from_dict
-from scse_dist.eval.cli import main as eval_main
-from scse_dist.checkpoint.loading import load_model
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.checkpoint.export_cli import main as export_main
+from scse_dist.checkpoint.loading import load_model
+from scse_dist.config import config_from_dict
+from scse_dist.eval.cli import main as eval_main
 from scse_dist.hf import hf_file_names
 from scse_dist.model import LoopedLM
 

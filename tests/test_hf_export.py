@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.config import config_from_dict
 from scse_dist.data.tokenizer import Tokenizer
-from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.generate import generate
 from scse_dist.hf import HERE, MODEL_PACKAGE, REMOTE_CODE
 from scse_dist.model import LoopedLM

@@ -8,8 +8,13 @@ import textwrap
 
 import pytest
 
-from scse_dist.distributed import (SLURM_PORT_BASE, DistEnv, describe_placement,
-                                          resolve_dist_env, scontrol_first_host)
+from scse_dist.distributed import (
+    SLURM_PORT_BASE,
+    DistEnv,
+    describe_placement,
+    resolve_dist_env,
+    scontrol_first_host,
+)
 
 
 def test_deepspeed_and_torchrun_env_is_taken_as_is():

@@ -18,15 +18,15 @@ import torch
 pytest.importorskip("lm_eval")
 
 from conftest import REPO_ROOT, TINY_VOCAB, tiny_documents  # noqa: E402
+from scse_dist.checkpoint.export import save_exported_model  # noqa: E402
 from scse_dist.config import config_from_dict  # noqa: E402
 from scse_dist.data.tokenizer import Tokenizer  # noqa: E402
 from scse_dist.eval.cli import main as eval_main  # noqa: E402
-from scse_dist.checkpoint.export import save_exported_model  # noqa: E402
 from scse_dist.lmeval import TASKS_DIR  # noqa: E402
 from scse_dist.lmeval.cli import hoist_model_args, model_named  # noqa: E402
 from scse_dist.lmeval.model import ScseLM, exit_scorer  # noqa: E402
-from scse_dist.model.exit_rules import parse_exit_rule  # noqa: E402
 from scse_dist.model import LoopedLM  # noqa: E402
+from scse_dist.model.exit_rules import parse_exit_rule  # noqa: E402
 
 DEPTH = 2
 
@@ -190,8 +190,9 @@ def _lm_eval_rolling_word_ppl(export: Path, wiki: Path) -> float:
     tokens) over the article's ids as the tokenizer gives them, EOS first, after the prefix
     token EOS: so each article also scores that EOS after EOS."""
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-    from scse_dist.data.sources import read_wikitext_articles
+
     from scse_dist.checkpoint.loading import load_model
+    from scse_dist.data.sources import read_wikitext_articles
     from scse_dist.eval.scoring import Window, score_windows
 
     tokenizer = Tokenizer.load(str(export / "tokenizer.model"))

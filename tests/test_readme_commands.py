@@ -58,7 +58,7 @@ WIKITEXT = """ = Valkyria Chronicles III =
  = Tower Building of the Little Rock Arsenal = 
 
  The Tower Building of the Little Rock Arsenal is a building in the old park . 
-"""
+"""  # noqa: W291 (WikiText's raw lines end in a space)
 LAMBADA = ["the old man opened the door and looked at the cat . he smiled at the cat",
            "my sister paints a green box every day . today she paints the box",
            "the robot builds a quiet house in the park . it builds the house"]

@@ -14,8 +14,14 @@ import re
 import pytest
 import torch
 
-from scse_dist.generate import AdaptiveDraft, Sampling, generate, parse_speculative, token_probs
-from scse_dist.generate import speculative
+from scse_dist.generate import (
+    AdaptiveDraft,
+    Sampling,
+    generate,
+    parse_speculative,
+    speculative,
+    token_probs,
+)
 from scse_dist.generate.speculative import accept
 from scse_dist.model import LoopedLM, ModelConfig
 from scse_dist.model.kv_cache import KVCache

@@ -17,7 +17,6 @@ from scse_dist.config import Resources
 from scse_dist.study.spec import SpecError, expand, load_spec, parse_spec
 
 
-
 def study_spec(base: str, out: str, **fields) -> dict:
     spec = {"name": "s", "out": out, "base": base,
             "variants": {"scse": {"overrides": {"model.recurrence": "scse"}},

@@ -21,8 +21,7 @@ import test_model_transitions  # noqa: F401
 from recurrences import REGISTRY_TESTS, loops, other_parameters
 from scse_dist.config import ConfigError, load_config
 from scse_dist.model import LoopedLM
-from scse_dist.model.transitions import (TRANSITIONS, Transition, Untied, register,
-                                         transition_for)
+from scse_dist.model.transitions import TRANSITIONS, Transition, Untied, register, transition_for
 
 
 class Relaxed(Transition):

@@ -11,10 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import step_result
-from toy_callback import StepCounter
-from train_procs import REPO, TRAIN, read_metrics, train_ranks
 
+from conftest import step_result
 from scse_dist.config import CallbackSpec, ConfigError, load_config
 from scse_dist.train.callbacks.assembly import (
     callback_states,
@@ -25,6 +23,8 @@ from scse_dist.train.callbacks.assembly import (
     state_keys,
 )
 from scse_dist.train.callbacks.base import Callback
+from toy_callback import StepCounter
+from train_procs import REPO, TRAIN, read_metrics, train_ranks
 
 TOY = "toy_callback:StepCounter"
 

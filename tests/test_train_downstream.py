@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
+from conftest import tiny_config_dict
 from scse_dist.config import ConfigError, config_from_dict
 from scse_dist.eval.curves import downstream_by_depth, eval_rows
 from scse_dist.train.callbacks.downstream import reduce_totals, row_keys
-from conftest import tiny_config_dict
 from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
 TIMING = ("tokens_per_s", "mfu", "step_time_s")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from conftest import tiny_documents
-from train_procs import REPO, all_passed, read_metrics, run_ranks, train_ranks
+from train_procs import all_passed, read_metrics, run_ranks, train_ranks
 
 PROBE = str(Path(__file__).with_name("resume_probe.py"))
 SEGMENTS = [(2, 1, 8), (1, 2, 16), (2, 0, 40)]  # (ranks, data.num_workers, train.max_steps)

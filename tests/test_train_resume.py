@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from scse_dist.config import load_config
 from scse_dist.checkpoint import manifest
 from scse_dist.checkpoint.cli import main as ckpt_main
 from scse_dist.checkpoint.resume import refused_changes
+from scse_dist.config import load_config
 from train_procs import REPO, TRAIN, read_metrics
 
 MODEL_FILE = "mp_rank_00_model_states.pt"

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from scse_dist.cli_errors import cli_main
 from scse_dist.checkpoint.manifest import CONFIG_NAME, META_NAME, TAG_PREFIX, verify_tag
+from scse_dist.cli_errors import cli_main
 from scse_dist.run_dir import RunDir
 
 EXIT_BROKEN = 1

@@ -94,8 +94,6 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
     Each file is written under a temporary name and moved into place, so a crash never leaves a
     half-written file under the final name. Returns `out_dir`.
     """
-    from safetensors.torch import save_file
-
     from scse_dist.hf import write_hf_files
 
     model_bytes, special_ids = None, None

@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 
-from scse_dist.distributed import barrier, is_rank0
 from scse_dist.checkpoint.manifest import UNIVERSAL_DIR as UNIVERSAL
-
+from scse_dist.distributed import barrier, is_rank0
 
 
 def convert_once(root: Path, tag: str) -> str:

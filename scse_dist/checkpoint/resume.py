@@ -28,14 +28,26 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from scse_dist.atomic import atomic_write_text
+from scse_dist.checkpoint.manifest import (
+    CONFIG_NAME,
+    MANIFEST_NAME,
+    TAG_PREFIX,
+    tag_files,
+    verify_tag,
+)
+from scse_dist.checkpoint.tags import (
+    TMP_PREFIX,
+    checkpoint_dir,
+    list_checkpoints,
+    remove_partial_saves,
+    tag_for,
+)
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, RunConfig, config_to_dict
 from scse_dist.distributed import is_rank0
 from scse_dist.run_dir import CHECKPOINTS_NAME, OUTPUT_NAMES
-from scse_dist.atomic import atomic_write_text
-from scse_dist.checkpoint.tags import (TMP_PREFIX, checkpoint_dir, list_checkpoints,
-                                       remove_partial_saves, tag_for)
-from scse_dist.checkpoint.manifest import CONFIG_NAME, MANIFEST_NAME, TAG_PREFIX, tag_files, verify_tag
+
 # Moved aside by `train.resume: never` (the new run would append to or overwrite them).
 PREVIOUS_RUN_FILES = OUTPUT_NAMES
 # Fields that make a checkpoint another model or another token stream. Everything else may change
@@ -207,7 +219,7 @@ def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Optional[str]:
     if mode == "never":
         if remote:
             raise ConfigError("train.resume: never is not supported with a remote output_dir (its "
-                              f"checkpoints would be overwritten); give this run another name")
+                              "checkpoints would be overwritten); give this run another name")
         aside = _move_previous_run(run_dir)
         if aside is not None:
             print(f"train.resume=never: moved the previous run's files to {aside}; starting "

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from scse_dist.atomic import atomic_write_text
-from scse_dist.config import RunConfig, config_to_dict
 from scse_dist.checkpoint import manifest
 from scse_dist.checkpoint.manifest import CONFIG_NAME, META_NAME, TAG_PREFIX
+from scse_dist.config import RunConfig, config_to_dict
 from scse_dist.distributed import barrier, is_rank0
 from scse_dist.run_dir import RunDir
 

@@ -74,7 +74,13 @@ def cmd_shards(args: argparse.Namespace) -> None:
 
 def inspect_shards(path: str) -> bool:
     """Print per-split counts and re-read every shard; return True when all match the index."""
-    from scse_dist.data.shards import iter_samples, load_sample_table, read_index, shard_url, table_url
+    from scse_dist.data.shards import (
+        iter_samples,
+        load_sample_table,
+        read_index,
+        shard_url,
+        table_url,
+    )
 
     index = read_index(path)
     print(f"{path}: {index['format']}, vocab {index['vocab_size']}, {index['dtype']}, "

@@ -21,8 +21,8 @@ import warnings
 from typing import Any, Iterator, Optional
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 
 from scse_dist.data.sample_format import MEMBERS, Sample, decode_sample, load_sample_table
 
@@ -150,7 +150,10 @@ class ShardReader:
         url, seen = self.urls[s], -1
         try:
             with fsspec.open(url, "rb") as f:
-                from webdataset.tariterators import group_by_keys, tar_file_iterator  # imports torch
+                from webdataset.tariterators import (  # imports torch
+                    group_by_keys,
+                    tar_file_iterator,
+                )
 
                 files = ({**d, "__url__": url} for d in tar_file_iterator(f))
                 for n, parts in enumerate(group_by_keys(files)):

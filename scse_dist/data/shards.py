@@ -51,9 +51,15 @@ import numpy as np
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
+
 # load_sample_table: imported here for this module's readers too (data.cli, tests)
-from scse_dist.data.sample_format import (FORMAT, TABLE_COLUMNS, decode_sample,  # noqa: F401
-                                          load_sample_table, npy_bytes)
+from scse_dist.data.sample_format import (  # noqa: F401
+    FORMAT,
+    TABLE_COLUMNS,
+    decode_sample,
+    load_sample_table,
+    npy_bytes,
+)
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.progress import Progress
 
@@ -386,7 +392,10 @@ def check_shards_exist(urls: list[str]) -> None:
 def iter_samples(url: str, eos: int) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """Yield (key, tokens, doc_lens) for every sample of one tar shard, in file order; tokens
     hold each document followed by eos. ValueError naming the shard and sample on bad data."""
-    from webdataset.tariterators import group_by_keys, tar_file_iterator  # imports torch: not at start-up
+    from webdataset.tariterators import (  # imports torch: not at start-up
+        group_by_keys,
+        tar_file_iterator,
+    )
 
     with fsspec.open(url, "rb") as f:
         for parts in group_by_keys({**d, "__url__": url} for d in tar_file_iterator(f)):

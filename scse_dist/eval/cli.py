@@ -26,7 +26,8 @@ def _depth_list(text: str) -> list[int]:
     try:
         depths = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,8,48, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 1,8,48, got {text!r}") from None
     if not depths or min(depths) < 1:
         raise argparse.ArgumentTypeError(f"depths must be integers >= 1, got {text!r}")
     return depths

@@ -18,8 +18,12 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scse_dist.eval.curves import (CURVE_NAME, DOWNSTREAM_CURVE_NAME, downstream_curve_plot,
-                                   heldout_curve_plot)
+from scse_dist.eval.curves import (
+    CURVE_NAME,
+    DOWNSTREAM_CURVE_NAME,
+    downstream_curve_plot,
+    heldout_curve_plot,
+)
 from scse_dist.eval.results import log_to_wandb, read_results
 from scse_dist.figures import label, panels, save
 from scse_dist.run_dir import PARTIAL_KEY, RunDir

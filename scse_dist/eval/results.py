@@ -21,6 +21,7 @@ from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, config_to_dict
 from scse_dist.task_registry import TASKS
 
+
 def _finite_or_none(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None

@@ -28,15 +28,21 @@ import torch
 
 from scse_dist.cli_errors import InputError, Interrupted
 from scse_dist.config import RunConfig
-from scse_dist.model.exit_rules import ExitRule
-from scse_dist.eval.exit_stats import ExitStats
-from scse_dist.eval.perplexity import HeldoutInterrupted, evaluate_heldout
-from scse_dist.eval.scorer import resolve_depths
 from scse_dist.data.sources import Passage
+from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.inputs import TaskData, get_task, no_exit_rule, read_task_data
+from scse_dist.eval.perplexity import HeldoutInterrupted, evaluate_heldout
 from scse_dist.eval.results import format_table, write_results
-from scse_dist.eval.scoring import (Score, ScoringInterrupted, Window, context_target_window,
-                                    document_windows, score_windows)
+from scse_dist.eval.scorer import resolve_depths
+from scse_dist.eval.scoring import (
+    Score,
+    ScoringInterrupted,
+    Window,
+    context_target_window,
+    document_windows,
+    score_windows,
+)
+from scse_dist.model.exit_rules import ExitRule
 from scse_dist.progress import Progress
 from scse_dist.run_dir import PARTIAL_KEY
 

@@ -18,9 +18,16 @@ import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from scse_dist.cli_errors import InputError, cli_main, command_parser
-from scse_dist.generate.options import (CACHE_CHOICES, DEFAULT_DRAFT_TOKENS, EXIT_CAP_FACTOR,
-                                        MAX_DRAFT_TOKENS, SPECULATIVE_FORM, DraftTokens,
-                                        Sampling, parse_speculative)
+from scse_dist.generate.options import (
+    CACHE_CHOICES,
+    DEFAULT_DRAFT_TOKENS,
+    EXIT_CAP_FACTOR,
+    MAX_DRAFT_TOKENS,
+    SPECULATIVE_FORM,
+    DraftTokens,
+    Sampling,
+    parse_speculative,
+)
 
 if TYPE_CHECKING:
     from scse_dist.generate.sampling import Generation

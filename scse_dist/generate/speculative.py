@@ -29,9 +29,9 @@ from typing import Optional, Sequence
 import torch
 
 from scse_dist.generate.options import DEFAULT_DRAFT_TOKENS, AdaptiveDraft, DraftTokens
+from scse_dist.generate.sampling import Generation, Sampling, left_pad, token_probs
 from scse_dist.model.kv_cache import KVCache
 from scse_dist.model.speculative import Drafted, check_draft_depth, draft, verify
-from scse_dist.generate.sampling import Generation, Sampling, left_pad, token_probs
 
 
 def accept(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor,

@@ -30,22 +30,29 @@ import sys
 from contextlib import ExitStack
 from typing import Any, Optional
 
+# lm-eval's own models: its registry loads them only when it is empty, which registering `scse`
+# first would make it never be
+import lm_eval.models  # noqa: F401
 import torch
-
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-import lm_eval.models  # noqa: F401  (lm-eval's own models: its registry loads them only when
-# it is empty, which registering `scse` first would make it never be)
 
 from scse_dist.eval.exit_stats import ExitStats
-from scse_dist.eval.scoring import Score, Window, context_target_window, document_windows, score_windows
 from scse_dist.eval.inputs import load_tokenizer
+from scse_dist.eval.scoring import (
+    Score,
+    Window,
+    context_target_window,
+    document_windows,
+    score_windows,
+)
 from scse_dist.eval.tasks import context_target_ids
 from scse_dist.generate import Sampling, generate, next_tokens
 from scse_dist.lmeval import MODEL_NAME
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
 from scse_dist.progress import Progress
+
 
 class ExitScorer:
     """Loop depth for the harness's requests: `depth` steps per token, or an exit rule's adaptive
@@ -114,8 +121,8 @@ class ScseLM(LM):
                  batch_size: Any = None, max_length: Any = None, stride: Any = None,
                  device: Optional[str] = None, max_batch_size: Any = None, **exit_options: Any):
         super().__init__()
-        from scse_dist.checkpoint.loading import checkpoint_config, load_model
         from scse_dist.checkpoint.export import local_export
+        from scse_dist.checkpoint.loading import checkpoint_config, load_model
 
         # lm-eval's CLI passes batch_size, max_batch_size and device to every model; automatic
         # batch sizing (auto, max_batch_size) is not supported: auto means the config's size.

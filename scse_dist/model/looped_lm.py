@@ -12,12 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
 from .blocks import Block, RMSNorm, RopeTables, attention_mask_4d, rope_tables
+from .config import ModelConfig
 from .exit_rules import ExitRule
-from .loss import (IGNORE_INDEX, chunked_cross_entropy, chunked_cross_entropy_with_z_loss,
-                   z_loss_of_logits)
 from .kv_cache import KVCache, LoopKV
+from .loss import (
+    IGNORE_INDEX,
+    chunked_cross_entropy,
+    chunked_cross_entropy_with_z_loss,
+    z_loss_of_logits,
+)
 from .recurrence import DIAGNOSTICS, LoopCore
 from .transitions import check_model_config
 

@@ -22,11 +22,12 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from .config import ModelConfig
 from .blocks import Block, KVHook, RopeTables, rope_tables
+from .config import ModelConfig
 from .exit_rules import ExitRule
 from .kv_cache import LoopKV
 from .transitions import Context, Transition, check_model_config
+
 # Names of the diagnostics LoopCore.forward appends to its outputs, in order.
 DIAGNOSTICS = ("deviation_norm", "motion_norm", "forcing_bias_norm")
 

@@ -28,7 +28,6 @@ from scse_dist.eval.results import read_results
 from scse_dist.run_dir import VALIDATION_NAME, RunDir
 from scse_dist.study.spec import default_pairs
 
-
 # scse-study scores each LR sweep run into eval/validation.json (task heldout, validation data):
 # it counts the sweep run as finished, and is never read as a test result.
 

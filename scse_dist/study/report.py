@@ -25,8 +25,12 @@ from scse_dist.config import ModelConfig, RunConfig
 from scse_dist.model.transitions import transition_for
 from scse_dist.study.collect import Study, StudyRun, finite, load_study
 from scse_dist.study.flags import Flag, run_flags, unigram_entropy
-from scse_dist.study.plots import (TRAINING_DIAGNOSTICS, diagnose_plot, frontier_plot,
-                                  training_diagnostics_plot)
+from scse_dist.study.plots import (
+    TRAINING_DIAGNOSTICS,
+    diagnose_plot,
+    frontier_plot,
+    training_diagnostics_plot,
+)
 from scse_dist.study.spec import default_report_metrics
 from scse_dist.study.stats import Interval, t_interval
 from scse_dist.task_registry import TASKS

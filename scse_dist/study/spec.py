@@ -51,9 +51,8 @@ from typing import Any, Optional
 from scse_dist.config import ConfigError, RunConfig, config_from_dict
 from scse_dist.launch.config import Resources
 from scse_dist.run_dir import RunDir
-from scse_dist.typed_yaml import _read_yaml, apply_overrides
 from scse_dist.task_registry import TASKS, field_value
-
+from scse_dist.typed_yaml import _read_yaml, apply_overrides
 
 
 class SpecError(ConfigError):

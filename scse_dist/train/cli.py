@@ -23,7 +23,6 @@ from typing import Sequence
 from scse_dist.cli_errors import cli_main
 from scse_dist.config import config_yaml, load_config
 
-
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 EXIT_STATUSES = """exit statuses:
   0    finished: checkpoint, export (and evaluation) written

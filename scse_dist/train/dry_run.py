@@ -13,8 +13,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from scse_dist.config import RunConfig
-from scse_dist.train.sizing import (GIB, activation_memory, count_parameters, state_memory,
-                                    training_depths)
+from scse_dist.train.sizing import (
+    GIB,
+    activation_memory,
+    count_parameters,
+    state_memory,
+    training_depths,
+)
+
 
 def describe(cfg: RunConfig, config_path: Optional[str] = None,
              overrides: Sequence[str] = ()) -> str:

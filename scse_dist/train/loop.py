@@ -18,18 +18,16 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from scse_dist.checkpoint.manifest import CONFIG_NAME
 from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
-from scse_dist.checkpoint.manifest import CONFIG_NAME
 from scse_dist.checkpoint.tags import checkpoint_dir, resume_if_present
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
-from scse_dist.distributed import (abandon, barrier, describe_placement, init_distributed,
-                                   shutdown)
+from scse_dist.distributed import abandon, barrier, describe_placement, init_distributed, shutdown
 from scse_dist.run_dir import EVAL_NAME, EXPORT_NAME, METRICS_NAME, RunDir
 from scse_dist.threads import configure_threads
 from scse_dist.train.callbacks.after_training import AfterTrainingEval
-from scse_dist.train.callbacks.assembly import (configured_callbacks, in_hook_order,
-                                              restore_states)
+from scse_dist.train.callbacks.assembly import configured_callbacks, in_hook_order, restore_states
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.callbacks.checkpointing import CheckpointCallback
 from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback

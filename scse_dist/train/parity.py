@@ -41,12 +41,12 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     import dataclasses
 
     from scse_dist.checkpoint.export import save_exported_model
+    from scse_dist.checkpoint.zero_weights import fp32_state_dict
     from scse_dist.distributed import is_rank0
     from scse_dist.model import LoopedLM
     from scse_dist.train.depth import sample_depth
     from scse_dist.train.engine import build_engine
     from scse_dist.train.step import train_step
-    from scse_dist.checkpoint.zero_weights import fp32_state_dict
 
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, zero_stage=stage,
                                                              deepspeed_config=None))

@@ -17,8 +17,15 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from scse_dist.config import ConfigError, RunConfig
-from scse_dist.train.sizing import (GIB, activation_memory, count_parameters, deepspeed_estimate,
-                                    stage3_max_live, state_memory, training_depths)
+from scse_dist.train.sizing import (
+    GIB,
+    activation_memory,
+    count_parameters,
+    deepspeed_estimate,
+    stage3_max_live,
+    state_memory,
+    training_depths,
+)
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,16 @@ from typing import TYPE_CHECKING
 
 import fsspec
 
+from scse_dist.checkpoint.export import (
+    WEIGHTS_NAME,
+    describe_mismatch,
+    fetched,
+    is_remote,
+    not_an_export,
+    read_export_weights,
+    weights_mismatch,
+)
 from scse_dist.cli_errors import InputError
-from scse_dist.checkpoint.export import (WEIGHTS_NAME, describe_mismatch, fetched, is_remote,
-                                         not_an_export, read_export_weights, weights_mismatch)
 
 if TYPE_CHECKING:
     from torch import nn

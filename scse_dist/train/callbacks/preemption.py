@@ -6,8 +6,8 @@ the first step. A second Ctrl-C stops at once (exit 130) without saving: see Pre
 
 from __future__ import annotations
 
-from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.checkpoint.tags import tag_for
+from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.faults import REQUEUE_EXIT_CODE, PreemptionFlag
 
 

@@ -31,7 +31,6 @@ from scse_dist.run_dir import PROFILE_NAME
 from scse_dist.train.callbacks.base import Callback, TrainState
 
 
-
 def window_schedule(first_step: int, start: int, warmup: int, steps: int
                     ) -> Callable[[int], ProfilerAction]:
     """The profiler's action for optimizer step k (the profiler's step_num, set to the first step
