@@ -126,7 +126,8 @@ def _rename_old_fields(values: dict) -> None:
 
 def config_from_dict(values: dict) -> RunConfig:
     if not isinstance(values, dict):
-        raise ConfigError(f"config: expected a mapping at the top level, got {type(values).__name__}")
+        raise ConfigError(f"config: expected a mapping at the top level, got "
+                          f"{type(values).__name__}")
     _rename_old_fields(values)
     cfg = _build(RunConfig, values)
     _check_consistency(cfg)
@@ -193,7 +194,8 @@ def config_to_dict(cfg: Any) -> dict:
 
 
 def config_yaml(cfg: RunConfig) -> str:
-    """The resolved config as YAML (what config.yaml of a run holds; `scse-train --print-config`)."""
+    """The resolved config as YAML (what config.yaml of a run holds; `scse-train
+    --print-config`)."""
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
 

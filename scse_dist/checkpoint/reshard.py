@@ -8,9 +8,10 @@ engine with `checkpoint.load_universal` re-partitions over any world size as it 
 The first start that needs it converts the tag (rank 0, in process) into `TAG/.tmp-universal`
 and renames it to `TAG/universal`: a kill mid-conversion leaves no half universal checkpoint,
 and every later start at a changed size reuses it. With node-local staging (a remote
-output_dir, every node holding the whole tag) each node converts its own copy. It lives inside its tag, so retention deletes
-it with the tag. Our client state (the step, every old rank's data position and RNG) is read
-from the converted tag's copy of the model-states file, which DeepSpeed copies over unchanged.
+output_dir, every node holding the whole tag) each node converts its own copy. It lives inside
+its tag, so retention deletes it with the tag. Our client state (the step, every old rank's data
+position and RNG) is read from the converted tag's copy of the model-states file, which DeepSpeed
+copies over unchanged.
 """
 
 from __future__ import annotations

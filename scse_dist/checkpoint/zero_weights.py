@@ -42,7 +42,9 @@ def fp32_state_dict(engine: Any = None, root: Optional[str | Path] = None,
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None,
                                                enabled=stage == 3):
             # a copy: the module's tensors change with training, a gathered ZeRO-3 one is freed
-            return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+            return {k: v.detach().float().cpu().clone()
+                    for k, v in engine.module.state_dict().items()}
     # our own checkpoint: a trusted pickle
-    states = torch.load(Path(root) / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    states = torch.load(Path(root) / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                        weights_only=False)
     return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}

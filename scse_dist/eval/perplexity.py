@@ -55,8 +55,8 @@ def evaluate_heldout(model: torch.nn.Module, batches: Iterable[torch.Tensor], de
                 if max_batches and i >= max_batches:
                     break
                 if batch.dim() != 2 or batch.size(1) < 2:
-                    raise ValueError(f"evaluate_heldout: expected token batches (B, S+1) with S >= 1, "
-                                     f"got shape {tuple(batch.shape)}")
+                    raise ValueError(f"evaluate_heldout: expected token batches (B, S+1) with "
+                                     f"S >= 1, got shape {tuple(batch.shape)}")
                 scores = scorer(batch[:, :-1], batch[:, 1:])
                 for d, per_row in zip(scorer.depths, scores):
                     nll_sum[d] += sum(s.nll for s in per_row)  # float64 sums, host side
@@ -68,5 +68,6 @@ def evaluate_heldout(model: torch.nn.Module, batches: Iterable[torch.Tensor], de
             raise HeldoutInterrupted(_rows(scorer.depths, nll_sum, tokens) if tokens else None,
                                      done) from None
     if tokens == 0:
-        raise ValueError("evaluate_heldout: the batches held no tokens (is the held-out split empty?)")
+        raise ValueError("evaluate_heldout: the batches held no tokens (is the held-out split "
+                         "empty?)")
     return _rows(scorer.depths, nll_sum, tokens)

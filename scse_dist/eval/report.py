@@ -57,7 +57,8 @@ def _fmt(value: Any) -> str:
     if value is None:
         return "nan"
     if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) >= 1e4 or (value and abs(value) < 1e-3) else f"{value:.4f}"
+        return f"{value:.4g}" if abs(value) >= 1e4 or (value and abs(value) < 1e-3) \
+            else f"{value:.4f}"
     return str(value)
 
 

@@ -48,7 +48,8 @@ def document_windows(ids: list[int], eos_id: int, seq_len: int, stride: int) -> 
     return windows
 
 
-def context_target_window(context: list[int], target: list[int], eos_id: int, seq_len: int) -> Window:
+def context_target_window(context: list[int], target: list[int], eos_id: int, seq_len: int
+                          ) -> Window:
     """EOS + context + target, cut from the left to `seq_len` inputs; only the target is scored."""
     if not target:
         raise ValueError("context_target_window: empty target")

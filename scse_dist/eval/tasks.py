@@ -84,7 +84,8 @@ def _scores(model: torch.nn.Module, windows: list[Window], depths: list[int], ba
 def document_rows(model: torch.nn.Module, tokenizer: Any, documents: list[str], depths: list[int],
                   seq_len: int, stride: int, batch_size: int,
                   exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None) -> list[dict]:
-    """Token ppl, word ppl and bits per byte of `documents` (each scored on its own, sliding window).
+    """Token ppl, word ppl and bits per byte of `documents` (each scored on its own, sliding
+    window).
 
     word_ppl = exp(total NLL / whitespace words of the original text) and bits_per_byte =
     total NLL / ln 2 / UTF-8 bytes: both divide the same total, so they compare across tokenizers.
@@ -188,7 +189,8 @@ def _lambada_totals(depths: list[int], scores: list[list[Score]]) -> list[dict]:
     """Per depth the additive totals of the passages' scores (summed over ranks in training)."""
     return [{"depth": d, "correct": sum(s.all_correct for s in per_window),
              "nll": sum(s.nll for s in per_window),
-             "target_tokens": sum(s.count for s in per_window), "examples": len(per_window)} for d, per_window in zip(depths, scores)]
+             "target_tokens": sum(s.count for s in per_window), "examples": len(per_window)}
+            for d, per_window in zip(depths, scores)]
 
 
 def lambada_metrics(totals: dict) -> dict:

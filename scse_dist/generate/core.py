@@ -28,9 +28,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
     for each token). on_token(row, token) is called for each new token as it is chosen.
     generator: sampling's random numbers (default: a new one seeded with sampling.seed).
     stop(row, new tokens) -> True also ends a row (a stop string: lm-eval's `until`).
-    speculative=(d, K): self-speculative decoding (scse_dist.generate.speculative), K tokens drafted at
-    loop depth d per round, K an int or AdaptiveDraft() (K adapted per round from the acceptance
-    so far); greedy gives the same tokens, sampling the same distribution."""
+    speculative=(d, K): self-speculative decoding (scse_dist.generate.speculative), K tokens drafted
+    at loop depth d per round, K an int or AdaptiveDraft() (K adapted per round from the
+    acceptance so far); greedy gives the same tokens, sampling the same distribution."""
     if cache not in CACHE_CHOICES:
         raise ValueError(f"cache: must be one of {', '.join(CACHE_CHOICES)}; got {cache!r}")
     if not prompts or any(len(p) == 0 for p in prompts):

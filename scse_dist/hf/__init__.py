@@ -70,7 +70,8 @@ def write_hf_files(out_dir: str | Path, model: ModelConfig,
                  lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"))
     if special_ids is not None:
         tokenizer_config = {"tokenizer_class": "ScseTokenizer",
-                            "auto_map": {"AutoTokenizer": ["tokenization_scse.ScseTokenizer", None]}}
+                            "auto_map": {"AutoTokenizer": ["tokenization_scse.ScseTokenizer",
+                                                           None]}}
         atomic_write(out / TOKENIZER_CONFIG_NAME,
                      lambda p: p.write_text(json.dumps(tokenizer_config, indent=2) + "\n"))
 

@@ -21,7 +21,8 @@ from .transitions import check_model_config
 
 # An export's config.json names every field; one written before a field existed ran with the
 # value that field had then (VALUE_BEFORE_FIELD), like a saved run config.
-MODEL_FIELDS = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)}, **VALUE_BEFORE_FIELD}
+MODEL_FIELDS = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)},
+                **VALUE_BEFORE_FIELD}
 
 
 class ScseConfig(PretrainedConfig):

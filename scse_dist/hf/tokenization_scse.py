@@ -26,7 +26,8 @@ class ScseTokenizer(PreTrainedTokenizer):
 
     def __init__(self, vocab_file: str, **kwargs):
         self.vocab_file = vocab_file
-        self.sp_model = spm.SentencePieceProcessor(model_file=vocab_file)  # before super(): it reads the vocab
+        # before super(): it reads the vocab
+        self.sp_model = spm.SentencePieceProcessor(model_file=vocab_file)
         eos = self.sp_model.id_to_piece(self.sp_model.eos_id())
         kwargs.setdefault("eos_token", eos)
         kwargs.setdefault("bos_token", eos)  # documents start after an EOS (see the docstring)

@@ -76,7 +76,8 @@ class ExitScorer:
         """(B, V) logits for the token after each row of `tokens` (B, S)."""
         if self.rule is None:
             return model(tokens, depth=self.depth).logits[:, -1].float()
-        return model(tokens, depth=self.rule.cap(self.depth), exit_rule=self.rule).logits[:, -1].float()
+        return model(tokens, depth=self.rule.cap(self.depth),
+                     exit_rule=self.rule).logits[:, -1].float()
 
     def steps_summary(self) -> dict:
         """{task: ExitStats.summary()} (mean_steps, steps_pNN, steps_histogram) of the scored

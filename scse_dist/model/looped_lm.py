@@ -124,8 +124,8 @@ class LoopedLM(nn.Module):
 
     def compile_blocks(self) -> None:
         """Compile every block's math with torch.compile (train.compile; regional, see
-        Block.compile_math). Backend inductor, or $SCSE_COMPILE_BACKEND (tests use aot_eager: inductor
-        compiles slowly on CPU)."""
+        Block.compile_math). Backend inductor, or $SCSE_COMPILE_BACKEND (tests use aot_eager:
+        inductor compiles slowly on CPU)."""
         backend = os.environ.get("SCSE_COMPILE_BACKEND", "inductor")
         for module in self.modules():
             if isinstance(module, Block):
@@ -264,7 +264,8 @@ class LoopedLM(nn.Module):
 
     @torch.no_grad()
     def cached_prelude(self, tokens: torch.Tensor, cache: KVCache, depth: int,
-                       attention_mask: torch.Tensor) -> tuple[torch.Tensor, RopeTables, torch.Tensor]:
+                       attention_mask: torch.Tensor
+                       ) -> tuple[torch.Tensor, RopeTables, torch.Tensor]:
         """New tokens through the embedding and the prelude over the KV cache, the cache bound to
         `depth` loop steps (every call on one cache runs the same depth): (h, rope, mask) for the
         loop. Shared by decode_step and speculative drafting."""

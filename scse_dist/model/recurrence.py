@@ -1,4 +1,5 @@
-"""The loop: one module, `LoopCore`, holding the shared core blocks, the anchor and the concat adapter.
+"""The loop: one module, `LoopCore`, holding the shared core blocks, the anchor and the concat
+adapter.
 
 It runs the whole recurrence in one `forward`, so the training side can register this class as a
 DeepSpeed ZeRO-3 leaf module (`deepspeed.utils.set_z3_leaf_modules(model, [LoopCore])`): its

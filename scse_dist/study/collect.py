@@ -159,7 +159,8 @@ def load_study(study_dir: str | Path) -> Study:
     study_dir = Path(study_dir)
     spec_path, runs_path = study_dir / "study.yaml", study_dir / "runs.json"
     if not runs_path.is_file():
-        raise FileNotFoundError(f"{study_dir}: no runs.json (not a study dir; run scse-study first)")
+        raise FileNotFoundError(f"{study_dir}: no runs.json (not a study dir; run scse-study "
+                                "first)")
     spec = yaml.safe_load(spec_path.read_text()) if spec_path.is_file() else {}
     entries = _read_json(runs_path)
     if not isinstance(entries, list):

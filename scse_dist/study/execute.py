@@ -134,7 +134,8 @@ def _run_local(spec: StudySpec, doing: list[str]) -> int:
             state = status(spec, run)
             print(f"scse-study: [{i + 1}/{len(todo)} {stage}] "
                   f"{'resuming' if state == 'partial' else 'starting'} {run.run_dir} (elapsed "
-                  f"{format_duration(elapsed)}, ETA {format_duration(eta_seconds(i, len(todo), elapsed))})",
+                  f"{format_duration(elapsed)}, "
+                  f"ETA {format_duration(eta_seconds(i, len(todo), elapsed))})",
                   flush=True)
             doing[0] = f"the evaluation of {run.run_dir}"  # (training is a child: forwarded)
             outcome = _train_and_evaluate(spec, run)

@@ -3,8 +3,8 @@
     <out>/<study>/study.yaml        the resolved spec (variants expanded, base path resolved)
     <out>/<study>/runs.json         [{"variant", "seed", "lr", "stage", "run_dir", "config",
                                       "overrides"}, ...]: every run known so far
-    <out>/<study>/lr_choice.json    {variant: {"lr", "key" (the field it sets), "scores": {lr: loss},
-                                               "failed": [...], ...}}
+    <out>/<study>/lr_choice.json    {variant: {"lr", "key" (the field it sets),
+                                               "scores": {lr: loss}, "failed": [...], ...}}
     <out>/<study>/<variant>/<variant>-seed<k>/             a final run (stage 2)
     <out>/<study>/<variant>/<variant>-lr<value>-seed<k>/   an LR sweep run (stage 1)
 
@@ -117,7 +117,8 @@ def choose_lrs(spec: StudySpec) -> dict[str, float]:
 def _inputs(spec: StudySpec, run: Run) -> dict[str, str]:
     """field -> the local path a run reads (data the trainer builds itself, and URLs, left out)."""
     cfg = run_config(spec, run)
-    found = {} if cfg.data.build else {"data.path": cfg.data.path, "data.tokenizer": cfg.data.tokenizer}
+    found = {} if cfg.data.build else {"data.path": cfg.data.path,
+                                       "data.tokenizer": cfg.data.tokenizer}
     if run.stage == "sweep":
         found["lr.validation"] = spec.lr.validation
     else:  # the test tasks: final runs only
@@ -148,5 +149,6 @@ def missing_inputs(spec: StudySpec) -> list[str]:
         for key, path in _inputs(spec, run).items():
             if not Path(path).exists() and not glob.glob(path):
                 needed.setdefault((key, path), []).append(run)
-    return [f"missing input: {key} {path} (no such file or directory), needed by {_which(needing, runs)}"
+    return [f"missing input: {key} {path} (no such file or directory), needed by "
+            f"{_which(needing, runs)}"
             for (key, path), needing in needed.items()]

@@ -164,7 +164,8 @@ def _need(values: dict, key: str, kind: type | tuple, where: str) -> Any:
         raise SpecError(f"{where + ': ' if where else ''}missing field {key!r}")
     value = values[key]
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise SpecError(f"{where + '.' if where else ''}{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+        raise SpecError(f"{where + '.' if where else ''}{key}: expected "
+                        f"{getattr(kind, '__name__', kind)}, got {value!r}")
     return value
 
 
@@ -174,7 +175,8 @@ def _check_keys(values: dict, allowed: set[str], where: str) -> None:
         key = str(unknown[0])
         close = difflib.get_close_matches(key, sorted(allowed), n=1) or \
             [a for a in sorted(allowed) if a.startswith(key)][:1]  # gpus -> gpus_per_node
-        hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(sorted(allowed))}"
+        hint = f" (did you mean {close[0]!r}?)" if close else \
+            f"; known: {', '.join(sorted(allowed))}"
         raise SpecError(f"{where + '.' if where else ''}{unknown[0]}: unknown field{hint}")
 
 
@@ -189,8 +191,10 @@ def _check_report_metrics(metrics: Any) -> None:
         for name in names:
             if name not in known[task]:
                 close = difflib.get_close_matches(str(name), known[task], n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"{task} writes {', '.join(known[task])}"
-                raise SpecError(f"report.metrics.{task}: {name!r} is not a metric of {task} ({hint})")
+                hint = f"did you mean {close[0]!r}?" if close else \
+                    f"{task} writes {', '.join(known[task])}"
+                raise SpecError(f"report.metrics.{task}: {name!r} is not a metric of {task} "
+                                f"({hint})")
 
 
 def _positive_rates(rates: Any, where: str) -> list[float]:
@@ -221,7 +225,8 @@ def _section(values: dict, key: str, cls: type) -> Any:
         raise SpecError(f"{key}: expected a mapping, got {body!r}")
     _check_keys(body, {f.name for f in dataclasses.fields(cls)}, key)
     for f in dataclasses.fields(cls):
-        if f.type in (int, "int") and f.name in body and (type(body[f.name]) is not int or body[f.name] < 0):
+        if f.type in (int, "int") and f.name in body and \
+                (type(body[f.name]) is not int or body[f.name] < 0):
             raise SpecError(f"{key}.{f.name}: expected a whole number >= 0, got {body[f.name]!r}")
     return cls(**body)
 
@@ -237,7 +242,8 @@ def _expand_variants(variants: dict, axes: list[Axis]) -> dict[str, tuple[str, t
         mine = [a for a in axes if not a.variants or name in a.variants]
         for combo in itertools.product(*[a.values for a in mine]):
             suffix = tuple(_suffix(a.key, v) for a, v in zip(mine, combo))
-            out["-".join([name, *suffix])] = (name, suffix, {**over, **{a.key: v for a, v in zip(mine, combo)}})
+            out["-".join([name, *suffix])] = \
+                (name, suffix, {**over, **{a.key: v for a, v in zip(mine, combo)}})
     return out
 
 
@@ -285,7 +291,8 @@ def _parse(values: Any, file: str) -> StudySpec:
     if not isinstance(values, dict):
         raise SpecError("a study spec is a mapping at the top level")
     _check_keys(values, {"name", "out", "base", "overrides", "variants", "seeds", "axes", "lr",
-                         "pairs", "exclude_flagged", "evals", "order", "resources", "slurm", "report"}, "")
+                         "pairs", "exclude_flagged", "evals", "order", "resources", "slurm",
+                         "report"}, "")
     name = _need(values, "name", str, "")
     if not name or "/" in name:
         raise SpecError(f"name: a non-empty study name without '/', got {name!r}")
@@ -332,7 +339,8 @@ def _parse(values: Any, file: str) -> StudySpec:
                         "(validation, seed, steps)")
     pairs = values.get("pairs")
     if pairs is None:
-        pairs = default_pairs({full: (name, suffix) for full, (name, suffix, _) in expanded.items()})
+        pairs = default_pairs({full: (name, suffix)
+                               for full, (name, suffix, _) in expanded.items()})
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
             raise SpecError(f"pairs[{i}]: expected [variant, baseline], got {pair!r}")
@@ -362,9 +370,10 @@ def _parse(values: Any, file: str) -> StudySpec:
     _check_report_metrics(report.get("metrics") or {})
     # `out:` is relative to the spec file, like `base:` (the default, ./studies, to the cwd)
     out = os.path.normpath(Path(file).parent / values["out"]) if "out" in values else "studies"
-    rates = {full: own_rates[vname] for full, (vname, _, _) in expanded.items() if vname in own_rates}
-    spec = StudySpec(name=name, base=base, variants={k: v[2] for k, v in expanded.items()}, seeds=seeds,
-                     out=out, overrides=overrides, lr=lr, rates=rates,
+    rates = {full: own_rates[vname] for full, (vname, _, _) in expanded.items()
+             if vname in own_rates}
+    spec = StudySpec(name=name, base=base, variants={k: v[2] for k, v in expanded.items()},
+                     seeds=seeds, out=out, overrides=overrides, lr=lr, rates=rates,
                      pairs=[tuple(p) for p in pairs], exclude_flagged=exclude, evals=evals,
                      order=order, resources=resources, report=report, path=file)
     for run in expand(spec, chosen={v: 1e-3 for v in expanded}):  # every variant's config must load
@@ -417,8 +426,10 @@ def expand(spec: StudySpec, chosen: dict[str, float] | None = None,
             else [(v, s) for v in spec.variants for s in spec.seeds]
         for variant, seed in grid:
             rate = (chosen or {}).get(variant) if spec.lr else None
-            extra = {"train.seed": seed, **({spec.rate_key(variant): rate} if rate is not None else {})}
-            runs.append(Run(variant, seed, rate, "final", str(d / variant / f"{variant}-seed{seed}"),
+            extra = {"train.seed": seed,
+                     **({spec.rate_key(variant): rate} if rate is not None else {})}
+            runs.append(Run(variant, seed, rate, "final",
+                            str(d / variant / f"{variant}-seed{seed}"),
                             {**spec.variants[variant], **extra}))
     return runs
 

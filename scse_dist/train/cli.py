@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (YAML, overrides applied) and exit 0")
     # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment is what we use.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="config overrides, e.g. train.max_steps=100 model.depth=8")
     return parser
@@ -105,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 @cli_main("scse-train")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = load_config(args.config, args.overrides)  # a ConfigError is exit 2, before any process group
+    # a ConfigError is exit 2, before any process group
+    cfg = load_config(args.config, args.overrides)
     world_size, assumptions = _plan_assumptions(args)
     if args.plan:
         import json

@@ -139,8 +139,8 @@ def grad_group(name: str) -> str:
 
 
 def gradient_shares(model: torch.nn.Module,
-                    grad_of: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = lambda p: p.grad
-                    ) -> dict[str, float]:
+                    grad_of: Callable[[torch.nn.Parameter], Optional[torch.Tensor]]
+                    = lambda p: p.grad) -> dict[str, float]:
     """Shares of the squared gradient norm per GRAD_GROUPS entry, and the global norm, from the
     gradients `grad_of(param)` returns (default p.grad; under DeepSpeed ZeRO-1/2 pass
     deepspeed.utils.safe_get_full_grad, which every rank must call: it all-reduces)."""

@@ -1,4 +1,5 @@
-"""DeepSpeed engine from the run config: generated ds_config (+ optional JSON file), AdamW, schedule."""
+"""DeepSpeed engine from the run config: generated ds_config (+ optional JSON file), AdamW,
+schedule."""
 
 from __future__ import annotations
 
@@ -121,8 +122,9 @@ def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str,
         raise ConfigError(f"train.deepspeed_config: {path!r} must hold a JSON object")
     if "optimizer" in extra and "optimizer" not in generated:
         raise ConfigError(f"train.optimizer: {path} has an 'optimizer' section, but "
-                          f"train.optimizer={cfg.train.optimizer} builds torch's AdamW from train.*; "
-                          "remove the section, or set train.optimizer: deepspeed_fused_adam")
+                          f"train.optimizer={cfg.train.optimizer} builds torch's AdamW from "
+                          "train.*; remove the section, or set train.optimizer: "
+                          "deepspeed_fused_adam")
     for key_path, field_name in _OWNED:
         theirs = _get(extra, key_path)
         if theirs is _MISSING:

@@ -50,7 +50,8 @@ from scse_dist.train.warm_start import maybe_init_from
 
 
 def _seed_everything(seed: int) -> None:
-    # Same seed on every rank: identical initial weights (ZeRO also broadcasts them) and depth draws.
+    # Same seed on every rank: identical initial weights (ZeRO also broadcasts them) and depth
+    # draws.
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

@@ -91,7 +91,8 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
     ran_depth, micro = 0, 0
     for micro, window in enumerate(windows, start=1):
         if micro > accum:
-            raise ValueError(f"train_step: more micro-batches than gradient_accumulation_steps={accum}")
+            raise ValueError(f"train_step: more micro-batches than "
+                             f"gradient_accumulation_steps={accum}")
         window = window.to(engine.device)
         out = engine(window[:, :-1], window[:, 1:], depth=depth, backprop_steps=backprop_steps,
                      keep_logits=False, **({"z_loss": z_loss} if z_loss else {}))

@@ -79,7 +79,8 @@ def init_from_export(model: "nn.Module", source: str, strict: bool = True) -> li
 
 
 def maybe_init_from(model: "nn.Module", train_cfg, has_checkpoint: bool, rank0: bool) -> None:
-    """Apply `train.init_from` to a new run (every rank loads: ZeRO-3 partitions each rank's copy)."""
+    """Apply `train.init_from` to a new run (every rank loads: ZeRO-3 partitions each rank's
+    copy)."""
     source = train_cfg.init_from
     if not source:
         return

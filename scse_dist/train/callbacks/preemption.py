@@ -34,4 +34,5 @@ class PreemptionCallback(Callback):
     def on_teardown(self, state: TrainState) -> None:
         if state.stop_reason is not None and state.rank0:
             print(f"preempted by {state.stop_reason}: saved {tag_for(state.last_saved)} after step "
-                  f"{state.last_saved}; rerun to resume (exit status {REQUEUE_EXIT_CODE})", flush=True)
+                  f"{state.last_saved}; rerun to resume (exit status {REQUEUE_EXIT_CODE})",
+                  flush=True)
