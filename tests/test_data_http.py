@@ -59,7 +59,8 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
 def http_root(tmp_path):
     root = tmp_path / "www"
     root.mkdir()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(RangeHandler, directory=str(root)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             partial(RangeHandler, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     RangeHandler.gets = []

@@ -29,7 +29,8 @@ def test_exit_stats_mean_percentiles_and_histogram():
 
 def _heldout(checkpoint, shards, root, *extra):
     out = root / "exit.json"
-    assert main(["--checkpoint", checkpoint, "--task", "heldout", "--data", shards, "--out", str(out),
+    assert main(["--checkpoint", checkpoint, "--task", "heldout", "--data", shards,
+                 "--out", str(out),
                  "--batch-size", "2", "--max-batches", "3", "--seq-len", "8", *extra]) == 0
     return json.loads(out.read_text())["results"]
 

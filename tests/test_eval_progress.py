@@ -37,7 +37,8 @@ def _passages(n: int, seed: int = 0) -> list[str]:
     out = []
     for _ in range(n):
         length = int(torch.randint(3, 25, (1,), generator=g))
-        out.append(" ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (length,), generator=g)))
+        out.append(" ".join(WORDS[int(i)]
+                            for i in torch.randint(len(WORDS), (length,), generator=g)))
     return out
 
 
@@ -123,8 +124,8 @@ def test_ctrl_c_writes_the_passages_done_marked_partial(export, tmp_path, monkey
 def test_ctrl_c_before_any_batch_writes_nothing(export, tmp_path, monkeypatch):
     model, cfg = load_exported_model(export)
     _stop_after(monkeypatch, 0)
-    with pytest.raises(Interrupted, match=r"^lambada: 0/4 passages scored \(all depths in one pass\); "
-                                          r"no results written$"):
+    with pytest.raises(Interrupted, match=r"^lambada: 0/4 passages scored \(all depths in one "
+                                          r"pass\); no results written$"):
         run_task("lambada", model, cfg, _lambada_file(tmp_path / "l.jsonl", _passages(4)),
                  [1], str(tmp_path / "r.json"), "x")
     assert not (tmp_path / "r.json").exists()

@@ -258,8 +258,9 @@ def expected_text(export: str, prompt: str, **kw) -> str:
 def test_scse_generate_streams_seeded_text(export, subprocess_env, capsys) -> None:
     argv = [export, "--prompt", "the cat sees", "--max-new-tokens", "7", "--temperature", "1",
             "--top-p", "0.95", "--seed", "3"]
-    run = subprocess.run([sys.executable, "-m", "scse_dist.generate.cli", *argv], capture_output=True,
-                         text=True, env=subprocess_env, cwd=REPO_ROOT, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "scse_dist.generate.cli", *argv],
+                         capture_output=True, text=True, env=subprocess_env, cwd=REPO_ROOT,
+                         timeout=120)
     assert run.returncode == 0, run.stderr
     want = expected_text(export, "the cat sees", max_new_tokens=7,
                          sampling=Sampling(1.0, 0.95, 3))

@@ -105,7 +105,8 @@ def _expected(model, tokenizer_path, depth):
 
     tok = Tokenizer.load(tokenizer_path)
     with torch.no_grad():
-        logp = model(torch.tensor([[tok.eos_id]]), depth=depth).logits[0, -1].float().log_softmax(-1)
+        logp = model(torch.tensor([[tok.eos_id]]), depth=depth).logits[0, -1].float() \
+            .log_softmax(-1)
     return -sum(float(logp[tok.encode(line)[0]]) for line in LINES) / len(LINES)
 
 
