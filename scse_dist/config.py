@@ -105,7 +105,7 @@ def _rename_old_fields(values: dict) -> None:
 
     for old, new in RENAMED_FIELDS.items():
         *path, leaf = old.split(".")
-        node = values
+        node: Any = values
         for part in path:
             node = node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, dict) or leaf not in node:

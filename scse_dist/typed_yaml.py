@@ -40,7 +40,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     # e.g. int or "auto": the first that takes it
     if typing.get_origin(tp) in (Union, types.UnionType):
         return _coerce_union(value, typing.get_args(tp), where)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
         return _build(tp, value, where)

@@ -42,7 +42,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _size(tag_dir: Path) -> str:
-    total = sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file())
+    total: float = sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file())
     for unit in ("B", "KiB", "MiB", "GiB"):
         if total < 1024 or unit == "GiB":
             return f"{total:.0f} {unit}" if unit == "B" else f"{total:.1f} {unit}"

@@ -24,6 +24,8 @@ from scse_dist.run_dir import RunDir
 if TYPE_CHECKING:  # imported where weights load: a bad path is reported without it
     import torch
 
+    from scse_dist.model import LoopedLM
+
 
 def _deepspeed_location(path: Path) -> tuple[Path, str]:
     """(checkpoints root, tag) for a run dir, a checkpoints dir or a tag dir."""
@@ -85,7 +87,7 @@ def checkpoint_weights(root: Path, tag: str) -> dict[str, torch.Tensor]:
     return _strip_wrapper_prefixes(_deepspeed_state_dict(root, tag))
 
 
-def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, RunConfig]:
+def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[LoopedLM, RunConfig]:
     """The model (eval mode, on `device`) and its RunConfig from an export or a DeepSpeed
     checkpoint."""
     from scse_dist.checkpoint.export import load_exported_model

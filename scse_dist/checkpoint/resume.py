@@ -134,6 +134,7 @@ def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
     if remote:
         raise ConfigError("train.resume_from: not supported with a remote output_dir (only the "
                           "remote `latest` is fetched); copy the run dir locally to resume from it")
+    assert cfg.train.resume_from is not None  # plan_resume calls this only when it is set
     want = tag_for(int(cfg.train.resume_from.split("-")[1]))
     available = [p.name for p in list_checkpoints(run_dir)]
     if want not in available:
@@ -199,6 +200,7 @@ def _branch(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
     if remote:
         raise ConfigError("train.branch_from: not supported with a remote output_dir; branch into "
                           "a local run dir")
+    assert cfg.train.branch_from is not None  # plan_resume calls this only when it is set
     source = branch_source(cfg.train.branch_from)
     recorded = source / CONFIG_NAME
     changes = refused_changes(json.loads(recorded.read_text()), config_to_dict(cfg)) \

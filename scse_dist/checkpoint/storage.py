@@ -168,7 +168,8 @@ class RunStorage:
         than going back to the remote tag."""
         tag = self._staging_tag()
         path = RunDir(self.local).checkpoints / tag if tag else None
-        if path is None or not path.is_dir() or (remote_tag is not None and tag <= remote_tag):
+        if not tag or path is None or not path.is_dir() or \
+                (remote_tag is not None and tag <= remote_tag):
             return False
         self._pending[tag] = (path, {p.relative_to(path).as_posix(): p.stat().st_size
                                      for p in path.rglob("*") if p.is_file()})

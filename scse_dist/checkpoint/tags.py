@@ -19,7 +19,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import AbstractSet, Any, Optional
 
 import numpy as np
 import torch
@@ -160,7 +160,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(TAG_PREFIX))
 
 
-def prune_checkpoints(run_dir: str | Path, keep: int, protect: set[str] = frozenset()
+def prune_checkpoints(run_dir: str | Path, keep: int, protect: AbstractSet[str] = frozenset()
                       ) -> list[Path]:
     """Delete all but the newest `keep` step-* tags (never the one `latest` names, nor `protect`:
     tags a remote run dir lacks)."""

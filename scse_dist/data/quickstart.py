@@ -36,7 +36,7 @@ def _docstrings(node: ast.AST) -> Iterator[str]:
 
 def stdlib_files(root: str | None = None) -> list[str]:
     root = root or sysconfig.get_paths()["stdlib"]
-    files = []
+    files: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         files.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))

@@ -468,7 +468,8 @@ class _Readers(IterableDataset):
 def _buffer_shuffle(items: list[Item], size: int, rng: np.random.Generator) -> list[Item]:
     """The order a shuffle buffer of `size` emits `items` in: fill, then emit a random slot and
     refill it with the next item; drain in random order at the end."""
-    buffer, out = [], []
+    buffer: list[Item] = []
+    out: list[Item] = []
     for item in items:
         if len(buffer) < size:
             buffer.append(item)

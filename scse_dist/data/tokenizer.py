@@ -52,6 +52,8 @@ class _Sentences:
     """The training lines, counted, remembering an error raised while reading them: sentencepiece
     turns an iterator's exception into a RuntimeError, which would hide e.g. an InputError."""
 
+    error: Exception | None
+
     def __init__(self, lines: Iterator[str]):
         self.lines, self.count, self.error = lines, 0, None
 

@@ -9,12 +9,15 @@ token count rather than as a full batch.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.scorer import IGNORE_INDEX, DepthScorer, resolve_depths, scoring_mode
+
+if TYPE_CHECKING:
+    from scse_dist.model import LoopedLM
 
 __all__ = ["IGNORE_INDEX", "HeldoutInterrupted", "evaluate_heldout", "resolve_depths"]
 
@@ -35,7 +38,7 @@ def _rows(depths: list[int], nll_sum: dict[int, float], tokens: int) -> list[dic
     return rows
 
 
-def evaluate_heldout(model: torch.nn.Module, batches: Iterable[torch.Tensor], depths: list[int],
+def evaluate_heldout(model: LoopedLM, batches: Iterable[torch.Tensor], depths: list[int],
                      max_batches: int = 0, exit_stats: Optional[ExitStats] = None,
                      progress=None) -> list[dict]:
     """Mean token NLL and perplexity of `model` on `batches` (B, S+1) at each depth in `depths`.

@@ -101,7 +101,8 @@ def frontier_plot(results: list[dict], path: str | Path) -> str:
 
 
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, wandb_cfg: Any = None,
-                 wandb_name: str = "eval", wandb_group: Optional[str] = None) -> dict[str, str]:
+                 wandb_name: str = "eval", wandb_group: Optional[str] = None
+                 ) -> dict[str, Optional[str]]:
     """Collect, then write out_dir/report.md and out_dir/frontier.png (and wandb if enabled)."""
     results = collect(run_dirs)
     out = Path(out_dir)
@@ -125,7 +126,7 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, wandb_cfg:
             "downstream_curve": downstream}
 
 
-def report_run(run_dir: str | Path) -> dict[str, str]:
+def report_run(run_dir: str | Path) -> dict[str, Optional[str]]:
     """The report of one training run, into RUN/eval/, logged to the run's wandb group."""
     from scse_dist.config import load_config
 

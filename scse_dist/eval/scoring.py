@@ -12,12 +12,15 @@ holds sorted against unsorted equal).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, cast
 
 import torch
 
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.scorer import IGNORE_INDEX, DepthScorer, Score, scoring_mode
+
+if TYPE_CHECKING:
+    from scse_dist.model import LoopedLM
 
 __all__ = ["Window", "Score", "ScoringInterrupted", "document_windows", "context_target_window",
            "score_windows"]
@@ -81,7 +84,7 @@ def _padded(chunk: Sequence[Window]) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, targets
 
 
-def score_windows(model: torch.nn.Module, windows: Sequence[Window], depths: list[int],
+def score_windows(model: LoopedLM, windows: Sequence[Window], depths: list[int],
                   batch_size: int, exit_stats: Optional[ExitStats] = None, progress=None,
                   sort: bool = True) -> tuple[list[int], list[list[Score]]]:
     """Score every window at every depth. Returns (depths evaluated, scores[d_index][window]),
@@ -105,4 +108,4 @@ def score_windows(model: torch.nn.Module, windows: Sequence[Window], depths: lis
                     progress.update(len(picked))
         except KeyboardInterrupt:
             raise ScoringInterrupted(scorer.depths, scores) from None
-    return scorer.depths, scores  # type: ignore[return-value]  (every window scored)
+    return scorer.depths, cast("list[list[Score]]", scores)  # every window scored

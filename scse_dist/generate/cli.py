@@ -178,6 +178,7 @@ def _report(result: Generation, exit_rule, speculative, seconds: float) -> None:
               f"{sum(used) / len(used):.2f} (min {min(used)}, max {max(used)})", file=sys.stderr)
     if speculative is not None:
         spec, tokens = result.speculation, sum(len(row) for row in result.tokens)
+        assert spec is not None  # a speculative run counts its rounds
         accepted = f"{spec['accepted'] / spec['drafted']:.0%}" if spec["drafted"] else "-"
         print(f"scse-generate: speculative {speculative[0]},{speculative[1]}: {accepted} of "
               f"{spec['drafted']} drafted tokens accepted, mean K {spec['mean_k']:.2f}, "

@@ -5,7 +5,7 @@ scse_dist.generate.cli.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence, cast
 
 import torch
 
@@ -47,7 +47,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
     tokens, mask = (t.to(device) for t in left_pad(prompts))
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    kv = KVCache(cache) if cache != "none" else None
+    # checked against CACHE_CHOICES above
+    kv = KVCache(cast(Literal["exact", "shared"], cache)) if cache != "none" else None
     new: list[list[int]] = [[] for _ in prompts]
     steps: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)

@@ -44,11 +44,13 @@ class ScseTokenizer(PreTrainedTokenizer):
     def get_vocab(self) -> dict:
         return {self.sp_model.id_to_piece(i): i for i in range(self.vocab_size)}
 
-    def tokenize(self, text: str, **kwargs) -> list:
+    # transformers' signatures of these differ between its versions (this file runs as remote
+    # code under any of them); each override takes every argument its callers pass
+    def tokenize(self, text: str, **kwargs) -> list:  # type: ignore[override]
         """sentencepiece's pieces of the whole text: no splitting at special-token strings."""
         return self.sp_model.encode(text, out_type=str)
 
-    def _tokenize(self, text: str) -> list:
+    def _tokenize(self, text: str) -> list:  # type: ignore[override]
         return self.sp_model.encode(text, out_type=str)
 
     def _convert_token_to_id(self, token: str) -> int:
@@ -60,7 +62,8 @@ class ScseTokenizer(PreTrainedTokenizer):
     def convert_tokens_to_string(self, tokens: list) -> str:
         return self.sp_model.decode_pieces(list(tokens))
 
-    def _decode(self, token_ids, skip_special_tokens: bool = False, **kwargs) -> str:
+    def _decode(self, token_ids, skip_special_tokens: bool = False,  # type: ignore[override]
+                **kwargs) -> str:
         """sentencepiece's decode; a control token (EOS, the pad) is its piece, "</s>", unless
         skip_special_tokens drops it. (sentencepiece alone decodes EOS to "", and lm-eval's hf model
         takes a prefix token that decodes to "" as already present at the start of every text,
@@ -69,7 +72,8 @@ class ScseTokenizer(PreTrainedTokenizer):
         if skip_special_tokens:
             special = set(self.all_special_ids)
             ids = [i for i in ids if i not in special]
-        text, run = [], []
+        text: list[str] = []
+        run: list[int] = []
         for i in ids:
             if self.sp_model.is_control(i):
                 text += [self.sp_model.decode(run), self.sp_model.id_to_piece(i)]

@@ -48,7 +48,9 @@ RUN_JOB = [sys.executable, "-m", "scse_dist.launch.run_job"]
 def report_run(run_dir: str) -> str:
     from scse_dist.eval.report import report_run as write
 
-    return write(run_dir)["report"]
+    report = write(run_dir)["report"]
+    assert report is not None  # write_report always writes report.md
+    return report
 
 
 def training_command(config: str, overrides: Sequence[str], evaluate: bool,

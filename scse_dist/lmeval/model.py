@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import ExitStack
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 # lm-eval's own models: its registry loads them only when it is empty, which registering `scse`
 # first would make it never be
@@ -215,7 +215,7 @@ class ScseLM(LM):
                 summary = self.scorer.stats[task].summary()
                 print(f"scse: {task or 'requests'}: exit {summary['exit']}: mean steps "
                       f"{summary['mean_steps']:.3f} per scored token", file=sys.stderr)
-        return scores
+        return cast("list[Score]", scores)  # every window is in one task's rows
 
     def get_model_info(self) -> dict:
         """What lm-eval adds to its results JSON's `config` (it asks every model that has this):

@@ -93,6 +93,7 @@ class LoopedLM(nn.Module):
         if attention_mask is None and position_ids is None:
             return self.rope(tokens), None  # the training path: positions 0..S-1, is_causal
         if position_ids is None:  # left padding: a sequence's first real token is position 0
+            assert attention_mask is not None  # not both None: returned above
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         rope = rope_tables(tokens.shape[-1], self.cfg, tokens.device, position_ids)
         return rope, None if attention_mask is None else attention_mask_4d(attention_mask)

@@ -16,7 +16,7 @@ itself to it as the `Core` protocol defined there (Phi, phi_ctx, anchor, output_
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -132,6 +132,7 @@ class LoopCore(nn.Module):
         if self.inject == "add":
             h = h + s
         elif self.inject == "concat":
+            assert self.adapter is not None  # made for inject: concat
             h = self.adapter(torch.cat([h, s], dim=-1))
         first = self.transition.group(t) * self.n_core
         for i in range(self.n_core):
@@ -187,7 +188,7 @@ class LoopCore(nn.Module):
     def output_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The core's output norm (the last core block's norm2): under Post-LN every Phi output
         leaves through it, so its RMS gain times sqrt(d) is the output scale rho."""
-        return self.blocks[self.n_core - 1].norm2(h)
+        return cast(Block, self.blocks[self.n_core - 1]).norm2(h)
 
     # ------------------------------------------------------------------ the whole loop
 
@@ -244,6 +245,7 @@ class LoopCore(nn.Module):
             if t + 1 in readouts:
                 states.append(self.state(x, ctx))
             if diagnostics:
+                assert h_prev is not None  # set above under diagnostics
                 h = self.state(x, ctx).detach()
                 deviation.append(_row_norm_mean(h - ctx["anchor"]))
                 motion.append(_row_norm_mean(h - h_prev))
@@ -252,6 +254,7 @@ class LoopCore(nn.Module):
         if diagnostics:
             outs += (torch.stack(deviation), torch.stack(motion), self._forcing_bias_norm(ctx))
         if stability:
+            assert d_first is not None and d_before is not None  # set above under stability
             penalty = stability_penalty(d_first, d_before, self.deviation(x, ctx))
             outs += (self.cfg.loop_stability * penalty,)
         return outs
@@ -288,7 +291,9 @@ class LoopCore(nn.Module):
         steps_used = torch.zeros(s.shape[:-1], dtype=torch.long, device=s.device)
         readout = rule is not None and rule.needs_readout
         h = self.state(x, ctx)
-        d_prev, logp_prev = h - ctx["anchor"], log_probs(h) if readout else None
+        # readout implies log_probs (checked above)
+        d_prev, logp_prev = h - ctx["anchor"], \
+            log_probs(h) if readout and log_probs is not None else None
         steps_run = 0
         for t in range(depth if rule is None else rule.cap(depth)):
             if not bool(active.any()):
@@ -302,7 +307,8 @@ class LoopCore(nn.Module):
             steps_run = t + 1
             h = self.state(x, ctx)
             if rule is not None:
-                d_new, logp_new = h - ctx["anchor"], log_probs(h) if readout else None
+                d_new, logp_new = h - ctx["anchor"], \
+                    log_probs(h) if readout and log_probs is not None else None
                 active = active & ~rule.exited(t + 1, d_prev, d_new, logp_prev, logp_new)
                 d_prev, logp_prev = d_new, logp_new
         kv.active = None

@@ -285,7 +285,11 @@ class Scse(Transition):
     def anchor(self, core: Core, s: torch.Tensor) -> torch.Tensor:
         if self.cfg.anchor == "zero":
             return s.new_zeros(s.shape)
-        anchor = s if self.cfg.anchor == "source" else core.anchor(s)
+        if self.cfg.anchor == "source":
+            anchor = s
+        else:  # learned: the core has its anchor map
+            assert core.anchor is not None
+            anchor = core.anchor(s)
         if self.resolved_anchor_scale == "core_norm":
             # Through the core's own output norm: |h*| then follows the scale rho of Phi's
             # output, which nothing else ties it to (issue 17: R/rho drifting off 1 collapses D).

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -155,8 +155,8 @@ def _loop_inactive(run: StudyRun, th: FlagThresholds, outlier: Optional[str]) ->
     if not diag:
         confirm = "; ".join(x for x in (training, outlier) if x)
         return Flag("loop inactive", f"{flat}; {confirm or 'no diagnose results to confirm'}")
-    deviation = {d: finite(r.get("deviation_norm")) for d, r in diag.items()}
-    deviation = {d: v for d, v in deviation.items() if v is not None}
+    deviation = {d: v for d, r in diag.items()
+                 if (v := finite(r.get("deviation_norm"))) is not None}
     motion2 = finite(diag.get(2, {}).get("motion_norm"))
     why = []
     if deviation:
@@ -180,7 +180,7 @@ def run_flags(run: StudyRun, entropy: Optional[UnigramEntropy],
     flags: list[Flag] = []
     flat = flat_in_t(run, th)
     outlier = above_peers(run, peers or [], th) if flat else None
-    losses = [r.get("loss") for r in run.metrics if "loss" in r]
+    losses: list[Any] = [r.get("loss") for r in run.metrics if "loss" in r]  # JSON values
     if losses:
         final = losses[-1]
         good = [x for x in losses if finite(x) is not None]

@@ -20,6 +20,7 @@ import dataclasses
 import glob
 import json
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -84,6 +85,7 @@ def evaluate_validation(spec: StudySpec, run: Run) -> float | None:
             return None
         from scse_dist.eval.export_eval import evaluate_export
 
+        assert spec.lr is not None  # sweep runs exist only with lr:
         evaluate_export(d, "heldout", data=spec.lr.validation, at_model_depth=True,
                         name=VALIDATION_NAME, label=f"{run.run_dir}@export (validation)")
     loss = json.loads(out.read_text())["results"][0]["loss"]
@@ -93,7 +95,9 @@ def evaluate_validation(spec: StudySpec, run: Run) -> float | None:
 def choose_lrs(spec: StudySpec) -> dict[str, float]:
     """Each variant's rate: the lowest validation loss over its sweep runs, at the training depth.
     Writes lr_choice.json; StudyError when a variant has no sweep run that finished."""
-    choice, missing = {}, []
+    assert spec.lr is not None  # called only for a study with lr:
+    choice: dict[str, dict[str, Any]] = {}
+    missing: list[str] = []
     for variant in spec.variants:
         runs = [r for r in expand(spec, None, ("sweep",)) if r.variant == variant]
         scores = {r.lr: evaluate_validation(spec, r) for r in runs}
@@ -101,7 +105,7 @@ def choose_lrs(spec: StudySpec) -> dict[str, float]:
         if not done:
             missing.append(variant)
             continue
-        best = min(done, key=done.get)
+        best = min(done, key=lambda lr: done[lr])
         choice[variant] = {"lr": best, "key": spec.rate_key(variant),
                            "scores": {f"{lr:g}": s for lr, s in scores.items()},
                            "failed": [r.run_dir for r in runs if scores[r.lr] is None],
@@ -120,6 +124,7 @@ def _inputs(spec: StudySpec, run: Run) -> dict[str, str]:
     found = {} if cfg.data.build else {"data.path": cfg.data.path,
                                        "data.tokenizer": cfg.data.tokenizer}
     if run.stage == "sweep":
+        assert spec.lr is not None  # sweep runs exist only with lr:
         found["lr.validation"] = spec.lr.validation
     else:  # the test tasks: final runs only
         for task in (TASKS[name] for name in cfg.eval.tasks):

@@ -26,7 +26,8 @@ def frontier_plot(series: Series, path: str | Path, xlabel: str,
             banded = [(x, iv) for x, iv in points if iv.low is not None]
             if len(points) == 1:
                 iv = points[0][1]
-                err = [[iv.mean - iv.low], [iv.high - iv.mean]] if iv.low is not None else None
+                err = [[iv.mean - iv.low], [iv.high - iv.mean]] \
+                    if iv.low is not None and iv.high is not None else None
                 ax.errorbar(xs, means, yerr=err, marker="s", capsize=3, linestyle="none",
                             label=variant)
                 continue

@@ -18,7 +18,7 @@ import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from scse_dist.cli_errors import cli_main
 from scse_dist.config import ModelConfig, RunConfig
@@ -347,7 +347,7 @@ class StudyReport:
         loop diagnostics (so a seed's collapse reads beside its numbers)."""
         task = next(iter(self.metrics), None)
         runs = [r for r in self.included if task in r.results]
-        if not runs:
+        if task is None or not runs:
             return []
         metric = self.metrics[task][0]
         depths = sorted({d for r in runs for d in r.results[task]})
@@ -362,8 +362,9 @@ class StudyReport:
             values = {d: finite(row.get(metric)) for d, row in run.results[task].items()}
             ref = reference_depth(values, training_depth(run.config) if run.config else None)
             ratio = None
-            if ref is not None and values[ref] and values[max(values)] and max(values) > ref:
-                ratio = values[max(values)] / values[ref]
+            at_ref, deepest = (values[ref] if ref is not None else None), values[max(values)]
+            if ref is not None and at_ref and deepest and max(values) > ref:
+                ratio = deepest / at_ref
             last = {m: next((finite(r.get(m)) for r in reversed(run.metrics)
                              if finite(r.get(m)) is not None), None) for m in TRAINING_DIAGNOSTICS}
             cells = [_number(values.get(d)) for d in depths] + [_number(ratio, ".3f")]
@@ -405,7 +406,8 @@ class StudyReport:
                     for (a, b, t, m), d in self.pairs.items()}}
 
 
-def _log_to_wandb(report: StudyReport, out: Path, mode: str, images: dict[str, str]) -> None:
+def _log_to_wandb(report: StudyReport, out: Path, mode: Literal["offline", "online", "disabled"],
+                  images: dict[str, str]) -> None:
     from scse_dist.config import WandbConfig
     from scse_dist.eval.results import log_to_wandb
 
@@ -427,7 +429,8 @@ def wandb_wanted(study: Study) -> bool:
 
 
 def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
-                       wandb_mode: str = "auto") -> Path:
+                       wandb_mode: Literal["auto", "offline", "online", "disabled"] = "auto"
+                       ) -> Path:
     """Write report.md, aggregate.json and the PNGs into out_dir (default STUDY_DIR/report);
     log to wandb unless wandb_mode is "disabled" (or "auto" and every run disables wandb: else
     offline). Returns the report.md path."""

@@ -136,7 +136,10 @@ class StudySpec:
 
     def rate_values(self, variant: str) -> list[float]:
         own = self.rates.get(variant, VariantRate()).values
-        return own if own is not None else self.lr.values
+        if own is not None:
+            return own
+        assert self.lr is not None  # load_spec: a variant's own lr needs the study's lr:
+        return self.lr.values
 
 
 @dataclass
@@ -331,9 +334,10 @@ def _parse(values: Any, file: str) -> StudySpec:
     if values.get("lr") is not None:
         body = _need(values, "lr", dict, "")
         _check_keys(body, {"values", "validation", "seed", "steps"}, "lr")
-        rates = _positive_rates(body.get("values"), "lr.values")
+        sweep_rates = _positive_rates(body.get("values"), "lr.values")
         validation = _need(body, "validation", str, "lr")
-        lr = LrSweep(rates, validation, int(body.get("seed", 0)), int(body.get("steps", 0)))
+        lr = LrSweep(sweep_rates, validation, int(body.get("seed", 0)),
+                     int(body.get("steps", 0)))
     if own_rates and lr is None:
         raise SpecError(f"variants.{next(iter(own_rates))}.lr: needs the study's lr: section "
                         "(validation, seed, steps)")
@@ -410,6 +414,7 @@ def expand(spec: StudySpec, chosen: dict[str, float] | None = None,
            stages: tuple[str, ...] = ("sweep", "final")) -> list[Run]:
     """Every run of the study. Final runs carry the chosen rate (None until it is chosen)."""
     runs: list[Run] = []
+    rate: Optional[float]  # a sweep rate; a final run's chosen one (None: not chosen yet)
     d = spec.study_dir
     if spec.lr and "sweep" in stages:
         for variant, over in spec.variants.items():

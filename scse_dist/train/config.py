@@ -147,7 +147,7 @@ class TrainConfig:
 
     def check(self) -> None:
         """Values no run can train with (one ConfigError naming the field), train.depth's too."""
-        positive = {
+        positive: dict[str, float] = {
             "micro_batch_size": 1 if self.micro_batch_size == "auto" else self.micro_batch_size,
             "grad_accum_steps": self.grad_accum_steps, "max_steps": self.max_steps,
             "log_every": self.log_every, "checkpoint_every": self.checkpoint_every,

@@ -27,7 +27,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -61,7 +61,7 @@ class PreemptionFlag:
 
     def __init__(self) -> None:
         self.signal_name: Optional[str] = None
-        self._previous = {}
+        self._previous: dict[int, Any] = {}  # signal number -> its handler before ours
         self._pid = os.getpid()
         self._ctrl_c = False  # a Ctrl-C came: the next one exits at once
         # one line per Ctrl-C, from rank 0 only (every rank of a terminal's job gets the SIGINT)

@@ -68,7 +68,8 @@ def with_world_batch(cfg: RunConfig, world_size: int) -> RunConfig:
 
 def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Callback]:
     """The built-in callbacks of `cfg`, in their hook order (their priorities: callbacks.base)."""
-    optional = [HeldoutEvalCallback(cfg.eval.every_steps)] if cfg.eval.every_steps else []
+    optional: list[Callback] = [HeldoutEvalCallback(cfg.eval.every_steps)] \
+        if cfg.eval.every_steps else []
     optional += [SampleCallback(cfg.eval.sample_every)] if cfg.eval.sample_every else []
     optional += [DownstreamEvalCallback(cfg.eval.downstream_every)] \
         if cfg.eval.downstream_every else []
@@ -188,6 +189,7 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
     cfg = _with_micro_batch(cfg, model, env)
     # The data is opened before the engine is built, so bad data (another tokenizer's shards,
     # too few documents) stops the run in seconds.
+    assert isinstance(cfg.train.micro_batch_size, int)  # _with_micro_batch resolved auto
     stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
                                      env.world_size, cfg.train.seed, tokenizer.sha256)
     engine, ds_config = build_engine(cfg, model)

@@ -6,6 +6,8 @@ the first step. A second Ctrl-C stops at once (exit 130) without saving: see Pre
 
 from __future__ import annotations
 
+from typing import Optional
+
 from scse_dist.checkpoint.tags import tag_for
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.faults import REQUEUE_EXIT_CODE, PreemptionFlag
@@ -24,7 +26,7 @@ class PreemptionCallback(Callback):
         if state.result.stop:  # agreed across ranks in train_step; the checkpoint callback saves
             state.stop_reason = self.flag.signal_name or "a signal on another rank"
 
-    def release(self, state: TrainState) -> None:
+    def release(self, state: Optional[TrainState]) -> None:
         """At the end of train(), whatever happened. A preempted run keeps the handlers, so that a
         second SIGTERM cannot kill a rank still shutting down (scse-train then ignores them until
         exit; see cli.main)."""
