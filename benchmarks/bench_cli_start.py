@@ -82,7 +82,8 @@ def main() -> None:
             runs = [measure(argv, env) for _ in range(args.repeat)]
             wall = statistics.median(r[0] for r in runs)
             cpu = statistics.median(r[1] for r in runs)
-            print(f"| {label} | {wall:.2f} | {cpu:.2f} | {'yes' if runs[0][2] else 'no'} |", flush=True)
+            print(f"| {label} | {wall:.2f} | {cpu:.2f} | {'yes' if runs[0][2] else 'no'} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,8 @@ def make_engine(cfg, loop_leaf: bool):
 
 def train_step(engine, cfg, step: int, depth: int) -> None:
     g = torch.Generator().manual_seed(step)
-    batch = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.data.seq_len + 1),
+    batch = torch.randint(0, cfg.model.vocab_size,
+                          (cfg.train.micro_batch_size, cfg.data.seq_len + 1),
                           generator=g).to(engine.device)
     out = engine(batch[:, :-1], batch[:, 1:], depth=depth, keep_logits=False)
     engine.backward(out.loss)
@@ -167,7 +168,8 @@ def worker(args: argparse.Namespace) -> None:
     for leaf in (False, True):
         engine, model = make_engine(cfg, loop_leaf=leaf)
         numel = sum(p.ds_numel for p in model.parameters())
-        depths = [sample_depth(s, cfg.train.depth, cfg.model.depth, 0) for s in range(args.gather_steps + 1)]
+        depths = [sample_depth(s, cfg.train.depth, cfg.model.depth, 0)
+                  for s in range(args.gather_steps + 1)]
         train_step(engine, cfg, 0, depths[0])  # warm-up: DeepSpeed records its trace
         counter.reset()
         for s in range(1, args.gather_steps + 1):
@@ -183,7 +185,7 @@ def worker(args: argparse.Namespace) -> None:
         engines = {c: make_engine(run_config(args, c, "fixed", depth), True)[0]
                    for c in ("none", "loop")}
         cfg = run_config(args, "none", "fixed", depth)
-        for c, engine in engines.items():
+        for engine in engines.values():
             train_step(engine, cfg, 0, depth)  # warm-up
         times = {"none": [], "loop": []}
         peaks = {"none": 0, "loop": 0}
@@ -219,7 +221,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                WORLD_SIZE=str(args.world), DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "") or
                ("cuda" if torch.cuda.is_available() else "cpu"),
                # glibc returns freed blocks to the OS at once, so RSS follows the allocator.
-               MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+               MALLOC_MMAP_THRESHOLD_="65536",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", str(out)],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=REPO)
              for r in range(args.world)]
@@ -244,7 +247,8 @@ def report(ranks: list[dict]) -> None:
 
     print("\nPeak memory per rank above the pre-step level (MiB, max over ranks) and median step "
           "time, ZeRO-3 + leaf:")
-    print("| T | no checkpointing | loop checkpointing | memory ratio | step time ratio (loop/none) |")
+    print("| T | no checkpointing | loop checkpointing | memory ratio "
+          "| step time ratio (loop/none) |")
     print("|---|---|---|---|---|")
     for depth in r0["memory"]:
         mem = {c: max(r["memory"][depth][c] for r in ranks) for c in ("none", "loop")}

@@ -53,7 +53,8 @@ def main() -> None:
         separate = timed(lambda: [model(x, y, depth=d, keep_logits=False) for d in depths],
                          max(1, args.repeats // 2))
         readout = timed(lambda: model.readout(model.source(x)), args.repeats)
-    print(f"model d={args.d_model} vocab={args.vocab}, batch {args.batch}x{args.seq_len}, depths 1..{args.depths}, "
+    print(f"model d={args.d_model} vocab={args.vocab}, batch {args.batch}x{args.seq_len}, "
+          f"depths 1..{args.depths}, "
           f"{torch.get_num_threads()} threads")
     print(f"one-pass sweep   {sweep * 1e3:9.1f} ms")
     print(f"deepest only     {deepest * 1e3:9.1f} ms")

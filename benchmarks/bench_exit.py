@@ -6,7 +6,7 @@ its state and the other tokens' later steps attend to its latest K/V. `--batch1`
 one sequence at a time and prints how far the mean steps move (batched exit can overstate savings
 when a batch runs until its slowest token; here decisions are per token, so they should not).
 
-    python benchmarks/bench_exit.py                     # runs/quickstart/export, its held-out shards
+    python benchmarks/bench_exit.py                     # runs/quickstart/export, held-out shards
     python benchmarks/bench_exit.py --checkpoint EXPORT --data SHARDS --max-batches 10 --batch1
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from scse_dist.eval.exit_stats import ExitStats
-from scse_dist.eval.perplexity import evaluate_heldout
 from scse_dist.checkpoint.export import load_exported_model
+from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.inputs import read_task_data
+from scse_dist.eval.perplexity import evaluate_heldout
 from scse_dist.model import parse_exit_rule
 
 

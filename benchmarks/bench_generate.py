@@ -8,10 +8,11 @@
    through the cache, the next one scored) with the `shared` cache (one slot per core block,
    memory constant in T) against `exact`, at several depths: mean NLL, perplexity and their ratio.
    `exact` is also checked against one full forward over the same rows (it must agree).
-3. Self-speculative decoding (scse_dist.generate.speculative), batch 1, measured side by side with cached
-   full-depth decoding in one run: tokens per CPU-second over --spec-new-tokens tokens at depth
-   --spec-depth, for each draft depth d and K drafted tokens per round, greedy (the tokens must be
-   identical) and sampled (temperature 1, the model's own distribution), with the acceptance rate
+3. Self-speculative decoding (scse_dist.generate.speculative), batch 1, measured side by side with
+   cached full-depth decoding in one run: tokens per CPU-second over --spec-new-tokens tokens at
+   depth --spec-depth, for each draft depth d and K drafted tokens per round, greedy (the tokens
+   must be identical) and sampled (temperature 1, the model's own distribution), with the
+   acceptance rate
    and tokens per round; K is each of --draft-tokens, `auto` among them (K adapted per round,
    scse_dist.generate.AdaptiveDraft; its mean K printed); and "a plain model": an untied model of
    equal unrolled depth and width, random-init (only its speed is used), decoded through the same
@@ -74,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Random-init timing models: the quickstart's size, and GPT-2 small's (configs/gpt2-small-scse.yaml).
+# Random-init timing models: the quickstart's size, and GPT-2 small's
+# (configs/gpt2-small-scse.yaml).
 RANDOM_SIZES = {"quickstart": dict(d_model=128, n_heads=4, depth=4),
                 "gpt2-small": dict(vocab_size=32000, d_model=768, n_heads=12, n_prelude=2,
                                    n_core=2, n_coda=2, depth=4, max_seq_len=2048)}
@@ -191,7 +193,8 @@ def speculative_table(model: LoopedLM, prompt: list[int], args: argparse.Namespa
                       f"{same:>12}")
     base = sorted(bases)[len(bases) // 2]
     plain = plain_model_rate(model, prompt, n, depth)
-    print(f"a plain model (untied, {model.cfg.n_prelude + model.cfg.n_core * depth + model.cfg.n_coda}"
+    print(f"a plain model (untied, "
+          f"{model.cfg.n_prelude + model.cfg.n_core * depth + model.cfg.n_coda}"
           f" blocks, random-init: its speed only), greedy, cached: {plain:.1f} tokens/s, "
           f"{plain / base:.2f}x the looped model's median cached rate {base:.1f}")
 

@@ -47,8 +47,8 @@ def sample_lines(path: str, n: int) -> list[str]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from scse_dist.eval.tasks import run_task
     from scse_dist.checkpoint.export import load_exported_model
+    from scse_dist.eval.tasks import run_task
 
     torch.set_num_threads(args.threads)
     model, cfg = load_exported_model(args.checkpoint)
@@ -74,7 +74,8 @@ def main(argv=None) -> None:
           f"{args.threads} thread(s){', beside a busy process' if args.busy else ''}, "
           f"1-min load {load:.1f} at start")
     print(f"per batch: {per_batch:.2f} s wall, {cpu / batches:.2f} s CPU; "
-          f"projected for {args.full} passages: {per_batch * args.full / args.batch_size / 60:.1f} min")
+          f"projected for {args.full} passages: "
+          f"{per_batch * args.full / args.batch_size / 60:.1f} min")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@
     to the ceiling: the same packed tokens (eos included) read from one raw numpy memmap into the
     same (batch, seq_len + 1) LongTensor batches. Goals: ratio >= 0.5, >= 5M tokens/s per worker.
     Both the shuffled train order and the unshuffled (file) order are timed (local shards: an
-    mmap slice per sample at its table's offsets in both); runs alternate and the best of `--repeats` counts
-    (the files are in the page cache after the first pass, as hot shards are in training).
+    mmap slice per sample at its table's offsets in both); runs alternate and the best of
+    `--repeats` counts (the files are in the page cache after the first pass, as hot shards are in
+    training).
     With --workers 2 the aggregate rate through a real DataLoader is printed as well.
 (b) Data time as a share of step time at the GPT-2-small config (configs/gpt2-small-scse.yaml):
     the GPU consumes tokens at 400 TFLOP/s x 40% MFU / flops_per_token (H100 bf16 estimate, at
@@ -66,7 +67,8 @@ def memmap_batches(raw: str, seq_len: int, batch: int):
     tokens = np.load(raw, mmap_mode="r")
     need = batch * (seq_len + 1)
     for i in range(len(tokens) // need):
-        yield torch.from_numpy(tokens[i * need:(i + 1) * need].astype(np.int64).reshape(batch, seq_len + 1))
+        yield torch.from_numpy(tokens[i * need:(i + 1) * need].astype(np.int64)
+                               .reshape(batch, seq_len + 1))
 
 
 def rate(batches) -> float:
@@ -94,12 +96,14 @@ def shard_writing_rate(root: str) -> float | None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=20_000_000)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--workers", type=int, default=2, help="also time a DataLoader with this many workers")
+    p.add_argument("--workers", type=int, default=2,
+                   help="also time a DataLoader with this many workers")
     p.add_argument("--quick", action="store_true", help="2M tokens, one repeat")
     args = p.parse_args()
     if args.quick:
@@ -115,27 +119,32 @@ def main() -> None:
             num_workers=workers)
         best = {"memmap": 0.0, "train (shuffled)": 0.0, "sequential": 0.0}
         for _ in range(args.repeats):
-            best["memmap"] = max(best["memmap"], rate(memmap_batches(raw, args.seq_len, args.batch)))
+            best["memmap"] = max(best["memmap"],
+                                 rate(memmap_batches(raw, args.seq_len, args.batch)))
             best["train (shuffled)"] = max(best["train (shuffled)"], rate(make(True)))
             best["sequential"] = max(best["sequential"], rate(make(False)))
         print(f"{n / 1e6:.1f}M tokens, seq_len {args.seq_len}, batch {args.batch}, one process")
         for name, value in best.items():
-            print(f"  {name:18s} {value / 1e6:8.1f}M tokens/s   ratio to memmap {value / best['memmap']:.2f}")
+            print(f"  {name:18s} {value / 1e6:8.1f}M tokens/s   "
+                  f"ratio to memmap {value / best['memmap']:.2f}")
         if args.workers > 1:
             total = rate(make(True, args.workers))
             print(f"  DataLoader, {args.workers} workers: {total / 1e6:.1f}M tokens/s in all "
-                  f"({total / args.workers / 1e6:.1f}M per worker; {os.cpu_count()} cores, shared with the main process)")
+                  f"({total / args.workers / 1e6:.1f}M per worker; {os.cpu_count()} cores, "
+                  "shared with the main process)")
 
         cfg = load_config(str(REPO / "configs" / "gpt2-small-scse.yaml"))
         fpt = flops_per_token(cfg.model, cfg.model.depth, cfg.data.seq_len)
         gpu_rate = 400e12 * 0.40 / fpt
         worker = min(best["train (shuffled)"], best["sequential"])
         print(f"GPT-2-small SCSE: {fpt / 1e9:.2f} GFLOP/token -> one H100 at 40% MFU consumes "
-              f"{gpu_rate / 1e3:.0f}K tokens/s; one synchronous worker at {worker / 1e6:.1f}M tokens/s "
+              f"{gpu_rate / 1e3:.0f}K tokens/s; one synchronous worker at "
+              f"{worker / 1e6:.1f}M tokens/s "
               f"-> data time {100 * gpu_rate / worker:.2f}% of step time (goal < 2%)")
         w = shard_writing_rate(root)
         if w is not None:
-            print(f"shard writing (sentencepiece BPE 8000, C4 sample, one process): {w / 1e6:.2f}M tokens/s per core")
+            print(f"shard writing (sentencepiece BPE 8000, C4 sample, one process): "
+                  f"{w / 1e6:.2f}M tokens/s per core")
 
 
 if __name__ == "__main__":

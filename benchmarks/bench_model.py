@@ -2,9 +2,10 @@
 
 (a) Step time (forward + backward) of scse over additive at T = 8. SCSE makes T + 1 core calls
     against T, so the goal is <= 1.125. Printed beside it: scse with the source anchor (no learned
-    anchor map) and additive at T = 9 (the same number of core calls), each over additive at T = 8. Both models are timed interleaved (A, B, A, B, ...) after a
-    warm-up; the ratio is the median over the interleaved pairs (each pair sees about the same
-    machine load, so the median is robust to other processes), times are the minima.
+    anchor map) and additive at T = 9 (the same number of core calls), each over additive at
+    T = 8. Both models are timed interleaved (A, B, A, B, ...) after a warm-up; the ratio is the
+    median over the interleaved pairs (each pair sees about the same machine load, so the median
+    is robust to other processes), times are the minima.
 (b) Peak memory of one training step at T = 32 over T = 4, with activation_checkpointing=loop
     (goal <= 1.5) and =none for contrast.
     Method: each setting runs in a fresh subprocess started with MALLOC_MMAP_THRESHOLD_=65536, so
@@ -80,7 +81,8 @@ def step_time_ratio(quick: bool, reps: int = 7) -> dict[str, dict[str, float]]:
     seq = data.shape[1] - 1
     base_flops = flops_per_token(models["additive"][0].cfg, 8, seq)
     return {name: {"s": min(times[name]),
-                   "ratio": statistics.median(a / b for a, b in zip(times[name], times["additive"])),
+                   "ratio": statistics.median(a / b for a, b in zip(times[name],
+                                                                    times["additive"])),
                    "flops_ratio": flops_per_token(m.cfg, depth, seq) / base_flops}
             for name, (m, depth) in models.items() if name != "additive"} | {
         "additive": {"s": min(times["additive"]), "ratio": 1.0, "flops_ratio": 1.0}}
@@ -129,9 +131,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, quick={args.quick}")
-    print("(a) step time (forward + backward), each over additive at T=8 (goal for scse: <= 1.125):")
+    print("(a) step time (forward + backward), each over additive at T=8 (goal for scse: "
+          "<= 1.125):")
     for name, r in step_time_ratio(args.quick).items():
-        print(f"    {name:<20}{r['s']:>8.3f} s   ratio {r['ratio']:.3f}   FLOPs ratio {r['flops_ratio']:.3f}")
+        print(f"    {name:<20}{r['s']:>8.3f} s   ratio {r['ratio']:.3f}   "
+              f"FLOPs ratio {r['flops_ratio']:.3f}")
     print("(b) peak RSS above the pre-step level, one training step:")
     print(f"    {'checkpointing':<14}{'T=4 MiB':>10}{'T=32 MiB':>10}{'ratio':>8}"
           f"{'T=4 s':>8}{'T=32 s':>8}")
@@ -139,7 +143,8 @@ def main() -> None:
         lo, hi = (peak_memory(ckpt, t, args.quick, args.threads) for t in (4, 32))
         goal = "  (goal <= 1.5)" if ckpt == "loop" else ""
         print(f"    {ckpt:<14}{lo['peak_mib']:>10.1f}{hi['peak_mib']:>10.1f}"
-              f"{hi['peak_mib'] / lo['peak_mib']:>8.2f}{lo['step_s']:>8.2f}{hi['step_s']:>8.2f}{goal}")
+              f"{hi['peak_mib'] / lo['peak_mib']:>8.2f}{lo['step_s']:>8.2f}"
+              f"{hi['step_s']:>8.2f}{goal}")
         if not (lo["exact"] and hi["exact"]):
             print("    (clear_refs unavailable: ru_maxrss used, warm-up included)")
 

@@ -36,7 +36,8 @@ EVAL_DEPTHS = [1, 4, 32]
 
 @dataclasses.dataclass
 class Profile:
-    """What differs between the GPU check and its tiny CPU twin; everything else is one code path."""
+    """What differs between the GPU check and its tiny CPU twin; everything else is one code
+    path."""
     vocab: int  # tokenizer pieces (model.vocab_size stays the config's 32000 on GPU)
     overrides: list[str]
     steps: int
@@ -58,10 +59,12 @@ CPU = Profile(vocab=512, steps=6, log_every=2, min_loss_drop=0.1, overrides=[
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cpu", action="store_true", help="tiny sizes on CPU (CI keeps this path alive)")
+    p.add_argument("--cpu", action="store_true",
+                   help="tiny sizes on CPU (CI keeps this path alive)")
     p.add_argument("--workdir", default=str(REPO / "runs" / "gpu_check"),
                    help="data (built once, reused), runs and logs; default runs/gpu_check")
-    p.add_argument("--data", default=None, help="a built data dir (shards/, tokenizer.model) to use")
+    p.add_argument("--data", default=None,
+                   help="a built data dir (shards/, tokenizer.model) to use")
     p.add_argument("--out", default=None, help="summary JSON (default: WORKDIR/gpu_check.json)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 30; --cpu 6)")
     p.add_argument("--stages", default="1,3", help="ZeRO stages to run, e.g. 1,3 or 3")
@@ -121,12 +124,13 @@ def run_stage(stage: int, common: list[str], workdir: Path, steps: int, timeout:
                                 timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = f"timeout after {timeout} s"
-    result: dict = {"stage": stage, "wall_s": round(time.perf_counter() - start, 1), "log": str(log)}
+    result: dict = {"stage": stage, "wall_s": round(time.perf_counter() - start, 1),
+                    "log": str(log)}
     if rc != 0:
         tail = [line for line in log.read_text().splitlines() if line.strip()][-15:] or [""]
         print("\n".join(tail))
-        return {**result, "failure": f"ZeRO-{stage}: trainer exited with {rc}: {tail[-1].strip()[:300]} "
-                                     f"(log {log})"}
+        return {**result, "failure": f"ZeRO-{stage}: trainer exited with {rc}: "
+                                     f"{tail[-1].strip()[:300]} (log {log})"}
 
     from scse_dist.run_dir import RunDir
     from scse_dist.train.metrics import format_line
@@ -140,9 +144,11 @@ def run_stage(stage: int, common: list[str], workdir: Path, steps: int, timeout:
     result.update(
         compile=resolved["train"].get("compile", False),
         loop_checkpointing=resolved["model"]["activation_checkpointing"] == "loop",
-        windows=[{k: r.get(k) for k in ("step", "loss", "depth", "tokens_per_s", "mfu", "peak_mem_gib")}
+        windows=[{k: r.get(k)
+                  for k in ("step", "loss", "depth", "tokens_per_s", "mfu", "peak_mem_gib")}
                  for r in rows],
-        first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"], skipped_steps=rows[-1]["skipped_steps"],
+        first_loss=rows[0]["loss"], last_loss=rows[-1]["loss"],
+        skipped_steps=rows[-1]["skipped_steps"],
         tokens_per_s=tokens_per_s, mfu=mfu, averaged_steps=averaged,
         peak_mem_gib=max((r.get("peak_mem_gib") or 0.0 for r in rows), default=0.0) or None,
         ppl={str(r["depth"]): r["ppl"] for r in heldout})
@@ -176,7 +182,8 @@ def table(results: list[dict]) -> str:
             "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
             "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}",
             f"{r['first_loss']:.3f}->{r['last_loss']:.3f}",
-            *(f"{r['ppl'].get(str(d)) or float('nan'):.1f}" for d in EVAL_DEPTHS), str(r["wall_s"])]))
+            *(f"{r['ppl'].get(str(d)) or float('nan'):.1f}" for d in EVAL_DEPTHS),
+            str(r["wall_s"])]))
     return "\n".join(lines)
 
 
@@ -209,11 +216,13 @@ def main(argv=None) -> int:
         f"train.max_steps={steps}", f"train.log_every={profile.log_every}",
         f"train.checkpoint_every={steps}", "train.keep_checkpoints=1",
         "model.activation_checkpointing=loop", f"eval.depths=[{','.join(map(str, EVAL_DEPTHS))}]",
-        "eval.after_train=true", "wandb.enabled=false"] + (["train.compile=true"] if use_compile else [])
+        "eval.after_train=true", "wandb.enabled=false"] + \
+        (["train.compile=true"] if use_compile else [])
     # One process of its own per run: no launcher variables inherited from whoever started us.
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [env["PYTHONPATH"]] * bool(env.get("PYTHONPATH")))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)]
+                                        + [env["PYTHONPATH"]] * bool(env.get("PYTHONPATH")))
     if args.cpu:  # the CPU path even on a GPU machine; one thread: tiny ops, shared cores
         env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
         env.setdefault("OMP_NUM_THREADS", "1")

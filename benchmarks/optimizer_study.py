@@ -93,14 +93,16 @@ def compare(runs: dict, candidate: str, baseline: str, tokens_per_step: dict) ->
         per_seed.append({"seed": seed, "baseline_final_loss": target,
                          "candidate_final_loss": cand[max(cand)],
                          "baseline_tokens": base_tokens, "candidate_tokens_to_reach": reach_tokens,
-                         "tokens_saved": None if reach_tokens is None else base_tokens - reach_tokens})
+                         "tokens_saved": None if reach_tokens is None
+                         else base_tokens - reach_tokens})
     reached = [r["tokens_saved"] for r in per_seed if r["tokens_saved"] is not None]
     diffs = [r["candidate_final_loss"] - r["baseline_final_loss"] for r in per_seed]
     summary = {"candidate": candidate, "baseline": baseline, "seeds": per_seed,
                "all_reached": len(reached) == len(per_seed)}
     if per_seed and summary["all_reached"]:
         summary["tokens_saved"] = interval(reached)
-        summary["token_ratio"] = [r["candidate_tokens_to_reach"] / r["baseline_tokens"] for r in per_seed]
+        summary["token_ratio"] = [r["candidate_tokens_to_reach"] / r["baseline_tokens"]
+                                  for r in per_seed]
     if per_seed:
         summary["final_loss_difference"] = interval(diffs)
     return summary
@@ -133,8 +135,8 @@ def main() -> int:
             print(f"optimizer_study: {run_dir} has no checkpoints; skipped", file=sys.stderr)
             continue
         cfg = load_saved_config(record["config"])  # one rank per run (a CPU study)
-        tokens_per_step[record["variant"]] = (cfg.train.micro_batch_size * cfg.train.grad_accum_steps
-                                              * cfg.data.seq_len)
+        tokens_per_step[record["variant"]] = (cfg.train.micro_batch_size
+                                              * cfg.train.grad_accum_steps * cfg.data.seq_len)
         curve = validation_curve(run_dir, validation, args.max_batches)
         runs.setdefault(record["variant"], {})[record["seed"]] = curve
         print(f"{run_dir.name}: " + " ".join(f"{s}:{v:.3f}" for s, v in sorted(curve.items())),
@@ -146,12 +148,14 @@ def main() -> int:
                  if v.endswith("_muon") and v.removesuffix("_muon") in runs]
     summaries = [compare(runs, c, b, tokens_per_step) for c, b in pairs]
     print("\n| candidate | baseline | seeds | baseline final loss | candidate final loss | "
-          "tokens to reach (share of baseline's) | tokens saved, mean [95%] | final loss diff [95%] |")
+          "tokens to reach (share of baseline's) | tokens saved, mean [95%] "
+          "| final loss diff [95%] |")
     print("|---|---|---:|---|---|---|---|---|")
     for s in summaries:
         rows = s["seeds"]
         reach = ", ".join("not reached" if r["candidate_tokens_to_reach"] is None else
-                          f"{r['candidate_tokens_to_reach']:,.0f} ({r['candidate_tokens_to_reach'] / r['baseline_tokens']:.2f})"
+                          f"{r['candidate_tokens_to_reach']:,.0f} "
+                          f"({r['candidate_tokens_to_reach'] / r['baseline_tokens']:.2f})"
                           for r in rows)
         base_final = ", ".join(f"{r['baseline_final_loss']:.3f}" for r in rows)
         cand_final = ", ".join(f"{r['candidate_final_loss']:.3f}" for r in rows)
@@ -159,7 +163,8 @@ def main() -> int:
               f"{reach} | {interval_cell(s.get('tokens_saved'))} | "
               f"{interval_cell(s.get('final_loss_difference'))} |")
     (study / "optimizer_study.json").write_text(json.dumps(
-        {"validation": validation, "curves": {v: {str(s): c for s, c in by.items()} for v, by in runs.items()},
+        {"validation": validation,
+         "curves": {v: {str(s): c for s, c in by.items()} for v, by in runs.items()},
          "comparisons": summaries}, indent=1) + "\n")
     return 0
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
     """`write(tmp)` creates the temporary file (any writer that takes a path), then it replaces
     `path`. The temporary file is removed when anything fails."""
     path = Path(path)

@@ -64,7 +64,8 @@ def exit_status(exc: BaseException) -> Optional[int]:
     # InputError with the file named, these are the fallback for a reader that did not.
     if isinstance(exc, (InputError, UnicodeDecodeError, json.JSONDecodeError)):
         return EXIT_BAD_INPUT
-    if isinstance(exc, OSError) and not isinstance(exc, io.UnsupportedOperation):  # that one is a bug
+    # io.UnsupportedOperation is an OSError, but that one is a bug
+    if isinstance(exc, OSError) and not isinstance(exc, io.UnsupportedOperation):
         return EXIT_NO_INPUT
     return None
 

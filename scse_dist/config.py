@@ -14,20 +14,26 @@ from typing import Any
 
 import yaml
 
-# The model package owns its config (it is copied into exports as remote code); re-exported here.
-# check_model_config is the full check (the fields, then the recurrence's own: transitions.py).
-from scse_dist.model.config import VALUE_BEFORE_FIELD, ConfigError, ModelConfig  # noqa: F401
-from scse_dist.model.transitions import check_model_config, resolved_anchor_scale  # noqa: F401
 # Each section's dataclass sits beside the package it configures (below it: a leaf the package's
 # __init__ does not weigh down); this module composes them into RunConfig and re-exports them.
+# The model package owns its config (it is copied into exports as remote code); re-exported here.
+# check_model_config is the full check (the fields, then the recurrence's own: transitions.py).
 from scse_dist.data.config import DataConfig
 from scse_dist.eval.config import EvalConfig
 from scse_dist.launch.config import EvalResources, Resources  # noqa: F401
-from scse_dist.train.config import (CallbackSpec, DepthSamplingConfig, ProfileConfig,  # noqa: F401
-                                    TensorBoardConfig, TrainConfig, WandbConfig)
+from scse_dist.model.config import VALUE_BEFORE_FIELD, ConfigError, ModelConfig  # noqa: F401
+from scse_dist.model.transitions import check_model_config, resolved_anchor_scale  # noqa: F401
+from scse_dist.train.config import (  # noqa: F401
+    CallbackSpec,
+    DepthSamplingConfig,
+    ProfileConfig,
+    TensorBoardConfig,
+    TrainConfig,
+    WandbConfig,
+)
+
 # The typed-YAML machinery; apply_overrides and deep_merge are part of this module's interface.
 from scse_dist.typed_yaml import _build, _read_yaml, apply_overrides, deep_merge  # noqa: F401
-
 
 # --------------------------------------------------------------------------- the run config
 
@@ -99,7 +105,7 @@ def _rename_old_fields(values: dict) -> None:
 
     for old, new in RENAMED_FIELDS.items():
         *path, leaf = old.split(".")
-        node = values
+        node: Any = values
         for part in path:
             node = node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, dict) or leaf not in node:
@@ -120,7 +126,8 @@ def _rename_old_fields(values: dict) -> None:
 
 def config_from_dict(values: dict) -> RunConfig:
     if not isinstance(values, dict):
-        raise ConfigError(f"config: expected a mapping at the top level, got {type(values).__name__}")
+        raise ConfigError(f"config: expected a mapping at the top level, got "
+                          f"{type(values).__name__}")
     _rename_old_fields(values)
     cfg = _build(RunConfig, values)
     _check_consistency(cfg)
@@ -187,7 +194,8 @@ def config_to_dict(cfg: Any) -> dict:
 
 
 def config_yaml(cfg: RunConfig) -> str:
-    """The resolved config as YAML (what config.yaml of a run holds; `scse-train --print-config`)."""
+    """The resolved config as YAML (what config.yaml of a run holds; `scse-train
+    --print-config`)."""
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
 

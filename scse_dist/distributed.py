@@ -92,7 +92,8 @@ def resolve_dist_env(environ: Mapping[str, str],
             port = SLURM_PORT_BASE + _int(environ, "SLURM_JOB_ID") % SLURM_PORT_SPAN
         return DistEnv(rank=_int(environ, "SLURM_PROCID"),
                        world_size=_int(environ, "SLURM_STEP_NUM_TASKS"),
-                       local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
+                       local_rank=_int(environ, "SLURM_LOCALID")
+                       if "SLURM_LOCALID" in environ else 0,
                        master_addr=addr, master_port=port, launcher="slurm")
     return DistEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1",
                    master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ
@@ -102,10 +103,12 @@ def resolve_dist_env(environ: Mapping[str, str],
 def describe_placement(env: DistEnv, environ: Mapping[str, str]) -> str:
     """Where this rank runs, for the log; under Slurm also its task and node (a multi-node log then
     shows that every task started, and on which node)."""
-    where = f"rank {env.rank} of {env.world_size} (local rank {env.local_rank}) on {socket.gethostname()}"
+    where = f"rank {env.rank} of {env.world_size} (local rank {env.local_rank}) on " \
+        f"{socket.gethostname()}"
     if env.launcher == "slurm":
         where += (f", Slurm task {environ.get('SLURM_PROCID', '?')} on node "
-                  f"{environ.get('SLURMD_NODENAME', '?')} (SLURM_NODEID {environ.get('SLURM_NODEID', '?')})")
+                  f"{environ.get('SLURMD_NODENAME', '?')} "
+                  f"(SLURM_NODEID {environ.get('SLURM_NODEID', '?')})")
     return f"{where}, rendezvous {env.master_addr}:{env.master_port} ({env.launcher})"
 
 
@@ -114,11 +117,13 @@ def collective_timeout_s() -> float:
     try:
         return float(raw)
     except ValueError:
-        raise RuntimeError(f"environment {TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+        raise RuntimeError(f"environment {TIMEOUT_ENV}={raw!r} is not a number of "
+                           "seconds") from None
 
 
 def init_distributed(backend: Optional[str] = None) -> DistEnv:
-    """Export the resolved env, start the process group (nccl on CUDA, else gloo), return the env."""
+    """Export the resolved env, start the process group (nccl on CUDA, else gloo), return the
+    env."""
     env = resolve_dist_env(os.environ)
     os.environ.update(env.as_environ())
     if backend is None:
@@ -134,11 +139,12 @@ def init_distributed(backend: Optional[str] = None) -> DistEnv:
 
 
 def _skip_deepspeed_shm_build() -> None:
-    # DeepSpeed's TorchBackend JIT-builds the C++ `deepspeed_shm_comm` op on every rank at start-up
-    # (about 30 s cold on CPU) even when torch.distributed is already initialised. The op serves only
-    # inference all-reduce, which training never calls. `build_shm_op` returns None when the op is
-    # marked incompatible in `deepspeed.ops.__compatible_ops__`, a module-level dict that DeepSpeed
-    # probes once (0.2 s) and keeps, so flipping that one entry skips the build with no patching.
+    # DeepSpeed's TorchBackend JIT-builds the C++ `deepspeed_shm_comm` op on every rank at
+    # start-up (about 30 s cold on CPU) even when torch.distributed is already initialised. The op
+    # serves only inference all-reduce, which training never calls. `build_shm_op` returns None
+    # when the op is marked incompatible in `deepspeed.ops.__compatible_ops__`, a module-level dict
+    # that DeepSpeed probes once (0.2 s) and keeps, so flipping that one entry skips the build with
+    # no patching.
     from scse_dist.quiet import name_cpu_accelerator
 
     name_cpu_accelerator()  # the first DeepSpeed import of a training process

@@ -46,7 +46,8 @@ class Task:
     # The eval.* field naming its data file ("lambada": eval.lambada, "data.toy": eval.data.toy);
     # None: it reads data.path.
     data_field: Optional[str] = None
-    heldout: bool = False  # reads data.path's held-out split when it is a shard dir; max_batches applies
+    # reads data.path's held-out split when it is a shard dir; max_batches applies
+    heldout: bool = False
     scores_tokens: bool = True  # an exit rule (--exit) can stop each token's loop
     diagnostic: bool = False  # measures the loop, not quality: no headline for the study's flags,
     #                           no study metric table (the study plots it on its own)

@@ -20,7 +20,6 @@ import yaml
 from scse_dist.model.config import ConfigError
 
 
-
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
@@ -38,9 +37,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if optional:
             return None
         raise ConfigError(f"{where}: may not be null")
-    if typing.get_origin(tp) in (Union, types.UnionType):  # e.g. int or "auto": the first that takes it
+    # e.g. int or "auto": the first that takes it
+    if typing.get_origin(tp) in (Union, types.UnionType):
         return _coerce_union(value, typing.get_args(tp), where)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
         return _build(tp, value, where)
@@ -48,7 +48,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(f"{where}: must be one of {', '.join(map(str, choices))}; got {value!r}")
+            raise ConfigError(f"{where}: must be one of {', '.join(map(str, choices))}; got "
+                              f"{value!r}")
         return value
     if origin is dict:  # str -> value, e.g. eval.data
         if not isinstance(value, dict):
@@ -61,8 +62,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             value = [value] if not isinstance(value, str) else [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(v if not isinstance(v, str) or item_tp is str else _parse_scalar(v), item_tp,
-                        f"{where}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(v if not isinstance(v, str) or item_tp is str else _parse_scalar(v),
+                        item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
@@ -175,8 +176,9 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = (), *, kind: str = "config f
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{kind} {str(path)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
-                          f"at offset {exc.start}); a config is a YAML text file") from None
+        raise ConfigError(f"{kind} {str(path)!r} is not UTF-8 text (byte "
+                          f"{exc.object[exc.start]:#04x} at offset {exc.start}); a config is a "
+                          "YAML text file") from None
     except OSError as exc:
         raise ConfigError(f"{kind} {str(path)!r} cannot be read: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:

@@ -4,7 +4,8 @@
         path = tiny_config(tmp_path, "train.max_steps=5")   # YAML file for --config / load_config
         cfg = load_config(path)
 
-The corpus is synthetic, learnable text (a small grammar), so a few dozen steps visibly cut the loss.
+The corpus is synthetic, learnable text (a small grammar), so a few dozen steps visibly cut the
+loss.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_VOCAB = 320
 
-_SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird", "our teacher"]
+_SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird",
+             "our teacher"]
 _VERBS = ["sees", "likes", "finds", "paints", "follows", "builds", "reads"]
 _OBJECTS = ["the red ball", "a green box", "the tall tree", "an open door", "the blue river",
             "a quiet house", "the bright moon"]
@@ -70,7 +72,8 @@ def run_profiling_imports(cmd: list[str], env: dict[str, str], **kwargs) -> Prof
     proc = subprocess.run(cmd, capture_output=True, text=True,
                           env=dict(env, PYTHONPROFILEIMPORTTIME="1"), **kwargs)
     profile = [line for line in proc.stderr.splitlines(True) if line.startswith("import time:")]
-    own = "".join(line for line in proc.stderr.splitlines(True) if not line.startswith("import time:"))
+    own = "".join(line for line in proc.stderr.splitlines(True)
+                  if not line.startswith("import time:"))
     # "import time: self [us] | cumulative | imported package" -> the top-level package
     packages = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in profile[1:]}
     return Profiled(proc.returncode, proc.stdout, own, frozenset(packages))
@@ -124,7 +127,8 @@ def tiny_config_dict(data: dict[str, str], output_dir: str) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_config(tiny_data) -> Callable[..., str]:
-    """Factory: tiny_config(directory, 'a.b=c', ...) writes directory/tiny.yaml and returns its path.
+    """Factory: tiny_config(directory, 'a.b=c', ...) writes directory/tiny.yaml and returns its
+    path.
 
     Runs go to directory/runs/tiny. Overrides use the CLI's `key.sub=value` syntax.
     """
@@ -132,7 +136,8 @@ def tiny_config(tiny_data) -> Callable[..., str]:
 
     def make(directory: str | os.PathLike, *overrides: str) -> str:
         directory = Path(directory)
-        values = apply_overrides(tiny_config_dict(tiny_data, str(directory / "runs")), list(overrides))
+        values = apply_overrides(tiny_config_dict(tiny_data, str(directory / "runs")),
+                                 list(overrides))
         path = directory / "tiny.yaml"
         path.write_text(yaml.safe_dump(values, sort_keys=False))
         return str(path)
@@ -234,7 +239,8 @@ def s3_traffic(monkeypatch):
     server = make_server("127.0.0.1", 0, traffic, threaded=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    s3_conf = {"endpoint_url": f"http://127.0.0.1:{server.server_port}", "key": "test", "secret": "test"}
+    s3_conf = {"endpoint_url": f"http://127.0.0.1:{server.server_port}", "key": "test",
+               "secret": "test"}
     for key, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
                        "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3": json.dumps(s3_conf)}.items():
         monkeypatch.setenv(key, value)
@@ -256,7 +262,8 @@ def s3_bucket(s3_traffic):
 
 
 def tiny_cfg(**model):
-    """A validated RunConfig around a 64-token, d=32 model (model fields overridable); seeds torch."""
+    """A validated RunConfig around a 64-token, d=32 model (model fields overridable); seeds
+    torch."""
     import torch
 
     from scse_dist.config import config_from_dict

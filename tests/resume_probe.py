@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+from scse_dist.checkpoint.reshard import convert_once, load_universal
+from scse_dist.checkpoint.tags import META_NAME, checkpoint_dir
 from scse_dist.config import load_config
 from scse_dist.distributed import init_distributed, is_rank0, shutdown
 from scse_dist.model import LoopedLM
-from scse_dist.checkpoint.tags import META_NAME, checkpoint_dir
 from scse_dist.train.engine import build_engine
 from scse_dist.train.loop import with_world_batch
-from scse_dist.checkpoint.reshard import convert_once, load_universal
 
 
 def main(config: str, out: str, tag: str) -> None:

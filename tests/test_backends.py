@@ -13,7 +13,6 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT
-
 from recording_backend import RecordingBackend
 from scse_dist.launch.backends import BackendError, Job, LocalBackend, Resources, SlurmBackend, Task
 from scse_dist.launch.backends.slurm import flag_parameters, resource_parameters
@@ -24,7 +23,8 @@ from scse_dist.study.spec import parse_spec
 
 def spec_with_sweep(tmp_path, tiny_config, **fields):
     spec = {"name": "s", "out": str(tmp_path / "studies"), "base": tiny_config(tmp_path),
-            "variants": {"scse": {"overrides": {}}, "looped": {"overrides": {"model.recurrence": "looped"}}},
+            "variants": {"scse": {"overrides": {}},
+                         "looped": {"overrides": {"model.recurrence": "looped"}}},
             "seeds": [0, 1], "lr": {"values": [1e-3, 3e-3], "validation": "v.txt"},
             "resources": {"gpus_per_node": 2, "time_min": 30}, **fields}
     return parse_spec(spec, str(tmp_path / "spec.yaml"))
@@ -45,12 +45,14 @@ def test_a_study_stage_is_one_checked_capped_array_then_a_job_after_it(tmp_path,
     assert tasks == [Task([sys.executable, "-m", "scse_dist.launch.run_job", "train",
                            str((r / "config.yaml").resolve())], f"s-{r.name}") for r in runs]
     assert array.resources == Resources(gpus_per_node=2, time_min=30)  # the spec's resources:
-    assert (array.after, array.dependency, array.backend_args) == (["7"], "afterany", ["--account=me"])
+    assert (array.after, array.dependency, array.backend_args) == \
+        (["7"], "afterany", ["--account=me"])
     assert array.log_dir == (spec.study_dir / "logs").resolve() and array.env == {}
     assert (nxt.after, nxt.dependency, nxt.name) == ([array_id], "afterany", "s-choose-lr")
     assert nxt.command[-4:] == ["SPEC", "--backend=x", "--stage", "final"]
     assert nxt.env == {"SCSE_STUDY_STAGE_JOB": "1"}
-    assert ids == {"stage": "sweep", "array": array_id, "next": next_id, "runs": list(map(str, runs))}
+    assert ids == {"stage": "sweep", "array": array_id, "next": next_id,
+                   "runs": list(map(str, runs))}
     assert json.loads((spec.study_dir / "logs" / "sweep.json").read_text()) == ids
 
 
@@ -67,9 +69,9 @@ def test_a_refused_request_is_one_line_naming_it_and_submits_nothing(tmp_path, t
     backend = RecordingBackend(refuse="Requested node configuration is not available")
     with pytest.raises(StudyError) as err:
         execute.run_submitted(spec, "auto", 2, backend, ["--x"], [])
-    assert str(err.value) == ("the cluster cannot run the training jobs as requested (nodes=1 gpus=2 "
-                              "--x; spec field resources and --backend-args): Requested node "
-                              "configuration is not available")
+    assert str(err.value) == ("the cluster cannot run the training jobs as requested (nodes=1 "
+                              "gpus=2 --x; spec field resources and --backend-args): Requested "
+                              "node configuration is not available")
     assert backend.kinds() == ["check"]
 
 
@@ -78,7 +80,8 @@ def test_a_refused_next_job_cancels_the_array(tmp_path, tiny_config):
     backend = RecordingBackend(fail_submit_at=0)
     with pytest.raises(StudyError, match="queue is full"):
         execute.run_submitted(spec, "sweep", 2, backend, [], [])
-    assert backend.kinds() == ["check", "array", "cancel"] and backend.calls[-1] == ("cancel", "100")
+    assert backend.kinds() == ["check", "array", "cancel"] and \
+        backend.calls[-1] == ("cancel", "100")
 
 
 def test_a_new_backend_is_one_class_and_its_name_and_both_commands_use_it(tmp_path, tiny_config,
@@ -147,7 +150,8 @@ def test_local_jobs_run_in_order_and_afterok_skips_what_follows_a_failure(tmp_pa
     never = backend.submit(job("third", after=[ok, failed]))
     anyway = backend.submit(job("fourth", after=[failed], dependency="afterany"))
     array = backend.submit_array(job("task", after=[anyway]),
-                                 [Task(command(f"task{i}"), f"t{i}") for i in range(3)], max_parallel=2)
+                                 [Task(command(f"task{i}"), f"t{i}") for i in range(3)],
+                                 max_parallel=2)
     assert log.read_text().split() == [f"first:{ok}", f"second:{failed}", f"fourth:{anyway}",
                                        f"task0:{array}_0", f"task1:{array}_1", f"task2:{array}_2"]
     assert backend.exit_status == {ok: 0, failed: 3, never: None, anyway: 0, array: 0}
@@ -195,14 +199,17 @@ def test_local_backend_runs_a_study_through_the_same_job_flow(tmp_path, tiny_con
     assert f"local job {final['array']}_1 (loc-final) exited 66" in out.stdout, out.stdout
     run = d / "scse" / "scse-seed0"
     heldout = json.loads((run / "eval" / "heldout.json").read_text())
-    assert [r["depth"] for r in heldout["results"]] == [1, 2] and (run / "eval" / "report.md").is_file()
+    assert [r["depth"] for r in heldout["results"]] == [1, 2] and \
+        (run / "eval" / "report.md").is_file()
     report_log = (d / "logs" / f"loc-report-{final['next']}.out").read_text()
-    assert f"FAILED {d / 'broken' / 'broken-seed0'}: training did not finish" in report_log, report_log
+    assert f"FAILED {d / 'broken' / 'broken-seed0'}: training did not finish" in report_log, \
+        report_log
     assert "## heldout ppl" in (d / "report" / "report.md").read_text()
 
 
 @pytest.mark.slow
-def test_local_backend_launch_trains_evaluates_and_reports_in_one_job(tmp_path, tiny_config, user_env):
+def test_local_backend_launch_trains_evaluates_and_reports_in_one_job(tmp_path, tiny_config,
+                                                                      user_env):
     cfg = tiny_config(tmp_path, "train.max_steps=4", "eval.tasks=[heldout]")
     out = subprocess.run(["scse-launch", cfg, "--backend", "local"], capture_output=True, text=True,
                          cwd=tmp_path, env=dict(user_env, WANDB_MODE="disabled"), timeout=600)
@@ -210,7 +217,8 @@ def test_local_backend_launch_trains_evaluates_and_reports_in_one_job(tmp_path, 
     job = out.stdout.splitlines()[-1]  # the job id alone, as sbatch --parsable prints it
     assert f"local job {job} (tiny) exited 0" in out.stdout
     run = tmp_path / "runs" / "tiny"
-    assert [r["depth"] for r in json.loads((run / "eval" / "heldout.json").read_text())["results"]] == [1, 2]
+    heldout = json.loads((run / "eval" / "heldout.json").read_text())
+    assert [r["depth"] for r in heldout["results"]] == [1, 2]
     assert (run / "eval" / "report.md").is_file() and not (run / "eval" / "scheduled.json").exists()
     assert "scse-launch: report" in (run / "logs" / f"tiny-{job}.out").read_text()
     # a training job that fails here is scse-launch's failure too: its status and one line
@@ -220,7 +228,8 @@ def test_local_backend_launch_trains_evaluates_and_reports_in_one_job(tmp_path, 
     job = broken.stdout.splitlines()[-1]
     assert broken.returncode == 66 and broken.stderr == \
         f"scse-launch: training job {job} exited 66 (its logs say why)\n", broken.stderr
-    assert "scse-train: error:" in (tmp_path / "runs" / "broken" / "logs" / f"broken-{job}.err").read_text()
+    err_log = tmp_path / "runs" / "broken" / "logs" / f"broken-{job}.err"
+    assert "scse-train: error:" in err_log.read_text()
 
 
 @pytest.mark.slow
@@ -240,9 +249,11 @@ def test_a_non_editable_install_launches_from_any_directory(tmp_path, tiny_confi
     where = subprocess.run([sys.executable, "-c", "import scse_dist; print(scse_dist.__file__)"],
                            capture_output=True, text=True, cwd=exp, env=env, check=True).stdout
     assert where.startswith(str(site)), where
-    out = subprocess.run([sys.executable, "-m", "scse_dist.launch.scheduler", cfg, "--backend", "local"],
+    out = subprocess.run([sys.executable, "-m", "scse_dist.launch.scheduler", cfg,
+                          "--backend", "local"],
                          capture_output=True, text=True, cwd=exp, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     run = tmp_path / "runs" / "tiny"
-    assert [r["depth"] for r in json.loads((run / "eval" / "heldout.json").read_text())["results"]] == [1, 2]
+    heldout = json.loads((run / "eval" / "heldout.json").read_text())
+    assert [r["depth"] for r in heldout["results"]] == [1, 2]
     assert (run / "eval" / "report.md").is_file()

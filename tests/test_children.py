@@ -22,7 +22,8 @@ import yaml
 from scse_dist.launch.children import StoppedBySignal, run_child, stop_on_signals
 
 
-def wait_for(path: Path, text: str, timeout: float = 240, proc: subprocess.Popen | None = None) -> None:
+def wait_for(path: Path, text: str, timeout: float = 240,
+             proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not (path.is_file() and text in path.read_text(errors="replace")):
         assert time.monotonic() < deadline, f"no {text!r} in {path}"
@@ -31,7 +32,8 @@ def wait_for(path: Path, text: str, timeout: float = 240, proc: subprocess.Popen
 
 
 def gone(pids: list[int]) -> list[int]:
-    """Those of `pids` still running once the killed ones had time to die (a zombie runs nothing)."""
+    """Those of `pids` still running once the killed ones had time to die (a zombie runs
+    nothing)."""
     procs = []
     for pid in pids:
         try:
@@ -75,7 +77,8 @@ def test_without_a_child_a_signal_stops_the_work_in_progress():
 
 
 def _tiny_spec(tmp_path: Path, tiny_config) -> Path:
-    base = tiny_config(tmp_path, "train.max_steps=6", "train.log_every=1", "train.checkpoint_every=100")
+    base = tiny_config(tmp_path, "train.max_steps=6", "train.log_every=1",
+                       "train.checkpoint_every=100")
     spec = {"name": "sig", "out": str(tmp_path / "studies"), "base": base, "seeds": [0],
             "variants": {"scse": {"overrides": {}}}, "evals": {"tasks": ["heldout"], "depths": [1]}}
     path = tmp_path / "spec.yaml"
@@ -101,8 +104,8 @@ def test_sigterm_to_a_local_study_saves_the_run_exits_75_leaves_nothing_and_a_re
     text = err.read_text()
     run = tmp_path / "studies" / "sig" / "scse" / "scse-seed0"
     assert status == 75, text[-3000:]
-    assert text.rstrip().splitlines()[-1] == (f"scse-study: stopped by SIGTERM during training {run} "
-                                              "(it saved a checkpoint, rerun to resume)")
+    assert text.rstrip().splitlines()[-1] == (f"scse-study: stopped by SIGTERM during training "
+                                              f"{run} (it saved a checkpoint, rerun to resume)")
     assert "preempted by SIGTERM: saved step-0000003 after step 3" in text + out.read_text()
     assert started and gone(started) == []  # the trainer and anything it started
     again = subprocess.run([sys.executable, "-m", "scse_dist.study.cli", str(spec), "--local"],
@@ -127,7 +130,8 @@ def test_ctrl_c_to_a_local_backend_launch_reaches_training_once_and_exits_75(tmp
     term = Terminal(["-m", "scse_dist.launch.scheduler", config, "--backend", "local"], env)
     logs = tmp_path / "runs" / "tiny" / "logs"
     deadline = time.monotonic() + 240
-    while not any("fault: stalling step 3" in p.read_text(errors="replace") for p in logs.glob("*.out")):
+    while not any("fault: stalling step 3" in p.read_text(errors="replace")
+                  for p in logs.glob("*.out")):
         assert time.monotonic() < deadline, term.output.decode(errors="replace")
         time.sleep(0.2)
     started = [p.pid for p in psutil.Process(term.pid).children(recursive=True)]

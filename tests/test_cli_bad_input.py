@@ -17,8 +17,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import (REPO_ROOT, console_script, run_profiling_imports, tiny_config_dict,
-                      tiny_documents)
+from conftest import (
+    REPO_ROOT,
+    console_script,
+    run_profiling_imports,
+    tiny_config_dict,
+    tiny_documents,
+)
 
 BAD_CONFIG, BAD_INPUT, NO_INPUT = 2, 65, 66  # scse_dist.cli_errors
 
@@ -100,7 +105,8 @@ CASES = {
     ],
     "report": [
         ("{d}/run-noeval --out {d}/rep", NO_INPUT, "{d}/run-noeval: no evaluation results"),
-        ("{d}/run-empty --out {d}/rep", BAD_INPUT, "{d}/run-empty/eval/heldout.json: not a results JSON"),
+        ("{d}/run-empty --out {d}/rep", BAD_INPUT,
+         "{d}/run-empty/eval/heldout.json: not a results JSON"),
         ("{d}/run-binary --out {d}/rep", BAD_INPUT,
          "{d}/run-binary/eval/heldout.json: not a results JSON (not UTF-8"),
         ("{d}/run-bad --out {d}/rep", BAD_INPUT,
@@ -126,14 +132,16 @@ CASES = {
     ],
 }
 # The cases whose bad input is only found by loading the weights (with torch).
-LOADS_WEIGHTS = {"--task lambada --data {d}/good.jsonl --checkpoint {broken}", "{broken} --prompt x"}
+LOADS_WEIGHTS = {"--task lambada --data {d}/good.jsonl --checkpoint {broken}",
+                 "{broken} --prompt x"}
 SCRIPTS = {"data": "scse-data", "eval": "scse-eval", "train": "scse-train", "report": "scse-report",
            "launch": "scse-launch", "export": "scse-export", "generate": "scse-generate"}
 IDS = [(command, i) for command, rows in CASES.items() for i in range(len(rows))]
 
 
 def _command(name: str) -> list[str]:
-    """The console script (of the venv running the tests, or its entry point), or launch/train.py."""
+    """The console script (of the venv running the tests, or its entry point), or
+    launch/train.py."""
     if name == "launch/train.py":
         return [sys.executable, str(REPO_ROOT / "launch" / "train.py")]
     return console_script(SCRIPTS[name])
@@ -142,9 +150,9 @@ def _command(name: str) -> list[str]:
 def _write_inputs(d: Path, tiny_data: dict, export_root: Path) -> dict[str, str]:
     import torch
 
+    from scse_dist.checkpoint.export import save_exported_model
     from scse_dist.config import config_from_dict
     from scse_dist.data.tokenizer import train_tokenizer
-    from scse_dist.checkpoint.export import save_exported_model
     from scse_dist.model import LoopedLM
 
     (d / "empty.txt").write_text("")
@@ -171,8 +179,9 @@ def _write_inputs(d: Path, tiny_data: dict, export_root: Path) -> dict[str, str]
                       ("nodepth", b'{"task": "heldout", "results": [{"ppl": 3.0}]}')]:
         (d / f"run-{run}" / "eval").mkdir(parents=True)
         (d / f"run-{run}" / "eval" / "heldout.json").write_bytes(text)
-    return {"d": str(d), "export": export, "shards": tiny_data["path"], "tok": tiny_data["tokenizer"],
-            "other": other, "config": str(d / "tiny.yaml"), "broken": str(broken)}
+    return {"d": str(d), "export": export, "shards": tiny_data["path"],
+            "tok": tiny_data["tokenizer"], "other": other, "config": str(d / "tiny.yaml"),
+            "broken": str(broken)}
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +210,8 @@ def test_bad_input_is_one_line_naming_the_file(results, key):
     args, status, names = CASES[command][i]
     proc = done[key]
     err = proc.stderr
-    context = (f"{command} {args}: rc {proc.returncode}\nstderr: {err}\nstdout tail: {proc.stdout[-500:]}"
+    context = (f"{command} {args}: rc {proc.returncode}\nstderr: {err}\n"
+               f"stdout tail: {proc.stdout[-500:]}"
                f"\nimported torch/deepspeed: {sorted(proc.imported & {'torch', 'deepspeed'})}")
     assert "Traceback" not in err, context
     assert err.endswith("\n") and err.count("\n") == 1, context
@@ -232,14 +242,16 @@ def test_only_bad_input_becomes_a_line_a_bug_still_raises(capsys):
     for exc, status, line in [
             (ConfigError("train.lr: must be > 0\n  got 0"), BAD_CONFIG,
              "scse-x: config error: train.lr: must be > 0 got 0\n"),
-            (InputError("a.jsonl:3: not valid JSON"), BAD_INPUT, "scse-x: error: a.jsonl:3: not valid JSON\n"),
+            (InputError("a.jsonl:3: not valid JSON"), BAD_INPUT,
+             "scse-x: error: a.jsonl:3: not valid JSON\n"),
             (FileNotFoundError(2, "No such file or directory", "b.txt"), NO_INPUT,
              "scse-x: error: [Errno 2] No such file or directory: 'b.txt'\n"),
             (json.JSONDecodeError("Expecting value", "{", 1), BAD_INPUT,
              "scse-x: error: Expecting value: line 1 column 2 (char 1)\n")]:
         assert command(exc)() == status
         assert capsys.readouterr().err == line
-    for bug in (KeyError("depth"), TypeError("unsupported operand"), ValueError("math domain error"),
+    for bug in (KeyError("depth"), TypeError("unsupported operand"),
+                ValueError("math domain error"),
                 io.UnsupportedOperation("readline")):
         with pytest.raises(type(bug)):
             command(bug)()

@@ -30,24 +30,28 @@ def test_overrides_are_typed_and_nested():
 
 
 def test_untied_param_match_has_no_loop_visits():
-    cfg = load_config(None, ["model.recurrence=untied", "model.untied_match=params", "model.residual=preln"])
+    cfg = load_config(None, ["model.recurrence=untied", "model.untied_match=params",
+                             "model.residual=preln"])
     assert transition_for(cfg.model).unrolled_depth == 3
 
 
 @pytest.mark.parametrize("override, message", [
     ("model.recurence=scse", "model.recurence: unknown field (did you mean 'recurrence'?)"),
-    ("model.recurrence=transformer", "model.recurrence: must be one of untied, looped, additive, scse"),
+    ("model.recurrence=transformer",
+     "model.recurrence: must be one of untied, looped, additive, scse"),
     ("model.depth=0", "model.depth: must be > 0, got 0"),
     ("train.lr=fast", "train.lr: expected a number, got 'fast'"),
     ("model.zero_mask=3", "model.zero_mask: expected true or false, got 3"),
-    ("model.forcing_bias_scale=0.5", "model.zero_mask: the zero-deviation mask belongs to forcing_bias_scale=0"),
+    ("model.forcing_bias_scale=0.5",
+     "model.zero_mask: the zero-deviation mask belongs to forcing_bias_scale=0"),
     ("model.forcing_bias_scale=1.5", "model.forcing_bias_scale: must lie in [0, 1], got 1.5"),
     ("model.n_heads=3", "model.n_heads: d_model=256 must split into 3 heads"),
     ("train.zero_stage=4", "train.zero_stage: must be 0, 1, 2 or 3, got 4"),
     ("train.compile=yes please", "train.compile: expected true or false, got 'yes please'"),
     ("data.seq_len=4096", "data.seq_len: 4096 exceeds model.max_seq_len=256"),
     ("eval.depths=[0,4]", "eval.depths: need a non-empty list of depths >= 1"),
-    ("train.depth.kind=geometric", "train.depth.kind: must be one of fixed, uniform, poisson_lognormal"),
+    ("train.depth.kind=geometric",
+     "train.depth.kind: must be one of fixed, uniform, poisson_lognormal"),
     ("model=3", "model: expected a mapping, got int 3"),
 ])
 def test_bad_values_name_the_field(override, message):
@@ -95,7 +99,8 @@ def test_an_error_names_where_it_is_fixed_the_file_or_the_command_line(tmp_path)
 
     unknown = "train.max_step: unknown field (did you mean 'max_steps'?)"
     # a typo in an override is the command line's, even with a file given; only its override named
-    assert error(good, ["name=x", "train.max_step=4"]) == f"{unknown} (on the command line: train.max_step=4)"
+    assert error(good, ["name=x", "train.max_step=4"]) == \
+        f"{unknown} (on the command line: train.max_step=4)"
     assert error(None, ["train.max_step=4"]) == f"{unknown} (on the command line: train.max_step=4)"
     # a clash an override causes with the file's values: the command line, all of it shown
     assert error(good, ["model.max_seq_len=64", "name=x"]) == (
@@ -107,7 +112,8 @@ def test_an_error_names_where_it_is_fixed_the_file_or_the_command_line(tmp_path)
 
 
 def test_save_then_load_round_trips(tmp_path):
-    cfg = load_config(None, ["model.recurrence=looped", "eval.depths=2,3", "data.build=stdlib_docs"])
+    cfg = load_config(None, ["model.recurrence=looped", "eval.depths=2,3",
+                             "data.build=stdlib_docs"])
     save_config(cfg, tmp_path / "c.yaml")
     assert config_to_dict(load_config(tmp_path / "c.yaml")) == config_to_dict(cfg)
 
@@ -119,10 +125,12 @@ def test_shipped_configs_load(path):
 
 
 def test_base_file_is_overlaid(tmp_path):
-    (tmp_path / "a.yaml").write_text("name: a\nmodel: {recurrence: scse, d_model: 64, n_heads: 2}\n")
+    (tmp_path / "a.yaml").write_text("name: a\n"
+                                     "model: {recurrence: scse, d_model: 64, n_heads: 2}\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\nname: b\nmodel: {recurrence: additive}\n")
     cfg = load_config(tmp_path / "b.yaml")
-    assert (cfg.name, cfg.model.recurrence, cfg.model.d_model, cfg.model.n_heads) == ("b", "additive", 64, 2)
+    assert (cfg.name, cfg.model.recurrence, cfg.model.d_model, cfg.model.n_heads) == \
+        ("b", "additive", 64, 2)
     (tmp_path / "c.yaml").write_text("base: c.yaml\n")
     with pytest.raises(ConfigError, match="loops back"):
         load_config(tmp_path / "c.yaml")

@@ -85,7 +85,8 @@ def test_the_glob_finds_the_shipped_configs():
             "gpt2-small-untied.yaml"} <= names
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.relative_to(REPO / "configs").as_posix())
+@pytest.mark.parametrize("config", CONFIGS,
+                         ids=lambda p: p.relative_to(REPO / "configs").as_posix())
 def test_shipped_config_trains_exports_and_evaluates(config, tmp_path, tiny_data, user_env):
     overrides = size_overrides(config, tiny_data, tmp_path / "runs")
     user_cfg = load_config(config)

@@ -66,7 +66,8 @@ def test_cli_tokenizer_shards_inspect(tmp_path, capsys):
     src = tmp_path / "docs.jsonl.gz"
     with gzip.open(src, "wt") as f:
         for i in range(120):
-            f.write(json.dumps({"text": f"Document {i} talks about looped models and state {i % 7}."}) + "\n")
+            f.write(json.dumps({"text": f"Document {i} talks about looped models and state "
+                                        f"{i % 7}."}) + "\n")
     model, out = str(tmp_path / "t.model"), str(tmp_path / "shards")
     main(["tokenizer", "--input", str(src), "--vocab-size", "300", "--out", model])
     assert "vocab 300" in capsys.readouterr().out
@@ -140,13 +141,16 @@ def test_wikitext_articles_as_documents(tmp_path, capsys):
     blank lines inside it included; the default split would cut at every blank line."""
     articles = []
     for a in range(3):
-        paragraphs = [" ".join(f"word{a}x{p}x{w} looped state" for w in range(30)) for p in range(4)]
-        articles.append(f" = Article {a} = \n\n" + "\n\n = = Part = = \n\n".join(paragraphs) + "\n\n")
+        paragraphs = [" ".join(f"word{a}x{p}x{w} looped state" for w in range(30))
+                      for p in range(4)]
+        articles.append(f" = Article {a} = \n\n" + "\n\n = = Part = = \n\n".join(paragraphs)
+                        + "\n\n")
     src = tmp_path / "wiki.valid.raw"
     src.write_text("".join(articles))
     model, out = str(tmp_path / "t.model"), str(tmp_path / "shards")
     main(["tokenizer", "--input", str(src), "--vocab-size", "300", "--out", model])
-    main(["shards", "--input", str(src), "--tokenizer", model, "--out", out, "--text-split", "wikitext"])
+    main(["shards", "--input", str(src), "--tokenizer", model, "--out", out,
+          "--text-split", "wikitext"])
     assert "3 documents" in capsys.readouterr().out
     docs = [Tokenizer.load(model).decode(d.tolist())
             for d in TokenStream(out, seq_len=8, batch_size=1, shuffle=False).documents()]
@@ -171,7 +175,8 @@ def test_build_rule_refuses_a_moved_path_unless_the_build_is_asked_there(tiny_da
     check_build_asked(cfg, "run.yaml", ["data.path=x", "data.build=stdlib_docs"])
     check_build_asked(cfg, "run.yaml", ["train.max_steps=3"])
     # a moved path that holds shards builds nothing, so there is nothing to refuse
-    there = DataConfig(path=tiny_data["path"], tokenizer=tiny_data["tokenizer"], build="stdlib_docs")
+    there = DataConfig(path=tiny_data["path"], tokenizer=tiny_data["tokenizer"],
+                       build="stdlib_docs")
     check_build_asked(there, "run.yaml", [f"data.path={tiny_data['path']}"])
     assert not (tmp_path / "typo").exists()
 

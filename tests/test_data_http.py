@@ -15,7 +15,7 @@ pytest.importorskip("aiohttp")
 
 from scse_dist.data.sources import iter_documents  # noqa: E402
 from scse_dist.data.stream import TokenStream  # noqa: E402
-from test_data_stream import IntTokenizer, docs_of, write  # noqa: E402
+from test_data_stream import docs_of, write  # noqa: E402
 
 # An HTTP server with byte ranges on loopback: the slow tier.
 pytestmark = pytest.mark.slow
@@ -59,7 +59,8 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
 def http_root(tmp_path):
     root = tmp_path / "www"
     root.mkdir()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(RangeHandler, directory=str(root)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             partial(RangeHandler, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     RangeHandler.gets = []

@@ -14,7 +14,7 @@ import pytest
 from scse_dist.cli_errors import InputError
 from scse_dist.data.mixture import MixedStream
 from scse_dist.data.stream import TokenStream
-from test_data_stream import EOS, IntTokenizer, docs_of, write
+from test_data_stream import EOS, docs_of, write
 
 
 def unique_docs(n: int, seed: int = 0) -> list[str]:
@@ -36,7 +36,8 @@ def all_tokens(docs):
     (2, 2, 1500, 40, "shard"),        # 2 ranks x 2 workers over many shards
     (3, 0, 10**9, 40, "sample"),      # 3 ranks over fewer shards: split within shards
     (3, 2, 10**9, 10**6, "document")])  # 6 readers over 2 single-sample shards
-def test_readers_are_disjoint_and_complete(tmp_path, world, workers, shard_bytes, sample_tokens, level):
+def test_readers_are_disjoint_and_complete(tmp_path, world, workers, shard_bytes, sample_tokens,
+                                           level):
     docs = unique_docs(90)
     if level == "document":  # exactly two shards of one sample each
         out = str(tmp_path / "s")
@@ -94,7 +95,8 @@ def test_resume_with_workers_gives_the_exact_next_batches(tmp_path, k, workers, 
 def test_shuffle_buffer_reorders_but_keeps_the_epoch(tmp_path):
     out, _ = write(tmp_path, docs_of(80), sample_tokens=20, shard_bytes=600)
     docs = lambda buffer: [tuple(d.tolist()) for d in
-                           TokenStream(out, seq_len=4, batch_size=1, shuffle_buffer=buffer).documents(0)]
+                           TokenStream(out, seq_len=4, batch_size=1,
+                                       shuffle_buffer=buffer).documents(0)]
     assert docs(8) != docs(0) and sorted(docs(8)) == sorted(docs(0)) and docs(8) == docs(8)
 
 
@@ -112,13 +114,15 @@ def test_one_ranks_state_alone_cannot_resume_another_layout(tmp_path):
 
 
 def test_brace_pattern_selects_shards(tmp_path):
-    out, index = write(tmp_path, docs_of(60), sample_tokens=20, shard_bytes=500, heldout_fraction=0.1)
+    out, index = write(tmp_path, docs_of(60), sample_tokens=20, shard_bytes=500,
+                       heldout_fraction=0.1)
     names = [e["url"] for e in index["splits"]["train"]]
     assert len(names) >= 3
     s = TokenStream(f"{out}/train-{{000000..000001}}.tar", seq_len=4, batch_size=1, shuffle=False)
     assert [os.path.basename(u) for u in s.urls] == names[:2]
     assert s.index["tokenizer_sha256"] == "a" * 64
-    with pytest.raises(FileNotFoundError, match="2 shard.*not listed in .*index.json, e.g. .*train-000998.tar"):
+    with pytest.raises(FileNotFoundError,
+                       match="2 shard.*not listed in .*index.json, e.g. .*train-000998.tar"):
         TokenStream(f"{out}/train-{{000998..000999}}.tar")
     # the trainer's start-up check finds the pattern's index (it looked for PATTERN/index.json)
     from scse_dist.config import DataConfig
@@ -165,7 +169,8 @@ def corrupt(path: str, how: str) -> None:
     open(path, "wb").write(bytes(data))
 
 
-# local shards are mmapped; remote ones (memory://) are streamed in file order, ranged reads shuffled
+# local shards are mmapped; remote ones (memory://) are streamed in file order, ranged reads
+# shuffled
 @pytest.mark.parametrize("storage", ["local", "memory"])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shuffle, storage):
@@ -255,8 +260,9 @@ def test_layout_changes_read_every_token_and_sample_of_the_epoch_once(tmp_path, 
                                                       world_size=world, seed=7, loop=False,
                                                       num_workers=workers)
     tokens, states = Counter(), None
-    # the micro-batch may change with the layout too (positions are token counts)
-    for world, workers, batch, take in [(2, 0, 3, 5), (3, 0, 2, 4), (1, 2, 3, None)]:
+    # the micro-batch may change with the layout too (positions are token counts); `make` reads
+    # `batch` from here
+    for world, workers, batch, take in [(2, 0, 3, 5), (3, 0, 2, 4), (1, 2, 3, None)]:  # noqa: B007
         streams = [make(r, world, workers) for r in range(world)]
         for s in streams:
             if states:
@@ -273,7 +279,8 @@ def test_layout_changes_read_every_token_and_sample_of_the_epoch_once(tmp_path, 
         states = [s.state_dict() for s in streams]
         assert all(st["origin"] is not None for st in states) == bool(world != 2)
     assert tokens == all_tokens(docs)
-    logged = [json.loads(line) for f in (tmp_path / "log").iterdir() for line in f.read_text().splitlines()]
+    logged = [json.loads(line) for f in (tmp_path / "log").iterdir()
+              for line in f.read_text().splitlines()]
     assert {tuple(x["layout"]) for x in logged} == {(2, 0), (3, 0), (1, 2)}
     items = Counter(tuple(x["item"]) for x in logged if x["epoch"] == 0)
     units = {(0, j, -1) for j in range(make(0, 1).n_samples[0])}
@@ -282,7 +289,8 @@ def test_layout_changes_read_every_token_and_sample_of_the_epoch_once(tmp_path, 
 
 def test_a_changed_seed_or_shuffle_buffer_is_refused_saying_why_and_what_to_do(tmp_path):
     out, _ = write(tmp_path, docs_of(40), sample_tokens=30)
-    states = [TokenStream(out, seq_len=4, batch_size=2, rank=r, world_size=2).state_dict() for r in range(2)]
+    states = [TokenStream(out, seq_len=4, batch_size=2, rank=r, world_size=2).state_dict()
+              for r in range(2)]
     for kw, field in [(dict(seed=1), "train.seed was 0, now 1"),
                       (dict(shuffle_buffer=4), "data.shuffle_buffer was 0, now 4")]:
         with pytest.raises(ValueError) as err:

@@ -1,6 +1,6 @@
-"""Real remote storage: an S3-compatible server (moto's standalone server) on loopback, driven through
-s3fs. Shards are written to s3:// and the training stream reads them back over HTTP, through
-DataLoader worker processes, with exact resume."""
+"""Real remote storage: an S3-compatible server (moto's standalone server) on loopback, driven
+through s3fs. Shards are written to s3:// and the training stream reads them back over HTTP,
+through DataLoader worker processes, with exact resume."""
 
 from itertools import islice
 
@@ -26,7 +26,8 @@ def test_shards_written_to_and_streamed_from_s3(s3_bucket, tmp_path):
                          shard_bytes=2500)
     assert read_index(url) == index and len(index["splits"]["train"]) >= 4
     local = str(tmp_path / "local")  # the same corpus on local disk: the reference
-    write_shards(docs, IntTokenizer(), local, heldout_fraction=0.1, sample_tokens=60, shard_bytes=2500)
+    write_shards(docs, IntTokenizer(), local, heldout_fraction=0.1, sample_tokens=60,
+                 shard_bytes=2500)
     make = lambda path, workers: TokenStream(path, seq_len=9, batch_size=2, rank=1, world_size=2,
                                              seed=3, num_workers=workers)
     want = [b.tolist() for b in islice(make(local, 2), 30)]
@@ -41,7 +42,8 @@ def test_shards_written_to_and_streamed_from_s3(s3_bucket, tmp_path):
                             shuffle=False, loop=False)
     assert len(first_two.urls) == 2 and list(first_two)
     held = [b.tolist() for b in TokenStream(url, "heldout", seq_len=9, batch_size=2, loop=False)]
-    assert held == [b.tolist() for b in TokenStream(local, "heldout", seq_len=9, batch_size=2, loop=False)]
+    assert held == [b.tolist() for b in TokenStream(local, "heldout", seq_len=9, batch_size=2,
+                                                    loop=False)]
     # a shard deleted from the bucket: a clear error at start-up
     fsspec.filesystem("s3").rm(f"{url}/{index['splits']['train'][2]['url']}")
     with pytest.raises(FileNotFoundError, match="train-000002.tar"):

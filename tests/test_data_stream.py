@@ -13,8 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from scse_dist.data.shards import (TABLE_COLUMNS, is_heldout, iter_samples, load_sample_table, read_index,
-                                   write_shards)
+from scse_dist.data.shards import (
+    TABLE_COLUMNS,
+    is_heldout,
+    iter_samples,
+    load_sample_table,
+    read_index,
+    write_shards,
+)
 from scse_dist.data.stream import TokenStream
 
 EOS = 2
@@ -32,7 +38,8 @@ class IntTokenizer:
 
 def docs_of(n: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
-    return [" ".join(str(3 + (i * 7 + k) % 900) for k in range(rng.integers(1, 40))) + f" {900 + i % 90}"
+    return [" ".join(str(3 + (i * 7 + k) % 900) for k in range(rng.integers(1, 40)))
+            + f" {900 + i % 90}"
             for i in range(n)]
 
 
@@ -167,12 +174,14 @@ def test_two_ranks_disjoint_and_cover_the_epoch(tmp_path, shard_bytes, sample_to
 def test_epoch_shuffle_is_seeded(tmp_path, shard_bytes):
     out, _ = write(tmp_path, docs_of(80), sample_tokens=20, shard_bytes=shard_bytes)
     order = lambda seed, epoch: [tuple(d.tolist()) for d in
-                                 TokenStream(out, seq_len=4, batch_size=1, seed=seed).documents(epoch)]
+                                 TokenStream(out, seq_len=4, batch_size=1,
+                                             seed=seed).documents(epoch)]
     assert order(0, 0) == order(0, 0)
     assert order(0, 0) != order(0, 1) and order(0, 0) != order(1, 0)
     assert sorted(order(0, 0)) == sorted(order(0, 1)) == sorted(tuple(ids(d)) for d in docs_of(80))
     unshuffled = TokenStream(out, "train", seq_len=4, batch_size=1, shuffle=False)
-    assert [tuple(d.tolist()) for d in unshuffled.documents(3)] == [tuple(ids(d)) for d in docs_of(80)]
+    assert [tuple(d.tolist()) for d in unshuffled.documents(3)] == \
+        [tuple(ids(d)) for d in docs_of(80)]
 
 
 @pytest.mark.parametrize("k", [3, 40])  # resume inside epoch 0, and several epochs later

@@ -27,14 +27,16 @@ def model_path(tmp_path_factory):
 
 def test_round_trip_ids_and_determinism(model_path, tmp_path):
     tok = Tokenizer.load(model_path)
-    assert (tok.vocab_size, tok.eos_id, tok.bos_id, tok.sp.unk_id(), tok.sp.pad_id()) == (320, 2, 1, 0, -1)
+    assert (tok.vocab_size, tok.eos_id, tok.bos_id, tok.sp.unk_id(), tok.sp.pad_id()) == \
+        (320, 2, 1, 0, -1)
     # identity normaliser + byte fallback: whitespace runs, tabs, newlines, unseen scripts survive
     for text in ["looped transformer state", "  two  spaces\tand\ttabs\n\nnewlines ",
                  "Ünïcode 😀 and digits 1234567", corpus(1, seed=9)[0]]:
         ids = tok.encode(text)
         assert tok.decode(ids) == text
         assert 0 not in ids  # never <unk>
-    assert tok.encode_batch(["the token", "a shard"]) == [tok.encode("the token"), tok.encode("a shard")]
+    assert tok.encode_batch(["the token", "a shard"]) == \
+        [tok.encode("the token"), tok.encode("a shard")]
     # a frequent word compresses: fewer tokens than characters
     assert len(tok.encode("transformer")) < len("transformer")
     # same texts and options -> byte-identical model; load works from any fsspec URL
@@ -55,7 +57,8 @@ def test_tokenizer_errors(tmp_path):
 
 
 def test_sources_gzip_jsonl_text_and_errors(tmp_path):
-    rows = [{"body": "first doc", "id": 1}, {"body": "second\n\ndoc", "id": 2}, {"body": "  ", "id": 3}]
+    rows = [{"body": "first doc", "id": 1}, {"body": "second\n\ndoc", "id": 2},
+            {"body": "  ", "id": 3}]
     with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
         f.write("\n".join(json.dumps(r) for r in rows) + "\n\n")
     (tmp_path / "b.txt").write_text("para one\nline two\n\n\npara two\n")

@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.config import config_from_dict
 from scse_dist.data.shards import read_index, write_shards
 from scse_dist.data.stream import TokenStream
+from scse_dist.eval.cli import main
 from scse_dist.eval.perplexity import evaluate_heldout
 from scse_dist.eval.results import format_table
-from scse_dist.eval.cli import main
-from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.model import LoopedLM
 
 VOCAB = 64
@@ -47,7 +47,8 @@ def test_cli_writes_table_and_json(export_and_shards, capsys):
     export, shards, root = export_and_shards
     out = root / "results.json"
     assert main(["--checkpoint", export, "--task", "heldout", "--data", shards, "--depths", "4,1",
-                 "--out", str(out), "--batch-size", "2", "--max-batches", "3", "--seq-len", "8"]) == 0
+                 "--out", str(out), "--batch-size", "2", "--max-batches", "3",
+                 "--seq-len", "8"]) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["task"] == "heldout" and data["checkpoint"] == export
@@ -67,7 +68,8 @@ def test_cli_writes_table_and_json(export_and_shards, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--task", "perplexity"], "argument --task: invalid choice: 'perplexity'"),
-    (["--task", "heldout", "--depths", "1,x"], "argument --depths: expected comma-separated integers"),
+    (["--task", "heldout", "--depths", "1,x"],
+     "argument --depths: expected comma-separated integers"),
     (["--task", "heldout", "--depths", "0,4"], "argument --depths: depths must be integers >= 1"),
     (["--task", "heldout", "--seq-len", "64"], "--seq-len 64 exceeds the model's max_seq_len=32"),
 ])
@@ -90,4 +92,5 @@ def test_cli_refuses_shards_from_a_bigger_vocabulary(export_and_shards, tmp_path
     assert main(["--checkpoint", export, "--task", "heldout", "--data", str(big),
                  "--out", str(tmp_path / "r.json")]) == 65
     assert capsys.readouterr().err == (f"scse-eval: error: {big}: shards were written with "
-                                       "vocab_size=4096, more than the model's model.vocab_size=64\n")
+                                       "vocab_size=4096, more than the model's "
+                                       "model.vocab_size=64\n")

@@ -71,6 +71,7 @@ def test_wikitext_counts_against_lm_eval_wikitext_task(tmp_path):
     the leading and one for the trailing whitespace of an article; and scse-eval scores the raw
     text where lm-eval first detokenizes it (" @-@ " -> "-", " , " -> ", ")."""
     from lm_eval.tasks.wikitext import preprocess_wikitext as stock
+
     from scse_dist.data.sources import read_wikitext_articles
 
     path = tmp_path / "wiki.test.raw"

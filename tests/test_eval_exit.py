@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
+from scse_dist.checkpoint.export import load_exported_model
 from scse_dist.eval.cli import main
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.tasks import run_task
-from scse_dist.checkpoint.export import load_exported_model
 from scse_dist.model import parse_exit_rule
 from test_eval_cli import export_and_shards  # noqa: F401 (the fixture)
 from test_eval_tasks import LAMBADA, export  # noqa: F401 (the fixture)
@@ -27,20 +27,21 @@ def test_exit_stats_mean_percentiles_and_histogram():
     assert ExitStats(parse_exit_rule("kl:0.1")).depth([1, 4]) == 4
 
 
-def _heldout(export, shards, root, *extra):
+def _heldout(checkpoint, shards, root, *extra):
     out = root / "exit.json"
-    assert main(["--checkpoint", export, "--task", "heldout", "--data", shards, "--out", str(out),
+    assert main(["--checkpoint", checkpoint, "--task", "heldout", "--data", shards,
+                 "--out", str(out),
                  "--batch-size", "2", "--max-batches", "3", "--seq-len", "8", *extra]) == 0
     return json.loads(out.read_text())["results"]
 
 
 def test_cli_exit_fixed_equals_the_plain_depth(export_and_shards, capsys):  # noqa: F811
-    export, shards, root = export_and_shards
-    plain = _heldout(export, shards, root, "--depths", "4")
-    [fixed] = _heldout(export, shards, root, "--depths", "1,4", "--exit", "fixed")
+    checkpoint, shards, root = export_and_shards
+    plain = _heldout(checkpoint, shards, root, "--depths", "4")
+    [fixed] = _heldout(checkpoint, shards, root, "--depths", "1,4", "--exit", "fixed")
     assert fixed["loss"] == plain[0]["loss"] and fixed["depth"] == 4
     assert fixed["mean_steps"] == 4 and fixed["steps_histogram"] == {"4": 48}
-    [motion] = _heldout(export, shards, root, "--exit", "motion:0.5,max=6")
+    [motion] = _heldout(checkpoint, shards, root, "--exit", "motion:0.5,max=6")
     printed = capsys.readouterr().out
     assert motion["depth"] == 6 and motion["exit"] == "motion:0.5,max=6"
     assert sum(motion["steps_histogram"].values()) == motion["tokens"] == 48
@@ -66,7 +67,7 @@ def test_lambada_with_exit_fixed_equals_the_plain_depth(export, tmp_path):  # no
     (["--task", "diagnose", "--exit", "motion:0.1"], "--exit: diagnose measures the loop"),
 ])
 def test_cli_rejects_bad_exit(export_and_shards, capsys, argv, message):  # noqa: F811
-    export, shards, root = export_and_shards
+    checkpoint, shards, root = export_and_shards
     with pytest.raises(SystemExit) as exit_info:
-        main(["--checkpoint", export, "--data", shards, "--out", str(root / "x.json"), *argv])
+        main(["--checkpoint", checkpoint, "--data", shards, "--out", str(root / "x.json"), *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -7,11 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import tiny_cfg
 from scse_dist.eval.perplexity import evaluate_heldout
 from scse_dist.eval.results import format_table, write_results
 from scse_dist.model import LoopedLM
-
-from conftest import tiny_cfg
 
 
 def token_batches(sizes, seq_len=8, vocab=64, seed=1):

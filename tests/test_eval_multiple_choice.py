@@ -8,16 +8,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import TINY_VOCAB
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.config import config_from_dict
-from scse_dist.data.multiple_choice import (Choices, read_arc, read_hellaswag,
-                                            read_multiple_choice, read_piqa)
+from scse_dist.data.multiple_choice import (
+    Choices,
+    read_arc,
+    read_hellaswag,
+    read_multiple_choice,
+    read_piqa,
+)
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.eval.cli import main
 from scse_dist.eval.multiple_choice import mc_metrics, question_totals
 from scse_dist.eval.tasks import run_task
 from scse_dist.model import LoopedLM
-from conftest import TINY_VOCAB
 
 # Answers of very different lengths, so that acc and acc_norm can disagree.
 QUESTIONS = [
@@ -37,7 +42,8 @@ def _write(path, rows):
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory, tiny_data):
-    cfg = config_from_dict({"name": "tiny", "data": {"seq_len": 64, "tokenizer": tiny_data["tokenizer"]},
+    cfg = config_from_dict({"name": "tiny",
+                            "data": {"seq_len": 64, "tokenizer": tiny_data["tokenizer"]},
                             "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2,
                                       "ffn_hidden": 64, "max_seq_len": 160, "depth": 2},
                             "eval": {"batch_size": 3}})
@@ -112,14 +118,16 @@ def test_hellaswag_piqa_and_arc_formats_read_as_lm_eval_builds_them(tmp_path):
          "endings": ["adds [title] sugar.", "adds  eggs [step] slowly."], "label": "1"},
         {"ctx": "A man runs.", "endings": ["fast.", "slow."], "label": 0}])
     assert read_hellaswag(hs) == [
-        Choices("Baking cookies: A woman mixes flour. She", ("adds. sugar.", "adds eggs slowly."), 1),
+        Choices("Baking cookies: A woman mixes flour. She",
+                ("adds. sugar.", "adds eggs slowly."), 1),
         Choices("A man runs.", ("fast.", "slow."), 0)]
     piqa = _write(tmp_path / "valid.jsonl", [{"goal": "Open a jar", "sol1": "twist", "sol2": "cut"},
                                              {"goal": "Dry hair", "sol1": "towel", "sol2": "oven"}])
     (tmp_path / "valid-labels.lst").write_text("0\n1\n")
     assert read_piqa(piqa) == [Choices("Question: Open a jar\nAnswer:", ("twist", "cut"), 0),
                                Choices("Question: Dry hair\nAnswer:", ("towel", "oven"), 1)]
-    with_label = _write(tmp_path / "piqa.jsonl", [{"goal": "g", "sol1": "a", "sol2": "b", "label": 1}])
+    with_label = _write(tmp_path / "piqa.jsonl",
+                        [{"goal": "g", "sol1": "a", "sol2": "b", "label": 1}])
     assert read_piqa(with_label) == [Choices("Question: g\nAnswer:", ("a", "b"), 1)]
     hf = _write(tmp_path / "arc_hf.jsonl", [
         {"question": "Which is hot?", "choices": {"text": ["ice", "fire"], "label": ["A", "B"]},

@@ -2,8 +2,8 @@
 order, progress (items, rate, ETA) on stderr, and Ctrl-C writes the results of the items done,
 marked partial, with one line saying how far it got (exit 130 from scse-eval)."""
 
-import json
 import fcntl
+import json
 import os
 import pty
 import re
@@ -16,16 +16,16 @@ import time
 import pytest
 import torch
 
+from conftest import TINY_VOCAB
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.cli_errors import Interrupted
 from scse_dist.config import config_from_dict
+from scse_dist.data.sources import read_lambada
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.eval import scorer as scorer_module
 from scse_dist.eval.scoring import context_target_window, document_windows, score_windows
 from scse_dist.eval.tasks import context_target_ids, run_task
-from scse_dist.data.sources import read_lambada
-from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.model import LoopedLM
-from conftest import TINY_VOCAB
 
 WORDS = ("the cat sees the red ball today . a small bird reads an open door at night . our "
          "teacher finds the tall tree and my sister paints the blue river").split()
@@ -37,7 +37,8 @@ def _passages(n: int, seed: int = 0) -> list[str]:
     out = []
     for _ in range(n):
         length = int(torch.randint(3, 25, (1,), generator=g))
-        out.append(" ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (length,), generator=g)))
+        out.append(" ".join(WORDS[int(i)]
+                            for i in torch.randint(len(WORDS), (length,), generator=g)))
     return out
 
 
@@ -123,8 +124,8 @@ def test_ctrl_c_writes_the_passages_done_marked_partial(export, tmp_path, monkey
 def test_ctrl_c_before_any_batch_writes_nothing(export, tmp_path, monkeypatch):
     model, cfg = load_exported_model(export)
     _stop_after(monkeypatch, 0)
-    with pytest.raises(Interrupted, match=r"^lambada: 0/4 passages scored \(all depths in one pass\); "
-                                          r"no results written$"):
+    with pytest.raises(Interrupted, match=r"^lambada: 0/4 passages scored \(all depths in one "
+                                          r"pass\); no results written$"):
         run_task("lambada", model, cfg, _lambada_file(tmp_path / "l.jsonl", _passages(4)),
                  [1], str(tmp_path / "r.json"), "x")
     assert not (tmp_path / "r.json").exists()

@@ -7,15 +7,16 @@ import pytest
 
 from scse_dist.config import config_from_dict
 from scse_dist.eval.report import collect, markdown_table, write_report
-from scse_dist.study.report_cli import main
 from scse_dist.eval.results import write_results
+from scse_dist.study.report_cli import main
 
 
 def _run(root, name, recurrence, ppl_by_depth, accuracy_by_depth=None):
     cfg = config_from_dict({"name": name, "model": {"recurrence": recurrence}})
     run = root / name
     write_results(run / "eval" / "heldout.json", "heldout", f"{name}@step-1", cfg,
-                  [{"depth": t, "loss": 1.0, "ppl": v, "tokens": 10} for t, v in ppl_by_depth.items()])
+                  [{"depth": t, "loss": 1.0, "ppl": v, "tokens": 10}
+                   for t, v in ppl_by_depth.items()])
     if accuracy_by_depth:
         write_results(run / "eval" / "lambada.json", "lambada", f"{name}@step-1", cfg,
                       [{"depth": t, "accuracy": a, "ppl": 9.0, "loss": 2.0}
@@ -75,11 +76,13 @@ def test_eval_rows_of_training_give_a_held_out_curve_per_depth(tmp_path, capsys)
              "heldout_loss_T4": 2.0}, {"step": 20, "kind": "sample", "text": "x"}]
     (with_rows / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"st')
     assert [r["step"] for r in eval_rows(with_rows)] == [10, 20]
-    assert loss_by_depth(eval_rows(with_rows)) == {1: [(10, 4.0), (20, 3.0)], 4: [(10, 3.5), (20, 2.0)]}
+    assert loss_by_depth(eval_rows(with_rows)) == {1: [(10, 4.0), (20, 3.0)],
+                                                   4: [(10, 3.5), (20, 2.0)]}
     without = _run(tmp_path, "additive", "additive", {1: 41.0})
     assert main([str(with_rows), str(without), "--out", str(tmp_path / "rep")]) == 0
     assert "heldout_curve.png" in capsys.readouterr().out
-    assert "![held-out loss during training](heldout_curve.png)" in (tmp_path / "rep" / "report.md").read_text()
+    assert "![held-out loss during training](heldout_curve.png)" in \
+        (tmp_path / "rep" / "report.md").read_text()
     image = matplotlib.image.imread(str(tmp_path / "rep" / "heldout_curve.png"))
     assert image.shape[1] > 200 and image[..., :3].std() > 0.01
     # runs without evaluation rows: no curve, and the report does not mention one
@@ -112,7 +115,8 @@ def test_report_numbers_go_to_an_offline_wandb_run_in_the_group(tmp_path, monkey
     while b"heldout/ppl@T8" not in (blob := log.read_bytes()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert b"heldout/ppl@T8" in blob and b"g1" in blob  # summary numbers, in the group
-    table = json.loads(next(runs[0].glob("files/media/table/eval/results_*.table.json")).read_text())
+    table = json.loads(next(runs[0].glob("files/media/table/eval/results_*.table.json"))
+                       .read_text())
     assert table["columns"] == ["run", "task", "metric", "depth", "value"]
     assert table["data"] == [["scse (scse)", "heldout", "ppl", 1, 40.0],
                              ["scse (scse)", "heldout", "ppl", 8, 20.0]]

@@ -5,21 +5,20 @@ tests/test_export_portable.py.)"""
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import TINY_VOCAB
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.config import config_from_dict
+from scse_dist.data.sources import read_lambada, read_wikitext_articles
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.eval.cli import main
-from scse_dist.data.sources import read_lambada, read_wikitext_articles
 from scse_dist.eval.scoring import document_windows
 from scse_dist.eval.tasks import diagnose_rows, run_task
-from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.model import LoopedLM
-from conftest import TINY_VOCAB
 
 WIKI = (" \n = Robert Boulter = \n \n Robert Boulter is an English film and television actor . \n"
         " \n = = Career = = \n \n In 2000 Boulter had a guest @-@ starring role . \n \n"
@@ -125,7 +124,8 @@ def test_lambada_accuracy_and_target_ppl_equal_direct_forwards(export, tiny_data
             x = torch.tensor([ids])
             with torch.no_grad():
                 logits = model(x[:, :-1], depth=r["depth"]).logits[0].float()
-            nll += float(F.cross_entropy(logits[-len(target):], x[0, -len(target):], reduction="sum"))
+            nll += float(F.cross_entropy(logits[-len(target):], x[0, -len(target):],
+                                         reduction="sum"))
             correct += argmax[-len(target):] == target
             n += len(target)
         assert r["accuracy"] == correct / len(LAMBADA) and r["examples"] == 3
@@ -133,12 +133,14 @@ def test_lambada_accuracy_and_target_ppl_equal_direct_forwards(export, tiny_data
     # the plain-text format gives the same numbers
     plain = tmp_path / "lambada_development_plain_text.txt"
     plain.write_text("\n".join(LAMBADA) + "\n")
-    assert run_task("lambada", model, cfg, str(plain), [1, 2, 4], str(tmp_path / "p.json"), "x") == rows
+    assert run_task("lambada", model, cfg, str(plain), [1, 2, 4], str(tmp_path / "p.json"),
+                    "x") == rows
 
 
 @pytest.mark.parametrize("name, text, message", [
     ("l.jsonl", '{"text": "a b c"}\n{"text": "a b\n', "l.jsonl:2: not valid JSON"),
-    ("l.jsonl", '{"text": "a b c"}\n\n{"txt": "a b"}\n', "l.jsonl:3: expected an object with a string field 'text'"),
+    ("l.jsonl", '{"text": "a b c"}\n\n{"txt": "a b"}\n',
+     "l.jsonl:3: expected an object with a string field 'text'"),
     ("l.txt", "a b c\nlonely\n", "l.txt:2: passage has no context before its last word"),
     ("l.txt", "", "l.txt: no passages (empty file?)"),
 ])
@@ -163,7 +165,8 @@ def test_bad_corpus_and_wikitext_name_the_file(export, tmp_path, capsys):
 
 def test_heldout_on_a_text_corpus_scores_whole_documents(export, tmp_path):
     path = tmp_path / "corpus.txt"
-    path.write_text("the cat sees the red ball today .\n\nthe old man reads a green box at night .\n")
+    path.write_text("the cat sees the red ball today .\n\n"
+                    "the old man reads a green box at night .\n")
     model, cfg = load_exported_model(export[0])
     rows = run_task("heldout", model, cfg, str(path), [2], str(tmp_path / "h.json"), "x")
     assert rows[0]["documents"] == 2 and rows[0]["words"] == 8 + 10

@@ -15,7 +15,8 @@ def test_parse_forms_and_round_trip():
     assert parse_exit_rule("fixed,max=8") == ExitRule("fixed", 0.0, 1, 8)
     for text in ("fixed", "kl:0.01", "motion:0.02,min=2,max=32", "fixed,max=8"):
         assert str(parse_exit_rule(text)) == text
-    assert parse_exit_rule("kl:0.5").needs_readout and not parse_exit_rule("motion:0.5").needs_readout
+    assert parse_exit_rule("kl:0.5").needs_readout and \
+        not parse_exit_rule("motion:0.5").needs_readout
     assert parse_exit_rule("motion:0.1").cap(16) == 16
     assert parse_exit_rule("motion:0.1,max=4").cap(16) == 4
 
@@ -76,6 +77,7 @@ def test_kl_between_consecutive_readouts():
     d = torch.zeros(2, 4)
     rule = ExitRule("kl", kl_second + 1e-4)
     assert rule.exited(1, d, d, p.log(), q.log()).tolist() == [True, True]
-    assert ExitRule("kl", kl_second - 1e-4).exited(1, d, d, p.log(), q.log()).tolist() == [True, False]
+    assert ExitRule("kl", kl_second - 1e-4).exited(1, d, d, p.log(), q.log()).tolist() == \
+        [True, False]
     with pytest.raises(ValueError, match="log-probs"):
         rule.exited(1, d, d)

@@ -8,11 +8,10 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from conftest import tiny_cfg
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.hf import hf_file_names
 from scse_dist.model import LoopedLM
-
-from conftest import tiny_cfg
 
 
 def shared_groups_of(state: dict) -> list[list[str]]:
@@ -157,7 +156,8 @@ def test_a_path_that_is_not_an_export_says_what_it_is(tmp_path):
     no_weights = f"'{tmp_path}/notes' is a directory but not an export: it has no model.safetensors"
     for load, prefix in ((load_export_config, ""), (check_init_from, "train.init_from: ")):
         for path, reason in [(tmp_path / "notes", no_weights),
-                             (tmp_path / "file.txt", f"'{tmp_path}/file.txt' is a file, not an export"),
+                             (tmp_path / "file.txt",
+                              f"'{tmp_path}/file.txt' is a file, not an export"),
                              (tmp_path / "gone", f"'{tmp_path}/gone' does not exist")]:
             with pytest.raises(FileNotFoundError) as err:
                 load(str(path))

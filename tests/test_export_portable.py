@@ -14,11 +14,11 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import REPO_ROOT, TINY_VOCAB, console_script
-from scse_dist.config import config_from_dict
-from scse_dist.eval.cli import main as eval_main
-from scse_dist.checkpoint.loading import load_model
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.checkpoint.export_cli import main as export_main
+from scse_dist.checkpoint.loading import load_model
+from scse_dist.config import config_from_dict
+from scse_dist.eval.cli import main as eval_main
 from scse_dist.hf import hf_file_names
 from scse_dist.model import LoopedLM
 
@@ -32,8 +32,8 @@ LAMBADA = ["the cat sees the red ball today . the dog likes the red ball",
 def export(tmp_path_factory, tiny_data):
     """A tiny export whose run named its tokenizer by a path relative to the training checkout."""
     root = tmp_path_factory.mktemp("portable")
-    cfg = config_from_dict({"name": "tiny", "data": {"seq_len": 16,
-                                                     "tokenizer": "data/quickstart/tokenizer.model"},
+    cfg = config_from_dict({"name": "tiny",
+                            "data": {"seq_len": 16, "tokenizer": "data/quickstart/tokenizer.model"},
                             "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2,
                                       "ffn_hidden": 64, "max_seq_len": 32, "depth": 2}})
     torch.manual_seed(0)
@@ -53,7 +53,8 @@ def test_export_holds_its_tokenizer(export, tiny_data):
     path, _ = export
     assert sorted(p.name for p in path.iterdir()) == EXPORT_FILES
     assert (path / "tokenizer.model").read_bytes() == Path(tiny_data["tokenizer"]).read_bytes()
-    assert yaml.safe_load((path / "config.yaml").read_text())["data"]["tokenizer"] == "tokenizer.model"
+    assert yaml.safe_load((path / "config.yaml").read_text())["data"]["tokenizer"] == \
+        "tokenizer.model"
     _, cfg = load_exported_model(path)  # the bare name resolves against the export's own dir
     assert cfg.data.tokenizer == str(path / "tokenizer.model")
 
@@ -146,7 +147,8 @@ def test_scse_export_errors_are_one_line(trained, tmp_path, capsys):
     assert export_main([str(tmp_path), "--out", str(tmp_path / "out")]) == 66
     assert "is neither an export" in capsys.readouterr().err
     missing = tmp_path / "missing.model"
-    assert export_main([str(trained), "--out", str(tmp_path / "out"), "--tokenizer", str(missing)]) == 66
+    assert export_main([str(trained), "--out", str(tmp_path / "out"), "--tokenizer",
+                        str(missing)]) == 66
     assert capsys.readouterr().err == (f"scse-export: error: tokenizer model {str(missing)!r} does "
                                        "not exist (train one with `scse-data tokenizer`)\n")
     assert not (tmp_path / "out").exists()  # nothing written before the tokenizer was read
@@ -188,7 +190,8 @@ def test_a_bf16_checkpoint_exports_and_evaluates(tmp_path, tiny_config, subproce
     optim = sorted(p.name for p in tag.glob("*optim_states.pt"))
     assert optim == ([] if stage == 0 else ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"])
     assert export_main([str(tag), "--out", str(tmp_path / "out")]) == 0
-    a, b = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(str(run / "export" / "model.safetensors"))
+    a = load_file(str(tmp_path / "out" / "model.safetensors"))
+    b = load_file(str(run / "export" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all(v.dtype == torch.float32 for v in a.values())
     if stage == 0:  # bf16 values, stored widened

@@ -233,8 +233,8 @@ def test_cache_refuses_another_depth_or_batch() -> None:
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory, tiny_data):
-    from scse_dist.config import config_from_dict
     from scse_dist.checkpoint.export import save_exported_model
+    from scse_dist.config import config_from_dict
 
     cfg = config_from_dict({"name": "tiny", "data": {"seq_len": 16},
                             "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2,
@@ -246,8 +246,8 @@ def export(tmp_path_factory, tiny_data):
 
 
 def expected_text(export: str, prompt: str, **kw) -> str:
-    from scse_dist.data.tokenizer import Tokenizer
     from scse_dist.checkpoint.export import load_exported_model
+    from scse_dist.data.tokenizer import Tokenizer
 
     model, cfg = load_exported_model(export)
     tok = Tokenizer.load(cfg.data.tokenizer)
@@ -258,8 +258,9 @@ def expected_text(export: str, prompt: str, **kw) -> str:
 def test_scse_generate_streams_seeded_text(export, subprocess_env, capsys) -> None:
     argv = [export, "--prompt", "the cat sees", "--max-new-tokens", "7", "--temperature", "1",
             "--top-p", "0.95", "--seed", "3"]
-    run = subprocess.run([sys.executable, "-m", "scse_dist.generate.cli", *argv], capture_output=True,
-                         text=True, env=subprocess_env, cwd=REPO_ROOT, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "scse_dist.generate.cli", *argv],
+                         capture_output=True, text=True, env=subprocess_env, cwd=REPO_ROOT,
+                         timeout=120)
     assert run.returncode == 0, run.stderr
     want = expected_text(export, "the cat sees", max_new_tokens=7,
                          sampling=Sampling(1.0, 0.95, 3))
@@ -321,8 +322,8 @@ def test_scse_generate_reports_the_steps_an_exit_rule_used(export, capsys) -> No
 
 def first_token_with_a_space(export: str, prompt: str) -> int:
     """A seed whose first sampled token starts with '▁' (a word after the prompt's last)."""
-    from scse_dist.data.tokenizer import Tokenizer
     from scse_dist.checkpoint.export import load_exported_model
+    from scse_dist.data.tokenizer import Tokenizer
 
     model, cfg = load_exported_model(export)
     tok = Tokenizer.load(cfg.data.tokenizer)

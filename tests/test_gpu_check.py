@@ -22,7 +22,8 @@ spec.loader.exec_module(gpu_check)
 def test_cpu_check_trains_both_stages_and_writes_the_summary(tmp_path, tiny_data, subprocess_env):
     out = tmp_path / "summary.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu",
-                           "--workdir", str(tmp_path), "--data", str(Path(tiny_data["path"]).parent),
+                           "--workdir", str(tmp_path),
+                           "--data", str(Path(tiny_data["path"]).parent),
                            "--out", str(out)],
                           env=subprocess_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -38,7 +39,8 @@ def test_cpu_check_trains_both_stages_and_writes_the_summary(tmp_path, tiny_data
         assert r["loop_checkpointing"] is True and r["compile"] is False  # as the trainer ran
         assert [w["step"] for w in r["windows"]] == [1, 2, 4, 6]
         assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
-        assert r["mfu"] is None  # on CPU no MFU unless SCSE_PEAK_FLOPS names a peak (docs/training.md)
+        # on CPU no MFU unless SCSE_PEAK_FLOPS names a peak (docs/training.md)
+        assert r["mfu"] is None
         assert r["averaged_steps"] == "3-6"  # 6 steps logged every 2: the first window of 2 is out
         assert r["last_loss"] < r["first_loss"] - gpu_check.CPU.min_loss_drop
         assert sorted(r["ppl"], key=int) == ["1", "4", "32"]
@@ -67,7 +69,8 @@ def test_check_names_the_first_failing_rule():
     ok = {"stage": 3, "first_loss": 10.4, "last_loss": 7.0, "skipped_steps": 0,
           "ppl": {"1": 900.0, "4": 800.0, "32": 790.0}}
     assert gpu_check.check(ok, min_loss_drop=1.0) is None
-    assert gpu_check.check({**ok, "skipped_steps": 2}, 1.0) == "ZeRO-3: 2 non-finite step(s) skipped"
+    assert gpu_check.check({**ok, "skipped_steps": 2}, 1.0) == \
+        "ZeRO-3: 2 non-finite step(s) skipped"
     assert gpu_check.check({**ok, "last_loss": 9.9}, 1.0) == \
         "ZeRO-3: loss 10.400 -> 9.900 did not fall by 1.0 nats"
     assert "did not fall" in gpu_check.check({**ok, "last_loss": float("nan")}, 1.0)

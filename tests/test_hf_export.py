@@ -1,12 +1,12 @@
 """An export loads in Hugging Face transformers as remote code, without scse-dist, and gives the
 native model's numbers (a scse, an additive and a model.qk_norm export; one whose config.json
-predates qk_norm loads with it off): logits at depths 1, 4, 32 (fp32, 1e-5), a left-padded batch equal to each
-sequence alone, the tokenizer's ids and text equal to scse-dist's, greedy generation equal to the
-native model's recomputed greedy at num_steps 1 and 8, batched and alone, both through the
-model's KV cache (generate's default) and without it (use_cache=False); and what save_pretrained
-writes loads back the same. With the cache, a core block runs T (+1 for scse) single-token calls
-per new token after the prefill (a forward hook counts them); a foreign cache is refused; a bf16
-load generates.
+predates qk_norm loads with it off): logits at depths 1, 4, 32 (fp32, 1e-5), a left-padded batch
+equal to each sequence alone, the tokenizer's ids and text equal to scse-dist's, greedy generation
+equal to the native model's recomputed greedy at num_steps 1 and 8, batched and alone, both through
+the model's KV cache (generate's default) and without it (use_cache=False); and what save_pretrained
+writes loads back the same. With the cache, a core block runs T (+1 for scse) single-token calls per
+new token after the prefill (a forward hook counts them); a foreign cache is refused; a bf16 load
+generates.
 
 The transformers side runs in a subprocess whose cwd is a temp dir, with scse_dist blocked from
 import and the export copied to a new place. It runs with the installed transformers (CI: 5.x)
@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB
+from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.config import config_from_dict
 from scse_dist.data.tokenizer import Tokenizer
-from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.generate import generate
 from scse_dist.hf import HERE, MODEL_PACKAGE, REMOTE_CODE
 from scse_dist.model import LoopedLM

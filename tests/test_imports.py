@@ -33,8 +33,8 @@ ROOT = Path(scse_dist.__file__).parent
 
 LAYERS = [
     {"model"},
-    {"config", "typed_yaml", "task_registry", "run_dir", "cli_errors", "atomic", "progress", "quiet",
-     "threads", "distributed", "hf", "figures"},
+    {"config", "typed_yaml", "task_registry", "run_dir", "cli_errors", "atomic", "progress",
+     "quiet", "threads", "distributed", "hf", "figures"},
     {"data"},
     {"checkpoint"},
     {"train", "eval", "generate"},
@@ -59,7 +59,8 @@ def _absolute(name: str, path: Path, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path], annotations: bool = False) -> set[str]:
+def _imports(name: str, path: Path, modules: dict[str, Path], annotations: bool = False
+             ) -> set[str]:
     """scse_dist modules that `name` imports anywhere in its source (with their packages);
     with `annotations`, also those under `if TYPE_CHECKING:`."""
     named = set()
@@ -216,7 +217,8 @@ def test_section_packages_import_nothing(package):
 
 def test_a_section_config_importing_its_package_is_caught(tmp_path):
     copy = _plant(tmp_path, {"train/config.py": (ROOT / "train/config.py").read_text()
-                             + "\nfrom scse_dist.train.schedule import build_lr_scheduler  # planted\n"})
+                             + "\nfrom scse_dist.train.schedule import build_lr_scheduler"
+                               "  # planted\n"})
     assert "scse_dist.train.config -> scse_dist.train.schedule" in _upward(_graph(copy))
 
 

@@ -1,4 +1,5 @@
-"""Launcher environments -> DistEnv, for deepspeed/torchrun, srun (with a fake scontrol) and none."""
+"""Launcher environments -> DistEnv, for deepspeed/torchrun, srun (with a fake scontrol) and
+none."""
 
 import os
 import stat
@@ -8,8 +9,13 @@ import textwrap
 
 import pytest
 
-from scse_dist.distributed import (SLURM_PORT_BASE, DistEnv, describe_placement,
-                                          resolve_dist_env, scontrol_first_host)
+from scse_dist.distributed import (
+    SLURM_PORT_BASE,
+    DistEnv,
+    describe_placement,
+    resolve_dist_env,
+    scontrol_first_host,
+)
 
 
 def test_deepspeed_and_torchrun_env_is_taken_as_is():
@@ -44,18 +50,21 @@ def test_srun_respects_explicit_master_addr_and_port():
 
 
 def test_placement_names_the_slurm_task_and_node():
-    env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
+    env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0",
+           "SLURM_NODEID": "1",
            "SLURMD_NODENAME": "vnode2", "SLURM_JOB_NODELIST": "vnode[1-2]", "SLURM_JOB_ID": "9"}
     line = describe_placement(resolve_dist_env(env, first_host=lambda nodes: "vnode1"), env)
     assert line.startswith("rank 1 of 2 (local rank 0) on ")
-    assert line.endswith(", Slurm task 1 on node vnode2 (SLURM_NODEID 1), rendezvous vnode1:20009 (slurm)")
+    assert line.endswith(", Slurm task 1 on node vnode2 (SLURM_NODEID 1), rendezvous "
+                         "vnode1:20009 (slurm)")
     plain = describe_placement(DistEnv(0, 2, 0, "127.0.0.1", 4000, "env"), {})
     assert "Slurm" not in plain and plain.endswith("rendezvous 127.0.0.1:4000 (env)")
 
 
 def test_sbatch_shell_without_srun_is_single_process():
     # The batch script itself has SLURM_NTASKS=8 but is one process: it must not wait for 7 peers.
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "3"}
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "n1",
+           "SLURM_JOB_ID": "3"}
     got = resolve_dist_env(env)
     assert (got.rank, got.world_size, got.launcher) == (0, 1, "none")
 

@@ -18,15 +18,15 @@ import torch
 pytest.importorskip("lm_eval")
 
 from conftest import REPO_ROOT, TINY_VOCAB, tiny_documents  # noqa: E402
+from scse_dist.checkpoint.export import save_exported_model  # noqa: E402
 from scse_dist.config import config_from_dict  # noqa: E402
 from scse_dist.data.tokenizer import Tokenizer  # noqa: E402
 from scse_dist.eval.cli import main as eval_main  # noqa: E402
-from scse_dist.checkpoint.export import save_exported_model  # noqa: E402
 from scse_dist.lmeval import TASKS_DIR  # noqa: E402
 from scse_dist.lmeval.cli import hoist_model_args, model_named  # noqa: E402
 from scse_dist.lmeval.model import ScseLM, exit_scorer  # noqa: E402
-from scse_dist.model.exit_rules import parse_exit_rule  # noqa: E402
 from scse_dist.model import LoopedLM  # noqa: E402
+from scse_dist.model.exit_rules import parse_exit_rule  # noqa: E402
 
 DEPTH = 2
 
@@ -71,7 +71,8 @@ def _adamw_steps(cfg, tokenizer: Tokenizer, steps: int) -> LoopedLM:
 def lm_data(tmp_path_factory, tiny_data):
     """(export dir, LAMBADA JSONL, WikiText raw file) of a briefly trained tiny model."""
     root = tmp_path_factory.mktemp("lmeval")
-    cfg = config_from_dict({"name": "tiny", "data": {"seq_len": 32, "tokenizer": tiny_data["tokenizer"]},
+    cfg = config_from_dict({"name": "tiny",
+                            "data": {"seq_len": 32, "tokenizer": tiny_data["tokenizer"]},
                             "eval": {"batch_size": 3},
                             "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2,
                                       "ffn_hidden": 64, "max_seq_len": 32, "depth": DEPTH}})
@@ -178,7 +179,8 @@ from test_lmeval import _evaluate
 export, lambada, wiki = sys.argv[2:5]
 hf = f"pretrained={export},trust_remote_code=True"
 out = {"hf": _evaluate("hf", hf, "scse_lambada", lambada)["results"]["scse_lambada"],
-       "scse": _evaluate("scse", f"pretrained={export}", "scse_lambada", lambada)["results"]["scse_lambada"],
+       "scse": _evaluate("scse", f"pretrained={export}", "scse_lambada",
+                         lambada)["results"]["scse_lambada"],
        "hf_wiki": _evaluate("hf", hf, "scse_wikitext", wiki)["results"]["scse_wikitext"]}
 print(json.dumps(out))
 """
@@ -190,8 +192,9 @@ def _lm_eval_rolling_word_ppl(export: Path, wiki: Path) -> float:
     tokens) over the article's ids as the tokenizer gives them, EOS first, after the prefix
     token EOS: so each article also scores that EOS after EOS."""
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-    from scse_dist.data.sources import read_wikitext_articles
+
     from scse_dist.checkpoint.loading import load_model
+    from scse_dist.data.sources import read_wikitext_articles
     from scse_dist.eval.scoring import Window, score_windows
 
     tokenizer = Tokenizer.load(str(export / "tokenizer.model"))
@@ -213,7 +216,8 @@ def test_hf_model_agrees_with_scse_model(lm_data, tmp_path, user_env):
     splits and encodes context/continuation itself, EOS first (the tokenizer's BOS), and cuts
     windows to max_length (the config's max_position_embeddings, here data.seq_len)."""
     accelerate = pytest.importorskip(
-        "accelerate", reason="lm-eval's hf model needs accelerate (pip install 'scse-dist[lm-eval]')")
+        "accelerate",
+        reason="lm-eval's hf model needs accelerate (pip install 'scse-dist[lm-eval]')")
     export, lambada, wiki = lm_data
     # the accelerate this process imports (it may live outside the venv), and a private HF home
     # for the remote code's module cache
@@ -282,7 +286,8 @@ def test_generate_until_is_greedy_and_stops(lm_data):
     plain, = lm.generate_until([SimpleNamespace(args=(context, {"until": [], "max_gen_toks": 6}))])
     assert plain == greedy
     stop = greedy.strip()[-1]
-    cut, = lm.generate_until([SimpleNamespace(args=(context, {"until": [stop], "max_gen_toks": 6}))])
+    cut, = lm.generate_until([SimpleNamespace(args=(context, {"until": [stop],
+                                                              "max_gen_toks": 6}))])
     assert cut == greedy.split(stop, 1)[0] and stop not in cut
 
 
@@ -346,7 +351,8 @@ def test_task_files_are_package_data():
     """The tasks lm-eval reads from the installed package are listed in pyproject's package-data."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    data = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    data = pyproject["tool"]["setuptools"]["package-data"]
     patterns = data["scse_dist.lmeval"]
     shipped = {p.name for p in Path(TASKS_DIR).iterdir() if p.suffix in (".yaml", ".py")}
     assert shipped == {"scse_lambada.yaml", "scse_wikitext.yaml", "scse_tasks.py"}

@@ -9,8 +9,13 @@ import torch
 
 from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
-from scse_dist.train.diagnostics import (GRAD_GROUPS, DiagnosticsCallback, grad_group,
-                                         gradient_shares, loop_diagnostics)
+from scse_dist.train.diagnostics import (
+    GRAD_GROUPS,
+    DiagnosticsCallback,
+    grad_group,
+    gradient_shares,
+    loop_diagnostics,
+)
 from scse_dist.train.metrics import format_line
 
 

@@ -114,12 +114,14 @@ def test_find_micro_batch_on_cpu_picks_what_fits_the_budget_and_says_why(tiny_co
 
 def test_auto_config_parses_and_rejects_in_one_line(tiny_config, tmp_path):
     assert tiny_cfg(tiny_config, tmp_path).train.micro_batch_size == "auto"
-    assert load_config(tiny_config(tmp_path, "train.micro_batch_size=16")).train.micro_batch_size == 16
+    assert load_config(tiny_config(tmp_path, "train.micro_batch_size=16")
+                       ).train.micro_batch_size == 16
     bad = {("train.micro_batch_size=auto",):
            "train.micro_batch_size: auto needs train.global_batch_size",
            ("train.micro_batch_size=big",):
            "train.micro_batch_size: expected an integer or 'auto', got 'big'",
-           ("train.micro_batch_size=auto", "train.global_batch_size=64", "train.grad_accum_steps=2"):
+           ("train.micro_batch_size=auto", "train.global_batch_size=64",
+            "train.grad_accum_steps=2"):
            "train.grad_accum_steps: 2 with train.micro_batch_size: auto, which derives it",
            ("train.micro_batch_memory_gib=-1",): "train.micro_batch_memory_gib: must be >= 0"}
     for overrides, message in bad.items():
@@ -189,7 +191,8 @@ def test_auto_on_two_ranks_splits_the_rank_share_and_trains(tmp_path, tiny_confi
     from train_procs import all_passed, train_ranks
 
     cfg = tiny_config(tmp_path, "train.micro_batch_size=auto", "train.global_batch_size=64",
-                      "train.depth.max=3", "train.max_steps=2", f"train.micro_batch_memory_gib={12 / 1024}")
+                      "train.depth.max=3", "train.max_steps=2",
+                      f"train.micro_batch_memory_gib={12 / 1024}")
     results = train_ranks(cfg, subprocess_env)
     stdout = all_passed(results)
     assert "micro-batch auto: 8 (16 needs" in stdout, stdout

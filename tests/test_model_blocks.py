@@ -45,7 +45,8 @@ def test_residual_constants(kw: dict, alpha: float, beta: float) -> None:
 
 def test_deeploop_constants_values() -> None:
     alpha, beta = residual_constants(transition_for(cfg_of(residual="deeploop")))
-    assert alpha == pytest.approx(3.4641016, rel=1e-6) and beta == pytest.approx(0.1443376, rel=1e-6)
+    assert alpha == pytest.approx(3.4641016, rel=1e-6) and \
+        beta == pytest.approx(0.1443376, rel=1e-6)
 
 
 @pytest.mark.parametrize("residual", ["deepnorm", "deeploop"])

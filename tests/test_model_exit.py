@@ -31,7 +31,8 @@ def tokens(b: int = 3, s: int = 16) -> torch.Tensor:
 
 
 @over_recurrences(loops_only=True)
-@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())) or "default")
+@pytest.mark.parametrize("kw", VARIANTS,
+                         ids=lambda kw: "-".join(map(str, kw.values())) or "default")
 def test_rules_that_never_exit_early_equal_the_plain_forward(recurrence: str, kw: dict) -> None:
     model, x = tiny(recurrence=recurrence, **kw), tokens()
     with torch.no_grad():
@@ -53,7 +54,8 @@ def test_untied_runs_at_its_fixed_depth_only() -> None:
 
 
 @over_recurrences(loops_only=True)
-@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())) or "default")
+@pytest.mark.parametrize("kw", VARIANTS,
+                         ids=lambda kw: "-".join(map(str, kw.values())) or "default")
 def test_all_exiting_together_equals_the_plain_forward_at_that_depth(recurrence: str, kw: dict
                                                                       ) -> None:
     model, x = tiny(recurrence=recurrence, **kw), tokens()
@@ -82,7 +84,8 @@ class ExitAt:
 
 
 @over_recurrences(loops_only=True)
-@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())) or "default")
+@pytest.mark.parametrize("kw", VARIANTS,
+                         ids=lambda kw: "-".join(map(str, kw.values())) or "default")
 def test_a_token_exiting_at_e_is_read_out_from_its_state_at_e(recurrence: str, kw: dict) -> None:
     model, x = tiny(recurrence=recurrence, **kw), tokens()
     with torch.no_grad():  # sharper attention than at init, so tokens read each other strongly
@@ -113,8 +116,10 @@ def test_exited_kv_keeps_the_last_active_steps_keys_and_values() -> None:
     assert view.hooks(0)[0].update(k1, v1) == (k1, v1)
     view.active = torch.tensor([[True, False, True]])  # the middle token has exited
     k, v = view.hooks(1)[0].update(k2, v2)
-    assert k[0, :, :, 0].tolist() == [[2.0, 0.0, 2.0]] * 2 and v[0, 0, :, 0].tolist() == [3.0, 1.0, 3.0]
-    k, _ = view.hooks(2)[0].update(k2 + 5, v2)  # still the step-1 keys for it, the newest for the others
+    assert k[0, :, :, 0].tolist() == [[2.0, 0.0, 2.0]] * 2 and \
+        v[0, 0, :, 0].tolist() == [3.0, 1.0, 3.0]
+    # still the step-1 keys for it, the newest for the others
+    k, _ = view.hooks(2)[0].update(k2 + 5, v2)
     assert k[0, 0, :, 0].tolist() == [7.0, 0.0, 7.0]
 
 

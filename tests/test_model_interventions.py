@@ -81,7 +81,8 @@ def test_core_norm_anchor_trains_the_norm_gain_through_the_anchor() -> None:
 
 @pytest.mark.parametrize("kw,message", [
     (dict(anchor_scale="core_norm", recurrence="additive"),
-     "model.anchor_scale: only scse has an anchor; got anchor_scale=core_norm with recurrence=additive"),
+     "model.anchor_scale: only scse has an anchor; got anchor_scale=core_norm with "
+     "recurrence=additive"),
     (dict(anchor_scale="core_norm", residual="preln"),
      "model.anchor_scale: core_norm needs a Post-LN residual (deepnorm or deeploop), whose core "
      "output is normalised; got residual=preln"),
@@ -185,7 +186,8 @@ def test_residual_depth_sets_preln_init_too() -> None:
 
 @pytest.mark.parametrize("kw, want", [
     ({}, "core_norm"), ({"residual": "deepnorm"}, "core_norm"), ({"residual": "preln"}, "free"),
-    ({"anchor": "source", "init_state": "zeros"}, "free"), ({"anchor": "zero", "init_state": "random", "inject": "add"}, "free"),
+    ({"anchor": "source", "init_state": "zeros"}, "free"),
+    ({"anchor": "zero", "init_state": "random", "inject": "add"}, "free"),
     ({"recurrence": "additive"}, "free"), ({"recurrence": "looped"}, "free")])
 def test_auto_anchor_scale_is_core_norm_where_it_applies(kw, want) -> None:
     from scse_dist.config import config_from_dict

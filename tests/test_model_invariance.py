@@ -36,7 +36,8 @@ def test_zero_deviation_stays_bitwise_at_anchor(dtype: torch.dtype, residual: st
             s = model.source(tokens(batch, seq))
             anchor = core.anchor_of(s)
             assert anchor.abs().max() > 0  # a zero anchor would make the test trivial
-            states = core(s, depth, readout_depths=range(1, depth + 1), initial_state=anchor.clone())
+            states = core(s, depth, readout_depths=range(1, depth + 1),
+                          initial_state=anchor.clone())
             x, ctx = core.start(s, anchor.clone())
             for t in range(depth):
                 x = core.step(x, ctx, t)

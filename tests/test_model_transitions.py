@@ -9,8 +9,14 @@ import torch
 from recurrences import over_recurrences
 from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
-from scse_dist.model.transitions import (TRANSITIONS, Additive, Scse, Transition, Untied,
-                                         transition_for)
+from scse_dist.model.transitions import (
+    TRANSITIONS,
+    Additive,
+    Scse,
+    Transition,
+    Untied,
+    transition_for,
+)
 
 
 def tiny(**kw) -> ModelConfig:

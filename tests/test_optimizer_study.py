@@ -9,7 +9,8 @@ import pytest
 
 from conftest import REPO_ROOT
 
-spec = importlib.util.spec_from_file_location("optimizer_study", REPO_ROOT / "benchmarks" / "optimizer_study.py")
+spec = importlib.util.spec_from_file_location("optimizer_study",
+                                              REPO_ROOT / "benchmarks" / "optimizer_study.py")
 optimizer_study = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(optimizer_study)
 

@@ -60,7 +60,8 @@ def test_auto_takes_the_largest_candidate_that_fits():
 
 
 def test_table_and_json_through_the_cli(capsys):
-    argv = ["--config", GPT2, "--plan", "--world-size", "16", "--gpu", "h200", "train.max_steps=500"]
+    argv = ["--config", GPT2, "--plan", "--world-size", "16", "--gpu", "h200",
+            "train.max_steps=500"]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert table.startswith("plan: gpt2-small-scse on 16 x H200 (2 nodes of 8), bf16, ZeRO-1")
@@ -81,7 +82,8 @@ def test_table_and_json_through_the_cli(capsys):
     (["--plan", "--world-size", "16", "--gpu", "v100"],
      "--gpu: unknown GPU 'v100'; one of a100, h100, h200"),
     (["--plan", "--world-size", "3", "train.global_batch_size=64", "train.grad_accum_steps=1"],
-     "train.global_batch_size: 64 is not a multiple of train.micro_batch_size (16) x world size (3)"),
+     "train.global_batch_size: 64 is not a multiple of train.micro_batch_size (16) x world size "
+     "(3)"),
     (["--plan", "--world-size", "8", "--mfu", "40"], "--mfu: a fraction in (0, 1], got 40.0"),
     (["--plan"], "--plan: needs --world-size (the GPUs the run trains on)"),
     (["--world-size", "8"], "--world-size: only with --plan"),

@@ -82,4 +82,5 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys):
     assert plain([]) == EXIT_INTERRUPTED
     assert capsys.readouterr().err.strip() == "scse-x: interrupted"
     assert kept([]) == EXIT_INTERRUPTED
-    assert capsys.readouterr().err.strip() == "scse-x: interrupted: wrote 3 of 10 batches to out.json"
+    assert capsys.readouterr().err.strip() == \
+        "scse-x: interrupted: wrote 3 of 10 batches to out.json"

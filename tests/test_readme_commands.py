@@ -1,5 +1,6 @@
-"""Every command in the ```bash blocks of README.md and docs/*.md runs as written, in a temp dir that looks like a
-checkout (configs/, launch/, slurm/ linked in), so a README that drifts from the code fails here.
+"""Every command in the ```bash blocks of README.md and docs/*.md runs as written, in a temp dir
+that looks like a checkout (configs/, launch/, slurm/ linked in), so a README that drifts from the
+code fails here.
 
 Each command (a line, or one `&&` part of a line) is either in RUN, which holds its exact README
 text and runs it in dependency order, or in NOT_RUN with the reason it cannot run here. A bash
@@ -58,7 +59,7 @@ WIKITEXT = """ = Valkyria Chronicles III =
  = Tower Building of the Little Rock Arsenal = 
 
  The Tower Building of the Little Rock Arsenal is a building in the old park . 
-"""
+"""  # noqa: W291 (WikiText's raw lines end in a space)
 LAMBADA = ["the old man opened the door and looked at the cat . he smiled at the cat",
            "my sister paints a green box every day . today she paints the box",
            "the robot builds a quiet house in the park . it builds the house"]
@@ -138,7 +139,8 @@ def check_gpt2_two_ranks(d: Path, out: str) -> None:
     run = d / "runs/gpt2-small-scse"
     assert "world 2 (env), ZeRO-1" in out
     ran = yaml.safe_load((run / "config.yaml").read_text())["train"]
-    assert ran["grad_accum_steps"] == 4 and ran["deepspeed_config"] == "configs/deepspeed/zero1.json"
+    assert ran["grad_accum_steps"] == 4 and \
+        ran["deepspeed_config"] == "configs/deepspeed/zero1.json"
     # every rank consumed micro 16 x accumulation 4 sequences of 32 tokens per step
     _check_run(run, 3, 2 * 16 * 4 * 32, [1, 2, 4, 8, 16, 32, 48])
 
@@ -165,12 +167,15 @@ def check_export(d: Path, out: str) -> None:
 
     ours, trainers = d / "quickstart-export", d / "runs/quickstart/export"
     names = sorted(["config.yaml", "model.safetensors", "tokenizer.model", *hf_file_names(True)])
-    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in trainers.iterdir()) == names
+    assert sorted(p.name for p in ours.iterdir()) == \
+        sorted(p.name for p in trainers.iterdir()) == names
     for name in ("config.json", "modeling_scse.py"):  # scse-export's HF files are the trainer's
         assert (ours / name).read_bytes() == (trainers / name).read_bytes(), name
-    assert (ours / "tokenizer.model").read_bytes() == (d / "data/quickstart/tokenizer.model").read_bytes()
+    assert (ours / "tokenizer.model").read_bytes() == \
+        (d / "data/quickstart/tokenizer.model").read_bytes()
     assert (ours / "config.yaml").read_text() == (trainers / "config.yaml").read_text()
-    a, b = load_file(str(ours / "model.safetensors")), load_file(str(trainers / "model.safetensors"))
+    a = load_file(str(ours / "model.safetensors"))
+    b = load_file(str(trainers / "model.safetensors"))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
@@ -270,8 +275,8 @@ SLURM = ("needs a Slurm cluster; tests/test_slurm_e2e.py runs scse-launch on a r
 STUDY = ("a study trains dozens of runs (minutes to days); tests/test_study.py runs --dry-run and "
          "--local on tiny specs, tests/test_study_slurm.py --slurm, and parses both shipped specs")
 LOCAL_CLUSTER = ("the CPU-cluster study walkthrough starts the machine-wide local Slurm; "
-                 "tests/test_study_slurm.py runs the same on the tests' own cluster (spec defaults, "
-                 "no --backend-args, the cap, evaluations in the job, the report)")
+                 "tests/test_study_slurm.py runs the same on the tests' own cluster (spec "
+                 "defaults, no --backend-args, the cap, evaluations in the job, the report)")
 SHARED = "reads ../shared/data, which the project's tests must not depend on"
 NOT_RUN = {
     "scse-study configs/studies/repro-cpu.yaml --dry-run": STUDY,
@@ -296,14 +301,14 @@ NOT_RUN = {
     "pip install --no-build-isolation -e '.[dev]'": ENVIRONMENT,
     "pip install -e '.[lm-eval]'": ENVIRONMENT + " (the dev extra includes lm-eval)",
     "lm_eval --model hf --model_args pretrained=runs/quickstart/export,trust_remote_code=True --include_path scse_dist/lmeval/tasks --tasks scse_lambada --metadata lambada=lambada_test.jsonl --device cpu":
-        "lm-eval's hf model needs accelerate (lm_eval[hf]); tests/test_lmeval.py runs it on a tiny "
-        "export against --model scse (test_hf_model_agrees_with_scse_model)",
+        "lm-eval's hf model needs accelerate (lm_eval[hf]); tests/test_lmeval.py runs it on a "
+        "tiny export against --model scse (test_hf_model_agrees_with_scse_model)",
     "python launch/train.py --config configs/quickstart.yaml train.resume_from=step-100":
         "the test's quickstart runs 30 steps (no step-100); tests/test_train_resume.py resumes a "
         "real run from a chosen tag (test_resume_from_a_chosen_tag_moves_the_newer_ones_aside)",
     "python launch/train.py --config configs/quickstart.yaml tensorboard.enabled=true":
-        "the 300-step quickstart with TensorBoard on; tests/test_train_tensorboard.py trains a tiny "
-        "run with it and reads the event files back against metrics.jsonl",
+        "the 300-step quickstart with TensorBoard on; tests/test_train_tensorboard.py trains a "
+        "tiny run with it and reads the event files back against metrics.jsonl",
     "tensorboard --logdir runs/quickstart/tensorboard":
         "TensorBoard's web server runs until stopped; tests/test_train_tensorboard.py reads the "
         "event files with TensorBoard's own loader (EventAccumulator)",
@@ -322,7 +327,8 @@ def test_every_readme_command_is_run_or_listed():
     commands = readme_commands(doc_text())
     run = [s.command for s in RUN]
     unknown = [c for c in commands if c not in run and c not in NOT_RUN]
-    assert not unknown, f"README/docs commands neither run by this test nor listed in NOT_RUN: {unknown}"
+    assert not unknown, \
+        f"README/docs commands neither run by this test nor listed in NOT_RUN: {unknown}"
     gone = [c for c in [*run, *NOT_RUN] if c not in commands]
     assert not gone, f"commands this test expects that README.md and docs/ no longer have: {gone}"
     assert len(set(run)) == len(run)

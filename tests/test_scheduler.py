@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 
 from recording_backend import RecordingBackend
-from scse_dist.config import load_config
+from scse_dist.config import ConfigError, EvalResources, Resources, load_config
 from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch import scheduler
-from scse_dist.config import ConfigError, EvalResources, Resources
 
 
 def test_eval_jobs_depend_on_training_and_are_scheduled_once_per_job(tmp_path, tiny_config):
     backend = RecordingBackend()
     cfg = load_config(tiny_config(tmp_path, "eval.tasks=[heldout,diagnose]",
-                                  "eval.resources.gpus_per_node=1", "eval.resources.partition=eval"))
+                                  "eval.resources.gpus_per_node=1",
+                                  "eval.resources.partition=eval"))
     assert scheduler.schedule_evals(cfg, "42", backend) == ["100", "101", "102"]
     assert backend.kinds() == ["submit"] * 3  # through the protocol only
     (_, j1, _), (_, j2, _), (_, j3, _) = backend.calls
@@ -28,8 +28,8 @@ def test_eval_jobs_depend_on_training_and_are_scheduled_once_per_job(tmp_path, t
     assert (j1.command, j2.command) == ([*job_cmd, "evaluate", run_dir, "heldout"],
                                         [*job_cmd, "evaluate", run_dir, "diagnose"])
     assert (j1.after, j1.dependency, j1.name) == (["42"], "afterok", "tiny-eval")
-    assert j1.resources == EvalResources(nodes=1, tasks_per_node=1, gpus_per_node=1, cpus_per_task=1,
-                                         time_min=120, partition="eval")
+    assert j1.resources == EvalResources(nodes=1, tasks_per_node=1, gpus_per_node=1,
+                                         cpus_per_task=1, time_min=120, partition="eval")
     assert str(j1.log_dir) == f"{run_dir}/logs"
     assert (j3.command, j3.name) == ([*job_cmd, "report", run_dir], "tiny-report")
     assert (j3.after, j3.dependency) == (["100", "101"], "afterok")
@@ -51,7 +51,8 @@ def test_a_refused_report_job_cancels_the_eval_jobs_and_is_one_line(tmp_path, ti
     assert capsys.readouterr().err == "scse-launch: queue is full\n"
     assert [c[0] if c[0] == "submit" else c for c in backend.calls] == \
         ["submit", "submit", ("cancel", "100"), ("cancel", "101")]
-    assert not (tmp_path / "runs" / "tiny" / "eval" / "scheduled.json").exists()  # retried next time
+    # retried next time
+    assert not (tmp_path / "runs" / "tiny" / "eval" / "scheduled.json").exists()
 
 
 def test_the_training_job_is_run_job_train_with_config_overrides_and_resources(
@@ -86,8 +87,10 @@ def test_old_eval_resource_names_load_with_one_notice(tmp_path, tiny_config, cap
     assert cfg.eval.resources == EvalResources(gpus_per_node=2, time_min=30)
     assert again.eval.resources.gpus_per_node == 2
     assert capsys.readouterr().err.splitlines() == [
-        "config: notice: eval.slurm_gpus is now eval.resources.gpus_per_node; the old name is read for now",
-        "config: notice: eval.slurm_time_min is now eval.resources.time_min; the old name is read for now"]
+        "config: notice: eval.slurm_gpus is now eval.resources.gpus_per_node; the old name is "
+        "read for now",
+        "config: notice: eval.slurm_time_min is now eval.resources.time_min; the old name is "
+        "read for now"]
     with pytest.raises(ConfigError, match=r"eval.resources: an evaluation is one task on one node"):
         load_config(tiny_config(tmp_path), ["eval.resources.nodes=2"])
     with pytest.raises(ConfigError, match=r"^resources: nodes, tasks_per_node and cpus_per_task "):
@@ -96,10 +99,12 @@ def test_old_eval_resource_names_load_with_one_notice(tmp_path, tiny_config, cap
 
 def test_tasks_that_need_a_file_say_which_field(tmp_path, tiny_config, capsys):
     assert scheduler.main([tiny_config(tmp_path), "eval.tasks=[heldout,lambada]", "--local"]) == 2
-    assert "eval.lambada: eval.tasks lists 'lambada', so set eval.lambada" in capsys.readouterr().err
+    assert "eval.lambada: eval.tasks lists 'lambada', so set eval.lambada" in \
+        capsys.readouterr().err
 
 
-def test_local_launch_trains_evaluates_every_task_and_reports(tmp_path, tiny_config, subprocess_env):
+def test_local_launch_trains_evaluates_every_task_and_reports(tmp_path, tiny_config,
+                                                              subprocess_env):
     cfg = tiny_config(tmp_path, "train.max_steps=4", "eval.tasks=[heldout,diagnose]")
     out = subprocess.run([sys.executable, "-m", "scse_dist.launch.scheduler", cfg, "--local"],
                          capture_output=True, text=True, env=subprocess_env, timeout=300)
@@ -107,13 +112,16 @@ def test_local_launch_trains_evaluates_every_task_and_reports(tmp_path, tiny_con
     eval_dir = tmp_path / "runs" / "tiny" / "eval"
     heldout = json.loads((eval_dir / "heldout.json").read_text())
     diagnose = json.loads((eval_dir / "diagnose.json").read_text())
-    assert heldout["checkpoint"] == "tiny@export" and [r["depth"] for r in heldout["results"]] == [1, 2]
+    assert heldout["checkpoint"] == "tiny@export" and \
+        [r["depth"] for r in heldout["results"]] == [1, 2]
     assert [r["depth"] for r in diagnose["results"]] == [1, 2]
     report = (eval_dir / "report.md").read_text()
     ppl = heldout["results"][1]["ppl"]
-    assert f"| tiny (scse) | heldout | ppl | {heldout['results'][0]['ppl']:.4f} | {ppl:.4f} |" in report
+    assert f"| tiny (scse) | heldout | ppl | {heldout['results'][0]['ppl']:.4f} | {ppl:.4f} |" \
+        in report
     assert (eval_dir / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     # the same numbers as evaluating the export again
     assert evaluate_export(str(tmp_path / "runs" / "tiny"), "heldout")
     again = json.loads((eval_dir / "heldout.json").read_text())
-    assert [r["ppl"] for r in again["results"]] == pytest.approx([r["ppl"] for r in heldout["results"]])
+    assert [r["ppl"] for r in again["results"]] == \
+        pytest.approx([r["ppl"] for r in heldout["results"]])

@@ -18,8 +18,12 @@ import torch
 
 from conftest import REPO_ROOT
 from scse_dist.config import load_config
-from scse_dist.train.sizing import (activation_memory, count_parameters, deepspeed_estimate,
-                                    state_memory)
+from scse_dist.train.sizing import (
+    activation_memory,
+    count_parameters,
+    deepspeed_estimate,
+    state_memory,
+)
 
 SMALL = ["model.d_model=64", "model.n_heads=2", "model.max_seq_len=64", "data.seq_len=64",
          "model.vocab_size=512", "model.depth=3"]

@@ -1,5 +1,5 @@
-"""A real single-node Slurm (slurm/local-cluster.sh): `scse-launch configs/tiny-cpu.yaml`, run from a
-directory outside the checkout, submits the training job through submitit; it trains, and the
+"""A real single-node Slurm (slurm/local-cluster.sh): `scse-launch configs/tiny-cpu.yaml`, run from
+a directory outside the checkout, submits the training job through submitit; it trains, and the
 evaluation jobs it schedules run only after it, or never when it fails; a preemption signal makes
 training save, the job requeue itself and resume, without scheduling evaluations twice."""
 
@@ -45,7 +45,8 @@ def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """`scse-launch ...` as a user runs it, from a directory outside the checkout."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "RANK", "WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"):
         env.pop(key, None)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
@@ -54,8 +55,9 @@ def launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def submit(tmp_path: Path, *overrides: str, nodes: int = 1) -> str:
-    out = launch(tmp_path, str(REPO_ROOT / "configs" / "tiny-cpu.yaml"), f"output_dir={tmp_path}/runs",
-                 f"data.path={tmp_path}/data/shards", f"data.tokenizer={tmp_path}/data/tokenizer.model",
+    out = launch(tmp_path, str(REPO_ROOT / "configs" / "tiny-cpu.yaml"),
+                 f"output_dir={tmp_path}/runs", f"data.path={tmp_path}/data/shards",
+                 f"data.tokenizer={tmp_path}/data/tokenizer.model",
                  # the build goes where the command line puts the data (docs/data.md)
                  "data.build=stdlib_docs", f"resources.nodes={nodes}", "resources.time_min=10",
                  *overrides)
@@ -74,7 +76,8 @@ def scheduled(run_dir: Path, timeout_s: float = 60) -> dict:
 
 def logs(tmp_path: Path) -> str:
     """Every log of every run's jobs (submitit's <job>_<task>_log.out/.err in RUN/logs)."""
-    return "".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("runs/*/logs/*_log.*")))
+    return "".join(p.read_text(errors="replace")
+                   for p in sorted(tmp_path.glob("runs/*/logs/*_log.*")))
 
 
 def preempt_and_wait(train: str, run_dir: Path, tmp_path: Path) -> dict[str, str]:
@@ -90,7 +93,8 @@ def preempt_and_wait(train: str, run_dir: Path, tmp_path: Path) -> dict[str, str
     # Slurm holds a requeued job back (BeginTime, about two minutes); release it sooner. Not at
     # once: slurmd refuses a credential from the same second as the revoked one of the first run.
     deadline = time.monotonic() + 120
-    while (info := job_info(train))["Restarts"] == "0" or info["JobState"] not in ("PENDING", "RUNNING"):
+    while (info := job_info(train))["Restarts"] == "0" or \
+            info["JobState"] not in ("PENDING", "RUNNING"):
         assert time.monotonic() < deadline and info["JobState"] not in FINAL, (info, logs(tmp_path))
         time.sleep(0.2)
     if info["JobState"] == "PENDING":
@@ -114,7 +118,8 @@ def test_training_then_dependent_evaluations_and_report(slurm_cluster, tmp_path)
         assert info["StartTime"] >= ended  # ISO timestamps: afterok held them until training ended
     heldout = json.loads((run_dir / "eval" / "heldout.json").read_text())
     diagnose = json.loads((run_dir / "eval" / "diagnose.json").read_text())
-    assert [r["depth"] for r in heldout["results"]] == [1, 2, 4] == [r["depth"] for r in diagnose["results"]]
+    assert [r["depth"] for r in heldout["results"]] == [1, 2, 4] == \
+        [r["depth"] for r in diagnose["results"]]
     assert all(r["ppl"] < 512 for r in heldout["results"])  # below a uniform guess over 512 pieces
     report = (run_dir / "eval" / "report.md").read_text()
     assert f"| e2e (scse) | heldout | ppl | {heldout['results'][0]['ppl']:.4f} |" in report
@@ -165,18 +170,20 @@ def test_scse_launch_submits_through_submitit_from_any_directory(slurm_cluster, 
         assert (info["JobName"], info["Requeue"], info["NumCPUs"], info["Comment"]) == \
             ("held", "1", "2", "mine"), info
         assert info["WorkDir"] == str(tmp_path / "elsewhere")  # the directory it was submitted in
-        script = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True,
-                                text=True, check=True).stdout
+        script = subprocess.run(["scontrol", "write", "batch_script", job, "-"],
+                                capture_output=True, text=True, check=True).stdout
         assert "#SBATCH --signal=USR1@120" in script and "#SBATCH --requeue" in script
         assert "#SBATCH --hold" in script and "-m submitit.core._submit" in script
         assert f"--output {tmp_path}/runs/held/logs/%j_%t_log.out" in script
         # what every task runs: the installed training entry point, the config by its full path
         import submitit
 
-        task = submitit.SlurmJob(folder=tmp_path / "runs" / "held" / "logs", job_id=job).submission()
+        task = submitit.SlurmJob(folder=tmp_path / "runs" / "held" / "logs",
+                                 job_id=job).submission()
         assert task.function.command == [
             sys.executable, "-m", "scse_dist.launch.run_job", "train",
-            str(REPO_ROOT / "configs" / "tiny-cpu.yaml"), "name=held", f"output_dir={tmp_path}/runs",
+            str(REPO_ROOT / "configs" / "tiny-cpu.yaml"), "name=held",
+            f"output_dir={tmp_path}/runs",
             "resources.cpus_per_task=2", "--schedule-evals=slurm"]
     finally:
         subprocess.run(["scancel", job], check=True)

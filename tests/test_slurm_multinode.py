@@ -47,7 +47,8 @@ def test_two_node_training_preempted_requeued_resumed_then_evaluated(two_node_cl
     assert 0 < resumed_at < 40
     assert re.findall(r"resumed \S+ at step (\d+)", out) == [str(resumed_at)]
     assert f"requeueing job {train}" in out
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"]
+             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 40 and steps == sorted(steps) and len(set(steps)) == len(steps)
     meta = json.loads((run_dir / "checkpoints" / "step-0000040" / "scse_meta.json").read_text())
     assert meta == {"step": 40, "world_size": 2}

@@ -14,8 +14,14 @@ import re
 import pytest
 import torch
 
-from scse_dist.generate import AdaptiveDraft, Sampling, generate, parse_speculative, token_probs
-from scse_dist.generate import speculative
+from scse_dist.generate import (
+    AdaptiveDraft,
+    Sampling,
+    generate,
+    parse_speculative,
+    speculative,
+    token_probs,
+)
 from scse_dist.generate.speculative import accept
 from scse_dist.model import LoopedLM, ModelConfig
 from scse_dist.model.kv_cache import KVCache
@@ -107,7 +113,8 @@ def test_verification_reuses_the_drafts_steps(kw: dict) -> None:
     hooks = [b.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
              for b in model.core.blocks]
     verified: list[int] = []
-    coda = model.coda[0].register_forward_pre_hook(lambda _, args: verified.append(args[0].shape[1]))
+    coda = model.coda[0].register_forward_pre_hook(
+        lambda _, args: verified.append(args[0].shape[1]))
     out = generate(model, prompts(5), max_new_tokens=13, depth=DEPTH, speculative=(1, 3))
     for h in hooks + [coda]:
         h.remove()

@@ -17,7 +17,6 @@ from scse_dist.config import Resources
 from scse_dist.study.spec import SpecError, expand, load_spec, parse_spec
 
 
-
 def study_spec(base: str, out: str, **fields) -> dict:
     spec = {"name": "s", "out": out, "base": base,
             "variants": {"scse": {"overrides": {"model.recurrence": "scse"}},
@@ -58,15 +57,18 @@ def test_expansion_counts_names_and_resolved_configs(tmp_path, tiny_config):
     assert sweep[1].run_dir == str(tmp_path / "out/s/scse-preln/scse-preln-lr0.003-seed0")
     assert sweep[1].overrides == {"model.recurrence": "scse", "model.residual": "preln",
                                   "train.lr": 3e-3, "train.seed": 0, "train.max_steps": 7}
-    assert final[0].run_dir == str(tmp_path / "out/s/scse-preln/scse-preln-seed0") and final[0].lr is None
+    assert final[0].run_dir == str(tmp_path / "out/s/scse-preln/scse-preln-seed0") and \
+        final[0].lr is None
     # seed-major: every variant's seed 0, then every variant's seed 1, ...
-    assert [(r.variant, r.seed) for r in final[:6]] == [(v, 0) for v in spec.variants] + [("scse-preln", 1)]
+    assert [(r.variant, r.seed) for r in final[:6]] == \
+        [(v, 0) for v in spec.variants] + [("scse-preln", 1)]
     chosen = expand(spec, {v: 0.5 for v in spec.variants}, ("final",))
     assert {r.lr for r in chosen} == {0.5} and chosen[6].overrides["train.seed"] == 1
 
     from scse_dist.study.spec import run_config
     cfg = run_config(spec, next(r for r in chosen if (r.variant, r.seed) == ("scse-deeploop", 1)))
-    assert (cfg.name, cfg.output_dir) == ("scse-deeploop-seed1", str(tmp_path / "out/s/scse-deeploop"))
+    assert (cfg.name, cfg.output_dir) == \
+        ("scse-deeploop-seed1", str(tmp_path / "out/s/scse-deeploop"))
     assert (cfg.model.recurrence, cfg.model.residual, cfg.train.seed, cfg.train.lr) == \
         ("scse", "deeploop", 1, 0.5)
     assert (cfg.eval.depths, cfg.eval.tasks, cfg.eval.after_train) == ([1, 2], ["heldout"], False)
@@ -109,7 +111,8 @@ def test_variant_major_order_relative_out_and_resources(tmp_path, tiny_config):
     # out: relative to the spec file, like base:
     assert spec.study_dir == tmp_path / "specs" / "studies" / "s"
     assert spec.resources == Resources(cpus_per_task=2, time_min=30)
-    typed = load_spec(write_spec(tmp_path / "spec.yaml", study_spec(tiny_config(tmp_path), "x")), ["out=here"])
+    typed = load_spec(write_spec(tmp_path / "spec.yaml", study_spec(tiny_config(tmp_path), "x")),
+                      ["out=here"])
     assert typed.study_dir == Path.cwd() / "here" / "s"  # typed on the command line: the cwd's
 
 
@@ -135,7 +138,8 @@ def test_a_spec_extends_another_and_overrides_are_typed_yamls(tmp_path, tiny_con
     assert spec.variants["looped"] == {"model.recurrence": "looped", "model.depth": 3}
     assert list(spec.variants) == ["scse", "additive", "looped"]
 
-    typed = load_spec(child, ["overrides.train.max_steps=11", "variants.scse.overrides.model.depth=5",
+    typed = load_spec(child, ["overrides.train.max_steps=11",
+                              "variants.scse.overrides.model.depth=5",
                               "lr.values=[1e-3]", "lr.validation=v.txt", "seeds=[1,2]"])
     assert typed.overrides == {"train.max_steps": 11, "data.seq_len": 16}
     assert typed.variants["scse"] == {"model.recurrence": "scse", "model.depth": 5}
@@ -222,12 +226,14 @@ def test_every_shipped_study_spec_resolves_every_run(path):
     ({"evals": {"task": ["heldout"]}}, "evals.task: unknown field (did you mean 'tasks'?)"),
     ({"order": "random"}, "order: one of seed-major, variant-major, got 'random'"),
     ({"resources": {"gpus": 1}}, "resources.gpus: unknown field (did you mean 'gpus_per_node'?)"),
-    ({"resources": {"nodes": 0}}, "resources: nodes, tasks_per_node and cpus_per_task must be >= 1"),
+    ({"resources": {"nodes": 0}},
+     "resources: nodes, tasks_per_node and cpus_per_task must be >= 1"),
     ({"slurm": {"nodes": 0}}, "slurm: nodes, tasks_per_node and cpus_per_task must be >= 1"),
     ({"slurm": {}, "resources": {}}, "slurm: is the old name of resources:; give one of them"),
     ({"report": {"metrics": {"lambada": ["acc"]}}},
      "report.metrics.lambada: 'acc' is not a metric of lambada (lambada writes ppl, accuracy"),
-    ({"report": {"metrics": {"wikitext": ["bpb"]}}}, "report.metrics.wikitext: 'bpb' is not a metric"),
+    ({"report": {"metrics": {"wikitext": ["bpb"]}}},
+     "report.metrics.wikitext: 'bpb' is not a metric"),
 ])
 def test_bad_spec_names_the_field(tmp_path, tiny_config, change, message):
     spec = study_spec(tiny_config(tmp_path), str(tmp_path / "out"), **{"axes": {}, **change})
@@ -237,7 +243,8 @@ def test_bad_spec_names_the_field(tmp_path, tiny_config, change, message):
 
 
 def test_dry_run_table_and_bad_spec_exit_status(tmp_path, tiny_config):
-    path = write_spec(tmp_path / "spec.yaml", study_spec(tiny_config(tmp_path), str(tmp_path / "out")))
+    path = write_spec(tmp_path / "spec.yaml",
+                      study_spec(tiny_config(tmp_path), str(tmp_path / "out")))
     out = study(path, "--dry-run")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -251,12 +258,14 @@ def test_dry_run_table_and_bad_spec_exit_status(tmp_path, tiny_config):
     bad = study(path, "--dry-run", "seeds=[]")
     assert bad.returncode == 2 and "seeds: a non-empty list" in bad.stderr and not bad.stdout
     sweep = study(path, "--dry-run", "lr={values: [0.001], validation: v.txt}")
-    assert {line.split()[2] for line in sweep.stdout.splitlines()[1:] if "final" in line} == {"from-sweep"}
+    assert {line.split()[2] for line in sweep.stdout.splitlines()[1:] if "final" in line} == \
+        {"from-sweep"}
 
 
 def test_dry_run_names_every_missing_input_and_the_runs_that_need_it(tmp_path, tiny_config):
     spec = study_spec(tiny_config(tmp_path), str(tmp_path / "out"), axes={},
-                      evals={"tasks": ["heldout", "lambada"], "lambada": str(tmp_path / "lambada.txt")})
+                      evals={"tasks": ["heldout", "lambada"],
+                             "lambada": str(tmp_path / "lambada.txt")})
     spec["variants"]["looped"]["overrides"]["data.path"] = str(tmp_path / "gone")
     out = study(write_spec(tmp_path / "spec.yaml", spec), "--dry-run")
     assert out.returncode == 66 and len(out.stdout.splitlines()) == 1 + 3 * 3
@@ -269,7 +278,8 @@ def test_dry_run_names_every_missing_input_and_the_runs_that_need_it(tmp_path, t
     spec["variants"]["looped"]["overrides"].pop("data.path")
     spec["lr"] = {"values": [1e-3], "validation": str(tmp_path / "valid.txt")}
     out = study(write_spec(tmp_path / "spec.yaml", spec), "--dry-run")
-    assert out.returncode == 66 and [line.split("needed by ")[1] for line in out.stderr.splitlines()] == \
+    assert out.returncode == 66 and \
+        [line.split("needed by ")[1] for line in out.stderr.splitlines()] == \
         ["all 3 sweep runs", "all 9 final runs"], out.stderr
 
 
@@ -286,7 +296,8 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
     d = tmp_path / "studies" / "local"
     runs = json.loads((d / "runs.json").read_text())
     assert [(r["stage"], r["lr"], r["run_dir"]) for r in runs] == [
-        ("sweep", 1e-4, str(d / "scse/scse-lr0.0001-seed0")), ("sweep", 3e-3, str(d / "scse/scse-lr0.003-seed0")),
+        ("sweep", 1e-4, str(d / "scse/scse-lr0.0001-seed0")),
+        ("sweep", 3e-3, str(d / "scse/scse-lr0.003-seed0")),
         ("final", 3e-3, str(d / "scse/scse-seed1"))], first.stdout + first.stderr
     choice = json.loads((d / "lr_choice.json").read_text())["scse"]
     scores = {lr: json.loads((d / f"scse/scse-lr{lr}-seed0/eval/validation.json").read_text())
@@ -305,7 +316,8 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
     import shutil
     shutil.rmtree(d / "scse/scse-seed1/export")
     table = study(path, "--dry-run")
-    assert [line.split()[-1] for line in table.stdout.splitlines()[1:]] == ["done", "done", "partial"]
+    assert [line.split()[-1] for line in table.stdout.splitlines()[1:]] == \
+        ["done", "done", "partial"]
     again = study(path, "--local", env=user_env)
     assert "sweep stage: 2 of 2 runs done, 0 to run" in again.stdout
     assert "final stage: 0 of 1 runs done, 1 to run" in again.stdout
@@ -315,7 +327,8 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
 
 
 @pytest.mark.slow
-def test_local_study_stops_when_its_first_runs_fail_on_the_same_input(tmp_path, tiny_config, user_env):
+def test_local_study_stops_when_its_first_runs_fail_on_the_same_input(tmp_path, tiny_config,
+                                                                      user_env):
     spec = study_spec(tiny_config(tmp_path), str(tmp_path / "out"), axes={}, seeds=[0],
                       overrides={"data.path": str(tmp_path / "no-shards")})
     out = study(write_spec(tmp_path / "spec.yaml", spec), "--local", env=user_env)
@@ -333,12 +346,14 @@ def test_local_study_stops_when_its_first_runs_fail_on_the_same_input(tmp_path, 
 def test_shipped_study_specs_parse_and_expand(name, variants, sweep, final):
     spec = load_spec(REPO_ROOT / "configs" / "studies" / f"{name}.yaml")
     assert len(spec.variants) == variants and "untied" in spec.variants
-    assert {"scse-preln", "scse-deeploop", "additive-preln", "additive-deeploop"} <= set(spec.variants)
+    assert {"scse-preln", "scse-deeploop", "additive-preln", "additive-deeploop"} <= \
+        set(spec.variants)
     stages = [r.stage for r in expand(spec)]
     assert (stages.count("sweep"), stages.count("final")) == (sweep, final)
     assert spec.evals.depths[-1] == (48 if name == "gpt2-small" else 32)
     assert spec.study_dir == REPO_ROOT / "studies" / name  # out: ../../studies, from the spec file
-    assert spec.evals.tasks == ["heldout", "wikitext", "lambada", "diagnose"]  # diagnose: the loop flags and plot
+    # diagnose: the loop flags and plot
+    assert spec.evals.tasks == ["heldout", "wikitext", "lambada", "diagnose"]
     assert not set(spec.lr.validation.split("/")) & {"wiki.valid.raw", "lambada-dev.txt"}
 
 
@@ -348,4 +363,5 @@ def test_shipped_cpu_cluster_study_runs_on_cpu_nodes_seed_major():
                                        time_min=20)
     assert spec.study_dir == REPO_ROOT / "studies" / "cpu-cluster"
     assert [Path(r.run_dir).name for r in expand(spec)] == [
-        "scse-seed0", "additive-seed0", "looped-seed0", "scse-seed1", "additive-seed1", "looped-seed1"]
+        "scse-seed0", "additive-seed0", "looped-seed0",
+        "scse-seed1", "additive-seed1", "looped-seed1"]

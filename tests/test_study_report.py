@@ -8,11 +8,10 @@ import math
 import pytest
 import yaml
 
-from scse_dist.config import WandbConfig, config_from_dict, save_config
-from scse_dist.study.report_cli import main as scse_report_main
+from scse_dist.config import config_from_dict, save_config
 from scse_dist.eval.results import write_results
-from scse_dist.study.report import main as study_report_main
-from scse_dist.study.report import verdict, write_study_report
+from scse_dist.study.report import main as study_report_main, verdict, write_study_report
+from scse_dist.study.report_cli import main as scse_report_main
 from scse_dist.study.stats import Interval, t_interval, t_quantile
 from scse_dist.train.metrics import MetricsLogger
 
@@ -49,14 +48,17 @@ def write_run(study, variant, seed, *, recurrence=None, heldout=None, lambada=No
     label = f"{cfg.name}@step-30"
     if heldout:
         write_results(run_dir / "eval" / "heldout.json", "heldout", label, cfg,
-                      [{"depth": t, "loss": math.log(v), "ppl": v, "tokens": 100} for t, v in heldout.items()])
+                      [{"depth": t, "loss": math.log(v), "ppl": v, "tokens": 100}
+                       for t, v in heldout.items()])
     if lambada:
         write_results(run_dir / "eval" / "lambada.json", "lambada", label, cfg,
-                      [{"depth": t, "accuracy": a, "loss": 3.0, "ppl": 20.0} for t, a in lambada.items()])
+                      [{"depth": t, "accuracy": a, "loss": 3.0, "ppl": 20.0}
+                       for t, a in lambada.items()])
     if diagnose:
         write_results(run_dir / "eval" / "diagnose.json", "diagnose", label, cfg,
-                      [{"depth": t, "bias_norm": b, "effective_bias_norm": 0.0, "deviation_norm": dev,
-                        "motion_norm": mot, "batches": 1} for t, (dev, mot, b) in diagnose.items()])
+                      [{"depth": t, "bias_norm": b, "effective_bias_norm": 0.0,
+                        "deviation_norm": dev, "motion_norm": mot, "batches": 1}
+                       for t, (dev, mot, b) in diagnose.items()])
     return entry
 
 
@@ -80,14 +82,17 @@ def comparison(tmp_path_factory):
     (python -m scse_dist.study.report's main), without wandb."""
     study = tmp_path_factory.mktemp("studies") / "cmp"
     base = {1: 50.0, 2: 40.0, 4: 30.0, 8: 32.0}
-    looped_shift = {1: [-3.0, -3.1, -3.2], 2: [1.0, -1.0, 0.5], 4: [2.0, -2.0, 1.0], 8: [4.0, 4.1, 4.2]}
+    looped_shift = {1: [-3.0, -3.1, -3.2], 2: [1.0, -1.0, 0.5], 4: [2.0, -2.0, 1.0],
+                    8: [4.0, 4.1, 4.2]}
     entries = []
     for s in range(3):
         add = {t: v + s for t, v in base.items()}
-        entries.append(write_run(study, "additive", s, heldout=add, lambada={t: 0.2 for t in DEPTHS},
+        entries.append(write_run(study, "additive", s, heldout=add,
+                                 lambada={t: 0.2 for t in DEPTHS}, diagnose=HEALTHY_DIAG))
+        entries.append(write_run(study, "scse", s,
+                                 heldout={t: v - 5 - 0.1 * s for t, v in add.items()},
+                                 lambada={t: 0.25 + 0.01 * s for t in DEPTHS},
                                  diagnose=HEALTHY_DIAG))
-        entries.append(write_run(study, "scse", s, heldout={t: v - 5 - 0.1 * s for t, v in add.items()},
-                                 lambada={t: 0.25 + 0.01 * s for t in DEPTHS}, diagnose=HEALTHY_DIAG))
         entries.append(write_run(study, "looped", s,
                                  heldout={t: v + looped_shift[t][s] for t, v in add.items()}))
         entries.append(write_run(study, "untied", s, heldout={4: add[4] + [3.0, -3.0, 1.0][s]}))
@@ -121,7 +126,8 @@ def test_aggregate_has_the_mean_std_and_t_interval_per_variant_and_depth(compari
     agg = numbers(comparison)["aggregate"]
     additive = agg["additive/heldout/ppl"]
     assert sorted(additive, key=int) == ["1", "2", "4", "8"]
-    assert additive["4"]["mean"] == pytest.approx(31.0) and additive["4"]["std"] == pytest.approx(1.0)
+    assert additive["4"]["mean"] == pytest.approx(31.0) and \
+        additive["4"]["std"] == pytest.approx(1.0)
     assert additive["4"]["low"] == pytest.approx(31 - 4.3027 / math.sqrt(3), abs=1e-4)
     assert agg["untied/heldout/ppl"]["4"]["mean"] == pytest.approx(31 + 1 / 3)
     assert list(agg["untied/heldout/ppl"]) == ["4"]
@@ -139,10 +145,12 @@ def test_paired_verdicts_follow_the_metric_direction(comparison):
     diff = paired["scse - additive/heldout/ppl"]["depths"]["2"]
     assert diff["mean"] == pytest.approx(-5.1) and diff["std"] == pytest.approx(0.1)
     assert paired["scse - additive/lambada/accuracy"]["verdict"] == "better at all depths"  # higher
-    assert paired["looped - additive/heldout/ppl"]["verdict"] == "better at depths 1; worse at depths 8"
+    assert paired["looped - additive/heldout/ppl"]["verdict"] == \
+        "better at depths 1; worse at depths 8"
     assert paired["untied - additive/heldout/ppl"]["verdict"] == "not resolved at 3 seeds"
     report = (comparison / "report" / "report.md").read_text()
-    assert "| looped - additive |" in report and "looped better at depths 1; worse at depths 8 |" in report
+    assert "| looped - additive |" in report and \
+        "looped better at depths 1; worse at depths 8 |" in report
 
 
 def test_verdict_cells():
@@ -173,8 +181,10 @@ def flagged_study(tmp_path, exclude):
         write_run(study, "scse", 1, heldout={1: 300.0, 2: 266.0, 4: 266.0, 8: 266.1},
                   diagnose={1: (15.0, 3.0, 1.0), 2: (5.0, 2.0, 1.0), 4: (1.0, 0.1, 1.0),
                             8: (0.7, 0.01, 1.0)}),
-        write_run(study, "scse", 2, heldout={t: v + 1 for t, v in good.items()}, diagnose=HEALTHY_DIAG),
-        write_run(study, "untied", 0, heldout={4: 900.0}, losses=(6.9, 6.0, 5.6)),  # ln 256 - 0.1 < 5.6
+        write_run(study, "scse", 2, heldout={t: v + 1 for t, v in good.items()},
+                  diagnose=HEALTHY_DIAG),
+        # ln 256 - 0.1 < 5.6
+        write_run(study, "untied", 0, heldout={4: 900.0}, losses=(6.9, 6.0, 5.6)),
         write_run(study, "looped", 0, heldout=good, skipped=2),
         write_run(study, "looped", 1, heldout=good, losses=(6.0, 3.0, 4.5)),
         # a sweep run at the final runs' rate and seed: its flag is its own, not seed 0's
@@ -189,7 +199,8 @@ def test_flags_are_raised_listed_and_counted_by_default(tmp_path):
     write_study_report(study, wandb_mode="disabled")
     flags = {run: [f["name"] for f in fl] for run, fl in numbers(study)["flags"].items()}
     assert flags == {"scse/seed1 lr=0.001": ["loop inactive"], "untied/seed0 lr=0.001": ["plateau"],
-                     "looped/seed0 lr=0.001": ["non-finite"], "looped/seed1 lr=0.001": ["divergence"],
+                     "looped/seed0 lr=0.001": ["non-finite"],
+                     "looped/seed1 lr=0.001": ["divergence"],
                      "scse/seed0 lr=0.001 sweep": ["plateau"]}
     report = (study / "report" / "report.md").read_text()
     assert "included in (and marked) the aggregate" in report
@@ -235,7 +246,8 @@ def test_missing_and_failed_runs_are_named_and_the_rest_aggregated(tmp_path):
     write_study(study, entries + [sweep])
     assert scse_report_main(["--study", str(study), "--wandb", "disabled"]) == 0
     report = (study / "report" / "report.md").read_text()
-    assert "5 runs: 3 finished, 2 missing" in report and "2 final-stage runs in the aggregate" in report
+    assert "5 runs: 3 finished, 2 missing" in report and \
+        "2 final-stage runs in the aggregate" in report
     assert "- scse/seed2 lr=0.001 (final, " in report
     assert "no evaluation results (training stopped at step 20 of 30)" in report
     assert "- scse/seed3 lr=0.001 (final, " in report and "no run dir (never started)" in report
@@ -277,7 +289,8 @@ def test_the_study_is_logged_to_wandb_as_one_group(comparison, tmp_path, monkeyp
     means = {(r["_label"], r["task"]): {x["depth"]: x[next(k for k in x if k != "depth")]
                                         for x in r["results"]} for r in results}
     assert means[("additive", "heldout")][4] == pytest.approx(31.0)
-    assert set(kwargs["images"]) == {"frontier vs loop depth", "frontier vs FLOPs", "loop diagnostics"}
+    assert set(kwargs["images"]) == {"frontier vs loop depth", "frontier vs FLOPs",
+                                     "loop diagnostics"}
 
 
 def test_unigram_entropy_is_counted_from_the_training_shards(tiny_data):
@@ -311,15 +324,18 @@ def test_every_metric_of_a_task_is_reported_and_equal_differences_say_no_differe
     entries = []
     for s in range(3):
         for variant, shift in (("additive", 0.0), ("scse", -40.0)):
-            run = write_run(study, variant, s, heldout={1: 60.0 + shift / 4 + s, 2: 50.0 + shift / 4 + s})
-            rows = [{"depth": t, "accuracy": 0.0, "loss": math.log(700 + shift + s), "ppl": 700.0 + shift + s,
+            run = write_run(study, variant, s,
+                            heldout={1: 60.0 + shift / 4 + s, 2: 50.0 + shift / 4 + s})
+            rows = [{"depth": t, "accuracy": 0.0, "loss": math.log(700 + shift + s),
+                     "ppl": 700.0 + shift + s,
                      "word_ppl": 900.0 + shift, "examples": 50} for t in (1, 2)]
             wiki = [{"depth": t, "loss": 5.0 + shift / 100, "ppl": math.exp(5.0 + shift / 100),
                      "word_ppl": 400.0 + shift + s, "bits_per_byte": 2.0 + shift / 100 + 0.01 * s}
                     for t in (1, 2)]
             cfg = config_from_dict({"name": "x", "model": {"vocab_size": VOCAB}})
-            write_results(study / run["run_dir"] / "eval" / "lambada.json", "lambada", "x", cfg, rows)
-            write_results(study / run["run_dir"] / "eval" / "wikitext.json", "wikitext", "x", cfg, wiki)
+            eval_dir = study / run["run_dir"] / "eval"
+            write_results(eval_dir / "lambada.json", "lambada", "x", cfg, rows)
+            write_results(eval_dir / "wikitext.json", "wikitext", "x", cfg, wiki)
             entries.append(run)
     write_study(study, entries)
     write_study_report(study)
@@ -333,8 +349,10 @@ def test_every_metric_of_a_task_is_reported_and_equal_differences_say_no_differe
     assert paired["scse - additive/lambada/ppl"]["verdict"] == "better at all depths"
     assert paired["scse - additive/wikitext/bits_per_byte"]["verdict"] == "better at all depths"
     report = (study / "report" / "report.md").read_text()
-    assert "## lambada ppl (lower is better)" in report and "## lambada accuracy (higher is better)" in report
-    assert "| scse - additive | 0 ± 0 (sd 0, n=3) | 0 ± 0 (sd 0, n=3) | scse no difference" in report
+    assert "## lambada ppl (lower is better)" in report and \
+        "## lambada accuracy (higher is better)" in report
+    assert "| scse - additive | 0 ± 0 (sd 0, n=3) | 0 ± 0 (sd 0, n=3) | scse no difference" in \
+        report
     assert "## wikitext bits_per_byte (lower is better)" in report
 
     write_study(study, entries, report={"metrics": {"lambada": ["word_ppl"], "heldout": ["loss"]}})
@@ -393,7 +411,8 @@ def test_the_training_logs_loop_diagnostics_are_drawn_per_run_and_a_collapse_is_
     assert report.collapsed() == {"scse/seed1 lr=0.001"}
     series = report.training_diagnostics_series()
     assert list(series) == ["scse"]  # additive logged no loop diagnostics
-    assert series["scse"]["scse/seed1 lr=0.001"]["diag/D_kept"] == [(10, 1.0), (20, 0.05), (30, 0.003)]
+    assert series["scse"]["scse/seed1 lr=0.001"]["diag/D_kept"] == \
+        [(10, 1.0), (20, 0.05), (30, 0.003)]
     assert series["scse"]["scse/seed0 lr=0.001"]["diag/anchor_over_scale"][-1] == (30, 1.1)
     image = matplotlib.image.imread(str(study / "report" / "training_diagnostics.png"))
     assert image.shape[0] > 100 and image[..., :3].std() > 0.01
@@ -401,6 +420,7 @@ def test_the_training_logs_loop_diagnostics_are_drawn_per_run_and_a_collapse_is_
     assert "](training_diagnostics.png)" in text
     # per run: heldout ppl at each T, its ratio at T=8 over the training depth 4, the last logged
     # diagnostics and the flag
-    assert "| scse/seed1 lr=0.001 | 50 | 41 | 41.05 | 41.02 | 0.999 | 0.003 | 2 | 0.0001 | loop inactive |" in text
+    assert "| scse/seed1 lr=0.001 | 50 | 41 | 41.05 | 41.02 | 0.999 | 0.003 | 2 | 0.0001 " \
+           "| loop inactive |" in text
     assert "| scse/seed0 lr=0.001 | 40 | 30 | 25 | 24 | 0.960 | 1.2 | 1.1 | 0.3 |  |" in text
     assert "| additive/seed0 lr=0.001 | 40 | 30 | 26 | 25 | 0.962 |  |  |  |  |" in text

@@ -32,15 +32,17 @@ def jobs(job_ids: list[str]) -> list[dict[str, str]]:
     """`scontrol show job` of each id (an array id: one record per task)."""
     out = []
     for job in job_ids:
-        text = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True,
-                              check=True).stdout
-        out += [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in text.splitlines()]
+        text = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True,
+                              text=True, check=True).stdout
+        out += [dict(f.split("=", 1) for f in line.split() if "=" in f)
+                for line in text.splitlines()]
     return out
 
 
 def most_at_once(records: list[dict[str, str]]) -> int:
     """The most jobs running at one time, from their start and end times (half-open)."""
-    times = [(datetime.fromisoformat(t["StartTime"]), datetime.fromisoformat(t["EndTime"])) for t in records]
+    times = [(datetime.fromisoformat(t["StartTime"]), datetime.fromisoformat(t["EndTime"]))
+             for t in records]
     return max(sum(s <= start < e for s, e in times) for start, _ in times)
 
 
@@ -51,7 +53,8 @@ def study(tmp_path, spec: dict, user_env: dict, *args: str) -> subprocess.Comple
     exp.mkdir(exist_ok=True)
     path = exp / "spec.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    env = dict(user_env, WANDB_MODE="disabled", SLURM_CONF=os.environ["SLURM_CONF"])  # the tests' cluster
+    # the tests' cluster
+    env = dict(user_env, WANDB_MODE="disabled", SLURM_CONF=os.environ["SLURM_CONF"])
     for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_ARRAY_TASK_ID"):
         env.pop(key, None)
     return subprocess.run(["scse-study", "spec.yaml", "--slurm", "--max-parallel", "2", *args],
@@ -81,7 +84,8 @@ def test_slurm_study_on_cpu_nodes_caps_every_job_and_evaluates_each_run_in_its_j
     submitted = json.loads((d / "logs" / "final.json").read_text())
     assert submitted["runs"] == [str(r) for r in run_dirs]
 
-    report_job = wait_final(submitted["next"], timeout_s=300)  # --stage report, afterany on the array
+    # --stage report, afterany on the array
+    report_job = wait_final(submitted["next"], timeout_s=300)
     tasks = jobs([submitted["array"]])
     assert {t["ArrayTaskId"]: (t["JobName"], t["JobState"]) for t in tasks} == {
         "0": ("arr-scse-seed0", "COMPLETED"), "1": ("arr-additive-seed0", "COMPLETED"),
@@ -104,7 +108,8 @@ def test_slurm_study_on_cpu_nodes_caps_every_job_and_evaluates_each_run_in_its_j
         heldout = run / "eval" / "heldout.json"
         assert [r["depth"] for r in json.loads(heldout.read_text())["results"]] == [1, 2]
         assert json.loads(heldout.read_text())["checkpoint"] == f"{run.name}@export"
-        assert heldout.stat().st_mtime <= ended[str(i)] + 1 and (run / "eval" / "report.md").is_file()
+        assert heldout.stat().st_mtime <= ended[str(i)] + 1 and \
+            (run / "eval" / "report.md").is_file()
         assert not (run / "eval" / "scheduled.json").exists()  # no separate evaluation jobs
     first_free = min(ended["0"], ended["1"])
     assert started["2"] >= first_free - 1
@@ -118,16 +123,18 @@ def test_slurm_study_on_cpu_nodes_caps_every_job_and_evaluates_each_run_in_its_j
     # the report's default metrics: WikiText's ppl, word ppl and bits per byte, each compared
     numbers = json.loads((d / "report" / "aggregate.json").read_text())
     assert {k for k in numbers["aggregate"] if k.startswith("scse/")} == {
-        "scse/heldout/ppl", "scse/wikitext/ppl", "scse/wikitext/word_ppl", "scse/wikitext/bits_per_byte"}
-    assert numbers["paired"]["scse - additive/wikitext/bits_per_byte"]["verdict"] == "not resolved at 1 seed"
+        "scse/heldout/ppl", "scse/wikitext/ppl", "scse/wikitext/word_ppl",
+        "scse/wikitext/bits_per_byte"}
+    assert numbers["paired"]["scse - additive/wikitext/bits_per_byte"]["verdict"] == \
+        "not resolved at 1 seed"
     assert "## wikitext bits_per_byte (lower is better)" in text
     assert not list((d / "report").glob("wandb*"))  # every run config disables wandb
 
 
 def test_a_request_the_cluster_cannot_meet_is_one_line_and_submits_nothing(slurm_cluster, tmp_path,
                                                                            tiny_config, user_env):
-    before = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True,
-                            check=True).stdout.split()
+    before = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
+                            text=True, check=True).stdout.split()
     spec = {"name": "big", "out": str(tmp_path / "studies"), "base": tiny_config(tmp_path),
             "variants": {"scse": {"overrides": {}}}, "resources": {"nodes": 3}}
     out = study(tmp_path, spec, user_env)
@@ -137,9 +144,10 @@ def test_a_request_the_cluster_cannot_meet_is_one_line_and_submits_nothing(slurm
         "allocation failure: Requested node configuration is not available"], out.stderr
     gpu = study(tmp_path, {**spec, "resources": {"gpus_per_node": 1}}, user_env)
     assert gpu.returncode == 1 and len(gpu.stderr.splitlines()) == 1, gpu.stderr
-    assert "--gpus-per-node=1" in gpu.stderr and "Invalid generic resource (gres) specification" in gpu.stderr
-    after = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True,
-                           check=True).stdout.split()
+    assert "--gpus-per-node=1" in gpu.stderr and \
+        "Invalid generic resource (gres) specification" in gpu.stderr
+    after = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True,
+                           text=True, check=True).stdout.split()
     assert after == before and not (tmp_path / "studies" / "big" / "logs" / "final.json").exists()
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import tiny_config_dict
 from scse_dist.checkpoint.export import save_exported_model
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, config_from_dict, load_config, save_config
@@ -20,7 +21,6 @@ from scse_dist.launch import run_job
 from scse_dist.model import LoopedLM
 from scse_dist.study.report import write_study_report
 from scse_dist.task_registry import TASKS, Task
-from conftest import tiny_config_dict
 from test_study_report import write_run, write_study
 
 LINES = ["the cat sees the red ball", "a small bird reads", "my sister paints the blue river"]
@@ -105,7 +105,8 @@ def _expected(model, tokenizer_path, depth):
 
     tok = Tokenizer.load(tokenizer_path)
     with torch.no_grad():
-        logp = model(torch.tensor([[tok.eos_id]]), depth=depth).logits[0, -1].float().log_softmax(-1)
+        logp = model(torch.tensor([[tok.eos_id]]), depth=depth).logits[0, -1].float() \
+            .log_softmax(-1)
     return -sum(float(logp[tok.encode(line)[0]]) for line in LINES) / len(LINES)
 
 

@@ -21,8 +21,7 @@ import test_model_transitions  # noqa: F401
 from recurrences import REGISTRY_TESTS, loops, other_parameters
 from scse_dist.config import ConfigError, load_config
 from scse_dist.model import LoopedLM
-from scse_dist.model.transitions import (TRANSITIONS, Transition, Untied, register,
-                                         transition_for)
+from scse_dist.model.transitions import TRANSITIONS, Transition, Untied, register, transition_for
 
 
 class Relaxed(Transition):
@@ -160,7 +159,8 @@ def test_the_toy_passes_every_registry_test(toy, test, loops_only):
 
 def test_the_registry_tests_cover_the_model_tests():
     names = {t.__name__ for t, _ in REGISTRY_TESTS}
-    assert {"test_core_steps_through_its_transition", "test_multi_depth_readout_equals_separate_runs",
+    assert {"test_core_steps_through_its_transition",
+            "test_multi_depth_readout_equals_separate_runs",
             "test_diagnostics_leave_outputs_unchanged_and_measure_norms",
             "test_flops_match_torch_flop_counter"} <= names
     assert len(REGISTRY_TESTS) >= 10

@@ -11,10 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import step_result
-from toy_callback import StepCounter
-from train_procs import REPO, TRAIN, read_metrics, train_ranks
 
+from conftest import step_result
 from scse_dist.config import CallbackSpec, ConfigError, load_config
 from scse_dist.train.callbacks.assembly import (
     callback_states,
@@ -25,6 +23,8 @@ from scse_dist.train.callbacks.assembly import (
     state_keys,
 )
 from scse_dist.train.callbacks.base import Callback
+from toy_callback import StepCounter
+from train_procs import REPO, TRAIN, read_metrics, train_ranks
 
 TOY = "toy_callback:StepCounter"
 
@@ -95,7 +95,8 @@ def test_a_required_init_arg_is_named():
 
 def test_the_config_checks_an_entrys_form_without_importing_it(tiny_config, tmp_path):
     with pytest.raises(ConfigError, match=r"^train.callbacks\[1\].class_path: expected "
-                                          r"'package.module:Class', got 'toy_callback.StepCounter'"):
+                                          r"'package.module:Class', "
+                                          r"got 'toy_callback.StepCounter'"):
         load_config(tiny_config(tmp_path, f"train.callbacks=[{{class_path: {TOY}}}, "
                                           "{class_path: toy_callback.StepCounter}]"))
     cfg = load_config(tiny_config(tmp_path, "train.callbacks=[{class_path: not_installed:X, "
@@ -120,7 +121,8 @@ def test_the_built_ins_keep_their_order_and_an_entry_takes_its_place(tiny_config
             "NonFiniteCallback", "LoopDiagnosticsCallback", "MetricsCallback",
             "HeldoutEvalCallback", "SampleCallback", "CheckpointCallback", "PreemptionCallback",
             "ExportCallback", "AfterTrainingEval"]
-        late, early, default = (configured_callbacks([spec(priority=p)])[0] for p in (-250, 350, None))
+        late, early, default = (configured_callbacks([spec(priority=p)])[0]
+                                for p in (-250, 350, None))
         plain = Callback()  # priority 0: after the rows, before the checkpoint
         order = in_hook_order([*built_in, late, early, plain])
         assert order.index(early) == 2 and order.index(plain) == 6
@@ -203,7 +205,8 @@ def test_states_survive_a_preemption_and_a_resume_at_another_world_size(
                            capture_output=True, timeout=300,
                            env=dict(env, SCSE_FAULT="nan@9,nan@10,sigterm@10"))
     assert first.returncode == 75, first.stdout[-2000:] + first.stderr[-2000:]
-    assert "step 10: non-finite loss or gradient, step skipped (2 in a row, 2 in all)" in first.stdout
+    assert "step 10: non-finite loss or gradient, step skipped (2 in a row, 2 in all)" in \
+        first.stdout
     results = train_ranks(cfg, env, world=2, extra_env={"SCSE_FAULT": "nan@11"})
     assert [r.returncode for r in results] == [0, 0], results[0].tail()
     out = results[0].stdout

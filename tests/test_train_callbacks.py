@@ -135,7 +135,8 @@ def test_eval_during_training_leaves_training_alone_and_matches_the_final_eval(
     assert [r["step"] for r in evals] == [10, 20]
     samples = [r for r in rows if r.get("kind") == "sample"]
     assert [r["step"] for r in samples] == [10, 20]
-    assert [s["prompt"] for s in samples[0]["samples"]] == ["The", "Return the", "This module provides"]
+    assert [s["prompt"] for s in samples[0]["samples"]] == \
+        ["The", "Return the", "This module provides"]
     assert all(s["text"] for r in samples for s in r["samples"])
     assert samples[0]["depth"] == 2 and samples[0]["temperature"] == 0.8
     assert "sample step     20 | 'Return the' -> " in stdout

@@ -28,7 +28,8 @@ def test_help_lists_exit_statuses_the_config_docs_and_the_shipped_configs(capsys
 
 def test_print_config_is_the_resolved_yaml_with_overrides(tmp_path, tiny_config, capsys):
     path = tiny_config(tmp_path)
-    assert main(["--config", path, "--print-config", "train.max_steps=7", "eval.every_steps=3"]) == 0
+    assert main(["--config", path, "--print-config", "train.max_steps=7",
+                 "eval.every_steps=3"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed == config_to_dict(load_config(path, ["train.max_steps=7", "eval.every_steps=3"]))
     assert printed["train"]["max_steps"] == 7
@@ -75,11 +76,13 @@ def test_dry_run_prints_the_facts_creates_nothing_and_imports_no_deepspeed(tmp_p
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["train.resume_from=last"], "train.resume_from: expected a checkpoint tag like step-40, got 'last'"),
+    (["train.resume_from=last"],
+     "train.resume_from: expected a checkpoint tag like step-40, got 'last'"),
     (["train.resume_from=step-40", "train.resume=never"],
      "train.resume_from: contradicts train.resume=never"),
 ])
-def test_a_bad_resume_from_is_one_line_and_exit_2(tmp_path, tiny_config, capsys, overrides, message):
+def test_a_bad_resume_from_is_one_line_and_exit_2(tmp_path, tiny_config, capsys, overrides,
+                                                  message):
     assert main(["--config", tiny_config(tmp_path), "--print-config", *overrides]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
@@ -93,8 +96,8 @@ def test_dry_run_of_a_fixed_stack_counts_the_depth_it_runs(tmp_path, tiny_config
     from scse_dist.train.dry_run import describe
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    cfg = load_config(tiny_config(tmp_path), ["model.recurrence=untied", "model.untied_match=params",
-                                              "train.max_steps=5"])
+    cfg = load_config(tiny_config(tmp_path), ["model.recurrence=untied",
+                                              "model.untied_match=params", "train.max_steps=5"])
     lines = describe(cfg).splitlines()
     assert "training depth T (uniform): min 1, mean 1.00, max 1" in lines
     assert f"{flops_per_token(cfg.model, 1, cfg.data.seq_len):.3e} at T=1" in "\n".join(lines)

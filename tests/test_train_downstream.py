@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
+from conftest import tiny_config_dict
 from scse_dist.config import ConfigError, config_from_dict
 from scse_dist.eval.curves import downstream_by_depth, eval_rows
 from scse_dist.train.callbacks.downstream import reduce_totals, row_keys
-from conftest import tiny_config_dict
 from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
 TIMING = ("tokens_per_s", "mfu", "step_time_s")
@@ -81,7 +81,8 @@ def test_reduce_totals_of_one_rank_and_row_keys():
     import torch
 
     assert reduce_totals(totals, torch.device("cpu")) == [
-        {"depth": 1, "correct": 2.0, "examples": 5.0}, {"depth": 4, "correct": 3.0, "examples": 5.0}]
+        {"depth": 1, "correct": 2.0, "examples": 5.0},
+        {"depth": 4, "correct": 3.0, "examples": 5.0}]
     assert row_keys("arc_easy", {"depth": 2, "accuracy": 0.5, "acc_norm": 0.25, "examples": 4}) == {
         "arc_easy_acc_norm_T2": 0.25, "arc_easy_accuracy_T2": 0.5}
 

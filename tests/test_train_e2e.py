@@ -92,10 +92,12 @@ def test_export_equals_the_final_checkpoint(trained):
     exported, cfg = load_exported_model(run_dir / "export")
     assert cfg.model.d_model == 32 and cfg.train.max_steps == 20
     reference = LoopedLM(load_config(trained["config"]).model)
-    state = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints"), tag="step-0000020")
+    state = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints"),
+                                                     tag="step-0000020")
     reference.load_state_dict(state, strict=False)
     fresh = LoopedLM(cfg.model)
-    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16),
+                           generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got = exported.eval()(tokens, depth=3).logits
         want = reference.eval()(tokens, depth=3).logits
@@ -104,7 +106,8 @@ def test_export_equals_the_final_checkpoint(trained):
     assert (got - untrained).abs().max() > 1e-2  # the export holds trained weights
 
 
-def test_resume_from_the_middle_checkpoint_reproduces_the_run_exactly(trained, tmp_path, subprocess_env):
+def test_resume_from_the_middle_checkpoint_reproduces_the_run_exactly(trained, tmp_path,
+                                                                      subprocess_env):
 
     run_dir = trained["run_dir"]
     reference = load_file(str(run_dir / "export" / "model.safetensors"))

@@ -40,7 +40,8 @@ def test_optimizer_is_torch_adamw_fused_on_cuda_with_no_decay_on_norms():
         assert opt.defaults["lr"] == 0.01 and opt.defaults["betas"] == (0.9, 0.99)
         decay, rest = opt.param_groups
         assert decay["weight_decay"] == 0.05 and rest["weight_decay"] == 0.0
-        assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in rest["params"])
+        assert all(p.dim() >= 2 for p in decay["params"]) and \
+            all(p.dim() < 2 for p in rest["params"])
         assert len(decay["params"]) + len(rest["params"]) == len(list(model.parameters()))
     # fused=True really steps on these parameters (torch's fused AdamW also runs on CPU)
     opt = build_optimizer(cfg, model, on_cuda=True)
@@ -74,7 +75,8 @@ def test_shipped_zero_files_merge_over_the_generated_config(stage):
 def test_conflicting_stage_names_both_the_field_and_the_file():
     path = REPO / "configs" / "deepspeed" / "zero3.json"
     with pytest.raises(ConfigError) as err:
-        build_ds_config(cfg_with("train.zero_stage=1", f"train.deepspeed_config={path}"), on_cuda=False)
+        build_ds_config(cfg_with("train.zero_stage=1", f"train.deepspeed_config={path}"),
+                        on_cuda=False)
     msg = str(err.value)
     assert msg.startswith("train.zero_stage:")
     assert "zero_optimization/stage=1" in msg and str(path) in msg and "sets 3" in msg
@@ -84,8 +86,8 @@ def test_file_may_repeat_a_field_with_the_same_value_and_add_new_keys(tmp_path):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"gradient_clipping": 1, "optimizer": {"params": {"eps": 1e-6}},
                              "zero_optimization": {"overlap_comm": True}}))
-    ds = build_ds_config(cfg_with(f"train.deepspeed_config={f}", "train.optimizer=deepspeed_fused_adam"),
-                         on_cuda=True)
+    ds = build_ds_config(cfg_with(f"train.deepspeed_config={f}",
+                                  "train.optimizer=deepspeed_fused_adam"), on_cuda=True)
     assert ds["gradient_clipping"] == 1
     assert ds["optimizer"]["params"]["eps"] == 1e-6 and ds["optimizer"]["params"]["lr"] == 1e-3
     assert ds["zero_optimization"] == {"stage": 1, "overlap_comm": True}
@@ -102,12 +104,13 @@ def test_other_conflicts(tmp_path, content, field):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps(content))
     with pytest.raises(ConfigError, match=f"^{field}:"):
-        build_ds_config(cfg_with(f"train.deepspeed_config={f}", "train.optimizer=deepspeed_fused_adam"),
-                        on_cuda=True)
+        build_ds_config(cfg_with(f"train.deepspeed_config={f}",
+                                 "train.optimizer=deepspeed_fused_adam"), on_cuda=True)
 
 
 def test_missing_or_broken_file(tmp_path):
-    with pytest.raises(ConfigError, match="train.deepspeed_config: file .*nope.json.* does not exist"):
+    with pytest.raises(ConfigError,
+                       match="train.deepspeed_config: file .*nope.json.* does not exist"):
         build_ds_config(cfg_with(f"train.deepspeed_config={tmp_path}/nope.json"), on_cuda=False)
     bad = tmp_path / "bad.json"
     bad.write_text("{stage: 3")

@@ -14,8 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scse_dist.train.faults import (NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE, FaultInjector,
-                                    parse_faults)
+from scse_dist.train.faults import (
+    NONFINITE_EXIT_CODE,
+    REQUEUE_EXIT_CODE,
+    FaultInjector,
+    parse_faults,
+)
 from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Metrics: peak FLOP/s sources, the JSONL file (appending across resumes), wandb offline on rank 0."""
+"""Metrics: peak FLOP/s sources, the JSONL file (appending across resumes), wandb offline on rank
+0."""
 
 import json
 import time
@@ -33,7 +34,8 @@ def test_cuda_peak_is_the_bf16_table_entry(monkeypatch):
 
 def test_format_line_shows_every_field():
     line = format_line(row(40, 3.14159))
-    assert line == "step     40 | loss 3.1416 | lr 1.000e-03 | T  3 | tok/s 1,234 | step 50 ms | mfu 25.00%"
+    assert line == "step     40 | loss 3.1416 | lr 1.000e-03 | T  3 | tok/s 1,234 | step 50 ms " \
+                   "| mfu 25.00%"
     assert "mfu" not in format_line(row(1, 1.0, mfu=None))
     assert format_line({**row(40, 3.0), "peak_mem_gib": 12.345}).endswith(
         "| mfu 25.00% | peak mem 12.3 GiB")

@@ -34,7 +34,8 @@ def test_the_window_warms_up_before_its_first_step_and_saves_at_its_last():
     assert actions(6, 4, 2, 3, 7) == [SAVE, NONE]  # resumed at step 5, inside the window
 
 
-def fake_state(tmp_path: Path, rank: int = 0, world_size: int = 1, step: int = 0) -> SimpleNamespace:
+def fake_state(tmp_path: Path, rank: int = 0, world_size: int = 1, step: int = 0
+               ) -> SimpleNamespace:
     return SimpleNamespace(env=SimpleNamespace(rank=rank, world_size=world_size), rank0=rank == 0,
                            engine=SimpleNamespace(device=torch.device("cpu")),
                            run_dir=tmp_path, step=step, max_steps=20, stop_reason=None)
@@ -60,7 +61,8 @@ def test_a_window_cut_short_by_the_end_of_the_run_keeps_the_steps_it_recorded(tm
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == \
         ["rank0.steps2-3.pt.trace.json", "rank0.steps2-3.txt"]
     spans = {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"}
-    assert {n for n in spans if n.startswith("ProfilerStep#")} == {"ProfilerStep#2", "ProfilerStep#3"}
+    assert {n for n in spans if n.startswith("ProfilerStep#")} == \
+        {"ProfilerStep#2", "ProfilerStep#3"}
     assert "aten::mm" in spans
     assert "aten::mm" in (tmp_path / "profile" / "rank0.steps2-3.txt").read_text()
     out = capsys.readouterr().out
@@ -68,7 +70,8 @@ def test_a_window_cut_short_by_the_end_of_the_run_keeps_the_steps_it_recorded(tm
     assert "profile: DeepSpeed's flops profiler runs on CUDA only; skipped on CPU" in out
 
 
-def test_only_the_listed_ranks_profile_and_a_resume_past_the_window_profiles_nothing(tmp_path, capsys):
+def test_only_the_listed_ranks_profile_and_a_resume_past_the_window_profiles_nothing(tmp_path,
+                                                                                     capsys):
     cfg = profile_cfg("profile.ranks=[1]", "profile.start_step=3", "profile.flops_step=0")
     callback = ProfilerCallback(cfg)
     callback.on_start(fake_state(tmp_path, rank=0, world_size=2))
@@ -103,7 +106,8 @@ def loop_labels(checkpointing: str, depth: int, backward: bool) -> list[str]:
 
     torch.manual_seed(0)
     model = LoopedLM(ModelConfig(vocab_size=64, d_model=32, n_heads=2, max_seq_len=16,
-                                 recurrence="scse", depth=2, activation_checkpointing=checkpointing))
+                                 recurrence="scse", depth=2,
+                                 activation_checkpointing=checkpointing))
     tokens = torch.randint(0, 64, (2, 16))
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
         out = model(tokens, tokens, depth=depth)
@@ -116,7 +120,8 @@ def test_the_model_labels_each_loop_step_and_each_recomputation_of_a_checkpointe
     steps = [f"loop_step_{t}" for t in range(3)]
     assert loop_labels("none", 3, backward=True) == steps
     assert loop_labels("loop", 3, backward=False) == steps  # nothing recomputed without backward
-    assert loop_labels("loop", 3, backward=True) == sorted(steps + [f"{s}_recompute" for s in steps])
+    assert loop_labels("loop", 3, backward=True) == \
+        sorted(steps + [f"{s}_recompute" for s in steps])
     assert loop_labels("block", 3, backward=True) == steps  # blocks recompute inside the step
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from conftest import tiny_documents
-from train_procs import REPO, all_passed, read_metrics, run_ranks, train_ranks
+from train_procs import all_passed, read_metrics, run_ranks, train_ranks
 
 PROBE = str(Path(__file__).with_name("resume_probe.py"))
 SEGMENTS = [(2, 1, 8), (1, 2, 16), (2, 0, 40)]  # (ranks, data.num_workers, train.max_steps)
@@ -75,7 +74,8 @@ def test_resume_across_world_sizes_reads_the_epoch_once_and_keeps_the_optimizer_
     assert {tuple(x["layout"]) for x in logged} == {(2, 1), (1, 2), (2, 0)}
     epoch0 = Counter(tuple(x["item"]) for x in logged if x["epoch"] == 0)
     index = json.loads((Path(small_corpus) / "index.json").read_text())
-    units = {(s, j, -1) for s, shard in enumerate(index["splits"]["train"]) for j in range(shard["samples"])}
+    units = {(s, j, -1) for s, shard in enumerate(index["splits"]["train"])
+             for j in range(shard["samples"])}
     print(f"ZeRO-{stage}: {len(units)} samples in epoch 0, {sum(epoch0.values())} logged starts, "
           f"per layout {Counter(tuple(x['layout']) for x in logged if x['epoch'] == 0)}")
     assert set(epoch0) == units and set(epoch0.values()) == {1}

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from scse_dist.config import load_config
 from scse_dist.checkpoint import manifest
 from scse_dist.checkpoint.cli import main as ckpt_main
 from scse_dist.checkpoint.resume import refused_changes
+from scse_dist.config import load_config
 from train_procs import REPO, TRAIN, read_metrics
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -50,7 +50,8 @@ def test_manifest_finds_missing_short_differing_and_extra_files(tmp_path):
     (tag / "a.pt").write_bytes(b"x" * 999)
     assert str(manifest.verify_tag(tag)) == "broken: a.pt is 999 bytes, manifest says 1000"
     (tag / "a.pt").write_bytes(b"x" * 999 + b"z")  # same size, other bytes
-    assert str(manifest.verify_tag(tag)) == "broken: a.pt differs from the manifest (xxh3_64 mismatch)"
+    assert str(manifest.verify_tag(tag)) == \
+        "broken: a.pt differs from the manifest (xxh3_64 mismatch)"
     (tag / "a.pt").write_bytes(b"x" * 1000)
     (tag / "stray.pt").write_bytes(b"")
     assert str(manifest.verify_tag(tag)) == "broken: stray.pt is not in the manifest"
@@ -151,7 +152,8 @@ def test_truncated_latest_is_named_and_the_run_falls_back(run_copy, subprocess_e
         f"step-0000020: broken: {MODEL_FILE} is {size // 2} bytes, manifest says {size}  <- latest"]
     assert ckpt_main(["list", str(ckpts)]) == 1
     listed = capsys.readouterr().out.splitlines()
-    assert listed[0].startswith("step-0000010  step 10  world 1  ZeRO-1  ") and listed[0].endswith(" ok")
+    assert listed[0].startswith("step-0000010  step 10  world 1  ZeRO-1  ") and \
+        listed[0].endswith(" ok")
 
     out = train(config, subprocess_env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -220,7 +222,8 @@ def test_resume_never_moves_the_old_run_aside_and_require_needs_one(run_copy, tm
     assert out.returncode == 2
     assert out.stderr.strip() == (
         f"scse-train: config error: train.resume: require, but {fresh / 'runs' / 'tiny'} has no "
-        f"checkpoint to resume ({fresh / 'runs' / 'tiny' / 'checkpoints' / 'latest'} does not exist)")
+        f"checkpoint to resume ({fresh / 'runs' / 'tiny' / 'checkpoints' / 'latest'} does not "
+        "exist)")
 
 
 def test_resume_from_a_chosen_tag_moves_the_newer_ones_aside(run_copy, subprocess_env):

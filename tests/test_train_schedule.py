@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from scse_dist.config import ConfigError, TrainConfig, load_config
-from scse_dist.train.schedule import (LRSchedule, build_lr_scheduler, describe,
-                                      follow_config_schedule)
+from scse_dist.train.schedule import (
+    LRSchedule,
+    build_lr_scheduler,
+    describe,
+    follow_config_schedule,
+)
 
 
 def schedule(**fields) -> LRSchedule:

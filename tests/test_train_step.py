@@ -53,9 +53,11 @@ def test_stability_term_joins_the_objective_not_the_logged_loss() -> None:
     result = train_step(engine, windows(2), depth=3,
                         before_update=lambda e: seen.append(list(e.events)))
     want = [model(w[:, :-1], w[:, 1:], depth=3) for w in windows(2)]  # with grad: the term is on
-    assert float(result.loss_sum) == pytest.approx(sum(float(o.loss.detach()) for o in want), rel=1e-6)
+    assert float(result.loss_sum) == pytest.approx(sum(float(o.loss.detach()) for o in want),
+                                                   rel=1e-6)
     backward = [v for kind, v in engine.events if kind == "backward"]
-    assert backward == pytest.approx([float((o.loss + o.aux_loss).detach()) for o in want], rel=1e-6)
+    assert backward == pytest.approx([float((o.loss + o.aux_loss).detach()) for o in want],
+                                     rel=1e-6)
     assert all(float(o.aux_loss.detach()) > 0 for o in want)
     # the hook ran once, at the boundary: after both backward passes, before the one update
     assert [[kind for kind, _ in events] for events in seen] == [["backward", "step", "backward"]]

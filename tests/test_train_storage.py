@@ -56,7 +56,8 @@ def test_s3_run_is_mirrored_and_resumes_on_a_new_machine_from_s3_alone(
     local_cfg = tiny_config(tmp_path / "local")
     out = train(local_cfg, subprocess_env)
     assert out.returncode == 0, tail(out)
-    reference = load_file(str(tmp_path / "local" / "runs" / "tiny" / "export" / "model.safetensors"))
+    reference = load_file(str(tmp_path / "local" / "runs" / "tiny" / "export"
+                              / "model.safetensors"))
 
     remote_cfg = tiny_config(tmp_path / "remote", f"output_dir={s3_bucket}/runs")
     # Machine 1: preempted as step 12 starts; it saves step 12 and exits for a requeue.
@@ -70,8 +71,8 @@ def test_s3_run_is_mirrored_and_resumes_on_a_new_machine_from_s3_alone(
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{run}/checkpoints")) == \
         ["latest", "step-0000010", "step-0000012"]
     assert fs.isfile(f"{run}/config.yaml") and not fs.exists(f"{run}/export")
-    assert [json.loads(r)["step"] for r in fs.cat_file(f"{run}/metrics.jsonl").decode().splitlines()] \
-        == [1, 5, 10]
+    assert [json.loads(r)["step"]
+            for r in fs.cat_file(f"{run}/metrics.jsonl").decode().splitlines()] == [1, 5, 10]
 
     # Machine 2: empty staging; everything it resumes from comes from S3.
     out = train(remote_cfg, subprocess_env, SCSE_STAGING_DIR=str(tmp_path / "machine2"))
@@ -83,7 +84,8 @@ def test_s3_run_is_mirrored_and_resumes_on_a_new_machine_from_s3_alone(
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{run}/checkpoints")) == \
         ["latest", "step-0000012", "step-0000020"]
     assert fs.cat_file(f"{run}/checkpoints/latest").decode() == "step-0000020"
-    rows = [json.loads(r)["step"] for r in fs.cat_file(f"{run}/metrics.jsonl").decode().splitlines()]
+    rows = [json.loads(r)["step"]
+            for r in fs.cat_file(f"{run}/metrics.jsonl").decode().splitlines()]
     assert rows == [1, 5, 10, 13, 15, 20]  # machine 1's rows, then the resumed run's
     exported = tmp_path / "exported.safetensors"
     fs.get_file(f"{run}/export/model.safetensors", str(exported))
@@ -96,8 +98,9 @@ def test_s3_run_is_mirrored_and_resumes_on_a_new_machine_from_s3_alone(
 
 def test_two_nodes_with_their_own_staging_upload_their_shards_and_resume_from_s3(
         s3_bucket, tmp_path, tiny_config, subprocess_env):
-    """2 ranks as 2 "nodes" (LOCAL_RANK 0 each, separate staging dirs), ZeRO-2: each rank's optimizer
-    shard exists only on its node, so the remote tag is complete only if both nodes upload."""
+    """2 ranks as 2 "nodes" (LOCAL_RANK 0 each, separate staging dirs), ZeRO-2: each rank's
+    optimizer shard exists only on its node, so the remote tag is complete only if both nodes
+    upload."""
     import fsspec
 
     (tmp_path / "cfg").mkdir()
@@ -132,4 +135,5 @@ def run_ranks_per_node(cfg: str, env: dict, staging: Path, **extra: str) -> list
                                        SCSE_STAGING_DIR=str(staging / f"node{rank}")))
              for rank in range(2)]
     outputs = [p.communicate(timeout=240) for p in procs]
-    return [RankResult(rank, p.returncode, *out) for rank, (p, out) in enumerate(zip(procs, outputs))]
+    return [RankResult(rank, p.returncode, *out)
+            for rank, (p, out) in enumerate(zip(procs, outputs))]

@@ -57,7 +57,8 @@ TRAIN_ROW = {"step": 5, "loss": 5.25, "lr": 1e-3, "depth": 3, "tokens_per_s": 12
 def test_every_row_of_metrics_jsonl_is_in_tensorboard_under_its_group(tmp_path, capsys):
     logger = MetricsLogger(str(tmp_path), True, OFF, "r", {}, tmp_path / "tb", 0)
     logger.log(TRAIN_ROW)
-    logger.log({"step": 7, "diag/D_kept": 0.5, "diag/loop_gain": 0.125})  # diagnostics off a log step
+    # diagnostics off a log step
+    logger.log({"step": 7, "diag/D_kept": 0.5, "diag/loop_gain": 0.125})
     logger.write({"step": 10, "kind": "eval", "task": "heldout", "heldout_loss_T1": 6.5,
                   "heldout_loss_T4": 2.5, "tokens": 4096, "eval_time_s": 1.5})
     logger.write({"step": 10, "kind": "sample", "depth": 4, "temperature": 0.8,
@@ -174,7 +175,8 @@ def test_a_run_with_tensorboard_and_the_profiler_then_a_resume_from_an_earlier_c
     # the first run behind the new ones.
     first = {tag: dict(points) for tag, points in got.items()}
     out = run_trainer(config, subprocess_env, "train.resume_from=step-10", "train.lr=6e-3")
-    assert "profile: steps 3..4 were done before this run resumed at step 10: nothing profiled" in out
+    assert "profile: steps 3..4 were done before this run resumed at step 10: nothing profiled" \
+        in out
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows if "loss" in r] == [1, 5, 10, 11, 15, 20]
     got = event_scalars(run_dir / "tensorboard")

@@ -55,7 +55,8 @@ def test_warm_start_at_another_depth_starts_from_the_export_and_a_resume_ignores
     out = train(cfg, subprocess_env, "train.max_steps=2")  # the run has a checkpoint now
     assert out.returncode == 0, tail(out)
     assert out.stdout.count("train.init_from ignored: resuming this run's checkpoint") == 1
-    assert "warm start" not in out.stdout and "at step 1 (data stream and RNG restored)" in out.stdout
+    assert "warm start" not in out.stdout and \
+        "at step 1 (data stream and RNG restored)" in out.stdout
 
 
 def test_a_changed_width_is_refused_naming_the_key(source_export, tiny_config, tmp_path,
@@ -65,8 +66,8 @@ def test_a_changed_width_is_refused_naming_the_key(source_export, tiny_config, t
     assert out.returncode == 65, tail(out)
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"scse-train: error: train.init_from: {source_export} does not fit "
-                           "this model; shape mismatch: coda.0.attn.proj.weight: file (32, 32) vs model "
-                           "(48, 48), "), last
+                           "this model; shape mismatch: coda.0.attn.proj.weight: file (32, 32) vs "
+                           "model (48, 48), "), last
     assert "init_from_strict: false" in last and "Traceback" not in out.stderr
 
 
@@ -82,7 +83,8 @@ def test_non_strict_loads_what_fits_and_lists_what_it_skipped(source_export, tin
     skipped = line.split("; skipped ", 1)[1]
     new_keys = sorted(k for k in load_file(str(tmp_path / "runs" / "deeper" / "export" /
                                                 "model.safetensors")) if k.startswith("coda.1."))
-    assert new_keys and skipped == f"{len(new_keys)}: " + ", ".join(f"missing {k}" for k in new_keys)
+    assert new_keys and \
+        skipped == f"{len(new_keys)}: " + ", ".join(f"missing {k}" for k in new_keys)
     warm = load_file(str(tmp_path / "runs" / "deeper" / "export" / "model.safetensors"))
     for key in source:  # every key that fits came from the export
         torch.testing.assert_close(warm[key], source[key], rtol=0, atol=1e-7, msg=key)

@@ -22,7 +22,8 @@ class RankResult:
     stderr: str
 
     def tail(self) -> str:
-        return f"rank {self.rank} rc={self.returncode}\n{self.stdout[-2500:]}\n{self.stderr[-2500:]}"
+        return f"rank {self.rank} rc={self.returncode}\n{self.stdout[-2500:]}\n" \
+            f"{self.stderr[-2500:]}"
 
 
 def run_ranks(args: list[str], env: dict, world: int = 2, timeout: int = 240,

@@ -1,6 +1,7 @@
 """`scse-ckpt`: check a run's checkpoints against their manifests.
 
-    scse-ckpt list RUN_DIR     each tag: step, world size, ZeRO stage, size, status; which is `latest`
+    scse-ckpt list RUN_DIR     each tag: step, world size, ZeRO stage, size, status; which is
+                               `latest`
     scse-ckpt verify RUN_DIR   one line per tag; exit 1 if any tag is broken
 
 RUN_DIR is a run dir, or its checkpoints/ dir. Status: `ok`, `no manifest` (saved before
@@ -15,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from scse_dist.cli_errors import cli_main
 from scse_dist.checkpoint.manifest import CONFIG_NAME, META_NAME, TAG_PREFIX, verify_tag
+from scse_dist.cli_errors import cli_main
 from scse_dist.run_dir import RunDir
 
 EXIT_BROKEN = 1
@@ -41,7 +42,7 @@ def _read_json(path: Path) -> dict:
 
 
 def _size(tag_dir: Path) -> str:
-    total = sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file())
+    total: float = sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file())
     for unit in ("B", "KiB", "MiB", "GiB"):
         if total < 1024 or unit == "GiB":
             return f"{total:.0f} {unit}" if unit == "B" else f"{total:.1f} {unit}"

@@ -57,7 +57,8 @@ def _save_canonical(tensors: dict, path: Path, metadata: dict[str, str]) -> None
         header = json.loads(f.read(size))
         header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
         canonical = json.dumps(header, separators=(",", ":")).encode()
-        if len(canonical) <= size:  # the same keys and values: never longer; pad as safetensors does
+        # the same keys and values: never longer; pad as safetensors does
+        if len(canonical) <= size:
             f.seek(8)
             f.write(canonical.ljust(size, b" "))
 
@@ -69,7 +70,8 @@ def _strip_wrapper_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, to
     return state_dict
 
 
-def _dedupe_shared(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _dedupe_shared(state_dict: dict[str, torch.Tensor]
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Keep the first name of each group of tensors that are views of the same memory."""
     kept: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -94,8 +96,6 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
     Each file is written under a temporary name and moved into place, so a crash never leaves a
     half-written file under the final name. Returns `out_dir`.
     """
-    from safetensors.torch import save_file
-
     from scse_dist.hf import write_hf_files
 
     model_bytes, special_ids = None, None
@@ -234,7 +234,8 @@ def _read_aliases(weights: Path) -> dict[str, str]:
 
 
 def read_export_weights(weights: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The tensors of an export's model.safetensors, tied aliases restored (InputError if unreadable)."""
+    """The tensors of an export's model.safetensors, tied aliases restored (InputError if
+    unreadable)."""
     from safetensors.torch import load_file
 
     weights = str(weights)
@@ -268,16 +269,19 @@ def describe_mismatch(problems: dict[str, list[str]], show: int = 5) -> str:
     """weights_mismatch's result on one line, at most `show` names per kind."""
     parts = []
     for label, items in problems.items():
-        shown = ", ".join(items[:show]) + (f" (+{len(items) - show} more)" if len(items) > show else "")
+        shown = ", ".join(items[:show]) + (f" (+{len(items) - show} more)"
+                                           if len(items) > show else "")
         parts.append(f"{label}: {shown}")
     return "; ".join(parts)
 
 
-def load_exported_model(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple["LoopedLM", RunConfig]:
+def load_exported_model(path: str | os.PathLike, device: str | torch.device = "cpu"
+                        ) -> tuple["LoopedLM", RunConfig]:
     """Load an export (its directory, or its .safetensors file beside config.yaml), strictly.
 
     Returns the model in eval mode on `device` and its RunConfig. Raises FileNotFoundError when a
-    file is missing and InputError (a ValueError), naming both files, when the weights do not fit the config.
+    file is missing and InputError (a ValueError), naming both files, when the weights do not fit
+    the config.
     """
     from scse_dist.model import LoopedLM
 

@@ -35,10 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unreadable. Errors are one line on stderr naming the file."""
     args = build_parser().parse_args(argv)
     set_verbose(args.verbose)
-    from scse_dist.config import load_saved_config
-    from scse_dist.data.tokenizer import Tokenizer
     from scse_dist.checkpoint.export import describe_mismatch, save_exported_model, weights_mismatch
     from scse_dist.checkpoint.loading import checkpoint_weights, deepspeed_checkpoint
+    from scse_dist.config import load_saved_config
+    from scse_dist.data.tokenizer import Tokenizer
 
     root, tag, config = deepspeed_checkpoint(args.checkpoint)
     cfg = load_saved_config(config)

@@ -7,7 +7,8 @@ Accepted paths:
   files (any stage) and the config is the tag's recorded `config.json` (tags saved before it was
   recorded: the run's `config.yaml`).
 
-An export given as an fsspec URL is read through `scse_dist.checkpoint.export.local_export` (scse-eval does).
+An export given as an fsspec URL is read through `scse_dist.checkpoint.export.local_export`
+(scse-eval does).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from scse_dist.run_dir import RunDir
 
 if TYPE_CHECKING:  # imported where weights load: a bad path is reported without it
     import torch
+
+    from scse_dist.model import LoopedLM
 
 
 def _deepspeed_location(path: Path) -> tuple[Path, str]:
@@ -84,8 +87,9 @@ def checkpoint_weights(root: Path, tag: str) -> dict[str, torch.Tensor]:
     return _strip_wrapper_prefixes(_deepspeed_state_dict(root, tag))
 
 
-def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.Module, RunConfig]:
-    """The model (eval mode, on `device`) and its RunConfig from an export or a DeepSpeed checkpoint."""
+def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[LoopedLM, RunConfig]:
+    """The model (eval mode, on `device`) and its RunConfig from an export or a DeepSpeed
+    checkpoint."""
     from scse_dist.checkpoint.export import load_exported_model
 
     p = Path(path)
@@ -100,5 +104,6 @@ def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[torch.nn.M
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise InputError(f"checkpoint {str(root / tag)!r} does not match {str(config)!r}: {exc}") from None
+        raise InputError(f"checkpoint {str(root / tag)!r} does not match {str(config)!r}: "
+                         f"{exc}") from None
     return model.to(device).eval(), cfg

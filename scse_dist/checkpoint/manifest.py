@@ -1,4 +1,5 @@
-"""Checkpoint manifests: every file of a tag with its size and xxh3-64 hash, checked before a resume.
+"""Checkpoint manifests: every file of a tag with its size and xxh3-64 hash, checked before a
+resume.
 
 A save writes `manifest.json` into the tag after every rank has written its files and before the
 tag is renamed into place, so a committed tag always has one. Each rank hashes a share of the
@@ -8,8 +9,8 @@ shards. A resume checks the tag `latest` names against it (`verify_tag`) and fal
 newest intact older tag.
 
 Why xxh3-64: it hashes ~5 GB/s on one CPU core against ~1.3 GB/s for sha256 and ~0.6 GB/s for
-blake2b (GPT-2-small-sized 1.5 GB file, docs/checkpoints.md), and it only has to catch truncation and
-corruption, not an attacker.
+blake2b (GPT-2-small-sized 1.5 GB file, docs/checkpoints.md), and it only has to catch truncation
+and corruption, not an attacker.
 """
 
 from __future__ import annotations

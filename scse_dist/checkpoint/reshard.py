@@ -8,9 +8,10 @@ engine with `checkpoint.load_universal` re-partitions over any world size as it 
 The first start that needs it converts the tag (rank 0, in process) into `TAG/.tmp-universal`
 and renames it to `TAG/universal`: a kill mid-conversion leaves no half universal checkpoint,
 and every later start at a changed size reuses it. With node-local staging (a remote
-output_dir, every node holding the whole tag) each node converts its own copy. It lives inside its tag, so retention deletes
-it with the tag. Our client state (the step, every old rank's data position and RNG) is read
-from the converted tag's copy of the model-states file, which DeepSpeed copies over unchanged.
+output_dir, every node holding the whole tag) each node converts its own copy. It lives inside
+its tag, so retention deletes it with the tag. Our client state (the step, every old rank's data
+position and RNG) is read from the converted tag's copy of the model-states file, which DeepSpeed
+copies over unchanged.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ from typing import Any
 
 import torch
 
-from scse_dist.distributed import barrier, is_rank0
 from scse_dist.checkpoint.manifest import UNIVERSAL_DIR as UNIVERSAL
-
+from scse_dist.distributed import barrier, is_rank0
 
 
 def convert_once(root: Path, tag: str) -> str:

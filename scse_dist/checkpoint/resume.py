@@ -6,8 +6,9 @@ Rank 0 decides and broadcasts, so every rank loads the same tag or raises the sa
    checkpoints, metrics, export and eval aside (`old-<time>/`, nothing deleted) and starts fresh;
    `require` fails when there is nothing to resume.
 2. `train.resume_from: step-N` picks tag step-N instead (verified; one line listing the tags there
-   when it is absent; the newer tags are moved aside). Otherwise the tag `latest` names is verified against its manifest (scse_dist.checkpoint.manifest); a broken
-   tag is reported in one line naming the file, and the newest intact older tag is used instead.
+   when it is absent; the newer tags are moved aside). Otherwise the tag `latest` names is
+   verified against its manifest (scse_dist.checkpoint.manifest); a broken tag is reported in one
+   line naming the file, and the newest intact older tag is used instead.
 3. `train.branch_from` (a new run with no checkpoint of its own): another run's checkpoint,
    verified, is linked (or copied) into this run's checkpoints and resumed like one of its own:
    weights, optimizer state, step, data position and RNG; the schedule is this run's.
@@ -28,14 +29,26 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from scse_dist.atomic import atomic_write_text
+from scse_dist.checkpoint.manifest import (
+    CONFIG_NAME,
+    MANIFEST_NAME,
+    TAG_PREFIX,
+    tag_files,
+    verify_tag,
+)
+from scse_dist.checkpoint.tags import (
+    TMP_PREFIX,
+    checkpoint_dir,
+    list_checkpoints,
+    remove_partial_saves,
+    tag_for,
+)
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, RunConfig, config_to_dict
 from scse_dist.distributed import is_rank0
 from scse_dist.run_dir import CHECKPOINTS_NAME, OUTPUT_NAMES
-from scse_dist.atomic import atomic_write_text
-from scse_dist.checkpoint.tags import (TMP_PREFIX, checkpoint_dir, list_checkpoints,
-                                       remove_partial_saves, tag_for)
-from scse_dist.checkpoint.manifest import CONFIG_NAME, MANIFEST_NAME, TAG_PREFIX, tag_files, verify_tag
+
 # Moved aside by `train.resume: never` (the new run would append to or overwrite them).
 PREVIOUS_RUN_FILES = OUTPUT_NAMES
 # Fields that make a checkpoint another model or another token stream. Everything else may change
@@ -91,14 +104,16 @@ def choose_tag(root: Path) -> Optional[str]:
         status = verify_tag(root / tag)
         if status.intact:
             if not status.has_manifest:
-                _warn(f"checkpoint {tag} has no manifest (saved by an older scse-dist): not verified")
+                _warn(f"checkpoint {tag} has no manifest (saved by an older scse-dist): not "
+                      "verified")
             return tag
         nxt = next((t for t in older if t < tag), None)
         _warn(f"checkpoint {tag}: {status.problem}; "
               + (f"falling back to {nxt}" if nxt else "no older checkpoint to fall back to"))
         problems.append(f"{tag}: {status.problem}")
     raise InputError(f"{root}: no intact checkpoint to resume ({'; '.join(problems)}); restore the "
-                     "files, or start fresh with train.resume=never (moves these aside) or another name")
+                     "files, or start fresh with train.resume=never (moves these aside) or "
+                     "another name")
 
 
 def _move_previous_run(run_dir: Path) -> Optional[Path]:
@@ -119,11 +134,12 @@ def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
     if remote:
         raise ConfigError("train.resume_from: not supported with a remote output_dir (only the "
                           "remote `latest` is fetched); copy the run dir locally to resume from it")
+    assert cfg.train.resume_from is not None  # plan_resume calls this only when it is set
     want = tag_for(int(cfg.train.resume_from.split("-")[1]))
     available = [p.name for p in list_checkpoints(run_dir)]
     if want not in available:
-        raise ConfigError(f"train.resume_from: {run_dir} has no checkpoint {cfg.train.resume_from}; "
-                          f"available: {', '.join(available) or 'none'}")
+        raise ConfigError(f"train.resume_from: {run_dir} has no checkpoint "
+                          f"{cfg.train.resume_from}; available: {', '.join(available) or 'none'}")
     status = verify_tag(root / want)
     if not status.intact:
         raise InputError(f"train.resume_from: checkpoint {want}: {status.problem}")
@@ -142,8 +158,8 @@ def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
 def branch_source(spec: str) -> Path:
     """train.branch_from's tag dir: the tag named, or a run dir's newest intact one, verified."""
     if "://" in spec:
-        raise ConfigError(f"train.branch_from: {spec!r}: local paths only; copy the run dir (or the "
-                          "tag) here first")
+        raise ConfigError(f"train.branch_from: {spec!r}: local paths only; copy the run dir (or "
+                          "the tag) here first")
     path = Path(spec)
     if (path / "checkpoints").is_dir():
         tag = choose_tag(path / "checkpoints")
@@ -152,8 +168,9 @@ def branch_source(spec: str) -> Path:
                               f"({path / 'checkpoints' / 'latest'} does not exist)")
         return path / "checkpoints" / tag
     if not (path.is_dir() and path.name.startswith(TAG_PREFIX)):
-        raise ConfigError(f"train.branch_from: {spec!r} is neither a run dir (holding checkpoints/) "
-                          "nor a checkpoint tag (runs/<name>/checkpoints/step-NNNNNNN)")
+        raise ConfigError(f"train.branch_from: {spec!r} is neither a run dir (holding "
+                          "checkpoints/) nor a checkpoint tag "
+                          "(runs/<name>/checkpoints/step-NNNNNNN)")
     status = verify_tag(path)
     if not status.intact:
         raise InputError(f"train.branch_from: checkpoint {path}: {status.problem}")
@@ -183,6 +200,7 @@ def _branch(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
     if remote:
         raise ConfigError("train.branch_from: not supported with a remote output_dir; branch into "
                           "a local run dir")
+    assert cfg.train.branch_from is not None  # plan_resume calls this only when it is set
     source = branch_source(cfg.train.branch_from)
     recorded = source / CONFIG_NAME
     changes = refused_changes(json.loads(recorded.read_text()), config_to_dict(cfg)) \
@@ -207,7 +225,7 @@ def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Optional[str]:
     if mode == "never":
         if remote:
             raise ConfigError("train.resume: never is not supported with a remote output_dir (its "
-                              f"checkpoints would be overwritten); give this run another name")
+                              "checkpoints would be overwritten); give this run another name")
         aside = _move_previous_run(run_dir)
         if aside is not None:
             print(f"train.resume=never: moved the previous run's files to {aside}; starting "

@@ -104,7 +104,8 @@ class RunStorage:
         """Copy local `source` (default: staging/`relative`; a file, or a dir's files recursively)
         to remote `relative`, each file retried with backoff."""
         source = self.local / relative if source is None else source
-        files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+        files = [source] if source.is_file() else \
+            sorted(p for p in source.rglob("*") if p.is_file())
         for path in files:
             inner = path.relative_to(source).as_posix() if path != source else ""
             target = self._url(f"{relative}/{inner}" if inner else relative)
@@ -167,7 +168,8 @@ class RunStorage:
         than going back to the remote tag."""
         tag = self._staging_tag()
         path = RunDir(self.local).checkpoints / tag if tag else None
-        if path is None or not path.is_dir() or (remote_tag is not None and tag <= remote_tag):
+        if not tag or path is None or not path.is_dir() or \
+                (remote_tag is not None and tag <= remote_tag):
             return False
         self._pending[tag] = (path, {p.relative_to(path).as_posix(): p.stat().st_size
                                      for p in path.rglob("*") if p.is_file()})
@@ -213,11 +215,11 @@ class RunStorage:
         for tag in sorted(self._pending):  # oldest first: a failed earlier tag is retried first
             source, manifest = self._pending[tag]
             try:
-                self._upload(_tag(tag), source,
-                             after_file=lambda: faults.mid_upload(_step_of(tag)) if faults else None)
+                self._upload(_tag(tag), source, after_file=lambda: (
+                    faults.mid_upload(_step_of(tag)) if faults else None))
                 if is_rank0():
                     self._verify(tag, manifest)
-            except Exception as err:  # reported, never raised: training goes on (docs/checkpoints.md)
+            except Exception as err:  # reported, not raised: training goes on (docs/checkpoints.md)
                 print(f"upload of {tag} to {self.remote} failed: {' '.join(str(err).split())}; it "
                       f"stays in {source} and is retried at the next save", flush=True)
                 continue

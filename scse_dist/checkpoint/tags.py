@@ -19,16 +19,16 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import AbstractSet, Any, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from scse_dist.atomic import atomic_write_text
-from scse_dist.config import RunConfig, config_to_dict
 from scse_dist.checkpoint import manifest
 from scse_dist.checkpoint.manifest import CONFIG_NAME, META_NAME, TAG_PREFIX
+from scse_dist.config import RunConfig, config_to_dict
 from scse_dist.distributed import barrier, is_rank0
 from scse_dist.run_dir import RunDir
 
@@ -83,9 +83,10 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
     """Save tag step-{step} atomically (all ranks call this), then prune to keep_checkpoints.
     `callback_states` ({key: state_dict}) are rank 0's, saved for every rank.
 
-    With a remote `storage` (checkpoint.storage.RunStorage), the previous save's upload finishes first;
-    after the local commit every node uploads its shards in the background and rank 0 publishes
-    the remote `latest` once the whole tag is uploaded and verified (storage.start_upload)."""
+    With a remote `storage` (checkpoint.storage.RunStorage), the previous save's upload finishes
+    first; after the local commit every node uploads its shards in the background and rank 0
+    publishes the remote `latest` once the whole tag is uploaded and verified
+    (storage.start_upload)."""
     if storage is not None:
         storage.wait()  # one upload in flight at most: the previous save's finishes first
     per_rank = _gather({"data": stream.state_dict(), "rng": _rng_state()})
@@ -133,7 +134,8 @@ def _write_manifest(tmp: Path, storage: Any) -> dict[str, int]:
     else:
         index, count = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     files = manifest.tag_files(tmp) if count else []
-    shares = _gather(manifest.hash_files(tmp, manifest.share_of(files, index, count)) if count else {})
+    shares = _gather(manifest.hash_files(tmp, manifest.share_of(files, index, count))
+                     if count else {})
     entries = {name: entry for share in shares for name, entry in share.items()}
     sizes = {name: entry["size"] for name, entry in entries.items()}
     if is_rank0():
@@ -158,12 +160,14 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(TAG_PREFIX))
 
 
-def prune_checkpoints(run_dir: str | Path, keep: int, protect: set[str] = frozenset()) -> list[Path]:
+def prune_checkpoints(run_dir: str | Path, keep: int, protect: AbstractSet[str] = frozenset()
+                      ) -> list[Path]:
     """Delete all but the newest `keep` step-* tags (never the one `latest` names, nor `protect`:
     tags a remote run dir lacks)."""
     root = checkpoint_dir(run_dir)
     latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
-    old = [p for p in list_checkpoints(run_dir)[:-keep] if p.name != latest and p.name not in protect]
+    old = [p for p in list_checkpoints(run_dir)[:-keep]
+           if p.name != latest and p.name not in protect]
     for path in old:
         shutil.rmtree(path)
     return old

@@ -27,6 +27,7 @@ def fp32_state_dict(engine: Any = None, root: Optional[str | Path] = None,
     if engine is not None:
         stage = engine.zero_optimization_stage()
     else:
+        assert root is not None and tag is not None, "fp32_state_dict: an engine, or root and tag"
         stage = 1 if list((Path(root) / tag).glob("*optim_states.pt")) else 0
     from scse_dist.quiet import name_cpu_accelerator, quiet_output
 
@@ -42,7 +43,10 @@ def fp32_state_dict(engine: Any = None, root: Optional[str | Path] = None,
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None,
                                                enabled=stage == 3):
             # a copy: the module's tensors change with training, a gathered ZeRO-3 one is freed
-            return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+            return {k: v.detach().float().cpu().clone()
+                    for k, v in engine.module.state_dict().items()}
     # our own checkpoint: a trusted pickle
-    states = torch.load(Path(root) / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert root is not None and tag is not None  # no engine: checked above
+    states = torch.load(Path(root) / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                        weights_only=False)
     return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}

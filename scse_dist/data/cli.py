@@ -42,7 +42,8 @@ def cmd_tokenizer(args: argparse.Namespace) -> None:
     from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
 
     start = time.time()
-    docs = _Counter(iter_documents(args.input, text_field=args.text_field, text_split=args.text_split))
+    docs = _Counter(iter_documents(args.input, text_field=args.text_field,
+                                   text_split=args.text_split))
     train_tokenizer(docs, args.vocab_size, args.out, model_type=args.model_type,
                     max_sentences=args.max_sentences, byte_fallback=not args.no_byte_fallback,
                     special_tokens=args.special_tokens, sample_fraction=args.sample_fraction)
@@ -59,7 +60,8 @@ def cmd_shards(args: argparse.Namespace) -> None:
 
     start = time.time()
     tok = Tokenizer.load(args.tokenizer)
-    docs = _Counter(iter_documents(args.input, text_field=args.text_field, text_split=args.text_split))
+    docs = _Counter(iter_documents(args.input, text_field=args.text_field,
+                                   text_split=args.text_split))
     index = write_shards(docs, tok, args.out, heldout_fraction=args.heldout_fraction,
                          shard_bytes=int(args.shard_mb * 2**20), sample_tokens=args.sample_tokens,
                          sources=list(args.input), progress_every=args.progress_every,
@@ -74,7 +76,13 @@ def cmd_shards(args: argparse.Namespace) -> None:
 
 def inspect_shards(path: str) -> bool:
     """Print per-split counts and re-read every shard; return True when all match the index."""
-    from scse_dist.data.shards import iter_samples, load_sample_table, read_index, shard_url, table_url
+    from scse_dist.data.shards import (
+        iter_samples,
+        load_sample_table,
+        read_index,
+        shard_url,
+        table_url,
+    )
 
     index = read_index(path)
     print(f"{path}: {index['format']}, vocab {index['vocab_size']}, {index['dtype']}, "
@@ -82,7 +90,8 @@ def inspect_shards(path: str) -> bool:
     ok = True
     start, read_tokens, read_docs = time.time(), 0, 0
     for split, entries in index["splits"].items():
-        print(f"  {split}: {len(entries)} shards, {sum(e['documents'] for e in entries):,} documents, "
+        print(f"  {split}: {len(entries)} shards, "
+              f"{sum(e['documents'] for e in entries):,} documents, "
               f"{sum(e['tokens'] for e in entries):,} tokens")
         for entry in entries:
             tokens = docs = samples = 0
@@ -91,19 +100,21 @@ def inspect_shards(path: str) -> bool:
                 for _, toks, lens in iter_samples(shard_url(path, entry), index["eos_id"]):
                     size = [int(lens.sum()), len(lens)]
                     if samples >= len(table) or table[samples, :2].tolist() != size:
+                        said = table[samples, :2].tolist() if samples < len(table) else "nothing"
                         raise ValueError(f"sample {samples}: {size} tokens/documents, the sample "
-                                         f"table says {table[samples, :2].tolist() if samples < len(table) else 'nothing'}")
+                                         f"table says {said}")
                     tokens, docs, samples = tokens + size[0], docs + size[1], samples + 1
                     if len(toks) and int(toks.max()) >= index["vocab_size"]:
-                        raise ValueError(f"token id {int(toks.max())} >= vocab {index['vocab_size']}")
+                        raise ValueError(f"token id {int(toks.max())} >= vocab "
+                                         f"{index['vocab_size']}")
             except Exception as exc:  # report every bad shard, not just the first
                 print(f"    BAD {entry['url']}: {exc}")
                 ok = False
                 continue
             want = (entry["tokens"], entry["documents"], entry.get("samples", samples))
             if (tokens, docs, samples) != want:
-                print(f"    BAD {entry['url']}: read tokens/documents/samples {(tokens, docs, samples)}, "
-                      f"index says {want}")
+                print(f"    BAD {entry['url']}: read tokens/documents/samples "
+                      f"{(tokens, docs, samples)}, index says {want}")
                 ok = False
             read_tokens, read_docs = read_tokens + tokens, read_docs + docs
     dt = time.time() - start
@@ -139,8 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-sentences", type=int, default=2_000_000, help="lines used for training")
     t.add_argument("--sample-fraction", type=float, default=1.0,
                    help="train on this share of the documents (hash-sampled while streaming)")
-    t.add_argument("--special-tokens", nargs="*", default=[], help="pieces never split, e.g. '<|im_start|>'")
-    t.add_argument("--no-byte-fallback", action="store_true", help="unknown characters become <unk>")
+    t.add_argument("--special-tokens", nargs="*", default=[],
+                   help="pieces never split, e.g. '<|im_start|>'")
+    t.add_argument("--no-byte-fallback", action="store_true",
+                   help="unknown characters become <unk>")
     t.set_defaults(func=cmd_tokenizer)
 
     s = sub.add_parser("shards", help="tokenize documents into WebDataset token shards")
@@ -152,9 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--text-split", default="blank_lines", choices=TEXT_SPLITS, help=SPLIT_HELP)
     s.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MiB")
     s.add_argument("--sample-tokens", type=int, default=65536, help="tokens per tar sample")
-    s.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: in this process)")
+    s.add_argument("--workers", type=int, default=0,
+                   help="tokenizer processes (0: in this process)")
     s.add_argument("--progress-every", type=float, default=10.0,
-                   help="seconds between progress lines when stderr is not a terminal (a bar when it is); 0 for none")
+                   help="seconds between progress lines when stderr is not a terminal (a bar when "
+                        "it is); 0 for none")
     s.set_defaults(func=cmd_shards)
 
     i = sub.add_parser("inspect", help="print counts and check that every shard reads")
@@ -162,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=lambda a: 0 if inspect_shards(a.path) else 1)
 
     q = sub.add_parser("quickstart", help="build the stdlib-docstring corpus (no download)")
-    q.add_argument("--out", default="data/quickstart", help="writes OUT/tokenizer.model, OUT/shards")
+    q.add_argument("--out", default="data/quickstart",
+                   help="writes OUT/tokenizer.model, OUT/shards")
     q.add_argument("--vocab-size", type=int, default=4096)
     q.add_argument("--heldout-fraction", type=float, default=0.02)
     q.set_defaults(func=cmd_quickstart)

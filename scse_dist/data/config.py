@@ -42,10 +42,12 @@ class DataConfig:
             raise ConfigError(f"data.seq_len: must be > 0, got {self.seq_len}")
         if len(self.mixture_weights) != len(self.mixture_paths) or \
                 any(w <= 0 for w in self.mixture_weights):
-            raise ConfigError(f"data.mixture_weights: need one positive weight per data.mixture_paths "
-                              f"entry, got {self.mixture_weights} for {len(self.mixture_paths)} paths")
+            raise ConfigError(f"data.mixture_weights: need one positive weight per "
+                              f"data.mixture_paths entry, got {self.mixture_weights} for "
+                              f"{len(self.mixture_paths)} paths")
         for name in ("num_workers", "shuffle_buffer", "max_failures"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"data.{name}: must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.heldout_fraction < 1.0:
-            raise ConfigError(f"data.heldout_fraction: must lie in [0, 1), got {self.heldout_fraction}")
+            raise ConfigError(f"data.heldout_fraction: must lie in [0, 1), got "
+                              f"{self.heldout_fraction}")

@@ -56,14 +56,16 @@ class MixedStream:
 
     def state_dict(self) -> dict[str, Any]:
         return {"mixture": [s.path for s in self.streams], "weights": self.probs.tolist(),
-                "consumed_batches": self.consumed, "corpora": [s.state_dict() for s in self.streams]}
+                "consumed_batches": self.consumed,
+                "corpora": [s.state_dict() for s in self.streams]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("mixture") != [s.path for s in self.streams] or \
                 not np.allclose(state.get("weights", []), self.probs):
             raise ValueError(f"cannot resume data stream: the mixture was {state.get('mixture')} "
-                             f"with weights {state.get('weights')}, now {[s.path for s in self.streams]} "
-                             f"with {self.probs.tolist()} (data.mixture_paths / data.mixture_weights)")
+                             f"with weights {state.get('weights')}, now "
+                             f"{[s.path for s in self.streams]} with {self.probs.tolist()} "
+                             "(data.mixture_paths / data.mixture_weights)")
         for stream, sub in zip(self.streams, state["corpora"]):
             stream.load_state_dict(sub)
         self.consumed = int(state["consumed_batches"])

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from scse_dist.cli_errors import InputError
 from scse_dist.data.sources import _lines, _single_file
@@ -148,6 +148,7 @@ def read_piqa(url: str) -> list[Choices]:
 
 
 def _arc(obj: dict, where: str) -> Choices:
+    texts: Sequence[Any]  # the rows' raw choice texts, then the checked strings
     question = obj.get("question")
     if isinstance(question, dict):  # AI2's JSONL: question.stem, question.choices [{text, label}]
         stem = _field(question, "stem", str, where)

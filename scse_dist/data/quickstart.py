@@ -36,7 +36,7 @@ def _docstrings(node: ast.AST) -> Iterator[str]:
 
 def stdlib_files(root: str | None = None) -> list[str]:
     root = root or sysconfig.get_paths()["stdlib"]
-    files = []
+    files: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         files.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
@@ -91,7 +91,8 @@ def build_stdlib_corpus(shards: str, tokenizer: str, vocab_size: int, heldout_fr
     print(f"quickstart: tokenizer {tokenizer} vocab {tok.vocab_size} [{time.time() - start:.1f}s]",
           flush=True)
     index = write_shards(docs, tok, shards, heldout_fraction=heldout_fraction,
-                         shard_bytes=shard_bytes, sources=["stdlib_docs:" + sysconfig.get_paths()["stdlib"]])
+                         shard_bytes=shard_bytes,
+                         sources=["stdlib_docs:" + sysconfig.get_paths()["stdlib"]])
     elapsed = time.time() - start
     for split, entries in index["splits"].items():
         print(f"quickstart: {split}: {len(entries)} shards, {sum(e['documents'] for e in entries)} "
@@ -125,7 +126,8 @@ def needs_build(cfg: DataConfig) -> bool:
         "set data.build=stdlib_docs for the quickstart corpus (`scse-data quickstart`).")
 
 
-def check_build_asked(cfg: DataConfig, config_path: Optional[str], overrides: Sequence[str]) -> None:
+def check_build_asked(cfg: DataConfig, config_path: Optional[str], overrides: Sequence[str]
+                      ) -> None:
     """The build rule: `data.build` writes only into the data.path and data.tokenizer named where
     data.build itself is set. A build set in the config file, with data.path or data.tokenizer
     moved on the command line, is refused (FileNotFoundError, exit 66) when it would build: a

@@ -21,8 +21,8 @@ import warnings
 from typing import Any, Iterator, Optional
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 
 from scse_dist.data.sample_format import MEMBERS, Sample, decode_sample, load_sample_table
 
@@ -44,8 +44,9 @@ class ShardReader:
     def __init__(self, urls: list[str], n_samples: list[int], eos: int, table_urls: list[str],
                  file_order: bool = False):
         """`table_urls[s]`: shard s's sample table (sizes and member offsets, see
-        sample_format.TABLE_COLUMNS). `file_order`: samples are asked for in file order (an unshuffled
-        split), so a remote shard is streamed; otherwise every sample is a ranged read."""
+        sample_format.TABLE_COLUMNS). `file_order`: samples are asked for in file order (an
+        unshuffled split), so a remote shard is streamed; otherwise every sample is a ranged
+        read."""
         self.urls, self.n_samples, self.eos, self.table_urls = urls, n_samples, eos, table_urls
         self.file_order = file_order
         self._prefetched: dict[tuple[int, int], memoryview] = {}
@@ -97,7 +98,8 @@ class ShardReader:
             source = self._source(s)
             if isinstance(source, tuple):  # remote and readable (so its table loaded)
                 lo, hi, _ = self._location(s, j)
-                by_fs.setdefault(id(source[0]), (source[0], []))[1].append(((s, j), source[1], lo, hi))
+                by_fs.setdefault(id(source[0]), (source[0], []))[1].append(
+                    ((s, j), source[1], lo, hi))
         for fs, ranges in by_fs.values():
             blobs = fs.cat_ranges([r[1] for r in ranges], [r[2] for r in ranges],
                                   [r[3] for r in ranges], on_error="return")
@@ -127,12 +129,14 @@ class ShardReader:
                 fs, path = fsspec.core.url_to_fs(self.urls[s])
                 if isinstance(fs, LocalFileSystem):
                     with open(path, "rb") as f:
-                        self._sources[s] = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                        self._sources[s] = memoryview(
+                            mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
                 else:
                     self._sources[s] = (fs, path)
             except Exception as exc:  # gone since start-up, empty, unreadable
                 self._sources[s] = None
-                self._fail(s, list(range(self.n_samples[s])), f"cannot open ({type(exc).__name__}: {exc})")
+                self._fail(s, list(range(self.n_samples[s])),
+                           f"cannot open ({type(exc).__name__}: {exc})")
         return self._sources[s]
 
     def _advance(self) -> Optional[Sample]:
@@ -150,7 +154,10 @@ class ShardReader:
         url, seen = self.urls[s], -1
         try:
             with fsspec.open(url, "rb") as f:
-                from webdataset.tariterators import group_by_keys, tar_file_iterator  # imports torch
+                from webdataset.tariterators import (  # imports torch
+                    group_by_keys,
+                    tar_file_iterator,
+                )
 
                 files = ({**d, "__url__": url} for d in tar_file_iterator(f))
                 for n, parts in enumerate(group_by_keys(files)):
@@ -159,7 +166,8 @@ class ShardReader:
                         self._fail(s, list(range(seen + 1, j)), "samples missing from the tar")
                     seen = max(seen, j)
                     try:
-                        yield j, decode_sample(parts, f"{url}: sample {parts['__key__']!r}", self.eos)
+                        yield j, decode_sample(parts, f"{url}: sample {parts['__key__']!r}",
+                                               self.eos)
                     except ValueError as exc:
                         self._fail(s, [j], str(exc))
                         yield j, None
@@ -189,7 +197,8 @@ class ShardReader:
                 blob = self._read_range(s, lo, hi)
             if len(blob) != hi - lo:
                 raise ValueError(f"{where}: {len(blob)} of {hi - lo} bytes (truncated tar)")
-            parts = {ext: blob[offset - lo:offset - lo + size] for ext, (offset, size) in members.items()}
+            parts = {ext: blob[offset - lo:offset - lo + size]
+                     for ext, (offset, size) in members.items()}
             return decode_sample(parts, where, self.eos)
         except Exception as exc:
             self._fail(s, [j], str(exc))

@@ -18,7 +18,8 @@ import numpy as np
 FORMAT = "scse-tokens-v2"
 Sample = tuple[np.ndarray, np.ndarray]  # (tokens, doc_lens)
 MEMBERS = ("tokens.npy", "doc_lens.npy")
-TABLE_COLUMNS = ("tokens", "documents", "tokens_offset", "tokens_bytes", "lens_offset", "lens_bytes")
+TABLE_COLUMNS = ("tokens", "documents", "tokens_offset", "tokens_bytes", "lens_offset",
+                 "lens_bytes")
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
@@ -27,7 +28,8 @@ def npy_bytes(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-_NPY_HEADER = re.compile(rb"\{'descr': '([<>|]?[ui][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}")
+_NPY_HEADER = re.compile(
+    rb"\{'descr': '([<>|]?[ui][1248])', 'fortran_order': False, 'shape': \((\d+),\), \}")
 
 
 def load_npy(data: bytes) -> np.ndarray:

@@ -51,9 +51,15 @@ import numpy as np
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
+
 # load_sample_table: imported here for this module's readers too (data.cli, tests)
-from scse_dist.data.sample_format import (FORMAT, TABLE_COLUMNS, decode_sample,  # noqa: F401
-                                          load_sample_table, npy_bytes)
+from scse_dist.data.sample_format import (  # noqa: F401
+    FORMAT,
+    TABLE_COLUMNS,
+    decode_sample,
+    load_sample_table,
+    npy_bytes,
+)
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.progress import Progress
 
@@ -194,7 +200,8 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
     if not 0.0 <= heldout_fraction < 1.0:
         raise ConfigError(f"heldout_fraction: must lie in [0, 1), got {heldout_fraction}")
     if sample_tokens <= 0 or shard_bytes <= 0:
-        raise ConfigError(f"sample_tokens and shard_bytes must be > 0, got {sample_tokens}, {shard_bytes}")
+        raise ConfigError(f"sample_tokens and shard_bytes must be > 0, got {sample_tokens}, "
+                          f"{shard_bytes}")
     fs, root = fsspec.core.url_to_fs(out)
     fs.makedirs(root, exist_ok=True)
     index_path = join(root, INDEX_NAME)
@@ -212,7 +219,8 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
 
         pool = multiprocessing.get_context("spawn").Pool(
             workers, initializer=_init_worker, initargs=(tokenizer.model_bytes,))
-        encoded: Iterable = pool.imap(_encode_in_worker, _batches(documents, encode_batch), chunksize=1)
+        encoded: Iterable = pool.imap(_encode_in_worker, _batches(documents, encode_batch),
+                                      chunksize=1)
     else:
         pool = None
         encoded = ((b, tokenizer.encode_batch(b)) for b in _batches(documents, encode_batch))
@@ -371,23 +379,30 @@ def check_shards_exist(urls: list[str]) -> None:
         if parent not in listed:
             fs, dir_path = fsspec.core.url_to_fs(parent)
             try:
-                listed[parent] = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(dir_path, detail=False)}
+                listed[parent] = {p.rstrip("/").rsplit("/", 1)[-1]
+                                  for p in fs.ls(dir_path, detail=False)}
             except FileNotFoundError:
                 listed[parent] = set()
             except Exception as exc:  # network, permissions, bad endpoint: say which URL
-                raise OSError(f"cannot list shard directory {parent!r}: {type(exc).__name__}: {exc}") from exc
+                raise OSError(f"cannot list shard directory {parent!r}: "
+                              f"{type(exc).__name__}: {exc}") from exc
         if url.rsplit("/", 1)[-1] not in listed[parent]:
             missing.append(url)
     if missing:
         raise FileNotFoundError(f"{len(missing)} shard(s) named in the index are missing, e.g. "
-                                f"{missing[0]!r} (rebuild with `scse-data shards`, or check the URL)")
+                                f"{missing[0]!r} (rebuild with `scse-data shards`, or check the "
+                                "URL)")
 
 
 def iter_samples(url: str, eos: int) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """Yield (key, tokens, doc_lens) for every sample of one tar shard, in file order; tokens
     hold each document followed by eos. ValueError naming the shard and sample on bad data."""
-    from webdataset.tariterators import group_by_keys, tar_file_iterator  # imports torch: not at start-up
+    from webdataset.tariterators import (  # imports torch: not at start-up
+        group_by_keys,
+        tar_file_iterator,
+    )
 
     with fsspec.open(url, "rb") as f:
         for parts in group_by_keys({**d, "__url__": url} for d in tar_file_iterator(f)):
-            yield parts["__key__"], *decode_sample(parts, f"{url}: sample {parts['__key__']!r}", eos)
+            yield parts["__key__"], *decode_sample(parts, f"{url}: sample {parts['__key__']!r}",
+                                                   eos)

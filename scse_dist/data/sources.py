@@ -55,7 +55,7 @@ def expand_inputs(urls: list[str] | tuple[str, ...] | str) -> list[str]:
             # local files by their path: messages then name the file as the user knows it
             found = sorted(f.path if local else f.full_name for f in files)
             missing = not found or not all(files.fs.exists(f.path) for f in files)
-        except Exception as exc:  # only fsspec runs here: unknown protocol, missing backend, network
+        except Exception as exc:  # only fsspec runs here: unknown protocol, no backend, network
             raise OSError(f"input {url!r} cannot be listed: {type(exc).__name__}: {exc}") from exc
         if missing:
             raise FileNotFoundError(f"input {url!r} matches no file" +
@@ -113,12 +113,14 @@ def _lines(url: str) -> Iterator[tuple[int, str]]:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise InputError(f"{url}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at "
-                                     f"column {exc.start + 1}); convert the file to UTF-8") from None
+                    raise InputError(f"{url}:{lineno}: not UTF-8 text (byte "
+                                     f"{raw[exc.start]:#04x} at column {exc.start + 1}); convert "
+                                     "the file to UTF-8") from None
                 yield lineno, line[:-2] + "\n" if line.endswith("\r\n") else line
         except (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile) as exc:
             raise InputError(f"{url}:{lineno + 1}: corrupt or truncated compressed data "
-                             f"({type(exc).__name__}: {exc}); check the file and its suffix") from None
+                             f"({type(exc).__name__}: {exc}); check the file and its "
+                             "suffix") from None
 
 
 def _iter_jsonl(url: str, text_field: str) -> Iterator[str]:
@@ -128,7 +130,8 @@ def _iter_jsonl(url: str, text_field: str) -> Iterator[str]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise InputError(f"{url}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            raise InputError(f"{url}:{lineno}: not valid JSON ({exc.msg} at column "
+                             f"{exc.colno})") from None
         if not isinstance(obj, dict) or text_field not in obj:
             raise InputError(f"{url}:{lineno}: no field {text_field!r} (set --text-field; keys: "
                              f"{list(obj)[:8] if isinstance(obj, dict) else '-'})")

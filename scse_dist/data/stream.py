@@ -49,7 +49,8 @@ from scse_dist.data.reader import Sample, ShardReader, documents_of
 from scse_dist.data.relayout import carried_items
 from scse_dist.data.shards import check_tokenizer, resolve_split, table_url
 
-Item = tuple[int, int, int, int]  # (shard, sample, document or -1 for the whole sample, first token)
+# (shard, sample, document or -1 for the whole sample, first token)
+Item = tuple[int, int, int, int]
 PREFETCH_SAMPLES = 16  # remote samples fetched concurrently (~2 MB at 64K uint16 tokens)
 STATE_KEYS = ("split", "seq_len", "batch_size", "seed", "shuffle_buffer")
 # what the readers' orders depend on: fixed for a run. The other keys may change at a resume.
@@ -70,9 +71,11 @@ class TokenStream:
         if num_workers < 0 or shuffle_buffer < 0 or max_failures < 0:
             raise ValueError("data.num_workers, data.shuffle_buffer and data.max_failures must be "
                              f">= 0, got {num_workers}, {shuffle_buffer}, {max_failures}")
-        self.path, self.split, self.seq_len, self.batch_size = path.rstrip("/"), split, seq_len, batch_size
+        self.path, self.split = path.rstrip("/"), split
+        self.seq_len, self.batch_size = seq_len, batch_size
         self.rank, self.world_size, self.seed, self.loop = rank, world_size, seed, loop
-        self.num_workers, self.shuffle_buffer, self.max_failures = num_workers, shuffle_buffer, max_failures
+        self.num_workers, self.shuffle_buffer = num_workers, shuffle_buffer
+        self.max_failures = max_failures
         self.shuffle = (split == "train") if shuffle is None else shuffle
         self.root, self.index, self.shards, self.urls = resolve_split(self.path, split)
         if tokenizer_sha256 is not None:
@@ -87,7 +90,8 @@ class TokenStream:
                              f"data.num_workers={num_workers}); every reader needs data")
         self.n_samples = [int(e["samples"]) for e in self.shards]
         tables = [table_url(self.root, e) for e in self.shards]
-        self._probe = ShardReader(self.urls, self.n_samples, self.eos, tables, file_order=not self.shuffle)
+        self._probe = ShardReader(self.urls, self.n_samples, self.eos, tables,
+                                  file_order=not self.shuffle)
         self._memory: dict[tuple[int, int], Optional[Sample]] = {}  # document level only
         self.level = self._pick_level(self.n_readers)
         self.consumed = 0  # batches this rank yielded in this layout: with it, the whole position
@@ -148,7 +152,8 @@ class TokenStream:
         n_readers = n_readers or self.n_readers
         units = self._units(self._pick_level(n_readers))
         if self.shuffle:
-            units = [units[i] for i in np.random.default_rng([self.seed, epoch]).permutation(len(units))]
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(units))
+            units = [units[i] for i in order]
         items: list[Item] = []
         for s, j, d in units[reader::n_readers]:
             if j >= 0:
@@ -233,13 +238,15 @@ class TokenStream:
         skip = skip_batches * packer.size  # tokens of this reader's stream already consumed
         epoch, yielded = self.start_epoch, 0
         state: dict[str, Any] = {}
-        # SCSE_LOG_SAMPLES: [epoch, shard, sample, doc] of each item, by the window its first token is in
+        # SCSE_LOG_SAMPLES: [epoch, shard, sample, doc] of each item, by the window its first
+        # token is in
         starts: Optional[dict[int, list[list[int]]]] = {} if self.log_dir else None
 
         def progress() -> dict[str, Any]:
             """The reader's state; the same object while it is unchanged (cheap to skip)."""
             nonlocal state
-            if reader.new_bad or state.get("epoch") != epoch or state["failures"] != reader.failures:
+            if reader.new_bad or state.get("epoch") != epoch or \
+                    state["failures"] != reader.failures:
                 new, reader.new_bad = reader.new_bad, []
                 state = {"slot": slot, "epoch": epoch, "failures": reader.failures, "bad": new}
             return state
@@ -259,9 +266,10 @@ class TokenStream:
                     reader.prefetch([(s, j) for s, j, _, _ in items[i:fetched_to]])
                 packed = self._packed(reader, item)
                 if reader.failures > self.max_failures:
-                    raise InputError(f"{self.path}: {reader.failures} bad shards/samples, more than "
-                                     f"data.max_failures={self.max_failures}; see the warnings, "
-                                     "then repair or rebuild the shards (or raise data.max_failures)")
+                    raise InputError(f"{self.path}: {reader.failures} bad shards/samples, more "
+                                     f"than data.max_failures={self.max_failures}; see the "
+                                     "warnings, then repair or rebuild the shards (or raise "
+                                     "data.max_failures)")
                 if packed is None:
                     continue
                 epoch_has_data = True
@@ -271,7 +279,8 @@ class TokenStream:
                     cut = min(skip, len(packed))
                     packed, skip = packed[cut:], skip - cut
                 for window in packer.add(packed):
-                    out = progress() if starts is None else dict(progress(), starts=starts.pop(yielded, []))
+                    out = progress() if starts is None else \
+                        dict(progress(), starts=starts.pop(yielded, []))
                     yielded += 1
                     yield torch.from_numpy(window), out
             # (a carried epoch may give this reader nothing; a regular epoch without data would
@@ -297,7 +306,8 @@ class TokenStream:
     def group(self) -> int:
         """Batches a worker sends at once (up to 64, ~1M tokens): one shared-memory tensor per
         batch cost more than reading it (measured), so workers stack batches into groups."""
-        return min(64, max(1, 2**20 // (self.batch_size * (self.seq_len + 1)))) if self.num_workers else 1
+        return min(64, max(1, 2**20 // (self.batch_size * (self.seq_len + 1)))) \
+            if self.num_workers else 1
 
     def slot_batches(self, consumed: int) -> list[int]:
         """Batches each slot has produced when the rank has consumed `consumed`: group g of G
@@ -324,8 +334,9 @@ class TokenStream:
                 if self.failures > self.max_failures:
                     # InputError: exit 65 and one line; the last checkpoint stays as it was
                     raise InputError(f"{self.path}: {self.failures} bad shards/samples on rank "
-                                     f"{self.rank}, more than data.max_failures={self.max_failures}; "
-                                     "see the warnings, then repair or rebuild the shards (or raise "
+                                     f"{self.rank}, more than "
+                                     f"data.max_failures={self.max_failures}; see the warnings, "
+                                     "then repair or rebuild the shards (or raise "
                                      "data.max_failures)")
             if batches.dim() == 2:
                 self.consumed += 1
@@ -346,10 +357,12 @@ class TokenStream:
         starts = starts[i] if self.num_workers else starts
         if self._log is None:
             os.makedirs(self.log_dir, exist_ok=True)
-            self._log = open(os.path.join(self.log_dir, f"rank{self.rank}-{os.getpid()}.jsonl"), "a")
+            self._log = open(os.path.join(self.log_dir, f"rank{self.rank}-{os.getpid()}.jsonl"),
+                             "a")
         reader = self.rank * self.slots + progress["slot"]
         for epoch, s, j, d in starts:
-            self._log.write(json.dumps({"reader": reader, "layout": [self.world_size, self.num_workers],
+            self._log.write(json.dumps({"reader": reader,
+                                        "layout": [self.world_size, self.num_workers],
                                         "epoch": epoch, "item": [s, j, d]}) + "\n")
         self._log.flush()
 
@@ -376,9 +389,10 @@ class TokenStream:
                     "one rank's state resumes the same batch shape only: use resume(states)"
                 raise ValueError(f"cannot resume data stream: {ORDER_KEYS.get(key, key)} was "
                                  f"{state[key]!r}, now {getattr(self, key)!r}; {why}")
-        if state.get("tokenizer_sha256", self.index["tokenizer_sha256"]) != self.index["tokenizer_sha256"]:
-            raise ValueError(f"cannot resume data stream: shards at {self.path} were rewritten with "
-                             f"another tokenizer ({state['tokenizer_sha256']} -> "
+        if state.get("tokenizer_sha256", self.index["tokenizer_sha256"]) != \
+                self.index["tokenizer_sha256"]:
+            raise ValueError(f"cannot resume data stream: shards at {self.path} were rewritten "
+                             f"with another tokenizer ({state['tokenizer_sha256']} -> "
                              f"{self.index['tokenizer_sha256']}); their samples are other ones. "
                              "Start a new run (another name), or restore the shards")
 
@@ -397,15 +411,17 @@ class TokenStream:
         self.reader_failures = list(state.get("failures", [0] * self.slots))
         self.origin = state.get("origin")
         self.carry = carried_items(self, self.origin) if self.origin else {}
-        self.reader_epochs = [r["epoch"] for r in state.get("readers", [])] or [int(state.get("epoch", 0))] * self.slots
+        self.reader_epochs = [r["epoch"] for r in state.get("readers", [])] or \
+            [int(state.get("epoch", 0))] * self.slots
 
     def resume(self, states: list[dict[str, Any]]) -> None:
         """Resume from a checkpoint's states of every rank (in rank order), at any layout.
 
         With the same world size, data.num_workers, micro-batch and seq_len this is
-        load_state_dict(states[rank]). Otherwise this layout starts anew: every old reader's position says which items of its
-        epoch it consumed (a prefix of its order); the rest of each epoch any old reader had
-        not finished is the carry, dealt over the new readers (relayout.py)."""
+        load_state_dict(states[rank]). Otherwise this layout starts anew: every old reader's
+        position says which items of its epoch it consumed (a prefix of its order); the rest of
+        each epoch any old reader had not finished is the carry, dealt over the new readers
+        (relayout.py)."""
         first = states[0]
         if all(first.get(k, 0) == getattr(self, k) for k in LAYOUT_KEYS):
             return self.load_state_dict(states[self.rank])
@@ -413,8 +429,10 @@ class TokenStream:
         self._check(first, ORDER_KEYS)
         readers = sorted((r["reader"], r["batches"]) for st in states for r in st["readers"])
         bad = sorted({tuple(b) for st in states for b in st.get("bad", [])})
-        self.origin = {"world_size": first["world_size"], "num_workers": first.get("num_workers", 0),
-                       "tokens": [n * first["batch_size"] * (first["seq_len"] + 1) for _, n in readers],
+        self.origin = {"world_size": first["world_size"],
+                       "num_workers": first.get("num_workers", 0),
+                       "tokens": [n * first["batch_size"] * (first["seq_len"] + 1)
+                                  for _, n in readers],
                        "bad": [list(b) for b in bad], "origin": first.get("origin")}
         self.bad = set(bad)
         self.carry = carried_items(self, self.origin)
@@ -450,7 +468,8 @@ class _Readers(IterableDataset):
 def _buffer_shuffle(items: list[Item], size: int, rng: np.random.Generator) -> list[Item]:
     """The order a shuffle buffer of `size` emits `items` in: fill, then emit a random slot and
     refill it with the next item; drain in random order at the end."""
-    buffer, out = [], []
+    buffer: list[Item] = []
+    out: list[Item] = []
     for item in items:
         if len(buffer) < size:
             buffer.append(item)

@@ -52,6 +52,8 @@ class _Sentences:
     """The training lines, counted, remembering an error raised while reading them: sentencepiece
     turns an iterator's exception into a RuntimeError, which would hide e.g. an InputError."""
 
+    error: Exception | None
+
     def __init__(self, lines: Iterator[str]):
         self.lines, self.count, self.error = lines, 0, None
 
@@ -126,9 +128,11 @@ class Tokenizer:
             self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         except RuntimeError:  # sentencepiece's only error for bytes that are not a model
             raise InputError(f"tokenizer {path}: not a sentencepiece model ({len(model_bytes)} "
-                             "bytes that do not parse); train one with `scse-data tokenizer`") from None
+                             "bytes that do not parse); train one with `scse-data "
+                             "tokenizer`") from None
         if self.sp.eos_id() < 0:
-            raise InputError(f"tokenizer {path}: has no eos id; train it with `scse-data tokenizer`")
+            raise InputError(f"tokenizer {path}: has no eos id; train it with `scse-data "
+                             "tokenizer`")
 
     @classmethod
     def load(cls, path: str) -> "Tokenizer":
@@ -139,9 +143,11 @@ class Tokenizer:
             raise FileNotFoundError(f"tokenizer model {path!r} does not exist "
                                     "(train one with `scse-data tokenizer`)") from None
         except IsADirectoryError:
-            raise IsADirectoryError(f"tokenizer model {path!r} is a directory, not a .model file") from None
-        except Exception as exc:  # only fsspec runs here: unknown protocol, missing backend, network
-            raise OSError(f"tokenizer model {path!r} cannot be read: {type(exc).__name__}: {exc}") from exc
+            raise IsADirectoryError(f"tokenizer model {path!r} is a directory, not a .model "
+                                    "file") from None
+        except Exception as exc:  # only fsspec runs here: unknown protocol, no backend, network
+            raise OSError(f"tokenizer model {path!r} cannot be read: "
+                          f"{type(exc).__name__}: {exc}") from exc
         return cls(data, path)
 
     @property

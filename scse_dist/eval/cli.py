@@ -26,7 +26,8 @@ def _depth_list(text: str) -> list[int]:
     try:
         depths = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,8,48, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 1,8,48, got {text!r}") from None
     if not depths or min(depths) < 1:
         raise argparse.ArgumentTypeError(f"depths must be integers >= 1, got {text!r}")
     return depths
@@ -61,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", required=True, choices=list(TASKS))
     p.add_argument("--data", default=None,
                    help="heldout/diagnose: shard dir with index.json or a JSONL/text corpus; "
-                        "wikitext: wiki.*.raw; lambada: JSONL or plain text (paths or fsspec URLs); "
-                        "default: config data.path")
+                        "wikitext: wiki.*.raw; lambada: JSONL or plain text (paths or fsspec "
+                        "URLs); default: config data.path")
     p.add_argument("--depths", type=_depth_list, default=None,
                    help="comma-separated loop depths, e.g. 1,8,48; default: config eval.depths")
     p.add_argument("--out", required=True, help="results JSON path")
@@ -118,7 +119,8 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoi
     data = args.data or cfg.data.path
     # --tokenizer given: used for text, and checked against the shards' own for shard data.
     tokenizer = load_tokenizer(args.tokenizer, cfg) if args.tokenizer else None
-    task_data = read_task_data(args.task, cfg, data, tokenizer)  # bad data fails before the weights load
+    # bad data fails before the weights load
+    task_data = read_task_data(args.task, cfg, data, tokenizer)
     import torch  # only now: bad input above is reported without it
 
     from scse_dist.eval.tasks import run_task

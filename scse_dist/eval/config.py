@@ -48,7 +48,8 @@ class EvalConfig:
     tasks: list[str] = field(default_factory=lambda: ["heldout"])
     wikitext: Optional[str] = None  # wiki.{valid,test}.raw path or URL, for the wikitext task
     lambada: Optional[str] = None  # LAMBADA JSONL or plain text, for the lambada task
-    data: dict[str, str] = field(default_factory=dict)  # task -> its file, for tasks with no field above
+    # task -> its file, for tasks with no field above
+    data: dict[str, str] = field(default_factory=dict)
     stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
     # What each evaluation job scse-launch submits asks for, on any backend (one task on one
     # node; 0 GPUs evaluates on CPU). Formerly eval.slurm_gpus, _cpus, _time_min, _partition.
@@ -58,7 +59,8 @@ class EvalConfig:
         """Values no evaluation can use, and each listed task's data file (ConfigError naming the
         field)."""
         if any(x <= 0 for x in self.depths) or not self.depths:
-            raise ConfigError(f"eval.depths: need a non-empty list of depths >= 1, got {self.depths}")
+            raise ConfigError(f"eval.depths: need a non-empty list of depths >= 1, got "
+                              f"{self.depths}")
         if self.batch_size <= 0:
             raise ConfigError(f"eval.batch_size: must be > 0, got {self.batch_size}")
         for i, task in enumerate(self.tasks):

@@ -15,7 +15,7 @@ Per question, as lm-eval's process_results (first index on a tie, as np.argmax):
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from scse_dist.data.multiple_choice import Choices
 from scse_dist.eval.scoring import Score, Window, context_target_window
@@ -52,8 +52,8 @@ def question_totals(questions: list[Choices], lls: list[list[float]]) -> dict:
             "examples": len(lls)}
 
 
-def _totals(depths: list[int], scores: list[list[Optional[Score]]], questions: list[Choices],
-            owner: list[int]) -> tuple[list[dict], int]:
+def _totals(depths: list[int], scores: Sequence[Sequence[Optional[Score]]],
+            questions: list[Choices], owner: list[int]) -> tuple[list[dict], int]:
     """Per depth the totals over the questions whose answers are all scored, and their count."""
     complete = [True] * len(questions)
     for i, score in zip(owner, scores[0]):
@@ -63,6 +63,7 @@ def _totals(depths: list[int], scores: list[list[Optional[Score]]], questions: l
         lls: list[list[float]] = [[] for _ in questions]
         for i, score in zip(owner, per_window):
             if complete[i]:
+                assert score is not None  # complete: every window of question i was scored
                 lls[i].append(-score.nll)
         done = [k for k, ok in enumerate(complete) if ok]
         out.append({"depth": d, **question_totals([questions[k] for k in done],

@@ -9,12 +9,15 @@ token count rather than as a full batch.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.scorer import IGNORE_INDEX, DepthScorer, resolve_depths, scoring_mode
+
+if TYPE_CHECKING:
+    from scse_dist.model import LoopedLM
 
 __all__ = ["IGNORE_INDEX", "HeldoutInterrupted", "evaluate_heldout", "resolve_depths"]
 
@@ -35,7 +38,7 @@ def _rows(depths: list[int], nll_sum: dict[int, float], tokens: int) -> list[dic
     return rows
 
 
-def evaluate_heldout(model: torch.nn.Module, batches: Iterable[torch.Tensor], depths: list[int],
+def evaluate_heldout(model: LoopedLM, batches: Iterable[torch.Tensor], depths: list[int],
                      max_batches: int = 0, exit_stats: Optional[ExitStats] = None,
                      progress=None) -> list[dict]:
     """Mean token NLL and perplexity of `model` on `batches` (B, S+1) at each depth in `depths`.
@@ -55,8 +58,8 @@ def evaluate_heldout(model: torch.nn.Module, batches: Iterable[torch.Tensor], de
                 if max_batches and i >= max_batches:
                     break
                 if batch.dim() != 2 or batch.size(1) < 2:
-                    raise ValueError(f"evaluate_heldout: expected token batches (B, S+1) with S >= 1, "
-                                     f"got shape {tuple(batch.shape)}")
+                    raise ValueError(f"evaluate_heldout: expected token batches (B, S+1) with "
+                                     f"S >= 1, got shape {tuple(batch.shape)}")
                 scores = scorer(batch[:, :-1], batch[:, 1:])
                 for d, per_row in zip(scorer.depths, scores):
                     nll_sum[d] += sum(s.nll for s in per_row)  # float64 sums, host side
@@ -68,5 +71,6 @@ def evaluate_heldout(model: torch.nn.Module, batches: Iterable[torch.Tensor], de
             raise HeldoutInterrupted(_rows(scorer.depths, nll_sum, tokens) if tokens else None,
                                      done) from None
     if tokens == 0:
-        raise ValueError("evaluate_heldout: the batches held no tokens (is the held-out split empty?)")
+        raise ValueError("evaluate_heldout: the batches held no tokens (is the held-out split "
+                         "empty?)")
     return _rows(scorer.depths, nll_sum, tokens)

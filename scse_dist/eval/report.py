@@ -18,8 +18,12 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scse_dist.eval.curves import (CURVE_NAME, DOWNSTREAM_CURVE_NAME, downstream_curve_plot,
-                                   heldout_curve_plot)
+from scse_dist.eval.curves import (
+    CURVE_NAME,
+    DOWNSTREAM_CURVE_NAME,
+    downstream_curve_plot,
+    heldout_curve_plot,
+)
 from scse_dist.eval.results import log_to_wandb, read_results
 from scse_dist.figures import label, panels, save
 from scse_dist.run_dir import PARTIAL_KEY, RunDir
@@ -53,7 +57,8 @@ def _fmt(value: Any) -> str:
     if value is None:
         return "nan"
     if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) >= 1e4 or (value and abs(value) < 1e-3) else f"{value:.4f}"
+        return f"{value:.4g}" if abs(value) >= 1e4 or (value and abs(value) < 1e-3) \
+            else f"{value:.4f}"
     return str(value)
 
 
@@ -96,7 +101,8 @@ def frontier_plot(results: list[dict], path: str | Path) -> str:
 
 
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, wandb_cfg: Any = None,
-                 wandb_name: str = "eval", wandb_group: Optional[str] = None) -> dict[str, str]:
+                 wandb_name: str = "eval", wandb_group: Optional[str] = None
+                 ) -> dict[str, Optional[str]]:
     """Collect, then write out_dir/report.md and out_dir/frontier.png (and wandb if enabled)."""
     results = collect(run_dirs)
     out = Path(out_dir)
@@ -120,7 +126,7 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, wandb_cfg:
             "downstream_curve": downstream}
 
 
-def report_run(run_dir: str | Path) -> dict[str, str]:
+def report_run(run_dir: str | Path) -> dict[str, Optional[str]]:
     """The report of one training run, into RUN/eval/, logged to the run's wandb group."""
     from scse_dist.config import load_config
 

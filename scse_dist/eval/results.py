@@ -21,6 +21,7 @@ from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, config_to_dict
 from scse_dist.task_registry import TASKS
 
+
 def _finite_or_none(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -45,7 +46,8 @@ def write_results(path: str | os.PathLike, task: str, checkpoint: str, cfg: RunC
     }
     clash = set(extra or {}) & set(payload)
     if clash:
-        raise ValueError(f"write_results: extra keys {sorted(clash)} would overwrite documented keys")
+        raise ValueError(f"write_results: extra keys {sorted(clash)} would overwrite documented "
+                         "keys")
     payload.update(_finite_or_none(dict(extra or {})))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -78,8 +80,8 @@ def read_results(path: Path) -> Optional[dict]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not a results JSON (not UTF-8 text: byte {exc.object[exc.start]:#04x} "
-                         f"at offset {exc.start})") from None
+        raise InputError(f"{path}: not a results JSON (not UTF-8 text: byte "
+                         f"{exc.object[exc.start]:#04x} at offset {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise InputError(f"{path}: not a results JSON ({exc.msg} at line {exc.lineno})") from None
     if not (isinstance(data, dict) and data.get("task") in TASKS and "results" in data):

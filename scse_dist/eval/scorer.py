@@ -13,12 +13,15 @@ d_model 128) and the 32 MiB of fresh logits per depth and batch of 16.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional
 
 import torch
 
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.model.loss import CHUNK_LOGITS
+
+if TYPE_CHECKING:
+    from scse_dist.model import LoopedLM
 
 # Targets equal to this are padding and do not count (the torch cross-entropy convention).
 IGNORE_INDEX = -100
@@ -26,11 +29,11 @@ IGNORE_INDEX = -100
 
 class Score(NamedTuple):
     nll: float  # summed NLL (nats) of the scored targets
-    count: int
+    count: int  # type: ignore[assignment]  # the field shadows tuple.count: the token count
     all_correct: bool  # every scored target is the argmax
 
 
-def resolve_depths(model: torch.nn.Module, depths: list[int]) -> list[int]:
+def resolve_depths(model: LoopedLM, depths: list[int]) -> list[int]:
     """The sorted distinct depths to evaluate; an untied model's own depth only (with a note)."""
     fixed = getattr(model, "fixed_depth", None)
     if fixed is not None:
@@ -44,7 +47,7 @@ def resolve_depths(model: torch.nn.Module, depths: list[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def scoring_mode(model: torch.nn.Module) -> Iterator[None]:
+def scoring_mode(model: LoopedLM) -> Iterator[None]:
     """Eval mode and no autograd while scoring; the model's training flag is restored after."""
     was_training = model.training
     model.eval()
@@ -60,7 +63,7 @@ class DepthScorer:
     `exit_stats` at one depth, the cap, by its exit rule (the steps each scored token used are
     added to it)."""
 
-    def __init__(self, model: torch.nn.Module, depths: list[int],
+    def __init__(self, model: LoopedLM, depths: list[int],
                  exit_stats: Optional[ExitStats] = None) -> None:
         self.model = model
         self.depths = resolve_depths(model, depths)

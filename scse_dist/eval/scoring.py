@@ -12,12 +12,15 @@ holds sorted against unsorted equal).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, cast
 
 import torch
 
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.scorer import IGNORE_INDEX, DepthScorer, Score, scoring_mode
+
+if TYPE_CHECKING:
+    from scse_dist.model import LoopedLM
 
 __all__ = ["Window", "Score", "ScoringInterrupted", "document_windows", "context_target_window",
            "score_windows"]
@@ -48,7 +51,8 @@ def document_windows(ids: list[int], eos_id: int, seq_len: int, stride: int) -> 
     return windows
 
 
-def context_target_window(context: list[int], target: list[int], eos_id: int, seq_len: int) -> Window:
+def context_target_window(context: list[int], target: list[int], eos_id: int, seq_len: int
+                          ) -> Window:
     """EOS + context + target, cut from the left to `seq_len` inputs; only the target is scored."""
     if not target:
         raise ValueError("context_target_window: empty target")
@@ -80,7 +84,7 @@ def _padded(chunk: Sequence[Window]) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, targets
 
 
-def score_windows(model: torch.nn.Module, windows: Sequence[Window], depths: list[int],
+def score_windows(model: LoopedLM, windows: Sequence[Window], depths: list[int],
                   batch_size: int, exit_stats: Optional[ExitStats] = None, progress=None,
                   sort: bool = True) -> tuple[list[int], list[list[Score]]]:
     """Score every window at every depth. Returns (depths evaluated, scores[d_index][window]),
@@ -104,4 +108,4 @@ def score_windows(model: torch.nn.Module, windows: Sequence[Window], depths: lis
                     progress.update(len(picked))
         except KeyboardInterrupt:
             raise ScoringInterrupted(scorer.depths, scores) from None
-    return scorer.depths, scores  # type: ignore[return-value]  (every window scored)
+    return scorer.depths, cast("list[list[Score]]", scores)  # every window scored

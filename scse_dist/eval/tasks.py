@@ -22,23 +22,32 @@ raises cli_errors.Interrupted with a line saying so.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Optional, cast
 
 import torch
 
 from scse_dist.cli_errors import InputError, Interrupted
 from scse_dist.config import RunConfig
-from scse_dist.model.exit_rules import ExitRule
-from scse_dist.eval.exit_stats import ExitStats
-from scse_dist.eval.perplexity import HeldoutInterrupted, evaluate_heldout
-from scse_dist.eval.scorer import resolve_depths
 from scse_dist.data.sources import Passage
+from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.inputs import TaskData, get_task, no_exit_rule, read_task_data
+from scse_dist.eval.perplexity import HeldoutInterrupted, evaluate_heldout
 from scse_dist.eval.results import format_table, write_results
-from scse_dist.eval.scoring import (Score, ScoringInterrupted, Window, context_target_window,
-                                    document_windows, score_windows)
+from scse_dist.eval.scorer import resolve_depths
+from scse_dist.eval.scoring import (
+    Score,
+    ScoringInterrupted,
+    Window,
+    context_target_window,
+    document_windows,
+    score_windows,
+)
+from scse_dist.model.exit_rules import ExitRule
 from scse_dist.progress import Progress
 from scse_dist.run_dir import PARTIAL_KEY
+
+if TYPE_CHECKING:
+    from scse_dist.model import LoopedLM
 
 # With --exit: the steps each scored token used (ExitStats.summary).
 STEP_METRICS = ("mean_steps", "steps_p50", "steps_p90")
@@ -61,9 +70,9 @@ def _progress(desc: Optional[str], total: Optional[int], unit: str) -> Progress:
     return Progress(total, desc or "", unit=unit, enabled=desc is not None)
 
 
-def _scores(model: torch.nn.Module, windows: list[Window], depths: list[int], batch_size: int,
+def _scores(model: LoopedLM, windows: list[Window], depths: list[int], batch_size: int,
             exit_stats: Optional[ExitStats], desc: Optional[str], unit: str, item: str,
-            per_item: Any) -> tuple[list[int], list[list[Optional[Score]]]]:
+            per_item: Any) -> tuple[list[int], list[list[Score]]]:
     """score_windows with progress in `unit`s (one per window); on Ctrl-C, TaskInterrupted in
     `item`s from `per_item(depths, scores)`: (rows over the items whose windows are all
     scored, items done, items in all)."""
@@ -75,10 +84,11 @@ def _scores(model: torch.nn.Module, windows: list[Window], depths: list[int], ba
         raise TaskInterrupted(rows if done else None, done, total, item) from None
 
 
-def document_rows(model: torch.nn.Module, tokenizer: Any, documents: list[str], depths: list[int],
+def document_rows(model: LoopedLM, tokenizer: Any, documents: list[str], depths: list[int],
                   seq_len: int, stride: int, batch_size: int,
                   exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None) -> list[dict]:
-    """Token ppl, word ppl and bits per byte of `documents` (each scored on its own, sliding window).
+    """Token ppl, word ppl and bits per byte of `documents` (each scored on its own, sliding
+    window).
 
     word_ppl = exp(total NLL / whitespace words of the original text) and bits_per_byte =
     total NLL / ln 2 / UTF-8 bytes: both divide the same total, so they compare across tokenizers.
@@ -90,7 +100,7 @@ def document_rows(model: torch.nn.Module, tokenizer: Any, documents: list[str], 
         documents)]
 
 
-def _document_scores(model: torch.nn.Module, tokenizer: Any, documents: list[str],
+def _document_scores(model: LoopedLM, tokenizer: Any, documents: list[str],
                      depths: list[int], seq_len: int, stride: int, batch_size: int,
                      exit_stats: Optional[ExitStats], desc: Optional[str]
                      ) -> tuple[list[int], list[list[Score]]]:
@@ -108,7 +118,8 @@ def _document_scores(model: torch.nn.Module, tokenizer: Any, documents: list[str
         kept = [k for k, score in enumerate(scores[0]) if complete[owner[k]]]
         done = [d for d, ok in zip(documents, complete) if ok]
         table = [document_metrics(t) for t in _document_totals(
-            depths, [[s[k] for k in kept] for s in scores], done)] if done else None
+            depths, cast("list[list[Score]]", [[s[k] for k in kept] for s in scores]),
+            done)] if done else None  # the kept windows' documents are complete: all scored
         return table, len(done), len(documents)
 
     return _scores(model, windows, depths, batch_size, exit_stats, desc, "window", "document",
@@ -148,7 +159,7 @@ def context_target_ids(tokenizer: Any, context_text: str, target_text: str
     return context, tokenizer.encode(target_text.strip())
 
 
-def lambada_rows(model: torch.nn.Module, tokenizer: Any, passages: list[Passage],
+def lambada_rows(model: LoopedLM, tokenizer: Any, passages: list[Passage],
                  depths: list[int], seq_len: int, batch_size: int,
                  exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None) -> list[dict]:
     """accuracy: every target token is the argmax. ppl = exp(NLL / target tokens), per token;
@@ -160,7 +171,7 @@ def lambada_rows(model: torch.nn.Module, tokenizer: Any, passages: list[Passage]
         model, tokenizer, passages, depths, seq_len, batch_size, exit_stats, desc))]
 
 
-def _lambada_scores(model: torch.nn.Module, tokenizer: Any, passages: list[Passage],
+def _lambada_scores(model: LoopedLM, tokenizer: Any, passages: list[Passage],
                     depths: list[int], seq_len: int, batch_size: int,
                     exit_stats: Optional[ExitStats], desc: Optional[str]
                     ) -> tuple[list[int], list[list[Score]]]:
@@ -182,7 +193,8 @@ def _lambada_totals(depths: list[int], scores: list[list[Score]]) -> list[dict]:
     """Per depth the additive totals of the passages' scores (summed over ranks in training)."""
     return [{"depth": d, "correct": sum(s.all_correct for s in per_window),
              "nll": sum(s.nll for s in per_window),
-             "target_tokens": sum(s.count for s in per_window), "examples": len(per_window)} for d, per_window in zip(depths, scores)]
+             "target_tokens": sum(s.count for s in per_window), "examples": len(per_window)}
+            for d, per_window in zip(depths, scores)]
 
 
 def lambada_metrics(totals: dict) -> dict:
@@ -193,7 +205,7 @@ def lambada_metrics(totals: dict) -> dict:
             "target_tokens": int(tokens)}
 
 
-def diagnose_rows(model: torch.nn.Module, batches: Iterable[torch.Tensor], depths: list[int],
+def diagnose_rows(model: LoopedLM, batches: Iterable[torch.Tensor], depths: list[int],
                   max_batches: int = 0, desc: Optional[str] = None) -> list[dict]:
     """Mean per-token norms of the trained loop on real text (batches (B, S+1) of token ids).
 
@@ -223,7 +235,7 @@ def diagnose_rows(model: torch.nn.Module, batches: Iterable[torch.Tensor], depth
     return _diagnose_table(sums, n, depths)
 
 
-def _diagnose_batch(model: torch.nn.Module, batch: torch.Tensor, depths: list[int]
+def _diagnose_batch(model: LoopedLM, batch: torch.Tensor, depths: list[int]
                     ) -> dict[str, torch.Tensor]:
     inputs = batch[:, :-1].to(next(model.parameters()).device)
     diag = model(inputs, depth=max(depths), diagnostics=True, keep_logits=False).diagnostics
@@ -254,7 +266,7 @@ def _packed_batches(tokenizer: Any, documents: list[str], seq_len: int, batch_si
         yield torch.tensor(rows[i:i + batch_size])
 
 
-def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depths: list[int],
+def run_task(task: str, model: LoopedLM, cfg: RunConfig, data: str, depths: list[int],
              out_path: str, checkpoint_label: str, *, tokenizer: Any = None,
              stride: Optional[int] = None, max_batches: int = 0,
              task_data: Optional[TaskData] = None,
@@ -302,7 +314,7 @@ def run_task(task: str, model: torch.nn.Module, cfg: RunConfig, data: str, depth
     return rows
 
 
-def _progress_label(task: str, model: torch.nn.Module, depths: list[int],
+def _progress_label(task: str, model: LoopedLM, depths: list[int],
                     exit_rule: Optional[ExitRule]) -> str:
     """`lambada T=1,8,48`, or with an exit rule `lambada exit motion:0.02`."""
     if exit_rule is not None:
@@ -317,7 +329,7 @@ class TaskRun(NamedTuple):
     stream: `shards`), the settings, the ExitStats of an exit rule (None: fixed depths), a
     progress label (None: quiet) and `extra`, a dict of settings it adds to the results JSON."""
 
-    model: torch.nn.Module
+    model: LoopedLM
     tokenizer: Any
     inputs: Any
     shards: bool

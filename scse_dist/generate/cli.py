@@ -18,9 +18,16 @@ import time
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from scse_dist.cli_errors import InputError, cli_main, command_parser
-from scse_dist.generate.options import (CACHE_CHOICES, DEFAULT_DRAFT_TOKENS, EXIT_CAP_FACTOR,
-                                        MAX_DRAFT_TOKENS, SPECULATIVE_FORM, DraftTokens,
-                                        Sampling, parse_speculative)
+from scse_dist.generate.options import (
+    CACHE_CHOICES,
+    DEFAULT_DRAFT_TOKENS,
+    EXIT_CAP_FACTOR,
+    MAX_DRAFT_TOKENS,
+    SPECULATIVE_FORM,
+    DraftTokens,
+    Sampling,
+    parse_speculative,
+)
 
 if TYPE_CHECKING:
     from scse_dist.generate.sampling import Generation
@@ -171,6 +178,7 @@ def _report(result: Generation, exit_rule, speculative, seconds: float) -> None:
               f"{sum(used) / len(used):.2f} (min {min(used)}, max {max(used)})", file=sys.stderr)
     if speculative is not None:
         spec, tokens = result.speculation, sum(len(row) for row in result.tokens)
+        assert spec is not None  # a speculative run counts its rounds
         accepted = f"{spec['accepted'] / spec['drafted']:.0%}" if spec["drafted"] else "-"
         print(f"scse-generate: speculative {speculative[0]},{speculative[1]}: {accepted} of "
               f"{spec['drafted']} drafted tokens accepted, mean K {spec['mean_k']:.2f}, "

@@ -5,7 +5,7 @@ scse_dist.generate.cli.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence, cast
 
 import torch
 
@@ -28,9 +28,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
     for each token). on_token(row, token) is called for each new token as it is chosen.
     generator: sampling's random numbers (default: a new one seeded with sampling.seed).
     stop(row, new tokens) -> True also ends a row (a stop string: lm-eval's `until`).
-    speculative=(d, K): self-speculative decoding (scse_dist.generate.speculative), K tokens drafted at
-    loop depth d per round, K an int or AdaptiveDraft() (K adapted per round from the acceptance
-    so far); greedy gives the same tokens, sampling the same distribution."""
+    speculative=(d, K): self-speculative decoding (scse_dist.generate.speculative), K tokens drafted
+    at loop depth d per round, K an int or AdaptiveDraft() (K adapted per round from the
+    acceptance so far); greedy gives the same tokens, sampling the same distribution."""
     if cache not in CACHE_CHOICES:
         raise ValueError(f"cache: must be one of {', '.join(CACHE_CHOICES)}; got {cache!r}")
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -47,7 +47,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
     tokens, mask = (t.to(device) for t in left_pad(prompts))
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    kv = KVCache(cache) if cache != "none" else None
+    # checked against CACHE_CHOICES above
+    kv = KVCache(cast(Literal["exact", "shared"], cache)) if cache != "none" else None
     new: list[list[int]] = [[] for _ in prompts]
     steps: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)

@@ -29,9 +29,9 @@ from typing import Optional, Sequence
 import torch
 
 from scse_dist.generate.options import DEFAULT_DRAFT_TOKENS, AdaptiveDraft, DraftTokens
+from scse_dist.generate.sampling import Generation, Sampling, left_pad, token_probs
 from scse_dist.model.kv_cache import KVCache
 from scse_dist.model.speculative import Drafted, check_draft_depth, draft, verify
-from scse_dist.generate.sampling import Generation, Sampling, left_pad, token_probs
 
 
 def accept(p: torch.Tensor, q: torch.Tensor, drafted: torch.Tensor,
@@ -77,7 +77,7 @@ def speculative_generate(model, prompts: Sequence[Sequence[int]], *, max_new_tok
     AdaptiveDraft: K chosen per round). The result's `speculation` counts rounds, drafted and
     accepted tokens (per row, summed), and mean_k: the mean K drafted per round."""
     schedule = draft_tokens if isinstance(draft_tokens, AdaptiveDraft) else None
-    k_next = schedule.start if schedule is not None else draft_tokens
+    k_next = draft_tokens.start if isinstance(draft_tokens, AdaptiveDraft) else draft_tokens
     if k_next < 1:
         raise ValueError(f"speculative: K (drafted tokens per round) must be >= 1, got "
                          f"{draft_tokens}")
@@ -91,7 +91,7 @@ def speculative_generate(model, prompts: Sequence[Sequence[int]], *, max_new_tok
     rows = len(prompts)
     new: list[list[int]] = [[] for _ in prompts]
     done = [False] * rows
-    counts = {"rounds": 0, "drafted": 0, "accepted": 0}
+    counts: dict[str, float] = {"rounds": 0, "drafted": 0, "accepted": 0}
     k_sum = 0
     while not all(done) and len(new[done.index(False)]) < max_new_tokens:
         remaining = max_new_tokens - len(new[done.index(False)])
@@ -129,6 +129,7 @@ def _draft_round(model, pending: torch.Tensor, mask: torch.Tensor, cache: KVCach
     drafts = [draft(model, pending, cache, draft_depth, depth, mask, readout=k > 0)]
     q, drafted = [], []
     for i in range(k):
+        assert drafts[-1].logits is not None  # k > 0: read out
         logits = drafts[-1].logits[:, -1]
         if sampling.temperature > 0:  # greedy needs no q (_judge)
             q.append(token_probs(logits, sampling))

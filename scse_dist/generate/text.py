@@ -19,6 +19,8 @@ class TextStream:
     """Prints a sequence's continuation as tokens arrive (decoding prompt + continuation each
     time, so pieces that merge across tokens, and the first token's space, print right)."""
 
+    ids: list[int]
+
     def __init__(self, tokenizer, prompt_ids: Sequence[int], out=None) -> None:
         self.tokenizer, self.prompt_ids = tokenizer, list(prompt_ids)
         self.out, self.ids, self.printed = out or sys.stdout, [], ""

@@ -19,10 +19,11 @@ Nothing here imports transformers: the core install writes these files without i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from scse_dist.atomic import atomic_write
 from scse_dist.model.config import ModelConfig
@@ -45,8 +46,8 @@ def model_package_modules() -> list[Path]:
 def hf_config(model: ModelConfig, special_ids: Optional[dict[str, int]]) -> dict:
     """config.json's content. special_ids: the tokenizer's {"eos": .., "unk": ..}, or None for an
     export without a tokenizer (then no AutoTokenizer)."""
-    auto_map = {"AutoConfig": "configuration_scse.ScseConfig",
-                "AutoModelForCausalLM": "modeling_scse.ScseForCausalLM"}
+    auto_map: dict[str, Any] = {"AutoConfig": "configuration_scse.ScseConfig",
+                                "AutoModelForCausalLM": "modeling_scse.ScseForCausalLM"}
     config = {"model_type": "scse", "architectures": ["ScseForCausalLM"], "auto_map": auto_map,
               **dataclasses.asdict(model), "dtype": "float32", "use_cache": True,
               "tie_word_embeddings": False}
@@ -64,13 +65,14 @@ def write_hf_files(out_dir: str | Path, model: ModelConfig,
     model package's modules into `out_dir` (each file atomically)."""
     out = Path(out_dir)
     for src in [HERE / name for name in REMOTE_CODE] + model_package_modules():
-        atomic_write(out / src.name, lambda p, src=src: shutil.copyfile(src, p))
+        atomic_write(out / src.name, functools.partial(shutil.copyfile, src))
     config = hf_config(model, special_ids)
     atomic_write(out / HF_CONFIG_NAME,
                  lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"))
     if special_ids is not None:
         tokenizer_config = {"tokenizer_class": "ScseTokenizer",
-                            "auto_map": {"AutoTokenizer": ["tokenization_scse.ScseTokenizer", None]}}
+                            "auto_map": {"AutoTokenizer": ["tokenization_scse.ScseTokenizer",
+                                                           None]}}
         atomic_write(out / TOKENIZER_CONFIG_NAME,
                      lambda p: p.write_text(json.dumps(tokenizer_config, indent=2) + "\n"))
 

@@ -9,19 +9,20 @@ import dataclasses
 
 from transformers import PretrainedConfig
 
+from .blocks import Block  # noqa: F401
 from .config import VALUE_BEFORE_FIELD, ModelConfig
-from .transitions import check_model_config
 
 # transformers 4.57 copies only the modules this file imports itself; transitions.py reaches
 # config.py, and these are reached too (see modeling_scse.py).
 from .exit_rules import ExitRule  # noqa: F401
 from .kv_cache import KVCache  # noqa: F401
-from .blocks import Block  # noqa: F401
 from .recurrence import LoopCore  # noqa: F401
+from .transitions import check_model_config
 
 # An export's config.json names every field; one written before a field existed ran with the
 # value that field had then (VALUE_BEFORE_FIELD), like a saved run config.
-MODEL_FIELDS = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)}, **VALUE_BEFORE_FIELD}
+MODEL_FIELDS = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)},
+                **VALUE_BEFORE_FIELD}
 
 
 class ScseConfig(PretrainedConfig):

@@ -31,17 +31,16 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_scse import ScseConfig
-from .looped_lm import LoopedLM
-from .loss import IGNORE_INDEX
-
 # transformers 4.57 copies into its module cache only the modules a remote file imports itself
 # (`from .NAME import`), not theirs, yet hashes them all: so this file imports every module of
 # the package that it and configuration_scse.py reach (tests/test_hf_export.py checks the list).
 from .blocks import Block  # noqa: F401
 from .config import ModelConfig  # noqa: F401
+from .configuration_scse import ScseConfig
 from .exit_rules import parse_exit_rule
 from .kv_cache import KVCache
+from .looped_lm import LoopedLM
+from .loss import IGNORE_INDEX
 from .recurrence import LoopCore  # noqa: F401
 from .transitions import transition_for  # noqa: F401
 

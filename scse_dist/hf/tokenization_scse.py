@@ -26,7 +26,8 @@ class ScseTokenizer(PreTrainedTokenizer):
 
     def __init__(self, vocab_file: str, **kwargs):
         self.vocab_file = vocab_file
-        self.sp_model = spm.SentencePieceProcessor(model_file=vocab_file)  # before super(): it reads the vocab
+        # before super(): it reads the vocab
+        self.sp_model = spm.SentencePieceProcessor(model_file=vocab_file)
         eos = self.sp_model.id_to_piece(self.sp_model.eos_id())
         kwargs.setdefault("eos_token", eos)
         kwargs.setdefault("bos_token", eos)  # documents start after an EOS (see the docstring)
@@ -43,11 +44,13 @@ class ScseTokenizer(PreTrainedTokenizer):
     def get_vocab(self) -> dict:
         return {self.sp_model.id_to_piece(i): i for i in range(self.vocab_size)}
 
-    def tokenize(self, text: str, **kwargs) -> list:
+    # transformers' signatures of these differ between its versions (this file runs as remote
+    # code under any of them); each override takes every argument its callers pass
+    def tokenize(self, text: str, **kwargs) -> list:  # type: ignore[override]
         """sentencepiece's pieces of the whole text: no splitting at special-token strings."""
         return self.sp_model.encode(text, out_type=str)
 
-    def _tokenize(self, text: str) -> list:
+    def _tokenize(self, text: str) -> list:  # type: ignore[override]
         return self.sp_model.encode(text, out_type=str)
 
     def _convert_token_to_id(self, token: str) -> int:
@@ -59,7 +62,8 @@ class ScseTokenizer(PreTrainedTokenizer):
     def convert_tokens_to_string(self, tokens: list) -> str:
         return self.sp_model.decode_pieces(list(tokens))
 
-    def _decode(self, token_ids, skip_special_tokens: bool = False, **kwargs) -> str:
+    def _decode(self, token_ids, skip_special_tokens: bool = False,  # type: ignore[override]
+                **kwargs) -> str:
         """sentencepiece's decode; a control token (EOS, the pad) is its piece, "</s>", unless
         skip_special_tokens drops it. (sentencepiece alone decodes EOS to "", and lm-eval's hf model
         takes a prefix token that decodes to "" as already present at the start of every text,
@@ -68,7 +72,8 @@ class ScseTokenizer(PreTrainedTokenizer):
         if skip_special_tokens:
             special = set(self.all_special_ids)
             ids = [i for i in ids if i not in special]
-        text, run = [], []
+        text: list[str] = []
+        run: list[int] = []
         for i in ids:
             if self.sp_model.is_control(i):
                 text += [self.sp_model.decode(run), self.sp_model.id_to_piece(i)]

@@ -77,6 +77,7 @@ def run_child(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, stdo
     try:
         with _forwarding(proc, received):
             if on_stderr_line:
+                assert proc.stderr is not None  # piped when there is a reader
                 for line in proc.stderr:
                     on_stderr_line(line)
             status = proc.wait()

@@ -1,6 +1,7 @@
 """What the jobs that `scse-launch` and `scse-study` submit run, on every backend:
 
-    python -m scse_dist.launch.run_job train CONFIG [key=value ...] [--evaluate] [--schedule-evals B]
+    python -m scse_dist.launch.run_job train CONFIG [key=value ...] [--evaluate]
+                                             [--schedule-evals B]
     python -m scse_dist.launch.run_job evaluate RUN_DIR TASK   # RUN/eval/TASK.json
     python -m scse_dist.launch.run_job report RUN_DIR          # RUN/eval/report.md
 

@@ -4,7 +4,7 @@
     scse-launch CONFIG [...] --backend local               # the same job flow, run on this machine
     scse-launch CONFIG [key.sub=value ...] --local         # everything here, in this process
     scse-launch CONFIG [key.sub=value ...] --after-job ID  # only the evaluation jobs of job ID
-    scse-launch CONFIG [key.sub=value ...] --evaluate      # evaluate the trained run here, then report
+    scse-launch CONFIG [key.sub=value ...] --evaluate      # evaluate the trained run here, report
 
 The training job, on every backend, runs `python -m scse_dist.launch.run_job train CONFIG ...`
 (the installed package: any directory, no checkout), asking for the config's `resources:` and
@@ -48,7 +48,9 @@ RUN_JOB = [sys.executable, "-m", "scse_dist.launch.run_job"]
 def report_run(run_dir: str) -> str:
     from scse_dist.eval.report import report_run as write
 
-    return write(run_dir)["report"]
+    report = write(run_dir)["report"]
+    assert report is not None  # write_report always writes report.md
+    return report
 
 
 def training_command(config: str, overrides: Sequence[str], evaluate: bool,
@@ -168,7 +170,8 @@ def submit_training(args: argparse.Namespace, cfg: RunConfig, backend: Backend) 
     print(job_id, flush=True)
     status = backend.ended_with(job_id)  # a job run in place: its status is ours
     if status:
-        print(f"scse-launch: training job {job_id} exited {status} (its logs say why)", file=sys.stderr)
+        print(f"scse-launch: training job {job_id} exited {status} (its logs say why)",
+              file=sys.stderr)
     return status or 0
 
 
@@ -176,7 +179,8 @@ def submit_training(args: argparse.Namespace, cfg: RunConfig, backend: Backend) 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 submitted (or, --local, done); 1 the backend refused a job; 2 bad config;
     65 bad input data; 66 an input missing or unreadable (--local); 75 stopped by SIGINT or
-    SIGTERM, the run saved (rerun to resume); with --backend local, the training job's own status."""
+    SIGTERM, the run saved (rerun to resume); with --backend local, the training job's own
+    status."""
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     try:

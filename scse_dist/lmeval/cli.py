@@ -34,7 +34,8 @@ def model_named(args: Sequence[str]) -> Optional[str]:
 
 
 def hoist_model_args(args: list[str]) -> list[str]:
-    """`--model_args a=1,batch_size=8,device=cpu` -> `--model_args a=1 --batch_size 8 --device cpu`."""
+    """`--model_args a=1,batch_size=8,device=cpu` -> `--model_args a=1 --batch_size 8 --device
+    cpu`."""
     out: list[str] = []
     hoisted: list[str] = []
     i = 0

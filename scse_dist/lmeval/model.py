@@ -28,24 +28,31 @@ from __future__ import annotations
 
 import sys
 from contextlib import ExitStack
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
+# lm-eval's own models: its registry loads them only when it is empty, which registering `scse`
+# first would make it never be
+import lm_eval.models  # noqa: F401
 import torch
-
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-import lm_eval.models  # noqa: F401  (lm-eval's own models: its registry loads them only when
-# it is empty, which registering `scse` first would make it never be)
 
 from scse_dist.eval.exit_stats import ExitStats
-from scse_dist.eval.scoring import Score, Window, context_target_window, document_windows, score_windows
 from scse_dist.eval.inputs import load_tokenizer
+from scse_dist.eval.scoring import (
+    Score,
+    Window,
+    context_target_window,
+    document_windows,
+    score_windows,
+)
 from scse_dist.eval.tasks import context_target_ids
 from scse_dist.generate import Sampling, generate, next_tokens
 from scse_dist.lmeval import MODEL_NAME
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
 from scse_dist.progress import Progress
+
 
 class ExitScorer:
     """Loop depth for the harness's requests: `depth` steps per token, or an exit rule's adaptive
@@ -69,7 +76,8 @@ class ExitScorer:
         """(B, V) logits for the token after each row of `tokens` (B, S)."""
         if self.rule is None:
             return model(tokens, depth=self.depth).logits[:, -1].float()
-        return model(tokens, depth=self.rule.cap(self.depth), exit_rule=self.rule).logits[:, -1].float()
+        return model(tokens, depth=self.rule.cap(self.depth),
+                     exit_rule=self.rule).logits[:, -1].float()
 
     def steps_summary(self) -> dict:
         """{task: ExitStats.summary()} (mean_steps, steps_pNN, steps_histogram) of the scored
@@ -114,8 +122,8 @@ class ScseLM(LM):
                  batch_size: Any = None, max_length: Any = None, stride: Any = None,
                  device: Optional[str] = None, max_batch_size: Any = None, **exit_options: Any):
         super().__init__()
-        from scse_dist.checkpoint.loading import checkpoint_config, load_model
         from scse_dist.checkpoint.export import local_export
+        from scse_dist.checkpoint.loading import checkpoint_config, load_model
 
         # lm-eval's CLI passes batch_size, max_batch_size and device to every model; automatic
         # batch sizing (auto, max_batch_size) is not supported: auto means the config's size.
@@ -207,7 +215,7 @@ class ScseLM(LM):
                 summary = self.scorer.stats[task].summary()
                 print(f"scse: {task or 'requests'}: exit {summary['exit']}: mean steps "
                       f"{summary['mean_steps']:.3f} per scored token", file=sys.stderr)
-        return scores
+        return cast("list[Score]", scores)  # every window is in one task's rows
 
     def get_model_info(self) -> dict:
         """What lm-eval adds to its results JSON's `config` (it asks every model that has this):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +127,7 @@ class CausalSelfAttention(nn.Module):
         b, s, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both, under model.qk_norm
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if kv is not None:
@@ -211,14 +211,15 @@ class Block(nn.Module):
         ZeRO-3 build_engine makes each block a leaf: no DeepSpeed hook on its sub-layers). Every
         block shares this code and the loop depth T is a Python count outside it, so one graph
         serves every block, every loop step and every T."""
-        self._forward = torch.compile(self._forward, backend=backend)
+        # this instance's compiled forward shadows the method, on purpose
+        self._forward = torch.compile(self._forward, backend=backend)  # type: ignore[method-assign]
 
     def forward(self, h: torch.Tensor, rope: Optional[RopeTables] = None,
                 mask: Optional[torch.Tensor] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
         """kv: see KVHook (None: the training path)."""
         rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
         # The mask and kv are passed only when set, so the default path calls _forward as before.
-        args = (h, rope) if mask is None else (h, rope, mask)
+        args: tuple[Any, ...] = (h, rope) if mask is None else (h, rope, mask)
         if kv is not None:
             args = (h, rope, mask, kv)
         if self.checkpointed and torch.is_grad_enabled():

@@ -3,8 +3,9 @@
 A leaf: it imports nothing of the package. What depends on the recurrence (the names
 `recurrence` accepts, the resolved inject and anchor scale, the unrolled depth, the checks of
 anchor_scale and loop_stability and the recurrence's own) lives on its `Transition`
-(transitions.py), as does `check_model_config`, the full check. The model package imports nothing else of scse_dist,
-so it can be copied verbatim into an export as remote code; `scse_dist.config` re-exports these.
+(transitions.py), as does `check_model_config`, the full check. The model package imports nothing
+else of scse_dist, so it can be copied verbatim into an export as remote code; `scse_dist.config`
+re-exports these.
 """
 
 from __future__ import annotations
@@ -86,11 +87,13 @@ def check_model_fields(m: ModelConfig) -> None:
         raise ConfigError(f"model.n_heads: d_model={m.d_model} must split into {m.n_heads} heads "
                           "of even width (RoPE rotates pairs)")
     if m.residual_depth < 0:
-        raise ConfigError(f"model.residual_depth: must be >= 0 (0: model.depth), got {m.residual_depth}")
+        raise ConfigError(f"model.residual_depth: must be >= 0 (0: model.depth), got "
+                          f"{m.residual_depth}")
     if not m.loop_stability >= 0:  # also rejects NaN
         raise ConfigError(f"model.loop_stability: must be >= 0, got {m.loop_stability}")
     if not 0.0 <= m.forcing_bias_scale <= 1.0:
-        raise ConfigError(f"model.forcing_bias_scale: must lie in [0, 1], got {m.forcing_bias_scale}")
+        raise ConfigError(f"model.forcing_bias_scale: must lie in [0, 1], got "
+                          f"{m.forcing_bias_scale}")
 
 
 # A model config saved before a field existed (a run's config.yaml, an export's config.json) ran

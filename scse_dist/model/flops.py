@@ -27,7 +27,8 @@ def flops_per_token(cfg: ModelConfig, depth: int, seq_len: int) -> float:
     calls = transition.core_calls(depth)
     d, f = cfg.d_model, cfg.resolved_ffn_hidden
     block = 2 * (4 * d * d + 3 * d * f) + 2 * 2 * seq_len * d
-    forward = (cfg.n_prelude + cfg.n_core * calls + cfg.n_coda) * block + 2 * d * cfg.vocab_size
+    forward: float = (cfg.n_prelude + cfg.n_core * calls + cfg.n_coda) * block \
+        + 2 * d * cfg.vocab_size
     if transition.resolved_inject == "concat":
         forward += calls * 2 * (2 * d) * d
     forward += transition.own_flops()

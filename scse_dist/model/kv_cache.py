@@ -65,6 +65,7 @@ class KVSlot:
         room = max(end, 2 * (0 if self.k_buf is None else self.k_buf.shape[2]), 16)
         k_buf, v_buf = k.new_empty(b, h, room, d), k.new_empty(b, h, room, d)
         if self.k_buf is not None:
+            assert self.k is not None and self.v is not None  # the buffers are set together
             k_buf[:, :, :self.length] = self.k
             v_buf[:, :, :self.length] = self.v
         self.k_buf, self.v_buf = k_buf, v_buf
@@ -72,6 +73,7 @@ class KVSlot:
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + k.shape[2]
         self._reserve(k, end)
+        assert self.k_buf is not None and self.v_buf is not None  # _reserve made them
         self.k_buf[:, :, self.length:end] = k
         self.v_buf[:, :, self.length:end] = v
         self.pending = k.shape[2]
@@ -141,6 +143,7 @@ class KVCache:
     def trailing_mask(self, s: int) -> torch.Tensor:
         """(B, 1, s, L) attention mask of the last s cached tokens as queries (self-speculative
         verification: their keys are in some slots already, and are appended to the others)."""
+        assert self.key_mask is not None  # tokens are cached
         return _causal_mask(self.key_mask, s)
 
     def commit_slots(self) -> None:
@@ -162,6 +165,7 @@ class KVCache:
         for s in self.slots.values():
             s.length, s.pending = min(s.length, length), 0
         if self.key_mask is not None and length < self.key_mask.shape[1]:
+            assert self.next_position is not None  # set with key_mask
             self.next_position = self.next_position - self.key_mask[:, length:].long().sum(-1)
             self.key_mask = self.key_mask[:, :length]
 
@@ -221,7 +225,9 @@ class LoopKV:
         """Fill the cache slots of steps steps_run..depth-1 with each block's latest K/V."""
         if self.cache is None:
             return
+        assert self.cache.depth is not None  # fixed by the cache's first call
         for t in range(steps_run, self.cache.depth):
             for hook in self.hooks(t):
+                assert hook.slot is not None  # with a cache, every hook has its slot
                 if not hook.slot.pending:
                     hook.slot.update(*self.latest[hook.j])

@@ -12,12 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
 from .blocks import Block, RMSNorm, RopeTables, attention_mask_4d, rope_tables
+from .config import ModelConfig
 from .exit_rules import ExitRule
-from .loss import (IGNORE_INDEX, chunked_cross_entropy, chunked_cross_entropy_with_z_loss,
-                   z_loss_of_logits)
 from .kv_cache import KVCache, LoopKV
+from .loss import (
+    IGNORE_INDEX,
+    chunked_cross_entropy,
+    chunked_cross_entropy_with_z_loss,
+    z_loss_of_logits,
+)
 from .recurrence import DIAGNOSTICS, LoopCore
 from .transitions import check_model_config
 
@@ -89,6 +93,7 @@ class LoopedLM(nn.Module):
         if attention_mask is None and position_ids is None:
             return self.rope(tokens), None  # the training path: positions 0..S-1, is_causal
         if position_ids is None:  # left padding: a sequence's first real token is position 0
+            assert attention_mask is not None  # not both None: returned above
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         rope = rope_tables(tokens.shape[-1], self.cfg, tokens.device, position_ids)
         return rope, None if attention_mask is None else attention_mask_4d(attention_mask)
@@ -120,8 +125,8 @@ class LoopedLM(nn.Module):
 
     def compile_blocks(self) -> None:
         """Compile every block's math with torch.compile (train.compile; regional, see
-        Block.compile_math). Backend inductor, or $SCSE_COMPILE_BACKEND (tests use aot_eager: inductor
-        compiles slowly on CPU)."""
+        Block.compile_math). Backend inductor, or $SCSE_COMPILE_BACKEND (tests use aot_eager:
+        inductor compiles slowly on CPU)."""
         backend = os.environ.get("SCSE_COMPILE_BACKEND", "inductor")
         for module in self.modules():
             if isinstance(module, Block):
@@ -260,7 +265,8 @@ class LoopedLM(nn.Module):
 
     @torch.no_grad()
     def cached_prelude(self, tokens: torch.Tensor, cache: KVCache, depth: int,
-                       attention_mask: torch.Tensor) -> tuple[torch.Tensor, RopeTables, torch.Tensor]:
+                       attention_mask: torch.Tensor
+                       ) -> tuple[torch.Tensor, RopeTables, torch.Tensor]:
         """New tokens through the embedding and the prelude over the KV cache, the cache bound to
         `depth` loop steps (every call on one cache runs the same depth): (h, rope, mask) for the
         loop. Shared by decode_step and speculative drafting."""

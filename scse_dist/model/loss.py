@@ -63,7 +63,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             total += ((lse - picked).squeeze(1) * valid[rows]).sum()
             if z_weight:
                 total_z += (lse.squeeze(1).square() * valid[rows]).sum()
-            if not with_grad:
+            if grad_h is None or grad_w is None:  # not with_grad
                 continue
             # d mean / d logits = (softmax - onehot(target)) / count on kept rows, 0 on ignored;
             # the z-loss adds z_weight * 2 lse * softmax / count.
@@ -75,7 +75,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad_logits = grad_logits.to(hidden.dtype)
             grad_h[rows] = grad_logits @ weight
             grad_w += (grad_logits.t() @ hidden[rows]).float()
-        if with_grad:
+        if grad_h is not None and grad_w is not None:  # with_grad
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         # 0/0 = nan when every target is ignored, as F.cross_entropy
         cross_entropy, z_term = total / count, z_weight * (total_z / count)

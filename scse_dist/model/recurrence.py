@@ -1,4 +1,5 @@
-"""The loop: one module, `LoopCore`, holding the shared core blocks, the anchor and the concat adapter.
+"""The loop: one module, `LoopCore`, holding the shared core blocks, the anchor and the concat
+adapter.
 
 It runs the whole recurrence in one `forward`, so the training side can register this class as a
 DeepSpeed ZeRO-3 leaf module (`deepspeed.utils.set_z3_leaf_modules(model, [LoopCore])`): its
@@ -15,18 +16,19 @@ itself to it as the `Core` protocol defined there (Phi, phi_ctx, anchor, output_
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence, cast
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
-from .config import ModelConfig
 from .blocks import Block, KVHook, RopeTables, rope_tables
+from .config import ModelConfig
 from .exit_rules import ExitRule
 from .kv_cache import LoopKV
 from .transitions import Context, Transition, check_model_config
+
 # Names of the diagnostics LoopCore.forward appends to its outputs, in order.
 DIAGNOSTICS = ("deviation_norm", "motion_norm", "forcing_bias_norm")
 
@@ -130,6 +132,7 @@ class LoopCore(nn.Module):
         if self.inject == "add":
             h = h + s
         elif self.inject == "concat":
+            assert self.adapter is not None  # made for inject: concat
             h = self.adapter(torch.cat([h, s], dim=-1))
         first = self.transition.group(t) * self.n_core
         for i in range(self.n_core):
@@ -185,7 +188,7 @@ class LoopCore(nn.Module):
     def output_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The core's output norm (the last core block's norm2): under Post-LN every Phi output
         leaves through it, so its RMS gain times sqrt(d) is the output scale rho."""
-        return self.blocks[self.n_core - 1].norm2(h)
+        return cast(Block, self.blocks[self.n_core - 1]).norm2(h)
 
     # ------------------------------------------------------------------ the whole loop
 
@@ -242,6 +245,7 @@ class LoopCore(nn.Module):
             if t + 1 in readouts:
                 states.append(self.state(x, ctx))
             if diagnostics:
+                assert h_prev is not None  # set above under diagnostics
                 h = self.state(x, ctx).detach()
                 deviation.append(_row_norm_mean(h - ctx["anchor"]))
                 motion.append(_row_norm_mean(h - h_prev))
@@ -250,6 +254,7 @@ class LoopCore(nn.Module):
         if diagnostics:
             outs += (torch.stack(deviation), torch.stack(motion), self._forcing_bias_norm(ctx))
         if stability:
+            assert d_first is not None and d_before is not None  # set above under stability
             penalty = stability_penalty(d_first, d_before, self.deviation(x, ctx))
             outs += (self.cfg.loop_stability * penalty,)
         return outs
@@ -286,7 +291,9 @@ class LoopCore(nn.Module):
         steps_used = torch.zeros(s.shape[:-1], dtype=torch.long, device=s.device)
         readout = rule is not None and rule.needs_readout
         h = self.state(x, ctx)
-        d_prev, logp_prev = h - ctx["anchor"], log_probs(h) if readout else None
+        # readout implies log_probs (checked above)
+        d_prev, logp_prev = h - ctx["anchor"], \
+            log_probs(h) if readout and log_probs is not None else None
         steps_run = 0
         for t in range(depth if rule is None else rule.cap(depth)):
             if not bool(active.any()):
@@ -300,7 +307,8 @@ class LoopCore(nn.Module):
             steps_run = t + 1
             h = self.state(x, ctx)
             if rule is not None:
-                d_new, logp_new = h - ctx["anchor"], log_probs(h) if readout else None
+                d_new, logp_new = h - ctx["anchor"], \
+                    log_probs(h) if readout and log_probs is not None else None
                 active = active & ~rule.exited(t + 1, d_prev, d_new, logp_prev, logp_new)
                 d_prev, logp_prev = d_new, logp_new
         kv.active = None

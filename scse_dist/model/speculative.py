@@ -16,7 +16,7 @@ KVCache.truncate) is scse_dist.generate.speculative.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -69,16 +69,18 @@ def verify(model, drafts: Sequence[Drafted], cache: KVCache, draft_depth: int) -
     loop steps draft_depth..T-1 from each draft's loop variable, one call over all of them, then
     the coda and head. Appends their K/V to those steps' slots and the coda's."""
     x = torch.cat([d.x for d in drafts], dim=1)
-    ctx = {key: torch.cat([d.context[key] for d in drafts], dim=1)
-           for key in POSITION_KEYS if key in drafts[0].context}
+    ctx: dict[str, Any] = {key: torch.cat([d.context[key] for d in drafts], dim=1)
+                           for key in POSITION_KEYS if key in drafts[0].context}
     ctx["cos"], ctx["sin"] = (torch.cat([d.context[key] for d in drafts], dim=-2)
                               for key in ("cos", "sin"))
     mask = ctx["mask"] = cache.trailing_mask(x.shape[1])
     core = model.core
     ctx["kv"] = LoopKV(cache, core)
+    assert cache.depth is not None  # the prefill fixed it
     for t in range(draft_depth, cache.depth):
         x = core.step(x, ctx, t)
     logits = _coda_head(model, core.state(x, ctx), (ctx["cos"], ctx["sin"]), mask, cache, "coda")
+    assert logits is not None  # readout
     cache.commit_slots()
     return logits
 

@@ -143,7 +143,8 @@ class Transition:
         """"free" or "core_norm": cfg.anchor_scale with "auto" resolved for this model."""
         if self.cfg.anchor_scale != "auto":
             return self.cfg.anchor_scale
-        # the learned anchor only: "source" (h* = s exactly) and "zero" are ablations it would change
+        # the learned anchor only: "source" (h* = s exactly) and "zero" are ablations it would
+        # change
         return "core_norm" if self.learned_anchor and self.cfg.residual != "preln" else "free"
 
     def own_flops(self) -> float:
@@ -167,8 +168,9 @@ class Transition:
                 raise ConfigError(f"model.anchor_scale: only scse has an anchor; got "
                                   f"anchor_scale={m.anchor_scale} with recurrence={m.recurrence}")
             if m.residual == "preln":
-                raise ConfigError("model.anchor_scale: core_norm needs a Post-LN residual (deepnorm "
-                                  "or deeploop), whose core output is normalised; got residual=preln")
+                raise ConfigError("model.anchor_scale: core_norm needs a Post-LN residual "
+                                  "(deepnorm or deeploop), whose core output is normalised; got "
+                                  "residual=preln")
             if m.anchor == "zero":
                 raise ConfigError("model.anchor_scale: core_norm would normalise the zero anchor "
                                   "(RMSNorm at 0); use anchor learned or source")
@@ -180,7 +182,8 @@ class Transition:
         """Field combinations this recurrence cannot run (ConfigError naming the field)."""
         m = self.cfg
         if not self.input_enters():
-            raise ConfigError(f"model.inject: recurrence={m.recurrence} with {self._no_input}init_state="
+            raise ConfigError(f"model.inject: recurrence={m.recurrence} with "
+                              f"{self._no_input}init_state="
                               f"{m.init_state} and inject=none never sees the input (the loop "
                               "state starts from noise or zeros); use inject add or concat")
 
@@ -282,7 +285,11 @@ class Scse(Transition):
     def anchor(self, core: Core, s: torch.Tensor) -> torch.Tensor:
         if self.cfg.anchor == "zero":
             return s.new_zeros(s.shape)
-        anchor = s if self.cfg.anchor == "source" else core.anchor(s)
+        if self.cfg.anchor == "source":
+            anchor = s
+        else:  # learned: the core has its anchor map
+            assert core.anchor is not None
+            anchor = core.anchor(s)
         if self.resolved_anchor_scale == "core_norm":
             # Through the core's own output norm: |h*| then follows the scale rho of Phi's
             # output, which nothing else ties it to (issue 17: R/rho drifting off 1 collapses D).

@@ -35,8 +35,9 @@ def runs_table(spec) -> str:
     rows = [("variant", "seed", "lr", "stage", "run_dir", "status")]
     for run in expand(spec, chosen):
         lr = run.lr if run.lr is not None else (None if spec.lr else run_config(spec, run).train.lr)
-        lr = f"{lr:g}" if lr is not None else "from-sweep"
-        rows.append((run.variant, str(run.seed), lr, run.stage, run.run_dir, status(spec, run)))
+        shown = f"{lr:g}" if lr is not None else "from-sweep"
+        rows.append((run.variant, str(run.seed), shown, run.stage, run.run_dir,
+                     status(spec, run)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

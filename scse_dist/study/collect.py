@@ -28,7 +28,6 @@ from scse_dist.eval.results import read_results
 from scse_dist.run_dir import VALIDATION_NAME, RunDir
 from scse_dist.study.spec import default_pairs
 
-
 # scse-study scores each LR sweep run into eval/validation.json (task heldout, validation data):
 # it counts the sweep run as finished, and is never read as a test result.
 
@@ -160,7 +159,8 @@ def load_study(study_dir: str | Path) -> Study:
     study_dir = Path(study_dir)
     spec_path, runs_path = study_dir / "study.yaml", study_dir / "runs.json"
     if not runs_path.is_file():
-        raise FileNotFoundError(f"{study_dir}: no runs.json (not a study dir; run scse-study first)")
+        raise FileNotFoundError(f"{study_dir}: no runs.json (not a study dir; run scse-study "
+                                "first)")
     spec = yaml.safe_load(spec_path.read_text()) if spec_path.is_file() else {}
     entries = _read_json(runs_path)
     if not isinstance(entries, list):

@@ -41,8 +41,8 @@ from scse_dist.launch.backends import Backend, BackendError, Job, Task
 from scse_dist.launch.children import StoppedBySignal, run_child, stop_on_signals
 from scse_dist.launch.config import Resources
 from scse_dist.launch.scheduler import LOGS, training_command
-from scse_dist.run_dir import RunDir
 from scse_dist.progress import eta_seconds, format_duration
+from scse_dist.run_dir import RunDir
 from scse_dist.study.plan import StudyError, choose_lrs, evaluate_validation, status, write_study
 from scse_dist.study.spec import Run, StudySpec
 
@@ -134,7 +134,8 @@ def _run_local(spec: StudySpec, doing: list[str]) -> int:
             state = status(spec, run)
             print(f"scse-study: [{i + 1}/{len(todo)} {stage}] "
                   f"{'resuming' if state == 'partial' else 'starting'} {run.run_dir} (elapsed "
-                  f"{format_duration(elapsed)}, ETA {format_duration(eta_seconds(i, len(todo), elapsed))})",
+                  f"{format_duration(elapsed)}, "
+                  f"ETA {format_duration(eta_seconds(i, len(todo), elapsed))})",
                   flush=True)
             doing[0] = f"the evaluation of {run.run_dir}"  # (training is a child: forwarded)
             outcome = _train_and_evaluate(spec, run)

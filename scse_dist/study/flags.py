@@ -15,7 +15,8 @@
                     collapse_ratio: docs/loop-diagnostics.md), or the run is the outlier above.
                     Without any of these the flat metric alone flags, and the detail says so. A
                     run with no evaluation is flagged by the training diagnostics alone.
-    divergence      the final logged loss is non-finite, or above its minimum by > divergence_margin.
+    divergence      the final logged loss is non-finite, or above its minimum by >
+                    divergence_margin.
     non-finite      the trainer skipped steps for a NaN/Inf loss or gradient (skipped_steps > 0).
 
 The unigram entropy (nats, like the loss) is counted from up to `max_tokens` tokens of the
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -87,7 +88,8 @@ def _count_entropy(data_path: str, vocab_size: int, max_tokens: int) -> UnigramE
                               f"{data_path} not readable: {type(exc).__name__})")
     total = int(counts.sum())
     if total == 0:
-        return UnigramEntropy(math.log(vocab_size), f"ln V = ln {vocab_size} ({data_path}: no tokens)")
+        return UnigramEntropy(math.log(vocab_size),
+                              f"ln V = ln {vocab_size} ({data_path}: no tokens)")
     p = counts[counts > 0] / total
     return UnigramEntropy(float(-(p * np.log(p)).sum()),
                           f"unigram entropy of {total:,} training tokens of {data_path}")
@@ -153,8 +155,8 @@ def _loop_inactive(run: StudyRun, th: FlagThresholds, outlier: Optional[str]) ->
     if not diag:
         confirm = "; ".join(x for x in (training, outlier) if x)
         return Flag("loop inactive", f"{flat}; {confirm or 'no diagnose results to confirm'}")
-    deviation = {d: finite(r.get("deviation_norm")) for d, r in diag.items()}
-    deviation = {d: v for d, v in deviation.items() if v is not None}
+    deviation = {d: v for d, r in diag.items()
+                 if (v := finite(r.get("deviation_norm"))) is not None}
     motion2 = finite(diag.get(2, {}).get("motion_norm"))
     why = []
     if deviation:
@@ -170,14 +172,15 @@ def _loop_inactive(run: StudyRun, th: FlagThresholds, outlier: Optional[str]) ->
     return Flag("loop inactive", f"{flat}; {'; '.join(why)}") if why else None
 
 
-def run_flags(run: StudyRun, entropy: Optional[UnigramEntropy], th: FlagThresholds = FlagThresholds(),
+def run_flags(run: StudyRun, entropy: Optional[UnigramEntropy],
+              th: FlagThresholds = FlagThresholds(),
               peers: Optional[list[StudyRun]] = None) -> list[Flag]:
     """Every pathology flag that `run`'s log and results raise (see the module docstring);
     `peers`: the other finished seeds of its variant and stage."""
     flags: list[Flag] = []
     flat = flat_in_t(run, th)
     outlier = above_peers(run, peers or [], th) if flat else None
-    losses = [r.get("loss") for r in run.metrics if "loss" in r]
+    losses: list[Any] = [r.get("loss") for r in run.metrics if "loss" in r]  # JSON values
     if losses:
         final = losses[-1]
         good = [x for x in losses if finite(x) is not None]
@@ -187,13 +190,15 @@ def run_flags(run: StudyRun, entropy: Optional[UnigramEntropy], th: FlagThreshol
             flags.append(Flag("divergence", f"final loss {final:.3f} is above its minimum "
                                             f"{min(good):.3f} by more than {th.divergence_margin}"))
         elif entropy is not None and final > entropy.nats - th.plateau_margin:
-            flags.append(Flag("plateau", f"final loss {final:.3f} within {th.plateau_margin} nats "
-                                         f"of the unigram entropy {entropy.nats:.3f} (or above it)"))
+            flags.append(Flag("plateau", f"final loss {final:.3f} within {th.plateau_margin} "
+                                         f"nats of the unigram entropy {entropy.nats:.3f} (or "
+                                         "above it)"))
         elif outlier:
             flags.append(Flag("plateau", f"{flat} at {outlier}"))
     skipped = max((int(r.get("skipped_steps") or 0) for r in run.metrics), default=0)
     if skipped:
-        flags.append(Flag("non-finite", f"{skipped} step(s) skipped for a non-finite loss or gradient"))
+        flags.append(Flag("non-finite",
+                          f"{skipped} step(s) skipped for a non-finite loss or gradient"))
     inactive = _loop_inactive(run, th, outlier)
     if inactive:
         flags.append(inactive)

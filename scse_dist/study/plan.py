@@ -3,8 +3,8 @@
     <out>/<study>/study.yaml        the resolved spec (variants expanded, base path resolved)
     <out>/<study>/runs.json         [{"variant", "seed", "lr", "stage", "run_dir", "config",
                                       "overrides"}, ...]: every run known so far
-    <out>/<study>/lr_choice.json    {variant: {"lr", "key" (the field it sets), "scores": {lr: loss},
-                                               "failed": [...], ...}}
+    <out>/<study>/lr_choice.json    {variant: {"lr", "key" (the field it sets),
+                                               "scores": {lr: loss}, "failed": [...], ...}}
     <out>/<study>/<variant>/<variant>-seed<k>/             a final run (stage 2)
     <out>/<study>/<variant>/<variant>-lr<value>-seed<k>/   an LR sweep run (stage 1)
 
@@ -20,6 +20,7 @@ import dataclasses
 import glob
 import json
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -84,6 +85,7 @@ def evaluate_validation(spec: StudySpec, run: Run) -> float | None:
             return None
         from scse_dist.eval.export_eval import evaluate_export
 
+        assert spec.lr is not None  # sweep runs exist only with lr:
         evaluate_export(d, "heldout", data=spec.lr.validation, at_model_depth=True,
                         name=VALIDATION_NAME, label=f"{run.run_dir}@export (validation)")
     loss = json.loads(out.read_text())["results"][0]["loss"]
@@ -93,7 +95,9 @@ def evaluate_validation(spec: StudySpec, run: Run) -> float | None:
 def choose_lrs(spec: StudySpec) -> dict[str, float]:
     """Each variant's rate: the lowest validation loss over its sweep runs, at the training depth.
     Writes lr_choice.json; StudyError when a variant has no sweep run that finished."""
-    choice, missing = {}, []
+    assert spec.lr is not None  # called only for a study with lr:
+    choice: dict[str, dict[str, Any]] = {}
+    missing: list[str] = []
     for variant in spec.variants:
         runs = [r for r in expand(spec, None, ("sweep",)) if r.variant == variant]
         scores = {r.lr: evaluate_validation(spec, r) for r in runs}
@@ -101,7 +105,7 @@ def choose_lrs(spec: StudySpec) -> dict[str, float]:
         if not done:
             missing.append(variant)
             continue
-        best = min(done, key=done.get)
+        best = min(done, key=lambda lr: done[lr])
         choice[variant] = {"lr": best, "key": spec.rate_key(variant),
                            "scores": {f"{lr:g}": s for lr, s in scores.items()},
                            "failed": [r.run_dir for r in runs if scores[r.lr] is None],
@@ -117,8 +121,10 @@ def choose_lrs(spec: StudySpec) -> dict[str, float]:
 def _inputs(spec: StudySpec, run: Run) -> dict[str, str]:
     """field -> the local path a run reads (data the trainer builds itself, and URLs, left out)."""
     cfg = run_config(spec, run)
-    found = {} if cfg.data.build else {"data.path": cfg.data.path, "data.tokenizer": cfg.data.tokenizer}
+    found = {} if cfg.data.build else {"data.path": cfg.data.path,
+                                       "data.tokenizer": cfg.data.tokenizer}
     if run.stage == "sweep":
+        assert spec.lr is not None  # sweep runs exist only with lr:
         found["lr.validation"] = spec.lr.validation
     else:  # the test tasks: final runs only
         for task in (TASKS[name] for name in cfg.eval.tasks):
@@ -148,5 +154,6 @@ def missing_inputs(spec: StudySpec) -> list[str]:
         for key, path in _inputs(spec, run).items():
             if not Path(path).exists() and not glob.glob(path):
                 needed.setdefault((key, path), []).append(run)
-    return [f"missing input: {key} {path} (no such file or directory), needed by {_which(needing, runs)}"
+    return [f"missing input: {key} {path} (no such file or directory), needed by "
+            f"{_which(needing, runs)}"
             for (key, path), needing in needed.items()]

@@ -14,7 +14,8 @@ from scse_dist.study.stats import Interval
 Series = dict[str, dict[str, list[tuple[float, Interval]]]]
 
 
-def frontier_plot(series: Series, path: str | Path, xlabel: str, log_base: Optional[int] = 2) -> str:
+def frontier_plot(series: Series, path: str | Path, xlabel: str,
+                  log_base: Optional[int] = 2) -> str:
     """One panel per task metric; each variant a line (mean over seeds) with its 95% band. A
     variant with one x (an untied model) is a point with an error bar."""
     fig, axes = panels(1, max(1, len(series)), 4.8, 3.8)
@@ -25,8 +26,10 @@ def frontier_plot(series: Series, path: str | Path, xlabel: str, log_base: Optio
             banded = [(x, iv) for x, iv in points if iv.low is not None]
             if len(points) == 1:
                 iv = points[0][1]
-                err = [[iv.mean - iv.low], [iv.high - iv.mean]] if iv.low is not None else None
-                ax.errorbar(xs, means, yerr=err, marker="s", capsize=3, linestyle="none", label=variant)
+                err = [[iv.mean - iv.low], [iv.high - iv.mean]] \
+                    if iv.low is not None and iv.high is not None else None
+                ax.errorbar(xs, means, yerr=err, marker="s", capsize=3, linestyle="none",
+                            label=variant)
                 continue
             (line,) = ax.plot(xs, means, marker="o", label=variant)
             if banded:
@@ -38,12 +41,14 @@ def frontier_plot(series: Series, path: str | Path, xlabel: str, log_base: Optio
     return save(fig, path)
 
 
-def diagnose_plot(by_variant: dict[str, dict[str, list[tuple[int, float]]]], path: str | Path) -> str:
+def diagnose_plot(by_variant: dict[str, dict[str, list[tuple[int, float]]]],
+                  path: str | Path) -> str:
     """One panel per variant: deviation, motion and forcing-bias norm (means over seeds) vs T."""
     fig, axes = panels(1, max(1, len(by_variant)), 4.2, 3.6)
     for ax, (variant, norms) in zip(axes[0], by_variant.items()):
         for name, points in norms.items():
-            points = sorted((t, v) for t, v in points if v > 0)  # log axis: a collapsed norm of 0 drops
+            # log axis: a collapsed norm of 0 drops
+            points = sorted((t, v) for t, v in points if v > 0)
             ax.plot([t for t, _ in points], [v for _, v in points], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")  # the norms span decades when a loop converges or collapses
@@ -74,5 +79,6 @@ def training_diagnostics_plot(by_variant: dict[str, dict[str, dict[str, list[tup
                     ax.plot([s for s, _ in points], [v for _, v in points],
                             linestyle="--" if run in collapsed else "-", label=run)
             ax.set_yscale(scale)
-            label(ax, "training step", title=f"{variant}: {ylabel}", legend_size=6 if i == 0 else None)
+            label(ax, "training step", title=f"{variant}: {ylabel}",
+                  legend_size=6 if i == 0 else None)
     return save(fig, path, dpi=90)

@@ -18,15 +18,19 @@ import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from scse_dist.cli_errors import cli_main
 from scse_dist.config import ModelConfig, RunConfig
 from scse_dist.model.transitions import transition_for
 from scse_dist.study.collect import Study, StudyRun, finite, load_study
 from scse_dist.study.flags import Flag, run_flags, unigram_entropy
-from scse_dist.study.plots import (TRAINING_DIAGNOSTICS, diagnose_plot, frontier_plot,
-                                  training_diagnostics_plot)
+from scse_dist.study.plots import (
+    TRAINING_DIAGNOSTICS,
+    diagnose_plot,
+    frontier_plot,
+    training_diagnostics_plot,
+)
 from scse_dist.study.spec import default_report_metrics
 from scse_dist.study.stats import Interval, t_interval
 from scse_dist.task_registry import TASKS
@@ -36,7 +40,8 @@ INTERVAL_METHOD = ("95% Student-t intervals over seeds: mean ± t(0.975, n-1)·s
                    "(s the sample standard deviation); no bootstrap")
 REPORT_NAME = "report.md"
 
-Table = dict[tuple[str, str, str], dict[int, Interval]]  # (variant, task, metric) -> depth -> Interval
+# (variant, task, metric) -> depth -> Interval
+Table = dict[tuple[str, str, str], dict[int, Interval]]
 
 
 def report_metrics(study: Study) -> dict[str, list[str]]:
@@ -164,7 +169,8 @@ def _edge_mark(chosen: Any, scores: dict[str, Any]) -> str:
 def _depth_table(header: str, rows: list[tuple[str, dict[int, Any]]], fmt=_cell,
                  extra: Optional[tuple[str, list[str]]] = None) -> list[str]:
     depths = sorted({d for _, cells in rows for d in cells})
-    head = f"| {header} | " + " | ".join(f"T={d}" for d in depths) + " |" + (f" {extra[0]} |" if extra else "")
+    head = f"| {header} | " + " | ".join(f"T={d}" for d in depths) + " |" + \
+        (f" {extra[0]} |" if extra else "")
     lines = [head, "|---|" + "---:|" * len(depths) + ("---|" if extra else "")]
     for i, (name, cells) in enumerate(rows):
         line = f"| {name} | " + " | ".join(fmt(cells.get(d)) for d in depths) + " |"
@@ -197,7 +203,8 @@ class StudyReport:
         self.metrics = report_metrics(study)
         self.table = aggregate(self.included, self.variants, self.metrics)
         self.pairs = {(a, b, task, metric): paired(self.included, a, b, task, metric)
-                      for a, b in study.pairs for task, names in self.metrics.items() for metric in names}
+                      for a, b in study.pairs
+                      for task, names in self.metrics.items() for metric in names}
         self.pairs = {k: v for k, v in self.pairs.items() if v}
 
     def marked(self, variant: str) -> str:
@@ -278,7 +285,8 @@ class StudyReport:
     def markdown(self, images: dict[str, str]) -> str:
         s, lines = self.study, [f"# Study report: {self.study.name}", ""]
         lines += [f"Study dir: `{s.dir}`. {len(s.runs)} runs: {len(self.finished)} finished, "
-                  f"{len(self.missing)} missing; {len(self.included)} final-stage runs in the aggregate.",
+                  f"{len(self.missing)} missing; {len(self.included)} final-stage runs in the "
+                  "aggregate.",
                   "", f"Intervals: {INTERVAL_METHOD}.", ""]
         if self.missing:
             lines += ["## Missing or failed runs", ""]
@@ -287,17 +295,18 @@ class StudyReport:
         if s.lr_choice:
             metrics = {c.get("metric") for c in s.lr_choice.values() if c.get("metric")}
             lines += ["## Learning rate (chosen on validation)", "",
-                      f"Score: {', '.join(sorted(metrics)) or 'the validation metric'} (the chosen lr "
-                      "has the best score); a failed sweep run has no score. A choice at the edge "
-                      "of the grid is marked: the best rate may lie beyond it.", "",
+                      f"Score: {', '.join(sorted(metrics)) or 'the validation metric'} (the "
+                      "chosen lr has the best score); a failed sweep run has no score. A choice at "
+                      "the edge of the grid is marked: the best rate may lie beyond it.", "",
                       "| variant | chosen lr | scores (lr: score) |", "|---|---:|---|"]
             for variant, choice in s.lr_choice.items():
                 scores = choice.get("scores") or {}
-                cells = ", ".join(f"{lr}: {v:.4g}" if isinstance(v, (int, float)) else f"{lr}: failed"
-                                  for lr, v in scores.items())
+                cells = ", ".join(f"{lr}: {v:.4g}" if isinstance(v, (int, float)) else
+                                  f"{lr}: failed" for lr, v in scores.items())
                 field = choice.get("key", "train.lr")  # a variant may sweep another rate (Muon's)
                 named = "" if field == "train.lr" else f"{field.split('.')[-1]} "
-                lines.append(f"| {variant} | {named}{choice.get('lr')}{_edge_mark(choice.get('lr'), scores)} "
+                lines.append(f"| {variant} | {named}{choice.get('lr')}"
+                             f"{_edge_mark(choice.get('lr'), scores)} "
                              f"| {cells} |")
             lines.append("")
         lines += self._flag_lines()
@@ -306,23 +315,27 @@ class StudyReport:
                     if (v, task, metric) in self.table]
             if rows:
                 better = TASKS[task].better(metric)
-                lines += [f"## {task} {metric} ({better} is better): mean ± 95% half-width over seeds", ""]
+                lines += [f"## {task} {metric} ({better} is better): mean ± 95% half-width over "
+                          "seeds", ""]
                 lines += _depth_table("variant", rows) + [""]
         if self.pairs:
             lines += ["## Paired comparisons (A - B, per seed, matched by seed)", ""]
             for task, metric in self._task_metrics():
-                mine = [(a, b, d) for (a, b, t, m), d in self.pairs.items() if (t, m) == (task, metric)]
+                mine = [(a, b, d) for (a, b, t, m), d in self.pairs.items()
+                        if (t, m) == (task, metric)]
                 if mine:
                     rows = [(f"{a} - {b}", d) for a, b, d in mine]
-                    verdicts = [f"{a} {verdict(d, higher_is_better(task, metric))}" for a, b, d in mine]
+                    verdicts = [f"{a} {verdict(d, higher_is_better(task, metric))}"
+                                for a, b, d in mine]
                     lines += [f"### {task} {metric}", ""]
                     lines += _depth_table("pair", rows, extra=("verdict", verdicts)) + [""]
         extrapolation = self.extrapolation()
         if extrapolation:
             lines += ["## Extrapolation ratio: metric at T / metric at the training depth", "",
-                      "Means over seeds; the reference is the deepest evaluated T within the training "
-                      "range (ref).", ""]
-            lines += _depth_table("variant task", [(f"{n}, ref T={t}", r) for n, t, r in extrapolation],
+                      "Means over seeds; the reference is the deepest evaluated T within the "
+                      "training range (ref).", ""]
+            lines += _depth_table("variant task",
+                                  [(f"{n}, ref T={t}", r) for n, t, r in extrapolation],
                                   fmt=lambda v: "" if v is None else f"{v:.3f}") + [""]
         lines += self._run_lines()
         lines += ["## Plots", ""] + [f"![{name}]({Path(p).name})" for name, p in images.items()]
@@ -330,11 +343,11 @@ class StudyReport:
 
     def _run_lines(self) -> list[str]:
         """A row per aggregated run: the first task's first metric at every depth, its ratio at
-        the deepest T over the reference depth of extrapolation(), and the training log's last loop diagnostics (so a
-        seed's collapse reads beside its numbers)."""
+        the deepest T over the reference depth of extrapolation(), and the training log's last
+        loop diagnostics (so a seed's collapse reads beside its numbers)."""
         task = next(iter(self.metrics), None)
         runs = [r for r in self.included if task in r.results]
-        if not runs:
+        if task is None or not runs:
             return []
         metric = self.metrics[task][0]
         depths = sorted({d for r in runs for d in r.results[task]})
@@ -349,8 +362,9 @@ class StudyReport:
             values = {d: finite(row.get(metric)) for d, row in run.results[task].items()}
             ref = reference_depth(values, training_depth(run.config) if run.config else None)
             ratio = None
-            if ref is not None and values[ref] and values[max(values)] and max(values) > ref:
-                ratio = values[max(values)] / values[ref]
+            at_ref, deepest = (values[ref] if ref is not None else None), values[max(values)]
+            if ref is not None and at_ref and deepest and max(values) > ref:
+                ratio = deepest / at_ref
             last = {m: next((finite(r.get(m)) for r in reversed(run.metrics)
                              if finite(r.get(m)) is not None), None) for m in TRAINING_DIAGNOSTICS}
             cells = [_number(values.get(d)) for d in depths] + [_number(ratio, ".3f")]
@@ -365,12 +379,14 @@ class StudyReport:
     def _flag_lines(self) -> list[str]:
         flagged = [(r, self.flags[r.label]) for r in self.finished if self.flags.get(r.label)]
         sources = "; ".join(f"{src}: {nats:.3f} nats" for src, nats in self.entropy.items())
-        lines = ["## Pathology flags", "", f"Plateau reference: {sources or 'no config to read'}.", ""]
+        lines = ["## Pathology flags", "",
+                 f"Plateau reference: {sources or 'no config to read'}.", ""]
         if not flagged:
             return lines + ["No run is flagged.", ""]
         action = "excluded from" if self.study.exclude_flagged else "included in (and marked)"
         lines += [f"Flagged runs are {action} the aggregate (spec exclude_flagged="
-                  f"{str(self.study.exclude_flagged).lower()}).", "", "| run | stage | flag | detail |",
+                  f"{str(self.study.exclude_flagged).lower()}).", "",
+                  "| run | stage | flag | detail |",
                   "|---|---|---|---|"]
         for run, flags in flagged:
             lines += [f"| {run.label} | {run.stage} | {f.name} | {f.detail} |" for f in flags]
@@ -390,7 +406,8 @@ class StudyReport:
                     for (a, b, t, m), d in self.pairs.items()}}
 
 
-def _log_to_wandb(report: StudyReport, out: Path, mode: str, images: dict[str, str]) -> None:
+def _log_to_wandb(report: StudyReport, out: Path, mode: Literal["offline", "online", "disabled"],
+                  images: dict[str, str]) -> None:
     from scse_dist.config import WandbConfig
     from scse_dist.eval.results import log_to_wandb
 
@@ -412,7 +429,8 @@ def wandb_wanted(study: Study) -> bool:
 
 
 def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
-                       wandb_mode: str = "auto") -> Path:
+                       wandb_mode: Literal["auto", "offline", "online", "disabled"] = "auto"
+                       ) -> Path:
     """Write report.md, aggregate.json and the PNGs into out_dir (default STUDY_DIR/report);
     log to wandb unless wandb_mode is "disabled" (or "auto" and every run disables wandb: else
     offline). Returns the report.md path."""
@@ -423,8 +441,10 @@ def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
     if report.table:
         images["frontier vs loop depth"] = frontier_plot(report.frontier_series("depth"),
                                                          out / "frontier_depth.png", "loop depth T")
-        images["frontier vs FLOPs"] = frontier_plot(report.frontier_series("flops"), out / "frontier_flops.png",
-                                                    "training FLOPs per token (unrolled depth)", log_base=10)
+        images["frontier vs FLOPs"] = frontier_plot(report.frontier_series("flops"),
+                                                    out / "frontier_flops.png",
+                                                    "training FLOPs per token (unrolled depth)",
+                                                    log_base=10)
     diag = report.diagnose_series()
     if diag:
         images["loop diagnostics"] = diagnose_plot(diag, out / "diagnose.png")
@@ -433,7 +453,8 @@ def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
         images["loop diagnostics during training (dashed: flagged loop inactive)"] = \
             training_diagnostics_plot(during, report.collapsed(), out / "training_diagnostics.png")
     (out / REPORT_NAME).write_text(report.markdown(images), encoding="utf-8")
-    (out / "aggregate.json").write_text(json.dumps(report.numbers(), indent=2) + "\n", encoding="utf-8")
+    (out / "aggregate.json").write_text(json.dumps(report.numbers(), indent=2) + "\n",
+                                        encoding="utf-8")
     if wandb_mode == "auto":
         wandb_mode = "offline" if wandb_wanted(report.study) else "disabled"
     if wandb_mode != "disabled":
@@ -443,11 +464,13 @@ def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
 
 @cli_main("scse-report")
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m scse_dist.study.report", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scse_dist.study.report",
+                                description=__doc__.split("\n")[0])
     p.add_argument("study_dir", help="a study dir (holding runs.json)")
     p.add_argument("--out", default=None, help="output dir (default STUDY_DIR/report)")
     p.add_argument("--wandb", choices=["auto", "offline", "online", "disabled"], default="auto",
-                   help="auto (default): offline, or nothing when every run's config disables wandb")
+                   help="auto (default): offline, or nothing when every run's config disables "
+                        "wandb")
     args = p.parse_args(argv)
     path = write_study_report(args.study_dir, args.out, args.wandb)
     print(f"wrote {path}")

@@ -51,9 +51,8 @@ from typing import Any, Optional
 from scse_dist.config import ConfigError, RunConfig, config_from_dict
 from scse_dist.launch.config import Resources
 from scse_dist.run_dir import RunDir
-from scse_dist.typed_yaml import _read_yaml, apply_overrides
 from scse_dist.task_registry import TASKS, field_value
-
+from scse_dist.typed_yaml import _read_yaml, apply_overrides
 
 
 class SpecError(ConfigError):
@@ -137,7 +136,10 @@ class StudySpec:
 
     def rate_values(self, variant: str) -> list[float]:
         own = self.rates.get(variant, VariantRate()).values
-        return own if own is not None else self.lr.values
+        if own is not None:
+            return own
+        assert self.lr is not None  # load_spec: a variant's own lr needs the study's lr:
+        return self.lr.values
 
 
 @dataclass
@@ -165,7 +167,8 @@ def _need(values: dict, key: str, kind: type | tuple, where: str) -> Any:
         raise SpecError(f"{where + ': ' if where else ''}missing field {key!r}")
     value = values[key]
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise SpecError(f"{where + '.' if where else ''}{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+        raise SpecError(f"{where + '.' if where else ''}{key}: expected "
+                        f"{getattr(kind, '__name__', kind)}, got {value!r}")
     return value
 
 
@@ -175,7 +178,8 @@ def _check_keys(values: dict, allowed: set[str], where: str) -> None:
         key = str(unknown[0])
         close = difflib.get_close_matches(key, sorted(allowed), n=1) or \
             [a for a in sorted(allowed) if a.startswith(key)][:1]  # gpus -> gpus_per_node
-        hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(sorted(allowed))}"
+        hint = f" (did you mean {close[0]!r}?)" if close else \
+            f"; known: {', '.join(sorted(allowed))}"
         raise SpecError(f"{where + '.' if where else ''}{unknown[0]}: unknown field{hint}")
 
 
@@ -190,8 +194,10 @@ def _check_report_metrics(metrics: Any) -> None:
         for name in names:
             if name not in known[task]:
                 close = difflib.get_close_matches(str(name), known[task], n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"{task} writes {', '.join(known[task])}"
-                raise SpecError(f"report.metrics.{task}: {name!r} is not a metric of {task} ({hint})")
+                hint = f"did you mean {close[0]!r}?" if close else \
+                    f"{task} writes {', '.join(known[task])}"
+                raise SpecError(f"report.metrics.{task}: {name!r} is not a metric of {task} "
+                                f"({hint})")
 
 
 def _positive_rates(rates: Any, where: str) -> list[float]:
@@ -222,7 +228,8 @@ def _section(values: dict, key: str, cls: type) -> Any:
         raise SpecError(f"{key}: expected a mapping, got {body!r}")
     _check_keys(body, {f.name for f in dataclasses.fields(cls)}, key)
     for f in dataclasses.fields(cls):
-        if f.type in (int, "int") and f.name in body and (type(body[f.name]) is not int or body[f.name] < 0):
+        if f.type in (int, "int") and f.name in body and \
+                (type(body[f.name]) is not int or body[f.name] < 0):
             raise SpecError(f"{key}.{f.name}: expected a whole number >= 0, got {body[f.name]!r}")
     return cls(**body)
 
@@ -238,7 +245,8 @@ def _expand_variants(variants: dict, axes: list[Axis]) -> dict[str, tuple[str, t
         mine = [a for a in axes if not a.variants or name in a.variants]
         for combo in itertools.product(*[a.values for a in mine]):
             suffix = tuple(_suffix(a.key, v) for a, v in zip(mine, combo))
-            out["-".join([name, *suffix])] = (name, suffix, {**over, **{a.key: v for a, v in zip(mine, combo)}})
+            out["-".join([name, *suffix])] = \
+                (name, suffix, {**over, **{a.key: v for a, v in zip(mine, combo)}})
     return out
 
 
@@ -286,7 +294,8 @@ def _parse(values: Any, file: str) -> StudySpec:
     if not isinstance(values, dict):
         raise SpecError("a study spec is a mapping at the top level")
     _check_keys(values, {"name", "out", "base", "overrides", "variants", "seeds", "axes", "lr",
-                         "pairs", "exclude_flagged", "evals", "order", "resources", "slurm", "report"}, "")
+                         "pairs", "exclude_flagged", "evals", "order", "resources", "slurm",
+                         "report"}, "")
     name = _need(values, "name", str, "")
     if not name or "/" in name:
         raise SpecError(f"name: a non-empty study name without '/', got {name!r}")
@@ -325,15 +334,17 @@ def _parse(values: Any, file: str) -> StudySpec:
     if values.get("lr") is not None:
         body = _need(values, "lr", dict, "")
         _check_keys(body, {"values", "validation", "seed", "steps"}, "lr")
-        rates = _positive_rates(body.get("values"), "lr.values")
+        sweep_rates = _positive_rates(body.get("values"), "lr.values")
         validation = _need(body, "validation", str, "lr")
-        lr = LrSweep(rates, validation, int(body.get("seed", 0)), int(body.get("steps", 0)))
+        lr = LrSweep(sweep_rates, validation, int(body.get("seed", 0)),
+                     int(body.get("steps", 0)))
     if own_rates and lr is None:
         raise SpecError(f"variants.{next(iter(own_rates))}.lr: needs the study's lr: section "
                         "(validation, seed, steps)")
     pairs = values.get("pairs")
     if pairs is None:
-        pairs = default_pairs({full: (name, suffix) for full, (name, suffix, _) in expanded.items()})
+        pairs = default_pairs({full: (name, suffix)
+                               for full, (name, suffix, _) in expanded.items()})
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
             raise SpecError(f"pairs[{i}]: expected [variant, baseline], got {pair!r}")
@@ -363,9 +374,10 @@ def _parse(values: Any, file: str) -> StudySpec:
     _check_report_metrics(report.get("metrics") or {})
     # `out:` is relative to the spec file, like `base:` (the default, ./studies, to the cwd)
     out = os.path.normpath(Path(file).parent / values["out"]) if "out" in values else "studies"
-    rates = {full: own_rates[vname] for full, (vname, _, _) in expanded.items() if vname in own_rates}
-    spec = StudySpec(name=name, base=base, variants={k: v[2] for k, v in expanded.items()}, seeds=seeds,
-                     out=out, overrides=overrides, lr=lr, rates=rates,
+    rates = {full: own_rates[vname] for full, (vname, _, _) in expanded.items()
+             if vname in own_rates}
+    spec = StudySpec(name=name, base=base, variants={k: v[2] for k, v in expanded.items()},
+                     seeds=seeds, out=out, overrides=overrides, lr=lr, rates=rates,
                      pairs=[tuple(p) for p in pairs], exclude_flagged=exclude, evals=evals,
                      order=order, resources=resources, report=report, path=file)
     for run in expand(spec, chosen={v: 1e-3 for v in expanded}):  # every variant's config must load
@@ -402,6 +414,7 @@ def expand(spec: StudySpec, chosen: dict[str, float] | None = None,
            stages: tuple[str, ...] = ("sweep", "final")) -> list[Run]:
     """Every run of the study. Final runs carry the chosen rate (None until it is chosen)."""
     runs: list[Run] = []
+    rate: Optional[float]  # a sweep rate; a final run's chosen one (None: not chosen yet)
     d = spec.study_dir
     if spec.lr and "sweep" in stages:
         for variant, over in spec.variants.items():
@@ -418,8 +431,10 @@ def expand(spec: StudySpec, chosen: dict[str, float] | None = None,
             else [(v, s) for v in spec.variants for s in spec.seeds]
         for variant, seed in grid:
             rate = (chosen or {}).get(variant) if spec.lr else None
-            extra = {"train.seed": seed, **({spec.rate_key(variant): rate} if rate is not None else {})}
-            runs.append(Run(variant, seed, rate, "final", str(d / variant / f"{variant}-seed{seed}"),
+            extra = {"train.seed": seed,
+                     **({spec.rate_key(variant): rate} if rate is not None else {})}
+            runs.append(Run(variant, seed, rate, "final",
+                            str(d / variant / f"{variant}-seed{seed}"),
                             {**spec.variants[variant], **extra}))
     return runs
 

@@ -85,7 +85,7 @@ class Interval:
         return None if self.high is None else self.high - self.mean
 
     def excludes_zero(self) -> bool:
-        return self.low is not None and (self.low > 0 or self.high < 0)
+        return self.low is not None and self.high is not None and (self.low > 0 or self.high < 0)
 
 
 def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:

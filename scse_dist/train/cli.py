@@ -23,7 +23,6 @@ from typing import Sequence
 from scse_dist.cli_errors import cli_main
 from scse_dist.config import config_yaml, load_config
 
-
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 EXIT_STATUSES = """exit statuses:
   0    finished: checkpoint, export (and evaluation) written
@@ -97,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (YAML, overrides applied) and exit 0")
     # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment is what we use.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="config overrides, e.g. train.max_steps=100 model.depth=8")
     return parser
@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 @cli_main("scse-train")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = load_config(args.config, args.overrides)  # a ConfigError is exit 2, before any process group
+    # a ConfigError is exit 2, before any process group
+    cfg = load_config(args.config, args.overrides)
     world_size, assumptions = _plan_assumptions(args)
     if args.plan:
         import json

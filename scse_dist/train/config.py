@@ -31,7 +31,8 @@ class DepthSamplingConfig:
         if self.min <= 0:
             raise ConfigError(f"train.depth.min: must be > 0, got {self.min}")
         if self.backprop_steps < 0:
-            raise ConfigError(f"train.depth.backprop_steps: must be >= 0, got {self.backprop_steps}")
+            raise ConfigError(f"train.depth.backprop_steps: must be >= 0, got "
+                              f"{self.backprop_steps}")
         if self.kind == "uniform" and self.max and self.max < self.min:
             raise ConfigError(f"train.depth.max: {self.max} is below train.depth.min={self.min}")
         if self.sigma <= 0:
@@ -146,7 +147,7 @@ class TrainConfig:
 
     def check(self) -> None:
         """Values no run can train with (one ConfigError naming the field), train.depth's too."""
-        positive = {
+        positive: dict[str, float] = {
             "micro_batch_size": 1 if self.micro_batch_size == "auto" else self.micro_batch_size,
             "grad_accum_steps": self.grad_accum_steps, "max_steps": self.max_steps,
             "log_every": self.log_every, "checkpoint_every": self.checkpoint_every,
@@ -180,12 +181,13 @@ class TrainConfig:
         self._check_branch_from()
         for i, spec in enumerate(self.callbacks):
             if not CALLBACK_PATH.fullmatch(spec.class_path):
-                raise ConfigError(f"train.callbacks[{i}].class_path: expected 'package.module:Class'"
-                                  f", got {spec.class_path!r}")
+                raise ConfigError(f"train.callbacks[{i}].class_path: expected "
+                                  f"'package.module:Class', got {spec.class_path!r}")
 
     def _check_schedule(self) -> None:
         if not 0.0 < self.decay_fraction <= 1.0:
-            raise ConfigError(f"train.decay_fraction: must lie in (0, 1], got {self.decay_fraction}")
+            raise ConfigError(f"train.decay_fraction: must lie in (0, 1], got "
+                              f"{self.decay_fraction}")
         if self.decay_steps is not None and self.decay_steps < 1:
             raise ConfigError(f"train.decay_steps: must be >= 1 (null: decay_fraction), got "
                               f"{self.decay_steps}")
@@ -235,9 +237,11 @@ class TrainConfig:
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"train.muon_momentum: must lie in [0, 1), got {self.muon_momentum}")
         if self.muon_weight_decay < 0:
-            raise ConfigError(f"train.muon_weight_decay: must be >= 0, got {self.muon_weight_decay}")
+            raise ConfigError(f"train.muon_weight_decay: must be >= 0, got "
+                              f"{self.muon_weight_decay}")
         if self.optimizer == "muon" and self.zero_stage == 3:
-            # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at stage 3
+            # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at
+            # stage 3
             raise ConfigError("train.zero_stage: train.optimizer: muon works at ZeRO stage 0, 1 or "
                               "2, not 3; set train.zero_stage: 2 (it partitions gradients and "
                               "optimizer state too) or use torch_adamw")
@@ -256,11 +260,12 @@ class TrainConfig:
         """micro_batch_size: auto's candidates at `world_size`: the powers of two that divide the
         global batch's share of one rank, largest first (ConfigError if there is no such share)."""
         if self.global_batch_size % world_size:
-            raise ConfigError(f"train.global_batch_size: {self.global_batch_size} is not a multiple "
-                              f"of the world size ({world_size}), so train.micro_batch_size: auto "
-                              "has no per-rank share to split")
+            raise ConfigError(f"train.global_batch_size: {self.global_batch_size} is not a "
+                              f"multiple of the world size ({world_size}), so "
+                              "train.micro_batch_size: auto has no per-rank share to split")
         per_rank = self.global_batch_size // world_size
-        return [1 << k for k in range(per_rank.bit_length() - 1, -1, -1) if per_rank % (1 << k) == 0]
+        return [1 << k for k in range(per_rank.bit_length() - 1, -1, -1)
+                if per_rank % (1 << k) == 0]
 
     def grad_accum_for(self, world_size: int, micro_batch_size: Optional[int] = None) -> int:
         """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit).
@@ -336,7 +341,8 @@ class ProfileConfig:
         if self.warmup_steps < 0:
             raise ConfigError(f"profile.warmup_steps: must be >= 0, got {self.warmup_steps}")
         if not self.ranks or any(r < 0 for r in self.ranks):
-            raise ConfigError(f"profile.ranks: need a non-empty list of ranks >= 0, got {self.ranks}")
+            raise ConfigError(f"profile.ranks: need a non-empty list of ranks >= 0, got "
+                              f"{self.ranks}")
         if self.flops_step is not None and self.flops_step < 0:
             raise ConfigError(f"profile.flops_step: must be >= 0 (0: off), got {self.flops_step}")
 

@@ -13,12 +13,15 @@ mean_tokens ||X_token||_2. Ratios of such means are ratios of means, not means o
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from scse_dist.model.loss import chunked_cross_entropy
+
+if TYPE_CHECKING:
+    from scse_dist.model import LoopedLM
 
 PREFIX = "diag/"
 # Measured against D_0: inf, inf and 0 by construction, not by the loop, when D_0 = 0 at every
@@ -52,7 +55,7 @@ def _row_norms(x: torch.Tensor) -> torch.Tensor:
     return x.float().norm(dim=-1)
 
 
-def core_scale(model: torch.nn.Module) -> Optional[float]:
+def core_scale(model: LoopedLM) -> Optional[float]:
     """rho: the L2 norm of the core's output-norm gain (= its RMS gain times sqrt(d)). Under
     Post-LN every Phi output leaves through that norm, so a token's ||Phi(h)|| is rho when the
     gain is uniform. None under preln: Phi's output is not normalised there."""
@@ -62,7 +65,7 @@ def core_scale(model: torch.nn.Module) -> Optional[float]:
     return float(core.blocks[core.n_core - 1].norm2.weight.detach().float().norm())
 
 
-def _loop_deviations(model: torch.nn.Module, tokens: torch.Tensor, max_depth: int,
+def _loop_deviations(model: LoopedLM, tokens: torch.Tensor, max_depth: int,
                      keep: set[int]) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], Any]:
     """[D_0 .. D_max_depth], {t: h_t for t in keep}, and the run's (ctx, rope)."""
     rope = model.rope(tokens)
@@ -90,7 +93,7 @@ def _cos(d: torch.Tensor, anchor: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def loop_diagnostics(model: torch.nn.Module, window: torch.Tensor, depth: int,
+def loop_diagnostics(model: LoopedLM, window: torch.Tensor, depth: int,
                      max_depth: Optional[int] = None) -> dict[str, float]:
     """The loop's state on one batch `window` (B, S+1) of held-out tokens: deviations up to
     `max_depth` (default `depth`), anchor and scale, angles, and the held-out loss at T=1 and at
@@ -139,8 +142,8 @@ def grad_group(name: str) -> str:
 
 
 def gradient_shares(model: torch.nn.Module,
-                    grad_of: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = lambda p: p.grad
-                    ) -> dict[str, float]:
+                    grad_of: Callable[[torch.nn.Parameter], Optional[torch.Tensor]]
+                    = lambda p: p.grad) -> dict[str, float]:
     """Shares of the squared gradient norm per GRAD_GROUPS entry, and the global norm, from the
     gradients `grad_of(param)` returns (default p.grad; under DeepSpeed ZeRO-1/2 pass
     deepspeed.utils.safe_get_full_grad, which every rank must call: it all-reduces)."""

@@ -3,7 +3,8 @@
 Prints the parameter count (the model built on torch's meta device: no memory, no weights), the
 depths the run will draw (train.depth sampling is a pure function of seed and step) and their
 training FLOPs per token (scse_dist.model.flops), the tokens it will see, and the memory per rank
-(scse_dist.train.sizing, shared with `scse-train --plan`, which sizes a cluster run). Creates nothing: no run dir, no data build, no process group, no DeepSpeed.
+(scse_dist.train.sizing, shared with `scse-train --plan`, which sizes a cluster run). Creates
+nothing: no run dir, no data build, no process group, no DeepSpeed.
 """
 
 from __future__ import annotations
@@ -13,8 +14,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from scse_dist.config import RunConfig
-from scse_dist.train.sizing import (GIB, activation_memory, count_parameters, state_memory,
-                                    training_depths)
+from scse_dist.train.sizing import (
+    GIB,
+    activation_memory,
+    count_parameters,
+    state_memory,
+    training_depths,
+)
+
 
 def describe(cfg: RunConfig, config_path: Optional[str] = None,
              overrides: Sequence[str] = ()) -> str:
@@ -42,7 +49,8 @@ def describe(cfg: RunConfig, config_path: Optional[str] = None,
     lines = [
         f"dry run of {cfg.name}: nothing is created (run dir {Path(cfg.output_dir) / cfg.name})",
         f"parameters: {n_params:,}",
-        f"world size {world_size}: {micro}{' (auto: at most)' if micro != t.micro_batch_size else ''}"
+        f"world size {world_size}: {micro}"
+        f"{' (auto: at most)' if micro != t.micro_batch_size else ''}"
         f" sequences x {accum} accumulation x "
         f"{world_size} ranks x {seq_len} tokens = {tokens_per_step:,} tokens per step",
         f"steps: {t.max_steps:,}, tokens the run will see: {t.max_steps * tokens_per_step:,}",

@@ -1,16 +1,20 @@
-"""DeepSpeed engine from the run config: generated ds_config (+ optional JSON file), AdamW, schedule."""
+"""DeepSpeed engine from the run config: generated ds_config (+ optional JSON file), AdamW,
+schedule."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from scse_dist.config import ConfigError, RunConfig, deep_merge
 from scse_dist.run_dir import PROFILE_NAME
 from scse_dist.train.schedule import build_lr_scheduler
+
+if TYPE_CHECKING:
+    from scse_dist.model import LoopedLM
 
 # ds_config keys that a config field decides: (path in the ds_config, the config field). A JSON
 # file may repeat them only with the same value, so the YAML stays the single source of truth.
@@ -40,7 +44,7 @@ def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
     train.optimizer=deepspeed_fused_adam; torch_adamw is built by build_optimizer and handed to
     deepspeed.initialize as a client optimizer."""
     t = cfg.train
-    generated = {
+    generated: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps,
         # muon clips its AdamW groups itself (scse_dist.train.muon says why)
@@ -121,8 +125,9 @@ def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str,
         raise ConfigError(f"train.deepspeed_config: {path!r} must hold a JSON object")
     if "optimizer" in extra and "optimizer" not in generated:
         raise ConfigError(f"train.optimizer: {path} has an 'optimizer' section, but "
-                          f"train.optimizer={cfg.train.optimizer} builds torch's AdamW from train.*; "
-                          "remove the section, or set train.optimizer: deepspeed_fused_adam")
+                          f"train.optimizer={cfg.train.optimizer} builds torch's AdamW from "
+                          "train.*; remove the section, or set train.optimizer: "
+                          "deepspeed_fused_adam")
     for key_path, field_name in _OWNED:
         theirs = _get(extra, key_path)
         if theirs is _MISSING:
@@ -136,7 +141,7 @@ def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str,
     return deep_merge(generated, extra)
 
 
-def build_optimizer(cfg: RunConfig, model: torch.nn.Module,
+def build_optimizer(cfg: RunConfig, model: LoopedLM,
                     on_cuda: Optional[bool] = None) -> Optional[torch.optim.Optimizer]:
     """torch.optim.AdamW over the decay/no-decay groups, fused on CUDA (a single multi-tensor
     kernel that ships with torch: no nvcc, no JIT build); Muon with AdamW for train.optimizer:
@@ -181,7 +186,7 @@ def require_hookable_output(module: torch.nn.Module, args: Any, output: Any) -> 
                     "train.zero_stage <= 2, or make the module return tensors")
 
 
-def build_engine(cfg: RunConfig, model: torch.nn.Module,
+def build_engine(cfg: RunConfig, model: LoopedLM,
                  loop_leaf: bool = True) -> tuple[Any, dict[str, Any]]:
     """deepspeed.initialize with our ds_config, AdamW param groups and the warmup-cosine schedule.
 
@@ -216,5 +221,8 @@ def build_engine(cfg: RunConfig, model: torch.nn.Module,
         model_parameters=None if optimizer else _param_groups(model, cfg.train.weight_decay),
         config=ds_config, lr_scheduler=lambda opt: build_lr_scheduler(opt, cfg.train))
     if cfg.train.optimizer == "muon":  # wrapped by ZeRO-1/2 or bf16: each rank holds a slice
+        from scse_dist.train.muon import MuonAdamW
+
+        assert isinstance(optimizer, MuonAdamW)  # build_optimizer's for train.optimizer: muon
         optimizer.partitioned = engine.optimizer is not optimizer
     return engine, ds_config

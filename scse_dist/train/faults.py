@@ -13,7 +13,8 @@ Fault injection (`SCSE_FAULT`, comma-separated `kind@step[:rankR]`, steps 1-base
 metrics; no rank means every rank) lets tests drive these paths in real processes:
   nan@7               step 7's loss is multiplied by NaN (so are its gradients)
   sigterm@5:rank1     rank 1 sends itself SIGTERM as step 5 starts (also sigusr1)
-  kill_in_save@10     SIGKILL in the middle of saving checkpoint step 10 (files written, not committed)
+  kill_in_save@10     SIGKILL in the middle of saving checkpoint step 10 (files written, not
+                      committed)
   kill_in_upload@10   SIGKILL after the first file of checkpoint step 10 reached the remote
                       output_dir (committed locally, half uploaded, remote `latest` not moved)
   stall@3             step 3 prints "fault: stalling step 3" and sleeps $SCSE_FAULT_STALL_S
@@ -26,7 +27,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -37,9 +38,11 @@ FAULT_ENV = "SCSE_FAULT"
 STALL_ENV = "SCSE_FAULT_STALL_S"
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _KINDS = {"nan", "sigterm", "sigusr1", "kill_in_save", "kill_in_upload", "stall"}
-_FIRST_CTRL_C = (b"scse-train: Ctrl-C: finishing the step in flight, saving a checkpoint, then exiting "
-                 b"(status 75; rerun to resume). Ctrl-C again stops at once without saving.\n")
-_SECOND_CTRL_C = b"scse-train: interrupted again: stopped without saving (the last checkpoint is intact)\n"
+_FIRST_CTRL_C = (b"scse-train: Ctrl-C: finishing the step in flight, saving a checkpoint, then "
+                 b"exiting (status 75; rerun to resume). Ctrl-C again stops at once without "
+                 b"saving.\n")
+_SECOND_CTRL_C = (b"scse-train: interrupted again: stopped without saving (the last checkpoint is "
+                  b"intact)\n")
 
 
 class TrainingStopped(Exception):
@@ -58,7 +61,7 @@ class PreemptionFlag:
 
     def __init__(self) -> None:
         self.signal_name: Optional[str] = None
-        self._previous = {}
+        self._previous: dict[int, Any] = {}  # signal number -> its handler before ours
         self._pid = os.getpid()
         self._ctrl_c = False  # a Ctrl-C came: the next one exits at once
         # one line per Ctrl-C, from rank 0 only (every rank of a terminal's job gets the SIGINT)
@@ -168,6 +171,6 @@ class NonFiniteCounter:
         self.in_a_row += 1
         if self.in_a_row >= self.max_in_a_row:
             raise TrainingStopped(
-                f"step {step}: {self.in_a_row} non-finite steps in a row (train.max_nonfinite_steps="
-                f"{self.max_in_a_row}); stopping without saving, last good checkpoint: "
-                f"{last_checkpoint or 'none'}", NONFINITE_EXIT_CODE)
+                f"step {step}: {self.in_a_row} non-finite steps in a row "
+                f"(train.max_nonfinite_steps={self.max_in_a_row}); stopping without saving, last "
+                f"good checkpoint: {last_checkpoint or 'none'}", NONFINITE_EXIT_CODE)

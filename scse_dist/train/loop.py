@@ -18,18 +18,16 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from scse_dist.checkpoint.manifest import CONFIG_NAME
 from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
-from scse_dist.checkpoint.manifest import CONFIG_NAME
 from scse_dist.checkpoint.tags import checkpoint_dir, resume_if_present
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
-from scse_dist.distributed import (abandon, barrier, describe_placement, init_distributed,
-                                   shutdown)
+from scse_dist.distributed import abandon, barrier, describe_placement, init_distributed, shutdown
 from scse_dist.run_dir import EVAL_NAME, EXPORT_NAME, METRICS_NAME, RunDir
 from scse_dist.threads import configure_threads
 from scse_dist.train.callbacks.after_training import AfterTrainingEval
-from scse_dist.train.callbacks.assembly import (configured_callbacks, in_hook_order,
-                                              restore_states)
+from scse_dist.train.callbacks.assembly import configured_callbacks, in_hook_order, restore_states
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.callbacks.checkpointing import CheckpointCallback
 from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
@@ -52,7 +50,8 @@ from scse_dist.train.warm_start import maybe_init_from
 
 
 def _seed_everything(seed: int) -> None:
-    # Same seed on every rank: identical initial weights (ZeRO also broadcasts them) and depth draws.
+    # Same seed on every rank: identical initial weights (ZeRO also broadcasts them) and depth
+    # draws.
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -69,7 +68,8 @@ def with_world_batch(cfg: RunConfig, world_size: int) -> RunConfig:
 
 def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Callback]:
     """The built-in callbacks of `cfg`, in their hook order (their priorities: callbacks.base)."""
-    optional = [HeldoutEvalCallback(cfg.eval.every_steps)] if cfg.eval.every_steps else []
+    optional: list[Callback] = [HeldoutEvalCallback(cfg.eval.every_steps)] \
+        if cfg.eval.every_steps else []
     optional += [SampleCallback(cfg.eval.sample_every)] if cfg.eval.sample_every else []
     optional += [DownstreamEvalCallback(cfg.eval.downstream_every)] \
         if cfg.eval.downstream_every else []
@@ -189,6 +189,7 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
     cfg = _with_micro_batch(cfg, model, env)
     # The data is opened before the engine is built, so bad data (another tokenizer's shards,
     # too few documents) stops the run in seconds.
+    assert isinstance(cfg.train.micro_batch_size, int)  # _with_micro_batch resolved auto
     stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
                                      env.world_size, cfg.train.seed, tokenizer.sha256)
     engine, ds_config = build_engine(cfg, model)

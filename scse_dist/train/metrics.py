@@ -128,6 +128,7 @@ class MetricsLogger:
         TensorBoard only."""
         if not self.enabled:
             return
+        assert self._file is not None  # opened when enabled
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._wandb is not None:

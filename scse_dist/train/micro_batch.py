@@ -187,7 +187,8 @@ class CpuBudget:
             if estimate > 2 * self.budget:
                 return f"would need about {gib(estimate)} of the {gib(self.budget)} budget"
         need = self.need(size)
-        return None if need <= self.budget else f"needs {gib(need)} of the {gib(self.budget)} budget"
+        return None if need <= self.budget else \
+            f"needs {gib(need)} of the {gib(self.budget)} budget"
 
 
 def gib(n_bytes: float) -> str:

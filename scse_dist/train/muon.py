@@ -27,16 +27,19 @@ Imports DeepSpeed: import it only where an engine is built.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
+if TYPE_CHECKING:
+    from scse_dist.model import LoopedLM
+
 ADAMW_EPS = 1e-8  # torch.optim.AdamW's default, so the AdamW half equals torch_adamw's
 
 
-def muon_split(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+def muon_split(model: LoopedLM) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """(muon, adamw): the trainable 2-D parameters of prelude, core and coda; everything else."""
     in_blocks = {id(p) for part in (model.prelude, model.core, model.coda)
                  for p in part.parameters() if p.dim() == 2}
@@ -57,7 +60,7 @@ def _eager_kernels() -> None:
     muon_optimizer.muon_update = original_muon.muon_update
 
 
-def build_muon(model: torch.nn.Module, train: Any, on_cuda: bool) -> torch.optim.Optimizer:
+def build_muon(model: LoopedLM, train: Any, on_cuda: bool) -> torch.optim.Optimizer:
     """MuonWithAuxAdam over muon_split(model), with the train.muon_* and AdamW settings."""
     if not on_cuda:
         _eager_kernels()

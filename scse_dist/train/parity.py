@@ -1,7 +1,8 @@
 """ZeRO parity check: train a config on a fixed synthetic global batch at any world size and stage.
 
     python -m scse_dist.train.parity --config tiny.yaml --out DIR --stages 1,2,3 [key=value ...]
-    torchrun --nproc_per_node 2 -m scse_dist.train.parity --config tiny.yaml --out DIR2 --stages 1,2,3
+    torchrun --nproc_per_node 2 -m scse_dist.train.parity --config tiny.yaml --out DIR2
+        --stages 1,2,3
 
 Step s's global batch is drawn from (train.seed, s) alone and cut into micro-batches so that rank
 r's micro-batch m is the global batch's slice number m * world + r: the optimizer sees the same
@@ -41,12 +42,12 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     import dataclasses
 
     from scse_dist.checkpoint.export import save_exported_model
+    from scse_dist.checkpoint.zero_weights import fp32_state_dict
     from scse_dist.distributed import is_rank0
     from scse_dist.model import LoopedLM
     from scse_dist.train.depth import sample_depth
     from scse_dist.train.engine import build_engine
     from scse_dist.train.step import train_step
-    from scse_dist.checkpoint.zero_weights import fp32_state_dict
 
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, zero_stage=stage,
                                                              deepspeed_config=None))
@@ -59,12 +60,14 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     model = LoopedLM(cfg.model)
     engine, _ = build_engine(cfg, model)
     micro, accum = t.micro_batch_size, t.grad_accum_steps
+    assert isinstance(micro, int), "parity: train.micro_batch_size must be a number, not auto"
     losses = []
     for step in range(t.max_steps):
         depth = None if model.fixed_depth is not None else \
             sample_depth(step, t.depth, cfg.model.depth, t.seed)
         batch = global_batch(cfg, step, micro * accum * world)
-        parts = (batch[(m * world + rank) * micro:(m * world + rank + 1) * micro] for m in range(accum))
+        parts = (batch[(m * world + rank) * micro:(m * world + rank + 1) * micro]
+                 for m in range(accum))
         result = train_step(engine, parts, depth=depth, backprop_steps=t.depth.backprop_steps,
                             z_loss=t.z_loss)
         total = result.loss_sum.detach().cpu()
@@ -81,11 +84,13 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="scse_dist.train.parity", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="scse_dist.train.parity",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True, help="directory for stage{S}/ results (rank 0)")
     parser.add_argument("--stages", default="1,2,3", help="ZeRO stages to run one after another")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = parser.parse_args(argv)
 
@@ -98,8 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for stage in (int(s) for s in args.stages.split(",")):
         losses = run_stage(cfg, stage, Path(args.out))
         if env.rank == 0:
-            print(f"world {env.world_size} ZeRO-{stage}: losses {losses[0]:.6f} .. {losses[-1]:.6f}",
-                  flush=True)
+            print(f"world {env.world_size} ZeRO-{stage}: losses {losses[0]:.6f} .. "
+                  f"{losses[-1]:.6f}", flush=True)
     shutdown()
     return 0
 

@@ -17,8 +17,15 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from scse_dist.config import ConfigError, RunConfig
-from scse_dist.train.sizing import (GIB, activation_memory, count_parameters, deepspeed_estimate,
-                                    stage3_max_live, state_memory, training_depths)
+from scse_dist.train.sizing import (
+    GIB,
+    activation_memory,
+    count_parameters,
+    deepspeed_estimate,
+    stage3_max_live,
+    state_memory,
+    training_depths,
+)
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,8 @@ def check(world_size: int, a: Assumptions) -> Gpu:
     """The GPU, or a ConfigError naming the flag."""
     if a.gpu not in GPUS:
         raise ConfigError(f"--gpu: unknown GPU {a.gpu!r}; one of {', '.join(sorted(GPUS))}")
-    for flag, value, low in (("--world-size", world_size, 1), ("--gpus-per-node", a.gpus_per_node, 1)):
+    for flag, value, low in (("--world-size", world_size, 1),
+                             ("--gpus-per-node", a.gpus_per_node, 1)):
         if value < low:
             raise ConfigError(f"{flag}: must be >= {low}, got {value}")
     if not 0 < a.mfu <= 1:
@@ -132,7 +140,7 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     # (at ZeRO-3 it counts only the largest layer gathered; the loop's leaf gathers more)
     use_ds = ds_bytes is not None and t.zero_stage == 2 and precision == "bf16" \
         and t.optimizer != "muon"
-    state_total = float(ds_bytes) if use_ds else states.total
+    state_total = float(ds_bytes) if use_ds and ds_bytes is not None else states.total
     mode = m.activation_checkpointing
     modes = sorted({mode, "none", "loop"}, key=["none", "loop", "block"].index)
 
@@ -140,7 +148,8 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     # own steps first, redone if --tokens gives another length
     first_steps = t.max_steps
     deepest_t = max(training_depths(cfg, first_steps), default=m.depth)
-    largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k) for k in modes}
+    largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k)
+               for k in modes}
     micro = next((c for c in candidates if c <= largest[mode]), candidates[-1]) \
         if t.micro_batch_size == "auto" else t.micro_batch_size
     accum = t.grad_accum_for(world_size, micro)

@@ -106,7 +106,7 @@ class ConfigLR(LambdaLR):
         self._step_count = state_dict["_step_count"]
         self.apply()
 
-    def lrs_at(self, step: int) -> list[float]:
+    def lrs_at(self, step: int) -> list[float | torch.Tensor]:
         # LambdaLR.get_lr's expression, so an unchanged schedule gives the saved floats exactly
         return [base_lr * lmbda(step) for lmbda, base_lr in zip(self.lr_lambdas, self.base_lrs)]
 

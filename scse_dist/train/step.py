@@ -8,7 +8,7 @@ are the same code wherever a step runs.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,9 @@ def _grads_nonfinite(engine: Any) -> torch.Tensor:
     # Without ZeRO nothing checks the reduced gradients; ZeRO-1/2/3 check their own partitions
     # (a NaN/Inf gradient norm skips the step there) and report it via was_step_applied().
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return sum((~torch.isfinite(g)).any().float() for g in grads) if grads else torch.zeros(())
+    # a sum of (at least one) tensors is a tensor
+    return cast(torch.Tensor, sum((~torch.isfinite(g)).any().float() for g in grads)) \
+        if grads else torch.zeros(())
 
 
 @contextlib.contextmanager
@@ -91,7 +93,8 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
     ran_depth, micro = 0, 0
     for micro, window in enumerate(windows, start=1):
         if micro > accum:
-            raise ValueError(f"train_step: more micro-batches than gradient_accumulation_steps={accum}")
+            raise ValueError(f"train_step: more micro-batches than "
+                             f"gradient_accumulation_steps={accum}")
         window = window.to(engine.device)
         out = engine(window[:, :-1], window[:, 1:], depth=depth, backprop_steps=backprop_steps,
                      keep_logits=False, **({"z_loss": z_loss} if z_loss else {}))

@@ -36,7 +36,8 @@ def tensorboard_log_dir(cfg: RunConfig, run_dir: str | Path) -> Optional[Path]:
     """Where the run's event files go; None when TensorBoard is off."""
     if not cfg.tensorboard.enabled:
         return None
-    return Path(cfg.tensorboard.log_dir) if cfg.tensorboard.log_dir else Path(run_dir) / TENSORBOARD_NAME
+    return Path(cfg.tensorboard.log_dir) if cfg.tensorboard.log_dir else \
+        Path(run_dir) / TENSORBOARD_NAME
 
 
 def _number(value: Any) -> Optional[float]:

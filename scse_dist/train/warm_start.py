@@ -17,9 +17,16 @@ from typing import TYPE_CHECKING
 
 import fsspec
 
+from scse_dist.checkpoint.export import (
+    WEIGHTS_NAME,
+    describe_mismatch,
+    fetched,
+    is_remote,
+    not_an_export,
+    read_export_weights,
+    weights_mismatch,
+)
 from scse_dist.cli_errors import InputError
-from scse_dist.checkpoint.export import (WEIGHTS_NAME, describe_mismatch, fetched, is_remote,
-                                         not_an_export, read_export_weights, weights_mismatch)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -72,7 +79,8 @@ def init_from_export(model: "nn.Module", source: str, strict: bool = True) -> li
 
 
 def maybe_init_from(model: "nn.Module", train_cfg, has_checkpoint: bool, rank0: bool) -> None:
-    """Apply `train.init_from` to a new run (every rank loads: ZeRO-3 partitions each rank's copy)."""
+    """Apply `train.init_from` to a new run (every rank loads: ZeRO-3 partitions each rank's
+    copy)."""
     source = train_cfg.init_from
     if not source:
         return

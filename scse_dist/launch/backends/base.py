@@ -42,7 +42,8 @@ class Job:
     after: list[str] = field(default_factory=list)  # job ids this one waits for
     dependency: Dependency = "afterok"
     env: dict[str, str] = field(default_factory=dict)  # set in the job, on top of the caller's
-    backend_args: list[str] = field(default_factory=list)  # the backend's own flags (--backend-args)
+    # the backend's own flags (--backend-args)
+    backend_args: list[str] = field(default_factory=list)
 
 
 @dataclass

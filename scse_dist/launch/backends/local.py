@@ -87,7 +87,8 @@ class LocalBackend(Backend):
         gpus, cpus = visible_gpus(), os.cpu_count() or 1
         if res.nodes != 1 or res.tasks_per_node != 1:
             raise BackendError(f"the local backend runs one task on this machine: nodes and "
-                               f"tasks_per_node must be 1, got {res.nodes} and {res.tasks_per_node}")
+                               f"tasks_per_node must be 1, got {res.nodes} and "
+                               f"{res.tasks_per_node}")
         if res.gpus_per_node > gpus or res.cpus_per_task > cpus:
             raise BackendError(f"this machine has {gpus} GPU(s) and {cpus} CPU(s); asked for "
                                f"{res.gpus_per_node} and {res.cpus_per_task}")

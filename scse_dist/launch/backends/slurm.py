@@ -22,8 +22,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from scse_dist.launch.backends.base import (REQUEUE_EXIT_CODE, Backend, BackendError, Job,
-                                            Resources, Task)
+from scse_dist.launch.backends.base import (
+    REQUEUE_EXIT_CODE,
+    Backend,
+    BackendError,
+    Job,
+    Resources,
+    Task,
+)
 from scse_dist.launch.children import run_child
 
 PREEMPT_SIGNAL = "USR1@120"  # what scse_dist.train.faults saves on, and how early
@@ -34,7 +40,8 @@ def resource_parameters(res: Resources) -> dict[str, Any]:
     only when asked for: else the cluster's defaults)."""
     params: dict[str, Any] = {"nodes": res.nodes, "ntasks_per_node": res.tasks_per_node,
                               "cpus_per_task": res.cpus_per_task, "time": res.time_min or None}
-    optional = {"gpus_per_node": res.gpus_per_node or None, "partition": res.partition, "mem": res.mem}
+    optional = {"gpus_per_node": res.gpus_per_node or None, "partition": res.partition,
+                "mem": res.mem}
     return {**params, **{k: v for k, v in optional.items() if v is not None}}
 
 
@@ -76,8 +83,8 @@ class SlurmTask:
         if job_env.global_rank == 0 and self.name:
             # an array's tasks share one name until they start; then squeue shows what each runs
             # (submitit submits an array of one task as a plain job: renamed the same way)
-            subprocess.run(["scontrol", "update", f"JobId={job_env.job_id}", f"JobName={self.name}"],
-                           check=False)
+            subprocess.run(["scontrol", "update", f"JobId={job_env.job_id}",
+                            f"JobName={self.name}"], check=False)
         ended = run_child(self.command, env={**os.environ, **self.env})
         if ended.status == REQUEUE_EXIT_CODE and job_env.global_rank != 0:
             return 0  # task 0 requeues the job; a failure here would end task 0 first (srun)

@@ -3,8 +3,8 @@ gone (no peer waits on it past a collective timeout); results in run_dir/eval/he
 
 from __future__ import annotations
 
-from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.checkpoint.tags import tag_for
+from scse_dist.train.callbacks.base import Callback, TrainState
 
 
 class AfterTrainingEval(Callback):

@@ -1,6 +1,6 @@
-"""A run's callbacks: the built-in ones, train.callbacks (a user's own, named `package.module:Class`)
-and those `train(cfg, callbacks=[...])` is given, in hook order (priority); their states as a
-checkpoint saves them and a resume restores them.
+"""A run's callbacks: the built-in ones, train.callbacks (a user's own, named
+`package.module:Class`) and those `train(cfg, callbacks=[...])` is given, in hook order
+(priority); their states as a checkpoint saves them and a resume restores them.
 
 No torch here: scse-train builds the configured callbacks before it imports torch, so a bad entry
 is one ConfigError line (exit status 2) before anything starts.
@@ -23,7 +23,8 @@ def configured_callbacks(specs: Sequence[CallbackSpec]) -> list[Callback]:
     return [_instantiate(*resolved) for resolved in check_callbacks(specs)]
 
 
-def check_callbacks(specs: Sequence[CallbackSpec]) -> list[tuple[CallbackSpec, type[Callback], Any]]:
+def check_callbacks(specs: Sequence[CallbackSpec]
+                    ) -> list[tuple[CallbackSpec, type[Callback], Any]]:
     """Each entry's class imported and its init_args checked into its Config (None without one),
     nothing built yet: a bad entry is a ConfigError naming it."""
     return [(spec, *_resolve(spec, f"train.callbacks[{i}]")) for i, spec in enumerate(specs)]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
+from scse_dist.checkpoint.tags import save_checkpoint, tag_for
 from scse_dist.train.callbacks.assembly import callback_states
 from scse_dist.train.callbacks.base import Callback, TrainState, every
-from scse_dist.checkpoint.tags import save_checkpoint, tag_for
 
 
 class CheckpointCallback(Callback):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from scse_dist.checkpoint.tags import export_final, tag_for
 from scse_dist.distributed import barrier
 from scse_dist.train.callbacks.base import Callback, TrainState
-from scse_dist.checkpoint.tags import export_final, tag_for
 
 
 class ExportCallback(Callback):

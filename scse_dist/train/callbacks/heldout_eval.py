@@ -5,12 +5,13 @@ TokenStream reads it for training, one reader per rank) without gradients; the s
 token counts are all-reduced, so the row is the loss over every rank's batches. eval.max_batches
 counts batches over all ranks (each rank takes ceil(max_batches / world size)). The ranks run the
 same number of forwards (a rank whose share runs out stops them all), which ZeRO-3's parameter
-gathers need; under ZeRO-3 the losses come from the model's own forward (forward_rows). At world size 1 the numbers equal those of `scse-eval --task heldout` on a
-checkpoint of that step (same batches, same code: scse_dist.eval.perplexity.evaluate_heldout).
+gathers need; under ZeRO-3 the losses come from the model's own forward (forward_rows). At world
+size 1 the numbers equal those of `scse-eval --task heldout` on a checkpoint of that step (same
+batches, same code: scse_dist.eval.perplexity.evaluate_heldout).
 
 Row in metrics.jsonl (and wandb), one per evaluation:
-    {"step": 40, "kind": "eval", "task": "heldout", "heldout_loss_T1": 5.89, "heldout_ppl_T1": 362.7,
-     ..., "tokens": 2048, "eval_time_s": 0.41}
+    {"step": 40, "kind": "eval", "task": "heldout", "heldout_loss_T1": 5.89,
+     "heldout_ppl_T1": 362.7, ..., "tokens": 2048, "eval_time_s": 0.41}
 Training rows have no "kind"; readers of training rows skip rows that have one.
 """
 
@@ -128,7 +129,7 @@ class HeldoutEvalCallback(Callback):
         row.update(tokens=rows[0]["tokens"], eval_time_s=time.perf_counter() - start)
         if state.rank0:
             losses = " | ".join(f"T{r['depth']} {r['loss']:.4f}" for r in rows)
-            print(f"eval step {state.step:>6d} | heldout loss {losses} | {row['eval_time_s']:.2f} s",
-                  flush=True)
+            print(f"eval step {state.step:>6d} | heldout loss {losses} | "
+                  f"{row['eval_time_s']:.2f} s", flush=True)
         state.logger.write(row)
         return row

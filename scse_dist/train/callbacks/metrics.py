@@ -1,5 +1,5 @@
-"""The training row: loss, lr, depth, throughput and MFU every train.log_every steps, to the console,
-metrics.jsonl and wandb (scse_dist.train.metrics.MetricsLogger, rank 0)."""
+"""The training row: loss, lr, depth, throughput and MFU every train.log_every steps, to the
+console, metrics.jsonl and wandb (scse_dist.train.metrics.MetricsLogger, rank 0)."""
 
 from __future__ import annotations
 
@@ -51,13 +51,15 @@ class MetricsCallback(Callback):
     def on_step_end(self, state: TrainState) -> None:
         result = state.result
         if not result.skipped:
-            z_sum = result.loss_sum.new_zeros(()) if result.z_loss_sum is None else result.z_loss_sum
+            z_sum = result.loss_sum.new_zeros(()) if result.z_loss_sum is None else \
+                result.z_loss_sum
             self.loss_window += torch.stack(
                 [result.loss_sum, torch.tensor(float(result.micro_batches)).to(result.loss_sum),
                  z_sum])
         self.window_steps += 1
         self.window_seconds += state.step_seconds
-        self.window_flops += self.flops_per_token(state.cfg.model, result.depth, state.cfg.data.seq_len)
+        self.window_flops += self.flops_per_token(state.cfg.model, result.depth,
+                                                  state.cfg.data.seq_len)
         step = state.step
         if step % state.cfg.train.log_every == 0 or step == state.max_steps \
                 or step == state.start_step + 1:
@@ -95,5 +97,6 @@ class MetricsCallback(Callback):
         """` | elapsed 1:02 | ETA 5:10`: time since this process's first step, and the rest at
         the rate so far (evaluation and checkpoints included)."""
         elapsed = time.perf_counter() - self.started
-        eta = eta_seconds(state.step - state.start_step, state.max_steps - state.start_step, elapsed)
+        eta = eta_seconds(state.step - state.start_step, state.max_steps - state.start_step,
+                          elapsed)
         return f" | elapsed {format_duration(elapsed)} | ETA {format_duration(eta)}"

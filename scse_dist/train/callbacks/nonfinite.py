@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.checkpoint.tags import tag_for
+from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.faults import NonFiniteCounter
 
 

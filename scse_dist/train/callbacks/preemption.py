@@ -6,8 +6,10 @@ the first step. A second Ctrl-C stops at once (exit 130) without saving: see Pre
 
 from __future__ import annotations
 
-from scse_dist.train.callbacks.base import Callback, TrainState
+from typing import Optional
+
 from scse_dist.checkpoint.tags import tag_for
+from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.faults import REQUEUE_EXIT_CODE, PreemptionFlag
 
 
@@ -24,7 +26,7 @@ class PreemptionCallback(Callback):
         if state.result.stop:  # agreed across ranks in train_step; the checkpoint callback saves
             state.stop_reason = self.flag.signal_name or "a signal on another rank"
 
-    def release(self, state: TrainState) -> None:
+    def release(self, state: Optional[TrainState]) -> None:
         """At the end of train(), whatever happened. A preempted run keeps the handlers, so that a
         second SIGTERM cannot kill a rank still shutting down (scse-train then ignores them until
         exit; see cli.main)."""
@@ -34,4 +36,5 @@ class PreemptionCallback(Callback):
     def on_teardown(self, state: TrainState) -> None:
         if state.stop_reason is not None and state.rank0:
             print(f"preempted by {state.stop_reason}: saved {tag_for(state.last_saved)} after step "
-                  f"{state.last_saved}; rerun to resume (exit status {REQUEUE_EXIT_CODE})", flush=True)
+                  f"{state.last_saved}; rerun to resume (exit status {REQUEUE_EXIT_CODE})",
+                  flush=True)

@@ -10,8 +10,9 @@ Each step of the trace is `ProfilerStep#<k>`, k the optimizer step; the model la
 steps `loop_step_<t>` and, under model.activation_checkpointing: loop, the backward's
 recomputation of step t `loop_step_<t>_recompute` (scse_dist.model.recurrence). A step's span
 holds what the trainer's hooks did after it (its metrics row, an evaluation, a checkpoint). A run
-that ends inside the window (finished, preempted, stopped) writes the steps it recorded. A run resumed past the
-window profiles nothing and says so. Outside the window the profiler is idle: no op is recorded.
+that ends inside the window (finished, preempted, stopped) writes the steps it recorded. A run
+resumed past the window profiles nothing and says so. Outside the window the profiler is idle: no
+op is recorded.
 
 DeepSpeed's flops profiler (profile.flops_step) is configured in the DeepSpeed config
 (scse_dist.train.engine.flops_profiler_section), on CUDA only; on CPU this callback says so.
@@ -29,7 +30,6 @@ from torch.profiler import ProfilerAction, ProfilerActivity
 from scse_dist.config import ConfigError, ProfileConfig
 from scse_dist.run_dir import PROFILE_NAME
 from scse_dist.train.callbacks.base import Callback, TrainState
-
 
 
 def window_schedule(first_step: int, start: int, warmup: int, steps: int
@@ -72,7 +72,8 @@ class ProfilerCallback(Callback):
                               f"size {state.env.world_size})")
         cuda = state.engine.device.type == "cuda"
         if state.rank0 and p.flops_profile_step and not cuda:
-            print("profile: DeepSpeed's flops profiler runs on CUDA only; skipped on CPU", flush=True)
+            print("profile: DeepSpeed's flops profiler runs on CUDA only; skipped on CPU",
+                  flush=True)
         if rank not in p.ranks:
             return
         first = state.step + 1  # the first step this process runs

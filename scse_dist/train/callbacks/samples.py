@@ -48,7 +48,8 @@ class SampleCallback(Callback):
         samples = [{"prompt": text, "text": continuation_text(state.tokenizer, ids, new)}
                    for text, ids, new in zip(cfg.eval.sample_prompts, self.prompts, out.tokens)]
         for s in samples:
-            print(f"sample step {state.step:>6d} | {s['prompt']!r} -> {s['text']!r}"[:400], flush=True)
+            print(f"sample step {state.step:>6d} | {s['prompt']!r} -> {s['text']!r}"[:400],
+                  flush=True)
         row = {"step": state.step, "kind": SAMPLE_KIND, "depth": cfg.model.depth,
                "temperature": sampling.temperature, "samples": samples}
         state.logger.write(row)
