@@ -279,6 +279,13 @@ LOCAL_CLUSTER = ("the CPU-cluster study walkthrough starts the machine-wide loca
                  "defaults, no --backend-args, the cap, evaluations in the job, the report)")
 SHARED = "reads ../shared/data, which the project's tests must not depend on"
 NOT_RUN = {
+    # the planner at gpt2-medium size: tests/test_plan.py runs --plan through the CLI (table, JSON)
+    "scse-train --config configs/gpt2-small-scse.yaml --plan --world-size 16 --gpu h200 --tokens 10e9      name=gpt2-medium-scse model.d_model=1024 model.n_heads=16 model.n_core=5 model.depth=16      train.zero_stage=2 train.deepspeed_config=configs/deepspeed/zero2.json":
+        "sizes a run of 10B tokens; tests/test_plan.py runs scse-train --plan the same way",
+    "python launch/train.py --config configs/quickstart.yaml name=stable train.schedule=constant      train.max_steps=10000 train.checkpoint_every=1000 train.keep_checkpoints=20":
+        "10,000 training steps; tests/test_train_cooldown.py trains a constant-LR run and branches it",
+    "python launch/train.py --config configs/quickstart.yaml name=stable-cool4k train.schedule=wsd      train.max_steps=5000 train.decay_steps=1000      train.branch_from=runs/stable/checkpoints/step-0004000":
+        "branches the 10,000-step run above; tests/test_train_cooldown.py branches a cooldown the same way",
     "scse-study configs/studies/repro-cpu.yaml --dry-run": STUDY,
     "scse-study configs/studies/repro-cpu.yaml --local": STUDY,
     "scse-study configs/studies/gpt2-small.yaml --slurm --max-parallel 4": STUDY,
