@@ -15,7 +15,7 @@ import torch
 from scse_dist.config import WandbConfig
 from scse_dist.train.callbacks.heldout_eval import agreed_batches, reduce_rows
 from scse_dist.train.metrics import MetricsLogger, cut_metrics
-from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
+from train_procs import REPO, TRAIN, all_passed, read_metrics, run_trainer, train_ranks
 
 TIMING = ("tokens_per_s", "mfu", "step_time_s")
 
@@ -104,15 +104,6 @@ def test_eval_rows_go_to_the_file_and_wandb_but_not_the_console(tmp_path, capsys
     while b"heldout_loss_T4" not in run.read_bytes() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert b"heldout_loss_T4" in run.read_bytes()
-
-
-def run_trainer(config: str, env: dict, *overrides: str) -> str:
-    import subprocess
-
-    out = subprocess.run([sys.executable, TRAIN, "--config", config, *overrides], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    return out.stdout
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from scse_dist.config import ConfigError, WandbConfig, load_config
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.metrics import MetricsLogger
 from scse_dist.train.tensorboard import check_tensorboard
-from train_procs import REPO, TRAIN, read_metrics
+from train_procs import read_metrics, run_trainer
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -125,13 +124,6 @@ def test_tensorboard_without_the_package_is_one_config_error(tmp_path, monkeypat
 def test_log_dir_must_be_local():
     with pytest.raises(ConfigError, match="^tensorboard.log_dir: a local directory"):
         load_config(None, ["tensorboard.log_dir=s3://bucket/tb"])
-
-
-def run_trainer(config: str, env: dict, *overrides: str) -> str:
-    out = subprocess.run([sys.executable, TRAIN, "--config", config, *overrides], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    return out.stdout
 
 
 @pytest.mark.slow

@@ -59,5 +59,13 @@ def all_passed(results: list[RankResult]) -> str:
     return results[0].stdout
 
 
+def run_trainer(config: str, env: dict, *overrides: str) -> str:
+    """One training process (world size 1) to completion; its stdout. A failure shows both tails."""
+    out = subprocess.run([sys.executable, TRAIN, "--config", config, *overrides], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
