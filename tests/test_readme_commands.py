@@ -107,6 +107,14 @@ def check_shards(d: Path, out: str) -> None:
     assert docs["train"] + docs["heldout"] == 2000 and docs["heldout"] > 0
 
 
+def check_shards_2p(d: Path, out: str) -> None:
+    one, two = d / "data/web/shards", d / "data/web/shards-2p"
+    names = sorted(p.name for p in one.iterdir())
+    assert sorted(p.name for p in two.iterdir()) == names and "index.json" in names
+    assert all((one / n).read_bytes() == (two / n).read_bytes() for n in names)  # same bytes
+    assert "(2 processes): 2,000 documents" in out
+
+
 def check_inspect(d: Path, out: str) -> None:
     assert "OK: read 2,000 documents" in out
 
@@ -229,6 +237,8 @@ RUN = [
          check_tokenizer, edits=(("--vocab-size 32000", f"--vocab-size {TINY_VOCAB}"),)),
     Step("scse-data shards --input 'corpus/*.jsonl.gz' --tokenizer data/web/tokenizer.model --out data/web/shards --heldout-fraction 0.005",
          check_shards),
+    Step("scse-data shards --input 'corpus/*.jsonl.gz' --tokenizer data/web/tokenizer.model --out data/web/shards-2p --heldout-fraction 0.005 --processes 2",
+         check_shards_2p),
     Step("scse-data inspect data/web/shards", check_inspect),
     Step("python launch/train.py --config configs/quickstart.yaml --dry-run", check_dry_run),
     Step("python launch/train.py --config configs/quickstart.yaml --print-config",
@@ -278,6 +288,8 @@ LOCAL_CLUSTER = ("the CPU-cluster study walkthrough starts the machine-wide loca
                  "tests/test_study_slurm.py runs the same on the tests' own cluster (spec "
                  "defaults, no --backend-args, the cap, evaluations in the job, the report)")
 SHARED = "reads ../shared/data, which the project's tests must not depend on"
+PARTS = ("a Slurm array of parts and its merge; tests/test_data_parts.py runs parts 0..N-1 and "
+         "`scse-data merge` and compares every file with one process's, byte for byte")
 NOT_RUN = {
     # the planner at gpt2-medium size: tests/test_plan.py runs --plan through the CLI (table, JSON)
     "scse-train --config configs/gpt2-small-scse.yaml --plan --world-size 16 --gpu h200 --tokens 10e9      name=gpt2-medium-scse model.d_model=1024 model.n_heads=16 model.n_core=5 model.depth=16      train.zero_stage=2 train.deepspeed_config=configs/deepspeed/zero2.json":
@@ -299,6 +311,11 @@ NOT_RUN = {
     "scse-data tokenizer --input ../shared/data/webtext/c4_en_train00000_first1000.jsonl --vocab-size 4096 --out data/webtext/tokenizer.model": SHARED,
     "scse-data shards --input ../shared/data/webtext/c4_en_train00000_first1000.jsonl --tokenizer data/webtext/tokenizer.model --out data/webtext/shards --heldout-fraction 0.05": SHARED,
     "mkdir -p data/eval": SHARED,
+    "scse-data shards --input hf:wikitext:wikitext-103-raw-v1:train --tokenizer data/web/tokenizer.model --out data/wikitext/shards":
+        "streams from the Hugging Face Hub (no network here); tests/test_data_columnar.py reads a "
+        "save_to_disk directory and parquet through the same row accounting",
+    "sbatch --array=0-63 --wrap 'scse-data shards --input \"corpus/*.parquet\" --tokenizer data/web/tokenizer.model --out s3://bucket/web --part $SLURM_ARRAY_TASK_ID/64'": PARTS,
+    "sbatch --dependency=afterok:ARRAY_JOB_ID --wrap 'scse-data merge s3://bucket/web'": PARTS,
     "head -c 50000 ../shared/data/webtext/openwebtext_sample.txt > data/eval/owt-valid.txt": SHARED,
     "head -c 20000 ../shared/data/wikitext-2-raw/wiki.valid.raw > data/eval/wiki.valid.raw": SHARED,
     "head -n 100 ../shared/data/lambada/lambada_development_plain_text.txt > data/eval/lambada-dev.txt": SHARED,

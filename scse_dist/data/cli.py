@@ -2,6 +2,9 @@
 
     scse-data tokenizer --input 'data/*.jsonl.gz' --vocab-size 32000 --out tok.model
     scse-data shards --input 'data/*.jsonl.gz' --tokenizer tok.model --out s3://bucket/shards
+    scse-data shards --input 'data/*.parquet' --tokenizer tok.model --out shards --processes 8
+    scse-data shards --input hf:wikitext:wikitext-103-raw-v1:train --tokenizer tok.model --out s
+    scse-data shards ... --part K/N   then   scse-data merge OUT   (a Slurm array: docs/data.md)
     scse-data inspect s3://bucket/shards
     scse-data quickstart --out data/quickstart
 """
@@ -14,6 +17,7 @@ import time
 from typing import Iterable, Iterator
 
 from scse_dist.cli_errors import cli_main
+from scse_dist.config import ConfigError
 from scse_dist.data.sources import TEXT_SPLITS
 
 # The readers and writers (numpy, sentencepiece, fsspec) are imported by the subcommand that
@@ -37,41 +41,117 @@ def _rate(n: float, seconds: float) -> str:
     return f"{n / max(seconds, 1e-9):,.0f}"
 
 
+def _rows(args: argparse.Namespace):
+    from scse_dist.data.rows import RowStats
+
+    return RowStats(max_bad_rows=args.max_bad_rows)
+
+
 def cmd_tokenizer(args: argparse.Namespace) -> None:
     from scse_dist.data.sources import iter_documents
     from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
 
     start = time.time()
+    rows = _rows(args)
     docs = _Counter(iter_documents(args.input, text_field=args.text_field,
-                                   text_split=args.text_split))
+                                   text_split=args.text_split, stats=rows))
     train_tokenizer(docs, args.vocab_size, args.out, model_type=args.model_type,
                     max_sentences=args.max_sentences, byte_fallback=not args.no_byte_fallback,
                     special_tokens=args.special_tokens, sample_fraction=args.sample_fraction)
     tok = Tokenizer.load(args.out)
     dt = time.time() - start
     print(f"tokenizer {args.out}: vocab {tok.vocab_size}, sha256 {tok.sha256[:16]}, "
-          f"{docs.n:,} documents read ({_rate(docs.n, dt)} docs/s), {dt:.1f}s")
+          f"{docs.n:,} documents read ({_rate(docs.n, dt)} docs/s), {dt:.1f}s{rows.summary()}")
 
 
-def cmd_shards(args: argparse.Namespace) -> None:
-    from scse_dist.data.shards import write_shards
+def _summary(what: str, index_splits: dict, dt: float, rows: str = "") -> str:
+    tokens = sum(e["tokens"] for es in index_splits.values() for e in es)
+    written = sum(e["documents"] for es in index_splits.values() for e in es)
+    shards = sum(len(es) for es in index_splits.values())
+    return (f"{what}: {written:,} documents, {tokens:,} tokens in {shards} shards, "
+            f"{dt:.1f}s ({_rate(written, dt)} docs/s, {_rate(tokens, dt)} tokens/s){rows}")
+
+
+def _argv_of(parser: argparse.ArgumentParser, args: argparse.Namespace,
+             skip: tuple[str, ...]) -> list[str]:
+    """The command line that parses back to `args` (less the options in `skip`)."""
+    argv: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in skip + ("help",):
+            continue
+        value = getattr(args, action.dest)
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [action.option_strings[0]] if value else []
+        elif value is not None:
+            argv += [action.option_strings[0],
+                     *([str(v) for v in value] if isinstance(value, list) else [str(value)])]
+    return argv
+
+
+def cmd_shards(args: argparse.Namespace) -> int:
     from scse_dist.data.sources import iter_documents
     from scse_dist.data.tokenizer import Tokenizer
 
     start = time.time()
+    if args.processes > 1 and args.part is not None:
+        raise ConfigError("--processes and --part: give one (--processes N runs parts 0..N-1)")
+    if args.processes > 1:
+        from scse_dist.data.parts import merge_parts, part_command, run_parts
+
+        argv = ["shards", *_argv_of(args.parser, args, ("processes", "part"))]
+        status, which = run_parts([part_command(argv, k, args.processes)
+                                   for k in range(args.processes)])
+        if status:
+            print(f"scse-data: error: part {which}/{args.processes} exited {status}; the other "
+                  "parts were stopped", file=sys.stderr)
+            return status
+        index = merge_parts(args.out)
+        print(_summary(f"shards {args.out} ({args.processes} processes)", index["splits"],
+                       time.time() - start))
+        return 0
     tok = Tokenizer.load(args.tokenizer)
+    rows = _rows(args)
     docs = _Counter(iter_documents(args.input, text_field=args.text_field,
-                                   text_split=args.text_split))
-    index = write_shards(docs, tok, args.out, heldout_fraction=args.heldout_fraction,
-                         shard_bytes=int(args.shard_mb * 2**20), sample_tokens=args.sample_tokens,
-                         sources=list(args.input), progress_every=args.progress_every,
-                         workers=args.workers)
-    dt = time.time() - start
-    tokens = sum(e["tokens"] for es in index["splits"].values() for e in es)
-    written = sum(e["documents"] for es in index["splits"].values() for e in es)
-    shards = sum(len(es) for es in index["splits"].values())
-    print(f"shards {args.out}: {written:,} documents, {tokens:,} tokens in {shards} shards, "
-          f"{dt:.1f}s ({_rate(written, dt)} docs/s, {_rate(tokens, dt)} tokens/s)")
+                                   text_split=args.text_split, stats=rows, part=args.part))
+    layout = dict(heldout_fraction=args.heldout_fraction, shard_bytes=int(args.shard_mb * 2**20),
+                  sample_tokens=args.sample_tokens, sources=list(args.input),
+                  progress_every=args.progress_every, workers=args.workers)
+    if args.part is not None:
+        from scse_dist.data.parts import write_part
+
+        record = write_part(docs, tok, args.out, args.part, **layout)
+        n = sum(s["documents"] for s in record["splits"].values())
+        tokens = sum(s["tokens"] for s in record["splits"].values())
+        dt = time.time() - start
+        print(f"shards {args.out} part {args.part[0]}/{args.part[1]}: {n:,} documents, "
+              f"{tokens:,} tokens, {dt:.1f}s ({_rate(n, dt)} docs/s, {_rate(tokens, dt)} "
+              f"tokens/s){rows.summary()}; merged by `scse-data merge {args.out}` once every "
+              "part is done")
+        return 0
+    from scse_dist.data.shards import write_shards
+
+    index = write_shards(docs, tok, args.out, **layout)
+    print(_summary(f"shards {args.out}", index["splits"], time.time() - start, rows.summary()))
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> None:
+    from scse_dist.data.parts import merge_parts
+
+    start = time.time()
+    index = merge_parts(args.path)
+    print(_summary(f"merged {args.path}", index["splits"], time.time() - start))
+
+
+def _part(text: str) -> tuple[int, int]:
+    """'K/N' (K from 0 to N-1) -> (K, N)."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K/N (K from 0 to N-1), got {text!r}") from None
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"K must lie in 0..N-1, got {text!r}")
+    return k, n
 
 
 def inspect_shards(path: str) -> bool:
@@ -131,6 +211,10 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
                         args.heldout_fraction)
 
 
+INPUT_HELP = ("files, globs or directories (fsspec URLs): text, JSONL, parquet, a datasets "
+              "save_to_disk directory, or hf:NAME[:CONFIG]:SPLIT (the Hub, streamed)")
+BAD_ROWS_HELP = ("rows without the text field or with a non-string value skipped (and counted) "
+                 "before the command stops; empty rows are always skipped")
 SPLIT_HELP = ("documents of a plain-text input: runs of lines between blank lines, whole files, "
               "or WikiText articles (' = Title = ' headings); JSONL is one document per line")
 
@@ -141,10 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer")
-    t.add_argument("--input", nargs="+", required=True, help="files or globs (fsspec URLs)")
+    t.add_argument("--input", nargs="+", required=True, help=INPUT_HELP)
     t.add_argument("--vocab-size", type=int, required=True)
     t.add_argument("--out", required=True, help="output .model path or URL")
-    t.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    t.add_argument("--text-field", default="text",
+                   help="JSONL field or parquet/datasets column holding the text")
+    t.add_argument("--max-bad-rows", type=int, default=0, help=BAD_ROWS_HELP)
     t.add_argument("--text-split", default="blank_lines", choices=TEXT_SPLITS, help=SPLIT_HELP)
     t.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
     t.add_argument("--max-sentences", type=int, default=2_000_000, help="lines used for training")
@@ -157,11 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_tokenizer)
 
     s = sub.add_parser("shards", help="tokenize documents into WebDataset token shards")
-    s.add_argument("--input", nargs="+", required=True, help="files or globs (fsspec URLs)")
+    s.add_argument("--input", nargs="+", required=True, help=INPUT_HELP)
     s.add_argument("--tokenizer", required=True)
     s.add_argument("--out", required=True, help="output directory or URL prefix")
     s.add_argument("--heldout-fraction", type=float, default=0.0)
-    s.add_argument("--text-field", default="text")
+    s.add_argument("--text-field", default="text",
+                   help="JSONL field or parquet/datasets column holding the text")
+    s.add_argument("--max-bad-rows", type=int, default=0, help=BAD_ROWS_HELP)
     s.add_argument("--text-split", default="blank_lines", choices=TEXT_SPLITS, help=SPLIT_HELP)
     s.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MiB")
     s.add_argument("--sample-tokens", type=int, default=65536, help="tokens per tar sample")
@@ -170,7 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--progress-every", type=float, default=10.0,
                    help="seconds between progress lines when stderr is not a terminal (a bar when "
                         "it is); 0 for none")
-    s.set_defaults(func=cmd_shards)
+    s.add_argument("--part", type=_part, default=None, metavar="K/N",
+                   help="tokenize only part K of N (from 0) into OUT/parts; `scse-data merge OUT` "
+                        "after all N (e.g. a Slurm array) writes the shards one run would")
+    s.add_argument("--processes", type=int, default=1,
+                   help="run the N parts as N processes here, then merge (the same bytes as one)")
+    s.set_defaults(func=cmd_shards, parser=s)
+
+    m = sub.add_parser("merge", help="pack the parts of `shards --part K/N` into shards + index")
+    m.add_argument("path", help="the --out of the parts")
+    m.set_defaults(func=cmd_merge)
 
     i = sub.add_parser("inspect", help="print counts and check that every shard reads")
     i.add_argument("path", help="shard directory or URL prefix")

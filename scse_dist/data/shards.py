@@ -90,7 +90,7 @@ class _SplitWriter:
                  eos: int, sample_tokens: int, shard_bytes: int):
         self.fs, self.root, self.split, self.dtype, self.eos = fs, root, split, np.dtype(dtype), eos
         self.sample_tokens, self.shard_bytes = sample_tokens, shard_bytes
-        self.docs: list[list[int]] = []
+        self.docs: list[Any] = []  # token id lists, or arrays (merge_parts)
         self.doc_tokens = 0
         self.shards: list[dict[str, Any]] = []
         self.table: list[list[int]] = []  # the open shard's sample table, a row per sample
@@ -98,7 +98,7 @@ class _SplitWriter:
         self.file: Any = None
         self.shard_written = 0
 
-    def add(self, ids: list[int]) -> None:
+    def add(self, ids: Any) -> None:
         self.docs.append(ids)
         self.doc_tokens += len(ids)
         if self.doc_tokens >= self.sample_tokens:
@@ -131,8 +131,11 @@ class _SplitWriter:
         shard = self.shards[-1]
         key = f"{self.split}-{len(self.shards) - 1:06d}-{shard['samples']:06d}"
         lens = np.array([len(d) for d in self.docs], dtype=np.uint32)
-        tokens = np.fromiter(itertools.chain.from_iterable(self.docs), dtype=self.dtype,
-                             count=self.doc_tokens)
+        if isinstance(self.docs[0], np.ndarray):  # from merge_parts: slices of a part's tokens
+            tokens = np.concatenate(self.docs).astype(self.dtype, copy=False)
+        else:
+            tokens = np.fromiter(itertools.chain.from_iterable(self.docs), dtype=self.dtype,
+                                 count=self.doc_tokens)
         tokens = np.insert(tokens, np.cumsum(lens, dtype=np.int64), self.eos)
         row = [self.doc_tokens, len(self.docs)]
         row += self._add_member(f"{key}.tokens.npy", npy_bytes(tokens))
@@ -186,32 +189,21 @@ def _encode_in_worker(batch: list[str]) -> tuple[list[str], list[list[int]]]:
     return batch, _worker_tokenizer.encode_batch(batch, num_threads=1)
 
 
-def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
-                 heldout_fraction: float = 0.0, shard_bytes: int = 256 * 2**20,
-                 sample_tokens: int = 65536, sources: list[str] | None = None,
-                 encode_batch: int = 256, progress_every: float = 0.0, workers: int = 0) -> dict:
-    """Tokenize `documents` into train/heldout shards under `out`; write and return the index.
-
-    Documents that encode to nothing are skipped. `progress_every` > 0 shows progress (a bar on a
-    terminal; else a line of documents, docs/s and tokens/s at most that often, in seconds).
-    `workers` > 1 tokenizes in that many processes; batches come back in input order, so the
-    shards are byte-identical to workers=0.
-    """
+def check_layout(heldout_fraction: float, sample_tokens: int, shard_bytes: int) -> None:
     if not 0.0 <= heldout_fraction < 1.0:
         raise ConfigError(f"heldout_fraction: must lie in [0, 1), got {heldout_fraction}")
     if sample_tokens <= 0 or shard_bytes <= 0:
         raise ConfigError(f"sample_tokens and shard_bytes must be > 0, got {sample_tokens}, "
                           f"{shard_bytes}")
-    fs, root = fsspec.core.url_to_fs(out)
-    fs.makedirs(root, exist_ok=True)
-    index_path = join(root, INDEX_NAME)
-    if fs.exists(index_path):
-        fs.rm(index_path)  # from here on, a crash leaves no index naming half-rewritten shards
-    dtype = token_dtype(tokenizer.vocab_size)
-    writers = {s: _SplitWriter(fs, root, s, dtype, tokenizer.eos_id, sample_tokens, shard_bytes)
-               for s in SPLITS}
+
+
+def tokenize_into(documents: Iterable[str], tokenizer: Tokenizer, writers: dict[str, Any],
+                  heldout_fraction: float, what: str, encode_batch: int = 256,
+                  progress_every: float = 0.0, workers: int = 0) -> int:
+    """Encode `documents` and hand each one's ids to its split's writer (`.add(ids)`), in input
+    order; return the number of documents written (those that encode to nothing are skipped)."""
     n_docs = n_tokens = 0
-    progress = Progress(None, f"shards {out}", unit="doc", enabled=progress_every > 0,
+    progress = Progress(None, what, unit="doc", enabled=progress_every > 0,
                         every_s=progress_every)
 
     if workers > 1:
@@ -238,24 +230,71 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
         progress.close()
         if pool is not None:
             pool.terminate()
-    if n_docs == 0:  # an index of nothing would let a job "train" on no data
-        raise InputError(f"{out}: no documents to write (the inputs are empty, or no document "
-                         "encodes to a token)")
+    return n_docs
 
-    index = {
-        "format": FORMAT,
-        "tokenizer_sha256": tokenizer.sha256,
-        "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id,
-        "dtype": dtype,
-        "sample_tokens": sample_tokens,
-        "splits": {s: w.finish() for s, w in writers.items()},
-        "sources": list(sources or []),
-    }
+
+def no_documents(out: str) -> InputError:
+    # an index of nothing would let a job "train" on no data
+    return InputError(f"{out}: no documents to write (the inputs are empty, or no document "
+                      "encodes to a token)")
+
+
+def start_output(out: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(fs, root) of a shard directory about to be (re)written; its old index is gone first, so a
+    crash from here on leaves no index naming half-rewritten shards."""
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.makedirs(root, exist_ok=True)
+    if fs.exists(join(root, INDEX_NAME)):
+        fs.rm(join(root, INDEX_NAME))
+    return fs, root
+
+
+def split_writers(fs: fsspec.AbstractFileSystem, root: str, dtype: str, eos: int,
+                  sample_tokens: int, shard_bytes: int) -> dict[str, _SplitWriter]:
+    return {s: _SplitWriter(fs, root, s, dtype, eos, sample_tokens, shard_bytes) for s in SPLITS}
+
+
+def finish_index(fs: fsspec.AbstractFileSystem, root: str, writers: dict[str, _SplitWriter],
+                 meta: dict) -> dict:
+    """Close the shards, then write index.json (last, via rename); `meta` holds the fields of
+    index.json other than "splits" and "format"."""
+    index = {"format": FORMAT, **{k: meta[k] for k in ("tokenizer_sha256", "vocab_size",
+                                                       "eos_id", "dtype", "sample_tokens")},
+             "splits": {s: w.finish() for s, w in writers.items()},
+             "sources": list(meta["sources"])}
+    index_path = join(root, INDEX_NAME)
     with fs.open(index_path + ".tmp", "w") as f:
         json.dump(index, f, indent=1)
     fs.mv(index_path + ".tmp", index_path)
     return index
+
+
+def shard_meta(tokenizer: Tokenizer, sample_tokens: int, sources: list[str] | None) -> dict:
+    return {"tokenizer_sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id, "dtype": token_dtype(tokenizer.vocab_size),
+            "sample_tokens": sample_tokens, "sources": list(sources or [])}
+
+
+def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
+                 heldout_fraction: float = 0.0, shard_bytes: int = 256 * 2**20,
+                 sample_tokens: int = 65536, sources: list[str] | None = None,
+                 encode_batch: int = 256, progress_every: float = 0.0, workers: int = 0) -> dict:
+    """Tokenize `documents` into train/heldout shards under `out`; write and return the index.
+
+    Documents that encode to nothing are skipped. `progress_every` > 0 shows progress (a bar on a
+    terminal; else a line of documents, docs/s and tokens/s at most that often, in seconds).
+    `workers` > 1 tokenizes in that many processes; batches come back in input order, so the
+    shards are byte-identical to workers=0. (scse_dist.data.parts splits the same work over
+    processes or jobs, with the same bytes at the end.)
+    """
+    check_layout(heldout_fraction, sample_tokens, shard_bytes)
+    fs, root = start_output(out)
+    meta = shard_meta(tokenizer, sample_tokens, sources)
+    writers = split_writers(fs, root, meta["dtype"], tokenizer.eos_id, sample_tokens, shard_bytes)
+    if tokenize_into(documents, tokenizer, writers, heldout_fraction, f"shards {out}",
+                     encode_batch, progress_every, workers) == 0:
+        raise no_documents(out)
+    return finish_index(fs, root, writers, meta)
 
 
 # --------------------------------------------------------------------------- reading

@@ -7,7 +7,12 @@ decompressed by fsspec's `compression="infer"`; .zst needs the `zstandard` packa
   (`text_split="blank_lines"`), because plain-text corpora (book dumps) are usually one huge
   file, and one document per file would make the held-out split all-or-nothing.
   `text_split="file"` makes each file one document; `text_split="wikitext"` one WikiText article.
-Empty documents are skipped. Inputs are read in the order given, globs expanded sorted.
+- `*.parquet`, a directory (its parquet files, or a `datasets.save_to_disk` dataset) and
+  `hf:NAME[:CONFIG]:SPLIT` (a Hub dataset, streamed): scse_dist.data.columnar.
+Empty documents are skipped. Inputs are read in the order given, globs expanded sorted. Rows
+(JSONL lines, parquet and dataset rows) that are empty or bad are counted in a RowStats
+(scse_dist.data.rows), which stops the read past its limit of bad rows. `part=(k, n)` reads one
+of n contiguous runs of the input's units (files, row groups), for `scse-data shards --part`.
 
 The evaluation formats have readers of their own, used by scse-eval:
 - WikiText (`wiki.{train,valid,test}.raw` or the tokenized `wiki.*.tokens`, -2 and -103 alike):
@@ -34,6 +39,18 @@ from typing import Iterator, Literal, NamedTuple
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
+from scse_dist.data.columnar import (
+    HF_PREFIX,
+    directory_files,
+    is_parquet,
+    iter_hub,
+    iter_parquet,
+    iter_saved,
+    parquet_units,
+    parse_hf,
+    saved_units,
+)
+from scse_dist.data.rows import RowStats
 
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zstd")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -42,24 +59,36 @@ _WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
 
 
 def expand_inputs(urls: list[str] | tuple[str, ...] | str) -> list[str]:
-    """URLs or globs -> the concrete file URLs, in argument order, each glob sorted."""
+    """URLs or globs -> the concrete file URLs, in argument order, each glob sorted. A directory
+    becomes its parquet files (sorted) or stays itself when it is a saved dataset; an `hf:` spec
+    stays as it is (scse_dist.data.columnar)."""
     if isinstance(urls, str):
         urls = [urls]
     import fsspec  # here, not at the top: commands that only parse their arguments skip it
 
     out: list[str] = []
     for url in urls:
+        if url.startswith(HF_PREFIX):
+            parse_hf(url)  # a malformed spec fails here, before anything is read
+            out.append(url)
+            continue
         local = "://" not in url or url.startswith("file://")
         try:
             files = fsspec.open_files(url)  # expands globs; keeps a literal path as-is
             # local files by their path: messages then name the file as the user knows it
             found = sorted(f.path if local else f.full_name for f in files)
             missing = not found or not all(files.fs.exists(f.path) for f in files)
+            inside = directory_files(files.fs, files[0].path, url) if len(files) == 1 and \
+                not missing else None
+        except (ConfigError, IsADirectoryError):
+            raise
         except Exception as exc:  # only fsspec runs here: unknown protocol, no backend, network
             raise OSError(f"input {url!r} cannot be listed: {type(exc).__name__}: {exc}") from exc
         if missing:
             raise FileNotFoundError(f"input {url!r} matches no file" +
                                     ("" if local else " (or its server cannot be reached)"))
+        if inside is not None:
+            found = [files.fs.unstrip_protocol(p) if not local else p for p in inside]
         protocol = url.split("://", 1)[0] + "://" if "://" in url else ""
         out.extend(n if "://" in n or not protocol else protocol + n for n in found)
     return out
@@ -123,7 +152,7 @@ def _lines(url: str) -> Iterator[tuple[int, str]]:
                              "suffix") from None
 
 
-def _iter_jsonl(url: str, text_field: str) -> Iterator[str]:
+def _iter_jsonl(url: str, text_field: str, stats: RowStats) -> Iterator[str]:
     for lineno, line in _lines(url):
         if not line.strip():
             continue
@@ -132,14 +161,11 @@ def _iter_jsonl(url: str, text_field: str) -> Iterator[str]:
         except json.JSONDecodeError as exc:
             raise InputError(f"{url}:{lineno}: not valid JSON ({exc.msg} at column "
                              f"{exc.colno})") from None
-        if not isinstance(obj, dict) or text_field not in obj:
-            raise InputError(f"{url}:{lineno}: no field {text_field!r} (set --text-field; keys: "
-                             f"{list(obj)[:8] if isinstance(obj, dict) else '-'})")
-        text = obj[text_field]
-        if not isinstance(text, str):
-            raise InputError(f"{url}:{lineno}: field {text_field!r} is {type(text).__name__}, "
-                             "expected a string")
-        if text.strip():
+        has = isinstance(obj, dict) and text_field in obj
+        missing = None if has else \
+            f"set --text-field; keys: {list(obj)[:8] if isinstance(obj, dict) else '-'}"
+        text = stats.take(obj[text_field] if has else None, f"{url}:{lineno}", text_field, missing)
+        if text is not None:
             yield text
 
 
@@ -160,30 +186,104 @@ def _iter_text(url: str, text_split: str) -> Iterator[str]:
         yield "".join(lines).rstrip("\n")
 
 
+class Unit(NamedTuple):
+    """A piece of the input read as one: a file, a parquet row group, rows of a saved dataset."""
+
+    url: str
+    kind: str  # "jsonl", "text", "parquet", "saved", "hub"
+    rows: range | None = None  # row groups (parquet) or rows (saved); None: all of it
+    weight: int = 1  # bytes, about: what --part balances
+
+
+def _kind(url: str) -> str:
+    if url.startswith(HF_PREFIX):
+        return "hub"
+    if is_parquet(url):
+        return "parquet"
+    if _is_jsonl(url):
+        return "jsonl"
+    return "saved" if _isdir(url) else "text"
+
+
+def _isdir(url: str) -> bool:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs.isdir(path)
+
+
+def list_units(files: list[str]) -> list[Unit]:
+    """The units of expanded inputs, in reading order, each weighed (for --part)."""
+    import fsspec
+
+    units: list[Unit] = []
+    for url in files:
+        kind = _kind(url)
+        if kind == "parquet":
+            units += [Unit(url, kind, range(g, g + 1), w) for g, w in parquet_units(url)]
+        elif kind == "saved":
+            units += [Unit(url, kind, range(a, a + n), n * 256) for a, n in saved_units(url)]
+        elif kind == "hub":
+            units.append(Unit(url, kind, None, 2**30))  # nominal: a stream has no known size
+        else:
+            fs, path = fsspec.core.url_to_fs(url)
+            units.append(Unit(url, kind, None, max(int(fs.size(path) or 1), 1)))
+    return units
+
+
+def partition(units: list[Unit], part: int, parts: int) -> list[Unit]:
+    """Part `part` of `parts` (from 0): a contiguous run of units, the runs balanced by weight,
+    so the parts read in order are the whole input in order."""
+    total = sum(u.weight for u in units) or 1
+    mine, before = [], 0
+    for u in units:
+        if min(parts - 1, (2 * before + u.weight) * parts // (2 * total)) == part:
+            mine.append(u)
+        before += u.weight
+    return mine
+
+
+def _unit_documents(u: Unit, text_field: str, text_split: str, stats: RowStats
+                    ) -> Iterator[str]:
+    if u.kind == "jsonl":
+        return _iter_jsonl(u.url, text_field, stats)
+    if u.kind == "parquet":
+        return iter_parquet(u.url, u.rows, text_field, stats)
+    if u.kind == "saved":
+        return iter_saved(u.url, u.rows, text_field, stats)
+    if u.kind == "hub":
+        return iter_hub(u.url, text_field, stats)
+    if text_split == "wikitext":
+        return iter(read_wikitext_articles(u.url))
+    return _iter_text(u.url, text_split)
+
+
 def iter_documents(urls: list[str] | tuple[str, ...] | str, text_field: str = "text",
-                   text_split: Literal["blank_lines", "file", "wikitext"] = "blank_lines"
+                   text_split: Literal["blank_lines", "file", "wikitext"] = "blank_lines",
+                   stats: RowStats | None = None, part: tuple[int, int] | None = None
                    ) -> Iterator[str]:
     """Yield every document of every input (see the module docstring for the formats).
 
-    Inputs that hold no document between them are an InputError (a job would train on nothing)."""
+    `stats` counts the rows skipped and holds the bad-row limit (scse_dist.data.rows; default:
+    stop at the first bad row). `part=(k, n)` yields only part k of n (from 0), a contiguous run
+    of the input's units (`partition`): parts 0..n-1 in turn yield what part=None does.
+    Inputs that hold no document between them are an InputError (a job would train on nothing);
+    a part may be empty."""
     if text_split not in TEXT_SPLITS:
         raise ConfigError(f"text_split: must be one of {TEXT_SPLITS}, got {text_split!r}")
+    stats = stats if stats is not None else RowStats()
     files = expand_inputs(urls)
+    units = [Unit(url, _kind(url)) for url in files] if part is None else \
+        partition(list_units(files), *part)
     n = 0
-    for url in files:
-        if _is_jsonl(url):
-            docs = _iter_jsonl(url, text_field)
-        elif text_split == "wikitext":
-            docs = iter(read_wikitext_articles(url))
-        else:
-            docs = _iter_text(url, text_split)
-        for doc in docs:
+    for u in units:
+        for doc in _unit_documents(u, text_field, text_split, stats):
             n += 1
             yield doc
-    if n == 0:
+    if n == 0 and part is None:
         names = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-        what = f"no JSONL line with a non-empty {text_field!r}" if all(map(_is_jsonl, files)) else \
-            "nothing but blank lines"
+        rows = all(_kind(f) in ("jsonl", "parquet", "saved", "hub") for f in files)
+        what = f"no row with a non-empty {text_field!r}" if rows else "nothing but blank lines"
         raise InputError(f"{names}: no documents ({what}; empty input?)")
 
 

@@ -1,0 +1,171 @@
+"""Columnar inputs of `scse-data`: parquet files, `datasets.save_to_disk` directories, Hub datasets.
+
+- `*.parquet` (any fsspec URL; a directory of them is its `*.parquet` files, sorted by path): the
+  document is each row's `text_field` column, rows in file order, row group by row group. Needs
+  pyarrow (`pip install 'scse-dist[parquet]'`).
+- a directory written by `Dataset.save_to_disk` (it holds state.json and dataset_info.json): its
+  rows in order, through `datasets.load_from_disk`. A `DatasetDict`'s directory is refused with its
+  splits named: give one split's subdirectory.
+- `hf:NAME:SPLIT` or `hf:NAME:CONFIG:SPLIT`: `datasets.load_dataset(NAME, CONFIG, split=SPLIT,
+  streaming=True)`, where the Hub (or its cache) is reachable; rows in the order the dataset
+  streams them. Both need `pip install 'scse-dist[hf-datasets]'`.
+
+Rows go through RowStats (scse_dist.data.rows): empty ones and, within its limit, bad ones
+(missing column, not a string, null) are skipped and counted. Rows are named `URL: row N`,
+counted from 0 within the file or dataset. A unit is a parquet row group, a range of
+ROWS_PER_UNIT rows of a saved dataset, or a whole Hub stream (it cannot be split without
+reading it): `--part` hands out contiguous runs of units.
+"""
+
+from __future__ import annotations
+
+import functools
+import posixpath
+from typing import Any, Iterator
+
+from scse_dist.config import ConfigError
+from scse_dist.data.rows import RowStats
+
+HF_PREFIX = "hf:"
+PARQUET_SUFFIX = ".parquet"
+ROWS_PER_UNIT = 8192  # a saved dataset's rows per unit: parts balance to within one of them
+SAVED_DATASET_FILES = ("state.json", "dataset_info.json")
+
+
+def _require(module: str, extra: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"reading this input needs the {module.split('.')[0]!r} package: "
+                          f"pip install 'scse-dist[{extra}]'") from None
+
+
+def is_parquet(url: str) -> bool:
+    return url.lower().endswith(PARQUET_SUFFIX)
+
+
+def parse_hf(spec: str) -> tuple[str, str | None, str]:
+    """'hf:NAME[:CONFIG]:SPLIT' -> (NAME, CONFIG or None, SPLIT)."""
+    parts = spec[len(HF_PREFIX):].split(":")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ConfigError(f"input {spec!r}: a Hub dataset is hf:NAME:SPLIT or "
+                          "hf:NAME:CONFIG:SPLIT (e.g. hf:wikitext:wikitext-103-raw-v1:train)")
+    return parts[0], parts[1] if len(parts) == 3 else None, parts[-1]
+
+
+def directory_files(fs: Any, path: str, url: str) -> list[str] | None:
+    """What a directory input stands for: [path] for a saved dataset, its parquet files (sorted)
+    otherwise; None when `path` is not a directory."""
+    if not fs.isdir(path):
+        return None
+    if all(fs.exists(posixpath.join(path, name)) for name in SAVED_DATASET_FILES):
+        return [path]
+    if fs.exists(posixpath.join(path, "dataset_dict.json")):
+        splits = sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)
+                        if fs.isdir(p))
+        raise ConfigError(f"input {url!r} is a datasets DatasetDict (splits {splits}); give one "
+                          f"split's directory, e.g. {url.rstrip('/')}/{(splits or ['train'])[0]}")
+    files = sorted(p for p in fs.find(path) if is_parquet(p))
+    if not files:
+        raise IsADirectoryError(f"input {url!r} is a directory, not a text or JSONL file (a "
+                                "shard directory holds index.json), and holds no .parquet file "
+                                "nor a datasets save_to_disk dataset")
+    return files
+
+
+def _open_parquet(url: str) -> Any:
+    import fsspec
+
+    pq = _require("pyarrow.parquet", "parquet")
+    try:
+        return pq.ParquetFile(fsspec.open(url, "rb").open())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"input {url!r} does not exist") from None
+    except Exception as exc:  # pyarrow's ArrowInvalid for a file that is not parquet, or fsspec's
+        from scse_dist.cli_errors import InputError
+
+        if type(exc).__name__ == "ArrowInvalid":
+            raise InputError(f"{url}: not a parquet file ({exc})") from None
+        raise OSError(f"input {url!r} cannot be opened: {type(exc).__name__}: {exc}") from exc
+
+
+def parquet_units(url: str) -> list[tuple[int, int]]:
+    """(row group, its compressed bytes) of a parquet file, in file order."""
+    meta = _open_parquet(url).metadata
+    out = []
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        size = sum(group.column(c).total_compressed_size for c in range(group.num_columns))
+        out.append((i, max(size, 1)))
+    return out
+
+
+def iter_parquet(url: str, groups: range | None, text_field: str, stats: RowStats
+                 ) -> Iterator[str]:
+    """Documents of a parquet file's row groups `groups` (all when None)."""
+    pf = _open_parquet(url)
+    meta = pf.metadata
+    names = pf.schema_arrow.names
+    first_row = [0]
+    for i in range(meta.num_row_groups):
+        first_row.append(first_row[-1] + meta.row_group(i).num_rows)
+    for g in groups if groups is not None else range(meta.num_row_groups):
+        row = first_row[g]
+        if text_field not in names:
+            missing = f"set --text-field; columns: {names[:8]}"
+            for r in range(row, first_row[g + 1]):
+                stats.take(None, f"{url}: row {r}", text_field, missing)
+            continue
+        for value in pf.read_row_group(g, columns=[text_field]).column(0).to_pylist():
+            text = stats.take(value, f"{url}: row {row}", text_field)
+            row += 1
+            if text is not None:
+                yield text
+
+
+@functools.lru_cache(maxsize=8)
+def _load_saved(path: str) -> Any:
+    datasets = _require("datasets", "hf-datasets")
+    return datasets.load_from_disk(path)
+
+
+def saved_units(path: str) -> list[tuple[int, int]]:
+    """(first row, rows) of a saved dataset's units."""
+    n = len(_load_saved(path))
+    return [(start, min(ROWS_PER_UNIT, n - start)) for start in range(0, n, ROWS_PER_UNIT)]
+
+
+def iter_saved(path: str, rows: range | None, text_field: str, stats: RowStats) -> Iterator[str]:
+    """Documents of a saved dataset's rows `rows` (all when None), in order."""
+    ds = _load_saved(path)
+    rows = rows if rows is not None else range(len(ds))
+    for start in range(rows.start, rows.stop, ROWS_PER_UNIT):
+        stop = min(start + ROWS_PER_UNIT, rows.stop)
+        if text_field not in ds.column_names:
+            missing = f"set --text-field; columns: {ds.column_names[:8]}"
+            for r in range(start, stop):
+                stats.take(None, f"{path}: row {r}", text_field, missing)
+            continue
+        for r, value in enumerate(ds[start:stop][text_field], start):
+            text = stats.take(value, f"{path}: row {r}", text_field)
+            if text is not None:
+                yield text
+
+
+def iter_hub(spec: str, text_field: str, stats: RowStats) -> Iterator[str]:
+    """Documents of a Hub dataset, streamed in the dataset's order."""
+    name, config, split = parse_hf(spec)
+    datasets = _require("datasets", "hf-datasets")
+    try:
+        ds = datasets.load_dataset(name, config, split=split, streaming=True)
+        rows = iter(ds)
+    except Exception as exc:  # no network, an unknown name, config or split: one line
+        raise OSError(f"input {spec!r} cannot be loaded: {type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    for r, row in enumerate(rows):
+        missing = None if text_field in row else f"set --text-field; columns: {list(row)[:8]}"
+        text = stats.take(row.get(text_field), f"{spec}: row {r}", text_field, missing)
+        if text is not None:
+            yield text

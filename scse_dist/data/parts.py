@@ -1,0 +1,231 @@
+"""`scse-data shards` over many processes or jobs: tokenize in parts, then merge into one index.
+
+Part K of N (`--part K/N`) reads a contiguous run of the input's units (files, parquet row
+groups, rows of a saved dataset; scse_dist.data.sources.partition) and writes its documents'
+token ids, per split, as raw arrays under `out/parts/part-K-of-N/`:
+
+    {split}.tokens   the documents' ids end to end (the shards' dtype, no eos)
+    {split}.lens     uint32, each document's length
+    part.json        written last (via rename): the counts and everything the shards depend on
+
+`scse-data merge out` then packs the parts, in part order, into samples and shards with the same
+writer a single process uses, writes index.json and removes `out/parts`. Shard and sample
+boundaries fall by token and byte counts from the start of each split, so they can only be
+placed once the whole stream before them is known: tokenizing (the costly step) runs in parallel,
+packing (array slicing and tar writing) once, and the result is byte for byte what one process
+writes. The parts take about the space of the shards until the merge removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Iterable, Iterator, Sequence
+
+import fsspec
+import numpy as np
+
+from scse_dist.cli_errors import InputError
+from scse_dist.data.shards import (
+    SPLITS,
+    check_layout,
+    finish_index,
+    join,
+    no_documents,
+    shard_meta,
+    split_writers,
+    start_output,
+    tokenize_into,
+)
+from scse_dist.data.tokenizer import Tokenizer
+
+PARTS_DIR = "parts"
+PART_META = "part.json"
+_FLUSH_BYTES = 16 << 20  # a part writes its arrays in pieces of about this size
+_READ_DOCS = 1 << 18  # the merge reads a part's documents this many at a time
+
+
+def part_dir(root: str, k: int, n: int) -> str:
+    return join(join(root, PARTS_DIR), f"part-{k:05d}-of-{n:05d}")
+
+
+class _PartWriter:
+    """One split of one part: token ids and lengths appended to two raw files."""
+
+    def __init__(self, fs: Any, root: str, split: str, dtype: str):
+        self.fs, self.root, self.split, self.dtype = fs, root, split, np.dtype(dtype)
+        self.files = {k: fs.open(join(root, f"{split}.{k}.tmp"), "wb") for k in ("tokens", "lens")}
+        self.pending: list[Any] = []
+        self.pending_tokens = self.documents = self.tokens = 0
+
+    def add(self, ids: Any) -> None:
+        self.pending.append(ids)
+        self.pending_tokens += len(ids)
+        if self.pending_tokens * self.dtype.itemsize >= _FLUSH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        lens = np.array([len(d) for d in self.pending], dtype=np.uint32)
+        self.files["tokens"].write(np.concatenate(
+            [np.asarray(d, dtype=self.dtype) for d in self.pending]).tobytes())
+        self.files["lens"].write(lens.tobytes())
+        self.documents += len(lens)
+        self.tokens += self.pending_tokens
+        self.pending, self.pending_tokens = [], 0
+
+    def finish(self) -> dict:
+        self._flush()
+        for kind, f in self.files.items():
+            f.close()
+            name = join(self.root, f"{self.split}.{kind}")
+            self.fs.mv(name + ".tmp", name)
+        return {"documents": self.documents, "tokens": self.tokens}
+
+
+def write_part(documents: Iterable[str], tokenizer: Tokenizer, out: str, part: tuple[int, int],
+               heldout_fraction: float = 0.0, shard_bytes: int = 256 * 2**20,
+               sample_tokens: int = 65536, sources: list[str] | None = None,
+               encode_batch: int = 256, progress_every: float = 0.0, workers: int = 0) -> dict:
+    """Tokenize part `part` = (K, N) of the documents (already narrowed to it by the caller) into
+    out/parts/part-K-of-N; return its part.json. A part may hold no document."""
+    check_layout(heldout_fraction, sample_tokens, shard_bytes)
+    k, n = part
+    fs, root = fsspec.core.url_to_fs(out)
+    here = part_dir(root, k, n)
+    fs.makedirs(here, exist_ok=True)
+    if fs.exists(join(here, PART_META)):
+        fs.rm(join(here, PART_META))  # a crash from here on leaves the part unfinished, not stale
+    meta = shard_meta(tokenizer, sample_tokens, sources)
+    writers = {s: _PartWriter(fs, here, s, meta["dtype"]) for s in SPLITS}
+    tokenize_into(documents, tokenizer, writers, heldout_fraction, f"shards {out} part {k}/{n}",
+                  encode_batch, progress_every, workers)
+    record = {**meta, "part": k, "parts": n, "shard_bytes": shard_bytes,
+              "heldout_fraction": heldout_fraction,
+              "splits": {s: w.finish() for s, w in writers.items()}}
+    with fs.open(join(here, PART_META + ".tmp"), "w") as f:
+        json.dump(record, f, indent=1)
+    fs.mv(join(here, PART_META + ".tmp"), join(here, PART_META))
+    return record
+
+
+def _read_parts(fs: Any, root: str, out: str) -> list[dict]:
+    base = join(root, PARTS_DIR)
+    metas = []
+    for path in sorted(fs.glob(join(base, "part-*-of-*/" + PART_META))):
+        with fs.open(path, "r") as f:
+            metas.append(json.load(f))
+    if not metas:
+        raise FileNotFoundError(f"{join(out, PARTS_DIR)}: no finished part to merge (run "
+                                "`scse-data shards ... --part K/N` for K = 0..N-1 first)")
+    n = metas[0]["parts"]
+    if any(m["parts"] != n for m in metas):
+        raise InputError(f"{join(out, PARTS_DIR)}: parts of different splits "
+                         f"({sorted({m['parts'] for m in metas})} parts); remove the stale ones")
+    missing = sorted(set(range(n)) - {m["part"] for m in metas})
+    if missing:
+        raise InputError(f"{join(out, PARTS_DIR)}: parts {missing} of {n} are missing or "
+                         f"unfinished; run `scse-data shards ... --part K/{n}` for them")
+    keys = ("tokenizer_sha256", "vocab_size", "dtype", "sample_tokens", "shard_bytes",
+            "heldout_fraction", "sources")
+    for m in metas:
+        for key in keys:
+            if m[key] != metas[0][key]:
+                raise InputError(f"{join(out, PARTS_DIR)}: part {m['part']} has {key} "
+                                 f"{m[key]!r}, part {metas[0]['part']} {metas[0][key]!r}; "
+                                 "every part must run the same command")
+    return sorted(metas, key=lambda m: m["part"])
+
+
+def _part_documents(fs: Any, here: str, split: str, dtype: np.dtype, documents: int
+                    ) -> Iterator[np.ndarray]:
+    """A part's documents of one split, as array slices, in order."""
+    with fs.open(join(here, f"{split}.lens"), "rb") as lf, \
+            fs.open(join(here, f"{split}.tokens"), "rb") as tf:
+        left = documents
+        while left:
+            lens = np.frombuffer(lf.read(min(left, _READ_DOCS) * 4), dtype=np.uint32)
+            tokens = np.frombuffer(tf.read(int(lens.sum(dtype=np.int64)) * dtype.itemsize),
+                                   dtype=dtype)
+            if not len(lens) or len(tokens) != int(lens.sum(dtype=np.int64)):
+                raise InputError(f"{here}: {split}.tokens or {split}.lens is shorter than "
+                                 "part.json says; rerun this part")
+            ends = np.cumsum(lens, dtype=np.int64)
+            for a, b in zip(ends - lens, ends):
+                yield tokens[a:b]
+            left -= len(lens)
+
+
+def merge_parts(out: str) -> dict:
+    """Pack every part under out/parts into the shards and index.json one process would have
+    written, then remove out/parts; return the index."""
+    fs, root = fsspec.core.url_to_fs(out)
+    metas = _read_parts(fs, root, out)
+    if sum(m["splits"][s]["documents"] for m in metas for s in SPLITS) == 0:
+        raise no_documents(out)
+    first = metas[0]
+    fs, root = start_output(out)
+    writers = split_writers(fs, root, first["dtype"], first["eos_id"], first["sample_tokens"],
+                            first["shard_bytes"])
+    dtype = np.dtype(first["dtype"])
+    for m in metas:
+        here = part_dir(root, m["part"], m["parts"])
+        for split in SPLITS:
+            for doc in _part_documents(fs, here, split, dtype, m["splits"][split]["documents"]):
+                writers[split].add(doc)
+    index = finish_index(fs, root, writers, first)
+    fs.rm(join(root, PARTS_DIR), recursive=True)
+    return index
+
+
+def run_parts(argvs: Sequence[Sequence[str]]) -> tuple[int, int]:
+    """Run the part commands at once, each in a process group of its own; SIGINT and SIGTERM are
+    forwarded to all of them (then KeyboardInterrupt), and the first that fails stops the others.
+    Returns (0, -1), or the exit status and number of the first part that failed (its own error
+    line is already on stderr)."""
+    procs = [subprocess.Popen(list(a), start_new_session=True) for a in argvs]
+    received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    failed, which = 0, -1
+    try:
+        pending = list(procs)
+        while pending:
+            time.sleep(0.05)
+            for p in [p for p in pending if p.poll() is not None]:
+                pending.remove(p)
+                if p.returncode and not failed:
+                    failed = p.returncode if p.returncode > 0 else 128 - p.returncode
+                    which = procs.index(p)
+                    for other in pending:  # the merge needs every part: the rest is wasted work
+                        with contextlib.suppress(ProcessLookupError):
+                            other.terminate()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+    if received:
+        raise KeyboardInterrupt
+    return failed, which
+
+
+def part_command(argv: Sequence[str], k: int, n: int) -> list[str]:
+    """This interpreter running `scse-data <argv> --part k/n`."""
+    return [sys.executable, "-m", "scse_dist.data.cli", *argv, "--part", f"{k}/{n}"]
