@@ -10,7 +10,9 @@
 first schedules the evaluation jobs on backend B after this job (`--schedule-evals`, once per job
 id), then every task trains (scse-train as a child, signals forwarded), then, with `--evaluate`,
 the first task evaluates every eval task and writes the run's report inside the job. Its exit
-status is training's: 75 when training was preempted and saved (a backend that can requeue does).
+status is training's: 75 when training was preempted and saved (a backend that can requeue does);
+after a crash, the first rank that failed requeues the job itself, up to train.max_retries times
+(scse_dist.launch.retries).
 Command lines of the installed package, rather than scripts of a checkout or pickled functions,
 so that any backend runs them from any directory. `run-dir` is for a batch script
 (slurm/pretrain.sh): where the run's logs go, known before anything else runs.
@@ -27,7 +29,8 @@ from typing import Sequence
 from scse_dist.cli_errors import cli_main
 from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch.children import run_child
-from scse_dist.launch.scheduler import evaluate_all, report_run, schedule_evals
+from scse_dist.launch.retries import CrashWatch, after_failure
+from scse_dist.launch.scheduler import LOGS, evaluate_all, report_run, schedule_evals
 
 
 def train_job(config: str, overrides: list[str], evaluate: bool, schedule_on: str | None) -> int:
@@ -44,11 +47,16 @@ def train_job(config: str, overrides: list[str], evaluate: bool, schedule_on: st
             schedule_evals(cfg, job_id, backend)
     # evaluated below: the trainer's own held-out evaluation after training would repeat it
     extra = ["eval.after_train=false"] if evaluate else []
+    watch = CrashWatch()  # its stderr passes through, its crash line is kept
     ended = run_child([sys.executable, "-m", "scse_dist.train.cli", "--config", config, *overrides,
-                       *extra])
+                       *extra], on_stderr_line=watch)
     if ended.status == 0 and evaluate and first:
         print(f"scse-launch: report {evaluate_all(cfg)}", flush=True)
-    return ended.status
+    if ended.status != 0 and ended.signal_name is None:  # failed by itself: retried if a crash
+        after_failure(Path(cfg.run_dir).resolve() / LOGS, cfg.train.max_retries, ended.status,
+                      resolve_dist_env(os.environ).rank, watch)
+    # a trainer a signal killed: the shell's 128 + N (a negative exit status would wrap mod 256)
+    return ended.status if ended.status >= 0 else 128 - ended.status
 
 
 @cli_main("scse-launch")
