@@ -342,6 +342,9 @@ NOT_RUN = {
     "pytest": "runs the test suite's fast tier",
     "pytest -m slow": "runs the test suite's slow tier, this test included",
     "scse-launch configs/gpt2-small-scse.yaml": SLURM,
+    "sbatch --nodes=4 slurm/pretrain.sh configs/gpt2-small-scse.yaml":
+        "needs a Slurm cluster with GPUs; tests/test_slurm_pretrain.py sbatches slurm/pretrain.sh "
+        "on a real local Slurm (2 CPU tasks, a tiny config) from a directory outside the checkout",
     "sbatch slurm/eval.sh --checkpoint runs/NAME/export --task lambada --data lambada_test.jsonl --out x.json":
         SLURM,
 }

@@ -4,14 +4,18 @@
                                              [--schedule-evals B]
     python -m scse_dist.launch.run_job evaluate RUN_DIR TASK   # RUN/eval/TASK.json
     python -m scse_dist.launch.run_job report RUN_DIR          # RUN/eval/report.md
+    python -m scse_dist.launch.run_job run-dir CONFIG [key=value ...]  # prints RUN (absolute)
 
 `train` is the one training job: it runs in every task of the job (one per rank); the first task
 first schedules the evaluation jobs on backend B after this job (`--schedule-evals`, once per job
 id), then every task trains (scse-train as a child, signals forwarded), then, with `--evaluate`,
 the first task evaluates every eval task and writes the run's report inside the job. Its exit
-status is training's: 75 when training was preempted and saved (a backend that can requeue does).
+status is training's: 75 when training was preempted and saved (a backend that can requeue does);
+after a crash, the first rank that failed requeues the job itself, up to train.max_retries times
+(scse_dist.launch.retries).
 Command lines of the installed package, rather than scripts of a checkout or pickled functions,
-so that any backend runs them from any directory.
+so that any backend runs them from any directory. `run-dir` is for a batch script
+(slurm/pretrain.sh): where the run's logs go, known before anything else runs.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from scse_dist.cli_errors import cli_main
 from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch.children import run_child
-from scse_dist.launch.scheduler import evaluate_all, report_run, schedule_evals
+from scse_dist.launch.retries import CrashWatch, after_failure
+from scse_dist.launch.scheduler import LOGS, evaluate_all, report_run, schedule_evals
 
 
 def train_job(config: str, overrides: list[str], evaluate: bool, schedule_on: str | None) -> int:
@@ -41,25 +47,36 @@ def train_job(config: str, overrides: list[str], evaluate: bool, schedule_on: st
             schedule_evals(cfg, job_id, backend)
     # evaluated below: the trainer's own held-out evaluation after training would repeat it
     extra = ["eval.after_train=false"] if evaluate else []
+    watch = CrashWatch()  # its stderr passes through, its crash line is kept
     ended = run_child([sys.executable, "-m", "scse_dist.train.cli", "--config", config, *overrides,
-                       *extra])
+                       *extra], on_stderr_line=watch)
     if ended.status == 0 and evaluate and first:
         print(f"scse-launch: report {evaluate_all(cfg)}", flush=True)
-    return ended.status
+    if ended.status != 0 and ended.signal_name is None:  # failed by itself: retried if a crash
+        after_failure(Path(cfg.run_dir).resolve() / LOGS, cfg.train.max_retries, ended.status,
+                      resolve_dist_env(os.environ).rank, watch)
+    # a trainer a signal killed: the shell's 128 + N (a negative exit status would wrap mod 256)
+    return ended.status if ended.status >= 0 else 128 - ended.status
 
 
 @cli_main("scse-launch")
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scse_dist.launch.run_job")
-    p.add_argument("what", choices=["train", "evaluate", "report"])
-    p.add_argument("target", help="train: the run config; evaluate, report: the run dir")
-    p.add_argument("rest", nargs="*", help="train: key=value overrides; evaluate: the TASK")
+    p.add_argument("what", choices=["train", "evaluate", "report", "run-dir"])
+    p.add_argument("target", help="train, run-dir: the run config; evaluate, report: the run dir")
+    p.add_argument("rest", nargs="*",
+                   help="train, run-dir: key=value overrides; evaluate: the TASK")
     p.add_argument("--evaluate", action="store_true", help="train: then evaluate and report here")
     p.add_argument("--schedule-evals", metavar="BACKEND",
                    help="train: first submit the evaluation jobs after this job on BACKEND")
     args = p.parse_intermixed_args(argv)
     if args.what == "train":
         return train_job(args.target, args.rest, args.evaluate, args.schedule_evals)
+    if args.what == "run-dir":
+        from scse_dist.config import load_config
+
+        print(Path(load_config(args.target, args.rest).run_dir).resolve())
+        return 0
     if args.what == "evaluate":
         if len(args.rest) != 1:
             p.error("evaluate needs one TASK")

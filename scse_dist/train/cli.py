@@ -26,6 +26,8 @@ from scse_dist.config import config_yaml, load_config
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 EXIT_STATUSES = """exit statuses:
   0    finished: checkpoint, export (and evaluation) written
+  1    a crash (an exception; "rank R crashed after step N" says where): a Slurm training job
+       requeues itself up to train.max_retries times
   2    bad arguments or config, before anything starts (one line naming the field)
   3    train.max_nonfinite_steps non-finite steps in a row; the last good checkpoint is kept
   65   bad input data (another tokenizer's shards, corrupt data past data.max_failures)

@@ -121,6 +121,11 @@ class TrainConfig:
     # A step whose loss or gradient is NaN/Inf on any rank is skipped; this many in a row stop
     # the run (exit status 3) with the last good checkpoint left as it was.
     max_nonfinite_steps: int = 5
+    # A training job that crashed (any exit but 0, bad config/input 2/65/66, 3 above, 75
+    # preempted, 130 Ctrl-C) is requeued this many times on a batch system that can requeue
+    # (Slurm), resuming from the latest verified checkpoint; the same failure at the same step
+    # twice stops it sooner (scse_dist.launch.retries). 0: never.
+    max_retries: int = 2
     # torch.compile each block's math (regional: one graph for every loop step and depth T).
     compile: bool = False
     # Warm start: an export dir or URL whose weights (only) a new run starts from; a run that
@@ -160,7 +165,8 @@ class TrainConfig:
         for name, value in {"warmup_steps": self.warmup_steps,
                             "global_batch_size": self.global_batch_size,
                             "micro_batch_memory_gib": self.micro_batch_memory_gib,
-                            "diagnostics_every": self.diagnostics_every or 0}.items():
+                            "diagnostics_every": self.diagnostics_every or 0,
+                            "max_retries": self.max_retries}.items():
             if value < 0:
                 raise ConfigError(f"train.{name}: must be >= 0, got {value}")
         self.depth.check()

@@ -19,6 +19,10 @@ metrics; no rank means every rank) lets tests drive these paths in real processe
                       output_dir (committed locally, half uploaded, remote `latest` not moved)
   stall@3             step 3 prints "fault: stalling step 3" and sleeps $SCSE_FAULT_STALL_S
                       seconds (default 60) before it runs: a step in flight to interrupt
+  crash@8:rank1       rank 1 raises RuntimeError as step 8 starts, at every start of the job: a
+                      crash that repeats (the launcher's retries stop on it)
+  crash_once@8        the same, only at the job's first start (SLURM_RESTART_COUNT unset or 0):
+                      a crash a retry gets past
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process 
 FAULT_ENV = "SCSE_FAULT"
 STALL_ENV = "SCSE_FAULT_STALL_S"
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_KINDS = {"nan", "sigterm", "sigusr1", "kill_in_save", "kill_in_upload", "stall"}
+_KINDS = {"nan", "sigterm", "sigusr1", "kill_in_save", "kill_in_upload", "stall", "crash",
+          "crash_once"}
 _FIRST_CTRL_C = (b"scse-train: Ctrl-C: finishing the step in flight, saving a checkpoint, then "
                  b"exiting (status 75; rerun to resume). Ctrl-C again stops at once without "
                  b"saving.\n")
@@ -142,6 +147,9 @@ class FaultInjector:
         if self._due("stall", step):
             print(f"fault: stalling step {step}", flush=True)
             time.sleep(float(os.environ.get(STALL_ENV, "60")))
+        first_start = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+        if self._due("crash", step) or (first_start and self._due("crash_once", step)):
+            raise RuntimeError(f"fault: crash at step {step}")
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         return loss * float("nan") if self._due("nan", step) else loss

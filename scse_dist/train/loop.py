@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import sys
 import time
 from typing import Any, Sequence
 
@@ -22,6 +23,7 @@ from scse_dist.checkpoint.manifest import CONFIG_NAME
 from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
 from scse_dist.checkpoint.tags import checkpoint_dir, resume_if_present
+from scse_dist.cli_errors import exit_status, one_line
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
 from scse_dist.distributed import abandon, barrier, describe_placement, init_distributed, shutdown
 from scse_dist.run_dir import EVAL_NAME, EXPORT_NAME, METRICS_NAME, RunDir
@@ -99,6 +101,12 @@ def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
             _run(state, state.callbacks, preemption)
         except TrainingStopped:  # agreed by every rank: an orderly end, then the exit status
             _teardown(state, state.callbacks)
+            raise
+        except Exception as exc:
+            if exit_status(exc) is None:  # a crash, not bad input: its rank and step, in one
+                # line that the launcher's retries read (scse_dist.launch.retries.CRASH_LINE)
+                print(f"scse-train: rank {state.env.rank} crashed after step {state.step}: "
+                      f"{type(exc).__name__}: {one_line(exc)}", file=sys.stderr, flush=True)
             raise
     finally:
         preemption.release(state)

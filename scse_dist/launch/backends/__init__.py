@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from scse_dist.launch.backends.base import Backend, BackendError, Job, Resources, Task
 from scse_dist.launch.backends.local import LocalBackend
 from scse_dist.launch.backends.slurm import SlurmBackend
@@ -9,8 +11,20 @@ from scse_dist.launch.backends.slurm import SlurmBackend
 BACKENDS: dict[str, type[Backend]] = {"slurm": SlurmBackend, "local": LocalBackend}
 
 __all__ = ["BACKENDS", "Backend", "BackendError", "Job", "LocalBackend", "Resources",
-           "SlurmBackend", "Task", "get_backend"]
+           "SlurmBackend", "Task", "current_backend", "get_backend"]
 
 
 def get_backend(name: str) -> Backend:
     return BACKENDS[name]()
+
+
+def current_backend() -> Optional[tuple[Backend, str]]:
+    """The backend whose job this process runs in, and the job's id; None outside any job. The
+    local backend first: its job variable is set for its own children only, so a local job
+    inside a Slurm allocation is the local backend's."""
+    for name in ("local", "slurm"):
+        backend = get_backend(name)
+        job_id = backend.current_job()
+        if job_id:
+            return backend, job_id
+    return None

@@ -62,6 +62,8 @@ class Backend(abc.ABC):
     # True: each job runs to its end inside submit() (this machine), so a run is best evaluated
     # inside its training job; False: jobs queue (a cluster), evaluations are jobs of their own.
     runs_in_place: bool = False
+    # True: requeue() works (a crashed training job is retried: scse_dist.launch.retries)
+    requeues: bool = False
 
     @abc.abstractmethod
     def submit(self, job: Job) -> str:
@@ -87,6 +89,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def request_flags(self, job: Job) -> list[str]:
         """The job's resource request as the user would write it (error messages name these)."""
+
+    def current_start(self) -> int:
+        """How many times the job this process runs in was requeued before this start (0: its
+        first start); a job that cannot be requeued always starts once."""
+        return 0
+
+    def requeue(self, job_id: str) -> None:
+        """Put job `job_id` (running: the job this process runs in) back in the queue, to start
+        again under the same id. BackendError where the batch system cannot."""
+        raise BackendError(f"the {self.name} backend cannot requeue a job")
 
     def ended_with(self, job_id: str) -> Optional[int]:
         """The job's exit status if it already ended by the time `submit` returned (a backend

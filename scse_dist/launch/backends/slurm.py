@@ -109,6 +109,7 @@ def _last_line(text: str) -> str:
 
 class SlurmBackend(Backend):
     name = "slurm"
+    requeues = True
 
     def __init__(self) -> None:
         self._submitted: dict[str, Path] = {}  # job id -> its submitit folder, for cancel
@@ -191,6 +192,15 @@ class SlurmBackend(Backend):
 
     def current_job(self) -> Optional[str]:
         return os.environ.get("SLURM_JOB_ID")
+
+    def current_start(self) -> int:
+        return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+    def requeue(self, job_id: str) -> None:
+        # what submitit's requeue runs too; the job needs --requeue (every job here asks for it)
+        out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise BackendError(f"scontrol requeue {job_id} failed: {_last_line(out.stderr)}")
 
     def request_flags(self, job: Job) -> list[str]:
         params = resource_parameters(job.resources)

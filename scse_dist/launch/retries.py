@@ -1,0 +1,192 @@
+"""Crash retries of a training job: which failures requeue it, the record of its failed starts
+(RUN/logs/retries.json), and the refusal to loop on a failure that repeats.
+
+Training's exit status on one rank (scse_dist.train.cli), as `run_job train` reads it:
+  0, 75          finished; preempted and saved (a 75 is requeued by the backend, as before)
+  2, 65, 66      bad config or input: a rerun fails the same way; never retried
+  3              train.max_nonfinite_steps in a row: the same data would diverge again; never
+  130            a second Ctrl-C: the user stopped it; never
+  anything else  a crash (an exception, a signal such as SIGKILL or SIGSEGV): the job is
+                 requeued, at most train.max_retries times, and its next start resumes from the
+                 latest verified checkpoint (scse_dist.checkpoint.resume)
+
+Every task of the job runs `run_job train`, and one rank's crash ends its peers (a collective
+with a dead peer fails; srun --kill-on-bad-exit SIGTERMs the rest): one decision per start, by the
+first rank whose trainer failed. It claims the start (RUN/logs/retries/<job>.<start>, created
+exclusively: a rank that comes later decides nothing, and so does one that a signal stopped),
+takes the step and the failure's signature from the trainer's crash line (CRASH_LINE, printed by
+scse_dist.train.loop), appends the start to retries.json, and requeues the job or says in one
+line why not: this job already failed after the same step with the same signature (a retry would
+loop), or its train.max_retries retries are used. Both count per job id: a new submission starts
+afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from scse_dist.atomic import atomic_write_text
+from scse_dist.launch.backends import BackendError, current_backend
+from scse_dist.launch.children import REQUEUE_EXIT_CODE
+from scse_dist.run_dir import CHECKPOINTS_NAME
+
+RECORD_NAME = "retries.json"  # in RUN/logs
+CLAIMS_NAME = "retries"  # RUN/logs/retries/<job>.<start>: the start's failure was decided
+NEVER_RETRIED = {2: "bad config", 3: "non-finite steps", 65: "bad input data",
+                 66: "a missing or unreadable input", 130: "a second Ctrl-C"}
+# scse_dist.train.loop prints it on the rank whose step raised: rank, last finished step, error
+CRASH_LINE = re.compile(r"^scse-train: rank (\d+) crashed after step (\d+): (.+)$")
+# what differs between two starts of the same failure: object addresses, a peer's port
+_VARYING = [(re.compile(r"0x[0-9a-fA-F]+"), "0x?"), (re.compile(r"(\]|\d):\d{2,5}\b"), r"\1:?")]
+
+
+def is_crash(status: int) -> bool:
+    """Whether an exit status of training is a crash, which a retry may get past."""
+    return status not in (0, REQUEUE_EXIT_CODE) and status not in NEVER_RETRIED
+
+
+@dataclass
+class Failure:
+    """One failed start, as retries.json records it."""
+
+    job: str
+    start: int  # 0: the job's first start
+    rank: int
+    exit: int
+    step: int  # the last step it finished
+    signature: str  # the error (or the exit status / signal when the trainer said nothing)
+    latest_checkpoint: Optional[str]  # the tag `latest` named when it failed
+    decision: str = ""  # retry | stop
+    time: str = ""
+
+
+class CrashWatch:
+    """run_child's on_stderr_line for the trainer: passes every line on to this process's stderr
+    and keeps the crash line, if the trainer printed one."""
+
+    def __init__(self) -> None:
+        self.crash: Optional[tuple[int, int, str]] = None  # rank, step, error
+
+    def __call__(self, line: str) -> None:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        found = CRASH_LINE.match(line.rstrip("\n"))
+        if found:
+            self.crash = int(found[1]), int(found[2]), found[3]
+
+
+def _last_logged_step(run_dir: Path) -> int:
+    """The last step metrics.jsonl holds (where a rank that said nothing got to, roughly)."""
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
+def _latest_tag(run_dir: Path) -> Optional[str]:
+    try:
+        return (run_dir / CHECKPOINTS_NAME / "latest").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def failure_of(status: int, rank: int, watch: CrashWatch, run_dir: Path, job: str,
+               start: int) -> Failure:
+    if watch.crash is not None:
+        rank, step, error = watch.crash
+        signature = error
+        for varying, same in _VARYING:
+            signature = varying.sub(same, signature)
+    else:  # killed (OOM, a segfault) or died before the loop: the status is all there is
+        step = _last_logged_step(run_dir)
+        signature = f"killed by {signal.Signals(-status).name}" if status < 0 else \
+            f"exit {status}"
+    return Failure(job, start, rank, status, step, signature, _latest_tag(run_dir))
+
+
+def _claim(claims: Path, job: str, start: int) -> bool:
+    claims.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(claims / f"{job}.{start}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def read_record(path: Path) -> list[dict]:
+    try:
+        return json.loads(path.read_text())["starts"]
+    except FileNotFoundError:
+        return []
+    except (ValueError, KeyError, TypeError):  # unreadable: the retries start counting afresh
+        print(f"scse-launch: {path} is not a retry record; starting a new one", file=sys.stderr)
+        return []
+
+
+def decide(logs: Path, failure: Failure, max_retries: int) -> Optional[tuple[bool, str]]:
+    """Record `failure` with its decision: (retry or not, the one line that says so). None:
+    another rank already decided this start (nothing recorded)."""
+    if not _claim(logs / CLAIMS_NAME, failure.job, failure.start):
+        return None
+    record = logs / RECORD_NAME
+    starts = read_record(record)
+    earlier = [s for s in starts if s.get("job") == failure.job]
+    same = next((s for s in earlier if s.get("step") == failure.step
+                 and s.get("signature") == failure.signature), None)
+    retried = sum(s.get("decision") == "retry" for s in earlier)
+    what = (f"scse-launch: training crashed on rank {failure.rank} after step {failure.step} "
+            f"(exit {failure.exit}: {failure.signature})")
+    if same is not None:
+        failure.decision = "stop"
+        line = (f"{what}: the same failure after the same step as start {same['start'] + 1} of "
+                f"job {failure.job}; not retrying, it would fail again ({record})")
+    elif retried >= max_retries:
+        failure.decision = "stop"
+        line = f"{what}: not retrying, train.max_retries={max_retries} " + \
+            ("" if max_retries == 0 else f"and {retried} retries used ") + f"({record})"
+    else:
+        failure.decision = "retry"
+        line = (f"{what}: retry {retried + 1} of {max_retries}, requeueing job {failure.job}; "
+                f"it resumes from the latest verified checkpoint "
+                f"({failure.latest_checkpoint or 'none yet: from the start'})")
+    failure.time = time.strftime("%Y-%m-%dT%H:%M:%S")
+    atomic_write_text(record, json.dumps({"starts": [*starts, asdict(failure)]}, indent=2) + "\n")
+    return failure.decision == "retry", line
+
+
+def after_failure(logs: Path, max_retries: int, status: int, rank: int,
+                  watch: CrashWatch) -> None:
+    """What `run_job train` does once its trainer failed on its own (no signal forwarded to it)
+    with the run's log dir `logs`: a crash, inside a job of a backend that requeues, is decided
+    (above) and maybe requeued."""
+    where = current_backend()
+    if not is_crash(status) or where is None or not where[0].requeues:
+        return
+    backend, job = where
+    failure = failure_of(status, rank, watch, logs.parent, job, backend.current_start())
+    decided = decide(logs, failure, max_retries)
+    if decided is None:
+        return
+    retry, line = decided
+    if retry:
+        try:
+            backend.requeue(job)
+        except BackendError as exc:
+            line += f"; the requeue failed: {exc}"
+    print(line, file=sys.stderr, flush=True)
