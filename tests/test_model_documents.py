@@ -225,3 +225,17 @@ def test_the_backend_is_logged_once_per_process(monkeypatch, capsys) -> None:
     document_mask(docs)
     assert capsys.readouterr().err == \
         "model.document_mask: attention within documents through sdpa (cpu)\n"
+
+
+def test_compiled_blocks_take_the_document_mask(monkeypatch) -> None:
+    """train.compile: the regional compile of the blocks' math gives the eager masked logits."""
+    monkeypatch.setenv("SCSE_COMPILE_BACKEND", "aot_eager")
+    torch.manual_seed(0)
+    model = LoopedLM(tiny()).eval()
+    tokens = torch.stack([packed_row(torch.Generator().manual_seed(10))[0]])
+    docs = document_ids(tokens, EOS)
+    with torch.no_grad():
+        eager = model(tokens, depth=2, document_ids=docs).logits
+        model.compile_blocks()
+        compiled = model(tokens, depth=2, document_ids=docs).logits
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
