@@ -64,8 +64,8 @@ class DepthScorer:
     added to it)."""
 
     def __init__(self, model: LoopedLM, depths: list[int],
-                 exit_stats: Optional[ExitStats] = None) -> None:
-        self.model = model
+                 exit_stats: Optional[ExitStats] = None, eos_id: Optional[int] = None) -> None:
+        self.model, self.eos_id = model, eos_id
         self.depths = resolve_depths(model, depths)
         if exit_stats is not None:
             self.depths = [exit_stats.depth(self.depths)]
@@ -96,12 +96,14 @@ class DepthScorer:
                      ) -> Iterator[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Per depth: the head's inputs (N, d) at the scored positions and the head weight, or
         (exit rule: the model forms its logits itself) the logits (N, V) and None."""
+        docs = None if self.eos_id is None else self.model.documents(inputs, self.eos_id)
         if self.exit_stats is not None:
-            out = self.model(inputs, depth=self.depths[0], exit_rule=self.exit_stats.rule)
+            out = self.model(inputs, depth=self.depths[0], exit_rule=self.exit_stats.rule,
+                             document_ids=docs)
             self.exit_stats.add(out.steps_used, scored)
             yield out.logits[scored], None
             return
-        for _, hidden in self.model.iter_depth_head_inputs(inputs, self.depths):
+        for _, hidden in self.model.iter_depth_head_inputs(inputs, self.depths, docs):
             yield hidden[scored], self.model.head_weight
 
     def _head(self, hidden: torch.Tensor, weight: Optional[torch.Tensor], wanted: torch.Tensor

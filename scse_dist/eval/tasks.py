@@ -353,7 +353,8 @@ def heldout_rows(run: TaskRun) -> list[dict]:
     try:
         with _progress(run.desc, run.max_batches or None, "batch") as bar:
             return evaluate_heldout(run.model, run.inputs, run.depths, max_batches=run.max_batches,
-                                    exit_stats=run.exit_stats, progress=bar)
+                                    exit_stats=run.exit_stats, progress=bar,
+                                    eos_id=run.inputs.eos)
     except HeldoutInterrupted as stop:
         raise TaskInterrupted(stop.rows, stop.batches, run.max_batches or None, "batch") from None
 

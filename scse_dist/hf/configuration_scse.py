@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 
 from .blocks import Block  # noqa: F401
 from .config import VALUE_BEFORE_FIELD, ModelConfig
+from .documents import AttnMask  # noqa: F401
 
 # transformers 4.57 copies only the modules this file imports itself; transitions.py reaches
 # config.py, and these are reached too (see modeling_scse.py).

@@ -37,6 +37,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .blocks import Block  # noqa: F401
 from .config import ModelConfig  # noqa: F401
 from .configuration_scse import ScseConfig
+from .documents import AttnMask  # noqa: F401
 from .exit_rules import parse_exit_rule
 from .kv_cache import KVCache
 from .looped_lm import LoopedLM

@@ -1,4 +1,5 @@
-"""Transformer building blocks: RMSNorm, RoPE, causal attention (SDPA), SwiGLU, and one `Block`.
+"""Transformer building blocks: RMSNorm, RoPE, causal attention (SDPA; documents.py for the
+document mask), SwiGLU, and one `Block`.
 
 The residual form is a switch of `Block` (config `residual`):
   preln     h + G(LN(h))                  (GPT-2 style init)
@@ -19,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .documents import AttnMask, attend
 from .transitions import Transition, transition_for
 
 
@@ -121,8 +123,9 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: RopeTables,
-                mask: Optional[torch.Tensor] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
-        """mask: None (plain causal, the training path) or attention_mask_4d's (B, 1, S, S).
+                mask: Optional[AttnMask] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
+        """mask: None (plain causal, the training path), attention_mask_4d's (B, 1, S, S), or a
+        document mask (documents.document_mask: SDPA's bool mask or a FlexMask).
         kv: a KVHook whose update(k, v) gives the keys/values attended to (after RoPE)."""
         b, s, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
@@ -132,10 +135,7 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if kv is not None:
             k, v = kv.update(k, v)
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = attend(q, k, v, mask)
         return self.proj(y.transpose(1, 2).reshape(b, s, d))
 
 
@@ -157,7 +157,8 @@ class Block(nn.Module):
     `checkpointed` (set by the owner for activation_checkpointing=block) recomputes the block in
     backward with non-reentrant torch checkpointing: reentrant breaks ZeRO-2/3 and DDP when a
     module runs several times per step. `rope` comes from the model's forward (rope_tables); a
-    block called on its own makes its own. `mask` (attention_mask_4d) only for padded batches.
+    block called on its own makes its own. `mask` (attention_mask_4d) only for padded batches,
+    or a document mask (model.document_mask).
     `transition`: the model's (its unrolled depth sets the residual constants and the init); a
     block built on its own makes one from cfg.
     """
@@ -198,7 +199,7 @@ class Block(nn.Module):
             nn.init.normal_(lin.weight, std=out_std)
 
     def _forward(self, h: torch.Tensor, rope: RopeTables,
-                 mask: Optional[torch.Tensor] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
+                 mask: Optional[AttnMask] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
         if self.post_ln:
             h = self.norm1(self.alpha * h + self.attn(h, rope, mask, kv))
             return self.norm2(self.alpha * h + self.mlp(h))
@@ -215,7 +216,7 @@ class Block(nn.Module):
         self._forward = torch.compile(self._forward, backend=backend)  # type: ignore[method-assign]
 
     def forward(self, h: torch.Tensor, rope: Optional[RopeTables] = None,
-                mask: Optional[torch.Tensor] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
+                mask: Optional[AttnMask] = None, kv: Optional[KVHook] = None) -> torch.Tensor:
         """kv: see KVHook (None: the training path)."""
         rope = rope_tables(h.shape[-2], self.cfg, h.device) if rope is None else rope
         # The mask and kv are passed only when set, so the default path calls _forward as before.

@@ -63,6 +63,10 @@ class ModelConfig:
     # RMSNorm on each head's queries and keys (over head_dim, one gain per channel shared by the
     # heads) before RoPE, in every block (OLMo 2, Qwen3): bounds the attention logits.
     qk_norm: bool = False
+    # Attention within documents (documents.py): training and held-out batches pack documents
+    # end to end, eos before each; with this on, a token attends only to earlier tokens of its
+    # own document, in every block at every loop step. Off: causal over the whole window.
+    document_mask: bool = False
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     init_std: float = 0.02
@@ -99,4 +103,4 @@ def check_model_fields(m: ModelConfig) -> None:
 # A model config saved before a field existed (a run's config.yaml, an export's config.json) ran
 # with the behaviour that field's default had then, not with today's: read by
 # scse_dist.config.load_saved_config and by the HF config (remote code) alike.
-VALUE_BEFORE_FIELD = {"anchor_scale": "free", "qk_norm": False}
+VALUE_BEFORE_FIELD = {"anchor_scale": "free", "qk_norm": False, "document_mask": False}

@@ -14,6 +14,7 @@ from torch import nn
 
 from .blocks import Block, RMSNorm, RopeTables, attention_mask_4d, rope_tables
 from .config import ModelConfig
+from .documents import AttnMask, document_ids, document_mask
 from .exit_rules import ExitRule
 from .kv_cache import KVCache, LoopKV
 from .loss import (
@@ -86,10 +87,27 @@ class LoopedLM(nn.Module):
         """RoPE's cos/sin for this sequence length: made once per forward, used by every block."""
         return rope_tables(tokens.shape[-1], self.cfg, tokens.device)
 
+    def documents(self, tokens: torch.Tensor, eos_id: int) -> Optional[torch.Tensor]:
+        """The document ids (B, S) forward's `document_ids` takes for packed `tokens` whose
+        documents each follow an eos (documents.document_ids), or None with
+        model.document_mask off: what the trainer and the held-out evaluation pass."""
+        return document_ids(tokens, eos_id) if self.cfg.document_mask else None
+
     def positions(self, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                  position_ids: Optional[torch.Tensor] = None
-                  ) -> tuple[RopeTables, Optional[torch.Tensor]]:
+                  position_ids: Optional[torch.Tensor] = None,
+                  document_ids: Optional[torch.Tensor] = None
+                  ) -> tuple[RopeTables, Optional[AttnMask]]:
         """RoPE tables and the attention mask of one forward (see forward's docstring)."""
+        if document_ids is not None:
+            if attention_mask is not None:
+                raise ValueError("document_ids: not with attention_mask (a padded batch holds one "
+                                 "document per row)")
+            if document_ids.shape != tokens.shape:
+                raise ValueError(f"document_ids: expected the tokens' shape "
+                                 f"{tuple(tokens.shape)}, got {tuple(document_ids.shape)}")
+            rope = self.rope(tokens) if position_ids is None else \
+                rope_tables(tokens.shape[-1], self.cfg, tokens.device, position_ids)
+            return rope, document_mask(document_ids.to(tokens.device))
         if attention_mask is None and position_ids is None:
             return self.rope(tokens), None  # the training path: positions 0..S-1, is_causal
         if position_ids is None:  # left padding: a sequence's first real token is position 0
@@ -99,7 +117,7 @@ class LoopedLM(nn.Module):
         return rope, None if attention_mask is None else attention_mask_4d(attention_mask)
 
     def source(self, tokens: torch.Tensor, rope: Optional[RopeTables] = None,
-               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+               mask: Optional[AttnMask] = None) -> torch.Tensor:
         """s = P(E[tokens]) (or the embedding when n_prelude = 0)."""
         h = self.embed(tokens)
         for block in self.prelude:
@@ -107,7 +125,7 @@ class LoopedLM(nn.Module):
         return h
 
     def head_input(self, h: torch.Tensor, rope: Optional[RopeTables] = None,
-                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   mask: Optional[AttnMask] = None) -> torch.Tensor:
         """What the LM head reads from a loop state: coda, then the final norm."""
         for block in self.coda:
             h = block(h, rope, mask)
@@ -119,7 +137,7 @@ class LoopedLM(nn.Module):
         return self.head.weight if self.head is not None else self.embed.weight
 
     def readout(self, h: torch.Tensor, rope: Optional[RopeTables] = None,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                mask: Optional[AttnMask] = None) -> torch.Tensor:
         """Logits from a loop state: coda, final norm, head."""
         return F.linear(self.head_input(h, rope, mask), self.head_weight)
 
@@ -152,25 +170,28 @@ class LoopedLM(nn.Module):
                              f"depth={depth}, readout_depths={readouts}")
         return final, readouts
 
-    def iter_depth_logits(self, tokens: torch.Tensor, depths: Iterable[int]
+    def iter_depth_logits(self, tokens: torch.Tensor, depths: Iterable[int],
+                          document_ids: Optional[torch.Tensor] = None
                           ) -> Iterator[tuple[int, torch.Tensor]]:
         """One loop run to max(depths), then (depth, logits) per depth in increasing order, each
         computed only when the caller asks for it: a caller that reduces each before the next
         holds one (B, S, V) tensor at a time, not one per depth (a depth sweep at a 50K vocab)."""
-        for t, h in self.iter_depth_head_inputs(tokens, depths):
+        for t, h in self.iter_depth_head_inputs(tokens, depths, document_ids):
             yield t, F.linear(h, self.head_weight)
 
-    def iter_depth_head_inputs(self, tokens: torch.Tensor, depths: Iterable[int]
+    def iter_depth_head_inputs(self, tokens: torch.Tensor, depths: Iterable[int],
+                               document_ids: Optional[torch.Tensor] = None
                                ) -> Iterator[tuple[int, torch.Tensor]]:
         """As iter_depth_logits, but (depth, the LM head's input (B, S, d)): coda and final
         norm run on every position, and a caller that scores a few positions applies the head
-        (`head_weight`) to those rows only (scse_dist.eval.scorer)."""
+        (`head_weight`) to those rows only (scse_dist.eval.scorer). document_ids: as forward's."""
         final, readouts = self._resolve_depths(None, depths)
         assert readouts is not None
-        rope = self.rope(tokens)
-        states = self.core(self.source(tokens, rope), final, readout_depths=readouts, rope=rope)
+        rope, mask = self.positions(tokens, document_ids=document_ids)
+        states = self.core(self.source(tokens, rope, mask), final, readout_depths=readouts,
+                           rope=rope, mask=mask)
         for t, state in zip(readouts, states):
-            yield t, self.head_input(state, rope)
+            yield t, self.head_input(state, rope, mask)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 depth: Optional[int] = None, readout_depths: Optional[Iterable[int]] = None,
@@ -178,6 +199,7 @@ class LoopedLM(nn.Module):
                 initial_state: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None,
                 exit_rule: Optional[ExitRule] = None, z_loss: float = 0.0) -> LMOutput:
         """Run the loop once to the final depth and read out the requested depths.
 
@@ -194,7 +216,10 @@ class LoopedLM(nn.Module):
         batched evaluation); padding keys are masked in every block. position_ids: (B, S) RoPE
         positions; with a mask and no position_ids, each row counts from its first real token.
         Both None (training): plain causal attention at positions 0..S-1, the path whose numbers
-        every test pins. Generation with a KV cache across loop steps: decode_step.
+        every test pins. document_ids: (B, S) ids of the packed documents (`documents`; not with
+        attention_mask): each token attends only to earlier tokens of its document, in every
+        block at every loop step (model.document_mask; documents.py). Generation with a KV
+        cache across loop steps: decode_step.
         exit_rule: adaptive depth per token (eval, no grad; LoopCore.adaptive): the loop runs up
         to the rule's max_steps (else the depth above), each token stops when the rule fires, and
         the output's steps_used says how many steps each took. Not with readout_depths,
@@ -211,7 +236,7 @@ class LoopedLM(nn.Module):
             depth = exit_rule.max_steps or depth
         final, readouts = self._resolve_depths(depth, readout_depths)
         wanted = sorted(set(readouts or []) | {final})
-        rope, mask = self.positions(tokens, attention_mask, position_ids)
+        rope, mask = self.positions(tokens, attention_mask, position_ids, document_ids)
         log_probs = None
         if exit_rule is not None and exit_rule.needs_readout:
             def log_probs(h: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .blocks import Block, KVHook, RopeTables, rope_tables
 from .config import ModelConfig
+from .documents import AttnMask
 from .exit_rules import ExitRule
 from .kv_cache import LoopKV
 from .transitions import Context, Transition, check_model_config
@@ -123,7 +124,7 @@ class LoopCore(nn.Module):
         return self.transition.anchor(self, s)
 
     def phi(self, h: torch.Tensor, s: torch.Tensor, t: int = 0,
-            rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None,
+            rope: Optional[RopeTables] = None, mask: Optional[AttnMask] = None,
             kv: Optional[Sequence[KVHook]] = None) -> torch.Tensor:
         """One core application Phi(h); `t` picks the block group (only untied has several).
         mask: the attention mask of LoopedLM.forward (None: plain causal). kv: one KVHook per
@@ -159,7 +160,7 @@ class LoopCore(nn.Module):
         return torch.randn_like(s) * s.detach().float().pow(2).mean().sqrt().to(s.dtype)
 
     def start(self, s: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
-              rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None,
+              rope: Optional[RopeTables] = None, mask: Optional[AttnMask] = None,
               kv: Optional[LoopKV] = None) -> tuple[torch.Tensor, Context]:
         """The loop variable x_0 and the per-forward context (source, anchor, RoPE's cos/sin,
         the attention mask and KV cache view if any, and what the transition adds: scse's r* and
@@ -199,7 +200,7 @@ class LoopCore(nn.Module):
     def forward(self, s: torch.Tensor, depth: int, readout_depths: Optional[Iterable[int]] = None,
                 backprop_steps: int = 0, initial_state: Optional[torch.Tensor] = None,
                 diagnostics: bool = False, rope: Optional[RopeTables] = None,
-                mask: Optional[torch.Tensor] = None, exit_rule: Optional[ExitRule] = None,
+                mask: Optional[AttnMask] = None, exit_rule: Optional[ExitRule] = None,
                 log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                 stability: bool = False) -> tuple[torch.Tensor, ...]:
         """Run `depth` steps once. Returns a flat tuple: h_t for t in sorted(readout_depths)
@@ -269,7 +270,7 @@ class LoopCore(nn.Module):
 
     @torch.no_grad()
     def adaptive(self, s: torch.Tensor, depth: int, rule: Optional[ExitRule],
-                 rope: Optional[RopeTables] = None, mask: Optional[torch.Tensor] = None,
+                 rope: Optional[RopeTables] = None, mask: Optional[AttnMask] = None,
                  log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  kv: Optional[LoopKV] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token exit, teacher-forced and batched (eval; no grad): up to rule.cap(depth)

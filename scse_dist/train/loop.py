@@ -133,6 +133,8 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
         callback.on_start(state)
     t, engine = state.cfg.train, state.engine
     model, batches = engine.module, iter(state.stream)
+    # model.document_mask: the documents of each window attend within themselves
+    eos_id = state.tokenizer.eos_id if state.cfg.model.document_mask else None
     for step in range(state.start_step, t.max_steps):
         state.faults.step_started(step + 1)
         # Untied models have one fixed depth; the loop kinds draw T per step, the same on all ranks.
@@ -145,7 +147,7 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
                                   stop_requested=preemption.requested,
                                   loss_hook=lambda loss: state.faults.loss(step + 1, loss),
                                   before_update=lambda engine: _before_update(callbacks, state),
-                                  z_loss=t.z_loss)
+                                  z_loss=t.z_loss, eos_id=eos_id)
         state.step_seconds = time.perf_counter() - started  # data included; hooks are not
         state.step = step + 1
         for callback in callbacks:

@@ -68,7 +68,7 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
                backprop_steps: int = 0, stop_requested: Callable[[], bool] = lambda: False,
                loss_hook: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
                before_update: Callable[[Any], None] = lambda engine: None,
-               z_loss: float = 0.0) -> StepResult:
+               z_loss: float = 0.0, eos_id: Optional[int] = None) -> StepResult:
     """Run one optimizer step of `engine` over `windows`, its gradient-accumulation micro-batches.
 
     Each window is a (B, S+1) token tensor: inputs window[:, :-1], targets window[:, 1:]. There
@@ -83,6 +83,8 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
     boundary, after the last backward and before engine.step(), on every rank: the gradients are
     complete there (loop diagnostics read them). `z_loss` > 0 adds that weight's z-loss to
     the objective (the loss summed for logging stays the cross-entropy; the term has its own sum).
+    `eos_id` (model.document_mask): each window's documents, split at its eos tokens, attend
+    within themselves (LoopedLM.documents); None: causal over the window.
     """
     accum = engine.gradient_accumulation_steps()
     stage0 = engine.zero_optimization_stage() == 0
@@ -96,8 +98,11 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
             raise ValueError(f"train_step: more micro-batches than "
                              f"gradient_accumulation_steps={accum}")
         window = window.to(engine.device)
+        kwargs: dict[str, Any] = {"z_loss": z_loss} if z_loss else {}
+        if eos_id is not None:
+            kwargs["document_ids"] = engine.module.documents(window[:, :-1], eos_id)
         out = engine(window[:, :-1], window[:, 1:], depth=depth, backprop_steps=backprop_steps,
-                     keep_logits=False, **({"z_loss": z_loss} if z_loss else {}))
+                     keep_logits=False, **kwargs)
         ran_depth = out.depth
         if z_sum is None:
             loss = objective = loss_hook(out.loss)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import torch
 
@@ -42,11 +42,12 @@ def agreed_batches(batches: Iterator[torch.Tensor], limit: int, device: torch.de
         yield batch
 
 
-def forward_rows(model: torch.nn.Module, batches: Iterator[torch.Tensor], depths: list[int]
-                 ) -> list[dict]:
+def forward_rows(model: torch.nn.Module, batches: Iterator[torch.Tensor], depths: list[int],
+                 eos_id: Optional[int] = None) -> list[dict]:
     """evaluate_heldout's rows through the model's own forward (loss_by_depth). Under ZeRO-3:
     the evaluation scorer reads the LM head's weight outside the forward, where ZeRO-3 holds it
-    partitioned; inside, its hooks gather every parameter. Equal to evaluate_heldout to ~1e-9."""
+    partitioned; inside, its hooks gather every parameter. Equal to evaluate_heldout to ~1e-9.
+    eos_id: as evaluate_heldout's (model.document_mask)."""
     nll = {d: 0.0 for d in depths}
     tokens, was_training = 0, model.training
     untied = getattr(model, "fixed_depth", None) is not None
@@ -56,11 +57,15 @@ def forward_rows(model: torch.nn.Module, batches: Iterator[torch.Tensor], depths
             for batch in batches:
                 batch = batch.to(next(model.parameters()).device)
                 n = int(batch[:, 1:].ne(-100).sum())
+                docs = None if eos_id is None else \
+                    cast(Any, model).documents(batch[:, :-1], eos_id)  # a LoopedLM
                 if untied:  # its own depth only; it cannot read out others
-                    losses = {depths[0]: model(batch[:, :-1], batch[:, 1:], keep_logits=False).loss}
+                    losses = {depths[0]: model(batch[:, :-1], batch[:, 1:], keep_logits=False,
+                                               document_ids=docs).loss}
                 else:
                     losses = model(batch[:, :-1], batch[:, 1:], depth=max(depths),
-                                   readout_depths=depths, keep_logits=False).loss_by_depth
+                                   readout_depths=depths, keep_logits=False,
+                                   document_ids=docs).loss_by_depth
                 for d in depths:  # mean CE x token count = summed NLL
                     nll[d] += float(losses[d].double()) * n
                 tokens += n
@@ -116,10 +121,11 @@ class HeldoutEvalCallback(Callback):
         world = state.env.world_size
         limit = -(-state.cfg.eval.max_batches // world)  # ceil; 0 stays 0 (the whole split)
         batches = agreed_batches(iter(self._stream(state)), limit, device)
+        eos_id = state.tokenizer.eos_id  # model.document_mask: scored as it trains
         if state.engine.zero_optimization_stage() == 3:
-            rows = forward_rows(state.engine.module, batches, self.depths)
+            rows = forward_rows(state.engine.module, batches, self.depths, eos_id)
         else:
-            rows = evaluate_heldout(state.engine.module, batches, self.depths)
+            rows = evaluate_heldout(state.engine.module, batches, self.depths, eos_id=eos_id)
         if world > 1:
             rows = reduce_rows(rows, device)
         row: dict = {"step": state.step, "kind": EVAL_KIND, "task": "heldout"}

@@ -1,0 +1,123 @@
+"""Document masking (model.document_mask): attention within the documents of a packed row.
+
+Boundaries. The shards store every document followed by eos (scse_dist.data.shards), and the
+loader lays documents end to end, so a packed row's documents are found from its eos tokens:
+`document_ids` numbers them along the row. An eos opens the document after it, as the held-out
+scorer's windows [eos, *document] do (scse_dist.eval.scoring.document_windows): a document's
+first token is then predicted from eos alone, in training as in evaluation. (torchtitan and
+OLMo-core count the eos into the document it ends instead; that eos then predicts the next
+document's first token from the previous document.) The row's first tokens, the tail of a
+document begun in an earlier window, are a document of their own.
+
+Positions are not restarted per document (torchtitan's choice too): RoPE makes an attention
+logit depend on the query-key offset only, and a document's keys all lie inside it, so a
+document at offset k gets the logits it gets alone at offset 0, up to the rounding of fp32 RoPE
+angles (tests/test_model_documents.py holds this at every depth).
+
+Backends, chosen at run time by the device of the tokens (the choice printed once):
+  sdpa  a (B, 1, S, S) bool block-diagonal causal mask through scaled_dot_product_attention:
+        CPU, and CUDA without FlexAttention. Correct everywhere; costs a dense masked kernel.
+  flex  FlexAttention's BlockMask (create_block_mask) and a compiled flex_attention, on CUDA:
+        tiles wholly outside a document are skipped, so short documents cost less than causal.
+$SCSE_DOCMASK_BACKEND=sdpa|flex forces one (tests, benchmarks; flex on CPU runs unfused, slow).
+The mask is made once per forward and used by every block at every loop step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+BACKEND_ENV = "SCSE_DOCMASK_BACKEND"
+BACKENDS = ("sdpa", "flex")
+
+try:  # torch >= 2.5 (pyproject allows 2.4)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - older torch: the SDPA mask everywhere
+    create_block_mask = flex_attention = None  # type: ignore[assignment]
+
+_logged: set[str] = set()
+_compiled_flex: Optional[Callable[..., Any]] = None
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(B, S) long: the index of each position's document in its row (0 for the row's leading
+    tokens, +1 at every eos, which opens the next document)."""
+    return (tokens == eos_id).long().cumsum(-1)
+
+
+class FlexMask:
+    """A FlexAttention BlockMask and the attention call that reads it (blocks.py dispatches on
+    this type; a plain tensor mask goes to SDPA)."""
+
+    def __init__(self, block_mask: Any, compiled: bool) -> None:
+        self.block_mask, self.compiled = block_mask, compiled
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        global _compiled_flex
+        fn: Any = flex_attention
+        # inside train.compile's compiled block dynamo compiles flex_attention itself; outside,
+        # a compiled one is made once per process (unfused flex materializes (B, H, S, S))
+        if self.compiled and not torch.compiler.is_compiling():
+            if _compiled_flex is None:
+                _compiled_flex = torch.compile(flex_attention, dynamic=False)
+            fn = _compiled_flex
+        return fn(q, k, v, block_mask=self.block_mask)
+
+
+# What blocks take as `mask`: None (plain causal), a bool/additive SDPA mask, or a FlexMask.
+AttnMask = Union[torch.Tensor, FlexMask]
+
+
+def backend_for(device: torch.device) -> str:
+    """flex on CUDA where FlexAttention exists, else sdpa; $SCSE_DOCMASK_BACKEND overrides."""
+    forced = os.environ.get(BACKEND_ENV, "")
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}: expected one of {', '.join(BACKENDS)}, got "
+                             f"{forced!r}")
+        if forced == "flex" and flex_attention is None:
+            raise ValueError(f"{BACKEND_ENV}=flex: this torch ({torch.__version__}) has no "
+                             "FlexAttention")
+        return forced
+    return "flex" if device.type == "cuda" and flex_attention is not None else "sdpa"
+
+
+def sdpa_document_mask(doc: torch.Tensor) -> torch.Tensor:
+    """(B, S) document ids -> (B, 1, S, S) bool: causal and inside the query's document."""
+    s = doc.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def document_mask(doc: torch.Tensor) -> AttnMask:
+    """The attention mask of document ids `doc` (B, S) for the backend chosen for its device."""
+    backend = backend_for(doc.device)
+    if backend not in _logged:
+        _logged.add(backend)
+        print(f"model.document_mask: attention within documents through {backend} "
+              f"({doc.device.type})", file=sys.stderr, flush=True)
+    if backend == "sdpa":
+        return sdpa_document_mask(doc)
+    assert create_block_mask is not None  # backend_for returns flex only where it exists
+
+    def within_document(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return (doc[b, q] == doc[b, kv]) & (q >= kv)
+
+    b, s = doc.shape
+    block_mask = create_block_mask(within_document, b, None, s, s, device=doc.device)
+    return FlexMask(block_mask, compiled=doc.device.type == "cuda")
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           mask: Optional[AttnMask]) -> torch.Tensor:
+    """Attention of (B, H, S, head_dim) q, k, v under `mask` (None: plain causal)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if isinstance(mask, FlexMask):
+        return mask.attend(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
