@@ -27,6 +27,7 @@ from scse_dist.train.config import (  # noqa: F401
     CallbackSpec,
     DepthSamplingConfig,
     ProfileConfig,
+    SpikeSkipConfig,
     TensorBoardConfig,
     TrainConfig,
     WandbConfig,

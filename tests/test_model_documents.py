@@ -23,8 +23,8 @@ from scse_dist.model.documents import (
     sdpa_document_mask,
 )
 from scse_dist.train.step import train_step
-from tests.test_train_step import RecordingEngine
-from tests.train_procs import read_metrics, run_trainer
+from test_train_step import RecordingEngine
+from train_procs import read_metrics, run_trainer
 
 EOS = 2
 needs_flex = pytest.mark.skipif(flex_attention is None, reason="torch without FlexAttention")

@@ -5,6 +5,7 @@ Training's exit status on one rank (scse_dist.train.cli), as `run_job train` rea
   0, 75          finished; preempted and saved (a 75 is requeued by the backend, as before)
   2, 65, 66      bad config or input: a rerun fails the same way; never retried
   3              train.max_nonfinite_steps in a row: the same data would diverge again; never
+  4              train.spike_skip.max_in_a_row loss spikes in a row: likewise; never
   130            a second Ctrl-C: the user stopped it; never
   anything else  a crash (an exception, a signal such as SIGKILL or SIGSEGV): the job is
                  requeued, at most train.max_retries times, and its next start resumes from the
@@ -40,7 +41,7 @@ from scse_dist.run_dir import CHECKPOINTS_NAME
 
 RECORD_NAME = "retries.json"  # in RUN/logs
 CLAIMS_NAME = "retries"  # RUN/logs/retries/<job>.<start>: the start's failure was decided
-NEVER_RETRIED = {2: "bad config", 3: "non-finite steps", 65: "bad input data",
+NEVER_RETRIED = {2: "bad config", 3: "non-finite steps", 4: "loss spikes", 65: "bad input data",
                  66: "a missing or unreadable input", 130: "a second Ctrl-C"}
 # scse_dist.train.loop prints it on the rank whose step raised: rank, last finished step, error
 CRASH_LINE = re.compile(r"^scse-train: rank (\d+) crashed after step (\d+): (.+)$")

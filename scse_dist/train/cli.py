@@ -4,11 +4,11 @@ Works under every launcher: `deepspeed launch/train.py ...` (which appends --loc
 `torchrun ...`, `srun python launch/train.py ...` and a plain `python launch/train.py ...`.
 Exit status: 0 done; 2 bad config (one line on stderr, before any process group starts, also
 for a global batch that does not divide at the launcher's world size); 3 too many non-finite
-steps in a row; 65 bad input data (shards of another tokenizer, a tokenizer file that is not one,
-corrupt data); 66 an input is missing or unreadable (data.path, data.tokenizer); 75 preempted by
-SIGTERM/SIGUSR1 or Ctrl-C after saving a checkpoint (rerun to resume); 130 a second Ctrl-C (stopped
-at once, nothing saved). Errors are one line on stderr
-(scse_dist.cli_errors), from every rank that meets them.
+steps in a row; 4 too many loss spikes in a row (train.spike_skip); 65 bad input data (shards of
+another tokenizer, a tokenizer file that is not one, corrupt data); 66 an input is missing or
+unreadable (data.path, data.tokenizer); 75 preempted by SIGTERM/SIGUSR1 or Ctrl-C after saving a
+checkpoint (rerun to resume); 130 a second Ctrl-C (stopped at once, nothing saved). Errors are
+one line on stderr (scse_dist.cli_errors), from every rank that meets them.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ EXIT_STATUSES = """exit statuses:
        requeues itself up to train.max_retries times
   2    bad arguments or config, before anything starts (one line naming the field)
   3    train.max_nonfinite_steps non-finite steps in a row; the last good checkpoint is kept
+  4    train.spike_skip.max_in_a_row loss spikes in a row; the last good checkpoint is kept
   65   bad input data (another tokenizer's shards, corrupt data past data.max_failures)
   66   an input is missing or unreadable (data.path, data.tokenizer)
   75   preempted by SIGTERM, SIGUSR1 or Ctrl-C: the step in flight was saved; rerun to resume

@@ -40,6 +40,38 @@ class DepthSamplingConfig:
 
 
 @dataclass
+class SpikeSkipConfig:
+    """train.spike_skip: a step whose loss or gradient norm is a spike is not applied
+    (scse_dist.train.spike; docs/training.md, "Loss spikes")."""
+
+    enabled: bool = False
+    # What is watched: the step's loss (mean over all ranks), the global gradient norm before
+    # clipping, or both (either one spiking skips the step).
+    metric: Literal["loss", "grad_norm", "both"] = "both"
+    # A spike: more than k standard deviations above the running mean.
+    k: float = 6.0
+    # The running statistics cover the last `window` applied steps.
+    window: int = 128
+    # Applied steps the statistics need before any step can be skipped.
+    warmup: int = 20
+    # Skipped spikes in a row that end the run (exit status 4), the last checkpoint kept.
+    max_in_a_row: int = 5
+
+    def check(self) -> None:
+        if not 0.0 < self.k < float("inf"):  # also rejects NaN
+            raise ConfigError(f"train.spike_skip.k: must be a finite number > 0, got {self.k}")
+        if self.window < 2:
+            raise ConfigError(f"train.spike_skip.window: must be >= 2 (a standard deviation "
+                              f"needs two values), got {self.window}")
+        if not 2 <= self.warmup <= self.window:
+            raise ConfigError(f"train.spike_skip.warmup: must lie in [2, train.spike_skip.window="
+                              f"{self.window}], got {self.warmup}")
+        if self.max_in_a_row < 1:
+            raise ConfigError(f"train.spike_skip.max_in_a_row: must be >= 1, got "
+                              f"{self.max_in_a_row}")
+
+
+@dataclass
 class CallbackSpec:
     """One entry of train.callbacks: a trainer callback of the user's own (docs/training.md)."""
 
@@ -121,11 +153,13 @@ class TrainConfig:
     # A step whose loss or gradient is NaN/Inf on any rank is skipped; this many in a row stop
     # the run (exit status 3) with the last good checkpoint left as it was.
     max_nonfinite_steps: int = 5
-    # A training job that crashed (any exit but 0, bad config/input 2/65/66, 3 above, 75
+    # A training job that crashed (any exit but 0, bad config/input 2/65/66, 3 above, 4 spikes, 75
     # preempted, 130 Ctrl-C) is requeued this many times on a batch system that can requeue
     # (Slurm), resuming from the latest verified checkpoint; the same failure at the same step
     # twice stops it sooner (scse_dist.launch.retries). 0: never.
     max_retries: int = 2
+    # Loss-spike skipping (SpikeSkipConfig): off by default.
+    spike_skip: SpikeSkipConfig = field(default_factory=SpikeSkipConfig)
     # torch.compile each block's math (regional: one graph for every loop step and depth T).
     compile: bool = False
     # Warm start: an export dir or URL whose weights (only) a new run starts from; a run that
@@ -170,6 +204,7 @@ class TrainConfig:
             if value < 0:
                 raise ConfigError(f"train.{name}: must be >= 0, got {value}")
         self.depth.check()
+        self.spike_skip.check()
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -245,6 +280,11 @@ class TrainConfig:
         if self.muon_weight_decay < 0:
             raise ConfigError(f"train.muon_weight_decay: must be >= 0, got "
                               f"{self.muon_weight_decay}")
+        if self.optimizer == "muon" and self.spike_skip.enabled and self.zero_stage in (1, 2):
+            # ZeRO-1/2 commit Muon's momentum inside their step, before the update a skip withholds
+            raise ConfigError("train.spike_skip.enabled: not with train.optimizer: muon at "
+                              f"train.zero_stage {self.zero_stage} (ZeRO-1/2 advance Muon's "
+                              "momentum even on a skipped step); use ZeRO stage 0 or torch_adamw")
         if self.optimizer == "muon" and self.zero_stage == 3:
             # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at
             # stage 3

@@ -5,6 +5,8 @@ Exit statuses of `scse-train` / `launch/train.py` (documented in docs/checkpoint
   2   config error, before any process group started
   3   stopped after `train.max_nonfinite_steps` non-finite steps in a row; the last good
       checkpoint is left untouched
+  4   stopped after `train.spike_skip.max_in_a_row` loss spikes in a row; the last good
+      checkpoint is left untouched
   75  preempted (SIGTERM, SIGUSR1 or Ctrl-C): the step in flight finished, a checkpoint was
       saved, rerun (e.g. `scontrol requeue`) to resume. 75 is EX_TEMPFAIL, "try again later".
   130 a second Ctrl-C: stopped at once, nothing saved (the last checkpoint is intact)
@@ -12,6 +14,7 @@ Exit statuses of `scse-train` / `launch/train.py` (documented in docs/checkpoint
 Fault injection (`SCSE_FAULT`, comma-separated `kind@step[:rankR]`, steps 1-based as in the
 metrics; no rank means every rank) lets tests drive these paths in real processes:
   nan@7               step 7's loss is multiplied by NaN (so are its gradients)
+  spike@7             step 7's loss is multiplied by 1000 (so are its gradients): a loss spike
   sigterm@5:rank1     rank 1 sends itself SIGTERM as step 5 starts (also sigusr1)
   kill_in_save@10     SIGKILL in the middle of saving checkpoint step 10 (files written, not
                       committed)
@@ -37,11 +40,13 @@ import torch
 
 REQUEUE_EXIT_CODE = 75
 NONFINITE_EXIT_CODE = 3
+SPIKE_EXIT_CODE = 4
+SPIKE_FACTOR = 1000.0
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended
 FAULT_ENV = "SCSE_FAULT"
 STALL_ENV = "SCSE_FAULT_STALL_S"
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_KINDS = {"nan", "sigterm", "sigusr1", "kill_in_save", "kill_in_upload", "stall", "crash",
+_KINDS = {"nan", "spike", "sigterm", "sigusr1", "kill_in_save", "kill_in_upload", "stall", "crash",
           "crash_once"}
 _FIRST_CTRL_C = (b"scse-train: Ctrl-C: finishing the step in flight, saving a checkpoint, then "
                  b"exiting (status 75; rerun to resume). Ctrl-C again stops at once without "
@@ -152,7 +157,9 @@ class FaultInjector:
             raise RuntimeError(f"fault: crash at step {step}")
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        return loss * float("nan") if self._due("nan", step) else loss
+        if self._due("nan", step):
+            return loss * float("nan")
+        return loss * SPIKE_FACTOR if self._due("spike", step) else loss
 
     def mid_save(self, step: int) -> None:
         if self._due("kill_in_save", step):

@@ -2,9 +2,9 @@
 
 train() sets up (process group, run dir, data, model, engine, resume) into a TrainState, runs the
 steps, and hands every concern to a callback (scse_dist.train.callbacks): metrics, held-out
-evaluation, samples, checkpoints, preemption, non-finite steps, export, evaluation after training,
-and those of train.callbacks and train(cfg, callbacks=[...]), all in priority order
-(callbacks.base), their states restored from the checkpoint it resumes.
+evaluation, samples, checkpoints, preemption, non-finite steps, loss spikes, export, evaluation
+after training, and those of train.callbacks and train(cfg, callbacks=[...]), all in priority
+order (callbacks.base), their states restored from the checkpoint it resumes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import random
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -41,12 +41,13 @@ from scse_dist.train.callbacks.nonfinite import NonFiniteCallback
 from scse_dist.train.callbacks.preemption import PreemptionCallback
 from scse_dist.train.callbacks.profiler import ProfilerCallback
 from scse_dist.train.callbacks.samples import SampleCallback
+from scse_dist.train.callbacks.spike import SpikeSkipCallback
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import FaultInjector, TrainingStopped
 from scse_dist.train.metrics import MetricsLogger, cut_metrics
 from scse_dist.train.schedule import follow_config_schedule
-from scse_dist.train.step import train_step
+from scse_dist.train.step import UpdateGate, train_step
 from scse_dist.train.tensorboard import tensorboard_log_dir
 from scse_dist.train.warm_start import maybe_init_from
 
@@ -75,7 +76,8 @@ def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Ca
     optional += [SampleCallback(cfg.eval.sample_every)] if cfg.eval.sample_every else []
     optional += [DownstreamEvalCallback(cfg.eval.downstream_every)] \
         if cfg.eval.downstream_every else []
-    return [NonFiniteCallback(cfg.train.max_nonfinite_steps), LoopDiagnosticsCallback(),
+    spikes = [SpikeSkipCallback(cfg.train.spike_skip)] if cfg.train.spike_skip.enabled else []
+    return [NonFiniteCallback(cfg.train.max_nonfinite_steps), *spikes, LoopDiagnosticsCallback(),
             MetricsCallback(), *optional,
             CheckpointCallback(), preemption, ExportCallback(), AfterTrainingEval(),
             *([ProfilerCallback(cfg.profile)] if cfg.profile.enabled else [])]
@@ -135,6 +137,7 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
     model, batches = engine.module, iter(state.stream)
     # model.document_mask: the documents of each window attend within themselves
     eos_id = state.tokenizer.eos_id if state.cfg.model.document_mask else None
+    gate = _update_gate(callbacks, state)
     for step in range(state.start_step, t.max_steps):
         state.faults.step_started(step + 1)
         # Untied models have one fixed depth; the loop kinds draw T per step, the same on all ranks.
@@ -147,7 +150,7 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
                                   stop_requested=preemption.requested,
                                   loss_hook=lambda loss: state.faults.loss(step + 1, loss),
                                   before_update=lambda engine: _before_update(callbacks, state),
-                                  z_loss=t.z_loss, eos_id=eos_id)
+                                  z_loss=t.z_loss, eos_id=eos_id, update_gate=gate)
         state.step_seconds = time.perf_counter() - started  # data included; hooks are not
         state.step = step + 1
         for callback in callbacks:
@@ -161,6 +164,15 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
 def _before_update(callbacks: list[Callback], state: TrainState) -> None:
     for callback in callbacks:
         callback.before_update(state)
+
+
+def _update_gate(callbacks: list[Callback], state: TrainState) -> Optional[UpdateGate]:
+    """The callbacks' allow_update as train_step's gate; None (nothing asked, no gradient norm
+    computed) when none overrides it. Every one is asked: each keeps its statistics."""
+    gates = [c for c in callbacks if type(c).allow_update is not Callback.allow_update]
+    if not gates:
+        return None
+    return lambda loss, grad_norm: all([c.allow_update(state, loss, grad_norm) for c in gates])
 
 
 def _teardown(state: TrainState, callbacks: list[Callback]) -> None:

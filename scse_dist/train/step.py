@@ -8,6 +8,8 @@ are the same code wherever a step runs.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, cast
 
 import torch
@@ -22,6 +24,17 @@ class StepResult(NamedTuple):
     depth: int  # the loop depth the step ran
     # sum over micro-batches of each one's z-loss term (train.z_loss > 0), else None
     z_loss_sum: Optional[torch.Tensor] = None
+    # update_gate refused this (finite) step: no update anywhere, `skipped` stays False
+    refused: bool = False
+    # what update_gate was shown: the loss averaged over all ranks and micro-batches, and the
+    # global gradient norm before clipping (None when no gate asked)
+    loss: Optional[float] = None
+    grad_norm: Optional[float] = None
+
+
+# (the step's loss averaged over every rank, its global gradient norm before clipping) -> whether
+# to apply the update; called once per step on every rank, with the same numbers on each.
+UpdateGate = Callable[[float, float], bool]
 
 
 def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
@@ -31,12 +44,23 @@ def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def _agree(nonfinite: torch.Tensor, stop_requested: bool) -> tuple[bool, bool]:
-    """(any rank saw a non-finite loss/gradient, any rank was asked to stop): one all-reduce."""
+def _agree(nonfinite: torch.Tensor, stop_requested: bool, loss_sum: torch.Tensor,
+           grad_square_sum: torch.Tensor) -> tuple[bool, bool, float, float]:
+    """(any rank saw a non-finite loss/gradient, any rank was asked to stop, the loss sums and
+    the squared-gradient sums added over ranks): one all-reduce, so every rank gets the same."""
     flags = torch.stack([nonfinite.float().clamp(max=1),
-                         torch.tensor(float(stop_requested)).to(nonfinite)])
-    bad, stop = sum_over_ranks(flags).tolist()
-    return bad > 0, stop > 0
+                         torch.tensor(float(stop_requested)).to(nonfinite),
+                         loss_sum.float().to(nonfinite), grad_square_sum.float().to(nonfinite)])
+    bad, stop, losses, squares = sum_over_ranks(flags).tolist()
+    return bad > 0, stop > 0, losses, squares
+
+
+def _grad_square_sum(engine: Any) -> torch.Tensor:
+    """Sum of squares of p.grad: without a DeepSpeed wrapper (ZeRO-0, fp32) the gradients are
+    whole, reduced over ranks and not yet clipped at the boundary (engine.step() clips them)."""
+    squares = [p.grad.detach().float().pow(2).sum() for p in engine.module.parameters()
+               if p.grad is not None]
+    return torch.stack(squares).sum() if squares else torch.zeros(())
 
 
 def _grads_nonfinite(engine: Any) -> torch.Tensor:
@@ -49,6 +73,24 @@ def _grads_nonfinite(engine: Any) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def _shadowed_step(optimizer: Any, make_step: Callable[[Callable[..., Any]], Callable[..., Any]]
+                   ) -> Iterator[None]:
+    """optimizer.step replaced by make_step(optimizer.step) for the block: an instance attribute
+    hides the method. What was there before is put back: torch's LR scheduler keeps its own
+    wrapper of step on the instance, which counts the optimizer's steps (and carries a marker
+    the scheduler looks for: copied, else it warns that step was overridden)."""
+    previous = vars(optimizer).get("step")
+    optimizer.step = functools.update_wrapper(make_step(optimizer.step), optimizer.step)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del optimizer.step
+        else:
+            optimizer.step = previous
+
+
+@contextlib.contextmanager
 def _optimizer_step_skipped(optimizer: Any, skip: bool) -> Iterator[None]:
     """Without ZeRO, DeepSpeed has no overflow check that could skip a step, and its gradient
     clipping needs gradients, so a non-finite step runs engine.step() with the optimizer's own
@@ -57,18 +99,73 @@ def _optimizer_step_skipped(optimizer: Any, skip: bool) -> Iterator[None]:
     if not skip:
         yield
         return
-    optimizer.step = lambda *args, **kwargs: None  # an instance attribute hides the method
-    try:
+    with _shadowed_step(optimizer, lambda original: lambda *args, **kwargs: None):
         yield
-    finally:
-        del optimizer.step
+
+
+class _GatedUpdate:
+    """Shadows the basic optimizer's step (the torch optimizer every DeepSpeed wrapper ends in)
+    for one engine.step(): its first call asks the gate, every call does what that said. A
+    wrapper (ZeRO-1/2/3, bf16) calls it after computing the global gradient norm and before
+    touching any weight (ZeRO-1/2 once per parameter group, ZeRO-3 once per sub-group), so not
+    calling it leaves weights and optimizer state as they were; the wrapper then copies its
+    unchanged fp32 weights back and clears the gradients. No call (an overflow skip inside
+    the wrapper) asks nothing."""
+
+    def __init__(self, engine: Any, gate: UpdateGate, loss: float,
+                 boundary_norm: Optional[float]) -> None:
+        self.engine, self.gate, self.loss = engine, gate, loss
+        self.boundary_norm = boundary_norm  # computed at the boundary when nothing wraps
+        self.grad_norm: Optional[float] = None
+        self.apply: Optional[bool] = None
+
+    def _decide(self) -> bool:
+        norm = self.boundary_norm
+        if norm is None:
+            norm = getattr(self.engine.optimizer, "_global_grad_norm", None)
+            if norm is None:
+                raise RuntimeError("train.spike_skip: DeepSpeed computed no global gradient "
+                                   "norm for this step (zero_optimization.compute_grad_norm: "
+                                   "false in train.deepspeed_config?)")
+        self.grad_norm = float(norm)
+        # A wrapper that lets a non-finite norm through (bf16 ZeRO-1/2 without its overflow
+        # check) must not update either; the step then counts as non-finite.
+        return math.isfinite(self.grad_norm) and self.gate(self.loss, self.grad_norm)
+
+    def _gated(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if self.apply is None:
+                self.apply = self._decide()
+            return original(*args, **kwargs) if self.apply else None
+        return step
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        basics = [self.engine.basic_optimizer]
+        backup = getattr(self.engine.optimizer, "backup_optimizer", None)  # ZeRO-3 offload's
+        basics += [backup] if backup is not None else []
+        with contextlib.ExitStack() as stack:
+            for basic in basics:
+                stack.enter_context(_shadowed_step(basic, self._gated))
+            yield
+
+    @property
+    def refused(self) -> bool:
+        """The gate was asked and said no (a finite step it did not want)."""
+        return self.apply is False and self.grad_norm is not None \
+            and math.isfinite(self.grad_norm)
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.grad_norm is not None and not math.isfinite(self.grad_norm)
 
 
 def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[int],
                backprop_steps: int = 0, stop_requested: Callable[[], bool] = lambda: False,
                loss_hook: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
                before_update: Callable[[Any], None] = lambda engine: None,
-               z_loss: float = 0.0, eos_id: Optional[int] = None) -> StepResult:
+               z_loss: float = 0.0, eos_id: Optional[int] = None,
+               update_gate: Optional[UpdateGate] = None) -> StepResult:
     """Run one optimizer step of `engine` over `windows`, its gradient-accumulation micro-batches.
 
     Each window is a (B, S+1) token tensor: inputs window[:, :-1], targets window[:, 1:]. There
@@ -85,6 +182,12 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
     the objective (the loss summed for logging stays the cross-entropy; the term has its own sum).
     `eos_id` (model.document_mask): each window's documents, split at its eos tokens, attend
     within themselves (LoopedLM.documents); None: causal over the window.
+
+    `update_gate(loss, grad_norm)` (train.spike_skip), when given, is asked once per finite step
+    on every rank, inside engine.step() once the global gradient norm before clipping is known
+    and before any weight changes, with the same numbers on every rank (the loss averaged over
+    ranks and micro-batches, in the same all-reduce); False leaves weights and optimizer state
+    as they were on every rank (StepResult.refused). Data, step count and LR schedule advance.
     """
     accum = engine.gradient_accumulation_steps()
     stage0 = engine.zero_optimization_stage() == 0
@@ -92,6 +195,9 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
     z_sum = torch.zeros((), device=engine.device) if z_loss else None
     local_bad = torch.zeros((), device=engine.device)
     bad = stop = False
+    # no DeepSpeed wrapper (ZeRO-0, fp32): nothing computes the global gradient norm but us
+    unwrapped = engine.optimizer is getattr(engine, "basic_optimizer", engine.optimizer)
+    gated: Optional[_GatedUpdate] = None
     ran_depth, micro = 0, 0
     for micro, window in enumerate(windows, start=1):
         if micro > accum:
@@ -117,12 +223,27 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
         if micro == accum:  # the boundary: decide before the update that engine.step() makes
             if stage0:
                 local_bad += _grads_nonfinite(engine).to(local_bad)
-            bad, stop = _agree(local_bad, stop_requested())
+            squares = _grad_square_sum(engine) if update_gate is not None and unwrapped \
+                else torch.zeros(())
+            bad, stop, losses, global_squares = _agree(local_bad, stop_requested(), loss_sum,
+                                                       squares)
             before_update(engine)
-        with _optimizer_step_skipped(engine.optimizer, bad and stage0):
+            if update_gate is not None and not bad:
+                world = dist.get_world_size() if dist.is_initialized() else 1
+                # unwrapped, every rank's p.grad is the same reduced gradient: its sum over ranks
+                # is world times one
+                gated = _GatedUpdate(engine, update_gate, losses / (accum * world),
+                                     math.sqrt(global_squares / world) if unwrapped else None)
+        with _optimizer_step_skipped(engine.optimizer, bad and stage0), \
+                gated.installed() if gated is not None and micro == accum \
+                else contextlib.nullcontext():
             engine.step()
     if micro != accum:
         raise ValueError(f"train_step: got {micro} micro-batches, expected "
                          f"gradient_accumulation_steps={accum}")
-    skipped = bad or not engine.was_step_applied()
-    return StepResult(loss_sum, accum, skipped, stop, ran_depth, z_sum)
+    if gated is None:
+        return StepResult(loss_sum, accum, bad or not engine.was_step_applied(), stop, ran_depth,
+                          z_sum)
+    skipped = bad or gated.nonfinite or not engine.was_step_applied()
+    return StepResult(loss_sum, accum, skipped, stop, ran_depth, z_sum, gated.refused,
+                      gated.loss, gated.grad_norm)

@@ -7,6 +7,13 @@ callback in its list order:
     before_update(state)     at each step's update boundary: the last backward is done, the
                              optimizer step not yet (the full gradients are there); state.step
                              is still the steps done before this one
+    allow_update(state, loss, grad_norm)
+                             inside the update of a finite step, once its global gradient norm
+                             (before clipping) is known and before any weight changes; `loss`
+                             is the step's loss averaged over all ranks. Any callback's False
+                             leaves the weights as they were on every rank (result.refused), so
+                             the answer must come from these numbers and the callback's own
+                             state alone. Only asked when some callback overrides it.
     on_step_end(state)       after each optimizer step; state.step is the steps done, state.result
                              the step's StepResult. A hook may set state.stop_reason to end the run
                              (the loop breaks after this step's hooks).
@@ -22,6 +29,7 @@ Order: within each hook, callbacks run by `priority`, highest first (ties: the b
 train.callbacks in its order, then `train(cfg, callbacks=[...])` in theirs). The built-ins:
 
     500 NonFiniteCallback        the skipped-step count, before the row that logs it
+    450 SpikeSkipCallback        (train.spike_skip.enabled) the spike count, before the row too
     400 LoopDiagnosticsCallback  diag/ entries, before the row they join (state.metrics_extra)
     300 MetricsCallback          the training row
     200 HeldoutEvalCallback      (eval.every_steps)
@@ -82,6 +90,7 @@ class TrainState:
     step_seconds: float = 0.0  # wall time of the last optimizer step (its data included)
     last_saved: int = -1  # step of the newest checkpoint of this run (-1: none yet)
     skipped_steps: int = 0  # non-finite steps skipped so far (written by the non-finite callback)
+    spike_skips: Optional[int] = None  # spikes skipped so far (train.spike_skip.enabled), else None
     stop_reason: Optional[str] = None  # set by a hook: the run ends after this step (preemption)
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
@@ -148,6 +157,10 @@ class Callback:
 
     def before_update(self, state: TrainState) -> None:
         pass
+
+    def allow_update(self, state: TrainState, loss: float, grad_norm: float) -> bool:
+        """Whether this step's update may be applied (the module docstring says when it runs)."""
+        return True
 
     def on_step_end(self, state: TrainState) -> None:
         pass
