@@ -12,6 +12,7 @@ import torch
 from recurrences import over_recurrences
 from scse_dist.config import ConfigError, ModelConfig
 from scse_dist.model import LoopedLM
+from scse_dist.param_groups import PARAM_GROUPS, group_of
 from scse_dist.train.core_probes import jacobian_gain, phi_jacobian, sublayer_ratios
 from scse_dist.train.diagnostics import (
     DiagnosticsCallback,
@@ -19,7 +20,6 @@ from scse_dist.train.diagnostics import (
     update_ratios,
     weights_snapshot,
 )
-from scse_dist.train.param_groups import PARAM_GROUPS, group_of
 
 
 def tiny(**kw) -> ModelConfig:

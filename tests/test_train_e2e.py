@@ -161,7 +161,7 @@ def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subp
     # against the two checkpoints' weights: step 2 moved W_1 to W_2
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from scse_dist.train.param_groups import group_of
+    from scse_dist.param_groups import group_of
 
     w1, w2 = (get_fp32_state_dict_from_zero_checkpoint(str(step2.parent), tag=f"step-000000{i}")
               for i in (1, 2))

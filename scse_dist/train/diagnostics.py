@@ -3,7 +3,7 @@
 `loop_diagnostics(model, window, depth, max_depth)`: one no-grad pass on a fixed held-out batch.
 `gradient_shares(model, grad_of)`: where the gradient norm sits, after backward and before the
 optimizer step. `update_ratios(model, before, weight_of)`: ||dW|| / ||W|| of the last optimizer step
-per parameter group (scse_dist.train.param_groups), from `weights_snapshot` taken before it. All
+per parameter group (scse_dist.param_groups), from `weights_snapshot` taken before it. All
 return flat {name: float} dicts with stable keys (KEYS_DOC); how to read
 them: docs/loop-diagnostics.md. `DiagnosticsCallback` runs them every `train.diagnostics_every`
 steps and hands the trainer one metrics row.
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from scse_dist.model.loss import chunked_cross_entropy
+from scse_dist.param_groups import group_of
 from scse_dist.train.core_probes import phi_jacobian, sublayer_ratios
-from scse_dist.train.param_groups import group_of
 
 if TYPE_CHECKING:
     from scse_dist.model import LoopedLM
