@@ -339,6 +339,9 @@ NOT_RUN = {
     "python launch/train.py --config configs/quickstart.yaml profile.enabled=true profile.start_step=20 model.activation_checkpointing=loop":
         "the 300-step quickstart, profiled; tests/test_train_tensorboard.py profiles a tiny run "
         "under loop checkpointing and reads its trace's loop-step labels",
+    "python benchmarks/replay_collapse.py --run runs/NAME --from-step 20 --steps 15":
+        "needs a run that collapsed (runs/NAME); tests/test_replay_collapse.py replays a tiny "
+        "run's checkpoint the same way",
     "pytest": "runs the test suite's fast tier",
     "pytest -m slow": "runs the test suite's slow tier, this test included",
     "scse-launch configs/gpt2-small-scse.yaml": SLURM,

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import test_model_blocks  # noqa: F401  (importing them lists their registry tests)
+import test_loop_probes  # noqa: F401  (importing them lists their registry tests)
+import test_model_blocks  # noqa: F401
 import test_model_exit  # noqa: F401
 import test_model_invariance  # noqa: F401
 import test_model_transitions  # noqa: F401

@@ -26,7 +26,9 @@ DIAG_KEYS = {f"diag/{k}" for k in (
     "D_kept", "anchor_norm", "core_scale", "anchor_over_scale", "response_norm", "source_norm",
     "cos_D0_anchor", "cos_DT_anchor", "loss_t1", "loss_tT", "loop_gain", "grad_norm",
     "grad_share_anchor", "grad_share_core", "grad_share_prelude", "grad_share_coda",
-    "grad_share_embed")}
+    "grad_share_embed", "jacobian_norm", "jacobian_gain_D0", "branch_attn_b0", "branch_mlp_b0",
+    *(f"update_ratio{m}_{g}" for m in ("", "_max")
+      for g in ("embed", "prelude", "anchor", "core_attn", "core_mlp", "coda", "norm")))}
 
 pytestmark = pytest.mark.slow
 
@@ -133,6 +135,7 @@ def test_resume_from_the_middle_checkpoint_reproduces_the_run_exactly(trained, t
 
 def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subprocess_env):
     cfg = tiny_config(tmp_path, "train.zero_stage=2", "train.max_steps=2", "train.log_every=1",
+                      "train.checkpoint_every=1",
                       f"train.deepspeed_config={REPO / 'configs/deepspeed/zero2.json'}")
     out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), TRAIN,
                "--config", cfg], subprocess_env)
@@ -154,6 +157,19 @@ def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subp
     # gradient shares from ZeRO-2's partitioned gradients (safe_get_full_grad on both ranks)
     assert sum(v for k, v in rows[0].items() if k.startswith("diag/grad_share_")) == \
         pytest.approx(1.0)
+    # update ratios from ZeRO-2's fp32 master partitions (safe_get_full_fp32_param, both ranks)
+    # against the two checkpoints' weights: step 2 moved W_1 to W_2
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from scse_dist.param_groups import group_of
+
+    w1, w2 = (get_fp32_state_dict_from_zero_checkpoint(str(step2.parent), tag=f"step-000000{i}")
+              for i in (1, 2))
+    for g in ("anchor", "core_mlp", "norm", "embed"):
+        names = [n for n in w1 if group_of(n) == g]
+        moved = sum(float((w2[n] - w1[n]).detach().pow(2).sum()) for n in names) ** 0.5
+        size = sum(float(w1[n].detach().pow(2).sum()) for n in names) ** 0.5
+        assert rows[1][f"diag/update_ratio_{g}"] == pytest.approx(moved / size, rel=1e-4), g
     assert (tmp_path / "runs" / "tiny" / "export" / "model.safetensors").is_file()
 
 

@@ -47,6 +47,7 @@ from scse_dist.checkpoint.tags import (
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, RunConfig, config_to_dict
 from scse_dist.distributed import is_rank0
+from scse_dist.param_groups import lr_mult_split
 from scse_dist.run_dir import CHECKPOINTS_NAME, OUTPUT_NAMES
 
 # Moved aside by `train.resume: never` (the new run would append to or overwrite them).
@@ -85,7 +86,19 @@ def refused_changes(saved: dict, current: dict) -> list[str]:
     missing = "<absent>"
     return [f"{name}: {old.get(name, missing)!r} -> {new.get(name, missing)!r}"
             for name in sorted(set(old) | set(new))
-            if is_refused(name) and old.get(name, missing) != new.get(name, missing)]
+            if is_refused(name) and old.get(name, missing) != new.get(name, missing)] \
+        + _regrouped(saved, current)
+
+
+def _regrouped(saved: dict, current: dict) -> list[str]:
+    """train.lr_mult changed so that the optimizer's param groups split differently: the saved
+    optimizer state would not load (DeepSpeed loads it group by group). Changed factors of the
+    same groups are fine."""
+    old, new = (d.get("train", {}).get("lr_mult") or {} for d in (saved, current))
+    if lr_mult_split(old) == lr_mult_split(new):
+        return []
+    return [f"train.lr_mult: {old!r} -> {new!r} (regroups the optimizer's parameters; a resume "
+            "may change the factors, not which groups share one)"]
 
 
 def _warn(text: str) -> None:

@@ -105,6 +105,11 @@ class TrainConfig:
     micro_batch_memory_gib: float = 0.0
     max_steps: int = 200
     lr: float = 1e-3
+    # Per-parameter-group LR multipliers {group: factor >= 0} for AdamW (torch_adamw,
+    # deepspeed_fused_adam, Muon's AdamW half), groups of scse_dist.param_groups (embed,
+    # head, prelude, anchor, adapter, core_attn, core_mlp, coda, norm); unnamed groups keep 1.
+    # Under the same schedule; weight_decay is not changed (AdamW's decay step is lr * wd).
+    lr_mult: dict[str, float] = field(default_factory=dict)
     # The LR at the end of the decay (cosine, linear, wsd), as a fraction of lr.
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -213,6 +218,9 @@ class TrainConfig:
             raise ConfigError("train.init_from: an export dir or URL, or null; got an empty string")
         if self.lr <= 0:
             raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
+        from scse_dist.param_groups import check_lr_mult  # torch-free, like this module
+
+        check_lr_mult(self.lr_mult)
         self._check_muon()
         self._check_schedule()
         if not self.z_loss >= 0 or self.z_loss == float("inf"):  # also rejects NaN

@@ -2,8 +2,10 @@
 
 `loop_diagnostics(model, window, depth, max_depth)`: one no-grad pass on a fixed held-out batch.
 `gradient_shares(model, grad_of)`: where the gradient norm sits, after backward and before the
-optimizer step. Both return flat {name: float} dicts with stable keys (KEYS_DOC); how to read
-them: docs/loop-diagnostics.md. `DiagnosticsCallback` runs both every `train.diagnostics_every`
+optimizer step. `update_ratios(model, before, weight_of)`: ||dW|| / ||W|| of the last optimizer step
+per parameter group (scse_dist.param_groups), from `weights_snapshot` taken before it. All
+return flat {name: float} dicts with stable keys (KEYS_DOC); how to read
+them: docs/loop-diagnostics.md. `DiagnosticsCallback` runs them every `train.diagnostics_every`
 steps and hands the trainer one metrics row.
 
 Norms are per token (L2 over d_model), then averaged over the batch's tokens: |X| below is
@@ -19,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from scse_dist.model.loss import chunked_cross_entropy
+from scse_dist.param_groups import group_of
+from scse_dist.train.core_probes import phi_jacobian, sublayer_ratios
 
 if TYPE_CHECKING:
     from scse_dist.model import LoopedLM
@@ -26,7 +30,7 @@ if TYPE_CHECKING:
 PREFIX = "diag/"
 # Measured against D_0: inf, inf and 0 by construction, not by the loop, when D_0 = 0 at every
 # token (Transition.starts_at_anchor: looped and additive from the source), so not logged then.
-AGAINST_D0 = ("D_ratio_t0", "D_kept", "cos_D0_anchor")
+AGAINST_D0 = ("D_ratio_t0", "D_kept", "cos_D0_anchor", "jacobian_gain_D0")
 GRAD_GROUPS = ("anchor", "core", "prelude", "coda", "embed")
 KEYS_DOC = """\
 diag/D_norm_t{t}       |D_t|, t = 0..max_depth; D = h - h* (scse) or h - s (looped, additive)
@@ -48,6 +52,14 @@ diag/loop_gain         loss_t1 - loss_tT: what the loop's later steps are worth,
 diag/grad_norm         the global gradient norm (before clipping)
 diag/grad_share_{g}    ||grad_g||^2 / ||grad||^2 for g in anchor, core, prelude, coda, embed
                        (shares of the squared norm, so they sum to 1)
+diag/jacobian_norm     largest singular value of J = dPhi/dh at h = h* (JACOBIAN_ITERS power
+                       iterations of J^T J from D_0; whole-batch tensor norms)
+diag/jacobian_gain_D0  ||J D_0|| / ||D_0||: the step's linear gain along the starting deviation
+diag/branch_{attn,mlp}_b{i}  |what core block i's sub-layer adds| / |alpha * its residual input|,
+                       in the core call Phi(h*)
+diag/update_ratio_{g}  ||W_after - W_before|| / ||W_before|| over group g's parameters, for the
+                       optimizer step of this row (g in param_groups.PARAM_GROUPS the model has)
+diag/update_ratio_max_{g}  the largest of that ratio over group g's tensors
 """
 
 
@@ -120,11 +132,26 @@ def loop_diagnostics(model: LoopedLM, window: torch.Tensor, depth: int,
     out["source_norm"] = float(_row_norms(ctx["source"]).mean())
     out["cos_D0_anchor"] = _cos(deviations[0], anchor)
     out["cos_DT_anchor"] = _cos(deviations[depth], anchor)
+    out.update(_at_the_anchor(model, ctx, deviations[0]))
     losses = {t: float(chunked_cross_entropy(model.head_input(states[t], rope), model.head_weight,
                                              targets)) for t in (1, depth)}
     out.update(loss_t1=losses[1], loss_tT=losses[depth], loop_gain=losses[1] - losses[depth])
     undefined = AGAINST_D0 if model.core.transition.starts_at_anchor else ()
     return {PREFIX + k: v for k, v in out.items() if k not in undefined}
+
+
+def _at_the_anchor(model: LoopedLM, ctx: Any, d0: torch.Tensor) -> dict[str, float]:
+    """The core's Jacobian gain and sub-layer ratios at h* (scse_dist.train.core_probes). A zero
+    D_0 (a start at the anchor) gives no direction: the power iteration then starts from a fixed
+    random one, and the gain along D_0 reads 0."""
+    start = d0
+    if not bool(d0.any()):
+        start = torch.randn(d0.shape, generator=torch.Generator().manual_seed(0)).to(d0)
+    out = phi_jacobian(model.core, ctx, start)
+    if start is not d0:
+        out["jacobian_gain_D0"] = 0.0
+    out.update(sublayer_ratios(model.core, ctx, ctx["anchor"]))
+    return out
 
 
 def grad_group(name: str) -> str:
@@ -158,14 +185,58 @@ def gradient_shares(model: torch.nn.Module,
     return {PREFIX + k: v for k, v in out.items()}
 
 
+WeightOf = Callable[[torch.nn.Parameter], Optional[torch.Tensor]]
+
+
+def weights_snapshot(model: torch.nn.Module, weight_of: WeightOf = lambda p: p
+                     ) -> dict[str, torch.Tensor]:
+    """An fp32 copy of every trainable parameter, `weight_of(param)` (default the parameter; under
+    DeepSpeed deepspeed.utils.safe_get_full_fp32_param, the optimizer's master weights, which every
+    rank must call at ZeRO-1/2: it all-reduces; None falls back to the parameter)."""
+    out = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            weight = weight_of(param)
+            out[name] = (param if weight is None else weight).detach().float().clone()
+    return out
+
+
+def update_ratios(model: torch.nn.Module, before: dict[str, torch.Tensor],
+                  weight_of: WeightOf = lambda p: p) -> dict[str, float]:
+    """Per parameter group g (param_groups.group_of): update_ratio_g = ||W - W_before|| /
+    ||W_before|| over all of g's entries (W the weights now, `weight_of` as in weights_snapshot),
+    and update_ratio_max_g, the largest such ratio of one of g's tensors. A zero weight that
+    moves reads inf, one that stays 0."""
+    moved: dict[str, float] = {}
+    size: dict[str, float] = {}
+    largest: dict[str, float] = {}
+    for name, param in model.named_parameters():
+        if name not in before:
+            continue
+        weight = weight_of(param)
+        now = (param if weight is None else weight).detach().float()
+        g = group_of(name)
+        dw2, w2 = float((now - before[name]).pow(2).sum()), float(before[name].pow(2).sum())
+        moved[g] = moved.get(g, 0.0) + dw2
+        size[g] = size.get(g, 0.0) + w2
+        largest[g] = max(largest.get(g, 0.0), _ratio(math.sqrt(dw2), math.sqrt(w2)))
+    out = {}
+    for g in moved:
+        out[f"update_ratio_{g}"] = _ratio(math.sqrt(moved[g]), math.sqrt(size[g]))
+        out[f"update_ratio_max_{g}"] = largest[g]
+    return {PREFIX + k: v for k, v in out.items()}
+
+
 class DiagnosticsCallback:
-    """Every `every` optimizer steps: gradient shares at the update boundary (before_update,
-    called between the last backward and engine.step) and loop diagnostics after the step
-    (on_step_end, which returns the metrics row's diag/ entries; {} on other steps).
+    """Every `every` optimizer steps: gradient shares and a copy of the weights at the update
+    boundary (before_update, called between the last backward and engine.step), then the update
+    ratios against that copy and the loop diagnostics after the step (on_step_end, which returns
+    the metrics row's diag/ entries; {} on other steps). The copy lives for that one step only.
 
     zero_stage 3 is skipped (parameters and gradients are partitioned and the direct calls into
     the model's pieces would bypass ZeRO-3's gathering hooks). At 1-2 every rank computes the
-    gradient shares (safe_get_full_grad all-reduces); only rank 0 runs the forward pass.
+    gradient shares and update ratios (safe_get_full_grad and safe_get_full_fp32_param
+    all-reduce); only rank 0 runs the forward pass.
     """
 
     def __init__(self, every: int, window: Optional[torch.Tensor], depth: int, max_depth: int,
@@ -175,6 +246,7 @@ class DiagnosticsCallback:
         self.enabled = every > 0 and zero_stage < 3
         self.rank0 = rank0
         self._grads: dict[str, float] = {}
+        self._before: dict[str, torch.Tensor] = {}
 
     def due(self, step: int) -> bool:
         """Whether 1-based optimizer step `step` logs diagnostics."""
@@ -185,14 +257,20 @@ class DiagnosticsCallback:
             return
         # The full gradient at any stage 0-2: p.grad, a bf16 optimizer's fp32 buffer, or ZeRO's
         # partitions all-reduced (a collective: every rank gets here at the same steps).
-        from deepspeed.utils import safe_get_full_grad
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
         self._grads = gradient_shares(engine.module, safe_get_full_grad)
+        self._before = weights_snapshot(engine.module, safe_get_full_fp32_param)
 
     def on_step_end(self, model: torch.nn.Module, step: int) -> dict[str, float]:
         if not self.due(step):
             return {}
         row, self._grads = self._grads, {}
+        if self._before:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            row.update(update_ratios(model, self._before, safe_get_full_fp32_param))
+            self._before = {}
         if self.rank0 and self.window is not None:
             was_training = model.training
             model.eval()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from scse_dist.config import ConfigError, RunConfig, deep_merge
+from scse_dist.param_groups import with_lr_mult
 from scse_dist.run_dir import PROFILE_NAME
 from scse_dist.train.schedule import build_lr_scheduler
 
@@ -154,19 +155,21 @@ def build_optimizer(cfg: RunConfig, model: LoopedLM,
         return build_muon(model, t, on_cuda)
     if t.optimizer != "torch_adamw":
         return None
-    return torch.optim.AdamW(_param_groups(model, t.weight_decay), lr=t.lr,
+    return torch.optim.AdamW(_param_groups(model, t.weight_decay, t.lr, t.lr_mult), lr=t.lr,
                              betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                              fused=True if on_cuda else None)
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def _param_groups(model: torch.nn.Module, weight_decay: float, lr: float = 0.0,
+                  lr_mult: Optional[dict[str, float]] = None) -> list[dict[str, Any]]:
     # Decay matrices only; norms' gains and biases keep their scale (nanoGPT's split).
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if rest:
         groups.append({"params": rest, "weight_decay": 0.0})
-    return groups
+    # train.lr_mult: each split by its parameters' multipliers (lr set per group)
+    return with_lr_mult(model.named_parameters(), groups, lr, lr_mult or {})
 
 
 def require_hookable_output(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -218,7 +221,8 @@ def build_engine(cfg: RunConfig, model: LoopedLM,
     optimizer = build_optimizer(cfg, model)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer,
-        model_parameters=None if optimizer else _param_groups(model, cfg.train.weight_decay),
+        model_parameters=None if optimizer else _param_groups(
+            model, cfg.train.weight_decay, cfg.train.lr, cfg.train.lr_mult),
         config=ds_config, lr_scheduler=lambda opt: build_lr_scheduler(opt, cfg.train))
     if cfg.train.optimizer == "muon":  # wrapped by ZeRO-1/2 or bf16: each rank holds a slice
         from scse_dist.train.muon import MuonAdamW

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
+from scse_dist.param_groups import with_lr_mult
+
 if TYPE_CHECKING:
     from scse_dist.model import LoopedLM
 
@@ -71,6 +73,9 @@ def build_muon(model: LoopedLM, train: Any, on_cuda: bool) -> torch.optim.Optimi
     groups = [dict(params=params, use_muon=False, lr=train.lr, weight_decay=wd,
                    betas=(train.beta1, train.beta2), eps=ADAMW_EPS)
               for params, wd in ((decay, train.weight_decay), (rest, 0.0)) if params]
+    # train.lr_mult scales the AdamW half only (Muon's matrices keep train.muon_lr)
+    groups = with_lr_mult(model.named_parameters(), groups, train.lr, train.lr_mult,
+                          "train.optimizer: muon's AdamW half")
     groups.append(dict(params=muon, use_muon=True, lr=train.muon_lr, momentum=train.muon_momentum,
                        weight_decay=train.muon_weight_decay, ns_method="standard"))
     muon_ids = {id(p) for p in muon}

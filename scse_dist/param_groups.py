@@ -1,0 +1,109 @@
+"""The parameter groups of a LoopedLM by role: one classification, `group_of(name)`, shared by the
+per-group diagnostics (update-to-weight ratios, docs/loop-diagnostics.md) and anything that treats
+the roles differently.
+
+    embed      the token embedding (also the LM head when tied)
+    head       an untied LM head
+    prelude    the prelude blocks' attention and SwiGLU matrices
+    anchor     SCSE's learned anchor map Q (h* = Q s)
+    adapter    the concat injection's adapter W ([h; s] -> d)
+    core_attn  the core blocks' attention matrices (qkv, proj), every block group (untied too)
+    core_mlp   the core blocks' SwiGLU matrices (gate, up, down)
+    coda       the coda blocks' attention and SwiGLU matrices
+    norm       every RMSNorm gain: the blocks' norm1/norm2, qk_norm's q_norm/k_norm, the final norm
+
+Norm gains are one group wherever they sit: under Post-LN the core's last norm2 gain is the output
+scale rho of Phi (diagnostics.core_scale), and gains are the parameters an optimizer step moves
+most relative to their size. `with_lr_mult` splits an optimizer's param groups by train.lr_mult.
+Imports nothing heavy (no torch): the config's check uses it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from typing import Any, Iterable, Mapping
+
+from scse_dist.model.config import ConfigError
+
+PARAM_GROUPS = ("embed", "head", "prelude", "anchor", "adapter", "core_attn", "core_mlp", "coda",
+                "norm")
+
+_NORM = re.compile(r"(^|\.)(norm1|norm2|q_norm|k_norm)\.weight$")
+_BLOCK = re.compile(r"^(prelude|coda|core\.blocks)\.\d+\.(attn|mlp)\.")
+
+
+def group_of(name: str) -> str:
+    """The PARAM_GROUPS entry of a LoopedLM parameter name (`model.named_parameters()`); a name of
+    no group raises ValueError naming it (a new parameter must be given a group here)."""
+    if _NORM.search(name) or name == "norm.weight":
+        return "norm"
+    if name == "embed.weight":
+        return "embed"
+    if name == "head.weight":
+        return "head"
+    if name.startswith("core.anchor."):
+        return "anchor"
+    if name.startswith("core.adapter."):
+        return "adapter"
+    block = _BLOCK.match(name)
+    if block is not None:
+        part, sub = block.groups()
+        return f"core_{sub}" if part == "core.blocks" else part
+    raise ValueError(f"param_groups.group_of: parameter {name!r} is in no group of "
+                     f"{', '.join(PARAM_GROUPS)}; add it to scse_dist/param_groups.py")
+
+
+def check_lr_mult(lr_mult: Mapping[str, float]) -> None:
+    """train.lr_mult: keys that are groups, values finite and >= 0 (ConfigError, one line)."""
+    for key, value in lr_mult.items():
+        if key not in PARAM_GROUPS:
+            close = difflib.get_close_matches(key, PARAM_GROUPS, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(f"train.lr_mult: unknown parameter group {key!r}; {hint}the groups "
+                              f"are {', '.join(PARAM_GROUPS)}")
+        if not 0 <= value < math.inf:  # also rejects NaN
+            raise ConfigError(f"train.lr_mult.{key}: must be a finite multiplier >= 0, got "
+                              f"{value}")
+
+
+def with_lr_mult(named: Iterable[tuple[str, Any]], groups: list[dict[str, Any]], lr: float,
+                 lr_mult: Mapping[str, float], optimizer: str = "AdamW") -> list[dict[str, Any]]:
+    """The optimizer's param groups, each split by the train.lr_mult factor of its parameters'
+    groups, with lr = `lr` * factor (1 for a group not named); the groups' other settings
+    (weight decay, betas) are copied unchanged. The groups at factor 1 come first, so the log's
+    `lr` (group 0's) stays train.lr's while one is left. `named`: the model's named_parameters.
+    Empty lr_mult: `groups` as they are. A named group with no parameter in `groups` is a
+    ConfigError (`optimizer` says whose groups these are)."""
+    if not lr_mult:
+        return groups
+    name_of = {id(p): name for name, p in named}
+    found: set[str] = set()
+    plain: list[dict[str, Any]] = []
+    scaled: list[dict[str, Any]] = []
+    for group in groups:
+        by_factor: dict[float, list[Any]] = {}
+        for p in group["params"]:
+            g = group_of(name_of[id(p)])
+            found.add(g)
+            by_factor.setdefault(float(lr_mult.get(g, 1.0)), []).append(p)
+        for factor, params in by_factor.items():
+            (plain if factor == 1.0 else scaled).append(
+                {**group, "params": params, "lr": lr * factor})
+    for key in lr_mult:
+        if key not in found:
+            raise ConfigError(f"train.lr_mult.{key}: no parameter that {optimizer} updates is in "
+                              f"group {key} in this model (its groups there: "
+                              f"{', '.join(g for g in PARAM_GROUPS if g in found)})")
+    return plain + scaled
+
+
+def lr_mult_split(lr_mult: Mapping[str, float]) -> frozenset[frozenset[str]]:
+    """The partition of PARAM_GROUPS by train.lr_mult factor (1 where not named): what decides
+    how with_lr_mult splits an optimizer's groups. A resume may change the factors but not this
+    (DeepSpeed loads a checkpoint's optimizer state group by group)."""
+    by_factor: dict[float, set[str]] = {}
+    for g in PARAM_GROUPS:
+        by_factor.setdefault(float(lr_mult.get(g, 1.0)), set()).add(g)
+    return frozenset(frozenset(names) for names in by_factor.values())
