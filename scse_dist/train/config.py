@@ -110,6 +110,10 @@ class TrainConfig:
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
+    # StableAdamW's update clipping (scse_dist.train.update_clip): each tensor's AdamW step
+    # divided by max(1, RMS(g / sqrt(v_hat)) / update_clip); 1.0 is StableAdamW's; 0: off.
+    # torch_adamw and muon's AdamW half, ZeRO stage 0-2.
+    update_clip: float = 0.0
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
     log_every: int = 10
     # Loop diagnostics (scse_dist.train.diagnostics: deviation norms, anchor scale, gradient
@@ -173,6 +177,7 @@ class TrainConfig:
         if self.lr <= 0:
             raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
         self._check_muon()
+        self._check_update_clip()
         self._check_schedule()
         if not self.z_loss >= 0 or self.z_loss == float("inf"):  # also rejects NaN
             raise ConfigError(f"train.z_loss: must be a finite weight >= 0, got {self.z_loss}")
@@ -245,6 +250,19 @@ class TrainConfig:
             raise ConfigError("train.zero_stage: train.optimizer: muon works at ZeRO stage 0, 1 or "
                               "2, not 3; set train.zero_stage: 2 (it partitions gradients and "
                               "optimizer state too) or use torch_adamw")
+
+    def _check_update_clip(self) -> None:
+        if not 0 <= self.update_clip < float("inf"):  # also rejects NaN
+            raise ConfigError(f"train.update_clip: must be a finite threshold >= 0 (0: off), got "
+                              f"{self.update_clip}")
+        if not self.update_clip:
+            return
+        if self.optimizer == "deepspeed_fused_adam":
+            raise ConfigError("train.update_clip: DeepSpeed's FusedAdam has no per-tensor update "
+                              "clipping; use train.optimizer: torch_adamw (or muon)")
+        if self.zero_stage == 3:
+            raise ConfigError("train.update_clip: works at ZeRO stage 0, 1 or 2 (it finds each "
+                              "parameter in the rank's flat partition), not 3")
 
     def _check_resume_from(self) -> None:
         if self.resume_from is None:

@@ -73,10 +73,17 @@ def build_muon(model: LoopedLM, train: Any, on_cuda: bool) -> torch.optim.Optimi
               for params, wd in ((decay, train.weight_decay), (rest, 0.0)) if params]
     groups.append(dict(params=muon, use_muon=True, lr=train.muon_lr, momentum=train.muon_momentum,
                        weight_decay=train.muon_weight_decay, ns_method="standard"))
+    adam: Any = torch.optim.AdamW
+    if train.update_clip:  # StableAdamW's clipping on the AdamW half too
+        from functools import partial
+
+        from scse_dist.train.update_clip import UpdateClippedAdamW
+
+        adam = partial(UpdateClippedAdamW, update_clip=train.update_clip)
     muon_ids = {id(p) for p in muon}
     for p in model.parameters():  # what ZeRO-1/2 read to find the matrices to orthogonalise
         p.use_muon = id(p) in muon_ids
-    return MuonAdamW(groups, clip=train.grad_clip, adam_optimizer=torch.optim.AdamW,
+    return MuonAdamW(groups, clip=train.grad_clip, adam_optimizer=adam,
                      adam_optimizer_kwargs={"fused": True} if on_cuda else {})
 
 
