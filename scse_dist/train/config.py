@@ -110,6 +110,9 @@ class TrainConfig:
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
+    # Which 2-D matrices Muon steps: all (prelude, core, coda) or loop (the core's alone: its
+    # blocks, SCSE's anchor, the concat adapter); the rest go to AdamW.
+    muon_scope: Literal["all", "loop"] = "all"
     # StableAdamW's update clipping (scse_dist.train.update_clip): each tensor's AdamW step
     # divided by max(1, RMS(g / sqrt(v_hat)) / update_clip); 1.0 is StableAdamW's; 0: off.
     # torch_adamw and muon's AdamW half, ZeRO stage 0-2.
@@ -244,6 +247,10 @@ class TrainConfig:
         if self.muon_weight_decay < 0:
             raise ConfigError(f"train.muon_weight_decay: must be >= 0, got "
                               f"{self.muon_weight_decay}")
+        if self.muon_scope != "all" and self.optimizer != "muon":
+            raise ConfigError(f"train.muon_scope: {self.muon_scope} narrows train.optimizer: "
+                              f"muon, but the optimizer is {self.optimizer}; set it to muon or "
+                              "leave muon_scope at all")
         if self.optimizer == "muon" and self.zero_stage == 3:
             # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at
             # stage 3
