@@ -40,6 +40,27 @@ class DepthSamplingConfig:
 
 
 @dataclass
+class DepthLossConfig:
+    """train.depth_loss: a training signal for depth that pays (issue 26)."""
+
+    # off, or two_depths: the loss at the loop depth `short`, read out from the same forward (one
+    # loop run; the coda, norm and head once more), added with `weight` to the loss at the
+    # step's depth T, so the model is trained at both. A step whose T <= short has no term.
+    kind: Literal["off", "two_depths"] = "off"
+    weight: float = 0.5
+    short: int = 2
+
+    def check(self) -> None:
+        if self.kind == "off":
+            return
+        if self.short < 1:
+            raise ConfigError(f"train.depth_loss.short: must be >= 1, got {self.short}")
+        if not 0 < self.weight < float("inf"):  # also rejects NaN
+            raise ConfigError(f"train.depth_loss.weight: must be a finite weight > 0, got "
+                              f"{self.weight}")
+
+
+@dataclass
 class CallbackSpec:
     """One entry of train.callbacks: a trainer callback of the user's own (docs/training.md)."""
 
@@ -118,6 +139,7 @@ class TrainConfig:
     # torch_adamw and muon's AdamW half, ZeRO stage 0-2.
     update_clip: float = 0.0
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
+    depth_loss: DepthLossConfig = field(default_factory=DepthLossConfig)
     log_every: int = 10
     # Loop diagnostics (scse_dist.train.diagnostics: deviation norms, anchor scale, gradient
     # shares) on one fixed held-out batch every this many steps; null: log_every; 0: off.
@@ -171,6 +193,7 @@ class TrainConfig:
             if value < 0:
                 raise ConfigError(f"train.{name}: must be >= 0, got {value}")
         self.depth.check()
+        self.depth_loss.check()
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

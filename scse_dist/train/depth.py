@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
-from scse_dist.config import DepthSamplingConfig
+from scse_dist.config import DepthSamplingConfig, TrainConfig
 
 
 def sample_depth(step: int, sampling: DepthSamplingConfig, mean_depth: int, seed: int) -> int:
@@ -37,3 +38,10 @@ def largest_trained_depth(sampling: DepthSamplingConfig, mean_depth: int) -> int
     if sampling.kind == "fixed":
         return mean_depth
     return max(sampling.max or 2 * mean_depth, sampling.min)
+
+
+def short_depth_loss(t: TrainConfig) -> dict[str, Any]:
+    """train_step's arguments for train.depth_loss ({} when off)."""
+    loss = t.depth_loss
+    return {"short_depth": loss.short, "short_weight": loss.weight} \
+        if loss.kind == "two_depths" else {}

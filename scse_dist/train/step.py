@@ -22,6 +22,10 @@ class StepResult(NamedTuple):
     depth: int  # the loop depth the step ran
     # sum over micro-batches of each one's z-loss term (train.z_loss > 0), else None
     z_loss_sum: Optional[torch.Tensor] = None
+    # train.depth_loss two_depths: sum over micro-batches of the cross-entropy at the short depth,
+    # and how many micro-batches had it (0 when the step's T <= short), else None
+    short_loss_sum: Optional[torch.Tensor] = None
+    short_micro_batches: int = 0
 
 
 def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
@@ -68,7 +72,8 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
                backprop_steps: int = 0, stop_requested: Callable[[], bool] = lambda: False,
                loss_hook: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
                before_update: Callable[[Any], None] = lambda engine: None,
-               z_loss: float = 0.0) -> StepResult:
+               z_loss: float = 0.0, short_depth: int = 0, short_weight: float = 0.0
+               ) -> StepResult:
     """Run one optimizer step of `engine` over `windows`, its gradient-accumulation micro-batches.
 
     Each window is a (B, S+1) token tensor: inputs window[:, :-1], targets window[:, 1:]. There
@@ -83,6 +88,9 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
     boundary, after the last backward and before engine.step(), on every rank: the gradients are
     complete there (loop diagnostics read them). `z_loss` > 0 adds that weight's z-loss to
     the objective (the loss summed for logging stays the cross-entropy; the term has its own sum).
+    `short_depth` > 0 (train.depth_loss two_depths): where it is below the step's depth, the
+    cross-entropy at that depth, read out from the same forward, joins the objective with
+    `short_weight` (summed on its own for logging).
     """
     accum = engine.gradient_accumulation_steps()
     stage0 = engine.zero_optimization_stage() == 0
@@ -91,13 +99,16 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
     local_bad = torch.zeros((), device=engine.device)
     bad = stop = False
     ran_depth, micro = 0, 0
+    short = short_depth if short_depth and depth is not None and short_depth < depth else 0
+    short_sum = torch.zeros((), device=engine.device) if short_depth else None
     for micro, window in enumerate(windows, start=1):
         if micro > accum:
             raise ValueError(f"train_step: more micro-batches than "
                              f"gradient_accumulation_steps={accum}")
         window = window.to(engine.device)
         out = engine(window[:, :-1], window[:, 1:], depth=depth, backprop_steps=backprop_steps,
-                     keep_logits=False, **({"z_loss": z_loss} if z_loss else {}))
+                     keep_logits=False, **({"z_loss": z_loss} if z_loss else {}),
+                     **({"readout_depths": [short]} if short else {}))
         ran_depth = out.depth
         if z_sum is None:
             loss = objective = loss_hook(out.loss)
@@ -106,6 +117,11 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
             z_sum += out.z_loss.detach().float()
         # model.loop_stability's term joins the objective; the LM loss alone is what runs log.
         objective = objective if out.aux_loss is None else objective + out.aux_loss
+        if short:  # the short depth's loss, a term of the objective
+            short_loss = out.loss_by_depth[short]
+            objective = objective + short_weight * short_loss
+            assert short_sum is not None  # made when short_depth is set
+            short_sum += short_loss.detach().float()
         local_bad += (~torch.isfinite(objective.detach())).float()
         loss_sum += loss.detach().float()
         engine.backward(objective)
@@ -120,4 +136,5 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
         raise ValueError(f"train_step: got {micro} micro-batches, expected "
                          f"gradient_accumulation_steps={accum}")
     skipped = bad or not engine.was_step_applied()
-    return StepResult(loss_sum, accum, skipped, stop, ran_depth, z_sum)
+    return StepResult(loss_sum, accum, skipped, stop, ran_depth, z_sum, short_sum,
+                      accum if short else 0)
