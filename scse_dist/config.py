@@ -22,15 +22,21 @@ from scse_dist.data.config import DataConfig
 from scse_dist.eval.config import EvalConfig
 from scse_dist.launch.config import EvalResources, Resources  # noqa: F401
 from scse_dist.model.config import VALUE_BEFORE_FIELD, ConfigError, ModelConfig  # noqa: F401
-from scse_dist.model.transitions import check_model_config, resolved_anchor_scale  # noqa: F401
+from scse_dist.model.transitions import (  # noqa: F401
+    check_model_config,
+    resolved_anchor_scale,
+    transition_for,
+)
 from scse_dist.train.config import (  # noqa: F401
     CallbackSpec,
+    DepthLossConfig,
     DepthSamplingConfig,
     ProfileConfig,
     SpikeSkipConfig,
     TensorBoardConfig,
     TrainConfig,
     WandbConfig,
+    largest_trained_depth,
 )
 
 # The typed-YAML machinery; apply_overrides and deep_merge are part of this module's interface.
@@ -80,11 +86,28 @@ def _check_consistency(cfg: RunConfig) -> None:
         raise ConfigError("eval.downstream_every: downstream tasks during training run at ZeRO "
                           "stage 0, 1 or 2, not train.zero_stage 3; evaluate the checkpoints "
                           "with scse-eval instead")
+    _check_depth_loss(cfg)
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
     if cfg.profile.enabled and cfg.profile.start_step > cfg.train.max_steps:
         raise ConfigError(f"profile.start_step: {cfg.profile.start_step} is past train.max_steps="
                           f"{cfg.train.max_steps}, so nothing would be profiled; lower it")
+
+
+def _check_depth_loss(cfg: RunConfig) -> None:
+    """train.depth_loss against the model's loop and the trained depths."""
+    loss = cfg.train.depth_loss
+    if loss.kind == "off":
+        return
+    if not transition_for(cfg.model).loops:
+        raise ConfigError(f"train.depth_loss: recurrence={cfg.model.recurrence} runs one fixed "
+                          "depth, so there is no shorter depth to train; set kind: off")
+
+    deepest = largest_trained_depth(cfg.train.depth, cfg.model.depth)
+    if loss.short >= deepest:
+        raise ConfigError(f"train.depth_loss.short: {loss.short} is not below the largest "
+                          f"trained depth {deepest} (train.depth, model.depth), so it would never "
+                          "apply; lower it")
 
 
 # --------------------------------------------------------------------------- loading

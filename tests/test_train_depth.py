@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from scse_dist.config import DepthSamplingConfig
-from scse_dist.train.depth import largest_trained_depth, sample_depth
+from scse_dist.train.config import largest_trained_depth
+from scse_dist.train.depth import sample_depth
 
 
 def draws(sampling, mean, n=3000, seed=0):

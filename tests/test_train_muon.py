@@ -82,6 +82,42 @@ def test_split_puts_every_2d_block_matrix_in_muon_and_the_rest_in_adamw(model_cf
     assert groups[True]["lr"] == 0.03 and optimizer.param_groups[0]["lr"] == 1e-3
 
 
+@pytest.mark.parametrize("recurrence", ["scse", "additive", "untied"])
+@pytest.mark.parametrize("scope", ["all", "loop"])
+def test_muon_scope_puts_the_loop_s_matrices_alone_in_muon_under_loop(recurrence, scope):
+    model = LoopedLM(ModelConfig(d_model=32, n_heads=2, vocab_size=64, recurrence=recurrence,
+                                 depth=2, n_prelude=1, n_coda=1))
+    optimizer = build(model, muon_train(muon_scope=scope, weight_decay=0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_group = {(g["use_muon"], g["weight_decay"]): {names[id(p)] for p in g["params"]}
+                for g in optimizer.param_groups}
+    muon = by_group[True, 0.0]
+    parts = ("prelude", "core", "coda") if scope == "all" else ("core",)
+    assert muon == {n for n, p in model.named_parameters()
+                    if p.dim() == 2 and n.split(".")[0] in parts}
+    assert "core.blocks.0.mlp.down.weight" in muon
+    assert ("core.anchor.weight" in muon) == (recurrence == "scse")
+    assert ("prelude.0.attn.qkv.weight" in muon) == ("coda.0.mlp.up.weight" in muon) \
+        == (scope == "all")
+    # under loop the prelude's and coda's matrices are AdamW's, decayed like the embedding
+    decayed = by_group[False, 0.1]
+    assert "embed.weight" in decayed
+    assert {n for n in decayed if n.startswith(("prelude.", "coda."))} == (
+        set() if scope == "all" else {n for n, p in model.named_parameters()
+                                      if p.dim() == 2 and n.startswith(("prelude.", "coda."))})
+    assert all(p.use_muon == (names[id(p)] in muon) for p in model.parameters())
+    assert sum(len(v) for v in by_group.values()) == len(list(model.parameters()))
+
+
+def test_muon_scope_needs_muon():
+    from scse_dist.config import ConfigError
+
+    TrainConfig(optimizer="muon", muon_scope="loop").check()
+    with pytest.raises(ConfigError, match=r"^train.muon_scope: loop narrows train.optimizer: "
+                                          r"muon, but the optimizer is torch_adamw"):
+        TrainConfig(muon_scope="loop").check()
+
+
 class TwoParams(torch.nn.Module):
     """One block matrix (Muon) and one gain (AdamW), in the layout muon_split reads."""
 

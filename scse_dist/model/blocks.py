@@ -6,6 +6,8 @@ The residual form is a switch of `Block` (config `residual`):
   deepnorm  LN(alpha*h + G(h))            DeepNet constants for N layers
   deeploop  LN(alpha*h + G(h))            DeepLoop constants, N counts every loop visit
 where G is attention then SwiGLU (two sub-layers per block, each with its own residual).
+Under a Post-LN residual, model.branch_scale=forward holds the matrices DeepNet initialises at gain
+beta (value, output, FFN) at gain 1 and multiplies their outputs by beta in the forward instead.
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ class KVHook(Protocol):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        # model.branch_scale=forward: beta on the values and the output (set by Block; None: off)
+        self.scale: Optional[float] = None
         self.n_heads = cfg.n_heads
         self.d_model = cfg.d_model
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
@@ -129,6 +133,8 @@ class CausalSelfAttention(nn.Module):
         kv: a KVHook whose update(k, v) gives the keys/values attended to (after RoPE)."""
         b, s, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
+        if self.scale is not None:
+            v = v * self.scale
         q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
         if self.q_norm is not None and self.k_norm is not None:  # both, under model.qk_norm
             q, k = self.q_norm(q), self.k_norm(k)
@@ -136,7 +142,8 @@ class CausalSelfAttention(nn.Module):
         if kv is not None:
             k, v = kv.update(k, v)
         y = attend(q, k, v, mask)
-        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+        out = self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return out if self.scale is None else out * self.scale
 
 
 class SwiGLU(nn.Module):
@@ -146,9 +153,13 @@ class SwiGLU(nn.Module):
         self.gate = nn.Linear(cfg.d_model, hidden, bias=False)
         self.up = nn.Linear(cfg.d_model, hidden, bias=False)
         self.down = nn.Linear(hidden, cfg.d_model, bias=False)
+        self.scale: Optional[float] = None  # model.branch_scale=forward: beta on every matrix
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.scale is None:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        s = self.scale  # gate, up and down each act as the matrix beta * W
+        return self.down(F.silu(self.gate(x) * s) * (self.up(x) * s)) * s
 
 
 class Block(nn.Module):
@@ -175,6 +186,10 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        # model.branch_scale=forward (Post-LN only: check_model_fields): beta leaves the init
+        self.forward_scale = self.post_ln and cfg.branch_scale == "forward"
+        if self.forward_scale:
+            self.attn.scale = self.mlp.scale = self.beta
         self._init_weights(cfg, transition.residual_unrolled_depth)
 
     @torch.no_grad()
@@ -182,13 +197,15 @@ class Block(nn.Module):
         d = cfg.d_model
         if self.post_ln:
             # DeepNet: xavier_normal with gain beta on FFN, value and output projections, gain 1
-            # on query and key (they only set attention logits, not the residual scale).
+            # on query and key (they only set attention logits, not the residual scale). Under
+            # branch_scale=forward gain 1, the same draws, and beta in the forward.
+            gain = 1.0 if self.forward_scale else self.beta
             q, k, v = self.attn.qkv.weight.split(d, dim=0)
             nn.init.xavier_normal_(q)
             nn.init.xavier_normal_(k)
             for w in (v, self.attn.proj.weight, self.mlp.gate.weight, self.mlp.up.weight,
                       self.mlp.down.weight):
-                nn.init.xavier_normal_(w, gain=self.beta)
+                nn.init.xavier_normal_(w, gain=gain)
             return
         # GPT-2: normal(init_std), output projections shrunk by sqrt(2N) so the residual stream's
         # variance does not grow with depth.

@@ -55,6 +55,11 @@ class ModelConfig:
     # The T in the unrolled depth N that the residual constants (deepnorm/deeploop alpha, beta;
     # preln's output-projection init) come from; 0: `depth`. Set it to the largest trained depth.
     residual_depth: int = 0
+    # Where deepnorm/deeploop's beta acts (issue 26): init, the xavier gain of the value, output
+    # and FFN matrices (DeepNet); forward, those matrices initialised at gain 1 and their outputs
+    # multiplied by beta in the forward: the same function at init, but each AdamW step (whose
+    # size the rate sets, not the weight) then moves the branch by beta times as much.
+    branch_scale: Literal["init", "forward"] = "init"
     # Nominal loop depth T: the default forward depth, the mean of sampled training depth, and
     # the T in the unrolled depth N that deepnorm/deeploop constants are computed from.
     depth: int = 4
@@ -93,6 +98,9 @@ def check_model_fields(m: ModelConfig) -> None:
     if m.residual_depth < 0:
         raise ConfigError(f"model.residual_depth: must be >= 0 (0: model.depth), got "
                           f"{m.residual_depth}")
+    if m.branch_scale == "forward" and m.residual == "preln":
+        raise ConfigError("model.branch_scale: forward moves deepnorm/deeploop's beta into the "
+                          "forward; residual=preln has no beta (use init, or a Post-LN residual)")
     if not m.loop_stability >= 0:  # also rejects NaN
         raise ConfigError(f"model.loop_stability: must be >= 0, got {m.loop_stability}")
     if not 0.0 <= m.forcing_bias_scale <= 1.0:

@@ -72,6 +72,35 @@ class SpikeSkipConfig:
 
 
 @dataclass
+class DepthLossConfig:
+    """train.depth_loss: a training signal for depth that pays (issue 26)."""
+
+    # off, or two_depths: the loss at the loop depth `short`, read out from the same forward (one
+    # loop run; the coda, norm and head once more), added with `weight` to the loss at the
+    # step's depth T, so the model is trained at both. A step whose T <= short has no term.
+    kind: Literal["off", "two_depths"] = "off"
+    weight: float = 0.5
+    short: int = 2
+
+    def check(self) -> None:
+        if self.kind == "off":
+            return
+        if self.short < 1:
+            raise ConfigError(f"train.depth_loss.short: must be >= 1, got {self.short}")
+        if not 0 < self.weight < float("inf"):  # also rejects NaN
+            raise ConfigError(f"train.depth_loss.weight: must be a finite weight > 0, got "
+                              f"{self.weight}")
+
+
+def largest_trained_depth(sampling: DepthSamplingConfig, mean_depth: int) -> int:
+    """The deepest T training draws: uniform's max (2*mean when 0), poisson_lognormal's max, or
+    2*mean when it is unbounded (its tail past that is rare), fixed's mean."""
+    if sampling.kind == "fixed":
+        return mean_depth
+    return max(sampling.max or 2 * mean_depth, sampling.min)
+
+
+@dataclass
 class CallbackSpec:
     """One entry of train.callbacks: a trainer callback of the user's own (docs/training.md)."""
 
@@ -147,7 +176,15 @@ class TrainConfig:
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
+    # Which 2-D matrices Muon steps: all (prelude, core, coda) or loop (the core's alone: its
+    # blocks, SCSE's anchor, the concat adapter); the rest go to AdamW.
+    muon_scope: Literal["all", "loop"] = "all"
+    # StableAdamW's update clipping (scse_dist.train.update_clip): each tensor's AdamW step
+    # divided by max(1, RMS(g / sqrt(v_hat)) / update_clip); 1.0 is StableAdamW's; 0: off.
+    # torch_adamw and muon's AdamW half, ZeRO stage 0-2.
+    update_clip: float = 0.0
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
+    depth_loss: DepthLossConfig = field(default_factory=DepthLossConfig)
     log_every: int = 10
     # Loop diagnostics (scse_dist.train.diagnostics: deviation norms, anchor scale, gradient
     # shares) on one fixed held-out batch every this many steps; null: log_every; 0: off.
@@ -210,6 +247,7 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}: must be >= 0, got {value}")
         self.depth.check()
         self.spike_skip.check()
+        self.depth_loss.check()
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -222,6 +260,7 @@ class TrainConfig:
 
         check_lr_mult(self.lr_mult)
         self._check_muon()
+        self._check_update_clip()
         self._check_schedule()
         if not self.z_loss >= 0 or self.z_loss == float("inf"):  # also rejects NaN
             raise ConfigError(f"train.z_loss: must be a finite weight >= 0, got {self.z_loss}")
@@ -293,12 +332,29 @@ class TrainConfig:
             raise ConfigError("train.spike_skip.enabled: not with train.optimizer: muon at "
                               f"train.zero_stage {self.zero_stage} (ZeRO-1/2 advance Muon's "
                               "momentum even on a skipped step); use ZeRO stage 0 or torch_adamw")
+        if self.muon_scope != "all" and self.optimizer != "muon":
+            raise ConfigError(f"train.muon_scope: {self.muon_scope} narrows train.optimizer: "
+                              f"muon, but the optimizer is {self.optimizer}; set it to muon or "
+                              "leave muon_scope at all")
         if self.optimizer == "muon" and self.zero_stage == 3:
             # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at
             # stage 3
             raise ConfigError("train.zero_stage: train.optimizer: muon works at ZeRO stage 0, 1 or "
                               "2, not 3; set train.zero_stage: 2 (it partitions gradients and "
                               "optimizer state too) or use torch_adamw")
+
+    def _check_update_clip(self) -> None:
+        if not 0 <= self.update_clip < float("inf"):  # also rejects NaN
+            raise ConfigError(f"train.update_clip: must be a finite threshold >= 0 (0: off), got "
+                              f"{self.update_clip}")
+        if not self.update_clip:
+            return
+        if self.optimizer == "deepspeed_fused_adam":
+            raise ConfigError("train.update_clip: DeepSpeed's FusedAdam has no per-tensor update "
+                              "clipping; use train.optimizer: torch_adamw (or muon)")
+        if self.zero_stage == 3:
+            raise ConfigError("train.update_clip: works at ZeRO stage 0, 1 or 2 (it finds each "
+                              "parameter in the rank's flat partition), not 3")
 
     def _check_resume_from(self) -> None:
         if self.resume_from is None:

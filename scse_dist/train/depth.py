@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
-from scse_dist.config import DepthSamplingConfig
+from scse_dist.config import DepthSamplingConfig, TrainConfig
 
 
 def sample_depth(step: int, sampling: DepthSamplingConfig, mean_depth: int, seed: int) -> int:
@@ -31,9 +32,8 @@ def sample_depth(step: int, sampling: DepthSamplingConfig, mean_depth: int, seed
     raise ValueError(f"train.depth.kind: unknown sampling kind {sampling.kind!r}")
 
 
-def largest_trained_depth(sampling: DepthSamplingConfig, mean_depth: int) -> int:
-    """The deepest T training draws: uniform's max (2*mean when 0), poisson_lognormal's max, or
-    2*mean when it is unbounded (its tail past that is rare), fixed's mean."""
-    if sampling.kind == "fixed":
-        return mean_depth
-    return max(sampling.max or 2 * mean_depth, sampling.min)
+def short_depth_loss(t: TrainConfig) -> dict[str, Any]:
+    """train_step's arguments for train.depth_loss ({} when off)."""
+    loss = t.depth_loss
+    return {"short_depth": loss.short, "short_weight": loss.weight} \
+        if loss.kind == "two_depths" else {}

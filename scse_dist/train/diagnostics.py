@@ -303,7 +303,7 @@ def diagnostics_for(cfg: Any, zero_stage: int, rank0: bool) -> DiagnosticsCallba
     (null: log_every), T = model.depth, up to the largest trained depth. Off for a model that
     does not loop (untied)."""
     from scse_dist.model.transitions import transition_for
-    from scse_dist.train.depth import largest_trained_depth
+    from scse_dist.train.config import largest_trained_depth
 
     t, m = cfg.train, cfg.model
     every = t.log_every if t.diagnostics_every is None else t.diagnostics_every

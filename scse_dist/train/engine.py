@@ -56,7 +56,8 @@ def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
         "steps_per_print": 1 << 30,  # we log ourselves (scse_dist.train.metrics)
         "wall_clock_breakdown": False,
     }
-    if t.optimizer == "muon":  # a subclass of DeepSpeed's own Muon, so not on its tested list
+    # muon: a subclass of DeepSpeed's own Muon; update_clip: of torch's AdamW (not on its list)
+    if t.optimizer == "muon" or t.update_clip:
         generated["zero_allow_untested_optimizer"] = True
     flops = flops_profiler_section(cfg, on_cuda)
     if flops:
@@ -155,9 +156,14 @@ def build_optimizer(cfg: RunConfig, model: LoopedLM,
         return build_muon(model, t, on_cuda)
     if t.optimizer != "torch_adamw":
         return None
-    return torch.optim.AdamW(_param_groups(model, t.weight_decay, t.lr, t.lr_mult), lr=t.lr,
-                             betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                             fused=True if on_cuda else None)
+    kwargs: dict[str, Any] = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                                  fused=True if on_cuda else None)
+    groups = _param_groups(model, t.weight_decay, t.lr, t.lr_mult)
+    if t.update_clip:
+        from scse_dist.train.update_clip import UpdateClippedAdamW
+
+        return UpdateClippedAdamW(groups, update_clip=t.update_clip, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float, lr: float = 0.0,
@@ -229,4 +235,22 @@ def build_engine(cfg: RunConfig, model: LoopedLM,
 
         assert isinstance(optimizer, MuonAdamW)  # build_optimizer's for train.optimizer: muon
         optimizer.partitioned = engine.optimizer is not optimizer
+    if cfg.train.update_clip:
+        _attach_update_clip(engine, optimizer)
     return engine, ds_config
+
+
+def _attach_update_clip(engine: Any, optimizer: Any) -> None:
+    """train.update_clip under ZeRO-1/2: tell the clipped AdamW where each parameter lies in the
+    flat partitions it steps (scse_dist.train.update_clip)."""
+    from scse_dist.train.update_clip import UpdateClippedAdamW, attach_zero_layouts
+
+    clipped = getattr(optimizer, "aux_optimizer", optimizer)  # muon's AdamW half
+    assert isinstance(clipped, UpdateClippedAdamW)  # build_optimizer's under update_clip
+    if engine.optimizer is optimizer:
+        return  # ZeRO-0 in fp32: it steps the parameters themselves
+    if not hasattr(engine.optimizer, "round_robin_bit16_groups"):
+        raise ConfigError(f"train.update_clip: DeepSpeed wrapped the optimizer in "
+                          f"{type(engine.optimizer).__name__}, whose flat layout it cannot read; "
+                          "use train.zero_stage 1 or 2 (or stage 0 in fp32)")
+    attach_zero_layouts(engine.optimizer, clipped)

@@ -42,7 +42,7 @@ from scse_dist.train.callbacks.preemption import PreemptionCallback
 from scse_dist.train.callbacks.profiler import ProfilerCallback
 from scse_dist.train.callbacks.samples import SampleCallback
 from scse_dist.train.callbacks.spike import SpikeSkipCallback
-from scse_dist.train.depth import sample_depth
+from scse_dist.train.depth import sample_depth, short_depth_loss
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import FaultInjector, TrainingStopped
 from scse_dist.train.metrics import MetricsLogger, cut_metrics
@@ -150,7 +150,8 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
                                   stop_requested=preemption.requested,
                                   loss_hook=lambda loss: state.faults.loss(step + 1, loss),
                                   before_update=lambda engine: _before_update(callbacks, state),
-                                  z_loss=t.z_loss, eos_id=eos_id, update_gate=gate)
+                                  z_loss=t.z_loss, eos_id=eos_id, update_gate=gate,
+                                  **short_depth_loss(t))
         state.step_seconds = time.perf_counter() - started  # data included; hooks are not
         state.step = step + 1
         for callback in callbacks:

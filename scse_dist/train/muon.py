@@ -11,6 +11,10 @@ shared core's blocks, and also SCSE's learned anchor and the concat adapter, whi
 tied), an untied head, the norms' gains and anything else not 2-D go to AdamW with train.lr,
 betas and the same decay/no-decay groups as torch_adamw.
 
+train.muon_scope: loop narrows Muon to the loop's matrices (the core's 2-D parameters: its blocks,
+SCSE's anchor, the concat adapter); the prelude's and coda's matrices join the embedding on AdamW
+(decayed), to tell whether Muon's effect on the collapse comes from the loop alone (issue 26).
+
 The implementation is DeepSpeed's MuonWithAuxAdam, handed to deepspeed.initialize as a client
 optimizer: ZeRO-1/2 recognise it and orthogonalise each matrix's whole gradient while they
 partition (a flat ZeRO partition holds pieces of matrices, which torch.optim.Muon cannot
@@ -41,10 +45,17 @@ if TYPE_CHECKING:
 ADAMW_EPS = 1e-8  # torch.optim.AdamW's default, so the AdamW half equals torch_adamw's
 
 
-def muon_split(model: LoopedLM) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-    """(muon, adamw): the trainable 2-D parameters of prelude, core and coda; everything else."""
-    in_blocks = {id(p) for part in (model.prelude, model.core, model.coda)
-                 for p in part.parameters() if p.dim() == 2}
+# train.muon_scope -> the parts of the model whose 2-D parameters Muon steps. TODO: one selector
+# with scse_dist.train.param_groups (train.lr_mult's groups) once both are merged.
+MUON_PARTS = {"all": ("prelude", "core", "coda"), "loop": ("core",)}
+
+
+def muon_split(model: LoopedLM, scope: str = "all"
+               ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(muon, adamw): the trainable 2-D parameters of prelude, core and coda (scope all) or of
+    the core alone (loop); everything else."""
+    in_blocks = {id(p) for part in MUON_PARTS[scope]
+                 for p in getattr(model, part).parameters() if p.dim() == 2}
     trainable = [p for p in model.parameters() if p.requires_grad]
     return ([p for p in trainable if id(p) in in_blocks],
             [p for p in trainable if id(p) not in in_blocks])
@@ -66,8 +77,9 @@ def build_muon(model: LoopedLM, train: Any, on_cuda: bool) -> torch.optim.Optimi
     """MuonWithAuxAdam over muon_split(model), with the train.muon_* and AdamW settings."""
     if not on_cuda:
         _eager_kernels()
-    muon, adamw = muon_split(model)
-    decay = [p for p in adamw if p.dim() >= 2]  # the embedding/head; gains keep their scale
+    muon, adamw = muon_split(model, train.muon_scope)
+    # the embedding/head (and, scope loop, the prelude's and coda's matrices); gains keep scale
+    decay = [p for p in adamw if p.dim() >= 2]
     rest = [p for p in adamw if p.dim() < 2]
     # AdamW's decay group first: the training log's `lr` is group 0's, train.lr as with AdamW
     groups = [dict(params=params, use_muon=False, lr=train.lr, weight_decay=wd,
@@ -78,10 +90,17 @@ def build_muon(model: LoopedLM, train: Any, on_cuda: bool) -> torch.optim.Optimi
                           "train.optimizer: muon's AdamW half")
     groups.append(dict(params=muon, use_muon=True, lr=train.muon_lr, momentum=train.muon_momentum,
                        weight_decay=train.muon_weight_decay, ns_method="standard"))
+    adam: Any = torch.optim.AdamW
+    if train.update_clip:  # StableAdamW's clipping on the AdamW half too
+        from functools import partial
+
+        from scse_dist.train.update_clip import UpdateClippedAdamW
+
+        adam = partial(UpdateClippedAdamW, update_clip=train.update_clip)
     muon_ids = {id(p) for p in muon}
     for p in model.parameters():  # what ZeRO-1/2 read to find the matrices to orthogonalise
         p.use_muon = id(p) in muon_ids
-    return MuonAdamW(groups, clip=train.grad_clip, adam_optimizer=torch.optim.AdamW,
+    return MuonAdamW(groups, clip=train.grad_clip, adam_optimizer=adam,
                      adam_optimizer_kwargs={"fused": True} if on_cuda else {})
 
 

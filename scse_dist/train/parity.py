@@ -45,7 +45,7 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     from scse_dist.checkpoint.zero_weights import fp32_state_dict
     from scse_dist.distributed import is_rank0
     from scse_dist.model import LoopedLM
-    from scse_dist.train.depth import sample_depth
+    from scse_dist.train.depth import sample_depth, short_depth_loss
     from scse_dist.train.engine import build_engine
     from scse_dist.train.step import train_step
 
@@ -69,7 +69,7 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
         parts = (batch[(m * world + rank) * micro:(m * world + rank + 1) * micro]
                  for m in range(accum))
         result = train_step(engine, parts, depth=depth, backprop_steps=t.depth.backprop_steps,
-                            z_loss=t.z_loss)
+                            z_loss=t.z_loss, **short_depth_loss(t))
         total = result.loss_sum.detach().cpu()
         dist.all_reduce(total)
         losses.append(float(total) / (world * accum))

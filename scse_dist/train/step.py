@@ -30,6 +30,10 @@ class StepResult(NamedTuple):
     # global gradient norm before clipping (None when no gate asked)
     loss: Optional[float] = None
     grad_norm: Optional[float] = None
+    # train.depth_loss two_depths: sum over micro-batches of the cross-entropy at the short depth,
+    # and how many micro-batches had it (0 when the step's T <= short), else None
+    short_loss_sum: Optional[torch.Tensor] = None
+    short_micro_batches: int = 0
 
 
 # (the step's loss averaged over every rank, its global gradient norm before clipping) -> whether
@@ -165,7 +169,8 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
                loss_hook: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
                before_update: Callable[[Any], None] = lambda engine: None,
                z_loss: float = 0.0, eos_id: Optional[int] = None,
-               update_gate: Optional[UpdateGate] = None) -> StepResult:
+               update_gate: Optional[UpdateGate] = None, short_depth: int = 0,
+               short_weight: float = 0.0) -> StepResult:
     """Run one optimizer step of `engine` over `windows`, its gradient-accumulation micro-batches.
 
     Each window is a (B, S+1) token tensor: inputs window[:, :-1], targets window[:, 1:]. There
@@ -188,6 +193,10 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
     and before any weight changes, with the same numbers on every rank (the loss averaged over
     ranks and micro-batches, in the same all-reduce); False leaves weights and optimizer state
     as they were on every rank (StepResult.refused). Data, step count and LR schedule advance.
+
+    `short_depth` > 0 (train.depth_loss two_depths): where it is below the step's depth, the
+    cross-entropy at that depth, read out from the same forward, joins the objective with
+    `short_weight` (summed on its own for logging).
     """
     accum = engine.gradient_accumulation_steps()
     stage0 = engine.zero_optimization_stage() == 0
@@ -199,6 +208,8 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
     unwrapped = engine.optimizer is getattr(engine, "basic_optimizer", engine.optimizer)
     gated: Optional[_GatedUpdate] = None
     ran_depth, micro = 0, 0
+    short = short_depth if short_depth and depth is not None and short_depth < depth else 0
+    short_sum = torch.zeros((), device=engine.device) if short_depth else None
     for micro, window in enumerate(windows, start=1):
         if micro > accum:
             raise ValueError(f"train_step: more micro-batches than "
@@ -207,6 +218,8 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
         kwargs: dict[str, Any] = {"z_loss": z_loss} if z_loss else {}
         if eos_id is not None:
             kwargs["document_ids"] = engine.module.documents(window[:, :-1], eos_id)
+        if short:
+            kwargs["readout_depths"] = [short]
         out = engine(window[:, :-1], window[:, 1:], depth=depth, backprop_steps=backprop_steps,
                      keep_logits=False, **kwargs)
         ran_depth = out.depth
@@ -217,6 +230,11 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
             z_sum += out.z_loss.detach().float()
         # model.loop_stability's term joins the objective; the LM loss alone is what runs log.
         objective = objective if out.aux_loss is None else objective + out.aux_loss
+        if short:  # the short depth's loss, a term of the objective
+            short_loss = out.loss_by_depth[short]
+            objective = objective + short_weight * short_loss
+            assert short_sum is not None  # made when short_depth is set
+            short_sum += short_loss.detach().float()
         local_bad += (~torch.isfinite(objective.detach())).float()
         loss_sum += loss.detach().float()
         engine.backward(objective)
@@ -243,7 +261,8 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
                          f"gradient_accumulation_steps={accum}")
     if gated is None:
         return StepResult(loss_sum, accum, bad or not engine.was_step_applied(), stop, ran_depth,
-                          z_sum)
+                          z_sum, short_loss_sum=short_sum,
+                          short_micro_batches=accum if short else 0)
     skipped = bad or gated.nonfinite or not engine.was_step_applied()
     return StepResult(loss_sum, accum, skipped, stop, ran_depth, z_sum, gated.refused,
-                      gated.loss, gated.grad_norm)
+                      gated.loss, gated.grad_norm, short_sum, accum if short else 0)

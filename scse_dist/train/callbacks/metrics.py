@@ -40,8 +40,9 @@ class MetricsCallback(Callback):
         self.flops_per_token = flops_per_token
         self.peak = peak_flops(state.engine.device) if state.rank0 else None
         self.started = time.perf_counter()  # elapsed and ETA count this process's steps
-        # (sum of good micro-batch losses, count, sum of their z-loss terms) since the last row
-        self.loss_window = torch.zeros(3, device=state.engine.device)
+        # (sum of good micro-batch losses, count, sum of their z-loss terms, sum of their losses
+        # at train.depth_loss's short depth, count of those) since the last row
+        self.loss_window = torch.zeros(5, device=state.engine.device)
         self._new_window()
 
     def _new_window(self) -> None:
@@ -53,9 +54,12 @@ class MetricsCallback(Callback):
         if not result.skipped:
             z_sum = result.loss_sum.new_zeros(()) if result.z_loss_sum is None else \
                 result.z_loss_sum
+            short_sum = result.loss_sum.new_zeros(()) if result.short_loss_sum is None else \
+                result.short_loss_sum
             self.loss_window += torch.stack(
                 [result.loss_sum, torch.tensor(float(result.micro_batches)).to(result.loss_sum),
-                 z_sum])
+                 z_sum, short_sum,
+                 torch.tensor(float(result.short_micro_batches)).to(result.loss_sum)])
         self.window_steps += 1
         self.window_seconds += state.step_seconds
         self.window_flops += self.flops_per_token(state.cfg.model, result.depth,
@@ -71,18 +75,23 @@ class MetricsCallback(Callback):
     def _log(self, state: TrainState) -> None:
         # loss sum, token count and bad-input events (skipped corrupt shards or samples) of every
         # rank in one all-reduce
-        total, count, z_total, data_failures = sum_over_ranks(torch.cat(
+        total, count, z_total, short_total, short_count, data_failures = sum_over_ranks(torch.cat(
             [self.loss_window, self.loss_window.new_tensor([state.stream.failures])])).tolist()
         loss = total / count if count else float("nan")
         # train.z_loss's term, beside the cross-entropy `loss` (their sum is what was minimised)
         z_loss = {"z_loss": z_total / count if count else float("nan")} \
             if state.cfg.train.z_loss else {}
+        # train.depth_loss: the cross-entropy at its short depth (NaN: no step of the window ran
+        # deeper than it)
+        short = {"loss_short": short_total / short_count if short_count else float("nan")} \
+            if state.cfg.train.depth_loss.kind != "off" else {}
         seconds = self.window_seconds
         tokens_per_s = state.tokens_per_step * self.window_steps / seconds
         mfu = (self.window_flops / self.window_steps) * tokens_per_s \
             / (state.env.world_size * self.peak) if self.peak else None
         state.logger.log({
-            "step": state.step, "loss": loss, **z_loss, "lr": state.lr, "depth": state.result.depth,
+            "step": state.step, "loss": loss, **z_loss, **short, "lr": state.lr,
+            "depth": state.result.depth,
             "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": seconds / self.window_steps,
             "tokens": state.step * state.tokens_per_step, "skipped_steps": state.skipped_steps,
             # train.spike_skip.enabled: the loss spikes skipped so far
