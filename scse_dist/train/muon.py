@@ -45,8 +45,9 @@ if TYPE_CHECKING:
 ADAMW_EPS = 1e-8  # torch.optim.AdamW's default, so the AdamW half equals torch_adamw's
 
 
-# train.muon_scope -> the parts of the model whose 2-D parameters Muon steps. TODO: one selector
-# with scse_dist.train.param_groups (train.lr_mult's groups) once both are merged.
+# train.muon_scope -> the parts of the model whose 2-D parameters Muon steps. By module, not by
+# scse_dist.param_groups.group_of's names: loop = core = group_of's anchor, adapter, core_attn and
+# core_mlp (the same split), and Muon also serves models whose parts hold bare parameters.
 MUON_PARTS = {"all": ("prelude", "core", "coda"), "loop": ("core",)}
 
 
