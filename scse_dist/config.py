@@ -79,6 +79,7 @@ def _check_consistency(cfg: RunConfig) -> None:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds "
                           f"model.max_seq_len={cfg.model.max_seq_len}")
+    _check_global_batch_tokens(cfg)
     if cfg.resources.problem():
         raise ConfigError(f"resources: {cfg.resources.problem()}")
     if cfg.eval.downstream_every and cfg.train.zero_stage == 3:
@@ -108,6 +109,22 @@ def _check_depth_loss(cfg: RunConfig) -> None:
         raise ConfigError(f"train.depth_loss.short: {loss.short} is not below the largest "
                           f"trained depth {deepest} (train.depth, model.depth), so it would never "
                           "apply; lower it")
+
+
+def _check_global_batch_tokens(cfg: RunConfig) -> None:
+    """train.global_batch_tokens: whole sequences of data.seq_len, and the same batch as
+    train.global_batch_size where both are set (a run's config.yaml holds both)."""
+    t, seq_len = cfg.train, cfg.data.seq_len
+    if not t.global_batch_tokens:
+        return
+    if t.global_batch_tokens % seq_len:
+        raise ConfigError(f"train.global_batch_tokens: {t.global_batch_tokens} is not a multiple "
+                          f"of data.seq_len ({seq_len}), so it is no whole number of sequences")
+    sequences = t.global_batch_tokens // seq_len
+    if t.global_batch_size and t.global_batch_size != sequences:
+        raise ConfigError(f"train.global_batch_size: {t.global_batch_size} contradicts "
+                          f"train.global_batch_tokens={t.global_batch_tokens} ({sequences} "
+                          f"sequences of data.seq_len {seq_len}); give one of them, the other 0")
 
 
 # --------------------------------------------------------------------------- loading
@@ -157,6 +174,8 @@ def config_from_dict(values: dict) -> RunConfig:
     _check_consistency(cfg)
     # A saved config names what ran, so "auto" is written down as what it meant here.
     cfg.model.anchor_scale = resolved_anchor_scale(cfg.model)
+    if cfg.train.global_batch_tokens:  # the trainer counts the batch in sequences
+        cfg.train.global_batch_size = cfg.train.global_batch_tokens // cfg.data.seq_len
     return cfg
 
 

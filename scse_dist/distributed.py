@@ -70,18 +70,29 @@ def _int(environ: Mapping[str, str], key: str) -> int:
         raise RuntimeError(f"environment {key}={environ[key]!r} is not an integer") from None
 
 
+def launcher_world(environ: Mapping[str, str]) -> tuple[int, str]:
+    """The world size a launcher's environment gives, and where it comes from ("from
+    WORLD_SIZE": what a global batch that does not divide names), without starting anything."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return _int(environ, "WORLD_SIZE"), "from WORLD_SIZE"
+    if "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ:
+        return _int(environ, "SLURM_STEP_NUM_TASKS"), "from SLURM_STEP_NUM_TASKS"
+    return 1, "one process, no launcher"
+
+
 def resolve_dist_env(environ: Mapping[str, str],
                      first_host: Callable[[str], str] = scontrol_first_host) -> DistEnv:
     """Map a launcher's environment to rank, world size, local rank and rendezvous address."""
-    if "RANK" in environ and "WORLD_SIZE" in environ:  # deepspeed launcher, torchrun
-        return DistEnv(rank=_int(environ, "RANK"), world_size=_int(environ, "WORLD_SIZE"),
+    world_size, source = launcher_world(environ)
+    if source == "from WORLD_SIZE":  # deepspeed launcher, torchrun
+        return DistEnv(rank=_int(environ, "RANK"), world_size=world_size,
                        local_rank=_int(environ, "LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
                        master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
                        master_port=_int(environ, "MASTER_PORT") if "MASTER_PORT" in environ
                        else 29500, launcher="env")
     # srun: SLURM_STEP_NUM_TASKS exists only inside a job step; an sbatch shell that runs python
     # directly has SLURM_NTASKS of the whole allocation but only one process, so it is rank 0 of 1.
-    if "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ:
+    if source == "from SLURM_STEP_NUM_TASKS":
         if "MASTER_ADDR" in environ:
             addr = environ["MASTER_ADDR"]
         else:
@@ -91,7 +102,7 @@ def resolve_dist_env(environ: Mapping[str, str],
         else:
             port = SLURM_PORT_BASE + _int(environ, "SLURM_JOB_ID") % SLURM_PORT_SPAN
         return DistEnv(rank=_int(environ, "SLURM_PROCID"),
-                       world_size=_int(environ, "SLURM_STEP_NUM_TASKS"),
+                       world_size=world_size,
                        local_rank=_int(environ, "SLURM_LOCALID")
                        if "SLURM_LOCALID" in environ else 0,
                        master_addr=addr, master_port=port, launcher="slurm")

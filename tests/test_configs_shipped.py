@@ -2,10 +2,11 @@
 
 Each YAML under configs/ runs as a user runs it (from the repo root, so the relative
 `train.deepspeed_config` paths resolve) with only its sizes shrunk: width, heads, vocabulary,
-sequence length, steps, evaluation batches, and the data and output paths. Everything else
-(gradient accumulation, micro-batch, DeepSpeed JSON, ZeRO stage, activation checkpointing, depth
-sampling, eval depths, after-train evaluation, wandb) is the config's own, and the test checks
-that the run's resolved config.yaml still says so. A config added to configs/ is picked up here.
+sequence length (a batch in tokens with it: the same sequences), steps, evaluation batches, and
+the data and output paths. Everything else (gradient accumulation, micro-batch, DeepSpeed JSON,
+ZeRO stage, activation checkpointing, depth sampling, eval depths, after-train evaluation,
+wandb) is the config's own, and the test checks that the run's resolved config.yaml still says
+so. A config added to configs/ is picked up here.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def size_overrides(config: Path, data: dict[str, str], output_dir: Path) -> list
                                     TINY_SIZES["eval.max_batches"])
     if cfg.model.ffn_hidden:
         sizes["model.ffn_hidden"] = TINY_FFN_HIDDEN
+    if cfg.train.global_batch_tokens:  # the same sequences per step, of the shrunk length
+        sizes["train.global_batch_tokens"] = cfg.train.global_batch_size * sizes["data.seq_len"]
     sizes.update({"data.path": data["path"], "data.tokenizer": data["tokenizer"],
                   "output_dir": str(output_dir)})
     if cfg.data.mixture_paths:
@@ -100,8 +103,12 @@ def test_shipped_config_trains_exports_and_evaluates(config, tmp_path, tiny_data
     # What ran is the user's config except the overridden sizes (accumulation, ZeRO, DeepSpeed
     # JSON, checkpointing, depth sampling, eval, wandb all as shipped).
     ran = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert ran == config_to_dict(want)
-    changed = {k for k, v in _flat(config_to_dict(user_cfg)).items() if _flat(ran)[k] != v}
+    # the run writes down the accumulation it derived from a global batch at its world size, 1
+    expected, user = config_to_dict(want), config_to_dict(user_cfg)
+    expected["train"]["grad_accum_steps"] = user["train"]["grad_accum_steps"] = \
+        want.train.grad_accum_for(1)
+    assert ran == expected
+    changed = {k for k, v in _flat(user).items() if _flat(ran)[k] != v}
     assert changed <= {o.split("=", 1)[0] for o in overrides}
     assert ran["train"]["grad_accum_steps"] == user_cfg.train.grad_accum_for(1)
 

@@ -163,8 +163,11 @@ def test_dry_run_counts_auto_at_its_largest_candidate(tiny_config, tmp_path, mon
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     report = describe(tiny_cfg(tiny_config, tmp_path))
-    assert "world size 1: 64 (auto: at most) sequences x 1 accumulation x 1 ranks x 32 tokens = " \
-           "2,048 tokens per step" in report
+    assert "global batch 64 seq (2048 tokens) = micro 64 x accum 1 x world 1 (micro-batch auto: " \
+           "at most 64; the probe at start-up may take less and accumulate more)" in report
+    assert "global batch 64 seq (2048 tokens) = micro 32 x accum 1 x world 2 (micro-batch auto: " \
+           "at most 32;" in describe(tiny_cfg(tiny_config, tmp_path, "train.max_steps=3"),
+                                     world_size=2)
 
 
 AGREE = """

@@ -24,14 +24,14 @@ def test_plan_arithmetic_on_16_h200_at_zero2():
     cfg = load_config(GPT2, ["train.zero_stage=2", "train.depth.kind=fixed"])
     plan = build(cfg, 16, Assumptions(gpu="h200", mfu=0.25, tokens=1e9))
     n = count_parameters(cfg)
-    tokens_per_step = 16 * 4 * 16 * 1024
-    assert plan["tokens_per_step"] == tokens_per_step
+    tokens_per_step = 16 * 2 * 16 * 1024  # micro 16 x accum 2 x 16 GPUs: the config's 524288
+    assert plan["tokens_per_step"] == tokens_per_step == cfg.train.global_batch_tokens
     assert plan["steps"] == -(-10**9 // tokens_per_step) and plan["depth"]["max"] == 4
     step_flops = tokens_per_step * flops_per_token(cfg.model, 4, 1024)
     assert plan["seconds_per_step"] == pytest.approx(step_flops / 16 / (989e12 * 0.25))
     assert plan["seconds_run"] == pytest.approx(plan["seconds_per_step"] * plan["steps"])
-    # ZeRO-2: a reduce-scatter per micro-batch (4) and one all-gather, bf16, (W-1)/W each
-    assert plan["communication"]["bytes_per_step"] == pytest.approx(5 * n * 2 * 15 / 16)
+    # ZeRO-2: a reduce-scatter per micro-batch (2) and one all-gather, bf16, (W-1)/W each
+    assert plan["communication"]["bytes_per_step"] == pytest.approx(3 * n * 2 * 15 / 16)
     assert plan["communication"]["link_gbs"] == 50.0  # two nodes: the NIC, not NVLink
     assert plan["memory_bytes"]["training_state"] == pytest.approx(2 * n + 18 * n / 16, abs=1)
     assert plan["training_state_formula"].startswith("DeepSpeed estimate_zero2")
@@ -50,8 +50,8 @@ def test_largest_micro_batch_fits_and_one_more_does_not():
 
 
 def test_auto_takes_the_largest_candidate_that_fits():
-    cfg = load_config(GPT2, ["train.micro_batch_size=auto", "train.grad_accum_steps=1",
-                             "train.global_batch_size=1024", "model.activation_checkpointing=none"])
+    cfg = load_config(GPT2, ["train.micro_batch_size=auto", "train.global_batch_tokens=1048576",
+                             "model.activation_checkpointing=none"])
     plan = build(cfg, 8, Assumptions(gpu="h100"))
     largest = plan["largest_micro_batch"]["none"]
     assert plan["micro_batch_candidates"] == [128, 64, 32, 16, 8, 4, 2, 1]
@@ -65,6 +65,8 @@ def test_table_and_json_through_the_cli(capsys):
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert table.startswith("plan: gpt2-small-scse on 16 x H200 (2 nodes of 8), bf16, ZeRO-1")
+    # the shipped batch, 0.5M tokens, split over the 16 GPUs
+    assert "global batch 512 seq (524288 tokens) = micro 16 x accum 2 x world 16" in table
     for row in ("weights", "gradients", "optimizer state", "activations, no checkpointing",
                 "activations, loop checkpointing", "peak per GPU", "largest micro-batch",
                 "communication", "time per step", "time for the run", "assumptions:\n  40.0% MFU"):
@@ -81,12 +83,14 @@ def test_table_and_json_through_the_cli(capsys):
 @pytest.mark.parametrize("argv, line", [
     (["--plan", "--world-size", "16", "--gpu", "v100"],
      "--gpu: unknown GPU 'v100'; one of a100, h100, h200"),
-    (["--plan", "--world-size", "3", "train.global_batch_size=64", "train.grad_accum_steps=1"],
-     "train.global_batch_size: 64 is not a multiple of train.micro_batch_size (16) x world size "
-     "(3)"),
+    (["--plan", "--world-size", "24"],
+     "train.global_batch_tokens: 524288 (512 sequences of data.seq_len 1024) is not a multiple of "
+     "train.micro_batch_size (16) x world size (24, from --world-size)"),
     (["--plan", "--world-size", "8", "--mfu", "40"], "--mfu: a fraction in (0, 1], got 40.0"),
     (["--plan"], "--plan: needs --world-size (the GPUs the run trains on)"),
-    (["--world-size", "8"], "--world-size: only with --plan"),
+    (["--world-size", "8"], "--world-size: only with --plan or --dry-run"),
+    (["--dry-run", "--world-size", "8", "--gpu", "h200"], "--gpu: only with --plan"),
+    (["--dry-run", "--world-size", "0"], "--world-size: must be >= 1, got 0"),
     (["--json"], "--json: only with --plan"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, line, capsys):

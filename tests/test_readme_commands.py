@@ -7,7 +7,7 @@ text and runs it in dependency order, or in NOT_RUN with the reason it cannot ru
 command in the README that is in neither fails `test_every_readme_command_is_run_or_listed`.
 
 Sizes are shrunk only the ways the README says are the user's choice: trailing `key.sub=value`
-overrides (steps, widths, sequence length, evaluation batches), `--vocab-size`, and the process
+overrides (steps, widths, sequence length, global batch, evaluation batches), `--vocab-size`, and the process
 count of `--num_gpus`/`--nproc_per_node` (the README: the node's GPU count, on CPU the number of
 processes). Launchers get a free `--master_port` so parallel test runs do not collide.
 """
@@ -43,7 +43,8 @@ def doc_text() -> str:
 
 # gpt2-small shrunk to CPU size through trailing overrides (what the README offers for trying it).
 GPT2_ON_CPU = (f"model.d_model=32 model.n_heads=2 model.vocab_size={TINY_VOCAB} "
-               "model.max_seq_len=32 data.seq_len=32 train.max_steps=3 train.warmup_steps=1 "
+               "model.max_seq_len=32 data.seq_len=32 train.global_batch_tokens=4096 "
+               "train.max_steps=3 train.warmup_steps=1 "
                "train.log_every=1 eval.batch_size=4 eval.max_batches=2")
 QUICKSTART_STEPS = 30  # the README's shorter first look: train.max_steps=30 eval.max_batches=2
 
@@ -149,8 +150,17 @@ def check_gpt2_two_ranks(d: Path, out: str) -> None:
     ran = yaml.safe_load((run / "config.yaml").read_text())["train"]
     assert ran["grad_accum_steps"] == 4 and \
         ran["deepspeed_config"] == "configs/deepspeed/zero1.json"
-    # every rank consumed micro 16 x accumulation 4 sequences of 32 tokens per step
+    # every rank consumed micro 16 x accumulation 4 sequences of 32 tokens per step: the
+    # 4096-token global batch over 2 ranks
+    assert "global batch 128 seq (4096 tokens) = micro 16 x accum 4 x world 2" in out
     _check_run(run, 3, 2 * 16 * 4 * 32, [1, 2, 4, 8, 16, 32, 48])
+
+
+def check_gpt2_dry_run(d: Path, out: str) -> None:
+    # the shipped 0.5M-token batch, split over the 16 GPUs of the config's resources:
+    assert "global batch 512 seq (524288 tokens) = micro 16 x accum 2 x world 16" in out
+    assert "steps: 20,000, tokens the run will see: 10,485,760,000" in out
+    assert not (d / "runs").exists()
 
 
 def check_eval(name: str, depths: list[int], metric: str) -> Callable[[Path, str], None]:
@@ -241,6 +251,8 @@ RUN = [
          check_shards_2p),
     Step("scse-data inspect data/web/shards", check_inspect),
     Step("python launch/train.py --config configs/quickstart.yaml --dry-run", check_dry_run),
+    Step("scse-train --config configs/gpt2-small-scse.yaml --dry-run --world-size 16",
+         check_gpt2_dry_run),
     Step("python launch/train.py --config configs/quickstart.yaml --print-config",
          check_print_config),
     Step("python launch/train.py --config configs/quickstart.yaml", check_quickstart,

@@ -78,6 +78,21 @@ def test_the_training_job_is_run_job_train_with_config_overrides_and_resources(
                                        "the old name is read for now\n")
 
 
+def test_a_global_batch_the_jobs_world_cannot_divide_is_refused_before_it_queues(
+        tmp_path, tiny_config, capsys, monkeypatch):
+    backend = RecordingBackend()
+    monkeypatch.setattr(scheduler, "get_backend", lambda name: backend)
+    config = tiny_config(tmp_path, "train.global_batch_size=16")  # micro 4: worlds 1, 2, 4
+    assert scheduler.main([config, "resources.nodes=3", "resources.tasks_per_node=1"]) == 2
+    assert capsys.readouterr().err == (
+        "scse-launch: config error: train.global_batch_size: 16 is not a multiple of "
+        "train.micro_batch_size (4) x world size (3, from resources.nodes 3 x "
+        "resources.tasks_per_node 1)\n")
+    assert backend.calls == [] and not (tmp_path / "runs").exists()
+    assert scheduler.main([config, "resources.nodes=2", "resources.tasks_per_node=2"]) == 0
+    assert [c[0] for c in backend.calls] == ["submit"]
+
+
 def test_old_eval_resource_names_load_with_one_notice(tmp_path, tiny_config, capsys, monkeypatch):
     from scse_dist import config as config_module
 

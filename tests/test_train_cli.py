@@ -75,6 +75,28 @@ def test_dry_run_prints_the_facts_creates_nothing_and_imports_no_deepspeed(tmp_p
     assert not (tmp_path / "runs").exists() and not (tmp_path / "built").exists()
 
 
+def test_dry_run_prints_the_global_batch_derivation_at_the_world_size_asked(tmp_path, tiny_config,
+                                                                          capsys, monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    config = tiny_config(tmp_path, "train.global_batch_tokens=2048")  # 64 sequences of 32
+    derivations = {}
+    for world in ("1", "4", "16"):
+        assert main(["--config", config, "--dry-run", "--world-size", world]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        derivations[world] = lines[2]
+        assert f"steps: 20, tokens the run will see: {20 * 2048:,}" in lines  # at every world
+    assert derivations == {"1": "global batch 64 seq (2048 tokens) = micro 4 x accum 16 x world 1",
+                           "4": "global batch 64 seq (2048 tokens) = micro 4 x accum 4 x world 4",
+                           "16": "global batch 64 seq (2048 tokens) = micro 4 x accum 1 x world 16"}
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "32")  # the launcher's world when no --world-size is given
+    assert main(["--config", config, "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "scse-train: config error: train.global_batch_tokens: 2048 (64 sequences of data.seq_len "
+        "32) is not a multiple of train.micro_batch_size (4) x world size (32, from WORLD_SIZE)")
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["train.resume_from=last"],
      "train.resume_from: expected a checkpoint tag like step-40, got 'last'"),

@@ -1,5 +1,6 @@
 """Resume at another world size and worker count, with real processes: 2 ranks x 1 worker ->
-1 rank x 2 workers -> 2 ranks x 0 workers, at ZeRO-1 and ZeRO-3, with sampled T.
+1 rank x 2 workers -> 2 ranks x 0 workers, at ZeRO-1 and ZeRO-3, with sampled T, at one global
+batch (train.global_batch_tokens) whose accumulation each world size derives.
 
 One epoch of a dedicated small corpus spans the three segments. The readers' own logs
 (SCSE_LOG_SAMPLES: each sample whose first token was in a batch a rank consumed) name every
@@ -43,7 +44,8 @@ def test_resume_across_world_sizes_reads_the_epoch_once_and_keeps_the_optimizer_
         tmp_path, tiny_config, subprocess_env, small_corpus, stage):
     log = tmp_path / "samples"
     cfg = tiny_config(tmp_path, f"data.path={small_corpus}", f"train.zero_stage={stage}",
-                      "train.micro_batch_size=2", "train.global_batch_size=4", "train.log_every=1",
+                      "train.micro_batch_size=2", "train.global_batch_tokens=128",  # 4 x 32
+                      "train.log_every=1",
                       "train.checkpoint_every=1000", "train.keep_checkpoints=3")
     run_dir = tmp_path / "runs" / "tiny"
     env = dict(subprocess_env, SCSE_LOG_SAMPLES=str(log))
@@ -53,6 +55,9 @@ def test_resume_across_world_sizes_reads_the_epoch_once_and_keeps_the_optimizer_
                                  subprocess_env, world=2))
         out = all_passed(train_ranks(cfg, env, f"data.num_workers={workers}",
                                      f"train.max_steps={steps}", world=world))
+        # the same global batch at every world size: the accumulation takes up the change
+        assert f"global batch 4 seq (128 tokens) = micro 2 x accum {2 // world} x world {world}" \
+            in out, out[-2000:]
         if i == 1:
             assert "saved by 2 ranks, resumed by 1" in out, out[-2000:]
             assert (run_dir / "checkpoints" / "step-0000008" / "universal").is_dir()
@@ -84,6 +89,7 @@ def test_resume_across_world_sizes_reads_the_epoch_once_and_keeps_the_optimizer_
     losses = {step: r["loss"] for step, r in rows.items()}
     print(f"ZeRO-{stage} losses:", [round(losses[s], 3) for s in sorted(losses)])
     assert sorted(losses) == list(range(1, 41))
+    assert [rows[s]["tokens"] for s in range(1, 41)] == [128 * s for s in range(1, 41)]
     assert losses[40] < losses[1] - 0.5
     for cut in (8, 16):  # no jump at a change: nearer the loss before it than a fresh start's
         assert abs(losses[cut + 1] - losses[cut]) < 0.5 * (losses[1] - losses[cut]), losses

@@ -17,7 +17,13 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from scse_dist.config import ConfigError, TrainConfig
+from scse_dist.config import (
+    ConfigError,
+    TrainConfig,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+)
 from scse_dist.distributed import free_port
 from train_procs import REPO, TRAIN, all_passed, run_ranks
 
@@ -71,18 +77,85 @@ def test_global_batch_derives_grad_accumulation_per_world_size():
         TrainConfig(micro_batch_size=4, global_batch_size=32, grad_accum_steps=2).grad_accum_for(2)
 
 
+def test_global_batch_tokens_is_whole_sequences_of_seq_len_kept_at_every_world_size(
+        tmp_path, tiny_config):
+    cfg = load_config(tiny_config(tmp_path, "train.global_batch_tokens=1024"))  # 32 x 32 tokens
+    t = cfg.train
+    assert (t.global_batch_size, t.global_batch_tokens) == (32, 1024)
+    assert [t.grad_accum_for(w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert t.batch_derivation(32, 2) == "global batch 32 seq (1024 tokens) = micro 4 x accum 4 x " \
+                                        "world 2"
+    # a run's config.yaml holds both, in agreement: it loads back the same
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    # another data.seq_len keeps the tokens: fewer, longer sequences
+    assert load_config(tiny_config(tmp_path, "train.global_batch_tokens=1024", "data.seq_len=16")
+                       ).train.global_batch_size == 64
+    assert TrainConfig(micro_batch_size=4, grad_accum_steps=2).batch_derivation(32, 3) == (
+        "global batch 24 seq (768 tokens) = micro 4 x accum 2 x world 3 "
+        "(train.global_batch_size unset: the batch grows with the world size)")
+    with pytest.raises(ConfigError, match=r"^train.global_batch_tokens: 1024 \(32 sequences of "
+                                          r"data.seq_len 32\) is not a multiple of "
+                                          r"train.micro_batch_size \(4\) x world size \(3, from "
+                                          r"--world-size\)$"):
+        t.grad_accum_for(3, world_from="from --world-size")
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["train.global_batch_tokens=1000"],
+     "train.global_batch_tokens: 1000 is not a multiple of data.seq_len (32), so it is no whole "
+     "number of sequences"),
+    (["train.global_batch_tokens=1024", "train.global_batch_size=16"],
+     "train.global_batch_size: 16 contradicts train.global_batch_tokens=1024 (32 sequences of "
+     "data.seq_len 32); give one of them, the other 0"),
+    (["train.global_batch_tokens=-32"], "train.global_batch_tokens: must be >= 0, got -32"),
+])
+def test_a_bad_global_batch_in_tokens_is_one_line_naming_the_fields(tmp_path, tiny_config,
+                                                                     overrides, line):
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny_config(tmp_path, *overrides))
+    assert str(err.value) == f"{line} (in {tmp_path / 'tiny.yaml'})"
+
+
+@pytest.mark.parametrize("batch, named", [
+    ("train.global_batch_size=12", "train.global_batch_size: 12"),
+    ("train.global_batch_tokens=384", "train.global_batch_tokens: 384 (12 sequences of "
+                                      "data.seq_len 32)"),
+])
 def test_indivisible_global_batch_exits_2_before_any_process_group(tmp_path, tiny_config,
-                                                                   subprocess_env):
-    cfg = tiny_config(tmp_path, "train.global_batch_size=12")
+                                                                   subprocess_env, batch, named):
+    cfg = tiny_config(tmp_path, batch)
     # Rank 0 of a world of 2 whose peer never comes: a started process group would hang here.
     env = dict(subprocess_env, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), SCSE_DIST_TIMEOUT_S="60")
     out = subprocess.run([sys.executable, TRAIN, "--config", cfg], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    assert out.stderr.strip() == ("scse-train: config error: train.global_batch_size: 12 is not a "
-                                  "multiple of train.micro_batch_size (4) x world size (2)")
+    assert out.stderr.strip() == (f"scse-train: config error: {named} is not a multiple of "
+                                  "train.micro_batch_size (4) x world size (2, from WORLD_SIZE)")
     assert not (tmp_path / "runs").exists()
+
+
+def test_train_refuses_an_indivisible_batch_before_the_process_group(tmp_path, tiny_config,
+                                                                     monkeypatch):
+    """train() called in-process (scse-launch --local, a study's --local): the same line, and
+    no process group was started."""
+    import torch.distributed as dist
+
+    from scse_dist.train.loop import train
+
+    # a started group would wait for its 2 missing peers (here at most 10 s, then fail otherwise)
+    for key, value in {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "3", "SLURM_JOB_ID": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                       "SCSE_DIST_TIMEOUT_S": "10"}.items():
+        monkeypatch.setenv(key, value)
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = load_config(tiny_config(tmp_path, "train.global_batch_size=16"))
+    with pytest.raises(ConfigError, match=r"^train.global_batch_size: 16 is not a multiple of "
+                                          r"train.micro_batch_size \(4\) x world size \(3, from "
+                                          r"SLURM_STEP_NUM_TASKS\)$"):
+        train(cfg)
+    assert not dist.is_initialized() and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.slow

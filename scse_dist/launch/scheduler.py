@@ -156,6 +156,14 @@ def backend_args(args: argparse.Namespace, prog: str) -> str:
     return " ".join(a for a in (args.backend_args, args.sbatch_args) if a)
 
 
+def check_world_batch(cfg: RunConfig) -> None:
+    """ConfigError (one line, exit 2) if the global batch does not divide at the world the
+    training job asks for: one rank per task, resources.nodes x resources.tasks_per_node."""
+    res = cfg.resources
+    cfg.train.grad_accum_for(res.nodes * res.tasks_per_node, world_from=(
+        f"from resources.nodes {res.nodes} x resources.tasks_per_node {res.tasks_per_node}"))
+
+
 def submit_training(args: argparse.Namespace, cfg: RunConfig, backend: Backend) -> int:
     """The training job: run_job train with CONFIG and the overrides, the config's resources: and
     --backend-args. Prints the job id alone on stdout; 0 once submitted, or, when the backend ran
@@ -177,7 +185,8 @@ def submit_training(args: argparse.Namespace, cfg: RunConfig, backend: Backend) 
 
 @cli_main("scse-launch")
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 submitted (or, --local, done); 1 the backend refused a job; 2 bad config;
+    """Exit status: 0 submitted (or, --local, done); 1 the backend refused a job; 2 bad config
+    (a global batch the training job's world, nodes x tasks_per_node, cannot divide too);
     65 bad input data; 66 an input missing or unreadable (--local); 75 stopped by SIGINT or
     SIGTERM, the run saved (rerun to resume); with --backend local, the training job's own
     status."""
@@ -204,6 +213,7 @@ def _launch(args: argparse.Namespace, cfg: RunConfig) -> int:
         if args.after_job:
             schedule_evals(cfg, args.after_job, get_backend(args.backend))
             return 0
+        check_world_batch(cfg)  # a batch the job's world cannot divide: before it queues
         return submit_training(args, cfg, get_backend(args.backend))
     except BackendError as exc:
         print(f"scse-launch: {exc}", file=sys.stderr)

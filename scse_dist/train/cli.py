@@ -47,7 +47,8 @@ def _epilog() -> str:
 
 # --plan's own flags: (flag, type, default shown in --help, help); None in args: the default
 PLAN_FLAGS = [
-    ("--world-size", int, "required with --plan", "GPUs the run trains on"),
+    ("--world-size", int, "required with --plan; --dry-run: the launcher's",
+     "GPUs the run trains on"),
     ("--gpu", str, "h100", "h100, h200 or a100"),
     ("--mfu", float, "0.40", "model FLOPs utilisation the time assumes, a fraction"),
     ("--tokens", float, "train.max_steps steps", "tokens the run trains on, e.g. 10e9"),
@@ -59,17 +60,21 @@ PLAN_FLAGS = [
 
 
 def _plan_assumptions(args: argparse.Namespace):
-    """--plan's flags as Assumptions; a plan flag without --plan is a one-line error."""
+    """(--world-size, --plan's flags as Assumptions); a plan flag without --plan is a one-line
+    error (--world-size also goes with --dry-run)."""
     from scse_dist.config import ConfigError
 
     given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
              for flag, *_ in PLAN_FLAGS}
     given = {k: v for k, v in given.items() if v is not None}
     if not args.plan:
+        if "world_size" in given and not args.dry_run:
+            raise ConfigError("--world-size: only with --plan or --dry-run")
+        world_size = given.pop("world_size", None)  # the dry run's, instead of the launcher's
         named = [f"--{k.replace('_', '-')}" for k in given] + (["--json"] if args.json else [])
         if named:
             raise ConfigError(f"{named[0]}: only with --plan")
-        return None, None
+        return world_size, None
     world_size = given.pop("world_size", None)
     if world_size is None:
         raise ConfigError("--plan: needs --world-size (the GPUs the run trains on)")
@@ -84,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="run config YAML (defaults when omitted)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the parameter count, FLOPs per token at the run's depths, "
-                             "the tokens it will see and a memory estimate, then exit 0 without "
+                        help="print the parameter count, the global batch's derivation "
+                             "(micro x accumulation x world; --world-size W for another world "
+                             "than the launcher's), FLOPs per token at the run's depths, the "
+                             "tokens it will see and a memory estimate, then exit 0 without "
                              "creating anything")
     plan = parser.add_argument_group(
         "planning a cluster run (--plan; docs/launching.md, 'Sizing a run')")
@@ -126,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:  # before the data checks: it reports what they would say
         from scse_dist.train.dry_run import describe
 
-        print(describe(cfg, args.config, args.overrides))
+        print(describe(cfg, args.config, args.overrides, world_size))
         return 0
     from scse_dist.data.preflight import check_run_data
     from scse_dist.train.tensorboard import check_tensorboard
@@ -136,9 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from scse_dist.train.callbacks.assembly import check_callbacks
 
     check_callbacks(cfg.train.callbacks)  # imports their modules (torch only if they do)
-    from scse_dist.distributed import resolve_dist_env  # imports torch: after the checks
+    from scse_dist.distributed import launcher_world  # imports torch: after the checks
 
-    cfg.train.grad_accum_for(resolve_dist_env(os.environ).world_size)
+    world_size, world_from = launcher_world(os.environ)  # before any process group starts
+    cfg.train.grad_accum_for(world_size, world_from=world_from)
     from scse_dist.train.faults import PREEMPT_SIGNALS, REQUEUE_EXIT_CODE, TrainingStopped
     from scse_dist.train.loop import train  # imports deepspeed only once the config is good
 

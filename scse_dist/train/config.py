@@ -128,6 +128,10 @@ class TrainConfig:
     # world size. When set, grad_accum_steps is derived from it at start-up (see grad_accum_for),
     # so the global batch, and the loss curve, stay the same at any world size.
     global_batch_size: int = 0
+    # The same in tokens: global_batch_size = global_batch_tokens / data.seq_len, set when the
+    # config is loaded (scse_dist.config), so a run's config.yaml holds both, in agreement. Give
+    # one of the two.
+    global_batch_tokens: int = 0
     # micro_batch_size: auto on CPU (no out-of-memory signal there): the most a probe's peak RSS
     # may grow, plus the optimizer state it does not allocate, in GiB. 0: half of MemAvailable
     # at start-up, shared by the node's ranks (the rest for data workers and the page cache).
@@ -240,6 +244,7 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}: must be > 0, got {value}")
         for name, value in {"warmup_steps": self.warmup_steps,
                             "global_batch_size": self.global_batch_size,
+                            "global_batch_tokens": self.global_batch_tokens,
                             "micro_batch_memory_gib": self.micro_batch_memory_gib,
                             "diagnostics_every": self.diagnostics_every or 0,
                             "max_retries": self.max_retries}.items():
@@ -311,10 +316,11 @@ class TrainConfig:
     def _check_auto_micro_batch(self) -> None:
         if self.micro_batch_size != "auto":
             return
-        if not self.global_batch_size:  # the batch that auto keeps while it picks the split
-            raise ConfigError("train.micro_batch_size: auto needs train.global_batch_size (the "
-                              "batch per optimizer step it keeps while choosing the micro-batch); "
-                              "set it, e.g. train.global_batch_size=64")
+        if not (self.global_batch_size or self.global_batch_tokens):  # the batch auto keeps
+            raise ConfigError("train.micro_batch_size: auto needs train.global_batch_size or "
+                              "train.global_batch_tokens (the batch per optimizer step it keeps "
+                              "while choosing the micro-batch); set one, e.g. "
+                              "train.global_batch_size=64")
         if self.grad_accum_steps != 1:
             raise ConfigError(f"train.grad_accum_steps: {self.grad_accum_steps} with "
                               "train.micro_batch_size: auto, which derives it; leave it at 1")
@@ -366,38 +372,69 @@ class TrainConfig:
             raise ConfigError("train.resume_from: contradicts train.resume=never (which starts "
                               "fresh); leave train.resume at auto")
 
-    def micro_batch_candidates(self, world_size: int) -> list[int]:
+    def global_batch_name(self) -> str:
+        """The field the global batch was given in, for error messages: 'train.global_batch_size:
+        512' or 'train.global_batch_tokens: 524288 (512 sequences of data.seq_len 1024)'."""
+        if self.global_batch_tokens and self.global_batch_size:
+            return (f"train.global_batch_tokens: {self.global_batch_tokens} "
+                    f"({self.global_batch_size} sequences of data.seq_len "
+                    f"{self.global_batch_tokens // self.global_batch_size})")
+        return f"train.global_batch_size: {self.global_batch_size}"
+
+    def micro_batch_candidates(self, world_size: int, world_from: str = "") -> list[int]:
         """micro_batch_size: auto's candidates at `world_size`: the powers of two that divide the
-        global batch's share of one rank, largest first (ConfigError if there is no such share)."""
+        global batch's share of one rank, largest first (ConfigError if there is no such share).
+        `world_from` says where the world size came from, for the error."""
         if self.global_batch_size % world_size:
-            raise ConfigError(f"train.global_batch_size: {self.global_batch_size} is not a "
-                              f"multiple of the world size ({world_size}), so "
+            raise ConfigError(f"{self.global_batch_name()} is not a multiple of the world size "
+                              f"({_world(world_size, world_from)}), so "
                               "train.micro_batch_size: auto has no per-rank share to split")
         per_rank = self.global_batch_size // world_size
         return [1 << k for k in range(per_rank.bit_length() - 1, -1, -1)
                 if per_rank % (1 << k) == 0]
 
-    def grad_accum_for(self, world_size: int, micro_batch_size: Optional[int] = None) -> int:
+    def grad_accum_for(self, world_size: int, micro_batch_size: Optional[int] = None,
+                       world_from: str = "") -> int:
         """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit).
         micro_batch_size: auto counts at its largest candidate unless `micro_batch_size` (the
-        one chosen) is given."""
+        one chosen) is given. `world_from` says where the world size came from ("from
+        WORLD_SIZE", "from --world-size"), for the error."""
         if not self.global_batch_size:
             return self.grad_accum_steps
         micro = micro_batch_size or self.micro_batch_size
         if micro == "auto":
-            micro = self.micro_batch_candidates(world_size)[0]
+            micro = self.micro_batch_candidates(world_size, world_from)[0]
         per_pass = micro * world_size
         if self.global_batch_size % per_pass:
             raise ConfigError(
-                f"train.global_batch_size: {self.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size ({micro}) x world size ({world_size})")
+                f"{self.global_batch_name()} is not a multiple of train.micro_batch_size "
+                f"({micro}) x world size ({_world(world_size, world_from)})")
         accum = self.global_batch_size // per_pass
         if self.grad_accum_steps not in (1, accum):
             raise ConfigError(
                 f"train.grad_accum_steps: {self.grad_accum_steps} contradicts "
-                f"train.global_batch_size={self.global_batch_size}, which needs {accum} at world "
-                f"size {world_size}; leave grad_accum_steps at 1 or set global_batch_size to 0")
+                f"{self.global_batch_name().replace(': ', '=', 1)}, which needs {accum} at world "
+                f"size {world_size}; leave grad_accum_steps at 1 or set the global batch to 0")
         return accum
+
+    def batch_derivation(self, seq_len: int, world_size: int,
+                         micro_batch_size: Optional[int] = None, world_from: str = "") -> str:
+        """'global batch 512 seq (524288 tokens) = micro 8 x accum 8 x world 8' (auto: at its
+        largest candidate unless `micro_batch_size` is given); ConfigError where it cannot fit."""
+        accum = self.grad_accum_for(world_size, micro_batch_size, world_from)
+        micro = micro_batch_size or self.micro_batch_size
+        if micro == "auto":
+            micro = self.micro_batch_candidates(world_size, world_from)[0]
+        sequences = int(micro) * accum * world_size
+        line = (f"global batch {sequences} seq ({sequences * seq_len} tokens) = micro {micro} x "
+                f"accum {accum} x world {world_size}")
+        if not self.global_batch_size:
+            line += " (train.global_batch_size unset: the batch grows with the world size)"
+        return line
+
+
+def _world(world_size: int, world_from: str) -> str:
+    return f"{world_size}, {world_from}" if world_from else str(world_size)
 
 
 @dataclass

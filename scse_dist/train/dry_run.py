@@ -1,10 +1,11 @@
 """`scse-train --dry-run`: what a config would do, from the config alone, without doing any of it.
 
-Prints the parameter count (the model built on torch's meta device: no memory, no weights), the
-depths the run will draw (train.depth sampling is a pure function of seed and step) and their
-training FLOPs per token (scse_dist.model.flops), the tokens it will see, and the memory per rank
-(scse_dist.train.sizing, shared with `scse-train --plan`, which sizes a cluster run). Creates
-nothing: no run dir, no data build, no process group, no DeepSpeed.
+Prints the parameter count (the model built on torch's meta device: no memory, no weights), how
+the global batch splits into micro-batch x accumulation x world (at the launcher's world size or
+--world-size), the depths the run will draw (train.depth sampling is a pure function of seed and
+step) and their training FLOPs per token (scse_dist.model.flops), the tokens it will see, and the
+memory per rank (scse_dist.train.sizing, shared with `scse-train --plan`, which sizes a cluster
+run). Creates nothing: no run dir, no data build, no process group, no DeepSpeed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from scse_dist.config import RunConfig
+from scse_dist.config import ConfigError, RunConfig
 from scse_dist.train.sizing import (
     GIB,
     activation_memory,
@@ -24,16 +25,21 @@ from scse_dist.train.sizing import (
 
 
 def describe(cfg: RunConfig, config_path: Optional[str] = None,
-             overrides: Sequence[str] = ()) -> str:
-    """The dry run's report, one fact per line, at the launcher's world size."""
-    from scse_dist.distributed import resolve_dist_env
+             overrides: Sequence[str] = (), world_size: Optional[int] = None) -> str:
+    """The dry run's report, one fact per line, at `world_size` (None: the launcher's)."""
+    from scse_dist.distributed import launcher_world
     from scse_dist.model import flops_per_token
     from scse_dist.train.engine import resolve_precision
 
-    world_size = resolve_dist_env(os.environ).world_size
+    if world_size is None:
+        world_size, world_from = launcher_world(os.environ)
+    else:
+        world_from = "from --world-size"
+        if world_size < 1:
+            raise ConfigError(f"--world-size: must be >= 1, got {world_size}")
 
     t, seq_len = cfg.train, cfg.data.seq_len
-    accum = t.grad_accum_for(world_size)
+    accum = t.grad_accum_for(world_size, world_from=world_from)
     # auto: its largest candidate, the most it may take (the probe at start-up may take less)
     micro = t.micro_batch_candidates(world_size)[0] if t.micro_batch_size == "auto" \
         else t.micro_batch_size
@@ -49,10 +55,9 @@ def describe(cfg: RunConfig, config_path: Optional[str] = None,
     lines = [
         f"dry run of {cfg.name}: nothing is created (run dir {Path(cfg.output_dir) / cfg.name})",
         f"parameters: {n_params:,}",
-        f"world size {world_size}: {micro}"
-        f"{' (auto: at most)' if micro != t.micro_batch_size else ''}"
-        f" sequences x {accum} accumulation x "
-        f"{world_size} ranks x {seq_len} tokens = {tokens_per_step:,} tokens per step",
+        t.batch_derivation(seq_len, world_size, world_from=world_from)
+        + (f" (micro-batch auto: at most {micro}; the probe at start-up may take less and "
+           "accumulate more)" if t.micro_batch_size == "auto" else ""),
         f"steps: {t.max_steps:,}, tokens the run will see: {t.max_steps * tokens_per_step:,}",
         f"training depth T ({t.depth.kind}): min {min(depths, default=0)}, mean "
         f"{sum(depths) / max(1, len(depths)):.2f}, max {max(depths, default=0)}",

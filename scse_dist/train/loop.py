@@ -25,7 +25,14 @@ from scse_dist.checkpoint.storage import RunStorage
 from scse_dist.checkpoint.tags import checkpoint_dir, resume_if_present
 from scse_dist.cli_errors import exit_status, one_line
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
-from scse_dist.distributed import abandon, barrier, describe_placement, init_distributed, shutdown
+from scse_dist.distributed import (
+    abandon,
+    barrier,
+    describe_placement,
+    init_distributed,
+    launcher_world,
+    shutdown,
+)
 from scse_dist.run_dir import EVAL_NAME, EXPORT_NAME, METRICS_NAME, RunDir
 from scse_dist.threads import configure_threads
 from scse_dist.train.callbacks.after_training import AfterTrainingEval
@@ -60,10 +67,10 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def with_world_batch(cfg: RunConfig, world_size: int) -> RunConfig:
+def with_world_batch(cfg: RunConfig, world_size: int, world_from: str = "") -> RunConfig:
     """cfg with grad_accum_steps derived from train.global_batch_size at this world size
     (micro_batch_size: auto only checked here: its accumulation comes with the choice)."""
-    accum = cfg.train.grad_accum_for(world_size)
+    accum = cfg.train.grad_accum_for(world_size, world_from=world_from)
     if cfg.train.micro_batch_size == "auto":
         return cfg
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=accum))
@@ -192,10 +199,11 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
     from scse_dist.data.stream import TokenStream
     from scse_dist.model import LoopedLM
 
+    # a global batch that does not divide: one line before any process group starts
+    cfg = with_world_batch(cfg, *launcher_world(os.environ))
     env = init_distributed()
     if env.world_size > 1:  # every rank, so that a multi-node log shows each one started, and where
         print(describe_placement(env, os.environ), flush=True)
-    cfg = with_world_batch(cfg, env.world_size)
     if not torch.cuda.is_available():  # intra-op threads from the free cores (OMP_NUM_THREADS wins)
         configure_threads()
     storage, resume_tag = _prepare_run_dir(cfg, env.rank == 0)
@@ -239,6 +247,7 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
               f"({env.launcher}), ZeRO-{ds_config['zero_optimization']['stage']}, "
               f"{'bf16' if ds_config['bf16']['enabled'] else 'fp32'}, "
               f"steps {start_step}..{cfg.train.max_steps}", flush=True)
+        print(cfg.train.batch_derivation(cfg.data.seq_len, env.world_size), flush=True)
     return state, callback_states
 
 

@@ -126,7 +126,8 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
         candidates = t.micro_batch_candidates(world_size)
     else:
         candidates = [t.micro_batch_size]
-    t.grad_accum_for(world_size, candidates[0])  # a batch that does not divide: before torch
+    # a batch that does not divide: before torch
+    t.grad_accum_for(world_size, candidates[0], world_from="from --world-size")
     precision = "bf16" if t.precision == "auto" else t.precision  # every GPU here has bf16
     width = 2 if precision == "bf16" else 4
     capacity = gpu.memory_mib * 2**20
@@ -177,6 +178,7 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
         "nodes": nodes, "precision": precision, "zero_stage": t.zero_stage,
         "activation_checkpointing": mode, "parameters": n_params,
         "micro_batch": micro, "grad_accum_steps": accum, "seq_len": seq_len,
+        "global_batch": t.batch_derivation(seq_len, world_size, micro),
         "tokens_per_step": tokens_per_step, "steps": steps, "tokens": steps * tokens_per_step,
         "depth": {"kind": t.depth.kind, "min": min(depths, default=m.depth),
                   "mean": sum(depths) / len(depths) if depths else float(m.depth),
@@ -223,9 +225,7 @@ def render(p: dict) -> str:
         f" ({p['nodes']} nodes of {a['gpus_per_node']})" if p["nodes"] > 1 else "")
     rows = [
         ("parameters", f"{p['parameters']:,}", ""),
-        ("batch per step", f"{p['micro_batch']} x {p['grad_accum_steps']} x {p['world_size']} x "
-         f"{p['seq_len']} = {p['tokens_per_step']:,} tokens",
-         "micro-batch x accumulation x GPUs x sequence length"),
+        ("batch per step", p["global_batch"], ""),
         ("run", f"{p['steps']:,} steps, {p['tokens']:,} tokens",
          "--tokens" if a["tokens"] else "train.max_steps"),
         ("depth T", f"min {d['min']}, mean {d['mean']:.2f}, max {d['max']}",
