@@ -157,6 +157,15 @@ def test_bad_tokenizer_files_are_one_line_each(tmp_path, kinds):
         error(kinds["byte-bpe"], "bpe")
 
 
+def test_a_missing_package_is_one_line_naming_the_extra(kinds, monkeypatch):
+    from scse_dist.config import ConfigError
+
+    for module, name in (("tiktoken", "tiktoken"), ("tokenizers", "byte-bpe")):
+        monkeypatch.setitem(sys.modules, module, None)  # `import` raises ImportError
+        with pytest.raises(ConfigError, match=rf"needs the '{module}' package: pip install "
+                                              rf"'scse-dist\[{module}\]'"):
+            Tokenizer.load(kinds[name])
+
 def test_byte_bpe_command_refuses_sentencepiece_options(tmp_path, capsys):
     (tmp_path / "c.txt").write_text("some text\n")
     status = data_main(["tokenizer", "--kind", "byte-bpe", "--input", str(tmp_path / "c.txt"),
