@@ -5,7 +5,7 @@ whether an evaluation of it is complete.
     RUN/metrics.jsonl      one JSON object a line: training rows (no "kind"), and rows of a kind
                            ("eval", "sample") that callbacks write during training
     RUN/checkpoints/       DeepSpeed tags step-<k>/ and `latest`
-    RUN/export/            the exported model: model.safetensors, config.yaml, tokenizer.model
+    RUN/export/            the exported model: model.safetensors, config.yaml, the tokenizer
     RUN/tensorboard/       TensorBoard event files (tensorboard.enabled)
     RUN/profile/           profiler traces (profile.enabled)
     RUN/eval/<name>.json   a results JSON per task (a study's sweep run: validation.json), and

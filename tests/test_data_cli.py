@@ -127,13 +127,13 @@ def test_zstd_jsonl_parallel_workers_and_tokenizer_options(tmp_path, capsys):
 
 
 def test_tokenizer_sample_fraction_streams_a_stable_subset():
-    from scse_dist.data.tokenizer import _training_lines
+    from scse_dist.data.tokenizer import training_lines
 
     docs = [f"document number {i}" for i in range(1000)]
-    half = list(_training_lines(iter(docs), 10**6, sample_fraction=0.5))
+    half = list(training_lines(iter(docs), 10**6, sample_fraction=0.5))
     assert 420 < len(half) < 580 and set(half) < set(docs)
-    assert half == list(_training_lines(iter(docs), 10**6, sample_fraction=0.5))
-    assert list(_training_lines(iter(docs), 10**6)) == docs
+    assert half == list(training_lines(iter(docs), 10**6, sample_fraction=0.5))
+    assert list(training_lines(iter(docs), 10**6)) == docs
 
 
 def test_wikitext_articles_as_documents(tmp_path, capsys):

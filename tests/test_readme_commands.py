@@ -102,6 +102,14 @@ def check_tokenizer(d: Path, out: str) -> None:
         == TINY_VOCAB
 
 
+
+def check_byte_bpe(d: Path, out: str) -> None:
+    from scse_dist.data.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(str(d / "data/web/tokenizer.json"))
+    assert (tok.kind, tok.vocab_size, tok.eos_id) == ("hf", TINY_VOCAB, 0)
+    assert f"vocab {TINY_VOCAB}" in out
+
 def check_shards(d: Path, out: str) -> None:
     index = json.loads((d / "data/web/shards/index.json").read_text())
     docs = {split: sum(s["documents"] for s in shards) for split, shards in index["splits"].items()}
@@ -245,6 +253,8 @@ def launcher_port(launcher: str) -> tuple[str, str]:
 RUN = [
     Step("scse-data tokenizer --input 'corpus/*.jsonl.gz' --vocab-size 32000 --out data/web/tokenizer.model",
          check_tokenizer, edits=(("--vocab-size 32000", f"--vocab-size {TINY_VOCAB}"),)),
+    Step("scse-data tokenizer --kind byte-bpe --input 'corpus/*.jsonl.gz' --vocab-size 32000 --out data/web/tokenizer.json",
+         check_byte_bpe, edits=(("--vocab-size 32000", f"--vocab-size {TINY_VOCAB}"),)),
     Step("scse-data shards --input 'corpus/*.jsonl.gz' --tokenizer data/web/tokenizer.model --out data/web/shards --heldout-fraction 0.005",
          check_shards),
     Step("scse-data shards --input 'corpus/*.jsonl.gz' --tokenizer data/web/tokenizer.model --out data/web/shards-2p --heldout-fraction 0.005 --processes 2",

@@ -1,13 +1,16 @@
 """Exported model I/O: `model.safetensors` (fp32 weights), `config.yaml` (the resolved RunConfig)
-and `tokenizer.model` (the sentencepiece model the run trained with), plus the Hugging Face
+and the tokenizer the run trained with (`tokenizer.model` for sentencepiece, `tokenizer.json` for
+a Hugging Face tokenizer, `tokenizer.tiktoken` + `tokenizer.tiktoken.json` for tiktoken; the
+config's data.tokenizer_kind names the kind), plus the Hugging Face
 remote code (`config.json`, `*_scse.py` and the model package's modules; see scse_dist/hf), so
 `AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)` loads it without scse-dist.
 
 The exported directory is what eval and inference read; it holds no optimizer state and needs no
 DeepSpeed. safetensors never unpickles, so loading an untrusted export cannot run code.
 
-The export is self-contained: its config's `data.tokenizer` is the bare name `tokenizer.model`,
-which the loader resolves against the export's own directory, so a copy works wherever it lies.
+The export is self-contained: its config's `data.tokenizer` is a bare name (`tokenizer.model`,
+...), which the loader resolves against the export's own directory, so a copy works wherever it
+lies.
 (The run's own config.yaml and checkpoints keep the path the run trained with.)
 
 Tied weights (the LM head sharing the embedding) are saved once: safetensors refuses tensors that
@@ -23,23 +26,27 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 from safetensors import SafetensorError
 
 from scse_dist.atomic import atomic_write
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_saved_config, save_config
+from scse_dist.data.config import TOKENIZER_EXPORT_NAMES as EXPORT_NAMES
 from scse_dist.run_dir import WEIGHTS_NAME
 
 if TYPE_CHECKING:  # torch is imported where weights are read or written: a command that only
     # reads an export's config (or rejects a bad path) answers without it
     import torch
 
+    from scse_dist.data.tokenizer import Tokenizer
     from scse_dist.model import LoopedLM
 
 CONFIG_NAME = "config.yaml"
-TOKENIZER_NAME = "tokenizer.model"
+TOKENIZER_NAME = EXPORT_NAMES["sentencepiece"]
+# Every file an export's tokenizer may be (the kinds' names, tiktoken's settings beside its ranks).
+TOKENIZER_FILES = (*EXPORT_NAMES.values(), EXPORT_NAMES["tiktoken"] + ".json")
 # safetensors metadata key: JSON {dropped_name: kept_name} for tensors that shared storage.
 _ALIASES_KEY = "scse_tied_aliases"
 # Wrappers that prefix parameter names (DeepSpeed engine, torch.compile); stripped on save.
@@ -87,24 +94,27 @@ def _dedupe_shared(state_dict: dict[str, torch.Tensor]
 
 
 def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out_dir: str,
-                        tokenizer: Optional[str] = None) -> str:
+                        tokenizer: Union[str, "Tokenizer", None] = None) -> str:
     """Write `out_dir/model.safetensors` (fp32, contiguous, ties saved once), `out_dir/config.yaml`,
-    the Hugging Face files (scse_dist.hf.write_hf_files) and, given a `tokenizer` path or fsspec
-    URL, its copy `out_dir/tokenizer.model` (the config's data.tokenizer then names that copy; the
-    HF files then include the tokenizer's).
+    the Hugging Face files (scse_dist.hf.write_hf_files) and, given a `tokenizer` (loaded, or a
+    path or fsspec URL: cfg.data.tokenizer_kind is its kind when it is cfg.data.tokenizer), its
+    files under the kind's names (Tokenizer.export_files: `tokenizer.model`, ...); the config's
+    data.tokenizer then names that copy and data.tokenizer_kind its kind, and the HF files include
+    the tokenizer's.
 
     Each file is written under a temporary name and moved into place, so a crash never leaves a
     half-written file under the final name. Returns `out_dir`.
     """
     from scse_dist.hf import write_hf_files
 
-    model_bytes, special_ids = None, None
-    if tokenizer is not None:  # read first: a bad tokenizer fails before anything is written
+    loaded: Optional[Tokenizer] = None
+    if isinstance(tokenizer, str):  # read first: a bad tokenizer fails before anything is written
         from scse_dist.data.tokenizer import Tokenizer
 
-        loaded = Tokenizer.load(tokenizer)  # fsspec; fails unless it is a model
-        model_bytes = loaded.model_bytes
-        special_ids = {"eos": loaded.eos_id, "unk": loaded.sp.unk_id()}
+        loaded = Tokenizer.load(tokenizer, cfg.data.tokenizer_kind
+                                if tokenizer == cfg.data.tokenizer else "auto")
+    elif tokenizer is not None:
+        loaded = tokenizer
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state_dict = _strip_wrapper_prefixes(dict(state_dict))
@@ -123,11 +133,15 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
                for n, t in tensors.items()}
     metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
     atomic_write(out / WEIGHTS_NAME, lambda p: _save_canonical(tensors, p, metadata))
-    if model_bytes is not None:
-        atomic_write(out / TOKENIZER_NAME, lambda p: p.write_bytes(model_bytes))
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=TOKENIZER_NAME))
+    if loaded is not None:
+        files = loaded.export_files()
+        for name, data in files.items():
+            atomic_write(out / name, lambda p: p.write_bytes(data))
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+            cfg.data, tokenizer=next(iter(files)), tokenizer_kind=loaded.kind))
     atomic_write(out / CONFIG_NAME, lambda p: save_config(cfg, p))
-    write_hf_files(out, cfg.model, special_ids)
+    write_hf_files(out, cfg.model, None if loaded is None
+                   else {"kind": loaded.kind, **loaded.special_ids()})
     return str(out)
 
 
@@ -159,13 +173,13 @@ def _resolve_paths(path: str | os.PathLike) -> tuple[Path, Path]:
 
 
 def load_export_config(path: str | os.PathLike) -> RunConfig:
-    """The RunConfig of an export (its dir or its .safetensors file), data.tokenizer resolved: the
-    bare name `tokenizer.model` means the export's own copy."""
+    """The RunConfig of an export (its dir or its .safetensors file), data.tokenizer resolved: a
+    bare name such as `tokenizer.model` means the export's own copy."""
     _, config = _resolve_paths(path)
     cfg = load_saved_config(config)  # ConfigError (a ValueError) names config.yaml if invalid
-    if cfg.data.tokenizer == TOKENIZER_NAME:
+    if cfg.data.tokenizer in TOKENIZER_FILES:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(
-            cfg.data, tokenizer=str(config.parent / TOKENIZER_NAME)))
+            cfg.data, tokenizer=str(config.parent / cfg.data.tokenizer)))
     return cfg
 
 
@@ -215,7 +229,7 @@ def local_export(path: str | os.PathLike) -> Iterator[str]:
         return
     try:
         # exports made before the tokenizer went along lack it
-        with fetched(str(path), (WEIGHTS_NAME, CONFIG_NAME, TOKENIZER_NAME),
+        with fetched(str(path), (WEIGHTS_NAME, CONFIG_NAME, *TOKENIZER_FILES),
                      required=(WEIGHTS_NAME, CONFIG_NAME)) as tmp:
             yield tmp
     except FileNotFoundError as exc:

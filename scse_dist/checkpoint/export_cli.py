@@ -4,8 +4,9 @@
 
 RUN_DIR_OR_TAG is a run dir, its checkpoints/ dir (the tag `latest` names) or one step-N tag dir.
 DIR gets model.safetensors (the fp32 weights, consolidated on CPU from any ZeRO stage),
-config.yaml (the tag's config), tokenizer.model (a copy of the config's data.tokenizer, a path
-relative to where the run was launched, or --tokenizer) and the Hugging Face files (scse_dist/hf).
+config.yaml (the tag's config), the tokenizer (tokenizer.model, tokenizer.json or tokenizer.tiktoken
+by its kind: a copy of the config's data.tokenizer, a path relative to where the run was launched,
+or --tokenizer) and the Hugging Face files (scse_dist/hf).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run dir, its checkpoints/ dir, or one checkpoints/step-N tag dir")
     p.add_argument("--out", required=True, help="export dir to write")
     p.add_argument("--tokenizer", default=None,
-                   help="sentencepiece model to copy in; default: the config's data.tokenizer")
+                   help="tokenizer file to copy in (.model, tokenizer.json, .tiktoken); default: "
+                        "the config's data.tokenizer")
     add_verbose_flag(p)
     return p
 
@@ -42,8 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     root, tag, config = deepspeed_checkpoint(args.checkpoint)
     cfg = load_saved_config(config)
-    tokenizer = args.tokenizer or cfg.data.tokenizer
-    Tokenizer.load(tokenizer)  # a missing tokenizer fails before the (slow) consolidation
+    # a missing tokenizer fails before the (slow) consolidation; --tokenizer tells its own kind
+    tokenizer = Tokenizer.load(args.tokenizer, "auto") if args.tokenizer else \
+        Tokenizer.load(cfg.data.tokenizer, cfg.data.tokenizer_kind)
     import torch  # after the inputs are checked: a bad path is reported in a fraction of a second
 
     from scse_dist.model import LoopedLM

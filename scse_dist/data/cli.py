@@ -1,6 +1,7 @@
 """`scse-data`: train a tokenizer, write token shards, inspect them, build the quickstart corpus.
 
     scse-data tokenizer --input 'data/*.jsonl.gz' --vocab-size 32000 --out tok.model
+    scse-data tokenizer --kind byte-bpe --input 'data/*.jsonl.gz' --vocab-size 32000 --out tok.json
     scse-data shards --input 'data/*.jsonl.gz' --tokenizer tok.model --out s3://bucket/shards
     scse-data shards --input 'data/*.parquet' --tokenizer tok.model --out shards --processes 8
     scse-data shards --input hf:wikitext:wikitext-103-raw-v1:train --tokenizer tok.model --out s
@@ -52,12 +53,25 @@ def cmd_tokenizer(args: argparse.Namespace) -> None:
     from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
 
     start = time.time()
+    if args.kind == "byte-bpe":
+        given = [o for o, v in (("--model-type", args.model_type),
+                                ("--no-byte-fallback", args.no_byte_fallback)) if v]
+        if given:
+            raise ConfigError(f"{given[0]}: a sentencepiece option; --kind byte-bpe is byte-level "
+                              "(no unknown characters) and BPE")
     rows = _rows(args)
     docs = _Counter(iter_documents(args.input, text_field=args.text_field,
                                    text_split=args.text_split, stats=rows))
-    train_tokenizer(docs, args.vocab_size, args.out, model_type=args.model_type,
-                    max_sentences=args.max_sentences, byte_fallback=not args.no_byte_fallback,
-                    special_tokens=args.special_tokens, sample_fraction=args.sample_fraction)
+    if args.kind == "byte-bpe":
+        from scse_dist.data.tokenizer_hf import train_byte_bpe
+
+        train_byte_bpe(docs, args.vocab_size, args.out, max_sentences=args.max_sentences,
+                       special_tokens=args.special_tokens, sample_fraction=args.sample_fraction)
+    else:
+        train_tokenizer(docs, args.vocab_size, args.out, model_type=args.model_type or "bpe",
+                        max_sentences=args.max_sentences,
+                        byte_fallback=not args.no_byte_fallback,
+                        special_tokens=args.special_tokens, sample_fraction=args.sample_fraction)
     tok = Tokenizer.load(args.out)
     dt = time.time() - start
     print(f"tokenizer {args.out}: vocab {tok.vocab_size}, sha256 {tok.sha256[:16]}, "
@@ -109,7 +123,7 @@ def cmd_shards(args: argparse.Namespace) -> int:
         print(_summary(f"shards {args.out} ({args.processes} processes)", index["splits"],
                        time.time() - start))
         return 0
-    tok = Tokenizer.load(args.tokenizer)
+    tok = Tokenizer.load(args.tokenizer, args.tokenizer_kind)
     rows = _rows(args)
     docs = _Counter(iter_documents(args.input, text_field=args.text_field,
                                    text_split=args.text_split, stats=rows, part=args.part))
@@ -224,15 +238,20 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("tokenizer", help="train a sentencepiece tokenizer")
+    t = sub.add_parser("tokenizer", help="train a sentencepiece or byte-level BPE tokenizer")
+    t.add_argument("--kind", default="sentencepiece", choices=["sentencepiece", "byte-bpe"],
+                   help="sentencepiece: a .model; byte-bpe: a GPT-2-style byte-level BPE "
+                        "tokenizer.json (Hugging Face tokenizers)")
     t.add_argument("--input", nargs="+", required=True, help=INPUT_HELP)
     t.add_argument("--vocab-size", type=int, required=True)
-    t.add_argument("--out", required=True, help="output .model path or URL")
+    t.add_argument("--out", required=True, help="output path or URL (.model, or .json for "
+                   "byte-bpe)")
     t.add_argument("--text-field", default="text",
                    help="JSONL field or parquet/datasets column holding the text")
     t.add_argument("--max-bad-rows", type=int, default=0, help=BAD_ROWS_HELP)
     t.add_argument("--text-split", default="blank_lines", choices=TEXT_SPLITS, help=SPLIT_HELP)
-    t.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
+    t.add_argument("--model-type", default=None, choices=["bpe", "unigram"],
+                   help="sentencepiece's model (default bpe)")
     t.add_argument("--max-sentences", type=int, default=2_000_000, help="lines used for training")
     t.add_argument("--sample-fraction", type=float, default=1.0,
                    help="train on this share of the documents (hash-sampled while streaming)")
@@ -244,7 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("shards", help="tokenize documents into WebDataset token shards")
     s.add_argument("--input", nargs="+", required=True, help=INPUT_HELP)
-    s.add_argument("--tokenizer", required=True)
+    s.add_argument("--tokenizer", required=True,
+                   help="a sentencepiece .model, a tokenizer.json or a tiktoken ranks file")
+    s.add_argument("--tokenizer-kind", default="auto",
+                   choices=["auto", "sentencepiece", "hf", "tiktoken"],
+                   help="the --tokenizer's kind (auto: told by its content)")
     s.add_argument("--out", required=True, help="output directory or URL prefix")
     s.add_argument("--heldout-fraction", type=float, default=0.0)
     s.add_argument("--text-field", default="text",

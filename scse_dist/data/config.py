@@ -12,13 +12,25 @@ from typing import Literal, Optional
 
 from scse_dist.model.config import ConfigError
 
+TokenizerKind = Literal["sentencepiece", "hf", "tiktoken"]
+TOKENIZER_KINDS: tuple[TokenizerKind, ...] = ("sentencepiece", "hf", "tiktoken")
+# The file an export carries for each kind (scse_dist.checkpoint.export); tiktoken's settings
+# (pattern, special tokens) go beside its ranks as NAME.json. Here, not in data.tokenizer, so that
+# reading an export's config loads no tokenizer library.
+TOKENIZER_EXPORT_NAMES = {"sentencepiece": "tokenizer.model", "hf": "tokenizer.json",
+                          "tiktoken": "tokenizer.tiktoken"}
+
 
 @dataclass
 class DataConfig:
     # fsspec URL or path of a shard directory holding index.json (see scse_dist.data.shards).
     path: str = "data/quickstart/shards"
-    # sentencepiece model the shards were written with.
+    # The tokenizer file the shards were written with: a sentencepiece .model, a Hugging Face
+    # tokenizer.json or a tiktoken ranks file (docs/data.md, "Tokenizers").
     tokenizer: str = "data/quickstart/tokenizer.model"
+    # Which of those it is; "auto" tells them apart by content (JSON, `base64 rank` lines, else
+    # sentencepiece). An export writes the kind it carries here.
+    tokenizer_kind: Literal["auto", "sentencepiece", "hf", "tiktoken"] = "auto"
     # If set and `path` has no index.json, build it first. "stdlib_docs": the quickstart corpus.
     build: Optional[Literal["stdlib_docs"]] = None
     build_vocab_size: int = 4096

@@ -19,7 +19,7 @@ from scse_dist.data.tokenizer import Tokenizer
 
 def load_run_tokenizer(cfg: RunConfig) -> Tokenizer:
     """data.tokenizer, loaded; InputError if it has more pieces than the model has embeddings."""
-    tokenizer = Tokenizer.load(cfg.data.tokenizer)
+    tokenizer = Tokenizer.load(cfg.data.tokenizer, cfg.data.tokenizer_kind)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise InputError(f"data.tokenizer: {cfg.data.tokenizer} has {tokenizer.vocab_size} tokens, "
                          f"more than model.vocab_size={cfg.model.vocab_size}")

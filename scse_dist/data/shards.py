@@ -180,9 +180,9 @@ def _batches(documents: Iterable[str], size: int) -> Iterator[list[str]]:
 _worker_tokenizer: Any = None
 
 
-def _init_worker(model_bytes: bytes) -> None:
+def _init_worker(tokenizer: Tokenizer) -> None:
     global _worker_tokenizer
-    _worker_tokenizer = Tokenizer(model_bytes)
+    _worker_tokenizer = tokenizer  # each kind pickles as its file's bytes (__reduce__)
 
 
 def _encode_in_worker(batch: list[str]) -> tuple[list[str], list[list[int]]]:
@@ -210,7 +210,7 @@ def tokenize_into(documents: Iterable[str], tokenizer: Tokenizer, writers: dict[
         import multiprocessing
 
         pool = multiprocessing.get_context("spawn").Pool(
-            workers, initializer=_init_worker, initargs=(tokenizer.model_bytes,))
+            workers, initializer=_init_worker, initargs=(tokenizer,))
         encoded: Iterable = pool.imap(_encode_in_worker, _batches(documents, encode_batch),
                                       chunksize=1)
     else:

@@ -1,70 +1,49 @@
-"""SentencePiece tokenizer: train from a text stream, load from any fsspec URL, hash.
+"""Tokenizers: one interface over three kinds of file, loaded from any fsspec URL and hashed.
 
-Conventions every shard and model in the project relies on: unk = 0, bos = 1, eos = 2, no pad
-id (packing never pads). Byte fallback is on by default, so every string encodes without
-`<unk>`, and the normaliser is the identity, so `decode(encode(s)) == s` for ordinary text
-(whitespace and case are kept; sentencepiece only drops a leading space it added itself).
+    Tokenizer.load(path, kind="auto")  # SentencePieceTokenizer, HFTokenizer or TiktokenTokenizer
+
+- "sentencepiece": a sentencepiece `.model` (trained here by `train_tokenizer`);
+- "hf": a Hugging Face `tokenizers` JSON file, `tokenizer.json` (GPT-2's byte-level BPE, Llama's,
+  any; a byte-level BPE is trained here by scse_dist.data.tokenizer_hf.train_byte_bpe);
+- "tiktoken": a tiktoken BPE ranks file (`*.tiktoken`) with its pattern and special tokens
+  (scse_dist.data.tokenizer_tiktoken).
+"auto" tells them apart by content: JSON is "hf", lines of `base64 rank` are "tiktoken", anything
+else must parse as a sentencepiece model.
+
+What every kind gives the rest of the project (shards, training, eval, generation, the export):
+`encode` (the text's ids, nothing added; a special token's string in the text is text),
+`encode_batch`, `decode` (special tokens dropped), `vocab_size`, `eos_id` (the document separator:
+shards put it between documents, eval windows start with it), `bos_id` (informational: nothing
+adds it), `sha256` (shards record it) and `export_files()` (what an export carries).
+
+The sentencepiece models trained here: unk = 0, bos = 1, eos = 2, no pad id (packing never pads).
+Byte fallback is on by default, so every string encodes without `<unk>`, and the normaliser is the
+identity, so `decode(encode(s)) == s` for ordinary text (whitespace and case are kept;
+sentencepiece only drops a leading space it added itself).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-from typing import Iterable, Iterator
+from typing import Any, Iterable
 
 import fsspec
 import sentencepiece as spm
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
+from scse_dist.data.config import TOKENIZER_EXPORT_NAMES as EXPORT_NAMES
+from scse_dist.data.tokenizer_base import (  # noqa: F401  (re-exported: the package's names)
+    MAX_SENTENCE_BYTES,
+    Sentences,
+    Tokenizer,
+    detect_kind,
+    read_tokenizer_file,
+    training_lines,
+)
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
-# sentencepiece skips training sentences longer than this many bytes; we cut lines to fit.
-MAX_SENTENCE_BYTES = 4096
-
-
-def _training_lines(texts: Iterable[str], max_sentences: int, sample_fraction: float = 1.0
-                    ) -> Iterator[str]:
-    """Documents -> non-empty lines (sentencepiece's unit), the first `max_sentences` of them.
-
-    `sample_fraction` < 1 keeps a document when a hash of its text falls below it: a sample
-    spread over the whole of a large corpus, taken while streaming, and the same on every run
-    (unlike sentencepiece's own random sampling, which needs the corpus in memory).
-    """
-    count = 0
-    for text in texts:
-        if sample_fraction < 1.0:
-            digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
-            if int.from_bytes(digest, "big") / 2**64 >= sample_fraction:
-                continue
-        for line in text.splitlines():
-            line = line.strip()
-            if not line:
-                continue
-            # Cut by characters well under the byte limit (UTF-8 is at most 4 bytes a char).
-            yield line[: MAX_SENTENCE_BYTES // 4]
-            count += 1
-            if count >= max_sentences:
-                return
-
-
-class _Sentences:
-    """The training lines, counted, remembering an error raised while reading them: sentencepiece
-    turns an iterator's exception into a RuntimeError, which would hide e.g. an InputError."""
-
-    error: Exception | None
-
-    def __init__(self, lines: Iterator[str]):
-        self.lines, self.count, self.error = lines, 0, None
-
-    def __iter__(self) -> Iterator[str]:
-        try:
-            for line in self.lines:
-                self.count += 1
-                yield line
-        except Exception as exc:
-            self.error = exc
-            raise
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_type: str = "bpe",
@@ -74,7 +53,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_
     """Train a sentencepiece model on `texts` (streamed) and write it to `out_path` (fsspec URL).
 
     Returns `out_path`. `max_sentences` caps the number of lines read (the first ones);
-    `sample_fraction` samples documents first (see _training_lines). `special_tokens` become
+    `sample_fraction` samples documents first (see training_lines). `special_tokens` become
     single pieces that are never split (e.g. `<|endoftext|>`, `<pad>`), right after unk/bos/eos.
     """
     if not 0.0 < sample_fraction <= 1.0:
@@ -83,7 +62,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_
         raise ConfigError(f"vocab_size: {vocab_size} is too small; byte_fallback needs 256 byte "
                          "pieces plus unk/bos/eos, so use at least 260")
     model = io.BytesIO()
-    sentences = _Sentences(_training_lines(texts, max_sentences, sample_fraction))
+    sentences = Sentences(training_lines(texts, max_sentences, sample_fraction))
     spm.set_random_generator_seed(0)
     try:
         spm.SentencePieceTrainer.train(
@@ -118,8 +97,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_
     return out_path
 
 
-class Tokenizer:
+class SentencePieceTokenizer(Tokenizer):
     """A loaded sentencepiece model plus the sha256 of its bytes (shards record it)."""
+
+    kind = "sentencepiece"
 
     def __init__(self, model_bytes: bytes, path: str = "<bytes>"):
         self.path, self.model_bytes = path, model_bytes
@@ -128,27 +109,14 @@ class Tokenizer:
             self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         except RuntimeError:  # sentencepiece's only error for bytes that are not a model
             raise InputError(f"tokenizer {path}: not a sentencepiece model ({len(model_bytes)} "
-                             "bytes that do not parse); train one with `scse-data "
-                             "tokenizer`") from None
+                             "bytes that do not parse), nor a tokenizer.json or tiktoken ranks "
+                             "file; train one with `scse-data tokenizer`") from None
         if self.sp.eos_id() < 0:
             raise InputError(f"tokenizer {path}: has no eos id; train it with `scse-data "
                              "tokenizer`")
 
-    @classmethod
-    def load(cls, path: str) -> "Tokenizer":
-        try:
-            with fsspec.open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise FileNotFoundError(f"tokenizer model {path!r} does not exist "
-                                    "(train one with `scse-data tokenizer`)") from None
-        except IsADirectoryError:
-            raise IsADirectoryError(f"tokenizer model {path!r} is a directory, not a .model "
-                                    "file") from None
-        except Exception as exc:  # only fsspec runs here: unknown protocol, no backend, network
-            raise OSError(f"tokenizer model {path!r} cannot be read: "
-                          f"{type(exc).__name__}: {exc}") from exc
-        return cls(data, path)
+    def __reduce__(self):  # tokenizer worker processes get the bytes, not the processor
+        return type(self), (self.model_bytes, self.path)
 
     @property
     def vocab_size(self) -> int:
@@ -162,15 +130,37 @@ class Tokenizer:
     def bos_id(self) -> int:
         return self.sp.bos_id()
 
+    @property
+    def eos_token(self) -> str:
+        return self.sp.id_to_piece(self.eos_id)
+
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
 
     def encode_batch(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:
-        """Encode many texts at once (sentencepiece threads over them; 0 = all cores)."""
         return self.sp.encode(texts, num_threads=num_threads)
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
 
-    def __repr__(self) -> str:
-        return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"
+    def export_files(self) -> dict[str, bytes]:
+        return {EXPORT_NAMES[self.kind]: self.model_bytes}
+
+    def special_ids(self) -> dict[str, Any]:
+        return {**super().special_ids(), "unk": self.sp.unk_id()}
+
+
+def _load_hf(data: bytes, path: str) -> Tokenizer:
+    from scse_dist.data.tokenizer_hf import HFTokenizer
+
+    return HFTokenizer(data, path)
+
+
+def _load_tiktoken(data: bytes, path: str) -> Tokenizer:
+    from scse_dist.data.tokenizer_tiktoken import TiktokenTokenizer
+
+    return TiktokenTokenizer.from_file(data, path)
+
+
+Tokenizer.loaders.update(sentencepiece=SentencePieceTokenizer, hf=_load_hf,
+                         tiktoken=_load_tiktoken)

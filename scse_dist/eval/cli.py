@@ -7,7 +7,7 @@
 --checkpoint is an export dir (a path or an fsspec URL) or a DeepSpeed checkpoint dir (run dir,
 checkpoints/ or a tag). Defaults for --data, --depths, --batch-size, --max-batches, --seq-len and
 --tokenizer come from the model's config (data.path, eval.*, data.seq_len, data.tokenizer; an
-export's tokenizer is its own tokenizer.model).
+export's tokenizer is its own copy, e.g. tokenizer.model).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _exit_rule(text: str) -> ExitRule:
 def build_parser() -> argparse.ArgumentParser:
     p = command_parser("scse-eval", __doc__)
     p.add_argument("--checkpoint", required=True,
-                   help="export dir (model.safetensors, config.yaml, tokenizer.model; a path or an "
+                   help="export dir (model.safetensors, config.yaml, the tokenizer; a path or an "
                         "fsspec URL) or DeepSpeed checkpoint dir")
     p.add_argument("--task", required=True, choices=list(TASKS))
     p.add_argument("--data", default=None,

@@ -52,7 +52,9 @@ def _shard_stream(path: str, cfg: RunConfig, tokenizer: Any = None):
 def load_tokenizer(path: str, cfg: RunConfig):
     from scse_dist.data.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.load(path)
+    # data.tokenizer_kind is the kind of data.tokenizer; another file (--tokenizer) tells its own
+    tokenizer = Tokenizer.load(path, cfg.data.tokenizer_kind if path == cfg.data.tokenizer
+                               else "auto")
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise InputError(f"tokenizer {path}: {tokenizer.vocab_size} pieces, more than the model's "
                          f"model.vocab_size={cfg.model.vocab_size}")

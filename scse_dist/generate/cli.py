@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = command_parser("scse-generate", __doc__)
-    p.add_argument("export", help="export dir (model.safetensors, config.yaml, tokenizer.model; a "
+    p.add_argument("export", help="export dir (model.safetensors, config.yaml, the tokenizer; a "
                    "path or an fsspec URL) or a DeepSpeed checkpoint dir")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the text to continue")

@@ -1,10 +1,15 @@
 """Hugging Face `transformers` remote code for an export: `write_hf_files(out_dir, ...)`.
 
 An export then loads with `AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)`
-(and AutoConfig, AutoTokenizer) in an environment with torch, transformers, safetensors and
-sentencepiece and no scse-dist. The export dir gets:
-- config.json: `model_type`, `auto_map`, the ModelConfig fields, the tokenizer's special ids;
-- configuration_scse.py, modeling_scse.py, tokenization_scse.py (the files beside this one);
+(and AutoConfig, AutoTokenizer) in an environment with torch, transformers and safetensors (and
+the tokenizer kind's library: sentencepiece, tokenizers (transformers' own) or tiktoken) and no
+scse-dist. The export dir gets:
+- config.json: `model_type`, `auto_map`, the ModelConfig fields, the tokenizer's special ids and
+  kind (`scse_tokenizer_kind`);
+- tokenizer_config.json (with a tokenizer): the kind's AutoTokenizer class (TOKENIZER_CLASSES) and
+  its special tokens;
+- configuration_scse.py, modeling_scse.py and the three tokenization_scse*.py (the files beside
+  this one; AutoTokenizer imports only its kind's);
 - the model package's modules (scse_dist/model/*.py but its __init__), copied verbatim and flat.
 
 Flat, because transformers' dynamic-module loader (4.57 and 5.x alike) copies a remote file's
@@ -30,7 +35,12 @@ from scse_dist.model.config import ModelConfig
 
 HERE = Path(__file__).parent
 MODEL_PACKAGE = HERE.parent / "model"
-REMOTE_CODE = ("configuration_scse.py", "modeling_scse.py", "tokenization_scse.py")
+REMOTE_CODE = ("configuration_scse.py", "modeling_scse.py", "tokenization_scse.py",
+               "tokenization_scse_fast.py", "tokenization_scse_tiktoken.py")
+# AutoTokenizer's (slow, fast) classes for each tokenizer kind (scse_dist.data.tokenizer).
+TOKENIZER_CLASSES = {"sentencepiece": ["tokenization_scse.ScseTokenizer", None],
+                     "hf": [None, "tokenization_scse_fast.ScseTokenizerFast"],
+                     "tiktoken": ["tokenization_scse_tiktoken.ScseTiktokenTokenizer", None]}
 HF_CONFIG_NAME = "config.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 
@@ -43,36 +53,45 @@ def model_package_modules() -> list[Path]:
     return modules
 
 
-def hf_config(model: ModelConfig, special_ids: Optional[dict[str, int]]) -> dict:
-    """config.json's content. special_ids: the tokenizer's {"eos": .., "unk": ..}, or None for an
-    export without a tokenizer (then no AutoTokenizer)."""
+def hf_config(model: ModelConfig, tokenizer: Optional[dict[str, Any]]) -> dict:
+    """config.json's content. tokenizer: {"kind": .., "eos": .., "eos_token": .., ...} (the
+    tokenizer's kind and Tokenizer.special_ids), or None for an export without a tokenizer (then
+    no AutoTokenizer)."""
     auto_map: dict[str, Any] = {"AutoConfig": "configuration_scse.ScseConfig",
                                 "AutoModelForCausalLM": "modeling_scse.ScseForCausalLM"}
     config = {"model_type": "scse", "architectures": ["ScseForCausalLM"], "auto_map": auto_map,
               **dataclasses.asdict(model), "dtype": "float32", "use_cache": True,
               "tie_word_embeddings": False}
-    if special_ids is not None:
-        auto_map["AutoTokenizer"] = ["tokenization_scse.ScseTokenizer", None]
-        eos = special_ids["eos"]
+    if tokenizer is not None:
+        auto_map["AutoTokenizer"] = TOKENIZER_CLASSES[tokenizer["kind"]]
+        eos = tokenizer["eos"]
         # Documents start after an EOS (tokenization_scse.py), so it is also the BOS; and the pad.
-        config.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+        config.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                      scse_tokenizer_kind=tokenizer["kind"])
     return config
 
 
 def write_hf_files(out_dir: str | Path, model: ModelConfig,
-                   special_ids: Optional[dict[str, int]] = None) -> None:
+                   tokenizer: Optional[dict[str, Any]] = None) -> None:
     """Write config.json (and, with a tokenizer, tokenizer_config.json), the remote code and the
     model package's modules into `out_dir` (each file atomically)."""
     out = Path(out_dir)
     for src in [HERE / name for name in REMOTE_CODE] + model_package_modules():
         atomic_write(out / src.name, functools.partial(shutil.copyfile, src))
-    config = hf_config(model, special_ids)
+    config = hf_config(model, tokenizer)
     atomic_write(out / HF_CONFIG_NAME,
                  lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"))
-    if special_ids is not None:
-        tokenizer_config = {"tokenizer_class": "ScseTokenizer",
-                            "auto_map": {"AutoTokenizer": ["tokenization_scse.ScseTokenizer",
-                                                           None]}}
+    if tokenizer is not None:
+        classes = TOKENIZER_CLASSES[tokenizer["kind"]]
+        tokenizer_config = {"tokenizer_class": next(c for c in classes if c).split(".")[1],
+                            "auto_map": {"AutoTokenizer": classes},
+                            "scse_tokenizer_kind": tokenizer["kind"]}
+        # EOS is the BOS and the pad too (hf_config); a tokenizer.json names none itself
+        tokenizer_config.update({f"{name}_token": tokenizer["eos_token"]
+                                 for name in ("eos", "bos", "pad")})
+        if tokenizer["kind"] == "hf":  # ScseTokenizerFast has no __init__ to set them
+            tokenizer_config.update(padding_side="left", split_special_tokens=True,
+                                    clean_up_tokenization_spaces=False)
         atomic_write(out / TOKENIZER_CONFIG_NAME,
                      lambda p: p.write_text(json.dumps(tokenizer_config, indent=2) + "\n"))
 

@@ -3,7 +3,7 @@
     --model scse --model_args pretrained=EXPORT,depth=T,exit=fixed,batch_size=B,device=cpu
 
 Model args (all but `pretrained` optional):
-    pretrained   export dir (model.safetensors, config.yaml, tokenizer.model), a path or an fsspec
+    pretrained   export dir (model.safetensors, config.yaml, the tokenizer), a path or an fsspec
                  URL, or a DeepSpeed checkpoint dir (as scse-eval's --checkpoint)
     depth        loop depth T; default the config's model.depth
     exit         exit rule as scse-eval --exit takes it: fixed (every token runs T steps), kl:TAU or

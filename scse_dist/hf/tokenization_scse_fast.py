@@ -1,0 +1,36 @@
+"""`ScseTokenizerFast`: the export's Hugging Face tokenizer.json (data.tokenizer_kind "hf") as a
+transformers tokenizer (remote code, see scse_dist/hf).
+
+Encodes exactly as scse-dist's "hf" kind (scse_dist/data/tokenizer_hf.py): the file's pipeline,
+with a special token's string in the text kept as text (split_special_tokens). The one addition,
+with add_special_tokens=True (the default), is the EOS id in front, as ScseTokenizer does (every
+document starts after an EOS in scse-dist): the file's own post-processor (e.g. Llama's BOS) is
+replaced by that, so both kinds of export give the same shape of input. EOS is also the BOS and
+the pad; padding is on the left (generation).
+"""
+
+from tokenizers import processors
+from transformers import PreTrainedTokenizerFast
+
+
+class ScseTokenizerFast(PreTrainedTokenizerFast):
+    # No __init__: transformers 5 loads tokenizer.json as it is only into a class without one
+    # (it rebuilds one with its own __init__ from the bare vocab and merges, which drops the
+    # pre-tokenizer). tokenizer_config.json gives padding_side, split_special_tokens and the EOS.
+    vocab_files_names = {"tokenizer_file": "tokenizer.json"}
+    model_input_names = ["input_ids", "attention_mask"]
+    slow_tokenizer_class = None
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        tokenizer = super().from_pretrained(*args, **kwargs)
+        tokenizer.update_post_processor()  # 4.57 does not call it itself
+        return tokenizer
+
+    def update_post_processor(self):
+        """EOS in front, nothing after (transformers 5 calls this whenever the special tokens
+        change; its own would install a BOS/EOS template)."""
+        eos = str(self.eos_token)
+        self._tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{eos} $A", pair=f"{eos} $A $B",
+            special_tokens=[(eos, self._tokenizer.token_to_id(eos))])
