@@ -124,6 +124,26 @@ def check_shards_2p(d: Path, out: str) -> None:
     assert "(2 processes): 2,000 documents" in out
 
 
+def check_parquet_shards(d: Path, out: str) -> None:
+    from scse_dist.data.tokenizer import Tokenizer
+
+    index = json.loads((d / "data/fineweb/shards/index.json").read_text())
+    docs = {split: sum(s["documents"] for s in shards) for split, shards in index["splits"].items()}
+    assert docs["train"] + docs["heldout"] == PARQUET_DOCS and docs["heldout"] > 0
+    # cut with the tokenizer.json the recipe names (its sha256 in the index), as an hf kind
+    tok = Tokenizer.load(str(d / "data/gpt2/tokenizer.json"))
+    assert tok.kind == "hf" and index["tokenizer_sha256"] == tok.sha256
+
+
+def check_parquet_inspect(d: Path, out: str) -> None:
+    assert f"OK: read {PARQUET_DOCS:,} documents" in out
+
+
+def check_recipe_dry_run(d: Path, out: str) -> None:
+    assert "global batch 512 seq (524288 tokens) = micro 16 x accum 2 x world 16" in out
+    assert not (d / "runs").exists()
+
+
 def check_inspect(d: Path, out: str) -> None:
     assert "OK: read 2,000 documents" in out
 
@@ -260,6 +280,12 @@ RUN = [
     Step("scse-data shards --input 'corpus/*.jsonl.gz' --tokenizer data/web/tokenizer.model --out data/web/shards-2p --heldout-fraction 0.005 --processes 2",
          check_shards_2p),
     Step("scse-data inspect data/web/shards", check_inspect),
+    # docs/data.md's recipe; a held-out share of 5%, not 0.1%, so 600 documents hold out some
+    Step("scse-data shards --input 'fineweb/*.parquet' --text-field text --tokenizer data/gpt2/tokenizer.json --out data/fineweb/shards --heldout-fraction 0.001 --processes 2",
+         check_parquet_shards, edits=(("--heldout-fraction 0.001", "--heldout-fraction 0.05"),)),
+    Step("scse-data inspect data/fineweb/shards", check_parquet_inspect),
+    Step("scse-train --config configs/gpt2-small-scse.yaml --dry-run --world-size 16 name=gpt2-small-scse-fineweb data.path=data/fineweb/shards data.tokenizer=data/gpt2/tokenizer.json model.vocab_size=50304",
+         check_recipe_dry_run),
     Step("python launch/train.py --config configs/quickstart.yaml --dry-run", check_dry_run),
     Step("scse-train --config configs/gpt2-small-scse.yaml --dry-run --world-size 16",
          check_gpt2_dry_run),
@@ -313,6 +339,14 @@ SHARED = "reads ../shared/data, which the project's tests must not depend on"
 PARTS = ("a Slurm array of parts and its merge; tests/test_data_parts.py runs parts 0..N-1 and "
          "`scse-data merge` and compares every file with one process's, byte for byte")
 NOT_RUN = {
+    # docs/data.md's recipe: write_inputs puts a byte-level BPE in GPT-2's format at the path
+    "mkdir -p data/gpt2": "write_inputs makes data/gpt2 and writes tokenizer.json there",
+    "curl -L -o data/gpt2/tokenizer.json https://huggingface.co/openai-community/gpt2/resolve/main/tokenizer.json":
+        "downloads GPT-2's tokenizer (no network here); write_inputs trains a small byte-level "
+        "BPE of the same format at that path, and tests/test_tokenizer_kinds.py checks the kind",
+    "sbatch --nodes=2 slurm/pretrain.sh configs/gpt2-small-scse.yaml name=gpt2-small-scse-fineweb data.path=data/fineweb/shards data.tokenizer=data/gpt2/tokenizer.json model.vocab_size=50304":
+        "needs a Slurm cluster of GPUs; tests/test_slurm_pretrain.py sbatches slurm/pretrain.sh "
+        "on a real local Slurm, from a directory outside the checkout",
     # the planner at gpt2-medium size: tests/test_plan.py runs --plan through the CLI (table, JSON)
     "scse-train --config configs/gpt2-small-scse.yaml --plan --world-size 16 --gpu h200 --tokens 10e9      name=gpt2-medium-scse model.d_model=1024 model.n_heads=16 model.n_core=5 model.depth=16      train.zero_stage=2 train.deepspeed_config=configs/deepspeed/zero2.json":
         "sizes a run of 10B tokens; tests/test_plan.py runs scse-train --plan the same way",
@@ -389,8 +423,24 @@ def test_every_readme_command_is_run_or_listed():
     assert f"{quickstart.command} {quickstart.append}" in README.read_text()
 
 
+PARQUET_DOCS = 600
+
+
 def write_inputs(d: Path) -> None:
     """The files the README's commands read, at the README's paths, in the formats it states."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from scse_dist.data.tokenizer_hf import train_byte_bpe
+
+    (d / "fineweb").mkdir()
+    fineweb = tiny_documents(PARQUET_DOCS, seed=1)
+    for part in range(2):  # FineWeb's own columns, the text among them
+        rows = fineweb[part::2]
+        pq.write_table(pa.table({"text": rows, "id": [f"doc-{part}-{i}" for i in range(len(rows))]}),
+                       d / f"fineweb/part-{part:05d}.parquet", row_group_size=100)
+    (d / "data/gpt2").mkdir(parents=True)
+    train_byte_bpe(fineweb, TINY_VOCAB, str(d / "data/gpt2/tokenizer.json"))
     (d / "corpus").mkdir()
     docs = tiny_documents(2000)
     for part in range(2):
