@@ -238,7 +238,7 @@ def test_mypy_checks_a_callback_against_the_typed_train_state(tmp_path):
     broken.write_text("from scse_dist.train.callbacks import Callback, TrainState\n\n\n"
                       "class Broken(Callback):\n"
                       "    def on_step_end(self, state: TrainState) -> None:\n"
-                      "        state.logger.write({'loss': state.result.loss})\n"
+                      "        state.logger.write({'loss': state.result.mean_loss})\n"
                       "        state.stream.epochs += 1\n")
     args = [sys.executable, "-m", "mypy", "--ignore-missing-imports", "--follow-imports=silent",
             "--no-error-summary", "--cache-dir", str(tmp_path / "cache")]
@@ -249,5 +249,5 @@ def test_mypy_checks_a_callback_against_the_typed_train_state(tmp_path):
     bad = subprocess.run([*args, str(broken)], cwd=REPO, capture_output=True, text=True,
                          timeout=600, env=env)
     assert bad.returncode == 1
-    assert '"StepResult" has no attribute "loss"' in bad.stdout, bad.stdout
+    assert '"StepResult" has no attribute "mean_loss"' in bad.stdout, bad.stdout
     assert "has no attribute \"epochs\"" in bad.stdout, bad.stdout
