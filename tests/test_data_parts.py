@@ -124,6 +124,13 @@ def _running_with(marker: str) -> list[int]:
     return pids
 
 
+def _blocked_on_fifo(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/wchan").read_text() in ("wait_for_partner", "fifo_open")
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_every_part(corpus, tmp_path):
     # each part blocks reading a FIFO nobody writes: only the signal can end it
@@ -138,7 +145,11 @@ def test_ctrl_c_stops_every_part(corpus, tmp_path):
     while len(_running_with(str(out))) < 3 and time.time() < deadline:  # parent + 2 parts
         time.sleep(0.2)
     assert len(_running_with(str(out))) == 3
-    time.sleep(1.0)  # the parts reach their FIFOs
+    # the signal only once both parts block opening their FIFO (the kernel's wait_for_partner):
+    # earlier, on a loaded machine, a part still importing could miss it
+    while sum(_blocked_on_fifo(p) for p in _running_with(str(out))) < 2 and \
+            time.time() < deadline:
+        time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
     assert proc.stderr is not None and "scse-data: interrupted" in proc.stderr.read()
