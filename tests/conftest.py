@@ -23,6 +23,18 @@ import pytest
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# The first lines of a child script that must run without scse_dist (an export's remote code, a
+# copied model file): any import of it fails, as on a machine where it is not installed.
+WITHOUT_SCSE_DIST = """import importlib.abc
+import sys
+class NoScseDist(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "scse_dist":
+            raise ImportError("scse_dist is not importable here: " + name)
+sys.meta_path.insert(0, NoScseDist())
+"""
+
 TINY_VOCAB = 320
 
 _SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird",

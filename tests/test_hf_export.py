@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_VOCAB
+from conftest import TINY_VOCAB, WITHOUT_SCSE_DIST
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.config import config_from_dict
 from scse_dist.data.tokenizer import Tokenizer
@@ -47,13 +47,8 @@ TEXTS = ["the cat sees a green box today.", "  Two  spaces,\ttabs\nand lines.  "
          "Grüße aus Köln — naïve café, 東京, emoji 😀 and </s> <unk> as text."]
 PROMPTS = ["the old man", "a small bird follows the tall tree in the park. my sister"]
 
-CHILD = r"""
-import importlib.abc, json, sys
-class NoScseDist(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "scse_dist":
-            raise ImportError("scse_dist is not importable here: " + name)
-sys.meta_path.insert(0, NoScseDist())
+CHILD = WITHOUT_SCSE_DIST + r"""
+import json
 import torch, transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 torch.manual_seed(0)

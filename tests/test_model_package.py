@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 import scse_dist.model
+from conftest import WITHOUT_SCSE_DIST
 from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
 
@@ -41,13 +42,7 @@ def test_package_copied_under_another_name_builds_the_same_model(tmp_path: Path)
     model = LoopedLM(cfg).eval()
     tokens = torch.randint(0, 64, (2, 10))
     torch.save({"state": model.state_dict(), "tokens": tokens}, tmp_path / "in.pt")
-    script = """
-import sys, importlib.abc
-class NoScseDist(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "scse_dist":
-            raise ImportError("scse_dist is not importable here: " + name)
-sys.meta_path.insert(0, NoScseDist())
+    script = WITHOUT_SCSE_DIST + """
 sys.path.insert(0, sys.argv[1])
 import torch
 from copied_looped_model import LoopedLM, ModelConfig

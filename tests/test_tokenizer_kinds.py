@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_documents
+from conftest import WITHOUT_SCSE_DIST, tiny_documents
 from scse_dist.checkpoint.export import load_export_config, save_exported_model
 from scse_dist.config import config_from_dict
 from scse_dist.data.cli import main as data_main
@@ -253,13 +253,8 @@ def test_export_carries_the_tokenizer_and_names_its_kind(kinds, exports):
         assert config["eos_token_id"] == SPECIAL[name][0]
 
 
-CHILD = r"""
-import importlib.abc, json, sys
-class NoScseDist(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "scse_dist":
-            raise ImportError("scse_dist is not importable here: " + name)
-sys.meta_path.insert(0, NoScseDist())
+CHILD = WITHOUT_SCSE_DIST + r"""
+import json
 from transformers import AutoTokenizer
 job = json.load(open(sys.argv[1]))
 out = {}
