@@ -24,6 +24,7 @@ import posixpath
 from typing import Any, Iterator
 
 from scse_dist.config import ConfigError
+from scse_dist.data.extras import require_extra
 from scse_dist.data.rows import RowStats
 
 HF_PREFIX = "hf:"
@@ -33,13 +34,7 @@ SAVED_DATASET_FILES = ("state.json", "dataset_info.json")
 
 
 def _require(module: str, extra: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ConfigError(f"reading this input needs the {module.split('.')[0]!r} package: "
-                          f"pip install 'scse-dist[{extra}]'") from None
+    return require_extra(module, extra, "reading this input")
 
 
 def is_parquet(url: str) -> bool:

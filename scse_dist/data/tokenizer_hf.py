@@ -21,6 +21,7 @@ import fsspec
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
 from scse_dist.data.config import TOKENIZER_EXPORT_NAMES as EXPORT_NAMES
+from scse_dist.data.extras import require_extra
 from scse_dist.data.tokenizer_base import Sentences, Tokenizer, training_lines
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
@@ -30,12 +31,8 @@ BYTE_BPE_EOS = "<|endoftext|>"
 
 
 def require_tokenizers() -> Any:
-    try:
-        import tokenizers
-    except ImportError:
-        raise ConfigError("a Hugging Face tokenizer (tokenizer.json, --kind byte-bpe) needs the "
-                          "'tokenizers' package: pip install 'scse-dist[tokenizers]'") from None
-    return tokenizers
+    return require_extra("tokenizers", "tokenizers",
+                         "a Hugging Face tokenizer (tokenizer.json, --kind byte-bpe)")
 
 
 class HFTokenizer(Tokenizer):

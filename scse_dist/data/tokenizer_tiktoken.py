@@ -27,8 +27,8 @@ import os
 from typing import Any, Optional
 
 from scse_dist.cli_errors import InputError
-from scse_dist.config import ConfigError
 from scse_dist.data.config import TOKENIZER_EXPORT_NAMES as EXPORT_NAMES
+from scse_dist.data.extras import require_extra
 from scse_dist.data.tokenizer_base import Tokenizer, read_tokenizer_file
 
 SETTINGS_SUFFIX = ".json"
@@ -36,12 +36,7 @@ ENDOFTEXT = "<|endoftext|>"
 
 
 def require_tiktoken() -> Any:
-    try:
-        import tiktoken
-    except ImportError:
-        raise ConfigError("a tiktoken tokenizer (a .tiktoken ranks file) needs the 'tiktoken' "
-                          "package: pip install 'scse-dist[tiktoken]'") from None
-    return tiktoken
+    return require_extra("tiktoken", "tiktoken", "a tiktoken tokenizer (a .tiktoken ranks file)")
 
 
 def parse_ranks(data: bytes, path: str) -> dict[bytes, int]:
