@@ -115,3 +115,15 @@ def test_forward_needs_a_post_ln_residual() -> None:
     with pytest.raises(ConfigError, match=r"^model.branch_scale: forward moves deepnorm/"
                                           r"deeploop's beta into the forward; residual=preln"):
         LoopedLM(tiny(residual="preln", branch_scale="forward"))
+
+
+@pytest.mark.parametrize("residual, same_as", [("deeploop", "forward"), ("deepnorm", "forward"),
+                                               ("preln", "init")])
+def test_auto_is_forward_under_post_ln_and_init_under_preln(residual: str, same_as: str) -> None:
+    auto, named = model_of(residual=residual, branch_scale="auto"), \
+        model_of(residual=residual, branch_scale=same_as)
+    assert auto.core.blocks[0].attn.scale == named.core.blocks[0].attn.scale
+    a, b = auto.state_dict(), named.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        assert torch.equal(auto(TOKENS).logits, named(TOKENS).logits)

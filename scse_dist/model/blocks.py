@@ -186,8 +186,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        # model.branch_scale=forward (Post-LN only: check_model_fields): beta leaves the init
-        self.forward_scale = self.post_ln and cfg.branch_scale == "forward"
+        # model.branch_scale=forward (Post-LN only: check_model_fields), or auto under Post-LN:
+        # beta leaves the init
+        self.forward_scale = self.post_ln and cfg.branch_scale in ("forward", "auto")
         if self.forward_scale:
             self.attn.scale = self.mlp.scale = self.beta
         self._init_weights(cfg, transition.residual_unrolled_depth)

@@ -58,8 +58,10 @@ class ModelConfig:
     # Where deepnorm/deeploop's beta acts (issue 26): init, the xavier gain of the value, output
     # and FFN matrices (DeepNet); forward, those matrices initialised at gain 1 and their outputs
     # multiplied by beta in the forward: the same function at init, but each AdamW step (whose
-    # size the rate sets, not the weight) then moves the branch by beta times as much.
-    branch_scale: Literal["init", "forward"] = "init"
+    # size the rate sets, not the weight) then moves the branch by beta times as much. auto:
+    # forward under a Post-LN residual, init under preln (no beta), so one config serves both
+    # (what the shipped configs name; not the default, which keeps older runs bit for bit).
+    branch_scale: Literal["init", "forward", "auto"] = "init"
     # Nominal loop depth T: the default forward depth, the mean of sampled training depth, and
     # the T in the unrolled depth N that deepnorm/deeploop constants are computed from.
     depth: int = 4

@@ -11,6 +11,10 @@ matmuls per forward matmul):
                    stack once (T must be its fixed depth).
   concat adapter   2 * 2d * d per core call;  learned anchor  2 * d^2 once (scse)
   LM head          2 * d * V
+  backprop_steps   with k > 0 (train.depth.backprop_steps), the first T - k loop steps run without
+                   gradient: their core calls count forward only (1x, not 3x). (Under inject
+                   none the prelude then has no gradient at all; its skipped backward is not
+                   taken off.)
 Norms (model.qk_norm's too), RoPE, softmax, the z-loss and elementwise ops are left out (they
 are a few percent at most).
 """
@@ -21,15 +25,16 @@ from .config import ModelConfig
 from .transitions import transition_for
 
 
-def flops_per_token(cfg: ModelConfig, depth: int, seq_len: int) -> float:
+def flops_per_token(cfg: ModelConfig, depth: int, seq_len: int, backprop_steps: int = 0) -> float:
     transition = transition_for(cfg)
     transition.check_depth(depth)  # untied: only its fixed depth
     calls = transition.core_calls(depth)
     d, f = cfg.d_model, cfg.resolved_ffn_hidden
     block = 2 * (4 * d * d + 3 * d * f) + 2 * 2 * seq_len * d
-    forward: float = (cfg.n_prelude + cfg.n_core * calls + cfg.n_coda) * block \
-        + 2 * d * cfg.vocab_size
-    if transition.resolved_inject == "concat":
-        forward += calls * 2 * (2 * d) * d
-    forward += transition.own_flops()
-    return 3.0 * forward
+    per_call = cfg.n_core * block + (2 * (2 * d) * d if transition.resolved_inject == "concat"
+                                     else 0)
+    forward: float = (cfg.n_prelude + cfg.n_coda) * block + calls * per_call \
+        + 2 * d * cfg.vocab_size + transition.own_flops()
+    # the loop's steps before the last k (recurrence.py: frozen_steps) have no backward
+    frozen = depth - backprop_steps if 0 < backprop_steps < depth else 0
+    return 3.0 * forward - 2.0 * frozen * per_call

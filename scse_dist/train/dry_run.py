@@ -45,7 +45,8 @@ def describe(cfg: RunConfig, config_path: Optional[str] = None,
         else t.micro_batch_size
     tokens_per_step = world_size * micro * accum * seq_len
     depths = training_depths(cfg)
-    flops = [flops_per_token(cfg.model, d, seq_len) for d in depths]
+    backprop = t.depth.backprop_steps
+    flops = [flops_per_token(cfg.model, d, seq_len, backprop) for d in depths]
     n_params = count_parameters(cfg)
     precision = resolve_precision(t.precision)
     states = state_memory(n_params, precision, t.zero_stage, world_size).total
@@ -62,7 +63,7 @@ def describe(cfg: RunConfig, config_path: Optional[str] = None,
         f"training depth T ({t.depth.kind}): min {min(depths, default=0)}, mean "
         f"{sum(depths) / max(1, len(depths)):.2f}, max {max(depths, default=0)}",
         f"training FLOPs per token (forward + backward): {mean:.3e} at the mean over steps, "
-        + ", ".join(f"{flops_per_token(cfg.model, d, seq_len):.3e} at T={d}"
+        + ", ".join(f"{flops_per_token(cfg.model, d, seq_len, backprop):.3e} at T={d}"
                     for d in sorted({min(depths), max(depths)}) if depths),
         f"training FLOPs in all: {sum(flops) * tokens_per_step:.3e}",
         f"memory per rank: {(states + activations) / GIB:.2f} GiB = weights, gradients "

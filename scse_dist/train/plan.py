@@ -162,7 +162,8 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
         largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k)
                    for k in modes}
     counts = Counter(depths)
-    run_flops = tokens_per_step * sum(n * flops_per_token(m, d, seq_len) for d, n in counts.items())
+    run_flops = tokens_per_step * sum(n * flops_per_token(m, d, seq_len, t.depth.backprop_steps)
+                                      for d, n in counts.items())
     step_flops = run_flops / max(1, steps)
     activations = {k: activation_memory(cfg, deepest_t, precision, micro, k).total for k in modes}
     peak = state_total + activations[mode]

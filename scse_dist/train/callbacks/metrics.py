@@ -63,7 +63,8 @@ class MetricsCallback(Callback):
         self.window_steps += 1
         self.window_seconds += state.step_seconds
         self.window_flops += self.flops_per_token(state.cfg.model, result.depth,
-                                                  state.cfg.data.seq_len)
+                                                  state.cfg.data.seq_len,
+                                                  state.cfg.train.depth.backprop_steps)
         step = state.step
         if step % state.cfg.train.log_every == 0 or step == state.max_steps \
                 or step == state.start_step + 1:
