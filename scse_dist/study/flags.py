@@ -15,6 +15,11 @@
                     collapse_ratio: docs/loop-diagnostics.md), or the run is the outlier above.
                     Without any of these the flat metric alone flags, and the detail says so. A
                     run with no evaluation is flagged by the training diagnostics alone.
+    anchor fixed point  (an anchored recurrence whose metric does move with T, so not loop
+                    inactive) deviation_norm at the deepest T is below collapse_ratio x its
+                    largest: the state settles on h*, where SCSE's update is zero by
+                    construction, so past the transient the core computes nothing and the
+                    quality at depth is the coda's reading of the anchor alone (issue 26).
     divergence      the final logged loss is non-finite, or above its minimum by >
                     divergence_margin.
     non-finite      the trainer skipped steps for a NaN/Inf loss or gradient (skipped_steps > 0).
@@ -49,8 +54,14 @@ class FlagThresholds:
 
 @dataclass(frozen=True)
 class Flag:
-    name: str  # plateau | loop inactive | divergence | non-finite
+    name: str  # plateau | loop inactive | anchor fixed point | divergence | non-finite
     detail: str
+
+    @property
+    def excludes(self) -> bool:
+        """Whether exclude_flagged drops the run: a pathology, not the anchor fixed point (a
+        trained model whose quality is real, however little its loop computes at depth)."""
+        return self.name != "anchor fixed point"
 
 
 @dataclass(frozen=True)
@@ -172,6 +183,21 @@ def _loop_inactive(run: StudyRun, th: FlagThresholds, outlier: Optional[str]) ->
     return Flag("loop inactive", f"{flat}; {'; '.join(why)}") if why else None
 
 
+def _anchor_fixed_point(run: StudyRun, th: FlagThresholds) -> Optional[Flag]:
+    if run.config is not None and not transition_for(run.config.model).has_anchor:
+        return None  # the others' deviation is from their source, which they leave by design
+    deviation = {d: v for d, r in (run.results.get("diagnose") or {}).items()
+                 if (v := finite(r.get("deviation_norm"))) is not None}
+    if len(deviation) < 2:
+        return None
+    deepest, largest = deviation[max(deviation)], max(deviation.values())
+    if not (largest > 0 and deepest < th.collapse_ratio * largest):
+        return None
+    return Flag("anchor fixed point",
+                f"deviation_norm falls to {deepest:.3g} at T={max(deviation)} from {largest:.3g}: "
+                "the state settles on its anchor, where the core's update is zero")
+
+
 def run_flags(run: StudyRun, entropy: Optional[UnigramEntropy],
               th: FlagThresholds = FlagThresholds(),
               peers: Optional[list[StudyRun]] = None) -> list[Flag]:
@@ -200,6 +226,6 @@ def run_flags(run: StudyRun, entropy: Optional[UnigramEntropy],
         flags.append(Flag("non-finite",
                           f"{skipped} step(s) skipped for a non-finite loss or gradient"))
     inactive = _loop_inactive(run, th, outlier)
-    if inactive:
-        flags.append(inactive)
+    settled = None if inactive else _anchor_fixed_point(run, th)
+    flags += [f for f in (inactive, settled) if f]
     return flags

@@ -197,7 +197,8 @@ class StudyReport:
                      and (r.variant, r.stage) == (run.variant, "final")]
             self.flags[run.label] = run_flags(run, entropy, peers=peers)
         final = [r for r in self.finished if r.stage == "final"]
-        self.excluded = [r for r in final if study.exclude_flagged and self.flags[r.label]]
+        self.excluded = [r for r in final if study.exclude_flagged
+                         and any(f.excludes for f in self.flags[r.label])]
         self.included = [r for r in final if r not in self.excluded]
         self.variants = [v for v in study.variants if any(r.variant == v for r in self.included)]
         self.metrics = report_metrics(study)
