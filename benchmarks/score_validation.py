@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| variant | n | " + " | ".join(f"T={d}" for d in depths) + " | T8/T2 max | T32/T8 max |")
     print("|---|---:|" + "---:|" * (len(depths) + 2))
     for v, seeds in sorted(scores.items()):
-        cells = [fmt(t_interval([s[d] for s in seeds.values() if d in s])) for d in depths]
+        # an untied model has its one depth only: '-' elsewhere
+        cells = [fmt(t_interval(vals)) if (vals := [s[d] for s in seeds.values() if d in s])
+                 else "-" for d in depths]
         ratios = [worst(seeds, 8, 2), worst(seeds, 32, 8)]
         print(f"| {v} | {len(seeds)} | " + " | ".join(cells + ratios) + " |")
     for a, b in args.pair:

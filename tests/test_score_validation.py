@@ -38,7 +38,8 @@ def _run(*args):
 
 def test_variants_merge_across_studies_and_pairs_are_per_seed(tmp_path):
     a = _study(tmp_path, "a", {("scse", 0): {2: 110.0, 8: 100.0, 32: 101.0},
-                               ("base", 0): {2: 105.0, 8: 105.0, 32: 105.0}})
+                               ("base", 0): {2: 105.0, 8: 105.0, 32: 105.0},
+                               ("untied", 0): {8: 99.0}})  # a fixed-depth model: one T
     b = _study(tmp_path, "b", {("scse", 1): {2: 120.0, 8: 110.0, 32: 121.0},
                                ("base", 1): {2: 111.0, 8: 111.0, 32: 111.0}})
     done = _run(a, b, "--name", "heldout", "--pair", "scse", "base", "--json", tmp_path / "s.json")
@@ -51,6 +52,7 @@ def test_variants_merge_across_studies_and_pairs_are_per_seed(tmp_path):
     assert scse.split(" | ")[1:] == ["2", "115.0 ± 63.5", "105.0 ± 63.5", "111.0 ± 127.1",
                                      "0.917", "1.100 |"]
     assert "  T=8: -3.0 (-28.4 to +22.4)  per seed -5.0 -1.0" in lines
+    assert "| untied | 1 | - | 99.0 | - | - | - |" in lines
     assert json.loads((tmp_path / "s.json").read_text())["scse"]["1"] == {
         "2": 120.0, "8": 110.0, "32": 121.0}
 
