@@ -16,6 +16,7 @@ is read as the study wrote it. Variants are merged across studies by name (the s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -39,7 +40,9 @@ def score(run_dir: Path, data: str | None, name: str) -> dict[int, float] | None
     if not is_complete(out):
         if data is None or not d.exported():
             return None
-        evaluate_export(d, "heldout", data=data, name=name, label=f"{run_dir.name}@export ({name})")
+        with contextlib.redirect_stdout(sys.stderr):  # the evaluation's own table: not ours
+            evaluate_export(d, "heldout", data=data, name=name,
+                            label=f"{run_dir.name}@export ({name})")
     rows = json.loads(out.read_text())["results"]
     return {int(r["depth"]): float(r["ppl"]) for r in rows}
 

@@ -195,7 +195,7 @@ def _anchor_fixed_point(run: StudyRun, th: FlagThresholds) -> Optional[Flag]:
         return None
     return Flag("anchor fixed point",
                 f"deviation_norm falls to {deepest:.3g} at T={max(deviation)} from {largest:.3g}: "
-                "the state settles on its anchor, where the core's update is zero")
+                "the state ends at or near its anchor, where the core's update is zero")
 
 
 def run_flags(run: StudyRun, entropy: Optional[UnigramEntropy],
