@@ -424,3 +424,20 @@ def test_the_training_logs_loop_diagnostics_are_drawn_per_run_and_a_collapse_is_
            "| loop inactive |" in text
     assert "| scse/seed0 lr=0.001 | 40 | 30 | 25 | 24 | 0.960 | 1.2 | 1.1 | 0.3 |  |" in text
     assert "| additive/seed0 lr=0.001 | 40 | 30 | 26 | 25 | 0.962 |  |  |  |  |" in text
+
+
+def test_an_evaluation_under_another_name_does_not_replace_the_tasks_result(tmp_path):
+    """score_validation writes RUN/eval/validation-owt.json with task "heldout" (another text):
+    the report's heldout numbers stay the run's heldout.json, whatever the files' order."""
+    study = tmp_path / "named"
+    entries = []
+    for s in range(2):
+        run = write_run(study, "scse", s, heldout={1: 30.0 + s, 2: 20.0 + s})
+        cfg = config_from_dict({"name": "x", "model": {"vocab_size": VOCAB}})
+        write_results(study / run["run_dir"] / "eval" / "validation-owt.json", "heldout", "x",
+                      cfg, [{"depth": t, "loss": 5.0, "ppl": 99.0, "tokens": 10} for t in (1, 2)])
+        entries.append(run)
+    write_study(study, entries)
+    write_study_report(study)
+    means = numbers(study)["aggregate"]["scse/heldout/ppl"]
+    assert (means["1"]["mean"], means["2"]["mean"]) == (30.5, 20.5)

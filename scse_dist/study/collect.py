@@ -141,7 +141,9 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
             run.missing = f"unreadable results: {exc}"
             run.results = {}
             return run
-        if data is not None:
+        # A task's evaluation under another name (score_validation's validation-owt.json holds
+        # task "heldout" on another text) is not that task's result: it must not replace it.
+        if data is not None and data["task"] == f.stem:
             run.results[data["task"]] = {r["depth"]: r for r in data["results"]}
             config_from_eval = config_from_eval or data.get("config")
     if run.config is None and config_from_eval:
