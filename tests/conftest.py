@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -62,6 +63,13 @@ class Profiled(NamedTuple):
     stdout: str
     stderr: str
     imported: frozenset[str]
+
+
+def sigint_default() -> None:
+    """Popen's preexec_fn for a child a test interrupts with SIGINT: a runner started in the
+    background (`nohup pytest &`, a CI step) has SIGINT ignored, the child inherits that, and
+    Python then installs no KeyboardInterrupt handler: the signal would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def console_script(name: str) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_VOCAB, console_script, tiny_documents
+from conftest import TINY_VOCAB, console_script, sigint_default, tiny_documents
 from scse_dist.data.cli import main
 
 pq = pytest.importorskip("pyarrow.parquet")
@@ -140,7 +140,8 @@ def test_ctrl_c_stops_every_part(corpus, tmp_path):
     out = tmp_path / "ctrl-c-out"
     proc = subprocess.Popen([sys.executable, "-m", "scse_dist.data.cli", "shards", "--input",
                              *map(str, fifos), "--tokenizer", corpus["tok"], "--out", str(out),
-                             "--processes", "2"], stderr=subprocess.PIPE, text=True)
+                             "--processes", "2"], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)
     deadline = time.time() + 60
     while len(_running_with(str(out))) < 3 and time.time() < deadline:  # parent + 2 parts
         time.sleep(0.2)

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import TINY_VOCAB
+from conftest import TINY_VOCAB, sigint_default
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.cli_errors import Interrupted
 from scse_dist.config import config_from_dict
@@ -191,7 +191,7 @@ def test_scse_eval_progress_lines_and_ctrl_c(export, tmp_path, user_env):
     out = tmp_path / "r.json"
     env = dict(user_env, SCSE_PROGRESS_EVERY_S="0")
     proc = subprocess.Popen(_eval_command(export, data, out), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     lines = []
     for line in proc.stderr:  # a line per batch: stop after the third
         lines.append(line)
