@@ -1,6 +1,6 @@
 """The docs match the package: docs/architecture.md's layout names every module of scse_dist,
-every relative link of README.md, docs/ and research/ resolves (file and heading), and no user
-doc cites a project file that does not exist."""
+every relative link of README.md, docs/ and research/ resolves (file and heading), and none of
+those pages cites a project file that does not exist."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-USER_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-PAGES = [*USER_PAGES, *sorted((REPO / "research").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+         *sorted((REPO / "research").glob("*.md"))]
 # A path the docs cite: under one of the project's own folders, ending in a file's suffix.
 CITED = re.compile(r"(?<![\w./-])((?:scse_dist|configs|benchmarks|tests|slurm|launch|docs|research)"
                    r"/[\w./-]*\w\.(?:py|yaml|md|sh|json|png|txt))\b")
@@ -78,8 +78,8 @@ def test_every_relative_link_resolves(page):
     assert not broken, f"{page.relative_to(REPO)}: {broken}"
 
 
-@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(REPO)))
-def test_no_user_doc_cites_a_missing_project_file(page):
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_doc_cites_a_missing_project_file(page):
     text = page.read_text()
     missing = sorted({path for path in CITED.findall(text)
                       if not (REPO / path).exists() and path not in PLACEHOLDERS})
