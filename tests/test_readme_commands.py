@@ -357,7 +357,6 @@ NOT_RUN = {
     "scse-study configs/studies/repro-cpu.yaml --dry-run": STUDY,
     "scse-study configs/studies/repro-cpu.yaml --local": STUDY,
     "scse-study configs/studies/gpt2-small.yaml --slurm --max-parallel 4": STUDY,
-    "scse-study configs/studies/scse-robustness.yaml --dry-run": STUDY,
     "bash slurm/local-cluster.sh start": LOCAL_CLUSTER,
     "scse-data quickstart --out data/tiny-cpu --vocab-size 512 --heldout-fraction 0.05": LOCAL_CLUSTER,
     "scse-study configs/studies/cpu-cluster.yaml --dry-run": LOCAL_CLUSTER,
