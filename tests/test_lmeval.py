@@ -6,7 +6,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +16,12 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from conftest import REPO_ROOT, TINY_VOCAB, tiny_documents  # noqa: E402
+from conftest import REPO_ROOT, TINY_VOCAB, console_script, tiny_documents  # noqa: E402
 from scse_dist.checkpoint.export import save_exported_model  # noqa: E402
 from scse_dist.config import config_from_dict  # noqa: E402
 from scse_dist.data.tokenizer import Tokenizer  # noqa: E402
 from scse_dist.eval.cli import main as eval_main  # noqa: E402
 from scse_dist.lmeval import TASKS_DIR  # noqa: E402
-from scse_dist.lmeval.cli import hoist_model_args, model_named  # noqa: E402
 from scse_dist.lmeval.model import ScseLM, exit_scorer  # noqa: E402
 from scse_dist.model import LoopedLM  # noqa: E402
 from scse_dist.model.exit_rules import parse_exit_rule  # noqa: E402
@@ -110,18 +108,12 @@ def _evaluate(model: str, model_args: str, task: str, data: Path) -> dict:
                            batch_size=2, device="cpu", metadata=metadata)
 
 
-def _scse_lm_eval_command() -> list[str]:
-    """The console script as users run it; `python -m` where the venv's install predates it."""
-    script = shutil.which("scse-lm-eval", path=str(Path(sys.executable).parent))
-    return [script] if script else [sys.executable, "-m", "scse_dist.lmeval"]
-
-
 def test_lm_eval_agrees_with_scse_eval(lm_data, tmp_path, user_env):
     export, lambada, wiki = lm_data
     env = dict(user_env, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
                TRANSFORMERS_OFFLINE="1")
     out = subprocess.run(
-        [*_scse_lm_eval_command(), "--model", "scse",
+        [*console_script("scse-lm-eval"), "--model", "scse",
          "--model_args", f"pretrained={export},depth={DEPTH},exit=fixed,batch_size=2,device=cpu",
          "--tasks", "scse_lambada,scse_wikitext",
          "--metadata", f"lambada={lambada}", f"wikitext={wiki}", "--output_path", "results"],
@@ -293,25 +285,6 @@ def test_exit_rule_model_arg_is_parsed():
         exit_scorer("motion:0.02", 4, {"bogus": 1})
     with pytest.raises(ValueError, match="fixed runs `depth` steps; set depth= instead of max="):
         exit_scorer("fixed", 4, {"max": 8})
-
-
-def test_model_args_batch_size_and_device_become_cli_flags():
-    # lm-eval's CLI passes --batch_size/--device to every model; the same names in --model_args
-    # would be a duplicate keyword
-    assert hoist_model_args(["--model", "scse", "--model_args",
-                             "pretrained=/m,batch_size=8,depth=4,device=cpu", "--tasks", "t"]) == \
-        ["--model", "scse", "--model_args", "pretrained=/m,depth=4", "--tasks", "t",
-         "--batch_size", "8", "--device", "cpu"]
-    assert hoist_model_args(["--model_args=pretrained=/m"]) == ["--model_args", "pretrained=/m"]
-
-
-def test_the_model_the_arguments_run():
-    # registering scse (and threads for any model) imports torch: `--help` and `ls tasks` skip it
-    for args in (["--model", "scse"], ["run", "--model=scse", "--tasks", "t"], ["-m", "scse"]):
-        assert model_named(args) == "scse", args
-    assert model_named(["--tasks", "scse", "--model", "hf"]) == "hf"
-    for args in (["--help"], ["ls", "tasks"], ["--tasks", "scse"], ["-m"]):
-        assert model_named(args) is None, args
 
 
 def test_generate_until_is_greedy_and_stops(lm_data):
