@@ -26,7 +26,6 @@ lm-eval's own tasks (`scse-lm-eval ls tasks`) download their data from the Huggi
 An unknown --tasks name is one line and exit status 2, before lm-eval starts.
 """
 
-
 from __future__ import annotations
 
 import importlib.util
