@@ -233,7 +233,7 @@ def check_lm_eval(d: Path, out: str) -> None:
     # the same files through scse-eval (its lambada.json, at depths 1..32, holds depth 8)
     ours = next(r for r in _results(d / "lambada.json") if r["depth"] == 8)
     assert metrics["scse_lambada"]["acc,none"] == ours["accuracy"]
-    assert metrics["scse_lambada"]["perplexity,none"] == pytest.approx(ours["word_ppl"], rel=1e-6)
+    assert metrics["scse_lambada"]["perplexity,none"] == pytest.approx(ours["ppl"], rel=1e-6)
 
 
 def check_generate(d: Path, out: str) -> None:
