@@ -75,11 +75,12 @@ def test_training_step_and_evaluation_run_under_bf16_autocast(fields):
     loss, grads, heldout = step_and_evaluate(model)
     with torch.autocast("cpu", torch.bfloat16):
         loss_bf16, grads_bf16, heldout_bf16 = step_and_evaluate(model)
-    # the same parameters learn, in fp32, and bf16 rounding moves the numbers by a few percent
+    # the same parameters learn, in fp32, and bf16 rounding moves the losses (measured: by at
+    # most 0.37%, the learned anchor under deeploop)
     assert grads_bf16.keys() == grads.keys()
     assert all(g.dtype == torch.float32 and bool(g.isfinite().all()) for g in grads_bf16.values())
-    assert loss_bf16 == pytest.approx(loss, rel=0.05)
-    assert heldout_bf16 == pytest.approx(heldout, rel=0.05)
+    assert loss_bf16 == pytest.approx(loss, rel=0.02)
+    assert heldout_bf16 == pytest.approx(heldout, rel=0.02)
 
 
 @pytest.mark.parametrize("fields", VARIANTS, ids=IDS)
