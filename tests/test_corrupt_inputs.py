@@ -84,6 +84,8 @@ PROBES = {
                               "step-0000002"),
     "checkpoint-export": Probe(f"{TAG}/mp_rank_00_model_states.pt", EXPORT_CMD, BAD_INPUT,
                                "step-0000002"),
+    "checkpoint-eval": Probe(f"{TAG}/mp_rank_00_model_states.pt", EVAL.replace(EXPORT, RUN),
+                             BAD_INPUT, "step-0000002"),
     "checkpoint-generate": Probe(f"{TAG}/mp_rank_00_model_states.pt", f"scse-generate {RUN} "
                                  "--prompt the --max-new-tokens 4", BAD_INPUT, "step-0000002"),
     "weights-eval": Probe(f"{EXPORT}/model.safetensors", EVAL, BAD_INPUT, "model.safetensors"),
