@@ -166,7 +166,7 @@ def _params():
         yield pytest.param(name, marks=marks, id=name)
 
 
-@pytest.mark.parametrize("name", _params())
+@pytest.mark.parametrize("name", list(_params()))
 def test_a_corrupt_file_is_one_line_a_documented_status_and_changes_nothing(
         name, experiment, tmp_path, subprocess_env):
     probe = PROBES[name]
