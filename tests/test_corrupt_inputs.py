@@ -88,6 +88,9 @@ PROBES = {
                              BAD_INPUT, "step-0000002"),
     "checkpoint-generate": Probe(f"{TAG}/mp_rank_00_model_states.pt", f"scse-generate {RUN} "
                                  "--prompt the --max-new-tokens 4", BAD_INPUT, "step-0000002"),
+    "tag-config-train": Probe(f"{TAG}/config.json", TRAIN_RESUME, BAD_INPUT, "step-0000002"),
+    # read as the config it is before the weights, as an export's config.yaml is
+    "tag-config-export": Probe(f"{TAG}/config.json", EXPORT_CMD, BAD_CONFIG, "config.json"),
     "weights-eval": Probe(f"{EXPORT}/model.safetensors", EVAL, BAD_INPUT, "model.safetensors"),
     "weights-generate": Probe(f"{EXPORT}/model.safetensors", GENERATE, BAD_INPUT,
                               "model.safetensors"),
