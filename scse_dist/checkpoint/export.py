@@ -26,7 +26,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from safetensors import SafetensorError
 
@@ -94,7 +94,8 @@ def _dedupe_shared(state_dict: dict[str, torch.Tensor]
 
 
 def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out_dir: str,
-                        tokenizer: Union[str, "Tokenizer", None] = None) -> str:
+                        tokenizer: Union[str, "Tokenizer", None] = None,
+                        after_weights: Optional[Callable[[], None]] = None) -> str:
     """Write `out_dir/model.safetensors` (fp32, contiguous, ties saved once), `out_dir/config.yaml`,
     the Hugging Face files (scse_dist.hf.write_hf_files) and, given a `tokenizer` (loaded, or a
     path or fsspec URL: cfg.data.tokenizer_kind is its kind when it is cfg.data.tokenizer), its
@@ -103,7 +104,8 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
     the tokenizer's.
 
     Each file is written under a temporary name and moved into place, so a crash never leaves a
-    half-written file under the final name. Returns `out_dir`.
+    half-written file under the final name. `after_weights` runs once the weights are in place
+    (the fault suite's SIGKILL mid-export). Returns `out_dir`.
     """
     from scse_dist.hf import write_hf_files
 
@@ -133,6 +135,8 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
                for n, t in tensors.items()}
     metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
     atomic_write(out / WEIGHTS_NAME, lambda p: _save_canonical(tensors, p, metadata))
+    if after_weights is not None:
+        after_weights()
     if loaded is not None:
         files = loaded.export_files()
         for name, data in files.items():

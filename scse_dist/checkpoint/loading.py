@@ -41,11 +41,16 @@ def _deepspeed_location(path: Path) -> tuple[Path, str]:
 
 
 def _deepspeed_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
+    from scse_dist.checkpoint.manifest import verify_tag
     from scse_dist.checkpoint.zero_weights import fp32_state_dict
 
     tag_dir = root / tag
     if not tag_dir.is_dir():
         raise FileNotFoundError(f"{str(root)!r}: checkpoint tag {tag!r} does not exist")
+    status = verify_tag(tag_dir)  # a changed byte loads as other weights: refuse, as a resume does
+    if not status.intact:
+        raise InputError(f"checkpoint {str(tag_dir)!r}: {status.problem} (`scse-ckpt list` shows "
+                         "the intact tags)")
     return fp32_state_dict(root=root, tag=tag)
 
 

@@ -121,8 +121,8 @@ def choose_tag(root: Path) -> Optional[str]:
                       "verified")
             return tag
         nxt = next((t for t in older if t < tag), None)
-        _warn(f"checkpoint {tag}: {status.problem}; "
-              + (f"falling back to {nxt}" if nxt else "no older checkpoint to fall back to"))
+        if nxt:  # the last one broken: the error below says it, once
+            _warn(f"checkpoint {tag}: {status.problem}; falling back to {nxt}")
         problems.append(f"{tag}: {status.problem}")
     raise InputError(f"{root}: no intact checkpoint to resume ({'; '.join(problems)}); restore the "
                      "files, or start fresh with train.resume=never (moves these aside) or "

@@ -208,7 +208,7 @@ def resume_if_present(engine: Any, run_dir: str | Path, stream: Any, named: Opti
 
 
 def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,
-                 storage: Any = None) -> Optional[str]:
+                 storage: Any = None, faults: Any = None) -> Optional[str]:
     """Consolidate checkpoint `tag` to one fp32 state dict and save_exported_model it (rank 0),
     with a copy of the run's tokenizer, so that the export is usable on its own.
 
@@ -225,7 +225,8 @@ def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,
             storage.complete_tag(tag)
         state_dict = fp32_state_dict(engine, checkpoint_dir(run_dir), tag)
         out = save_exported_model(state_dict, cfg, str(RunDir(run_dir).export),
-                                  tokenizer=cfg.data.tokenizer)
+                                  tokenizer=cfg.data.tokenizer, after_weights=None if faults is None
+                                  else lambda: faults.mid_export(int(tag.rsplit("-", 1)[-1])))
     barrier()
     return out
 

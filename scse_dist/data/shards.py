@@ -315,6 +315,9 @@ def read_index(path: str) -> dict:
     except FileNotFoundError:
         raise FileNotFoundError(f"no shard index at {url!r} (build shards with `scse-data shards` "
                                 "or `scse-data quickstart`)") from None
+    except UnicodeDecodeError as exc:  # read, but corrupt: a data error, not a missing input
+        raise InputError(f"{url}: not UTF-8 text (byte {exc.object[exc.start]:#04x}): a corrupt "
+                         "index; rebuild the shards") from None
     except Exception as exc:  # unreachable endpoint, credentials, unknown protocol
         raise OSError(f"cannot read shard index {url!r}: {type(exc).__name__}: {exc}") from exc
     try:

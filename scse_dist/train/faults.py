@@ -16,8 +16,11 @@ metrics; no rank means every rank) lets tests drive these paths in real processe
   nan@7               step 7's loss is multiplied by NaN (so are its gradients)
   spike@7             step 7's loss is multiplied by 1000 (so are its gradients): a loss spike
   sigterm@5:rank1     rank 1 sends itself SIGTERM as step 5 starts (also sigusr1)
+  kill@5              SIGKILL as step 5 starts: a crash that saves nothing
   kill_in_save@10     SIGKILL in the middle of saving checkpoint step 10 (files written, not
                       committed)
+  kill_in_export@12   SIGKILL in the export of the final step 12, after model.safetensors and
+                      before config.yaml
   kill_in_upload@10   SIGKILL after the first file of checkpoint step 10 reached the remote
                       output_dir (committed locally, half uploaded, remote `latest` not moved)
   stall@3             step 3 prints "fault: stalling step 3" and sleeps $SCSE_FAULT_STALL_S
@@ -46,8 +49,8 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, what a shell reports for a process 
 FAULT_ENV = "SCSE_FAULT"
 STALL_ENV = "SCSE_FAULT_STALL_S"
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_KINDS = {"nan", "spike", "sigterm", "sigusr1", "kill_in_save", "kill_in_upload", "stall", "crash",
-          "crash_once"}
+_KINDS = {"nan", "spike", "sigterm", "sigusr1", "kill", "kill_in_save", "kill_in_export",
+          "kill_in_upload", "stall", "crash", "crash_once"}
 _FIRST_CTRL_C = (b"scse-train: Ctrl-C: finishing the step in flight, saving a checkpoint, then "
                  b"exiting (status 75; rerun to resume). Ctrl-C again stops at once without "
                  b"saving.\n")
@@ -149,6 +152,8 @@ class FaultInjector:
         for kind, sig in (("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1)):
             if self._due(kind, step):
                 os.kill(os.getpid(), sig)
+        if self._due("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
         if self._due("stall", step):
             print(f"fault: stalling step {step}", flush=True)
             time.sleep(float(os.environ.get(STALL_ENV, "60")))
@@ -163,6 +168,10 @@ class FaultInjector:
 
     def mid_save(self, step: int) -> None:
         if self._due("kill_in_save", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def mid_export(self, step: int) -> None:
+        if self._due("kill_in_export", step):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def mid_upload(self, step: int) -> None:

@@ -16,4 +16,5 @@ class ExportCallback(Callback):
     def on_train_end(self, state: TrainState) -> None:
         barrier()
         state.summary["export_dir"] = export_final(state.engine, state.cfg, state.run_dir,
-                                                   tag_for(state.max_steps), state.storage)
+                                                   tag_for(state.max_steps), state.storage,
+                                                   state.faults)
