@@ -159,8 +159,9 @@ def _iter_jsonl(url: str, text_field: str, stats: RowStats) -> Iterator[str]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise InputError(f"{url}:{lineno}: not valid JSON ({exc.msg} at column "
-                             f"{exc.colno})") from None
+            # some of json's messages end in "at" ("Invalid control character at")
+            raise InputError(f"{url}:{lineno}: not valid JSON ({exc.msg.removesuffix(' at')} "
+                             f"at column {exc.colno})") from None
         has = isinstance(obj, dict) and text_field in obj
         missing = None if has else \
             f"set --text-field; keys: {list(obj)[:8] if isinstance(obj, dict) else '-'}"
