@@ -39,19 +39,19 @@ def _local(fs: Any) -> bool:
 
 
 def _move(fs: Any, src: str, dst: str) -> None:
-    """Rename `src` to `dst` (a file, or a folder to a name that is free): atomic on a local disk;
-    an object store copies."""
+    """Rename `src` to `dst`: atomic on a local disk; an object store copies the object."""
     if _local(fs):
         os.replace(src, dst)
     else:
-        fs.mv(src, dst, recursive=True)
+        fs.mv(src, dst)
 
 
 @contextlib.contextmanager
 def _made_parents(fs: Any, path: str) -> Iterator[None]:
-    """Make the missing folders above `path`; remove them again if the body fails."""
+    """Make the missing folders above `path`; remove them again if the body fails. (An object
+    store has no folders to make.)"""
     missing, parent = [], posixpath.dirname(path)
-    while parent and parent != posixpath.dirname(parent) and not fs.exists(parent):
+    while _local(fs) and parent and parent != posixpath.dirname(parent) and not fs.exists(parent):
         missing.append(parent)
         parent = posixpath.dirname(parent)
     if missing:
@@ -126,18 +126,20 @@ def output_dir(url: str, made_here: Callable[[str], bool], last: str) -> Iterato
 
 def _publish(fs: Any, tmp: str, root: str, url: str, made_here: Callable[[str], bool],
              last: str) -> None:
-    if not fs.exists(root) or not fs.ls(root, detail=False):
+    old = {posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False)} \
+        if fs.isdir(root) else set()
+    if _local(fs) and not old:  # new or empty: one rename
         if fs.exists(root):
-            fs.rmdir(root)  # empty: renaming onto it would put the folder inside it elsewhere
-        _move(fs, tmp, root)
+            fs.rmdir(root)
+        os.replace(tmp, root)
         return
     names = sorted((posixpath.basename(p.rstrip("/")) for p in fs.ls(tmp, detail=False)),
                    key=lambda name: name == last)  # `last` last
-    taken = [n for n in names if fs.exists(posixpath.join(root, n))]
+    taken = sorted(old.intersection(names))
     if taken and not made_here(url):
         raise FileExistsError(f"{url}: {taken[0]} exists and this stack did not write it; "
                               "nothing was written: give another output, or move it away")
-    if fs.exists(posixpath.join(root, last)):
+    if last in old:
         fs.rm(posixpath.join(root, last))
     for name in names:
         _move(fs, posixpath.join(tmp, name), posixpath.join(root, name))
