@@ -128,3 +128,26 @@ def test_malformed_jsonl_says_at_column_once(tmp_path, capsys):
                  str(tmp_path / "t.model")]) == 65
     assert capsys.readouterr().err == (f"scse-data: error: {src}:2: not valid JSON (Invalid "
                                        "control character at column 14)\n")
+
+
+def test_a_failed_export_leaves_the_old_export(tmp_path, monkeypatch):
+    """An export is replaced whole or not at all: never new weights beside an old config."""
+    import torch
+
+    import scse_dist.hf
+    from conftest import tiny_cfg
+    from scse_dist.checkpoint.export import save_exported_model
+    from scse_dist.model import LoopedLM
+
+    cfg = tiny_cfg()
+    save_exported_model(LoopedLM(cfg.model).state_dict(), cfg, str(tmp_path / "export"))
+    before = _listing(tmp_path)
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(scse_dist.hf, "write_hf_files", no_space)  # the last files it writes
+    torch.manual_seed(1)
+    with pytest.raises(OSError, match="No space left"):
+        save_exported_model(LoopedLM(cfg.model).state_dict(), cfg, str(tmp_path / "export"))
+    assert _listing(tmp_path) == before
