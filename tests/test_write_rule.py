@@ -151,3 +151,26 @@ def test_a_failed_export_leaves_the_old_export(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         save_exported_model(LoopedLM(cfg.model).state_dict(), cfg, str(tmp_path / "export"))
     assert _listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_failed_report_leaves_the_old_report(tmp_path, monkeypatch, existing):
+    """scse-report writes report.md and its plots together, or nothing (no empty folder)."""
+    from scse_dist.eval import report
+
+    out = tmp_path / "eval"
+    if existing:
+        out.mkdir()
+        (out / "report.md").write_text("the report of yesterday")
+        (out / "heldout.json").write_text("{}")  # results the report was made from
+
+    def broken(results, path):
+        Path(path).write_bytes(b"half a PNG")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "collect", lambda run_dirs: [])
+    monkeypatch.setattr(report, "frontier_plot", broken)
+    before = _listing(tmp_path)
+    with pytest.raises(OSError, match="No space left"):
+        report.write_report([str(tmp_path / "runs" / "a")], out)
+    assert _listing(tmp_path) == before
