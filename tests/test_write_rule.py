@@ -174,3 +174,24 @@ def test_a_failed_report_leaves_the_old_report(tmp_path, monkeypatch, existing):
     with pytest.raises(OSError, match="No space left"):
         report.write_report([str(tmp_path / "runs" / "a")], out)
     assert _listing(tmp_path) == before
+
+
+def test_a_failed_merge_keeps_the_shards_and_the_parts(tmp_path, tiny_data, capsys):
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} on looped models"}) + "\n"
+                           for i in range(60)))
+    out = str(tmp_path / "out")
+    args = ["shards", "--input", str(src), "--tokenizer", tiny_data["tokenizer"], "--out", out,
+            "--progress-every", "0"]
+    assert main(args) == 0  # the shards a merge would replace
+    for k in range(2):
+        assert main([*args, "--part", f"{k}/2"]) == 0
+    part = tmp_path / "out" / "parts" / "part-00001-of-00002" / "train.tokens"
+    part.write_bytes(part.read_bytes()[:10])
+    before = _listing(tmp_path)
+    capsys.readouterr()
+    assert main(["merge", out]) == 65
+    assert capsys.readouterr().err == (
+        f"scse-data: error: {part.parent}: train.tokens or train.lens is shorter than part.json "
+        "says; rerun this part\n")
+    assert _listing(tmp_path) == before
