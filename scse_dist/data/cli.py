@@ -102,10 +102,6 @@ def _argv_of(parser: argparse.ArgumentParser, args: argparse.Namespace,
     return argv
 
 
-class _PartFailed(Exception):
-    """A part of `shards --processes N` failed (its own error line is on stderr)."""
-
-
 def cmd_shards(args: argparse.Namespace) -> int:
     from scse_dist.data.sources import iter_documents
     from scse_dist.data.tokenizer import Tokenizer
@@ -114,29 +110,18 @@ def cmd_shards(args: argparse.Namespace) -> int:
     if args.processes > 1 and args.part is not None:
         raise ConfigError("--processes and --part: give one (--processes N runs parts 0..N-1)")
     if args.processes > 1:
-        import fsspec
-
-        from scse_dist.data.parts import PARTS_DIR, merge_parts, part_command, run_parts
-        from scse_dist.data.shards import join, shards_output
+        from scse_dist.data.parts import PartFailed, run_and_merge
         from scse_dist.data.sources import expand_inputs
 
         expand_inputs(args.input)  # a missing input or tokenizer: one line, not one per part
         Tokenizer.load(args.tokenizer, args.tokenizer_kind)
-        try:  # the parts and the shards go to a folder beside --out that becomes it at the end
-            with shards_output(args.out) as tmp:
-                argv = ["shards", *_argv_of(args.parser, argparse.Namespace(**{
-                    **vars(args), "out": tmp}), ("processes", "part"))]
-                fs, root = fsspec.core.url_to_fs(tmp)
-                fs.makedirs(join(root, PARTS_DIR))  # here, not by the parts, which share it
-                status, which = run_parts([part_command(argv, k, args.processes)
-                                           for k in range(args.processes)])
-                if status:
-                    raise _PartFailed
-                index = merge_parts(tmp, into=tmp)
-        except _PartFailed:
-            print(f"scse-data: error: part {which}/{args.processes} exited {status}; the other "
-                  "parts were stopped", file=sys.stderr)
-            return status
+        try:
+            index = run_and_merge(lambda out: ["shards", *_argv_of(args.parser, argparse.Namespace(
+                **{**vars(args), "out": out}), ("processes", "part"))], args.out, args.processes)
+        except PartFailed as failed:
+            print(f"scse-data: error: part {failed.part}/{args.processes} exited {failed.status}; "
+                  "the other parts were stopped", file=sys.stderr)
+            return failed.status
         print(_summary(f"shards {args.out} ({args.processes} processes)", index["splits"],
                        time.time() - start))
         return 0

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import fsspec
 import numpy as np
@@ -183,6 +183,28 @@ def merge_parts(out: str, into: str | None = None) -> dict:
         index = finish_index(fs, dest, writers, first)
     fs.rm(join(root, PARTS_DIR), recursive=True)  # once the shards are in place
     return index
+
+
+class PartFailed(Exception):
+    """A part run by run_and_merge exited `status` (its own error line is on stderr)."""
+
+    def __init__(self, status: int, part: int):
+        super().__init__(f"part {part} exited {status}")
+        self.status, self.part = status, part
+
+
+def run_and_merge(argv: Callable[[str], list[str]], out: str, n: int) -> dict:
+    """`scse-data shards --processes n`: parts 0..n-1 as processes (`argv(folder)`: the shards
+    command writing to `folder`), then the merge; all in a folder beside `out` that becomes it
+    when they succeed (shards_output). Returns the index; PartFailed for the first part that
+    fails (the others are stopped)."""
+    with shards_output(out) as tmp:
+        fs, root = fsspec.core.url_to_fs(tmp)
+        fs.makedirs(join(root, PARTS_DIR))  # here, not by the parts, which share it
+        status, which = run_parts([part_command(argv(tmp), k, n) for k in range(n)])
+        if status:
+            raise PartFailed(status, which)
+        return merge_parts(tmp, into=tmp)
 
 
 def run_parts(argvs: Sequence[Sequence[str]]) -> tuple[int, int]:
