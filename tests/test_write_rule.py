@@ -45,11 +45,10 @@ def web(tmp_path, tiny_data) -> Path:
             "data.path and data.tokenizer that file names; check the path, or set "
             "data.build=stdlib_docs where the path is set to build there"),
     # the child asks for the build itself: it still writes over no tokenizer it did not make
-    (True, "scse-train: error: data.tokenizer 'data/web/tokenizer.json' exists and "
-           "data.build=stdlib_docs did not make it (the index.json it would have written beside "
-           "the shards at data.path 'data/web/shardz' names no such tokenizer), and the build "
-           "writes over nothing it did not make; check data.path and data.tokenizer, or remove "
-           "that file to build it"),
+    (True, "scse-train: error: data.tokenizer 'data/web/tokenizer.json' exists, and no "
+           "index.json of data.build=stdlib_docs at data.path 'data/web/shardz' names it as the "
+           "tokenizer the build made; the build writes over nothing it did not make: check "
+           "data.path and data.tokenizer, or remove that file to build both again"),
 ])
 def test_a_build_never_writes_over_a_users_tokenizer(web, user_env, build_here, says):
     data = {"path": "data/web/shardz", "tokenizer": "data/web/tokenizer.json",

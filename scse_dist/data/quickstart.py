@@ -171,10 +171,10 @@ def check_build_targets(shards: str, tokenizer: str) -> None:
             sha256 = hashlib.sha256(f.read()).hexdigest()
         if index is None or index.get("tokenizer_sha256") != sha256:
             raise FileExistsError(
-                f"data.tokenizer {tokenizer!r} exists and data.build=stdlib_docs did not make it "
-                f"(the {INDEX_NAME} it would have written beside the shards at data.path "
-                f"{shards!r} names no such tokenizer), and the build writes over nothing it did "
-                "not make; check data.path and data.tokenizer, or remove that file to build it")
+                f"data.tokenizer {tokenizer!r} exists, and no {INDEX_NAME} of data.build="
+                f"stdlib_docs at data.path {shards!r} names it as the tokenizer the build made; "
+                "the build writes over nothing it did not make: check data.path and "
+                "data.tokenizer, or remove that file to build both again")
 
 
 def check_build(cfg: DataConfig, config_path: Optional[str], overrides: Sequence[str]) -> None:
