@@ -19,8 +19,8 @@ import posixpath
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
+# fsspec is imported where it is used: a command that only writes local files (scse-launch's
+# records) starts without it
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
@@ -35,6 +35,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def _local(fs: Any) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
     return isinstance(fs, LocalFileSystem)
 
 
@@ -76,6 +78,8 @@ def _temporary(fs: Any, path: str) -> tuple[str, str]:
 def staged_file(url: str) -> Iterator[str]:
     """Yield a temporary name beside the file `url` (path or fsspec URL) for the body to write;
     it becomes `url` when the body succeeds and is removed when it fails."""
+    import fsspec
+
     fs, path = fsspec.core.url_to_fs(url)
     tmp, tmp_url = _temporary(fs, path)
     with _made_parents(fs, tmp):
@@ -95,6 +99,8 @@ def staged_file(url: str) -> Iterator[str]:
 
 def write_file(url: str, data: bytes) -> None:
     """`data` as the file at `url` (path or fsspec URL), whole or not at all."""
+    import fsspec
+
     with staged_file(url) as tmp, fsspec.open(tmp, "wb") as f:
         f.write(data)
 
@@ -109,6 +115,8 @@ def output_dir(url: str, made_here: Callable[[str], bool], last: str) -> Iterato
     and the new one moved last, so no crash leaves an index naming a half-replaced file. A file
     already there is replaced only when `made_here(url)` says this stack wrote the folder; else
     the command is refused (FileExistsError) before anything moves."""
+    import fsspec
+
     fs, root = fsspec.core.url_to_fs(url)
     root = root.rstrip("/")
     if fs.exists(root) and not fs.isdir(root):
