@@ -3,7 +3,7 @@
     python benchmarks/optimizer_study.py studies/muon-d128 [--pairs scse_muon:scse,...]
         [--validation data/eval/owt-valid.txt] [--max-batches N]
 
-The study (configs/studies/muon-d128.yaml) keeps a checkpoint every 50 steps of every final run.
+The study (research/specs/muon-d128.yaml) keeps a checkpoint every 50 steps of every final run.
 This scores each checkpoint on the validation corpus (the study's lr.validation: never a test
 set) at the run's training depth, once (cached as eval/validation-step-<k>.json in the run dir),
 and compares each candidate variant with its baseline seed by seed:

@@ -12,7 +12,6 @@ steps); names each row by the run directory's name.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,11 +19,14 @@ GROUPS = ("embed", "prelude", "anchor", "core_attn", "core_mlp", "coda", "norm")
 
 
 def diag_rows(run: Path, until: int) -> list[dict]:
-    path = run / "metrics.jsonl"
+    from scse_dist.run_dir import RunDir
+
+    run_dir = RunDir(run)
+    path = run_dir.metrics
     if not path.is_file():
         sys.exit(f"plot_collapse: {path}: no such file (is {run} a run directory?)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "diag/D_kept" in r and r.get("step", 0) <= until]
+    # through RunDir: a torn last line (a run killed mid-write) is skipped
+    rows = [r for r in run_dir.metric_rows() if "diag/D_kept" in r and r.get("step", 0) <= until]
     if not rows:
         sys.exit(f"plot_collapse: {path}: no loop diagnostics rows (train.diagnostics_every off?)")
     return rows

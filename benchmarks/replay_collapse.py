@@ -100,11 +100,10 @@ def replay(cfg: Any, run_dir: Path, tag: str, way: str, steps: int, window: Any
 def logged_rows(run_dir: Path) -> dict[int, dict]:
     """The run's own loop diagnostics (its diag/ keys), by step; its `loss` is a mean over the
     log window, not one step's, so it is left out."""
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] \
-        if path.is_file() else []
+    from scse_dist.run_dir import RunDir
+
     return {r["step"]: {k.removeprefix("diag/"): v for k, v in r.items() if k.startswith("diag/")}
-            for r in rows if "diag/D_norm_t0" in r}
+            for r in RunDir(run_dir).metric_rows() if "diag/D_norm_t0" in r}
 
 
 def table(results: dict[str, list[dict]], logged: dict[int, dict], key: str) -> str:

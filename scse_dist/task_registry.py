@@ -135,7 +135,7 @@ register(Task("wikitext", f"{_SOURCES}:read_wikitext_articles", f"{_TASKS}:wikit
               study_report=("ppl", "word_ppl", "bits_per_byte"), data_field="wikitext",
               totals=f"{_TASKS}:wikitext_totals", from_totals=f"{_TASKS}:document_metrics"))
 register(Task("lambada", f"{_SOURCES}:read_lambada", f"{_TASKS}:lambada_task_rows",
-              metrics=("ppl", "accuracy", "word_ppl", "loss"), table=("accuracy", "ppl"),
+              metrics=("ppl", "accuracy", "loss"), table=("accuracy", "ppl"),
               report=("accuracy", "ppl"), study_report=("ppl", "accuracy"),
               higher_is_better=("accuracy",), data_field="lambada",
               totals=f"{_TASKS}:lambada_totals", from_totals=f"{_TASKS}:lambada_metrics"))

@@ -87,7 +87,8 @@ def test_a_refused_next_job_cancels_the_array(tmp_path, tiny_config):
 def test_a_new_backend_is_one_class_and_its_name_and_both_commands_use_it(tmp_path, tiny_config,
                                                                          monkeypatch, capsys):
     """docs/architecture.md's recipe: a Backend subclass (here the recording one) and its name in
-    BACKENDS; scse-study and scse-launch take it by --backend, unchanged."""
+    BACKENDS; scse-study and scse-launch take it by --backend, and current_backend() finds its
+    job, unchanged."""
     from scse_dist.launch import backends, scheduler
     from scse_dist.study import cli
 
@@ -104,6 +105,12 @@ def test_a_new_backend_is_one_class_and_its_name_and_both_commands_use_it(tmp_pa
     assert scheduler.main([tiny_config(tmp_path), "--backend", "toy"]) == 0
     assert backend.calls[-1][1].command[-1] == "--schedule-evals=toy"  # evals: jobs after it
     assert capsys.readouterr().out.splitlines()[-1] == backend.calls[-1][2]
+    # Inside one of its jobs, crash retries (launch.retries) find it with no other edit.
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SCSE_LOCAL_JOB_ID", raising=False)
+    assert backends.current_backend() is None
+    backend.current = "7"
+    assert backends.current_backend() == (backend, "7")
 
 
 def test_slurm_jobs_are_submitit_parameters(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO_ROOT, console_script, run_profiling_imports
 
 SCRIPTS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-# scse-lm-eval prints lm-eval's own help (its description is lm-eval's, not ours).
+# scse-lm-eval prints its model and tasks, then lm-eval's help (lm-eval's usage and description).
 OWN_HELP = sorted(set(SCRIPTS) - {"scse-lm-eval"})
 
 

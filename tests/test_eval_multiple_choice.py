@@ -18,6 +18,7 @@ from scse_dist.data.multiple_choice import (
     read_multiple_choice,
     read_piqa,
 )
+from scse_dist.data.sources import read_corpus, read_lambada
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.eval.cli import main
 from scse_dist.eval.multiple_choice import mc_metrics, question_totals
@@ -158,6 +159,17 @@ def test_bad_multiple_choice_data_names_file_and_line(tmp_path, reader, rows, me
     path = _write(tmp_path / "mc.jsonl", rows)
     with pytest.raises(ValueError, match=re.escape(message)):
         reader(path)
+
+
+@pytest.mark.parametrize("reader", [read_multiple_choice, read_hellaswag, read_piqa, read_arc,
+                                    read_lambada, read_corpus])
+def test_every_jsonl_reader_names_a_bad_line_alike(tmp_path, reader):
+    """One JSONL parser (data.sources.jsonl_values) under the tasks' files and the corpora."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('\n{"text": "a" "b"}\n')
+    with pytest.raises(ValueError) as exc:
+        reader(str(path))
+    assert str(exc.value) == f"{path}:2: not valid JSON (Expecting ',' delimiter at column 14)"
 
 
 def test_scse_eval_runs_each_multiple_choice_task(export, tmp_path, capsys):

@@ -106,7 +106,7 @@ def test_wikitext_metrics_equal_direct_forwards_at_each_depth(export, tiny_data,
     assert data["task"] == "wikitext" and data["stride"] == 80 and data["recurrence"] == "scse"
 
 
-def test_lambada_accuracy_and_target_ppl_equal_direct_forwards(export, tiny_data, tmp_path):
+def test_lambada_accuracy_and_passage_ppl_equal_direct_forwards(export, tiny_data, tmp_path):
     path = tmp_path / "lambada_test.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in LAMBADA))
     model, cfg = load_exported_model(export[0])
@@ -129,7 +129,8 @@ def test_lambada_accuracy_and_target_ppl_equal_direct_forwards(export, tiny_data
             correct += argmax[-len(target):] == target
             n += len(target)
         assert r["accuracy"] == correct / len(LAMBADA) and r["examples"] == 3
-        assert r["ppl"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+        # lm-eval's LAMBADA perplexity: per passage (mean target NLL), not per token
+        assert r["ppl"] == pytest.approx(math.exp(nll / 3), rel=1e-5) and r["target_tokens"] == n
     # the plain-text format gives the same numbers
     plain = tmp_path / "lambada_development_plain_text.txt"
     plain.write_text("\n".join(LAMBADA) + "\n")

@@ -2,7 +2,8 @@
 
 The exact cache must be token-identical to recomputing without one, for every recurrence; a
 left-padded batch must give each prompt its own tokens; the shared cache's memory must not grow
-with T; a new token must cost T core calls (+1 for scse), not a re-run of the prefix."""
+with T; a new token must cost T core calls (+1 for scse), not a re-run of the prefix; in bf16 (the
+GPU's precision) the cache and speculative decoding follow the full forward up to rounding."""
 
 from __future__ import annotations
 
@@ -68,6 +69,35 @@ def test_exact_cache_equals_recomputing(kw: dict) -> None:
         full = model(seq, depth=DEPTH).logits
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-5)
     assert len(cache) == seq.shape[1]
+
+
+@pytest.mark.parametrize("bf16", ["weights", "autocast"])
+@pytest.mark.parametrize("kw", KINDS, ids=kind_id)
+def test_bf16_cache_and_speculative_decoding_follow_the_full_forward(kw: dict, bf16: str) -> None:
+    """bf16 on CPU, as a GPU runs it (a bf16 model, or fp32 under autocast): the cached decode's
+    logits are the full forward's up to bf16 rounding, and every token greedy decoding and
+    self-speculative decoding emit is the full forward's argmax up to that rounding (bf16 breaks
+    exact ties, so tokens are checked against logits, not against each other)."""
+    model = tiny_model(**kw)
+    model = model.to(torch.bfloat16) if bf16 == "weights" else model
+    (prompt,) = prompts(7)
+    # measured: at most 0.0039 (one bf16 step at these logits' scale, <= 0.78); the chosen
+    # tokens' logits equal the maximum. The tie-breaking margin (top-1 minus top-2): >= 0.044.
+    atol = 0.01
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16 == "autocast"), torch.no_grad():
+        for decoding in (dict(cache="exact"), dict(speculative=(1, 3))):
+            tokens = generate(model, [prompt], max_new_tokens=8, depth=DEPTH, **decoding).tokens[0]
+            seq = torch.tensor([prompt + tokens])
+            full = model(seq, depth=DEPTH).logits.float()
+            chosen = full[0, len(prompt) - 1:-1].gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+            below_max = full[0, len(prompt) - 1:-1].max(-1).values - chosen
+            assert float(below_max.max()) <= atol, (decoding, below_max)
+        cache = KVCache("exact")
+        parts = [model.decode_step(seq[:, :7], cache, depth=DEPTH).logits]
+        parts += [model.decode_step(seq[:, i:i + 1], cache, depth=DEPTH).logits
+                  for i in range(7, seq.shape[1])]
+    assert full.abs().max() < 1  # the scale atol is set for
+    torch.testing.assert_close(torch.cat(parts, 1).float(), full, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("kw", KINDS, ids=kind_id)

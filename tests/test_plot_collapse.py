@@ -34,6 +34,19 @@ def test_the_plot_is_written_from_the_diagnostics_rows(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+def test_a_torn_last_line_is_skipped(tmp_path):
+    """metrics.jsonl is read through RunDir: a run killed mid-write still plots."""
+    import importlib.util
+
+    run = _run(tmp_path, [10, 20])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 30, "diag/D_kept": 0.0')
+    spec = importlib.util.spec_from_file_location("plot_collapse", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert [r["step"] for r in module.diag_rows(run, 10**9)] == [10, 20]
+
+
 def test_a_run_without_diagnostics_is_one_line(tmp_path):
     run = _run(tmp_path, [])
     done = subprocess.run([sys.executable, SCRIPT, "--run", str(run), "--out",

@@ -233,7 +233,7 @@ def check_lm_eval(d: Path, out: str) -> None:
     # the same files through scse-eval (its lambada.json, at depths 1..32, holds depth 8)
     ours = next(r for r in _results(d / "lambada.json") if r["depth"] == 8)
     assert metrics["scse_lambada"]["acc,none"] == ours["accuracy"]
-    assert metrics["scse_lambada"]["perplexity,none"] == pytest.approx(ours["word_ppl"], rel=1e-6)
+    assert metrics["scse_lambada"]["perplexity,none"] == pytest.approx(ours["ppl"], rel=1e-6)
 
 
 def check_generate(d: Path, out: str) -> None:
@@ -357,7 +357,6 @@ NOT_RUN = {
     "scse-study configs/studies/repro-cpu.yaml --dry-run": STUDY,
     "scse-study configs/studies/repro-cpu.yaml --local": STUDY,
     "scse-study configs/studies/gpt2-small.yaml --slurm --max-parallel 4": STUDY,
-    "scse-study configs/studies/scse-robustness.yaml --dry-run": STUDY,
     "bash slurm/local-cluster.sh start": LOCAL_CLUSTER,
     "scse-data quickstart --out data/tiny-cpu --vocab-size 512 --heldout-fraction 0.05": LOCAL_CLUSTER,
     "scse-study configs/studies/cpu-cluster.yaml --dry-run": LOCAL_CLUSTER,

@@ -38,6 +38,16 @@ def test_what_each_way_holds_still() -> None:
                for n in held["norms"])
 
 
+def test_logged_rows_read_through_run_dir_past_a_torn_last_line(tmp_path) -> None:
+    rows = [{"step": 10, "loss": 5.0, "diag/D_norm_t0": 1.0, "diag/D_norm_t8": 0.5},
+            {"step": 10, "kind": "eval", "ppl_t4": 300.0},
+            {"step": 20, "loss": 4.0, "diag/D_norm_t0": 1.0, "diag/D_norm_t8": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 30, "loss": 3.')  # killed mid-write
+    assert _script().logged_rows(tmp_path) == {10: {"D_norm_t0": 1.0, "D_norm_t8": 0.5},
+                                               20: {"D_norm_t0": 1.0, "D_norm_t8": 0.25}}
+
+
 @pytest.mark.slow
 def test_replay_ways_from_a_checkpoint(tmp_path, tiny_config, subprocess_env):
     cfg = tiny_config(tmp_path)  # 20 steps, checkpoints at 10 and 20, diagnostics every 5

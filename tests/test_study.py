@@ -192,11 +192,13 @@ def test_shipped_study_pairs_compare_like_with_like(name):
             (cb.data, cb.train.max_steps, cb.model.d_model, cb.model.depth), (a, b)
 
 
-@pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs" / "studies").glob("*.yaml")),
+@pytest.mark.parametrize("path", sorted([*(REPO_ROOT / "configs" / "studies").glob("*.yaml"),
+                                         *(REPO_ROOT / "research" / "specs").glob("*.yaml")]),
                          ids=lambda p: p.stem)
 def test_every_shipped_study_spec_resolves_every_run(path):
-    """Each spec in configs/studies/ loads, and each of its runs resolves to a valid run config
-    (a mistyped override or a switch the model refuses fails here, not hours into a study)."""
+    """Each spec in configs/studies/ (a user's) and research/specs/ (the record's) loads, and each
+    of its runs resolves to a valid run config (a mistyped override or a switch the model refuses
+    fails here, not hours into a study)."""
     from scse_dist.study.spec import run_config
 
     spec = load_spec(path)

@@ -112,7 +112,6 @@ def _check_rows_equal_scse_eval(rows, run_dir, files, env, tmp_path):
         assert last[f"hellaswag_acc_norm_T{d}"] == hs[d]["acc_norm"]
         assert last[f"lambada_accuracy_T{d}"] == lam[d]["accuracy"]
         assert last[f"lambada_ppl_T{d}"] == pytest.approx(lam[d]["ppl"], rel=1e-6)
-        assert last[f"lambada_word_ppl_T{d}"] == pytest.approx(lam[d]["word_ppl"], rel=1e-6)
 
 
 def _overrides(files) -> list[str]:
@@ -147,7 +146,7 @@ def test_downstream_rows_at_world_size_1_leave_training_alone_and_are_drawn(
         "step", "kind", "downstream_time_s", "hellaswag_examples", "lambada_examples",
         "hellaswag_time_s", "lambada_time_s",
         *(f"hellaswag_{m}_T{d}" for m in ("accuracy", "acc_norm", "acc_bytes") for d in (1, 2)),
-        *(f"lambada_{m}_T{d}" for m in ("accuracy", "ppl", "word_ppl", "loss") for d in (1, 2))}
+        *(f"lambada_{m}_T{d}" for m in ("accuracy", "ppl", "loss") for d in (1, 2))}
     # the cost, once: seconds and training steps
     assert len(re.findall(r"^downstream eval: \d+\.\d\d s, = \d+\.\d training steps \(\d\.\d{3} s "
                           r"each\)$", stdout, re.M)) == 1, stdout

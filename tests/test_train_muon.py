@@ -1,6 +1,7 @@
 """train.optimizer: muon — the parameter split, one step against the reference formula, the AdamW
 half and its clipping, the config checks, ZeRO-0/1/2 on 2 real ranks against 1 rank, and resume
-at another world size through the universal checkpoint."""
+at another world size through the universal checkpoint, and the compiled kernels (the CUDA
+path) against the eager ones."""
 
 from __future__ import annotations
 
@@ -265,3 +266,52 @@ def test_muon_resumes_at_another_world_size(tmp_path, tiny_config, subprocess_en
     assert sorted(losses) == list(range(1, 13))
     assert losses[12] < losses[1]
     assert abs(losses[7] - losses[6]) < 0.5 * (losses[1] - losses[6]), losses  # no restart jump
+
+
+def muon_steps(on_cuda: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A tall and a wide matrix (Muon) and a gain (AdamW), two steps on drawn gradients: each
+    parameter's (start, end)."""
+    from scse_dist.train.muon import build_muon
+
+    model = TwoParams(96, 32)
+    model.prelude.append(torch.nn.Parameter(torch.randn(32, 96) * 0.1))
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer = build_muon(model, muon_train(grad_clip=0.0), on_cuda=on_cuda)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        optimizer.step()
+    return [(s, p.detach().clone()) for s, p in zip(start, model.parameters())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ns_dtype", ["fp32", "bf16"])
+def test_compiled_kernels_step_as_the_eager_ones(ns_dtype, monkeypatch):
+    """Muon's CUDA path on CPU: DeepSpeed's kernels under torch.compile (inductor) and the fused
+    AdamW half, as build_muon keeps them on CUDA, against the eager kernels CPU runs."""
+    from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
+    from torch._dynamo.utils import counters
+
+    if ns_dtype == "fp32":
+        monkeypatch.setattr(original_muon, "ns_compute_dtype", lambda method="gram": torch.float32)
+    names = ("muon_update", "zeropower_via_newtonschulz5", "zeropower_via_gram_newtonschulz")
+    eager = {n: getattr(getattr(original_muon, n), "_torchdynamo_orig_callable",
+                        getattr(original_muon, n)) for n in names}
+    torch._dynamo.reset()
+    counters.clear()
+    with monkeypatch.context() as patch:  # DeepSpeed's decorator is a plain torch.compile
+        for name in names:
+            patch.setattr(original_muon, name, torch.compile(eager[name]))
+        patch.setattr(muon_optimizer, "muon_update", original_muon.muon_update)
+        compiled = muon_steps(on_cuda=True)
+    assert counters["stats"]["unique_graphs"] >= 2  # tall and wide: inductor really ran
+    torch._dynamo.reset()
+    expected = muon_steps(on_cuda=False)
+    # fp32: measured <= 1.7e-6 of each parameter's step (the fused AdamW half: 0). bf16 (what
+    # runs on CUDA): two roundings of an 8-bit mantissa, each ~3-4% off the float64 formula,
+    # measured 3.2-3.6% apart
+    tolerance = 1e-5 if ns_dtype == "fp32" else 0.1
+    for (start, got), (_, want) in zip(compiled, expected):
+        error = ((got - want).norm() / (want - start).norm()).item()
+        assert error < tolerance, (tuple(start.shape), error)

@@ -21,12 +21,11 @@ Bad input is one InputError naming the file and line (a missing field, a label o
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from scse_dist.cli_errors import InputError
-from scse_dist.data.sources import _lines, _single_file
+from scse_dist.data.sources import _lines, _single_file, jsonl_values
 
 
 class Choices(NamedTuple):
@@ -38,15 +37,8 @@ class Choices(NamedTuple):
 
 
 def _objects(url: str) -> Iterator[tuple[str, dict]]:
-    """("file:line", object) of every non-blank JSONL line."""
-    for lineno, line in _lines(url):
-        if not line.strip():
-            continue
-        where = f"{url}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
+    """("file:line", object) of every non-blank JSONL line; a line that is no object is refused."""
+    for where, obj in jsonl_values(url):
         if not isinstance(obj, dict):
             raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         yield where, obj

@@ -35,7 +35,7 @@ import json
 import lzma
 import re
 import zlib
-from typing import Iterator, Literal, NamedTuple
+from typing import Any, Iterator, Literal, NamedTuple
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
@@ -152,20 +152,26 @@ def _lines(url: str) -> Iterator[tuple[int, str]]:
                              "suffix") from None
 
 
-def _iter_jsonl(url: str, text_field: str, stats: RowStats) -> Iterator[str]:
+def jsonl_values(url: str) -> Iterator[tuple[str, Any]]:
+    """("file:line", value) of every non-blank line of a JSONL file: the one JSONL parser (the
+    training inputs and the evaluation tasks' files read through it)."""
     for lineno, line in _lines(url):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            yield f"{url}:{lineno}", json.loads(line)
         except json.JSONDecodeError as exc:
             # some of json's messages end in "at" ("Invalid control character at")
             raise InputError(f"{url}:{lineno}: not valid JSON ({exc.msg.removesuffix(' at')} "
                              f"at column {exc.colno})") from None
+
+
+def _iter_jsonl(url: str, text_field: str, stats: RowStats) -> Iterator[str]:
+    for where, obj in jsonl_values(url):
         has = isinstance(obj, dict) and text_field in obj
         missing = None if has else \
             f"set --text-field; keys: {list(obj)[:8] if isinstance(obj, dict) else '-'}"
-        text = stats.take(obj[text_field] if has else None, f"{url}:{lineno}", text_field, missing)
+        text = stats.take(obj[text_field] if has else None, where, text_field, missing)
         if text is not None:
             yield text
 
@@ -340,22 +346,15 @@ def read_lambada(url: str) -> list[Passage]:
     text, split as lm-eval's LAMBADA task splits them (_split_passage). A JSONL passage is its
     `text` as it is; a plain-text passage is its line without trailing whitespace."""
     url = _single_file(url)
-    jsonl = _is_jsonl(url)
     out = []
-    for lineno, line in _lines(url):
-        if not line.strip():
-            continue
-        where = f"{url}:{lineno}"
-        text = line.rstrip()
-        if jsonl:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
+    if _is_jsonl(url):
+        for where, obj in jsonl_values(url):
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise InputError(f"{where}: expected an object with a string field 'text'")
-            text = obj["text"]
-        out.append(_split_passage(text, where))
+            out.append(_split_passage(obj["text"], where))
+    else:
+        out = [_split_passage(line.rstrip(), f"{url}:{lineno}")
+               for lineno, line in _lines(url) if line.strip()]
     if not out:
         raise InputError(f"{url}: no passages (empty file?)")
     return out

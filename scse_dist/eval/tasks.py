@@ -3,8 +3,8 @@
 Each task is a record in scse_dist.task_registry (its reader, its scorer here, its metrics):
     heldout   perplexity on held-out shards (a dir with index.json), or on any JSONL/text corpus
     wikitext  WikiText raw: document-wise sliding window; ppl, word_ppl, bits_per_byte
-    lambada   last-word prediction: accuracy (every target token is the argmax), target ppl per
-              token and word_ppl per target word (lm-eval's LAMBADA perplexity)
+    lambada   last-word prediction: accuracy (every target token is the argmax) and ppl per
+              passage, both as lm-eval's LAMBADA tasks define them (acc, perplexity)
     hellaswag, piqa, arc_easy, arc_challenge, multiple_choice: lm-eval's acc and acc_norm
               (scse_dist.eval.multiple_choice)
     diagnose  per depth ||b|| (forcing bias at the anchor), ||D_t||, ||h_t - h_{t-1}||
@@ -162,11 +162,8 @@ def context_target_ids(tokenizer: Any, context_text: str, target_text: str
 def lambada_rows(model: LoopedLM, tokenizer: Any, passages: list[Passage],
                  depths: list[int], seq_len: int, batch_size: int,
                  exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None) -> list[dict]:
-    """accuracy: every target token is the argmax. ppl = exp(NLL / target tokens), per token;
-    word_ppl = exp(NLL / passages), per target word: lm-eval's LAMBADA `perplexity` (the mean
-    over passages of each target's summed log-likelihood), which compares across tokenizers.
-    desc: a progress line's label (None: quiet). Ctrl-C: TaskInterrupted with the rows of the
-    passages scored."""
+    """lm-eval's LAMBADA metrics (lambada_metrics) at each depth. desc: a progress line's label
+    (None: quiet). Ctrl-C: TaskInterrupted with the rows of the passages scored."""
     return [lambada_metrics(t) for t in _lambada_totals(*_lambada_scores(
         model, tokenizer, passages, depths, seq_len, batch_size, exit_stats, desc))]
 
@@ -198,11 +195,14 @@ def _lambada_totals(depths: list[int], scores: list[list[Score]]) -> list[dict]:
 
 
 def lambada_metrics(totals: dict) -> dict:
-    """One depth's row from its totals (_lambada_totals, or their sum over ranks)."""
-    n, nll, tokens = totals["examples"], totals["nll"], totals["target_tokens"]
-    return {"depth": totals["depth"], "accuracy": totals["correct"] / n, "loss": nll / tokens,
-            "ppl": _exp(nll / tokens), "word_ppl": _exp(nll / n), "examples": int(n),
-            "target_tokens": int(tokens)}
+    """One depth's row from its totals (_lambada_totals, or their sum over ranks), as lm-eval's
+    LAMBADA tasks define acc and perplexity: accuracy = passages whose every target token is the
+    argmax / passages; loss = mean over passages of the target's summed NLL, ppl = exp(loss).
+    Per passage, not per token: a per-token ppl is exp(loss)^(passages / target_tokens), a
+    different number (1555 against lm-eval's 3.9e9 at 3 tokens a target, issue 42)."""
+    n, nll = totals["examples"], totals["nll"]
+    return {"depth": totals["depth"], "accuracy": totals["correct"] / n, "loss": nll / n,
+            "ppl": _exp(nll / n), "examples": int(n), "target_tokens": int(totals["target_tokens"])}
 
 
 def diagnose_rows(model: LoopedLM, batches: Iterable[torch.Tensor], depths: list[int],

@@ -2,18 +2,7 @@
 
     --model scse --model_args pretrained=EXPORT,depth=T,exit=fixed,batch_size=B,device=cpu
 
-Model args (all but `pretrained` optional):
-    pretrained   export dir (model.safetensors, config.yaml, the tokenizer), a path or an fsspec
-                 URL, or a DeepSpeed checkpoint dir (as scse-eval's --checkpoint)
-    depth        loop depth T; default the config's model.depth
-    exit         exit rule as scse-eval --exit takes it: fixed (every token runs T steps), kl:TAU or
-                 motion:TAU, optionally ,min=N,max=N (the cap: max, else T); lm-eval's results
-                 JSON then holds each task's steps used under config.scse_steps
-    batch_size   windows per forward; default the config's eval.batch_size
-    max_length   tokens per window; default the config's data.seq_len (as scse-eval)
-    stride       loglikelihood_rolling's sliding-window stride; default max_length // 2 (as
-                 scse-eval --task wikitext)
-    device       cpu, cuda, cuda:1, ...
+Its model args are listed in `scse-lm-eval --help` (scse_dist.lmeval.cli).
 
 Requests are scored the way scse-eval scores its tasks (scse_dist.eval.scoring): a
 (context, continuation) pair is the window EOS + context + continuation, cut from the left to

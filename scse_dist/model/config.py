@@ -47,7 +47,7 @@ class ModelConfig:
     # norm2, shared weights), so the anchor's norm R tracks the core's output scale rho. auto:
     # core_norm where it applies (scse, a Post-LN residual, the learned anchor), else free (what
     # configs/gpt2-small-scse.yaml names; not the default: it collapses at lower rates than free
-    # on two of the three corpora measured, docs/scse-robustness.md).
+    # on two of the three corpora measured, research/scse-robustness-log.md).
     anchor_scale: Literal["auto", "free", "core_norm"] = "free"
     # Weight of a loss term that keeps the loop moving (computed in LoopCore, no extra core
     # call): mean hinge (floor - |D_T|/|D_0|)_+ plus the late motion |D_T - D_{T-1}| / |D_T|.

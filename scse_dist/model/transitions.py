@@ -303,6 +303,10 @@ class Scse(Transition):
         ctx["response"] = response
         # lerp is exact at both ends: ref = r* for lambda 0 (so a zero row gives exactly 0 even
         # without the mask), ref = h* for lambda 1.
+        # Under autocast the two may differ in dtype (the anchor map's output is bf16, a Post-LN
+        # core's output fp32 after its norm's fp32 weight) and lerp takes one: the wider.
+        if response.dtype != anchor.dtype:
+            response, anchor = response.float(), anchor.float()
         ctx["ref"] = response.lerp(anchor, self.cfg.forcing_bias_scale)
         return h0 - anchor
 

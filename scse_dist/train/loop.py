@@ -78,11 +78,11 @@ def with_world_batch(cfg: RunConfig, world_size: int, world_from: str = "") -> R
 
 def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Callback]:
     """The built-in callbacks of `cfg`, in their hook order (their priorities: callbacks.base)."""
-    optional: list[Callback] = [HeldoutEvalCallback(cfg.eval.every_steps)] \
-        if cfg.eval.every_steps else []
+    optional: list[Callback] = ([HeldoutEvalCallback(cfg.eval.every_steps)]
+                                if cfg.eval.every_steps else [])
     optional += [SampleCallback(cfg.eval.sample_every)] if cfg.eval.sample_every else []
-    optional += [DownstreamEvalCallback(cfg.eval.downstream_every)] \
-        if cfg.eval.downstream_every else []
+    optional += ([DownstreamEvalCallback(cfg.eval.downstream_every)]
+                 if cfg.eval.downstream_every else [])
     spikes = [SpikeSkipCallback(cfg.train.spike_skip)] if cfg.train.spike_skip.enabled else []
     return [NonFiniteCallback(cfg.train.max_nonfinite_steps), *spikes, LoopDiagnosticsCallback(),
             MetricsCallback(), *optional,
@@ -148,8 +148,8 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
     for step in range(state.start_step, t.max_steps):
         state.faults.step_started(step + 1)
         # Untied models have one fixed depth; the loop kinds draw T per step, the same on all ranks.
-        depth = None if model.fixed_depth is not None else \
-            sample_depth(step, t.depth, state.cfg.model.depth, t.seed)
+        depth = (None if model.fixed_depth is not None else
+                 sample_depth(step, t.depth, state.cfg.model.depth, t.seed))
         state.lr = engine.get_lr()[0]  # the lr this step uses: the scheduler advances in step()
         started = time.perf_counter()
         state.result = train_step(engine, (next(batches) for _ in range(t.grad_accum_steps)),
@@ -258,8 +258,8 @@ def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:
         return cfg
     from scse_dist.train.micro_batch import find_micro_batch
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))
     # Ranks of one node share its memory; unknown placement counts them all as on this node.
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or env.world_size
     size, line = find_micro_batch(cfg, model, env.world_size, local_world, device)

@@ -74,7 +74,8 @@ def probe(model: torch.nn.Module, size: int, cfg: RunConfig, depth: Optional[int
     """One forward + backward of `size` random sequences; no step, the gradients dropped after."""
     tokens = torch.randint(0, cfg.model.vocab_size, (size, cfg.data.seq_len + 1),
                            generator=torch.Generator().manual_seed(size)).to(device)
-    bf16 = device.type == "cuda" and _precision(cfg) == "bf16"  # fp32 weights: an upper bound
+    # bf16 runs probe under autocast over fp32 weights (an upper bound), on CPU as on CUDA
+    bf16 = _precision(cfg) == "bf16"
     try:
         with preserved_rng(), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
             out = model(tokens[:, :-1], tokens[:, 1:], depth=depth,
