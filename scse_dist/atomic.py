@@ -1,34 +1,153 @@
-"""Atomic file writes: a reader (or a crash) sees the old file or the new one, never half of one.
+"""The write rule, in one place: a command creates only new files or files it made itself, writes
+them under a temporary name and renames them into place when it has succeeded, and a failed
+command leaves the filesystem as it found it (no partial file, no empty or temporary folder).
 
-The data go to a temporary file beside `path` (the same filesystem, so the rename is atomic),
-are fsynced, and then os.replace moves them to `path`. The temporary name starts with `.tmp-`,
-the prefix checkpoint.remove_partial_saves clears from the checkpoints dir after a kill.
+    atomic_write(path, write)          a local file: `write(tmp)`, fsync, os.replace
+    with staged_file(url) as tmp: ...  a file at any fsspec URL, renamed into place if the body
+                                       succeeds (the parent folders it had to make go on failure)
+    with output_dir(url, ...) as tmp:  a folder of outputs, built beside its place and moved in
+
+Temporary names start with `.tmp-` and end with the pid, so a killed writer's leftovers are
+never read as outputs (checkpoint.remove_partial_saves clears them from a checkpoints dir).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import posixpath
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
+
+# fsspec is imported where it is used: a command that only writes local files (scse-launch's
+# records) starts without it
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
     """`write(tmp)` creates the temporary file (any writer that takes a path), then it replaces
-    `path`. The temporary file is removed when anything fails."""
-    path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the data are on disk before the name points at them
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    the local file `path`. The temporary file is removed when anything fails."""
+    with staged_file(os.fspath(path)) as tmp:
+        write(Path(tmp))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def _local(fs: Any) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
+def _move(fs: Any, src: str, dst: str) -> None:
+    """Rename `src` to `dst`: atomic on a local disk; an object store copies the object."""
+    if _local(fs):
+        os.replace(src, dst)
+    else:
+        fs.mv(src, dst)
+
+
+@contextlib.contextmanager
+def _made_parents(fs: Any, path: str) -> Iterator[None]:
+    """Make the missing folders above `path`; remove them again if the body fails. (An object
+    store has no folders to make.)"""
+    missing, parent = [], posixpath.dirname(path)
+    while _local(fs) and parent and parent != posixpath.dirname(parent) and not fs.exists(parent):
+        missing.append(parent)
+        parent = posixpath.dirname(parent)
+    if missing:
+        fs.makedirs(missing[0], exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for folder in missing:  # deepest first; one another process filled in stays
+            with contextlib.suppress(OSError):
+                fs.rmdir(folder)
+        raise
+
+
+def _temporary(fs: Any, path: str) -> tuple[str, str]:
+    """(fs path, URL) of the temporary name beside `path`."""
+    parent, name = posixpath.split(path.rstrip("/"))
+    tmp = posixpath.join(parent, f".tmp-{name}.{os.getpid()}")
+    return tmp, tmp if _local(fs) else fs.unstrip_protocol(tmp)
+
+
+@contextlib.contextmanager
+def staged_file(url: str) -> Iterator[str]:
+    """Yield a temporary name beside the file `url` (path or fsspec URL) for the body to write;
+    it becomes `url` when the body succeeds and is removed when it fails."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    tmp, tmp_url = _temporary(fs, path)
+    with _made_parents(fs, tmp):
+        try:
+            yield tmp_url
+            if _local(fs):
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            _move(fs, tmp, path)
+        finally:
+            if fs.exists(tmp):
+                fs.rm(tmp)
+
+
+def write_file(url: str, data: bytes) -> None:
+    """`data` as the file at `url` (path or fsspec URL), whole or not at all."""
+    import fsspec
+
+    with staged_file(url) as tmp, fsspec.open(tmp, "wb") as f:
+        f.write(data)
+
+
+@contextlib.contextmanager
+def output_dir(url: str, made_here: Callable[[str], bool], last: str) -> Iterator[str]:
+    """Yield a new temporary folder beside `url` for the body to fill; when the body succeeds
+    its files go to `url`, and when it fails the folder is removed and `url` is as it was.
+
+    A new (or empty) `url` is the temporary folder renamed. Into an existing one the files are
+    moved one by one: the old `last` (the file naming the others, e.g. an index) is removed first
+    and the new one moved last, so no crash leaves an index naming a half-replaced file. A file
+    already there is replaced only when `made_here(url)` says this stack wrote the folder; else
+    the command is refused (FileExistsError) before anything moves."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    root = root.rstrip("/")
+    if fs.exists(root) and not fs.isdir(root):
+        raise FileExistsError(f"{url}: exists and is not a folder; give another output")
+    tmp, tmp_url = _temporary(fs, root)
+    with _made_parents(fs, tmp):
+        fs.makedirs(tmp, exist_ok=True)
+        try:
+            yield tmp_url
+            _publish(fs, tmp, root, url, made_here, last)
+        finally:
+            if fs.exists(tmp):
+                fs.rm(tmp, recursive=True)
+
+
+def _publish(fs: Any, tmp: str, root: str, url: str, made_here: Callable[[str], bool],
+             last: str) -> None:
+    old = {posixpath.basename(p.rstrip("/")) for p in fs.ls(root, detail=False)} \
+        if fs.isdir(root) else set()
+    if _local(fs) and not old:  # new or empty: one rename
+        if fs.exists(root):
+            fs.rmdir(root)
+        os.replace(tmp, root)
+        return
+    names = sorted((posixpath.basename(p.rstrip("/")) for p in fs.ls(tmp, detail=False)),
+                   key=lambda name: name == last)  # `last` last
+    taken = sorted(old.intersection(names))
+    if taken and not made_here(url):
+        raise FileExistsError(f"{url}: {taken[0]} exists and this stack did not write it; "
+                              "nothing was written: give another output, or move it away")
+    if last in old:
+        fs.rm(posixpath.join(root, last))
+    for name in names:
+        _move(fs, posixpath.join(tmp, name), posixpath.join(root, name))

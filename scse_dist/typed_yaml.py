@@ -160,19 +160,11 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _read_yaml(path: Path, seen: tuple[Path, ...] = (), *, kind: str = "config file",
-               overlay: str = "base", file_relative: tuple[str, ...] = ()) -> dict:
-    """Read a config file; `base: other.yaml` (relative to the file) is loaded first and overlaid,
-    so a baseline config states only what differs from the config it is compared against.
-
-    kind: what the file is, in messages. overlay: the key naming the file to overlay. file_relative:
-    top-level keys holding paths relative to their file; an overlaid file's are rewritten
-    relative to the file overlaying it, so each stays relative to the file that set it."""
+def _read_one(path: Path, kind: str = "config file") -> dict:
+    """One YAML file's own mapping (its `base:` not followed)."""
     if not path.is_file():
         raise ConfigError(f"{kind} {str(path)!r} " + ("is a directory, not a YAML file"
                           if path.is_dir() else "does not exist"))
-    if path.resolve() in seen:
-        raise ConfigError(f"{kind} {str(path)!r}: `{overlay}` chain loops back to itself")
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as exc:
@@ -188,6 +180,33 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = (), *, kind: str = "config f
         raise ConfigError(f"{kind} {where}: not valid YAML ({what})") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{kind} {str(path)!r}: expected a mapping at the top level")
+    return values
+
+
+def setting_file(path: Path, key: str, overlay: str = "base") -> Path | None:
+    """The file of `path`'s `base:` chain whose value of `key` (dotted) the config takes: the
+    first, from `path` down, that sets it; None when none does."""
+    values = _read_one(path)
+    node: Any = values
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            base = values.get(overlay)
+            return setting_file(path.parent / base, key, overlay) if isinstance(base, str) else None
+        node = node[part]
+    return path
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = (), *, kind: str = "config file",
+               overlay: str = "base", file_relative: tuple[str, ...] = ()) -> dict:
+    """Read a config file; `base: other.yaml` (relative to the file) is loaded first and overlaid,
+    so a baseline config states only what differs from the config it is compared against.
+
+    kind: what the file is, in messages. overlay: the key naming the file to overlay. file_relative:
+    top-level keys holding paths relative to their file; an overlaid file's are rewritten
+    relative to the file overlaying it, so each stays relative to the file that set it."""
+    if path.resolve() in seen:
+        raise ConfigError(f"{kind} {str(path)!r}: `{overlay}` chain loops back to itself")
+    values = _read_one(path, kind)
     base = values.pop(overlay, None)
     if base is None:
         return values

@@ -25,3 +25,23 @@ def test_a_failed_write_keeps_the_old_file(tmp_path):
         atomic_write(target, half_write)
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_output_dir_adds_to_other_files_and_a_failure_leaves_no_folder(tmp_path):
+    from pathlib import Path
+
+    from scse_dist.atomic import output_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with output_dir(str(out), lambda url: False, "index.json") as tmp:
+        (Path(tmp) / "a.bin").write_bytes(b"x")
+        (Path(tmp) / "index.json").write_text("{}")
+    assert sorted(p.name for p in out.iterdir()) == ["a.bin", "index.json", "notes.txt"]
+    assert (out / "notes.txt").read_text() == "mine"
+    with pytest.raises(RuntimeError, match="half way"):
+        with output_dir(str(tmp_path / "new" / "deep" / "out"), lambda url: False, "x") as tmp:
+            (Path(tmp) / "x").write_text("half")
+            raise RuntimeError("half way")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no new/, no .tmp-*

@@ -162,23 +162,28 @@ def test_wikitext_articles_as_documents(tmp_path, capsys):
 
 
 def test_build_rule_refuses_a_moved_path_unless_the_build_is_asked_there(tiny_data, tmp_path):
-    from scse_dist.data.quickstart import check_build_asked
+    from scse_dist.config import load_config
+    from scse_dist.data.quickstart import check_build
 
-    cfg = DataConfig(path=str(tmp_path / "typo" / "shards"), tokenizer="data/q/tokenizer.model",
-                     build="stdlib_docs")
-    for overrides in (["data.path=x"], ["data.tokenizer=x"],
-                      ["name=y", "data.path=x", "data.tokenizer=z"]):
+    run = tmp_path / "run.yaml"
+    run.write_text(f"data: {{path: {tmp_path}/q/shards, tokenizer: {tmp_path}/q/t.model, "
+                   "build: stdlib_docs}\n")
+
+    def check(*overrides: str) -> None:
+        check_build(load_config(run, list(overrides)).data, str(run), overrides)
+
+    typo = f"data.path={tmp_path}/typo/shards"
+    for overrides in ([typo], [f"data.tokenizer={tmp_path}/x.model"],
+                      ["name=y", typo, f"data.tokenizer={tmp_path}/z.model"]):
         with pytest.raises(FileNotFoundError, match="builds only into the data.path and "
                                                     "data.tokenizer that file names"):
-            check_build_asked(cfg, "run.yaml", overrides)
+            check(*overrides)
     # asked for on the command line, or the file's own paths: the build goes ahead
-    check_build_asked(cfg, "run.yaml", ["data.path=x", "data.build=stdlib_docs"])
-    check_build_asked(cfg, "run.yaml", ["train.max_steps=3"])
+    check(typo, "data.build=stdlib_docs")
+    check("train.max_steps=3")
     # a moved path that holds shards builds nothing, so there is nothing to refuse
-    there = DataConfig(path=tiny_data["path"], tokenizer=tiny_data["tokenizer"],
-                       build="stdlib_docs")
-    check_build_asked(there, "run.yaml", [f"data.path={tiny_data['path']}"])
-    assert not (tmp_path / "typo").exists()
+    check(f"data.path={tiny_data['path']}", f"data.tokenizer={tiny_data['tokenizer']}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml"]
 
 
 @pytest.mark.slow
@@ -201,7 +206,7 @@ def test_mistyped_data_path_with_a_build_is_refused_and_creates_nothing(tmp_path
     assert proc.stderr == (
         f"scse-train: error: data.path '{typo}' (on the command line) holds no shards, and "
         f"data.build=stdlib_docs in {REPO_ROOT / 'configs' / 'quickstart.yaml'} builds only into "
-        "the data.path and data.tokenizer that file names; check the path, or add "
-        "data.build=stdlib_docs to the command line to build there\n")
+        "the data.path and data.tokenizer that file names; check the path, or set "
+        "data.build=stdlib_docs where the path is set to build there\n")
     assert proc.stdout == ""
     assert sorted(tmp_path.iterdir()) == [cwd] and list(cwd.iterdir()) == []  # nothing written

@@ -97,8 +97,10 @@ def test_processes_run_the_parts_as_processes_with_the_same_bytes(corpus, tmp_pa
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert f"shards {out} (3 processes): 500 documents" in done.stdout
+    assert "scse-data merge" not in done.stdout  # it merged: no advice to
     assert _tree(out) == corpus["tree"]
-    # a part that fails stops the command, naming the part, and no index is written
+    # a part that fails stops the command, naming the part, and writes nothing: no --out, no
+    # parts/, no temporary folder
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"nope": 1}\n')
     cmd = [*console_script("scse-data"), "shards", "--input", *corpus["inputs"], str(bad),
@@ -109,7 +111,7 @@ def test_processes_run_the_parts_as_processes_with_the_same_bytes(corpus, tmp_pa
     assert f"{bad}:2: no field 'text'" in done.stderr
     assert done.stderr.strip().splitlines()[-1] == \
         "scse-data: error: part 1/2 exited 65; the other parts were stopped"
-    assert not (tmp_path / "o2" / "index.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "out"]
 
 
 def _running_with(marker: str) -> list[int]:
@@ -138,23 +140,25 @@ def test_ctrl_c_stops_every_part(corpus, tmp_path):
     for f in fifos:
         os.mkfifo(f)
     out = tmp_path / "ctrl-c-out"
+    marker = str(fifos[0])  # on the command line of the command and of each part
     proc = subprocess.Popen([sys.executable, "-m", "scse_dist.data.cli", "shards", "--input",
                              *map(str, fifos), "--tokenizer", corpus["tok"], "--out", str(out),
                              "--processes", "2"], stderr=subprocess.PIPE, text=True,
                             preexec_fn=sigint_default)
     deadline = time.time() + 60
-    while len(_running_with(str(out))) < 3 and time.time() < deadline:  # parent + 2 parts
+    while len(_running_with(marker)) < 3 and time.time() < deadline:  # parent + 2 parts
         time.sleep(0.2)
-    assert len(_running_with(str(out))) == 3
+    assert len(_running_with(marker)) == 3
     # the signal only once both parts block opening their FIFO (the kernel's wait_for_partner):
     # earlier, on a loaded machine, a part still importing could miss it
-    while sum(_blocked_on_fifo(p) for p in _running_with(str(out))) < 2 and \
+    while sum(_blocked_on_fifo(p) for p in _running_with(marker)) < 2 and \
             time.time() < deadline:
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
     assert proc.stderr is not None and "scse-data: interrupted" in proc.stderr.read()
-    assert _running_with(str(out)) == []
+    assert _running_with(marker) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt"]  # nothing written
 
 
 def test_parts_and_merge_through_an_fsspec_url(corpus, capsys):

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from safetensors import SafetensorError
 
-from scse_dist.atomic import atomic_write
+from scse_dist.atomic import atomic_write, output_dir
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_saved_config, save_config
 from scse_dist.data.config import TOKENIZER_EXPORT_NAMES as EXPORT_NAMES
@@ -103,9 +103,10 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
     data.tokenizer then names that copy and data.tokenizer_kind its kind, and the HF files include
     the tokenizer's.
 
-    Each file is written under a temporary name and moved into place, so a crash never leaves a
-    half-written file under the final name. `after_weights` runs once the weights are in place
-    (the fault suite's SIGKILL mid-export). Returns `out_dir`.
+    The files are written into a folder beside `out_dir` and moved in when all are written,
+    model.safetensors last (scse_dist.atomic.output_dir): a failed or killed export leaves
+    `out_dir` as it was, never new weights beside an old config. `after_weights` runs once the
+    weights are written (the fault suite's SIGKILL mid-export). Returns `out_dir`.
     """
     from scse_dist.hf import write_hf_files
 
@@ -117,8 +118,6 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
                                 if tokenizer == cfg.data.tokenizer else "auto")
     elif tokenizer is not None:
         loaded = tokenizer
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     state_dict = _strip_wrapper_prefixes(dict(state_dict))
     kept, aliases = _dedupe_shared(state_dict)
     tensors = {
@@ -134,19 +133,24 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
     tensors = {n: t.clone() if t.numel() and storages[t.untyped_storage().data_ptr()] > 1 else t
                for n, t in tensors.items()}
     metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
-    atomic_write(out / WEIGHTS_NAME, lambda p: _save_canonical(tensors, p, metadata))
-    if after_weights is not None:
-        after_weights()
-    if loaded is not None:
-        files = loaded.export_files()
-        for name, data in files.items():
-            atomic_write(out / name, lambda p: p.write_bytes(data))
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(
-            cfg.data, tokenizer=next(iter(files)), tokenizer_kind=loaded.kind))
-    atomic_write(out / CONFIG_NAME, lambda p: save_config(cfg, p))
-    write_hf_files(out, cfg.model, None if loaded is None
-                   else {"kind": loaded.kind, **loaded.special_ids()})
-    return str(out)
+    def made_here(url: str) -> bool:  # an export (it has weights) is replaced; other files stay
+        return (Path(url) / WEIGHTS_NAME).is_file()
+
+    with output_dir(str(out_dir), made_here, WEIGHTS_NAME) as tmp:
+        out = Path(tmp)
+        atomic_write(out / WEIGHTS_NAME, lambda p: _save_canonical(tensors, p, metadata))
+        if after_weights is not None:
+            after_weights()
+        if loaded is not None:
+            files = loaded.export_files()
+            for name, data in files.items():
+                atomic_write(out / name, lambda p: p.write_bytes(data))
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+                cfg.data, tokenizer=next(iter(files)), tokenizer_kind=loaded.kind))
+        atomic_write(out / CONFIG_NAME, lambda p: save_config(cfg, p))
+        write_hf_files(out, cfg.model, None if loaded is None
+                       else {"kind": loaded.kind, **loaded.special_ids()})
+    return str(Path(out_dir))
 
 
 def not_an_export(directory: Path) -> Optional[str]:

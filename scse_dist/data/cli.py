@@ -110,16 +110,18 @@ def cmd_shards(args: argparse.Namespace) -> int:
     if args.processes > 1 and args.part is not None:
         raise ConfigError("--processes and --part: give one (--processes N runs parts 0..N-1)")
     if args.processes > 1:
-        from scse_dist.data.parts import merge_parts, part_command, run_parts
+        from scse_dist.data.parts import PartFailed, run_and_merge
+        from scse_dist.data.sources import expand_inputs
 
-        argv = ["shards", *_argv_of(args.parser, args, ("processes", "part"))]
-        status, which = run_parts([part_command(argv, k, args.processes)
-                                   for k in range(args.processes)])
-        if status:
-            print(f"scse-data: error: part {which}/{args.processes} exited {status}; the other "
-                  "parts were stopped", file=sys.stderr)
-            return status
-        index = merge_parts(args.out)
+        expand_inputs(args.input)  # a missing input or tokenizer: one line, not one per part
+        Tokenizer.load(args.tokenizer, args.tokenizer_kind)
+        try:
+            index = run_and_merge(lambda out: ["shards", *_argv_of(args.parser, argparse.Namespace(
+                **{**vars(args), "out": out}), ("processes", "part"))], args.out, args.processes)
+        except PartFailed as failed:
+            print(f"scse-data: error: part {failed.part}/{args.processes} exited {failed.status}; "
+                  "the other parts were stopped", file=sys.stderr)
+            return failed.status
         print(_summary(f"shards {args.out} ({args.processes} processes)", index["splits"],
                        time.time() - start))
         return 0

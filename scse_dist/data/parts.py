@@ -6,14 +6,16 @@ token ids, per split, as raw arrays under `out/parts/part-K-of-N/`:
 
     {split}.tokens   the documents' ids end to end (the shards' dtype, no eos)
     {split}.lens     uint32, each document's length
-    part.json        written last (via rename): the counts and everything the shards depend on
+    part.json        the counts and everything the shards depend on
 
 `scse-data merge out` then packs the parts, in part order, into samples and shards with the same
 writer a single process uses, writes index.json and removes `out/parts`. Shard and sample
 boundaries fall by token and byte counts from the start of each split, so they can only be
 placed once the whole stream before them is known: tokenizing (the costly step) runs in parallel,
 packing (array slicing and tar writing) once, and the result is byte for byte what one process
-writes. The parts take about the space of the shards until the merge removes them.
+writes. The parts take about the space of the shards until the merge removes them. A part's
+folder and the merge's shards are written beside their place and moved in when complete
+(scse_dist.atomic.output_dir), so a part or a merge that fails changes nothing.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import fsspec
 import numpy as np
 
+from scse_dist.atomic import output_dir
 from scse_dist.cli_errors import InputError
 from scse_dist.data.shards import (
     SPLITS,
@@ -38,8 +41,8 @@ from scse_dist.data.shards import (
     join,
     no_documents,
     shard_meta,
+    shards_output,
     split_writers,
-    start_output,
     tokenize_into,
 )
 from scse_dist.data.tokenizer import Tokenizer
@@ -59,7 +62,7 @@ class _PartWriter:
 
     def __init__(self, fs: Any, root: str, split: str, dtype: str):
         self.fs, self.root, self.split, self.dtype = fs, root, split, np.dtype(dtype)
-        self.files = {k: fs.open(join(root, f"{split}.{k}.tmp"), "wb") for k in ("tokens", "lens")}
+        self.files = {k: fs.open(join(root, f"{split}.{k}"), "wb") for k in ("tokens", "lens")}
         self.pending: list[Any] = []
         self.pending_tokens = self.documents = self.tokens = 0
 
@@ -82,10 +85,8 @@ class _PartWriter:
 
     def finish(self) -> dict:
         self._flush()
-        for kind, f in self.files.items():
+        for f in self.files.values():
             f.close()
-            name = join(self.root, f"{self.split}.{kind}")
-            self.fs.mv(name + ".tmp", name)
         return {"documents": self.documents, "tokens": self.tokens}
 
 
@@ -97,21 +98,18 @@ def write_part(documents: Iterable[str], tokenizer: Tokenizer, out: str, part: t
     out/parts/part-K-of-N; return its part.json. A part may hold no document."""
     check_layout(heldout_fraction, sample_tokens, shard_bytes)
     k, n = part
-    fs, root = fsspec.core.url_to_fs(out)
-    here = part_dir(root, k, n)
-    fs.makedirs(here, exist_ok=True)
-    if fs.exists(join(here, PART_META)):
-        fs.rm(join(here, PART_META))  # a crash from here on leaves the part unfinished, not stale
     meta = shard_meta(tokenizer, sample_tokens, sources)
-    writers = {s: _PartWriter(fs, here, s, meta["dtype"]) for s in SPLITS}
-    tokenize_into(documents, tokenizer, writers, heldout_fraction, f"shards {out} part {k}/{n}",
-                  encode_batch, progress_every, workers)
-    record = {**meta, "part": k, "parts": n, "shard_bytes": shard_bytes,
-              "heldout_fraction": heldout_fraction,
-              "splits": {s: w.finish() for s, w in writers.items()}}
-    with fs.open(join(here, PART_META + ".tmp"), "w") as f:
-        json.dump(record, f, indent=1)
-    fs.mv(join(here, PART_META + ".tmp"), join(here, PART_META))
+    # a part's folder is only ever written by a part, so a rerun replaces it
+    with output_dir(part_dir(out, k, n), lambda _: True, PART_META) as tmp:
+        fs, here = fsspec.core.url_to_fs(tmp)
+        writers = {s: _PartWriter(fs, here, s, meta["dtype"]) for s in SPLITS}
+        tokenize_into(documents, tokenizer, writers, heldout_fraction,
+                      f"shards {out} part {k}/{n}", encode_batch, progress_every, workers)
+        record = {**meta, "part": k, "parts": n, "shard_bytes": shard_bytes,
+                  "heldout_fraction": heldout_fraction,
+                  "splits": {s: w.finish() for s, w in writers.items()}}
+        with fs.open(join(here, PART_META), "w") as f:
+            json.dump(record, f, indent=1)
     return record
 
 
@@ -162,26 +160,51 @@ def _part_documents(fs: Any, here: str, split: str, dtype: np.dtype, documents: 
             left -= len(lens)
 
 
-def merge_parts(out: str) -> dict:
+def merge_parts(out: str, into: str | None = None) -> dict:
     """Pack every part under out/parts into the shards and index.json one process would have
-    written, then remove out/parts; return the index."""
+    written, then remove out/parts; return the index. The shards go to `out` (written beside it
+    and moved in: shards_output), or straight into `into`, a new folder the caller publishes."""
     fs, root = fsspec.core.url_to_fs(out)
     metas = _read_parts(fs, root, out)
     if sum(m["splits"][s]["documents"] for m in metas for s in SPLITS) == 0:
         raise no_documents(out)
-    first = metas[0]
-    fs, root = start_output(out)
-    writers = split_writers(fs, root, first["dtype"], first["eos_id"], first["sample_tokens"],
-                            first["shard_bytes"])
-    dtype = np.dtype(first["dtype"])
-    for m in metas:
-        here = part_dir(root, m["part"], m["parts"])
-        for split in SPLITS:
-            for doc in _part_documents(fs, here, split, dtype, m["splits"][split]["documents"]):
-                writers[split].add(doc)
-    index = finish_index(fs, root, writers, first)
-    fs.rm(join(root, PARTS_DIR), recursive=True)
+    with shards_output(out) if into is None else contextlib.nullcontext(into) as tmp:
+        fs, dest = fsspec.core.url_to_fs(tmp)
+        first = metas[0]
+        writers = split_writers(fs, dest, first["dtype"], first["eos_id"],
+                                first["sample_tokens"], first["shard_bytes"])
+        dtype = np.dtype(first["dtype"])
+        for m in metas:
+            here = part_dir(root, m["part"], m["parts"])
+            for split in SPLITS:
+                for doc in _part_documents(fs, here, split, dtype,
+                                           m["splits"][split]["documents"]):
+                    writers[split].add(doc)
+        index = finish_index(fs, dest, writers, first)
+    fs.rm(join(root, PARTS_DIR), recursive=True)  # once the shards are in place
     return index
+
+
+class PartFailed(Exception):
+    """A part run by run_and_merge exited `status` (its own error line is on stderr)."""
+
+    def __init__(self, status: int, part: int):
+        super().__init__(f"part {part} exited {status}")
+        self.status, self.part = status, part
+
+
+def run_and_merge(argv: Callable[[str], list[str]], out: str, n: int) -> dict:
+    """`scse-data shards --processes n`: parts 0..n-1 as processes (`argv(folder)`: the shards
+    command writing to `folder`), then the merge; all in a folder beside `out` that becomes it
+    when they succeed (shards_output). Returns the index; PartFailed for the first part that
+    fails (the others are stopped)."""
+    with shards_output(out) as tmp:
+        fs, root = fsspec.core.url_to_fs(tmp)
+        fs.makedirs(join(root, PARTS_DIR))  # here, not by the parts, which share it
+        status, which = run_parts([part_command(argv(tmp), k, n) for k in range(n)])
+        if status:
+            raise PartFailed(status, which)
+        return merge_parts(tmp, into=tmp)
 
 
 def run_parts(argvs: Sequence[Sequence[str]]) -> tuple[int, int]:
@@ -189,7 +212,9 @@ def run_parts(argvs: Sequence[Sequence[str]]) -> tuple[int, int]:
     forwarded to all of them (then KeyboardInterrupt), and the first that fails stops the others.
     Returns (0, -1), or the exit status and number of the first part that failed (its own error
     line is already on stderr)."""
-    procs = [subprocess.Popen(list(a), start_new_session=True) for a in argvs]
+    # their stdout (a line per part) is not shown: the caller merges and prints the total
+    procs = [subprocess.Popen(list(a), start_new_session=True, stdout=subprocess.DEVNULL)
+             for a in argvs]
     received: list[int] = []
 
     def forward(signum: int, frame: object) -> None:

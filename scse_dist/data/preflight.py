@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig
-from scse_dist.data.quickstart import check_build_asked, needs_build
+from scse_dist.data.quickstart import check_build, needs_build
 from scse_dist.data.shards import check_tokenizer, read_index
 from scse_dist.data.tokenizer import Tokenizer
 
@@ -28,10 +28,10 @@ def load_run_tokenizer(cfg: RunConfig) -> Tokenizer:
 
 def check_run_data(cfg: RunConfig, config_path: Optional[str] = None,
                    overrides: Sequence[str] = ()) -> None:
-    """The build rule (check_build_asked); then, unless a build will write them, that data.path
+    """The build rule (check_build); then, unless a build will write them, that data.path
     holds shards, and that data.tokenizer loads, fits the model and is the one the shards were
     written with. (Mixture paths are checked when the training stream opens them.)"""
-    check_build_asked(cfg.data, config_path, overrides)
+    check_build(cfg.data, config_path, overrides)
     if needs_build(cfg.data):  # FileNotFoundError when missing and nothing builds it
         return
     tokenizer = load_run_tokenizer(cfg)

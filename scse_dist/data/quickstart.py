@@ -4,21 +4,32 @@ Source: the docstrings of the Python standard library's own .py files (about 650
 1.8 MB of prose with code samples). Files are parsed with `ast`, never imported (imports run
 code). Test suites, site-packages and __pycache__ are skipped. Paths are walked sorted, so the
 corpus, the tokenizer and the shards are identical on every run of the same Python version.
+
+The build follows the write rule (scse_dist.atomic): it writes nothing unless it succeeds, and
+nothing over a tokenizer or shards it did not make. Its marker is the index.json it writes last:
+`sources` names the stdlib_docs corpus and `tokenizer_sha256` the tokenizer it trained.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
+import json
 import os
 import sysconfig
 import time
+from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import fsspec
 
+from scse_dist.atomic import staged_file
 from scse_dist.config import DataConfig
 from scse_dist.data.shards import INDEX_NAME, index_root, is_heldout, join, read_index, write_shards
 from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
+from scse_dist.typed_yaml import _read_yaml, setting_file
+
+SOURCE = "stdlib_docs:"  # the build's entry in its index's sources (then the stdlib's path)
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
@@ -79,20 +90,25 @@ def build_stdlib_corpus(shards: str, tokenizer: str, vocab_size: int, heldout_fr
     """Train the tokenizer on the stdlib docstrings and write the shards; print a summary.
 
     The tokenizer sees only the train documents. Small shards (512 KiB) by default so the
-    quickstart exercises the multi-shard rank split.
+    quickstart exercises the multi-shard rank split. Refused (check_build_targets) where it would
+    write over what it did not make; the tokenizer is trained under a temporary name and put in
+    place once the shards are, so a failed build leaves nothing behind.
     """
+    check_build_targets(shards, tokenizer)
     start = time.time()
     docs = list(stdlib_documents())
     mb = sum(len(d.encode("utf-8")) for d in docs) / 1e6
     print(f"quickstart: {len(docs)} documents ({mb:.1f} MB) of stdlib docstrings "
           f"[{time.time() - start:.1f}s]", flush=True)
-    train_tokenizer((d for d in docs if not is_heldout(d, heldout_fraction)), vocab_size, tokenizer)
-    tok = Tokenizer.load(tokenizer)
-    print(f"quickstart: tokenizer {tokenizer} vocab {tok.vocab_size} [{time.time() - start:.1f}s]",
-          flush=True)
-    index = write_shards(docs, tok, shards, heldout_fraction=heldout_fraction,
-                         shard_bytes=shard_bytes,
-                         sources=["stdlib_docs:" + sysconfig.get_paths()["stdlib"]])
+    with staged_file(tokenizer) as staged:
+        train_tokenizer((d for d in docs if not is_heldout(d, heldout_fraction)), vocab_size,
+                        staged)
+        tok = Tokenizer.load(staged)
+        print(f"quickstart: tokenizer {tokenizer} vocab {tok.vocab_size} "
+              f"[{time.time() - start:.1f}s]", flush=True)
+        index = write_shards(docs, tok, shards, heldout_fraction=heldout_fraction,
+                             shard_bytes=shard_bytes,
+                             sources=[SOURCE + sysconfig.get_paths()["stdlib"]])
     elapsed = time.time() - start
     for split, entries in index["splits"].items():
         print(f"quickstart: {split}: {len(entries)} shards, {sum(e['documents'] for e in entries)} "
@@ -126,25 +142,73 @@ def needs_build(cfg: DataConfig) -> bool:
         "set data.build=stdlib_docs for the quickstart corpus (`scse-data quickstart`).")
 
 
-def check_build_asked(cfg: DataConfig, config_path: Optional[str], overrides: Sequence[str]
-                      ) -> None:
-    """The build rule: `data.build` writes only into the data.path and data.tokenizer named where
-    data.build itself is set. A build set in the config file, with data.path or data.tokenizer
-    moved on the command line, is refused (FileNotFoundError, exit 66) when it would build: a
-    mistyped path must not create a corpus somewhere else and overwrite the file's tokenizer.
-    Giving data.build on the command line too asks for the build there."""
+def _built_index(root: str) -> Optional[dict]:
+    """The index.json at `root` (of any format version) if this build wrote it, else None."""
+    try:
+        with fsspec.open(join(root, INDEX_NAME), "r") as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        return None
+    sources = index.get("sources") if isinstance(index, dict) else None
+    ours = isinstance(sources, list) and len(sources) == 1 and str(sources[0]).startswith(SOURCE)
+    return index if ours else None
+
+
+def check_build_targets(shards: str, tokenizer: str) -> None:
+    """FileExistsError (exit 66) unless the build writes over nothing it did not make: `shards`
+    is new, empty or shards it built (its index says so), and `tokenizer` is new or the one
+    those shards name (by sha256)."""
+    root = index_root(shards)
+    index = _built_index(root)
+    fs, path = fsspec.core.url_to_fs(root)
+    if index is None and fs.exists(path) and (not fs.isdir(path) or fs.ls(path, detail=False)):
+        raise FileExistsError(
+            f"data.path {shards!r} holds files that data.build=stdlib_docs did not write (no "
+            f"{INDEX_NAME} of its corpus), and the build writes over nothing it did not make; "
+            "check data.path, or give a new folder to build into")
+    if _exists(tokenizer):
+        with fsspec.open(tokenizer, "rb") as f:
+            sha256 = hashlib.sha256(f.read()).hexdigest()
+        if index is None or index.get("tokenizer_sha256") != sha256:
+            raise FileExistsError(
+                f"data.tokenizer {tokenizer!r} exists, and no {INDEX_NAME} of data.build="
+                f"stdlib_docs at data.path {shards!r} names it as the tokenizer the build made; "
+                "the build writes over nothing it did not make: check data.path and "
+                "data.tokenizer, or remove that file to build both again")
+
+
+def check_build(cfg: DataConfig, config_path: Optional[str], overrides: Sequence[str]) -> None:
+    """The build rule, checked before anything is written, when `cfg` would build (exit 66).
+
+    Asked: data.build builds only into the data.path and data.tokenizer named where data.build
+    itself is set: the command line, or the file of the config's `base:` chain that sets it. A
+    path that a child config or the command line moves (a typo) is refused: it must not create a
+    corpus somewhere else and overwrite a tokenizer. Setting data.build there too asks for the
+    build there. Made: it writes over nothing it did not make (check_build_targets)."""
+    if not needs_build(cfg):
+        return
     keys = [item.split("=", 1)[0].strip() for item in overrides]
 
     def given(name: str) -> bool:  # set by an override of the field or of a section holding it
         return any(name == key or name.startswith(key + ".") for key in keys)
 
-    moved = [name for name in ("data.path", "data.tokenizer") if given(name)]
-    if not moved or given("data.build") or not needs_build(cfg):
-        return
-    what = (f"data.path {cfg.path!r} (on the command line) holds no shards" if "data.path" in moved
-            else f"data.tokenizer {cfg.tokenizer!r} is on the command line and data.path "
-                 f"{cfg.path!r} holds no shards")
-    raise FileNotFoundError(
-        f"{what}, and data.build={cfg.build} in {config_path} builds only into the data.path and "
-        f"data.tokenizer that file names; check the path, or add data.build={cfg.build} to the "
-        "command line to build there")
+    if config_path is not None and not given("data.build"):
+        source = setting_file(Path(config_path), "data.build")
+        named = (_read_yaml(source) if source else {}).get("data") or {}
+        default = DataConfig()
+        moved = [f for f in ("path", "tokenizer")
+                 if getattr(cfg, f) != named.get(f, getattr(default, f))]
+        if moved:
+            def where(field: str) -> str:
+                return ("on the command line" if given(f"data.{field}") else
+                        f"in {setting_file(Path(config_path), f'data.{field}')}")
+
+            what = (f"data.path {cfg.path!r} ({where('path')}) holds no shards"
+                    if "path" in moved else
+                    f"data.tokenizer {cfg.tokenizer!r} is set {where('tokenizer')} and data.path "
+                    f"{cfg.path!r} holds no shards")
+            raise FileNotFoundError(
+                f"{what}, and data.build={cfg.build} in {source} builds only into the data.path "
+                f"and data.tokenizer that file names; check the path, or set data.build="
+                f"{cfg.build} where the path is set to build there")
+    check_build_targets(cfg.path, cfg.tokenizer)

@@ -32,9 +32,9 @@ when the first 8 bytes of sha1(text), read as a fraction of 2**64, fall below
 `heldout_fraction`: the split depends on the text alone, so it is stable across re-runs and
 a held-out text (or an exact duplicate of it) never lands in train.
 
-Crash safety: an existing index.json is deleted first, each shard and table is written under a
-`.tmp` name and renamed when complete, and index.json is written last (also via rename), so an
-index never names a shard that is missing or partial.
+The write rule (scse_dist.atomic.output_dir): the shards are written into a temporary folder
+beside `out` and moved into place when every one is complete, index.json last, so a failed or
+killed run leaves `out` as it was and an index never names a shard that is missing or partial.
 """
 
 from __future__ import annotations
@@ -44,11 +44,12 @@ import io
 import itertools
 import json
 import tarfile
-from typing import Any, Iterable, Iterator
+from typing import Any, ContextManager, Iterable, Iterator
 
 import fsspec
 import numpy as np
 
+from scse_dist.atomic import output_dir
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
 
@@ -106,7 +107,7 @@ class _SplitWriter:
 
     def _open_shard(self) -> None:
         name = f"{self.split}-{len(self.shards):06d}.tar"
-        self.file = self.fs.open(join(self.root, name + ".tmp"), "wb")
+        self.file = self.fs.open(join(self.root, name), "wb")
         self.tar = tarfile.open(fileobj=self.file, mode="w", format=tarfile.USTAR_FORMAT)
         self.shards.append({"url": name, "table": name[:-len(".tar")] + ".samples.npy",
                             "tokens": 0, "documents": 0, "samples": 0})
@@ -153,11 +154,8 @@ class _SplitWriter:
             return
         self.tar.close()
         self.file.close()
-        table = self.shards[-1]["table"]
-        with self.fs.open(join(self.root, table + ".tmp"), "wb") as f:
+        with self.fs.open(join(self.root, self.shards[-1]["table"]), "wb") as f:
             f.write(npy_bytes(np.array(self.table, dtype=np.int64).reshape(-1, len(TABLE_COLUMNS))))
-        for name in (table, self.shards[-1]["url"]):
-            self.fs.mv(join(self.root, name + ".tmp"), join(self.root, name))
         self.tar = self.file = None
 
     def finish(self) -> list[dict[str, Any]]:
@@ -239,14 +237,21 @@ def no_documents(out: str) -> InputError:
                       "encodes to a token)")
 
 
-def start_output(out: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(fs, root) of a shard directory about to be (re)written; its old index is gone first, so a
-    crash from here on leaves no index naming half-rewritten shards."""
-    fs, root = fsspec.core.url_to_fs(out)
-    fs.makedirs(root, exist_ok=True)
-    if fs.exists(join(root, INDEX_NAME)):
-        fs.rm(join(root, INDEX_NAME))
-    return fs, root
+def holds_shards(out: str) -> bool:
+    """Whether `out` holds a shard index of any version: scse-data wrote the folder, so a new run
+    may replace its files (scse_dist.atomic.output_dir)."""
+    try:
+        with fsspec.open(join(out, INDEX_NAME), "r") as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(index, dict) and str(index.get("format", "")).startswith("scse-tokens")
+
+
+def shards_output(out: str) -> ContextManager[str]:
+    """The context in which a command writes shards: a temporary folder (fs, root) that becomes
+    `out` when the body succeeds (scse_dist.atomic.output_dir)."""
+    return output_dir(out, holds_shards, INDEX_NAME)
 
 
 def split_writers(fs: fsspec.AbstractFileSystem, root: str, dtype: str, eos: int,
@@ -256,16 +261,14 @@ def split_writers(fs: fsspec.AbstractFileSystem, root: str, dtype: str, eos: int
 
 def finish_index(fs: fsspec.AbstractFileSystem, root: str, writers: dict[str, _SplitWriter],
                  meta: dict) -> dict:
-    """Close the shards, then write index.json (last, via rename); `meta` holds the fields of
-    index.json other than "splits" and "format"."""
+    """Close the shards, then write index.json; `meta` holds the fields of index.json other than
+    "splits" and "format"."""
     index = {"format": FORMAT, **{k: meta[k] for k in ("tokenizer_sha256", "vocab_size",
                                                        "eos_id", "dtype", "sample_tokens")},
              "splits": {s: w.finish() for s, w in writers.items()},
              "sources": list(meta["sources"])}
-    index_path = join(root, INDEX_NAME)
-    with fs.open(index_path + ".tmp", "w") as f:
+    with fs.open(join(root, INDEX_NAME), "w") as f:
         json.dump(index, f, indent=1)
-    fs.mv(index_path + ".tmp", index_path)
     return index
 
 
@@ -288,13 +291,15 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
     processes or jobs, with the same bytes at the end.)
     """
     check_layout(heldout_fraction, sample_tokens, shard_bytes)
-    fs, root = start_output(out)
     meta = shard_meta(tokenizer, sample_tokens, sources)
-    writers = split_writers(fs, root, meta["dtype"], tokenizer.eos_id, sample_tokens, shard_bytes)
-    if tokenize_into(documents, tokenizer, writers, heldout_fraction, f"shards {out}",
-                     encode_batch, progress_every, workers) == 0:
-        raise no_documents(out)
-    return finish_index(fs, root, writers, meta)
+    with shards_output(out) as tmp:
+        fs, root = fsspec.core.url_to_fs(tmp)
+        writers = split_writers(fs, root, meta["dtype"], tokenizer.eos_id, sample_tokens,
+                                shard_bytes)
+        if tokenize_into(documents, tokenizer, writers, heldout_fraction, f"shards {out}",
+                         encode_batch, progress_every, workers) == 0:
+            raise no_documents(out)
+        return finish_index(fs, root, writers, meta)
 
 
 # --------------------------------------------------------------------------- reading

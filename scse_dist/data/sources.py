@@ -161,8 +161,9 @@ def jsonl_values(url: str) -> Iterator[tuple[str, Any]]:
         try:
             yield f"{url}:{lineno}", json.loads(line)
         except json.JSONDecodeError as exc:
-            raise InputError(f"{url}:{lineno}: not valid JSON ({exc.msg} at column "
-                             f"{exc.colno})") from None
+            # some of json's messages end in "at" ("Invalid control character at")
+            raise InputError(f"{url}:{lineno}: not valid JSON ({exc.msg.removesuffix(' at')} "
+                             f"at column {exc.colno})") from None
 
 
 def _iter_jsonl(url: str, text_field: str, stats: RowStats) -> Iterator[str]:

@@ -28,9 +28,9 @@ import hashlib
 import io
 from typing import Any, Iterable
 
-import fsspec
 import sentencepiece as spm
 
+from scse_dist.atomic import write_file
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
 from scse_dist.data.config import TOKENIZER_EXPORT_NAMES as EXPORT_NAMES
@@ -92,8 +92,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_
             raise InputError("no text to train a tokenizer on (the documents hold no non-blank "
                              "line)") from None
         raise
-    with fsspec.open(out_path, "wb", auto_mkdir=True) as f:
-        f.write(model.getvalue())
+    write_file(out_path, model.getvalue())  # whole or not at all (scse_dist.atomic)
     return out_path
 
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Iterable
 
-import fsspec
-
+from scse_dist.atomic import write_file
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
 from scse_dist.data.config import TOKENIZER_EXPORT_NAMES as EXPORT_NAMES
@@ -131,6 +130,5 @@ def train_byte_bpe(texts: Iterable[str], vocab_size: int, out_path: str,
         raise
     if sentences.count == 0:
         raise InputError("no text to train a tokenizer on (the documents hold no non-blank line)")
-    with fsspec.open(out_path, "wb", auto_mkdir=True) as f:
-        f.write(tok.to_str().encode("utf-8"))
+    write_file(out_path, tok.to_str().encode("utf-8"))  # whole or not at all (scse_dist.atomic)
     return out_path

@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from scse_dist.atomic import output_dir
 from scse_dist.eval.curves import (
     CURVE_NAME,
     DOWNSTREAM_CURVE_NAME,
@@ -103,22 +104,25 @@ def frontier_plot(results: list[dict], path: str | Path) -> str:
 def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, wandb_cfg: Any = None,
                  wandb_name: str = "eval", wandb_group: Optional[str] = None
                  ) -> dict[str, Optional[str]]:
-    """Collect, then write out_dir/report.md and out_dir/frontier.png (and wandb if enabled)."""
+    """Collect, then write out_dir/report.md and out_dir/frontier.png (and wandb if enabled).
+    The files are written beside out_dir and moved in together (scse_dist.atomic.output_dir)."""
     results = collect(run_dirs)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(results)
-    plot = frontier_plot(results, out / PLOT_NAME)
-    # runs trained with eval.every_steps: held-out loss against step, one line per depth
-    curve = heldout_curve_plot(run_dirs, out / CURVE_NAME)
-    # runs trained with eval.downstream_every: each task's headline against step, per depth
-    downstream = downstream_curve_plot(run_dirs, out / DOWNSTREAM_CURVE_NAME)
-    (out / REPORT_NAME).write_text(
-        "# Evaluation report\n\nRuns: " + ", ".join(str(r) for r in run_dirs) + "\n\n" + table
-        + f"\n\n![quality frontier]({PLOT_NAME})\n"
-        + (f"\n![held-out loss during training]({CURVE_NAME})\n" if curve else "")
-        + (f"\n![downstream tasks during training]({DOWNSTREAM_CURVE_NAME})\n"
-           if downstream else ""))
+    with output_dir(str(out), lambda u: (Path(u) / REPORT_NAME).is_file(), REPORT_NAME) as tmp:
+        plot = frontier_plot(results, Path(tmp) / PLOT_NAME)
+        # runs trained with eval.every_steps: held-out loss against step, one line per depth
+        curve = heldout_curve_plot(run_dirs, Path(tmp) / CURVE_NAME)
+        # runs trained with eval.downstream_every: each task's headline against step, per depth
+        downstream = downstream_curve_plot(run_dirs, Path(tmp) / DOWNSTREAM_CURVE_NAME)
+        (Path(tmp) / REPORT_NAME).write_text(
+            "# Evaluation report\n\nRuns: " + ", ".join(str(r) for r in run_dirs) + "\n\n"
+            + table + f"\n\n![quality frontier]({PLOT_NAME})\n"
+            + (f"\n![held-out loss during training]({CURVE_NAME})\n" if curve else "")
+            + (f"\n![downstream tasks during training]({DOWNSTREAM_CURVE_NAME})\n"
+               if downstream else ""))
+    plot, curve = str(out / PLOT_NAME), curve and str(out / CURVE_NAME)
+    downstream = downstream and str(out / DOWNSTREAM_CURVE_NAME)
     print(table)
     if wandb_cfg is not None and wandb_cfg.enabled and wandb_cfg.mode != "disabled":
         log_to_wandb(results, wandb_cfg, wandb_name, wandb_group or wandb_name, out)

@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
+from scse_dist.atomic import output_dir
 from scse_dist.cli_errors import cli_main
 from scse_dist.config import ModelConfig, RunConfig
 from scse_dist.model.transitions import transition_for
@@ -429,15 +430,8 @@ def wandb_wanted(study: Study) -> bool:
     return not configs or any(c.wandb.enabled for c in configs)
 
 
-def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
-                       wandb_mode: Literal["auto", "offline", "online", "disabled"] = "auto"
-                       ) -> Path:
-    """Write report.md, aggregate.json and the PNGs into out_dir (default STUDY_DIR/report);
-    log to wandb unless wandb_mode is "disabled" (or "auto" and every run disables wandb: else
-    offline). Returns the report.md path."""
-    report = StudyReport(load_study(study_dir))
-    out = Path(out_dir) if out_dir is not None else Path(study_dir) / "report"
-    out.mkdir(parents=True, exist_ok=True)
+def _write_report_files(report: StudyReport, out: Path) -> dict[str, str]:
+    """report.md, aggregate.json and the PNGs into `out`; returns {title: PNG path}."""
     images = {}
     if report.table:
         images["frontier vs loop depth"] = frontier_plot(report.frontier_series("depth"),
@@ -456,6 +450,21 @@ def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
     (out / REPORT_NAME).write_text(report.markdown(images), encoding="utf-8")
     (out / "aggregate.json").write_text(json.dumps(report.numbers(), indent=2) + "\n",
                                         encoding="utf-8")
+    return images
+
+
+def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
+                       wandb_mode: Literal["auto", "offline", "online", "disabled"] = "auto"
+                       ) -> Path:
+    """Write report.md, aggregate.json and the PNGs into out_dir (default STUDY_DIR/report);
+    log to wandb unless wandb_mode is "disabled" (or "auto" and every run disables wandb: else
+    offline). Returns the report.md path."""
+    report = StudyReport(load_study(study_dir))
+    out = Path(out_dir) if out_dir is not None else Path(study_dir) / "report"
+    # written beside `out` and moved in together (scse_dist.atomic.output_dir)
+    with output_dir(str(out), lambda u: (Path(u) / REPORT_NAME).is_file(), REPORT_NAME) as tmp:
+        images = _write_report_files(report, Path(tmp))
+    images = {name: str(out / Path(p).name) for name, p in images.items()}
     if wandb_mode == "auto":
         wandb_mode = "offline" if wandb_wanted(report.study) else "disabled"
     if wandb_mode != "disabled":
