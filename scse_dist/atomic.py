@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -127,9 +128,33 @@ def output_dir(url: str, made_here: Callable[[str], bool], last: str) -> Iterato
         try:
             yield tmp_url
             _publish(fs, tmp, root, url, made_here, last)
+            _remove_dead_temporaries(fs, root)
         finally:
             if fs.exists(tmp):
                 fs.rm(tmp, recursive=True)
+
+
+def _remove_dead_temporaries(fs: Any, root: str) -> None:
+    """Once `root` is published, the `.tmp-NAME.PID` folders a killed process left beside it are
+    this stack's own leftovers: remove those whose process is gone (local filesystems only)."""
+    if not _local(fs):
+        return
+    parent, name = os.path.split(root)
+    for leftover in Path(parent or ".").glob(f".tmp-{name}.*"):
+        pid = leftover.name.rsplit(".", 1)[-1]
+        if not pid.isdigit() or not leftover.is_dir() or _alive(int(pid)):
+            continue
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _publish(fs: Any, tmp: str, root: str, url: str, made_here: Callable[[str], bool],
