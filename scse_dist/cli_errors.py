@@ -12,7 +12,8 @@ Exit statuses shared by every command (scse-train adds 3 and 75, see scse_dist.t
 
 Ctrl-C in any command is one line, `<prog>: interrupted`, and exit status 130 (128 + SIGINT, what
 a shell reports), never a traceback; a command that saves partial work first raises
-`Interrupted("what was kept")` and the line says so.
+`Interrupted("what was kept")` and the line says so. A reader of stdout that goes away early
+(`scse-data inspect ... | head`) ends the command silently with status 0, as other tools do.
 
 Errors are raised where the input is read, with the file and line in the message (e.g.
 scse_dist.data.sources); this module only maps their types to a line and a status. Anything else
@@ -26,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import io
 import json
+import os
 import sys
-from typing import Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Sequence
 
 from scse_dist.config import ConfigError
 
@@ -78,6 +82,33 @@ def one_line(exc: BaseException) -> str:
     return text
 
 
+def _stdout_gone() -> int:
+    """stdout's reader left (`| head`): exit 0 in silence. stdout goes to /dev/null first, or
+    the interpreter's last flush at exit would report the broken pipe after all."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+@contextmanager
+def from_config(field: str, value: str, source: str, flag: str) -> Iterator[None]:
+    """Reading `value`, which is `field` of `source`'s config rather than a flag the user gave:
+    a local path that is not there, and any bad input met inside, say where the path came from
+    and which flag names another (a relative path in a run's config is relative to the
+    directory the run was launched from)."""
+    where = f"{field} of the config of {source}; {flag} names another"
+    local = "://" not in value and "{" not in value
+    if local and not os.path.exists(value) and not glob.glob(value):
+        raise FileNotFoundError(f"{value!r} does not exist here ({os.getcwd()}): it is {where}")
+    try:
+        yield
+    except Exception as exc:
+        status = exit_status(exc)
+        if status not in (EXIT_BAD_INPUT, EXIT_NO_INPUT):
+            raise
+        kind = InputError if status == EXIT_BAD_INPUT else OSError
+        raise kind(f"{one_line(exc)} ({value!r} is {where})") from None
+
+
 def cli_main(prog: str) -> Callable:
     """Decorator for a console script's `main(argv) -> int`: bad input -> one line + exit status."""
 
@@ -85,7 +116,11 @@ def cli_main(prog: str) -> Callable:
         @functools.wraps(main)
         def run(argv: Optional[Sequence[str]] = None) -> int:
             try:
-                return main(argv)
+                done = main(argv)
+                sys.stdout.flush()  # a closed pipe shows here when the output fit its buffer
+                return done
+            except BrokenPipeError:
+                return _stdout_gone()
             except KeyboardInterrupt as exc:
                 note = f": {one_line(exc)}" if str(exc) else ""
                 print(f"\n{prog}: interrupted{note}", file=sys.stderr, flush=True)

@@ -3,7 +3,6 @@ workers, brace patterns, bad input (corrupt / truncated shards, missing shards) 
 
 import json
 import os
-import warnings
 from collections import Counter
 from itertools import islice
 
@@ -163,6 +162,10 @@ def corrupt(path: str, how: str) -> None:
         tokens = np.frombuffer(bytes(data[start:start + 2000]), np.uint16)
         first_eos = start + 2 * int(np.flatnonzero(tokens == EOS)[0])
         data[first_eos:first_eos + 2] = (7).to_bytes(2, "little")
+    elif how == "vocab":  # flipped bits: the first token of the first sample is 65535
+        magic = data.index(b"\x93NUMPY")
+        start = magic + 10 + int.from_bytes(data[magic + 8:magic + 10], "little")
+        data[start:start + 2] = b"\xff\xff"
     else:  # overwrite the first tokens.npy payload's magic: np.load fails on it
         at = data.index(b"\x93NUMPY")
         data[at:at + 6] = b"garbag"
@@ -173,7 +176,8 @@ def corrupt(path: str, how: str) -> None:
 # shuffled
 @pytest.mark.parametrize("storage", ["local", "memory"])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shuffle, storage):
+def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shuffle, storage,
+                                                                   capfd):
     docs = docs_of(80)
     out, index = write(tmp_path, docs, sample_tokens=20, shard_bytes=700)
     entries = index["splits"]["train"]
@@ -186,20 +190,20 @@ def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shu
         out = f"memory://{tmp_path.name}-{shuffle}"
         fsspec.filesystem("memory").put(os.path.join(str(tmp_path), "s"), out, recursive=True)
     make = lambda: TokenStream(out, seq_len=5, batch_size=2, shuffle=shuffle, loop=False, seed=1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        stream = make()
-        got = [tuple(d.tolist()) for d in stream.documents(0)]
-        full = [b.tolist() for b in make()]
-        assert [b.tolist() for b in islice(stream, 30)] == full[:30]
-        state = json.loads(json.dumps(stream.state_dict()))
-        resumed = make()
-        resumed.load_state_dict(state)
-        # resume after skipped corrupt data: the same batches as without a restart
-        assert [b.tolist() for b in resumed] == full[30:]
+    stream = make()
+    got = [tuple(d.tolist()) for d in stream.documents(0)]
+    full = [b.tolist() for b in make()]
+    assert [b.tolist() for b in islice(stream, 30)] == full[:30]
+    state = json.loads(json.dumps(stream.state_dict()))
+    resumed = make()
+    resumed.load_state_dict(state)
+    # resume after skipped corrupt data: the same batches as without a restart
+    assert [b.tolist() for b in resumed] == full[30:]
     assert resumed.failures == 4 and len(resumed.state_dict()["bad"]) >= 3 + entries[3]["samples"]
-    messages = [str(w.message) for w in caught]
-    assert any(entries[0]["url"] in m and "skipping" in m for m in messages)
+    # one line per bad shard or sample, naming it; no Python warning with its source line
+    messages = capfd.readouterr().err.splitlines()
+    assert messages and all(m.startswith("skipping ") for m in messages), messages
+    assert any(entries[0]["url"] in m for m in messages)
     assert any(entries[1]["url"] in m and "does not end in eos 2" in m for m in messages)
     assert any(entries[2]["url"] in m and "undecodable" in m for m in messages)
     assert any(entries[3]["table"] in m and "unreadable sample table" in m for m in messages)
@@ -208,22 +212,37 @@ def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shu
     assert len(got) >= len(docs) - sum(e["documents"] for e in entries[:4])
 
 
+@pytest.mark.parametrize("shuffle", [False, True])  # read in file order / sample by sample
+def test_a_token_id_past_the_vocabulary_is_a_bad_sample_named_by_shard_and_sample(
+        tmp_path, capfd, shuffle):
+    out, index = write(tmp_path, docs_of(60), sample_tokens=20, shard_bytes=500)
+    url = os.path.join(out, index["splits"]["train"][0]["url"])
+    corrupt(url, "vocab")
+    batches = list(TokenStream(out, seq_len=5, batch_size=2, shuffle=shuffle, loop=False))
+    assert max(int(b.max()) for b in batches) < 1000  # never past the embedding
+    assert capfd.readouterr().err == (f"skipping 1 bad sample(s): {url}: sample 0: token id "
+                                      "65535 past the vocabulary (vocab_size 1000)\n")
+    # past data.max_failures it stops: the one line names the shard and the sample
+    with pytest.raises(InputError) as err:
+        list(TokenStream(out, seq_len=5, batch_size=2, shuffle=shuffle, max_failures=0))
+    assert str(err.value).startswith(f"{url}: sample 0: token id 65535 past the vocabulary "
+                                     "(vocab_size 1000) (1 bad shards/samples, more than "
+                                     "data.max_failures=0)")
+    assert capfd.readouterr().err == ""
+
+
 def test_too_many_failures_stop_the_run(tmp_path):
     out, index = write(tmp_path, docs_of(60), sample_tokens=20, shard_bytes=500)
     for e in index["splits"]["train"][:3]:
         corrupt(os.path.join(out, e["url"]), "truncate")
     stream = TokenStream(out, seq_len=5, batch_size=2, max_failures=1, shuffle=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(InputError, match="2 bad shards/samples, more than data.max_failures=1"):
-            list(islice(stream, 100))
+    with pytest.raises(InputError, match="2 bad shards/samples, more than data.max_failures=1"):
+        list(islice(stream, 100))
     for e in index["splits"]["train"]:  # nothing readable at all: an error, not an endless loop
         corrupt(os.path.join(out, e["url"]), "truncate")
     stream = TokenStream(out, seq_len=5, batch_size=2, max_failures=1000, shuffle=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(RuntimeError, match="no readable data"):
-            next(iter(stream))
+    with pytest.raises(InputError, match="no readable data"):  # a data error (65), not a crash
+        next(iter(stream))
 
 
 def test_mixture_weights_hold_and_resume(tmp_path):
