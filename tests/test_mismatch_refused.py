@@ -230,3 +230,19 @@ def test_a_reader_of_stdout_that_goes_away_is_silent_and_exit_0(tiny_data, elsew
         os.close(write)
     assert (proc.returncode, proc.stderr) == (0, "")
     assert yaml is not None and list(elsewhere.iterdir()) == []
+
+
+def test_study_dry_run_exits_with_the_status_its_runs_would_have(tmp_path, tiny_config,
+                                                                 tiny_data):
+    from test_study import study, study_spec, write_spec
+
+    spec = study_spec(tiny_config(tmp_path), str(tmp_path / "out"), axes={})
+    spec["variants"]["looped"]["overrides"]["model.vocab_size"] = 64
+    path = write_spec(tmp_path / "spec.yaml", spec)
+    before = listing(tmp_path)
+    out = study(path, "--dry-run", cwd=tmp_path)
+    assert out.returncode == BAD_INPUT and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines() == [
+        f"scse-study: data.tokenizer: {tiny_data['tokenizer']} has 320 tokens, more than "
+        "model.vocab_size=64 (exit 65), for 3 run(s): looped-seed0, looped-seed1, looped-seed2"]
+    assert listing(tmp_path) == before
