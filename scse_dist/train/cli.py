@@ -25,13 +25,15 @@ from scse_dist.config import RunConfig, config_yaml, load_config
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 EXIT_STATUSES = """exit statuses:
-  0    finished: checkpoint, export (and evaluation) written
+  0    finished: checkpoint, export (and evaluation) written (--dry-run, --plan: the run
+       would start; otherwise they exit with the status below that the run would have)
   1    a crash (an exception; "rank R crashed after step N" says where): a Slurm training job
        requeues itself up to train.max_retries times
   2    bad arguments or config, before anything starts (one line naming the field)
   3    train.max_nonfinite_steps non-finite steps in a row; the last good checkpoint is kept
   4    train.spike_skip.max_in_a_row loss spikes in a row; the last good checkpoint is kept
-  65   bad input data (another tokenizer's shards, corrupt data past data.max_failures)
+  65   bad input data (another tokenizer's shards, a tokenizer larger than model.vocab_size,
+       corrupt data past data.max_failures, a split with nothing readable)
   66   an input is missing or unreadable (data.path, data.tokenizer)
   75   preempted by SIGTERM, SIGUSR1 or Ctrl-C: the step in flight was saved; rerun to resume
   130  a second Ctrl-C: stopped at once without saving"""
