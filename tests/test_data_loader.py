@@ -222,13 +222,17 @@ def test_a_token_id_past_the_vocabulary_is_a_bad_sample_named_by_shard_and_sampl
     assert max(int(b.max()) for b in batches) < 1000  # never past the embedding
     assert capfd.readouterr().err == (f"skipping 1 bad sample(s): {url}: sample 0: token id "
                                       "65535 past the vocabulary (vocab_size 1000)\n")
-    # past data.max_failures it stops: the one line names the shard and the sample
-    with pytest.raises(InputError) as err:
-        list(TokenStream(out, seq_len=5, batch_size=2, shuffle=shuffle, max_failures=0))
-    assert str(err.value).startswith(f"{url}: sample 0: token id 65535 past the vocabulary "
-                                     "(vocab_size 1000) (1 bad shards/samples, more than "
-                                     "data.max_failures=0)")
-    assert capfd.readouterr().err == ""
+    # past data.max_failures it stops: the one line names the shard and the sample, also when a
+    # DataLoader worker met it (torch re-raises it with the worker's traceback as its message)
+    for workers in (0, 1):
+        with pytest.raises(InputError) as err:
+            list(TokenStream(out, seq_len=5, batch_size=2, shuffle=shuffle, max_failures=0,
+                             num_workers=workers))
+        assert str(err.value).startswith(f"{url}: sample 0: token id 65535 past the vocabulary "
+                                         "(vocab_size 1000) (1 bad shards/samples, more than "
+                                         "data.max_failures=0)"), str(err.value)
+        assert "Traceback" not in str(err.value)
+        assert capfd.readouterr().err == ""
 
 
 def test_too_many_failures_stop_the_run(tmp_path):
