@@ -31,6 +31,7 @@ import glob
 import io
 import json
 import os
+import select
 import sys
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
@@ -82,11 +83,20 @@ def one_line(exc: BaseException) -> str:
     return text
 
 
-def _stdout_gone() -> int:
-    """stdout's reader left (`| head`): exit 0 in silence. stdout goes to /dev/null first, or
-    the interpreter's last flush at exit would report the broken pipe after all."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader left (`| head`): poll says POLLERR. stdout then goes
+    to /dev/null, or the interpreter's last flush at exit would report the broken pipe after all.
+    A broken pipe elsewhere (a socket, a child's stdin) is an error like any other."""
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poll.poll(0)):
+            return False
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    except (OSError, ValueError, AttributeError):  # no file descriptor, no poll (Windows)
+        return False
+    return True
 
 
 @contextmanager
@@ -119,13 +129,13 @@ def cli_main(prog: str) -> Callable:
                 done = main(argv)
                 sys.stdout.flush()  # a closed pipe shows here when the output fit its buffer
                 return done
-            except BrokenPipeError:
-                return _stdout_gone()
             except KeyboardInterrupt as exc:
                 note = f": {one_line(exc)}" if str(exc) else ""
                 print(f"\n{prog}: interrupted{note}", file=sys.stderr, flush=True)
                 return EXIT_INTERRUPTED
             except Exception as exc:
+                if isinstance(exc, BrokenPipeError) and _stdout_gone():
+                    return 0
                 status = exit_status(exc)
                 if status is None:
                     raise

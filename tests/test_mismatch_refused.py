@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,16 @@ def test_study_dry_run_exits_with_the_status_its_runs_would_have(tmp_path, tiny_
         f"scse-study: data.tokenizer: {tiny_data['tokenizer']} has 320 tokens, more than "
         "model.vocab_size=64 (exit 65), for 3 run(s): looped-seed0, looped-seed1, looped-seed2"]
     assert listing(tmp_path) == before
+
+
+def test_a_broken_pipe_elsewhere_than_stdout_stays_an_error(subprocess_env):
+    """Only stdout's reader going away is silent: a broken pipe to a child or a socket, with
+    stdout still read, is one line and exit 66 like any unreadable input."""
+    code = ("import sys\nfrom scse_dist.cli_errors import cli_main\n"
+            "@cli_main('scse-x')\ndef main(argv=None):\n"
+            "    print('some output')\n    raise BrokenPipeError(32, 'Broken pipe')\n"
+            "sys.exit(main())\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env, capture_output=True,
+                          text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        NO_INPUT, "some output\n", "scse-x: error: [Errno 32] Broken pipe\n")
