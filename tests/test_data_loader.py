@@ -16,8 +16,13 @@ from scse_dist.data.stream import TokenStream
 from test_data_stream import EOS, docs_of, write
 
 
+# unique_docs' ids run past IntTokenizer's default vocabulary, which the reader checks them against
+WIDE = {"vocab_size": 2**16 - 1}
+
+
 def unique_docs(n: int, seed: int = 0) -> list[str]:
-    """Documents whose token ids are all distinct and whose length is odd (so doc + eos is even)."""
+    """Documents whose token ids are all distinct and whose length is odd (so doc + eos is even);
+    write them with tok=WIDE."""
     rng = np.random.default_rng(seed)
     docs, next_id = [], 10
     for _ in range(n):
@@ -40,8 +45,8 @@ def test_readers_are_disjoint_and_complete(tmp_path, world, workers, shard_bytes
     docs = unique_docs(90)
     if level == "document":  # exactly two shards of one sample each
         out = str(tmp_path / "s")
-        write(tmp_path, docs[:45], name="a", sample_tokens=sample_tokens)
-        write(tmp_path, docs[45:], name="b", sample_tokens=sample_tokens)
+        write(tmp_path, docs[:45], name="a", sample_tokens=sample_tokens, tok=WIDE)
+        write(tmp_path, docs[45:], name="b", sample_tokens=sample_tokens, tok=WIDE)
         index = json.loads((tmp_path / "a" / "index.json").read_text())
         other = json.loads((tmp_path / "b" / "index.json").read_text())["splits"]["train"][0]
         first = index["splits"]["train"][0]
@@ -51,7 +56,8 @@ def test_readers_are_disjoint_and_complete(tmp_path, world, workers, shard_bytes
         os.makedirs(out)
         (tmp_path / "s" / "index.json").write_text(json.dumps(index))
     else:
-        out, index = write(tmp_path, docs, shard_bytes=shard_bytes, sample_tokens=sample_tokens)
+        out, index = write(tmp_path, docs, shard_bytes=shard_bytes, sample_tokens=sample_tokens,
+                           tok=WIDE)
     n_shards = len(json.loads(open(os.path.join(out, "index.json")).read())["splits"]["train"])
     assert (n_shards >= 4) if level == "shard" else (n_shards <= 2)
     streams = [TokenStream(out, seq_len=1, batch_size=3, rank=r, world_size=world, seed=3,
@@ -277,7 +283,7 @@ def test_layout_changes_read_every_token_and_sample_of_the_epoch_once(tmp_path, 
     consumed batches are the corpus exactly (even-length documents, width-2 rows: no token is
     dropped by packing), and the readers' own sample logs name every sample once."""
     docs = unique_docs(90)
-    out, _ = write(tmp_path, docs, sample_tokens=40)
+    out, _ = write(tmp_path, docs, sample_tokens=40, tok=WIDE)
     monkeypatch.setenv("SCSE_LOG_SAMPLES", str(tmp_path / "log"))
     make = lambda rank, world, workers=0: TokenStream(out, seq_len=1, batch_size=batch, rank=rank,
                                                       world_size=world, seed=7, loop=False,
@@ -327,7 +333,8 @@ def test_a_mixture_resumes_at_another_world_size_reading_each_corpus_once(tmp_pa
     """Two corpora, 2 ranks -> 1 rank: every token of each finite corpus is read once."""
     docs = [unique_docs(40, seed=1), [" ".join(str(int(t) + 5000) for t in d.split())
                                       for d in unique_docs(40, seed=2)]]
-    paths = [write(tmp_path / f"c{i}", d, sample_tokens=40)[0] for i, d in enumerate(docs)]
+    paths = [write(tmp_path / f"c{i}", d, sample_tokens=40, tok=WIDE)[0]
+             for i, d in enumerate(docs)]
     make = lambda rank, world: MixedStream(
         [TokenStream(p, seq_len=1, batch_size=2, rank=rank, world_size=world, seed=3, loop=False)
          for p in paths], [0.5, 0.5], seed=3)
