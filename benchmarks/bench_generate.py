@@ -214,10 +214,10 @@ def draft_token_choices(text: str) -> list:
 
 
 def heldout_rows(cfg, n: int) -> torch.Tensor:
-    from scse_dist.eval.inputs import _shard_stream
+    from scse_dist.eval.inputs import read_task_data
 
     rows = []
-    for batch in _shard_stream(cfg.data.path, cfg):
+    for batch in read_task_data("heldout", cfg, cfg.data.path).inputs:
         rows += list(batch)
         if len(rows) >= n:
             break

@@ -12,7 +12,8 @@ Exit statuses shared by every command (scse-train adds 3 and 75, see scse_dist.t
 
 Ctrl-C in any command is one line, `<prog>: interrupted`, and exit status 130 (128 + SIGINT, what
 a shell reports), never a traceback; a command that saves partial work first raises
-`Interrupted("what was kept")` and the line says so.
+`Interrupted("what was kept")` and the line says so. A reader of stdout that goes away early
+(`scse-data inspect ... | head`) ends the command silently with status 0, as other tools do.
 
 Errors are raised where the input is read, with the file and line in the message (e.g.
 scse_dist.data.sources); this module only maps their types to a line and a status. Anything else
@@ -26,10 +27,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
 import io
 import json
+import os
+import select
 import sys
-from typing import Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Sequence
 
 from scse_dist.config import ConfigError
 
@@ -78,6 +83,42 @@ def one_line(exc: BaseException) -> str:
     return text
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader left (`| head`): poll says POLLERR. stdout then goes
+    to /dev/null, or the interpreter's last flush at exit would report the broken pipe after all.
+    A broken pipe elsewhere (a socket, a child's stdin) is an error like any other."""
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poll.poll(0)):
+            return False
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    except (OSError, ValueError, AttributeError):  # no file descriptor, no poll (Windows)
+        return False
+    return True
+
+
+@contextmanager
+def from_config(field: str, value: str, source: str, flag: str) -> Iterator[None]:
+    """Reading `value`, which is `field` of `source`'s config rather than a flag the user gave:
+    a local path that is not there, and any bad input met inside, say where the path came from
+    and which flag names another (a relative path in a run's config is relative to the
+    directory the run was launched from)."""
+    where = f"{field} of the config of {source}; {flag} names another"
+    local = "://" not in value and "{" not in value
+    if local and not os.path.exists(value) and not glob.glob(value):
+        raise FileNotFoundError(f"{value!r} does not exist here ({os.getcwd()}): it is {where}")
+    try:
+        yield
+    except Exception as exc:
+        status = exit_status(exc)
+        if status not in (EXIT_BAD_INPUT, EXIT_NO_INPUT):
+            raise
+        kind = InputError if status == EXIT_BAD_INPUT else OSError
+        raise kind(f"{one_line(exc)} ({value!r} is {where})") from None
+
+
 def cli_main(prog: str) -> Callable:
     """Decorator for a console script's `main(argv) -> int`: bad input -> one line + exit status."""
 
@@ -85,12 +126,16 @@ def cli_main(prog: str) -> Callable:
         @functools.wraps(main)
         def run(argv: Optional[Sequence[str]] = None) -> int:
             try:
-                return main(argv)
+                done = main(argv)
+                sys.stdout.flush()  # a closed pipe shows here when the output fit its buffer
+                return done
             except KeyboardInterrupt as exc:
                 note = f": {one_line(exc)}" if str(exc) else ""
                 print(f"\n{prog}: interrupted{note}", file=sys.stderr, flush=True)
                 return EXIT_INTERRUPTED
             except Exception as exc:
+                if isinstance(exc, BrokenPipeError) and _stdout_gone():
+                    return 0
                 status = exit_status(exc)
                 if status is None:
                     raise

@@ -3,7 +3,6 @@ workers, brace patterns, bad input (corrupt / truncated shards, missing shards) 
 
 import json
 import os
-import warnings
 from collections import Counter
 from itertools import islice
 
@@ -17,8 +16,13 @@ from scse_dist.data.stream import TokenStream
 from test_data_stream import EOS, docs_of, write
 
 
+# unique_docs' ids run past IntTokenizer's default vocabulary, which the reader checks them against
+WIDE = {"vocab_size": 2**16 - 1}
+
+
 def unique_docs(n: int, seed: int = 0) -> list[str]:
-    """Documents whose token ids are all distinct and whose length is odd (so doc + eos is even)."""
+    """Documents whose token ids are all distinct and whose length is odd (so doc + eos is even);
+    write them with tok=WIDE."""
     rng = np.random.default_rng(seed)
     docs, next_id = [], 10
     for _ in range(n):
@@ -41,8 +45,8 @@ def test_readers_are_disjoint_and_complete(tmp_path, world, workers, shard_bytes
     docs = unique_docs(90)
     if level == "document":  # exactly two shards of one sample each
         out = str(tmp_path / "s")
-        write(tmp_path, docs[:45], name="a", sample_tokens=sample_tokens)
-        write(tmp_path, docs[45:], name="b", sample_tokens=sample_tokens)
+        write(tmp_path, docs[:45], name="a", sample_tokens=sample_tokens, tok=WIDE)
+        write(tmp_path, docs[45:], name="b", sample_tokens=sample_tokens, tok=WIDE)
         index = json.loads((tmp_path / "a" / "index.json").read_text())
         other = json.loads((tmp_path / "b" / "index.json").read_text())["splits"]["train"][0]
         first = index["splits"]["train"][0]
@@ -52,7 +56,8 @@ def test_readers_are_disjoint_and_complete(tmp_path, world, workers, shard_bytes
         os.makedirs(out)
         (tmp_path / "s" / "index.json").write_text(json.dumps(index))
     else:
-        out, index = write(tmp_path, docs, shard_bytes=shard_bytes, sample_tokens=sample_tokens)
+        out, index = write(tmp_path, docs, shard_bytes=shard_bytes, sample_tokens=sample_tokens,
+                           tok=WIDE)
     n_shards = len(json.loads(open(os.path.join(out, "index.json")).read())["splits"]["train"])
     assert (n_shards >= 4) if level == "shard" else (n_shards <= 2)
     streams = [TokenStream(out, seq_len=1, batch_size=3, rank=r, world_size=world, seed=3,
@@ -163,6 +168,10 @@ def corrupt(path: str, how: str) -> None:
         tokens = np.frombuffer(bytes(data[start:start + 2000]), np.uint16)
         first_eos = start + 2 * int(np.flatnonzero(tokens == EOS)[0])
         data[first_eos:first_eos + 2] = (7).to_bytes(2, "little")
+    elif how == "vocab":  # flipped bits: the first token of the first sample is 65535
+        magic = data.index(b"\x93NUMPY")
+        start = magic + 10 + int.from_bytes(data[magic + 8:magic + 10], "little")
+        data[start:start + 2] = b"\xff\xff"
     else:  # overwrite the first tokens.npy payload's magic: np.load fails on it
         at = data.index(b"\x93NUMPY")
         data[at:at + 6] = b"garbag"
@@ -173,7 +182,8 @@ def corrupt(path: str, how: str) -> None:
 # shuffled
 @pytest.mark.parametrize("storage", ["local", "memory"])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shuffle, storage):
+def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shuffle, storage,
+                                                                   capfd):
     docs = docs_of(80)
     out, index = write(tmp_path, docs, sample_tokens=20, shard_bytes=700)
     entries = index["splits"]["train"]
@@ -186,20 +196,20 @@ def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shu
         out = f"memory://{tmp_path.name}-{shuffle}"
         fsspec.filesystem("memory").put(os.path.join(str(tmp_path), "s"), out, recursive=True)
     make = lambda: TokenStream(out, seq_len=5, batch_size=2, shuffle=shuffle, loop=False, seed=1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        stream = make()
-        got = [tuple(d.tolist()) for d in stream.documents(0)]
-        full = [b.tolist() for b in make()]
-        assert [b.tolist() for b in islice(stream, 30)] == full[:30]
-        state = json.loads(json.dumps(stream.state_dict()))
-        resumed = make()
-        resumed.load_state_dict(state)
-        # resume after skipped corrupt data: the same batches as without a restart
-        assert [b.tolist() for b in resumed] == full[30:]
+    stream = make()
+    got = [tuple(d.tolist()) for d in stream.documents(0)]
+    full = [b.tolist() for b in make()]
+    assert [b.tolist() for b in islice(stream, 30)] == full[:30]
+    state = json.loads(json.dumps(stream.state_dict()))
+    resumed = make()
+    resumed.load_state_dict(state)
+    # resume after skipped corrupt data: the same batches as without a restart
+    assert [b.tolist() for b in resumed] == full[30:]
     assert resumed.failures == 4 and len(resumed.state_dict()["bad"]) >= 3 + entries[3]["samples"]
-    messages = [str(w.message) for w in caught]
-    assert any(entries[0]["url"] in m and "skipping" in m for m in messages)
+    # one line per bad shard or sample, naming it; no Python warning with its source line
+    messages = capfd.readouterr().err.splitlines()
+    assert messages and all(m.startswith("skipping ") for m in messages), messages
+    assert any(entries[0]["url"] in m for m in messages)
     assert any(entries[1]["url"] in m and "does not end in eos 2" in m for m in messages)
     assert any(entries[2]["url"] in m and "undecodable" in m for m in messages)
     assert any(entries[3]["table"] in m and "unreadable sample table" in m for m in messages)
@@ -208,22 +218,41 @@ def test_corrupt_shards_are_skipped_counted_and_resume_stays_exact(tmp_path, shu
     assert len(got) >= len(docs) - sum(e["documents"] for e in entries[:4])
 
 
+@pytest.mark.parametrize("shuffle", [False, True])  # read in file order / sample by sample
+def test_a_token_id_past_the_vocabulary_is_a_bad_sample_named_by_shard_and_sample(
+        tmp_path, capfd, shuffle):
+    out, index = write(tmp_path, docs_of(60), sample_tokens=20, shard_bytes=500)
+    url = os.path.join(out, index["splits"]["train"][0]["url"])
+    corrupt(url, "vocab")
+    batches = list(TokenStream(out, seq_len=5, batch_size=2, shuffle=shuffle, loop=False))
+    assert max(int(b.max()) for b in batches) < 1000  # never past the embedding
+    assert capfd.readouterr().err == (f"skipping 1 bad sample(s): {url}: sample 0: token id "
+                                      "65535 past the vocabulary (vocab_size 1000)\n")
+    # past data.max_failures it stops: the one line names the shard and the sample, also when a
+    # DataLoader worker met it (torch re-raises it with the worker's traceback as its message)
+    for workers in (0, 1):
+        with pytest.raises(InputError) as err:
+            list(TokenStream(out, seq_len=5, batch_size=2, shuffle=shuffle, max_failures=0,
+                             num_workers=workers))
+        assert str(err.value).startswith(f"{url}: sample 0: token id 65535 past the vocabulary "
+                                         "(vocab_size 1000) (1 bad shards/samples, more than "
+                                         "data.max_failures=0)"), str(err.value)
+        assert "Traceback" not in str(err.value)
+        assert capfd.readouterr().err == ""
+
+
 def test_too_many_failures_stop_the_run(tmp_path):
     out, index = write(tmp_path, docs_of(60), sample_tokens=20, shard_bytes=500)
     for e in index["splits"]["train"][:3]:
         corrupt(os.path.join(out, e["url"]), "truncate")
     stream = TokenStream(out, seq_len=5, batch_size=2, max_failures=1, shuffle=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(InputError, match="2 bad shards/samples, more than data.max_failures=1"):
-            list(islice(stream, 100))
+    with pytest.raises(InputError, match="2 bad shards/samples, more than data.max_failures=1"):
+        list(islice(stream, 100))
     for e in index["splits"]["train"]:  # nothing readable at all: an error, not an endless loop
         corrupt(os.path.join(out, e["url"]), "truncate")
     stream = TokenStream(out, seq_len=5, batch_size=2, max_failures=1000, shuffle=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(RuntimeError, match="no readable data"):
-            next(iter(stream))
+    with pytest.raises(InputError, match="no readable data"):  # a data error (65), not a crash
+        next(iter(stream))
 
 
 def test_mixture_weights_hold_and_resume(tmp_path):
@@ -254,7 +283,7 @@ def test_layout_changes_read_every_token_and_sample_of_the_epoch_once(tmp_path, 
     consumed batches are the corpus exactly (even-length documents, width-2 rows: no token is
     dropped by packing), and the readers' own sample logs name every sample once."""
     docs = unique_docs(90)
-    out, _ = write(tmp_path, docs, sample_tokens=40)
+    out, _ = write(tmp_path, docs, sample_tokens=40, tok=WIDE)
     monkeypatch.setenv("SCSE_LOG_SAMPLES", str(tmp_path / "log"))
     make = lambda rank, world, workers=0: TokenStream(out, seq_len=1, batch_size=batch, rank=rank,
                                                       world_size=world, seed=7, loop=False,
@@ -304,7 +333,8 @@ def test_a_mixture_resumes_at_another_world_size_reading_each_corpus_once(tmp_pa
     """Two corpora, 2 ranks -> 1 rank: every token of each finite corpus is read once."""
     docs = [unique_docs(40, seed=1), [" ".join(str(int(t) + 5000) for t in d.split())
                                       for d in unique_docs(40, seed=2)]]
-    paths = [write(tmp_path / f"c{i}", d, sample_tokens=40)[0] for i, d in enumerate(docs)]
+    paths = [write(tmp_path / f"c{i}", d, sample_tokens=40, tok=WIDE)[0]
+             for i, d in enumerate(docs)]
     make = lambda rank, world: MixedStream(
         [TokenStream(p, seq_len=1, batch_size=2, rank=rank, world_size=world, seed=3, loop=False)
          for p in paths], [0.5, 0.5], seed=3)

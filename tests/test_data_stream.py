@@ -71,8 +71,8 @@ def test_index_counts_match_what_was_written(tmp_path):
         raw = open(os.path.join(out, s["url"]), "rb").read()
         table = load_sample_table(os.path.join(out, s["table"]), s["samples"])
         assert table.dtype == np.int64 and table.shape == (s["samples"], len(TABLE_COLUMNS))
-        for (_, toks, lens), row in zip(iter_samples(os.path.join(out, s["url"]), EOS),
-                                        table.tolist(), strict=True):
+        decoded = iter_samples(os.path.join(out, s["url"]), EOS, index["vocab_size"])
+        for (_, toks, lens), row in zip(decoded, table.tolist(), strict=True):
             assert row[:2] == [int(lens.sum()), len(lens)]  # sizes for resume arithmetic
             offsets = row[2:]
             assert toks.dtype == np.uint16 and lens.dtype == np.uint32

@@ -1,46 +1,33 @@
-"""scse-eval end to end: tiny exported model + tiny shard dir -> table on stdout + results JSON."""
+"""scse-eval end to end: tiny exported model (its tokenizer included: eval compares it with the
+shards') + tiny shard dir -> table on stdout + results JSON."""
 
 import json
 
 import pytest
 import torch
 
+from conftest import TINY_VOCAB
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.config import config_from_dict
-from scse_dist.data.shards import read_index, write_shards
+from scse_dist.data.shards import read_index
 from scse_dist.data.stream import TokenStream
 from scse_dist.eval.cli import main
 from scse_dist.eval.perplexity import evaluate_heldout
 from scse_dist.eval.results import format_table
 from scse_dist.model import LoopedLM
 
-VOCAB = 64
-
-
-class CharTokenizer:
-    """Enough of data.tokenizer.Tokenizer for write_shards, without training sentencepiece."""
-
-    vocab_size, eos_id, sha256 = VOCAB, 2, "test-char-tokenizer"
-
-    def encode_batch(self, texts):
-        return [[3 + ord(c) % (VOCAB - 3) for c in t] for t in texts]
-
 
 @pytest.fixture(scope="module")
-def export_and_shards(tmp_path_factory):
+def export_and_shards(tmp_path_factory, tiny_data):
     root = tmp_path_factory.mktemp("eval_cli")
     cfg = config_from_dict({"name": "tiny", "data": {"seq_len": 16},
-                            "model": {"vocab_size": VOCAB, "d_model": 32, "n_heads": 2,
+                            "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2,
                                       "ffn_hidden": 64, "max_seq_len": 32, "depth": 2}})
     torch.manual_seed(0)
-    export = save_exported_model(LoopedLM(cfg.model).state_dict(), cfg, str(root / "export"))
-    docs = [f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3)
-            for i in range(60)]
-    # heldout_fraction 0.5 sends about half of the documents (by content hash) to heldout
-    write_shards(docs, CharTokenizer(), str(root / "shards"), heldout_fraction=0.5,
-                 sample_tokens=256)
-    assert read_index(str(root / "shards"))["splits"]["heldout"]
-    return export, str(root / "shards"), root
+    export = save_exported_model(LoopedLM(cfg.model).state_dict(), cfg, str(root / "export"),
+                                 tokenizer=tiny_data["tokenizer"])
+    assert read_index(tiny_data["path"])["splits"]["heldout"]
+    return export, tiny_data["path"], root
 
 
 def test_cli_writes_table_and_json(export_and_shards, capsys):
@@ -93,4 +80,4 @@ def test_cli_refuses_shards_from_a_bigger_vocabulary(export_and_shards, tmp_path
                  "--out", str(tmp_path / "r.json")]) == 65
     assert capsys.readouterr().err == (f"scse-eval: error: {big}: shards were written with "
                                        "vocab_size=4096, more than the model's "
-                                       "model.vocab_size=64\n")
+                                       f"model.vocab_size={TINY_VOCAB}\n")

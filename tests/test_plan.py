@@ -59,9 +59,10 @@ def test_auto_takes_the_largest_candidate_that_fits():
     assert plan["micro_batch"] * plan["grad_accum_steps"] * 8 == 1024
 
 
-def test_table_and_json_through_the_cli(capsys):
+def test_table_and_json_through_the_cli(capsys, tiny_data):
+    data = [f"data.path={tiny_data['path']}", f"data.tokenizer={tiny_data['tokenizer']}"]
     argv = ["--config", GPT2, "--plan", "--world-size", "16", "--gpu", "h200",
-            "train.max_steps=500"]
+            "train.max_steps=500", *data]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert table.startswith("plan: gpt2-small-scse on 16 x H200 (2 nodes of 8), bf16, ZeRO-1")
@@ -74,7 +75,8 @@ def test_table_and_json_through_the_cli(capsys):
     assert "DeepSpeed has no estimator for ZeRO-1" not in table  # a note of the JSON only
     assert main(argv + ["--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    expected = build(load_config(GPT2, ["train.max_steps=500"]), 16, Assumptions(gpu="h200"))
+    expected = build(load_config(GPT2, ["train.max_steps=500", *data]), 16,
+                     Assumptions(gpu="h200"))
     assert plan == json.loads(json.dumps(expected))
     assert plan["steps"] == 500 and plan["memory_bytes"]["peak"] / GIB < 140
     assert render(expected) + "\n" == table

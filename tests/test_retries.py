@@ -72,6 +72,17 @@ def test_one_decision_per_start_then_the_same_failure_twice_stops(run):
         [("42", 0, 1, 7, "retry"), ("42", 1, 1, 7, "stop")]
 
 
+def test_bad_input_on_one_rank_decides_its_start_so_a_peers_crash_is_not_retried(run):
+    logs = run / "logs"
+    stop, line = decide(logs, failure_of(65, 0, CrashWatch(), run, "42", 0), max_retries=2)
+    assert not stop and line == ("scse-launch: training stopped on rank 0 with exit 65 (bad input "
+                                 "data): not retrying, a rerun would fail the same way")
+    # rank 1 lost its peer in a collective: a crash, but the start is decided already
+    peer = crashed("scse-train: rank 1 crashed after step 5: RuntimeError: Connection closed")
+    assert decide(logs, failure_of(1, 1, peer, run, "42", 0), max_retries=2) is None
+    assert [s["decision"] for s in read_record(logs / "retries.json")] == ["stop"]
+
+
 def test_different_failures_are_retried_until_max_retries(run):
     logs = run / "logs"
 

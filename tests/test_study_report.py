@@ -300,7 +300,8 @@ def test_unigram_entropy_is_counted_from_the_training_shards(tiny_data):
     from scse_dist.study.flags import unigram_entropy
 
     _, index, _, urls = resolve_split(tiny_data["path"], "train")
-    tokens = np.concatenate([t for u in urls for _, t, _ in iter_samples(u, index["eos_id"])])
+    tokens = np.concatenate([t for u in urls
+                             for _, t, _ in iter_samples(u, index["eos_id"], index["vocab_size"])])
     p = np.bincount(tokens) / len(tokens)
     expected = -(p[p > 0] * np.log(p[p > 0])).sum()
     got = unigram_entropy(tiny_data["path"], index["vocab_size"])

@@ -199,7 +199,7 @@ def test_shards_and_bits_per_byte_per_kind(kinds, name, tmp_path):
             (tok.sha256, tok.eos_id, tok.vocab_size)
         read: list[int] = []
         for entry in index["splits"]["train"]:
-            for _, tokens, _ in iter_samples(shard_url(out, entry), tok.eos_id):
+            for _, tokens, _ in iter_samples(shard_url(out, entry), tok.eos_id, tok.vocab_size):
                 read += tokens.tolist()
         assert read == [t for d in docs for t in [*tok.encode(d), tok.eos_id]]
     cfg = config_from_dict({"model": {"vocab_size": max(tok.vocab_size, 320), "d_model": 32,

@@ -209,10 +209,17 @@ def test_a_corrupt_sample_is_skipped_and_counted_in_the_metrics(tmp_path, tiny_d
         data[at:at + 6] = b"garbag"
     tar.write_bytes(bytes(data))
     cfg = tiny_config(tmp_path, f"data.path={shards}", "train.max_steps=10", "train.log_every=5")
-    must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))
+    out = run([sys.executable, TRAIN, "--config", cfg], subprocess_env)
+    must_pass(out)
     rows = read_metrics(tmp_path / "runs" / "tiny")
     assert [r["step"] for r in rows] == [1, 5, 10]
     assert rows[-1]["data_failures"] >= 1 and all(r["skipped_steps"] == 0 for r in rows)
+    # one line per bad sample as it is met, naming it, and their total at the end: no warnings
+    skipped = [line for line in out.stderr.splitlines() if line.startswith("skipping ")]
+    assert skipped and all(f"{tar}: sample " in line for line in skipped), out.stderr[-3000:]
+    assert "Warning" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-1] == (f"scse-train: rank 0: {len(skipped)} bad "
+                                           "shards/samples skipped in all (data.max_failures=100)")
 
 
 def test_a_rerun_with_fewer_steps_than_its_checkpoint_is_refused_and_saves_nothing(trained,

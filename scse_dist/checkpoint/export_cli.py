@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-from scse_dist.cli_errors import InputError, cli_main, command_parser
+from scse_dist.cli_errors import InputError, cli_main, command_parser, from_config
 from scse_dist.quiet import add_verbose_flag, set_verbose
 
 
@@ -45,8 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     root, tag, config = deepspeed_checkpoint(args.checkpoint)
     cfg = load_saved_config(config)
     # a missing tokenizer fails before the (slow) consolidation; --tokenizer tells its own kind
-    tokenizer = Tokenizer.load(args.tokenizer, "auto") if args.tokenizer else \
-        Tokenizer.load(cfg.data.tokenizer, cfg.data.tokenizer_kind)
+    if args.tokenizer:
+        tokenizer = Tokenizer.load(args.tokenizer, "auto")
+    else:
+        with from_config("data.tokenizer", cfg.data.tokenizer, str(config), "--tokenizer"):
+            tokenizer = Tokenizer.load(cfg.data.tokenizer, cfg.data.tokenizer_kind)
     import torch  # after the inputs are checked: a bad path is reported in a fraction of a second
 
     from scse_dist.model import LoopedLM

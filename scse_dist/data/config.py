@@ -41,7 +41,7 @@ class DataConfig:
     num_workers: int = 0
     # Samples in the seeded shuffle buffer mixing each reader's samples across shards (0: off).
     shuffle_buffer: int = 0
-    # Corrupt shards/samples skipped with a warning before the run stops.
+    # Corrupt shards/samples skipped (one line each on stderr) before the run stops (exit 65).
     max_failures: int = 100
     # Train on a weighted mixture of these shard directories instead of `path` (held-out
     # evaluation still reads `path`); weights are relative, one per path.

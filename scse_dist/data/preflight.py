@@ -27,12 +27,18 @@ def load_run_tokenizer(cfg: RunConfig) -> Tokenizer:
 
 
 def check_run_data(cfg: RunConfig, config_path: Optional[str] = None,
-                   overrides: Sequence[str] = ()) -> None:
+                   overrides: Sequence[str] = ()) -> bool:
     """The build rule (check_build); then, unless a build will write them, that data.path
     holds shards, and that data.tokenizer loads, fits the model and is the one the shards were
-    written with. (Mixture paths are checked when the training stream opens them.)"""
+    written with. (Mixture paths are checked when the training stream opens them.) Returns
+    whether data.build will write them at the start."""
     check_build(cfg.data, config_path, overrides)
     if needs_build(cfg.data):  # FileNotFoundError when missing and nothing builds it
-        return
+        if cfg.data.build_vocab_size > cfg.model.vocab_size:
+            raise InputError(f"data.build_vocab_size={cfg.data.build_vocab_size}: the tokenizer "
+                             f"the build trains has more pieces than model.vocab_size="
+                             f"{cfg.model.vocab_size}")
+        return True
     tokenizer = load_run_tokenizer(cfg)
     check_tokenizer(cfg.data.path, read_index(cfg.data.path), tokenizer.sha256)
+    return False

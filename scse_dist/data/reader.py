@@ -7,23 +7,25 @@ one request per shard). In a shuffled order each remote sample is one ranged rea
 two members, the next few fetched together (`prefetch`, concurrent GETs on object storage):
 one GET of exactly the sample, where a buffered file would read ahead megabytes per seek.
 
-Bad input never raises here: a truncated or unreadable tar, a missing member, an array that does
-not decode, or doc_lens that disagree with the tokens make the affected samples *bad*. Each
-event is warned about once, counted in `failures`, and its samples are added to `bad` so the
-resume arithmetic of the stream can treat them as empty (the data are corrupt on disk, so an
-uninterrupted run skips them too). The stream stops the run after `max_failures` events.
+Bad input: a truncated or unreadable tar, a missing member, an array that does not decode,
+doc_lens that disagree with the tokens, or a token id past the vocabulary make the affected
+samples *bad*. Each event is one line on stderr, counted in `failures`, and its samples are
+added to `bad` so the resume arithmetic of the stream can treat them as empty (the data are
+corrupt on disk, so an uninterrupted run skips them too). The event past `max_failures` raises
+InputError (exit 65) naming the shard and sample instead.
 """
 
 from __future__ import annotations
 
 import mmap
-import warnings
+import sys
 from typing import Any, Iterator, Optional
 
 import fsspec
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
+from scse_dist.cli_errors import InputError
 from scse_dist.data.sample_format import MEMBERS, Sample, decode_sample, load_sample_table
 
 
@@ -41,13 +43,14 @@ def _sample_index(key: str, fallback: int) -> int:
 
 
 class ShardReader:
-    def __init__(self, urls: list[str], n_samples: list[int], eos: int, table_urls: list[str],
-                 file_order: bool = False):
+    def __init__(self, urls: list[str], n_samples: list[int], eos: int, vocab_size: int,
+                 table_urls: list[str], file_order: bool = False, max_failures: int = 100):
         """`table_urls[s]`: shard s's sample table (sizes and member offsets, see
-        sample_format.TABLE_COLUMNS). `file_order`: samples are asked for in file order (an
-        unshuffled split), so a remote shard is streamed; otherwise every sample is a ranged
-        read."""
+        sample_format.TABLE_COLUMNS); `vocab_size`: the index's, no id may reach it.
+        `file_order`: samples are asked for in file order (an unshuffled split), so a remote
+        shard is streamed; otherwise every sample is a ranged read."""
         self.urls, self.n_samples, self.eos, self.table_urls = urls, n_samples, eos, table_urls
+        self.vocab_size, self.max_failures = vocab_size, max_failures
         self.file_order = file_order
         self._prefetched: dict[tuple[int, int], memoryview] = {}
         self._sample_tables: dict[int, Optional[np.ndarray]] = {}  # None: unreadable
@@ -64,9 +67,19 @@ class ShardReader:
         if not fresh:
             return
         self.failures += 1
+        message = message.removeprefix(f"{self.urls[s]}: ")  # named below, once
+        first, last = fresh[0][1], fresh[-1][1]
+        where = f"{self.urls[s]}: " + ("" if message.startswith("sample ") else
+                                      f"sample {first}: " if first == last else
+                                      f"samples {first}..{last}: ")
+        if self.failures > self.max_failures:
+            raise InputError(f"{where}{message} ({self.failures} bad shards/samples, more than "
+                             f"data.max_failures={self.max_failures}): repair or rebuild the "
+                             "shards (or raise data.max_failures)")
         self.bad.update(fresh)
         self.new_bad.extend(fresh)
-        warnings.warn(f"skipping {len(fresh)} sample(s) of {self.urls[s]}: {message}", stacklevel=3)
+        print(f"skipping {len(fresh)} bad sample(s): {where}{message}", file=sys.stderr,
+              flush=True)
 
     # ------------------------------------------------------------------ access
 
@@ -167,10 +180,12 @@ class ShardReader:
                     seen = max(seen, j)
                     try:
                         yield j, decode_sample(parts, f"{url}: sample {parts['__key__']!r}",
-                                               self.eos)
+                                               self.eos, self.vocab_size)
                     except ValueError as exc:
                         self._fail(s, [j], str(exc))
                         yield j, None
+        except InputError:  # past max_failures
+            raise
         except Exception as exc:  # truncated or corrupt tar (tarfile, EOF, network)
             self._fail(s, list(range(seen + 1, self.n_samples[s])),
                        f"unreadable after sample {seen} ({type(exc).__name__}: {exc})")
@@ -199,7 +214,7 @@ class ShardReader:
                 raise ValueError(f"{where}: {len(blob)} of {hi - lo} bytes (truncated tar)")
             parts = {ext: blob[offset - lo:offset - lo + size]
                      for ext, (offset, size) in members.items()}
-            return decode_sample(parts, where, self.eos)
+            return decode_sample(parts, where, self.eos, self.vocab_size)
         except Exception as exc:
             self._fail(s, [j], str(exc))
             return None

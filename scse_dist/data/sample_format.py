@@ -47,11 +47,13 @@ def load_npy(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
-def decode_sample(parts: dict[str, Any], where: str, eos: int) -> Sample:
+def decode_sample(parts: dict[str, Any], where: str, eos: int, vocab_size: int) -> Sample:
     """Member bytes -> (tokens, doc_lens); ValueError naming `where` when they do not fit.
 
     `tokens` is the packed stream (each document followed by eos), so the eos positions are
-    checked too: a sample that passes is exactly the training tokens."""
+    checked too, and every id is below the tokenizer's `vocab_size` (one max() per sample: a
+    flipped byte would otherwise index past the embedding): a sample that passes is exactly the
+    training tokens."""
     missing = [m for m in MEMBERS if m not in parts]
     if missing:
         raise ValueError(f"{where}: missing member(s) {missing}")
@@ -64,6 +66,9 @@ def decode_sample(parts: dict[str, Any], where: str, eos: int) -> Sample:
                          f"{len(tokens)} tokens")
     if len(lens) and not (tokens[np.cumsum(lens + 1, dtype=np.int64) - 1] == eos).all():
         raise ValueError(f"{where}: a document does not end in eos {eos}")
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise ValueError(f"{where}: token id {int(tokens.max())} past the vocabulary "
+                         f"(vocab_size {vocab_size})")
     return tokens, lens
 
 

@@ -350,14 +350,16 @@ def read_index(path: str) -> dict:
     return index
 
 
-def check_tokenizer(path: str, index: dict, tokenizer_sha256: str) -> None:
+def check_tokenizer(path: str, index: dict, tokenizer_sha256: str,
+                    whose: str = "data.tokenizer") -> None:
     """InputError unless the shards at `path` (whose index is `index`) were written with the
-    tokenizer whose sha256 is `tokenizer_sha256`: another tokenizer's ids are other words."""
+    tokenizer whose sha256 is `tokenizer_sha256` (`whose` names it in the message): another
+    tokenizer's ids are other words."""
     if tokenizer_sha256 != index["tokenizer_sha256"]:
         raise InputError(f"{path.rstrip('/')}/index.json: the shards were written with another "
-                         f"tokenizer (sha256 {index['tokenizer_sha256']}, data.tokenizer has "
-                         f"{tokenizer_sha256}); set data.tokenizer to the shards' tokenizer or "
-                         "rebuild the shards with `scse-data shards`")
+                         f"tokenizer (sha256 {index['tokenizer_sha256']}, {whose} has "
+                         f"{tokenizer_sha256}); read them with the tokenizer they were written "
+                         "with, or rebuild them with `scse-data shards`")
 
 
 def shard_url(path: str, shard: dict) -> str:
@@ -441,7 +443,8 @@ def check_shards_exist(urls: list[str]) -> None:
                                 "URL)")
 
 
-def iter_samples(url: str, eos: int) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+def iter_samples(url: str, eos: int, vocab_size: int
+                 ) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """Yield (key, tokens, doc_lens) for every sample of one tar shard, in file order; tokens
     hold each document followed by eos. ValueError naming the shard and sample on bad data."""
     from webdataset.tariterators import (  # imports torch: not at start-up
@@ -452,4 +455,4 @@ def iter_samples(url: str, eos: int) -> Iterator[tuple[str, np.ndarray, np.ndarr
     with fsspec.open(url, "rb") as f:
         for parts in group_by_keys({**d, "__url__": url} for d in tar_file_iterator(f)):
             yield parts["__key__"], *decode_sample(parts, f"{url}: sample {parts['__key__']!r}",
-                                                   eos)
+                                                   eos, vocab_size)

@@ -90,8 +90,9 @@ class TokenStream:
                              f"data.num_workers={num_workers}); every reader needs data")
         self.n_samples = [int(e["samples"]) for e in self.shards]
         tables = [table_url(self.root, e) for e in self.shards]
-        self._probe = ShardReader(self.urls, self.n_samples, self.eos, tables,
-                                  file_order=not self.shuffle)
+        self._probe = ShardReader(self.urls, self.n_samples, self.eos,
+                                  int(self.index["vocab_size"]), tables,
+                                  file_order=not self.shuffle, max_failures=max_failures)
         self._memory: dict[tuple[int, int], Optional[Sample]] = {}  # document level only
         self.level = self._pick_level(self.n_readers)
         self.consumed = 0  # batches this rank yielded in this layout: with it, the whole position
@@ -203,7 +204,8 @@ class TokenStream:
 
     def _new_reader(self) -> ShardReader:
         probe = self._probe
-        return ShardReader(self.urls, self.n_samples, self.eos, probe.table_urls, probe.file_order)
+        return ShardReader(self.urls, self.n_samples, self.eos, probe.vocab_size, probe.table_urls,
+                           probe.file_order, self.max_failures)
 
     def documents(self, epoch: int = 0, worker: int = 0) -> Iterator[np.ndarray]:
         """One reader's documents in `epoch`, unpacked (no eos), in reading order."""
@@ -264,12 +266,7 @@ class TokenStream:
                 if i >= fetched_to and self.level != "document":  # remote: the next few at once
                     fetched_to = i + PREFETCH_SAMPLES
                     reader.prefetch([(s, j) for s, j, _, _ in items[i:fetched_to]])
-                packed = self._packed(reader, item)
-                if reader.failures > self.max_failures:
-                    raise InputError(f"{self.path}: {reader.failures} bad shards/samples, more "
-                                     f"than data.max_failures={self.max_failures}; see the "
-                                     "warnings, then repair or rebuild the shards (or raise "
-                                     "data.max_failures)")
+                packed = self._packed(reader, item)  # past data.max_failures: InputError
                 if packed is None:
                     continue
                 epoch_has_data = True
@@ -286,8 +283,9 @@ class TokenStream:
             # (a carried epoch may give this reader nothing; a regular epoch without data would
             # loop on forever without a batch)
             if not epoch_has_data and epoch not in self.carry:
-                raise RuntimeError(f"{self.path}: reader {self.rank}.{slot} found no readable data "
-                                   f"in split {self.split!r} (all of its samples are bad)")
+                raise InputError(f"{self.path}: reader {self.rank}.{slot} found no readable data "
+                                 f"in split {self.split!r} (all of its samples are bad: see the "
+                                 "lines above); repair or rebuild the shards")
             epoch += 1
             if not self.loop:
                 break
@@ -317,6 +315,12 @@ class TokenStream:
                 for s in range(self.slots)]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
+        try:
+            yield from self._batches()
+        except InputError as exc:  # a DataLoader worker's comes with its traceback as the message
+            raise InputError(str(exc).rstrip().rsplit("InputError: ", 1)[-1]) from None
+
+    def _batches(self) -> Iterator[torch.Tensor]:
         skips = self.slot_batches(self.consumed)
         if self.num_workers == 0:
             source: Any = self.reader_batches(0, skips[0], self.bad)
@@ -335,8 +339,8 @@ class TokenStream:
                     # InputError: exit 65 and one line; the last checkpoint stays as it was
                     raise InputError(f"{self.path}: {self.failures} bad shards/samples on rank "
                                      f"{self.rank}, more than "
-                                     f"data.max_failures={self.max_failures}; see the warnings, "
-                                     "then repair or rebuild the shards (or raise "
+                                     f"data.max_failures={self.max_failures}; see the lines "
+                                     "above, then repair or rebuild the shards (or raise "
                                      "data.max_failures)")
             if batches.dim() == 2:
                 self.consumed += 1

@@ -22,9 +22,9 @@ def is_shard_dir(path: str) -> bool:
     return fs.isfile(root.rstrip("/") + "/index.json")
 
 
-def check_heldout_shards(path: str, cfg: RunConfig, tokenizer: Any = None) -> None:
+def check_heldout_shards(path: str, cfg: RunConfig, tokenizer: Any) -> None:
     """InputError unless `path` holds held-out shards the model can read: ids within its vocab,
-    a heldout split, and (a tokenizer given) written with that tokenizer."""
+    a heldout split, written with the model's tokenizer."""
     from scse_dist.data.shards import check_tokenizer, read_index
 
     # Shards from a bigger tokenizer would index past the embedding: say so instead of crashing.
@@ -35,18 +35,18 @@ def check_heldout_shards(path: str, cfg: RunConfig, tokenizer: Any = None) -> No
     if not index["splits"].get("heldout"):
         raise InputError(f"{path}: index.json lists no heldout shards "
                          "(build shards with data.heldout_fraction > 0)")
-    if tokenizer is not None:  # one given explicitly must be the shards' own
-        check_tokenizer(str(path), index, tokenizer.sha256)
+    check_tokenizer(str(path), index, tokenizer.sha256, f"the model's ({cfg.data.tokenizer})")
 
 
-def _shard_stream(path: str, cfg: RunConfig, tokenizer: Any = None):
-    """The held-out split of the shards at `path` as (B, seq_len + 1) batches, checked first."""
+def _shard_stream(path: str, cfg: RunConfig, tokenizer: Any):
+    """The held-out split of the shards at `path` as (B, seq_len + 1) batches, checked first.
+    A corrupt sample stops it (max_failures=0): a perplexity without it would be another one."""
     check_heldout_shards(path, cfg, tokenizer)
     from scse_dist.data.stream import TokenStream  # imports torch: only for shards that passed
 
     return TokenStream(path, split="heldout", seq_len=cfg.data.seq_len,
                        batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0, loop=False,
-                       tokenizer_sha256=getattr(tokenizer, "sha256", None))
+                       tokenizer_sha256=tokenizer.sha256, max_failures=0)
 
 
 def load_tokenizer(path: str, cfg: RunConfig):
@@ -89,10 +89,9 @@ def read_task_data(task: str, cfg: RunConfig, data: str, tokenizer: Any = None) 
     held-out split, as a stream); bad data fails here, so scse-eval calls it before loading a
     model.
 
-    The tokenizer (text inputs only) defaults to cfg.data.tokenizer; one given with shard data
-    must be the shards' own."""
+    The tokenizer defaults to cfg.data.tokenizer; shard data must have been written with it."""
     record = get_task(task)
+    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg)
     if record.heldout and is_shard_dir(data):
         return TaskData(tokenizer, _shard_stream(data, cfg, tokenizer), shards=True)
-    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg)
     return TaskData(tokenizer, record.read(data), shards=False)

@@ -19,7 +19,8 @@ takes the step and the failure's signature from the trainer's crash line (CRASH_
 scse_dist.train.loop), appends the start to retries.json, and requeues the job or says in one
 line why not: this job already failed after the same step with the same signature (a retry would
 loop), or its train.max_retries retries are used. Both count per job id: a new submission starts
-afresh.
+afresh. A rank that stops with a status never retried (bad input on rank 0: 65) claims the start
+too, so that its peers' crashes that follow (a collective with it gone) requeue nothing.
 """
 
 from __future__ import annotations
@@ -153,7 +154,11 @@ def decide(logs: Path, failure: Failure, max_retries: int) -> Optional[tuple[boo
     retried = sum(s.get("decision") == "retry" for s in earlier)
     what = (f"scse-launch: training crashed on rank {failure.rank} after step {failure.step} "
             f"(exit {failure.exit}: {failure.signature})")
-    if same is not None:
+    if failure.exit in NEVER_RETRIED:
+        failure.decision = "stop"
+        line = (f"scse-launch: training stopped on rank {failure.rank} with exit {failure.exit} "
+                f"({NEVER_RETRIED[failure.exit]}): not retrying, a rerun would fail the same way")
+    elif same is not None:
         failure.decision = "stop"
         line = (f"{what}: the same failure after the same step as start {same['start'] + 1} of "
                 f"job {failure.job}; not retrying, it would fail again ({record})")
@@ -175,9 +180,10 @@ def after_failure(logs: Path, max_retries: int, status: int, rank: int,
                   watch: CrashWatch) -> None:
     """What `run_job train` does once its trainer failed on its own (no signal forwarded to it)
     with the run's log dir `logs`: a crash, inside a job of a backend that requeues, is decided
-    (above) and maybe requeued."""
+    (above) and maybe requeued; a status never retried decides its start as a stop."""
     where = current_backend()
-    if not is_crash(status) or where is None or not where[0].requeues:
+    if not (is_crash(status) or status in NEVER_RETRIED) or where is None or \
+            not where[0].requeues:
         return
     backend, job = where
     failure = failure_of(status, rank, watch, logs.parent, job, backend.current_start())

@@ -24,7 +24,7 @@ from scse_dist.launch.backends import BACKENDS, get_backend
 from scse_dist.launch.children import StoppedBySignal
 from scse_dist.launch.scheduler import add_backend_args, backend_args
 from scse_dist.study.execute import run_local, run_submitted
-from scse_dist.study.plan import StudyError, missing_inputs, read_choice, status
+from scse_dist.study.plan import StudyError, missing_inputs, read_choice, refused_data, status
 from scse_dist.study.spec import expand, load_spec, run_config
 
 
@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 @cli_main("scse-study")
 def main(argv: Sequence[str] | None = None) -> int:
     """0 done (or submitted); 1 a run or the report failed; 2 bad spec or arguments; 66 (--dry-run)
-    an input file of some run is missing; 75 stopped by SIGINT or SIGTERM, the run in progress
-    saved (rerun to resume)."""
+    an input file of some run is missing, 65 (--dry-run) a run's data would be refused (another
+    tokenizer's shards, a tokenizer larger than model.vocab_size); 75 stopped by SIGINT or
+    SIGTERM, the run in progress saved (rerun to resume)."""
     args = build_parser().parse_intermixed_args(argv)
     if args.max_parallel < 1:
         print("scse-study: --max-parallel: must be >= 1", file=sys.stderr)
@@ -78,9 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.dry_run:
             print(runs_table(spec))
             missing = missing_inputs(spec)
-            for line in missing:
+            # nothing missing: what the runs' own data checks would refuse, with their status
+            refused = [] if missing else refused_data(spec)
+            for line in missing + [line for _, line in refused]:
                 print(f"scse-study: {line}", file=sys.stderr)
-            return EXIT_NO_INPUT if missing else 0
+            return EXIT_NO_INPUT if missing else refused[0][0] if refused else 0
         if args.local:
             return run_local(spec)
         flags = backend_args(args, "scse-study")

@@ -88,7 +88,7 @@ def _count_entropy(data_path: str, vocab_size: int, max_tokens: int) -> UnigramE
     try:
         _, index, _, urls = resolve_split(data_path, "train")
         for url in urls:
-            for _, tokens, _ in iter_samples(url, index["eos_id"]):
+            for _, tokens, _ in iter_samples(url, index["eos_id"], index["vocab_size"]):
                 counts += np.bincount(tokens.astype(np.int64), minlength=vocab_size)[:vocab_size]
                 if counts.sum() >= max_tokens:
                     break

@@ -157,3 +157,36 @@ def missing_inputs(spec: StudySpec) -> list[str]:
     return [f"missing input: {key} {path} (no such file or directory), needed by "
             f"{_which(needing, runs)}"
             for (key, path), needing in needed.items()]
+
+
+def refused_data(spec: StudySpec) -> list[tuple[int, str]]:
+    """(exit status, line) for each data setup whose runs' own start-up check
+    (scse_dist.data.preflight.check_run_data) would refuse it: shards of another tokenizer, a
+    tokenizer larger than model.vocab_size; naming the runs. Run after missing_inputs found
+    nothing missing."""
+    from scse_dist.cli_errors import exit_status, one_line
+    from scse_dist.data.preflight import check_run_data
+
+    runs = expand(spec, read_choice(spec))
+    verdicts: dict[tuple, tuple[int, str] | None] = {}
+    needing: dict[tuple[int, str], list[Run]] = {}
+    for run in runs:
+        cfg = run_config(spec, run)
+        d = cfg.data
+        key = (d.path, d.tokenizer, d.tokenizer_kind, d.build, d.build_vocab_size,
+               cfg.model.vocab_size)
+        if key not in verdicts:
+            verdicts[key] = None
+            try:
+                check_run_data(cfg)
+            except Exception as exc:
+                status = exit_status(exc)
+                if status is None:
+                    raise
+                verdicts[key] = (status, one_line(exc))
+        verdict = verdicts[key]
+        if verdict is not None:
+            needing.setdefault(verdict, []).append(run)
+    return [(status, f"{line} (exit {status}), for {_which(failing, runs)}")
+            for (status, line), failing in needing.items()]
+

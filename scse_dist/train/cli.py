@@ -21,17 +21,19 @@ from pathlib import Path
 from typing import Sequence
 
 from scse_dist.cli_errors import cli_main
-from scse_dist.config import config_yaml, load_config
+from scse_dist.config import RunConfig, config_yaml, load_config
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 EXIT_STATUSES = """exit statuses:
-  0    finished: checkpoint, export (and evaluation) written
+  0    finished: checkpoint, export (and evaluation) written (--dry-run, --plan: the run
+       would start; otherwise they exit with the status below that the run would have)
   1    a crash (an exception; "rank R crashed after step N" says where): a Slurm training job
        requeues itself up to train.max_retries times
   2    bad arguments or config, before anything starts (one line naming the field)
   3    train.max_nonfinite_steps non-finite steps in a row; the last good checkpoint is kept
   4    train.spike_skip.max_in_a_row loss spikes in a row; the last good checkpoint is kept
-  65   bad input data (another tokenizer's shards, corrupt data past data.max_failures)
+  65   bad input data (another tokenizer's shards, a tokenizer larger than model.vocab_size,
+       corrupt data past data.max_failures, a split with nothing readable)
   66   an input is missing or unreadable (data.path, data.tokenizer)
   75   preempted by SIGTERM, SIGUSR1 or Ctrl-C: the step in flight was saved; rerun to resume
   130  a second Ctrl-C: stopped at once without saving"""
@@ -92,14 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the parameter count, the global batch's derivation "
                              "(micro x accumulation x world; --world-size W for another world "
                              "than the launcher's), FLOPs per token at the run's depths, the "
-                             "tokens it will see and a memory estimate, then exit 0 without "
-                             "creating anything")
+                             "tokens it will see and a memory estimate without creating "
+                             "anything, then the run's own checks: exit 0 only if it would start, "
+                             "else the status the run would have")
     plan = parser.add_argument_group(
         "planning a cluster run (--plan; docs/launching.md, 'Sizing a run')")
     plan.add_argument("--plan", action="store_true",
                       help="print memory per GPU (training state, activations with and without "
                            "loop checkpointing, the largest micro-batch that fits), communication "
-                           "and time per step and for the run, then exit 0; needs --world-size")
+                           "and time per step and for the run, then the run's own checks: exit 0 "
+                           "only if it would start; needs --world-size")
     for flag, kind, default, text in PLAN_FLAGS:
         plan.add_argument(flag, type=kind, default=None, help=f"{text} (default {default})")
     plan.add_argument("--json", action="store_true", help="the plan as JSON, for machines")
@@ -111,6 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="config overrides, e.g. train.max_steps=100 model.depth=8")
     return parser
+
+
+def check_can_start(cfg: RunConfig, args: argparse.Namespace) -> bool:
+    """The checks a run makes before it starts, each one line and exit 2, 65 or 66 (--dry-run and
+    --plan end with them: they exit with the status the run would have). Returns whether
+    data.build will write the data at the start."""
+    from scse_dist.data.preflight import check_run_data
+    from scse_dist.train.tensorboard import check_tensorboard
+
+    check_tensorboard(cfg)  # tensorboard.enabled without the package: one line, exit 2
+    building = check_run_data(cfg, args.config, args.overrides)  # before torch is imported
+    from scse_dist.train.callbacks.assembly import check_callbacks
+
+    check_callbacks(cfg.train.callbacks)  # imports their modules (torch only if they do)
+    return building
 
 
 @cli_main("scse-train")
@@ -125,24 +144,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         from scse_dist.train.plan import build, render
 
         plan = build(cfg, world_size, assumptions)
-        print(json.dumps(plan, indent=2) if args.json else render(plan))
+        print(json.dumps(plan, indent=2) if args.json else render(plan), flush=True)
+        check_can_start(cfg, args)  # then the status the run would have
         return 0
     if args.print_config:
         print(config_yaml(cfg), end="")
         return 0
-    if args.dry_run:  # before the data checks: it reports what they would say
+    if args.dry_run:  # the report, then what the run's checks say, and their status
         from scse_dist.train.dry_run import describe
 
-        print(describe(cfg, args.config, args.overrides, world_size))
+        print(describe(cfg, world_size), flush=True)
+        building = check_can_start(cfg, args)
+        print(f"data: {cfg.data.path} (" + (f"not built yet; data.build={cfg.data.build} builds "
+                                            "it at the start" if building else
+                                            "present and readable") + ")")
         return 0
-    from scse_dist.data.preflight import check_run_data
-    from scse_dist.train.tensorboard import check_tensorboard
-
-    check_tensorboard(cfg)  # tensorboard.enabled without the package: one line, exit 2
-    check_run_data(cfg, args.config, args.overrides)  # bad data: one line before torch is imported
-    from scse_dist.train.callbacks.assembly import check_callbacks
-
-    check_callbacks(cfg.train.callbacks)  # imports their modules (torch only if they do)
+    check_can_start(cfg, args)
     from scse_dist.distributed import launcher_world  # imports torch: after the checks
 
     world_size, world_from = launcher_world(os.environ)  # before any process group starts

@@ -5,14 +5,16 @@ the global batch splits into micro-batch x accumulation x world (at the launcher
 --world-size), the depths the run will draw (train.depth sampling is a pure function of seed and
 step) and their training FLOPs per token (scse_dist.model.flops), the tokens it will see, and the
 memory per rank (scse_dist.train.sizing, shared with `scse-train --plan`, which sizes a cluster
-run). Creates nothing: no run dir, no data build, no process group, no DeepSpeed.
+run). Creates nothing: no run dir, no data build, no process group, no DeepSpeed. It ends with
+the checks a run makes before it starts, so it exits with the status the run would (0 only if
+it would start: `--dry-run && sbatch ...` queues no doomed job).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from scse_dist.config import ConfigError, RunConfig
 from scse_dist.train.sizing import (
@@ -24,9 +26,9 @@ from scse_dist.train.sizing import (
 )
 
 
-def describe(cfg: RunConfig, config_path: Optional[str] = None,
-             overrides: Sequence[str] = (), world_size: Optional[int] = None) -> str:
-    """The dry run's report, one fact per line, at `world_size` (None: the launcher's)."""
+def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:
+    """The dry run's report, one fact per line, at `world_size` (None: the launcher's). The data
+    line comes after the run's own checks (scse_dist.train.cli.check_can_start)."""
     from scse_dist.distributed import launcher_world
     from scse_dist.model import flops_per_token
     from scse_dist.train.engine import resolve_precision
@@ -69,23 +71,5 @@ def describe(cfg: RunConfig, config_path: Optional[str] = None,
         f"memory per rank: {(states + activations) / GIB:.2f} GiB = weights, gradients "
         f"and optimizer state {states / GIB:.2f} GiB ({precision}, ZeRO-{t.zero_stage}) + "
         f"activations of one micro-batch at T={max(depths, default=0)} {activations / GIB:.2f} GiB",
-        f"data: {cfg.data.path} ({data_status(cfg, config_path, overrides)})",
     ]
     return "\n".join(lines)
-
-
-def data_status(cfg: RunConfig, config_path: Optional[str], overrides: Sequence[str]) -> str:
-    """What the run's data checks (scse_dist.data.preflight) would say, without building."""
-    from scse_dist.cli_errors import exit_status, one_line
-    from scse_dist.data.preflight import check_run_data
-    from scse_dist.data.quickstart import needs_build
-
-    try:
-        check_run_data(cfg, config_path, overrides)
-        building = needs_build(cfg.data)
-    except Exception as err:
-        if exit_status(err) is None:
-            raise
-        return f"the run would stop: {one_line(err)} (exit status {exit_status(err)})"
-    return f"not built yet; data.build={cfg.data.build} builds it at the start" if building \
-        else "present and readable"

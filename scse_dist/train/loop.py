@@ -190,6 +190,10 @@ def _teardown(state: TrainState, callbacks: list[Callback]) -> None:
         callback.on_teardown(state)
     state.logger.close()
     shutdown(state.engine)
+    if state.stream.failures:  # each was one line as it came: the total
+        print(f"scse-train: rank {state.env.rank}: {state.stream.failures} bad shards/samples "
+              f"skipped in all (data.max_failures={state.cfg.data.max_failures})",
+              file=sys.stderr, flush=True)
 
 
 def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
