@@ -15,7 +15,6 @@ from scse_dist.data.mixture import MixedStream
 from scse_dist.data.stream import TokenStream
 from test_data_stream import EOS, docs_of, write
 
-
 # unique_docs' ids run past IntTokenizer's default vocabulary, which the reader checks them against
 WIDE = {"vocab_size": 2**16 - 1}
 
