@@ -2,6 +2,7 @@
 spec, on this machine or on a batch system, then the study report.
 
     scse-study SPEC.yaml [key=value ...] --dry-run        # the table of runs and their status
+                                                          # (a GPU study: its planned GPU-hours)
     scse-study SPEC.yaml --local                          # in sequence here, then the report
     scse-study SPEC.yaml --slurm [--max-parallel P]       # job arrays, at most P runs at once
     scse-study SPEC.yaml --backend NAME [...]             # the same on any backend (--slurm:
@@ -42,6 +43,36 @@ def runs_table(spec) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+def gpu_hours(spec) -> str | None:
+    """A GPU study's cost as `scse-train --plan` sizes each run (training only, at the world of
+    the spec's resources and the planner's default GPU and MFU), summed per stage; None for a
+    study without GPUs. Each variant is planned once per stage, at its first seed's depth draws
+    (seeds differ there by about 1%); a final run before the sweep chose its rate is planned all
+    the same: the rate does not change its time."""
+    res = spec.resources
+    if not res.gpus_per_node:
+        return None
+    from scse_dist.train.plan import Assumptions, build
+
+    world, assumed = res.nodes * res.gpus_per_node, Assumptions(gpus_per_node=res.gpus_per_node)
+    hours: dict[str, float] = {}
+    longest, plan = 0.0, {}
+    planned: dict[tuple[str, str], dict] = {}  # a variant's seeds differ only in their depth draws
+    for run in expand(spec, read_choice(spec)):
+        key = (run.variant, run.stage)
+        if key not in planned:
+            planned[key] = build(run_config(spec, run), world, assumed)
+        plan = planned[key]
+        hours[run.stage] = hours.get(run.stage, 0.0) + plan["seconds_run"] * world / 3600
+        longest = max(longest, plan["seconds_run"])
+    stages = ", ".join(f"{stage} {h:,.1f}" for stage, h in hours.items())
+    limit = f" (resources.time_min {res.time_min / 60:g} h)" if res.time_min else ""
+    return (f"planned GPU-hours: {sum(hours.values()):,.1f} ({stages}) on {world} x "
+            f"{plan['gpu_name']} ({res.nodes} node(s) of {res.gpus_per_node}); the longest run "
+            f"{longest / 3600:.1f} h{limit}; training only, at scse-train --plan's "
+            f"{assumed.mfu:.0%} MFU of {plan['assumptions']['peak_tflops']:g} TFLOPS")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = command_parser("scse-study", __doc__)
     p.add_argument("spec", help="study spec YAML (configs/studies/*.yaml)")
@@ -78,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.dry_run:
             print(runs_table(spec))
+            cost = gpu_hours(spec)
+            if cost:
+                print(cost)
             missing = missing_inputs(spec)
             # nothing missing: what the runs' own data checks would refuse, with their status
             refused = [] if missing else refused_data(spec)

@@ -1,5 +1,6 @@
 """The study report: seeds aggregated per variant and depth, paired comparisons with a verdict,
-extrapolation ratios, pathology flags, the learning-rate choice, and the frontier plots.
+extrapolation ratios, pathology flags, the learning-rate choice, the frontier plots, and a
+factorial's main effects and interactions (spec report.factorial: scse_dist.study.factorial).
 
     python -m scse_dist.study.report STUDY_DIR        # or: scse-report --study STUDY_DIR
 
@@ -24,6 +25,7 @@ from scse_dist.atomic import output_dir
 from scse_dist.cli_errors import cli_main
 from scse_dist.config import ModelConfig, RunConfig
 from scse_dist.model.transitions import transition_for
+from scse_dist.study import factorial
 from scse_dist.study.collect import Study, StudyRun, finite, load_study
 from scse_dist.study.flags import Flag, run_flags, unigram_entropy
 from scse_dist.study.plots import (
@@ -208,6 +210,9 @@ class StudyReport:
                       for a, b in study.pairs
                       for task, names in self.metrics.items() for metric in names}
         self.pairs = {k: v for k, v in self.pairs.items() if v}
+        self.design = factorial.parse_factorial((study.spec.get("report") or {}).get("factorial"))
+        self.effects, self.factorial_note = factorial.effects(
+            self.design, self.included, self.metrics) if self.design else ({}, "")
 
     def marked(self, variant: str) -> str:
         """The variant's name, marked with how many of its aggregated runs are flagged."""
@@ -331,6 +336,8 @@ class StudyReport:
                                 for a, b, d in mine]
                     lines += [f"### {task} {metric}", ""]
                     lines += _depth_table("pair", rows, extra=("verdict", verdicts)) + [""]
+        if self.design:
+            lines += factorial.markdown(self.design, self.effects, self.factorial_note)
         extrapolation = self.extrapolation()
         if extrapolation:
             lines += ["## Extrapolation ratio: metric at T / metric at the training depth", "",
@@ -405,7 +412,8 @@ class StudyReport:
                 "paired": {f"{a} - {b}/{t}/{m}": {
                     "verdict": verdict(d, higher_is_better(t, m)),
                     "depths": {str(k): asdict(iv) for k, iv in d.items()}}
-                    for (a, b, t, m), d in self.pairs.items()}}
+                    for (a, b, t, m), d in self.pairs.items()},
+                "factorial": factorial.numbers(self.effects)}
 
 
 def _log_to_wandb(report: StudyReport, out: Path, mode: Literal["offline", "online", "disabled"],

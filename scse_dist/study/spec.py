@@ -20,7 +20,8 @@
             data: {task: file}}   # data: a task's file when it has no field of its own
     order: seed-major              # or variant-major: the order runs are started in
     resources: {nodes: 1, tasks_per_node: 1, gpus_per_node: 0, cpus_per_task: 1, time_min: 60}
-    report: {metrics: {lambada: [ppl, accuracy]}}   # the metrics the report shows, per task
+    report: {metrics: {lambada: [ppl, accuracy]},   # the metrics the report shows, per task
+             factorial: {factors: {model.recurrence: [additive, scse], ...}}}  # .factorial
 
 A run is <study>/<variant>/<variant>-seed<k> (its name, <variant>-seed<k>, is in its results,
 logs and batch job name); with `lr`, stage 1 (sweep) runs <variant>/<variant>-lr<value>-seed<k>
@@ -51,6 +52,7 @@ from typing import Any, Optional
 from scse_dist.config import ConfigError, RunConfig, config_from_dict
 from scse_dist.launch.config import Resources
 from scse_dist.run_dir import RunDir
+from scse_dist.study.factorial import parse_factorial
 from scse_dist.task_registry import TASKS, field_value
 from scse_dist.typed_yaml import _read_yaml, apply_overrides
 
@@ -370,8 +372,12 @@ def _parse(values: Any, file: str) -> StudySpec:
     report = values.get("report") or {}
     if not isinstance(report, dict):
         raise SpecError(f"report: expected a mapping, got {report!r}")
-    _check_keys(report, {"metrics"}, "report")
+    _check_keys(report, {"metrics", "factorial"}, "report")
     _check_report_metrics(report.get("metrics") or {})
+    try:
+        parse_factorial(report.get("factorial"))
+    except ConfigError as exc:
+        raise SpecError(str(exc)) from None
     # `out:` is relative to the spec file, like `base:` (the default, ./studies, to the cwd)
     out = os.path.normpath(Path(file).parent / values["out"]) if "out" in values else "studies"
     rates = {full: own_rates[vname] for full, (vname, _, _) in expanded.items()

@@ -1,4 +1,5 @@
-"""Small-sample statistics for a study: Student-t quantiles and 95% intervals over seeds.
+"""Small-sample statistics for a study: Student-t quantiles, 95% intervals over seeds, and the
+main effects and interactions of a two-level factorial.
 
 No scipy: a study report runs as a Slurm job in the training environment. The t quantile is the
 numerical inverse (bisection) of the t CDF, which is written with the regularized incomplete beta
@@ -8,9 +9,10 @@ function (continued fraction, as in Numerical Recipes 6.4):
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 
 def _beta_continued_fraction(a: float, b: float, x: float) -> float:
@@ -101,3 +103,67 @@ def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:
     std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
     half = t_quantile(0.5 + level / 2.0, n - 1) * std / math.sqrt(n)
     return Interval(n, mean, std, mean - half, mean + half)
+
+
+@dataclass(frozen=True)
+class Effect:
+    """One effect of a two-level factorial: its estimate, 95% interval and how it was formed:
+    paired (the contrast per seed, over the seeds every cell has; n seeds) or, with fewer than
+    two shared seeds, Welch's interval over the cell means (n: the fewest seeds of a cell)."""
+
+    mean: float
+    low: Optional[float]
+    high: Optional[float]
+    n: int
+    paired: bool
+
+    def excludes_zero(self) -> bool:
+        return self.low is not None and self.high is not None and (self.low > 0 or self.high < 0)
+
+
+def factorial_effects(cells: Mapping[tuple[int, ...], Mapping[int, float]],
+                      factors: Sequence[str], level: float = 0.95) -> dict[str, Effect]:
+    """Main effects and interactions of a 2^k factorial: `cells` maps levels (0 or 1 per factor)
+    to {seed: value}; every one of the 2^k cells must have a value.
+
+    The effect of a set S of factors is sum over cells of prod_{f in S} (+1 at level 1, -1 at
+    level 0) * value / 2^(k - |S|): for one factor, mean(level 1) - mean(level 0) over the other
+    factors; for two, how much the first's effect changes from the second's level 0 to its
+    level 1 (a difference of differences), averaged over the rest; for three, how much that
+    changes across the third. Keys: "a", "a x b", "a x b x c" in the order of `factors`."""
+    k = len(factors)
+    grid = list(itertools.product((0, 1), repeat=k))
+    absent = [c for c in grid if not cells.get(c)]
+    if absent:
+        raise ValueError(f"factorial_effects: no value in cell {absent[0]} of {len(grid)}")
+    shared = sorted(set.intersection(*(set(cells[c]) for c in grid)))
+    out = {}
+    for size in range(1, k + 1):
+        for subset in itertools.combinations(range(k), size):
+            coef = {c: math.prod(1 if c[f] else -1 for f in subset) / 2 ** (k - size)
+                    for c in grid}
+            name = " x ".join(factors[f] for f in subset)
+            if len(shared) >= 2:
+                iv = t_interval([sum(coef[c] * cells[c][s] for c in grid) for s in shared], level)
+                out[name] = Effect(iv.mean, iv.low, iv.high, iv.n, paired=True)
+            else:
+                out[name] = _welch_effect(coef, cells, level)
+    return out
+
+
+def _welch_effect(coef: Mapping[tuple[int, ...], float],
+                  cells: Mapping[tuple[int, ...], Mapping[int, float]], level: float) -> Effect:
+    """sum c_i * mean_i with Welch-Satterthwaite's t interval (no interval if a cell has one
+    seed)."""
+    stats = {c: t_interval(list(cells[c].values())) for c in coef}
+    mean = sum(coef[c] * iv.mean for c, iv in stats.items())
+    n = min(iv.n for iv in stats.values())
+    if n < 2:
+        return Effect(mean, None, None, n, paired=False)
+    parts = {c: coef[c] ** 2 * (iv.std or 0.0) ** 2 / iv.n for c, iv in stats.items()}
+    var = sum(parts.values())
+    if var == 0:
+        return Effect(mean, mean, mean, n, paired=False)
+    df = var ** 2 / sum(p ** 2 / (stats[c].n - 1) for c, p in parts.items())
+    half = t_quantile(0.5 + level / 2.0, df) * math.sqrt(var)
+    return Effect(mean, mean - half, mean + half, n, paired=False)

@@ -148,7 +148,8 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     # auto's micro-batch needs the deepest T; --tokens' steps need the micro-batch: the run's
     # own steps first, redone if --tokens gives another length
     first_steps = t.max_steps
-    deepest_t = max(training_depths(cfg, first_steps), default=m.depth)
+    depths = training_depths(cfg, first_steps)  # one draw per step: seconds at 20,000 steps
+    deepest_t = max(depths, default=m.depth)
     largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k)
                for k in modes}
     micro = next((c for c in candidates if c <= largest[mode]), candidates[-1]) \
@@ -156,8 +157,8 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     accum = t.grad_accum_for(world_size, micro)
     tokens_per_step = world_size * micro * accum * seq_len
     steps = t.max_steps if a.tokens is None else math.ceil(a.tokens / tokens_per_step)
-    depths = training_depths(cfg, steps)
     if steps != first_steps:
+        depths = training_depths(cfg, steps)
         deepest_t = max(depths, default=m.depth)
         largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k)
                    for k in modes}
