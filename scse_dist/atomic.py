@@ -14,6 +14,7 @@ never read as outputs (checkpoint.remove_partial_saves clears them from a checkp
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import posixpath
 import shutil
@@ -65,6 +66,24 @@ def _made_parents(fs: Any, path: str) -> Iterator[None]:
         for folder in missing:  # deepest first; one another process filled in stays
             with contextlib.suppress(OSError):
                 fs.rmdir(folder)
+        raise
+
+
+@contextlib.contextmanager
+def removed_on_failure(path: Path, keep: Callable[[BaseException], bool] = lambda exc: False
+                       ) -> Iterator[None]:
+    """A local folder the body makes (with the parents it lacks) is removed whole when the body
+    fails, unless `keep(error)`: a run that cannot start leaves no run dir. A folder that exists
+    already is kept."""
+    missing = list(itertools.takewhile(lambda p: not p.exists(), [path, *path.parents]))
+    try:
+        yield
+    except BaseException as exc:
+        if missing and not keep(exc):
+            shutil.rmtree(missing[0], ignore_errors=True)
+            for folder in missing[1:]:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
         raise
 
 

@@ -9,6 +9,7 @@ order (callbacks.base), their states restored from the checkpoint it resumes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -19,6 +20,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from scse_dist.atomic import removed_on_failure
 from scse_dist.checkpoint.manifest import CONFIG_NAME
 from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
@@ -97,28 +99,37 @@ def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
     configured = configured_callbacks(cfg.train.callbacks)  # a bad entry: before anything starts
     preemption = PreemptionCallback()  # first: a signal during start-up is honoured at step 1
     state = None
-    try:
+
+    def keep_run_dir(exc: BaseException) -> bool:  # a crash's logs, or a checkpoint to resume
+        return state is not None and (state.last_saved > 0 or exit_status(exc) is None)
+
+    # The write rule: a run refused for its config or data before it saved anything leaves no run
+    # dir that it made.
+    made = (removed_on_failure(RunStorage.for_config(cfg).local, keep_run_dir)
+            if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext())
+    with made:
         try:
-            state, saved_states = _start(cfg)
-        except BaseException:  # a refused config or bad data: nothing to save, nothing to wait for
-            abandon()
-            raise
-        state.callbacks = in_hook_order([*default_callbacks(state.cfg, preemption), *configured,
-                                         *callbacks])
-        _restore_states(state, saved_states)
-        try:
-            _run(state, state.callbacks, preemption)
-        except TrainingStopped:  # agreed by every rank: an orderly end, then the exit status
-            _teardown(state, state.callbacks)
-            raise
-        except Exception as exc:
-            if exit_status(exc) is None:  # a crash, not bad input: its rank and step, in one
-                # line that the launcher's retries read (scse_dist.launch.retries.CRASH_LINE)
-                print(f"scse-train: rank {state.env.rank} crashed after step {state.step}: "
-                      f"{type(exc).__name__}: {one_line(exc)}", file=sys.stderr, flush=True)
-            raise
-    finally:
-        preemption.release(state)
+            try:
+                state, saved_states = _start(cfg)
+            except BaseException:  # a refused config or bad data: nothing to save or wait for
+                abandon()
+                raise
+            state.callbacks = in_hook_order([*default_callbacks(state.cfg, preemption),
+                                             *configured, *callbacks])
+            _restore_states(state, saved_states)
+            try:
+                _run(state, state.callbacks, preemption)
+            except TrainingStopped:  # agreed by every rank: an orderly end, then the exit status
+                _teardown(state, state.callbacks)
+                raise
+            except Exception as exc:
+                if exit_status(exc) is None:  # a crash, not bad input: its rank and step, in one
+                    # line that the launcher's retries read (scse_dist.launch.retries.CRASH_LINE)
+                    print(f"scse-train: rank {state.env.rank} crashed after step {state.step}: "
+                          f"{type(exc).__name__}: {one_line(exc)}", file=sys.stderr, flush=True)
+                raise
+        finally:
+            preemption.release(state)
     _teardown(state, state.callbacks)
     state.summary.update(first_loss=state.first_loss, final_loss=state.last_loss,
                          preempted=state.stop_reason)
