@@ -110,7 +110,7 @@ def test_heldout_split_disjoint_and_stable(tmp_path):
     assert not set(held) & set(train) and len(held) + len(train) == len(docs)
 
 
-def test_read_index_errors_and_crash_leaves_no_index(tmp_path):
+def test_read_index_errors_and_crash_leaves_the_output_as_it_was(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "none" / "index.json")):
         read_index(str(tmp_path / "none"))
     out, index = write(tmp_path, docs_of(5))
@@ -123,13 +123,15 @@ def test_read_index_errors_and_crash_leaves_no_index(tmp_path):
     with pytest.raises(ValueError, match=r"splits.train\[0\].tokens"):
         read_index(out)
 
-    def exploding():  # the rewrite dies half-way: the old index must not survive
+    def exploding():  # the rewrite dies half-way: the folder stays as it was (the write rule)
         yield from docs_of(5)
         raise RuntimeError("crash")
 
+    before = {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()}
     with pytest.raises(RuntimeError):
         write_shards(exploding(), IntTokenizer(), out)
-    assert not os.path.exists(os.path.join(out, "index.json"))
+    assert {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["s"]  # no temporary folder left
 
 
 # --------------------------------------------------------------------------- stream
