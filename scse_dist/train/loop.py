@@ -159,7 +159,7 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
                                   before_update=lambda engine: _before_update(callbacks, state),
                                   z_loss=t.z_loss, eos_id=eos_id, update_gate=gate,
                                   **short_depth_loss(t))
-        state.step_seconds = time.perf_counter() - started  # data included; hooks are not
+        state.step_seconds = time.perf_counter() - started  # data in; diagnostics add theirs
         state.step = step + 1
         for callback in callbacks:
             callback.on_step_end(state)
