@@ -49,7 +49,8 @@ STAGES = [("versions", 30, 30), ("bug_probes", 60, 60), ("eager_zero1", 70, 60),
           ("document_mask", 60, 60), ("generation", 40, 30)]
 TRAIN_STAGES = {  # the overrides each trainer stage adds to the common ones
     "eager_zero1": ["train.compile=false"],
-    "compiled_loop": ["train.compile=true", "profile.enabled=true"],
+    "compiled_loop": ["train.compile=true", "model.activation_checkpointing=loop",
+                      "profile.enabled=true"],
     "compiled_none": ["train.compile=true", "model.activation_checkpointing=none"],
     "zero3": ["train.compile=false", "train.zero_stage=3"],
     "document_mask": ["train.compile=false", "model.document_mask=true"],

@@ -15,7 +15,13 @@ from scse_dist.config import load_config
 from scse_dist.model import flops_per_token
 from scse_dist.train.cli import main
 from scse_dist.train.plan import Assumptions, build, render
-from scse_dist.train.sizing import GIB, activation_memory, count_parameters, training_depths
+from scse_dist.train.sizing import (
+    GIB,
+    activation_memory,
+    checkpointing_for,
+    count_parameters,
+    training_depths,
+)
 
 GPT2 = "configs/gpt2-small-scse.yaml"
 
@@ -57,6 +63,25 @@ def test_auto_takes_the_largest_candidate_that_fits():
     assert plan["micro_batch_candidates"] == [128, 64, 32, 16, 8, 4, 2, 1]
     assert plan["micro_batch"] == max(c for c in plan["micro_batch_candidates"] if c <= largest)
     assert plan["micro_batch"] * plan["grad_accum_steps"] * 8 == 1024
+
+
+def test_auto_checkpointing_is_none_where_the_estimate_fits_else_loop():
+    """gpt2-small-scse's auto on one GPU, micro-batch 16 at T = 16: none on an H100 (14.9 GiB
+    of 72), loop where only 10 GiB may be filled (5.4 GiB with it); the trainer asks the same
+    function with its device's memory (scse_dist.train.loop._with_checkpointing)."""
+    cfg = load_config(GPT2, ["train.global_batch_tokens=0", "train.micro_batch_size=16",
+                             "train.grad_accum_steps=1"])
+    assert cfg.model.activation_checkpointing == "auto"
+    roomy = build(cfg, 1, Assumptions(gpu="h100"))
+    need = roomy["memory_bytes"]["training_state"] + roomy["memory_bytes"]["activations"]["none"]
+    assert roomy["activation_checkpointing"] == "none" and need <= roomy["memory_bytes"]["budget"]
+    assert roomy["memory_bytes"]["peak"] == pytest.approx(need)
+    tight = build(cfg, 1, Assumptions(gpu="h100", memory_fraction=10 * GIB / (81559 * 2**20)))
+    assert tight["activation_checkpointing"] == "loop" and tight["fits"]
+    assert checkpointing_for(cfg, 1, "bf16", need) == "none"
+    assert checkpointing_for(cfg, 1, "bf16", need - 1) == "loop"
+    fixed = load_config(GPT2, ["model.activation_checkpointing=block"])
+    assert checkpointing_for(fixed, 1, "bf16", 1.0) == "block"  # only auto is chosen
 
 
 def test_table_and_json_through_the_cli(capsys):

@@ -20,6 +20,7 @@ from scse_dist.config import ConfigError, RunConfig
 from scse_dist.train.sizing import (
     GIB,
     activation_memory,
+    checkpointing_for,
     count_parameters,
     deepspeed_estimate,
     stage3_max_live,
@@ -142,7 +143,7 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     use_ds = ds_bytes is not None and t.zero_stage == 2 and precision == "bf16" \
         and t.optimizer != "muon"
     state_total = float(ds_bytes) if use_ds and ds_bytes is not None else states.total
-    mode = m.activation_checkpointing
+    mode = checkpointing_for(cfg, world_size, precision, budget)  # auto: by this estimate
     modes = sorted({mode, "none", "loop"}, key=["none", "loop", "block"].index)
 
     # auto's micro-batch needs the deepest T; --tokens' steps need the micro-batch: the run's

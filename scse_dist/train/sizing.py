@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from scse_dist.config import RunConfig
 from scse_dist.model.transitions import resolved_anchor_scale, transition_for
@@ -208,6 +208,24 @@ def activation_memory(cfg: RunConfig, depth: int, precision: str, micro_batch: i
         outside += calls * tokens * 2 * m.d_model * width
     saved = outside + in_loop + 8 * tokens + norm + anchor + loss
     return ActivationMemory(saved, max(transient, loss_chunks_bytes(m.vocab_size, tokens)))
+
+
+def checkpointing_for(cfg: RunConfig, world_size: int, precision: str, budget: float
+                      ) -> Literal["none", "loop", "block", "auto"]:
+    """model.activation_checkpointing resolved: auto is none where the largest micro-batch the
+    run may use, at the deepest T it draws, fits beside the training state in `budget` bytes
+    without checkpointing, else loop (whose recompute, about a fifth of a step, buys the memory);
+    any other value as it is."""
+    m, t = cfg.model, cfg.train
+    if m.activation_checkpointing != "auto":
+        return m.activation_checkpointing
+    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else \
+        max(t.micro_batch_candidates(world_size))
+    states = state_memory(count_parameters(cfg), precision, t.zero_stage, world_size,
+                          stage3_max_live(cfg)).total
+    depth = max(training_depths(cfg), default=m.depth)
+    need = states + activation_memory(cfg, depth, precision, micro, "none").total
+    return "none" if need <= budget else "loop"
 
 
 def loss_chunks_bytes(vocab: int, tokens: int) -> float:
