@@ -47,10 +47,12 @@ def test_largest_micro_batch_fits_and_one_more_does_not():
     cfg = load_config(GPT2, ["model.activation_checkpointing=none"])
     plan = build(cfg, 8, Assumptions(gpu="a100", memory_fraction=0.5))
     budget, state = plan["memory_bytes"]["budget"], plan["memory_bytes"]["training_state"]
+    gpu = plan["memory_bytes"]["capacity"]  # the loss's chunks are sized for the GPU's memory
     deepest = max(training_depths(cfg))
     for mode, largest in plan["largest_micro_batch"].items():
-        assert state + activation_memory(cfg, deepest, "bf16", largest, mode).total <= budget
-        assert state + activation_memory(cfg, deepest, "bf16", largest + 1, mode).total > budget
+        assert state + activation_memory(cfg, deepest, "bf16", largest, mode, gpu).total <= budget
+        assert state + activation_memory(cfg, deepest, "bf16", largest + 1, mode, gpu).total > \
+            budget
     assert plan["largest_micro_batch"]["loop"] > plan["largest_micro_batch"]["none"]
     assert plan["fits"] == (plan["largest_micro_batch"]["none"] >= 16)
 
@@ -66,8 +68,8 @@ def test_auto_takes_the_largest_candidate_that_fits():
 
 
 def test_auto_checkpointing_is_none_where_the_estimate_fits_else_loop():
-    """gpt2-small-scse's auto on one GPU, micro-batch 16 at T = 16: none on an H100 (14.9 GiB
-    of 72), loop where only 10 GiB may be filled (5.4 GiB with it); the trainer asks the same
+    """gpt2-small-scse's auto on one GPU, micro-batch 16 at T = 16: none on an H100 (17.6 GiB
+    of 72), loop where only 10 GiB may be filled (8.2 GiB with it); the trainer asks the same
     function with its device's memory (scse_dist.train.loop._with_checkpointing)."""
     cfg = load_config(GPT2, ["train.global_batch_tokens=0", "train.micro_batch_size=16",
                              "train.grad_accum_steps=1"])
@@ -78,8 +80,9 @@ def test_auto_checkpointing_is_none_where_the_estimate_fits_else_loop():
     assert roomy["memory_bytes"]["peak"] == pytest.approx(need)
     tight = build(cfg, 1, Assumptions(gpu="h100", memory_fraction=10 * GIB / (81559 * 2**20)))
     assert tight["activation_checkpointing"] == "loop" and tight["fits"]
-    assert checkpointing_for(cfg, 1, "bf16", need) == "none"
-    assert checkpointing_for(cfg, 1, "bf16", need - 1) == "loop"
+    h100 = roomy["memory_bytes"]["capacity"]  # the loss's chunks as sized on it
+    assert checkpointing_for(cfg, 1, "bf16", need, h100) == "none"
+    assert checkpointing_for(cfg, 1, "bf16", need - 1, h100) == "loop"
     fixed = load_config(GPT2, ["model.activation_checkpointing=block"])
     assert checkpointing_for(fixed, 1, "bf16", 1.0) == "block"  # only auto is chosen
 

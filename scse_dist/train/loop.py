@@ -263,13 +263,15 @@ def _with_checkpointing(cfg: RunConfig, env: Any) -> RunConfig:
     from scse_dist.train.plan import Assumptions
     from scse_dist.train.sizing import GIB, checkpointing_for
 
-    if torch.cuda.is_available():
-        budget = Assumptions().memory_fraction * torch.cuda.get_device_properties(
-            torch.cuda.current_device()).total_memory
+    cuda_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
+        if torch.cuda.is_available() else None
+    if cuda_memory is not None:
+        budget = Assumptions().memory_fraction * cuda_memory
     else:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or env.world_size
         budget = cfg.train.micro_batch_memory_gib * GIB or default_budget(local_world)
-    mode = checkpointing_for(cfg, env.world_size, resolve_precision(cfg.train.precision), budget)
+    mode = checkpointing_for(cfg, env.world_size, resolve_precision(cfg.train.precision), budget,
+                             cuda_memory)
     if env.rank == 0:
         print(f"model.activation_checkpointing: auto: {mode} (the planner's estimate against "
               f"{budget / GIB:.1f} GiB)", flush=True)
