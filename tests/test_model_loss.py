@@ -191,3 +191,18 @@ def test_z_loss_in_the_model_chunked_equals_full_logits(small_chunks) -> None:
     assert plain.loss.item() == chunked.loss.item()
     with pytest.raises(ValueError, match="z_loss: a term of the training loss; it needs targets"):
         model(tokens, z_loss=1e-4)
+
+
+def test_chunks_are_torchtitans_8192_rows_on_cuda_and_unchanged_off_it() -> None:
+    """Off CUDA the 64 MiB chunks the quickstart was measured with (a different size reorders the
+    fp32 sums: its numbers stay bit for bit); on CUDA 8192 rows, within a 64th of the memory."""
+    assert loss_module.chunk_rows(32000) == (1 << 24) // 32000 == 524
+    assert [s.stop - s.start for s in loss_module._chunks(1100, 32000, torch.device("cpu"))] == \
+        [524, 524, 52]
+    assert loss_module.chunk_rows(32000, cuda_memory=81559 * 2**20) == 8192  # an H100
+    assert loss_module.chunk_rows(32000, cuda_memory=8 * 2**30) == 8 * 2**30 // 64 // 128000
+    assert loss_module.chunk_rows(10**9, cuda_memory=2**30) == 1
+    # the planner counts the same chunks: 3 x 1 GiB of fp32 logits at 16 x 1024 tokens
+    from scse_dist.train.sizing import loss_chunks_bytes
+    assert loss_chunks_bytes(32000, 16384, 81559 * 2**20) == 8192 * 32000 * 4 * 3
+    assert loss_chunks_bytes(32000, 16384) == 524 * 32000 * 4 * 3

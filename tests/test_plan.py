@@ -15,7 +15,13 @@ from scse_dist.config import load_config
 from scse_dist.model import flops_per_token
 from scse_dist.train.cli import main
 from scse_dist.train.plan import Assumptions, build, render
-from scse_dist.train.sizing import GIB, activation_memory, count_parameters, training_depths
+from scse_dist.train.sizing import (
+    GIB,
+    activation_memory,
+    checkpointing_for,
+    count_parameters,
+    training_depths,
+)
 
 GPT2 = "configs/gpt2-small-scse.yaml"
 
@@ -41,10 +47,12 @@ def test_largest_micro_batch_fits_and_one_more_does_not():
     cfg = load_config(GPT2, ["model.activation_checkpointing=none"])
     plan = build(cfg, 8, Assumptions(gpu="a100", memory_fraction=0.5))
     budget, state = plan["memory_bytes"]["budget"], plan["memory_bytes"]["training_state"]
+    gpu = plan["memory_bytes"]["capacity"]  # the loss's chunks are sized for the GPU's memory
     deepest = max(training_depths(cfg))
     for mode, largest in plan["largest_micro_batch"].items():
-        assert state + activation_memory(cfg, deepest, "bf16", largest, mode).total <= budget
-        assert state + activation_memory(cfg, deepest, "bf16", largest + 1, mode).total > budget
+        assert state + activation_memory(cfg, deepest, "bf16", largest, mode, gpu).total <= budget
+        assert state + activation_memory(cfg, deepest, "bf16", largest + 1, mode, gpu).total > \
+            budget
     assert plan["largest_micro_batch"]["loop"] > plan["largest_micro_batch"]["none"]
     assert plan["fits"] == (plan["largest_micro_batch"]["none"] >= 16)
 
@@ -57,6 +65,26 @@ def test_auto_takes_the_largest_candidate_that_fits():
     assert plan["micro_batch_candidates"] == [128, 64, 32, 16, 8, 4, 2, 1]
     assert plan["micro_batch"] == max(c for c in plan["micro_batch_candidates"] if c <= largest)
     assert plan["micro_batch"] * plan["grad_accum_steps"] * 8 == 1024
+
+
+def test_auto_checkpointing_is_none_where_the_estimate_fits_else_loop():
+    """gpt2-small-scse's auto on one GPU, micro-batch 16 at T = 16: none on an H100 (17.6 GiB
+    of 72), loop where only 10 GiB may be filled (8.2 GiB with it); the trainer asks the same
+    function with its device's memory (scse_dist.train.loop._with_checkpointing)."""
+    cfg = load_config(GPT2, ["train.global_batch_tokens=0", "train.micro_batch_size=16",
+                             "train.grad_accum_steps=1"])
+    assert cfg.model.activation_checkpointing == "auto"
+    roomy = build(cfg, 1, Assumptions(gpu="h100"))
+    need = roomy["memory_bytes"]["training_state"] + roomy["memory_bytes"]["activations"]["none"]
+    assert roomy["activation_checkpointing"] == "none" and need <= roomy["memory_bytes"]["budget"]
+    assert roomy["memory_bytes"]["peak"] == pytest.approx(need)
+    tight = build(cfg, 1, Assumptions(gpu="h100", memory_fraction=10 * GIB / (81559 * 2**20)))
+    assert tight["activation_checkpointing"] == "loop" and tight["fits"]
+    h100 = roomy["memory_bytes"]["capacity"]  # the loss's chunks as sized on it
+    assert checkpointing_for(cfg, 1, "bf16", need, h100) == "none"
+    assert checkpointing_for(cfg, 1, "bf16", need - 1, h100) == "loop"
+    fixed = load_config(GPT2, ["model.activation_checkpointing=block"])
+    assert checkpointing_for(fixed, 1, "bf16", 1.0) == "block"  # only auto is chosen
 
 
 def test_table_and_json_through_the_cli(capsys, tiny_data):

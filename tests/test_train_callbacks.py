@@ -207,6 +207,25 @@ def test_time_between_steps_is_not_step_time(tmp_path, tiny_config, subprocess_e
     assert re.search(r"^step      5 \|.*\| elapsed 0:0[3-9] \|", stdout, re.M), stdout
 
 
+@pytest.mark.slow
+def test_logged_throughput_counts_the_loop_diagnostics(tmp_path, tiny_config, subprocess_env):
+    """Diagnostics (every 10 steps, to T = 16) are training work the run waits on: each window's
+    logged tokens/s is the wall-clock rate between its log steps to within 5% (a ratio in one
+    run, not a speed)."""
+    config = tiny_config(tmp_path, "train.max_steps=31", "train.log_every=10",
+                         "train.diagnostics_every=10", "train.checkpoint_every=1000",
+                         f"train.callbacks=[{{class_path: wall_clock_probe:StepEnds, "
+                         f"init_args: {{out: '{tmp_path / 'ends.json'}'}}}}]")
+    run_trainer(config, dict(subprocess_env, PYTHONPATH=f"{REPO}:{REPO / 'tests'}"))
+    ends = {int(k): v for k, v in json.loads((tmp_path / "ends.json").read_text()).items()}
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "runs" / "tiny") if "loss" in r}
+    assert "diag/D_kept" in rows[20]  # the diagnostics ran in the windows measured
+    for start, end in ((10, 20), (20, 30)):
+        wall_rate = rows[end]["tokens"] - rows[start]["tokens"]
+        wall_rate /= ends[end] - ends[start]
+        assert rows[end]["tokens_per_s"] / wall_rate == pytest.approx(1.0, abs=0.05), (start, end)
+
+
 def test_a_second_ctrl_c_during_the_first_ones_line_exits_at_once(monkeypatch):
     """The first Ctrl-C's flag is set before its line is written: a second one landing during the
     write (seen on the loaded test machine) exits 130 instead of starting over."""

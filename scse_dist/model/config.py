@@ -65,7 +65,9 @@ class ModelConfig:
     # Nominal loop depth T: the default forward depth, the mean of sampled training depth, and
     # the T in the unrolled depth N that deepnorm/deeploop constants are computed from.
     depth: int = 4
-    activation_checkpointing: Literal["none", "loop", "block"] = "none"
+    # auto: the trainer picks none or loop from the planner's memory estimate
+    # (scse_dist.train.sizing.checkpointing_for); the model itself reads auto as none.
+    activation_checkpointing: Literal["none", "loop", "block", "auto"] = "none"
     tie_embeddings: bool = True
     # RMSNorm on each head's queries and keys (over head_dim, one gain per channel shared by the
     # heads) before RoPE, in every block (OLMo 2, Qwen3): bounds the attention logits.

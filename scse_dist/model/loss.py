@@ -24,19 +24,33 @@ weight is whatever the hooks gathered when the caller read the attribute.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # targets equal to this are left out of the loss (torch's default)
-# Logits per chunk (rows x vocab): 2^24 fp32 values = 64 MiB, ~500 rows at vocab 32000. Rows of
-# that size keep the head matmul large enough to run at full speed on a GPU.
+# Logits per chunk (rows x vocab) off CUDA: 2^24 fp32 values = 64 MiB, ~500 rows at vocab 32000
+# (the quickstart's numbers were measured with these: another size reorders the fp32 sums).
 CHUNK_LOGITS = 1 << 24
+# Rows per chunk on CUDA: torchtitan's 8192 (2 chunks, not 32, per micro-batch of 16 x 1024: fewer
+# small kernels), while a chunk's fp32 logits stay within a 64th of the device's memory (at vocab
+# 32000, 1 GiB of an 80 GB GPU's).
+CUDA_CHUNK_ROWS = 8192
 
 
-def _chunks(n_rows: int, vocab: int) -> list[slice]:
-    rows = max(1, CHUNK_LOGITS // vocab)
+def chunk_rows(vocab: int, cuda_memory: Optional[int] = None) -> int:
+    """Rows per chunk: CHUNK_LOGITS' share off CUDA; on a CUDA device of `cuda_memory` bytes,
+    CUDA_CHUNK_ROWS or fewer (the comments above)."""
+    if cuda_memory is None:
+        return max(1, CHUNK_LOGITS // vocab)
+    return max(1, min(CUDA_CHUNK_ROWS, cuda_memory // 64 // (4 * vocab)))
+
+
+def _chunks(n_rows: int, vocab: int, device: torch.device) -> list[slice]:
+    memory = torch.cuda.get_device_properties(device).total_memory \
+        if device.type == "cuda" else None
+    rows = chunk_rows(vocab, memory)
     return [slice(i, min(i + rows, n_rows)) for i in range(0, n_rows, rows)]
 
 
@@ -56,7 +70,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if with_grad else None
         # fp32 accumulator: the sum over chunks would otherwise round once per chunk in bf16.
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if with_grad else None
-        for rows in _chunks(hidden.shape[0], weight.shape[0]):
+        for rows in _chunks(hidden.shape[0], weight.shape[0], hidden.device):
             logits = F.linear(hidden[rows], weight).float()
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             picked = logits.gather(1, targets[rows, None])

@@ -170,7 +170,7 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
                                   before_update=lambda engine: _before_update(callbacks, state),
                                   z_loss=t.z_loss, eos_id=eos_id, update_gate=gate,
                                   **short_depth_loss(t))
-        state.step_seconds = time.perf_counter() - started  # data included; hooks are not
+        state.step_seconds = time.perf_counter() - started  # data in; diagnostics add theirs
         state.step = step + 1
         for callback in callbacks:
             callback.on_step_end(state)
@@ -217,6 +217,7 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
     # a global batch that does not divide: one line before any process group starts
     cfg = with_world_batch(cfg, *launcher_world(os.environ))
     env = init_distributed()
+    cfg = _with_checkpointing(cfg, env)  # before config.yaml is written: the resolved value
     if env.world_size > 1:  # every rank, so that a multi-node log shows each one started, and where
         print(describe_placement(env, os.environ), flush=True)
     if not torch.cuda.is_available():  # intra-op threads from the free cores (OMP_NUM_THREADS wins)
@@ -264,6 +265,33 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
               f"steps {start_step}..{cfg.train.max_steps}", flush=True)
         print(cfg.train.batch_derivation(cfg.data.seq_len, env.world_size), flush=True)
     return state, callback_states
+
+
+def _with_checkpointing(cfg: RunConfig, env: Any) -> RunConfig:
+    """cfg with model.activation_checkpointing: auto resolved by the planner's estimate
+    (scse_dist.train.sizing.checkpointing_for) against this device: the share of a GPU's memory
+    scse-train --plan fills, or on CPU the micro-batch finder's budget."""
+    if cfg.model.activation_checkpointing != "auto":
+        return cfg
+    from scse_dist.train.engine import resolve_precision
+    from scse_dist.train.micro_batch import default_budget
+    from scse_dist.train.plan import Assumptions
+    from scse_dist.train.sizing import GIB, checkpointing_for
+
+    cuda_memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
+        if torch.cuda.is_available() else None
+    if cuda_memory is not None:
+        budget = Assumptions().memory_fraction * cuda_memory
+    else:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or env.world_size
+        budget = cfg.train.micro_batch_memory_gib * GIB or default_budget(local_world)
+    mode = checkpointing_for(cfg, env.world_size, resolve_precision(cfg.train.precision), budget,
+                             cuda_memory)
+    if env.rank == 0:
+        print(f"model.activation_checkpointing: auto: {mode} (the planner's estimate against "
+              f"{budget / GIB:.1f} GiB)", flush=True)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                              activation_checkpointing=mode))
 
 
 def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:

@@ -20,6 +20,7 @@ from scse_dist.config import ConfigError, RunConfig
 from scse_dist.train.sizing import (
     GIB,
     activation_memory,
+    checkpointing_for,
     count_parameters,
     deepspeed_estimate,
     stage3_max_live,
@@ -100,14 +101,17 @@ def comm_bytes(n_params: int, width: int, zero_stage: int, world_size: int, accu
 
 
 def micro_batch_fits(cfg: RunConfig, depth: int, precision: str, budget: float, states: float,
-                     mode: str) -> int:
+                     mode: str, cuda_memory: Optional[int] = None) -> int:
     """The largest micro-batch whose activations fit beside the training state (0: none)."""
+    def activations(size: int) -> float:
+        return activation_memory(cfg, depth, precision, size, mode, cuda_memory).total
+
     def fits(size: int) -> bool:
-        return states + activation_memory(cfg, depth, precision, size, mode).total <= budget
+        return states + activations(size) <= budget
 
     # activations grow about linearly in the micro-batch: start from that line, then step
-    fixed = activation_memory(cfg, depth, precision, 0, mode).total
-    per_sequence = activation_memory(cfg, depth, precision, 1, mode).total - fixed
+    fixed = activations(0)
+    per_sequence = activations(1) - fixed
     size = max(0, math.floor((budget - states - fixed) / per_sequence))
     while fits(size + 1):
         size += 1
@@ -142,7 +146,7 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     use_ds = ds_bytes is not None and t.zero_stage == 2 and precision == "bf16" \
         and t.optimizer != "muon"
     state_total = float(ds_bytes) if use_ds and ds_bytes is not None else states.total
-    mode = m.activation_checkpointing
+    mode = checkpointing_for(cfg, world_size, precision, budget, capacity)  # auto: by this
     modes = sorted({mode, "none", "loop"}, key=["none", "loop", "block"].index)
 
     # auto's micro-batch needs the deepest T; --tokens' steps need the micro-batch: the run's
@@ -150,7 +154,7 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     first_steps = t.max_steps
     depths = training_depths(cfg, first_steps)  # one draw per step: seconds at 20,000 steps
     deepest_t = max(depths, default=m.depth)
-    largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k)
+    largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k, capacity)
                for k in modes}
     micro = next((c for c in candidates if c <= largest[mode]), candidates[-1]) \
         if t.micro_batch_size == "auto" else t.micro_batch_size
@@ -160,13 +164,14 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     if steps != first_steps:
         depths = training_depths(cfg, steps)
         deepest_t = max(depths, default=m.depth)
-        largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k)
-                   for k in modes}
+        largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k,
+                                       capacity) for k in modes}
     counts = Counter(depths)
     run_flops = tokens_per_step * sum(n * flops_per_token(m, d, seq_len, t.depth.backprop_steps)
                                       for d, n in counts.items())
     step_flops = run_flops / max(1, steps)
-    activations = {k: activation_memory(cfg, deepest_t, precision, micro, k).total for k in modes}
+    activations = {k: activation_memory(cfg, deepest_t, precision, micro, k, capacity).total
+                   for k in modes}
     peak = state_total + activations[mode]
 
     per_gpu_flops = peak_flops(gpu) * a.mfu

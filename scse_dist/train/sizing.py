@@ -35,7 +35,7 @@ block. Besides the blocks: the token ids, the anchor's input and scse's r*, the 
 chunked loss's gradients of its input (B*S x d) and of the head (V x d). On top of what is saved,
 the largest of three transient peaks: backward's own working set (the gradients of one SwiGLU's
 three f-wide tensors), a recomputed step or block, and the chunked loss's logits at the end of
-forward (loss_chunks_bytes; up to 3 x 64 MiB).
+forward (loss_chunks_bytes; up to 3 x 64 MiB off CUDA, 3 x 1 GiB at vocab 32000 on an 80 GB GPU).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from scse_dist.config import RunConfig
 from scse_dist.model.transitions import resolved_anchor_scale, transition_for
@@ -170,9 +170,11 @@ def block_activation_bytes(cfg: RunConfig, precision: str, tokens: int) -> float
 
 
 def activation_memory(cfg: RunConfig, depth: int, precision: str, micro_batch: int,
-                      checkpointing: Optional[str] = None) -> ActivationMemory:
+                      checkpointing: Optional[str] = None,
+                      cuda_memory: Optional[int] = None) -> ActivationMemory:
     """One micro-batch's activations at loop depth `depth`; `checkpointing` (none, loop, block)
-    replaces model.activation_checkpointing."""
+    replaces model.activation_checkpointing; `cuda_memory`: the bytes of the CUDA device the
+    loss's chunks are sized for (None: off CUDA)."""
     m = cfg.model
     mode = m.activation_checkpointing if checkpointing is None else checkpointing
     tokens = micro_batch * cfg.data.seq_len
@@ -207,14 +209,35 @@ def activation_memory(cfg: RunConfig, depth: int, precision: str, micro_batch: i
     if transition.resolved_inject == "concat":  # the adapter's input [h, s] per core call
         outside += calls * tokens * 2 * m.d_model * width
     saved = outside + in_loop + 8 * tokens + norm + anchor + loss
-    return ActivationMemory(saved, max(transient, loss_chunks_bytes(m.vocab_size, tokens)))
+    return ActivationMemory(saved, max(transient,
+                                       loss_chunks_bytes(m.vocab_size, tokens, cuda_memory)))
 
 
-def loss_chunks_bytes(vocab: int, tokens: int) -> float:
+def checkpointing_for(cfg: RunConfig, world_size: int, precision: str, budget: float,
+                      cuda_memory: Optional[int] = None
+                      ) -> Literal["none", "loop", "block", "auto"]:
+    """model.activation_checkpointing resolved: auto is none where the largest micro-batch the
+    run may use, at the deepest T it draws, fits beside the training state in `budget` bytes
+    without checkpointing, else loop (whose recompute, about a fifth of a step, buys the memory);
+    any other value as it is."""
+    m, t = cfg.model, cfg.train
+    if m.activation_checkpointing != "auto":
+        return m.activation_checkpointing
+    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else \
+        max(t.micro_batch_candidates(world_size))
+    states = state_memory(count_parameters(cfg), precision, t.zero_stage, world_size,
+                          stage3_max_live(cfg)).total
+    depth = max(training_depths(cfg), default=m.depth)
+    need = states + activation_memory(cfg, depth, precision, micro, "none", cuda_memory).total
+    return "none" if need <= budget else "loop"
+
+
+def loss_chunks_bytes(vocab: int, tokens: int, cuda_memory: Optional[int] = None) -> float:
     """The chunked loss's peak at the end of forward, beside every saved activation: a chunk's fp32
     logits, logsumexp's temporary of the same size and, from the second chunk on, the previous
-    chunk's gradient still held while the next chunk's logits are formed."""
-    from scse_dist.model.loss import CHUNK_LOGITS  # imports torch: not before a plan's checks
+    chunk's gradient still held while the next chunk's logits are formed. Chunks as
+    scse_dist.model.loss sizes them (`cuda_memory`: on a CUDA device of that many bytes)."""
+    from scse_dist.model.loss import chunk_rows  # imports torch: not before a plan's checks
 
-    rows = min(tokens, max(1, CHUNK_LOGITS // vocab))
+    rows = min(tokens, chunk_rows(vocab, cuda_memory))
     return rows * vocab * 4 * (3 if tokens > rows else 2)

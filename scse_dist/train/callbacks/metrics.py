@@ -16,8 +16,9 @@ from scse_dist.train.step import sum_over_ranks
 
 class MetricsCallback(Callback):
     """Averages the loss over the steps since the last row (all ranks, one all-reduce per row).
-    Throughput and step time count the optimizer steps' own time (their data loading included),
-    not what hooks do between them (evaluation, samples, checkpoint saves)."""
+    Throughput and step time count the optimizer steps' own time (their data loading and the loop
+    diagnostics included), not what hooks do between them (evaluation, samples, checkpoint
+    saves)."""
 
     priority = 300
 
