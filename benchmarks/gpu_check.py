@@ -48,8 +48,8 @@ class Profile:
 # One GPU steps 64 sequences (micro 16 x accum 4, what the config stepped per GPU before its
 # batch became 0.5M tokens over any world size: 32 accumulations on one GPU would not fit 200 s).
 GPU = Profile(vocab=4096, steps=30, log_every=5, min_loss_drop=1.0, overrides=[
-    "train.global_batch_tokens=65536", "train.precision=bf16", "train.lr=6e-4",
-    "train.warmup_steps=5",
+    "train.global_batch_tokens=65536", "train.precision=bf16", "train.optimizer.lr=6e-4",
+    "train.schedule.warmup_steps=5",
     "eval.batch_size=16", "eval.max_batches=4"])
 # d 64, 2 heads, seq 64, the tokenizer's vocabulary, micro-batch 2 x accum 2, fp32. Six steps
 # claim only a small drop (measured: 6.25 -> 6.01 on the 512-piece stdlib corpus).
@@ -57,7 +57,7 @@ CPU = Profile(vocab=512, steps=6, log_every=2, min_loss_drop=0.1, overrides=[
     "model.d_model=64", "model.n_heads=2", "model.max_seq_len=64",
     "data.seq_len=64", "train.global_batch_tokens=0", "train.micro_batch_size=2",
     "train.grad_accum_steps=2",
-    "train.precision=fp32", "train.lr=3e-3", "train.warmup_steps=1",
+    "train.precision=fp32", "train.optimizer.lr=3e-3", "train.schedule.warmup_steps=1",
     "eval.batch_size=2", "eval.max_batches=2"])
 
 

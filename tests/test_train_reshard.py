@@ -101,5 +101,5 @@ def test_resume_across_world_sizes_reads_the_epoch_once_and_keeps_the_optimizer_
     train = load_config(cfg).train
     horizon = [next(m for _, _, m in SEGMENTS if s <= m) for s in range(1, 41)]
     assert [rows[s]["lr"] for s in range(1, 41)] == [
-        train.lr * LRSchedule.from_config(dataclasses.replace(train, max_steps=m))(s - 1)
+        train.optimizer.lr * LRSchedule.from_config(dataclasses.replace(train, max_steps=m))(s - 1)
         for s, m in zip(range(1, 41), horizon)]
