@@ -323,7 +323,8 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
               ["results"][0]["loss"] for lr in ("0.0001", "0.003")}
     assert choice["scores"] == scores and choice["lr"] == 3e-3 == float(min(scores, key=scores.get))
     final = yaml.safe_load((d / "scse/scse-seed1/config.yaml").read_text())
-    assert (final["train"]["lr"], final["train"]["seed"], final["name"]) == (3e-3, 1, "scse-seed1")
+    assert (final["train"]["optimizer"]["lr"], final["train"]["seed"], final["name"]) == \
+        (3e-3, 1, "scse-seed1")
     heldout = json.loads((d / "scse/scse-seed1/eval/heldout.json").read_text())
     assert heldout["checkpoint"] == "scse-seed1@export"  # the results say which run they are
     assert [r["depth"] for r in heldout["results"]] == [1, 2]

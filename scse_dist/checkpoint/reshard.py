@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from scse_dist.checkpoint.manifest import UNIVERSAL_DIR as UNIVERSAL
+from scse_dist.config import rename_old_fields
 from scse_dist.distributed import barrier, is_rank0
 
 
@@ -99,7 +100,8 @@ def _muon_staged(source: Path, staged: Path) -> Path | None:
     """The staged copy of tag `source` when its run used Muon, else None."""
     run_config = json.loads((source / "config.json").read_text()) \
         if (source / "config.json").is_file() else {}
-    if run_config.get("train", {}).get("optimizer") != "muon":
+    # a tag saved before train.optimizer was a section names it flat: renamed
+    if rename_old_fields(run_config).get("train", {}).get("optimizer", {}).get("kind") != "muon":
         return None
     if staged.exists():
         shutil.rmtree(staged)
