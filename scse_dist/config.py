@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from scse_dist.checkpoint.start_config import StartConfig
+
 # Each section's dataclass sits beside the package it configures (below it: a leaf the package's
 # __init__ does not weigh down); this module composes them into RunConfig and re-exports them.
 # The model package owns its config (it is copied into exports as remote code); re-exported here.
@@ -38,9 +40,17 @@ from scse_dist.train.config import (  # noqa: F401
     WandbConfig,
     largest_trained_depth,
 )
+from scse_dist.train.optimizer_config import OptimizerConfig
+from scse_dist.train.schedule_config import ScheduleConfig
 
 # The typed-YAML machinery; apply_overrides and deep_merge are part of this module's interface.
-from scse_dist.typed_yaml import _build, _read_yaml, apply_overrides, deep_merge  # noqa: F401
+from scse_dist.typed_yaml import (  # noqa: F401
+    _build,
+    _parse_scalar,
+    _read_yaml,
+    apply_overrides,
+    deep_merge,
+)
 
 # --------------------------------------------------------------------------- the run config
 
@@ -131,19 +141,58 @@ def _check_global_batch_tokens(cfg: RunConfig) -> None:
 
 
 # Fields renamed since: old name -> new dotted name. A config that uses an old name still loads,
-# with one notice line per name and process.
+# with one notice line per name and process. An old name that is now a section (train.optimizer,
+# train.schedule) is renamed only where it holds a value, not a mapping; those come first, so the
+# fields moved into them find a section.
 RENAMED_FIELDS = {"eval.slurm_gpus": "eval.resources.gpus_per_node",
                   "eval.slurm_cpus": "eval.resources.cpus_per_task",
                   "eval.slurm_time_min": "eval.resources.time_min",
-                  "eval.slurm_partition": "eval.resources.partition"}
+                  "eval.slurm_partition": "eval.resources.partition",
+                  "train.optimizer": "train.optimizer.kind",
+                  "train.schedule": "train.schedule.kind",
+                  # the flat train.* fields of the sections that own them now
+                  **{f"train.{f.name}": f"train.{section}.{f.name}"
+                     for section, cls in (("optimizer", OptimizerConfig),
+                                          ("schedule", ScheduleConfig), ("start", StartConfig))
+                     for f in dataclasses.fields(cls) if f.name != "kind"}}
 _noticed: set[str] = set()
 
 
-def _rename_old_fields(values: dict) -> None:
-    """Move the values of RENAMED_FIELDS' old names to their new ones, in place (the new name
-    wins when both are given), saying so once per name on stderr."""
+def _notice(old: str, new: str) -> None:
     import sys
 
+    if old not in _noticed:
+        _noticed.add(old)
+        print(f"config: notice: {old} is now {new}; the old name is read for now",
+              file=sys.stderr, flush=True)
+
+
+def renamed_key(key: str, value: Any = None) -> str:
+    """The current name of dotted key `key` (an override's, a study's) given `value`: a
+    RENAMED_FIELDS old name, or a key inside one, moves to its new name (with the notice)."""
+    for old, new in RENAMED_FIELDS.items():
+        if new.startswith(old + "."):  # a name that is now a section: only a value moves
+            if key == old and not isinstance(value, dict):
+                _notice(old, new)
+                return new
+        elif key == old or key.startswith(old + "."):
+            _notice(old, new)
+            return new + key[len(old):]
+    return key
+
+
+def renamed_overrides(overrides: list[str]) -> list[str]:
+    """`key=value` overrides with their keys renamed (renamed_key)."""
+    out = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        out.append(f"{renamed_key(key.strip(), _parse_scalar(raw))}{sep}{raw}" if sep else item)
+    return out
+
+
+def rename_old_fields(values: dict) -> dict:
+    """Move the values of RENAMED_FIELDS' old names to their new ones, in place (the new name
+    wins when both are given), saying so once per name on stderr; returns `values`."""
     for old, new in RENAMED_FIELDS.items():
         *path, leaf = old.split(".")
         node: Any = values
@@ -151,6 +200,8 @@ def _rename_old_fields(values: dict) -> None:
             node = node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, dict) or leaf not in node:
             continue
+        if new.startswith(old + ".") and isinstance(node[leaf], dict):
+            continue  # already the section
         value = node.pop(leaf)
         *new_path, new_leaf = new.split(".")
         target = values
@@ -159,17 +210,21 @@ def _rename_old_fields(values: dict) -> None:
             if not isinstance(target, dict):
                 raise ConfigError(f"{'.'.join(new_path)}: expected a mapping")
         target.setdefault(new_leaf, value)
-        if old not in _noticed:
-            _noticed.add(old)
-            print(f"config: notice: {old} is now {new}; the old name is read for now",
-                  file=sys.stderr, flush=True)
+        _notice(old, new)
+    return values
+
+
+def read_config_file(path: Path) -> dict:
+    """A config file's values (its `base:` chain overlaid), each file's old names renamed before
+    the next overlays it, so a newer file's value wins whichever names either uses."""
+    return _read_yaml(path, normalize=rename_old_fields)
 
 
 def config_from_dict(values: dict) -> RunConfig:
     if not isinstance(values, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got "
                           f"{type(values).__name__}")
-    _rename_old_fields(values)
+    rename_old_fields(values)
     cfg = _build(RunConfig, values)
     _check_consistency(cfg)
     # A saved config names what ran, so "auto" is written down as what it meant here.
@@ -184,9 +239,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
     An error names where to fix it: the file, or the command line when the file alone is free
     of it (so a typo in an override is not blamed on the file)."""
-    values = _read_yaml(Path(path)) if path is not None else {}
+    values = read_config_file(Path(path)) if path is not None else {}
+    overrides = renamed_overrides(overrides or [])
     try:
-        return config_from_dict(apply_overrides(copy.deepcopy(values), overrides or []))
+        return config_from_dict(apply_overrides(copy.deepcopy(values), overrides))
     except ConfigError as exc:
         source = _error_source(exc, path, values, overrides or [])
         raise ConfigError(f"{exc} ({source})" if source else str(exc)) from None
@@ -200,7 +256,7 @@ SAVED_BEFORE = {"model": VALUE_BEFORE_FIELD}
 def load_saved_config(path: str | Path) -> RunConfig:
     """load_config for the config a run saved (config.yaml, config.json): a field it lacks takes
     the value it had when the run was made (SAVED_BEFORE), else today's default."""
-    values = _read_yaml(Path(path))
+    values = read_config_file(Path(path))
     for section, fields in SAVED_BEFORE.items():
         if isinstance(values.get(section), dict):
             for name, value in fields.items():

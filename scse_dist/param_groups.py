@@ -14,8 +14,8 @@ the roles differently.
 
 Norm gains are one group wherever they sit: under Post-LN the core's last norm2 gain is the output
 scale rho of Phi (diagnostics.core_scale), and gains are the parameters an optimizer step moves
-most relative to their size. `with_lr_mult` splits an optimizer's param groups by train.lr_mult.
-Imports nothing heavy (no torch): the config's check uses it.
+most relative to their size. `with_lr_mult` splits an optimizer's param groups by
+train.optimizer.lr_mult. Imports nothing heavy (no torch): the config's check uses it.
 """
 
 from __future__ import annotations
@@ -56,26 +56,28 @@ def group_of(name: str) -> str:
 
 
 def check_lr_mult(lr_mult: Mapping[str, float]) -> None:
-    """train.lr_mult: keys that are groups, values finite and >= 0 (ConfigError, one line)."""
+    """train.optimizer.lr_mult: keys that are groups, values finite and >= 0 (ConfigError, one
+    line)."""
     for key, value in lr_mult.items():
         if key not in PARAM_GROUPS:
             close = difflib.get_close_matches(key, PARAM_GROUPS, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
-            raise ConfigError(f"train.lr_mult: unknown parameter group {key!r}; {hint}the groups "
+            raise ConfigError(f"train.optimizer.lr_mult: unknown parameter group {key!r}; "
+                              f"{hint}the groups "
                               f"are {', '.join(PARAM_GROUPS)}")
         if not 0 <= value < math.inf:  # also rejects NaN
-            raise ConfigError(f"train.lr_mult.{key}: must be a finite multiplier >= 0, got "
-                              f"{value}")
+            raise ConfigError(f"train.optimizer.lr_mult.{key}: must be a finite multiplier >= 0, "
+                              f"got {value}")
 
 
 def with_lr_mult(named: Iterable[tuple[str, Any]], groups: list[dict[str, Any]], lr: float,
                  lr_mult: Mapping[str, float], optimizer: str = "AdamW") -> list[dict[str, Any]]:
-    """The optimizer's param groups, each split by the train.lr_mult factor of its parameters'
-    groups, with lr = `lr` * factor (1 for a group not named); the groups' other settings
-    (weight decay, betas) are copied unchanged. The groups at factor 1 come first, so the log's
-    `lr` (group 0's) stays train.lr's while one is left. `named`: the model's named_parameters.
-    Empty lr_mult: `groups` as they are. A named group with no parameter in `groups` is a
-    ConfigError (`optimizer` says whose groups these are)."""
+    """The optimizer's param groups, each split by the train.optimizer.lr_mult factor of its
+    parameters' groups, with lr = `lr` * factor (1 for a group not named); the groups' other
+    settings (weight decay, betas) are copied unchanged. The groups at factor 1 come first, so the
+    log's `lr` (group 0's) stays train.optimizer.lr's while one is left. `named`: the model's
+    named_parameters. Empty lr_mult: `groups` as they are. A named group with no parameter in
+    `groups` is a ConfigError (`optimizer` says whose groups these are)."""
     if not lr_mult:
         return groups
     name_of = {id(p): name for name, p in named}
@@ -93,16 +95,16 @@ def with_lr_mult(named: Iterable[tuple[str, Any]], groups: list[dict[str, Any]],
                 {**group, "params": params, "lr": lr * factor})
     for key in lr_mult:
         if key not in found:
-            raise ConfigError(f"train.lr_mult.{key}: no parameter that {optimizer} updates is in "
-                              f"group {key} in this model (its groups there: "
+            raise ConfigError(f"train.optimizer.lr_mult.{key}: no parameter that {optimizer} "
+                              f"updates is in group {key} in this model (its groups there: "
                               f"{', '.join(g for g in PARAM_GROUPS if g in found)})")
     return plain + scaled
 
 
 def lr_mult_split(lr_mult: Mapping[str, float]) -> frozenset[frozenset[str]]:
-    """The partition of PARAM_GROUPS by train.lr_mult factor (1 where not named): what decides
-    how with_lr_mult splits an optimizer's groups. A resume may change the factors but not this
-    (DeepSpeed loads a checkpoint's optimizer state group by group)."""
+    """The partition of PARAM_GROUPS by train.optimizer.lr_mult factor (1 where not named): what
+    decides how with_lr_mult splits an optimizer's groups. A resume may change the factors but not
+    this (DeepSpeed loads a checkpoint's optimizer state group by group)."""
     by_factor: dict[float, set[str]] = {}
     for g in PARAM_GROUPS:
         by_factor.setdefault(float(lr_mult.get(g, 1.0)), set()).add(g)

@@ -13,7 +13,7 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
 
@@ -197,23 +197,27 @@ def setting_file(path: Path, key: str, overlay: str = "base") -> Path | None:
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = (), *, kind: str = "config file",
-               overlay: str = "base", file_relative: tuple[str, ...] = ()) -> dict:
+               overlay: str = "base", file_relative: tuple[str, ...] = (),
+               normalize: Optional[Callable[[dict], Any]] = None) -> dict:
     """Read a config file; `base: other.yaml` (relative to the file) is loaded first and overlaid,
     so a baseline config states only what differs from the config it is compared against.
 
     kind: what the file is, in messages. overlay: the key naming the file to overlay. file_relative:
     top-level keys holding paths relative to their file; an overlaid file's are rewritten
-    relative to the file overlaying it, so each stays relative to the file that set it."""
+    relative to the file overlaying it, so each stays relative to the file that set it.
+    normalize: applied to each file's values (in place) before they are overlaid."""
     if path.resolve() in seen:
         raise ConfigError(f"{kind} {str(path)!r}: `{overlay}` chain loops back to itself")
     values = _read_one(path, kind)
     base = values.pop(overlay, None)
+    if normalize is not None:
+        normalize(values)
     if base is None:
         return values
     if not isinstance(base, str):
         raise ConfigError(f"{overlay}: expected a file name, got {base!r} (in {path})")
     under = _read_yaml(path.parent / base, seen + (path.resolve(),), kind=kind, overlay=overlay,
-                       file_relative=file_relative)
+                       file_relative=file_relative, normalize=normalize)
     for key in file_relative:
         if isinstance(under.get(key), str) and not os.path.isabs(under[key]):
             under[key] = os.path.relpath((path.parent / base).parent / under[key], path.parent)

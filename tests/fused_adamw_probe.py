@@ -6,7 +6,7 @@ size 1, gloo) over the same model, data and config, as JSON.
 
 Prints {"fused": [...], "max_abs": float, "max_param": float, "clipped": bool}: whether each
 engine's client optimizer ran fused, the largest difference between the two runs' weights after
-the steps, the largest weight, and whether train.update_clip shrank some step.
+the steps, the largest weight, and whether train.optimizer.update_clip shrank some step.
 """
 
 from __future__ import annotations

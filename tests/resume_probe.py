@@ -39,7 +39,8 @@ def main(config: str, out: str, tag: str) -> None:
     state = {}
     for name, param in engine.module.named_parameters():
         state[f"{name}.fp32"] = safe_get_full_fp32_param(param).cpu()
-        # train.optimizer: muon: a Muon matrix has no Adam moments (its momentum is not per slice)
+        # train.optimizer.kind: muon: a Muon matrix has no Adam moments (its momentum is not per
+        # slice)
         muon = getattr(param, "use_muon", False)
         for key in () if muon else ("exp_avg", "exp_avg_sq"):
             state[f"{name}.{key}"] = safe_get_full_optimizer_state(param, key).cpu()

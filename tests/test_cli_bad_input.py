@@ -240,8 +240,8 @@ def test_only_bad_input_becomes_a_line_a_bug_still_raises(capsys):
         return main
 
     for exc, status, line in [
-            (ConfigError("train.lr: must be > 0\n  got 0"), BAD_CONFIG,
-             "scse-x: config error: train.lr: must be > 0 got 0\n"),
+            (ConfigError("train.optimizer.lr: must be > 0\n  got 0"), BAD_CONFIG,
+             "scse-x: config error: train.optimizer.lr: must be > 0 got 0\n"),
             (InputError("a.jsonl:3: not valid JSON"), BAD_INPUT,
              "scse-x: error: a.jsonl:3: not valid JSON\n"),
             (FileNotFoundError(2, "No such file or directory", "b.txt"), NO_INPUT,

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from scse_dist.config import ConfigError, config_to_dict, load_config, save_config
 from scse_dist.model.transitions import transition_for
@@ -20,10 +21,12 @@ def test_defaults_resolve_derived_fields():
 
 
 def test_overrides_are_typed_and_nested():
-    cfg = load_config(None, ["model.recurrence=additive", "train.lr=3e-4", "eval.depths=1,8,48",
+    cfg = load_config(None, ["model.recurrence=additive", "train.optimizer.lr=3e-4",
+                             "eval.depths=1,8,48",
                              "train.depth.kind=uniform", "wandb.enabled=false", "model.depth=8"])
     assert transition_for(cfg.model).resolved_inject == "add"
-    assert cfg.train.lr == pytest.approx(3e-4) and isinstance(cfg.train.lr, float)
+    assert cfg.train.optimizer.lr == pytest.approx(3e-4) and isinstance(cfg.train.optimizer.lr,
+                                                                        float)
     assert cfg.eval.depths == [1, 8, 48]
     assert cfg.train.depth.kind == "uniform" and cfg.wandb.enabled is False
     assert transition_for(cfg.model).unrolled_depth == 10
@@ -40,7 +43,7 @@ def test_untied_param_match_has_no_loop_visits():
     ("model.recurrence=transformer",
      "model.recurrence: must be one of untied, looped, additive, scse"),
     ("model.depth=0", "model.depth: must be > 0, got 0"),
-    ("train.lr=fast", "train.lr: expected a number, got 'fast'"),
+    ("train.optimizer.lr=fast", "train.optimizer.lr: expected a number, got 'fast'"),
     ("model.zero_mask=3", "model.zero_mask: expected true or false, got 3"),
     ("model.forcing_bias_scale=0.5",
      "model.zero_mask: the zero-deviation mask belongs to forcing_bias_scale=0"),
@@ -148,10 +151,108 @@ def _field_paths(cls, prefix=""):
 
 
 def test_docs_document_every_config_field():
+    """docs/config.md's table against the dataclasses: every field has a row, and every name in
+    the table's first column is a field (none renamed or removed and left behind)."""
+    import re
+
     from scse_dist.config import RunConfig
     reference = (REPO / "docs" / "config.md").read_text()
-    missing = [p for p in _field_paths(RunConfig) if f"`{p}`" not in reference]
+    fields = set(_field_paths(RunConfig))
+    missing = [p for p in fields if f"`{p}`" not in reference]
     assert not missing, f"docs/config.md's config reference lacks {missing}"
+    rows = re.findall(r"^\| (`[^|]*`) \|", reference, flags=re.M)
+    named = [n for row in rows for n in re.findall(r"`([^`]+)`", row)]
+    assert len(named) > 100  # the table was found
+    stale = [n for n in named if n not in fields]
+    assert not stale, f"docs/config.md names fields the config does not have: {stale}"
+
+
+# What a config of before the train sections wrote (flat names, a value where a section is now).
+OLD_TRAIN = """name: old
+train:
+  max_steps: 40
+  optimizer: muon
+  lr: 2.0e-3
+  lr_mult: {embed: 2.0}
+  beta2: 0.99
+  grad_clip: 0.5
+  muon_lr: 0.01
+  update_clip: 1.0
+  schedule: wsd
+  warmup_steps: 4
+  decay_steps: 10
+  min_lr_ratio: 0.0
+  resume: require
+  init_from_strict: false
+"""
+
+
+def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_path, capfd):
+    import scse_dist.config as config
+
+    config._noticed.clear()
+    (tmp_path / "old.yaml").write_text(OLD_TRAIN)
+    t = load_config(tmp_path / "old.yaml").train
+    o, s = t.optimizer, t.schedule
+    assert (o.kind, o.lr, o.lr_mult, o.beta2, o.grad_clip, o.muon_lr, o.update_clip) == \
+        ("muon", 2e-3, {"embed": 2.0}, 0.99, 0.5, 0.01, 1.0)
+    assert (s.kind, s.warmup_steps, s.decay_steps, s.min_lr_ratio) == ("wsd", 4, 10, 0.0)
+    assert (t.start.resume, t.start.init_from_strict, t.max_steps) == ("require", False, 40)
+    notices = capfd.readouterr().err.splitlines()
+    assert "config: notice: train.lr is now train.optimizer.lr; the old name is read for now" \
+        in notices
+    assert "config: notice: train.optimizer is now train.optimizer.kind; the old name is read " \
+        "for now" in notices
+    assert len(notices) == 13  # one per old name in the file, once per process
+    load_config(tmp_path / "old.yaml")
+    assert capfd.readouterr().err == ""
+    # the same config in the new names is the same config
+    new = load_config(None, ["name=old", "train.max_steps=40", "train.optimizer.kind=muon",
+                             "train.optimizer.lr=2e-3", "train.optimizer.lr_mult={embed: 2.0}",
+                             "train.optimizer.beta2=0.99", "train.optimizer.grad_clip=0.5",
+                             "train.optimizer.muon_lr=0.01", "train.optimizer.update_clip=1.0",
+                             "train.schedule.kind=wsd", "train.schedule.warmup_steps=4",
+                             "train.schedule.decay_steps=10", "train.schedule.min_lr_ratio=0",
+                             "train.start.resume=require", "train.start.init_from_strict=false"])
+    assert config_to_dict(new) == config_to_dict(load_config(tmp_path / "old.yaml"))
+
+
+def test_a_later_layer_wins_whichever_names_each_uses(tmp_path):
+    """An override, or a file overlaying its base, sets the field whether it or the layer under
+    it uses the old flat name or the new one (each layer is renamed before the next lands)."""
+    (tmp_path / "new.yaml").write_text("train: {optimizer: {lr: 1.0e-3}, schedule: {kind: wsd}}\n")
+    (tmp_path / "old.yaml").write_text("train: {lr: 1.0e-3, schedule: wsd}\n")
+    for base in ("new.yaml", "old.yaml"):
+        assert load_config(tmp_path / base, ["train.lr=5e-3"]).train.optimizer.lr == 5e-3
+        assert load_config(tmp_path / base,
+                           ["train.optimizer.lr=5e-3"]).train.optimizer.lr == 5e-3
+        assert load_config(tmp_path / base, ["train.schedule=cosine"]).train.schedule.kind == \
+            "cosine"
+        for over, kind in (("train: {lr: 7.0e-3, schedule: linear}", "old"),
+                           ("train: {optimizer: {lr: 7.0e-3}, schedule: {kind: linear}}", "new")):
+            (tmp_path / f"{kind}-over-{base}").write_text(f"base: {base}\n{over}\n")
+            t = load_config(tmp_path / f"{kind}-over-{base}").train
+            assert (t.optimizer.lr, t.schedule.kind) == (7e-3, "linear")
+    # a key inside an old name moves with it
+    assert load_config(None, ["train.lr_mult.embed=3"]).train.optimizer.lr_mult == {"embed": 3.0}
+
+
+def test_a_saved_run_config_of_before_loads(tmp_path):
+    """A run's config.yaml written with the flat names (every train field, as dataclasses.asdict
+    wrote them) loads with its values, as a resume or an evaluation reads it."""
+    from scse_dist.config import load_saved_config
+
+    old = config_to_dict(load_config(None, ["train.optimizer.lr=2e-3",
+                                            "train.schedule.warmup_steps=7",
+                                            "train.start.resume=never"]))
+    train = old["train"]
+    for section in ("optimizer", "schedule", "start"):
+        for name, value in train.pop(section).items():
+            train[{"kind": section}.get(name, name)] = value
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    t = load_saved_config(tmp_path / "config.yaml").train
+    assert (t.optimizer.lr, t.schedule.warmup_steps, t.start.resume) == (2e-3, 7, "never")
+    assert (t.optimizer.kind, t.schedule.kind) == ("torch_adamw", "cosine")
 
 
 @pytest.mark.parametrize("section, message", [

@@ -36,7 +36,7 @@ TINY_SIZES = {
     "model.max_seq_len": 32,
     "data.seq_len": 32,
     "train.max_steps": MIN_STEPS,
-    "train.warmup_steps": 1,
+    "train.schedule.warmup_steps": 1,
     "train.log_every": 1,  # one metrics row per step
     "eval.batch_size": 4,
     "eval.max_batches": 2,

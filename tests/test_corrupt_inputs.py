@@ -87,7 +87,7 @@ PROBES = {
     "weights-generate": Probe(f"{EXPORT}/model.safetensors", GENERATE, BAD_INPUT,
                               "model.safetensors"),
     "weights-init-from": Probe(f"{EXPORT}/model.safetensors",
-                               f"{TRAIN_NEW} train.init_from={EXPORT}", BAD_INPUT,
+                               f"{TRAIN_NEW} train.start.init_from={EXPORT}", BAD_INPUT,
                                "model.safetensors"),
     "export-config-eval": Probe(f"{EXPORT}/config.yaml", EVAL, BAD_CONFIG, "config.yaml"),
     "export-config-generate": Probe(f"{EXPORT}/config.yaml", GENERATE, BAD_CONFIG,

@@ -154,7 +154,7 @@ def test_a_path_that_is_not_an_export_says_what_it_is(tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "file.txt").write_text("x")
     no_weights = f"'{tmp_path}/notes' is a directory but not an export: it has no model.safetensors"
-    for load, prefix in ((load_export_config, ""), (check_init_from, "train.init_from: ")):
+    for load, prefix in ((load_export_config, ""), (check_init_from, "train.start.init_from: ")):
         for path, reason in [(tmp_path / "notes", no_weights),
                              (tmp_path / "file.txt",
                               f"'{tmp_path}/file.txt' is a file, not an export"),

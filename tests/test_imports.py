@@ -14,7 +14,9 @@ cycle check keeps the graph acyclic):
     <-  launch, study, lmeval
 
 A package's own `config` module (scse_dist/data/config.py, train/config.py, eval/config.py: its
-section of the run config) sits in the config layer, not its package's: `scse_dist.config`
+section of the run config), or a `<name>_config` one for a section within it (train.optimizer's
+train/optimizer_config.py, train.start's checkpoint/start_config.py), sits in the config layer, not
+its package's: `scse_dist.config`
 composes the sections, and whatever reads a config imports them, without loading the package.
 So a section may import only the config layer and below, never its own package's modules.
 """
@@ -109,9 +111,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _in_section(name: str) -> bool:
-    """Whether `name` is a package's section config (scse_dist.train.config) or a name in it."""
+    """Whether `name` is a package's section config (scse_dist.train.config,
+    scse_dist.train.optimizer_config) or a name in it."""
     parts = name.split(".")
-    return len(parts) >= 3 and parts[2] == "config" and parts[1] not in LAYERS[0]
+    return len(parts) >= 3 and (parts[2] == "config" or parts[2].endswith("_config")) \
+        and parts[1] not in LAYERS[0]
 
 
 def _top(module: str) -> str:
@@ -203,13 +207,14 @@ def test_a_planted_upward_import_is_caught(tmp_path):
 def test_section_configs_sit_in_the_config_layer():
     graph = _graph()
     sections = {"scse_dist.data.config", "scse_dist.train.config", "scse_dist.eval.config",
-                "scse_dist.launch.config"}
-    assert sections <= graph["scse_dist.config"]
+                "scse_dist.launch.config", "scse_dist.train.optimizer_config",
+                "scse_dist.train.schedule_config", "scse_dist.checkpoint.start_config"}
+    assert sections <= graph["scse_dist.config"] | graph["scse_dist.train.config"]
     assert {_layer(m) for m in sections} == {_layer("scse_dist.config")}
 
 
 @pytest.mark.parametrize("package", ["scse_dist.data", "scse_dist.train", "scse_dist.eval",
-                                     "scse_dist.launch"])
+                                     "scse_dist.launch", "scse_dist.checkpoint"])
 def test_section_packages_import_nothing(package):
     # importing a section config runs its package's __init__: it must stay this light
     assert _graph()[package] == set()

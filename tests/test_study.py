@@ -56,7 +56,7 @@ def test_expansion_counts_names_and_resolved_configs(tmp_path, tiny_config):
     assert (len(sweep), len(final)) == (5 * 2, 5 * 3)
     assert sweep[1].run_dir == str(tmp_path / "out/s/scse-preln/scse-preln-lr0.003-seed0")
     assert sweep[1].overrides == {"model.recurrence": "scse", "model.residual": "preln",
-                                  "train.lr": 3e-3, "train.seed": 0, "train.max_steps": 7}
+                                  "train.optimizer.lr": 3e-3, "train.seed": 0, "train.max_steps": 7}
     assert final[0].run_dir == str(tmp_path / "out/s/scse-preln/scse-preln-seed0") and \
         final[0].lr is None
     # seed-major: every variant's seed 0, then every variant's seed 1, ...
@@ -69,36 +69,54 @@ def test_expansion_counts_names_and_resolved_configs(tmp_path, tiny_config):
     cfg = run_config(spec, next(r for r in chosen if (r.variant, r.seed) == ("scse-deeploop", 1)))
     assert (cfg.name, cfg.output_dir) == \
         ("scse-deeploop-seed1", str(tmp_path / "out/s/scse-deeploop"))
-    assert (cfg.model.recurrence, cfg.model.residual, cfg.train.seed, cfg.train.lr) == \
+    assert (cfg.model.recurrence, cfg.model.residual, cfg.train.seed, cfg.train.optimizer.lr) == \
         ("scse", "deeploop", 1, 0.5)
     assert (cfg.eval.depths, cfg.eval.tasks, cfg.eval.after_train) == ([1, 2], ["heldout"], False)
 
 
+def test_a_spec_of_before_sets_its_flat_train_names_over_the_base(tmp_path, tiny_config):
+    """A spec's overrides in the old flat names (train.lr, train.warmup_steps, train.optimizer:
+    muon) set those fields over a base that uses the new ones, as they did over a flat base."""
+    from scse_dist.study.spec import run_config
+
+    variants = {"old": {"overrides": {"train.lr": 7e-3, "train.warmup_steps": 3,
+                                      "train.optimizer": "muon", "train.muon_lr": 0.01}},
+                "new": {"overrides": {"train.optimizer.lr": 7e-3}}}
+    spec = parse_spec(study_spec(tiny_config(tmp_path), str(tmp_path / "out"), axes={},
+                                 variants=variants, seeds=[0]), str(tmp_path / "spec.yaml"))
+    t = {r.variant: run_config(spec, r).train for r in expand(spec)}
+    assert (t["old"].optimizer.lr, t["old"].schedule.warmup_steps) == (7e-3, 3)
+    assert (t["old"].optimizer.kind, t["old"].optimizer.muon_lr) == ("muon", 0.01)
+    assert (t["new"].optimizer.lr, t["new"].schedule.warmup_steps) == (7e-3, 2)  # the base's 2
+
+
 def test_a_variant_sweeps_its_own_rate_field_over_its_own_grid(tmp_path, tiny_config):
-    """Muon's rate is train.muon_lr: a variant's lr: {key, values} sweeps that field over its own
-    grid, and its final runs set the chosen value there, leaving train.lr as configured."""
+    """Muon's rate is train.optimizer.muon_lr: a variant's lr: {key, values} sweeps that field over
+    its own grid, and its final runs set the chosen value there, leaving train.optimizer.lr as
+    configured."""
     from scse_dist.study.spec import run_config
 
     variants = {"adamw": {"overrides": {}},
                 "muon": {"overrides": {"train.optimizer": "muon"},
-                         "lr": {"key": "train.muon_lr", "values": ["1e-2", 0.04]}}}
+                         "lr": {"key": "train.optimizer.muon_lr", "values": ["1e-2", 0.04]}}}
     spec = parse_spec(study_spec(tiny_config(tmp_path), str(tmp_path / "out"), axes={},
                                  variants=variants, seeds=[0, 1],
                                  lr={"values": [1e-3, 3e-3], "validation": "v.txt"}),
                       str(tmp_path / "spec.yaml"))
-    assert spec.rate_key("adamw") == "train.lr" and spec.rate_key("muon") == "train.muon_lr"
+    assert (spec.rate_key("adamw"), spec.rate_key("muon")) == ("train.optimizer.lr",
+                                                                "train.optimizer.muon_lr")
     sweep = [r for r in expand(spec) if r.stage == "sweep"]
     assert [(r.variant, r.lr) for r in sweep] == [("adamw", 1e-3), ("adamw", 3e-3),
                                                   ("muon", 0.01), ("muon", 0.04)]
     assert sweep[3].run_dir.endswith("muon/muon-lr0.04-seed0")
     muon = run_config(spec, sweep[3])
-    assert (muon.train.optimizer, muon.train.muon_lr) == ("muon", 0.04)
-    assert run_config(spec, sweep[0]).train.lr == 1e-3
-    assert muon.train.lr == 3e-3  # the base config's: Muon's AdamW half
+    assert (muon.train.optimizer.kind, muon.train.optimizer.muon_lr) == ("muon", 0.04)
+    assert run_config(spec, sweep[0]).train.optimizer.lr == 1e-3
+    assert muon.train.optimizer.lr == 3e-3  # the base config's: Muon's AdamW half
     final = expand(spec, {"adamw": 3e-3, "muon": 0.01}, ("final",))
     cfgs = {(r.variant, r.seed): run_config(spec, r) for r in final}
-    assert (cfgs["muon", 1].train.muon_lr, cfgs["muon", 1].train.seed) == (0.01, 1)
-    assert cfgs["adamw", 1].train.lr == 3e-3
+    assert (cfgs["muon", 1].train.optimizer.muon_lr, cfgs["muon", 1].train.seed) == (0.01, 1)
+    assert cfgs["adamw", 1].train.optimizer.lr == 3e-3
 
 
 def test_variant_major_order_relative_out_and_resources(tmp_path, tiny_config):
@@ -212,10 +230,11 @@ def test_every_shipped_study_spec_resolves_every_run(path):
     ({"seeds": [0, 0]}, "seeds: a non-empty list of distinct integers"),
     ({"variants": {"scse": {"override": {}}}}, "variants.scse: expected {overrides:"),
     ({"lr": {"values": [1e-3]}}, "lr: missing field 'validation'"),
-    ({"variants": {"scse": {"overrides": {}, "lr": {"key": "train.muon_lr", "values": [0.02]}}}},
+    ({"variants": {"scse": {"overrides": {}, "lr": {"key": "train.optimizer.muon_lr",
+                                                    "values": [0.02]}}}},
      "variants.scse.lr: needs the study's lr: section"),
     ({"variants": {"scse": {"overrides": {}, "lr": {"key": "muon_lr", "values": [0.02]}}}},
-     "variants.scse.lr.key: a train.* field such as train.muon_lr, got 'muon_lr'"),
+     "variants.scse.lr.key: a train.* field such as train.optimizer.muon_lr, got 'muon_lr'"),
     ({"variants": {"scse": {"overrides": {}, "lr": {"values": [0]}}}},
      "variants.scse.lr.values: a non-empty list of positive rates"),
     ({"axes": {"model.residual": {"values": ["preln"], "variants": ["nope"]}}},
@@ -306,7 +325,8 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
               ["results"][0]["loss"] for lr in ("0.0001", "0.003")}
     assert choice["scores"] == scores and choice["lr"] == 3e-3 == float(min(scores, key=scores.get))
     final = yaml.safe_load((d / "scse/scse-seed1/config.yaml").read_text())
-    assert (final["train"]["lr"], final["train"]["seed"], final["name"]) == (3e-3, 1, "scse-seed1")
+    assert (final["train"]["optimizer"]["lr"], final["train"]["seed"], final["name"]) == \
+        (3e-3, 1, "scse-seed1")
     heldout = json.loads((d / "scse/scse-seed1/eval/heldout.json").read_text())
     assert heldout["checkpoint"] == "scse-seed1@export"  # the results say which run they are
     assert [r["depth"] for r in heldout["results"]] == [1, 2]

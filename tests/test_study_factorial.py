@@ -80,7 +80,7 @@ def test_a_cell_without_values_is_refused():
 
 
 LEVELS = {"model.recurrence": ["additive", "scse"], "model.residual": ["preln", "deeploop"],
-          "train.optimizer": ["muon", "torch_adamw"]}
+          "train.optimizer.kind": ["muon", "torch_adamw"]}
 DEPTHS = [1, 4, 8, 32]
 
 
@@ -93,7 +93,7 @@ def write_cell_run(study, cell, seed):
         "model": {"recurrence": values["model.recurrence"], "residual": values["model.residual"],
                   "vocab_size": 256, "d_model": 32, "n_heads": 2, "max_seq_len": 32},
         "data": {"path": str(study / "no-shards"), "seq_len": 32},
-        "train": {"optimizer": values["train.optimizer"], "max_steps": 30, "seed": seed},
+        "train": {"optimizer": values["train.optimizer.kind"], "max_steps": 30, "seed": seed},
         "wandb": {"enabled": False}})
     run_dir.mkdir(parents=True)
     save_config(cfg, run_dir / "config.yaml")
@@ -114,7 +114,7 @@ def test_the_report_prints_the_factorial_at_each_depth(tmp_path):
         "name": "factorial", "pairs": [], "report": {"factorial": {"factors": LEVELS}}}))
     report = write_study_report(study, wandb_mode="disabled").read_text()
     assert "## Factorial: model.recurrence (additive → scse) × model.residual (preln → " \
-           "deeploop) × train.optimizer (muon → torch_adamw)" in report
+           "deeploop) × train.optimizer.kind (muon → torch_adamw)" in report
     assert "| recurrence x residual | +5 [+2.516, +7.484]* | +5 [+2.516, +7.484]* | " in report
     assert "| recurrence x residual x optimizer | +2 [-2.968, +6.968] |" in report
     found = json.loads((study / "report" / "aggregate.json").read_text())["factorial"]

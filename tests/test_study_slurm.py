@@ -179,6 +179,6 @@ def test_slurm_two_stage_lr_sweep_submits_stage_two_after_the_choice(slurm_clust
     (task,) = jobs([final["array"]])
     assert task["StartTime"] >= stage2["EndTime"] and task["JobName"] == "two-scse-seed4"
     cfg = yaml.safe_load((d / "scse" / "scse-seed4" / "config.yaml").read_text())
-    assert cfg["train"]["lr"] == choice["lr"] and cfg["train"]["seed"] == 4
+    assert cfg["train"]["optimizer"]["lr"] == choice["lr"] and cfg["train"]["seed"] == 4
     assert (d / "scse" / "scse-seed4" / "export" / "model.safetensors").is_file()
     assert (d / "scse" / "scse-seed4" / "eval" / "heldout.json").is_file()

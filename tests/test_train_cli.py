@@ -99,10 +99,10 @@ def test_dry_run_prints_the_global_batch_derivation_at_the_world_size_asked(tmp_
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["train.resume_from=last"],
-     "train.resume_from: expected a checkpoint tag like step-40, got 'last'"),
-    (["train.resume_from=step-40", "train.resume=never"],
-     "train.resume_from: contradicts train.resume=never"),
+    (["train.start.resume_from=last"],
+     "train.start.resume_from: expected a checkpoint tag like step-40, got 'last'"),
+    (["train.start.resume_from=step-40", "train.start.resume=never"],
+     "train.start.resume_from: contradicts train.start.resume=never"),
 ])
 def test_a_bad_resume_from_is_one_line_and_exit_2(tmp_path, tiny_config, capsys, overrides,
                                                   message):

@@ -21,7 +21,7 @@ from train_procs import REPO, TRAIN, read_metrics
 
 pytestmark = pytest.mark.slow
 
-WSD = ("train.schedule=wsd", "train.decay_steps=8", "train.log_every=1",
+WSD = ("train.schedule.kind=wsd", "train.schedule.decay_steps=8", "train.log_every=1",
        "train.checkpoint_every=6", "train.keep_checkpoints=10")
 EXPORT = Path("export") / "model.safetensors"
 
@@ -77,7 +77,7 @@ def test_a_resume_mid_decay_is_the_uninterrupted_run(reference, tmp_path, tiny_c
     _, reference_dir = reference
     run_dir = tmp_path / "runs" / "tiny"
     shutil.copytree(reference_dir, run_dir)
-    out = train(tiny_config(tmp_path, *WSD), subprocess_env, "train.resume_from=step-18")
+    out = train(tiny_config(tmp_path, *WSD), subprocess_env, "train.start.resume_from=step-18")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed" in out.stdout and "train.schedule:" not in out.stdout
     again = rows(run_dir)
@@ -94,7 +94,7 @@ def test_a_cooldown_branched_off_a_stable_run_is_the_wsd_decay(reference, tmp_pa
     stable_dir = tmp_path / "stable" / "runs" / "tiny"
     (tmp_path / "stable").mkdir()
     (tmp_path / "cool").mkdir()
-    out = train(tiny_config(tmp_path / "stable", *base, "train.schedule=constant",
+    out = train(tiny_config(tmp_path / "stable", *base, "train.schedule.kind=constant",
                             "train.max_steps=12"), subprocess_env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert rows(stable_dir) == rows(reference_dir)[:12]  # constant = wsd's stable phase
@@ -102,41 +102,45 @@ def test_a_cooldown_branched_off_a_stable_run_is_the_wsd_decay(reference, tmp_pa
 
     source = stable_dir / "checkpoints" / "step-0000012"
     branch_dir = tmp_path / "cool" / "runs" / "tiny"
-    out = train(tiny_config(tmp_path / "cool", *WSD), subprocess_env, f"train.branch_from={source}")
+    out = train(tiny_config(tmp_path / "cool", *WSD), subprocess_env,
+                f"train.start.branch_from={source}")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert (f"train.branch_from: starting from {source} (weights, optimizer state, step, data "
-            "position and RNG; the LR schedule is this run's)") in out.stdout
+    assert (f"train.start.branch_from: starting from {source} (weights, optimizer state, step, "
+            "data position and RNG; the LR schedule is this run's)") in out.stdout
     # step 13 on: the wsd run's decay, its data and optimizer state continued, bit for bit
     assert rows(branch_dir) == rows(reference_dir)[12:]
     assert same_export(branch_dir, reference_dir)
     assert snapshot(stable_dir) == before  # the stable run is left as it was
     # the branch's own checkpoints: a rerun resumes those, not the source
     out = train(tiny_config(tmp_path / "cool", *WSD), subprocess_env,
-                f"train.branch_from={source}", "train.max_steps=20")
+                f"train.start.branch_from={source}", "train.max_steps=20")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "train.branch_from ignored: resuming this run's checkpoint step-0000020" in out.stdout
+    assert ("train.start.branch_from ignored: resuming this run's checkpoint "
+            "step-0000020") in out.stdout
 
 
 def test_a_branch_of_another_model_is_refused_and_changes_nothing(reference, tmp_path,
                                                                   tiny_config, subprocess_env):
     _, reference_dir = reference
     before = snapshot(reference_dir)
-    out = train(tiny_config(tmp_path, *WSD), subprocess_env, f"train.branch_from={reference_dir}",
+    out = train(tiny_config(tmp_path, *WSD), subprocess_env,
+                f"train.start.branch_from={reference_dir}",
                 "model.d_model=64")
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.strip() == (
-        f"scse-train: config error: train.branch_from: {reference_dir / 'checkpoints'}/"
+        f"scse-train: config error: train.start.branch_from: {reference_dir / 'checkpoints'}/"
         "step-0000020 is a checkpoint of another model or data stream: model.d_model: 32 -> 64. "
-        "A branch continues the same model and token stream (train.init_from starts a new run "
-        "from an export's weights alone)")
+        "A branch continues the same model and token stream (train.start.init_from starts a new "
+        "run from an export's weights alone)")
     assert not (tmp_path / "runs" / "tiny" / "checkpoints").exists()
     assert snapshot(reference_dir) == before
     out = train(tiny_config(tmp_path, *WSD), subprocess_env,
-                f"train.branch_from={tmp_path / 'nowhere'}")
+                f"train.start.branch_from={tmp_path / 'nowhere'}")
     assert out.returncode == 2
     assert out.stderr.strip() == (
-        f"scse-train: config error: train.branch_from: '{tmp_path / 'nowhere'}' is neither a run "
-        "dir (holding checkpoints/) nor a checkpoint tag (runs/<name>/checkpoints/step-NNNNNNN)")
+        f"scse-train: config error: train.start.branch_from: '{tmp_path / 'nowhere'}' is neither a "
+        "run dir (holding checkpoints/) nor a checkpoint tag "
+        "(runs/<name>/checkpoints/step-NNNNNNN)")
 
 
 def test_a_plain_resume_follows_a_changed_schedule_and_says_so(reference, tmp_path, tiny_config,
@@ -144,8 +148,8 @@ def test_a_plain_resume_follows_a_changed_schedule_and_says_so(reference, tmp_pa
     _, reference_dir = reference
     run_dir = tmp_path / "runs" / "tiny"
     shutil.copytree(reference_dir, run_dir)
-    changed = tiny_config(tmp_path, *WSD, "train.decay_shape=1-sqrt")
-    out = train(changed, subprocess_env, "train.resume_from=step-12")
+    changed = tiny_config(tmp_path, *WSD, "train.schedule.decay_shape=1-sqrt")
+    out = train(changed, subprocess_env, "train.start.resume_from=step-12")
     assert out.returncode == 0, out.stderr[-3000:]
     assert ("train.schedule: step 13 runs at lr 2.0454e-03 under this config's schedule (wsd "
             "1-sqrt, decay 8 of 20 steps, warmup 2, lr 0.003); the checkpoint's (wsd linear, decay "

@@ -19,8 +19,10 @@ def cfg_with(*overrides):
 
 def test_generated_values_come_from_the_config():
     ds = build_ds_config(cfg_with("train.micro_batch_size=3", "train.grad_accum_steps=2",
-                                  "train.grad_clip=0.5", "train.zero_stage=2", "train.lr=0.01",
-                                  "train.beta2=0.99", "train.weight_decay=0.05"), on_cuda=False)
+                                  "train.optimizer.grad_clip=0.5", "train.zero_stage=2",
+                                  "train.optimizer.lr=0.01",
+                                  "train.optimizer.beta2=0.99",
+                                  "train.optimizer.weight_decay=0.05"), on_cuda=False)
     assert ds["train_micro_batch_size_per_gpu"] == 3
     assert ds["gradient_accumulation_steps"] == 2
     assert ds["gradient_clipping"] == 0.5
@@ -31,7 +33,8 @@ def test_generated_values_come_from_the_config():
 
 
 def test_optimizer_is_torch_adamw_fused_on_cuda_with_no_decay_on_norms():
-    cfg = cfg_with("train.lr=0.01", "train.beta2=0.99", "train.weight_decay=0.05")
+    cfg = cfg_with("train.optimizer.lr=0.01", "train.optimizer.beta2=0.99",
+                   "train.optimizer.weight_decay=0.05")
     model = LoopedLM(cfg.model)
     for on_cuda, fused in ((True, True), (False, None)):
         opt = build_optimizer(cfg, model, on_cuda=on_cuda)
@@ -52,13 +55,14 @@ def test_optimizer_is_torch_adamw_fused_on_cuda_with_no_decay_on_norms():
 
 
 def test_deepspeed_fused_adam_is_opt_in_and_needs_cuda():
-    cfg = cfg_with("train.optimizer=deepspeed_fused_adam", "train.precision=bf16")
+    cfg = cfg_with("train.optimizer.kind=deepspeed_fused_adam", "train.precision=bf16")
     ds = build_ds_config(cfg, on_cuda=True)
     assert ds["optimizer"] == {"type": "AdamW", "params": {
         "lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}}
     assert ds["bf16"]["enabled"] is True
     assert build_optimizer(cfg, LoopedLM(cfg.model), on_cuda=True) is None  # DeepSpeed builds it
-    with pytest.raises(ConfigError, match="^train.optimizer: deepspeed_fused_adam needs a CUDA"):
+    with pytest.raises(ConfigError, match="^train.optimizer.kind: deepspeed_fused_adam needs a "
+                                          "CUDA"):
         build_ds_config(cfg, on_cuda=False)
 
 
@@ -87,25 +91,26 @@ def test_file_may_repeat_a_field_with_the_same_value_and_add_new_keys(tmp_path):
     f.write_text(json.dumps({"gradient_clipping": 1, "optimizer": {"params": {"eps": 1e-6}},
                              "zero_optimization": {"overlap_comm": True}}))
     ds = build_ds_config(cfg_with(f"train.deepspeed_config={f}",
-                                  "train.optimizer=deepspeed_fused_adam"), on_cuda=True)
+                                  "train.optimizer.kind=deepspeed_fused_adam"), on_cuda=True)
     assert ds["gradient_clipping"] == 1
     assert ds["optimizer"]["params"]["eps"] == 1e-6 and ds["optimizer"]["params"]["lr"] == 1e-3
     assert ds["zero_optimization"] == {"stage": 1, "overlap_comm": True}
-    with pytest.raises(ConfigError, match="^train.optimizer: .*ds.json has an 'optimizer' section"):
+    with pytest.raises(ConfigError, match="^train.optimizer.kind: .*ds.json has an 'optimizer' "
+                                          "section"):
         build_ds_config(cfg_with(f"train.deepspeed_config={f}"), on_cuda=False)
 
 
 @pytest.mark.parametrize("content, field", [
     ({"bf16": {"enabled": True}}, "train.precision"),
-    ({"scheduler": {"type": "WarmupLR"}}, "train.lr/warmup_steps/min_lr_ratio"),
-    ({"optimizer": {"params": {"betas": [0.9, 0.999]}}}, "train.beta1/train.beta2"),
+    ({"scheduler": {"type": "WarmupLR"}}, "train.optimizer.lr/train.schedule"),
+    ({"optimizer": {"params": {"betas": [0.9, 0.999]}}}, "train.optimizer.beta1/beta2"),
 ])
 def test_other_conflicts(tmp_path, content, field):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps(content))
     with pytest.raises(ConfigError, match=f"^{field}:"):
         build_ds_config(cfg_with(f"train.deepspeed_config={f}",
-                                 "train.optimizer=deepspeed_fused_adam"), on_cuda=True)
+                                 "train.optimizer.kind=deepspeed_fused_adam"), on_cuda=True)
 
 
 def test_missing_or_broken_file(tmp_path):
@@ -130,9 +135,11 @@ def test_fused_adamw_with_rates_and_update_clip_steps_as_unfused_through_deepspe
 
     overrides = ["model.d_model=32", "model.n_heads=2", "model.vocab_size=64", "data.seq_len=16",
                  "model.depth=2", "train.micro_batch_size=2", "train.grad_accum_steps=2",
-                 f"train.zero_stage={stage}", "train.update_clip=0.5", "train.lr=0.01",
-                 "train.warmup_steps=0", "train.lr_mult.anchor=0.5", "train.lr_mult.norm=0",
-                 "train.lr_mult.embed=2"]
+                 f"train.zero_stage={stage}", "train.optimizer.update_clip=0.5",
+                 "train.optimizer.lr=0.01",
+                 "train.schedule.warmup_steps=0", "train.optimizer.lr_mult.anchor=0.5",
+                 "train.optimizer.lr_mult.norm=0",
+                 "train.optimizer.lr_mult.embed=2"]
     out = subprocess.run([sys.executable, str(REPO / "tests" / "fused_adamw_probe.py"),
                           *overrides], capture_output=True, text=True, env=subprocess_env,
                          timeout=300, cwd=REPO)

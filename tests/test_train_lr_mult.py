@@ -1,12 +1,19 @@
-"""train.lr_mult: per-parameter-group LR multipliers in AdamW (torch, DeepSpeed's groups, Muon's
-AdamW half): a group's update scales with its factor, the rest and weight decay stay."""
+"""train.optimizer.lr_mult: per-parameter-group LR multipliers in AdamW (torch, DeepSpeed's
+groups, Muon's AdamW half): a group's update scales with its factor, the rest and weight decay
+stay."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from scse_dist.config import ConfigError, TrainConfig, load_config
+from scse_dist.config import (
+    ConfigError,
+    OptimizerConfig,
+    ScheduleConfig,
+    TrainConfig,
+    load_config,
+)
 from scse_dist.model import LoopedLM, ModelConfig
 from scse_dist.param_groups import group_of
 from scse_dist.train.diagnostics import update_ratios, weights_snapshot
@@ -22,7 +29,7 @@ def one_step(*overrides: str) -> tuple[LoopedLM, dict[str, torch.Tensor], torch.
     """A fresh model (seed 0), one AdamW step on TOKENS: (model, weights before, optimizer)."""
     cfg = load_config(None, ["model.vocab_size=64", "model.d_model=32", "model.n_heads=2",
                              "model.max_seq_len=32", "model.depth=2", "data.seq_len=32",
-                             "train.lr=0.01", *overrides])
+                             "train.optimizer.lr=0.01", *overrides])
     torch.manual_seed(0)
     model = LoopedLM(cfg.model)
     optimizer = build_optimizer(cfg, model, on_cuda=False)
@@ -34,8 +41,9 @@ def one_step(*overrides: str) -> tuple[LoopedLM, dict[str, torch.Tensor], torch.
 
 def test_a_groups_update_scales_with_its_multiplier() -> None:
     base, before, _ = one_step()
-    scaled, before_scaled, optimizer = one_step("train.lr_mult.core_mlp=0.5",
-                                                "train.lr_mult.anchor=3", "train.lr_mult.norm=0")
+    scaled, before_scaled, optimizer = one_step("train.optimizer.lr_mult.core_mlp=0.5",
+                                                "train.optimizer.lr_mult.anchor=3",
+                                                "train.optimizer.lr_mult.norm=0")
     factor = {"core_mlp": 0.5, "anchor": 3.0, "norm": 0.0}
     for (name, p), (_, q) in zip(base.named_parameters(), scaled.named_parameters()):
         assert torch.equal(before[name], before_scaled[name])  # the same start
@@ -48,7 +56,7 @@ def test_a_groups_update_scales_with_its_multiplier() -> None:
     assert ratios["diag/update_ratio_anchor"] == pytest.approx(
         3 * update_ratios(base, before)["diag/update_ratio_anchor"], rel=1e-5)
     # the matrices' group split three ways, the gains' (all norms) moved whole to factor 0;
-    # weight decay unchanged per group, train.lr's group first (the log's lr)
+    # weight decay unchanged per group, train.optimizer.lr's group first (the log's lr)
     groups = optimizer.param_groups
     assert [(g["lr"], g["weight_decay"]) for g in groups] == [
         (0.01, 0.1), (0.005, 0.1), (0.03, 0.1), (0.0, 0.0)]
@@ -64,8 +72,10 @@ def test_no_multipliers_leave_the_groups_as_they_were() -> None:
 
 def test_the_schedule_scales_every_group_alike() -> None:
     model = LoopedLM(MODEL)
-    train = TrainConfig(lr=0.01, warmup_steps=4, lr_mult={"embed": 2.0})
-    optimizer = torch.optim.AdamW(_param_groups(model, 0.1, train.lr, train.lr_mult), lr=train.lr)
+    train = TrainConfig(optimizer=OptimizerConfig(lr=0.01, lr_mult={"embed": 2.0}),
+                        schedule=ScheduleConfig(warmup_steps=4))
+    opt = train.optimizer
+    optimizer = torch.optim.AdamW(_param_groups(model, 0.1, opt.lr, opt.lr_mult), lr=opt.lr)
     build_lr_scheduler(optimizer, train)
     assert sorted(g["lr"] for g in optimizer.param_groups) == pytest.approx([0.0025, 0.0025,
                                                                              0.005])
@@ -75,21 +85,24 @@ def test_muon_scales_its_adamw_half_only() -> None:
     from scse_dist.train.muon import build_muon
 
     model = LoopedLM(MODEL)
-    train = TrainConfig(optimizer="muon", lr=0.01, lr_mult={"embed": 2.0, "norm": 0.5})
-    lrs = {(g["use_muon"], g["lr"]) for g in build_muon(model, train, False).param_groups}
-    assert lrs == {(False, 0.02), (False, 0.005), (True, train.muon_lr)}
-    with pytest.raises(ConfigError, match="train.lr_mult.core_mlp: no parameter that "
-                       "train.optimizer: muon's AdamW half updates is in group core_mlp"):
-        build_muon(model, TrainConfig(optimizer="muon", lr_mult={"core_mlp": 0.5}), False)
+    opt = OptimizerConfig(kind="muon", lr=0.01, lr_mult={"embed": 2.0, "norm": 0.5})
+    lrs = {(g["use_muon"], g["lr"]) for g in build_muon(model, opt, False).param_groups}
+    assert lrs == {(False, 0.02), (False, 0.005), (True, opt.muon_lr)}
+    with pytest.raises(ConfigError, match="train.optimizer.lr_mult.core_mlp: no parameter that "
+                       "train.optimizer.kind: muon's AdamW half updates is in group core_mlp"):
+        build_muon(model, OptimizerConfig(kind="muon", lr_mult={"core_mlp": 0.5}), False)
 
 
 def test_bad_multipliers_say_so_in_one_line() -> None:
-    with pytest.raises(ConfigError, match="train.lr_mult: unknown parameter group 'core_mpl'; "
+    with pytest.raises(ConfigError, match="train.optimizer.lr_mult: unknown parameter group "
+                                          "'core_mpl'; "
                        "did you mean core_mlp\\?"):
-        load_config(None, ["train.lr_mult.core_mpl=0.5"])
-    with pytest.raises(ConfigError, match="train.lr_mult.norm: must be a finite multiplier >= 0"):
-        load_config(None, ["train.lr_mult.norm=-1"])
-    with pytest.raises(ConfigError, match="train.lr_mult.head: no parameter that AdamW updates "
+        load_config(None, ["train.optimizer.lr_mult.core_mpl=0.5"])
+    with pytest.raises(ConfigError, match="train.optimizer.lr_mult.norm: must be a finite "
+                                          "multiplier >= 0"):
+        load_config(None, ["train.optimizer.lr_mult.norm=-1"])
+    with pytest.raises(ConfigError, match="train.optimizer.lr_mult.head: no parameter that AdamW "
+                                          "updates "
                        "is in group head"):  # tied embeddings: the head is embed
         _param_groups(LoopedLM(MODEL), 0.1, 0.01, {"head": 0.5})
 
@@ -99,8 +112,8 @@ def test_through_deepspeed_zero1_the_first_step_scales(tmp_path, tiny_config, su
     """One step of the real trainer at ZeRO-1 (DeepSpeed's partitioned optimizer over the split
     groups), with and without multipliers: the logged update ratios of step 1 scale exactly."""
     rows = {}
-    for name, mult in (("base", []), ("mult", ["train.lr_mult.anchor=0.5",
-                                              "train.lr_mult.norm=0"])):
+    for name, mult in (("base", []), ("mult", ["train.optimizer.lr_mult.anchor=0.5",
+                                              "train.optimizer.lr_mult.norm=0"])):
         directory = tmp_path / name
         directory.mkdir()
         cfg = tiny_config(directory, "train.max_steps=1", "train.log_every=1",
@@ -113,20 +126,26 @@ def test_through_deepspeed_zero1_the_first_step_scales(tmp_path, tiny_config, su
     assert mult["diag/update_ratio_norm"] == 0.0 < base["diag/update_ratio_norm"]
     assert mult["diag/update_ratio_core_mlp"] == pytest.approx(
         base["diag/update_ratio_core_mlp"], rel=1e-6)
-    assert mult["lr"] == base["lr"]  # group 0 is at train.lr
+    assert mult["lr"] == base["lr"]  # group 0 is at train.optimizer.lr
 
 
 def test_a_resume_may_change_factors_not_the_split() -> None:
     from scse_dist.checkpoint.resume import refused_changes
 
-    saved = {"train": {"lr_mult": {"anchor": 0.5}}}
-    assert refused_changes(saved, {"train": {"lr_mult": {"anchor": 0.0, "embed": 1.0}}}) == []
-    assert refused_changes({"train": {}}, {"train": {"lr_mult": {"norm": 1.0}}}) == []
-    assert refused_changes(saved, {"train": {"lr_mult": {}}}) == [
-        "train.lr_mult: {'anchor': 0.5} -> {} (regroups the optimizer's parameters; a resume "
-        "may change the factors, not which groups share one)"]
-    both = {"train": {"lr_mult": {"anchor": 0.5, "norm": 0.5}}}
+    def config(lr_mult: dict) -> dict:
+        return {"train": {"optimizer": {"lr_mult": lr_mult}}}
+
+    saved = config({"anchor": 0.5})
+    assert refused_changes(saved, config({"anchor": 0.0, "embed": 1.0})) == []
+    assert refused_changes({"train": {}}, config({"norm": 1.0})) == []
+    assert refused_changes(saved, config({})) == [
+        "train.optimizer.lr_mult: {'anchor': 0.5} -> {} (regroups the optimizer's parameters; a "
+        "resume may change the factors, not which groups share one)"]
+    both = config({"anchor": 0.5, "norm": 0.5})
     assert refused_changes(saved, both) != []  # anchor and norm now share one group
+    # a checkpoint saved before train.optimizer was a section: its flat train.lr_mult is read
+    assert refused_changes({"train": {"lr_mult": {"anchor": 0.5}}}, both) != []
+    assert refused_changes({"train": {"lr_mult": {"anchor": 0.5}}}, config({"anchor": 1.5})) == []
 
 
 @pytest.mark.slow
@@ -139,17 +158,17 @@ def test_resumed_with_new_factors_they_apply(tmp_path, tiny_config, subprocess_e
     from train_procs import REPO, TRAIN
 
     cfg = tiny_config(tmp_path, "train.max_steps=2", "train.checkpoint_every=2",
-                      "train.zero_stage=1", "train.lr_mult.anchor=0.5")
+                      "train.zero_stage=1", "train.optimizer.lr_mult.anchor=0.5")
     run_trainer(cfg, subprocess_env)
-    run_trainer(cfg, subprocess_env, "train.max_steps=3", "train.lr_mult.anchor=0",
+    run_trainer(cfg, subprocess_env, "train.max_steps=3", "train.optimizer.lr_mult.anchor=0",
                 "train.diagnostics_every=1", "train.log_every=1", "train.checkpoint_every=100")
     row = read_metrics(tmp_path / "runs" / "tiny")[-1]
     assert row["step"] == 3 and row["diag/update_ratio_anchor"] == 0.0
     assert row["diag/update_ratio_core_mlp"] > 0
     # step 3's checkpoint has the anchor at 0: anchor and norm at 0.5 would share a group
     out = subprocess.run([sys.executable, TRAIN, "--config", cfg, "train.max_steps=4",
-                          "train.lr_mult.norm=0.5"], cwd=REPO, env=subprocess_env,
+                          "train.optimizer.lr_mult.norm=0.5"], cwd=REPO, env=subprocess_env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert "train.lr_mult: {'anchor': 0.0} -> {'anchor': 0.5, 'norm': 0.5} (regroups the " \
-        "optimizer's parameters" in out.stderr
+    assert ("train.optimizer.lr_mult: {'anchor': 0.0} -> {'anchor': 0.5, 'norm': 0.5} (regroups "
+            "the optimizer's parameters") in out.stderr

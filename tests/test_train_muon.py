@@ -1,7 +1,7 @@
-"""train.optimizer: muon — the parameter split, one step against the reference formula, the AdamW
-half and its clipping, the config checks, ZeRO-0/1/2 on 2 real ranks against 1 rank, and resume
-at another world size through the universal checkpoint, and the compiled kernels (the CUDA
-path) against the eager ones."""
+"""train.optimizer.kind: muon — the parameter split, one step against the reference formula, the
+AdamW half and its clipping, the config checks, ZeRO-0/1/2 on 2 real ranks against 1 rank, resume
+at another world size through the universal checkpoint, and the compiled kernels (the CUDA path)
+against the eager ones."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scse_dist.config import ConfigError, RunConfig, TrainConfig, load_config
+from scse_dist.config import ConfigError, OptimizerConfig, RunConfig, TrainConfig, load_config
 from scse_dist.model import LoopedLM, ModelConfig
 from train_procs import all_passed, read_metrics, run_ranks, train_ranks
 
@@ -35,13 +35,13 @@ def reference_muon_update(grad: torch.Tensor, momentum: torch.Tensor, beta: floa
 
 
 def muon_train(**fields) -> TrainConfig:
-    return TrainConfig(optimizer="muon", **fields)
+    return TrainConfig(optimizer=OptimizerConfig(kind="muon", **fields))
 
 
 def build(model, train: TrainConfig):
     from scse_dist.train.muon import build_muon
 
-    return build_muon(model, train, on_cuda=False)
+    return build_muon(model, train.optimizer, on_cuda=False)
 
 
 @pytest.mark.parametrize("model_cfg", [
@@ -113,10 +113,11 @@ def test_muon_scope_puts_the_loop_s_matrices_alone_in_muon_under_loop(recurrence
 def test_muon_scope_needs_muon():
     from scse_dist.config import ConfigError
 
-    TrainConfig(optimizer="muon", muon_scope="loop").check()
-    with pytest.raises(ConfigError, match=r"^train.muon_scope: loop narrows train.optimizer: "
+    TrainConfig(optimizer=OptimizerConfig(kind="muon", muon_scope="loop")).check()
+    with pytest.raises(ConfigError, match=r"^train.optimizer.muon_scope: loop narrows "
+                                           "train.optimizer.kind: "
                                           r"muon, but the optimizer is torch_adamw"):
-        TrainConfig(muon_scope="loop").check()
+        TrainConfig(optimizer=OptimizerConfig(muon_scope="loop")).check()
 
 
 class TwoParams(torch.nn.Module):
@@ -185,21 +186,25 @@ def test_muon_config_fields_and_the_ds_config():
     from scse_dist.train.engine import generated_ds_config
 
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["train.optimizer=muon", "train.zero_stage=3"])
+        load_config(None, ["train.optimizer.kind=muon", "train.zero_stage=3"])
     assert str(err.value) == (
-        "train.zero_stage: train.optimizer: muon works at ZeRO stage 0, 1 or 2, not 3; set "
+        "train.zero_stage: train.optimizer.kind: muon works at ZeRO stage 0, 1 or 2, not 3; set "
         "train.zero_stage: 2 (it partitions gradients and optimizer state too) or use torch_adamw "
         "(on the command line: train.zero_stage=3)")
-    for override, message in (("train.muon_lr=0", "train.muon_lr: must be > 0, got 0.0"),
-                              ("train.muon_momentum=1", "train.muon_momentum: must lie in [0, 1), "
+    for override, message in (("train.optimizer.muon_lr=0",
+                               "train.optimizer.muon_lr: must be > 0, got 0.0"),
+                              ("train.optimizer.muon_momentum=1",
+                               "train.optimizer.muon_momentum: must lie in [0, 1), "
                                                         "got 1.0"),
-                              ("train.muon_weight_decay=-1", "train.muon_weight_decay: must be "
+                              ("train.optimizer.muon_weight_decay=-1",
+                               "train.optimizer.muon_weight_decay: must be "
                                                              ">= 0, got -1.0")):
         with pytest.raises(ConfigError) as err:
             load_config(None, [override])
         assert str(err.value) == f"{message} (on the command line: {override})"
-    muon = load_config(None, ["train.optimizer=muon", "train.grad_clip=0.5"])
-    assert (muon.train.muon_lr, muon.train.muon_momentum, muon.train.muon_weight_decay) == \
+    muon = load_config(None, ["train.optimizer.kind=muon", "train.optimizer.grad_clip=0.5"])
+    assert (muon.train.optimizer.muon_lr, muon.train.optimizer.muon_momentum,
+            muon.train.optimizer.muon_weight_decay) == \
         (0.02, 0.95, 0.0)
     ds = generated_ds_config(muon, on_cuda=False)
     assert ds["gradient_clipping"] == 0.0 and ds["zero_allow_untested_optimizer"] is True
@@ -208,8 +213,8 @@ def test_muon_config_fields_and_the_ds_config():
 
 
 PARITY = (str(Path(__file__).with_name("muon_fp32_parity.py")),)
-OVERRIDES = ("train.optimizer=muon", "train.global_batch_size=8", "train.micro_batch_size=4",
-             "train.max_steps=12", "train.depth.max=4", "train.grad_clip=0.5")
+OVERRIDES = ("train.optimizer.kind=muon", "train.global_batch_size=8", "train.micro_batch_size=4",
+             "train.max_steps=12", "train.depth.max=4", "train.optimizer.grad_clip=0.5")
 
 
 @pytest.mark.slow
@@ -230,7 +235,8 @@ def test_muon_at_zero_0_1_2_on_two_ranks_matches_one_rank(tmp_path, tiny_config,
     assert ref[-1] < ref[0] - 0.3, ref  # it trains, so the comparison means something
     for world, stage in ((1, 1), (1, 2), (2, 0), (2, 1), (2, 2)):
         d = tmp_path / ("one" if world == 1 else "two") / f"stage{stage}"
-        assert yaml.safe_load((d / "config.yaml").read_text())["train"]["optimizer"] == "muon"
+        saved = yaml.safe_load((d / "config.yaml").read_text())
+        assert saved["train"]["optimizer"]["kind"] == "muon"
         losses = json.loads((d / "losses.json").read_text())
         assert max(abs(a - b) for a, b in zip(losses, ref)) <= 1e-5, (world, stage, losses, ref)
         params = load_file(str(d / "model.safetensors"))
@@ -244,7 +250,7 @@ def test_muon_resumes_at_another_world_size(tmp_path, tiny_config, subprocess_en
     """2 ranks -> 1: the weights and AdamW's moments carry over exactly; Muon's momentum (laid
     out per rank over whole matrices, which the universal checkpoint cannot slice) restarts."""
     probe = str(Path(__file__).with_name("resume_probe.py"))
-    cfg = tiny_config(tmp_path, "train.optimizer=muon", f"train.zero_stage={stage}",
+    cfg = tiny_config(tmp_path, "train.optimizer.kind=muon", f"train.zero_stage={stage}",
                       "train.micro_batch_size=2", "train.global_batch_size=4",
                       "train.log_every=1", "train.checkpoint_every=6")
     run_dir = tmp_path / "runs" / "tiny"

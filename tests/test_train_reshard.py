@@ -101,5 +101,23 @@ def test_resume_across_world_sizes_reads_the_epoch_once_and_keeps_the_optimizer_
     train = load_config(cfg).train
     horizon = [next(m for _, _, m in SEGMENTS if s <= m) for s in range(1, 41)]
     assert [rows[s]["lr"] for s in range(1, 41)] == [
-        train.lr * LRSchedule.from_config(dataclasses.replace(train, max_steps=m))(s - 1)
+        train.optimizer.lr * LRSchedule.from_config(dataclasses.replace(train, max_steps=m))(s - 1)
         for s, m in zip(range(1, 41), horizon)]
+
+
+@pytest.mark.parametrize("train, staged", [
+    ({"optimizer": {"kind": "muon"}}, True), ({"optimizer": {"kind": "torch_adamw"}}, False),
+    ({"optimizer": "muon"}, True), ({"optimizer": "torch_adamw"}, False), ({}, False)])
+def test_a_muon_tag_is_staged_whichever_names_its_config_uses(tmp_path, train, staged):
+    """A resume at another world size drops Muon's momentum (_muon_staged) for a tag whose
+    config.json says train.optimizer.kind: muon, or, saved before the train sections,
+    train.optimizer: muon."""
+    from scse_dist.checkpoint.reshard import _muon_staged
+
+    source = tmp_path / "step-0000006"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"train": train}))
+    got = _muon_staged(source, tmp_path / "staged")
+    assert (got == tmp_path / "staged") if staged else got is None
+    if staged:
+        assert (got / "config.json").resolve() == (source / "config.json").resolve()

@@ -1,4 +1,5 @@
-"""Resume safety: verified checkpoints with fallback, refusal of a changed model, train.resume.
+"""Resume safety: verified checkpoints with fallback, refusal of a changed model,
+train.start.resume.
 
 Unit tests check manifests and config comparison in-process; the rest run the trainer as a real
 process on copies of one tiny run (step-0000010 and step-0000020, trained once per module).
@@ -90,7 +91,7 @@ def test_refused_changes_name_model_and_stream_fields_only(tiny_config, tmp_path
     allowed = config_to_dict(load_config(tiny_config(
         tmp_path, "train.max_steps=99", "train.log_every=1", "train.checkpoint_every=3",
         "train.keep_checkpoints=5", "eval.max_batches=7", "train.max_nonfinite_steps=9",
-        "train.resume=require", "model.activation_checkpointing=block", "data.num_workers=1",
+        "train.start.resume=require", "model.activation_checkpointing=block", "data.num_workers=1",
         "data.seq_len=16")))  # the stream's positions are token counts: it resumes exactly
     assert refused_changes(saved, allowed) == []
     changed = config_to_dict(load_config(tiny_config(
@@ -189,14 +190,14 @@ def test_changed_model_is_refused_before_anything_is_loaded(run_copy, subprocess
     assert out.stderr.strip() == (
         f"scse-train: config error: {run_dir} holds checkpoint step-0000020 of another model or "
         "data stream: data.shuffle_buffer: 0 -> 4; model.d_model: 32 -> 64. Give this run another "
-        "name, or set train.resume=never to move the old checkpoints aside and start fresh")
+        "name, or set train.start.resume=never to move the old checkpoints aside and start fresh")
     assert snapshot(run_dir) == before  # config.yaml and the checkpoints untouched
 
 
 def test_allowed_change_resumes(run_copy, subprocess_env):
     config, run_dir = run_copy
     out = train(config, subprocess_env, "train.max_steps=25", "train.log_every=1",
-                "eval.max_batches=1", "train.resume=require")
+                "eval.max_batches=1", "train.start.resume=require")
     assert out.returncode == 0, out.stderr[-3000:]
     assert resumed_tag(out.stdout) == ("step-0000020", 20)
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-0000025"
@@ -206,7 +207,7 @@ def test_resume_never_moves_the_old_run_aside_and_require_needs_one(run_copy, tm
                                                                     subprocess_env, tiny_config):
     config, run_dir = run_copy
     old = snapshot(run_dir / "checkpoints")
-    out = train(config, subprocess_env, "train.resume=never", "train.max_steps=2",
+    out = train(config, subprocess_env, "train.start.resume=never", "train.max_steps=2",
                 "model.d_model=64")
     assert out.returncode == 0, out.stderr[-3000:]
     (aside,) = run_dir.glob("old-*")
@@ -218,18 +219,18 @@ def test_resume_never_moves_the_old_run_aside_and_require_needs_one(run_copy, tm
 
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    out = train(tiny_config(fresh), subprocess_env, "train.resume=require")
+    out = train(tiny_config(fresh), subprocess_env, "train.start.resume=require")
     assert out.returncode == 2
     assert out.stderr.strip() == (
-        f"scse-train: config error: train.resume: require, but {fresh / 'runs' / 'tiny'} has no "
-        f"checkpoint to resume ({fresh / 'runs' / 'tiny' / 'checkpoints' / 'latest'} does not "
+        f"scse-train: config error: train.start.resume: require, but {fresh / 'runs' / 'tiny'} has "
+        f"no checkpoint to resume ({fresh / 'runs' / 'tiny' / 'checkpoints' / 'latest'} does not "
         "exist)")
 
 
 def test_resume_from_a_chosen_tag_moves_the_newer_ones_aside(run_copy, subprocess_env):
     config, run_dir = run_copy
     first_rows = read_metrics(run_dir)
-    out = train(config, subprocess_env, "train.resume_from=step-10")
+    out = train(config, subprocess_env, "train.start.resume_from=step-10")
     assert out.returncode == 0, out.stderr[-3000:]
     assert resumed_tag(out.stdout) == ("step-0000010", 10)
     aside = next(run_dir.glob("old-*/checkpoints"))
@@ -244,9 +245,9 @@ def test_resume_from_a_missing_tag_lists_the_available_ones_and_changes_nothing(
                                                                                 subprocess_env):
     config, run_dir = run_copy
     before = snapshot(run_dir)
-    out = train(config, subprocess_env, "train.resume_from=step-15")
+    out = train(config, subprocess_env, "train.start.resume_from=step-15")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        f"scse-train: config error: train.resume_from: {run_dir} has no checkpoint step-15; "
+        f"scse-train: config error: train.start.resume_from: {run_dir} has no checkpoint step-15; "
         "available: step-0000010, step-0000020"]
     assert snapshot(run_dir) == before

@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from scse_dist.config import ConfigError, TrainConfig, load_config
+from scse_dist.config import (
+    ConfigError,
+    OptimizerConfig,
+    ScheduleConfig,
+    TrainConfig,
+    load_config,
+)
 from scse_dist.train.schedule import (
     LRSchedule,
     build_lr_scheduler,
@@ -17,8 +23,9 @@ from scse_dist.train.schedule import (
 )
 
 
-def schedule(**fields) -> LRSchedule:
-    return LRSchedule.from_config(TrainConfig(**fields))
+def schedule(max_steps: int, schedule: str = "cosine", **fields) -> LRSchedule:
+    return LRSchedule.from_config(TrainConfig(max_steps=max_steps,
+                                              schedule=ScheduleConfig(kind=schedule, **fields)))
 
 
 def cosine_before_schedules(warmup: int, max_steps: int, min_ratio: float, step: int) -> float:
@@ -46,7 +53,7 @@ def test_cosine_values():
     (10, 110, 0.1), (0, 5, 0.0), (30, 300, 0.1), (2, 20, 0.1), (7, 8, 0.37), (20, 200, 0.013)])
 def test_default_schedule_is_the_old_cosine_bit_for_bit(warmup, max_steps, min_ratio):
     f = schedule(warmup_steps=warmup, max_steps=max_steps, min_lr_ratio=min_ratio)
-    assert TrainConfig().schedule == "cosine"
+    assert TrainConfig().schedule.kind == "cosine"
     assert [f(s) for s in range(max_steps + 3)] == \
         [cosine_before_schedules(warmup, max_steps, min_ratio, s) for s in range(max_steps + 3)]
 
@@ -88,29 +95,32 @@ def test_wsd_each_shape(shape, decayed):
 
 
 def test_wsd_decay_fraction_and_bounds():
-    t = TrainConfig(schedule="wsd", max_steps=110, warmup_steps=10, decay_fraction=0.25)
-    assert t.wsd_decay_steps() == 28  # round(27.5): half to even
+    t = TrainConfig(max_steps=110, schedule=ScheduleConfig(kind="wsd", warmup_steps=10,
+                                                           decay_fraction=0.25))
+    assert t.schedule.wsd_decay_steps(t.max_steps) == 28  # round(27.5): half to even
     f = LRSchedule.from_config(t)
     assert f(81) == 1.0 and f(82) < 1.0 and f(109) == pytest.approx(0.1)
-    assert TrainConfig(schedule="wsd", max_steps=3, decay_fraction=0.1).wsd_decay_steps() == 1
+    assert ScheduleConfig(kind="wsd", decay_fraction=0.1).wsd_decay_steps(3) == 1
     # the decay may start right after the warmup: D = max_steps - warmup_steps
     f = schedule(schedule="wsd", warmup_steps=2, max_steps=6, decay_steps=4, min_lr_ratio=0.0)
     assert [f(s) for s in range(6)] == [0.5, 1.0, 0.75, 0.5, 0.25, 0.0]
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["train.schedule=wsd", "train.max_steps=20", "train.warmup_steps=5",
-      "train.decay_steps=16"],
-     "train.decay_steps: the wsd decay of 16 steps overlaps the warmup of 5 in "
+    (["train.schedule.kind=wsd", "train.max_steps=20", "train.schedule.warmup_steps=5",
+      "train.schedule.decay_steps=16"],
+     "train.schedule.decay_steps: the wsd decay of 16 steps overlaps the warmup of 5 in "
      "train.max_steps=20; it may take at most 15"),
-    (["train.schedule=wsd", "train.max_steps=20", "train.warmup_steps=5",
-      "train.decay_fraction=0.9"],
-     "train.decay_fraction: the wsd decay of 18 steps overlaps the warmup of 5 in "
+    (["train.schedule.kind=wsd", "train.max_steps=20", "train.schedule.warmup_steps=5",
+      "train.schedule.decay_fraction=0.9"],
+     "train.schedule.decay_fraction: the wsd decay of 18 steps overlaps the warmup of 5 in "
      "train.max_steps=20; it may take at most 15"),
-    (["train.decay_fraction=0"], "train.decay_fraction: must lie in (0, 1], got 0.0"),
-    (["train.decay_steps=0"], "train.decay_steps: must be >= 1 (null: decay_fraction), got 0"),
-    (["train.decay_shape=sqrt"], "train.decay_shape: must be one of"),
-    (["train.schedule=trapezoid"], "train.schedule: must be one of"),
+    (["train.schedule.decay_fraction=0"],
+     "train.schedule.decay_fraction: must lie in (0, 1], got 0.0"),
+    (["train.schedule.decay_steps=0"],
+     "train.schedule.decay_steps: must be >= 1 (null: decay_fraction), got 0"),
+    (["train.schedule.decay_shape=sqrt"], "train.schedule.decay_shape: must be one of"),
+    (["train.schedule.kind=trapezoid"], "train.schedule.kind: must be one of"),
 ])
 def test_bad_schedule_fields_name_the_field(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -129,13 +139,14 @@ def drive(scheduler, optimizer, steps: int) -> list[float]:
 
 def scheduler_for(train: TrainConfig):
     p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.AdamW([p], lr=train.lr)
+    opt = torch.optim.AdamW([p], lr=train.optimizer.lr)
     return build_lr_scheduler(opt, train), opt
 
 
 def test_scheduler_drives_the_optimizer_lr():
-    sched, opt = scheduler_for(TrainConfig(lr=2e-3, warmup_steps=4, max_steps=20,
-                                           min_lr_ratio=0.25))
+    sched, opt = scheduler_for(TrainConfig(max_steps=20, optimizer=OptimizerConfig(lr=2e-3),
+                                           schedule=ScheduleConfig(warmup_steps=4,
+                                                                   min_lr_ratio=0.25)))
     lrs = drive(sched, opt, 20)
     assert lrs[0] == pytest.approx(5e-4)
     assert lrs[3] == pytest.approx(2e-3)
@@ -144,7 +155,8 @@ def test_scheduler_drives_the_optimizer_lr():
 
 
 def test_checkpoint_state_is_the_step_and_the_config_decides_the_rest():
-    train = TrainConfig(lr=1e-2, warmup_steps=3, max_steps=30, schedule="wsd", decay_steps=10)
+    train = TrainConfig(max_steps=30, optimizer=OptimizerConfig(lr=1e-2),
+                        schedule=ScheduleConfig(warmup_steps=3, kind="wsd", decay_steps=10))
     sched, opt = scheduler_for(train)
     whole = drive(sched, opt, 30)
     sched, opt = scheduler_for(train)
@@ -158,7 +170,9 @@ def test_checkpoint_state_is_the_step_and_the_config_decides_the_rest():
     sched.load_state_dict(state)
     assert first + drive(sched, opt, 6) == whole  # bit for bit
     # another config's scheduler loading the same state follows its own schedule from there
-    longer = dataclasses.replace(train, max_steps=60, decay_steps=20, lr=2e-2)
+    longer = dataclasses.replace(train, max_steps=60,
+                                 schedule=dataclasses.replace(train.schedule, decay_steps=20),
+                                 optimizer=OptimizerConfig(lr=2e-2))
     sched, opt = scheduler_for(longer)
     sched.load_state_dict(state)
     assert opt.param_groups[0]["lr"] == 2e-2 * LRSchedule.from_config(longer)(24) == 2e-2
@@ -166,7 +180,8 @@ def test_checkpoint_state_is_the_step_and_the_config_decides_the_rest():
 
 def test_resume_note_names_both_schedules_only_when_the_lr_moves(tmp_path):
     saved = tmp_path / "config.json"
-    stable = TrainConfig(lr=1e-3, warmup_steps=2, max_steps=100, schedule="wsd", decay_steps=20)
+    stable = TrainConfig(max_steps=100, optimizer=OptimizerConfig(lr=1e-3),
+                         schedule=ScheduleConfig(warmup_steps=2, kind="wsd", decay_steps=20))
     saved.write_text(json.dumps({"train": dataclasses.asdict(stable)}))
     # extended in the stable phase: the LR at the resumed step is the same, nothing to say
     longer = dataclasses.replace(stable, max_steps=200)
@@ -174,7 +189,8 @@ def test_resume_note_names_both_schedules_only_when_the_lr_moves(tmp_path):
     sched.load_state_dict({"last_epoch": 50, "_step_count": 51})
     assert follow_config_schedule(sched, longer, saved) is None
     # a cooldown starting now: the LR moves, and the line says from what to what
-    cooldown = dataclasses.replace(stable, max_steps=60, decay_steps=10, decay_shape="1-sqrt")
+    cooldown = dataclasses.replace(stable, max_steps=60, schedule=dataclasses.replace(
+        stable.schedule, decay_steps=10, decay_shape="1-sqrt"))
     sched, opt = scheduler_for(cooldown)
     sched.load_state_dict({"last_epoch": 50, "_step_count": 51})
     assert follow_config_schedule(sched, cooldown, saved) == (
@@ -185,7 +201,8 @@ def test_resume_note_names_both_schedules_only_when_the_lr_moves(tmp_path):
     # a checkpoint saved before train.schedule existed ran the cosine: its fields' defaults
     saved.write_text(json.dumps({"train": {"lr": 1e-3, "warmup_steps": 2, "max_steps": 100,
                                            "min_lr_ratio": 0.1}}))
-    cosine = TrainConfig(lr=1e-3, warmup_steps=2, max_steps=100)
+    cosine = TrainConfig(max_steps=100, optimizer=OptimizerConfig(lr=1e-3),
+                         schedule=ScheduleConfig(warmup_steps=2))
     sched, _ = scheduler_for(cosine)
     sched.load_state_dict({"last_epoch": 50, "_step_count": 51})
     assert follow_config_schedule(sched, cosine, saved) is None
@@ -199,22 +216,26 @@ def test_a_study_varies_the_schedule(tmp_path, tiny_config):
 
     spec = {"name": "s", "out": str(tmp_path / "out"), "base": tiny_config(tmp_path),
             "variants": {"cosine": {"overrides": {}},
-                         "wsd": {"overrides": {"train.schedule": "wsd", "train.decay_steps": 5,
-                                               "train.min_lr_ratio": 0.0}}},
-            "axes": {"train.decay_shape": {"values": ["linear", "1-sqrt"], "variants": ["wsd"]}},
+                         "wsd": {"overrides": {"train.schedule.kind": "wsd",
+                                               "train.schedule.decay_steps": 5,
+                                               "train.schedule.min_lr_ratio": 0.0}}},
+            "axes": {"train.schedule.decay_shape": {"values": ["linear", "1-sqrt"],
+                                                    "variants": ["wsd"]}},
             "seeds": [0], "pairs": [["wsd-linear", "cosine"], ["wsd-1-sqrt", "cosine"]],
             "evals": {"tasks": ["heldout"], "depths": [1]}}
     parsed = parse_spec(spec, "spec.yaml")
     assert list(parsed.variants) == ["cosine", "wsd-linear", "wsd-1-sqrt"]
     cfgs = {r.variant: run_config(parsed, r).train for r in expand(parsed)}
-    assert (cfgs["cosine"].schedule, cfgs["wsd-1-sqrt"].schedule) == ("cosine", "wsd")
-    assert (cfgs["wsd-linear"].decay_shape, cfgs["wsd-1-sqrt"].decay_shape) == ("linear", "1-sqrt")
+    assert (cfgs["cosine"].schedule.kind, cfgs["wsd-1-sqrt"].schedule.kind) == ("cosine", "wsd")
+    assert (cfgs["wsd-linear"].schedule.decay_shape, cfgs["wsd-1-sqrt"].schedule.decay_shape) == \
+        ("linear", "1-sqrt")
     f = LRSchedule.from_config(cfgs["wsd-1-sqrt"])
     assert f(14) == 1.0 and f(15) == pytest.approx(1 - math.sqrt(0.2)) and f(19) == 0.0
 
-    spec["variants"]["wsd"]["overrides"]["train.decay_steps"] = 19  # overlaps the warmup of 2
+    # overlaps the warmup of 2
+    spec["variants"]["wsd"]["overrides"]["train.schedule.decay_steps"] = 19
     with pytest.raises(SpecError) as err:
         parse_spec(spec, "spec.yaml")
     assert str(err.value).startswith("spec.yaml: variants.wsd-linear (run ")
-    assert str(err.value).endswith("train.decay_steps: the wsd decay of 19 steps overlaps the "
-                                   "warmup of 2 in train.max_steps=20; it may take at most 18")
+    assert str(err.value).endswith("train.schedule.decay_steps: the wsd decay of 19 steps overlaps "
+                                   "the warmup of 2 in train.max_steps=20; it may take at most 18")

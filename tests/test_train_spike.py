@@ -117,8 +117,9 @@ def test_bad_spike_skip_fields_are_named(override, message):
 
 
 def test_muon_at_zero_1_or_2_is_refused_with_spike_skipping():
-    base = ["train.optimizer=muon", "train.spike_skip.enabled=true"]
-    with pytest.raises(ConfigError, match=r"^train.spike_skip.enabled: not with train.optimizer: "
+    base = ["train.optimizer.kind=muon", "train.spike_skip.enabled=true"]
+    with pytest.raises(ConfigError, match=r"^train.spike_skip.enabled: not with "
+                                           "train.optimizer.kind: "
                                           r"muon at train.zero_stage 1"):
         load_config(None, base)
     assert load_config(None, [*base, "train.zero_stage=0"]).train.spike_skip.enabled

@@ -166,7 +166,8 @@ def test_a_run_with_tensorboard_and_the_profiler_then_a_resume_from_an_earlier_c
     # From checkpoint step 10 again: metrics.jsonl is cut at 10 and TensorBoard hides 11..20 of
     # the first run behind the new ones.
     first = {tag: dict(points) for tag, points in got.items()}
-    out = run_trainer(config, subprocess_env, "train.resume_from=step-10", "train.lr=6e-3")
+    out = run_trainer(config, subprocess_env, "train.start.resume_from=step-10",
+                      "train.optimizer.lr=6e-3")
     assert "profile: steps 3..4 were done before this run resumed at step 10: nothing profiled" \
         in out
     rows = read_metrics(run_dir)

@@ -1,8 +1,8 @@
-"""train.update_clip (StableAdamW's update clipping, scse_dist.train.update_clip): each tensor's
-AdamW step divided by max(1, RMS(g / sqrt(v_hat)) / update_clip). Against a direct computation of
-the clipped AdamW, per tensor; exactly AdamW when no tensor clips; a flat tensor with a layout
-(ZeRO-1/2's partition) gives each parameter its own factor; the config's refusals; and on real
-ranks ZeRO-0/1/2 at 1 and 2 ranks agree (the factor of a parameter split between ranks is
+"""train.optimizer.update_clip (StableAdamW's update clipping, scse_dist.train.update_clip): each
+tensor's AdamW step divided by max(1, RMS(g / sqrt(v_hat)) / update_clip). Against a direct
+computation of the clipped AdamW, per tensor; exactly AdamW when no tensor clips; a flat tensor with
+a layout (ZeRO-1/2's partition) gives each parameter its own factor; the config's refusals; and on
+real ranks ZeRO-0/1/2 at 1 and 2 ranks agree (the factor of a parameter split between ranks is
 all-reduced)."""
 
 from __future__ import annotations
@@ -121,21 +121,25 @@ def test_a_flat_tensor_with_a_layout_clips_each_parameter_alone() -> None:
 
 def test_config_fields_and_refusals() -> None:
     cfg = load_config(None, [])
-    assert cfg.train.update_clip == 0.0
+    assert cfg.train.optimizer.update_clip == 0.0
     assert type(build_optimizer(cfg, LoopedLM(cfg.model), on_cuda=False)) is torch.optim.AdamW
-    cfg = load_config(None, ["train.update_clip=1.0"])
+    cfg = load_config(None, ["train.optimizer.update_clip=1.0"])
     opt = build_optimizer(cfg, LoopedLM(cfg.model), on_cuda=False)
     assert isinstance(opt, UpdateClippedAdamW) and opt.update_clip == 1.0
-    muon = build_optimizer(load_config(None, ["train.update_clip=1.0", "train.optimizer=muon"]),
+    muon = build_optimizer(load_config(None, ["train.optimizer.update_clip=1.0",
+                                              "train.optimizer.kind=muon"]),
                            LoopedLM(cfg.model), on_cuda=False)
     assert isinstance(muon.aux_optimizer, UpdateClippedAdamW)
     for overrides, message in [
-            (["train.update_clip=-1"], "train.update_clip: must be a finite threshold >= 0"),
-            (["train.update_clip=nan"], "train.update_clip: must be a finite threshold >= 0"),
-            (["train.update_clip=1", "train.optimizer=deepspeed_fused_adam"],
-             "train.update_clip: DeepSpeed's FusedAdam has no per-tensor update clipping"),
-            (["train.update_clip=1", "train.zero_stage=3"],
-             "train.update_clip: works at ZeRO stage 0, 1 or 2")]:
+            (["train.optimizer.update_clip=-1"],
+             "train.optimizer.update_clip: must be a finite threshold >= 0"),
+            (["train.optimizer.update_clip=nan"],
+             "train.optimizer.update_clip: must be a finite threshold >= 0"),
+            (["train.optimizer.update_clip=1", "train.optimizer.kind=deepspeed_fused_adam"],
+             "train.optimizer.update_clip: DeepSpeed's FusedAdam has no per-tensor update "
+             "clipping"),
+            (["train.optimizer.update_clip=1", "train.zero_stage=3"],
+             "train.optimizer.update_clip: works at ZeRO stage 0, 1 or 2")]:
         with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(")):
             load_config(None, overrides)
 
@@ -144,9 +148,9 @@ def test_config_fields_and_refusals() -> None:
 def test_zero_0_1_2_on_two_ranks_match_one_rank(tmp_path, tiny_config, subprocess_env):
     cfg = tiny_config(tmp_path)
     overrides = ["train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=8",
-                 "train.lr=3e-3"]
-    for world, out, stages, extra in ((1, "one", "0,1", ["train.update_clip=0.5"]),
-                                      (2, "two", "0,1,2", ["train.update_clip=0.5"]),
+                 "train.optimizer.lr=3e-3"]
+    for world, out, stages, extra in ((1, "one", "0,1", ["train.optimizer.update_clip=0.5"]),
+                                      (2, "two", "0,1,2", ["train.optimizer.update_clip=0.5"]),
                                       (1, "off", "0", [])):
         all_passed(run_ranks(["-m", "scse_dist.train.parity", "--config", cfg, "--out",
                               str(tmp_path / out), "--stages", stages, *overrides, *extra],

@@ -1,4 +1,4 @@
-"""train.init_from: a new run starts from an export's weights (only), strictly by default."""
+"""train.start.init_from: a new run starts from an export's weights (only), strictly by default."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_warm_start_at_another_depth_starts_from_the_export_and_a_resume_ignores
     # One step whose lr is 3e-3 / 1e6: the exported weights are the step-0 weights to ~1e-8,
     # while the source's own 4 steps moved them by ~1e-3 (so a fresh init could not pass).
     cfg = tiny_config(tmp_path, "name=warm", "model.depth=3", "train.max_steps=1",
-                      "train.warmup_steps=1000000", f"train.init_from=file://{source_export}")
+                      "train.schedule.warmup_steps=1000000", f"train.start.init_from=file://{source_export}")
     out = train(cfg, subprocess_env)
     assert out.returncode == 0, tail(out)
     assert f"warm start from file://{source_export}: weights only" in out.stdout
@@ -54,7 +54,7 @@ def test_warm_start_at_another_depth_starts_from_the_export_and_a_resume_ignores
 
     out = train(cfg, subprocess_env, "train.max_steps=2")  # the run has a checkpoint now
     assert out.returncode == 0, tail(out)
-    assert out.stdout.count("train.init_from ignored: resuming this run's checkpoint") == 1
+    assert out.stdout.count("train.start.init_from ignored: resuming this run's checkpoint") == 1
     assert "warm start" not in out.stdout and \
         "at step 1 (data stream and RNG restored)" in out.stdout
 
@@ -62,12 +62,12 @@ def test_warm_start_at_another_depth_starts_from_the_export_and_a_resume_ignores
 def test_a_changed_width_is_refused_naming_the_key(source_export, tiny_config, tmp_path,
                                                    subprocess_env):
     out = train(tiny_config(tmp_path, "name=wide", "model.d_model=48",
-                            f"train.init_from={source_export}"), subprocess_env)
+                            f"train.start.init_from={source_export}"), subprocess_env)
     assert out.returncode == 65, tail(out)
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"scse-train: error: train.init_from: {source_export} does not fit "
-                           "this model; shape mismatch: coda.0.attn.proj.weight: file (32, 32) vs "
-                           "model (48, 48), "), last
+    assert last.startswith(f"scse-train: error: train.start.init_from: {source_export} does not "
+                           "fit this model; shape mismatch: coda.0.attn.proj.weight: file "
+                           "(32, 32) vs model (48, 48), "), last
     assert "init_from_strict: false" in last and "Traceback" not in out.stderr
 
 
@@ -75,8 +75,9 @@ def test_non_strict_loads_what_fits_and_lists_what_it_skipped(source_export, tin
                                                               subprocess_env):
     source = load_file(str(source_export / "model.safetensors"))
     cfg = tiny_config(tmp_path, "name=deeper", "model.n_coda=2", "train.max_steps=1",
-                      "train.warmup_steps=1000000", f"train.init_from={source_export}",
-                      "train.init_from_strict=false")
+                      "train.schedule.warmup_steps=1000000",
+                      f"train.start.init_from={source_export}",
+                      "train.start.init_from_strict=false")
     out = train(cfg, subprocess_env)
     assert out.returncode == 0, tail(out)
     line = next(x for x in out.stdout.splitlines() if x.startswith("warm start"))

@@ -25,7 +25,8 @@ import xxhash
 from scse_dist.atomic import atomic_write_text
 
 MANIFEST_NAME = "manifest.json"
-CONFIG_NAME = "config.json"  # the resolved config of the run that saved a tag (see train.resume)
+# the resolved config of the run that saved a tag (see train.start.resume)
+CONFIG_NAME = "config.json"
 # A tag's name and its step record (written by train.checkpoint; here, without torch, so that
 # scse-ckpt reads tags without importing it).
 TAG_PREFIX = "step-"

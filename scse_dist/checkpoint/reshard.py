@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from scse_dist.checkpoint.manifest import UNIVERSAL_DIR as UNIVERSAL
+from scse_dist.config import rename_old_fields
 from scse_dist.distributed import barrier, is_rank0
 
 
@@ -84,7 +85,7 @@ def load_universal(engine: Any, root: Path, tag: str) -> tuple[Any, Any]:
     return loaded
 
 
-# Muon (train.optimizer: muon) at ZeRO-1/2: DeepSpeed's ds_to_universal reads exp_avg and
+# Muon (train.optimizer.kind: muon) at ZeRO-1/2: DeepSpeed's ds_to_universal reads exp_avg and
 # exp_avg_sq from every param group, but a Muon group holds one state, its momentum_buffer, laid
 # out over the whole matrices that touch a rank's partition rather than over the partition, so no
 # per-parameter slice of it can be cut by the partition's fragment map. The conversion reads a
@@ -99,7 +100,8 @@ def _muon_staged(source: Path, staged: Path) -> Path | None:
     """The staged copy of tag `source` when its run used Muon, else None."""
     run_config = json.loads((source / "config.json").read_text()) \
         if (source / "config.json").is_file() else {}
-    if run_config.get("train", {}).get("optimizer") != "muon":
+    # a tag saved before train.optimizer was a section names it flat: renamed
+    if rename_old_fields(run_config).get("train", {}).get("optimizer", {}).get("kind") != "muon":
         return None
     if staged.exists():
         shutil.rmtree(staged)
@@ -132,5 +134,5 @@ def _restore_muon_momentum(engine: Any) -> None:
     for group in muon:
         optimizer.state.pop(group["params"][0], None)
     if muon and is_rank0():
-        print("train.optimizer: muon: Muon's momentum restarts from zero at the new world size "
-              "(AdamW's moments and the weights carry over)", flush=True)
+        print("train.optimizer.kind: muon: Muon's momentum restarts from zero at the new world "
+              "size (AdamW's moments and the weights carry over)", flush=True)

@@ -2,14 +2,14 @@
 
 Rank 0 decides and broadcasts, so every rank loads the same tag or raises the same one-line error:
 
-1. `train.resume`: `auto` resumes when there is a checkpoint; `never` moves the run dir's previous
-   checkpoints, metrics, export and eval aside (`old-<time>/`, nothing deleted) and starts fresh;
-   `require` fails when there is nothing to resume.
-2. `train.resume_from: step-N` picks tag step-N instead (verified; one line listing the tags there
-   when it is absent; the newer tags are moved aside). Otherwise the tag `latest` names is
-   verified against its manifest (scse_dist.checkpoint.manifest); a broken tag is reported in one
-   line naming the file, and the newest intact older tag is used instead.
-3. `train.branch_from` (a new run with no checkpoint of its own): another run's checkpoint,
+1. `train.start.resume`: `auto` resumes when there is a checkpoint; `never` moves the run dir's
+   previous checkpoints, metrics, export and eval aside (`old-<time>/`, nothing deleted) and
+   starts fresh; `require` fails when there is nothing to resume.
+2. `train.start.resume_from: step-N` picks tag step-N instead (verified; one line listing the
+   tags there when it is absent; the newer tags are moved aside). Otherwise the tag `latest`
+   names is verified against its manifest (scse_dist.checkpoint.manifest); a broken tag is
+   reported in one line naming the file, and the newest intact older tag is used instead.
+3. `train.start.branch_from` (a new run with no checkpoint of its own): another run's checkpoint,
    verified, is linked (or copied) into this run's checkpoints and resumed like one of its own:
    weights, optimizer state, step, data position and RNG; the schedule is this run's.
 4. The chosen tag's recorded config (`config.json` in the tag) is compared with this run's, field
@@ -45,12 +45,17 @@ from scse_dist.checkpoint.tags import (
     tag_for,
 )
 from scse_dist.cli_errors import InputError
-from scse_dist.config import ConfigError, RunConfig, config_to_dict
+from scse_dist.config import (
+    ConfigError,
+    OptimizerConfig,
+    RunConfig,
+    config_to_dict,
+    rename_old_fields,
+)
 from scse_dist.distributed import is_rank0
-from scse_dist.param_groups import lr_mult_split
 from scse_dist.run_dir import CHECKPOINTS_NAME, OUTPUT_NAMES
 
-# Moved aside by `train.resume: never` (the new run would append to or overwrite them).
+# Moved aside by `train.start.resume: never` (the new run would append to or overwrite them).
 PREVIOUS_RUN_FILES = OUTPUT_NAMES
 # Fields that make a checkpoint another model or another token stream. Everything else may change
 # at a resume (max_steps, cadences, eval.*, wandb.*, ...); world size, num_workers, the batch
@@ -81,7 +86,9 @@ def is_refused(field: str) -> bool:
 
 
 def refused_changes(saved: dict, current: dict) -> list[str]:
-    """'field: saved -> current' for every refused field that differs (absent on one side too)."""
+    """'field: saved -> current' for every refused field that differs (absent on one side too).
+    `saved` may use the names of an older scse-dist (RENAMED_FIELDS): renamed, in place."""
+    rename_old_fields(saved)
     old, new = _flatten(saved), _flatten(current)
     missing = "<absent>"
     return [f"{name}: {old.get(name, missing)!r} -> {new.get(name, missing)!r}"
@@ -91,14 +98,12 @@ def refused_changes(saved: dict, current: dict) -> list[str]:
 
 
 def _regrouped(saved: dict, current: dict) -> list[str]:
-    """train.lr_mult changed so that the optimizer's param groups split differently: the saved
-    optimizer state would not load (DeepSpeed loads it group by group). Changed factors of the
-    same groups are fine."""
-    old, new = (d.get("train", {}).get("lr_mult") or {} for d in (saved, current))
-    if lr_mult_split(old) == lr_mult_split(new):
-        return []
-    return [f"train.lr_mult: {old!r} -> {new!r} (regroups the optimizer's parameters; a resume "
-            "may change the factors, not which groups share one)"]
+    """train.optimizer's own refusal (OptimizerConfig.regrouping): a changed lr_mult that splits
+    the optimizer's param groups differently."""
+    old, new = (d.get("train", {}).get("optimizer", {}).get("lr_mult") or {}
+                for d in (saved, current))
+    problem = OptimizerConfig(lr_mult=new).regrouping(old)
+    return [problem] if problem else []
 
 
 def _warn(text: str) -> None:
@@ -125,7 +130,7 @@ def choose_tag(root: Path) -> Optional[str]:
             _warn(f"checkpoint {tag}: {status.problem}; falling back to {nxt}")
         problems.append(f"{tag}: {status.problem}")
     raise InputError(f"{root}: no intact checkpoint to resume ({'; '.join(problems)}); restore the "
-                     "files, or start fresh with train.resume=never (moves these aside) or "
+                     "files, or start fresh with train.start.resume=never (moves these aside) or "
                      "another name")
 
 
@@ -141,52 +146,55 @@ def _move_previous_run(run_dir: Path) -> Optional[Path]:
 
 
 def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
-    """train.resume_from: that tag, verified, made `latest`; the newer tags moved aside (they
+    """train.start.resume_from: that tag, verified, made `latest`; the newer tags moved aside (they
     belong to the abandoned continuation, and pruning would otherwise keep them over the new)."""
     root = checkpoint_dir(run_dir)
     if remote:
-        raise ConfigError("train.resume_from: not supported with a remote output_dir (only the "
-                          "remote `latest` is fetched); copy the run dir locally to resume from it")
-    assert cfg.train.resume_from is not None  # plan_resume calls this only when it is set
-    want = tag_for(int(cfg.train.resume_from.split("-")[1]))
+        raise ConfigError("train.start.resume_from: not supported with a remote output_dir "
+                          "(only the remote `latest` is fetched); copy the run dir locally to "
+                          "resume from it")
+    assert cfg.train.start.resume_from is not None  # plan_resume calls this only when it is set
+    want = tag_for(int(cfg.train.start.resume_from.split("-")[1]))
     available = [p.name for p in list_checkpoints(run_dir)]
     if want not in available:
-        raise ConfigError(f"train.resume_from: {run_dir} has no checkpoint "
-                          f"{cfg.train.resume_from}; available: {', '.join(available) or 'none'}")
+        raise ConfigError(f"train.start.resume_from: {run_dir} has no checkpoint "
+                          f"{cfg.train.start.resume_from}; available: "
+                          f"{', '.join(available) or 'none'}")
     status = verify_tag(root / want)
     if not status.intact:
-        raise InputError(f"train.resume_from: checkpoint {want}: {status.problem}")
+        raise InputError(f"train.start.resume_from: checkpoint {want}: {status.problem}")
     newer = [root / t for t in available if t > want]
     if newer:
         aside = run_dir / time.strftime("old-%Y%m%d-%H%M%S") / CHECKPOINTS_NAME
         aside.mkdir(parents=True, exist_ok=True)
         for path in newer:
             path.rename(aside / path.name)
-        print(f"train.resume_from={cfg.train.resume_from}: moved the newer checkpoints "
+        print(f"train.start.resume_from={cfg.train.start.resume_from}: moved the newer checkpoints "
               f"{', '.join(p.name for p in newer)} to {aside}", flush=True)
     atomic_write_text(root / "latest", want)  # a kill before the next save resumes it again
     return want
 
 
 def branch_source(spec: str) -> Path:
-    """train.branch_from's tag dir: the tag named, or a run dir's newest intact one, verified."""
+    """train.start.branch_from's tag dir: the tag named, or a run dir's newest intact one,
+    verified."""
     if "://" in spec:
-        raise ConfigError(f"train.branch_from: {spec!r}: local paths only; copy the run dir (or "
-                          "the tag) here first")
+        raise ConfigError(f"train.start.branch_from: {spec!r}: local paths only; copy the run dir "
+                          "(or the tag) here first")
     path = Path(spec)
     if (path / "checkpoints").is_dir():
         tag = choose_tag(path / "checkpoints")
         if tag is None:
-            raise ConfigError(f"train.branch_from: {path} has no checkpoint "
+            raise ConfigError(f"train.start.branch_from: {path} has no checkpoint "
                               f"({path / 'checkpoints' / 'latest'} does not exist)")
         return path / "checkpoints" / tag
     if not (path.is_dir() and path.name.startswith(TAG_PREFIX)):
-        raise ConfigError(f"train.branch_from: {spec!r} is neither a run dir (holding "
+        raise ConfigError(f"train.start.branch_from: {spec!r} is neither a run dir (holding "
                           "checkpoints/) nor a checkpoint tag "
                           "(runs/<name>/checkpoints/step-NNNNNNN)")
     status = verify_tag(path)
     if not status.intact:
-        raise InputError(f"train.branch_from: checkpoint {path}: {status.problem}")
+        raise InputError(f"train.start.branch_from: checkpoint {path}: {status.problem}")
     return path
 
 
@@ -209,53 +217,53 @@ def _link_tag(source: Path, root: Path) -> None:
 
 
 def _branch(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
-    """train.branch_from: the source tag compared, then linked into this run; its tag name."""
+    """train.start.branch_from: the source tag compared, then linked into this run; its tag name."""
     if remote:
-        raise ConfigError("train.branch_from: not supported with a remote output_dir; branch into "
-                          "a local run dir")
-    assert cfg.train.branch_from is not None  # plan_resume calls this only when it is set
-    source = branch_source(cfg.train.branch_from)
+        raise ConfigError("train.start.branch_from: not supported with a remote output_dir; branch "
+                          "into a local run dir")
+    assert cfg.train.start.branch_from is not None  # plan_resume calls this only when it is set
+    source = branch_source(cfg.train.start.branch_from)
     recorded = source / CONFIG_NAME
     changes = refused_changes(json.loads(recorded.read_text()), config_to_dict(cfg)) \
         if recorded.is_file() else []
     if changes:
         raise ConfigError(
-            f"train.branch_from: {source} is a checkpoint of another model or data stream: "
+            f"train.start.branch_from: {source} is a checkpoint of another model or data stream: "
             f"{'; '.join(changes)}. A branch continues the same model and token stream "
-            "(train.init_from starts a new run from an export's weights alone)")
+            "(train.start.init_from starts a new run from an export's weights alone)")
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     _link_tag(source, root)
-    print(f"train.branch_from: starting from {source} (weights, optimizer state, step, data "
+    print(f"train.start.branch_from: starting from {source} (weights, optimizer state, step, data "
           "position and RNG; the LR schedule is this run's)", flush=True)
     return source.name
 
 
 def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Optional[str]:
-    mode = cfg.train.resume
+    mode = cfg.train.start.resume
     root = checkpoint_dir(run_dir)
-    branch = cfg.train.branch_from
+    branch = cfg.train.start.branch_from
     if mode == "never":
         if remote:
-            raise ConfigError("train.resume: never is not supported with a remote output_dir (its "
-                              "checkpoints would be overwritten); give this run another name")
+            raise ConfigError("train.start.resume: never is not supported with a remote output_dir "
+                              "(its checkpoints would be overwritten); give this run another name")
         aside = _move_previous_run(run_dir)
         if aside is not None:
-            print(f"train.resume=never: moved the previous run's files to {aside}; starting "
-                  + ("over from train.branch_from" if branch else "fresh"), flush=True)
+            print(f"train.start.resume=never: moved the previous run's files to {aside}; starting "
+                  + ("over from train.start.branch_from" if branch else "fresh"), flush=True)
         return _branch(cfg, run_dir, remote) if branch else None
     for path in remove_partial_saves(run_dir):
         print(f"removed {path}: a save that did not finish", flush=True)
-    tag = chosen_tag(cfg, run_dir, remote) if cfg.train.resume_from else choose_tag(root)
+    tag = chosen_tag(cfg, run_dir, remote) if cfg.train.start.resume_from else choose_tag(root)
     if tag is None and branch:
         return _branch(cfg, run_dir, remote)  # compared with the source's config there
     if tag is None:
         if mode == "require":
-            raise ConfigError(f"train.resume: require, but {run_dir} has no checkpoint to resume "
-                              f"({root / 'latest'} does not exist)")
+            raise ConfigError(f"train.start.resume: require, but {run_dir} has no checkpoint to "
+                              f"resume ({root / 'latest'} does not exist)")
         return None
     if branch:
-        print(f"train.branch_from ignored: resuming this run's checkpoint {tag}", flush=True)
+        print(f"train.start.branch_from ignored: resuming this run's checkpoint {tag}", flush=True)
     recorded = root / tag / CONFIG_NAME
     if not recorded.is_file():
         _warn(f"checkpoint {tag} has no recorded {CONFIG_NAME}: its config is not compared")
@@ -264,8 +272,8 @@ def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Optional[str]:
     if changes:
         raise ConfigError(
             f"{run_dir} holds checkpoint {tag} of another model or data stream: "
-            f"{'; '.join(changes)}. Give this run another name, or set train.resume=never to move "
-            "the old checkpoints aside and start fresh")
+            f"{'; '.join(changes)}. Give this run another name, or set train.start.resume=never to "
+            "move the old checkpoints aside and start fresh")
     return tag
 
 

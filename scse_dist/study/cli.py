@@ -35,7 +35,8 @@ def runs_table(spec) -> str:
     chosen = read_choice(spec)
     rows = [("variant", "seed", "lr", "stage", "run_dir", "status")]
     for run in expand(spec, chosen):
-        lr = run.lr if run.lr is not None else (None if spec.lr else run_config(spec, run).train.lr)
+        lr = run.lr if run.lr is not None else (
+            None if spec.lr else run_config(spec, run).train.optimizer.lr)
         shown = f"{lr:g}" if lr is not None else "from-sweep"
         rows.append((run.variant, str(run.seed), shown, run.stage, run.run_dir,
                      status(spec, run)))

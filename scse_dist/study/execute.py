@@ -25,7 +25,7 @@ submitted. Job output is in <study>/logs.
 `--local` runs each training as a child process (scse_dist.launch.children): SIGINT or SIGTERM
 is forwarded to it, it saves and exits 75, and the driver exits 75 after it with nothing left
 running. Finished runs are never resubmitted; unfinished ones resume from their checkpoint
-(train.resume auto), so rerunning a study after an interruption repeats nothing.
+(train.start.resume auto), so rerunning a study after an interruption repeats nothing.
 """
 
 from __future__ import annotations

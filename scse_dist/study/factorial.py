@@ -3,7 +3,7 @@
     report:
       factorial:
         factors: {model.recurrence: [additive, scse], model.residual: [preln, deeploop],
-                  train.optimizer: [muon, torch_adamw]}   # run-config field: [level 0, level 1]
+                  train.optimizer.kind: [muon, torch_adamw]}  # run-config field: [level 0, 1]
         depths: [1, 4, 8, 32]                             # the default
 
 A final run's cell is read from its resolved config (so each cell's own rates do not matter); a
@@ -30,7 +30,9 @@ class Factorial:
 
     @property
     def names(self) -> list[str]:
-        return [key.split(".")[-1] for key in self.factors]
+        # the field's name; a section's `kind` by the section's (train.optimizer.kind: optimizer)
+        return [key.split(".")[-2] if key.endswith(".kind") else key.split(".")[-1]
+                for key in self.factors]
 
     def cell_of(self, cfg: RunConfig) -> Optional[tuple[int, ...]]:
         """The run's levels (0 or 1 per factor), or None when a field holds neither level."""

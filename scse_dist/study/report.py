@@ -310,8 +310,10 @@ class StudyReport:
                 scores = choice.get("scores") or {}
                 cells = ", ".join(f"{lr}: {v:.4g}" if isinstance(v, (int, float)) else
                                   f"{lr}: failed" for lr, v in scores.items())
-                field = choice.get("key", "train.lr")  # a variant may sweep another rate (Muon's)
-                named = "" if field == "train.lr" else f"{field.split('.')[-1]} "
+                # a variant may sweep another rate (Muon's); train.lr in a study of before
+                field = choice.get("key", "train.optimizer.lr")
+                named = ("" if field in ("train.optimizer.lr", "train.lr")
+                         else f"{field.split('.')[-1]} ")
                 lines.append(f"| {variant} | {named}{choice.get('lr')}"
                              f"{_edge_mark(choice.get('lr'), scores)} "
                              f"| {cells} |")

@@ -9,7 +9,7 @@
       scse: {overrides: {model.recurrence: scse}}
       additive: {overrides: {model.recurrence: additive}}
       scse-muon: {overrides: {train.optimizer: muon},
-                  lr: {key: train.muon_lr, values: [0.01, 0.02]}}  # its own rate and grid
+                  lr: {key: train.optimizer.muon_lr, values: [0.01, 0.02]}}  # its own rate and grid
     seeds: [0, 1, 2]
     axes:                          # multiplied out; `variants:` limits an axis to some variants
       model.residual: {values: [preln, deeploop], variants: [scse, additive]}
@@ -27,8 +27,8 @@ A run is <study>/<variant>/<variant>-seed<k> (its name, <variant>-seed<k>, is in
 logs and batch job name); with `lr`, stage 1 (sweep) runs <variant>/<variant>-lr<value>-seed<k>
 at `lr.seed`, scored on `lr.validation` (never a test set), and stage 2 (final) trains every
 seed at the variant's chosen rate (<study>/lr_choice.json). A variant's `lr: {key, values}` sweeps
-another field (Muon's `train.muon_lr`) over its own grid; seed, steps and validation stay the
-study's.
+another field (Muon's `train.optimizer.muon_lr`) over its own grid; seed, steps and validation stay
+the study's.
 
 The file is read by scse_dist.typed_yaml like a run config: `extends:` (a spec's `base:` is its
 run config) loads another spec first and lays this one over it, mappings merged key by key, and
@@ -49,7 +49,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from scse_dist.config import ConfigError, RunConfig, config_from_dict
+from scse_dist.config import (
+    ConfigError,
+    RunConfig,
+    config_from_dict,
+    read_config_file,
+    renamed_key,
+)
 from scse_dist.launch.config import Resources
 from scse_dist.run_dir import RunDir
 from scse_dist.study.factorial import parse_factorial
@@ -84,7 +90,7 @@ class LrSweep:
 @dataclass
 class VariantRate:
     """What a variant's sweep sets: `key` over `values` (None: the study's lr.values)."""
-    key: str = "train.lr"
+    key: str = "train.optimizer.lr"
     values: Optional[list[float]] = None
 
 
@@ -133,7 +139,8 @@ class StudySpec:
         return Path(self.out) / self.name
 
     def rate_key(self, variant: str) -> str:
-        """The config field a variant's sweep chooses (train.lr unless the variant says)."""
+        """The config field a variant's sweep chooses (train.optimizer.lr unless the variant
+        says)."""
         return self.rates.get(variant, VariantRate()).key
 
     def rate_values(self, variant: str) -> list[float]:
@@ -216,9 +223,10 @@ def _variant_rate(body: Any, where: str) -> VariantRate:
     if not isinstance(body, dict):
         raise SpecError(f"{where}: expected {{key: train.<field>, values: [...]}}, got {body!r}")
     _check_keys(body, {"key", "values"}, where)
-    key = body.get("key", "train.lr")
+    key = body.get("key", "train.optimizer.lr")
     if not isinstance(key, str) or not key.startswith("train."):
-        raise SpecError(f"{where}.key: a train.* field such as train.muon_lr, got {key!r}")
+        raise SpecError(f"{where}.key: a train.* field such as train.optimizer.muon_lr, got "
+                        f"{key!r}")
     values = _positive_rates(body["values"], f"{where}.values") if "values" in body else None
     return VariantRate(key, values)
 
@@ -459,7 +467,7 @@ def run_config(spec: StudySpec, run: Run) -> RunConfig:
     """The resolved RunConfig of a run: base, study overrides, variant, seed/lr, then the study's
     fixed fields (run dir, evaluation tasks and depths; evaluations are the study's jobs)."""
     try:
-        values = _read_yaml(Path(spec.base))
+        values = read_config_file(Path(spec.base))
     except ConfigError as exc:
         raise SpecError(f"{spec.path}: base: {exc}") from None
     run_dir = Path(run.run_dir)
@@ -471,7 +479,7 @@ def run_config(spec: StudySpec, run: Run) -> RunConfig:
             study[f"eval.{task.data_field}"] = field_value(spec.evals, task.data_field)
     where = f"{spec.path}: variants.{run.variant}"
     for key, value in {**spec.overrides, **run.overrides, **study}.items():
-        _set_dotted(values, str(key), value, where)
+        _set_dotted(values, renamed_key(str(key), value), value, where)
     try:
         return config_from_dict(values)
     except ConfigError as exc:

@@ -1,7 +1,8 @@
 """The `train:` section of a run config (with its `train.depth:` sampler) and the `wandb:` section
 the trainer's metrics log to.
 
-Beside the package it configures, and below it: it imports only the model's ConfigError, so
+Beside the package it configures, and below it: it imports only the model's ConfigError and the
+torch-free sections it composes (train.optimizer, train.schedule, train.start), so
 `scse_dist.config` composes it without loading the trainer (or torch). Each section's `check()`
 is its one validation; scse_dist.config runs them, then the checks across sections.
 """
@@ -12,7 +13,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from scse_dist.checkpoint.start_config import StartConfig
 from scse_dist.model.config import ConfigError
+from scse_dist.train.optimizer_config import OptimizerConfig
+from scse_dist.train.schedule_config import ScheduleConfig
 
 
 @dataclass
@@ -137,30 +141,10 @@ class TrainConfig:
     # at start-up, shared by the node's ranks (the rest for data workers and the page cache).
     micro_batch_memory_gib: float = 0.0
     max_steps: int = 200
-    lr: float = 1e-3
-    # Per-parameter-group LR multipliers {group: factor >= 0} for AdamW (torch_adamw,
-    # deepspeed_fused_adam, Muon's AdamW half), groups of scse_dist.param_groups (embed,
-    # head, prelude, anchor, adapter, core_attn, core_mlp, coda, norm); unnamed groups keep 1.
-    # Under the same schedule; weight_decay is not changed (AdamW's decay step is lr * wd).
-    lr_mult: dict[str, float] = field(default_factory=dict)
-    # The LR at the end of the decay (cosine, linear, wsd), as a fraction of lr.
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    # The LR after the warmup (scse_dist.train.schedule): cosine or linear down to min_lr_ratio
-    # at the last step; constant; wsd (warmup-stable-decay): constant, then decay_shape over the
-    # last decay_steps steps (null: round(decay_fraction * max_steps)) down to min_lr_ratio.
-    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    decay_fraction: float = 0.1
-    decay_steps: Optional[int] = None
-    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"
     # Weight of the z-loss z_loss * mean(logsumexp(logits)^2) added to the training objective
     # (PaLM; 1e-4 is usual; 0: off). Logged as its own metric; the loss logged and evaluated is
     # the cross-entropy alone.
     z_loss: float = 0.0
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
     # auto: bf16 where the accelerator supports it, fp32 otherwise (CPU).
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     zero_stage: int = 1
@@ -169,24 +153,11 @@ class TrainConfig:
     # sizes, clipping, ZeRO stage, precision, lr/betas/weight decay, scheduler), which it may only
     # repeat with the same value (engine.build_ds_config).
     deepspeed_config: Optional[str] = None
-    # torch_adamw: torch.optim.AdamW, fused on CUDA (no nvcc or JIT build). deepspeed_fused_adam:
-    # DeepSpeed's FusedAdam, which JIT-compiles a CUDA extension at start-up (CUDA only). muon:
-    # Muon for the 2-D matrices of prelude, core and coda, AdamW (lr, betas, weight_decay above)
-    # for the embedding/head and gains (scse_dist.train.muon); ZeRO stage 0-2.
-    optimizer: Literal["torch_adamw", "deepspeed_fused_adam", "muon"] = "torch_adamw"
-    # Muon's own settings (train.optimizer: muon). lr in units of spectral norm per step, under
-    # the same warmup-cosine schedule; 0.02, momentum 0.95 (Nesterov) and no weight decay are
-    # the defaults of Keller Jordan's reference implementation.
-    muon_lr: float = 0.02
-    muon_momentum: float = 0.95
-    muon_weight_decay: float = 0.0
-    # Which 2-D matrices Muon steps: all (prelude, core, coda) or loop (the core's alone: its
-    # blocks, SCSE's anchor, the concat adapter); the rest go to AdamW.
-    muon_scope: Literal["all", "loop"] = "all"
-    # StableAdamW's update clipping (scse_dist.train.update_clip): each tensor's AdamW step
-    # divided by max(1, RMS(g / sqrt(v_hat)) / update_clip); 1.0 is StableAdamW's; 0: off.
-    # torch_adamw and muon's AdamW half, ZeRO stage 0-2.
-    update_clip: float = 0.0
+    # The optimizer (rates, betas, Muon, clipping, per-group multipliers), the LR schedule, and
+    # how a run starts (resume, branch, warm start): sections owned by the code they configure.
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    start: StartConfig = field(default_factory=StartConfig)
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
     depth_loss: DepthLossConfig = field(default_factory=DepthLossConfig)
     log_every: int = 10
@@ -208,27 +179,9 @@ class TrainConfig:
     spike_skip: SpikeSkipConfig = field(default_factory=SpikeSkipConfig)
     # torch.compile each block's math (regional: one graph for every loop step and depth T).
     compile: bool = False
-    # Warm start: an export dir or URL whose weights (only) a new run starts from; a run that
-    # has a checkpoint resumes it and ignores this. Strict: every key and shape must match.
-    init_from: Optional[str] = None
-    init_from_strict: bool = True
-    # A run dir with checkpoints: auto resumes the newest intact one (a changed model or data
-    # stream is refused); never moves them aside (run_dir/old-<time>/) and starts fresh; require
-    # fails when there is nothing to resume.
-    resume: Literal["auto", "never", "require"] = "auto"
-    # Resume from this checkpoint tag (step-N) instead of the newest; the run dir's newer tags
-    # are moved aside (run_dir/old-<time>/checkpoints). For one command line: a requeue with it
-    # still set goes back to step-N again.
-    resume_from: Optional[str] = None
     # Callbacks of the user's own beside the built-in ones (CallbackSpec; docs/training.md,
     # "Callbacks"); [] in every shipped config.
     callbacks: list[CallbackSpec] = field(default_factory=list)
-    # Branch: a new run starts from another run's checkpoint with everything a resume restores
-    # (weights, optimizer state, step, data position, RNG) and its own schedule: a cooldown off
-    # a stable phase. A local run dir (its newest intact checkpoint) or one of its tags
-    # (runs/x/checkpoints/step-0001000); linked or copied into this run's checkpoints. A run
-    # that has a checkpoint of its own resumes that and ignores this.
-    branch_from: Optional[str] = None
 
     def check(self) -> None:
         """Values no run can train with (one ConfigError naming the field), train.depth's too."""
@@ -242,8 +195,7 @@ class TrainConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"train.{name}: must be > 0, got {value}")
-        for name, value in {"warmup_steps": self.warmup_steps,
-                            "global_batch_size": self.global_batch_size,
+        for name, value in {"global_batch_size": self.global_batch_size,
                             "global_batch_tokens": self.global_batch_tokens,
                             "micro_batch_memory_gib": self.micro_batch_memory_gib,
                             "diagnostics_every": self.diagnostics_every or 0,
@@ -253,65 +205,37 @@ class TrainConfig:
         self.depth.check()
         self.spike_skip.check()
         self.depth_loss.check()
+        self.optimizer.check()
+        self.schedule.check(self.max_steps)
+        self.start.check()
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"train.min_lr_ratio: must lie in [0, 1], got {self.min_lr_ratio}")
-        if self.init_from is not None and not self.init_from.strip():
-            raise ConfigError("train.init_from: an export dir or URL, or null; got an empty string")
-        if self.lr <= 0:
-            raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
-        from scse_dist.param_groups import check_lr_mult  # torch-free, like this module
-
-        check_lr_mult(self.lr_mult)
-        self._check_muon()
-        self._check_update_clip()
-        self._check_schedule()
+        self._check_optimizer_zero()
         if not self.z_loss >= 0 or self.z_loss == float("inf"):  # also rejects NaN
             raise ConfigError(f"train.z_loss: must be a finite weight >= 0, got {self.z_loss}")
         self._check_auto_micro_batch()
-        self._check_resume_from()
-        self._check_branch_from()
         for i, spec in enumerate(self.callbacks):
             if not CALLBACK_PATH.fullmatch(spec.class_path):
                 raise ConfigError(f"train.callbacks[{i}].class_path: expected "
                                   f"'package.module:Class', got {spec.class_path!r}")
 
-    def _check_schedule(self) -> None:
-        if not 0.0 < self.decay_fraction <= 1.0:
-            raise ConfigError(f"train.decay_fraction: must lie in (0, 1], got "
-                              f"{self.decay_fraction}")
-        if self.decay_steps is not None and self.decay_steps < 1:
-            raise ConfigError(f"train.decay_steps: must be >= 1 (null: decay_fraction), got "
-                              f"{self.decay_steps}")
-        if self.schedule != "wsd":
-            return
-        decay = self.wsd_decay_steps()
-        if decay > self.max_steps - self.warmup_steps:
-            named = "train.decay_steps" if self.decay_steps is not None else "train.decay_fraction"
-            raise ConfigError(f"{named}: the wsd decay of {decay} steps overlaps the warmup of "
-                              f"{self.warmup_steps} in train.max_steps={self.max_steps}; it may "
-                              f"take at most {self.max_steps - self.warmup_steps}")
-
-    def _check_branch_from(self) -> None:
-        if self.branch_from is None:
-            return
-        if not self.branch_from.strip():
-            raise ConfigError("train.branch_from: a run dir or checkpoint tag dir, or null; "
-                              "got an empty string")
-        if self.resume_from is not None:
-            raise ConfigError("train.branch_from: contradicts train.resume_from (a tag of this "
-                              "run); name the checkpoint to branch from in branch_from alone")
-        if self.init_from is not None:
-            raise ConfigError("train.branch_from: contradicts train.init_from (an export's "
-                              "weights alone, fresh optimizer and data); set one of them")
-
-    def wsd_decay_steps(self) -> int:
-        """D, the steps of the wsd decay: decay_steps when set, else round(decay_fraction *
-        max_steps) (Python's round: half to even), at least 1."""
-        if self.decay_steps is not None:
-            return self.decay_steps
-        return max(1, round(self.decay_fraction * self.max_steps))
+    def _check_optimizer_zero(self) -> None:
+        """train.optimizer against the ZeRO stage and spike skipping."""
+        kind = self.optimizer.kind
+        if kind == "muon" and self.spike_skip.enabled and self.zero_stage in (1, 2):
+            # ZeRO-1/2 commit Muon's momentum inside their step, before the update a skip withholds
+            raise ConfigError("train.spike_skip.enabled: not with train.optimizer.kind: muon at "
+                              f"train.zero_stage {self.zero_stage} (ZeRO-1/2 advance Muon's "
+                              "momentum even on a skipped step); use ZeRO stage 0 or torch_adamw")
+        if kind == "muon" and self.zero_stage == 3:
+            # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at
+            # stage 3
+            raise ConfigError("train.zero_stage: train.optimizer.kind: muon works at ZeRO stage 0, "
+                              "1 or 2, not 3; set train.zero_stage: 2 (it partitions gradients "
+                              "and optimizer state too) or use torch_adamw")
+        if self.optimizer.update_clip and self.zero_stage == 3:
+            raise ConfigError("train.optimizer.update_clip: works at ZeRO stage 0, 1 or 2 (it "
+                              "finds each parameter in the rank's flat partition), not 3")
 
     def _check_auto_micro_batch(self) -> None:
         if self.micro_batch_size != "auto":
@@ -324,53 +248,6 @@ class TrainConfig:
         if self.grad_accum_steps != 1:
             raise ConfigError(f"train.grad_accum_steps: {self.grad_accum_steps} with "
                               "train.micro_batch_size: auto, which derives it; leave it at 1")
-
-    def _check_muon(self) -> None:
-        if self.muon_lr <= 0:
-            raise ConfigError(f"train.muon_lr: must be > 0, got {self.muon_lr}")
-        if not 0.0 <= self.muon_momentum < 1.0:
-            raise ConfigError(f"train.muon_momentum: must lie in [0, 1), got {self.muon_momentum}")
-        if self.muon_weight_decay < 0:
-            raise ConfigError(f"train.muon_weight_decay: must be >= 0, got "
-                              f"{self.muon_weight_decay}")
-        if self.optimizer == "muon" and self.spike_skip.enabled and self.zero_stage in (1, 2):
-            # ZeRO-1/2 commit Muon's momentum inside their step, before the update a skip withholds
-            raise ConfigError("train.spike_skip.enabled: not with train.optimizer: muon at "
-                              f"train.zero_stage {self.zero_stage} (ZeRO-1/2 advance Muon's "
-                              "momentum even on a skipped step); use ZeRO stage 0 or torch_adamw")
-        if self.muon_scope != "all" and self.optimizer != "muon":
-            raise ConfigError(f"train.muon_scope: {self.muon_scope} narrows train.optimizer: "
-                              f"muon, but the optimizer is {self.optimizer}; set it to muon or "
-                              "leave muon_scope at all")
-        if self.optimizer == "muon" and self.zero_stage == 3:
-            # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at
-            # stage 3
-            raise ConfigError("train.zero_stage: train.optimizer: muon works at ZeRO stage 0, 1 or "
-                              "2, not 3; set train.zero_stage: 2 (it partitions gradients and "
-                              "optimizer state too) or use torch_adamw")
-
-    def _check_update_clip(self) -> None:
-        if not 0 <= self.update_clip < float("inf"):  # also rejects NaN
-            raise ConfigError(f"train.update_clip: must be a finite threshold >= 0 (0: off), got "
-                              f"{self.update_clip}")
-        if not self.update_clip:
-            return
-        if self.optimizer == "deepspeed_fused_adam":
-            raise ConfigError("train.update_clip: DeepSpeed's FusedAdam has no per-tensor update "
-                              "clipping; use train.optimizer: torch_adamw (or muon)")
-        if self.zero_stage == 3:
-            raise ConfigError("train.update_clip: works at ZeRO stage 0, 1 or 2 (it finds each "
-                              "parameter in the rank's flat partition), not 3")
-
-    def _check_resume_from(self) -> None:
-        if self.resume_from is None:
-            return
-        if not re.fullmatch(r"step-\d+", self.resume_from):
-            raise ConfigError(f"train.resume_from: expected a checkpoint tag like step-40, got "
-                              f"{self.resume_from!r}")
-        if self.resume == "never":
-            raise ConfigError("train.resume_from: contradicts train.resume=never (which starts "
-                              "fresh); leave train.resume at auto")
 
     def global_batch_name(self) -> str:
         """The field the global batch was given in, for error messages: 'train.global_batch_size:

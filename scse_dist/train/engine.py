@@ -22,14 +22,14 @@ if TYPE_CHECKING:
 _OWNED: list[tuple[tuple[str, ...], str]] = [
     (("train_micro_batch_size_per_gpu",), "train.micro_batch_size"),
     (("gradient_accumulation_steps",), "train.grad_accum_steps"),
-    (("gradient_clipping",), "train.grad_clip"),
+    (("gradient_clipping",), "train.optimizer.grad_clip"),
     (("zero_optimization", "stage"), "train.zero_stage"),
     (("bf16", "enabled"), "train.precision"),
     (("fp16", "enabled"), "train.precision"),
-    (("optimizer", "params", "lr"), "train.lr"),
-    (("optimizer", "params", "betas"), "train.beta1/train.beta2"),
-    (("optimizer", "params", "weight_decay"), "train.weight_decay"),
-    (("scheduler",), "train.lr/warmup_steps/min_lr_ratio"),
+    (("optimizer", "params", "lr"), "train.optimizer.lr"),
+    (("optimizer", "params", "betas"), "train.optimizer.beta1/beta2"),
+    (("optimizer", "params", "weight_decay"), "train.optimizer.weight_decay"),
+    (("scheduler",), "train.optimizer.lr/train.schedule"),
 ]
 
 
@@ -42,14 +42,14 @@ def resolve_precision(precision: str) -> str:
 
 def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
     """DeepSpeed's config from train.*. The optimizer section is there only for
-    train.optimizer=deepspeed_fused_adam; torch_adamw is built by build_optimizer and handed to
+    train.optimizer.kind=deepspeed_fused_adam; torch_adamw is built by build_optimizer and handed to
     deepspeed.initialize as a client optimizer."""
-    t = cfg.train
+    t, opt = cfg.train, cfg.train.optimizer
     generated: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.grad_accum_steps,
         # muon clips its AdamW groups itself (scse_dist.train.muon says why)
-        "gradient_clipping": 0.0 if t.optimizer == "muon" else t.grad_clip,
+        "gradient_clipping": 0.0 if opt.kind == "muon" else opt.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
         "bf16": {"enabled": resolve_precision(t.precision) == "bf16"},
         "fp16": {"enabled": False},
@@ -57,17 +57,17 @@ def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
         "wall_clock_breakdown": False,
     }
     # muon: a subclass of DeepSpeed's own Muon; update_clip: of torch's AdamW (not on its list)
-    if t.optimizer == "muon" or t.update_clip:
+    if opt.kind == "muon" or opt.update_clip:
         generated["zero_allow_untested_optimizer"] = True
     flops = flops_profiler_section(cfg, on_cuda)
     if flops:
         generated["flops_profiler"] = flops
-    if t.optimizer == "deepspeed_fused_adam":
+    if opt.kind == "deepspeed_fused_adam":
         if not on_cuda:
-            raise ConfigError("train.optimizer: deepspeed_fused_adam needs a CUDA device (it "
+            raise ConfigError("train.optimizer.kind: deepspeed_fused_adam needs a CUDA device (it "
                               "JIT-compiles a CUDA kernel); use torch_adamw on CPU")
         generated["optimizer"] = {"type": "AdamW", "params": {
-            "lr": t.lr, "betas": [t.beta1, t.beta2], "weight_decay": t.weight_decay}}
+            "lr": opt.lr, "betas": [opt.beta1, opt.beta2], "weight_decay": opt.weight_decay}}
     return generated
 
 
@@ -126,10 +126,10 @@ def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str,
     if not isinstance(extra, dict):
         raise ConfigError(f"train.deepspeed_config: {path!r} must hold a JSON object")
     if "optimizer" in extra and "optimizer" not in generated:
-        raise ConfigError(f"train.optimizer: {path} has an 'optimizer' section, but "
-                          f"train.optimizer={cfg.train.optimizer} builds torch's AdamW from "
-                          "train.*; remove the section, or set train.optimizer: "
-                          "deepspeed_fused_adam")
+        raise ConfigError(f"train.optimizer.kind: {path} has an 'optimizer' section, but "
+                          f"train.optimizer.kind={cfg.train.optimizer.kind} builds torch's AdamW "
+                          "from train.optimizer; remove the section, or set "
+                          "train.optimizer.kind: deepspeed_fused_adam")
     for key_path, field_name in _OWNED:
         theirs = _get(extra, key_path)
         if theirs is _MISSING:
@@ -146,23 +146,23 @@ def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str,
 def build_optimizer(cfg: RunConfig, model: LoopedLM,
                     on_cuda: Optional[bool] = None) -> Optional[torch.optim.Optimizer]:
     """torch.optim.AdamW over the decay/no-decay groups, fused on CUDA (a single multi-tensor
-    kernel that ships with torch: no nvcc, no JIT build); Muon with AdamW for train.optimizer:
+    kernel that ships with torch: no nvcc, no JIT build); Muon with AdamW for train.optimizer.kind:
     muon; None when DeepSpeed builds its own."""
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
-    t = cfg.train
-    if t.optimizer == "muon":
+    opt = cfg.train.optimizer
+    if opt.kind == "muon":
         from scse_dist.train.muon import build_muon
 
-        return build_muon(model, t, on_cuda)
-    if t.optimizer != "torch_adamw":
+        return build_muon(model, opt, on_cuda)
+    if opt.kind != "torch_adamw":
         return None
-    kwargs: dict[str, Any] = dict(lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                                  fused=True if on_cuda else None)
-    groups = _param_groups(model, t.weight_decay, t.lr, t.lr_mult)
-    if t.update_clip:
+    kwargs: dict[str, Any] = dict(lr=opt.lr, betas=(opt.beta1, opt.beta2),
+                                  weight_decay=opt.weight_decay, fused=True if on_cuda else None)
+    groups = _param_groups(model, opt.weight_decay, opt.lr, opt.lr_mult)
+    if opt.update_clip:
         from scse_dist.train.update_clip import UpdateClippedAdamW
 
-        return UpdateClippedAdamW(groups, update_clip=t.update_clip, **kwargs)
+        return UpdateClippedAdamW(groups, update_clip=opt.update_clip, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
 
@@ -174,7 +174,7 @@ def _param_groups(model: torch.nn.Module, weight_decay: float, lr: float = 0.0,
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if rest:
         groups.append({"params": rest, "weight_decay": 0.0})
-    # train.lr_mult: each split by its parameters' multipliers (lr set per group)
+    # train.optimizer.lr_mult: each split by its parameters' multipliers (lr set per group)
     return with_lr_mult(model.named_parameters(), groups, lr, lr_mult or {})
 
 
@@ -224,25 +224,25 @@ def build_engine(cfg: RunConfig, model: LoopedLM,
 
         model.compile_blocks()
         deepspeed.utils.set_z3_leaf_modules(model, [Block])
-    optimizer = build_optimizer(cfg, model)
+    optimizer, opt = build_optimizer(cfg, model), cfg.train.optimizer
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer,
         model_parameters=None if optimizer else _param_groups(
-            model, cfg.train.weight_decay, cfg.train.lr, cfg.train.lr_mult),
+            model, opt.weight_decay, opt.lr, opt.lr_mult),
         config=ds_config, lr_scheduler=lambda opt: build_lr_scheduler(opt, cfg.train))
-    if cfg.train.optimizer == "muon":  # wrapped by ZeRO-1/2 or bf16: each rank holds a slice
+    if opt.kind == "muon":  # wrapped by ZeRO-1/2 or bf16: each rank holds a slice
         from scse_dist.train.muon import MuonAdamW
 
-        assert isinstance(optimizer, MuonAdamW)  # build_optimizer's for train.optimizer: muon
+        assert isinstance(optimizer, MuonAdamW)  # build_optimizer's for train.optimizer.kind: muon
         optimizer.partitioned = engine.optimizer is not optimizer
-    if cfg.train.update_clip:
+    if opt.update_clip:
         _attach_update_clip(engine, optimizer)
     return engine, ds_config
 
 
 def _attach_update_clip(engine: Any, optimizer: Any) -> None:
-    """train.update_clip under ZeRO-1/2: tell the clipped AdamW where each parameter lies in the
-    flat partitions it steps (scse_dist.train.update_clip)."""
+    """train.optimizer.update_clip under ZeRO-1/2: tell the clipped AdamW where each parameter lies
+    in the flat partitions it steps (scse_dist.train.update_clip)."""
     from scse_dist.train.update_clip import UpdateClippedAdamW, attach_zero_layouts
 
     clipped = getattr(optimizer, "aux_optimizer", optimizer)  # muon's AdamW half
@@ -250,7 +250,7 @@ def _attach_update_clip(engine: Any, optimizer: Any) -> None:
     if engine.optimizer is optimizer:
         return  # ZeRO-0 in fp32: it steps the parameters themselves
     if not hasattr(engine.optimizer, "round_robin_bit16_groups"):
-        raise ConfigError(f"train.update_clip: DeepSpeed wrapped the optimizer in "
+        raise ConfigError(f"train.optimizer.update_clip: DeepSpeed wrapped the optimizer in "
                           f"{type(engine.optimizer).__name__}, whose flat layout it cannot read; "
                           "use train.zero_stage 1 or 2 (or stage 0 in fp32)")
     attach_zero_layouts(engine.optimizer, clipped)

@@ -1,4 +1,4 @@
-"""train.optimizer: muon — Muon for the blocks' matrices, AdamW for everything else.
+"""train.optimizer.kind: muon — Muon for the blocks' matrices, AdamW for everything else.
 
 Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/): SGD momentum (Nesterov) whose
 update of each 2-D weight matrix is orthogonalised by a quintic Newton–Schulz iteration and
@@ -8,12 +8,12 @@ and gains stay on AdamW.
 The split (muon_split): every 2-D parameter of prelude, loop core and coda goes to Muon — the
 shared core's blocks, and also SCSE's learned anchor and the concat adapter, which are d x d
 (2d x d) linear maps of the hidden state like any projection. The embedding (the head too when
-tied), an untied head, the norms' gains and anything else not 2-D go to AdamW with train.lr,
-betas and the same decay/no-decay groups as torch_adamw.
+tied), an untied head, the norms' gains and anything else not 2-D go to AdamW with
+train.optimizer.lr, betas and the same decay/no-decay groups as torch_adamw.
 
-train.muon_scope: loop narrows Muon to the loop's matrices (the core's 2-D parameters: its blocks,
-SCSE's anchor, the concat adapter); the prelude's and coda's matrices join the embedding on AdamW
-(decayed), to tell whether Muon's effect on the collapse comes from the loop alone (issue 26).
+train.optimizer.muon_scope: loop narrows Muon to the loop's matrices (the core's 2-D parameters: its
+blocks, SCSE's anchor, the concat adapter); the prelude's and coda's matrices join the embedding on
+AdamW (decayed), to tell whether Muon's effect on the collapse comes from the loop alone (issue 26).
 
 The implementation is DeepSpeed's MuonWithAuxAdam, handed to deepspeed.initialize as a client
 optimizer: ZeRO-1/2 recognise it and orthogonalise each matrix's whole gradient while they
@@ -24,7 +24,7 @@ Clipping: at ZeRO-1/2 the partition DeepSpeed clips already holds Muon's orthogo
 (norm ~ sqrt(width) per matrix, ~66 for the quickstart model), so its gradient_clipping would
 shrink every Muon step ~66-fold, and differently from ZeRO-0, which clips raw gradients. So
 DeepSpeed's clipping is off under muon, and this optimizer clips each AdamW group's gradient to
-train.grad_clip itself; Muon's update has a fixed norm by construction and needs none.
+train.optimizer.grad_clip itself; Muon's update has a fixed norm by construction and needs none.
 
 Imports DeepSpeed: import it only where an engine is built.
 """
@@ -45,9 +45,10 @@ if TYPE_CHECKING:
 ADAMW_EPS = 1e-8  # torch.optim.AdamW's default, so the AdamW half equals torch_adamw's
 
 
-# train.muon_scope -> the parts of the model whose 2-D parameters Muon steps. By module, not by
-# scse_dist.param_groups.group_of's names: loop = core = group_of's anchor, adapter, core_attn and
-# core_mlp (the same split), and Muon also serves models whose parts hold bare parameters.
+# train.optimizer.muon_scope -> the parts of the model whose 2-D parameters Muon steps. By module,
+# not by scse_dist.param_groups.group_of's names: loop = core = group_of's anchor, adapter,
+# core_attn and core_mlp (the same split), and Muon also serves models whose parts hold bare
+# parameters.
 MUON_PARTS = {"all": ("prelude", "core", "coda"), "loop": ("core",)}
 
 
@@ -74,34 +75,34 @@ def _eager_kernels() -> None:
     muon_optimizer.muon_update = original_muon.muon_update
 
 
-def build_muon(model: LoopedLM, train: Any, on_cuda: bool) -> torch.optim.Optimizer:
-    """MuonWithAuxAdam over muon_split(model), with the train.muon_* and AdamW settings."""
+def build_muon(model: LoopedLM, opt: Any, on_cuda: bool) -> torch.optim.Optimizer:
+    """MuonWithAuxAdam over muon_split(model), with train.optimizer's muon_* and AdamW settings."""
     if not on_cuda:
         _eager_kernels()
-    muon, adamw = muon_split(model, train.muon_scope)
+    muon, adamw = muon_split(model, opt.muon_scope)
     # the embedding/head (and, scope loop, the prelude's and coda's matrices); gains keep scale
     decay = [p for p in adamw if p.dim() >= 2]
     rest = [p for p in adamw if p.dim() < 2]
-    # AdamW's decay group first: the training log's `lr` is group 0's, train.lr as with AdamW
-    groups = [dict(params=params, use_muon=False, lr=train.lr, weight_decay=wd,
-                   betas=(train.beta1, train.beta2), eps=ADAMW_EPS)
-              for params, wd in ((decay, train.weight_decay), (rest, 0.0)) if params]
-    # train.lr_mult scales the AdamW half only (Muon's matrices keep train.muon_lr)
-    groups = with_lr_mult(model.named_parameters(), groups, train.lr, train.lr_mult,
-                          "train.optimizer: muon's AdamW half")
-    groups.append(dict(params=muon, use_muon=True, lr=train.muon_lr, momentum=train.muon_momentum,
-                       weight_decay=train.muon_weight_decay, ns_method="standard"))
+    # AdamW's decay group first: the training log's `lr` is group 0's, lr as with AdamW
+    groups = [dict(params=params, use_muon=False, lr=opt.lr, weight_decay=wd,
+                   betas=(opt.beta1, opt.beta2), eps=ADAMW_EPS)
+              for params, wd in ((decay, opt.weight_decay), (rest, 0.0)) if params]
+    # lr_mult scales the AdamW half only (Muon's matrices keep muon_lr)
+    groups = with_lr_mult(model.named_parameters(), groups, opt.lr, opt.lr_mult,
+                          "train.optimizer.kind: muon's AdamW half")
+    groups.append(dict(params=muon, use_muon=True, lr=opt.muon_lr, momentum=opt.muon_momentum,
+                       weight_decay=opt.muon_weight_decay, ns_method="standard"))
     adam: Any = torch.optim.AdamW
-    if train.update_clip:  # StableAdamW's clipping on the AdamW half too
+    if opt.update_clip:  # StableAdamW's clipping on the AdamW half too
         from functools import partial
 
         from scse_dist.train.update_clip import UpdateClippedAdamW
 
-        adam = partial(UpdateClippedAdamW, update_clip=train.update_clip)
+        adam = partial(UpdateClippedAdamW, update_clip=opt.update_clip)
     muon_ids = {id(p) for p in muon}
     for p in model.parameters():  # what ZeRO-1/2 read to find the matrices to orthogonalise
         p.use_muon = id(p) in muon_ids
-    return MuonAdamW(groups, clip=train.grad_clip, adam_optimizer=adam,
+    return MuonAdamW(groups, clip=opt.grad_clip, adam_optimizer=adam,
                      adam_optimizer_kwargs={"fused": True} if on_cuda else {})
 
 

@@ -144,7 +144,7 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     # DeepSpeed's estimator where it describes this config: 16-bit weights with AdamW at ZeRO-2
     # (at ZeRO-3 it counts only the largest layer gathered; the loop's leaf gathers more)
     use_ds = ds_bytes is not None and t.zero_stage == 2 and precision == "bf16" \
-        and t.optimizer != "muon"
+        and t.optimizer.kind != "muon"
     state_total = float(ds_bytes) if use_ds and ds_bytes is not None else states.total
     mode = checkpointing_for(cfg, world_size, precision, budget, capacity)  # auto: by this
     modes = sorted({mode, "none", "loop"}, key=["none", "loop", "block"].index)

@@ -1,15 +1,16 @@
 """Learning-rate schedules: linear warmup, then cosine, linear, constant or warmup-stable-decay.
 
 `LRSchedule(step)` is the LR multiplier of optimizer step `step` (0-based: the s-th update uses
-lr * multiplier(s)); `train.schedule` picks the shape after the warmup:
+lr * multiplier(s)); `train.schedule.kind` picks the shape after the warmup:
 
   cosine    (default) from 1 at step W to min_lr_ratio at the last step (max_steps - 1)
   linear    the same ends, a straight line between them
   constant  1 after the warmup, whatever max_steps is
   wsd       warmup-stable-decay: 1 until the decay, then `decay_shape` (linear, cosine or 1-sqrt)
-            over its last D steps (train.decay_steps, or round(decay_fraction * max_steps)),
+            over its last D steps (train.schedule.decay_steps, or round(decay_fraction * max_steps))
             reaching min_lr_ratio at the last step. Raising max_steps while in the stable phase
-            extends the run; a cooldown may branch from any stable checkpoint (train.branch_from).
+            extends the run; a cooldown may branch from any stable checkpoint
+            (train.start.branch_from).
 
 The warmup ramps 1/W, 2/W, ..., 1 over steps 0..W-1. Every decay runs from its anchor `a` (the
 last step at the peak: W for cosine and linear, max_steps - 1 - D for wsd) with progress
@@ -33,11 +34,7 @@ from typing import Any, Optional
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from scse_dist.config import TrainConfig
-
-# The train.* fields the LR at a step depends on.
-SCHEDULE_FIELDS = ("lr", "muon_lr", "warmup_steps", "max_steps", "min_lr_ratio", "schedule",
-                   "decay_fraction", "decay_steps", "decay_shape")
+from scse_dist.config import ScheduleConfig, TrainConfig, rename_old_fields
 
 
 @dataclass(frozen=True)
@@ -53,9 +50,9 @@ class LRSchedule:
 
     @classmethod
     def from_config(cls, train: TrainConfig) -> "LRSchedule":
-        decay = train.wsd_decay_steps() if train.schedule == "wsd" else 0
-        return cls(train.warmup_steps, train.max_steps, train.min_lr_ratio, train.schedule,
-                   decay, train.decay_shape)
+        s = train.schedule
+        decay = s.wsd_decay_steps(train.max_steps) if s.kind == "wsd" else 0
+        return cls(s.warmup_steps, train.max_steps, s.min_lr_ratio, s.kind, decay, s.decay_shape)
 
     @property
     def decay_anchor(self) -> float:
@@ -134,13 +131,22 @@ def follow_config_schedule(scheduler: ConfigLR, train: TrainConfig,
     scheduler.apply()
     if not saved_config.is_file():
         return None
-    saved = json.loads(saved_config.read_text()).get("train", {})
+    # the fields the LR at a step depends on: the rates, max_steps and train.schedule (a
+    # checkpoint saved before they were sections has them flat: renamed)
+    saved = rename_old_fields(json.loads(saved_config.read_text())).get("train", {})
     # a field the checkpoint lacks did not exist yet: its default is what that run did
     defaults = TrainConfig()
-    before = dataclasses.replace(train, **{name: saved.get(name, getattr(defaults, name))
-                                           for name in SCHEDULE_FIELDS})
+    rates = {name: saved.get("optimizer", {}).get(name, getattr(defaults.optimizer, name))
+             for name in ("lr", "muon_lr")}
+    before = dataclasses.replace(
+        train, max_steps=saved.get("max_steps", defaults.max_steps),
+        optimizer=dataclasses.replace(train.optimizer, **rates),
+        schedule=ScheduleConfig(**{f.name: saved.get("schedule", {}).get(
+            f.name, getattr(defaults.schedule, f.name))
+            for f in dataclasses.fields(ScheduleConfig)}))
     step = scheduler.last_epoch
-    old, new = before.lr * LRSchedule.from_config(before)(step), scheduler.get_last_lr()[0]
+    old = before.optimizer.lr * LRSchedule.from_config(before)(step)
+    new = scheduler.get_last_lr()[0]
     if old == new:
         return None
     return (f"train.schedule: step {step + 1} runs at lr {new:.4e} under this config's schedule "
@@ -149,6 +155,7 @@ def follow_config_schedule(scheduler: ConfigLR, train: TrainConfig,
 
 def describe(train: TrainConfig) -> str:
     """The schedule in a few words: 'wsd linear, decay 200 of 2000 steps, warmup 100'."""
-    shape = {"wsd": f"wsd {train.decay_shape}, decay {train.wsd_decay_steps()} of"}.get(
-        train.schedule, train.schedule + ",")
-    return f"{shape} {train.max_steps} steps, warmup {train.warmup_steps}, lr {train.lr:g}"
+    s = train.schedule
+    shape = {"wsd": f"wsd {s.decay_shape}, decay {s.wsd_decay_steps(train.max_steps)} of"}.get(
+        s.kind, s.kind + ",")
+    return f"{shape} {train.max_steps} steps, warmup {s.warmup_steps}, lr {train.optimizer.lr:g}"

@@ -1,4 +1,4 @@
-"""train.update_clip: AdamW's step per tensor divided by max(1, RMS / update_clip), where
+"""train.optimizer.update_clip: AdamW's step per tensor divided by max(1, RMS / update_clip), where
 RMS = sqrt(mean(g^2 / max(v_hat, eps^2))) over the tensor (StableAdamW, Wortsman et al. 2023,
 arXiv 2304.13013, at update_clip 1).
 

@@ -1,4 +1,4 @@
-"""Warm starts: `train.init_from` loads an export's weights, and nothing else, into a new run.
+"""Warm starts: `train.start.init_from` loads an export's weights, and nothing else, into a new run.
 
 The optimizer, LR schedule and data position start fresh; this is continued pretraining or
 fine-tuning from an export (`runs/<name>/export`, or any fsspec URL of one). The weights go into
@@ -6,8 +6,8 @@ the freshly built LoopedLM before DeepSpeed wraps it, so ZeRO-3 partitions the l
 A run that has a checkpoint resumes it instead and ignores `init_from`.
 
 Strict by default: a missing or unexpected key, or a changed shape, stops the run naming the
-key. `train.init_from_strict: false` loads what fits and lists what it skipped. A looped model's
-weights do not depend on the loop depth T, so `model.depth` may differ from the export's.
+key. `train.start.init_from_strict: false` loads what fits and lists what it skipped. A looped
+model's weights do not depend on the loop depth T, so `model.depth` may differ from the export's.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _weights_url(source: str) -> str:
 
 
 def check_init_from(source: str) -> None:
-    """FileNotFoundError naming train.init_from unless a local source is an export (or its
+    """FileNotFoundError naming train.start.init_from unless a local source is an export (or its
     .safetensors file); a URL is checked when it is read."""
     url = _weights_url(source)
     if is_remote(url):
@@ -47,7 +47,7 @@ def check_init_from(source: str) -> None:
     if path.is_file():
         return
     reason = not_an_export(path.parent) if path.name == WEIGHTS_NAME else None
-    raise FileNotFoundError(f"train.init_from: {reason or f'{str(path)!r} does not exist'}")
+    raise FileNotFoundError(f"train.start.init_from: {reason or f'{str(path)!r} does not exist'}")
 
 
 def read_init_weights(source: str) -> dict:
@@ -61,7 +61,7 @@ def read_init_weights(source: str) -> dict:
         with fetched(folder, (name,), required=(name,)) as tmp:
             return read_export_weights(Path(tmp) / name)
     except FileNotFoundError:
-        raise FileNotFoundError(f"train.init_from: {url} does not exist") from None
+        raise FileNotFoundError(f"train.start.init_from: {url} does not exist") from None
 
 
 def init_from_export(model: "nn.Module", source: str, strict: bool = True) -> list[str]:
@@ -69,9 +69,9 @@ def init_from_export(model: "nn.Module", source: str, strict: bool = True) -> li
     state = read_init_weights(source)
     problems = weights_mismatch(model.state_dict(), state)
     if problems and strict:
-        raise InputError(f"train.init_from: {source} does not fit this model; "
-                         f"{describe_mismatch(problems)} (train.init_from_strict: false loads "
-                         "what fits)")
+        raise InputError(f"train.start.init_from: {source} does not fit this model; "
+                         f"{describe_mismatch(problems)} (train.start.init_from_strict: false "
+                         "loads what fits)")
     expected = model.state_dict()
     fitting = {k: v for k, v in state.items() if k in expected and v.shape == expected[k].shape}
     model.load_state_dict(fitting, strict=False)
@@ -79,17 +79,18 @@ def init_from_export(model: "nn.Module", source: str, strict: bool = True) -> li
 
 
 def maybe_init_from(model: "nn.Module", train_cfg, has_checkpoint: bool, rank0: bool) -> None:
-    """Apply `train.init_from` to a new run (every rank loads: ZeRO-3 partitions each rank's
+    """Apply `train.start.init_from` to a new run (every rank loads: ZeRO-3 partitions each rank's
     copy)."""
-    source = train_cfg.init_from
+    source = train_cfg.start.init_from
     if not source:
         return
     if has_checkpoint:
         if rank0:
-            print(f"train.init_from ignored: resuming this run's checkpoint instead of {source}",
+            print(f"train.start.init_from ignored: resuming this run's checkpoint instead of "
+                  f"{source}",
                   flush=True)
         return
-    skipped = init_from_export(model, source, train_cfg.init_from_strict)
+    skipped = init_from_export(model, source, train_cfg.start.init_from_strict)
     if rank0:
         print(f"warm start from {source}: weights only (new optimizer, schedule, data position)"
               + (f"; skipped {len(skipped)}: {', '.join(skipped)}" if skipped else ""), flush=True)

@@ -1,0 +1,83 @@
+"""train.optimizer: the optimizer's section of a run config (scse_dist.train.engine builds the
+optimizer from it, scse_dist.train.muon its Muon half).
+
+Torch-free, like scse_dist.train.config, which composes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from scse_dist.model.config import ConfigError
+
+
+@dataclass
+class OptimizerConfig:
+    # torch_adamw: torch.optim.AdamW, fused on CUDA (no nvcc or JIT build). deepspeed_fused_adam:
+    # DeepSpeed's FusedAdam, which JIT-compiles a CUDA extension at start-up (CUDA only). muon:
+    # Muon for the 2-D matrices of prelude, core and coda, AdamW (lr, betas, weight_decay below)
+    # for the embedding/head and gains (scse_dist.train.muon); ZeRO stage 0-2.
+    kind: Literal["torch_adamw", "deepspeed_fused_adam", "muon"] = "torch_adamw"
+    lr: float = 1e-3
+    # Per-parameter-group LR multipliers {group: factor >= 0} for AdamW (torch_adamw,
+    # deepspeed_fused_adam, Muon's AdamW half), groups of scse_dist.param_groups (embed,
+    # head, prelude, anchor, adapter, core_attn, core_mlp, coda, norm); unnamed groups keep 1.
+    # Under the same schedule; weight_decay is not changed (AdamW's decay step is lr * wd).
+    lr_mult: dict[str, float] = field(default_factory=dict)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # Muon's own settings (kind: muon). lr in units of spectral norm per step, under the same
+    # warmup-cosine schedule; 0.02, momentum 0.95 (Nesterov) and no weight decay are the
+    # defaults of Keller Jordan's reference implementation.
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
+    # Which 2-D matrices Muon steps: all (prelude, core, coda) or loop (the core's alone: its
+    # blocks, SCSE's anchor, the concat adapter); the rest go to AdamW.
+    muon_scope: Literal["all", "loop"] = "all"
+    # StableAdamW's update clipping (scse_dist.train.update_clip): each tensor's AdamW step
+    # divided by max(1, RMS(g / sqrt(v_hat)) / update_clip); 1.0 is StableAdamW's; 0: off.
+    # torch_adamw and muon's AdamW half, ZeRO stage 0-2.
+    update_clip: float = 0.0
+
+    def check(self) -> None:
+        """Values no optimizer can run with (one ConfigError naming the field); the checks
+        against the ZeRO stage are TrainConfig's."""
+        if self.lr <= 0:
+            raise ConfigError(f"train.optimizer.lr: must be > 0, got {self.lr}")
+        from scse_dist.param_groups import check_lr_mult  # torch-free, like this module
+
+        check_lr_mult(self.lr_mult)
+        if self.muon_lr <= 0:
+            raise ConfigError(f"train.optimizer.muon_lr: must be > 0, got {self.muon_lr}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"train.optimizer.muon_momentum: must lie in [0, 1), got "
+                              f"{self.muon_momentum}")
+        if self.muon_weight_decay < 0:
+            raise ConfigError(f"train.optimizer.muon_weight_decay: must be >= 0, got "
+                              f"{self.muon_weight_decay}")
+        if self.muon_scope != "all" and self.kind != "muon":
+            raise ConfigError(f"train.optimizer.muon_scope: {self.muon_scope} narrows "
+                              f"train.optimizer.kind: muon, but the optimizer is {self.kind}; set "
+                              "it to muon or leave muon_scope at all")
+        if not 0 <= self.update_clip < float("inf"):  # also rejects NaN
+            raise ConfigError(f"train.optimizer.update_clip: must be a finite threshold >= 0 "
+                              f"(0: off), got {self.update_clip}")
+        if self.update_clip and self.kind == "deepspeed_fused_adam":
+            raise ConfigError("train.optimizer.update_clip: DeepSpeed's FusedAdam has no "
+                              "per-tensor update clipping; use train.optimizer.kind: torch_adamw "
+                              "(or muon)")
+
+    def regrouping(self, saved_lr_mult: dict[str, float]) -> Optional[str]:
+        """Why a resume from a checkpoint trained with `saved_lr_mult` cannot load its optimizer
+        state (DeepSpeed loads it group by group): this lr_mult splits the param groups
+        differently. None when the split is the same (changed factors of the same groups)."""
+        from scse_dist.param_groups import lr_mult_split
+
+        if lr_mult_split(saved_lr_mult) == lr_mult_split(self.lr_mult):
+            return None
+        return (f"train.optimizer.lr_mult: {saved_lr_mult!r} -> {self.lr_mult!r} (regroups the "
+                "optimizer's parameters; a resume may change the factors, not which groups share "
+                "one)")

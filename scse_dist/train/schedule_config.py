@@ -1,0 +1,54 @@
+"""train.schedule: the LR schedule's section of a run config (scse_dist.train.schedule runs it).
+
+Torch-free, like scse_dist.train.config, which composes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from scse_dist.model.config import ConfigError
+
+
+@dataclass
+class ScheduleConfig:
+    # The LR after the warmup (scse_dist.train.schedule): cosine or linear down to min_lr_ratio
+    # at the last step; constant; wsd (warmup-stable-decay): constant, then decay_shape over the
+    # last decay_steps steps (null: round(decay_fraction * train.max_steps)) down to min_lr_ratio.
+    kind: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    warmup_steps: int = 20
+    # The LR at the end of the decay (cosine, linear, wsd), as a fraction of the optimizer's lr.
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.1
+    decay_steps: Optional[int] = None
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"
+
+    def check(self, max_steps: int) -> None:
+        """Values no schedule of `max_steps` steps can run (one ConfigError naming the field)."""
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.schedule.warmup_steps: must be >= 0, got "
+                              f"{self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.schedule.min_lr_ratio: must lie in [0, 1], got "
+                              f"{self.min_lr_ratio}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(f"train.schedule.decay_fraction: must lie in (0, 1], got "
+                              f"{self.decay_fraction}")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ConfigError(f"train.schedule.decay_steps: must be >= 1 (null: decay_fraction), "
+                              f"got {self.decay_steps}")
+        if self.kind != "wsd":
+            return
+        decay = self.wsd_decay_steps(max_steps)
+        if decay > max_steps - self.warmup_steps:
+            named = "decay_steps" if self.decay_steps is not None else "decay_fraction"
+            raise ConfigError(f"train.schedule.{named}: the wsd decay of {decay} steps overlaps "
+                              f"the warmup of {self.warmup_steps} in train.max_steps={max_steps}; "
+                              f"it may take at most {max_steps - self.warmup_steps}")
+
+    def wsd_decay_steps(self, max_steps: int) -> int:
+        """D, the steps of the wsd decay: decay_steps when set, else round(decay_fraction *
+        max_steps) (Python's round: half to even), at least 1."""
+        if self.decay_steps is not None:
+            return self.decay_steps
+        return max(1, round(self.decay_fraction * max_steps))
