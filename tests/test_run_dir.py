@@ -119,7 +119,7 @@ def _study(tmp_path: Path, tiny_config, **fields):
 
 def test_the_study_scores_a_partial_validation_again(tmp_path, tiny_config):
     from scse_dist.study.plan import evaluate_validation, status
-    from scse_dist.study.spec import expand, run_config
+    from scse_dist.study.runs import expand, run_config
 
     validation = tmp_path / "valid.txt"
     validation.write_text("\n\n".join(tiny_documents(6, seed=7)))
@@ -142,7 +142,7 @@ def test_the_study_scores_a_partial_validation_again(tmp_path, tiny_config):
 def test_the_studys_per_task_loop_and_status_redo_a_partial_task(tmp_path, tiny_config):
     from scse_dist.study.execute import _train_and_evaluate
     from scse_dist.study.plan import status
-    from scse_dist.study.spec import expand, run_config
+    from scse_dist.study.runs import expand, run_config
 
     spec = _study(tmp_path, tiny_config)
     (run,) = expand(spec)

@@ -164,7 +164,8 @@ def test_a_study_report_shows_the_task_with_its_direction(tmp_path, toy):
 
 def test_a_study_spec_takes_the_task_its_data_and_report_metrics(tmp_path, tiny_config, toy):
     from scse_dist.study.plan import _inputs
-    from scse_dist.study.spec import SpecError, expand, parse_spec, run_config
+    from scse_dist.study.runs import expand, run_config
+    from scse_dist.study.spec import SpecError, parse_spec
 
     data = str(tmp_path / "toy.txt")
     spec = {"name": "s", "out": str(tmp_path / "out"), "base": tiny_config(tmp_path),
