@@ -79,7 +79,8 @@ class Task:
 
 class Registry(dict[str, Task]):
     """name -> Task, in the order registered; reading it first imports BUILTIN, whose modules
-    register the built-in tasks."""
+    register the built-in tasks (so `register` and monkeypatch.setitem, which look first, add
+    after them)."""
 
     loaded = False
 
@@ -91,10 +92,6 @@ class Registry(dict[str, Task]):
     def __getitem__(self, name: str) -> Task:
         self._load()
         return super().__getitem__(name)
-
-    def __setitem__(self, name: str, task: Task) -> None:
-        self._load()
-        super().__setitem__(name, task)
 
     def __contains__(self, name: object) -> bool:
         self._load()
@@ -108,10 +105,6 @@ class Registry(dict[str, Task]):
         self._load()
         return super().__len__()
 
-    def keys(self):
-        self._load()
-        return super().keys()
-
     def values(self):
         self._load()
         return super().values()
@@ -119,10 +112,6 @@ class Registry(dict[str, Task]):
     def items(self):
         self._load()
         return super().items()
-
-    def get(self, name: str, default: Any = None) -> Any:
-        self._load()
-        return super().get(name, default)
 
 
 TASKS = Registry()

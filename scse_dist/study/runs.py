@@ -1,10 +1,5 @@
 """A study spec's runs: each run's dir, stage and overrides (expand), and its resolved run config
-(run_config). The spec itself: scse_dist.study.spec.
-
-A run is <study>/<variant>/<variant>-seed<k>; with `lr`, stage 1 (sweep) runs
-<variant>/<variant>-lr<value>-seed<k> at `lr.seed`, and stage 2 (final) trains every seed at the
-variant's chosen rate.
-"""
+(run_config). The spec, and where its runs go: scse_dist.study.spec."""
 
 from __future__ import annotations
 
