@@ -128,6 +128,21 @@ def ensure_data(cfg: DataConfig) -> None:
         build_stdlib_corpus(cfg.path, cfg.tokenizer, cfg.build_vocab_size, cfg.heldout_fraction)
 
 
+def data_step(cfg: DataConfig) -> None:
+    """A run's data step, before train() (which only reads shards): ensure_data on rank 0 while
+    the launcher's other ranks wait, in the process group train() then goes on with. Every rank
+    has checked the run (preflight) before any rank builds."""
+    from scse_dist.distributed import abandon, barrier, init_distributed
+
+    try:
+        if init_distributed().rank == 0:
+            ensure_data(cfg)
+        barrier()
+    except BaseException:  # one line and its exit status, not gloo's abort at exit
+        abandon()
+        raise
+
+
 def needs_build(cfg: DataConfig) -> bool:
     """Whether ensure_data would build `cfg.path` (absent, or written in an older shard format,
     with `cfg.build` set); FileNotFoundError when it is absent and nothing says how to build it."""
