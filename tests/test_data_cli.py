@@ -10,8 +10,8 @@ import torch
 
 from scse_dist.config import DataConfig
 from scse_dist.data.cli import main
+from scse_dist.data.index import read_index
 from scse_dist.data.quickstart import ensure_data, stdlib_documents
-from scse_dist.data.shards import read_index
 from scse_dist.data.stream import TokenStream
 from scse_dist.data.tokenizer import Tokenizer
 

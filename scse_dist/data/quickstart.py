@@ -25,7 +25,8 @@ import fsspec
 
 from scse_dist.atomic import staged_file
 from scse_dist.config import DataConfig
-from scse_dist.data.shards import INDEX_NAME, index_root, is_heldout, join, read_index, write_shards
+from scse_dist.data.index import INDEX_NAME, index_root, join, read_index
+from scse_dist.data.shards import is_heldout, write_shards
 from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
 from scse_dist.typed_yaml import _read_yaml, setting_file
 

@@ -38,11 +38,11 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from scse_dist.cli_errors import InputError
+from scse_dist.data.index import check_tokenizer, resolve_split, table_url
 from scse_dist.data.order import Item, pick_level, reader_plan
 from scse_dist.data.packing import WindowPacker
 from scse_dist.data.reader import Sample, ShardReader, documents_of
 from scse_dist.data.relayout import carried_items
-from scse_dist.data.shards import check_tokenizer, resolve_split, table_url
 
 PREFETCH_SAMPLES = 16  # remote samples fetched concurrently (~2 MB at 64K uint16 tokens)
 STATE_KEYS = ("split", "seq_len", "batch_size", "seed", "shuffle_buffer")
