@@ -4,7 +4,7 @@ samples. The format and how it is written: shards.py."""
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from typing import Iterator, Optional
 
 import fsspec
 import numpy as np
@@ -22,6 +22,16 @@ def join(prefix: str, name: str) -> str:
 _REQUIRED = {"format": str, "tokenizer_sha256": str, "vocab_size": int, "eos_id": int,
              "dtype": str, "splits": dict}
 _SHARD_FIELDS = ("url", "table", "tokens", "documents", "samples")
+
+
+def index_as_written(root: str) -> Optional[dict]:
+    """`root`'s index.json as written (any version, unchecked); None if none parses as an object."""
+    try:
+        with fsspec.open(join(root, INDEX_NAME), "r") as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return index if isinstance(index, dict) else None
 
 
 def read_index(path: str) -> dict:

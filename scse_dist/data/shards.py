@@ -52,7 +52,7 @@ import numpy as np
 from scse_dist.atomic import output_dir
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
-from scse_dist.data.index import INDEX_NAME, SPLITS, join
+from scse_dist.data.index import INDEX_NAME, SPLITS, index_as_written, join
 from scse_dist.data.sample_format import (  # noqa: F401
     FORMAT,
     TABLE_COLUMNS,
@@ -232,12 +232,7 @@ def no_documents(out: str) -> InputError:
 def holds_shards(out: str) -> bool:
     """Whether `out` holds a shard index of any version: scse-data wrote the folder, so a new run
     may replace its files (scse_dist.atomic.output_dir)."""
-    try:
-        with fsspec.open(join(out, INDEX_NAME), "r") as f:
-            index = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(index, dict) and str(index.get("format", "")).startswith("scse-tokens")
+    return str((index_as_written(out) or {}).get("format", "")).startswith("scse-tokens")
 
 
 def shards_output(out: str) -> ContextManager[str]:
