@@ -1,4 +1,5 @@
-"""`scse-train` / `launch/train.py`: parse `--config PATH key.sub=value ...`, then train.
+"""`scse-train` / `launch/train.py`: parse `--config PATH key.sub=value ...`, check, build the data
+(data.build: the data step), then train.
 
 Works under every launcher: `deepspeed launch/train.py ...` (which appends --local_rank=N),
 `torchrun ...`, `srun python launch/train.py ...` and a plain `python launch/train.py ...`.
