@@ -8,7 +8,7 @@ per line). The context is the passage minus its last space-separated word, the t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from scse_dist.cli_errors import InputError
 from scse_dist.data.sources import is_jsonl, jsonl_values, single_file, text_lines
@@ -16,9 +16,7 @@ from scse_dist.eval.task_run import TaskRun, _exp, _scores, context_target_ids
 from scse_dist.task_registry import Task, register
 
 if TYPE_CHECKING:
-    from scse_dist.eval.exit_stats import ExitStats
     from scse_dist.eval.scoring import Score, Window
-    from scse_dist.model import LoopedLM
 
 
 class Passage(NamedTuple):
@@ -59,33 +57,23 @@ def read_lambada(url: str) -> list[Passage]:
     return out
 
 
-def lambada_rows(model: LoopedLM, tokenizer: Any, passages: list[Passage],
-                 depths: list[int], seq_len: int, batch_size: int,
-                 exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None) -> list[dict]:
-    """lm-eval's LAMBADA metrics (lambada_metrics) at each depth. desc: a progress line's label
-    (None: quiet). Ctrl-C: TaskInterrupted with the rows of the passages scored."""
-    return [lambada_metrics(t) for t in _lambada_totals(*_lambada_scores(
-        model, tokenizer, passages, depths, seq_len, batch_size, exit_stats, desc))]
-
-
-def _lambada_scores(model: LoopedLM, tokenizer: Any, passages: list[Passage],
-                    depths: list[int], seq_len: int, batch_size: int,
-                    exit_stats: Optional[ExitStats], desc: Optional[str]
-                    ) -> tuple[list[int], list[list[Score]]]:
+def lambada_totals(run: TaskRun) -> list[dict]:
+    """Per depth the additive totals over run.inputs' passages (in training: this rank's share,
+    then summed over ranks). Ctrl-C: TaskInterrupted with the rows of the passages scored."""
     from scse_dist.eval.scoring import context_target_window  # imports torch
 
     windows: list[Window] = []
-    for p in passages:
-        context, target = context_target_ids(tokenizer, p.context, p.target)
-        windows.append(context_target_window(context, target, tokenizer.eos_id, seq_len))
+    for p in run.inputs:
+        context, target = context_target_ids(run.tokenizer, p.context, p.target)
+        windows.append(context_target_window(context, target, run.tokenizer.eos_id, run.seq_len))
 
     def per_passage(depths: list[int], scores: list[list[Optional[Score]]]):
         done = [[s for s in per_depth if s is not None] for per_depth in scores]
         rows = [lambada_metrics(t) for t in _lambada_totals(depths, done)] if done[0] else []
-        return rows, len(done[0]), len(passages)
+        return rows, len(done[0]), len(run.inputs)
 
-    return _scores(model, windows, depths, batch_size, exit_stats, desc, "passage", "passage",
-                   per_passage)
+    return _lambada_totals(*_scores(run.model, windows, run.depths, run.batch_size,
+                                    run.exit_stats, run.desc, "passage", "passage", per_passage))
 
 
 def _lambada_totals(depths: list[int], scores: list[list[Score]]) -> list[dict]:
@@ -108,15 +96,8 @@ def lambada_metrics(totals: dict) -> dict:
 
 
 def lambada_task_rows(run: TaskRun) -> list[dict]:
-    return lambada_rows(run.model, run.tokenizer, run.inputs, run.depths, run.seq_len,
-                        run.batch_size, run.exit_stats, run.desc)
-
-
-# During training (eval.downstream_tasks): each rank's totals over its share, summed over ranks,
-# then each depth's row from the sums (the record's `totals` and `from_totals`).
-def lambada_totals(run: TaskRun) -> list[dict]:
-    return _lambada_totals(*_lambada_scores(run.model, run.tokenizer, run.inputs, run.depths,
-                                            run.seq_len, run.batch_size, run.exit_stats, run.desc))
+    """lm-eval's LAMBADA metrics (lambada_metrics) at each depth."""
+    return [lambada_metrics(t) for t in lambada_totals(run)]
 
 
 TASK = register(Task("lambada", read_lambada, lambada_task_rows,
