@@ -101,10 +101,6 @@ class Registry(dict[str, Task]):
         self._load()
         return super().__iter__()
 
-    def __len__(self) -> int:
-        self._load()
-        return super().__len__()
-
     def values(self):
         self._load()
         return super().values()
