@@ -71,13 +71,14 @@ SUMMARY_KEYS = ["device", "torch", "cpu", "budget_s", "data", "overrides", "stag
                 "failures", "wall_s"]
 
 # micro-batch 16 x 1 accumulation of 1024 tokens per step on one GPU; the config's sampled T.
-GPU_OVERRIDES = ["train.global_batch_tokens=0", "train.micro_batch_size=16",
-                 "train.grad_accum_steps=1", "train.precision=bf16",
+GPU_OVERRIDES = ["train.batch.global_batch_tokens=0", "train.batch.micro_batch_size=16",
+                 "train.batch.grad_accum_steps=1", "train.precision=bf16",
                  "train.schedule.warmup_steps=5", "train.max_steps=30", "train.log_every=5"]
 # d 64, 2 heads, seq 64, the tokenizer's vocabulary, micro-batch 2 x accum 2, fp32, T <= 4
 CPU_OVERRIDES = ["model.d_model=64", "model.n_heads=2", "model.max_seq_len=64", "data.seq_len=64",
-                 "train.global_batch_tokens=0", "train.micro_batch_size=2",
-                 "train.grad_accum_steps=2", "train.precision=fp32", "train.optimizer.lr=3e-3",
+                 "train.batch.global_batch_tokens=0", "train.batch.micro_batch_size=2",
+                 "train.batch.grad_accum_steps=2", "train.precision=fp32",
+                 "train.optimizer.lr=3e-3",
                  "train.schedule.warmup_steps=1", "train.depth.max=4",
                  "train.depth.backprop_steps=2", "train.max_steps=4", "train.log_every=2"]
 

@@ -63,7 +63,7 @@ def replay(cfg: Any, run_dir: Path, tag: str, way: str, steps: int, window: Any
     from scse_dist.train.step import train_step
 
     t = cfg.train
-    stream = TokenStream.from_config(cfg.data, "train", t.micro_batch_size, 0, 1, t.seed,
+    stream = TokenStream.from_config(cfg.data, "train", t.batch.micro_batch_size, 0, 1, t.seed,
                                      load_run_tokenizer(cfg).sha256)
     engine, _ = build_engine(cfg, LoopedLM(cfg.model))
     start, _ = resume_if_present(engine, run_dir, stream, tag)
@@ -81,7 +81,7 @@ def replay(cfg: Any, run_dir: Path, tag: str, way: str, steps: int, window: Any
     for step in range(start, start + steps):
         depth = None if model.fixed_depth is not None else \
             sample_depth(step, t.depth, cfg.model.depth, t.seed)
-        result = train_step(engine, (next(batches) for _ in range(t.grad_accum_steps)),
+        result = train_step(engine, (next(batches) for _ in range(t.batch.grad_accum_steps)),
                             depth=depth, backprop_steps=t.depth.backprop_steps, z_loss=t.z_loss)
         with torch.no_grad():
             for name, weight in held.items():

@@ -29,6 +29,7 @@ from scse_dist.model.transitions import (  # noqa: F401
     resolved_anchor_scale,
     transition_for,
 )
+from scse_dist.train.batch_config import BatchConfig  # noqa: F401
 from scse_dist.train.config import (  # noqa: F401
     CallbackSpec,
     DepthLossConfig,
@@ -89,7 +90,7 @@ def _check_consistency(cfg: RunConfig) -> None:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds "
                           f"model.max_seq_len={cfg.model.max_seq_len}")
-    _check_global_batch_tokens(cfg)
+    cfg.train.batch.check_tokens(cfg.data.seq_len)
     if cfg.resources.problem():
         raise ConfigError(f"resources: {cfg.resources.problem()}")
     if cfg.eval.downstream_every and cfg.train.zero_stage == 3:
@@ -121,22 +122,6 @@ def _check_depth_loss(cfg: RunConfig) -> None:
                           "apply; lower it")
 
 
-def _check_global_batch_tokens(cfg: RunConfig) -> None:
-    """train.global_batch_tokens: whole sequences of data.seq_len, and the same batch as
-    train.global_batch_size where both are set (a run's config.yaml holds both)."""
-    t, seq_len = cfg.train, cfg.data.seq_len
-    if not t.global_batch_tokens:
-        return
-    if t.global_batch_tokens % seq_len:
-        raise ConfigError(f"train.global_batch_tokens: {t.global_batch_tokens} is not a multiple "
-                          f"of data.seq_len ({seq_len}), so it is no whole number of sequences")
-    sequences = t.global_batch_tokens // seq_len
-    if t.global_batch_size and t.global_batch_size != sequences:
-        raise ConfigError(f"train.global_batch_size: {t.global_batch_size} contradicts "
-                          f"train.global_batch_tokens={t.global_batch_tokens} ({sequences} "
-                          f"sequences of data.seq_len {seq_len}); give one of them, the other 0")
-
-
 # --------------------------------------------------------------------------- loading
 
 
@@ -152,7 +137,7 @@ RENAMED_FIELDS = {"eval.slurm_gpus": "eval.resources.gpus_per_node",
                   "train.schedule": "train.schedule.kind",
                   # the flat train.* fields of the sections that own them now
                   **{f"train.{f.name}": f"train.{section}.{f.name}"
-                     for section, cls in (("optimizer", OptimizerConfig),
+                     for section, cls in (("batch", BatchConfig), ("optimizer", OptimizerConfig),
                                           ("schedule", ScheduleConfig), ("start", StartConfig))
                      for f in dataclasses.fields(cls) if f.name != "kind"}}
 _noticed: set[str] = set()
@@ -229,8 +214,9 @@ def config_from_dict(values: dict) -> RunConfig:
     _check_consistency(cfg)
     # A saved config names what ran, so "auto" is written down as what it meant here.
     cfg.model.anchor_scale = resolved_anchor_scale(cfg.model)
-    if cfg.train.global_batch_tokens:  # the trainer counts the batch in sequences
-        cfg.train.global_batch_size = cfg.train.global_batch_tokens // cfg.data.seq_len
+    batch = cfg.train.batch
+    if batch.global_batch_tokens:  # the trainer counts the batch in sequences
+        batch.global_batch_size = batch.global_batch_tokens // cfg.data.seq_len
     return cfg
 
 

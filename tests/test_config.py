@@ -171,6 +171,8 @@ def test_docs_document_every_config_field():
 OLD_TRAIN = """name: old
 train:
   max_steps: 40
+  micro_batch_size: 2
+  global_batch_size: 16
   optimizer: muon
   lr: 2.0e-3
   lr_mult: {embed: 2.0}
@@ -198,16 +200,20 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
         ("muon", 2e-3, {"embed": 2.0}, 0.99, 0.5, 0.01, 1.0)
     assert (s.kind, s.warmup_steps, s.decay_steps, s.min_lr_ratio) == ("wsd", 4, 10, 0.0)
     assert (t.start.resume, t.start.init_from_strict, t.max_steps) == ("require", False, 40)
+    assert (t.batch.micro_batch_size, t.batch.global_batch_size) == (2, 16)
     notices = capfd.readouterr().err.splitlines()
     assert "config: notice: train.lr is now train.optimizer.lr; the old name is read for now" \
         in notices
     assert "config: notice: train.optimizer is now train.optimizer.kind; the old name is read " \
         "for now" in notices
-    assert len(notices) == 13  # one per old name in the file, once per process
+    assert "config: notice: train.micro_batch_size is now train.batch.micro_batch_size; the old " \
+        "name is read for now" in notices
+    assert len(notices) == 15  # one per old name in the file, once per process
     load_config(tmp_path / "old.yaml")
     assert capfd.readouterr().err == ""
     # the same config in the new names is the same config
-    new = load_config(None, ["name=old", "train.max_steps=40", "train.optimizer.kind=muon",
+    new = load_config(None, ["name=old", "train.max_steps=40", "train.batch.micro_batch_size=2",
+                             "train.batch.global_batch_size=16", "train.optimizer.kind=muon",
                              "train.optimizer.lr=2e-3", "train.optimizer.lr_mult={embed: 2.0}",
                              "train.optimizer.beta2=0.99", "train.optimizer.grad_clip=0.5",
                              "train.optimizer.muon_lr=0.01", "train.optimizer.update_clip=1.0",
@@ -243,15 +249,17 @@ def test_a_saved_run_config_of_before_loads(tmp_path):
     from scse_dist.config import load_saved_config
 
     old = config_to_dict(load_config(None, ["train.optimizer.lr=2e-3",
+                                            "train.batch.grad_accum_steps=3",
                                             "train.schedule.warmup_steps=7",
                                             "train.start.resume=never"]))
     train = old["train"]
-    for section in ("optimizer", "schedule", "start"):
+    for section in ("batch", "optimizer", "schedule", "start"):
         for name, value in train.pop(section).items():
             train[{"kind": section}.get(name, name)] = value
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
     t = load_saved_config(tmp_path / "config.yaml").train
     assert (t.optimizer.lr, t.schedule.warmup_steps, t.start.resume) == (2e-3, 7, "never")
+    assert t.batch.grad_accum_steps == 3
     assert (t.optimizer.kind, t.schedule.kind) == ("torch_adamw", "cosine")
 
 

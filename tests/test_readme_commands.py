@@ -43,7 +43,7 @@ def doc_text() -> str:
 
 # gpt2-small shrunk to CPU size through trailing overrides (what the README offers for trying it).
 GPT2_ON_CPU = (f"model.d_model=32 model.n_heads=2 model.vocab_size={TINY_VOCAB} "
-               "model.max_seq_len=32 data.seq_len=32 train.global_batch_tokens=4096 "
+               "model.max_seq_len=32 data.seq_len=32 train.batch.global_batch_tokens=4096 "
                "train.max_steps=3 train.warmup_steps=1 "
                "train.log_every=1 eval.batch_size=4 eval.max_batches=2")
 QUICKSTART_STEPS = 30  # the README's shorter first look: train.max_steps=30 eval.max_batches=2
@@ -176,7 +176,7 @@ def check_gpt2_two_ranks(d: Path, out: str) -> None:
     run = d / "runs/gpt2-small-scse"
     assert "world 2 (env), ZeRO-1" in out
     ran = yaml.safe_load((run / "config.yaml").read_text())["train"]
-    assert ran["grad_accum_steps"] == 4 and \
+    assert ran["batch"]["grad_accum_steps"] == 4 and \
         ran["deepspeed_config"] == "configs/deepspeed/zero1.json"
     # every rank consumed micro 16 x accumulation 4 sequences of 32 tokens per step: the
     # 4096-token global batch over 2 ranks

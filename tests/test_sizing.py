@@ -86,7 +86,7 @@ def test_state_memory_shards_by_stage():
 def test_a_real_engine_peak_is_within_15_percent_of_the_plan(extra, subprocess_env):
     overrides = ["model.d_model=128", "model.n_heads=4", "model.max_seq_len=256",
                  "data.seq_len=256", "model.vocab_size=512", "model.depth=4",
-                 "train.micro_batch_size=8", "train.precision=fp32", *extra]
+                 "train.batch.micro_batch_size=8", "train.precision=fp32", *extra]
     env = dict(subprocess_env, MALLOC_MMAP_THRESHOLD_="65536", WORLD_SIZE="1", RANK="0",
                LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 500))
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "memory_probe.py"), *overrides],

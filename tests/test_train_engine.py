@@ -18,7 +18,8 @@ def cfg_with(*overrides):
 
 
 def test_generated_values_come_from_the_config():
-    ds = build_ds_config(cfg_with("train.micro_batch_size=3", "train.grad_accum_steps=2",
+    ds = build_ds_config(cfg_with("train.batch.micro_batch_size=3",
+                                  "train.batch.grad_accum_steps=2",
                                   "train.optimizer.grad_clip=0.5", "train.zero_stage=2",
                                   "train.optimizer.lr=0.01",
                                   "train.optimizer.beta2=0.99",
@@ -134,7 +135,8 @@ def test_fused_adamw_with_rates_and_update_clip_steps_as_unfused_through_deepspe
     import sys
 
     overrides = ["model.d_model=32", "model.n_heads=2", "model.vocab_size=64", "data.seq_len=16",
-                 "model.depth=2", "train.micro_batch_size=2", "train.grad_accum_steps=2",
+                 "model.depth=2", "train.batch.micro_batch_size=2",
+                 "train.batch.grad_accum_steps=2",
                  f"train.zero_stage={stage}", "train.optimizer.update_clip=0.5",
                  "train.optimizer.lr=0.01",
                  "train.schedule.warmup_steps=0", "train.optimizer.lr_mult.anchor=0.5",

@@ -213,7 +213,8 @@ def test_muon_config_fields_and_the_ds_config():
 
 
 PARITY = (str(Path(__file__).with_name("muon_fp32_parity.py")),)
-OVERRIDES = ("train.optimizer.kind=muon", "train.global_batch_size=8", "train.micro_batch_size=4",
+OVERRIDES = ("train.optimizer.kind=muon", "train.batch.global_batch_size=8",
+             "train.batch.micro_batch_size=4",
              "train.max_steps=12", "train.depth.max=4", "train.optimizer.grad_clip=0.5")
 
 
@@ -251,7 +252,7 @@ def test_muon_resumes_at_another_world_size(tmp_path, tiny_config, subprocess_en
     out per rank over whole matrices, which the universal checkpoint cannot slice) restarts."""
     probe = str(Path(__file__).with_name("resume_probe.py"))
     cfg = tiny_config(tmp_path, "train.optimizer.kind=muon", f"train.zero_stage={stage}",
-                      "train.micro_batch_size=2", "train.global_batch_size=4",
+                      "train.batch.micro_batch_size=2", "train.batch.global_batch_size=4",
                       "train.log_every=1", "train.checkpoint_every=6")
     run_dir = tmp_path / "runs" / "tiny"
     all_passed(train_ranks(cfg, subprocess_env, "train.max_steps=6", world=2))

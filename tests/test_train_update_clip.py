@@ -147,7 +147,8 @@ def test_config_fields_and_refusals() -> None:
 @pytest.mark.slow
 def test_zero_0_1_2_on_two_ranks_match_one_rank(tmp_path, tiny_config, subprocess_env):
     cfg = tiny_config(tmp_path)
-    overrides = ["train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=8",
+    overrides = ["train.batch.global_batch_size=8", "train.batch.micro_batch_size=4",
+                 "train.max_steps=8",
                  "train.optimizer.lr=3e-3"]
     for world, out, stages, extra in ((1, "one", "0,1", ["train.optimizer.update_clip=0.5"]),
                                       (2, "two", "0,1,2", ["train.optimizer.update_clip=0.5"]),

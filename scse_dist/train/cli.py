@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from scse_dist.distributed import launcher_world  # imports torch: after the checks
 
     world_size, world_from = launcher_world(os.environ)  # before any process group starts
-    cfg.train.grad_accum_for(world_size, world_from=world_from)
+    cfg.train.batch.grad_accum_for(world_size, world_from=world_from)
     from scse_dist.train.faults import PREEMPT_SIGNALS, REQUEUE_EXIT_CODE, TrainingStopped
     from scse_dist.train.loop import train  # imports deepspeed only once the config is good
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 from scse_dist.checkpoint.start_config import StartConfig
 from scse_dist.model.config import ConfigError
+from scse_dist.train.batch_config import BatchConfig
 from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
 
@@ -123,23 +124,8 @@ CALLBACK_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-
 
 @dataclass
 class TrainConfig:
-    # Sequences per rank per micro-batch, or auto: the largest power of two dividing
-    # global_batch_size / world size that fits in memory, found by probing at start-up
-    # (scse_dist.train.micro_batch; needs global_batch_size).
-    micro_batch_size: Union[int, Literal["auto"]] = 8
-    grad_accum_steps: int = 1
-    # Sequences per optimizer step over all ranks; 0 means micro_batch_size * grad_accum_steps *
-    # world size. When set, grad_accum_steps is derived from it at start-up (see grad_accum_for),
-    # so the global batch, and the loss curve, stay the same at any world size.
-    global_batch_size: int = 0
-    # The same in tokens: global_batch_size = global_batch_tokens / data.seq_len, set when the
-    # config is loaded (scse_dist.config), so a run's config.yaml holds both, in agreement. Give
-    # one of the two.
-    global_batch_tokens: int = 0
-    # micro_batch_size: auto on CPU (no out-of-memory signal there): the most a probe's peak RSS
-    # may grow, plus the optimizer state it does not allocate, in GiB. 0: half of MemAvailable
-    # at start-up, shared by the node's ranks (the rest for data workers and the page cache).
-    micro_batch_memory_gib: float = 0.0
+    # How many sequences a step trains on and how they split into micro-batches (BatchConfig).
+    batch: BatchConfig = field(default_factory=BatchConfig)
     max_steps: int = 200
     # Weight of the z-loss z_loss * mean(logsumexp(logits)^2) added to the training objective
     # (PaLM; 1e-4 is usual; 0: off). Logged as its own metric; the loss logged and evaluated is
@@ -186,8 +172,7 @@ class TrainConfig:
     def check(self) -> None:
         """Values no run can train with (one ConfigError naming the field), train.depth's too."""
         positive: dict[str, float] = {
-            "micro_batch_size": 1 if self.micro_batch_size == "auto" else self.micro_batch_size,
-            "grad_accum_steps": self.grad_accum_steps, "max_steps": self.max_steps,
+            "max_steps": self.max_steps,
             "log_every": self.log_every, "checkpoint_every": self.checkpoint_every,
             "keep_checkpoints": self.keep_checkpoints,
             "max_nonfinite_steps": self.max_nonfinite_steps,
@@ -195,13 +180,11 @@ class TrainConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"train.{name}: must be > 0, got {value}")
-        for name, value in {"global_batch_size": self.global_batch_size,
-                            "global_batch_tokens": self.global_batch_tokens,
-                            "micro_batch_memory_gib": self.micro_batch_memory_gib,
-                            "diagnostics_every": self.diagnostics_every or 0,
+        for name, value in {"diagnostics_every": self.diagnostics_every or 0,
                             "max_retries": self.max_retries}.items():
             if value < 0:
                 raise ConfigError(f"train.{name}: must be >= 0, got {value}")
+        self.batch.check()
         self.depth.check()
         self.spike_skip.check()
         self.depth_loss.check()
@@ -213,7 +196,6 @@ class TrainConfig:
         self._check_optimizer_zero()
         if not self.z_loss >= 0 or self.z_loss == float("inf"):  # also rejects NaN
             raise ConfigError(f"train.z_loss: must be a finite weight >= 0, got {self.z_loss}")
-        self._check_auto_micro_batch()
         for i, spec in enumerate(self.callbacks):
             if not CALLBACK_PATH.fullmatch(spec.class_path):
                 raise ConfigError(f"train.callbacks[{i}].class_path: expected "
@@ -236,82 +218,6 @@ class TrainConfig:
         if self.optimizer.update_clip and self.zero_stage == 3:
             raise ConfigError("train.optimizer.update_clip: works at ZeRO stage 0, 1 or 2 (it "
                               "finds each parameter in the rank's flat partition), not 3")
-
-    def _check_auto_micro_batch(self) -> None:
-        if self.micro_batch_size != "auto":
-            return
-        if not (self.global_batch_size or self.global_batch_tokens):  # the batch auto keeps
-            raise ConfigError("train.micro_batch_size: auto needs train.global_batch_size or "
-                              "train.global_batch_tokens (the batch per optimizer step it keeps "
-                              "while choosing the micro-batch); set one, e.g. "
-                              "train.global_batch_size=64")
-        if self.grad_accum_steps != 1:
-            raise ConfigError(f"train.grad_accum_steps: {self.grad_accum_steps} with "
-                              "train.micro_batch_size: auto, which derives it; leave it at 1")
-
-    def global_batch_name(self) -> str:
-        """The field the global batch was given in, for error messages: 'train.global_batch_size:
-        512' or 'train.global_batch_tokens: 524288 (512 sequences of data.seq_len 1024)'."""
-        if self.global_batch_tokens and self.global_batch_size:
-            return (f"train.global_batch_tokens: {self.global_batch_tokens} "
-                    f"({self.global_batch_size} sequences of data.seq_len "
-                    f"{self.global_batch_tokens // self.global_batch_size})")
-        return f"train.global_batch_size: {self.global_batch_size}"
-
-    def micro_batch_candidates(self, world_size: int, world_from: str = "") -> list[int]:
-        """micro_batch_size: auto's candidates at `world_size`: the powers of two that divide the
-        global batch's share of one rank, largest first (ConfigError if there is no such share).
-        `world_from` says where the world size came from, for the error."""
-        if self.global_batch_size % world_size:
-            raise ConfigError(f"{self.global_batch_name()} is not a multiple of the world size "
-                              f"({_world(world_size, world_from)}), so "
-                              "train.micro_batch_size: auto has no per-rank share to split")
-        per_rank = self.global_batch_size // world_size
-        return [1 << k for k in range(per_rank.bit_length() - 1, -1, -1)
-                if per_rank % (1 << k) == 0]
-
-    def grad_accum_for(self, world_size: int, micro_batch_size: Optional[int] = None,
-                       world_from: str = "") -> int:
-        """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit).
-        micro_batch_size: auto counts at its largest candidate unless `micro_batch_size` (the
-        one chosen) is given. `world_from` says where the world size came from ("from
-        WORLD_SIZE", "from --world-size"), for the error."""
-        if not self.global_batch_size:
-            return self.grad_accum_steps
-        micro = micro_batch_size or self.micro_batch_size
-        if micro == "auto":
-            micro = self.micro_batch_candidates(world_size, world_from)[0]
-        per_pass = micro * world_size
-        if self.global_batch_size % per_pass:
-            raise ConfigError(
-                f"{self.global_batch_name()} is not a multiple of train.micro_batch_size "
-                f"({micro}) x world size ({_world(world_size, world_from)})")
-        accum = self.global_batch_size // per_pass
-        if self.grad_accum_steps not in (1, accum):
-            raise ConfigError(
-                f"train.grad_accum_steps: {self.grad_accum_steps} contradicts "
-                f"{self.global_batch_name().replace(': ', '=', 1)}, which needs {accum} at world "
-                f"size {world_size}; leave grad_accum_steps at 1 or set the global batch to 0")
-        return accum
-
-    def batch_derivation(self, seq_len: int, world_size: int,
-                         micro_batch_size: Optional[int] = None, world_from: str = "") -> str:
-        """'global batch 512 seq (524288 tokens) = micro 8 x accum 8 x world 8' (auto: at its
-        largest candidate unless `micro_batch_size` is given); ConfigError where it cannot fit."""
-        accum = self.grad_accum_for(world_size, micro_batch_size, world_from)
-        micro = micro_batch_size or self.micro_batch_size
-        if micro == "auto":
-            micro = self.micro_batch_candidates(world_size, world_from)[0]
-        sequences = int(micro) * accum * world_size
-        line = (f"global batch {sequences} seq ({sequences * seq_len} tokens) = micro {micro} x "
-                f"accum {accum} x world {world_size}")
-        if not self.global_batch_size:
-            line += " (train.global_batch_size unset: the batch grows with the world size)"
-        return line
-
-
-def _world(world_size: int, world_from: str) -> str:
-    return f"{world_size}, {world_from}" if world_from else str(world_size)
 
 
 @dataclass

@@ -41,10 +41,10 @@ def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:
             raise ConfigError(f"--world-size: must be >= 1, got {world_size}")
 
     t, seq_len = cfg.train, cfg.data.seq_len
-    accum = t.grad_accum_for(world_size, world_from=world_from)
+    accum = t.batch.grad_accum_for(world_size, world_from=world_from)
     # auto: its largest candidate, the most it may take (the probe at start-up may take less)
-    micro = t.micro_batch_candidates(world_size)[0] if t.micro_batch_size == "auto" \
-        else t.micro_batch_size
+    micro = t.batch.micro_batch_candidates(world_size)[0] if t.batch.micro_batch_size == "auto" \
+        else t.batch.micro_batch_size
     tokens_per_step = world_size * micro * accum * seq_len
     depths = training_depths(cfg)
     backprop = t.depth.backprop_steps
@@ -58,9 +58,9 @@ def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:
     lines = [
         f"dry run of {cfg.name}: nothing is created (run dir {Path(cfg.output_dir) / cfg.name})",
         f"parameters: {n_params:,}",
-        t.batch_derivation(seq_len, world_size, world_from=world_from)
+        t.batch.batch_derivation(seq_len, world_size, world_from=world_from)
         + (f" (micro-batch auto: at most {micro}; the probe at start-up may take less and "
-           "accumulate more)" if t.micro_batch_size == "auto" else ""),
+           "accumulate more)" if t.batch.micro_batch_size == "auto" else ""),
         f"steps: {t.max_steps:,}, tokens the run will see: {t.max_steps * tokens_per_step:,}",
         f"training depth T ({t.depth.kind}): min {min(depths, default=0)}, mean "
         f"{sum(depths) / max(1, len(depths)):.2f}, max {max(depths, default=0)}",

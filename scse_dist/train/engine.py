@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 # ds_config keys that a config field decides: (path in the ds_config, the config field). A JSON
 # file may repeat them only with the same value, so the YAML stays the single source of truth.
 _OWNED: list[tuple[tuple[str, ...], str]] = [
-    (("train_micro_batch_size_per_gpu",), "train.micro_batch_size"),
-    (("gradient_accumulation_steps",), "train.grad_accum_steps"),
+    (("train_micro_batch_size_per_gpu",), "train.batch.micro_batch_size"),
+    (("gradient_accumulation_steps",), "train.batch.grad_accum_steps"),
     (("gradient_clipping",), "train.optimizer.grad_clip"),
     (("zero_optimization", "stage"), "train.zero_stage"),
     (("bf16", "enabled"), "train.precision"),
@@ -46,8 +46,8 @@ def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
     deepspeed.initialize as a client optimizer."""
     t, opt = cfg.train, cfg.train.optimizer
     generated: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.grad_accum_steps,
+        "train_micro_batch_size_per_gpu": t.batch.micro_batch_size,
+        "gradient_accumulation_steps": t.batch.grad_accum_steps,
         # muon clips its AdamW groups itself (scse_dist.train.muon says why)
         "gradient_clipping": 0.0 if opt.kind == "muon" else opt.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},

@@ -59,8 +59,8 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     torch.manual_seed(t.seed)
     model = LoopedLM(cfg.model)
     engine, _ = build_engine(cfg, model)
-    micro, accum = t.micro_batch_size, t.grad_accum_steps
-    assert isinstance(micro, int), "parity: train.micro_batch_size must be a number, not auto"
+    micro, accum = t.batch.micro_batch_size, t.batch.grad_accum_steps
+    assert isinstance(micro, int), "parity: train.batch.micro_batch_size must be a number, not auto"
     losses = []
     for step in range(t.max_steps):
         depth = None if model.fixed_depth is not None else \

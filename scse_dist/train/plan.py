@@ -126,12 +126,12 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
 
     gpu = check(world_size, a)
     t, m, seq_len = cfg.train, cfg.model, cfg.data.seq_len
-    if t.micro_batch_size == "auto":
-        candidates = t.micro_batch_candidates(world_size)
+    if t.batch.micro_batch_size == "auto":
+        candidates = t.batch.micro_batch_candidates(world_size)
     else:
-        candidates = [t.micro_batch_size]
+        candidates = [t.batch.micro_batch_size]
     # a batch that does not divide: before torch
-    t.grad_accum_for(world_size, candidates[0], world_from="from --world-size")
+    t.batch.grad_accum_for(world_size, candidates[0], world_from="from --world-size")
     precision = "bf16" if t.precision == "auto" else t.precision  # every GPU here has bf16
     width = 2 if precision == "bf16" else 4
     capacity = gpu.memory_mib * 2**20
@@ -157,8 +157,8 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k, capacity)
                for k in modes}
     micro = next((c for c in candidates if c <= largest[mode]), candidates[-1]) \
-        if t.micro_batch_size == "auto" else t.micro_batch_size
-    accum = t.grad_accum_for(world_size, micro)
+        if t.batch.micro_batch_size == "auto" else t.batch.micro_batch_size
+    accum = t.batch.grad_accum_for(world_size, micro)
     tokens_per_step = world_size * micro * accum * seq_len
     steps = t.max_steps if a.tokens is None else math.ceil(a.tokens / tokens_per_step)
     if steps != first_steps:
@@ -185,7 +185,7 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
         "nodes": nodes, "precision": precision, "zero_stage": t.zero_stage,
         "activation_checkpointing": mode, "parameters": n_params,
         "micro_batch": micro, "grad_accum_steps": accum, "seq_len": seq_len,
-        "global_batch": t.batch_derivation(seq_len, world_size, micro),
+        "global_batch": t.batch.batch_derivation(seq_len, world_size, micro),
         "tokens_per_step": tokens_per_step, "steps": steps, "tokens": steps * tokens_per_step,
         "depth": {"kind": t.depth.kind, "min": min(depths, default=m.depth),
                   "mean": sum(depths) / len(depths) if depths else float(m.depth),
@@ -200,7 +200,7 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
         "deepspeed_estimate_bytes": ds_bytes, "deepspeed_estimator": ds_name,
         "fits": peak <= budget,
         "largest_micro_batch": largest,
-        "micro_batch_candidates": candidates if t.micro_batch_size == "auto" else None,
+        "micro_batch_candidates": candidates if t.batch.micro_batch_size == "auto" else None,
         "communication": {"bytes_per_step": sent, "link_gbs": link, "seconds_per_step": comm_s},
         "flops_per_step": step_flops, "flops_run": run_flops,
         "seconds_per_step": step_s, "seconds_run": step_s * steps,

@@ -1,6 +1,6 @@
 """A run's size from its config alone: parameters, depths, and memory per rank. Shared arithmetic
 of `scse-train --dry-run` (this process), `scse-train --plan` (a cluster) and
-`train.micro_batch_size: auto` (the optimizer state a probe does not allocate).
+`train.batch.micro_batch_size: auto` (the optimizer state a probe does not allocate).
 
 Memory per rank is the sum of two parts, in bytes:
 
@@ -223,8 +223,8 @@ def checkpointing_for(cfg: RunConfig, world_size: int, precision: str, budget: f
     m, t = cfg.model, cfg.train
     if m.activation_checkpointing != "auto":
         return m.activation_checkpointing
-    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else \
-        max(t.micro_batch_candidates(world_size))
+    micro = t.batch.micro_batch_size if isinstance(t.batch.micro_batch_size, int) else \
+        max(t.batch.micro_batch_candidates(world_size))
     states = state_memory(count_parameters(cfg), precision, t.zero_stage, world_size,
                           stage3_max_live(cfg)).total
     depth = max(training_depths(cfg), default=m.depth)
