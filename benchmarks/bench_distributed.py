@@ -129,7 +129,8 @@ def run_config(args: argparse.Namespace, ckpt: str, depth_kind: str, depth: int)
         f"model.max_seq_len={args.seq_len}", f"data.seq_len={args.seq_len}",
         "model.n_prelude=1", "model.n_core=1", "model.n_coda=1", f"model.depth={depth}",
         f"model.activation_checkpointing={ckpt}", f"train.batch.micro_batch_size={args.batch}",
-        "train.zero_stage=3", f"train.deepspeed_config={REPO / 'configs/deepspeed/zero3.json'}",
+        "train.engine.zero_stage=3",
+        f"train.engine.deepspeed_config={REPO / 'configs/deepspeed/zero3.json'}",
         "train.schedule.warmup_steps=1", f"train.depth.kind={depth_kind}", "train.depth.min=2",
         "wandb.enabled=false"]
     return load_config(None, overrides)

@@ -122,9 +122,9 @@ def _finder_under_autocast(record: Record, device: torch.device) -> None:
     from scse_dist.train.micro_batch import find_micro_batch
 
     cfg = _model_cfg(device.type == "cpu", anchor="learned")  # deeploop: a Post-LN core
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, batch=dataclasses.replace(cfg.train.batch, micro_batch_size="auto",
-                                             global_batch_size=8), precision="bf16"))
+    batch = dataclasses.replace(cfg.train.batch, micro_batch_size="auto", global_batch_size=8)
+    engine = dataclasses.replace(cfg.train.engine, precision="bf16")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch=batch, engine=engine))
     model = LoopedLM(cfg.model)
     if device.type == "cuda":
         record("finder_micro_batch", find_micro_batch(cfg, model, 1, 1, device)[0])

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     from scse_dist.train.loop import with_world_batch
 
     saved = load_saved_config(tag_dir / CONFIG_NAME)
-    if saved.train.zero_stage == 3:
+    if saved.train.engine.zero_stage == 3:
         print(f"replay_collapse: {args.run} trained at ZeRO-3, which the loop diagnostics skip; "
               "stages 0-2 only", file=sys.stderr)
         return 2

@@ -41,6 +41,7 @@ from scse_dist.train.config import (  # noqa: F401
     WandbConfig,
     largest_trained_depth,
 )
+from scse_dist.train.engine_config import EngineConfig  # noqa: F401
 from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
 
@@ -93,11 +94,11 @@ def _check_consistency(cfg: RunConfig) -> None:
     cfg.train.batch.check_tokens(cfg.data.seq_len)
     if cfg.resources.problem():
         raise ConfigError(f"resources: {cfg.resources.problem()}")
-    if cfg.eval.downstream_every and cfg.train.zero_stage == 3:
+    if cfg.eval.downstream_every and cfg.train.engine.zero_stage == 3:
         # the scorer applies the LM head outside the forward, where ZeRO-3 keeps it partitioned
         raise ConfigError("eval.downstream_every: downstream tasks during training run at ZeRO "
-                          "stage 0, 1 or 2, not train.zero_stage 3; evaluate the checkpoints "
-                          "with scse-eval instead")
+                          "stage 0, 1 or 2, not train.engine.zero_stage 3; evaluate the "
+                          "checkpoints with scse-eval instead")
     _check_depth_loss(cfg)
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
@@ -137,7 +138,8 @@ RENAMED_FIELDS = {"eval.slurm_gpus": "eval.resources.gpus_per_node",
                   "train.schedule": "train.schedule.kind",
                   # the flat train.* fields of the sections that own them now
                   **{f"train.{f.name}": f"train.{section}.{f.name}"
-                     for section, cls in (("batch", BatchConfig), ("optimizer", OptimizerConfig),
+                     for section, cls in (("batch", BatchConfig), ("engine", EngineConfig),
+                                          ("optimizer", OptimizerConfig),
                                           ("schedule", ScheduleConfig), ("start", StartConfig))
                      for f in dataclasses.fields(cls) if f.name != "kind"}}
 _noticed: set[str] = set()

@@ -339,7 +339,7 @@ def train_state(tiny_config, tiny_data, tmp_path):
         loggers.append(logger)
         return TrainState(cfg=cfg, env=DistEnv(0, 1, 0, "127.0.0.1", 0, "none"),
                           run_dir=storage.local, storage=storage,
-                          engine=ModelOnlyEngine(LoopedLM(cfg.model), cfg.train.zero_stage),
+                          engine=ModelOnlyEngine(LoopedLM(cfg.model), cfg.train.engine.zero_stage),
                           stream=stream, tokenizer=tokenizer, logger=logger,
                           faults=FaultInjector(0, ""), start_step=0)
 

@@ -1,7 +1,7 @@
 """Every shipped run config trains, exports and evaluates through `python launch/train.py`.
 
 Each YAML under configs/ runs as a user runs it (from the repo root, so the relative
-`train.deepspeed_config` paths resolve) with only its sizes shrunk: width, heads, vocabulary,
+`train.engine.deepspeed_config` paths resolve) with only its sizes shrunk: width, heads, vocabulary,
 sequence length (a batch in tokens with it: the same sequences), steps, evaluation batches, and
 the data and output paths. Everything else (gradient accumulation, micro-batch, DeepSpeed JSON,
 ZeRO stage, activation checkpointing, depth sampling, eval depths, after-train evaluation,
@@ -121,7 +121,7 @@ def test_shipped_config_trains_exports_and_evaluates(config, tmp_path, tiny_data
     # Every micro-batch of the accumulation was consumed: tokens = steps x micro x accum x seq.
     assert rows[-1]["tokens"] == want.train.max_steps * t.batch.micro_batch_size * \
         t.batch.grad_accum_for(1) * want.data.seq_len
-    assert f"ZeRO-{t.zero_stage}" in out.stdout
+    assert f"ZeRO-{t.engine.zero_stage}" in out.stdout
 
     assert (run_dir / "export" / "model.safetensors").is_file()
     assert yaml.safe_load((run_dir / "export" / "config.yaml").read_text())["name"] == want.name

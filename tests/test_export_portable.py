@@ -181,7 +181,7 @@ def test_a_bf16_checkpoint_exports_and_evaluates(tmp_path, tiny_config, subproce
     states; ZeRO-1 writes bf16_zero_*_optim_states.pt): scse-export of the tag gives the trainer's
     export, and scse-eval reads the tag. At ZeRO-0 both are the module's bf16 weights widened."""
     cfg = tiny_config(tmp_path, "train.max_steps=2", "train.checkpoint_every=2",
-                      "train.precision=bf16", f"train.zero_stage={stage}")
+                      "train.engine.precision=bf16", f"train.engine.zero_stage={stage}")
     out = subprocess.run([sys.executable, str(REPO_ROOT / "launch/train.py"), "--config", cfg],
                          capture_output=True, text=True, env=subprocess_env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -27,7 +27,7 @@ GPT2 = "configs/gpt2-small-scse.yaml"
 
 
 def test_plan_arithmetic_on_16_h200_at_zero2():
-    cfg = load_config(GPT2, ["train.zero_stage=2", "train.depth.kind=fixed"])
+    cfg = load_config(GPT2, ["train.engine.zero_stage=2", "train.depth.kind=fixed"])
     plan = build(cfg, 16, Assumptions(gpu="h200", mfu=0.25, tokens=1e9))
     n = count_parameters(cfg)
     tokens_per_step = 16 * 2 * 16 * 1024  # micro 16 x accum 2 x 16 GPUs: the config's 524288

@@ -177,7 +177,7 @@ def check_gpt2_two_ranks(d: Path, out: str) -> None:
     assert "world 2 (env), ZeRO-1" in out
     ran = yaml.safe_load((run / "config.yaml").read_text())["train"]
     assert ran["batch"]["grad_accum_steps"] == 4 and \
-        ran["deepspeed_config"] == "configs/deepspeed/zero1.json"
+        ran["engine"]["deepspeed_config"] == "configs/deepspeed/zero1.json"
     # every rank consumed micro 16 x accumulation 4 sequences of 32 tokens per step: the
     # 4096-token global batch over 2 ranks
     assert "global batch 128 seq (4096 tokens) = micro 16 x accum 4 x world 2" in out
@@ -348,7 +348,7 @@ NOT_RUN = {
         "needs a Slurm cluster of GPUs; tests/test_slurm_pretrain.py sbatches slurm/pretrain.sh "
         "on a real local Slurm, from a directory outside the checkout",
     # the planner at gpt2-medium size: tests/test_plan.py runs --plan through the CLI (table, JSON)
-    "scse-train --config configs/gpt2-small-scse.yaml --plan --world-size 16 --gpu h200 --tokens 10e9      name=gpt2-medium-scse model.d_model=1024 model.n_heads=16 model.n_core=5 model.depth=16      train.zero_stage=2 train.deepspeed_config=configs/deepspeed/zero2.json":
+    "scse-train --config configs/gpt2-small-scse.yaml --plan --world-size 16 --gpu h200 --tokens 10e9      name=gpt2-medium-scse model.d_model=1024 model.n_heads=16 model.n_core=5 model.depth=16      train.engine.zero_stage=2 train.engine.deepspeed_config=configs/deepspeed/zero2.json":
         "sizes a run of 10B tokens; tests/test_plan.py runs scse-train --plan the same way",
     "python launch/train.py --config configs/quickstart.yaml name=stable train.schedule=constant      train.max_steps=10000 train.checkpoint_every=1000 train.keep_checkpoints=20":
         "10,000 training steps; tests/test_train_cooldown.py trains a constant-LR run and branches it",

@@ -152,7 +152,8 @@ def test_eval_during_training_leaves_training_alone_and_matches_the_final_eval(
 
 @pytest.mark.slow
 def test_eval_during_training_on_two_ranks_under_zero3(tmp_path, tiny_config, subprocess_env):
-    cfg = tiny_config(tmp_path, "train.zero_stage=3", "train.max_steps=4", "eval.every_steps=2",
+    cfg = tiny_config(tmp_path, "train.engine.zero_stage=3", "train.max_steps=4",
+                      "eval.every_steps=2",
                       "eval.max_batches=3", "train.log_every=2", "train.checkpoint_every=4")
     all_passed(train_ranks(cfg, subprocess_env))
     evals = [r for r in read_metrics(tmp_path / "runs" / "tiny") if r.get("kind") == "eval"]

@@ -134,9 +134,10 @@ def test_resume_from_the_middle_checkpoint_reproduces_the_run_exactly(trained, t
 
 
 def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subprocess_env):
-    cfg = tiny_config(tmp_path, "train.zero_stage=2", "train.max_steps=2", "train.log_every=1",
+    cfg = tiny_config(tmp_path, "train.engine.zero_stage=2", "train.max_steps=2",
+                      "train.log_every=1",
                       "train.checkpoint_every=1",
-                      f"train.deepspeed_config={REPO / 'configs/deepspeed/zero2.json'}")
+                      f"train.engine.deepspeed_config={REPO / 'configs/deepspeed/zero2.json'}")
     out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), TRAIN,
                "--config", cfg], subprocess_env)
     stdout = must_pass(out)
@@ -174,7 +175,8 @@ def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subp
 
 
 def test_zero3_with_the_loop_leaf_trains(tmp_path, tiny_config, subprocess_env):
-    cfg = tiny_config(tmp_path, "train.zero_stage=3", "train.max_steps=2", "train.log_every=1")
+    cfg = tiny_config(tmp_path, "train.engine.zero_stage=3", "train.max_steps=2",
+                      "train.log_every=1")
     stdout = must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))
     export = load_file(str(tmp_path / "runs" / "tiny" / "export" / "model.safetensors"))
     # counted before ZeRO-3 partitions the parameters (it printed 0 parameters once)

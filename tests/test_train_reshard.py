@@ -43,7 +43,7 @@ def small_corpus(tmp_path_factory, tiny_data):
 def test_resume_across_world_sizes_reads_the_epoch_once_and_keeps_the_optimizer_state(
         tmp_path, tiny_config, subprocess_env, small_corpus, stage):
     log = tmp_path / "samples"
-    cfg = tiny_config(tmp_path, f"data.path={small_corpus}", f"train.zero_stage={stage}",
+    cfg = tiny_config(tmp_path, f"data.path={small_corpus}", f"train.engine.zero_stage={stage}",
                       "train.batch.micro_batch_size=2",
                       "train.batch.global_batch_tokens=128",  # 4 x 32
                       "train.log_every=1",

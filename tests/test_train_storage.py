@@ -104,7 +104,7 @@ def test_two_nodes_with_their_own_staging_upload_their_shards_and_resume_from_s3
     import fsspec
 
     (tmp_path / "cfg").mkdir()
-    cfg = tiny_config(tmp_path / "cfg", f"output_dir={s3_bucket}/runs", "train.zero_stage=2",
+    cfg = tiny_config(tmp_path / "cfg", f"output_dir={s3_bucket}/runs", "train.engine.zero_stage=2",
                       "train.max_steps=6", "train.checkpoint_every=3", "train.log_every=3")
     base = dict(subprocess_env, **{k: os.environ[k] for k in S3_ENV})
 

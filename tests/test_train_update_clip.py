@@ -138,7 +138,7 @@ def test_config_fields_and_refusals() -> None:
             (["train.optimizer.update_clip=1", "train.optimizer.kind=deepspeed_fused_adam"],
              "train.optimizer.update_clip: DeepSpeed's FusedAdam has no per-tensor update "
              "clipping"),
-            (["train.optimizer.update_clip=1", "train.zero_stage=3"],
+            (["train.optimizer.update_clip=1", "train.engine.zero_stage=3"],
              "train.optimizer.update_clip: works at ZeRO stage 0, 1 or 2")]:
         with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(")):
             load_config(None, overrides)

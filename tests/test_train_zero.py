@@ -58,7 +58,7 @@ def test_zero_stages_on_two_ranks_match_one_rank_at_the_same_global_batch(tmp_pa
     for stage in (1, 2, 3):
         losses, params, run_cfg = load_stage(two, stage)
         assert run_cfg["train"]["batch"]["grad_accum_steps"] == 1  # 8 = 4 x 2 ranks x 1
-        assert run_cfg["train"]["zero_stage"] == stage
+        assert run_cfg["train"]["engine"]["zero_stage"] == stage
         assert len(losses) == 20
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL, stage
         assert params.keys() == ref_params.keys()

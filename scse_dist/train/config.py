@@ -16,6 +16,7 @@ from typing import Any, Literal, Optional
 from scse_dist.checkpoint.start_config import StartConfig
 from scse_dist.model.config import ConfigError
 from scse_dist.train.batch_config import BatchConfig
+from scse_dist.train.engine_config import EngineConfig
 from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
 
@@ -131,14 +132,8 @@ class TrainConfig:
     # (PaLM; 1e-4 is usual; 0: off). Logged as its own metric; the loss logged and evaluated is
     # the cross-entropy alone.
     z_loss: float = 0.0
-    # auto: bf16 where the accelerator supports it, fp32 otherwise (CPU).
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    zero_stage: int = 1
-    # Optional DeepSpeed JSON merged over the generated config (e.g. configs/deepspeed/zero3.json):
-    # its values override generated keys, except keys a config field decides (engine._OWNED: batch
-    # sizes, clipping, ZeRO stage, precision, lr/betas/weight decay, scheduler), which it may only
-    # repeat with the same value (engine.build_ds_config).
-    deepspeed_config: Optional[str] = None
+    # Precision, ZeRO stage, DeepSpeed JSON, torch.compile (EngineConfig).
+    engine: EngineConfig = field(default_factory=EngineConfig)
     # The optimizer (rates, betas, Muon, clipping, per-group multipliers), the LR schedule, and
     # how a run starts (resume, branch, warm start): sections owned by the code they configure.
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -163,8 +158,6 @@ class TrainConfig:
     max_retries: int = 2
     # Loss-spike skipping (SpikeSkipConfig): off by default.
     spike_skip: SpikeSkipConfig = field(default_factory=SpikeSkipConfig)
-    # torch.compile each block's math (regional: one graph for every loop step and depth T).
-    compile: bool = False
     # Callbacks of the user's own beside the built-in ones (CallbackSpec; docs/training.md,
     # "Callbacks"); [] in every shipped config.
     callbacks: list[CallbackSpec] = field(default_factory=list)
@@ -191,8 +184,7 @@ class TrainConfig:
         self.optimizer.check()
         self.schedule.check(self.max_steps)
         self.start.check()
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
+        self.engine.check()
         self._check_optimizer_zero()
         if not self.z_loss >= 0 or self.z_loss == float("inf"):  # also rejects NaN
             raise ConfigError(f"train.z_loss: must be a finite weight >= 0, got {self.z_loss}")
@@ -203,19 +195,19 @@ class TrainConfig:
 
     def _check_optimizer_zero(self) -> None:
         """train.optimizer against the ZeRO stage and spike skipping."""
-        kind = self.optimizer.kind
-        if kind == "muon" and self.spike_skip.enabled and self.zero_stage in (1, 2):
+        kind, stage = self.optimizer.kind, self.engine.zero_stage
+        if kind == "muon" and self.spike_skip.enabled and stage in (1, 2):
             # ZeRO-1/2 commit Muon's momentum inside their step, before the update a skip withholds
             raise ConfigError("train.spike_skip.enabled: not with train.optimizer.kind: muon at "
-                              f"train.zero_stage {self.zero_stage} (ZeRO-1/2 advance Muon's "
+                              f"train.engine.zero_stage {stage} (ZeRO-1/2 advance Muon's "
                               "momentum even on a skipped step); use ZeRO stage 0 or torch_adamw")
-        if kind == "muon" and self.zero_stage == 3:
+        if kind == "muon" and stage == 3:
             # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at
             # stage 3
-            raise ConfigError("train.zero_stage: train.optimizer.kind: muon works at ZeRO stage 0, "
-                              "1 or 2, not 3; set train.zero_stage: 2 (it partitions gradients "
-                              "and optimizer state too) or use torch_adamw")
-        if self.optimizer.update_clip and self.zero_stage == 3:
+            raise ConfigError("train.engine.zero_stage: train.optimizer.kind: muon works at ZeRO "
+                              "stage 0, 1 or 2, not 3; set train.engine.zero_stage: 2 (it "
+                              "partitions gradients and optimizer state too) or use torch_adamw")
+        if self.optimizer.update_clip and stage == 3:
             raise ConfigError("train.optimizer.update_clip: works at ZeRO stage 0, 1 or 2 (it "
                               "finds each parameter in the rank's flat partition), not 3")
 

@@ -50,8 +50,8 @@ def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:
     backprop = t.depth.backprop_steps
     flops = [flops_per_token(cfg.model, d, seq_len, backprop) for d in depths]
     n_params = count_parameters(cfg)
-    precision = resolve_precision(t.precision)
-    states = state_memory(n_params, precision, t.zero_stage, world_size).total
+    precision = resolve_precision(t.engine.precision)
+    states = state_memory(n_params, precision, t.engine.zero_stage, world_size).total
     activations = activation_memory(cfg, max(depths, default=cfg.model.depth), precision,
                                     micro).total
     mean = sum(flops) / len(flops) if flops else 0.0
@@ -69,7 +69,7 @@ def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:
                     for d in sorted({min(depths), max(depths)}) if depths),
         f"training FLOPs in all: {sum(flops) * tokens_per_step:.3e}",
         f"memory per rank: {(states + activations) / GIB:.2f} GiB = weights, gradients "
-        f"and optimizer state {states / GIB:.2f} GiB ({precision}, ZeRO-{t.zero_stage}) + "
+        f"and optimizer state {states / GIB:.2f} GiB ({precision}, ZeRO-{t.engine.zero_stage}) + "
         f"activations of one micro-batch at T={max(depths, default=0)} {activations / GIB:.2f} GiB",
     ]
     return "\n".join(lines)

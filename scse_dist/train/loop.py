@@ -286,8 +286,8 @@ def _with_checkpointing(cfg: RunConfig, env: Any) -> RunConfig:
     else:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or env.world_size
         budget = cfg.train.batch.micro_batch_memory_gib * GIB or default_budget(local_world)
-    mode = checkpointing_for(cfg, env.world_size, resolve_precision(cfg.train.precision), budget,
-                             cuda_memory)
+    precision = resolve_precision(cfg.train.engine.precision)
+    mode = checkpointing_for(cfg, env.world_size, precision, budget, cuda_memory)
     if env.rank == 0:
         print(f"model.activation_checkpointing: auto: {mode} (the planner's estimate against "
               f"{budget / GIB:.1f} GiB)", flush=True)

@@ -90,7 +90,7 @@ def probe(model: torch.nn.Module, size: int, cfg: RunConfig, depth: Optional[int
 def _precision(cfg: RunConfig) -> str:
     from scse_dist.train.engine import resolve_precision
 
-    return resolve_precision(cfg.train.precision)
+    return resolve_precision(cfg.train.engine.precision)
 
 
 def optimizer_reserve(cfg: RunConfig, model: torch.nn.Module, world_size: int) -> int:
@@ -98,7 +98,7 @@ def optimizer_reserve(cfg: RunConfig, model: torch.nn.Module, world_size: int) -
     optimizer's moments and master weights, as DeepSpeed will shard them."""
     n = sum(p.numel() for p in model.parameters())
     held = n * (4 + 4)
-    states = state_memory(n, _precision(cfg), cfg.train.zero_stage, world_size)
+    states = state_memory(n, _precision(cfg), cfg.train.engine.zero_stage, world_size)
     return max(0, int(states.total) - held)
 
 

@@ -49,8 +49,8 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     from scse_dist.train.engine import build_engine
     from scse_dist.train.step import train_step
 
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, zero_stage=stage,
-                                                             deepspeed_config=None))
+    engine = dataclasses.replace(cfg.train.engine, zero_stage=stage, deepspeed_config=None)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, engine=engine))
     t = cfg.train
     world = dist.get_world_size()
     rank = dist.get_rank()

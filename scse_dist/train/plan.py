@@ -132,18 +132,19 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
         candidates = [t.batch.micro_batch_size]
     # a batch that does not divide: before torch
     t.batch.grad_accum_for(world_size, candidates[0], world_from="from --world-size")
-    precision = "bf16" if t.precision == "auto" else t.precision  # every GPU here has bf16
+    # every GPU here has bf16
+    precision = "bf16" if t.engine.precision == "auto" else t.engine.precision
     width = 2 if precision == "bf16" else 4
     capacity = gpu.memory_mib * 2**20
     budget = a.memory_fraction * capacity
     n_params = count_parameters(cfg)
     max_live = stage3_max_live(cfg)
-    states = state_memory(n_params, precision, t.zero_stage, world_size, max_live)
-    ds_bytes, ds_name = deepspeed_estimate(n_params, t.zero_stage, world_size, a.gpus_per_node,
-                                           largest_layer(cfg))
+    states = state_memory(n_params, precision, t.engine.zero_stage, world_size, max_live)
+    ds_bytes, ds_name = deepspeed_estimate(n_params, t.engine.zero_stage, world_size,
+                                           a.gpus_per_node, largest_layer(cfg))
     # DeepSpeed's estimator where it describes this config: 16-bit weights with AdamW at ZeRO-2
     # (at ZeRO-3 it counts only the largest layer gathered; the loop's leaf gathers more)
-    use_ds = ds_bytes is not None and t.zero_stage == 2 and precision == "bf16" \
+    use_ds = ds_bytes is not None and t.engine.zero_stage == 2 and precision == "bf16" \
         and t.optimizer.kind != "muon"
     state_total = float(ds_bytes) if use_ds and ds_bytes is not None else states.total
     mode = checkpointing_for(cfg, world_size, precision, budget, capacity)  # auto: by this
@@ -178,11 +179,11 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     step_s = step_flops / world_size / per_gpu_flops
     nodes = -(-world_size // a.gpus_per_node)
     link = a.link_gbs or (gpu.nvlink_gbs if nodes == 1 else gpu.network_gbs)
-    sent = comm_bytes(n_params, width, t.zero_stage, world_size, accum)
+    sent = comm_bytes(n_params, width, t.engine.zero_stage, world_size, accum)
     comm_s = sent / (link * 1e9)
     return {
         "config": cfg.name, "gpu": a.gpu, "gpu_name": gpu.name, "world_size": world_size,
-        "nodes": nodes, "precision": precision, "zero_stage": t.zero_stage,
+        "nodes": nodes, "precision": precision, "zero_stage": t.engine.zero_stage,
         "activation_checkpointing": mode, "parameters": n_params,
         "micro_batch": micro, "grad_accum_steps": accum, "seq_len": seq_len,
         "global_batch": t.batch.batch_derivation(seq_len, world_size, micro),

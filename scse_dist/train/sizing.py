@@ -91,8 +91,9 @@ class StateMemory:
 
 
 def stage3_max_live(cfg: RunConfig) -> int:
-    """stage3_max_live_parameters of train.deepspeed_config (DeepSpeed's default without one)."""
-    path = cfg.train.deepspeed_config
+    """stage3_max_live_parameters of train.engine.deepspeed_config (DeepSpeed's default without
+    one)."""
+    path = cfg.train.engine.deepspeed_config
     if not path or not Path(path).is_file():
         return STAGE3_MAX_LIVE_DEFAULT
     zero = json.loads(Path(path).read_text()).get("zero_optimization", {})
@@ -225,7 +226,7 @@ def checkpointing_for(cfg: RunConfig, world_size: int, precision: str, budget: f
         return m.activation_checkpointing
     micro = t.batch.micro_batch_size if isinstance(t.batch.micro_batch_size, int) else \
         max(t.batch.micro_batch_candidates(world_size))
-    states = state_memory(count_parameters(cfg), precision, t.zero_stage, world_size,
+    states = state_memory(count_parameters(cfg), precision, t.engine.zero_stage, world_size,
                           stage3_max_live(cfg)).total
     depth = max(training_depths(cfg), default=m.depth)
     need = states + activation_memory(cfg, depth, precision, micro, "none", cuda_memory).total

@@ -130,7 +130,7 @@ class _GatedUpdate:
             if norm is None:
                 raise RuntimeError("train.spike_skip: DeepSpeed computed no global gradient "
                                    "norm for this step (zero_optimization.compute_grad_norm: "
-                                   "false in train.deepspeed_config?)")
+                                   "false in train.engine.deepspeed_config?)")
         self.grad_norm = float(norm)
         # A wrapper that lets a non-finite norm through (bf16 ZeRO-1/2 without its overflow
         # check) must not update either; the step then counts as non-finite.
