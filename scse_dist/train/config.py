@@ -151,11 +151,6 @@ class TrainConfig:
     # A step whose loss or gradient is NaN/Inf on any rank is skipped; this many in a row stop
     # the run (exit status 3) with the last good checkpoint left as it was.
     max_nonfinite_steps: int = 5
-    # A training job that crashed (any exit but 0, bad config/input 2/65/66, 3 above, 4 spikes, 75
-    # preempted, 130 Ctrl-C) is requeued this many times on a batch system that can requeue
-    # (Slurm), resuming from the latest verified checkpoint; the same failure at the same step
-    # twice stops it sooner (scse_dist.launch.retries). 0: never.
-    max_retries: int = 2
     # Loss-spike skipping (SpikeSkipConfig): off by default.
     spike_skip: SpikeSkipConfig = field(default_factory=SpikeSkipConfig)
     # Callbacks of the user's own beside the built-in ones (CallbackSpec; docs/training.md,
@@ -173,10 +168,9 @@ class TrainConfig:
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"train.{name}: must be > 0, got {value}")
-        for name, value in {"diagnostics_every": self.diagnostics_every or 0,
-                            "max_retries": self.max_retries}.items():
-            if value < 0:
-                raise ConfigError(f"train.{name}: must be >= 0, got {value}")
+        if self.diagnostics_every is not None and self.diagnostics_every < 0:
+            raise ConfigError(f"train.diagnostics_every: must be >= 0, got "
+                              f"{self.diagnostics_every}")
         self.batch.check()
         self.depth.check()
         self.spike_skip.check()
