@@ -82,7 +82,8 @@ def replay(cfg: Any, run_dir: Path, tag: str, way: str, steps: int, window: Any
         depth = None if model.fixed_depth is not None else \
             sample_depth(step, t.depth, cfg.model.depth, t.seed)
         result = train_step(engine, (next(batches) for _ in range(t.batch.grad_accum_steps)),
-                            depth=depth, backprop_steps=t.depth.backprop_steps, z_loss=t.z_loss)
+                            depth=depth, backprop_steps=t.depth.backprop_steps,
+                            z_loss=t.loss.z_loss)
         with torch.no_grad():
             for name, weight in held.items():
                 params[name].copy_(weight.to(params[name].dtype))

@@ -108,17 +108,17 @@ def _check_consistency(cfg: RunConfig) -> None:
 
 
 def _check_depth_loss(cfg: RunConfig) -> None:
-    """train.depth_loss against the model's loop and the trained depths."""
-    loss = cfg.train.depth_loss
+    """train.loss.depth against the model's loop and the trained depths."""
+    loss = cfg.train.loss.depth
     if loss.kind == "off":
         return
     if not transition_for(cfg.model).loops:
-        raise ConfigError(f"train.depth_loss: recurrence={cfg.model.recurrence} runs one fixed "
+        raise ConfigError(f"train.loss.depth: recurrence={cfg.model.recurrence} runs one fixed "
                           "depth, so there is no shorter depth to train; set kind: off")
 
     deepest = largest_trained_depth(cfg.train.depth, cfg.model.depth)
     if loss.short >= deepest:
-        raise ConfigError(f"train.depth_loss.short: {loss.short} is not below the largest "
+        raise ConfigError(f"train.loss.depth.short: {loss.short} is not below the largest "
                           f"trained depth {deepest} (train.depth, model.depth), so it would never "
                           "apply; lower it")
 
@@ -136,6 +136,8 @@ RENAMED_FIELDS = {"eval.slurm_gpus": "eval.resources.gpus_per_node",
                   "eval.slurm_partition": "eval.resources.partition",
                   "train.optimizer": "train.optimizer.kind",
                   "train.schedule": "train.schedule.kind",
+                  "train.z_loss": "train.loss.z_loss",
+                  "train.depth_loss": "train.loss.depth",
                   # the flat train.* fields of the sections that own them now
                   **{f"train.{f.name}": f"train.{section}.{f.name}"
                      for section, cls in (("batch", BatchConfig), ("engine", EngineConfig),

@@ -190,6 +190,8 @@ train:
   resume: require
   init_from_strict: false
   max_retries: 0
+  z_loss: 1.0e-4
+  depth_loss: {kind: two_depths, short: 3}
 """
 
 
@@ -206,6 +208,7 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
     assert (t.start.resume, t.start.init_from_strict, t.max_steps) == ("require", False, 40)
     assert (t.batch.micro_batch_size, t.batch.global_batch_size) == (2, 16)
     assert (t.engine.zero_stage, t.engine.compile, t.start.max_retries) == (0, True, 0)
+    assert (t.loss.z_loss, t.loss.depth.kind, t.loss.depth.short) == (1e-4, "two_depths", 3)
     notices = capfd.readouterr().err.splitlines()
     assert "config: notice: train.lr is now train.optimizer.lr; the old name is read for now" \
         in notices
@@ -213,7 +216,7 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
         "for now" in notices
     assert "config: notice: train.micro_batch_size is now train.batch.micro_batch_size; the old " \
         "name is read for now" in notices
-    assert len(notices) == 18  # one per old name in the file, once per process
+    assert len(notices) == 20  # one per old name in the file, once per process
     load_config(tmp_path / "old.yaml")
     assert capfd.readouterr().err == ""
     # the same config in the new names is the same config
@@ -226,7 +229,8 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
                              "train.schedule.kind=wsd", "train.schedule.warmup_steps=4",
                              "train.schedule.decay_steps=10", "train.schedule.min_lr_ratio=0",
                              "train.start.resume=require", "train.start.init_from_strict=false",
-                             "train.start.max_retries=0"])
+                             "train.start.max_retries=0", "train.loss.z_loss=1e-4",
+                             "train.loss.depth.kind=two_depths", "train.loss.depth.short=3"])
     assert config_to_dict(new) == config_to_dict(load_config(tmp_path / "old.yaml"))
 
 

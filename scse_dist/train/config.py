@@ -79,7 +79,7 @@ class SpikeSkipConfig:
 
 @dataclass
 class DepthLossConfig:
-    """train.depth_loss: a training signal for depth that pays (issue 26)."""
+    """train.loss.depth: a training signal for depth that pays (issue 26)."""
 
     # off, or two_depths: the loss at the loop depth `short`, read out from the same forward (one
     # loop run; the coda, norm and head once more), added with `weight` to the loss at the
@@ -92,10 +92,26 @@ class DepthLossConfig:
         if self.kind == "off":
             return
         if self.short < 1:
-            raise ConfigError(f"train.depth_loss.short: must be >= 1, got {self.short}")
+            raise ConfigError(f"train.loss.depth.short: must be >= 1, got {self.short}")
         if not 0 < self.weight < float("inf"):  # also rejects NaN
-            raise ConfigError(f"train.depth_loss.weight: must be a finite weight > 0, got "
+            raise ConfigError(f"train.loss.depth.weight: must be a finite weight > 0, got "
                               f"{self.weight}")
+
+
+@dataclass
+class LossConfig:
+    """train.loss: the terms added to the cross-entropy at the step's depth, which is what is
+    logged and evaluated (scse_dist.train.step sums them; scse_dist.train.depth reads `depth`)."""
+
+    # Weight of the z-loss z_loss * mean(logsumexp(logits)^2) added to the training objective
+    # (PaLM; 1e-4 is usual; 0: off). Logged as its own metric.
+    z_loss: float = 0.0
+    depth: DepthLossConfig = field(default_factory=DepthLossConfig)
+
+    def check(self) -> None:
+        if not self.z_loss >= 0 or self.z_loss == float("inf"):  # also rejects NaN
+            raise ConfigError(f"train.loss.z_loss: must be a finite weight >= 0, got {self.z_loss}")
+        self.depth.check()
 
 
 def largest_trained_depth(sampling: DepthSamplingConfig, mean_depth: int) -> int:
@@ -128,10 +144,6 @@ class TrainConfig:
     # How many sequences a step trains on and how they split into micro-batches (BatchConfig).
     batch: BatchConfig = field(default_factory=BatchConfig)
     max_steps: int = 200
-    # Weight of the z-loss z_loss * mean(logsumexp(logits)^2) added to the training objective
-    # (PaLM; 1e-4 is usual; 0: off). Logged as its own metric; the loss logged and evaluated is
-    # the cross-entropy alone.
-    z_loss: float = 0.0
     # Precision, ZeRO stage, DeepSpeed JSON, torch.compile (EngineConfig).
     engine: EngineConfig = field(default_factory=EngineConfig)
     # The optimizer (rates, betas, Muon, clipping, per-group multipliers), the LR schedule, and
@@ -140,7 +152,8 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     start: StartConfig = field(default_factory=StartConfig)
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
-    depth_loss: DepthLossConfig = field(default_factory=DepthLossConfig)
+    # Terms added to the training objective: z-loss, the loss at a second depth (LossConfig).
+    loss: LossConfig = field(default_factory=LossConfig)
     log_every: int = 10
     # Loop diagnostics (scse_dist.train.diagnostics: deviation norms, anchor scale, gradient
     # shares) on one fixed held-out batch every this many steps; null: log_every; 0: off.
@@ -174,14 +187,12 @@ class TrainConfig:
         self.batch.check()
         self.depth.check()
         self.spike_skip.check()
-        self.depth_loss.check()
+        self.loss.check()
         self.optimizer.check()
         self.schedule.check(self.max_steps)
         self.start.check()
         self.engine.check()
         self._check_optimizer_zero()
-        if not self.z_loss >= 0 or self.z_loss == float("inf"):  # also rejects NaN
-            raise ConfigError(f"train.z_loss: must be a finite weight >= 0, got {self.z_loss}")
         for i, spec in enumerate(self.callbacks):
             if not CALLBACK_PATH.fullmatch(spec.class_path):
                 raise ConfigError(f"train.callbacks[{i}].class_path: expected "

@@ -169,7 +169,7 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
                                   stop_requested=preemption.requested,
                                   loss_hook=lambda loss: state.faults.loss(step + 1, loss),
                                   before_update=lambda engine: _before_update(callbacks, state),
-                                  z_loss=t.z_loss, eos_id=eos_id, update_gate=gate,
+                                  z_loss=t.loss.z_loss, eos_id=eos_id, update_gate=gate,
                                   **short_depth_loss(t))
         state.step_seconds = time.perf_counter() - started  # data in; diagnostics add theirs
         state.step = step + 1

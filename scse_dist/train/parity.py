@@ -69,7 +69,7 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
         parts = (batch[(m * world + rank) * micro:(m * world + rank + 1) * micro]
                  for m in range(accum))
         result = train_step(engine, parts, depth=depth, backprop_steps=t.depth.backprop_steps,
-                            z_loss=t.z_loss, **short_depth_loss(t))
+                            z_loss=t.loss.z_loss, **short_depth_loss(t))
         total = result.loss_sum.detach().cpu()
         dist.all_reduce(total)
         losses.append(float(total) / (world * accum))
