@@ -308,7 +308,7 @@ def main(argv=None) -> int:
 
     vocab = Tokenizer.load(str(data / "tokenizer.model")).vocab_size
     common = [f"data.path={data / 'shards'}", f"data.tokenizer={data / 'tokenizer.model'}",
-              "train.checkpoint_every=100000", "train.keep_checkpoints=1",
+              "train.checkpoint.every=100000", "train.checkpoint.keep=1",
               "eval.after_train=false", "wandb.enabled=false"] + \
         ([f"model.vocab_size={vocab}"] + CPU_OVERRIDES if args.cpu else GPU_OVERRIDES)
     steps = int(next(o.split("=")[1] for o in common if o.startswith("train.max_steps=")))

@@ -138,6 +138,8 @@ RENAMED_FIELDS = {"eval.slurm_gpus": "eval.resources.gpus_per_node",
                   "train.schedule": "train.schedule.kind",
                   "train.z_loss": "train.loss.z_loss",
                   "train.depth_loss": "train.loss.depth",
+                  "train.checkpoint_every": "train.checkpoint.every",
+                  "train.keep_checkpoints": "train.checkpoint.keep",
                   # the flat train.* fields of the sections that own them now
                   **{f"train.{f.name}": f"train.{section}.{f.name}"
                      for section, cls in (("batch", BatchConfig), ("engine", EngineConfig),

@@ -192,6 +192,7 @@ train:
   max_retries: 0
   z_loss: 1.0e-4
   depth_loss: {kind: two_depths, short: 3}
+  checkpoint_every: 7
 """
 
 
@@ -209,6 +210,7 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
     assert (t.batch.micro_batch_size, t.batch.global_batch_size) == (2, 16)
     assert (t.engine.zero_stage, t.engine.compile, t.start.max_retries) == (0, True, 0)
     assert (t.loss.z_loss, t.loss.depth.kind, t.loss.depth.short) == (1e-4, "two_depths", 3)
+    assert (t.checkpoint.every, t.checkpoint.keep) == (7, 2)
     notices = capfd.readouterr().err.splitlines()
     assert "config: notice: train.lr is now train.optimizer.lr; the old name is read for now" \
         in notices
@@ -216,7 +218,7 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
         "for now" in notices
     assert "config: notice: train.micro_batch_size is now train.batch.micro_batch_size; the old " \
         "name is read for now" in notices
-    assert len(notices) == 20  # one per old name in the file, once per process
+    assert len(notices) == 21  # one per old name in the file, once per process
     load_config(tmp_path / "old.yaml")
     assert capfd.readouterr().err == ""
     # the same config in the new names is the same config
@@ -230,7 +232,8 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
                              "train.schedule.decay_steps=10", "train.schedule.min_lr_ratio=0",
                              "train.start.resume=require", "train.start.init_from_strict=false",
                              "train.start.max_retries=0", "train.loss.z_loss=1e-4",
-                             "train.loss.depth.kind=two_depths", "train.loss.depth.short=3"])
+                             "train.loss.depth.kind=two_depths", "train.loss.depth.short=3",
+                             "train.checkpoint.every=7"])
     assert config_to_dict(new) == config_to_dict(load_config(tmp_path / "old.yaml"))
 
 

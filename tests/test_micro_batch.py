@@ -142,7 +142,7 @@ def _losses(run_dir):
 def test_auto_under_a_small_budget_trains_bit_identically_to_the_same_micro_batch_by_hand(
         tmp_path, tiny_config, subprocess_env):
     common = ("train.batch.global_batch_size=64", "train.depth.max=3", "train.max_steps=6",
-              "train.log_every=1", "train.checkpoint_every=6")
+              "train.log_every=1", "train.checkpoint.every=6")
     runs = {"auto": ("train.batch.micro_batch_size=auto",
                      f"train.batch.micro_batch_memory_gib={24 / 1024}"),
             "fixed": ("train.batch.micro_batch_size=16",)}
@@ -212,7 +212,7 @@ def test_a_resume_may_choose_another_micro_batch(tmp_path, tiny_config, subproce
     """The config saved in the run dir keeps auto; the resumed run probes again and continues."""
     cfg = tiny_config(tmp_path, "train.batch.micro_batch_size=auto",
                       "train.batch.global_batch_size=64", "train.depth.max=3",
-                      "train.checkpoint_every=2", "train.log_every=1")
+                      "train.checkpoint.every=2", "train.log_every=1")
     outs = []
     for steps, budget_mib in ((2, 24), (4, 12)):
         proc = subprocess.run([sys.executable, TRAIN, "--config", cfg, f"train.max_steps={steps}",

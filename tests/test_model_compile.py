@@ -84,7 +84,7 @@ def test_trainer_at_zero3_with_compile_matches_eager_without_recompiles(tmp_path
         cfg = tiny_config(tmp_path / compile_, f"train.engine.compile={compile_}",
                           "train.engine.zero_stage=3",
                           "train.max_steps=6", "train.log_every=1", "train.depth.min=2",
-                          "train.depth.max=8", "train.checkpoint_every=6")
+                          "train.depth.max=8", "train.checkpoint.every=6")
         out = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--config", cfg],
                              capture_output=True, text=True, env=env, timeout=240, cwd=REPO)
         assert out.returncode == 0, out.stderr[-3000:]

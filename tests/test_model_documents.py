@@ -204,7 +204,7 @@ def test_training_with_the_document_mask_runs_end_to_end(tmp_path, tiny_config, 
     batches = islice(TokenStream(tiny_data["path"], seq_len=32, batch_size=4, seed=0), 12)
     assert sum(int((b == EOS).sum()) for b in batches) >= 3  # documents meet in the windows
     cfg = tiny_config(tmp_path, "model.document_mask=true", "train.max_steps=12",
-                      "eval.every_steps=6", "train.checkpoint_every=12")
+                      "eval.every_steps=6", "train.checkpoint.every=12")
     out = run_trainer(cfg, subprocess_env)
     rows = read_metrics(tmp_path / "runs" / "tiny")
     losses = [r["loss"] for r in rows if "kind" not in r]

@@ -350,7 +350,7 @@ NOT_RUN = {
     # the planner at gpt2-medium size: tests/test_plan.py runs --plan through the CLI (table, JSON)
     "scse-train --config configs/gpt2-small-scse.yaml --plan --world-size 16 --gpu h200 --tokens 10e9      name=gpt2-medium-scse model.d_model=1024 model.n_heads=16 model.n_core=5 model.depth=16      train.engine.zero_stage=2 train.engine.deepspeed_config=configs/deepspeed/zero2.json":
         "sizes a run of 10B tokens; tests/test_plan.py runs scse-train --plan the same way",
-    "python launch/train.py --config configs/quickstart.yaml name=stable train.schedule=constant      train.max_steps=10000 train.checkpoint_every=1000 train.keep_checkpoints=20":
+    "python launch/train.py --config configs/quickstart.yaml name=stable train.schedule=constant      train.max_steps=10000 train.checkpoint.every=1000 train.checkpoint.keep=20":
         "10,000 training steps; tests/test_train_cooldown.py trains a constant-LR run and branches it",
     "python launch/train.py --config configs/quickstart.yaml name=stable-cool4k train.schedule=wsd      train.max_steps=5000 train.decay_steps=1000      train.branch_from=runs/stable/checkpoints/step-0004000":
         "branches the 10,000-step run above; tests/test_train_cooldown.py branches a cooldown the same way",

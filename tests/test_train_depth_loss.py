@@ -88,7 +88,7 @@ def test_a_run_logs_the_short_depth_s_loss(tmp_path, tiny_config, subprocess_env
                         ("off", [])):
         (tmp_path / name).mkdir()
         cfg = tiny_config(tmp_path / name, *extra, "train.max_steps=6", "train.log_every=2",
-                          "train.checkpoint_every=100")
+                          "train.checkpoint.every=100")
         out = run_trainer(cfg, subprocess_env)
         runs[name] = [r for r in read_metrics(tmp_path / name / "runs" / "tiny") if "loss" in r]
         assert ("loss_short " in out) == (name == "on")

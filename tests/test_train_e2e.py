@@ -136,7 +136,7 @@ def test_resume_from_the_middle_checkpoint_reproduces_the_run_exactly(trained, t
 def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subprocess_env):
     cfg = tiny_config(tmp_path, "train.engine.zero_stage=2", "train.max_steps=2",
                       "train.log_every=1",
-                      "train.checkpoint_every=1",
+                      "train.checkpoint.every=1",
                       f"train.engine.deepspeed_config={REPO / 'configs/deepspeed/zero2.json'}")
     out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), TRAIN,
                "--config", cfg], subprocess_env)
@@ -241,7 +241,7 @@ def test_a_rerun_with_fewer_steps_than_its_checkpoint_is_refused_and_saves_nothi
 
 def test_diagnostics_off_the_log_steps_get_rows_of_their_own(tmp_path, tiny_config, subprocess_env):
     cfg = tiny_config(tmp_path, "train.max_steps=6", "train.diagnostics_every=3",
-                      "train.checkpoint_every=6")
+                      "train.checkpoint.every=6")
     stdout = must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))
     rows = read_metrics(tmp_path / "runs" / "tiny")
     assert [(r["step"], "loss" in r, "diag/D_kept" in r) for r in rows] == [

@@ -24,7 +24,7 @@ from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
 pytestmark = pytest.mark.slow
 
-STEPS = ("train.max_steps=12", "train.checkpoint_every=4", "train.log_every=1")
+STEPS = ("train.max_steps=12", "train.checkpoint.every=4", "train.log_every=1")
 
 
 def exported(run_dir):

@@ -255,7 +255,7 @@ def test_muon_resumes_at_another_world_size(tmp_path, tiny_config, subprocess_en
     probe = str(Path(__file__).with_name("resume_probe.py"))
     cfg = tiny_config(tmp_path, "train.optimizer.kind=muon", f"train.engine.zero_stage={stage}",
                       "train.batch.micro_batch_size=2", "train.batch.global_batch_size=4",
-                      "train.log_every=1", "train.checkpoint_every=6")
+                      "train.log_every=1", "train.checkpoint.every=6")
     run_dir = tmp_path / "runs" / "tiny"
     all_passed(train_ranks(cfg, subprocess_env, "train.max_steps=6", world=2))
     all_passed(run_ranks([probe, cfg, str(tmp_path / "before.pt"), "step-0000006"],

@@ -47,7 +47,7 @@ def test_resume_across_world_sizes_reads_the_epoch_once_and_keeps_the_optimizer_
                       "train.batch.micro_batch_size=2",
                       "train.batch.global_batch_tokens=128",  # 4 x 32
                       "train.log_every=1",
-                      "train.checkpoint_every=1000", "train.keep_checkpoints=3")
+                      "train.checkpoint.every=1000", "train.checkpoint.keep=3")
     run_dir = tmp_path / "runs" / "tiny"
     env = dict(subprocess_env, SCSE_LOG_SAMPLES=str(log))
     for i, (world, workers, steps) in enumerate(SEGMENTS):

@@ -306,7 +306,7 @@ def spike_state(run_dir, tag="step-0000012") -> dict:
 
 @pytest.mark.slow
 def test_the_statistics_survive_a_resume(tmp_path, tiny_config, env):
-    steps = (*SPIKE, "train.spike_skip.warmup=5", "train.max_steps=12", "train.checkpoint_every=4")
+    steps = (*SPIKE, "train.spike_skip.warmup=5", "train.max_steps=12", "train.checkpoint.every=4")
     (tmp_path / "ref").mkdir()
     reference = tiny_config(tmp_path / "ref", *steps)
     done = run(reference, env, "spike@9")
@@ -332,7 +332,7 @@ def test_the_statistics_survive_a_resume(tmp_path, tiny_config, env):
 def test_too_many_spikes_in_a_row_end_the_run_with_one_line_and_status_4(tmp_path, tiny_config,
                                                                          env):
     config = tiny_config(tmp_path, *SPIKE, "train.spike_skip.max_in_a_row=2",
-                         "train.max_steps=12", "train.checkpoint_every=4")
+                         "train.max_steps=12", "train.checkpoint.every=4")
     out = run(config, env, "spike@6,spike@7")
     assert out.returncode == SPIKE_EXIT_CODE, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if "in a row" in line]

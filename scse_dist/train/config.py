@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from scse_dist.checkpoint.save_config import CheckpointConfig
 from scse_dist.checkpoint.start_config import StartConfig
 from scse_dist.model.config import ConfigError
 from scse_dist.train.batch_config import BatchConfig
@@ -158,8 +159,8 @@ class TrainConfig:
     # Loop diagnostics (scse_dist.train.diagnostics: deviation norms, anchor scale, gradient
     # shares) on one fixed held-out batch every this many steps; null: log_every; 0: off.
     diagnostics_every: Optional[int] = None
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
+    # How often checkpoints are saved and how many are kept (CheckpointConfig).
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
     # A step whose loss or gradient is NaN/Inf on any rank is skipped; this many in a row stop
     # the run (exit status 3) with the last good checkpoint left as it was.
@@ -174,8 +175,7 @@ class TrainConfig:
         """Values no run can train with (one ConfigError naming the field), train.depth's too."""
         positive: dict[str, float] = {
             "max_steps": self.max_steps,
-            "log_every": self.log_every, "checkpoint_every": self.checkpoint_every,
-            "keep_checkpoints": self.keep_checkpoints,
+            "log_every": self.log_every,
             "max_nonfinite_steps": self.max_nonfinite_steps,
         }
         for name, value in positive.items():
@@ -185,6 +185,7 @@ class TrainConfig:
             raise ConfigError(f"train.diagnostics_every: must be >= 0, got "
                               f"{self.diagnostics_every}")
         self.batch.check()
+        self.checkpoint.check()
         self.depth.check()
         self.spike_skip.check()
         self.loss.check()
