@@ -132,9 +132,14 @@ def collective_timeout_s() -> float:
                            "seconds") from None
 
 
+_STARTED: dict[str, DistEnv] = {}  # the env the running process group was started with
+
+
 def init_distributed(backend: Optional[str] = None) -> DistEnv:
     """Export the resolved env, start the process group (nccl on CUDA, else gloo), return the
-    env."""
+    env; once started (the data step starts it before train()), the env it started with."""
+    if dist.is_initialized() and "env" in _STARTED:  # the exported env would read as "env"
+        return _STARTED["env"]
     env = resolve_dist_env(os.environ)
     os.environ.update(env.as_environ())
     if backend is None:
@@ -146,6 +151,7 @@ def init_distributed(backend: Optional[str] = None) -> DistEnv:
         dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
                                 world_size=env.world_size,
                                 timeout=timedelta(seconds=collective_timeout_s()))
+    _STARTED["env"] = env
     return env
 
 

@@ -4,16 +4,18 @@ import gzip
 import itertools
 import json
 import os
+import textwrap
 
 import pytest
 import torch
 
 from scse_dist.config import DataConfig
 from scse_dist.data.cli import main
+from scse_dist.data.index import read_index
 from scse_dist.data.quickstart import ensure_data, stdlib_documents
-from scse_dist.data.shards import read_index
 from scse_dist.data.stream import TokenStream
 from scse_dist.data.tokenizer import Tokenizer
+from train_procs import run_ranks
 
 
 def test_ensure_data_without_build_names_path_and_command(tmp_path):
@@ -21,6 +23,32 @@ def test_ensure_data_without_build_names_path_and_command(tmp_path):
     with pytest.raises(FileNotFoundError) as err:
         ensure_data(cfg)
     assert str(tmp_path / "shards") in str(err.value) and "scse-data" in str(err.value)
+
+
+@pytest.mark.slow
+def test_data_step_builds_on_rank_0_while_the_other_rank_waits(tmp_path, subprocess_env):
+    """Two ranks run the data step, as scse-train does before train(): rank 0 builds, rank 1
+    builds nothing and, once the step returns, reads the shards and the tokenizer they name."""
+    script = tmp_path / "step.py"
+    script.write_text(textwrap.dedent(f"""
+        from scse_dist.config import DataConfig
+        from scse_dist.data.index import read_index
+        from scse_dist.data.quickstart import data_step
+        from scse_dist.data.tokenizer import Tokenizer
+        from scse_dist.distributed import shutdown
+
+        cfg = DataConfig(path={str(tmp_path / "shards")!r}, tokenizer={str(tmp_path / "t.model")!r},
+                         build="stdlib_docs", build_vocab_size=512)
+        data_step(cfg)
+        sha = read_index(cfg.path)["tokenizer_sha256"]
+        print("same tokenizer:", sha == Tokenizer.load(cfg.tokenizer).sha256)
+        shutdown()
+    """))
+    results = run_ranks([str(script)], subprocess_env, timeout=600)
+    for r in results:
+        assert r.returncode == 0, r.tail()
+        assert r.stdout.rstrip().endswith("same tokenizer: True"), r.tail()
+    assert ["quickstart:" in r.stdout for r in results] == [True, False]
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ pytest.importorskip("moto.server")
 
 import fsspec  # noqa: E402
 
-from scse_dist.data.shards import load_sample_table, read_index, write_shards  # noqa: E402
+from scse_dist.data.index import read_index  # noqa: E402
+from scse_dist.data.sample_format import load_sample_table  # noqa: E402
+from scse_dist.data.shards import write_shards  # noqa: E402
 from scse_dist.data.stream import TokenStream  # noqa: E402
 from test_data_stream import IntTokenizer, docs_of  # noqa: E402
 

@@ -13,14 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from scse_dist.data.shards import (
-    TABLE_COLUMNS,
-    is_heldout,
-    iter_samples,
-    load_sample_table,
-    read_index,
-    write_shards,
-)
+from scse_dist.data.index import iter_samples, read_index
+from scse_dist.data.sample_format import load_sample_table
+from scse_dist.data.shards import TABLE_COLUMNS, is_heldout, write_shards
 from scse_dist.data.stream import TokenStream
 
 EOS = 2

@@ -9,7 +9,7 @@ import torch
 from conftest import TINY_VOCAB
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.config import config_from_dict
-from scse_dist.data.shards import read_index
+from scse_dist.data.index import read_index
 from scse_dist.data.stream import TokenStream
 from scse_dist.eval.cli import main
 from scse_dist.eval.perplexity import evaluate_heldout

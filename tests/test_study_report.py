@@ -296,7 +296,7 @@ def test_the_study_is_logged_to_wandb_as_one_group(comparison, tmp_path, monkeyp
 def test_unigram_entropy_is_counted_from_the_training_shards(tiny_data):
     import numpy as np
 
-    from scse_dist.data.shards import iter_samples, resolve_split
+    from scse_dist.data.index import iter_samples, resolve_split
     from scse_dist.study.flags import unigram_entropy
 
     _, index, _, urls = resolve_split(tiny_data["path"], "train")

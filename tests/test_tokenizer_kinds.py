@@ -25,7 +25,8 @@ from conftest import WITHOUT_SCSE_DIST, tiny_documents
 from scse_dist.checkpoint.export import load_export_config, save_exported_model
 from scse_dist.config import config_from_dict
 from scse_dist.data.cli import main as data_main
-from scse_dist.data.shards import iter_samples, read_index, shard_url, write_shards
+from scse_dist.data.index import iter_samples, read_index, shard_url
+from scse_dist.data.shards import write_shards
 from scse_dist.data.tokenizer import Tokenizer, detect_kind, train_tokenizer
 from scse_dist.eval.tasks import document_rows
 from scse_dist.generate.text import continuation_text

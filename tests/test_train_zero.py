@@ -162,6 +162,27 @@ def test_train_refuses_an_indivisible_batch_before_the_process_group(tmp_path, t
     assert not dist.is_initialized() and not (tmp_path / "runs").exists()
 
 
+def test_train_reads_shards_and_builds_no_data(tmp_path, tiny_config, monkeypatch):
+    """The corpus build is the data step that scse-train runs before train(): train() itself,
+    with data.build set and no shards there, refuses (66) and writes no corpus or tokenizer."""
+    from scse_dist.cli_errors import exit_status
+    from scse_dist.train.loop import train
+
+    # the process group train() starts exports these: restored after the test
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    data = tmp_path / "data"
+    cfg = load_config(tiny_config(tmp_path, f"data.path={data}/shards", "train.max_steps=1",
+                                  f"data.tokenizer={data}/tokenizer.model",
+                                  "data.build=stdlib_docs", "data.build_vocab_size=512",
+                                  "model.vocab_size=512"))
+    with pytest.raises(FileNotFoundError, match="tokenizer.model") as err:
+        train(cfg)
+    assert exit_status(err.value) == 66
+    assert not data.exists() and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow
 def test_accumulation_of_4_micro_batches_of_2_equals_1_of_8_at_every_zero_stage(tmp_path,
                                                                                 tiny_config,

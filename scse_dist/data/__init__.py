@@ -5,7 +5,7 @@ webdataset import it)."""
 
 import importlib
 
-_EXPORTS = {"ensure_data": "quickstart", "read_index": "shards", "write_shards": "shards",
+_EXPORTS = {"ensure_data": "quickstart", "read_index": "index", "write_shards": "shards",
             "iter_documents": "sources", "TokenStream": "stream", "Tokenizer": "tokenizer",
             "train_tokenizer": "tokenizer"}
 __all__ = sorted(_EXPORTS)

@@ -172,13 +172,8 @@ def _part(text: str) -> tuple[int, int]:
 
 def inspect_shards(path: str) -> bool:
     """Print per-split counts and re-read every shard; return True when all match the index."""
-    from scse_dist.data.shards import (
-        iter_samples,
-        load_sample_table,
-        read_index,
-        shard_url,
-        table_url,
-    )
+    from scse_dist.data.index import iter_samples, read_index, shard_url, table_url
+    from scse_dist.data.sample_format import load_sample_table
 
     index = read_index(path)
     print(f"{path}: {index['format']}, vocab {index['vocab_size']}, {index['dtype']}, "

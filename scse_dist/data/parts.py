@@ -34,11 +34,10 @@ import numpy as np
 
 from scse_dist.atomic import output_dir
 from scse_dist.cli_errors import InputError
+from scse_dist.data.index import SPLITS, join
 from scse_dist.data.shards import (
-    SPLITS,
     check_layout,
     finish_index,
-    join,
     no_documents,
     shard_meta,
     shards_output,

@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig
+from scse_dist.data.index import check_tokenizer, read_index
 from scse_dist.data.quickstart import check_build, needs_build
-from scse_dist.data.shards import check_tokenizer, read_index
 from scse_dist.data.tokenizer import Tokenizer
 
 

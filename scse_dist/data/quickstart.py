@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import json
 import os
 import sysconfig
 import time
@@ -25,7 +24,8 @@ import fsspec
 
 from scse_dist.atomic import staged_file
 from scse_dist.config import DataConfig
-from scse_dist.data.shards import INDEX_NAME, index_root, is_heldout, join, read_index, write_shards
+from scse_dist.data.index import INDEX_NAME, index_as_written, index_root, join, read_index
+from scse_dist.data.shards import is_heldout, write_shards
 from scse_dist.data.tokenizer import Tokenizer, train_tokenizer
 from scse_dist.typed_yaml import _read_yaml, setting_file
 
@@ -128,6 +128,21 @@ def ensure_data(cfg: DataConfig) -> None:
         build_stdlib_corpus(cfg.path, cfg.tokenizer, cfg.build_vocab_size, cfg.heldout_fraction)
 
 
+def data_step(cfg: DataConfig) -> None:
+    """A run's data step, before train() (which only reads shards): ensure_data on rank 0 while
+    the launcher's other ranks wait, in the process group train() then goes on with. Every rank
+    has checked the run (preflight) before any rank builds."""
+    from scse_dist.distributed import abandon, barrier, init_distributed
+
+    try:
+        if init_distributed().rank == 0:
+            ensure_data(cfg)
+        barrier()
+    except BaseException:  # one line and its exit status, not gloo's abort at exit
+        abandon()
+        raise
+
+
 def needs_build(cfg: DataConfig) -> bool:
     """Whether ensure_data would build `cfg.path` (absent, or written in an older shard format,
     with `cfg.build` set); FileNotFoundError when it is absent and nothing says how to build it."""
@@ -144,12 +159,8 @@ def needs_build(cfg: DataConfig) -> bool:
 
 def _built_index(root: str) -> Optional[dict]:
     """The index.json at `root` (of any format version) if this build wrote it, else None."""
-    try:
-        with fsspec.open(join(root, INDEX_NAME), "r") as f:
-            index = json.load(f)
-    except (OSError, ValueError):
-        return None
-    sources = index.get("sources") if isinstance(index, dict) else None
+    index = index_as_written(root)
+    sources = index.get("sources") if index else None
     ours = isinstance(sources, list) and len(sources) == 1 and str(sources[0]).startswith(SOURCE)
     return index if ours else None
 

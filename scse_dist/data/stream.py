@@ -7,13 +7,7 @@ each one something: whole shards when there are at least R of them, else tar sam
 single documents (tiny splits, cached in memory). Fewer documents than readers is an error
 naming data.num_workers and the world size, never an idle reader that hangs its rank.
 
-Order. Each epoch, the units are permuted with rng(seed, epoch) and dealt round robin to the
-readers, so every token of an epoch is read exactly once across ranks x workers. Inside a
-shard, samples are visited in an order drawn from rng(seed, epoch, shard); `shuffle_buffer` > 1
-further mixes each reader's samples across neighbouring shards (a shuffle buffer of that many
-samples, seeded by (seed, epoch, reader)). All these orders are computed on sample ids, before
-reading, so they cost no memory and resume exactly. heldout defaults to no shuffle; an unshuffled
-shard is read as one sequential tar stream.
+Order: order.py (each reader's items in an epoch, a pure function of ids and seeds).
 
 Packing. Every document is followed by eos (stored so in the shards) and a reader's documents
 are laid end to end by a WindowPacker, across epochs when looping, in batch_size windows of
@@ -44,13 +38,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from scse_dist.cli_errors import InputError
+from scse_dist.data.index import check_tokenizer, resolve_split, table_url
+from scse_dist.data.order import Item, pick_level, reader_plan
 from scse_dist.data.packing import WindowPacker
 from scse_dist.data.reader import Sample, ShardReader, documents_of
 from scse_dist.data.relayout import carried_items
-from scse_dist.data.shards import check_tokenizer, resolve_split, table_url
 
-# (shard, sample, document or -1 for the whole sample, first token)
-Item = tuple[int, int, int, int]
 PREFETCH_SAMPLES = 16  # remote samples fetched concurrently (~2 MB at 64K uint16 tokens)
 STATE_KEYS = ("split", "seq_len", "batch_size", "seed", "shuffle_buffer")
 # what the readers' orders depend on: fixed for a run. The other keys may change at a resume.
@@ -94,7 +87,7 @@ class TokenStream:
                                   int(self.index["vocab_size"]), tables,
                                   file_order=not self.shuffle, max_failures=max_failures)
         self._memory: dict[tuple[int, int], Optional[Sample]] = {}  # document level only
-        self.level = self._pick_level(self.n_readers)
+        self.level = pick_level(self.n_samples, self.n_readers)
         self.consumed = 0  # batches this rank yielded in this layout: with it, the whole position
         self.bad: set[tuple[int, int]] = set()
         # A layout change (another world size or worker count) leaves each epoch it interrupted
@@ -130,44 +123,9 @@ class TokenStream:
         """Bad-input events (corrupt shards or samples skipped) on this rank so far."""
         return sum(self.reader_failures)
 
-    # ------------------------------------------------------------------ plan
-
-    def _pick_level(self, n_readers: int) -> str:
-        if len(self.shards) >= n_readers:
-            return "shard"
-        if sum(self.n_samples) >= n_readers:
-            return "sample"
-        return "document"
-
-    def _units(self, level: str) -> list[tuple[int, int, int]]:
-        if level == "shard":
-            return [(s, -1, -1) for s in range(len(self.shards))]
-        samples = [(s, j) for s, n in enumerate(self.n_samples) for j in range(n)]
-        if level == "sample":
-            return [(s, j, -1) for s, j in samples]
-        return [(s, j, d) for s, j in samples for d in range(len(self._doc_lens(s, j)))]
-
     def plan(self, reader: int, epoch: int, n_readers: Optional[int] = None) -> list[Item]:
-        """The items `reader` of `n_readers` (default: this layout's) reads in a regular `epoch`,
-        in order: a pure function of ids, seeds and the number of readers."""
-        n_readers = n_readers or self.n_readers
-        units = self._units(self._pick_level(n_readers))
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(len(units))
-            units = [units[i] for i in order]
-        items: list[Item] = []
-        for s, j, d in units[reader::n_readers]:
-            if j >= 0:
-                items.append((s, j, d, 0))
-                continue
-            order = np.arange(self.n_samples[s])
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch, s]).permutation(order)
-            items.extend((s, int(k), -1, 0) for k in order)
-        if self.shuffle and self.shuffle_buffer > 1:
-            items = _buffer_shuffle(items, self.shuffle_buffer,
-                                    np.random.default_rng([self.seed, epoch, reader, 1]))
-        return items
+        """The items `reader` of `n_readers` (default: this layout's) reads in a regular `epoch`."""
+        return reader_plan(self, reader, epoch, n_readers or self.n_readers)
 
     @property
     def start_epoch(self) -> int:
@@ -468,18 +426,3 @@ class _Readers(IterableDataset):
                 yield chunk[-1][0], dict(progress, starts=starts[len(same):])
             size = self.stream.group
 
-
-def _buffer_shuffle(items: list[Item], size: int, rng: np.random.Generator) -> list[Item]:
-    """The order a shuffle buffer of `size` emits `items` in: fill, then emit a random slot and
-    refill it with the next item; drain in random order at the end."""
-    buffer: list[Item] = []
-    out: list[Item] = []
-    for item in items:
-        if len(buffer) < size:
-            buffer.append(item)
-            continue
-        k = int(rng.integers(size))
-        out.append(buffer[k])
-        buffer[k] = item
-    rng.shuffle(buffer)
-    return out + buffer

@@ -25,7 +25,7 @@ def is_shard_dir(path: str) -> bool:
 def check_heldout_shards(path: str, cfg: RunConfig, tokenizer: Any) -> None:
     """InputError unless `path` holds held-out shards the model can read: ids within its vocab,
     a heldout split, written with the model's tokenizer."""
-    from scse_dist.data.shards import check_tokenizer, read_index
+    from scse_dist.data.index import check_tokenizer, read_index
 
     # Shards from a bigger tokenizer would index past the embedding: say so instead of crashing.
     index = read_index(str(path))

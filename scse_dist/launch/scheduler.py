@@ -203,7 +203,10 @@ def _launch(args: argparse.Namespace, cfg: RunConfig) -> int:
     if args.local:
         from scse_dist.data.preflight import check_run_data
 
-        check_run_data(cfg, args.config, args.overrides)  # bad data: one line before torch
+        if check_run_data(cfg, args.config, args.overrides):  # bad data: one line before torch
+            from scse_dist.data.quickstart import data_step
+
+            data_step(cfg.data)  # data.build: the data step, before the trainer
         print(f"scse-launch: report {run_local(cfg)}")
         return 0
     if args.evaluate:

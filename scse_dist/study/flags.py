@@ -82,7 +82,7 @@ def unigram_entropy(data_path: str, vocab_size: int, max_tokens: int = 2_000_000
 
 
 def _count_entropy(data_path: str, vocab_size: int, max_tokens: int) -> UnigramEntropy:
-    from scse_dist.data.shards import iter_samples, resolve_split
+    from scse_dist.data.index import iter_samples, resolve_split
 
     counts = np.zeros(vocab_size, dtype=np.int64)
     try:

@@ -1,4 +1,5 @@
-"""`scse-train` / `launch/train.py`: parse `--config PATH key.sub=value ...`, then train.
+"""`scse-train` / `launch/train.py`: parse `--config PATH key.sub=value ...`, check, build the data
+(data.build: the data step), then train.
 
 Works under every launcher: `deepspeed launch/train.py ...` (which appends --local_rank=N),
 `torchrun ...`, `srun python launch/train.py ...` and a plain `python launch/train.py ...`.
@@ -159,11 +160,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             "it at the start" if building else
                                             "present and readable") + ")")
         return 0
-    check_can_start(cfg, args)
+    building = check_can_start(cfg, args)
     from scse_dist.distributed import launcher_world  # imports torch: after the checks
 
     world_size, world_from = launcher_world(os.environ)  # before any process group starts
     cfg.train.batch.grad_accum_for(world_size, world_from=world_from)
+    if building:  # the data step (data.build), then the trainer, which only reads shards
+        from scse_dist.data.quickstart import data_step
+
+        data_step(cfg.data)
     from scse_dist.train.faults import PREEMPT_SIGNALS, REQUEUE_EXIT_CODE, TrainingStopped
     from scse_dist.train.loop import train  # imports deepspeed only once the config is good
 

@@ -315,12 +315,9 @@ def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:
 
 
 def _prepare_run_dir(cfg: RunConfig, rank0: bool) -> tuple[RunStorage, Any]:
-    """The run dir (data built, checkpoint to resume fetched, verified and agreed) and the tag."""
-    from scse_dist.data.quickstart import ensure_data
-
+    """The run dir (checkpoint to resume fetched, verified and agreed) and the tag."""
     storage = RunStorage.for_config(cfg)  # a remote output_dir: run_dir is a local staging dir
-    if rank0:  # one rank builds the data and writes the run dir, the others wait for it
-        ensure_data(cfg.data)
+    if rank0:  # one rank writes the run dir, the others wait for it
         storage.local.mkdir(parents=True, exist_ok=True)
     barrier()
     storage.fetch_latest()  # remote runs: the checkpoint to resume from, onto every node
