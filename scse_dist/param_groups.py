@@ -12,6 +12,9 @@ the roles differently.
     coda       the coda blocks' attention and SwiGLU matrices
     norm       every RMSNorm gain: the blocks' norm1/norm2, qk_norm's q_norm/k_norm, the final norm
 
+The gradient shares (diag/grad_share_*) use SHARE_GROUPS, where a parameter sits, derived from
+these by `share_group_of`.
+
 Norm gains are one group wherever they sit: under Post-LN the core's last norm2 gain is the output
 scale rho of Phi (diagnostics.core_scale), and gains are the parameters an optimizer step moves
 most relative to their size. `with_lr_mult` splits an optimizer's param groups by
@@ -29,6 +32,9 @@ from scse_dist.model.config import ConfigError
 
 PARAM_GROUPS = ("embed", "head", "prelude", "anchor", "adapter", "core_attn", "core_mlp", "coda",
                 "norm")
+
+SHARE_GROUPS = ("anchor", "core", "prelude", "coda", "embed")  # share_group_of's
+_SHARE_OF = {"head": "coda", "adapter": "core", "core_attn": "core", "core_mlp": "core"}
 
 _NORM = re.compile(r"(^|\.)(norm1|norm2|q_norm|k_norm)\.weight$")
 _BLOCK = re.compile(r"^(prelude|coda|core\.blocks)\.\d+\.(attn|mlp)\.")
@@ -53,6 +59,16 @@ def group_of(name: str) -> str:
         return f"core_{sub}" if part == "core.blocks" else part
     raise ValueError(f"param_groups.group_of: parameter {name!r} is in no group of "
                      f"{', '.join(PARAM_GROUPS)}; add it to scse_dist/param_groups.py")
+
+
+def share_group_of(name: str) -> str:
+    """The SHARE_GROUPS entry of a LoopedLM parameter name: where its group_of sits (an untied
+    head with the coda, the adapter in the core); a norm gain goes with its part (the final
+    norm: coda)."""
+    group = group_of(name)
+    if group == "norm":
+        group = name.split(".", 1)[0] if name.startswith(("core.", "prelude.")) else "coda"
+    return _SHARE_OF.get(group, group)
 
 
 def check_lr_mult(lr_mult: Mapping[str, float]) -> None:

@@ -174,18 +174,20 @@ def test_heldout_on_a_text_corpus_scores_whole_documents(export, tmp_path):
 
 
 @pytest.mark.parametrize("recurrence", ["scse", "additive"])
-def test_diagnose_norms_match_the_model_diagnostics(recurrence):
+def test_diagnose_norms_match_the_model_states(recurrence):
     model, _ = _model(recurrence)
     torch.manual_seed(1)
     batch = torch.randint(3, TINY_VOCAB, (2, 9))
     rows = diagnose_rows(model, [batch], [1, 3])
     with torch.no_grad():
-        diag = model(batch[:, :-1], depth=3, diagnostics=True).diagnostics
         s = model.source(batch[:, :-1])
+        anchor = model.core.anchor_of(s)
+        h = [model.core.initial_state(s), *model.core(s, 3, readout_depths=[1, 2, 3])]
     assert [r["depth"] for r in rows] == [1, 3]
     for r in rows:
-        assert r["deviation_norm"] == pytest.approx(float(diag["deviation_norm"][r["depth"]]))
-        assert r["motion_norm"] == pytest.approx(float(diag["motion_norm"][r["depth"] - 1]))
+        t = r["depth"]
+        assert r["deviation_norm"] == pytest.approx(float((h[t] - anchor).norm(dim=-1).mean()))
+        assert r["motion_norm"] == pytest.approx(float((h[t] - h[t - 1]).norm(dim=-1).mean()))
         assert r["bias_norm"] > 0
     if recurrence == "scse":  # SCSE proper: no forcing bias reaches a zero deviation
         assert rows[0]["effective_bias_norm"] == 0.0

@@ -9,13 +9,9 @@ import torch
 
 from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
-from scse_dist.train.diagnostics import (
-    GRAD_GROUPS,
-    DiagnosticsCallback,
-    grad_group,
-    gradient_shares,
-    loop_diagnostics,
-)
+from scse_dist.param_groups import SHARE_GROUPS, share_group_of
+from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
+from scse_dist.train.diagnostics import gradient_shares, loop_diagnostics
 from scse_dist.train.metrics import format_line
 
 
@@ -66,9 +62,10 @@ def test_values_agree_with_the_model_forward() -> None:
     diag = loop_diagnostics(model, WINDOW, depth=3, max_depth=6)
     tokens, targets = WINDOW[:, :-1], WINDOW[:, 1:]
     with torch.no_grad():
-        out = model(tokens, targets, depth=6, readout_depths=[1, 3], keep_logits=False,
-                    diagnostics=True)
-    deviation = out.diagnostics["deviation_norm"].tolist()
+        out = model(tokens, targets, depth=6, readout_depths=[1, 3], keep_logits=False)
+        s = model.source(tokens)
+        h = [model.core.initial_state(s), *model.core(s, 6, readout_depths=range(1, 7))]
+    deviation = [float((x - model.core.anchor_of(s)).norm(dim=-1).mean()) for x in h]
     assert [diag[f"diag/D_norm_t{t}"] for t in range(7)] == pytest.approx(deviation, rel=1e-6)
     assert diag["diag/D_ratio_t2"] == pytest.approx(deviation[3] / deviation[2], rel=1e-6)
     assert diag["diag/loss_t1"] == pytest.approx(float(out.loss_by_depth[1]), rel=1e-6)
@@ -142,7 +139,27 @@ def test_gradient_shares_are_exact() -> None:
     assert shares["diag/grad_share_prelude"] == pytest.approx(128 / total)
     assert shares["diag/grad_share_coda"] == pytest.approx(32 / total)
     assert shares["diag/grad_share_core"] == shares["diag/grad_share_embed"] == 0.0
-    assert {grad_group(n) for n, _ in model.named_parameters()} == set(GRAD_GROUPS)
+    assert {share_group_of(n) for n, _ in model.named_parameters()} == set(SHARE_GROUPS)
+
+
+def test_share_groups_are_where_a_parameter_sits() -> None:
+    """The gradient shares' groups, derived from param_groups.group_of: a norm gain goes with its
+    part, an untied head and the final norm with the coda, the concat adapter with the core."""
+    model = model_of(tie_embeddings=False, qk_norm=True, inject="concat")
+    got = {n: share_group_of(n) for n, _ in model.named_parameters()}
+    assert got["core.anchor.weight"] == "anchor" and got["core.adapter.weight"] == "core"
+    assert got["core.blocks.0.norm2.weight"] == got["core.blocks.0.attn.q_norm.weight"] == "core"
+    assert got["prelude.0.norm1.weight"] == got["prelude.0.mlp.up.weight"] == "prelude"
+    assert got["norm.weight"] == got["head.weight"] == got["coda.0.norm1.weight"] == "coda"
+    assert got["embed.weight"] == "embed"
+
+
+def fake_state(model, step: int, zero_stage: int = 0, cfg=None):
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(module=model, zero_optimization_stage=lambda: zero_stage)
+    return SimpleNamespace(engine=engine, step=step, rank0=True, cfg=cfg, metrics_extra={},
+                           step_seconds=0.0)
 
 
 def test_callback_logs_on_its_steps_only() -> None:
@@ -150,39 +167,40 @@ def test_callback_logs_on_its_steps_only() -> None:
     loss = model(WINDOW[:, :-1], WINDOW[:, 1:], keep_logits=False).loss
     loss.backward()
 
-    class Engine:
-        module = model
+    def row_of(callback, step: int, zero_stage: int = 0) -> dict:
+        callback.on_start(fake_state(model, 0, zero_stage))
+        callback.before_update(fake_state(model, step - 1))  # state.step: the steps done before
+        state = fake_state(model, step)
+        callback.on_step_end(state)
+        return state.metrics_extra
 
-    callback = DiagnosticsCallback(every=5, window=WINDOW, depth=3, max_depth=4, zero_stage=0,
-                                   rank0=True)
-    callback.before_update(Engine, 4)
-    assert callback.on_step_end(model, 4) == {}
-    callback.before_update(Engine, 5)
-    row = callback.on_step_end(model, 5)
+    callback = LoopDiagnosticsCallback(every=5, depth=3, max_depth=4, window=WINDOW)
+    assert row_of(callback, 4) == {}
+    row = row_of(callback, 5)
     assert row["diag/grad_norm"] > 0 and row["diag/D_norm_t4"] > 0
-    assert sum(row[f"diag/grad_share_{g}"] for g in GRAD_GROUPS) == pytest.approx(1.0)
+    assert sum(row[f"diag/grad_share_{g}"] for g in SHARE_GROUPS) == pytest.approx(1.0)
     assert model.training is False  # left as it was
-    skipped = DiagnosticsCallback(every=5, window=WINDOW, depth=3, max_depth=4, zero_stage=3,
-                                  rank0=True)
-    skipped.before_update(Engine, 5)
-    assert skipped.on_step_end(model, 5) == {}
+    skipped = LoopDiagnosticsCallback(every=5, depth=3, max_depth=4, window=WINDOW)
+    assert row_of(skipped, 5, zero_stage=3) == {}
 
 
-def test_diagnostics_for_a_run_config(tmp_path, capsys) -> None:
+def test_the_callback_from_a_run_config(tmp_path, capsys) -> None:
     from scse_dist.config import load_config
-    from scse_dist.train.diagnostics import diagnostics_for
 
     data = f"data.path={tmp_path / 'none'}"
     cfg = load_config(None, [data, "train.log_every=7", "train.depth.kind=uniform",
                              "model.depth=3"])
-    callback = diagnostics_for(cfg, zero_stage=1, rank0=True)
+    callback = LoopDiagnosticsCallback.from_config(cfg)
+    assert callback is not None
     assert (callback.every, callback.depth, callback.max_depth) == (7, 3, 6)
+    callback.on_start(fake_state(None, 0, cfg=cfg))
     assert callback.window is None  # no held-out split there: said in one line, grads still run
     assert capsys.readouterr().out.startswith(f"loop diagnostics: no held-out batch in {tmp_path}")
     assert callback.due(14) and not callback.due(15)
-    every_5 = load_config(None, [data, "train.diagnostics_every=5"])
-    assert diagnostics_for(every_5, 1, rank0=False).every == 5
+    every_5 = LoopDiagnosticsCallback.from_config(
+        load_config(None, [data, "train.diagnostics_every=5"]))
+    assert every_5 is not None and every_5.every == 5
     off = load_config(None, [data, "train.diagnostics_every=0"])
-    assert not diagnostics_for(off, 1, rank0=True).due(10)
+    assert LoopDiagnosticsCallback.from_config(off) is None
     untied = load_config(None, [data, "model.recurrence=untied", "model.residual=preln"])
-    assert not diagnostics_for(untied, 1, rank0=True).due(10)
+    assert LoopDiagnosticsCallback.from_config(untied) is None

@@ -13,13 +13,9 @@ from recurrences import over_recurrences
 from scse_dist.config import ConfigError, ModelConfig
 from scse_dist.model import LoopedLM
 from scse_dist.param_groups import PARAM_GROUPS, group_of
+from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
 from scse_dist.train.core_probes import jacobian_gain, phi_jacobian, sublayer_ratios
-from scse_dist.train.diagnostics import (
-    DiagnosticsCallback,
-    loop_diagnostics,
-    update_ratios,
-    weights_snapshot,
-)
+from scse_dist.train.diagnostics import loop_diagnostics, update_ratios, weights_snapshot
 
 
 def tiny(**kw) -> ModelConfig:
@@ -97,19 +93,25 @@ def test_callback_reports_the_update_of_its_step() -> None:
     model = model_of()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    class Engine:
-        module = model
+    def state(step: int):
+        from types import SimpleNamespace
 
-    callback = DiagnosticsCallback(every=2, window=WINDOW, depth=3, max_depth=3, zero_stage=0,
-                                   rank0=True)
+        engine = SimpleNamespace(module=model, zero_optimization_stage=lambda: 0)
+        return SimpleNamespace(engine=engine, step=step, rank0=True, metrics_extra={},
+                               step_seconds=0.0)
+
+    callback = LoopDiagnosticsCallback(every=2, depth=3, max_depth=3, window=WINDOW)
+    callback.on_start(state(0))
     rows = {}
     for step in (1, 2):
         model(WINDOW[:, :-1], WINDOW[:, 1:], keep_logits=False).loss.backward()
-        callback.before_update(Engine, step)
+        callback.before_update(state(step - 1))
         weights = weights_snapshot(model)
         optimizer.step()
         optimizer.zero_grad()
-        rows[step] = (callback.on_step_end(model, step), update_ratios(model, weights))
+        after = state(step)
+        callback.on_step_end(after)
+        rows[step] = (after.metrics_extra, update_ratios(model, weights))
     assert rows[1][0] == {}  # not a diagnostics step: no copy kept, nothing logged
     row, direct = rows[2]
     assert {k: row[k] for k in direct} == direct and direct["diag/update_ratio_core_mlp"] > 0

@@ -187,7 +187,7 @@ def test_rope_tables_are_made_once_per_forward(recurrence: str, monkeypatch) -> 
     model = LoopedLM(cfg_of(recurrence=recurrence, residual="preln", n_core=2,
                             activation_checkpointing="block"))
     toks = torch.randint(0, 64, (2, 16))
-    out = model(toks, toks, depth=4, keep_logits=False, diagnostics=True)
+    out = model(toks, toks, depth=4, keep_logits=False)
     out.loss.backward()  # checkpointed blocks recompute with the same tables
     assert made == [16]
     made.clear()

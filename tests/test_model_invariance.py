@@ -185,32 +185,33 @@ def test_keep_logits_false_keeps_losses_only() -> None:
 
 
 @over_recurrences(loops_only=True)
-def test_diagnostics_leave_outputs_unchanged_and_measure_norms(recurrence: str) -> None:
+def test_the_loop_trace_measures_the_forward_states(recurrence: str) -> None:
     torch.manual_seed(4)
     model = LoopedLM(tiny(recurrence=recurrence))
     toks, depth = tokens(2, 16, seed=4), 5
     with torch.no_grad():
-        plain = model(toks, depth=depth)
-        diag = model(toks, depth=depth, diagnostics=True)
         s = model.source(toks)
         anchor = model.core.anchor_of(s)
         states = model.core(s, depth, readout_depths=range(1, depth + 1))
-    assert torch.equal(plain.logits, diag.logits) and plain.diagnostics is None
-    d = diag.diagnostics
-    assert d["deviation_norm"].shape == (depth + 1,) and d["motion_norm"].shape == (depth,)
-    assert d["forcing_bias_norm"].shape == ()
+        trace = model.core.trace(s, depth, keep=(0, 2, depth))
+        bias = model.core.forcing_bias_norm(trace.ctx)
+    assert trace.deviation_norm.shape == (depth + 1,) and trace.motion_norm.shape == (depth,)
+    assert bias.shape == ()
     h = [model.core.initial_state(s), *states]
+    assert sorted(trace.states) == [0, 2, depth]
+    for t, state in trace.states.items():
+        torch.testing.assert_close(state, h[t])
     want_dev = torch.stack([(x - anchor).norm(dim=-1).mean() for x in h])
     want_motion = torch.stack([(b - a).norm(dim=-1).mean() for a, b in zip(h, h[1:])])
-    torch.testing.assert_close(d["deviation_norm"], want_dev)
-    torch.testing.assert_close(d["motion_norm"], want_motion)
+    torch.testing.assert_close(trace.deviation_norm, want_dev)
+    torch.testing.assert_close(trace.motion_norm, want_motion)
     if model.core.transition.has_anchor:  # scse at lambda 0: no forcing bias at its anchor
-        assert d["forcing_bias_norm"].item() == 0.0
+        assert bias.item() == 0.0
     else:
         with torch.no_grad():
             want_b = (model.core.phi(s, s) - s).norm(dim=-1).mean()
-        assert d["forcing_bias_norm"].item() > 0
-        torch.testing.assert_close(d["forcing_bias_norm"], want_b)
+        assert bias.item() > 0
+        torch.testing.assert_close(bias, want_b)
 
 
 def test_scse_forcing_bias_norm_scales_with_lambda() -> None:
@@ -219,6 +220,7 @@ def test_scse_forcing_bias_norm_scales_with_lambda() -> None:
         torch.manual_seed(5)
         model = LoopedLM(tiny(forcing_bias_scale=lam, zero_mask=False))
         with torch.no_grad():
-            norms[lam] = model(tokens(2, 8), diagnostics=True).diagnostics["forcing_bias_norm"]
+            trace = model.core.trace(model.source(tokens(2, 8)), 1)
+            norms[lam] = model.core.forcing_bias_norm(trace.ctx)
     assert norms[0.25] > 0
     torch.testing.assert_close(norms[0.5], 2 * norms[0.25])

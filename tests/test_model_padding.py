@@ -38,8 +38,7 @@ def test_left_padded_batch_equals_each_sequence_alone(kw: dict, depth: int) -> N
     tokens, mask = left_pad(seqs, pad=7)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        batched = model(tokens, depth=depth, attention_mask=mask, position_ids=positions,
-                        diagnostics=True).logits
+        batched = model(tokens, depth=depth, attention_mask=mask, position_ids=positions).logits
         derived = model(tokens, depth=depth, attention_mask=mask).logits  # positions from mask
         other_pad = model(tokens.masked_fill(mask == 0, 3), depth=depth, attention_mask=mask).logits
         for i, q in enumerate(seqs):

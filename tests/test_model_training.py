@@ -167,6 +167,6 @@ def test_loop_core_full_backward_hook_fires_once(mode: str) -> None:
     toks = corpus(2, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out = model(toks[:, :-1], toks[:, 1:], readout_depths=[1, 2], diagnostics=True)
+        out = model(toks[:, :-1], toks[:, 1:], readout_depths=[1, 2])
     (out.loss_by_depth[1] + out.loss).backward()
     assert len(fired) == 1

@@ -116,7 +116,7 @@ def test_a_toy_without_a_loop_is_treated_as_one(toy):
     from scse_dist.study.collect import StudyRun
     from scse_dist.study.flags import FlagThresholds, flat_in_t
     from scse_dist.study.report import training_depth
-    from scse_dist.train.diagnostics import diagnostics_for
+    from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
     from scse_dist.train.dry_run import training_depths
 
     register(Pair)
@@ -125,7 +125,7 @@ def test_a_toy_without_a_loop_is_treated_as_one(toy):
                                  "train.diagnostics_every=1"])
         assert training_depths(cfg) == [2, 2, 2]  # the depth it runs, not model.depth
         assert training_depth(cfg) is None
-        assert diagnostics_for(cfg, zero_stage=1, rank0=False).every == 0
+        assert LoopDiagnosticsCallback.from_config(cfg) is None
         flat = {"heldout": {d: {"ppl": 100.0} for d in (1, 2, 4)}}
         run = StudyRun("pair", 0, None, "final", Path("r"), config=cfg, results=flat)
         assert flat_in_t(run, FlagThresholds()) is None
@@ -162,7 +162,7 @@ def test_the_registry_tests_cover_the_model_tests():
     names = {t.__name__ for t, _ in REGISTRY_TESTS}
     assert {"test_core_steps_through_its_transition",
             "test_multi_depth_readout_equals_separate_runs",
-            "test_diagnostics_leave_outputs_unchanged_and_measure_norms",
+            "test_the_loop_trace_measures_the_forward_states",
             "test_flops_match_torch_flop_counter"} <= names
     assert len(REGISTRY_TESTS) >= 10
 

@@ -108,28 +108,31 @@ def test_the_config_checks_an_entrys_form_without_importing_it(tiny_config, tmp_
 
 
 def test_the_built_ins_keep_their_order_and_an_entry_takes_its_place(tiny_config, tmp_path):
-    from scse_dist.train.callbacks.preemption import PreemptionCallback
-    from scse_dist.train.loop import default_callbacks
+    from scse_dist.train.callbacks.built_in import built_in_callbacks
 
     cfg = load_config(tiny_config(tmp_path, "eval.every_steps=5", "eval.sample_every=5"))
-    preemption = PreemptionCallback()
-    try:
-        built_in = default_callbacks(cfg, preemption)
-        assert in_hook_order(built_in) == built_in
-        names = lambda cbs: [type(c).__name__ for c in cbs]  # noqa: E731
-        assert names(built_in) == [
-            "NonFiniteCallback", "LoopDiagnosticsCallback", "MetricsCallback",
-            "HeldoutEvalCallback", "SampleCallback", "CheckpointCallback", "PreemptionCallback",
-            "ExportCallback", "AfterTrainingEval"]
-        late, early, default = (configured_callbacks([spec(priority=p)])[0]
-                                for p in (-250, 350, None))
-        plain = Callback()  # priority 0: after the rows, before the checkpoint
-        order = in_hook_order([*built_in, late, early, plain])
-        assert order.index(early) == 2 and order.index(plain) == 6
-        assert order.index(late) == order.index(preemption) + 1
-        assert default.priority == 350
-    finally:
-        preemption.flag.uninstall()
+    built_in = built_in_callbacks(cfg)
+    assert in_hook_order(built_in) == built_in
+    names = lambda cbs: [type(c).__name__ for c in cbs]  # noqa: E731
+    assert names(built_in) == [
+        "NonFiniteCallback", "LoopDiagnosticsCallback", "MetricsCallback",
+        "HeldoutEvalCallback", "SampleCallback", "CheckpointCallback", "PreemptionCallback",
+        "ExportCallback", "AfterTrainingEval"]
+    late, early, default = (configured_callbacks([spec(priority=p)])[0]
+                            for p in (-250, 350, None))
+    plain = Callback()  # priority 0: after the rows, before the checkpoint
+    order = in_hook_order([*built_in, late, early, plain])
+    assert order.index(early) == 2 and order.index(plain) == 6
+    assert names(order[order.index(late) - 1:][:1]) == ["PreemptionCallback"]
+    assert default.priority == 350
+    # each built-in from the section that enables it: off, it is not in the list
+    every_on = load_config(tiny_config(
+        tmp_path, "eval.downstream_every=5", "eval.downstream_tasks=[lambada]",
+        f"eval.lambada={tmp_path / 'lambada.jsonl'}",
+        "train.spike_skip.enabled=true", "profile.enabled=true", "train.diagnostics_every=0"))
+    assert set(names(built_in_callbacks(every_on))) - set(names(built_in)) == {
+        "SpikeSkipCallback", "DownstreamEvalCallback", "ProfilerCallback"}
+    assert "LoopDiagnosticsCallback" not in names(built_in_callbacks(every_on))
 
 
 def test_states_are_keyed_by_class_repeats_numbered_and_restored():

@@ -238,13 +238,13 @@ def diagnose_rows(model: LoopedLM, batches: Iterable[torch.Tensor], depths: list
 def _diagnose_batch(model: LoopedLM, batch: torch.Tensor, depths: list[int]
                     ) -> dict[str, torch.Tensor]:
     inputs = batch[:, :-1].to(next(model.parameters()).device)
-    diag = model(inputs, depth=max(depths), diagnostics=True, keep_logits=False).diagnostics
-    s = model.source(inputs)
-    anchor = model.core.anchor_of(s)
+    rope = model.rope(inputs)
+    trace = model.core.trace(model.source(inputs, rope), max(depths), rope=rope)
+    s, anchor = trace.ctx["source"], trace.ctx["anchor"]
     bias = (model.core.phi(anchor, s) - anchor).float().norm(dim=-1).mean()
-    values = {"bias_norm": bias, "effective_bias_norm": diag["forcing_bias_norm"],
-              "deviation_norm": diag["deviation_norm"],
-              "motion_norm": torch.cat([diag["motion_norm"].new_zeros(1), diag["motion_norm"]])}
+    values = {"bias_norm": bias, "effective_bias_norm": model.core.forcing_bias_norm(trace.ctx),
+              "deviation_norm": trace.deviation_norm,
+              "motion_norm": torch.cat([trace.motion_norm.new_zeros(1), trace.motion_norm])}
     return {k: v.double().cpu() for k, v in values.items()}
 
 

@@ -23,7 +23,7 @@ from .loss import (
     chunked_cross_entropy_with_z_loss,
     z_loss_of_logits,
 )
-from .recurrence import DIAGNOSTICS, LoopCore
+from .recurrence import LoopCore
 from .transitions import check_model_config
 
 
@@ -35,7 +35,6 @@ class LMOutput(NamedTuple):
     loss: Optional[torch.Tensor]  # mean cross-entropy at the final depth, if targets given
     logits_by_depth: Optional[dict[int, torch.Tensor]]
     loss_by_depth: Optional[dict[int, torch.Tensor]]
-    diagnostics: Optional[dict[str, torch.Tensor]]
     core_calls: int  # Phi applications the output depends on (scse: T+1, others: T)
     depth: int  # the final depth run (with an exit rule: the most steps a token may take)
     steps_used: Optional[torch.Tensor] = None  # (B, S) long: loop steps per token (exit_rule)
@@ -195,7 +194,7 @@ class LoopedLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 depth: Optional[int] = None, readout_depths: Optional[Iterable[int]] = None,
-                backprop_steps: int = 0, diagnostics: bool = False, keep_logits: bool = True,
+                backprop_steps: int = 0, keep_logits: bool = True,
                 initial_state: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
@@ -210,7 +209,6 @@ class LoopedLM(nn.Module):
         the loop runs to the larger and the final depth is read out too.
         readout_depths: coda+head applied at each of these depths of the same loop run.
         backprop_steps=k > 0: gradients flow through only the last k loop steps.
-        diagnostics: per-step deviation/motion norms and the forcing-bias norm; outputs unchanged.
         initial_state: (B, S, d) replaces H0.
         attention_mask: (B, S) 1 for real tokens, 0 for padding (left padding: generation,
         batched evaluation); padding keys are masked in every block. position_ids: (B, S) RoPE
@@ -223,16 +221,14 @@ class LoopedLM(nn.Module):
         exit_rule: adaptive depth per token (eval, no grad; LoopCore.adaptive): the loop runs up
         to the rule's max_steps (else the depth above), each token stops when the rule fires, and
         the output's steps_used says how many steps each took. Not with readout_depths,
-        backprop_steps, diagnostics or initial_state.
+        backprop_steps or initial_state. The loop's per-step norms: LoopCore.trace.
         z_loss: weight of PaLM's z-loss at the final depth (training; needs targets): the output's
         z_loss and objective (LMOutput). `loss` stays the cross-entropy.
         """
         if exit_rule is not None:
-            if readout_depths is not None or backprop_steps or diagnostics \
-                    or initial_state is not None:
+            if readout_depths is not None or backprop_steps or initial_state is not None:
                 raise ValueError("exit_rule: adaptive depth reads out one state per token; it "
-                                 "takes no readout_depths, backprop_steps, diagnostics or "
-                                 "initial_state")
+                                 "takes no readout_depths, backprop_steps or initial_state")
             depth = exit_rule.max_steps or depth
         final, readouts = self._resolve_depths(depth, readout_depths)
         wanted = sorted(set(readouts or []) | {final})
@@ -245,11 +241,10 @@ class LoopedLM(nn.Module):
             and torch.is_grad_enabled()
         outs = self.core(self.source(tokens, rope, mask), final, readout_depths=wanted,
                          backprop_steps=backprop_steps, initial_state=initial_state,
-                         diagnostics=diagnostics, rope=rope, mask=mask, exit_rule=exit_rule,
+                         rope=rope, mask=mask, exit_rule=exit_rule,
                          log_probs=log_probs, stability=stability)
         steps_used = outs[1] if exit_rule is not None else None
         states = dict(zip(wanted, outs))
-        diag = dict(zip(DIAGNOSTICS, outs[len(wanted):])) if diagnostics else None
         aux_loss = outs[-1] if stability else None
         if z_loss and targets is None:
             raise ValueError("z_loss: a term of the training loss; it needs targets")
@@ -279,7 +274,6 @@ class LoopedLM(nn.Module):
             loss=loss_by_depth.get(final),
             logits_by_depth=logits_by_depth if readouts is not None and keep_logits else None,
             loss_by_depth=loss_by_depth if readouts is not None and targets is not None else None,
-            diagnostics=diag,
             core_calls=self.core.core_calls(final),
             depth=final,
             steps_used=steps_used,

@@ -16,7 +16,7 @@ itself to it as the `Core` protocol defined there (Phi, phi_ctx, anchor, output_
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence, cast
+from typing import Any, Callable, ContextManager, Iterable, NamedTuple, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -29,10 +29,6 @@ from .documents import AttnMask
 from .exit_rules import ExitRule
 from .kv_cache import LoopKV
 from .transitions import Context, Transition, check_model_config
-
-# Names of the diagnostics LoopCore.forward appends to its outputs, in order.
-DIAGNOSTICS = ("deviation_norm", "motion_norm", "forcing_bias_norm")
-
 
 # loop_stability's hinge floor on |D_T| / |D_0| per token: a loop that keeps half of its
 # starting deviation is not penalised; the collapsing seeds of issue 17 kept 1 to 4%.
@@ -81,6 +77,15 @@ def stability_penalty(d_first: torch.Tensor, d_before: torch.Tensor, d_last: tor
         / moving.sum().clamp(min=1)
     late = ((d_last - d_before).float().norm(dim=-1) / n_last.clamp(min=tiny)).mean()
     return hinge + late
+
+
+class LoopTrace(NamedTuple):
+    """LoopCore.trace's run; norms are means over tokens of the per-token L2 norm, in fp32."""
+
+    deviation_norm: torch.Tensor  # (depth + 1,): |h_t - anchor| for t = 0..depth
+    motion_norm: torch.Tensor  # (depth,): |h_t - h_{t-1}| for t = 1..depth
+    states: dict[int, torch.Tensor]  # h_t for the depths asked to keep
+    ctx: Context  # the run's context: source, anchor, RoPE, what the transition adds
 
 
 class LoopCore(nn.Module):
@@ -199,13 +204,13 @@ class LoopCore(nn.Module):
 
     def forward(self, s: torch.Tensor, depth: int, readout_depths: Optional[Iterable[int]] = None,
                 backprop_steps: int = 0, initial_state: Optional[torch.Tensor] = None,
-                diagnostics: bool = False, rope: Optional[RopeTables] = None,
+                rope: Optional[RopeTables] = None,
                 mask: Optional[AttnMask] = None, exit_rule: Optional[ExitRule] = None,
                 log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                 stability: bool = False) -> tuple[torch.Tensor, ...]:
         """Run `depth` steps once. Returns a flat tuple: h_t for t in sorted(readout_depths)
-        (default (depth,)), then, if diagnostics, the DIAGNOSTICS tensors in that order, then, if
-        stability, cfg.loop_stability * stability_penalty(D_0, D_{depth-1}, D_depth).
+        (default (depth,)), then, if stability, cfg.loop_stability * stability_penalty(D_0,
+        D_{depth-1}, D_depth). (The loop's per-step norms, without grad: trace.)
 
         A tuple of tensors, not a dict: as a ZeRO-3 leaf this module's gradients are reduced in a
         full backward hook, which torch only calls for Tensor or tuple outputs.
@@ -226,10 +231,6 @@ class LoopCore(nn.Module):
         frozen_steps = depth - backprop_steps if 0 < backprop_steps < depth else 0
         x, ctx = self.start(s, initial_state, rope, mask)
         states: list[torch.Tensor] = []
-        h_prev = self.state(x, ctx).detach() if diagnostics else None
-        deviation, motion = [], []
-        if diagnostics:
-            deviation.append(_row_norm_mean(h_prev - ctx["anchor"]))
         d_first = self.deviation(x, ctx) if stability else None
         d_before = d_first
         for t in range(depth):
@@ -245,15 +246,7 @@ class LoopCore(nn.Module):
                 x = x.detach()
             if t + 1 in readouts:
                 states.append(self.state(x, ctx))
-            if diagnostics:
-                assert h_prev is not None  # set above under diagnostics
-                h = self.state(x, ctx).detach()
-                deviation.append(_row_norm_mean(h - ctx["anchor"]))
-                motion.append(_row_norm_mean(h - h_prev))
-                h_prev = h
         outs = tuple(states)
-        if diagnostics:
-            outs += (torch.stack(deviation), torch.stack(motion), self._forcing_bias_norm(ctx))
         if stability:
             assert d_first is not None and d_before is not None  # set above under stability
             penalty = stability_penalty(d_first, d_before, self.deviation(x, ctx))
@@ -261,7 +254,27 @@ class LoopCore(nn.Module):
         return outs
 
     @torch.no_grad()
-    def _forcing_bias_norm(self, ctx: Context) -> torch.Tensor:
+    def trace(self, s: torch.Tensor, depth: int, keep: Iterable[int] = (),
+              rope: Optional[RopeTables] = None) -> LoopTrace:
+        """The loop run `depth` steps from source `s` without grad: the one loop trace that the
+        training diagnostics and the diagnose task read (norms at every step, h_t for t in
+        `keep`)."""
+        x, ctx = self.start(s, rope=rope)
+        h_prev = self.state(x, ctx)
+        states = {0: h_prev} if 0 in keep else {}
+        deviation, motion = [_row_norm_mean(h_prev - ctx["anchor"])], []
+        for t in range(depth):
+            x = self.step(x, ctx, t)
+            h = self.state(x, ctx)
+            deviation.append(_row_norm_mean(h - ctx["anchor"]))
+            motion.append(_row_norm_mean(h - h_prev))
+            if t + 1 in keep:
+                states[t + 1] = h
+            h_prev = h
+        return LoopTrace(torch.stack(deviation), torch.stack(motion), states, ctx)
+
+    @torch.no_grad()
+    def forcing_bias_norm(self, ctx: Context) -> torch.Tensor:
         """Mean ||what a zero deviation moves to||: lambda*b for scse, Phi(s) - s otherwise (an
         extra probe call, not counted in core_calls since the output does not depend on it)."""
         return _row_norm_mean(self.transition.forcing_bias(self, ctx))

@@ -1,10 +1,9 @@
 """The training loop: `train(cfg)` from process group to exported, evaluated model, top to bottom.
 
 train() sets up (process group, run dir, data, model, engine, resume) into a TrainState, runs the
-steps, and hands every concern to a callback (scse_dist.train.callbacks): metrics, held-out
-evaluation, samples, checkpoints, preemption, non-finite steps, loss spikes, export, evaluation
-after training, and those of train.callbacks and train(cfg, callbacks=[...]), all in priority
-order (callbacks.base), their states restored from the checkpoint it resumes.
+steps, and hands every concern to a callback (scse_dist.train.callbacks): the built-ins the
+config enables (callbacks.built_in), those of train.callbacks and train(cfg, callbacks=[...]), all
+in priority order (callbacks.base), their states restored from the checkpoint it resumes.
 """
 
 from __future__ import annotations
@@ -37,23 +36,12 @@ from scse_dist.distributed import (
 )
 from scse_dist.run_dir import EVAL_NAME, EXPORT_NAME, METRICS_NAME, RunDir
 from scse_dist.threads import configure_threads
-from scse_dist.train.callbacks.after_training import AfterTrainingEval
 from scse_dist.train.callbacks.assembly import configured_callbacks, in_hook_order, restore_states
 from scse_dist.train.callbacks.base import Callback, TrainState
-from scse_dist.train.callbacks.checkpointing import CheckpointCallback
-from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
-from scse_dist.train.callbacks.downstream import DownstreamEvalCallback
-from scse_dist.train.callbacks.export import ExportCallback
-from scse_dist.train.callbacks.heldout_eval import HeldoutEvalCallback
-from scse_dist.train.callbacks.metrics import MetricsCallback
-from scse_dist.train.callbacks.nonfinite import NonFiniteCallback
-from scse_dist.train.callbacks.preemption import PreemptionCallback
-from scse_dist.train.callbacks.profiler import ProfilerCallback
-from scse_dist.train.callbacks.samples import SampleCallback
-from scse_dist.train.callbacks.spike import SpikeSkipCallback
+from scse_dist.train.callbacks.built_in import built_in_callbacks
 from scse_dist.train.depth import sample_depth, short_depth_loss
 from scse_dist.train.engine import build_engine
-from scse_dist.train.faults import FaultInjector, TrainingStopped
+from scse_dist.train.faults import FaultInjector, PreemptionFlag, TrainingStopped
 from scse_dist.train.metrics import MetricsLogger, cut_metrics
 from scse_dist.train.schedule import follow_config_schedule
 from scse_dist.train.step import UpdateGate, train_step
@@ -79,26 +67,12 @@ def with_world_batch(cfg: RunConfig, world_size: int, world_from: str = "") -> R
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch=batch))
 
 
-def default_callbacks(cfg: RunConfig, preemption: PreemptionCallback) -> list[Callback]:
-    """The built-in callbacks of `cfg`, in their hook order (their priorities: callbacks.base)."""
-    optional: list[Callback] = ([HeldoutEvalCallback(cfg.eval.every_steps)]
-                                if cfg.eval.every_steps else [])
-    optional += [SampleCallback(cfg.eval.sample_every)] if cfg.eval.sample_every else []
-    optional += ([DownstreamEvalCallback(cfg.eval.downstream_every)]
-                 if cfg.eval.downstream_every else [])
-    spikes = [SpikeSkipCallback(cfg.train.spike_skip)] if cfg.train.spike_skip.enabled else []
-    return [NonFiniteCallback(cfg.train.max_nonfinite_steps), *spikes, LoopDiagnosticsCallback(),
-            MetricsCallback(), *optional,
-            CheckpointCallback(), preemption, ExportCallback(), AfterTrainingEval(),
-            *([ProfilerCallback(cfg.profile)] if cfg.profile.enabled else [])]
-
-
 def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
     """Train `cfg` on every rank of the launcher's world; return a summary (complete on rank 0).
     `callbacks` run beside the built-in ones and train.callbacks' (new instances per call: they
     hold the run's state)."""
     configured = configured_callbacks(cfg.train.callbacks)  # a bad entry: before anything starts
-    preemption = PreemptionCallback()  # first: a signal during start-up is honoured at step 1
+    preemption = PreemptionFlag().install()  # first: a signal during start-up is honoured at step 1
     state = None
 
     def keep_run_dir(exc: BaseException) -> bool:  # a crash's logs, or a checkpoint to resume
@@ -115,8 +89,9 @@ def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
             except BaseException:  # a refused config or bad data: nothing to save or wait for
                 abandon()
                 raise
-            state.callbacks = in_hook_order([*default_callbacks(state.cfg, preemption),
-                                             *configured, *callbacks])
+            state.preemption = preemption
+            state.callbacks = in_hook_order([*built_in_callbacks(state.cfg), *configured,
+                                             *callbacks])
             _restore_states(state, saved_states)
             try:
                 _run(state, state.callbacks, preemption)
@@ -129,8 +104,10 @@ def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
                     print(f"scse-train: rank {state.env.rank} crashed after step {state.step}: "
                           f"{type(exc).__name__}: {one_line(exc)}", file=sys.stderr, flush=True)
                 raise
-        finally:
-            preemption.release(state)
+        finally:  # a preempted run keeps the handlers, so that a second SIGTERM cannot kill a
+            # rank still shutting down (scse-train then ignores them until exit; see cli.main)
+            if state is None or state.stop_reason is None:
+                preemption.uninstall()
     _teardown(state, state.callbacks)
     state.summary.update(first_loss=state.first_loss, final_loss=state.last_loss,
                          preempted=state.stop_reason)
@@ -149,7 +126,7 @@ def _restore_states(state: TrainState, saved: dict[str, Any]) -> None:
               f"unused: {', '.join(left)}", flush=True)
 
 
-def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCallback) -> None:
+def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionFlag) -> None:
     for callback in callbacks:
         callback.on_start(state)
     t, engine = state.cfg.train, state.engine
@@ -166,7 +143,7 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionCal
         started = time.perf_counter()
         state.result = train_step(engine, (next(batches) for _ in range(t.batch.grad_accum_steps)),
                                   depth=depth, backprop_steps=t.depth.backprop_steps,
-                                  stop_requested=preemption.requested,
+                                  stop_requested=lambda: preemption.requested,
                                   loss_hook=lambda loss: state.faults.loss(step + 1, loss),
                                   before_update=lambda engine: _before_update(callbacks, state),
                                   z_loss=t.loss.z_loss, eos_id=eos_id, update_gate=gate,

@@ -26,11 +26,13 @@ callback in its list order:
 A hook that raises ends the run; hooks that run collectives must do so on every rank alike.
 
 Order: within each hook, callbacks run by `priority`, highest first (ties: the built-ins, then
-train.callbacks in its order, then `train(cfg, callbacks=[...])` in theirs). The built-ins:
+train.callbacks in its order, then `train(cfg, callbacks=[...])` in theirs). The built-ins
+(callbacks.built_in, each built by `from_config` from the config entry that enables it):
 
     500 NonFiniteCallback        the skipped-step count, before the row that logs it
     450 SpikeSkipCallback        (train.spike_skip.enabled) the spike count, before the row too
-    400 LoopDiagnosticsCallback  diag/ entries, before the row they join (state.metrics_extra)
+    400 LoopDiagnosticsCallback  (train.diagnostics_every) diag/ entries, before the row they
+                                 join (state.metrics_extra)
     300 MetricsCallback          the training row
     200 HeldoutEvalCallback      (eval.every_steps)
     100 SampleCallback           (eval.sample_every)
@@ -50,6 +52,7 @@ any world size. A callback ordered after CheckpointCallback has its state saved 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
@@ -64,7 +67,7 @@ if TYPE_CHECKING:  # annotations only: this module stays free of torch (config c
     from scse_dist.data.stream import TokenStream
     from scse_dist.data.tokenizer import Tokenizer
     from scse_dist.distributed import DistEnv
-    from scse_dist.train.faults import FaultInjector
+    from scse_dist.train.faults import FaultInjector, PreemptionFlag
     from scse_dist.train.metrics import MetricsLogger
     from scse_dist.train.step import StepResult
 
@@ -92,6 +95,7 @@ class TrainState:
     skipped_steps: int = 0  # non-finite steps skipped so far (written by the non-finite callback)
     spike_skips: Optional[int] = None  # spikes skipped so far (train.spike_skip.enabled), else None
     stop_reason: Optional[str] = None  # set by a hook: the run ends after this step (preemption)
+    preemption: Optional[PreemptionFlag] = None  # the trainer's signal flag (train() sets it)
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
     # Entries a hook adds to this step's metrics row (MetricsCallback logs them with its row, or
@@ -138,6 +142,17 @@ class Callback:
 
     priority: int = 0  # hook order: higher first (module docstring); an entry sets its own
     Config: ClassVar[Optional[type]] = None  # the dataclass of its train.callbacks init_args
+    # A built-in's config entry (callbacks.built_in): built as Class(value), off where the value
+    # is 0 or its `enabled` false. None: Class(), always on.
+    config_key: ClassVar[Optional[str]] = None
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> Optional[Callback]:
+        """A built-in for a run's config (config_key), None when that leaves it off."""
+        if cls.config_key is None:
+            return cls()
+        value = operator.attrgetter(cls.config_key)(cfg)
+        return cls(value) if getattr(value, "enabled", value) else None  # type: ignore[call-arg]
 
     @property
     def state_key(self) -> str:

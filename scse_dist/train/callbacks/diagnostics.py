@@ -1,28 +1,114 @@
-"""Loop diagnostics as a trainer callback (scse_dist.train.diagnostics; docs/loop-diagnostics.md):
-gradient shares at the update boundary, the loop's state on a held-out batch after the step, both
-every train.diagnostics_every steps, into that step's metrics row (state.metrics_extra). Their
-time counts in the step's (state.step_seconds): the run waits on them, so the logged tokens/s and
-MFU do too."""
+"""train.diagnostics_every: the loop diagnostics (scse_dist.train.diagnostics;
+docs/loop-diagnostics.md) into that step's metrics row (state.metrics_extra): gradient shares and
+a copy of the weights at the update boundary (before_update), then the update ratios against that
+copy (kept for that step only) and the loop's state on a fixed held-out batch after the step.
+Their time counts in the step's (state.step_seconds), so the logged tokens/s and MFU do too.
+
+Not under ZeRO-3 (parameters and gradients are partitioned and the direct calls into the model's
+pieces would bypass ZeRO-3's gathering hooks). At 1-2 every rank computes the gradient shares and
+update ratios (safe_get_full_grad and safe_get_full_fp32_param all-reduce); only rank 0 runs the
+forward pass.
+"""
 
 from __future__ import annotations
 
 import time
+from typing import Optional
 
-from scse_dist.train.callbacks.base import Callback, TrainState
-from scse_dist.train.diagnostics import diagnostics_for
+import torch
+
+from scse_dist.config import RunConfig
+from scse_dist.train.callbacks.base import Callback, TrainState, every
+from scse_dist.train.diagnostics import (
+    gradient_shares,
+    loop_diagnostics,
+    update_ratios,
+    weights_snapshot,
+)
 
 
 class LoopDiagnosticsCallback(Callback):
+    """Every `every` optimizer steps at training depth `depth`, the deviations up to `max_depth`;
+    `window` (B, S+1): the held-out batch (None: the first eval.batch_size sequences of
+    data.path's held-out split, read at on_start)."""
+
     priority = 400
 
+    def __init__(self, every: int, depth: int, max_depth: int,
+                 window: Optional[torch.Tensor] = None) -> None:
+        self.every, self.depth, self.max_depth, self.window = every, depth, max_depth, window
+        self.enabled, self.rank0 = True, True
+        self._grads: dict[str, float] = {}
+        self._before: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> Optional[LoopDiagnosticsCallback]:
+        """Every train.diagnostics_every steps (null: log_every; 0: off), T = model.depth, up to
+        the largest trained depth. Off for a model that does not loop (untied)."""
+        from scse_dist.model.transitions import transition_for
+        from scse_dist.train.config import largest_trained_depth
+
+        t, m = cfg.train, cfg.model
+        steps = t.log_every if t.diagnostics_every is None else t.diagnostics_every
+        if steps <= 0 or not transition_for(m).loops:
+            return None
+        return cls(steps, m.depth, largest_trained_depth(t.depth, m.depth))
+
     def on_start(self, state: TrainState) -> None:
-        self.diagnostics = diagnostics_for(state.cfg, state.engine.zero_optimization_stage(),
-                                           state.rank0)
+        self.enabled = state.engine.zero_optimization_stage() < 3
+        self.rank0 = state.rank0
+        if self.window is None and self.rank0 and self.enabled:
+            self.window = heldout_window(state.cfg)
+
+    def due(self, step: int) -> bool:
+        """Whether 1-based optimizer step `step` logs diagnostics."""
+        return self.enabled and every(self.every, step)
 
     def before_update(self, state: TrainState) -> None:
-        self.diagnostics.before_update(state.engine, state.step + 1)
+        if not self.due(state.step + 1):
+            return
+        # The full gradient at any stage 0-2: p.grad, a bf16 optimizer's fp32 buffer, or ZeRO's
+        # partitions all-reduced (a collective: every rank gets here at the same steps).
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+        self._grads = gradient_shares(state.engine.module, safe_get_full_grad)
+        self._before = weights_snapshot(state.engine.module, safe_get_full_fp32_param)
 
     def on_step_end(self, state: TrainState) -> None:  # before MetricsCallback (300) reads the time
+        if not self.due(state.step):
+            return
         started = time.perf_counter()
-        state.metrics_extra.update(self.diagnostics.on_step_end(state.engine.module, state.step))
+        model = state.engine.module
+        row, self._grads = self._grads, {}
+        if self._before:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            row.update(update_ratios(model, self._before, safe_get_full_fp32_param))
+            self._before = {}
+        if self.rank0 and self.window is not None:
+            was_training = model.training
+            model.eval()
+            try:
+                window = self.window.to(next(model.parameters()).device)
+                row.update(loop_diagnostics(model, window, self.depth, self.max_depth))
+            finally:
+                model.train(was_training)
+        if self.rank0:
+            state.metrics_extra.update(row)
         state.step_seconds += time.perf_counter() - started
+
+
+def heldout_window(cfg: RunConfig) -> Optional[torch.Tensor]:
+    """The fixed batch: the first eval.batch_size sequences of data.path's held-out split (None,
+    with one printed line, when there is none)."""
+    from scse_dist.data.stream import TokenStream
+
+    try:
+        stream = TokenStream(cfg.data.path, split="heldout", seq_len=cfg.data.seq_len,
+                             batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0,
+                             loop=False)
+        return next(iter(stream))
+    except (OSError, ValueError, StopIteration) as err:  # InputError is a ValueError
+        print(f"loop diagnostics: no held-out batch in {cfg.data.path} ({err}); only gradient "
+              "shares are logged", flush=True)
+        return None

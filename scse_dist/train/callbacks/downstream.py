@@ -44,6 +44,7 @@ def row_keys(task: str, row: dict) -> dict[str, Any]:
 
 class DownstreamEvalCallback(Callback):
     priority = 50  # after the held-out evaluation (200) and the samples (100), before checkpoints
+    config_key = "eval.downstream_every"
 
     def __init__(self, every_steps: int) -> None:
         self.every_steps = every_steps

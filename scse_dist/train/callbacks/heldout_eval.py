@@ -88,6 +88,7 @@ def reduce_rows(rows: list[dict], device: torch.device) -> list[dict]:
 
 class HeldoutEvalCallback(Callback):
     priority = 200
+    config_key = "eval.every_steps"
 
     def __init__(self, every_steps: int) -> None:
         self.every_steps = every_steps

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from scse_dist.checkpoint.tags import tag_for
+from scse_dist.config import RunConfig
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.faults import NonFiniteCounter
 
@@ -18,6 +19,10 @@ class NonFiniteCallback(Callback):
 
     def __init__(self, max_in_a_row: int) -> None:
         self.counter = NonFiniteCounter(max_in_a_row)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> NonFiniteCallback:
+        return cls(cfg.train.max_nonfinite_steps)
 
     def state_dict(self) -> dict[str, Any]:
         # a resume mid-streak goes on counting it: a run preempted between bad steps still stops

@@ -58,6 +58,7 @@ def trace_name(rank: int, first: int, last: int) -> str:
 
 class ProfilerCallback(Callback):
     priority = -500  # last: a profiled step's span holds its row, evaluation and checkpoint too
+    config_key = "profile"
 
     def __init__(self, cfg: ProfileConfig) -> None:
         self.cfg = cfg

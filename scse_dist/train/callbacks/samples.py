@@ -19,6 +19,7 @@ SAMPLE_KIND = "sample"
 
 class SampleCallback(Callback):
     priority = 100
+    config_key = "eval.sample_every"
 
     def __init__(self, every_steps: int) -> None:
         self.every_steps = every_steps

@@ -24,6 +24,7 @@ class SpikeSkipCallback(Callback):
     count; a non-finite step (the non-finite callback's) neither adds to nor ends a streak."""
 
     priority = 450
+    config_key = "train.spike_skip"
 
     def __init__(self, cfg: SpikeSkipConfig) -> None:
         self.cfg = cfg
