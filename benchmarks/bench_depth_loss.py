@@ -1,4 +1,4 @@
-"""Step-time cost of train.depth_loss two_depths: python benchmarks/bench_depth_loss.py [--quick]
+"""Step-time cost of train.loss.depth two_depths: python benchmarks/bench_depth_loss.py [--quick]
 
 One training forward + backward (keep_logits=False, the trainer's chunked loss) of the scse model
 at T = 4, off (the loss at T) against two_depths with short 2 (the same loop run, read out at

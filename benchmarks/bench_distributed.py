@@ -128,8 +128,9 @@ def run_config(args: argparse.Namespace, ckpt: str, depth_kind: str, depth: int)
         "model.vocab_size=4096", f"model.d_model={args.d_model}", f"model.n_heads={args.n_heads}",
         f"model.max_seq_len={args.seq_len}", f"data.seq_len={args.seq_len}",
         "model.n_prelude=1", "model.n_core=1", "model.n_coda=1", f"model.depth={depth}",
-        f"model.activation_checkpointing={ckpt}", f"train.micro_batch_size={args.batch}",
-        "train.zero_stage=3", f"train.deepspeed_config={REPO / 'configs/deepspeed/zero3.json'}",
+        f"model.activation_checkpointing={ckpt}", f"train.batch.micro_batch_size={args.batch}",
+        "train.engine.zero_stage=3",
+        f"train.engine.deepspeed_config={REPO / 'configs/deepspeed/zero3.json'}",
         "train.schedule.warmup_steps=1", f"train.depth.kind={depth_kind}", "train.depth.min=2",
         "wandb.enabled=false"]
     return load_config(None, overrides)
@@ -148,7 +149,7 @@ def make_engine(cfg, loop_leaf: bool):
 def train_step(engine, cfg, step: int, depth: int) -> None:
     g = torch.Generator().manual_seed(step)
     batch = torch.randint(0, cfg.model.vocab_size,
-                          (cfg.train.micro_batch_size, cfg.data.seq_len + 1),
+                          (cfg.train.batch.micro_batch_size, cfg.data.seq_len + 1),
                           generator=g).to(engine.device)
     out = engine(batch[:, :-1], batch[:, 1:], depth=depth, keep_logits=False)
     engine.backward(out.loss)

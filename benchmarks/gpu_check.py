@@ -11,8 +11,8 @@ out of time keeps what it recorded, and its log; the next stage runs regardless)
                  micro-batch finder under bf16 autocast (learned-anchor SCSE)
   eager_zero1    configs/gpt2-small-scse.yaml trained through the real trainer: tokens/s, MFU,
                  peak memory against the planner's estimate (scse-train --plan's numbers)
-  compiled_loop  train.compile with loop checkpointing, and a one-step profiler table
-  compiled_none  train.compile without checkpointing
+  compiled_loop  train.engine.compile with loop checkpointing, and a one-step profiler table
+  compiled_none  train.engine.compile without checkpointing
   zero3          ZeRO-3, eager
   document_mask  model.document_mask against the causal eager_zero1
   generation     greedy and speculative decoding (KV cache)
@@ -48,12 +48,12 @@ STAGES = [("versions", 30, 30), ("bug_probes", 60, 60), ("eager_zero1", 70, 60),
           ("compiled_loop", 75, 90), ("compiled_none", 70, 90), ("zero3", 60, 60),
           ("document_mask", 60, 60), ("generation", 40, 30)]
 TRAIN_STAGES = {  # the overrides each trainer stage adds to the common ones
-    "eager_zero1": ["train.compile=false"],
-    "compiled_loop": ["train.compile=true", "model.activation_checkpointing=loop",
+    "eager_zero1": ["train.engine.compile=false"],
+    "compiled_loop": ["train.engine.compile=true", "model.activation_checkpointing=loop",
                       "profile.enabled=true"],
-    "compiled_none": ["train.compile=true", "model.activation_checkpointing=none"],
-    "zero3": ["train.compile=false", "train.zero_stage=3"],
-    "document_mask": ["train.compile=false", "model.document_mask=true"],
+    "compiled_none": ["train.engine.compile=true", "model.activation_checkpointing=none"],
+    "zero3": ["train.engine.compile=false", "train.engine.zero_stage=3"],
+    "document_mask": ["train.engine.compile=false", "model.document_mask=true"],
 }
 TRAIN_KEYS = ["steps_logged", "first_loss", "last_loss", "skipped_steps", "tokens_per_s", "mfu",
               "averaged_steps", "peak_mem_gib", "compile", "loop_checkpointing"]
@@ -71,13 +71,14 @@ SUMMARY_KEYS = ["device", "torch", "cpu", "budget_s", "data", "overrides", "stag
                 "failures", "wall_s"]
 
 # micro-batch 16 x 1 accumulation of 1024 tokens per step on one GPU; the config's sampled T.
-GPU_OVERRIDES = ["train.global_batch_tokens=0", "train.micro_batch_size=16",
-                 "train.grad_accum_steps=1", "train.precision=bf16",
+GPU_OVERRIDES = ["train.batch.global_batch_tokens=0", "train.batch.micro_batch_size=16",
+                 "train.batch.grad_accum_steps=1", "train.engine.precision=bf16",
                  "train.schedule.warmup_steps=5", "train.max_steps=30", "train.log_every=5"]
 # d 64, 2 heads, seq 64, the tokenizer's vocabulary, micro-batch 2 x accum 2, fp32, T <= 4
 CPU_OVERRIDES = ["model.d_model=64", "model.n_heads=2", "model.max_seq_len=64", "data.seq_len=64",
-                 "train.global_batch_tokens=0", "train.micro_batch_size=2",
-                 "train.grad_accum_steps=2", "train.precision=fp32", "train.optimizer.lr=3e-3",
+                 "train.batch.global_batch_tokens=0", "train.batch.micro_batch_size=2",
+                 "train.batch.grad_accum_steps=2", "train.engine.precision=fp32",
+                 "train.optimizer.lr=3e-3",
                  "train.schedule.warmup_steps=1", "train.depth.max=4",
                  "train.depth.backprop_steps=2", "train.max_steps=4", "train.log_every=2"]
 
@@ -176,7 +177,7 @@ def train_measures(run_dir: Path, steps: int) -> dict[str, Any]:
     rows = [r for r in rows if "loss" in r]
     if (run_dir / "config.yaml").exists():
         resolved = yaml.safe_load((run_dir / "config.yaml").read_text())  # what the trainer ran
-        result.update(compile=resolved["train"].get("compile", False),
+        result.update(compile=resolved["train"]["engine"]["compile"],
                       loop_checkpointing=resolved["model"]["activation_checkpointing"] == "loop")
     if rows:
         tokens_per_s, mfu, averaged = steady_state(rows, warm_steps=max(1, steps // 3))
@@ -205,9 +206,10 @@ def train_stage(name: str, common: list[str], work: Path, out: Path, timeout: fl
     overrides = common + [f"name={name}", f"output_dir={work / 'runs'}"] + TRAIN_STAGES[name]
     if name == "compiled_loop":  # the profiler's table of the last step but one
         overrides += [f"profile.start_step={steps - 1}", "profile.steps=1"]
-    stage = int(next((o.split("=")[1] for o in overrides if o.startswith("train.zero_stage=")),
-                     1))
-    overrides.append(f"train.deepspeed_config={REPO / 'configs' / 'deepspeed'}/zero{stage}.json")
+    stage = int(next((o.split("=")[1] for o in overrides
+                      if o.startswith("train.engine.zero_stage=")), 1))
+    overrides.append(f"train.engine.deepspeed_config={REPO / 'configs' / 'deepspeed'}/"
+                     f"zero{stage}.json")
     cmd = [sys.executable, "launch/train.py", "--config", str(CONFIG), *overrides]
     status = run_child(cmd, work / "logs" / f"{name}.log", timeout, env)
     result = {"status": status, **train_measures(work / "runs" / name, steps)}
@@ -306,7 +308,7 @@ def main(argv=None) -> int:
 
     vocab = Tokenizer.load(str(data / "tokenizer.model")).vocab_size
     common = [f"data.path={data / 'shards'}", f"data.tokenizer={data / 'tokenizer.model'}",
-              "train.checkpoint_every=100000", "train.keep_checkpoints=1",
+              "train.checkpoint.every=100000", "train.checkpoint.keep=1",
               "eval.after_train=false", "wandb.enabled=false"] + \
         ([f"model.vocab_size={vocab}"] + CPU_OVERRIDES if args.cpu else GPU_OVERRIDES)
     steps = int(next(o.split("=")[1] for o in common if o.startswith("train.max_steps=")))

@@ -115,15 +115,16 @@ def _flex_vs_sdpa(record: Record, device: torch.device) -> None:
 
 
 def _finder_under_autocast(record: Record, device: torch.device) -> None:
-    """train.micro_batch_size: auto's finder for the learned-anchor SCSE config in bf16. On CUDA
-    the whole finder (its probe enters autocast itself); on CPU, where the probe turns autocast
+    """train.batch.micro_batch_size: auto's finder for the learned-anchor SCSE config in bf16. On
+    CUDA the whole finder (its probe enters autocast itself); on CPU, where the probe turns autocast
     off, the probe's forward and backward at 2 sequences under CPU autocast entered here."""
     from scse_dist.model import LoopedLM
     from scse_dist.train.micro_batch import find_micro_batch
 
     cfg = _model_cfg(device.type == "cpu", anchor="learned")  # deeploop: a Post-LN core
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, micro_batch_size="auto", global_batch_size=8, precision="bf16"))
+    batch = dataclasses.replace(cfg.train.batch, micro_batch_size="auto", global_batch_size=8)
+    engine = dataclasses.replace(cfg.train.engine, precision="bf16")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch=batch, engine=engine))
     model = LoopedLM(cfg.model)
     if device.type == "cuda":
         record("finder_micro_batch", find_micro_batch(cfg, model, 1, 1, device)[0])

@@ -135,8 +135,8 @@ def main() -> int:
             print(f"optimizer_study: {run_dir} has no checkpoints; skipped", file=sys.stderr)
             continue
         cfg = load_saved_config(record["config"])  # one rank per run (a CPU study)
-        tokens_per_step[record["variant"]] = (cfg.train.micro_batch_size
-                                              * cfg.train.grad_accum_steps * cfg.data.seq_len)
+        tokens_per_step[record["variant"]] = (cfg.train.batch.micro_batch_size
+                                              * cfg.train.batch.grad_accum_steps * cfg.data.seq_len)
         curve = validation_curve(run_dir, validation, args.max_batches)
         runs.setdefault(record["variant"], {})[record["seed"]] = curve
         print(f"{run_dir.name}: " + " ".join(f"{s}:{v:.3f}" for s, v in sorted(curve.items())),

@@ -63,7 +63,7 @@ def replay(cfg: Any, run_dir: Path, tag: str, way: str, steps: int, window: Any
     from scse_dist.train.step import train_step
 
     t = cfg.train
-    stream = TokenStream.from_config(cfg.data, "train", t.micro_batch_size, 0, 1, t.seed,
+    stream = TokenStream.from_config(cfg.data, "train", t.batch.micro_batch_size, 0, 1, t.seed,
                                      load_run_tokenizer(cfg).sha256)
     engine, _ = build_engine(cfg, LoopedLM(cfg.model))
     start, _ = resume_if_present(engine, run_dir, stream, tag)
@@ -81,8 +81,9 @@ def replay(cfg: Any, run_dir: Path, tag: str, way: str, steps: int, window: Any
     for step in range(start, start + steps):
         depth = None if model.fixed_depth is not None else \
             sample_depth(step, t.depth, cfg.model.depth, t.seed)
-        result = train_step(engine, (next(batches) for _ in range(t.grad_accum_steps)),
-                            depth=depth, backprop_steps=t.depth.backprop_steps, z_loss=t.z_loss)
+        result = train_step(engine, (next(batches) for _ in range(t.batch.grad_accum_steps)),
+                            depth=depth, backprop_steps=t.depth.backprop_steps,
+                            z_loss=t.loss.z_loss)
         with torch.no_grad():
             for name, weight in held.items():
                 params[name].copy_(weight.to(params[name].dtype))
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     from scse_dist.train.loop import with_world_batch
 
     saved = load_saved_config(tag_dir / CONFIG_NAME)
-    if saved.train.zero_stage == 3:
+    if saved.train.engine.zero_stage == 3:
         print(f"replay_collapse: {args.run} trained at ZeRO-3, which the loop diagnostics skip; "
               "stages 0-2 only", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from scse_dist.model.transitions import (  # noqa: F401
     resolved_anchor_scale,
     transition_for,
 )
+from scse_dist.train.batch_config import BatchConfig  # noqa: F401
 from scse_dist.train.config import (  # noqa: F401
     CallbackSpec,
     DepthLossConfig,
@@ -40,6 +41,7 @@ from scse_dist.train.config import (  # noqa: F401
     WandbConfig,
     largest_trained_depth,
 )
+from scse_dist.train.engine_config import EngineConfig  # noqa: F401
 from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
 
@@ -89,14 +91,14 @@ def _check_consistency(cfg: RunConfig) -> None:
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds "
                           f"model.max_seq_len={cfg.model.max_seq_len}")
-    _check_global_batch_tokens(cfg)
+    cfg.train.batch.check_tokens(cfg.data.seq_len)
     if cfg.resources.problem():
         raise ConfigError(f"resources: {cfg.resources.problem()}")
-    if cfg.eval.downstream_every and cfg.train.zero_stage == 3:
+    if cfg.eval.downstream_every and cfg.train.engine.zero_stage == 3:
         # the scorer applies the LM head outside the forward, where ZeRO-3 keeps it partitioned
         raise ConfigError("eval.downstream_every: downstream tasks during training run at ZeRO "
-                          "stage 0, 1 or 2, not train.zero_stage 3; evaluate the checkpoints "
-                          "with scse-eval instead")
+                          "stage 0, 1 or 2, not train.engine.zero_stage 3; evaluate the "
+                          "checkpoints with scse-eval instead")
     _check_depth_loss(cfg)
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
@@ -106,35 +108,19 @@ def _check_consistency(cfg: RunConfig) -> None:
 
 
 def _check_depth_loss(cfg: RunConfig) -> None:
-    """train.depth_loss against the model's loop and the trained depths."""
-    loss = cfg.train.depth_loss
+    """train.loss.depth against the model's loop and the trained depths."""
+    loss = cfg.train.loss.depth
     if loss.kind == "off":
         return
     if not transition_for(cfg.model).loops:
-        raise ConfigError(f"train.depth_loss: recurrence={cfg.model.recurrence} runs one fixed "
+        raise ConfigError(f"train.loss.depth: recurrence={cfg.model.recurrence} runs one fixed "
                           "depth, so there is no shorter depth to train; set kind: off")
 
     deepest = largest_trained_depth(cfg.train.depth, cfg.model.depth)
     if loss.short >= deepest:
-        raise ConfigError(f"train.depth_loss.short: {loss.short} is not below the largest "
+        raise ConfigError(f"train.loss.depth.short: {loss.short} is not below the largest "
                           f"trained depth {deepest} (train.depth, model.depth), so it would never "
                           "apply; lower it")
-
-
-def _check_global_batch_tokens(cfg: RunConfig) -> None:
-    """train.global_batch_tokens: whole sequences of data.seq_len, and the same batch as
-    train.global_batch_size where both are set (a run's config.yaml holds both)."""
-    t, seq_len = cfg.train, cfg.data.seq_len
-    if not t.global_batch_tokens:
-        return
-    if t.global_batch_tokens % seq_len:
-        raise ConfigError(f"train.global_batch_tokens: {t.global_batch_tokens} is not a multiple "
-                          f"of data.seq_len ({seq_len}), so it is no whole number of sequences")
-    sequences = t.global_batch_tokens // seq_len
-    if t.global_batch_size and t.global_batch_size != sequences:
-        raise ConfigError(f"train.global_batch_size: {t.global_batch_size} contradicts "
-                          f"train.global_batch_tokens={t.global_batch_tokens} ({sequences} "
-                          f"sequences of data.seq_len {seq_len}); give one of them, the other 0")
 
 
 # --------------------------------------------------------------------------- loading
@@ -150,9 +136,14 @@ RENAMED_FIELDS = {"eval.slurm_gpus": "eval.resources.gpus_per_node",
                   "eval.slurm_partition": "eval.resources.partition",
                   "train.optimizer": "train.optimizer.kind",
                   "train.schedule": "train.schedule.kind",
+                  "train.z_loss": "train.loss.z_loss",
+                  "train.depth_loss": "train.loss.depth",
+                  "train.checkpoint_every": "train.checkpoint.every",
+                  "train.keep_checkpoints": "train.checkpoint.keep",
                   # the flat train.* fields of the sections that own them now
                   **{f"train.{f.name}": f"train.{section}.{f.name}"
-                     for section, cls in (("optimizer", OptimizerConfig),
+                     for section, cls in (("batch", BatchConfig), ("engine", EngineConfig),
+                                          ("optimizer", OptimizerConfig),
                                           ("schedule", ScheduleConfig), ("start", StartConfig))
                      for f in dataclasses.fields(cls) if f.name != "kind"}}
 _noticed: set[str] = set()
@@ -229,8 +220,9 @@ def config_from_dict(values: dict) -> RunConfig:
     _check_consistency(cfg)
     # A saved config names what ran, so "auto" is written down as what it meant here.
     cfg.model.anchor_scale = resolved_anchor_scale(cfg.model)
-    if cfg.train.global_batch_tokens:  # the trainer counts the batch in sequences
-        cfg.train.global_batch_size = cfg.train.global_batch_tokens // cfg.data.seq_len
+    batch = cfg.train.batch
+    if batch.global_batch_tokens:  # the trainer counts the batch in sequences
+        batch.global_batch_size = batch.global_batch_tokens // cfg.data.seq_len
     return cfg
 
 

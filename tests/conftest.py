@@ -137,9 +137,9 @@ def tiny_config_dict(data: dict[str, str], output_dir: str) -> dict:
         "model": {"vocab_size": TINY_VOCAB, "d_model": 32, "n_heads": 2, "max_seq_len": 32,
                   "n_prelude": 1, "n_core": 1, "n_coda": 1, "recurrence": "scse", "depth": 2},
         "data": {"path": data["path"], "tokenizer": data["tokenizer"], "seq_len": 32},
-        "train": {"micro_batch_size": 4, "max_steps": 20, "optimizer": {"lr": 3e-3},
-                  "schedule": {"warmup_steps": 2}, "log_every": 5, "checkpoint_every": 10,
-                  "keep_checkpoints": 2,
+        "train": {"batch": {"micro_batch_size": 4}, "max_steps": 20, "optimizer": {"lr": 3e-3},
+                  "schedule": {"warmup_steps": 2}, "log_every": 5,
+                  "checkpoint": {"every": 10, "keep": 2},
                   "depth": {"kind": "uniform", "min": 1, "max": 3}},
         "eval": {"depths": [1, 2], "batch_size": 4, "max_batches": 2, "after_train": False},
         "wandb": {"enabled": False},
@@ -333,13 +333,13 @@ def train_state(tiny_config, tiny_data, tmp_path):
         storage = RunStorage.for_config(cfg)
         storage.local.mkdir(parents=True, exist_ok=True)
         tokenizer = Tokenizer.load(cfg.data.tokenizer)
-        stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, 0, 1,
+        stream = TokenStream.from_config(cfg.data, "train", cfg.train.batch.micro_batch_size, 0, 1,
                                          cfg.train.seed, tokenizer.sha256)
         logger = MetricsLogger(str(storage.local), True, cfg.wandb, cfg.name, {})
         loggers.append(logger)
         return TrainState(cfg=cfg, env=DistEnv(0, 1, 0, "127.0.0.1", 0, "none"),
                           run_dir=storage.local, storage=storage,
-                          engine=ModelOnlyEngine(LoopedLM(cfg.model), cfg.train.zero_stage),
+                          engine=ModelOnlyEngine(LoopedLM(cfg.model), cfg.train.engine.zero_stage),
                           stream=stream, tokenizer=tokenizer, logger=logger,
                           faults=FaultInjector(0, ""), start_step=0)
 

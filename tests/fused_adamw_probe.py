@@ -44,9 +44,9 @@ def run(overrides: list[str], fused: bool) -> tuple[torch.Tensor, bool, bool]:
     t, gen = cfg.train, torch.Generator().manual_seed(1)
     clipped = False
     for _ in range(STEPS):
-        shape = (t.micro_batch_size, cfg.data.seq_len + 1)
+        shape = (t.batch.micro_batch_size, cfg.data.seq_len + 1)
         windows = [torch.randint(0, cfg.model.vocab_size, shape, generator=gen)
-                   for _ in range(t.grad_accum_steps)]
+                   for _ in range(t.batch.grad_accum_steps)]
         assert not train_step(engine, windows, depth=cfg.model.depth).skipped
         clipped |= any(bool((f > 1).any()) for f in getattr(built[0], "last_factors", []))
     weights = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])

@@ -39,8 +39,8 @@ def main(overrides: list[str]) -> None:
     torch.manual_seed(0)
     warm_cfg = load_config(None, overrides + ["model.d_model=16", "model.n_heads=1",
                                               "model.vocab_size=64", "data.seq_len=8",
-                                              "train.micro_batch_size=1",
-                                              "train.grad_accum_steps=1"])
+                                              "train.batch.micro_batch_size=1",
+                                              "train.batch.grad_accum_steps=1"])
     warm, _ = build_engine(warm_cfg, LoopedLM(warm_cfg.model))
     for _ in range(2):
         train_step(warm, [torch.zeros(1, 9, dtype=torch.long)], depth=2)
@@ -53,8 +53,8 @@ def main(overrides: list[str]) -> None:
 
     def step() -> None:
         windows = [torch.randint(0, cfg.model.vocab_size,
-                                 (t.micro_batch_size, cfg.data.seq_len + 1))
-                   for _ in range(t.grad_accum_steps)]
+                                 (t.batch.micro_batch_size, cfg.data.seq_len + 1))
+                   for _ in range(t.batch.grad_accum_steps)]
         train_step(engine, windows, depth=cfg.model.depth)
 
     step()

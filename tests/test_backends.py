@@ -187,7 +187,7 @@ def test_local_backend_runs_a_study_through_the_same_job_flow(tmp_path, tiny_con
     """scse-study --backend local: the final array (a run that trains and one that fails), each
     evaluated in its job, then the report stage job naming the failure and exiting 1, as the
     command then does; about a minute."""
-    base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint_every=4")
+    base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint.every=4")
     spec = {"name": "loc", "out": str(tmp_path / "studies"), "base": base, "seeds": [0],
             "variants": {"scse": {"overrides": {}},
                          "broken": {"overrides": {"data.path": str(tmp_path / "missing")}}},

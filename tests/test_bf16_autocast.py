@@ -85,10 +85,11 @@ def test_training_step_and_evaluation_run_under_bf16_autocast(fields):
 
 @pytest.mark.parametrize("fields", VARIANTS, ids=IDS)
 def test_the_finder_probe_runs_under_bf16_autocast(tiny_config, tmp_path, fields):
-    # train.precision=bf16: the probe runs under autocast on the run's device, CPU here
+    # train.engine.precision=bf16: the probe runs under autocast on the run's device, CPU here
     overrides = [f"model.{k}={v}" for k, v in fields.items()]
-    cfg = load_config(tiny_config(tmp_path, "train.micro_batch_size=auto", "train.precision=bf16",
-                                  "train.global_batch_size=8", "train.depth.max=3", *overrides))
+    cfg = load_config(tiny_config(tmp_path, "train.batch.micro_batch_size=auto",
+                                  "train.engine.precision=bf16", "train.batch.global_batch_size=8",
+                                  "train.depth.max=3", *overrides))
     model = LoopedLM(cfg.model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     calls = []

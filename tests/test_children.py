@@ -78,7 +78,7 @@ def test_without_a_child_a_signal_stops_the_work_in_progress():
 
 def _tiny_spec(tmp_path: Path, tiny_config) -> Path:
     base = tiny_config(tmp_path, "train.max_steps=6", "train.log_every=1",
-                       "train.checkpoint_every=100")
+                       "train.checkpoint.every=100")
     spec = {"name": "sig", "out": str(tmp_path / "studies"), "base": base, "seeds": [0],
             "variants": {"scse": {"overrides": {}}}, "evals": {"tasks": ["heldout"], "depths": [1]}}
     path = tmp_path / "spec.yaml"
@@ -125,7 +125,7 @@ def test_ctrl_c_to_a_local_backend_launch_reaches_training_once_and_exits_75(tmp
     from test_train_interrupt import CTRL_C, Terminal
 
     config = tiny_config(tmp_path, "train.max_steps=6", "train.log_every=1",
-                         "train.checkpoint_every=100", "eval.tasks=[heldout]")
+                         "train.checkpoint.every=100", "eval.tasks=[heldout]")
     env = dict(user_env, WANDB_MODE="disabled", SCSE_FAULT="stall@3", SCSE_FAULT_STALL_S="3")
     term = Terminal(["-m", "scse_dist.launch.scheduler", config, "--backend", "local"], env)
     logs = tmp_path / "runs" / "tiny" / "logs"

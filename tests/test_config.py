@@ -49,8 +49,9 @@ def test_untied_param_match_has_no_loop_visits():
      "model.zero_mask: the zero-deviation mask belongs to forcing_bias_scale=0"),
     ("model.forcing_bias_scale=1.5", "model.forcing_bias_scale: must lie in [0, 1], got 1.5"),
     ("model.n_heads=3", "model.n_heads: d_model=256 must split into 3 heads"),
-    ("train.zero_stage=4", "train.zero_stage: must be 0, 1, 2 or 3, got 4"),
-    ("train.compile=yes please", "train.compile: expected true or false, got 'yes please'"),
+    ("train.engine.zero_stage=4", "train.engine.zero_stage: must be 0, 1, 2 or 3, got 4"),
+    ("train.engine.compile=yes please",
+     "train.engine.compile: expected true or false, got 'yes please'"),
     ("data.seq_len=4096", "data.seq_len: 4096 exceeds model.max_seq_len=256"),
     ("eval.depths=[0,4]", "eval.depths: need a non-empty list of depths >= 1"),
     ("train.depth.kind=geometric",
@@ -171,6 +172,10 @@ def test_docs_document_every_config_field():
 OLD_TRAIN = """name: old
 train:
   max_steps: 40
+  micro_batch_size: 2
+  global_batch_size: 16
+  zero_stage: 0
+  compile: true
   optimizer: muon
   lr: 2.0e-3
   lr_mult: {embed: 2.0}
@@ -184,6 +189,10 @@ train:
   min_lr_ratio: 0.0
   resume: require
   init_from_strict: false
+  max_retries: 0
+  z_loss: 1.0e-4
+  depth_loss: {kind: two_depths, short: 3}
+  checkpoint_every: 7
 """
 
 
@@ -198,22 +207,33 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
         ("muon", 2e-3, {"embed": 2.0}, 0.99, 0.5, 0.01, 1.0)
     assert (s.kind, s.warmup_steps, s.decay_steps, s.min_lr_ratio) == ("wsd", 4, 10, 0.0)
     assert (t.start.resume, t.start.init_from_strict, t.max_steps) == ("require", False, 40)
+    assert (t.batch.micro_batch_size, t.batch.global_batch_size) == (2, 16)
+    assert (t.engine.zero_stage, t.engine.compile, t.start.max_retries) == (0, True, 0)
+    assert (t.loss.z_loss, t.loss.depth.kind, t.loss.depth.short) == (1e-4, "two_depths", 3)
+    assert (t.checkpoint.every, t.checkpoint.keep) == (7, 2)
     notices = capfd.readouterr().err.splitlines()
     assert "config: notice: train.lr is now train.optimizer.lr; the old name is read for now" \
         in notices
     assert "config: notice: train.optimizer is now train.optimizer.kind; the old name is read " \
         "for now" in notices
-    assert len(notices) == 13  # one per old name in the file, once per process
+    assert "config: notice: train.micro_batch_size is now train.batch.micro_batch_size; the old " \
+        "name is read for now" in notices
+    assert len(notices) == 21  # one per old name in the file, once per process
     load_config(tmp_path / "old.yaml")
     assert capfd.readouterr().err == ""
     # the same config in the new names is the same config
-    new = load_config(None, ["name=old", "train.max_steps=40", "train.optimizer.kind=muon",
+    new = load_config(None, ["name=old", "train.max_steps=40", "train.batch.micro_batch_size=2",
+                             "train.batch.global_batch_size=16", "train.engine.zero_stage=0",
+                             "train.engine.compile=true", "train.optimizer.kind=muon",
                              "train.optimizer.lr=2e-3", "train.optimizer.lr_mult={embed: 2.0}",
                              "train.optimizer.beta2=0.99", "train.optimizer.grad_clip=0.5",
                              "train.optimizer.muon_lr=0.01", "train.optimizer.update_clip=1.0",
                              "train.schedule.kind=wsd", "train.schedule.warmup_steps=4",
                              "train.schedule.decay_steps=10", "train.schedule.min_lr_ratio=0",
-                             "train.start.resume=require", "train.start.init_from_strict=false"])
+                             "train.start.resume=require", "train.start.init_from_strict=false",
+                             "train.start.max_retries=0", "train.loss.z_loss=1e-4",
+                             "train.loss.depth.kind=two_depths", "train.loss.depth.short=3",
+                             "train.checkpoint.every=7"])
     assert config_to_dict(new) == config_to_dict(load_config(tmp_path / "old.yaml"))
 
 
@@ -243,15 +263,18 @@ def test_a_saved_run_config_of_before_loads(tmp_path):
     from scse_dist.config import load_saved_config
 
     old = config_to_dict(load_config(None, ["train.optimizer.lr=2e-3",
+                                            "train.batch.grad_accum_steps=3",
+                                            "train.engine.precision=fp32",
                                             "train.schedule.warmup_steps=7",
                                             "train.start.resume=never"]))
     train = old["train"]
-    for section in ("optimizer", "schedule", "start"):
+    for section in ("batch", "engine", "optimizer", "schedule", "start"):
         for name, value in train.pop(section).items():
             train[{"kind": section}.get(name, name)] = value
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
     t = load_saved_config(tmp_path / "config.yaml").train
     assert (t.optimizer.lr, t.schedule.warmup_steps, t.start.resume) == (2e-3, 7, "never")
+    assert (t.batch.grad_accum_steps, t.engine.precision) == (3, "fp32")
     assert (t.optimizer.kind, t.schedule.kind) == ("torch_adamw", "cosine")
 
 

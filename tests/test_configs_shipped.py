@@ -1,7 +1,7 @@
 """Every shipped run config trains, exports and evaluates through `python launch/train.py`.
 
 Each YAML under configs/ runs as a user runs it (from the repo root, so the relative
-`train.deepspeed_config` paths resolve) with only its sizes shrunk: width, heads, vocabulary,
+`train.engine.deepspeed_config` paths resolve) with only its sizes shrunk: width, heads, vocabulary,
 sequence length (a batch in tokens with it: the same sequences), steps, evaluation batches, and
 the data and output paths. Everything else (gradient accumulation, micro-batch, DeepSpeed JSON,
 ZeRO stage, activation checkpointing, depth sampling, eval depths, after-train evaluation,
@@ -73,8 +73,9 @@ def size_overrides(config: Path, data: dict[str, str], output_dir: Path) -> list
                                     TINY_SIZES["eval.max_batches"])
     if cfg.model.ffn_hidden:
         sizes["model.ffn_hidden"] = TINY_FFN_HIDDEN
-    if cfg.train.global_batch_tokens:  # the same sequences per step, of the shrunk length
-        sizes["train.global_batch_tokens"] = cfg.train.global_batch_size * sizes["data.seq_len"]
+    if cfg.train.batch.global_batch_tokens:  # the same sequences per step, of the shrunk length
+        sizes["train.batch.global_batch_tokens"] = \
+            cfg.train.batch.global_batch_size * sizes["data.seq_len"]
     sizes.update({"data.path": data["path"], "data.tokenizer": data["tokenizer"],
                   "output_dir": str(output_dir)})
     if cfg.data.mixture_paths:
@@ -105,12 +106,12 @@ def test_shipped_config_trains_exports_and_evaluates(config, tmp_path, tiny_data
     ran = yaml.safe_load((run_dir / "config.yaml").read_text())
     # the run writes down the accumulation it derived from a global batch at its world size, 1
     expected, user = config_to_dict(want), config_to_dict(user_cfg)
-    expected["train"]["grad_accum_steps"] = user["train"]["grad_accum_steps"] = \
-        want.train.grad_accum_for(1)
+    expected["train"]["batch"]["grad_accum_steps"] = user["train"]["batch"]["grad_accum_steps"] = \
+        want.train.batch.grad_accum_for(1)
     assert ran == expected
     changed = {k for k, v in _flat(user).items() if _flat(ran)[k] != v}
     assert changed <= {o.split("=", 1)[0] for o in overrides}
-    assert ran["train"]["grad_accum_steps"] == user_cfg.train.grad_accum_for(1)
+    assert ran["train"]["batch"]["grad_accum_steps"] == user_cfg.train.batch.grad_accum_for(1)
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, want.train.max_steps + 1))
@@ -118,9 +119,9 @@ def test_shipped_config_trains_exports_and_evaluates(config, tmp_path, tiny_data
     assert all(math.isfinite(r["loss"]) and r["skipped_steps"] == 0 for r in rows)
     t = user_cfg.train
     # Every micro-batch of the accumulation was consumed: tokens = steps x micro x accum x seq.
-    assert rows[-1]["tokens"] == want.train.max_steps * t.micro_batch_size * \
-        t.grad_accum_for(1) * want.data.seq_len
-    assert f"ZeRO-{t.zero_stage}" in out.stdout
+    assert rows[-1]["tokens"] == want.train.max_steps * t.batch.micro_batch_size * \
+        t.batch.grad_accum_for(1) * want.data.seq_len
+    assert f"ZeRO-{t.engine.zero_stage}" in out.stdout
 
     assert (run_dir / "export" / "model.safetensors").is_file()
     assert yaml.safe_load((run_dir / "export" / "config.yaml").read_text())["name"] == want.name

@@ -142,7 +142,7 @@ def experiment(tmp_path_factory, tiny_data, subprocess_env) -> Path:
     shutil.copytree(tiny_data["path"], root / "shards")
     shutil.copy(tiny_data["tokenizer"], root / "tokenizer.model")
     config = tiny_config_dict({"path": "shards", "tokenizer": "tokenizer.model"}, "runs")
-    config["train"].update(max_steps=2, checkpoint_every=2)
+    config["train"].update(max_steps=2, checkpoint={"every": 2})
     (root / "tiny.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     (root / "spec.yaml").write_text(yaml.safe_dump(
         {"name": "s", "out": "studies", "base": "tiny.yaml",

@@ -107,7 +107,7 @@ def test_missing_file_at_a_url_is_named(export, capsys, tmp_path):
 def trained(tmp_path_factory, tiny_config, subprocess_env):
     """A 2-step run (checkpoint at step 2, ZeRO-1) and its trainer export."""
     root = tmp_path_factory.mktemp("trained")
-    cfg = tiny_config(root, "train.max_steps=2", "train.checkpoint_every=2")
+    cfg = tiny_config(root, "train.max_steps=2", "train.checkpoint.every=2")
     out = subprocess.run([sys.executable, str(REPO_ROOT / "launch/train.py"), "--config", cfg],
                          capture_output=True, text=True, env=subprocess_env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -180,8 +180,8 @@ def test_a_bf16_checkpoint_exports_and_evaluates(tmp_path, tiny_config, subproce
     """bf16 checkpoints (DeepSpeed's bf16 wrapper at ZeRO-0 keeps fp32 masters inside the model
     states; ZeRO-1 writes bf16_zero_*_optim_states.pt): scse-export of the tag gives the trainer's
     export, and scse-eval reads the tag. At ZeRO-0 both are the module's bf16 weights widened."""
-    cfg = tiny_config(tmp_path, "train.max_steps=2", "train.checkpoint_every=2",
-                      "train.precision=bf16", f"train.zero_stage={stage}")
+    cfg = tiny_config(tmp_path, "train.max_steps=2", "train.checkpoint.every=2",
+                      "train.engine.precision=bf16", f"train.engine.zero_stage={stage}")
     out = subprocess.run([sys.executable, str(REPO_ROOT / "launch/train.py"), "--config", cfg],
                          capture_output=True, text=True, env=subprocess_env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]

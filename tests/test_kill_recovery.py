@@ -20,7 +20,7 @@ from train_procs import REPO, TRAIN, read_metrics, run_trainer
 pytestmark = pytest.mark.slow
 
 STEPS = 12
-OVERRIDES = (f"train.max_steps={STEPS}", "train.checkpoint_every=4", "train.log_every=1")
+OVERRIDES = (f"train.max_steps={STEPS}", "train.checkpoint.every=4", "train.log_every=1")
 KILLS = 3
 SEED = 38
 

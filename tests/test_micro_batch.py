@@ -1,6 +1,6 @@
-"""train.micro_batch_size: auto (scse_dist.train.micro_batch): the candidates, the chooser with a
-fake "fits", the CPU memory measure on real allocations, a probe that changes nothing, and the
-trainer end to end: a small budget picks a smaller micro-batch whose losses are bit-identical to
+"""train.batch.micro_batch_size: auto (scse_dist.train.micro_batch): the candidates, the chooser
+with a fake "fits", the CPU memory measure on real allocations, a probe that changes nothing, and
+the trainer end to end: a small budget picks a smaller micro-batch whose losses are bit-identical to
 the same micro-batch configured by hand.
 
 Measured on the tests' tiny model (d 32, vocab 320, 32 tokens, T=3): a probe's peak RSS grows
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from scse_dist.config import ConfigError, TrainConfig, load_config
+from scse_dist.config import BatchConfig, ConfigError, load_config
 from scse_dist.train import micro_batch as mb
 from train_procs import TRAIN
 
@@ -27,14 +27,14 @@ MIB = 2**20
 
 
 def test_candidates_are_the_powers_of_two_dividing_the_rank_share_largest_first():
-    t = TrainConfig(micro_batch_size="auto", global_batch_size=96)
+    t = BatchConfig(micro_batch_size="auto", global_batch_size=96)
     assert t.micro_batch_candidates(1) == [32, 16, 8, 4, 2, 1]
     assert t.micro_batch_candidates(2) == [16, 8, 4, 2, 1]
     assert t.micro_batch_candidates(32) == [1]
     assert t.grad_accum_for(2) == 3  # before the choice: at the largest candidate
     assert t.grad_accum_for(2, 4) == 12
-    with pytest.raises(ConfigError, match=r"^train.global_batch_size: 96 is not a multiple of the "
-                                          r"world size \(5\)"):
+    with pytest.raises(ConfigError, match=r"^train.batch.global_batch_size: 96 is not a multiple "
+                                          r"of the world size \(5\)"):
         t.micro_batch_candidates(5)
 
 
@@ -79,8 +79,9 @@ def test_cpu_budget_measures_each_candidate_and_never_runs_one_far_over_it():
 
 
 def tiny_cfg(tiny_config, tmp_path, *overrides):
-    return load_config(tiny_config(tmp_path, "train.micro_batch_size=auto",
-                                   "train.global_batch_size=64", "train.depth.max=3", *overrides))
+    return load_config(tiny_config(tmp_path, "train.batch.micro_batch_size=auto",
+                                   "train.batch.global_batch_size=64", "train.depth.max=3",
+                                   *overrides))
 
 
 def test_a_probe_leaves_weights_gradients_and_every_rng_stream_as_they_were(tiny_config, tmp_path):
@@ -103,7 +104,7 @@ def test_a_probe_leaves_weights_gradients_and_every_rng_stream_as_they_were(tiny
 def test_find_micro_batch_on_cpu_picks_what_fits_the_budget_and_says_why(tiny_config, tmp_path):
     from scse_dist.model import LoopedLM
 
-    cfg = tiny_cfg(tiny_config, tmp_path, f"train.micro_batch_memory_gib={24 / 1024}")
+    cfg = tiny_cfg(tiny_config, tmp_path, f"train.batch.micro_batch_memory_gib={24 / 1024}")
     model = LoopedLM(cfg.model)
     size, line = mb.find_micro_batch(cfg, model, 1, 1, torch.device("cpu"))
     assert size == 16, line
@@ -113,17 +114,19 @@ def test_find_micro_batch_on_cpu_picks_what_fits_the_budget_and_says_why(tiny_co
 
 
 def test_auto_config_parses_and_rejects_in_one_line(tiny_config, tmp_path):
-    assert tiny_cfg(tiny_config, tmp_path).train.micro_batch_size == "auto"
-    assert load_config(tiny_config(tmp_path, "train.micro_batch_size=16")
-                       ).train.micro_batch_size == 16
-    bad = {("train.micro_batch_size=auto",):
-           "train.micro_batch_size: auto needs train.global_batch_size",
-           ("train.micro_batch_size=big",):
-           "train.micro_batch_size: expected an integer or 'auto', got 'big'",
-           ("train.micro_batch_size=auto", "train.global_batch_size=64",
-            "train.grad_accum_steps=2"):
-           "train.grad_accum_steps: 2 with train.micro_batch_size: auto, which derives it",
-           ("train.micro_batch_memory_gib=-1",): "train.micro_batch_memory_gib: must be >= 0"}
+    assert tiny_cfg(tiny_config, tmp_path).train.batch.micro_batch_size == "auto"
+    assert load_config(tiny_config(tmp_path, "train.batch.micro_batch_size=16")
+                       ).train.batch.micro_batch_size == 16
+    bad = {("train.batch.micro_batch_size=auto",):
+           "train.batch.micro_batch_size: auto needs train.batch.global_batch_size",
+           ("train.batch.micro_batch_size=big",):
+           "train.batch.micro_batch_size: expected an integer or 'auto', got 'big'",
+           ("train.batch.micro_batch_size=auto", "train.batch.global_batch_size=64",
+            "train.batch.grad_accum_steps=2"):
+           "train.batch.grad_accum_steps: 2 with train.batch.micro_batch_size: auto, which "
+           "derives it",
+           ("train.batch.micro_batch_memory_gib=-1",):
+           "train.batch.micro_batch_memory_gib: must be >= 0"}
     for overrides, message in bad.items():
         with pytest.raises(ConfigError) as err:
             load_config(tiny_config(tmp_path, *overrides))
@@ -138,10 +141,11 @@ def _losses(run_dir):
 @pytest.mark.slow
 def test_auto_under_a_small_budget_trains_bit_identically_to_the_same_micro_batch_by_hand(
         tmp_path, tiny_config, subprocess_env):
-    common = ("train.global_batch_size=64", "train.depth.max=3", "train.max_steps=6",
-              "train.log_every=1", "train.checkpoint_every=6")
-    runs = {"auto": ("train.micro_batch_size=auto", f"train.micro_batch_memory_gib={24 / 1024}"),
-            "fixed": ("train.micro_batch_size=16",)}
+    common = ("train.batch.global_batch_size=64", "train.depth.max=3", "train.max_steps=6",
+              "train.log_every=1", "train.checkpoint.every=6")
+    runs = {"auto": ("train.batch.micro_batch_size=auto",
+                     f"train.batch.micro_batch_memory_gib={24 / 1024}"),
+            "fixed": ("train.batch.micro_batch_size=16",)}
     out = {}
     for name, overrides in runs.items():
         (tmp_path / name).mkdir()
@@ -193,9 +197,9 @@ def test_ranks_agree_on_the_smallest_choice(subprocess_env):
 def test_auto_on_two_ranks_splits_the_rank_share_and_trains(tmp_path, tiny_config, subprocess_env):
     from train_procs import all_passed, train_ranks
 
-    cfg = tiny_config(tmp_path, "train.micro_batch_size=auto", "train.global_batch_size=64",
-                      "train.depth.max=3", "train.max_steps=2",
-                      f"train.micro_batch_memory_gib={12 / 1024}")
+    cfg = tiny_config(tmp_path, "train.batch.micro_batch_size=auto",
+                      "train.batch.global_batch_size=64", "train.depth.max=3", "train.max_steps=2",
+                      f"train.batch.micro_batch_memory_gib={12 / 1024}")
     results = train_ranks(cfg, subprocess_env)
     stdout = all_passed(results)
     assert "micro-batch auto: 8 (16 needs" in stdout, stdout
@@ -206,12 +210,13 @@ def test_auto_on_two_ranks_splits_the_rank_share_and_trains(tmp_path, tiny_confi
 @pytest.mark.slow
 def test_a_resume_may_choose_another_micro_batch(tmp_path, tiny_config, subprocess_env):
     """The config saved in the run dir keeps auto; the resumed run probes again and continues."""
-    cfg = tiny_config(tmp_path, "train.micro_batch_size=auto", "train.global_batch_size=64",
-                      "train.depth.max=3", "train.checkpoint_every=2", "train.log_every=1")
+    cfg = tiny_config(tmp_path, "train.batch.micro_batch_size=auto",
+                      "train.batch.global_batch_size=64", "train.depth.max=3",
+                      "train.checkpoint.every=2", "train.log_every=1")
     outs = []
     for steps, budget_mib in ((2, 24), (4, 12)):
         proc = subprocess.run([sys.executable, TRAIN, "--config", cfg, f"train.max_steps={steps}",
-                               f"train.micro_batch_memory_gib={budget_mib / 1024}"],
+                               f"train.batch.micro_batch_memory_gib={budget_mib / 1024}"],
                               env=subprocess_env, capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
         outs.append(proc.stdout)

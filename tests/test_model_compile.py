@@ -1,6 +1,6 @@
-"""train.compile: regional torch.compile of the blocks. One graph serves every block, every loop
-step and every depth T (no recompilation when T changes), and it computes what eager does (also
-under inductor, the CUDA backend)."""
+"""train.engine.compile: regional torch.compile of the blocks. One graph serves every block,
+every loop step and every depth T (no recompilation when T changes), and it computes what eager
+does (also under inductor, the CUDA backend)."""
 
 from __future__ import annotations
 
@@ -81,9 +81,10 @@ def test_trainer_at_zero3_with_compile_matches_eager_without_recompiles(tmp_path
     losses = {}
     for compile_ in ("true", "false"):
         (tmp_path / compile_).mkdir()
-        cfg = tiny_config(tmp_path / compile_, f"train.compile={compile_}", "train.zero_stage=3",
+        cfg = tiny_config(tmp_path / compile_, f"train.engine.compile={compile_}",
+                          "train.engine.zero_stage=3",
                           "train.max_steps=6", "train.log_every=1", "train.depth.min=2",
-                          "train.depth.max=8", "train.checkpoint_every=6")
+                          "train.depth.max=8", "train.checkpoint.every=6")
         out = subprocess.run([sys.executable, str(REPO / "launch" / "train.py"), "--config", cfg],
                              capture_output=True, text=True, env=env, timeout=240, cwd=REPO)
         assert out.returncode == 0, out.stderr[-3000:]
@@ -99,8 +100,8 @@ def test_trainer_at_zero3_with_compile_matches_eager_without_recompiles(tmp_path
 @pytest.mark.parametrize("recurrence", ["scse", "looped"])
 def test_inductor_matches_eager_with_loop_checkpointing_and_truncated_backprop(recurrence,
                                                                                monkeypatch):
-    """The CUDA backend on CPU: train.compile's inductor (the tests above use aot_eager), forward
-    and backward, loop checkpointing recomputing compiled blocks, the last 2 of T steps
+    """The CUDA backend on CPU: train.engine.compile's inductor (the tests above use aot_eager),
+    forward and backward, loop checkpointing recomputing compiled blocks, the last 2 of T steps
     backpropagated."""
     monkeypatch.setenv("SCSE_COMPILE_BACKEND", "inductor")
     torch._dynamo.reset()

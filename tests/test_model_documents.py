@@ -204,7 +204,7 @@ def test_training_with_the_document_mask_runs_end_to_end(tmp_path, tiny_config, 
     batches = islice(TokenStream(tiny_data["path"], seq_len=32, batch_size=4, seed=0), 12)
     assert sum(int((b == EOS).sum()) for b in batches) >= 3  # documents meet in the windows
     cfg = tiny_config(tmp_path, "model.document_mask=true", "train.max_steps=12",
-                      "eval.every_steps=6", "train.checkpoint_every=12")
+                      "eval.every_steps=6", "train.checkpoint.every=12")
     out = run_trainer(cfg, subprocess_env)
     rows = read_metrics(tmp_path / "runs" / "tiny")
     losses = [r["loss"] for r in rows if "kind" not in r]
@@ -229,7 +229,8 @@ def test_the_backend_is_logged_once_per_process(monkeypatch, capsys) -> None:
 
 
 def test_compiled_blocks_take_the_document_mask(monkeypatch) -> None:
-    """train.compile: the regional compile of the blocks' math gives the eager masked logits."""
+    """train.engine.compile: the regional compile of the blocks' math gives the eager masked
+    logits."""
     monkeypatch.setenv("SCSE_COMPILE_BACKEND", "aot_eager")
     torch.manual_seed(0)
     model = LoopedLM(tiny()).eval()
@@ -245,7 +246,8 @@ def test_compiled_blocks_take_the_document_mask(monkeypatch) -> None:
 @pytest.fixture
 def inductor_flex(monkeypatch):
     """Flex forced, dynamo fresh: a compiled block then runs flex_attention inside inductor's
-    graph, as train.compile does on CUDA (flex's backward is not implemented on CPU: forward)."""
+    graph, as train.engine.compile does on CUDA (flex's backward is not implemented on CPU:
+    forward)."""
     monkeypatch.setenv(BACKEND_ENV, "flex")
     monkeypatch.setenv("SCSE_COMPILE_BACKEND", "inductor")
     torch._dynamo.reset()
@@ -259,10 +261,10 @@ def inductor_flex(monkeypatch):
 @needs_flex
 @pytest.mark.parametrize("compiled", ["block", "flex"])
 def test_flex_compiled_by_inductor_equals_the_sdpa_mask(inductor_flex, compiled: str) -> None:
-    """In a compiled block (train.compile) and compiled alone (FlexMask.compiled: CUDA without
-    train.compile). v is a strided view of the qkv projection, q and k contiguous after RoPE:
-    inside the block's graph inductor's flex read v wrongly (the output off by 0.13 here) until
-    attend made the three contiguous; compiled alone it was right either way."""
+    """In a compiled block (train.engine.compile) and compiled alone (FlexMask.compiled: CUDA
+    without train.engine.compile). v is a strided view of the qkv projection, q and k contiguous
+    after RoPE: inside the block's graph inductor's flex read v wrongly (the output off by 0.13
+    here) until attend made the three contiguous; compiled alone it was right either way."""
     torch.manual_seed(0)
     block = Block(tiny())
     tokens = torch.stack([packed_row(torch.Generator().manual_seed(11))[0] for _ in range(2)])

@@ -27,11 +27,11 @@ GPT2 = "configs/gpt2-small-scse.yaml"
 
 
 def test_plan_arithmetic_on_16_h200_at_zero2():
-    cfg = load_config(GPT2, ["train.zero_stage=2", "train.depth.kind=fixed"])
+    cfg = load_config(GPT2, ["train.engine.zero_stage=2", "train.depth.kind=fixed"])
     plan = build(cfg, 16, Assumptions(gpu="h200", mfu=0.25, tokens=1e9))
     n = count_parameters(cfg)
     tokens_per_step = 16 * 2 * 16 * 1024  # micro 16 x accum 2 x 16 GPUs: the config's 524288
-    assert plan["tokens_per_step"] == tokens_per_step == cfg.train.global_batch_tokens
+    assert plan["tokens_per_step"] == tokens_per_step == cfg.train.batch.global_batch_tokens
     assert plan["steps"] == -(-10**9 // tokens_per_step) and plan["depth"]["max"] == 4
     step_flops = tokens_per_step * flops_per_token(cfg.model, 4, 1024)
     assert plan["seconds_per_step"] == pytest.approx(step_flops / 16 / (989e12 * 0.25))
@@ -58,7 +58,8 @@ def test_largest_micro_batch_fits_and_one_more_does_not():
 
 
 def test_auto_takes_the_largest_candidate_that_fits():
-    cfg = load_config(GPT2, ["train.micro_batch_size=auto", "train.global_batch_tokens=1048576",
+    cfg = load_config(GPT2, ["train.batch.micro_batch_size=auto",
+                             "train.batch.global_batch_tokens=1048576",
                              "model.activation_checkpointing=none"])
     plan = build(cfg, 8, Assumptions(gpu="h100"))
     largest = plan["largest_micro_batch"]["none"]
@@ -71,8 +72,8 @@ def test_auto_checkpointing_is_none_where_the_estimate_fits_else_loop():
     """gpt2-small-scse's auto on one GPU, micro-batch 16 at T = 16: none on an H100 (17.6 GiB
     of 72), loop where only 10 GiB may be filled (8.2 GiB with it); the trainer asks the same
     function with its device's memory (scse_dist.train.loop._with_checkpointing)."""
-    cfg = load_config(GPT2, ["train.global_batch_tokens=0", "train.micro_batch_size=16",
-                             "train.grad_accum_steps=1"])
+    cfg = load_config(GPT2, ["train.batch.global_batch_tokens=0", "train.batch.micro_batch_size=16",
+                             "train.batch.grad_accum_steps=1"])
     assert cfg.model.activation_checkpointing == "auto"
     roomy = build(cfg, 1, Assumptions(gpu="h100"))
     need = roomy["memory_bytes"]["training_state"] + roomy["memory_bytes"]["activations"]["none"]
@@ -114,8 +115,8 @@ def test_table_and_json_through_the_cli(capsys, tiny_data):
     (["--plan", "--world-size", "16", "--gpu", "v100"],
      "--gpu: unknown GPU 'v100'; one of a100, h100, h200"),
     (["--plan", "--world-size", "24"],
-     "train.global_batch_tokens: 524288 (512 sequences of data.seq_len 1024) is not a multiple of "
-     "train.micro_batch_size (16) x world size (24, from --world-size)"),
+     "train.batch.global_batch_tokens: 524288 (512 sequences of data.seq_len 1024) is not a "
+     "multiple of train.batch.micro_batch_size (16) x world size (24, from --world-size)"),
     (["--plan", "--world-size", "8", "--mfu", "40"], "--mfu: a fraction in (0, 1], got 40.0"),
     (["--plan"], "--plan: needs --world-size (the GPUs the run trains on)"),
     (["--world-size", "8"], "--world-size: only with --plan or --dry-run"),

@@ -43,7 +43,7 @@ def doc_text() -> str:
 
 # gpt2-small shrunk to CPU size through trailing overrides (what the README offers for trying it).
 GPT2_ON_CPU = (f"model.d_model=32 model.n_heads=2 model.vocab_size={TINY_VOCAB} "
-               "model.max_seq_len=32 data.seq_len=32 train.global_batch_tokens=4096 "
+               "model.max_seq_len=32 data.seq_len=32 train.batch.global_batch_tokens=4096 "
                "train.max_steps=3 train.warmup_steps=1 "
                "train.log_every=1 eval.batch_size=4 eval.max_batches=2")
 QUICKSTART_STEPS = 30  # the README's shorter first look: train.max_steps=30 eval.max_batches=2
@@ -176,8 +176,8 @@ def check_gpt2_two_ranks(d: Path, out: str) -> None:
     run = d / "runs/gpt2-small-scse"
     assert "world 2 (env), ZeRO-1" in out
     ran = yaml.safe_load((run / "config.yaml").read_text())["train"]
-    assert ran["grad_accum_steps"] == 4 and \
-        ran["deepspeed_config"] == "configs/deepspeed/zero1.json"
+    assert ran["batch"]["grad_accum_steps"] == 4 and \
+        ran["engine"]["deepspeed_config"] == "configs/deepspeed/zero1.json"
     # every rank consumed micro 16 x accumulation 4 sequences of 32 tokens per step: the
     # 4096-token global batch over 2 ranks
     assert "global batch 128 seq (4096 tokens) = micro 16 x accum 4 x world 2" in out
@@ -348,9 +348,9 @@ NOT_RUN = {
         "needs a Slurm cluster of GPUs; tests/test_slurm_pretrain.py sbatches slurm/pretrain.sh "
         "on a real local Slurm, from a directory outside the checkout",
     # the planner at gpt2-medium size: tests/test_plan.py runs --plan through the CLI (table, JSON)
-    "scse-train --config configs/gpt2-small-scse.yaml --plan --world-size 16 --gpu h200 --tokens 10e9      name=gpt2-medium-scse model.d_model=1024 model.n_heads=16 model.n_core=5 model.depth=16      train.zero_stage=2 train.deepspeed_config=configs/deepspeed/zero2.json":
+    "scse-train --config configs/gpt2-small-scse.yaml --plan --world-size 16 --gpu h200 --tokens 10e9      name=gpt2-medium-scse model.d_model=1024 model.n_heads=16 model.n_core=5 model.depth=16      train.engine.zero_stage=2 train.engine.deepspeed_config=configs/deepspeed/zero2.json":
         "sizes a run of 10B tokens; tests/test_plan.py runs scse-train --plan the same way",
-    "python launch/train.py --config configs/quickstart.yaml name=stable train.schedule=constant      train.max_steps=10000 train.checkpoint_every=1000 train.keep_checkpoints=20":
+    "python launch/train.py --config configs/quickstart.yaml name=stable train.schedule=constant      train.max_steps=10000 train.checkpoint.every=1000 train.checkpoint.keep=20":
         "10,000 training steps; tests/test_train_cooldown.py trains a constant-LR run and branches it",
     "python launch/train.py --config configs/quickstart.yaml name=stable-cool4k train.schedule=wsd      train.max_steps=5000 train.decay_steps=1000      train.branch_from=runs/stable/checkpoints/step-0004000":
         "branches the 10,000-step run above; tests/test_train_cooldown.py branches a cooldown the same way",

@@ -92,16 +92,16 @@ def test_different_failures_are_retried_until_max_retries(run):
 
     assert at(7, 0)[0] and at(9, 1)[0]  # another step: another failure
     retry, line = at(11, 2)
-    assert not retry and "not retrying, train.max_retries=2 and 2 retries used" in line
+    assert not retry and "not retrying, train.start.max_retries=2 and 2 retries used" in line
     assert at(7, 0, job="43")[0]  # a new submission counts afresh
     retry, line = at(7, 0, job="44", max_retries=0)
-    assert not retry and "not retrying, train.max_retries=0 (" in line
+    assert not retry and "not retrying, train.start.max_retries=0 (" in line
 
 
 def test_max_retries_is_checked(tmp_path):
-    assert load_config(None, []).train.max_retries == 2
-    with pytest.raises(ConfigError, match="train.max_retries: must be >= 0, got -1"):
-        load_config(None, ["train.max_retries=-1"])
+    assert load_config(None, []).train.start.max_retries == 2
+    with pytest.raises(ConfigError, match="train.start.max_retries: must be >= 0, got -1"):
+        load_config(None, ["train.start.max_retries=-1"])
 
 
 def test_crash_faults_raise_at_their_step_and_crash_once_only_at_the_first_start(monkeypatch):

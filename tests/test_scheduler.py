@@ -82,11 +82,11 @@ def test_a_global_batch_the_jobs_world_cannot_divide_is_refused_before_it_queues
         tmp_path, tiny_config, capsys, monkeypatch):
     backend = RecordingBackend()
     monkeypatch.setattr(scheduler, "get_backend", lambda name: backend)
-    config = tiny_config(tmp_path, "train.global_batch_size=16")  # micro 4: worlds 1, 2, 4
+    config = tiny_config(tmp_path, "train.batch.global_batch_size=16")  # micro 4: worlds 1, 2, 4
     assert scheduler.main([config, "resources.nodes=3", "resources.tasks_per_node=1"]) == 2
     assert capsys.readouterr().err == (
-        "scse-launch: config error: train.global_batch_size: 16 is not a multiple of "
-        "train.micro_batch_size (4) x world size (3, from resources.nodes 3 x "
+        "scse-launch: config error: train.batch.global_batch_size: 16 is not a multiple of "
+        "train.batch.micro_batch_size (4) x world size (3, from resources.nodes 3 x "
         "resources.tasks_per_node 1)\n")
     assert backend.calls == [] and not (tmp_path / "runs").exists()
     assert scheduler.main([config, "resources.nodes=2", "resources.tasks_per_node=2"]) == 0

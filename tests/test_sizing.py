@@ -80,13 +80,13 @@ def test_state_memory_shards_by_stage():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [
-    ["train.zero_stage=1", "model.activation_checkpointing=none"],
-    ["train.zero_stage=2", "model.activation_checkpointing=loop", "model.vocab_size=16384"],
+    ["train.engine.zero_stage=1", "model.activation_checkpointing=none"],
+    ["train.engine.zero_stage=2", "model.activation_checkpointing=loop", "model.vocab_size=16384"],
 ])
 def test_a_real_engine_peak_is_within_15_percent_of_the_plan(extra, subprocess_env):
     overrides = ["model.d_model=128", "model.n_heads=4", "model.max_seq_len=256",
                  "data.seq_len=256", "model.vocab_size=512", "model.depth=4",
-                 "train.micro_batch_size=8", "train.precision=fp32", *extra]
+                 "train.batch.micro_batch_size=8", "train.engine.precision=fp32", *extra]
     env = dict(subprocess_env, MALLOC_MMAP_THRESHOLD_="65536", WORLD_SIZE="1", RANK="0",
                LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 500))
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "memory_probe.py"), *overrides],
@@ -94,6 +94,6 @@ def test_a_real_engine_peak_is_within_15_percent_of_the_plan(extra, subprocess_e
     assert out.returncode == 0, out.stderr[-3000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     cfg = load_config(None, overrides)
-    states = state_memory(count_parameters(cfg), "fp32", cfg.train.zero_stage, 1).total
+    states = state_memory(count_parameters(cfg), "fp32", cfg.train.engine.zero_stage, 1).total
     planned = states + activation_memory(cfg, 4, "fp32", 8).total
     assert measured["peak"] == pytest.approx(planned, rel=0.15), (measured, states, planned)

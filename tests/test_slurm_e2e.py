@@ -141,7 +141,7 @@ def test_failed_training_never_runs_the_evaluations(slurm_cluster, tmp_path):
 
 
 def test_preemption_signal_requeues_and_resumes_without_rescheduling(slurm_cluster, tmp_path):
-    train = submit(tmp_path, "name=preempt", "train.max_steps=60", "train.checkpoint_every=1000")
+    train = submit(tmp_path, "name=preempt", "train.max_steps=60", "train.checkpoint.every=1000")
     run_dir = tmp_path / "runs" / "preempt"
     ids = scheduled(run_dir)
     info = preempt_and_wait(train, run_dir, tmp_path)

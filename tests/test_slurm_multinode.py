@@ -24,7 +24,7 @@ def two_node_cluster():
 
 
 def test_two_node_training_preempted_requeued_resumed_then_evaluated(two_node_cluster, tmp_path):
-    train = submit(tmp_path, "name=multi", "train.max_steps=40", "train.checkpoint_every=1000",
+    train = submit(tmp_path, "name=multi", "train.max_steps=40", "train.checkpoint.every=1000",
                    nodes=2)
     run_dir = tmp_path / "runs" / "multi"
     ids = scheduled(run_dir)

@@ -67,7 +67,7 @@ def elsewhere_config(tmp_path: Path, tiny_config, *overrides: str) -> Path:
 def test_pretrain_sh_trains_then_evaluates_from_any_directory(slurm_cluster, tmp_path,
                                                               tiny_config, wheel_env):
     home = elsewhere_config(tmp_path, tiny_config, "train.max_steps=12",
-                            "train.checkpoint_every=5", "eval.tasks=[heldout,diagnose]")
+                            "train.checkpoint.every=5", "eval.tasks=[heldout,diagnose]")
     # the config by a path relative to the submit directory; an override on the command line
     train = sbatch(home, wheel_env, "tiny.yaml", "name=wrapped")
     run_dir = tmp_path / "runs" / "wrapped"

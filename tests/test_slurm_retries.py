@@ -20,7 +20,7 @@ from test_slurm_pretrain import sbatch
 from train_procs import all_passed, train_ranks
 
 pytestmark = pytest.mark.slow
-STEPS = ("train.max_steps=12", "train.checkpoint_every=5", "train.log_every=1")
+STEPS = ("train.max_steps=12", "train.checkpoint.every=5", "train.log_every=1")
 CRASH = "RuntimeError: fault: crash at step 8"
 
 

@@ -307,7 +307,7 @@ def test_dry_run_names_every_missing_input_and_the_runs_that_need_it(tmp_path, t
 
 @pytest.mark.slow
 def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_config, user_env):
-    base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint_every=2")
+    base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint.every=2")
     (tmp_path / "valid.txt").write_text("\n\n".join(tiny_documents(8, seed=7)))
     spec = {"name": "local", "out": str(tmp_path / "studies"), "base": base,
             "variants": {"scse": {"overrides": {}}}, "seeds": [1],

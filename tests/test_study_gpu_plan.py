@@ -32,12 +32,12 @@ def expected_gpu_hours(spec, stage: str) -> float:
         d = cfg.train.depth
         per_token = sum(flops_per_token(cfg.model, t, cfg.data.seq_len, d.backprop_steps)
                         for t in range(d.min, d.max + 1)) / (d.max - d.min + 1)
-        total += per_token * cfg.train.max_steps * cfg.train.global_batch_tokens
+        total += per_token * cfg.train.max_steps * cfg.train.batch.global_batch_tokens
     return total / rate / 3600
 
 
 @pytest.mark.parametrize("world, overrides", [
-    (8, []), (64, ["resources.nodes=8", "overrides.train.micro_batch_size=8"])])
+    (8, []), (64, ["resources.nodes=8", "overrides.train.batch.micro_batch_size=8"])])
 def test_the_gpu_study_dry_run_lists_its_runs_and_their_planned_gpu_hours(world, overrides,
                                                                           capsys):
     # its data is not here: the dry run still lists and plans, and exits 66 naming the inputs

@@ -65,7 +65,7 @@ def test_slurm_study_on_cpu_nodes_caps_every_job_and_evaluates_each_run_in_its_j
         slurm_cluster, tmp_path, tiny_config, user_env):
     from conftest import tiny_documents
 
-    base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint_every=4")
+    base = tiny_config(tmp_path, "train.max_steps=4", "train.checkpoint.every=4")
     (tmp_path / "wiki.txt").write_text("".join(f" = Article {i} = \n\n {doc} \n\n"
                                                for i, doc in enumerate(tiny_documents(3, seed=5))))
     spec = {"name": "arr", "out": str(tmp_path / "studies"), "base": base,
@@ -155,7 +155,7 @@ def test_slurm_two_stage_lr_sweep_submits_stage_two_after_the_choice(slurm_clust
                                                                      tiny_config, user_env):
     from conftest import tiny_documents
 
-    base = tiny_config(tmp_path, "train.max_steps=3", "train.checkpoint_every=3")
+    base = tiny_config(tmp_path, "train.max_steps=3", "train.checkpoint.every=3")
     (tmp_path / "valid.txt").write_text("\n\n".join(tiny_documents(6, seed=3)))
     spec = {"name": "two", "out": str(tmp_path / "studies"), "base": base,
             "variants": {"scse": {"overrides": {}}}, "seeds": [4],

@@ -318,7 +318,7 @@ def test_train_export_eval_and_generate_with_a_kind(kinds, name, tiny_config, tm
     kind = KIND_OF[name]
     cfg = tiny_config(tmp_path, "name=k", "train.max_steps=4", f"data.path={shards}",
                       f"data.tokenizer={kinds[name]}", f"data.tokenizer_kind={kind}",
-                      "model.vocab_size=512", "train.checkpoint_every=4")
+                      "model.vocab_size=512", "train.checkpoint.every=4")
     env = {**subprocess_env, "PATH": os.path.dirname(sys.executable) + os.pathsep +
            os.environ.get("PATH", "")}
 

@@ -200,7 +200,7 @@ def test_states_survive_a_preemption_and_a_resume_at_another_world_size(
     toy has seen every step, and the final checkpoint holds the run's first loss."""
     import subprocess
 
-    cfg = tiny_config(tmp_path, "train.global_batch_size=4", "train.micro_batch_size=2",
+    cfg = tiny_config(tmp_path, "train.batch.global_batch_size=4", "train.batch.micro_batch_size=2",
                       "train.max_nonfinite_steps=4",
                       f"train.callbacks=[{{class_path: {TOY}, init_args: {{every_steps: 5}}}}]")
     env = dict(subprocess_env, PYTHONPATH=f"{REPO}:{REPO / 'tests'}")

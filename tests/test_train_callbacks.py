@@ -152,8 +152,9 @@ def test_eval_during_training_leaves_training_alone_and_matches_the_final_eval(
 
 @pytest.mark.slow
 def test_eval_during_training_on_two_ranks_under_zero3(tmp_path, tiny_config, subprocess_env):
-    cfg = tiny_config(tmp_path, "train.zero_stage=3", "train.max_steps=4", "eval.every_steps=2",
-                      "eval.max_batches=3", "train.log_every=2", "train.checkpoint_every=4")
+    cfg = tiny_config(tmp_path, "train.engine.zero_stage=3", "train.max_steps=4",
+                      "eval.every_steps=2",
+                      "eval.max_batches=3", "train.log_every=2", "train.checkpoint.every=4")
     all_passed(train_ranks(cfg, subprocess_env))
     evals = [r for r in read_metrics(tmp_path / "runs" / "tiny") if r.get("kind") == "eval"]
     assert [r["step"] for r in evals] == [2, 4]
@@ -173,7 +174,7 @@ def test_too_many_bad_samples_mid_training_is_one_line_exit_65_and_the_checkpoin
     shards = tmp_path / "shards"
     shutil.copytree(tiny_data["path"], shards)
     config = tiny_config(tmp_path, f"data.path={shards}", "train.max_steps=10",
-                         "train.checkpoint_every=10")
+                         "train.checkpoint.every=10")
     run_trainer(config, subprocess_env)
     # the shards go bad under the finished run; the continuation reads them
     for entry in json.loads((shards / "index.json").read_text())["splits"]["train"]:
@@ -213,7 +214,7 @@ def test_logged_throughput_counts_the_loop_diagnostics(tmp_path, tiny_config, su
     logged tokens/s is the wall-clock rate between its log steps to within 5% (a ratio in one
     run, not a speed)."""
     config = tiny_config(tmp_path, "train.max_steps=31", "train.log_every=10",
-                         "train.diagnostics_every=10", "train.checkpoint_every=1000",
+                         "train.diagnostics_every=10", "train.checkpoint.every=1000",
                          f"train.callbacks=[{{class_path: wall_clock_probe:StepEnds, "
                          f"init_args: {{out: '{tmp_path / 'ends.json'}'}}}}]")
     run_trainer(config, dict(subprocess_env, PYTHONPATH=f"{REPO}:{REPO / 'tests'}"))

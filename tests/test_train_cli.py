@@ -80,7 +80,7 @@ def test_dry_run_prints_the_global_batch_derivation_at_the_world_size_asked(tmp_
                                                                           capsys, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(key, raising=False)
-    config = tiny_config(tmp_path, "train.global_batch_tokens=2048")  # 64 sequences of 32
+    config = tiny_config(tmp_path, "train.batch.global_batch_tokens=2048")  # 64 sequences of 32
     derivations = {}
     for world in ("1", "4", "16"):
         assert main(["--config", config, "--dry-run", "--world-size", world]) == 0
@@ -94,8 +94,9 @@ def test_dry_run_prints_the_global_batch_derivation_at_the_world_size_asked(tmp_
     monkeypatch.setenv("WORLD_SIZE", "32")  # the launcher's world when no --world-size is given
     assert main(["--config", config, "--dry-run"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "scse-train: config error: train.global_batch_tokens: 2048 (64 sequences of data.seq_len "
-        "32) is not a multiple of train.micro_batch_size (4) x world size (32, from WORLD_SIZE)")
+        "scse-train: config error: train.batch.global_batch_tokens: 2048 (64 sequences of "
+        "data.seq_len 32) is not a multiple of train.batch.micro_batch_size (4) x world size (32, "
+        "from WORLD_SIZE)")
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -22,7 +22,7 @@ from train_procs import REPO, TRAIN, read_metrics
 pytestmark = pytest.mark.slow
 
 WSD = ("train.schedule.kind=wsd", "train.schedule.decay_steps=8", "train.log_every=1",
-       "train.checkpoint_every=6", "train.keep_checkpoints=10")
+       "train.checkpoint.every=6", "train.checkpoint.keep=10")
 EXPORT = Path("export") / "model.safetensors"
 
 
@@ -90,7 +90,7 @@ def test_a_resume_mid_decay_is_the_uninterrupted_run(reference, tmp_path, tiny_c
 def test_a_cooldown_branched_off_a_stable_run_is_the_wsd_decay(reference, tmp_path, tiny_config,
                                                               subprocess_env):
     _, reference_dir = reference
-    base = ("train.log_every=1", "train.checkpoint_every=6", "train.keep_checkpoints=10")
+    base = ("train.log_every=1", "train.checkpoint.every=6", "train.checkpoint.keep=10")
     stable_dir = tmp_path / "stable" / "runs" / "tiny"
     (tmp_path / "stable").mkdir()
     (tmp_path / "cool").mkdir()

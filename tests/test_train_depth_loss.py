@@ -1,4 +1,4 @@
-"""train.depth_loss two_depths (issue 26): the loss at a shorter depth, read out from the same
+"""train.loss.depth two_depths (issue 26): the loss at a shorter depth, read out from the same
 forward, joins the objective with its weight; the logged loss stays the step depth's; the gradient
 is that of loss_T + weight * loss_short; no term where T <= short; off leaves train_step's
 objective as it was; the config's refusals; and a real run logs loss_short."""
@@ -62,20 +62,20 @@ def test_no_term_at_a_step_no_deeper_than_short_and_off_is_as_before() -> None:
     for name, g in grads(off).items():
         assert torch.equal(g, grads(at_short)[name]), name
     assert short_depth_loss(load_config(None, []).train) == {}
-    cfg = load_config(None, ["train.depth_loss.kind=two_depths", "train.depth_loss.short=3",
-                             "train.depth_loss.weight=0.25"])
+    cfg = load_config(None, ["train.loss.depth.kind=two_depths", "train.loss.depth.short=3",
+                             "train.loss.depth.weight=0.25"])
     assert short_depth_loss(cfg.train) == {"short_depth": 3, "short_weight": 0.25}
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["train.depth_loss.short=0"], "train.depth_loss.short: must be >= 1, got 0"),
-    (["train.depth_loss.weight=0"], "train.depth_loss.weight: must be a finite weight > 0"),
-    (["model.recurrence=untied"], "train.depth_loss: recurrence=untied runs one fixed depth"),
-    (["train.depth_loss.short=4"], "train.depth_loss.short: 4 is not below the largest trained "
+    (["train.loss.depth.short=0"], "train.loss.depth.short: must be >= 1, got 0"),
+    (["train.loss.depth.weight=0"], "train.loss.depth.weight: must be a finite weight > 0"),
+    (["model.recurrence=untied"], "train.loss.depth: recurrence=untied runs one fixed depth"),
+    (["train.loss.depth.short=4"], "train.loss.depth.short: 4 is not below the largest trained "
                                    "depth 4"),
 ])
 def test_refusals(overrides: list[str], message: str) -> None:
-    base = ["train.depth_loss.kind=two_depths", "model.depth=4"]
+    base = ["train.loss.depth.kind=two_depths", "model.depth=4"]
     with pytest.raises(ConfigError, match="^" + message):
         load_config(None, base + overrides)
     # a weight 0 or a bad short is fine while the term is off
@@ -84,11 +84,11 @@ def test_refusals(overrides: list[str], message: str) -> None:
 
 def test_a_run_logs_the_short_depth_s_loss(tmp_path, tiny_config, subprocess_env) -> None:
     runs = {}
-    for name, extra in (("on", ["train.depth_loss.kind=two_depths", "train.depth_loss.short=1"]),
+    for name, extra in (("on", ["train.loss.depth.kind=two_depths", "train.loss.depth.short=1"]),
                         ("off", [])):
         (tmp_path / name).mkdir()
         cfg = tiny_config(tmp_path / name, *extra, "train.max_steps=6", "train.log_every=2",
-                          "train.checkpoint_every=100")
+                          "train.checkpoint.every=100")
         out = run_trainer(cfg, subprocess_env)
         runs[name] = [r for r in read_metrics(tmp_path / name / "runs" / "tiny") if "loss" in r]
         assert ("loss_short " in out) == (name == "on")

@@ -69,7 +69,7 @@ def test_bad_downstream_fields_are_one_line_naming_the_field(tiny_data, tmp_path
 
 def test_downstream_needs_zero_stage_below_3(tiny_data, tmp_path):
     values = tiny_config_dict(tiny_data, str(tmp_path / "runs"))
-    values["train"]["zero_stage"] = 3
+    values["train"]["engine"] = {"zero_stage": 3}
     values["eval"].update(downstream_every=5, downstream_tasks=["lambada"], lambada="l.jsonl")
     with pytest.raises(ConfigError, match=r"^eval.downstream_every: downstream tasks during "
                                           r"training run at ZeRO stage 0, 1 or 2"):

@@ -134,9 +134,10 @@ def test_resume_from_the_middle_checkpoint_reproduces_the_run_exactly(trained, t
 
 
 def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subprocess_env):
-    cfg = tiny_config(tmp_path, "train.zero_stage=2", "train.max_steps=2", "train.log_every=1",
-                      "train.checkpoint_every=1",
-                      f"train.deepspeed_config={REPO / 'configs/deepspeed/zero2.json'}")
+    cfg = tiny_config(tmp_path, "train.engine.zero_stage=2", "train.max_steps=2",
+                      "train.log_every=1",
+                      "train.checkpoint.every=1",
+                      f"train.engine.deepspeed_config={REPO / 'configs/deepspeed/zero2.json'}")
     out = run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), TRAIN,
                "--config", cfg], subprocess_env)
     stdout = must_pass(out)
@@ -174,7 +175,8 @@ def test_two_ranks_with_the_deepspeed_launcher_zero2(tmp_path, tiny_config, subp
 
 
 def test_zero3_with_the_loop_leaf_trains(tmp_path, tiny_config, subprocess_env):
-    cfg = tiny_config(tmp_path, "train.zero_stage=3", "train.max_steps=2", "train.log_every=1")
+    cfg = tiny_config(tmp_path, "train.engine.zero_stage=3", "train.max_steps=2",
+                      "train.log_every=1")
     stdout = must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))
     export = load_file(str(tmp_path / "runs" / "tiny" / "export" / "model.safetensors"))
     # counted before ZeRO-3 partitions the parameters (it printed 0 parameters once)
@@ -239,7 +241,7 @@ def test_a_rerun_with_fewer_steps_than_its_checkpoint_is_refused_and_saves_nothi
 
 def test_diagnostics_off_the_log_steps_get_rows_of_their_own(tmp_path, tiny_config, subprocess_env):
     cfg = tiny_config(tmp_path, "train.max_steps=6", "train.diagnostics_every=3",
-                      "train.checkpoint_every=6")
+                      "train.checkpoint.every=6")
     stdout = must_pass(run([sys.executable, TRAIN, "--config", cfg], subprocess_env))
     rows = read_metrics(tmp_path / "runs" / "tiny")
     assert [(r["step"], "loss" in r, "diag/D_kept" in r) for r in rows] == [

@@ -18,8 +18,9 @@ def cfg_with(*overrides):
 
 
 def test_generated_values_come_from_the_config():
-    ds = build_ds_config(cfg_with("train.micro_batch_size=3", "train.grad_accum_steps=2",
-                                  "train.optimizer.grad_clip=0.5", "train.zero_stage=2",
+    ds = build_ds_config(cfg_with("train.batch.micro_batch_size=3",
+                                  "train.batch.grad_accum_steps=2",
+                                  "train.optimizer.grad_clip=0.5", "train.engine.zero_stage=2",
                                   "train.optimizer.lr=0.01",
                                   "train.optimizer.beta2=0.99",
                                   "train.optimizer.weight_decay=0.05"), on_cuda=False)
@@ -55,7 +56,7 @@ def test_optimizer_is_torch_adamw_fused_on_cuda_with_no_decay_on_norms():
 
 
 def test_deepspeed_fused_adam_is_opt_in_and_needs_cuda():
-    cfg = cfg_with("train.optimizer.kind=deepspeed_fused_adam", "train.precision=bf16")
+    cfg = cfg_with("train.optimizer.kind=deepspeed_fused_adam", "train.engine.precision=bf16")
     ds = build_ds_config(cfg, on_cuda=True)
     assert ds["optimizer"] == {"type": "AdamW", "params": {
         "lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}}
@@ -69,7 +70,8 @@ def test_deepspeed_fused_adam_is_opt_in_and_needs_cuda():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_shipped_zero_files_merge_over_the_generated_config(stage):
     path = REPO / "configs" / "deepspeed" / f"zero{stage}.json"
-    ds = build_ds_config(cfg_with(f"train.zero_stage={stage}", f"train.deepspeed_config={path}"),
+    ds = build_ds_config(cfg_with(f"train.engine.zero_stage={stage}",
+                                  f"train.engine.deepspeed_config={path}"),
                          on_cuda=False)
     file_zero = json.loads(path.read_text())["zero_optimization"]
     assert ds["zero_optimization"] == file_zero
@@ -79,10 +81,11 @@ def test_shipped_zero_files_merge_over_the_generated_config(stage):
 def test_conflicting_stage_names_both_the_field_and_the_file():
     path = REPO / "configs" / "deepspeed" / "zero3.json"
     with pytest.raises(ConfigError) as err:
-        build_ds_config(cfg_with("train.zero_stage=1", f"train.deepspeed_config={path}"),
+        build_ds_config(cfg_with("train.engine.zero_stage=1",
+                                 f"train.engine.deepspeed_config={path}"),
                         on_cuda=False)
     msg = str(err.value)
-    assert msg.startswith("train.zero_stage:")
+    assert msg.startswith("train.engine.zero_stage:")
     assert "zero_optimization/stage=1" in msg and str(path) in msg and "sets 3" in msg
 
 
@@ -90,18 +93,18 @@ def test_file_may_repeat_a_field_with_the_same_value_and_add_new_keys(tmp_path):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"gradient_clipping": 1, "optimizer": {"params": {"eps": 1e-6}},
                              "zero_optimization": {"overlap_comm": True}}))
-    ds = build_ds_config(cfg_with(f"train.deepspeed_config={f}",
+    ds = build_ds_config(cfg_with(f"train.engine.deepspeed_config={f}",
                                   "train.optimizer.kind=deepspeed_fused_adam"), on_cuda=True)
     assert ds["gradient_clipping"] == 1
     assert ds["optimizer"]["params"]["eps"] == 1e-6 and ds["optimizer"]["params"]["lr"] == 1e-3
     assert ds["zero_optimization"] == {"stage": 1, "overlap_comm": True}
     with pytest.raises(ConfigError, match="^train.optimizer.kind: .*ds.json has an 'optimizer' "
                                           "section"):
-        build_ds_config(cfg_with(f"train.deepspeed_config={f}"), on_cuda=False)
+        build_ds_config(cfg_with(f"train.engine.deepspeed_config={f}"), on_cuda=False)
 
 
 @pytest.mark.parametrize("content, field", [
-    ({"bf16": {"enabled": True}}, "train.precision"),
+    ({"bf16": {"enabled": True}}, "train.engine.precision"),
     ({"scheduler": {"type": "WarmupLR"}}, "train.optimizer.lr/train.schedule"),
     ({"optimizer": {"params": {"betas": [0.9, 0.999]}}}, "train.optimizer.beta1/beta2"),
 ])
@@ -109,18 +112,19 @@ def test_other_conflicts(tmp_path, content, field):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps(content))
     with pytest.raises(ConfigError, match=f"^{field}:"):
-        build_ds_config(cfg_with(f"train.deepspeed_config={f}",
+        build_ds_config(cfg_with(f"train.engine.deepspeed_config={f}",
                                  "train.optimizer.kind=deepspeed_fused_adam"), on_cuda=True)
 
 
 def test_missing_or_broken_file(tmp_path):
     with pytest.raises(ConfigError,
-                       match="train.deepspeed_config: file .*nope.json.* does not exist"):
-        build_ds_config(cfg_with(f"train.deepspeed_config={tmp_path}/nope.json"), on_cuda=False)
+                       match="train.engine.deepspeed_config: file .*nope.json.* does not exist"):
+        build_ds_config(cfg_with(f"train.engine.deepspeed_config={tmp_path}/nope.json"),
+                        on_cuda=False)
     bad = tmp_path / "bad.json"
     bad.write_text("{stage: 3")
     with pytest.raises(ConfigError, match="is not valid JSON"):
-        build_ds_config(cfg_with(f"train.deepspeed_config={bad}"), on_cuda=False)
+        build_ds_config(cfg_with(f"train.engine.deepspeed_config={bad}"), on_cuda=False)
 
 
 @pytest.mark.slow
@@ -134,8 +138,9 @@ def test_fused_adamw_with_rates_and_update_clip_steps_as_unfused_through_deepspe
     import sys
 
     overrides = ["model.d_model=32", "model.n_heads=2", "model.vocab_size=64", "data.seq_len=16",
-                 "model.depth=2", "train.micro_batch_size=2", "train.grad_accum_steps=2",
-                 f"train.zero_stage={stage}", "train.optimizer.update_clip=0.5",
+                 "model.depth=2", "train.batch.micro_batch_size=2",
+                 "train.batch.grad_accum_steps=2",
+                 f"train.engine.zero_stage={stage}", "train.optimizer.update_clip=0.5",
                  "train.optimizer.lr=0.01",
                  "train.schedule.warmup_steps=0", "train.optimizer.lr_mult.anchor=0.5",
                  "train.optimizer.lr_mult.norm=0",

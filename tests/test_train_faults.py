@@ -24,7 +24,7 @@ from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
 pytestmark = pytest.mark.slow
 
-STEPS = ("train.max_steps=12", "train.checkpoint_every=4", "train.log_every=1")
+STEPS = ("train.max_steps=12", "train.checkpoint.every=4", "train.log_every=1")
 
 
 def exported(run_dir):
@@ -139,7 +139,8 @@ def test_resume_at_another_world_size_converts_the_checkpoint_once(reference, su
 
 def test_nan_at_zero_stage_0_drops_the_gradients_and_goes_on(tmp_path, tiny_config, subprocess_env):
     # Stage 0 has no ZeRO overflow check: the trainer's own check must skip the update.
-    cfg = tiny_config(tmp_path, "train.zero_stage=0", "train.max_steps=4", "train.log_every=1")
+    cfg = tiny_config(tmp_path, "train.engine.zero_stage=0", "train.max_steps=4",
+                      "train.log_every=1")
     out = subprocess.run([sys.executable, TRAIN, "--config", cfg], cwd=REPO, capture_output=True,
                          text=True, timeout=240, env=dict(subprocess_env, SCSE_FAULT="nan@2"))
     assert out.returncode == 0, out.stderr[-3000:]

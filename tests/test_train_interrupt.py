@@ -69,7 +69,7 @@ def start(config: str, env: dict, stall_s: float) -> Terminal:
 def test_ctrl_c_saves_the_step_in_flight_exits_75_and_the_rerun_resumes(tmp_path, tiny_config,
                                                                         subprocess_env, workers):
     config = tiny_config(tmp_path, "train.max_steps=8", "train.log_every=1",
-                         "train.checkpoint_every=100", f"data.num_workers={workers}")
+                         "train.checkpoint.every=100", f"data.num_workers={workers}")
     term = start(config, subprocess_env, stall_s=3)
     term.type(CTRL_C)
     status = term.exit_status()
@@ -90,7 +90,7 @@ def test_ctrl_c_saves_the_step_in_flight_exits_75_and_the_rerun_resumes(tmp_path
 
 def test_a_second_ctrl_c_stops_at_once_with_one_line_and_saves_nothing(tmp_path, tiny_config,
                                                                        subprocess_env):
-    config = tiny_config(tmp_path, "train.max_steps=8", "train.checkpoint_every=100")
+    config = tiny_config(tmp_path, "train.max_steps=8", "train.checkpoint.every=100")
     term = start(config, subprocess_env, stall_s=120)
     term.type(CTRL_C)
     term.wait_for(b"Ctrl-C again stops at once without saving")

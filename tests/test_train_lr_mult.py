@@ -117,7 +117,7 @@ def test_through_deepspeed_zero1_the_first_step_scales(tmp_path, tiny_config, su
         directory = tmp_path / name
         directory.mkdir()
         cfg = tiny_config(directory, "train.max_steps=1", "train.log_every=1",
-                          "train.zero_stage=1", "train.diagnostics_every=1", *mult)
+                          "train.engine.zero_stage=1", "train.diagnostics_every=1", *mult)
         run_trainer(cfg, subprocess_env)
         rows[name] = read_metrics(directory / "runs" / "tiny")[0]
     base, mult = rows["base"], rows["mult"]
@@ -157,11 +157,11 @@ def test_resumed_with_new_factors_they_apply(tmp_path, tiny_config, subprocess_e
 
     from train_procs import REPO, TRAIN
 
-    cfg = tiny_config(tmp_path, "train.max_steps=2", "train.checkpoint_every=2",
-                      "train.zero_stage=1", "train.optimizer.lr_mult.anchor=0.5")
+    cfg = tiny_config(tmp_path, "train.max_steps=2", "train.checkpoint.every=2",
+                      "train.engine.zero_stage=1", "train.optimizer.lr_mult.anchor=0.5")
     run_trainer(cfg, subprocess_env)
     run_trainer(cfg, subprocess_env, "train.max_steps=3", "train.optimizer.lr_mult.anchor=0",
-                "train.diagnostics_every=1", "train.log_every=1", "train.checkpoint_every=100")
+                "train.diagnostics_every=1", "train.log_every=1", "train.checkpoint.every=100")
     row = read_metrics(tmp_path / "runs" / "tiny")[-1]
     assert row["step"] == 3 and row["diag/update_ratio_anchor"] == 0.0
     assert row["diag/update_ratio_core_mlp"] > 0

@@ -186,11 +186,13 @@ def test_muon_config_fields_and_the_ds_config():
     from scse_dist.train.engine import generated_ds_config
 
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["train.optimizer.kind=muon", "train.zero_stage=3"])
+        load_config(None, ["train.optimizer.kind=muon", "train.engine.zero_stage=3"])
     assert str(err.value) == (
-        "train.zero_stage: train.optimizer.kind: muon works at ZeRO stage 0, 1 or 2, not 3; set "
-        "train.zero_stage: 2 (it partitions gradients and optimizer state too) or use torch_adamw "
-        "(on the command line: train.zero_stage=3)")
+        "train.engine.zero_stage: train.optimizer.kind: muon works at ZeRO stage 0, 1 or 2, not "
+        "3; set "
+        "train.engine.zero_stage: 2 (it partitions gradients and optimizer state too) or use "
+        "torch_adamw "
+        "(on the command line: train.engine.zero_stage=3)")
     for override, message in (("train.optimizer.muon_lr=0",
                                "train.optimizer.muon_lr: must be > 0, got 0.0"),
                               ("train.optimizer.muon_momentum=1",
@@ -213,7 +215,8 @@ def test_muon_config_fields_and_the_ds_config():
 
 
 PARITY = (str(Path(__file__).with_name("muon_fp32_parity.py")),)
-OVERRIDES = ("train.optimizer.kind=muon", "train.global_batch_size=8", "train.micro_batch_size=4",
+OVERRIDES = ("train.optimizer.kind=muon", "train.batch.global_batch_size=8",
+             "train.batch.micro_batch_size=4",
              "train.max_steps=12", "train.depth.max=4", "train.optimizer.grad_clip=0.5")
 
 
@@ -250,9 +253,9 @@ def test_muon_resumes_at_another_world_size(tmp_path, tiny_config, subprocess_en
     """2 ranks -> 1: the weights and AdamW's moments carry over exactly; Muon's momentum (laid
     out per rank over whole matrices, which the universal checkpoint cannot slice) restarts."""
     probe = str(Path(__file__).with_name("resume_probe.py"))
-    cfg = tiny_config(tmp_path, "train.optimizer.kind=muon", f"train.zero_stage={stage}",
-                      "train.micro_batch_size=2", "train.global_batch_size=4",
-                      "train.log_every=1", "train.checkpoint_every=6")
+    cfg = tiny_config(tmp_path, "train.optimizer.kind=muon", f"train.engine.zero_stage={stage}",
+                      "train.batch.micro_batch_size=2", "train.batch.global_batch_size=4",
+                      "train.log_every=1", "train.checkpoint.every=6")
     run_dir = tmp_path / "runs" / "tiny"
     all_passed(train_ranks(cfg, subprocess_env, "train.max_steps=6", world=2))
     all_passed(run_ranks([probe, cfg, str(tmp_path / "before.pt"), "step-0000006"],

@@ -1,6 +1,6 @@
 """Resume at another world size and worker count, with real processes: 2 ranks x 1 worker ->
 1 rank x 2 workers -> 2 ranks x 0 workers, at ZeRO-1 and ZeRO-3, with sampled T, at one global
-batch (train.global_batch_tokens) whose accumulation each world size derives.
+batch (train.batch.global_batch_tokens) whose accumulation each world size derives.
 
 One epoch of a dedicated small corpus spans the three segments. The readers' own logs
 (SCSE_LOG_SAMPLES: each sample whose first token was in a batch a rank consumed) name every
@@ -43,10 +43,11 @@ def small_corpus(tmp_path_factory, tiny_data):
 def test_resume_across_world_sizes_reads_the_epoch_once_and_keeps_the_optimizer_state(
         tmp_path, tiny_config, subprocess_env, small_corpus, stage):
     log = tmp_path / "samples"
-    cfg = tiny_config(tmp_path, f"data.path={small_corpus}", f"train.zero_stage={stage}",
-                      "train.micro_batch_size=2", "train.global_batch_tokens=128",  # 4 x 32
+    cfg = tiny_config(tmp_path, f"data.path={small_corpus}", f"train.engine.zero_stage={stage}",
+                      "train.batch.micro_batch_size=2",
+                      "train.batch.global_batch_tokens=128",  # 4 x 32
                       "train.log_every=1",
-                      "train.checkpoint_every=1000", "train.keep_checkpoints=3")
+                      "train.checkpoint.every=1000", "train.checkpoint.keep=3")
     run_dir = tmp_path / "runs" / "tiny"
     env = dict(subprocess_env, SCSE_LOG_SAMPLES=str(log))
     for i, (world, workers, steps) in enumerate(SEGMENTS):

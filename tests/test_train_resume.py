@@ -89,8 +89,8 @@ def test_refused_changes_name_model_and_stream_fields_only(tiny_config, tmp_path
 
     saved = config_to_dict(load_config(tiny_config(tmp_path)))
     allowed = config_to_dict(load_config(tiny_config(
-        tmp_path, "train.max_steps=99", "train.log_every=1", "train.checkpoint_every=3",
-        "train.keep_checkpoints=5", "eval.max_batches=7", "train.max_nonfinite_steps=9",
+        tmp_path, "train.max_steps=99", "train.log_every=1", "train.checkpoint.every=3",
+        "train.checkpoint.keep=5", "eval.max_batches=7", "train.max_nonfinite_steps=9",
         "train.start.resume=require", "model.activation_checkpointing=block", "data.num_workers=1",
         "data.seq_len=16")))  # the stream's positions are token counts: it resumes exactly
     assert refused_changes(saved, allowed) == []

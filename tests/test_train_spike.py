@@ -120,9 +120,9 @@ def test_muon_at_zero_1_or_2_is_refused_with_spike_skipping():
     base = ["train.optimizer.kind=muon", "train.spike_skip.enabled=true"]
     with pytest.raises(ConfigError, match=r"^train.spike_skip.enabled: not with "
                                            "train.optimizer.kind: "
-                                          r"muon at train.zero_stage 1"):
+                                          r"muon at train.engine.zero_stage 1"):
         load_config(None, base)
-    assert load_config(None, [*base, "train.zero_stage=0"]).train.spike_skip.enabled
+    assert load_config(None, [*base, "train.engine.zero_stage=0"]).train.spike_skip.enabled
 
 
 def test_the_spike_fault_multiplies_the_loss_on_its_step_and_rank():
@@ -268,7 +268,7 @@ def test_a_spike_on_one_rank_is_skipped_on_both_and_the_weights_stay(tmp_path, t
     # bf16 at ZeRO-1 is DeepSpeed's BF16_Optimizer, another wrapper around the torch optimizer
     out = tmp_path / "probe"
     config = tiny_config(tmp_path, *SPIKE, "train.spike_skip.metric=grad_norm",
-                         f"train.zero_stage={stage}", f"train.precision={precision}",
+                         f"train.engine.zero_stage={stage}", f"train.engine.precision={precision}",
                          "train.max_steps=10", probe(out, (7, 8, 9)))
     # Only rank 1's loss (and so its gradients) is 1000x at step 8; the reduced gradient spikes.
     results = train_ranks(config, env, extra_env={"SCSE_FAULT": "spike@8:rank1"})
@@ -306,7 +306,7 @@ def spike_state(run_dir, tag="step-0000012") -> dict:
 
 @pytest.mark.slow
 def test_the_statistics_survive_a_resume(tmp_path, tiny_config, env):
-    steps = (*SPIKE, "train.spike_skip.warmup=5", "train.max_steps=12", "train.checkpoint_every=4")
+    steps = (*SPIKE, "train.spike_skip.warmup=5", "train.max_steps=12", "train.checkpoint.every=4")
     (tmp_path / "ref").mkdir()
     reference = tiny_config(tmp_path / "ref", *steps)
     done = run(reference, env, "spike@9")
@@ -332,7 +332,7 @@ def test_the_statistics_survive_a_resume(tmp_path, tiny_config, env):
 def test_too_many_spikes_in_a_row_end_the_run_with_one_line_and_status_4(tmp_path, tiny_config,
                                                                          env):
     config = tiny_config(tmp_path, *SPIKE, "train.spike_skip.max_in_a_row=2",
-                         "train.max_steps=12", "train.checkpoint_every=4")
+                         "train.max_steps=12", "train.checkpoint.every=4")
     out = run(config, env, "spike@6,spike@7")
     assert out.returncode == SPIKE_EXIT_CODE, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if "in a row" in line]

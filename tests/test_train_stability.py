@@ -1,4 +1,4 @@
-"""train.z_loss and model.qk_norm in real runs: the z-loss changes the updates, not the logged
+"""train.loss.z_loss and model.qk_norm in real runs: the z-loss changes the updates, not the logged
 cross-entropy, and has its own metric; a QK-norm model trains, exports and loads back."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ def training_rows(run_dir):
 
 
 def test_z_loss_and_qk_norm_runs(tmp_path, tiny_config, subprocess_env):
-    runs = {"plain": (), "z": ("train.z_loss=1e-4",),
-            "qk": ("train.z_loss=1e-4", "model.qk_norm=true")}
+    runs = {"plain": (), "z": ("train.loss.z_loss=1e-4",),
+            "qk": ("train.loss.z_loss=1e-4", "model.qk_norm=true")}
     rows = {}
     for name, overrides in runs.items():
         (tmp_path / name).mkdir()
@@ -50,6 +50,6 @@ def test_z_loss_and_qk_norm_runs(tmp_path, tiny_config, subprocess_env):
     from scse_dist.checkpoint.export import load_exported_model
 
     model, cfg = load_exported_model(tmp_path / "qk" / "runs" / "tiny" / "export")
-    assert cfg.model.qk_norm is True and cfg.train.z_loss == 1e-4
+    assert cfg.model.qk_norm is True and cfg.train.loss.z_loss == 1e-4
     gains = model.core.blocks[0].attn.q_norm.weight
     assert gains.shape == (16,) and (gains - 1).abs().max() > 0  # trained, not left at ones

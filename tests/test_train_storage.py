@@ -80,7 +80,7 @@ def test_s3_run_is_mirrored_and_resumes_on_a_new_machine_from_s3_alone(
     fs.invalidate_cache()  # s3fs caches listings; the bucket changed in another process
     assert "at step 12 (data stream and RNG restored)" in out.stdout, tail(out)
     assert not (tmp_path / "remote" / "runs").exists()  # nothing written under a local output_dir
-    # Remote retention mirrors local (keep_checkpoints=2): step 10 is gone from S3 too.
+    # Remote retention mirrors local (train.checkpoint.keep=2): step 10 is gone from S3 too.
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{run}/checkpoints")) == \
         ["latest", "step-0000012", "step-0000020"]
     assert fs.cat_file(f"{run}/checkpoints/latest").decode() == "step-0000020"
@@ -104,8 +104,8 @@ def test_two_nodes_with_their_own_staging_upload_their_shards_and_resume_from_s3
     import fsspec
 
     (tmp_path / "cfg").mkdir()
-    cfg = tiny_config(tmp_path / "cfg", f"output_dir={s3_bucket}/runs", "train.zero_stage=2",
-                      "train.max_steps=6", "train.checkpoint_every=3", "train.log_every=3")
+    cfg = tiny_config(tmp_path / "cfg", f"output_dir={s3_bucket}/runs", "train.engine.zero_stage=2",
+                      "train.max_steps=6", "train.checkpoint.every=3", "train.log_every=3")
     base = dict(subprocess_env, **{k: os.environ[k] for k in S3_ENV})
 
     results = run_ranks_per_node(cfg, base, tmp_path / "first", SCSE_FAULT="sigterm@4")

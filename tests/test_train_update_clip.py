@@ -138,7 +138,7 @@ def test_config_fields_and_refusals() -> None:
             (["train.optimizer.update_clip=1", "train.optimizer.kind=deepspeed_fused_adam"],
              "train.optimizer.update_clip: DeepSpeed's FusedAdam has no per-tensor update "
              "clipping"),
-            (["train.optimizer.update_clip=1", "train.zero_stage=3"],
+            (["train.optimizer.update_clip=1", "train.engine.zero_stage=3"],
              "train.optimizer.update_clip: works at ZeRO stage 0, 1 or 2")]:
         with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(")):
             load_config(None, overrides)
@@ -147,7 +147,8 @@ def test_config_fields_and_refusals() -> None:
 @pytest.mark.slow
 def test_zero_0_1_2_on_two_ranks_match_one_rank(tmp_path, tiny_config, subprocess_env):
     cfg = tiny_config(tmp_path)
-    overrides = ["train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=8",
+    overrides = ["train.batch.global_batch_size=8", "train.batch.micro_batch_size=4",
+                 "train.max_steps=8",
                  "train.optimizer.lr=3e-3"]
     for world, out, stages, extra in ((1, "one", "0,1", ["train.optimizer.update_clip=0.5"]),
                                       (2, "two", "0,1,2", ["train.optimizer.update_clip=0.5"]),

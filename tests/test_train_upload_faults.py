@@ -53,8 +53,8 @@ def test_refused_slow_and_killed_uploads_lose_nothing(s3_bucket, s3_traffic, tmp
     s3_traffic.refuse = {"checkpoints/step-0000010/": 3}  # 2 tries at save 10, 1 more at save 15
     s3_traffic.put_delay = 0.05
     (tmp_path / "cfg").mkdir()
-    cfg = tiny_config(tmp_path / "cfg", f"output_dir={s3_bucket}/runs", "train.checkpoint_every=5",
-                      "train.keep_checkpoints=1")
+    cfg = tiny_config(tmp_path / "cfg", f"output_dir={s3_bucket}/runs", "train.checkpoint.every=5",
+                      "train.checkpoint.keep=1")
     out = train(cfg, subprocess_env, SCSE_FAULT="kill_in_upload@20",
                 SCSE_STAGING_DIR=str(tmp_path / "machine1"))
     assert out.returncode == -9, tail(out)  # SIGKILLed after step 20's first file was uploaded
@@ -67,7 +67,7 @@ def test_refused_slow_and_killed_uploads_lose_nothing(s3_bucket, s3_traffic, tmp
     # were complete; step 20 was cut off after its first file.
     assert [(tag, files) for tag, files, _ in published] == \
         [("step-0000005", shards), ("step-0000015", shards)]
-    # keep_checkpoints=1, yet staging kept step 10 while the remote lacked it.
+    # train.checkpoint.keep=1, yet staging kept step 10 while the remote lacked it.
     assert published[1][2] == ["step-0000010", "step-0000015"]
     remote_20 = [k for k in keys.keys() if k.startswith(f"{RUN}/checkpoints/step-0000020/")]
     assert 1 <= len(remote_20) < len(shards)

@@ -18,8 +18,8 @@ import yaml
 from safetensors.torch import load_file
 
 from scse_dist.config import (
+    BatchConfig,
     ConfigError,
-    TrainConfig,
     config_from_dict,
     config_to_dict,
     load_config,
@@ -29,7 +29,8 @@ from train_procs import REPO, TRAIN, all_passed, run_ranks
 
 TOL = 1e-5
 PARITY = ("-m", "scse_dist.train.parity")
-OVERRIDES = ("train.global_batch_size=8", "train.micro_batch_size=4", "train.max_steps=20",
+OVERRIDES = ("train.batch.global_batch_size=8", "train.batch.micro_batch_size=4",
+             "train.max_steps=20",
              "train.depth.max=4", "model.activation_checkpointing=loop")
 
 
@@ -52,12 +53,12 @@ def test_zero_stages_on_two_ranks_match_one_rank_at_the_same_global_batch(tmp_pa
                           *OVERRIDES], subprocess_env))
 
     ref_losses, ref_params, ref_cfg = load_stage(one, 1)
-    assert ref_cfg["train"]["grad_accum_steps"] == 2  # 8 = 4 x 1 rank x 2
+    assert ref_cfg["train"]["batch"]["grad_accum_steps"] == 2  # 8 = 4 x 1 rank x 2
     assert ref_losses[-1] < ref_losses[0] - 0.5  # the curve moves: 5.77 -> 4.69 measured
     for stage in (1, 2, 3):
         losses, params, run_cfg = load_stage(two, stage)
-        assert run_cfg["train"]["grad_accum_steps"] == 1  # 8 = 4 x 2 ranks x 1
-        assert run_cfg["train"]["zero_stage"] == stage
+        assert run_cfg["train"]["batch"]["grad_accum_steps"] == 1  # 8 = 4 x 2 ranks x 1
+        assert run_cfg["train"]["engine"]["zero_stage"] == stage
         assert len(losses) == 20
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL, stage
         assert params.keys() == ref_params.keys()
@@ -66,48 +67,50 @@ def test_zero_stages_on_two_ranks_match_one_rank_at_the_same_global_batch(tmp_pa
 
 
 def test_global_batch_derives_grad_accumulation_per_world_size():
-    t = TrainConfig(micro_batch_size=4, global_batch_size=32)
+    t = BatchConfig(micro_batch_size=4, global_batch_size=32)
     assert [t.grad_accum_for(w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
-    assert TrainConfig(micro_batch_size=4, grad_accum_steps=3).grad_accum_for(5) == 3  # unset
-    with pytest.raises(ConfigError, match=r"train.global_batch_size: 32 is not a multiple of "
-                                          r"train.micro_batch_size \(4\) x world size \(3\)"):
+    assert BatchConfig(micro_batch_size=4, grad_accum_steps=3).grad_accum_for(5) == 3  # unset
+    with pytest.raises(ConfigError, match=r"train.batch.global_batch_size: 32 is not a multiple of "
+                                          r"train.batch.micro_batch_size \(4\) x world size \(3\)"):
         t.grad_accum_for(3)
-    with pytest.raises(ConfigError, match="train.grad_accum_steps: 2 contradicts train.global_"
-                                          "batch_size=32, which needs 4 at world size 2"):
-        TrainConfig(micro_batch_size=4, global_batch_size=32, grad_accum_steps=2).grad_accum_for(2)
+    with pytest.raises(ConfigError, match="train.batch.grad_accum_steps: 2 contradicts train.batch."
+                                          "global_batch_size=32, which needs 4 at world size 2"):
+        BatchConfig(micro_batch_size=4, global_batch_size=32, grad_accum_steps=2).grad_accum_for(2)
 
 
 def test_global_batch_tokens_is_whole_sequences_of_seq_len_kept_at_every_world_size(
         tmp_path, tiny_config):
-    cfg = load_config(tiny_config(tmp_path, "train.global_batch_tokens=1024"))  # 32 x 32 tokens
+    # 32 x 32 tokens
+    cfg = load_config(tiny_config(tmp_path, "train.batch.global_batch_tokens=1024"))
     t = cfg.train
-    assert (t.global_batch_size, t.global_batch_tokens) == (32, 1024)
-    assert [t.grad_accum_for(w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
-    assert t.batch_derivation(32, 2) == "global batch 32 seq (1024 tokens) = micro 4 x accum 4 x " \
-                                        "world 2"
+    assert (t.batch.global_batch_size, t.batch.global_batch_tokens) == (32, 1024)
+    assert [t.batch.grad_accum_for(w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert t.batch.batch_derivation(32, 2) == \
+        "global batch 32 seq (1024 tokens) = micro 4 x accum 4 x world 2"
     # a run's config.yaml holds both, in agreement: it loads back the same
     assert config_from_dict(config_to_dict(cfg)) == cfg
     # another data.seq_len keeps the tokens: fewer, longer sequences
-    assert load_config(tiny_config(tmp_path, "train.global_batch_tokens=1024", "data.seq_len=16")
-                       ).train.global_batch_size == 64
-    assert TrainConfig(micro_batch_size=4, grad_accum_steps=2).batch_derivation(32, 3) == (
+    assert load_config(tiny_config(tmp_path, "train.batch.global_batch_tokens=1024",
+                                   "data.seq_len=16")).train.batch.global_batch_size == 64
+    assert BatchConfig(micro_batch_size=4, grad_accum_steps=2).batch_derivation(32, 3) == (
         "global batch 24 seq (768 tokens) = micro 4 x accum 2 x world 3 "
-        "(train.global_batch_size unset: the batch grows with the world size)")
-    with pytest.raises(ConfigError, match=r"^train.global_batch_tokens: 1024 \(32 sequences of "
-                                          r"data.seq_len 32\) is not a multiple of "
-                                          r"train.micro_batch_size \(4\) x world size \(3, from "
-                                          r"--world-size\)$"):
-        t.grad_accum_for(3, world_from="from --world-size")
+        "(train.batch.global_batch_size unset: the batch grows with the world size)")
+    with pytest.raises(ConfigError, match=r"^train.batch.global_batch_tokens: 1024 \(32 "
+                                          r"sequences of data.seq_len 32\) is not a multiple of "
+                                          r"train.batch.micro_batch_size \(4\) x world size "
+                                          r"\(3, from --world-size\)$"):
+        t.batch.grad_accum_for(3, world_from="from --world-size")
 
 
 @pytest.mark.parametrize("overrides, line", [
-    (["train.global_batch_tokens=1000"],
-     "train.global_batch_tokens: 1000 is not a multiple of data.seq_len (32), so it is no whole "
-     "number of sequences"),
-    (["train.global_batch_tokens=1024", "train.global_batch_size=16"],
-     "train.global_batch_size: 16 contradicts train.global_batch_tokens=1024 (32 sequences of "
-     "data.seq_len 32); give one of them, the other 0"),
-    (["train.global_batch_tokens=-32"], "train.global_batch_tokens: must be >= 0, got -32"),
+    (["train.batch.global_batch_tokens=1000"],
+     "train.batch.global_batch_tokens: 1000 is not a multiple of data.seq_len (32), so it is no "
+     "whole number of sequences"),
+    (["train.batch.global_batch_tokens=1024", "train.batch.global_batch_size=16"],
+     "train.batch.global_batch_size: 16 contradicts train.batch.global_batch_tokens=1024 (32 "
+     "sequences of data.seq_len 32); give one of them, the other 0"),
+    (["train.batch.global_batch_tokens=-32"],
+     "train.batch.global_batch_tokens: must be >= 0, got -32"),
 ])
 def test_a_bad_global_batch_in_tokens_is_one_line_naming_the_fields(tmp_path, tiny_config,
                                                                      overrides, line):
@@ -117,8 +120,8 @@ def test_a_bad_global_batch_in_tokens_is_one_line_naming_the_fields(tmp_path, ti
 
 
 @pytest.mark.parametrize("batch, named", [
-    ("train.global_batch_size=12", "train.global_batch_size: 12"),
-    ("train.global_batch_tokens=384", "train.global_batch_tokens: 384 (12 sequences of "
+    ("train.batch.global_batch_size=12", "train.batch.global_batch_size: 12"),
+    ("train.batch.global_batch_tokens=384", "train.batch.global_batch_tokens: 384 (12 sequences of "
                                       "data.seq_len 32)"),
 ])
 def test_indivisible_global_batch_exits_2_before_any_process_group(tmp_path, tiny_config,
@@ -131,7 +134,8 @@ def test_indivisible_global_batch_exits_2_before_any_process_group(tmp_path, tin
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == (f"scse-train: config error: {named} is not a multiple of "
-                                  "train.micro_batch_size (4) x world size (2, from WORLD_SIZE)")
+                                  "train.batch.micro_batch_size (4) x world size (2, from "
+                                  "WORLD_SIZE)")
     assert not (tmp_path / "runs").exists()
 
 
@@ -150,10 +154,10 @@ def test_train_refuses_an_indivisible_batch_before_the_process_group(tmp_path, t
         monkeypatch.setenv(key, value)
     for key in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    cfg = load_config(tiny_config(tmp_path, "train.global_batch_size=16"))
-    with pytest.raises(ConfigError, match=r"^train.global_batch_size: 16 is not a multiple of "
-                                          r"train.micro_batch_size \(4\) x world size \(3, from "
-                                          r"SLURM_STEP_NUM_TASKS\)$"):
+    cfg = load_config(tiny_config(tmp_path, "train.batch.global_batch_size=16"))
+    with pytest.raises(ConfigError, match=r"^train.batch.global_batch_size: 16 is not a multiple "
+                                          r"of train.batch.micro_batch_size \(4\) x world size "
+                                          r"\(3, from SLURM_STEP_NUM_TASKS\)$"):
         train(cfg)
     assert not dist.is_initialized() and not (tmp_path / "runs").exists()
 
@@ -187,15 +191,18 @@ def test_accumulation_of_4_micro_batches_of_2_equals_1_of_8_at_every_zero_stage(
     same global batch of 16 (in another split over ranks and micro-batches), so DeepSpeed's
     per-micro-batch loss scaling must make every step's loss and the final parameters agree."""
     cfg = tiny_config(tmp_path)
-    common = ("train.max_steps=10", "train.depth.max=4", "train.global_batch_size=16")
-    runs = {"accum4": ("train.micro_batch_size=2",), "accum1": ("train.micro_batch_size=8",)}
+    common = ("train.max_steps=10", "train.depth.max=4", "train.batch.global_batch_size=16")
+    runs = {"accum4": ("train.batch.micro_batch_size=2",),
+            "accum1": ("train.batch.micro_batch_size=8",)}
     for name, overrides in runs.items():
         all_passed(run_ranks([*PARITY, "--config", cfg, "--out", str(tmp_path / name),
                               "--stages", "0,1,2,3", *common, *overrides], subprocess_env))
     for stage in (0, 1, 2, 3):
         losses4, params4, cfg4 = load_stage(tmp_path / "accum4", stage)
         losses1, params1, cfg1 = load_stage(tmp_path / "accum1", stage)
-        assert (cfg4["train"]["grad_accum_steps"], cfg1["train"]["grad_accum_steps"]) == (4, 1)
+        accums = (cfg4["train"]["batch"]["grad_accum_steps"],
+                  cfg1["train"]["batch"]["grad_accum_steps"])
+        assert accums == (4, 1)
         assert len(losses4) == len(losses1) == 10
         # it trains, so the comparison means something
         assert losses4[-1] < losses4[0] - 0.3, losses4

@@ -53,10 +53,11 @@ def _size(tag_dir: Path) -> str:
 def describe(tag_dir: Path) -> dict:
     """Step, world size and ZeRO stage (from the tag's own records; '?' where absent) and status."""
     meta = _read_json(tag_dir / META_NAME)
-    config = _read_json(tag_dir / CONFIG_NAME)
+    train = _read_json(tag_dir / CONFIG_NAME).get("train", {})
     return {"tag": tag_dir.name, "step": meta.get("step", "?"),
             "world_size": meta.get("world_size", "?"),
-            "zero_stage": config.get("train", {}).get("zero_stage", "?"),
+            # a tag saved before train.engine holds it flat
+            "zero_stage": train.get("engine", {}).get("zero_stage", train.get("zero_stage", "?")),
             "size": _size(tag_dir), "status": verify_tag(tag_dir)}
 
 

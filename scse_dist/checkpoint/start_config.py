@@ -1,5 +1,6 @@
 """train.start: how a run starts when its run dir has no checkpoint of its own (resume, branch,
-warm start); scse_dist.checkpoint.resume and .warm_start act on it.
+warm start), and how often a crashed job starts again; scse_dist.checkpoint.resume and
+.warm_start act on it, scse_dist.launch.retries on max_retries.
 
 Torch-free, like scse_dist.train.config, which composes it."""
 
@@ -32,9 +33,16 @@ class StartConfig:
     # has a checkpoint resumes it and ignores this. Strict: every key and shape must match.
     init_from: Optional[str] = None
     init_from_strict: bool = True
+    # A training job that crashed (any exit but 0, bad config/input 2/65/66, 3 non-finite steps,
+    # 4 spikes, 75 preempted, 130 Ctrl-C) is requeued this many times on a batch system that can
+    # requeue (Slurm), and starts again by resuming the latest verified checkpoint; the same
+    # failure at the same step twice stops it sooner (scse_dist.launch.retries). 0: never.
+    max_retries: int = 2
 
     def check(self) -> None:
         """Values and combinations no run can start from (one ConfigError naming the field)."""
+        if self.max_retries < 0:
+            raise ConfigError(f"train.start.max_retries: must be >= 0, got {self.max_retries}")
         if self.init_from is not None and not self.init_from.strip():
             raise ConfigError("train.start.init_from: an export dir or URL, or null; got an "
                               "empty string")

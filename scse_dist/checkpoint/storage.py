@@ -10,9 +10,9 @@ mirrors it to the remote run dir:
   background thread (the next save waits for it: one upload in flight), each file retried with
   backoff; rank 0 then verifies every file of the tag remotely (size, against the manifest
   gathered from all nodes) and only then uploads `latest` (so the remote `latest` always names a
-  complete tag), config.yaml and metrics.jsonl, and prunes remote tags beyond `keep_checkpoints`.
-  A tag that fails is reported, kept locally (`not_uploaded` protects it from pruning) and
-  retried at the next save.
+  complete tag), config.yaml and metrics.jsonl, and prunes remote tags beyond
+  `train.checkpoint.keep`. A tag that fails is reported, kept locally (`not_uploaded` protects it
+  from pruning) and retried at the next save.
 - end: export/ and eval/.
 
 A local output_dir is used in place: no staging, no copies (`RunStorage.remote` is None).
@@ -80,7 +80,7 @@ class RunStorage:
         # Tags saved here that are not (verified) remote yet: {tag: (local dir, manifest)}.
         self._pending: dict[str, tuple[Path, dict[str, int]]] = {}
         self._thread: Optional[threading.Thread] = None
-        self.keep = keep  # remote tags kept (train.keep_checkpoints)
+        self.keep = keep  # remote tags kept (train.checkpoint.keep)
         if self.remote is None:
             self.local = Path(run_url)
             return
@@ -94,7 +94,7 @@ class RunStorage:
 
     @classmethod
     def for_config(cls, cfg: Any) -> "RunStorage":
-        return cls(cfg.run_dir, cfg.name, keep=cfg.train.keep_checkpoints)
+        return cls(cfg.run_dir, cfg.name, keep=cfg.train.checkpoint.keep)
 
     def _url(self, relative: str) -> str:
         return f"{self._root}/{relative}"

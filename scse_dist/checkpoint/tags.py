@@ -80,7 +80,7 @@ def _from_rank0(obj: Any) -> Any:
 def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cfg: RunConfig,
                     faults: Any = None, storage: Any = None,
                     callback_states: Optional[dict[str, Any]] = None) -> str:
-    """Save tag step-{step} atomically (all ranks call this), then prune to keep_checkpoints.
+    """Save tag step-{step} atomically (all ranks call this), then prune to train.checkpoint.keep.
     `callback_states` ({key: state_dict}) are rank 0's, saved for every rank.
 
     With a remote `storage` (checkpoint.storage.RunStorage), the previous save's upload finishes
@@ -113,7 +113,7 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
             shutil.rmtree(final)
         os.replace(tmp, final)
         atomic_write_text(root / "latest", tag)  # readers see the old or the new name, never half
-        prune_checkpoints(run_dir, cfg.train.keep_checkpoints,
+        prune_checkpoints(run_dir, cfg.train.checkpoint.keep,
                           protect=storage.not_uploaded() if remote else set())
     barrier()
     if remote:  # rank 0's copy is renamed; another node's shards are still under the tmp name

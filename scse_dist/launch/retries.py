@@ -8,8 +8,8 @@ Training's exit status on one rank (scse_dist.train.cli), as `run_job train` rea
   4              train.spike_skip.max_in_a_row loss spikes in a row: likewise; never
   130            a second Ctrl-C: the user stopped it; never
   anything else  a crash (an exception, a signal such as SIGKILL or SIGSEGV): the job is
-                 requeued, at most train.max_retries times, and its next start resumes from the
-                 latest verified checkpoint (scse_dist.checkpoint.resume)
+                 requeued, at most train.start.max_retries times, and its next start resumes from
+                 the latest verified checkpoint (scse_dist.checkpoint.resume)
 
 Every task of the job runs `run_job train`, and one rank's crash ends its peers (a collective
 with a dead peer fails; srun --kill-on-bad-exit SIGTERMs the rest): one decision per start, by the
@@ -18,9 +18,9 @@ exclusively: a rank that comes later decides nothing, and so does one that a sig
 takes the step and the failure's signature from the trainer's crash line (CRASH_LINE, printed by
 scse_dist.train.loop), appends the start to retries.json, and requeues the job or says in one
 line why not: this job already failed after the same step with the same signature (a retry would
-loop), or its train.max_retries retries are used. Both count per job id: a new submission starts
-afresh. A rank that stops with a status never retried (bad input on rank 0: 65) claims the start
-too, so that its peers' crashes that follow (a collective with it gone) requeue nothing.
+loop), or its train.start.max_retries retries are used. Both count per job id: a new submission
+starts afresh. A rank that stops with a status never retried (bad input on rank 0: 65) claims the
+start too, so that its peers' crashes that follow (a collective with it gone) requeue nothing.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def decide(logs: Path, failure: Failure, max_retries: int) -> Optional[tuple[boo
                 f"job {failure.job}; not retrying, it would fail again ({record})")
     elif retried >= max_retries:
         failure.decision = "stop"
-        line = f"{what}: not retrying, train.max_retries={max_retries} " + \
+        line = f"{what}: not retrying, train.start.max_retries={max_retries} " + \
             ("" if max_retries == 0 else f"and {retried} retries used ") + f"({record})"
     else:
         failure.decision = "retry"

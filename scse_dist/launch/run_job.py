@@ -11,8 +11,8 @@ first schedules the evaluation jobs on backend B after this job (`--schedule-eva
 id), then every task trains (scse-train as a child, signals forwarded), then, with `--evaluate`,
 the first task evaluates every eval task and writes the run's report inside the job. Its exit
 status is training's: 75 when training was preempted and saved (a backend that can requeue does);
-after a crash, the first rank that failed requeues the job itself, up to train.max_retries times
-(scse_dist.launch.retries).
+after a crash, the first rank that failed requeues the job itself, up to train.start.max_retries
+times (scse_dist.launch.retries).
 Command lines of the installed package, rather than scripts of a checkout or pickled functions,
 so that any backend runs them from any directory. `run-dir` is for a batch script
 (slurm/pretrain.sh): where the run's logs go, known before anything else runs.
@@ -53,7 +53,7 @@ def train_job(config: str, overrides: list[str], evaluate: bool, schedule_on: st
     if ended.status == 0 and evaluate and first:
         print(f"scse-launch: report {evaluate_all(cfg)}", flush=True)
     if ended.status != 0 and ended.signal_name is None:  # failed by itself: retried if a crash
-        after_failure(Path(cfg.run_dir).resolve() / LOGS, cfg.train.max_retries, ended.status,
+        after_failure(Path(cfg.run_dir).resolve() / LOGS, cfg.train.start.max_retries, ended.status,
                       resolve_dist_env(os.environ).rank, watch)
     # a trainer a signal killed: the shell's 128 + N (a negative exit status would wrap mod 256)
     return ended.status if ended.status >= 0 else 128 - ended.status

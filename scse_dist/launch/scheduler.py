@@ -160,7 +160,7 @@ def check_world_batch(cfg: RunConfig) -> None:
     """ConfigError (one line, exit 2) if the global batch does not divide at the world the
     training job asks for: one rank per task, resources.nodes x resources.tasks_per_node."""
     res = cfg.resources
-    cfg.train.grad_accum_for(res.nodes * res.tasks_per_node, world_from=(
+    cfg.train.batch.grad_accum_for(res.nodes * res.tasks_per_node, world_from=(
         f"from resources.nodes {res.nodes} x resources.tasks_per_node {res.tasks_per_node}"))
 
 

@@ -225,7 +225,7 @@ class Block(nn.Module):
         return h + self.mlp(self.norm2(h))
 
     def compile_math(self, backend: str) -> None:
-        """Regional torch.compile of the block's math (train.compile): `_forward` runs inside
+        """Regional torch.compile of the block's math (train.engine.compile): `_forward` runs inside
         activation checkpointing and under the block's module hooks, so neither is traced (at
         ZeRO-3 build_engine makes each block a leaf: no DeepSpeed hook on its sub-layers). Every
         block shares this code and the loop depth T is a Python count outside it, so one graph

@@ -60,8 +60,8 @@ class FlexMask:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         global _compiled_flex
         fn: Any = flex_attention
-        # inside train.compile's compiled block dynamo compiles flex_attention itself; outside,
-        # a compiled one is made once per process (unfused flex materializes (B, H, S, S))
+        # inside train.engine.compile's compiled block dynamo compiles flex_attention itself;
+        # outside, a compiled one is made once per process (unfused flex materializes (B, H, S, S))
         if self.compiled and not torch.compiler.is_compiling():
             if _compiled_flex is None:
                 _compiled_flex = torch.compile(flex_attention, dynamic=False)

@@ -141,7 +141,7 @@ class LoopedLM(nn.Module):
         return F.linear(self.head_input(h, rope, mask), self.head_weight)
 
     def compile_blocks(self) -> None:
-        """Compile every block's math with torch.compile (train.compile; regional, see
+        """Compile every block's math with torch.compile (train.engine.compile; regional, see
         Block.compile_math). Backend inductor, or $SCSE_COMPILE_BACKEND (tests use aot_eager:
         inductor compiles slowly on CPU)."""
         backend = os.environ.get("SCSE_COMPILE_BACKEND", "inductor")

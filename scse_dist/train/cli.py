@@ -29,7 +29,7 @@ EXIT_STATUSES = """exit statuses:
   0    finished: checkpoint, export (and evaluation) written (--dry-run, --plan: the run
        would start; otherwise they exit with the status below that the run would have)
   1    a crash (an exception; "rank R crashed after step N" says where): a Slurm training job
-       requeues itself up to train.max_retries times
+       requeues itself up to train.start.max_retries times
   2    bad arguments or config, before anything starts (one line naming the field)
   3    train.max_nonfinite_steps non-finite steps in a row; the last good checkpoint is kept
   4    train.spike_skip.max_in_a_row loss spikes in a row; the last good checkpoint is kept
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from scse_dist.distributed import launcher_world  # imports torch: after the checks
 
     world_size, world_from = launcher_world(os.environ)  # before any process group starts
-    cfg.train.grad_accum_for(world_size, world_from=world_from)
+    cfg.train.batch.grad_accum_for(world_size, world_from=world_from)
     if building:  # the data step (data.build), then the trainer, which only reads shards
         from scse_dist.data.quickstart import data_step
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
+from scse_dist.checkpoint.save_config import CheckpointConfig
 from scse_dist.checkpoint.start_config import StartConfig
 from scse_dist.model.config import ConfigError
+from scse_dist.train.batch_config import BatchConfig
+from scse_dist.train.engine_config import EngineConfig
 from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
 
@@ -77,7 +80,7 @@ class SpikeSkipConfig:
 
 @dataclass
 class DepthLossConfig:
-    """train.depth_loss: a training signal for depth that pays (issue 26)."""
+    """train.loss.depth: a training signal for depth that pays (issue 26)."""
 
     # off, or two_depths: the loss at the loop depth `short`, read out from the same forward (one
     # loop run; the coda, norm and head once more), added with `weight` to the loss at the
@@ -90,10 +93,26 @@ class DepthLossConfig:
         if self.kind == "off":
             return
         if self.short < 1:
-            raise ConfigError(f"train.depth_loss.short: must be >= 1, got {self.short}")
+            raise ConfigError(f"train.loss.depth.short: must be >= 1, got {self.short}")
         if not 0 < self.weight < float("inf"):  # also rejects NaN
-            raise ConfigError(f"train.depth_loss.weight: must be a finite weight > 0, got "
+            raise ConfigError(f"train.loss.depth.weight: must be a finite weight > 0, got "
                               f"{self.weight}")
+
+
+@dataclass
+class LossConfig:
+    """train.loss: the terms added to the cross-entropy at the step's depth, which is what is
+    logged and evaluated (scse_dist.train.step sums them; scse_dist.train.depth reads `depth`)."""
+
+    # Weight of the z-loss z_loss * mean(logsumexp(logits)^2) added to the training objective
+    # (PaLM; 1e-4 is usual; 0: off). Logged as its own metric.
+    z_loss: float = 0.0
+    depth: DepthLossConfig = field(default_factory=DepthLossConfig)
+
+    def check(self) -> None:
+        if not self.z_loss >= 0 or self.z_loss == float("inf"):  # also rejects NaN
+            raise ConfigError(f"train.loss.z_loss: must be a finite weight >= 0, got {self.z_loss}")
+        self.depth.check()
 
 
 def largest_trained_depth(sampling: DepthSamplingConfig, mean_depth: int) -> int:
@@ -123,62 +142,31 @@ CALLBACK_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-
 
 @dataclass
 class TrainConfig:
-    # Sequences per rank per micro-batch, or auto: the largest power of two dividing
-    # global_batch_size / world size that fits in memory, found by probing at start-up
-    # (scse_dist.train.micro_batch; needs global_batch_size).
-    micro_batch_size: Union[int, Literal["auto"]] = 8
-    grad_accum_steps: int = 1
-    # Sequences per optimizer step over all ranks; 0 means micro_batch_size * grad_accum_steps *
-    # world size. When set, grad_accum_steps is derived from it at start-up (see grad_accum_for),
-    # so the global batch, and the loss curve, stay the same at any world size.
-    global_batch_size: int = 0
-    # The same in tokens: global_batch_size = global_batch_tokens / data.seq_len, set when the
-    # config is loaded (scse_dist.config), so a run's config.yaml holds both, in agreement. Give
-    # one of the two.
-    global_batch_tokens: int = 0
-    # micro_batch_size: auto on CPU (no out-of-memory signal there): the most a probe's peak RSS
-    # may grow, plus the optimizer state it does not allocate, in GiB. 0: half of MemAvailable
-    # at start-up, shared by the node's ranks (the rest for data workers and the page cache).
-    micro_batch_memory_gib: float = 0.0
+    # How many sequences a step trains on and how they split into micro-batches (BatchConfig).
+    batch: BatchConfig = field(default_factory=BatchConfig)
     max_steps: int = 200
-    # Weight of the z-loss z_loss * mean(logsumexp(logits)^2) added to the training objective
-    # (PaLM; 1e-4 is usual; 0: off). Logged as its own metric; the loss logged and evaluated is
-    # the cross-entropy alone.
-    z_loss: float = 0.0
-    # auto: bf16 where the accelerator supports it, fp32 otherwise (CPU).
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    zero_stage: int = 1
-    # Optional DeepSpeed JSON merged over the generated config (e.g. configs/deepspeed/zero3.json):
-    # its values override generated keys, except keys a config field decides (engine._OWNED: batch
-    # sizes, clipping, ZeRO stage, precision, lr/betas/weight decay, scheduler), which it may only
-    # repeat with the same value (engine.build_ds_config).
-    deepspeed_config: Optional[str] = None
+    # Precision, ZeRO stage, DeepSpeed JSON, torch.compile (EngineConfig).
+    engine: EngineConfig = field(default_factory=EngineConfig)
     # The optimizer (rates, betas, Muon, clipping, per-group multipliers), the LR schedule, and
     # how a run starts (resume, branch, warm start): sections owned by the code they configure.
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     start: StartConfig = field(default_factory=StartConfig)
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
-    depth_loss: DepthLossConfig = field(default_factory=DepthLossConfig)
+    # Terms added to the training objective: z-loss, the loss at a second depth (LossConfig).
+    loss: LossConfig = field(default_factory=LossConfig)
     log_every: int = 10
     # Loop diagnostics (scse_dist.train.diagnostics: deviation norms, anchor scale, gradient
     # shares) on one fixed held-out batch every this many steps; null: log_every; 0: off.
     diagnostics_every: Optional[int] = None
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 2
+    # How often checkpoints are saved and how many are kept (CheckpointConfig).
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
     # A step whose loss or gradient is NaN/Inf on any rank is skipped; this many in a row stop
     # the run (exit status 3) with the last good checkpoint left as it was.
     max_nonfinite_steps: int = 5
-    # A training job that crashed (any exit but 0, bad config/input 2/65/66, 3 above, 4 spikes, 75
-    # preempted, 130 Ctrl-C) is requeued this many times on a batch system that can requeue
-    # (Slurm), resuming from the latest verified checkpoint; the same failure at the same step
-    # twice stops it sooner (scse_dist.launch.retries). 0: never.
-    max_retries: int = 2
     # Loss-spike skipping (SpikeSkipConfig): off by default.
     spike_skip: SpikeSkipConfig = field(default_factory=SpikeSkipConfig)
-    # torch.compile each block's math (regional: one graph for every loop step and depth T).
-    compile: bool = False
     # Callbacks of the user's own beside the built-in ones (CallbackSpec; docs/training.md,
     # "Callbacks"); [] in every shipped config.
     callbacks: list[CallbackSpec] = field(default_factory=list)
@@ -186,34 +174,26 @@ class TrainConfig:
     def check(self) -> None:
         """Values no run can train with (one ConfigError naming the field), train.depth's too."""
         positive: dict[str, float] = {
-            "micro_batch_size": 1 if self.micro_batch_size == "auto" else self.micro_batch_size,
-            "grad_accum_steps": self.grad_accum_steps, "max_steps": self.max_steps,
-            "log_every": self.log_every, "checkpoint_every": self.checkpoint_every,
-            "keep_checkpoints": self.keep_checkpoints,
+            "max_steps": self.max_steps,
+            "log_every": self.log_every,
             "max_nonfinite_steps": self.max_nonfinite_steps,
         }
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"train.{name}: must be > 0, got {value}")
-        for name, value in {"global_batch_size": self.global_batch_size,
-                            "global_batch_tokens": self.global_batch_tokens,
-                            "micro_batch_memory_gib": self.micro_batch_memory_gib,
-                            "diagnostics_every": self.diagnostics_every or 0,
-                            "max_retries": self.max_retries}.items():
-            if value < 0:
-                raise ConfigError(f"train.{name}: must be >= 0, got {value}")
+        if self.diagnostics_every is not None and self.diagnostics_every < 0:
+            raise ConfigError(f"train.diagnostics_every: must be >= 0, got "
+                              f"{self.diagnostics_every}")
+        self.batch.check()
+        self.checkpoint.check()
         self.depth.check()
         self.spike_skip.check()
-        self.depth_loss.check()
+        self.loss.check()
         self.optimizer.check()
         self.schedule.check(self.max_steps)
         self.start.check()
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"train.zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
+        self.engine.check()
         self._check_optimizer_zero()
-        if not self.z_loss >= 0 or self.z_loss == float("inf"):  # also rejects NaN
-            raise ConfigError(f"train.z_loss: must be a finite weight >= 0, got {self.z_loss}")
-        self._check_auto_micro_batch()
         for i, spec in enumerate(self.callbacks):
             if not CALLBACK_PATH.fullmatch(spec.class_path):
                 raise ConfigError(f"train.callbacks[{i}].class_path: expected "
@@ -221,97 +201,21 @@ class TrainConfig:
 
     def _check_optimizer_zero(self) -> None:
         """train.optimizer against the ZeRO stage and spike skipping."""
-        kind = self.optimizer.kind
-        if kind == "muon" and self.spike_skip.enabled and self.zero_stage in (1, 2):
+        kind, stage = self.optimizer.kind, self.engine.zero_stage
+        if kind == "muon" and self.spike_skip.enabled and stage in (1, 2):
             # ZeRO-1/2 commit Muon's momentum inside their step, before the update a skip withholds
             raise ConfigError("train.spike_skip.enabled: not with train.optimizer.kind: muon at "
-                              f"train.zero_stage {self.zero_stage} (ZeRO-1/2 advance Muon's "
+                              f"train.engine.zero_stage {stage} (ZeRO-1/2 advance Muon's "
                               "momentum even on a skipped step); use ZeRO stage 0 or torch_adamw")
-        if kind == "muon" and self.zero_stage == 3:
+        if kind == "muon" and stage == 3:
             # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at
             # stage 3
-            raise ConfigError("train.zero_stage: train.optimizer.kind: muon works at ZeRO stage 0, "
-                              "1 or 2, not 3; set train.zero_stage: 2 (it partitions gradients "
-                              "and optimizer state too) or use torch_adamw")
-        if self.optimizer.update_clip and self.zero_stage == 3:
+            raise ConfigError("train.engine.zero_stage: train.optimizer.kind: muon works at ZeRO "
+                              "stage 0, 1 or 2, not 3; set train.engine.zero_stage: 2 (it "
+                              "partitions gradients and optimizer state too) or use torch_adamw")
+        if self.optimizer.update_clip and stage == 3:
             raise ConfigError("train.optimizer.update_clip: works at ZeRO stage 0, 1 or 2 (it "
                               "finds each parameter in the rank's flat partition), not 3")
-
-    def _check_auto_micro_batch(self) -> None:
-        if self.micro_batch_size != "auto":
-            return
-        if not (self.global_batch_size or self.global_batch_tokens):  # the batch auto keeps
-            raise ConfigError("train.micro_batch_size: auto needs train.global_batch_size or "
-                              "train.global_batch_tokens (the batch per optimizer step it keeps "
-                              "while choosing the micro-batch); set one, e.g. "
-                              "train.global_batch_size=64")
-        if self.grad_accum_steps != 1:
-            raise ConfigError(f"train.grad_accum_steps: {self.grad_accum_steps} with "
-                              "train.micro_batch_size: auto, which derives it; leave it at 1")
-
-    def global_batch_name(self) -> str:
-        """The field the global batch was given in, for error messages: 'train.global_batch_size:
-        512' or 'train.global_batch_tokens: 524288 (512 sequences of data.seq_len 1024)'."""
-        if self.global_batch_tokens and self.global_batch_size:
-            return (f"train.global_batch_tokens: {self.global_batch_tokens} "
-                    f"({self.global_batch_size} sequences of data.seq_len "
-                    f"{self.global_batch_tokens // self.global_batch_size})")
-        return f"train.global_batch_size: {self.global_batch_size}"
-
-    def micro_batch_candidates(self, world_size: int, world_from: str = "") -> list[int]:
-        """micro_batch_size: auto's candidates at `world_size`: the powers of two that divide the
-        global batch's share of one rank, largest first (ConfigError if there is no such share).
-        `world_from` says where the world size came from, for the error."""
-        if self.global_batch_size % world_size:
-            raise ConfigError(f"{self.global_batch_name()} is not a multiple of the world size "
-                              f"({_world(world_size, world_from)}), so "
-                              "train.micro_batch_size: auto has no per-rank share to split")
-        per_rank = self.global_batch_size // world_size
-        return [1 << k for k in range(per_rank.bit_length() - 1, -1, -1)
-                if per_rank % (1 << k) == 0]
-
-    def grad_accum_for(self, world_size: int, micro_batch_size: Optional[int] = None,
-                       world_from: str = "") -> int:
-        """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit).
-        micro_batch_size: auto counts at its largest candidate unless `micro_batch_size` (the
-        one chosen) is given. `world_from` says where the world size came from ("from
-        WORLD_SIZE", "from --world-size"), for the error."""
-        if not self.global_batch_size:
-            return self.grad_accum_steps
-        micro = micro_batch_size or self.micro_batch_size
-        if micro == "auto":
-            micro = self.micro_batch_candidates(world_size, world_from)[0]
-        per_pass = micro * world_size
-        if self.global_batch_size % per_pass:
-            raise ConfigError(
-                f"{self.global_batch_name()} is not a multiple of train.micro_batch_size "
-                f"({micro}) x world size ({_world(world_size, world_from)})")
-        accum = self.global_batch_size // per_pass
-        if self.grad_accum_steps not in (1, accum):
-            raise ConfigError(
-                f"train.grad_accum_steps: {self.grad_accum_steps} contradicts "
-                f"{self.global_batch_name().replace(': ', '=', 1)}, which needs {accum} at world "
-                f"size {world_size}; leave grad_accum_steps at 1 or set the global batch to 0")
-        return accum
-
-    def batch_derivation(self, seq_len: int, world_size: int,
-                         micro_batch_size: Optional[int] = None, world_from: str = "") -> str:
-        """'global batch 512 seq (524288 tokens) = micro 8 x accum 8 x world 8' (auto: at its
-        largest candidate unless `micro_batch_size` is given); ConfigError where it cannot fit."""
-        accum = self.grad_accum_for(world_size, micro_batch_size, world_from)
-        micro = micro_batch_size or self.micro_batch_size
-        if micro == "auto":
-            micro = self.micro_batch_candidates(world_size, world_from)[0]
-        sequences = int(micro) * accum * world_size
-        line = (f"global batch {sequences} seq ({sequences * seq_len} tokens) = micro {micro} x "
-                f"accum {accum} x world {world_size}")
-        if not self.global_batch_size:
-            line += " (train.global_batch_size unset: the batch grows with the world size)"
-        return line
-
-
-def _world(world_size: int, world_from: str) -> str:
-    return f"{world_size}, {world_from}" if world_from else str(world_size)
 
 
 @dataclass

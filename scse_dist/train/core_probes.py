@@ -3,8 +3,8 @@ loop step's map carries a deviation (`jacobian_gain`), and how large each core s
 is against the residual it is added to (`sublayer_ratios`). Both for loop_diagnostics, on the
 fixed diagnostics batch, no gradient left in any parameter.
 
-Both run eagerly (torch.compiler force_eager: train.compile's compiled block math takes neither
-forward-mode AD nor sub-module hooks), the Jacobian with SDPA's math kernel, the one with
+Both run eagerly (torch.compiler force_eager: train.engine.compile's compiled block math takes
+neither forward-mode AD nor sub-module hooks), the Jacobian with SDPA's math kernel, the one with
 forward-mode AD.
 """
 

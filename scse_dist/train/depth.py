@@ -33,7 +33,7 @@ def sample_depth(step: int, sampling: DepthSamplingConfig, mean_depth: int, seed
 
 
 def short_depth_loss(t: TrainConfig) -> dict[str, Any]:
-    """train_step's arguments for train.depth_loss ({} when off)."""
-    loss = t.depth_loss
+    """train_step's arguments for train.loss.depth ({} when off)."""
+    loss = t.loss.depth
     return {"short_depth": loss.short, "short_weight": loss.weight} \
         if loss.kind == "two_depths" else {}

@@ -41,26 +41,26 @@ def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:
             raise ConfigError(f"--world-size: must be >= 1, got {world_size}")
 
     t, seq_len = cfg.train, cfg.data.seq_len
-    accum = t.grad_accum_for(world_size, world_from=world_from)
+    accum = t.batch.grad_accum_for(world_size, world_from=world_from)
     # auto: its largest candidate, the most it may take (the probe at start-up may take less)
-    micro = t.micro_batch_candidates(world_size)[0] if t.micro_batch_size == "auto" \
-        else t.micro_batch_size
+    micro = t.batch.micro_batch_candidates(world_size)[0] if t.batch.micro_batch_size == "auto" \
+        else t.batch.micro_batch_size
     tokens_per_step = world_size * micro * accum * seq_len
     depths = training_depths(cfg)
     backprop = t.depth.backprop_steps
     flops = [flops_per_token(cfg.model, d, seq_len, backprop) for d in depths]
     n_params = count_parameters(cfg)
-    precision = resolve_precision(t.precision)
-    states = state_memory(n_params, precision, t.zero_stage, world_size).total
+    precision = resolve_precision(t.engine.precision)
+    states = state_memory(n_params, precision, t.engine.zero_stage, world_size).total
     activations = activation_memory(cfg, max(depths, default=cfg.model.depth), precision,
                                     micro).total
     mean = sum(flops) / len(flops) if flops else 0.0
     lines = [
         f"dry run of {cfg.name}: nothing is created (run dir {Path(cfg.output_dir) / cfg.name})",
         f"parameters: {n_params:,}",
-        t.batch_derivation(seq_len, world_size, world_from=world_from)
+        t.batch.batch_derivation(seq_len, world_size, world_from=world_from)
         + (f" (micro-batch auto: at most {micro}; the probe at start-up may take less and "
-           "accumulate more)" if t.micro_batch_size == "auto" else ""),
+           "accumulate more)" if t.batch.micro_batch_size == "auto" else ""),
         f"steps: {t.max_steps:,}, tokens the run will see: {t.max_steps * tokens_per_step:,}",
         f"training depth T ({t.depth.kind}): min {min(depths, default=0)}, mean "
         f"{sum(depths) / max(1, len(depths)):.2f}, max {max(depths, default=0)}",
@@ -69,7 +69,7 @@ def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:
                     for d in sorted({min(depths), max(depths)}) if depths),
         f"training FLOPs in all: {sum(flops) * tokens_per_step:.3e}",
         f"memory per rank: {(states + activations) / GIB:.2f} GiB = weights, gradients "
-        f"and optimizer state {states / GIB:.2f} GiB ({precision}, ZeRO-{t.zero_stage}) + "
+        f"and optimizer state {states / GIB:.2f} GiB ({precision}, ZeRO-{t.engine.zero_stage}) + "
         f"activations of one micro-batch at T={max(depths, default=0)} {activations / GIB:.2f} GiB",
     ]
     return "\n".join(lines)

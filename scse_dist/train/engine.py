@@ -20,12 +20,12 @@ if TYPE_CHECKING:
 # ds_config keys that a config field decides: (path in the ds_config, the config field). A JSON
 # file may repeat them only with the same value, so the YAML stays the single source of truth.
 _OWNED: list[tuple[tuple[str, ...], str]] = [
-    (("train_micro_batch_size_per_gpu",), "train.micro_batch_size"),
-    (("gradient_accumulation_steps",), "train.grad_accum_steps"),
+    (("train_micro_batch_size_per_gpu",), "train.batch.micro_batch_size"),
+    (("gradient_accumulation_steps",), "train.batch.grad_accum_steps"),
     (("gradient_clipping",), "train.optimizer.grad_clip"),
-    (("zero_optimization", "stage"), "train.zero_stage"),
-    (("bf16", "enabled"), "train.precision"),
-    (("fp16", "enabled"), "train.precision"),
+    (("zero_optimization", "stage"), "train.engine.zero_stage"),
+    (("bf16", "enabled"), "train.engine.precision"),
+    (("fp16", "enabled"), "train.engine.precision"),
     (("optimizer", "params", "lr"), "train.optimizer.lr"),
     (("optimizer", "params", "betas"), "train.optimizer.beta1/beta2"),
     (("optimizer", "params", "weight_decay"), "train.optimizer.weight_decay"),
@@ -46,12 +46,12 @@ def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
     deepspeed.initialize as a client optimizer."""
     t, opt = cfg.train, cfg.train.optimizer
     generated: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.grad_accum_steps,
+        "train_micro_batch_size_per_gpu": t.batch.micro_batch_size,
+        "gradient_accumulation_steps": t.batch.grad_accum_steps,
         # muon clips its AdamW groups itself (scse_dist.train.muon says why)
         "gradient_clipping": 0.0 if opt.kind == "muon" else opt.grad_clip,
-        "zero_optimization": {"stage": t.zero_stage},
-        "bf16": {"enabled": resolve_precision(t.precision) == "bf16"},
+        "zero_optimization": {"stage": t.engine.zero_stage},
+        "bf16": {"enabled": resolve_precision(t.engine.precision) == "bf16"},
         "fp16": {"enabled": False},
         "steps_per_print": 1 << 30,  # we log ourselves (scse_dist.train.metrics)
         "wall_clock_breakdown": False,
@@ -108,23 +108,24 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str, Any]:
-    """The generated ds_config with cfg.train.deepspeed_config (if any) merged over it.
+    """The generated ds_config with cfg.train.engine.deepspeed_config (if any) merged over it.
 
     A file value that contradicts a config field raises a ConfigError naming both.
     """
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
     generated = generated_ds_config(cfg, on_cuda)
-    path = cfg.train.deepspeed_config
+    path = cfg.train.engine.deepspeed_config
     if not path:
         return generated
     if not Path(path).is_file():
-        raise ConfigError(f"train.deepspeed_config: file {path!r} does not exist")
+        raise ConfigError(f"train.engine.deepspeed_config: file {path!r} does not exist")
     try:
         extra = json.loads(Path(path).read_text())
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"train.deepspeed_config: {path!r} is not valid JSON: {exc}") from None
+        raise ConfigError(f"train.engine.deepspeed_config: {path!r} is not valid JSON: "
+                          f"{exc}") from None
     if not isinstance(extra, dict):
-        raise ConfigError(f"train.deepspeed_config: {path!r} must hold a JSON object")
+        raise ConfigError(f"train.engine.deepspeed_config: {path!r} must hold a JSON object")
     if "optimizer" in extra and "optimizer" not in generated:
         raise ConfigError(f"train.optimizer.kind: {path} has an 'optimizer' section, but "
                           f"train.optimizer.kind={cfg.train.optimizer.kind} builds torch's AdamW "
@@ -192,7 +193,7 @@ def require_hookable_output(module: torch.nn.Module, args: Any, output: Any) -> 
     raise TypeError(f"ZeRO-3 leaf module {type(module).__name__} returned {type(output).__name__}; "
                     "DeepSpeed reduces a leaf's gradients in a backward hook that fires only for a "
                     "Tensor or tuple-of-Tensors output, so its gradients would be lost. Use "
-                    "train.zero_stage <= 2, or make the module return tensors")
+                    "train.engine.zero_stage <= 2, or make the module return tensors")
 
 
 def build_engine(cfg: RunConfig, model: LoopedLM,
@@ -218,7 +219,7 @@ def build_engine(cfg: RunConfig, model: LoopedLM,
         # Not for untied: its LoopCore holds every distinct block, which would stay gathered.
         for leaf in deepspeed.utils.set_z3_leaf_modules(model, [LoopCore]):
             leaf.register_forward_hook(require_hookable_output)
-    if cfg.train.compile:
+    if cfg.train.engine.compile:
         # Each Block's math is compiled; as ZeRO-3 leaves, no DeepSpeed hook runs inside it.
         from scse_dist.model import Block
 
@@ -252,5 +253,5 @@ def _attach_update_clip(engine: Any, optimizer: Any) -> None:
     if not hasattr(engine.optimizer, "round_robin_bit16_groups"):
         raise ConfigError(f"train.optimizer.update_clip: DeepSpeed wrapped the optimizer in "
                           f"{type(engine.optimizer).__name__}, whose flat layout it cannot read; "
-                          "use train.zero_stage 1 or 2 (or stage 0 in fp32)")
+                          "use train.engine.zero_stage 1 or 2 (or stage 0 in fp32)")
     attach_zero_layouts(engine.optimizer, clipped)

@@ -58,12 +58,13 @@ def _seed_everything(seed: int) -> None:
 
 
 def with_world_batch(cfg: RunConfig, world_size: int, world_from: str = "") -> RunConfig:
-    """cfg with grad_accum_steps derived from train.global_batch_size at this world size
+    """cfg with grad_accum_steps derived from train.batch.global_batch_size at this world size
     (micro_batch_size: auto only checked here: its accumulation comes with the choice)."""
-    accum = cfg.train.grad_accum_for(world_size, world_from=world_from)
-    if cfg.train.micro_batch_size == "auto":
+    accum = cfg.train.batch.grad_accum_for(world_size, world_from=world_from)
+    if cfg.train.batch.micro_batch_size == "auto":
         return cfg
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=accum))
+    batch = dataclasses.replace(cfg.train.batch, grad_accum_steps=accum)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch=batch))
 
 
 def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
@@ -140,12 +141,12 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionFla
                  sample_depth(step, t.depth, state.cfg.model.depth, t.seed))
         state.lr = engine.get_lr()[0]  # the lr this step uses: the scheduler advances in step()
         started = time.perf_counter()
-        state.result = train_step(engine, (next(batches) for _ in range(t.grad_accum_steps)),
+        state.result = train_step(engine, (next(batches) for _ in range(t.batch.grad_accum_steps)),
                                   depth=depth, backprop_steps=t.depth.backprop_steps,
                                   stop_requested=lambda: preemption.requested,
                                   loss_hook=lambda loss: state.faults.loss(step + 1, loss),
                                   before_update=lambda engine: _before_update(callbacks, state),
-                                  z_loss=t.z_loss, eos_id=eos_id, update_gate=gate,
+                                  z_loss=t.loss.z_loss, eos_id=eos_id, update_gate=gate,
                                   **short_depth_loss(t))
         state.step_seconds = time.perf_counter() - started  # data in; diagnostics add theirs
         state.step = step + 1
@@ -213,8 +214,8 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
     cfg = _with_micro_batch(cfg, model, env)
     # The data is opened before the engine is built, so bad data (another tokenizer's shards,
     # too few documents) stops the run in seconds.
-    assert isinstance(cfg.train.micro_batch_size, int)  # _with_micro_batch resolved auto
-    stream = TokenStream.from_config(cfg.data, "train", cfg.train.micro_batch_size, env.rank,
+    assert isinstance(cfg.train.batch.micro_batch_size, int)  # _with_micro_batch resolved auto
+    stream = TokenStream.from_config(cfg.data, "train", cfg.train.batch.micro_batch_size, env.rank,
                                      env.world_size, cfg.train.seed, tokenizer.sha256)
     engine, ds_config = build_engine(cfg, model)
     start_step, callback_states = resume_if_present(engine, run_dir, stream, resume_tag)
@@ -240,7 +241,7 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
               f"({env.launcher}), ZeRO-{ds_config['zero_optimization']['stage']}, "
               f"{'bf16' if ds_config['bf16']['enabled'] else 'fp32'}, "
               f"steps {start_step}..{cfg.train.max_steps}", flush=True)
-        print(cfg.train.batch_derivation(cfg.data.seq_len, env.world_size), flush=True)
+        print(cfg.train.batch.batch_derivation(cfg.data.seq_len, env.world_size), flush=True)
     return state, callback_states
 
 
@@ -261,9 +262,9 @@ def _with_checkpointing(cfg: RunConfig, env: Any) -> RunConfig:
         budget = Assumptions().memory_fraction * cuda_memory
     else:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or env.world_size
-        budget = cfg.train.micro_batch_memory_gib * GIB or default_budget(local_world)
-    mode = checkpointing_for(cfg, env.world_size, resolve_precision(cfg.train.precision), budget,
-                             cuda_memory)
+        budget = cfg.train.batch.micro_batch_memory_gib * GIB or default_budget(local_world)
+    precision = resolve_precision(cfg.train.engine.precision)
+    mode = checkpointing_for(cfg, env.world_size, precision, budget, cuda_memory)
     if env.rank == 0:
         print(f"model.activation_checkpointing: auto: {mode} (the planner's estimate against "
               f"{budget / GIB:.1f} GiB)", flush=True)
@@ -272,9 +273,9 @@ def _with_checkpointing(cfg: RunConfig, env: Any) -> RunConfig:
 
 
 def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:
-    """cfg with train.micro_batch_size: auto resolved by probing (scse_dist.train.micro_batch)
+    """cfg with train.batch.micro_batch_size: auto resolved by probing (scse_dist.train.micro_batch)
     and grad_accum_steps re-derived from it; a fixed micro-batch as it is."""
-    if cfg.train.micro_batch_size != "auto":
+    if cfg.train.batch.micro_batch_size != "auto":
         return cfg
     from scse_dist.train.micro_batch import find_micro_batch
 
@@ -285,9 +286,9 @@ def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:
     size, line = find_micro_batch(cfg, model, env.world_size, local_world, device)
     if env.rank == 0:
         print(line, flush=True)
-    train = dataclasses.replace(cfg.train, micro_batch_size=size,
-                                grad_accum_steps=cfg.train.grad_accum_for(env.world_size, size))
-    return dataclasses.replace(cfg, train=train)
+    accum = cfg.train.batch.grad_accum_for(env.world_size, size)
+    batch = dataclasses.replace(cfg.train.batch, micro_batch_size=size, grad_accum_steps=accum)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch=batch))
 
 
 def _prepare_run_dir(cfg: RunConfig, rank0: bool) -> tuple[RunStorage, Any]:

@@ -57,8 +57,8 @@ def format_line(row: dict[str, Any]) -> str:
     parts = [f"step {row['step']:>6d}"]
     if "loss" in row:  # a training row; a diagnostics-only row has just step and diag/
         parts += [f"loss {row['loss']:.4f}"]
-        parts += [f"z_loss {row['z_loss']:.3g}"] if "z_loss" in row else []  # train.z_loss
-        # train.depth_loss: the loss at its short depth
+        parts += [f"z_loss {row['z_loss']:.3g}"] if "z_loss" in row else []  # train.loss.z_loss
+        # train.loss.depth: the loss at its short depth
         parts += [f"loss_short {row['loss_short']:.4f}"] if "loss_short" in row else []
         parts += [f"lr {row['lr']:.3e}", f"T {row['depth']:>2d}",
                   f"tok/s {row['tokens_per_s']:,.0f}", f"step {row['step_time_s'] * 1000:.0f} ms"]

@@ -1,6 +1,6 @@
-"""`train.micro_batch_size: auto`: the largest micro-batch that fits, found by probing.
+"""`train.batch.micro_batch_size: auto`: the largest micro-batch that fits, found by probing.
 
-The candidates are the powers of two that divide one rank's share of train.global_batch_size,
+The candidates are the powers of two that divide one rank's share of train.batch.global_batch_size,
 largest first; the first that fits wins, every rank takes the smallest of the ranks' choices,
 and grad_accum_steps is derived from it, so the global batch (and the loss curve) is the one
 configured. A probe is one forward + backward of a batch of random tokens at the deepest T the
@@ -11,7 +11,7 @@ micro-batch of the same size does, bit for bit.
 "Fits": on CUDA, no torch.cuda.OutOfMemoryError. On CPU nothing fails before the kernel kills the
 process, so a budget decides: the probe's peak RSS growth (VmHWM, reset through
 /proc/self/clear_refs) plus the optimizer state it does not allocate must stay under
-train.micro_batch_memory_gib.
+train.batch.micro_batch_memory_gib.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def probe(model: torch.nn.Module, size: int, cfg: RunConfig, depth: Optional[int
 def _precision(cfg: RunConfig) -> str:
     from scse_dist.train.engine import resolve_precision
 
-    return resolve_precision(cfg.train.precision)
+    return resolve_precision(cfg.train.engine.precision)
 
 
 def optimizer_reserve(cfg: RunConfig, model: torch.nn.Module, world_size: int) -> int:
@@ -98,7 +98,7 @@ def optimizer_reserve(cfg: RunConfig, model: torch.nn.Module, world_size: int) -
     optimizer's moments and master weights, as DeepSpeed will shard them."""
     n = sum(p.numel() for p in model.parameters())
     held = n * (4 + 4)
-    states = state_memory(n, _precision(cfg), cfg.train.zero_stage, world_size)
+    states = state_memory(n, _precision(cfg), cfg.train.engine.zero_stage, world_size)
     return max(0, int(states.total) - held)
 
 
@@ -143,9 +143,9 @@ def peak_rss_growth(run: Callable[[], None]) -> int:
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (the peak) to the RSS now
     except OSError as exc:
-        raise ConfigError("train.micro_batch_size: auto on CPU measures peak memory through "
+        raise ConfigError("train.batch.micro_batch_size: auto on CPU measures peak memory through "
                           f"/proc/self/clear_refs, which cannot be written here ({exc.strerror}); "
-                          "set train.micro_batch_size to a number") from None
+                          "set train.batch.micro_batch_size to a number") from None
     run()
     return (_status_kib("VmHWM") - base) * 1024
 
@@ -160,8 +160,8 @@ def default_budget(local_world_size: int) -> int:
 def _meminfo_kib(key: str) -> int:
     match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
     if not match:
-        raise ConfigError(f"train.micro_batch_memory_gib: /proc/meminfo has no {key} to default "
-                          "from; set train.micro_batch_memory_gib")
+        raise ConfigError(f"train.batch.micro_batch_memory_gib: /proc/meminfo has no {key} to "
+                          "default from; set train.batch.micro_batch_memory_gib")
     return int(match.group(1))
 
 
@@ -217,7 +217,7 @@ def find_micro_batch(cfg: RunConfig, model: torch.nn.Module, world_size: int,
                      local_world_size: int, device: torch.device) -> tuple[int, str]:
     """(the micro-batch every rank agreed on, the line that says what was chosen and why)."""
     t = cfg.train
-    candidates = t.micro_batch_candidates(world_size)
+    candidates = t.batch.micro_batch_candidates(world_size)
     depth = probe_depth(cfg, model)
     model.to(device)  # DeepSpeed would move it there anyway; values unchanged
 
@@ -229,7 +229,7 @@ def find_micro_batch(cfg: RunConfig, model: torch.nn.Module, world_size: int,
         why_not = cuda_why_not(run, reserve, device)
         budget = None
     else:
-        budget = int(t.micro_batch_memory_gib * GIB) or default_budget(local_world_size)
+        budget = int(t.batch.micro_batch_memory_gib * GIB) or default_budget(local_world_size)
         run(candidates[-1])  # first-call allocations (autograd, thread pools) out of the measures
         why_not = CpuBudget(run, budget, reserve).why_not
     local = choose(candidates, why_not)
@@ -238,12 +238,12 @@ def find_micro_batch(cfg: RunConfig, model: torch.nn.Module, world_size: int,
         f" under a CPU budget of {gib(budget)}" if budget is not None else "")
     if size == 0:
         raise ConfigError(
-            f"train.micro_batch_size: auto: not even 1 sequence per micro-batch fits {where} "
+            f"train.batch.micro_batch_size: auto: not even 1 sequence per micro-batch fits {where} "
             f"({local.refused[1] if local.refused else 'on another rank'}); shorten data.seq_len, "
-            "turn on model.activation_checkpointing or raise train.micro_batch_memory_gib")
-    accum = t.grad_accum_for(world_size, size)
+            "turn on model.activation_checkpointing or raise train.batch.micro_batch_memory_gib")
+    accum = t.batch.grad_accum_for(world_size, size)
     return size, (f"micro-batch auto: {size} ({_reason(local, size, candidates)}) {where}; "
-                  f"grad_accum_steps {accum} for global batch {t.global_batch_size} at world "
+                  f"grad_accum_steps {accum} for global batch {t.batch.global_batch_size} at world "
                   f"size {world_size}")
 
 

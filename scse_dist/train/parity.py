@@ -49,8 +49,8 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     from scse_dist.train.engine import build_engine
     from scse_dist.train.step import train_step
 
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, zero_stage=stage,
-                                                             deepspeed_config=None))
+    engine = dataclasses.replace(cfg.train.engine, zero_stage=stage, deepspeed_config=None)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, engine=engine))
     t = cfg.train
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -59,8 +59,8 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     torch.manual_seed(t.seed)
     model = LoopedLM(cfg.model)
     engine, _ = build_engine(cfg, model)
-    micro, accum = t.micro_batch_size, t.grad_accum_steps
-    assert isinstance(micro, int), "parity: train.micro_batch_size must be a number, not auto"
+    micro, accum = t.batch.micro_batch_size, t.batch.grad_accum_steps
+    assert isinstance(micro, int), "parity: train.batch.micro_batch_size must be a number, not auto"
     losses = []
     for step in range(t.max_steps):
         depth = None if model.fixed_depth is not None else \
@@ -69,7 +69,7 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
         parts = (batch[(m * world + rank) * micro:(m * world + rank + 1) * micro]
                  for m in range(accum))
         result = train_step(engine, parts, depth=depth, backprop_steps=t.depth.backprop_steps,
-                            z_loss=t.z_loss, **short_depth_loss(t))
+                            z_loss=t.loss.z_loss, **short_depth_loss(t))
         total = result.loss_sum.detach().cpu()
         dist.all_reduce(total)
         losses.append(float(total) / (world * accum))

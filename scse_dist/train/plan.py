@@ -126,24 +126,25 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
 
     gpu = check(world_size, a)
     t, m, seq_len = cfg.train, cfg.model, cfg.data.seq_len
-    if t.micro_batch_size == "auto":
-        candidates = t.micro_batch_candidates(world_size)
+    if t.batch.micro_batch_size == "auto":
+        candidates = t.batch.micro_batch_candidates(world_size)
     else:
-        candidates = [t.micro_batch_size]
+        candidates = [t.batch.micro_batch_size]
     # a batch that does not divide: before torch
-    t.grad_accum_for(world_size, candidates[0], world_from="from --world-size")
-    precision = "bf16" if t.precision == "auto" else t.precision  # every GPU here has bf16
+    t.batch.grad_accum_for(world_size, candidates[0], world_from="from --world-size")
+    # every GPU here has bf16
+    precision = "bf16" if t.engine.precision == "auto" else t.engine.precision
     width = 2 if precision == "bf16" else 4
     capacity = gpu.memory_mib * 2**20
     budget = a.memory_fraction * capacity
     n_params = count_parameters(cfg)
     max_live = stage3_max_live(cfg)
-    states = state_memory(n_params, precision, t.zero_stage, world_size, max_live)
-    ds_bytes, ds_name = deepspeed_estimate(n_params, t.zero_stage, world_size, a.gpus_per_node,
-                                           largest_layer(cfg))
+    states = state_memory(n_params, precision, t.engine.zero_stage, world_size, max_live)
+    ds_bytes, ds_name = deepspeed_estimate(n_params, t.engine.zero_stage, world_size,
+                                           a.gpus_per_node, largest_layer(cfg))
     # DeepSpeed's estimator where it describes this config: 16-bit weights with AdamW at ZeRO-2
     # (at ZeRO-3 it counts only the largest layer gathered; the loop's leaf gathers more)
-    use_ds = ds_bytes is not None and t.zero_stage == 2 and precision == "bf16" \
+    use_ds = ds_bytes is not None and t.engine.zero_stage == 2 and precision == "bf16" \
         and t.optimizer.kind != "muon"
     state_total = float(ds_bytes) if use_ds and ds_bytes is not None else states.total
     mode = checkpointing_for(cfg, world_size, precision, budget, capacity)  # auto: by this
@@ -157,8 +158,8 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k, capacity)
                for k in modes}
     micro = next((c for c in candidates if c <= largest[mode]), candidates[-1]) \
-        if t.micro_batch_size == "auto" else t.micro_batch_size
-    accum = t.grad_accum_for(world_size, micro)
+        if t.batch.micro_batch_size == "auto" else t.batch.micro_batch_size
+    accum = t.batch.grad_accum_for(world_size, micro)
     tokens_per_step = world_size * micro * accum * seq_len
     steps = t.max_steps if a.tokens is None else math.ceil(a.tokens / tokens_per_step)
     if steps != first_steps:
@@ -178,14 +179,14 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     step_s = step_flops / world_size / per_gpu_flops
     nodes = -(-world_size // a.gpus_per_node)
     link = a.link_gbs or (gpu.nvlink_gbs if nodes == 1 else gpu.network_gbs)
-    sent = comm_bytes(n_params, width, t.zero_stage, world_size, accum)
+    sent = comm_bytes(n_params, width, t.engine.zero_stage, world_size, accum)
     comm_s = sent / (link * 1e9)
     return {
         "config": cfg.name, "gpu": a.gpu, "gpu_name": gpu.name, "world_size": world_size,
-        "nodes": nodes, "precision": precision, "zero_stage": t.zero_stage,
+        "nodes": nodes, "precision": precision, "zero_stage": t.engine.zero_stage,
         "activation_checkpointing": mode, "parameters": n_params,
         "micro_batch": micro, "grad_accum_steps": accum, "seq_len": seq_len,
-        "global_batch": t.batch_derivation(seq_len, world_size, micro),
+        "global_batch": t.batch.batch_derivation(seq_len, world_size, micro),
         "tokens_per_step": tokens_per_step, "steps": steps, "tokens": steps * tokens_per_step,
         "depth": {"kind": t.depth.kind, "min": min(depths, default=m.depth),
                   "mean": sum(depths) / len(depths) if depths else float(m.depth),
@@ -200,7 +201,7 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
         "deepspeed_estimate_bytes": ds_bytes, "deepspeed_estimator": ds_name,
         "fits": peak <= budget,
         "largest_micro_batch": largest,
-        "micro_batch_candidates": candidates if t.micro_batch_size == "auto" else None,
+        "micro_batch_candidates": candidates if t.batch.micro_batch_size == "auto" else None,
         "communication": {"bytes_per_step": sent, "link_gbs": link, "seconds_per_step": comm_s},
         "flops_per_step": step_flops, "flops_run": run_flops,
         "seconds_per_step": step_s, "seconds_run": step_s * steps,

@@ -1,6 +1,6 @@
 """A run's size from its config alone: parameters, depths, and memory per rank. Shared arithmetic
 of `scse-train --dry-run` (this process), `scse-train --plan` (a cluster) and
-`train.micro_batch_size: auto` (the optimizer state a probe does not allocate).
+`train.batch.micro_batch_size: auto` (the optimizer state a probe does not allocate).
 
 Memory per rank is the sum of two parts, in bytes:
 
@@ -91,8 +91,9 @@ class StateMemory:
 
 
 def stage3_max_live(cfg: RunConfig) -> int:
-    """stage3_max_live_parameters of train.deepspeed_config (DeepSpeed's default without one)."""
-    path = cfg.train.deepspeed_config
+    """stage3_max_live_parameters of train.engine.deepspeed_config (DeepSpeed's default without
+    one)."""
+    path = cfg.train.engine.deepspeed_config
     if not path or not Path(path).is_file():
         return STAGE3_MAX_LIVE_DEFAULT
     zero = json.loads(Path(path).read_text()).get("zero_optimization", {})
@@ -223,9 +224,9 @@ def checkpointing_for(cfg: RunConfig, world_size: int, precision: str, budget: f
     m, t = cfg.model, cfg.train
     if m.activation_checkpointing != "auto":
         return m.activation_checkpointing
-    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else \
-        max(t.micro_batch_candidates(world_size))
-    states = state_memory(count_parameters(cfg), precision, t.zero_stage, world_size,
+    micro = t.batch.micro_batch_size if isinstance(t.batch.micro_batch_size, int) else \
+        max(t.batch.micro_batch_candidates(world_size))
+    states = state_memory(count_parameters(cfg), precision, t.engine.zero_stage, world_size,
                           stage3_max_live(cfg)).total
     depth = max(training_depths(cfg), default=m.depth)
     need = states + activation_memory(cfg, depth, precision, micro, "none", cuda_memory).total

@@ -22,7 +22,7 @@ class StepResult(NamedTuple):
     skipped: bool  # non-finite loss or gradient on some rank: no update anywhere
     stop: bool  # some rank was asked to stop (preemption): save after this step
     depth: int  # the loop depth the step ran
-    # sum over micro-batches of each one's z-loss term (train.z_loss > 0), else None
+    # sum over micro-batches of each one's z-loss term (train.loss.z_loss > 0), else None
     z_loss_sum: Optional[torch.Tensor] = None
     # update_gate refused this (finite) step: no update anywhere, `skipped` stays False
     refused: bool = False
@@ -30,7 +30,7 @@ class StepResult(NamedTuple):
     # global gradient norm before clipping (None when no gate asked)
     loss: Optional[float] = None
     grad_norm: Optional[float] = None
-    # train.depth_loss two_depths: sum over micro-batches of the cross-entropy at the short depth,
+    # train.loss.depth two_depths: sum over micro-batches of the cross-entropy at the short depth,
     # and how many micro-batches had it (0 when the step's T <= short), else None
     short_loss_sum: Optional[torch.Tensor] = None
     short_micro_batches: int = 0
@@ -130,7 +130,7 @@ class _GatedUpdate:
             if norm is None:
                 raise RuntimeError("train.spike_skip: DeepSpeed computed no global gradient "
                                    "norm for this step (zero_optimization.compute_grad_norm: "
-                                   "false in train.deepspeed_config?)")
+                                   "false in train.engine.deepspeed_config?)")
         self.grad_norm = float(norm)
         # A wrapper that lets a non-finite norm through (bf16 ZeRO-1/2 without its overflow
         # check) must not update either; the step then counts as non-finite.
@@ -194,7 +194,7 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
     ranks and micro-batches, in the same all-reduce); False leaves weights and optimizer state
     as they were on every rank (StepResult.refused). Data, step count and LR schedule advance.
 
-    `short_depth` > 0 (train.depth_loss two_depths): where it is below the step's depth, the
+    `short_depth` > 0 (train.loss.depth two_depths): where it is below the step's depth, the
     cross-entropy at that depth, read out from the same forward, joins the objective with
     `short_weight` (summed on its own for logging).
     """

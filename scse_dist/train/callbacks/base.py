@@ -127,8 +127,8 @@ class TrainState:
     @property
     def tokens_per_step(self) -> int:
         t = self.cfg.train
-        micro_batch = int(t.micro_batch_size)  # resolved at start-up: never "auto" here
-        return self.env.world_size * micro_batch * t.grad_accum_steps * self.cfg.data.seq_len
+        micro_batch = int(t.batch.micro_batch_size)  # resolved at start-up: never "auto" here
+        return self.env.world_size * micro_batch * t.batch.grad_accum_steps * self.cfg.data.seq_len
 
 
 class Callback:

@@ -1,4 +1,4 @@
-"""Checkpoints during training: every train.checkpoint_every steps, at the last step, and at the
+"""Checkpoints during training: every train.checkpoint.every steps, at the last step, and at the
 step in flight when the run is preempted, each with every callback's state; the remote upload
 finished at the end."""
 
@@ -22,7 +22,7 @@ class CheckpointCallback(Callback):
 
     def on_step_end(self, state: TrainState) -> None:
         step = state.step
-        if every(state.cfg.train.checkpoint_every, step) or step == state.max_steps \
+        if every(state.cfg.train.checkpoint.every, step) or step == state.max_steps \
                 or state.result.stop:
             self.save(state, step)
 

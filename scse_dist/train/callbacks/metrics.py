@@ -42,7 +42,7 @@ class MetricsCallback(Callback):
         self.peak = peak_flops(state.engine.device) if state.rank0 else None
         self.started = time.perf_counter()  # elapsed and ETA count this process's steps
         # (sum of good micro-batch losses, count, sum of their z-loss terms, sum of their losses
-        # at train.depth_loss's short depth, count of those) since the last row
+        # at train.loss.depth's short depth, count of those) since the last row
         self.loss_window = torch.zeros(5, device=state.engine.device)
         self._new_window()
 
@@ -80,13 +80,13 @@ class MetricsCallback(Callback):
         total, count, z_total, short_total, short_count, data_failures = sum_over_ranks(torch.cat(
             [self.loss_window, self.loss_window.new_tensor([state.stream.failures])])).tolist()
         loss = total / count if count else float("nan")
-        # train.z_loss's term, beside the cross-entropy `loss` (their sum is what was minimised)
+        # train.loss.z_loss's term, beside the cross-entropy `loss` (their sum was minimised)
         z_loss = {"z_loss": z_total / count if count else float("nan")} \
-            if state.cfg.train.z_loss else {}
-        # train.depth_loss: the cross-entropy at its short depth (NaN: no step of the window ran
+            if state.cfg.train.loss.z_loss else {}
+        # train.loss.depth: the cross-entropy at its short depth (NaN: no step of the window ran
         # deeper than it)
         short = {"loss_short": short_total / short_count if short_count else float("nan")} \
-            if state.cfg.train.depth_loss.kind != "off" else {}
+            if state.cfg.train.loss.depth.kind != "off" else {}
         seconds = self.window_seconds
         tokens_per_s = state.tokens_per_step * self.window_steps / seconds
         mfu = (self.window_flops / self.window_steps) * tokens_per_s \

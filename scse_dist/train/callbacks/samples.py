@@ -26,8 +26,8 @@ class SampleCallback(Callback):
 
     def on_start(self, state: TrainState) -> None:
         if state.engine.zero_optimization_stage() == 3:
-            raise ConfigError("eval.sample_every: not with train.zero_stage=3 (each rank holds a "
-                              "slice of the weights); set it to 0 or use ZeRO 0-2")
+            raise ConfigError("eval.sample_every: not with train.engine.zero_stage=3 (each rank "
+                              "holds a slice of the weights); set it to 0 or use ZeRO 0-2")
         self.prompts = [state.tokenizer.encode(p) for p in state.cfg.eval.sample_prompts]
 
     def on_step_end(self, state: TrainState) -> None:

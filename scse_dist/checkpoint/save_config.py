@@ -1,0 +1,24 @@
+"""train.checkpoint: how often a run saves a checkpoint and how many it keeps
+(scse_dist.train.callbacks.checkpointing saves them; scse_dist.checkpoint.tags and .storage
+prune local and remote tags to `keep`).
+
+Torch-free, like scse_dist.train.config, which composes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scse_dist.model.config import ConfigError
+
+
+@dataclass
+class CheckpointConfig:
+    # Steps between checkpoints (and one at the last step, and on preemption).
+    every: int = 100
+    # Checkpoints kept, locally and at a remote output_dir; older tags are pruned.
+    keep: int = 2
+
+    def check(self) -> None:
+        for name, value in (("every", self.every), ("keep", self.keep)):
+            if value <= 0:
+                raise ConfigError(f"train.checkpoint.{name}: must be > 0, got {value}")
