@@ -48,7 +48,7 @@ def sample_lines(path: str, n: int) -> list[str]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     from scse_dist.checkpoint.export import load_exported_model
-    from scse_dist.eval.tasks import run_task
+    from scse_dist.eval.task_run import run_task
 
     torch.set_num_threads(args.threads)
     model, cfg = load_exported_model(args.checkpoint)

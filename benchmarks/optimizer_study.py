@@ -38,7 +38,7 @@ def validation_curve(run_dir: Path, validation: str, max_batches: int) -> dict[i
     """step -> validation loss at model.depth, for every kept checkpoint of a run (each scored
     once; a score a Ctrl-C left partial is scored again)."""
     from scse_dist.checkpoint.loading import load_model
-    from scse_dist.eval.tasks import run_task
+    from scse_dist.eval.task_run import run_task
 
     curve = {}
     run = RunDir(run_dir)

@@ -38,7 +38,7 @@ OUTPUT_NAMES = (CHECKPOINTS_NAME, METRICS_NAME, EXPORT_NAME, EVAL_NAME, TENSORBO
                 PROFILE_NAME)
 # The kind of the rows the trainer's held-out evaluation writes (train.callbacks.heldout_eval).
 EVAL_KIND = "eval"
-# The key of a results JSON cut short by Ctrl-C (scse_dist.eval.tasks.run_task): the rows of the
+# The key of a results JSON cut short by Ctrl-C (scse_dist.eval.task_run.run_task): the rows of the
 # items done and how far it got, {"done", "total", "unit"}. Such a file is not a finished result.
 PARTIAL_KEY = "partial"
 

@@ -1,16 +1,17 @@
-"""The evaluation tasks: one `Task` record each, in the registry `TASKS`.
+"""The evaluation tasks' registry: one `Task` record each, in `TASKS`.
 
 Everything else about a task is derived from its record: the values `eval.tasks` accepts (and
 which config field must then name its data file), `scse-eval --task`, the data the launcher
 hands each evaluation job, the study spec's tasks and `report.metrics`, the reports' headline,
-direction and metrics, and the study's pathology flags. Adding a task is one record here plus
-its reader and scorer (docs/architecture.md, "An evaluation task").
+direction and metrics, and the study's pathology flags. A task is one module of
+scse_dist.eval.tasks holding its reader, its scorer and its record, which it registers when the
+package imports it (docs/architecture.md, "An evaluation task"); a plugin or a test calls
+`register` itself.
 
 This module sits beside config.py, below eval/: config validation reads it, and the layers let
-config import nothing above it. So it names its reader and scorer by import path
-("module:function"), resolved on first use; reading the registry imports no torch, which keeps
-bad input rejected before torch loads. A record may hold the functions themselves instead
-(a plugin, or a test registering a toy task).
+config import nothing above it. So the built-in tasks are imported on the registry's first use
+(`TASKS` loads BUILTIN then), not from here: by then the config layer is loaded, and reading the
+registry imports no torch, which keeps bad input rejected before torch loads.
 """
 
 from __future__ import annotations
@@ -18,16 +19,9 @@ from __future__ import annotations
 import difflib
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional
 
-Ref = Union[str, Callable[..., Any]]  # "package.module:function", or the function
-
-
-def resolve(ref: Ref) -> Callable[..., Any]:
-    if callable(ref):
-        return ref
-    module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(module), name)
+BUILTIN = "scse_dist.eval.tasks"  # the package whose modules register the built-in tasks
 
 
 @dataclass(frozen=True)
@@ -35,9 +29,9 @@ class Task:
     name: str
     # (path) -> what the scorer reads: documents, passages... (a held-out shard dir is opened as
     # a token stream instead when `heldout` is set).
-    reader: Ref
-    # (scse_dist.eval.tasks.TaskRun) -> rows, one dict per depth: {"depth": T, metric: value, ...}
-    scorer: Ref
+    reader: Callable[[str], Any]
+    # (scse_dist.eval.task_run.TaskRun) -> rows, one dict per depth: {"depth": T, metric: value}
+    scorer: Callable[[Any], list[dict]]
     metrics: tuple[str, ...]  # every metric a report may show (a study's report.metrics)
     table: tuple[str, ...]  # scse-eval's console columns
     report: tuple[str, ...]  # a run's report, headline first (the one plotted, and flagged flat)
@@ -55,8 +49,8 @@ class Task:
     # (TaskRun) -> per depth {"depth": T, name: total, ...}, sums over the run's examples that
     # add up across ranks' shares; `from_totals` (one depth's summed totals) -> its row, as
     # `scorer` gives it. None: the task does not run during training.
-    totals: Optional[Ref] = None
-    from_totals: Optional[Ref] = None
+    totals: Optional[Callable[[Any], list[dict]]] = None
+    from_totals: Optional[Callable[[dict], dict]] = None
 
     @property
     def headline(self) -> str:
@@ -69,25 +63,54 @@ class Task:
     def better(self, metric: str) -> str:
         return "higher" if metric in self.higher_is_better else "lower"
 
-    def read(self, path: str) -> Any:
-        return resolve(self.reader)(path)
-
-    def score(self, run: Any) -> list[dict]:
-        return resolve(self.scorer)(run)
-
     @property
     def downstream(self) -> bool:
         """Whether it can run during training (eval.downstream_tasks)."""
         return self.totals is not None and self.from_totals is not None
 
     def share_totals(self, run: Any) -> list[dict]:
-        return resolve(self.totals)(run)  # type: ignore[arg-type]
+        assert self.totals is not None  # downstream
+        return self.totals(run)
 
     def row_of(self, totals: dict) -> dict:
-        return resolve(self.from_totals)(totals)  # type: ignore[arg-type]
+        assert self.from_totals is not None  # downstream
+        return self.from_totals(totals)
 
 
-TASKS: dict[str, Task] = {}
+class Registry(dict[str, Task]):
+    """name -> Task, in the order registered; reading it first imports BUILTIN, whose modules
+    register the built-in tasks (so `register` and monkeypatch.setitem, which look first, add
+    after them)."""
+
+    loaded = False
+
+    def _load(self) -> None:
+        if not self.loaded:
+            self.loaded = True
+            importlib.import_module(BUILTIN)
+
+    def __getitem__(self, name: str) -> Task:
+        self._load()
+        return super().__getitem__(name)
+
+    def __contains__(self, name: object) -> bool:
+        self._load()
+        return super().__contains__(name)
+
+    def __iter__(self) -> Iterator[str]:
+        self._load()
+        return super().__iter__()
+
+    def values(self):
+        self._load()
+        return super().values()
+
+    def items(self):
+        self._load()
+        return super().items()
+
+
+TASKS = Registry()
 
 
 def register(task: Task) -> Task:
@@ -122,38 +145,3 @@ def data_path(task: Task, cfg: Any) -> str:
     """The data `task` reads under the run config `cfg`: its eval.* file, else data.path."""
     own = field_value(cfg.eval, task.data_field) if task.data_field else None
     return own or cfg.data.path
-
-
-_SOURCES = "scse_dist.data.sources"
-_TASKS = "scse_dist.eval.tasks"
-register(Task("heldout", f"{_SOURCES}:read_corpus", f"{_TASKS}:heldout_rows",
-              metrics=("ppl", "loss"), table=("ppl", "loss"), report=("ppl",), heldout=True))
-register(Task("wikitext", f"{_SOURCES}:read_wikitext_articles", f"{_TASKS}:wikitext_rows",
-              metrics=("ppl", "word_ppl", "bits_per_byte", "loss"),
-              table=("ppl", "word_ppl", "bits_per_byte"),
-              report=("word_ppl", "ppl", "bits_per_byte"),
-              study_report=("ppl", "word_ppl", "bits_per_byte"), data_field="wikitext",
-              totals=f"{_TASKS}:wikitext_totals", from_totals=f"{_TASKS}:document_metrics"))
-register(Task("lambada", f"{_SOURCES}:read_lambada", f"{_TASKS}:lambada_task_rows",
-              metrics=("ppl", "accuracy", "loss"), table=("accuracy", "ppl"),
-              report=("accuracy", "ppl"), study_report=("ppl", "accuracy"),
-              higher_is_better=("accuracy",), data_field="lambada",
-              totals=f"{_TASKS}:lambada_totals", from_totals=f"{_TASKS}:lambada_metrics"))
-register(Task("diagnose", f"{_SOURCES}:read_corpus", f"{_TASKS}:diagnose_task_rows",
-              metrics=("bias_norm", "effective_bias_norm", "deviation_norm", "motion_norm"),
-              table=("bias_norm", "deviation_norm", "motion_norm"),
-              report=("deviation_norm", "motion_norm", "bias_norm"), heldout=True,
-              scores_tokens=False, diagnostic=True))
-
-# Multiple choice, scored as lm-eval scores these tasks (scse_dist.eval.multiple_choice); each
-# reads its local file from eval.data.<name> (formats: scse_dist.data.multiple_choice).
-_MC_READERS = {"hellaswag": "read_hellaswag", "piqa": "read_piqa", "arc_easy": "read_arc",
-               "arc_challenge": "read_arc", "multiple_choice": "read_multiple_choice"}
-for _name, _reader in _MC_READERS.items():
-    register(Task(_name, f"scse_dist.data.multiple_choice:{_reader}",
-                  "scse_dist.eval.multiple_choice:mc_task_rows",
-                  metrics=("acc_norm", "accuracy", "acc_bytes"), table=("accuracy", "acc_norm"),
-                  report=("acc_norm", "accuracy"),
-                  higher_is_better=("acc_norm", "accuracy", "acc_bytes"),
-                  data_field=f"data.{_name}", totals="scse_dist.eval.multiple_choice:mc_totals",
-                  from_totals="scse_dist.eval.multiple_choice:mc_metrics"))

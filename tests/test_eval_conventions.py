@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scse_dist.data.sources import read_lambada
+from scse_dist.eval.tasks.lambada import read_lambada
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.utils import apply_template  # noqa: E402

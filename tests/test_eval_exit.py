@@ -8,7 +8,7 @@ import torch
 from scse_dist.checkpoint.export import load_exported_model
 from scse_dist.eval.cli import main
 from scse_dist.eval.exit_stats import ExitStats
-from scse_dist.eval.tasks import run_task
+from scse_dist.eval.task_run import run_task
 from scse_dist.model import parse_exit_rule
 from test_eval_cli import export_and_shards  # noqa: F401 (the fixture)
 from test_eval_tasks import LAMBADA, export  # noqa: F401 (the fixture)

@@ -11,18 +11,20 @@ import torch.nn.functional as F
 from conftest import TINY_VOCAB
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.config import config_from_dict
-from scse_dist.data.multiple_choice import (
+from scse_dist.data.sources import read_corpus
+from scse_dist.data.tokenizer import Tokenizer
+from scse_dist.eval.cli import main
+from scse_dist.eval.task_run import run_task
+from scse_dist.eval.tasks.lambada import read_lambada
+from scse_dist.eval.tasks.multiple_choice import (
     Choices,
+    mc_metrics,
+    question_totals,
     read_arc,
     read_hellaswag,
     read_multiple_choice,
     read_piqa,
 )
-from scse_dist.data.sources import read_corpus, read_lambada
-from scse_dist.data.tokenizer import Tokenizer
-from scse_dist.eval.cli import main
-from scse_dist.eval.multiple_choice import mc_metrics, question_totals
-from scse_dist.eval.tasks import run_task
 from scse_dist.model import LoopedLM
 
 # Answers of very different lengths, so that acc and acc_norm can disagree.

@@ -13,11 +13,13 @@ import torch.nn.functional as F
 from conftest import TINY_VOCAB
 from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.config import config_from_dict
-from scse_dist.data.sources import read_lambada, read_wikitext_articles
+from scse_dist.data.sources import read_wikitext_articles
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.eval.cli import main
 from scse_dist.eval.scoring import document_windows
-from scse_dist.eval.tasks import diagnose_rows, run_task
+from scse_dist.eval.task_run import run_task
+from scse_dist.eval.tasks.diagnose import diagnose_rows
+from scse_dist.eval.tasks.lambada import read_lambada
 from scse_dist.model import LoopedLM
 
 WIKI = (" \n = Robert Boulter = \n \n Robert Boulter is an English film and television actor . \n"

@@ -36,7 +36,7 @@ def make_export(run_dir: Path, cfg: RunConfig) -> RunDir:
 
 
 def write_partial(path: Path, cfg: RunConfig, task: str = "heldout") -> None:
-    """A results file as run_task writes it on Ctrl-C (eval.tasks._write_partial)."""
+    """A results file as run_task writes it on Ctrl-C (eval.task_run._write_partial)."""
     write_results(path, task, "x", cfg, [{"depth": 1, "loss": PARTIAL_LOSS, "ppl": 1e6}],
                   extra={PARTIAL_KEY: {"done": 1, "total": 2, "unit": "batch"}})
 
@@ -66,7 +66,7 @@ def test_is_complete_only_for_a_whole_results_file(tmp_path, tiny_run):
 
 
 def test_a_ctrl_c_during_run_task_leaves_a_file_that_is_not_complete(tiny_run, monkeypatch):
-    from scse_dist.eval import tasks
+    from scse_dist.eval import perplexity
     from scse_dist.eval.export_eval import evaluate_export
     from scse_dist.eval.perplexity import HeldoutInterrupted
 
@@ -76,7 +76,7 @@ def test_a_ctrl_c_during_run_task_leaves_a_file_that_is_not_complete(tiny_run, m
         raise HeldoutInterrupted([{"depth": d, "loss": PARTIAL_LOSS, "ppl": 1e6, "tokens": 32}
                                   for d in depths], 1)
 
-    monkeypatch.setattr(tasks, "evaluate_heldout", interrupted)
+    monkeypatch.setattr(perplexity, "evaluate_heldout", interrupted)  # the heldout task's call
     with pytest.raises(Interrupted, match="partial results in"):
         evaluate_export(run, "heldout")
     data = json.loads(run.results("heldout").read_text())
@@ -119,7 +119,7 @@ def _study(tmp_path: Path, tiny_config, **fields):
 
 def test_the_study_scores_a_partial_validation_again(tmp_path, tiny_config):
     from scse_dist.study.plan import evaluate_validation, status
-    from scse_dist.study.spec import expand, run_config
+    from scse_dist.study.runs import expand, run_config
 
     validation = tmp_path / "valid.txt"
     validation.write_text("\n\n".join(tiny_documents(6, seed=7)))
@@ -142,7 +142,7 @@ def test_the_study_scores_a_partial_validation_again(tmp_path, tiny_config):
 def test_the_studys_per_task_loop_and_status_redo_a_partial_task(tmp_path, tiny_config):
     from scse_dist.study.execute import _train_and_evaluate
     from scse_dist.study.plan import status
-    from scse_dist.study.spec import expand, run_config
+    from scse_dist.study.runs import expand, run_config
 
     spec = _study(tmp_path, tiny_config)
     (run,) = expand(spec)

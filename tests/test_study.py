@@ -14,7 +14,8 @@ import yaml
 
 from conftest import REPO_ROOT, tiny_documents
 from scse_dist.config import Resources
-from scse_dist.study.spec import SpecError, expand, load_spec, parse_spec
+from scse_dist.study.runs import expand
+from scse_dist.study.spec import SpecError, load_spec, parse_spec
 
 
 def study_spec(base: str, out: str, **fields) -> dict:
@@ -65,7 +66,7 @@ def test_expansion_counts_names_and_resolved_configs(tmp_path, tiny_config):
     chosen = expand(spec, {v: 0.5 for v in spec.variants}, ("final",))
     assert {r.lr for r in chosen} == {0.5} and chosen[6].overrides["train.seed"] == 1
 
-    from scse_dist.study.spec import run_config
+    from scse_dist.study.runs import run_config
     cfg = run_config(spec, next(r for r in chosen if (r.variant, r.seed) == ("scse-deeploop", 1)))
     assert (cfg.name, cfg.output_dir) == \
         ("scse-deeploop-seed1", str(tmp_path / "out/s/scse-deeploop"))
@@ -77,7 +78,7 @@ def test_expansion_counts_names_and_resolved_configs(tmp_path, tiny_config):
 def test_a_spec_of_before_sets_its_flat_train_names_over_the_base(tmp_path, tiny_config):
     """A spec's overrides in the old flat names (train.lr, train.warmup_steps, train.optimizer:
     muon) set those fields over a base that uses the new ones, as they did over a flat base."""
-    from scse_dist.study.spec import run_config
+    from scse_dist.study.runs import run_config
 
     variants = {"old": {"overrides": {"train.lr": 7e-3, "train.warmup_steps": 3,
                                       "train.optimizer": "muon", "train.muon_lr": 0.01}},
@@ -94,7 +95,7 @@ def test_a_variant_sweeps_its_own_rate_field_over_its_own_grid(tmp_path, tiny_co
     """Muon's rate is train.optimizer.muon_lr: a variant's lr: {key, values} sweeps that field over
     its own grid, and its final runs set the chosen value there, leaving train.optimizer.lr as
     configured."""
-    from scse_dist.study.spec import run_config
+    from scse_dist.study.runs import run_config
 
     variants = {"adamw": {"overrides": {}},
                 "muon": {"overrides": {"train.optimizer": "muon"},
@@ -198,7 +199,7 @@ def test_a_study_read_back_pairs_by_the_specs_rule(tmp_path, tiny_config):
 def test_shipped_study_pairs_compare_like_with_like(name):
     """Each paired comparison in a shipped spec holds everything but the method equal: the
     residual (a baseline under another residual measures the residual), data, steps and depth."""
-    from scse_dist.study.spec import run_config
+    from scse_dist.study.runs import run_config
 
     spec = load_spec(REPO_ROOT / "configs" / "studies" / f"{name}.yaml")
     first = {r.variant: r for r in expand(spec, {v: 1e-3 for v in spec.variants}, ("final",))}
@@ -217,7 +218,7 @@ def test_every_shipped_study_spec_resolves_every_run(path):
     """Each spec in configs/studies/ (a user's) and research/specs/ (the record's) loads, and each
     of its runs resolves to a valid run config (a mistyped override or a switch the model refuses
     fails here, not hours into a study)."""
-    from scse_dist.study.spec import run_config
+    from scse_dist.study.runs import run_config
 
     spec = load_spec(path)
     runs = expand(spec, {v: 1e-3 for v in spec.variants}, ("final",))

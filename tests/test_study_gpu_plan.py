@@ -11,7 +11,8 @@ import pytest
 from conftest import REPO_ROOT
 from scse_dist.cli_errors import EXIT_NO_INPUT
 from scse_dist.study.cli import main as study_main
-from scse_dist.study.spec import expand, load_spec, run_config
+from scse_dist.study.runs import expand, run_config
+from scse_dist.study.spec import load_spec
 from scse_dist.train.plan import GPUS, Assumptions, peak_flops
 
 SPEC = REPO_ROOT / "configs" / "studies" / "gpt2-small-decisive.yaml"

@@ -10,7 +10,8 @@ import yaml
 
 from scse_dist.config import config_from_dict, save_config
 from scse_dist.eval.results import write_results
-from scse_dist.study.report import main as study_report_main, verdict, write_study_report
+from scse_dist.study.compare import verdict
+from scse_dist.study.report import main as study_report_main, write_study_report
 from scse_dist.study.report_cli import main as scse_report_main
 from scse_dist.study.stats import Interval, t_interval, t_quantile
 from scse_dist.train.metrics import MetricsLogger

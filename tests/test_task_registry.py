@@ -49,8 +49,8 @@ def score_toy(run) -> list[dict]:
     return rows
 
 
-# Named by import path, as a record in scse_dist/task_registry.py names a module of its own.
-TOY = Task("toy", reader="test_task_registry:read_toy", scorer="test_task_registry:score_toy",
+# The functions themselves, as a module of scse_dist/eval/tasks/ registers its own.
+TOY = Task("toy", reader=read_toy, scorer=score_toy,
            metrics=("first_nll", "first_hit"),
            table=("first_nll", "first_hit"), report=("first_nll", "first_hit"),
            higher_is_better=("first_hit",), data_field="data.toy")
@@ -164,7 +164,8 @@ def test_a_study_report_shows_the_task_with_its_direction(tmp_path, toy):
 
 def test_a_study_spec_takes_the_task_its_data_and_report_metrics(tmp_path, tiny_config, toy):
     from scse_dist.study.plan import _inputs
-    from scse_dist.study.spec import SpecError, expand, parse_spec, run_config
+    from scse_dist.study.runs import expand, run_config
+    from scse_dist.study.spec import SpecError, parse_spec
 
     data = str(tmp_path / "toy.txt")
     spec = {"name": "s", "out": str(tmp_path / "out"), "base": tiny_config(tmp_path),
@@ -179,3 +180,36 @@ def test_a_study_spec_takes_the_task_its_data_and_report_metrics(tmp_path, tiny_
     with pytest.raises(SpecError, match=r"report.metrics.toy: 'first_hits' is not a metric of toy "
                                         r"\(did you mean 'first_hit'\?\)"):
         parse_spec(spec, "spec.yaml")
+
+
+BUILT_IN = ["heldout", "wikitext", "lambada", "diagnose", "hellaswag", "piqa", "arc_easy",
+            "arc_challenge", "multiple_choice"]
+
+
+def test_each_built_in_task_is_one_module_that_registers_it():
+    """A built-in task's scorer and its record are in one module of scse_dist.eval.tasks (its
+    reader there too, or a corpus reader of scse_dist.data.sources), imported, not named."""
+    from scse_dist.eval.tasks import multiple_choice
+
+    assert list(TASKS) == BUILT_IN
+    for name in BUILT_IN:
+        own = "multiple_choice" if name in multiple_choice.READERS else name
+        module = f"scse_dist.eval.tasks.{own}"
+        task = TASKS[name]
+        assert task.scorer.__module__ == module, name
+        assert task.reader.__module__ in (module, "scse_dist.data.sources"), name
+        for fn in (task.totals, task.from_totals):
+            assert fn is None or fn.__module__ in (module, "scse_dist.eval.task_run"), name
+
+
+def test_reading_the_registry_loads_every_task_without_torch(subprocess_env):
+    """Config validation and `scse-eval --help` read the registry before any model loads."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from scse_dist.task_registry import TASKS; "
+            "print(','.join(TASKS), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [",".join(BUILT_IN), "False"]

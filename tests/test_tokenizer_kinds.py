@@ -28,7 +28,7 @@ from scse_dist.data.cli import main as data_main
 from scse_dist.data.index import iter_samples, read_index, shard_url
 from scse_dist.data.shards import write_shards
 from scse_dist.data.tokenizer import Tokenizer, detect_kind, train_tokenizer
-from scse_dist.eval.tasks import document_rows
+from scse_dist.eval.task_run import document_rows
 from scse_dist.generate.text import continuation_text
 from scse_dist.model import LoopedLM
 

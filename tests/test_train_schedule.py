@@ -212,7 +212,8 @@ def test_resume_note_names_both_schedules_only_when_the_lr_moves(tmp_path):
 def test_a_study_varies_the_schedule(tmp_path, tiny_config):
     """Variants and axes are config overrides: a study compares schedules (and decay shapes) as it
     compares recurrences; a bad schedule value names the variant and the field."""
-    from scse_dist.study.spec import SpecError, expand, parse_spec, run_config
+    from scse_dist.study.runs import expand, run_config
+    from scse_dist.study.spec import SpecError, parse_spec
 
     spec = {"name": "s", "out": str(tmp_path / "out"), "base": tiny_config(tmp_path),
             "variants": {"cosine": {"overrides": {}},

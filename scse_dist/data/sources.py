@@ -14,14 +14,12 @@ Empty documents are skipped. Inputs are read in the order given, globs expanded 
 (scse_dist.data.rows), which stops the read past its limit of bad rows. `part=(k, n)` reads one
 of n contiguous runs of the input's units (files, row groups), for `scse-data shards --part`.
 
-The evaluation formats have readers of their own, used by scse-eval:
-- WikiText (`wiki.{train,valid,test}.raw` or the tokenized `wiki.*.tokens`, -2 and -103 alike):
-  an article starts at a top-level heading line ` = Title = ` (sub-headings are ` = = X = = `).
-  Each article is returned with its raw text, newlines included, so the word and byte counts of
-  all articles add up to those of the file (word perplexity and bits per byte use them).
-- LAMBADA: the OpenAI JSONL (`{"text": ...}` per line) or the original plain text (one passage per
-  line). The context is the passage minus its last whitespace-separated word, the target is
-  `" " + last word`.
+A WikiText file (`wiki.{train,valid,test}.raw` or the tokenized `wiki.*.tokens`, -2 and -103
+alike) is read as articles: one starts at a top-level heading line ` = Title = ` (sub-headings are
+` = = X = = `), returned with its raw text, newlines included, so the word and byte counts of all
+articles add up to those of the file (the wikitext task's word perplexity and bits per byte use
+them). The other evaluation formats (LAMBADA passages, multiple-choice questions) have readers
+of their own, each in its task's module (scse_dist.eval.tasks), on top of the helpers here.
 Bad input stops with an InputError (a ValueError) naming the file and, where there is one, the
 line: malformed JSON, a missing field, bytes that are not UTF-8, corrupt compression, and no
 documents at all. A missing input raises FileNotFoundError, an unreadable one (an unreachable URL,
@@ -94,7 +92,7 @@ def expand_inputs(urls: list[str] | tuple[str, ...] | str) -> list[str]:
     return out
 
 
-def _is_jsonl(url: str) -> bool:
+def is_jsonl(url: str) -> bool:
     name = url.lower()
     for suffix in COMPRESSION_SUFFIXES:
         if name.endswith(suffix):
@@ -118,7 +116,7 @@ def _byte_lines(f) -> Iterator[bytes]:
         yield tail
 
 
-def _lines(url: str) -> Iterator[tuple[int, str]]:
+def text_lines(url: str) -> Iterator[tuple[int, str]]:
     """(line number, line) of a text file, any fsspec URL, decompressed by its suffix.
 
     Read as bytes and decoded line by line, so a byte that is not UTF-8 is reported at its line.
@@ -155,7 +153,7 @@ def _lines(url: str) -> Iterator[tuple[int, str]]:
 def jsonl_values(url: str) -> Iterator[tuple[str, Any]]:
     """("file:line", value) of every non-blank line of a JSONL file: the one JSONL parser (the
     training inputs and the evaluation tasks' files read through it)."""
-    for lineno, line in _lines(url):
+    for lineno, line in text_lines(url):
         if not line.strip():
             continue
         try:
@@ -178,12 +176,12 @@ def _iter_jsonl(url: str, text_field: str, stats: RowStats) -> Iterator[str]:
 
 def _iter_text(url: str, text_split: str) -> Iterator[str]:
     if text_split == "file":
-        text = "".join(line for _, line in _lines(url))
+        text = "".join(line for _, line in text_lines(url))
         if text.strip():
             yield text
         return
     lines: list[str] = []
-    for _, line in _lines(url):
+    for _, line in text_lines(url):
         if line.strip():
             lines.append(line)
         elif lines:
@@ -207,7 +205,7 @@ def _kind(url: str) -> str:
         return "hub"
     if is_parquet(url):
         return "parquet"
-    if _is_jsonl(url):
+    if is_jsonl(url):
         return "jsonl"
     return "saved" if _isdir(url) else "text"
 
@@ -294,15 +292,10 @@ def iter_documents(urls: list[str] | tuple[str, ...] | str, text_field: str = "t
         raise InputError(f"{names}: no documents ({what}; empty input?)")
 
 
-# --------------------------------------------------------------------------- evaluation formats
+# --------------------------------------------------------------------------- single files
 
 
-class Passage(NamedTuple):
-    context: str
-    target: str  # " " + the last word
-
-
-def _single_file(url: str) -> str:
+def single_file(url: str) -> str:
     files = expand_inputs(url)
     if len(files) != 1:
         raise InputError(f"{url}: expected one file, the pattern matches {len(files)}")
@@ -311,9 +304,9 @@ def _single_file(url: str) -> str:
 
 def read_wikitext_articles(url: str) -> list[str]:
     """The articles of a WikiText file, each as its raw text (heading and newlines included)."""
-    url = _single_file(url)
+    url = single_file(url)
     articles: list[list[str]] = []
-    for lineno, line in _lines(url):
+    for lineno, line in text_lines(url):
         if lineno == 1 and line.lstrip().startswith("{"):
             raise InputError(f"{url}:1: looks like JSON; WikiText is raw text with ' = Title = ' "
                              "headings (wiki.test.raw)")
@@ -325,39 +318,6 @@ def read_wikitext_articles(url: str) -> list[str]:
     if not texts:
         raise InputError(f"{url}: no text (empty file?)")
     return texts
-
-
-def _split_passage(text: str, where: str) -> Passage:
-    """lm-eval's official LAMBADA split (lambada_openai.yaml): context `text.split(' ')[:-1]`
-    joined by ' ', target `' ' + text.split(' ')[-1]`. Only a space separates the last word, so a
-    passage whose last word follows a newline keeps that newline in its target, as lm-eval
-    scores it (splitting on any whitespace moved it, and changed the perplexity by 1.5%)."""
-    words = text.split(" ")
-    context, last = " ".join(words[:-1]), words[-1]
-    if not context.strip() or not last.strip():
-        why = ("has no word after its last space" if context.strip()
-               else "has no context before its last word")
-        raise InputError(f"{where}: passage {why}: {text.strip()[:60]!r}")
-    return Passage(context, " " + last)
-
-
-def read_lambada(url: str) -> list[Passage]:
-    """LAMBADA passages (context, " " + last word) from OpenAI JSONL or one-passage-per-line
-    text, split as lm-eval's LAMBADA task splits them (_split_passage). A JSONL passage is its
-    `text` as it is; a plain-text passage is its line without trailing whitespace."""
-    url = _single_file(url)
-    out = []
-    if _is_jsonl(url):
-        for where, obj in jsonl_values(url):
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise InputError(f"{where}: expected an object with a string field 'text'")
-            out.append(_split_passage(obj["text"], where))
-    else:
-        out = [_split_passage(line.rstrip(), f"{url}:{lineno}")
-               for lineno, line in _lines(url) if line.strip()]
-    if not out:
-        raise InputError(f"{url}: no passages (empty file?)")
-    return out
 
 
 def read_corpus(url: str) -> list[str]:

@@ -134,7 +134,7 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoi
         task_data = read_task_data(args.task, cfg, data, tokenizer)
     import torch  # only now: bad input above is reported without it
 
-    from scse_dist.eval.tasks import run_task
+    from scse_dist.eval.task_run import run_task
     from scse_dist.threads import configure_threads
 
     configure_threads()  # torch's default threads beside another busy process: 10x slower

@@ -15,7 +15,7 @@ from typing import Optional
 
 from scse_dist.launch.config import EvalResources
 from scse_dist.model.config import ConfigError
-from scse_dist.task_registry import TASKS, field_value, unknown_task
+from scse_dist.task_registry import TASKS, Task, field_value, unknown_task
 
 
 @dataclass
@@ -64,12 +64,7 @@ class EvalConfig:
         if self.batch_size <= 0:
             raise ConfigError(f"eval.batch_size: must be > 0, got {self.batch_size}")
         for i, task in enumerate(self.tasks):
-            if task not in TASKS:
-                raise ConfigError(f"eval.tasks[{i}]: {unknown_task(task)}")
-            need = TASKS[task].data_field
-            if need and not field_value(self, need):
-                raise ConfigError(f"eval.{need}: eval.tasks lists {task!r}, so set eval.{need} "
-                                  "to its data file")
+            self._check_task("tasks", i, task)
         if self.sample_every and not all(p.strip() for p in self.sample_prompts or [""]):
             raise ConfigError("eval.sample_prompts: need at least one prompt, none empty, when "
                               "eval.sample_every is set")
@@ -88,21 +83,25 @@ class EvalConfig:
             raise ConfigError(f"eval.resources: {problem or 'time_min must be >= 1'}, got "
                               f"{dataclasses.asdict(res)}")
 
+    def _check_task(self, listed: str, i: int, task: str) -> Task:
+        """The record of eval.<listed>[i], a task whose data file (if it has one) is set."""
+        if task not in TASKS:
+            raise ConfigError(f"eval.{listed}[{i}]: {unknown_task(task)}")
+        need = TASKS[task].data_field
+        if need and not field_value(self, need):
+            raise ConfigError(f"eval.{need}: eval.{listed} lists {task!r}, so set eval.{need} "
+                              "to its data file")
+        return TASKS[task]
+
     def _check_downstream(self) -> None:
         able = [name for name, task in TASKS.items() if task.downstream]
         for i, task in enumerate(self.downstream_tasks):
             where = f"eval.downstream_tasks[{i}]"
-            if task not in TASKS:
-                raise ConfigError(f"{where}: {unknown_task(task)}")
-            if not TASKS[task].downstream:
+            if not self._check_task("downstream_tasks", i, task).downstream:
                 raise ConfigError(f"{where}: {task!r} does not run during training (held-out "
                                   f"loss: eval.every_steps); the tasks that do: {', '.join(able)}")
             if task in self.downstream_tasks[:i]:
                 raise ConfigError(f"{where}: {task!r} is listed twice")
-            need = TASKS[task].data_field
-            if need and not field_value(self, need):
-                raise ConfigError(f"eval.{need}: eval.downstream_tasks lists {task!r}, so set "
-                                  f"eval.{need} to its data file")
         if self.downstream_every and not self.downstream_tasks:
             raise ConfigError("eval.downstream_tasks: eval.downstream_every is set, so name the "
                               f"tasks to run (any of {', '.join(able)})")

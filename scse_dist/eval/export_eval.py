@@ -27,7 +27,7 @@ def evaluate_export(run_dir: str | os.PathLike, task: str, *, data: Optional[str
     import torch
 
     from scse_dist.checkpoint.loading import load_model
-    from scse_dist.eval.tasks import run_task
+    from scse_dist.eval.task_run import run_task
 
     run = RunDir(run_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -94,4 +94,4 @@ def read_task_data(task: str, cfg: RunConfig, data: str, tokenizer: Any = None) 
     tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg)
     if record.heldout and is_shard_dir(data):
         return TaskData(tokenizer, _shard_stream(data, cfg, tokenizer), shards=True)
-    return TaskData(tokenizer, record.read(data), shards=False)
+    return TaskData(tokenizer, record.reader(data), shards=False)

@@ -3,7 +3,7 @@
     scse-report runs/scse runs/additive runs/untied --out reports/main   # compare several runs
     scse-report --study runs/my-study      # a study's seeds aggregated (scse_dist.study.report)
 
-A run's results are `RUN/eval/*.json` (written by scse_dist.eval.tasks.run_task). The table has
+A run's results are `RUN/eval/*.json` (written by scse_dist.eval.task_run.run_task). The table has
 one row per (run, task, metric) and one column per depth; the plot draws each task's headline
 metric against depth (log scale), one line per run, so SCSE, additive and untied models share
 axes (an untied model is a single point at its fixed depth). Runs trained with eval.every_steps

@@ -36,7 +36,7 @@ from scse_dist.eval.scoring import (
     document_windows,
     score_windows,
 )
-from scse_dist.eval.tasks import context_target_ids
+from scse_dist.eval.task_run import context_target_ids
 from scse_dist.generate import Sampling, generate, next_tokens
 from scse_dist.lmeval import MODEL_NAME
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule

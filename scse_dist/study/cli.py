@@ -26,7 +26,8 @@ from scse_dist.launch.children import StoppedBySignal
 from scse_dist.launch.scheduler import add_backend_args, backend_args
 from scse_dist.study.execute import run_local, run_submitted
 from scse_dist.study.plan import StudyError, missing_inputs, read_choice, refused_data, status
-from scse_dist.study.spec import expand, load_spec, run_config
+from scse_dist.study.runs import expand, run_config
+from scse_dist.study.spec import load_spec
 
 
 def runs_table(spec) -> str:

@@ -44,7 +44,8 @@ from scse_dist.launch.scheduler import LOGS, training_command
 from scse_dist.progress import eta_seconds, format_duration
 from scse_dist.run_dir import RunDir
 from scse_dist.study.plan import StudyError, choose_lrs, evaluate_validation, status, write_study
-from scse_dist.study.spec import Run, StudySpec
+from scse_dist.study.runs import Run
+from scse_dist.study.spec import StudySpec
 
 REPORT_CMD = [sys.executable, "-m", "scse_dist.study.report"]
 

@@ -27,7 +27,8 @@ import yaml
 from scse_dist.atomic import atomic_write_text
 from scse_dist.config import config_to_dict
 from scse_dist.run_dir import VALIDATION_NAME, RunDir, is_complete
-from scse_dist.study.spec import Run, StudySpec, expand, run_config
+from scse_dist.study.runs import Run, expand, run_config
+from scse_dist.study.spec import StudySpec
 from scse_dist.task_registry import TASKS, field_value
 
 SPEC_NAME, RUNS_NAME, LR_CHOICE_NAME = "study.yaml", "runs.json", "lr_choice.json"

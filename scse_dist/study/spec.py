@@ -1,4 +1,4 @@
-"""A study spec (YAML) and its expansion into runs.
+"""A study spec (YAML), read and checked (its runs: scse_dist.study.runs).
 
     extends: repro-cpu.yaml        # optional: another spec this one overlays (scse_dist.typed_yaml)
     name: repro-cpu            # the study dir is <out>/<name>
@@ -39,7 +39,6 @@ a variant's `overrides:` are dotted run-config fields themselves (`overrides.dat
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import itertools
@@ -49,23 +48,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from scse_dist.config import (
-    ConfigError,
-    RunConfig,
-    config_from_dict,
-    read_config_file,
-    renamed_key,
-)
+from scse_dist.config import ConfigError
 from scse_dist.launch.config import Resources
-from scse_dist.run_dir import RunDir
 from scse_dist.study.factorial import parse_factorial
-from scse_dist.task_registry import TASKS, field_value
+from scse_dist.study.runs import SpecError, expand, run_config
+from scse_dist.task_registry import TASKS
 from scse_dist.typed_yaml import _read_yaml, apply_overrides
-
-
-class SpecError(ConfigError):
-    """A study spec field is missing, mistyped or makes a run config that does not load; the
-    message names the field. A ConfigError: the commands exit 2 on it."""
 
 
 def task_metrics() -> dict[str, tuple[str, ...]]:
@@ -149,24 +137,6 @@ class StudySpec:
             return own
         assert self.lr is not None  # load_spec: a variant's own lr needs the study's lr:
         return self.lr.values
-
-
-@dataclass
-class Run:
-    variant: str
-    seed: int
-    lr: Optional[float]  # None: stage-2 rate not chosen yet
-    stage: str  # "sweep" | "final"
-    run_dir: str
-    overrides: dict[str, Any]
-
-    @property
-    def config(self) -> str:
-        return str(RunDir(self.run_dir).config)
-
-    def record(self) -> dict:
-        return {"variant": self.variant, "seed": self.seed, "lr": self.lr, "stage": self.stage,
-                "run_dir": self.run_dir, "config": self.config, "overrides": self.overrides}
 
 
 # --------------------------------------------------------------------------- parsing
@@ -420,68 +390,3 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> StudySpec
     except ConfigError as exc:
         raise SpecError(str(exc)) from None
     return parse_spec(values, str(p))
-
-
-# --------------------------------------------------------------------------- expansion
-
-def expand(spec: StudySpec, chosen: dict[str, float] | None = None,
-           stages: tuple[str, ...] = ("sweep", "final")) -> list[Run]:
-    """Every run of the study. Final runs carry the chosen rate (None until it is chosen)."""
-    runs: list[Run] = []
-    rate: Optional[float]  # a sweep rate; a final run's chosen one (None: not chosen yet)
-    d = spec.study_dir
-    if spec.lr and "sweep" in stages:
-        for variant, over in spec.variants.items():
-            for rate in spec.rate_values(variant):
-                extra = {spec.rate_key(variant): rate, "train.seed": spec.lr.seed}
-                if spec.lr.steps:
-                    extra["train.max_steps"] = spec.lr.steps
-                runs.append(Run(variant, spec.lr.seed, rate, "sweep",
-                                str(d / variant / f"{variant}-lr{rate:g}-seed{spec.lr.seed}"),
-                                {**over, **extra}))
-    if "final" in stages:
-        # seed-major: every variant's seed 0 first, so a study cut short still compares variants
-        grid = [(v, s) for s in spec.seeds for v in spec.variants] if spec.order == "seed-major" \
-            else [(v, s) for v in spec.variants for s in spec.seeds]
-        for variant, seed in grid:
-            rate = (chosen or {}).get(variant) if spec.lr else None
-            extra = {"train.seed": seed,
-                     **({spec.rate_key(variant): rate} if rate is not None else {})}
-            runs.append(Run(variant, seed, rate, "final",
-                            str(d / variant / f"{variant}-seed{seed}"),
-                            {**spec.variants[variant], **extra}))
-    return runs
-
-
-def _set_dotted(values: dict, key: str, value: Any, where: str) -> None:
-    parts = key.split(".")
-    node = values
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise SpecError(f"{where}: {key}: {part!r} is not a section")
-    node[parts[-1]] = copy.deepcopy(value)
-
-
-def run_config(spec: StudySpec, run: Run) -> RunConfig:
-    """The resolved RunConfig of a run: base, study overrides, variant, seed/lr, then the study's
-    fixed fields (run dir, evaluation tasks and depths; evaluations are the study's jobs)."""
-    try:
-        values = read_config_file(Path(spec.base))
-    except ConfigError as exc:
-        raise SpecError(f"{spec.path}: base: {exc}") from None
-    run_dir = Path(run.run_dir)
-    study = {"name": run_dir.name, "output_dir": str(run_dir.parent),
-             "eval.depths": spec.evals.depths, "eval.tasks": spec.evals.tasks,
-             "eval.after_train": False, "wandb.group": spec.name}
-    for task in TASKS.values():  # each task's data file, where the spec names one
-        if task.data_field and field_value(spec.evals, task.data_field):
-            study[f"eval.{task.data_field}"] = field_value(spec.evals, task.data_field)
-    where = f"{spec.path}: variants.{run.variant}"
-    for key, value in {**spec.overrides, **run.overrides, **study}.items():
-        _set_dotted(values, renamed_key(str(key), value), value, where)
-    try:
-        return config_from_dict(values)
-    except ConfigError as exc:
-        raise SpecError(f"{where} (run {run.run_dir}): {exc}") from None
-

@@ -30,7 +30,7 @@ def _path(metadata: dict, key: str, task: str) -> str:
 
 
 def load_lambada(**metadata) -> datasets.DatasetDict:
-    from scse_dist.data.sources import read_lambada
+    from scse_dist.eval.tasks.lambada import read_lambada
 
     passages = read_lambada(_path(metadata, "lambada", "scse_lambada"))
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(

@@ -59,7 +59,7 @@ class DownstreamEvalCallback(Callback):
         limit = cfg.eval.downstream_max_examples
         for name in cfg.eval.downstream_tasks:
             task = TASKS[name]
-            examples = list(task.read(data_path(task, cfg)))
+            examples = list(task.reader(data_path(task, cfg)))
             examples = examples[:limit] if limit else examples
             self.shares[name] = (len(examples), examples[env.rank::env.world_size])
 
@@ -68,7 +68,7 @@ class DownstreamEvalCallback(Callback):
             self.evaluate(state)
 
     def evaluate(self, state: TrainState) -> dict:
-        from scse_dist.eval.tasks import TaskRun
+        from scse_dist.eval.task_run import TaskRun
 
         start = time.perf_counter()
         cfg, device = state.cfg, state.engine.device

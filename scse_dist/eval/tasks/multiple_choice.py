@@ -1,9 +1,8 @@
-"""Multiple-choice evaluation data from local JSONL files: one `Choices` record per question.
+"""The multiple-choice tasks (hellaswag, piqa, arc_easy, arc_challenge, multiple_choice): their
+readers, one per local JSONL format, and their scorer, lm-eval's `output_type: multiple_choice`.
 
 Each reader turns one dataset's local format into the context and answers lm-eval's task of the
-same name builds (its `doc_to_text` and `doc_to_choice`), so that scoring them as lm-eval does
-(scse_dist.eval.multiple_choice: each answer `" " + choice` after the context) gives lm-eval's
-acc and acc_norm:
+same name builds (its `doc_to_text` and `doc_to_choice`), one `Choices` record per question:
 
     multiple_choice  {"context": str, "choices": [str, ...], "label": int}   (the generic schema)
     hellaswag        HellaSwag's JSONL (rowanz/hellaswag or the HF dataset's rows): activity_label,
@@ -17,15 +16,31 @@ acc and acc_norm:
                      answerKey); context "Question: {question}\\nAnswer:"
 
 Bad input is one InputError naming the file and line (a missing field, a label out of range).
+
+Each answer is a (context, " " + answer) request (lm-eval's default target_delimiter), scored as
+scse-eval scores LAMBADA's target: the window EOS + context + answer, the answer's ids being what
+encoding context + answer adds after the context's own (task_run.context_target_ids), its
+log-likelihood the summed log-probability of those ids. Every answer of every question goes into
+one list of windows, batched longest first, all depths in one loop run per batch.
+
+Per question, as lm-eval's process_results (first index on a tie, as np.argmax):
+    accuracy    argmax of the answers' log-likelihoods is the label       (lm-eval: acc)
+    acc_norm    argmax of log-likelihood / len(answer) in characters      (lm-eval: acc_norm)
+    acc_bytes   argmax of log-likelihood / len(answer) in UTF-8 bytes     (lm-eval: acc_bytes)
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 from scse_dist.cli_errors import InputError
-from scse_dist.data.sources import _lines, _single_file, jsonl_values
+from scse_dist.data.sources import jsonl_values, single_file, text_lines
+from scse_dist.eval.task_run import TaskRun, _scores, context_target_ids
+from scse_dist.task_registry import Task, register
+
+if TYPE_CHECKING:
+    from scse_dist.eval.scoring import Score, Window
 
 
 class Choices(NamedTuple):
@@ -69,7 +84,7 @@ def _index(label: Any, n: int, where: str) -> int:
 
 
 def _read(url: str, convert: Callable[[dict, str], Choices]) -> list[Choices]:
-    url = _single_file(url)
+    url = single_file(url)
     out = [convert(obj, where) for where, obj in _objects(url)]
     if not out:
         raise InputError(f"{url}: no questions (empty file?)")
@@ -115,13 +130,13 @@ def _piqa_labels(url: str) -> list[str]:
     stem = re.sub(r"\.(jsonl|json|ndjson)$", "", url)
     path = stem + "-labels.lst"
     try:
-        return [line.strip() for _, line in _lines(path) if line.strip()]
+        return [line.strip() for _, line in text_lines(path) if line.strip()]
     except FileNotFoundError:
         raise InputError(f"{url}: PIQA rows without 'label' need the labels file {path}") from None
 
 
 def read_piqa(url: str) -> list[Choices]:
-    url = _single_file(url)
+    url = single_file(url)
     rows = list(_objects(url))
     labels: list[Any] = [obj.get("label") for _, obj in rows]
     if rows and any(label is None for label in labels):
@@ -162,3 +177,92 @@ def _arc(obj: dict, where: str) -> Choices:
 
 def read_arc(url: str) -> list[Choices]:
     return _read(url, _arc)
+
+
+TARGET_DELIMITER = " "  # lm-eval's default, between the context and each answer
+
+
+def choice_windows(tokenizer, questions: list[Choices], seq_len: int
+                   ) -> tuple[list[Window], list[int]]:
+    """Every answer's window, question by question, and the question each belongs to."""
+    from scse_dist.eval.scoring import context_target_window  # imports torch
+
+    windows, owner = [], []
+    for i, q in enumerate(questions):
+        for answer in q.choices:
+            context, target = context_target_ids(tokenizer, q.context, TARGET_DELIMITER + answer)
+            windows.append(context_target_window(context, target, tokenizer.eos_id, seq_len))
+            owner.append(i)
+    return windows, owner
+
+
+def _argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=values.__getitem__)  # the first of equal maxima
+
+
+def question_totals(questions: list[Choices], lls: list[list[float]]) -> dict:
+    """Right answers over `questions` given each one's answers' log-likelihoods (additive)."""
+    correct = correct_norm = correct_bytes = 0
+    for q, ll in zip(questions, lls):
+        correct += _argmax(ll) == q.label
+        correct_norm += _argmax([v / len(a) for v, a in zip(ll, q.choices)]) == q.label
+        correct_bytes += _argmax([v / len(a.encode("utf-8"))
+                                  for v, a in zip(ll, q.choices)]) == q.label
+    return {"correct": correct, "correct_norm": correct_norm, "correct_bytes": correct_bytes,
+            "examples": len(lls)}
+
+
+def _totals(depths: list[int], scores: Sequence[Sequence[Optional[Score]]],
+            questions: list[Choices], owner: list[int]) -> tuple[list[dict], int]:
+    """Per depth the totals over the questions whose answers are all scored, and their count."""
+    complete = [True] * len(questions)
+    for i, score in zip(owner, scores[0]):
+        complete[i] = complete[i] and score is not None
+    out = []
+    for d, per_window in zip(depths, scores):
+        lls: list[list[float]] = [[] for _ in questions]
+        for i, score in zip(owner, per_window):
+            if complete[i]:
+                assert score is not None  # complete: every window of question i was scored
+                lls[i].append(-score.nll)
+        done = [k for k, ok in enumerate(complete) if ok]
+        out.append({"depth": d, **question_totals([questions[k] for k in done],
+                                                  [lls[k] for k in done])})
+    return out, sum(complete)
+
+
+def mc_metrics(totals: dict) -> dict:
+    """One depth's row from its totals (mc_totals, or their sum over ranks)."""
+    n = totals["examples"]
+    return {"depth": totals["depth"], "accuracy": totals["correct"] / n,
+            "acc_norm": totals["correct_norm"] / n, "acc_bytes": totals["correct_bytes"] / n,
+            "examples": int(n)}
+
+
+def mc_totals(run: TaskRun) -> list[dict]:
+    """Per depth {"depth", "correct", "correct_norm", "correct_bytes", "examples"} over
+    run.inputs (a list of Choices; empty: zeros). Ctrl-C: TaskInterrupted with the rows of the
+    questions whose answers were all scored."""
+    questions: list[Choices] = run.inputs
+    windows, owner = choice_windows(run.tokenizer, questions, run.seq_len)
+
+    def per_question(depths: list[int], scores: list[list[Optional[Score]]]):
+        totals, done = _totals(depths, scores, questions, owner)
+        return [mc_metrics(t) for t in totals] if done else None, done, len(questions)
+
+    depths, scores = _scores(run.model, windows, run.depths, run.batch_size, run.exit_stats,
+                             run.desc, "answer", "question", per_question)
+    return _totals(depths, scores, questions, owner)[0]
+
+
+def mc_task_rows(run: TaskRun) -> list[dict]:
+    return [mc_metrics(t) for t in mc_totals(run)]
+
+
+READERS = {"hellaswag": read_hellaswag, "piqa": read_piqa, "arc_easy": read_arc,
+           "arc_challenge": read_arc, "multiple_choice": read_multiple_choice}
+for _name, _reader in READERS.items():  # each reads its local file from eval.data.<name>
+    register(Task(_name, _reader, mc_task_rows, metrics=("acc_norm", "accuracy", "acc_bytes"),
+                  table=("accuracy", "acc_norm"), report=("acc_norm", "accuracy"),
+                  higher_is_better=("acc_norm", "accuracy", "acc_bytes"),
+                  data_field=f"data.{_name}", totals=mc_totals, from_totals=mc_metrics))

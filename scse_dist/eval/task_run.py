@@ -1,0 +1,243 @@
+"""What every evaluation task shares: `run_task`, the one entry the CLI and evaluate_export
+(scse_dist.eval.export_eval: the trainer, the launcher, a study) call, the `TaskRun` a task's
+scorer gets, and the scoring pieces several tasks use (documents in sliding windows: heldout on a
+corpus and wikitext; context/target ids: lambada, the multiple-choice tasks, scse_dist.lmeval).
+The tasks themselves, each its reader and scorer in one module: scse_dist.eval.tasks.
+
+A scorer takes a TaskRun and returns one row per depth. run_task evaluates (with progress on rank
+0: items done, rate, ETA), prints a table and writes the results JSON (scse_dist.eval.results).
+On Ctrl-C it writes the results of the items done so far, marked `"partial": {"done", "total",
+"unit"}` (scse_dist.run_dir.is_complete is then False for it), and raises cli_errors.Interrupted
+with a line saying so.
+
+Nothing here imports torch at the top: the task modules import this one, and `scse-eval --help`
+and config validation read the registry without torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, cast
+
+from scse_dist.cli_errors import Interrupted
+from scse_dist.config import RunConfig
+from scse_dist.eval.inputs import TaskData, get_task, no_exit_rule, read_task_data
+from scse_dist.eval.results import format_table, write_results
+from scse_dist.progress import Progress
+from scse_dist.run_dir import PARTIAL_KEY
+
+if TYPE_CHECKING:
+    from scse_dist.eval.exit_stats import ExitStats
+    from scse_dist.eval.scoring import Score, Window
+    from scse_dist.model import LoopedLM
+    from scse_dist.model.exit_rules import ExitRule
+
+# With --exit: the steps each scored token used (ExitStats.summary).
+STEP_METRICS = ("mean_steps", "steps_p50", "steps_p90")
+
+
+def _exp(x: float) -> float:
+    return math.exp(min(x, 700.0))
+
+
+class TaskInterrupted(KeyboardInterrupt):
+    """Ctrl-C inside a task: the rows of the items done (None if none) and how far it got."""
+
+    def __init__(self, rows: Optional[list[dict]], done: int, total: Optional[int], unit: str):
+        super().__init__()
+        self.rows, self.done, self.total, self.unit = rows, done, total, unit
+
+
+def _progress(desc: Optional[str], total: Optional[int], unit: str) -> Progress:
+    """Progress of a task's items; desc None: quiet (not rank 0, or the caller asked)."""
+    return Progress(total, desc or "", unit=unit, enabled=desc is not None)
+
+
+def _scores(model: LoopedLM, windows: list[Window], depths: list[int], batch_size: int,
+            exit_stats: Optional[ExitStats], desc: Optional[str], unit: str, item: str,
+            per_item: Any) -> tuple[list[int], list[list[Score]]]:
+    """score_windows with progress in `unit`s (one per window); on Ctrl-C, TaskInterrupted in
+    `item`s from `per_item(depths, scores)`: (rows over the items whose windows are all
+    scored, items done, items in all)."""
+    from scse_dist.eval.scoring import ScoringInterrupted, score_windows
+
+    try:
+        with _progress(desc, len(windows), unit) as progress:
+            return score_windows(model, windows, depths, batch_size, exit_stats, progress)
+    except ScoringInterrupted as stop:
+        rows, done, total = per_item(stop.depths, stop.scores)
+        raise TaskInterrupted(rows if done else None, done, total, item) from None
+
+
+def document_rows(model: LoopedLM, tokenizer: Any, documents: list[str], depths: list[int],
+                  seq_len: int, stride: int, batch_size: int,
+                  exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None) -> list[dict]:
+    """Token ppl, word ppl and bits per byte of `documents` (each scored on its own, sliding
+    window).
+
+    word_ppl = exp(total NLL / whitespace words of the original text) and bits_per_byte =
+    total NLL / ln 2 / UTF-8 bytes: both divide the same total, so they compare across tokenizers.
+    desc: a progress line's label (None: quiet). Ctrl-C: TaskInterrupted with the rows of the
+    documents whose windows were all scored.
+    """
+    return [document_metrics(t) for t in _document_totals(*_document_scores(
+        model, tokenizer, documents, depths, seq_len, stride, batch_size, exit_stats, desc),
+        documents)]
+
+
+def _document_scores(model: LoopedLM, tokenizer: Any, documents: list[str],
+                     depths: list[int], seq_len: int, stride: int, batch_size: int,
+                     exit_stats: Optional[ExitStats], desc: Optional[str]
+                     ) -> tuple[list[int], list[list[Score]]]:
+    from scse_dist.eval.scoring import document_windows
+
+    ids = tokenizer.encode_batch([d.strip() for d in documents])
+    windows, owner = [], []
+    for i, doc in enumerate(ids):
+        for w in document_windows(doc, tokenizer.eos_id, seq_len, stride):
+            windows.append(w)
+            owner.append(i)
+
+    def per_document(depths: list[int], scores: list[list[Optional[Score]]]):
+        complete = [True] * len(documents)
+        for i, score in zip(owner, scores[0]):
+            complete[i] = complete[i] and score is not None
+        kept = [k for k, score in enumerate(scores[0]) if complete[owner[k]]]
+        done = [d for d, ok in zip(documents, complete) if ok]
+        table = [document_metrics(t) for t in _document_totals(
+            depths, cast("list[list[Score]]", [[s[k] for k in kept] for s in scores]),
+            done)] if done else None  # the kept windows' documents are complete: all scored
+        return table, len(done), len(documents)
+
+    return _scores(model, windows, depths, batch_size, exit_stats, desc, "window", "document",
+                   per_document)
+
+
+def _document_totals(depths: list[int], scores: list[list[Score]], documents: list[str]
+                     ) -> list[dict]:
+    """Per depth the additive totals of the documents' scores (summed over ranks in training)."""
+    words = sum(len(d.split()) for d in documents)
+    n_bytes = sum(len(d.encode("utf-8")) for d in documents)
+    return [{"depth": d, "nll": sum(s.nll for s in per_window),
+             "tokens": sum(s.count for s in per_window), "words": words, "bytes": n_bytes,
+             "documents": len(documents)} for d, per_window in zip(depths, scores)]
+
+
+def document_metrics(totals: dict) -> dict:
+    """One depth's row from its totals (_document_totals, or their sum over ranks)."""
+    nll, tokens = totals["nll"], totals["tokens"]
+    return {"depth": totals["depth"], "loss": nll / tokens, "ppl": _exp(nll / tokens),
+            "word_ppl": _exp(nll / totals["words"]),
+            "bits_per_byte": nll / math.log(2) / totals["bytes"], "tokens": int(tokens),
+            "words": int(totals["words"]), "bytes": int(totals["bytes"]),
+            "documents": int(totals["documents"])}
+
+
+def context_target_ids(tokenizer: Any, context_text: str, target_text: str
+                       ) -> tuple[list[int], list[int]]:
+    """Context and target ids. The target is what encoding context + target adds after the
+    context's own encoding (how the model saw such text in training); if the tokenizer merges
+    across the boundary, the target is encoded alone. (The lm-eval model scores its
+    (context, continuation) requests with this too: scse_dist.lmeval.)"""
+    context = tokenizer.encode(context_text)
+    full = tokenizer.encode(context_text + target_text)
+    if full[:len(context)] == context and len(full) > len(context):
+        return context, full[len(context):]
+    return context, tokenizer.encode(target_text.strip())
+
+
+def run_task(task: str, model: LoopedLM, cfg: RunConfig, data: str, depths: list[int],
+             out_path: str, checkpoint_label: str, *, tokenizer: Any = None,
+             stride: Optional[int] = None, max_batches: int = 0,
+             task_data: Optional[TaskData] = None,
+             exit_rule: Optional[ExitRule] = None, progress: bool = True) -> list[dict]:
+    """Evaluate `task` on `data`, print a table, write `out_path`. Returns the rows.
+
+    Sequence length and batch size come from cfg.data.seq_len and cfg.eval.batch_size; the data
+    is `task_data` when read already, else read_task_data(task, cfg, data, tokenizer); stride
+    defaults to seq_len // 2. exit_rule: adaptive depth per token (not diagnose), one row at
+    the cap (the rule's max_steps, else max(depths)) with the steps used (ExitStats.summary).
+    progress: items done, rate and ETA on stderr (scse_dist.progress), on rank 0 only.
+    Ctrl-C: the results of the items done are written, marked "partial", and
+    cli_errors.Interrupted says how far it got.
+    """
+    record = get_task(task)
+    if exit_rule is not None and not record.scores_tokens:
+        raise ValueError(f"exit_rule: {no_exit_rule(task)}")
+    from scse_dist.distributed import is_rank0
+    from scse_dist.eval.exit_stats import ExitStats
+
+    stats = ExitStats(exit_rule) if exit_rule is not None else None
+    tokenizer, inputs, shards = task_data or read_task_data(task, cfg, data, tokenizer)
+    seq_len, batch_size = cfg.data.seq_len, cfg.eval.batch_size
+    stride = stride or max(1, seq_len // 2)
+    extra: dict[str, Any] = {"data": str(data), "seq_len": seq_len, "batch_size": batch_size}
+    desc = _progress_label(task, model, depths, exit_rule) if progress and is_rank0() else None
+    try:
+        rows = record.scorer(TaskRun(model, tokenizer, inputs, shards, depths, seq_len, stride,
+                                    batch_size, max_batches, stats, desc, extra))
+    except TaskInterrupted as stop:
+        raise Interrupted(_write_partial(stop, task, out_path, checkpoint_label, cfg, stats,
+                                         extra)) from None
+    metrics = record.table + (STEP_METRICS if stats is not None else ())
+    _add_steps(rows, stats)
+    print(f"{task}: {checkpoint_label} ({cfg.model.recurrence}, {cfg.model.residual}) on {data}"
+          + (f", exit {exit_rule}" if exit_rule is not None else ""))
+    print(format_table(rows, metrics))
+    if stats is not None:
+        print("steps per token: " + ", ".join(f"{k}: {n}" for k, n in
+                                               rows[0]["steps_histogram"].items()))
+    write_results(out_path, task, checkpoint_label, cfg, rows, extra=extra)
+    print(f"wrote {out_path}")
+    return rows
+
+
+def _progress_label(task: str, model: LoopedLM, depths: list[int],
+                    exit_rule: Optional[ExitRule]) -> str:
+    """`lambada T=1,8,48`, or with an exit rule `lambada exit motion:0.02`."""
+    if exit_rule is not None:
+        return f"{task} exit {exit_rule}"
+    fixed = getattr(model, "fixed_depth", None)
+    shown = [fixed] if fixed is not None else sorted({int(d) for d in depths})
+    return f"{task} T={','.join(map(str, shown))}"
+
+
+class TaskRun(NamedTuple):
+    """What a task's scorer gets: the model, the data its reader read (or a held-out shard
+    stream: `shards`), the settings, the ExitStats of an exit rule (None: fixed depths), a
+    progress label (None: quiet) and `extra`, a dict of settings it adds to the results JSON."""
+
+    model: LoopedLM
+    tokenizer: Any
+    inputs: Any
+    shards: bool
+    depths: list[int]
+    seq_len: int
+    stride: int
+    batch_size: int
+    max_batches: int
+    exit_stats: Optional[ExitStats]
+    desc: Optional[str]
+    extra: dict
+
+
+def _add_steps(rows: list[dict], stats: Optional[ExitStats]) -> list[dict]:
+    """With an exit rule, every row gets the steps used (ExitStats.summary)."""
+    if stats is not None:
+        for row in rows:
+            row.update(stats.summary())
+    return rows
+
+
+def _write_partial(stop: TaskInterrupted, task: str, out_path: str, checkpoint_label: str,
+                   cfg: RunConfig, stats: Optional[ExitStats], extra: dict) -> str:
+    """Write the rows of the items done, marked partial; the line that says how far it got."""
+    total = f"/{stop.total}" if stop.total else ""
+    where = f"{task}: {stop.done}{total} {stop.unit}{'es' if stop.unit == 'batch' else 's'} " \
+            "scored (all depths in one pass)"
+    if not stop.rows:
+        return f"{where}; no results written"
+    rows = _add_steps(stop.rows, stats)
+    extra = {**extra, PARTIAL_KEY: {"done": stop.done, "total": stop.total, "unit": stop.unit}}
+    write_results(out_path, task, checkpoint_label, cfg, rows, extra=extra)
+    return f"{where}; partial results in {out_path}"

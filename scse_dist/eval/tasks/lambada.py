@@ -1,0 +1,107 @@
+"""lambada: last-word prediction, accuracy (every target token is the argmax) and ppl per passage,
+both as lm-eval's LAMBADA tasks define them (acc, perplexity).
+
+The reader: the OpenAI JSONL (`{"text": ...}` per line) or the original plain text (one passage
+per line). The context is the passage minus its last space-separated word, the target is
+`" " + last word`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Optional
+
+from scse_dist.cli_errors import InputError
+from scse_dist.data.sources import is_jsonl, jsonl_values, single_file, text_lines
+from scse_dist.eval.task_run import TaskRun, _exp, _scores, context_target_ids
+from scse_dist.task_registry import Task, register
+
+if TYPE_CHECKING:
+    from scse_dist.eval.scoring import Score, Window
+
+
+class Passage(NamedTuple):
+    context: str
+    target: str  # " " + the last word
+
+
+def _split_passage(text: str, where: str) -> Passage:
+    """lm-eval's official LAMBADA split (lambada_openai.yaml): context `text.split(' ')[:-1]`
+    joined by ' ', target `' ' + text.split(' ')[-1]`. Only a space separates the last word, so a
+    passage whose last word follows a newline keeps that newline in its target, as lm-eval
+    scores it (splitting on any whitespace moved it, and changed the perplexity by 1.5%)."""
+    words = text.split(" ")
+    context, last = " ".join(words[:-1]), words[-1]
+    if not context.strip() or not last.strip():
+        why = ("has no word after its last space" if context.strip()
+               else "has no context before its last word")
+        raise InputError(f"{where}: passage {why}: {text.strip()[:60]!r}")
+    return Passage(context, " " + last)
+
+
+def read_lambada(url: str) -> list[Passage]:
+    """LAMBADA passages (context, " " + last word) from OpenAI JSONL or one-passage-per-line
+    text, split as lm-eval's LAMBADA task splits them (_split_passage). A JSONL passage is its
+    `text` as it is; a plain-text passage is its line without trailing whitespace."""
+    url = single_file(url)
+    out = []
+    if is_jsonl(url):
+        for where, obj in jsonl_values(url):
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise InputError(f"{where}: expected an object with a string field 'text'")
+            out.append(_split_passage(obj["text"], where))
+    else:
+        out = [_split_passage(line.rstrip(), f"{url}:{lineno}")
+               for lineno, line in text_lines(url) if line.strip()]
+    if not out:
+        raise InputError(f"{url}: no passages (empty file?)")
+    return out
+
+
+def lambada_totals(run: TaskRun) -> list[dict]:
+    """Per depth the additive totals over run.inputs' passages (in training: this rank's share,
+    then summed over ranks). Ctrl-C: TaskInterrupted with the rows of the passages scored."""
+    from scse_dist.eval.scoring import context_target_window  # imports torch
+
+    windows: list[Window] = []
+    for p in run.inputs:
+        context, target = context_target_ids(run.tokenizer, p.context, p.target)
+        windows.append(context_target_window(context, target, run.tokenizer.eos_id, run.seq_len))
+
+    def per_passage(depths: list[int], scores: list[list[Optional[Score]]]):
+        done = [[s for s in per_depth if s is not None] for per_depth in scores]
+        rows = [lambada_metrics(t) for t in _lambada_totals(depths, done)] if done[0] else []
+        return rows, len(done[0]), len(run.inputs)
+
+    return _lambada_totals(*_scores(run.model, windows, run.depths, run.batch_size,
+                                    run.exit_stats, run.desc, "passage", "passage", per_passage))
+
+
+def _lambada_totals(depths: list[int], scores: list[list[Score]]) -> list[dict]:
+    """Per depth the additive totals of the passages' scores (summed over ranks in training)."""
+    return [{"depth": d, "correct": sum(s.all_correct for s in per_window),
+             "nll": sum(s.nll for s in per_window),
+             "target_tokens": sum(s.count for s in per_window), "examples": len(per_window)}
+            for d, per_window in zip(depths, scores)]
+
+
+def lambada_metrics(totals: dict) -> dict:
+    """One depth's row from its totals (_lambada_totals, or their sum over ranks), as lm-eval's
+    LAMBADA tasks define acc and perplexity: accuracy = passages whose every target token is the
+    argmax / passages; loss = mean over passages of the target's summed NLL, ppl = exp(loss).
+    Per passage, not per token: a per-token ppl is exp(loss)^(passages / target_tokens), a
+    different number (1555 against lm-eval's 3.9e9 at 3 tokens a target, issue 42)."""
+    n, nll = totals["examples"], totals["nll"]
+    return {"depth": totals["depth"], "accuracy": totals["correct"] / n, "loss": nll / n,
+            "ppl": _exp(nll / n), "examples": int(n), "target_tokens": int(totals["target_tokens"])}
+
+
+def lambada_task_rows(run: TaskRun) -> list[dict]:
+    """lm-eval's LAMBADA metrics (lambada_metrics) at each depth."""
+    return [lambada_metrics(t) for t in lambada_totals(run)]
+
+
+TASK = register(Task("lambada", read_lambada, lambada_task_rows,
+                     metrics=("ppl", "accuracy", "loss"), table=("accuracy", "ppl"),
+                     report=("accuracy", "ppl"), study_report=("ppl", "accuracy"),
+                     higher_is_better=("accuracy",), data_field="lambada",
+                     totals=lambada_totals, from_totals=lambada_metrics))

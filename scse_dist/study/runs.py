@@ -1,0 +1,102 @@
+"""A study spec's runs: each run's dir, stage and overrides (expand), and its resolved run config
+(run_config). The spec, and where its runs go: scse_dist.study.spec."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from scse_dist.config import ConfigError, RunConfig, config_from_dict, read_config_file, renamed_key
+from scse_dist.run_dir import RunDir
+from scse_dist.task_registry import TASKS, field_value
+
+if TYPE_CHECKING:  # the spec imports this module: its expansion checks every run's config
+    from scse_dist.study.spec import StudySpec
+
+
+class SpecError(ConfigError):
+    """A study spec field is missing, mistyped or makes a run config that does not load; the
+    message names the field. A ConfigError: the commands exit 2 on it."""
+
+
+@dataclass
+class Run:
+    variant: str
+    seed: int
+    lr: Optional[float]  # None: stage-2 rate not chosen yet
+    stage: str  # "sweep" | "final"
+    run_dir: str
+    overrides: dict[str, Any]
+
+    @property
+    def config(self) -> str:
+        return str(RunDir(self.run_dir).config)
+
+    def record(self) -> dict:
+        return {"variant": self.variant, "seed": self.seed, "lr": self.lr, "stage": self.stage,
+                "run_dir": self.run_dir, "config": self.config, "overrides": self.overrides}
+
+
+def expand(spec: StudySpec, chosen: dict[str, float] | None = None,
+           stages: tuple[str, ...] = ("sweep", "final")) -> list[Run]:
+    """Every run of the study. Final runs carry the chosen rate (None until it is chosen)."""
+    runs: list[Run] = []
+    rate: Optional[float]  # a sweep rate; a final run's chosen one (None: not chosen yet)
+    d = spec.study_dir
+    if spec.lr and "sweep" in stages:
+        for variant, over in spec.variants.items():
+            for rate in spec.rate_values(variant):
+                extra = {spec.rate_key(variant): rate, "train.seed": spec.lr.seed}
+                if spec.lr.steps:
+                    extra["train.max_steps"] = spec.lr.steps
+                runs.append(Run(variant, spec.lr.seed, rate, "sweep",
+                                str(d / variant / f"{variant}-lr{rate:g}-seed{spec.lr.seed}"),
+                                {**over, **extra}))
+    if "final" in stages:
+        # seed-major: every variant's seed 0 first, so a study cut short still compares variants
+        grid = [(v, s) for s in spec.seeds for v in spec.variants] if spec.order == "seed-major" \
+            else [(v, s) for v in spec.variants for s in spec.seeds]
+        for variant, seed in grid:
+            rate = (chosen or {}).get(variant) if spec.lr else None
+            extra = {"train.seed": seed,
+                     **({spec.rate_key(variant): rate} if rate is not None else {})}
+            runs.append(Run(variant, seed, rate, "final",
+                            str(d / variant / f"{variant}-seed{seed}"),
+                            {**spec.variants[variant], **extra}))
+    return runs
+
+
+def _set_dotted(values: dict, key: str, value: Any, where: str) -> None:
+    parts = key.split(".")
+    node = values
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SpecError(f"{where}: {key}: {part!r} is not a section")
+    node[parts[-1]] = copy.deepcopy(value)
+
+
+def run_config(spec: StudySpec, run: Run) -> RunConfig:
+    """The resolved RunConfig of a run: base, study overrides, variant, seed/lr, then the study's
+    fixed fields (run dir, evaluation tasks and depths; evaluations are the study's jobs)."""
+    try:
+        values = read_config_file(Path(spec.base))
+    except ConfigError as exc:
+        raise SpecError(f"{spec.path}: base: {exc}") from None
+    run_dir = Path(run.run_dir)
+    study = {"name": run_dir.name, "output_dir": str(run_dir.parent),
+             "eval.depths": spec.evals.depths, "eval.tasks": spec.evals.tasks,
+             "eval.after_train": False, "wandb.group": spec.name}
+    for task in TASKS.values():  # each task's data file, where the spec names one
+        if task.data_field and field_value(spec.evals, task.data_field):
+            study[f"eval.{task.data_field}"] = field_value(spec.evals, task.data_field)
+    where = f"{spec.path}: variants.{run.variant}"
+    for key, value in {**spec.overrides, **run.overrides, **study}.items():
+        _set_dotted(values, renamed_key(str(key), value), value, where)
+    try:
+        return config_from_dict(values)
+    except ConfigError as exc:
+        raise SpecError(f"{where} (run {run.run_dir}): {exc}") from None
+
