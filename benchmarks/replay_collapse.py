@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from scse_dist.config import load_saved_config
     from scse_dist.distributed import init_distributed, shutdown
-    from scse_dist.train.diagnostics import heldout_window
+    from scse_dist.train.callbacks.diagnostics import heldout_window
     from scse_dist.train.loop import with_world_batch
 
     saved = load_saved_config(tag_dir / CONFIG_NAME)

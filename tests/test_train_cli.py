@@ -53,7 +53,7 @@ def test_dry_run_prints_the_facts_creates_nothing_and_imports_no_deepspeed(tmp_p
     # data.build set and data.path missing: a real run would build it; the dry run must not
     overrides = ["train.max_steps=12", f"data.path={tmp_path / 'built' / 'shards'}",
                  f"data.tokenizer={tmp_path / 'built' / 'tokenizer.model'}",
-                 "data.build=stdlib_docs"]
+                 "data.build=stdlib_docs", "data.build_vocab_size=320"]  # fits model.vocab_size
     config = tiny_config(tmp_path)
     code = ("import sys; from scse_dist.train.cli import main; rc = main(sys.argv[1:]); "
             "print('deepspeed imported:', 'deepspeed' in sys.modules); sys.exit(rc)")

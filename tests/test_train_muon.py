@@ -285,7 +285,7 @@ def muon_steps(on_cuda: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
     model = TwoParams(96, 32)
     model.prelude.append(torch.nn.Parameter(torch.randn(32, 96) * 0.1))
     start = [p.detach().clone() for p in model.parameters()]
-    optimizer = build_muon(model, muon_train(grad_clip=0.0), on_cuda=on_cuda)
+    optimizer = build_muon(model, muon_train(grad_clip=0.0).optimizer, on_cuda=on_cuda)
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
         for p in model.parameters():
