@@ -38,6 +38,20 @@ def compiles() -> int:
     return counters["frames"]["total"]
 
 
+def assert_same_step(eager, compiled, tokens, **forward) -> None:
+    """One forward and backward of each model: the compiled one's loss and every gradient equal
+    the eager one's."""
+    losses = []
+    for model in (eager, compiled):
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, tokens, keep_logits=False, **forward).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("ckpt", ["none", "block", "loop"])
 def test_a_new_loop_depth_never_recompiles_and_matches_eager(fresh_dynamo, ckpt: str) -> None:
     torch.manual_seed(0)
@@ -52,16 +66,7 @@ def test_a_new_loop_depth_never_recompiles_and_matches_eager(fresh_dynamo, ckpt:
     assert len(set(depths)) >= 4
     no_recompile = contextlib.ExitStack()
     for step, depth in enumerate(depths):
-        losses = []
-        for model in (eager, compiled):
-            model.zero_grad(set_to_none=True)
-            loss = model(tokens, tokens, depth=depth, keep_logits=False).loss
-            loss.backward()
-            losses.append(loss.detach())
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
-        for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters()):
-            torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-4, atol=1e-6,
-                                       msg=name)
+        assert_same_step(eager, compiled, tokens, depth=depth)
         if step == 0:
             # The first call compiled Block._forward once for all four blocks; from here on any
             # recompilation (a new T, checkpoint recomputation) raises.
@@ -114,16 +119,6 @@ def test_inductor_matches_eager_with_loop_checkpointing_and_truncated_backprop(r
     compiled.compile_blocks()
     tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
     for depth, backprop_steps in ((4, 2), (3, 0)):
-        losses = []
-        for model in (eager, compiled):
-            model.zero_grad(set_to_none=True)
-            loss = model(tokens, tokens, depth=depth, backprop_steps=backprop_steps,
-                         keep_logits=False).loss
-            loss.backward()
-            losses.append(loss.detach())
         # measured: losses within 4.8e-7 (2.4e-7 relative), gradients within 5.2e-8
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
-        for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters()):
-            torch.testing.assert_close(p_compiled.grad, p_eager.grad, rtol=1e-4, atol=1e-6,
-                                       msg=name)
+        assert_same_step(eager, compiled, tokens, depth=depth, backprop_steps=backprop_steps)
     torch._dynamo.reset()
