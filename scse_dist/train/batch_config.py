@@ -1,8 +1,5 @@
 """train.batch: how many sequences a step trains on, and how they split into micro-batches per
-rank (scse_dist.train.micro_batch chooses micro_batch_size: auto; scse_dist.train.sizing and
-plan count with it; the engine's DeepSpeed config repeats it).
-
-Torch-free, like scse_dist.train.config, which composes it."""
+rank (scse_dist.train.micro_batch chooses micro_batch_size: auto). Torch-free."""
 
 from __future__ import annotations
 
@@ -14,22 +11,14 @@ from scse_dist.model.config import ConfigError
 
 @dataclass
 class BatchConfig:
-    # Sequences per rank per micro-batch, or auto: the largest power of two dividing
-    # global_batch_size / world size that fits in memory, found by probing at start-up
-    # (scse_dist.train.micro_batch; needs global_batch_size).
+    # auto: the largest power of two dividing the rank's share of the global batch that fits
     micro_batch_size: Union[int, Literal["auto"]] = 8
     grad_accum_steps: int = 1
-    # Sequences per optimizer step over all ranks; 0 means micro_batch_size * grad_accum_steps *
-    # world size. When set, grad_accum_steps is derived from it at start-up (see grad_accum_for),
-    # so the global batch, and the loss curve, stay the same at any world size.
+    # Sequences per optimizer step over all ranks (0: micro x accum x world); when set,
+    # grad_accum_steps is derived from it, so the batch stays the same at any world size.
     global_batch_size: int = 0
-    # The same in tokens: global_batch_size = global_batch_tokens / data.seq_len, set when the
-    # config is loaded (scse_dist.config), so a run's config.yaml holds both, in agreement. Give
-    # one of the two.
-    global_batch_tokens: int = 0
-    # micro_batch_size: auto on CPU (no out-of-memory signal there): the most a probe's peak RSS
-    # may grow, plus the optimizer state it does not allocate, in GiB. 0: half of MemAvailable
-    # at start-up, shared by the node's ranks (the rest for data workers and the page cache).
+    global_batch_tokens: int = 0  # the same in tokens (scse_dist.config sets both)
+    # auto on CPU: the GiB a probe may take (0: half of MemAvailable, shared by the node's ranks)
     micro_batch_memory_gib: float = 0.0
 
     def check(self) -> None:
@@ -94,17 +83,21 @@ class BatchConfig:
         return [1 << k for k in range(per_rank.bit_length() - 1, -1, -1)
                 if per_rank % (1 << k) == 0]
 
+    def micro_batch_at(self, world_size: int, micro_batch_size: Optional[int] = None,
+                       world_from: str = "") -> int:
+        """`micro_batch_size` (the one chosen) when given, else the configured one; auto counts at
+        its largest candidate."""
+        micro = micro_batch_size or self.micro_batch_size
+        return self.micro_batch_candidates(world_size, world_from)[0] if micro == "auto" else micro
+
     def grad_accum_for(self, world_size: int, micro_batch_size: Optional[int] = None,
                        world_from: str = "") -> int:
-        """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit).
-        micro_batch_size: auto counts at its largest candidate unless `micro_batch_size` (the
-        one chosen) is given. `world_from` says where the world size came from ("from
+        """Micro-batches per optimizer step at `world_size` ranks (ConfigError if it cannot fit),
+        at micro_batch_at's micro-batch. `world_from` says where the world size came from ("from
         WORLD_SIZE", "from --world-size"), for the error."""
         if not self.global_batch_size:
             return self.grad_accum_steps
-        micro = micro_batch_size or self.micro_batch_size
-        if micro == "auto":
-            micro = self.micro_batch_candidates(world_size, world_from)[0]
+        micro = self.micro_batch_at(world_size, micro_batch_size, world_from)
         per_pass = micro * world_size
         if self.global_batch_size % per_pass:
             raise ConfigError(
@@ -123,10 +116,8 @@ class BatchConfig:
         """'global batch 512 seq (524288 tokens) = micro 8 x accum 8 x world 8' (auto: at its
         largest candidate unless `micro_batch_size` is given); ConfigError where it cannot fit."""
         accum = self.grad_accum_for(world_size, micro_batch_size, world_from)
-        micro = micro_batch_size or self.micro_batch_size
-        if micro == "auto":
-            micro = self.micro_batch_candidates(world_size, world_from)[0]
-        sequences = int(micro) * accum * world_size
+        micro = self.micro_batch_at(world_size, micro_batch_size, world_from)
+        sequences = micro * accum * world_size
         line = (f"global batch {sequences} seq ({sequences * seq_len} tokens) = micro {micro} x "
                 f"accum {accum} x world {world_size}")
         if not self.global_batch_size:

@@ -1,13 +1,7 @@
-"""`scse-train --dry-run`: what a config would do, from the config alone, without doing any of it.
-
-Prints the parameter count (the model built on torch's meta device: no memory, no weights), how
-the global batch splits into micro-batch x accumulation x world (at the launcher's world size or
---world-size), the depths the run will draw (train.depth sampling is a pure function of seed and
-step) and their training FLOPs per token (scse_dist.model.flops), the tokens it will see, and the
-memory per rank (scse_dist.train.sizing, shared with `scse-train --plan`, which sizes a cluster
-run). Creates nothing: no run dir, no data build, no process group, no DeepSpeed. It ends with
-the checks a run makes before it starts, so it exits with the status the run would (0 only if
-it would start: `--dry-run && sbatch ...` queues no doomed job).
+"""`scse-train --dry-run`: what a config would do, from the config alone, without doing any of it:
+parameters (on torch's meta device), the global batch's split, the depths and FLOPs, the tokens,
+the memory per rank (scse_dist.train.sizing). Creates nothing; the CLI then runs the run's own
+checks, so it exits with the status the run would.
 """
 
 from __future__ import annotations
@@ -42,9 +36,7 @@ def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:
 
     t, seq_len = cfg.train, cfg.data.seq_len
     accum = t.batch.grad_accum_for(world_size, world_from=world_from)
-    # auto: its largest candidate, the most it may take (the probe at start-up may take less)
-    micro = t.batch.micro_batch_candidates(world_size)[0] if t.batch.micro_batch_size == "auto" \
-        else t.batch.micro_batch_size
+    micro = t.batch.micro_batch_at(world_size)  # auto: the most it may take
     tokens_per_step = world_size * micro * accum * seq_len
     depths = training_depths(cfg)
     backprop = t.depth.backprop_steps

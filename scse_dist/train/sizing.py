@@ -224,8 +224,7 @@ def checkpointing_for(cfg: RunConfig, world_size: int, precision: str, budget: f
     m, t = cfg.model, cfg.train
     if m.activation_checkpointing != "auto":
         return m.activation_checkpointing
-    micro = t.batch.micro_batch_size if isinstance(t.batch.micro_batch_size, int) else \
-        max(t.batch.micro_batch_candidates(world_size))
+    micro = t.batch.micro_batch_at(world_size)
     states = state_memory(count_parameters(cfg), precision, t.engine.zero_stage, world_size,
                           stage3_max_live(cfg)).total
     depth = max(training_depths(cfg), default=m.depth)
