@@ -1,38 +1,13 @@
 """Faults during training: preemption signals, non-finite steps, and fault injection for tests.
 
-Exit statuses of `scse-train` / `launch/train.py` (documented in docs/checkpoints.md):
-  0   finished (checkpoint and export written)
-  2   config error, before any process group started
-  3   stopped after `train.max_nonfinite_steps` non-finite steps in a row; the last good
-      checkpoint is left untouched
-  4   stopped after `train.spike_skip.max_in_a_row` loss spikes in a row; the last good
-      checkpoint is left untouched
-  75  preempted (SIGTERM, SIGUSR1 or Ctrl-C): the step in flight finished, a checkpoint was
-      saved, rerun (e.g. `scontrol requeue`) to resume. 75 is EX_TEMPFAIL, "try again later".
-  130 a second Ctrl-C: stopped at once, nothing saved (the last checkpoint is intact)
-
-Fault injection (`SCSE_FAULT`, comma-separated `kind@step[:rankR]`, steps 1-based as in the
-metrics; no rank means every rank) lets tests drive these paths in real processes:
-  nan@7               step 7's loss is multiplied by NaN (so are its gradients)
-  spike@7             step 7's loss is multiplied by 1000 (so are its gradients): a loss spike
-  sigterm@5:rank1     rank 1 sends itself SIGTERM as step 5 starts (also sigusr1)
-  kill@5              SIGKILL as step 5 starts: a crash that saves nothing
-  kill_in_save@10     SIGKILL in the middle of saving checkpoint step 10 (files written, not
-                      committed)
-  kill_in_export@12   SIGKILL in the export of the final step 12, after model.safetensors and
-                      before config.yaml
-  kill_in_upload@10   SIGKILL after the first file of checkpoint step 10 reached the remote
-                      output_dir (committed locally, half uploaded, remote `latest` not moved)
-  stall@3             step 3 prints "fault: stalling step 3" and sleeps $SCSE_FAULT_STALL_S
-                      seconds (default 60) before it runs: a step in flight to interrupt
-  crash@8:rank1       rank 1 raises RuntimeError as step 8 starts, at every start of the job: a
-                      crash that repeats (the launcher's retries stop on it)
-  crash_once@8        the same, only at the job's first start (SLURM_RESTART_COUNT unset or 0):
-                      a crash a retry gets past
+Exit statuses: scse_dist.train.cli.EXIT_STATUSES. Fault injection (`SCSE_FAULT`, comma-separated
+`kind@step[:rankR]`, steps 1-based as in the metrics; no rank means every rank) drives these
+paths in real processes; the kinds (_KINDS) are listed in docs/checkpoints.md.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -152,8 +127,7 @@ class FaultInjector:
         for kind, sig in (("sigterm", signal.SIGTERM), ("sigusr1", signal.SIGUSR1)):
             if self._due(kind, step):
                 os.kill(os.getpid(), sig)
-        if self._due("kill", step):
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._kill_if_due("kill", step)
         if self._due("stall", step):
             print(f"fault: stalling step {step}", flush=True)
             time.sleep(float(os.environ.get(STALL_ENV, "60")))
@@ -166,35 +140,12 @@ class FaultInjector:
             return loss * float("nan")
         return loss * SPIKE_FACTOR if self._due("spike", step) else loss
 
-    def mid_save(self, step: int) -> None:
-        if self._due("kill_in_save", step):
+    def _kill_if_due(self, kind: str, step: int) -> None:
+        if self._due(kind, step):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def mid_export(self, step: int) -> None:
-        if self._due("kill_in_export", step):
-            os.kill(os.getpid(), signal.SIGKILL)
+    # SIGKILL in the middle of saving checkpoint `step`, of the final export, of an upload
+    mid_save = functools.partialmethod(_kill_if_due, "kill_in_save")
+    mid_export = functools.partialmethod(_kill_if_due, "kill_in_export")
+    mid_upload = functools.partialmethod(_kill_if_due, "kill_in_upload")
 
-    def mid_upload(self, step: int) -> None:
-        if self._due("kill_in_upload", step):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-class NonFiniteCounter:
-    """Counts skipped (non-finite) steps; `max_in_a_row` of them in a row stop the run."""
-
-    def __init__(self, max_in_a_row: int) -> None:
-        self.max_in_a_row = max_in_a_row
-        self.total = 0
-        self.in_a_row = 0
-
-    def update(self, step: int, skipped: bool, last_checkpoint: Optional[str]) -> None:
-        if not skipped:
-            self.in_a_row = 0
-            return
-        self.total += 1
-        self.in_a_row += 1
-        if self.in_a_row >= self.max_in_a_row:
-            raise TrainingStopped(
-                f"step {step}: {self.in_a_row} non-finite steps in a row "
-                f"(train.max_nonfinite_steps={self.max_in_a_row}); stopping without saving, last "
-                f"good checkpoint: {last_checkpoint or 'none'}", NONFINITE_EXIT_CODE)
