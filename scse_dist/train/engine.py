@@ -41,9 +41,8 @@ def resolve_precision(precision: str) -> str:
 
 
 def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
-    """DeepSpeed's config from train.*. The optimizer section is there only for
-    train.optimizer.kind=deepspeed_fused_adam; torch_adamw is built by build_optimizer and handed to
-    deepspeed.initialize as a client optimizer."""
+    """DeepSpeed's config from train.*; an optimizer section only for deepspeed_fused_adam (the
+    others are built by build_optimizer and handed over as a client optimizer)."""
     t, opt = cfg.train, cfg.train.optimizer
     generated: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.batch.micro_batch_size,
@@ -73,8 +72,7 @@ def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
 
 def flops_profiler_section(cfg: RunConfig, on_cuda: bool) -> Optional[dict[str, Any]]:
     """DeepSpeed's flops profiler once, over optimizer step profile.flops_profile_step, when
-    profiling on CUDA (None otherwise: on CPU the profiler callback says it is skipped). Its
-    profile_step counts the steps done before the measured one (engine.global_steps)."""
+    profiling on CUDA (None otherwise). Its profile_step counts the steps done before it."""
     p = cfg.profile
     if not (p.enabled and on_cuda and p.flops_profile_step):
         return None
@@ -108,10 +106,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str, Any]:
-    """The generated ds_config with cfg.train.engine.deepspeed_config (if any) merged over it.
-
-    A file value that contradicts a config field raises a ConfigError naming both.
-    """
+    """The generated ds_config with cfg.train.engine.deepspeed_config (if any) merged over it; a
+    file value that contradicts a config field is a ConfigError naming both."""
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
     generated = generated_ds_config(cfg, on_cuda)
     path = cfg.train.engine.deepspeed_config
@@ -146,9 +142,8 @@ def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str,
 
 def build_optimizer(cfg: RunConfig, model: LoopedLM,
                     on_cuda: Optional[bool] = None) -> Optional[torch.optim.Optimizer]:
-    """torch.optim.AdamW over the decay/no-decay groups, fused on CUDA (a single multi-tensor
-    kernel that ships with torch: no nvcc, no JIT build); Muon with AdamW for train.optimizer.kind:
-    muon; None when DeepSpeed builds its own."""
+    """torch.optim.AdamW over the decay/no-decay groups, fused on CUDA; Muon with AdamW for
+    train.optimizer.kind: muon; None when DeepSpeed builds its own."""
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
     opt = cfg.train.optimizer
     if opt.kind == "muon":
@@ -167,8 +162,8 @@ def build_optimizer(cfg: RunConfig, model: LoopedLM,
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float, lr: float = 0.0,
-                  lr_mult: Optional[dict[str, float]] = None) -> list[dict[str, Any]]:
+def _param_groups(model: torch.nn.Module, weight_decay: float, lr: float,
+                  lr_mult: dict[str, float]) -> list[dict[str, Any]]:
     # Decay matrices only; norms' gains and biases keep their scale (nanoGPT's split).
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
@@ -176,17 +171,13 @@ def _param_groups(model: torch.nn.Module, weight_decay: float, lr: float = 0.0,
     if rest:
         groups.append({"params": rest, "weight_decay": 0.0})
     # train.optimizer.lr_mult: each split by its parameters' multipliers (lr set per group)
-    return with_lr_mult(model.named_parameters(), groups, lr, lr_mult or {})
+    return with_lr_mult(model.named_parameters(), groups, lr, lr_mult)
 
 
 def require_hookable_output(module: torch.nn.Module, args: Any, output: Any) -> None:
-    """Forward hook for ZeRO-3 leaf modules: their output must be a Tensor or tuple of Tensors.
-
-    ZeRO-3 reduces a leaf's gradients in a full backward hook, and torch attaches that hook only
-    to Tensor/tuple outputs; for any other output (a dict, a dataclass) it never fires, the leaf's
-    gradients are never reduced and its weights silently stop training (on CPU the next step
-    crashes in zero_grad). Fail loudly at the first forward instead.
-    """
+    """Forward hook for ZeRO-3 leaf modules: ZeRO-3 reduces a leaf's gradients in a backward hook
+    torch attaches only to Tensor/tuple outputs; any other output would silently stop its weights
+    training, so it fails loudly at the first forward instead."""
     if isinstance(output, torch.Tensor) or (
             isinstance(output, tuple) and all(isinstance(o, torch.Tensor) for o in output)):
         return
@@ -198,12 +189,9 @@ def require_hookable_output(module: torch.nn.Module, args: Any, output: Any) -> 
 
 def build_engine(cfg: RunConfig, model: LoopedLM,
                  loop_leaf: bool = True) -> tuple[Any, dict[str, Any]]:
-    """deepspeed.initialize with our ds_config, AdamW param groups and the warmup-cosine schedule.
-
-    Returns (engine, ds_config). Call after the process group is up (scse_dist.distributed).
-    `loop_leaf=False` leaves ZeRO-3 to gather per call (only benchmarks/bench_distributed.py
-    wants that, to measure what the leaf saves).
-    """
+    """(engine, ds_config): deepspeed.initialize with our ds_config, optimizer and LR schedule,
+    once the process group is up. `loop_leaf=False` leaves ZeRO-3 to gather per call (for
+    benchmarks/bench_distributed.py, to measure what the leaf saves)."""
     from scse_dist.quiet import name_cpu_accelerator
 
     name_cpu_accelerator()

@@ -1,9 +1,7 @@
 """The training loop: `train(cfg)` from process group to exported, evaluated model, top to bottom.
 
 train() sets up (process group, run dir, data, model, engine, resume) into a TrainState, runs the
-steps, and hands every concern to a callback (scse_dist.train.callbacks): the built-ins the
-config enables (callbacks.built_in), those of train.callbacks and train(cfg, callbacks=[...]), all
-in priority order (callbacks.base), their states restored from the checkpoint it resumes.
+steps, and hands every concern to a callback (scse_dist.train.callbacks), in priority order.
 """
 
 from __future__ import annotations
@@ -49,9 +47,8 @@ from scse_dist.train.tensorboard import tensorboard_log_dir
 from scse_dist.train.warm_start import maybe_init_from
 
 
-def _seed_everything(seed: int) -> None:
-    # Same seed on every rank: identical initial weights (ZeRO also broadcasts them) and depth
-    # draws.
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical initial weights and depth draws."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -78,8 +75,7 @@ def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
     def keep_run_dir(exc: BaseException) -> bool:  # a crash's logs, or a checkpoint to resume
         return state is not None and (state.last_saved > 0 or exit_status(exc) is None)
 
-    # The write rule: a run refused for its config or data before it saved anything leaves no run
-    # dir that it made.
+    # The write rule: a run refused before it saved anything leaves no run dir that it made.
     made = (removed_on_failure(RunStorage.for_config(cfg).local, keep_run_dir)
             if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext())
     with made:
@@ -92,7 +88,10 @@ def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
             state.preemption = preemption
             state.callbacks = in_hook_order([*built_in_callbacks(state.cfg), *configured,
                                              *callbacks])
-            _restore_states(state, saved_states)
+            left = restore_states(state.callbacks, saved_states)
+            if left and state.rank0:
+                print(f"resumed checkpoint holds the state of callbacks this run does not have, "
+                      f"left unused: {', '.join(left)}", flush=True)
             try:
                 _run(state, state.callbacks, preemption)
             except TrainingStopped:  # agreed by every rank: an orderly end, then the exit status
@@ -117,13 +116,6 @@ def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
         callback.after_shutdown(state)
     _publish_outputs(state)
     return state.summary
-
-
-def _restore_states(state: TrainState, saved: dict[str, Any]) -> None:
-    left = restore_states(state.callbacks, saved)
-    if left and state.rank0:
-        print(f"resumed checkpoint holds the state of callbacks this run does not have, left "
-              f"unused: {', '.join(left)}", flush=True)
 
 
 def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionFlag) -> None:
@@ -203,7 +195,7 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
     storage, resume_tag = _prepare_run_dir(cfg, env.rank == 0)
     run_dir = storage.local
     tokenizer = load_run_tokenizer(cfg)
-    _seed_everything(cfg.train.seed)
+    seed_everything(cfg.train.seed)
     if not torch.cuda.is_available():
         # Zero-start ablations produce subnormal floats, which make CPU math ~10x slower.
         torch.set_flush_denormal(True)
@@ -212,8 +204,7 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
     # Before the engine: ZeRO-3 then partitions the loaded weights.
     maybe_init_from(model, cfg.train, resume_tag is not None, env.rank == 0)
     cfg = _with_micro_batch(cfg, model, env)
-    # The data is opened before the engine is built, so bad data (another tokenizer's shards,
-    # too few documents) stops the run in seconds.
+    # The data is opened before the engine is built: bad data stops the run in seconds.
     assert isinstance(cfg.train.batch.micro_batch_size, int)  # _with_micro_batch resolved auto
     stream = TokenStream.from_config(cfg.data, "train", cfg.train.batch.micro_batch_size, env.rank,
                                      env.world_size, cfg.train.seed, tokenizer.sha256)

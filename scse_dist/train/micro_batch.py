@@ -1,17 +1,11 @@
 """`train.batch.micro_batch_size: auto`: the largest micro-batch that fits, found by probing.
 
-The candidates are the powers of two that divide one rank's share of train.batch.global_batch_size,
-largest first; the first that fits wins, every rank takes the smallest of the ranks' choices,
-and grad_accum_steps is derived from it, so the global batch (and the loss curve) is the one
-configured. A probe is one forward + backward of a batch of random tokens at the deepest T the
-run will draw, with loop checkpointing as configured. It touches no data, makes no optimizer step,
-leaves no gradients and restores every RNG stream, so training after it is the training a fixed
-micro-batch of the same size does, bit for bit.
-
-"Fits": on CUDA, no torch.cuda.OutOfMemoryError. On CPU nothing fails before the kernel kills the
-process, so a budget decides: the probe's peak RSS growth (VmHWM, reset through
-/proc/self/clear_refs) plus the optimizer state it does not allocate must stay under
-train.batch.micro_batch_memory_gib.
+The candidates (BatchConfig.micro_batch_candidates) are tried largest first; every rank takes the
+smallest of the ranks' choices. A probe is one forward + backward of random tokens at the deepest
+T the run draws; it leaves no gradients and restores every RNG stream, so training after it is
+bit for bit that of a fixed micro-batch of the same size. "Fits": on CUDA, no OutOfMemoryError;
+on CPU (where the kernel kills instead) the probe's peak RSS growth plus the optimizer state it
+does not allocate stays under the budget (train.batch.micro_batch_memory_gib).
 """
 
 from __future__ import annotations
@@ -124,8 +118,8 @@ def cuda_why_not(run: Callable[[int], None], reserve: int, device: torch.device)
 # --------------------------------------------------------------------------- "fits" on CPU
 
 
-def _status_kib(key: str) -> int:
-    match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+def _status_kib(key: str, path: str = "/proc/self/status") -> int:
+    match = re.search(rf"^{key}:\s+(\d+) kB", Path(path).read_text(), re.M)
     return int(match.group(1)) if match else 0
 
 
@@ -153,16 +147,11 @@ def peak_rss_growth(run: Callable[[], None]) -> int:
 def default_budget(local_world_size: int) -> int:
     """Half of MemAvailable, split between the node's ranks: the other half stays for data loader
     workers, the page cache the shards are read through, and the allocator's slack."""
-    available_kib = _meminfo_kib("MemAvailable")
+    available_kib = _status_kib("MemAvailable", "/proc/meminfo")
+    if not available_kib:
+        raise ConfigError("train.batch.micro_batch_memory_gib: /proc/meminfo has no MemAvailable "
+                          "to default from; set train.batch.micro_batch_memory_gib")
     return available_kib * 1024 // 2 // max(1, local_world_size)
-
-
-def _meminfo_kib(key: str) -> int:
-    match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
-    if not match:
-        raise ConfigError(f"train.batch.micro_batch_memory_gib: /proc/meminfo has no {key} to "
-                          "default from; set train.batch.micro_batch_memory_gib")
-    return int(match.group(1))
 
 
 class CpuBudget:

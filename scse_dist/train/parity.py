@@ -2,26 +2,20 @@
 
     python -m scse_dist.train.parity --config tiny.yaml --out DIR --stages 1,2,3 [key=value ...]
     torchrun --nproc_per_node 2 -m scse_dist.train.parity --config tiny.yaml --out DIR2
-        --stages 1,2,3
 
-Step s's global batch is drawn from (train.seed, s) alone and cut into micro-batches so that rank
-r's micro-batch m is the global batch's slice number m * world + r: the optimizer sees the same
-global batch at every world size. Depth sampling, activation checkpointing and the ZeRO leaf are
-the trainer's own (build_engine, sample_depth). Rank 0 writes, per stage, `DIR/stage{S}/losses.json`
-(the mean loss of each step over the whole global batch) and the consolidated fp32 parameters as an
-export (`DIR/stage{S}/model.safetensors`), so runs at different world sizes can be compared.
+Step s's batch comes from (train.seed, s) alone, rank r's micro-batch m being its slice
+m * world + r, so the optimizer sees the same global batch at every world size. Rank 0 writes
+`DIR/stage{S}/losses.json` (each step's mean loss) and `model.safetensors` per stage.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,6 +41,7 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     from scse_dist.model import LoopedLM
     from scse_dist.train.depth import sample_depth, short_depth_loss
     from scse_dist.train.engine import build_engine
+    from scse_dist.train.loop import seed_everything
     from scse_dist.train.step import train_step
 
     engine = dataclasses.replace(cfg.train.engine, zero_stage=stage, deepspeed_config=None)
@@ -54,9 +49,7 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     t = cfg.train
     world = dist.get_world_size()
     rank = dist.get_rank()
-    random.seed(t.seed)
-    np.random.seed(t.seed)
-    torch.manual_seed(t.seed)
+    seed_everything(t.seed)
     model = LoopedLM(cfg.model)
     engine, _ = build_engine(cfg, model)
     micro, accum = t.batch.micro_batch_size, t.batch.grad_accum_steps

@@ -1,9 +1,5 @@
 """One optimizer step: its micro-batches, the ranks' agreement on skipping it, the update.
-
-`train_step` is the single training step of the stack: `train()` and the ZeRO parity tool
-(`scse_dist.train.parity`) both call it, so accumulation, loss scaling and the non-finite skip
-are the same code wherever a step runs.
-"""
+`train()` and the ZeRO parity tool (scse_dist.train.parity) both run it."""
 
 from __future__ import annotations
 
@@ -94,19 +90,6 @@ def _shadowed_step(optimizer: Any, make_step: Callable[[Callable[..., Any]], Cal
             optimizer.step = previous
 
 
-@contextlib.contextmanager
-def _optimizer_step_skipped(optimizer: Any, skip: bool) -> Iterator[None]:
-    """Without ZeRO, DeepSpeed has no overflow check that could skip a step, and its gradient
-    clipping needs gradients, so a non-finite step runs engine.step() with the optimizer's own
-    step shadowed by a no-op: parameters and optimizer state stay as they were (the LR schedule
-    advances). engine.step() still clears the gradients."""
-    if not skip:
-        yield
-        return
-    with _shadowed_step(optimizer, lambda original: lambda *args, **kwargs: None):
-        yield
-
-
 class _GatedUpdate:
     """Shadows the basic optimizer's step (the torch optimizer every DeepSpeed wrapper ends in)
     for one engine.step(): its first call asks the gate, every call does what that said. A
@@ -173,30 +156,17 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
                short_weight: float = 0.0) -> StepResult:
     """Run one optimizer step of `engine` over `windows`, its gradient-accumulation micro-batches.
 
-    Each window is a (B, S+1) token tensor: inputs window[:, :-1], targets window[:, 1:]. There
-    must be exactly engine.gradient_accumulation_steps() of them: DeepSpeed divides each
-    micro-batch's loss by that count in backward and updates at the last one, so the gradient
-    is the mean over the global batch whatever the split into micro-batches.
-
-    Before the update the ranks agree, in one all-reduce, whether any saw a non-finite loss (or,
-    at ZeRO stage 0, gradient) and whether any was asked to stop (`stop_requested()`, read at the
-    boundary). A non-finite step updates nothing on any rank. `loss_hook` sees each micro-batch's
-    loss before backward (fault injection in tests). `before_update(engine)` runs at the
-    boundary, after the last backward and before engine.step(), on every rank: the gradients are
-    complete there (loop diagnostics read them). `z_loss` > 0 adds that weight's z-loss to
-    the objective (the loss summed for logging stays the cross-entropy; the term has its own sum).
-    `eos_id` (model.document_mask): each window's documents, split at its eos tokens, attend
-    within themselves (LoopedLM.documents); None: causal over the window.
-
-    `update_gate(loss, grad_norm)` (train.spike_skip), when given, is asked once per finite step
-    on every rank, inside engine.step() once the global gradient norm before clipping is known
-    and before any weight changes, with the same numbers on every rank (the loss averaged over
-    ranks and micro-batches, in the same all-reduce); False leaves weights and optimizer state
-    as they were on every rank (StepResult.refused). Data, step count and LR schedule advance.
-
-    `short_depth` > 0 (train.loss.depth two_depths): where it is below the step's depth, the
-    cross-entropy at that depth, read out from the same forward, joins the objective with
-    `short_weight` (summed on its own for logging).
+    Each window is a (B, S+1) token tensor (inputs [:, :-1], targets [:, 1:]); there must be
+    exactly engine.gradient_accumulation_steps() of them. Before the update the ranks agree, in
+    one all-reduce, whether any saw a non-finite loss (at ZeRO-0 also gradient): such a step
+    updates nothing anywhere; and whether any was asked to stop (`stop_requested()`).
+    `loss_hook` sees each micro-batch's loss before backward (fault injection);
+    `before_update(engine)` runs at the boundary with the gradients complete. `z_loss` and
+    `short_depth`/`short_weight` (train.loss) add terms to the objective, each summed on its own;
+    `eos_id` (model.document_mask) confines attention to each window's documents.
+    `update_gate(loss, grad_norm)` (train.spike_skip) is asked once per finite step inside
+    engine.step(), with the same numbers on every rank; False leaves weights and optimizer state
+    as they were (StepResult.refused) while data, step count and LR schedule advance.
     """
     accum = engine.gradient_accumulation_steps()
     stage0 = engine.zero_optimization_stage() == 0
@@ -252,17 +222,18 @@ def train_step(engine: Any, windows: Iterable[torch.Tensor], *, depth: Optional[
                 # is world times one
                 gated = _GatedUpdate(engine, update_gate, losses / (accum * world),
                                      math.sqrt(global_squares / world) if unwrapped else None)
-        with _optimizer_step_skipped(engine.optimizer, bad and stage0), \
+        # Without ZeRO nothing could skip a non-finite step (and clipping needs the gradients):
+        # the optimizer's own step is shadowed by a no-op; engine.step() still clears them.
+        with _shadowed_step(engine.optimizer, lambda original: lambda *args, **kwargs: None) \
+                if bad and stage0 else contextlib.nullcontext(), \
                 gated.installed() if gated is not None and micro == accum \
                 else contextlib.nullcontext():
             engine.step()
     if micro != accum:
         raise ValueError(f"train_step: got {micro} micro-batches, expected "
                          f"gradient_accumulation_steps={accum}")
-    if gated is None:
-        return StepResult(loss_sum, accum, bad or not engine.was_step_applied(), stop, ran_depth,
-                          z_sum, short_loss_sum=short_sum,
-                          short_micro_batches=accum if short else 0)
-    skipped = bad or gated.nonfinite or not engine.was_step_applied()
-    return StepResult(loss_sum, accum, skipped, stop, ran_depth, z_sum, gated.refused,
-                      gated.loss, gated.grad_norm, short_sum, accum if short else 0)
+    skipped = bad or (gated is not None and gated.nonfinite) or not engine.was_step_applied()
+    return StepResult(loss_sum, accum, skipped, stop, ran_depth, z_sum,
+                      gated is not None and gated.refused, None if gated is None else gated.loss,
+                      None if gated is None else gated.grad_norm, short_sum,
+                      accum if short else 0)
