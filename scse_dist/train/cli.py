@@ -1,15 +1,8 @@
 """`scse-train` / `launch/train.py`: parse `--config PATH key.sub=value ...`, check, build the data
 (data.build: the data step), then train.
 
-Works under every launcher: `deepspeed launch/train.py ...` (which appends --local_rank=N),
-`torchrun ...`, `srun python launch/train.py ...` and a plain `python launch/train.py ...`.
-Exit status: 0 done; 2 bad config (one line on stderr, before any process group starts, also
-for a global batch that does not divide at the launcher's world size); 3 too many non-finite
-steps in a row; 4 too many loss spikes in a row (train.spike_skip); 65 bad input data (shards of
-another tokenizer, a tokenizer file that is not one, corrupt data); 66 an input is missing or
-unreadable (data.path, data.tokenizer); 75 preempted by SIGTERM/SIGUSR1 or Ctrl-C after saving a
-checkpoint (rerun to resume); 130 a second Ctrl-C (stopped at once, nothing saved). Errors are
-one line on stderr (scse_dist.cli_errors), from every rank that meets them.
+Works under deepspeed (which appends --local_rank=N), torchrun, srun and plain python. Exit
+statuses: EXIT_STATUSES (--help); errors are one line on stderr from every rank that meets them.
 """
 
 from __future__ import annotations
@@ -178,11 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"scse-train: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     if summary["preempted"]:
-        # The checkpoint is saved. The ranks exit 75 one after the other, and srun
-        # --kill-on-bad-exit SIGTERMs the step's other tasks as soon as the first 75 arrives: a
-        # rank killed while it exits would make srun return 143 instead of 75, and the job
-        # would not be requeued. Ignored (not a Python handler, which the interpreter resets to the
-        # default action while it exits) until the process is gone.
+        # srun --kill-on-bad-exit SIGTERMs the other tasks at the first 75: a rank killed while
+        # it exits would make srun return 143 and the job would not be requeued. SIG_IGN, not a
+        # Python handler, which the interpreter resets while it exits.
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         return REQUEUE_EXIT_CODE

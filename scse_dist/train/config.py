@@ -1,10 +1,7 @@
-"""The `train:` section of a run config (with its `train.depth:` sampler) and the `wandb:` section
-the trainer's metrics log to.
+"""The `train:` section of a run config and the `wandb:`, `tensorboard:` and `profile:` sections.
 
-Beside the package it configures, and below it: it imports only the model's ConfigError and the
-torch-free sections it composes (train.optimizer, train.schedule, train.start), so
-`scse_dist.config` composes it without loading the trainer (or torch). Each section's `check()`
-is its one validation; scse_dist.config runs them, then the checks across sections.
+Torch-free, so `scse_dist.config` composes it without loading the trainer. Each section's
+`check()` is its one validation (field meanings: docs/config.md).
 """
 
 from __future__ import annotations
@@ -24,9 +21,7 @@ from scse_dist.train.schedule_config import ScheduleConfig
 
 @dataclass
 class DepthSamplingConfig:
-    # fixed: T = model.depth every step. uniform: T ~ U{min, max} (max 0 -> 2*model.depth), the
-    # spec's 2..2*T_mean by default. poisson_lognormal: Huginn's scheme, mean model.depth, spread
-    # `sigma`, at least `min`.
+    # fixed: T = model.depth; uniform: U{min, max} (max 0: 2*model.depth); poisson_lognormal
     kind: Literal["fixed", "uniform", "poisson_lognormal"] = "fixed"
     min: int = 2
     max: int = 0
@@ -48,21 +43,15 @@ class DepthSamplingConfig:
 
 @dataclass
 class SpikeSkipConfig:
-    """train.spike_skip: a step whose loss or gradient norm is a spike is not applied
-    (scse_dist.train.spike; docs/training.md, "Loss spikes")."""
+    """train.spike_skip: a step whose loss or gradient norm is more than k standard deviations
+    above its running mean over `window` applied steps is not applied (scse_dist.train.spike)."""
 
     enabled: bool = False
-    # What is watched: the step's loss (mean over all ranks), the global gradient norm before
-    # clipping, or both (either one spiking skips the step).
     metric: Literal["loss", "grad_norm", "both"] = "both"
-    # A spike: more than k standard deviations above the running mean.
     k: float = 6.0
-    # The running statistics cover the last `window` applied steps.
     window: int = 128
-    # Applied steps the statistics need before any step can be skipped.
-    warmup: int = 20
-    # Skipped spikes in a row that end the run (exit status 4), the last checkpoint kept.
-    max_in_a_row: int = 5
+    warmup: int = 20  # applied steps before any step can be skipped
+    max_in_a_row: int = 5  # skipped spikes in a row that end the run (exit status 4)
 
     def check(self) -> None:
         if not 0.0 < self.k < float("inf"):  # also rejects NaN
@@ -80,11 +69,9 @@ class SpikeSkipConfig:
 
 @dataclass
 class DepthLossConfig:
-    """train.loss.depth: a training signal for depth that pays (issue 26)."""
+    """train.loss.depth two_depths: the loss at loop depth `short`, read out from the same forward,
+    joins the objective with `weight` (no term when the step's T <= short)."""
 
-    # off, or two_depths: the loss at the loop depth `short`, read out from the same forward (one
-    # loop run; the coda, norm and head once more), added with `weight` to the loss at the
-    # step's depth T, so the model is trained at both. A step whose T <= short has no term.
     kind: Literal["off", "two_depths"] = "off"
     weight: float = 0.5
     short: int = 2
@@ -101,11 +88,8 @@ class DepthLossConfig:
 
 @dataclass
 class LossConfig:
-    """train.loss: the terms added to the cross-entropy at the step's depth, which is what is
-    logged and evaluated (scse_dist.train.step sums them; scse_dist.train.depth reads `depth`)."""
+    """train.loss: terms added to the cross-entropy at the step's depth (which is logged)."""
 
-    # Weight of the z-loss z_loss * mean(logsumexp(logits)^2) added to the training objective
-    # (PaLM; 1e-4 is usual; 0: off). Logged as its own metric.
     z_loss: float = 0.0
     depth: DepthLossConfig = field(default_factory=DepthLossConfig)
 
@@ -127,13 +111,8 @@ def largest_trained_depth(sampling: DepthSamplingConfig, mean_depth: int) -> int
 class CallbackSpec:
     """One entry of train.callbacks: a trainer callback of the user's own (docs/training.md)."""
 
-    # "package.module:Class", a subclass of scse_dist.train.callbacks.Callback; imported when
-    # training starts (scse-train: before torch), not when a config is read.
-    class_path: str
-    # Its place in the hook order (higher first; the built-ins are 500 to -500); null: the
-    # class's own `priority` (Callback's default 0: after the rows, before the checkpoint).
-    priority: Optional[int] = None
-    # The fields of the class's `Config` dataclass, checked against it when it is imported.
+    class_path: str  # "package.module:Class", imported when training starts, not when read
+    priority: Optional[int] = None  # null: the class's own
     init_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -142,33 +121,20 @@ CALLBACK_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-
 
 @dataclass
 class TrainConfig:
-    # How many sequences a step trains on and how they split into micro-batches (BatchConfig).
     batch: BatchConfig = field(default_factory=BatchConfig)
     max_steps: int = 200
-    # Precision, ZeRO stage, DeepSpeed JSON, torch.compile (EngineConfig).
     engine: EngineConfig = field(default_factory=EngineConfig)
-    # The optimizer (rates, betas, Muon, clipping, per-group multipliers), the LR schedule, and
-    # how a run starts (resume, branch, warm start): sections owned by the code they configure.
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     start: StartConfig = field(default_factory=StartConfig)
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
-    # Terms added to the training objective: z-loss, the loss at a second depth (LossConfig).
     loss: LossConfig = field(default_factory=LossConfig)
     log_every: int = 10
-    # Loop diagnostics (scse_dist.train.diagnostics: deviation norms, anchor scale, gradient
-    # shares) on one fixed held-out batch every this many steps; null: log_every; 0: off.
-    diagnostics_every: Optional[int] = None
-    # How often checkpoints are saved and how many are kept (CheckpointConfig).
+    diagnostics_every: Optional[int] = None  # loop diagnostics; null: log_every; 0: off
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
-    # A step whose loss or gradient is NaN/Inf on any rank is skipped; this many in a row stop
-    # the run (exit status 3) with the last good checkpoint left as it was.
-    max_nonfinite_steps: int = 5
-    # Loss-spike skipping (SpikeSkipConfig): off by default.
+    max_nonfinite_steps: int = 5  # non-finite (skipped) steps in a row that stop the run: exit 3
     spike_skip: SpikeSkipConfig = field(default_factory=SpikeSkipConfig)
-    # Callbacks of the user's own beside the built-in ones (CallbackSpec; docs/training.md,
-    # "Callbacks"); [] in every shipped config.
     callbacks: list[CallbackSpec] = field(default_factory=list)
 
     def check(self) -> None:
@@ -208,8 +174,7 @@ class TrainConfig:
                               f"train.engine.zero_stage {stage} (ZeRO-1/2 advance Muon's "
                               "momentum even on a skipped step); use ZeRO stage 0 or torch_adamw")
         if kind == "muon" and stage == 3:
-            # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state at
-            # stage 3
+            # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state there
             raise ConfigError("train.engine.zero_stage: train.optimizer.kind: muon works at ZeRO "
                               "stage 0, 1 or 2, not 3; set train.engine.zero_stage: 2 (it "
                               "partitions gradients and optimizer state too) or use torch_adamw")
@@ -221,7 +186,6 @@ class TrainConfig:
 @dataclass
 class WandbConfig:
     enabled: bool = True
-    # offline by default: runs sync later with `wandb sync`; there is often no network.
     mode: Literal["offline", "online", "disabled"] = "offline"
     project: str = "scse-dist"
     entity: Optional[str] = None
@@ -230,11 +194,7 @@ class WandbConfig:
 
 @dataclass
 class TensorBoardConfig:
-    # Rank 0 writes every row of metrics.jsonl as TensorBoard scalars too (train/*, eval/*,
-    # diag/*; samples as text), flushed per row. Needs the tensorboard package
-    # (pip install 'scse-dist[tensorboard]'); see docs/training.md, "TensorBoard".
-    enabled: bool = False
-    # The event files' directory (local); null: <run dir>/tensorboard.
+    enabled: bool = False  # every metrics.jsonl row as TensorBoard scalars (rank 0)
     log_dir: Optional[str] = None
 
     def check(self) -> None:
@@ -245,21 +205,16 @@ class TensorBoardConfig:
 
 @dataclass
 class ProfileConfig:
-    # torch.profiler over optimizer steps start_step .. start_step + steps - 1, after
-    # warmup_steps profiled and thrown away (the profiler's own start-up), on the ranks listed:
-    # one Chrome trace per rank in <run dir>/profile/ (docs/training.md, "Profiling").
+    # torch.profiler over steps start_step .. last_step, after warmup_steps thrown away
     enabled: bool = False
     start_step: int = 10
     steps: int = 2
     warmup_steps: int = 1
     ranks: list[int] = field(default_factory=lambda: [0])
-    # Tensor shapes, allocations and Python stacks per op: bigger traces, more overhead.
     record_shapes: bool = False
     profile_memory: bool = False
     with_stack: bool = False
-    # CUDA: DeepSpeed's flops profiler once, over this optimizer step (null: the step after the
-    # trace window, so neither profiler runs inside the other; 0: off), to
-    # <run dir>/profile/flops_step<N>.txt. Skipped on CPU, with a note.
+    # CUDA: DeepSpeed's flops profiler over this step (null: the one after the window; 0: off)
     flops_step: Optional[int] = None
 
     def check(self) -> None:

@@ -1,11 +1,7 @@
-"""The core's local behaviour at the anchor h* (issue 26; docs/loop-diagnostics.md): how much one
-loop step's map carries a deviation (`jacobian_gain`), and how large each core sub-layer's branch
-is against the residual it is added to (`sublayer_ratios`). Both for loop_diagnostics, on the
-fixed diagnostics batch, no gradient left in any parameter.
-
-Both run eagerly (torch.compiler force_eager: train.engine.compile's compiled block math takes
-neither forward-mode AD nor sub-module hooks), the Jacobian with SDPA's math kernel, the one with
-forward-mode AD.
+"""The core's local behaviour at the anchor h* (docs/loop-diagnostics.md): how much one loop step's
+map carries a deviation (`jacobian_gain`), and each core sub-layer's branch against its residual
+(`sublayer_ratios`), for loop_diagnostics. Both run eagerly (compiled block math takes neither
+forward-mode AD nor sub-module hooks), the Jacobian with SDPA's math kernel (forward-mode AD).
 """
 
 from __future__ import annotations
@@ -22,10 +18,8 @@ if TYPE_CHECKING:
     from scse_dist.model.transitions import Context
 
 JACOBIAN_ITERS = 4  # power iterations of J^T J: each one JVP and one VJP of one core call
-# The Jacobian is measured on the first this many sequences of the batch: attention stays within
-# a sequence, so J is block-diagonal over sequences and its norm the largest of theirs; a
-# forward-mode JVP costs ~4 core calls (d128, CPU), so the whole diagnostics batch would triple
-# the diagnostics pass.
+# The Jacobian is measured on the first this many sequences: attention stays within a sequence,
+# so J is block-diagonal over them, and a JVP of the whole batch would cost several core calls.
 JACOBIAN_SEQUENCES = 2
 
 
@@ -37,7 +31,7 @@ def _eager_math() -> Iterator[None]:
 
 def _jvp(f: Callable[[torch.Tensor], torch.Tensor], at: torch.Tensor, v: torch.Tensor
          ) -> torch.Tensor:
-    """J v, forward mode (torch.func.jvp's wrapping cost ~1/3 more here)."""
+    """J v, forward mode (cheaper than torch.func.jvp's wrapping)."""
     with forward_ad.dual_level():
         return forward_ad.unpack_dual(f(forward_ad.make_dual(at, v))).tangent
 

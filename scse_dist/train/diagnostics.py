@@ -1,15 +1,10 @@
-"""Loop diagnostics: the numbers that show an SCSE loop collapsing while it trains (issue 17).
+"""Loop diagnostics: the numbers that show an SCSE loop collapsing while it trains.
 
-`loop_diagnostics(model, window, depth, max_depth)`: one no-grad pass on a fixed held-out batch.
-`gradient_shares(model, grad_of)`: where the gradient norm sits, after backward and before the
-optimizer step. `update_ratios(model, before, weight_of)`: ||dW|| / ||W|| of the last optimizer step
-per parameter group (scse_dist.param_groups), from `weights_snapshot` taken before it. All
-return flat {name: float} dicts with stable keys, listed and explained in
-docs/loop-diagnostics.md. The loop itself is traced by the model (LoopCore.trace);
-train.callbacks.diagnostics runs these every `train.diagnostics_every` steps into a metrics row.
-
-Norms are per token (L2 over d_model), then averaged over the batch's tokens: |X| below is
-mean_tokens ||X_token||_2. Ratios of such means are ratios of means, not means of ratios.
+`loop_diagnostics`: one no-grad pass on a fixed held-out batch; `gradient_shares`: where the
+gradient norm sits before the optimizer step; `update_ratios`: ||dW|| / ||W|| of the last step per
+parameter group, against a `weights_snapshot`. Flat {name: float} dicts, their keys explained in
+docs/loop-diagnostics.md. Norms are per token (L2 over d_model), averaged over tokens; ratios of
+such means are ratios of means.
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
-"""train.optimizer.kind: muon — Muon for the blocks' matrices, AdamW for everything else.
+"""train.optimizer.kind: muon — Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/)
+for the 2-D matrices of prelude, loop core and coda (muon_scope loop: the core's alone, SCSE's
+anchor and the concat adapter included), AdamW for the embedding, head, gains and the rest.
 
-Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/): SGD momentum (Nesterov) whose
-update of each 2-D weight matrix is orthogonalised by a quintic Newton–Schulz iteration and
-scaled by sqrt(max(1, rows/cols)). The method is for hidden matrices; embeddings, the LM head
-and gains stay on AdamW.
-
-The split (muon_split): every 2-D parameter of prelude, loop core and coda goes to Muon — the
-shared core's blocks, and also SCSE's learned anchor and the concat adapter, which are d x d
-(2d x d) linear maps of the hidden state like any projection. The embedding (the head too when
-tied), an untied head, the norms' gains and anything else not 2-D go to AdamW with
-train.optimizer.lr, betas and the same decay/no-decay groups as torch_adamw.
-
-train.optimizer.muon_scope: loop narrows Muon to the loop's matrices (the core's 2-D parameters: its
-blocks, SCSE's anchor, the concat adapter); the prelude's and coda's matrices join the embedding on
-AdamW (decayed), to tell whether Muon's effect on the collapse comes from the loop alone (issue 26).
-
-The implementation is DeepSpeed's MuonWithAuxAdam, handed to deepspeed.initialize as a client
-optimizer: ZeRO-1/2 recognise it and orthogonalise each matrix's whole gradient while they
-partition (a flat ZeRO partition holds pieces of matrices, which torch.optim.Muon cannot
-orthogonalise), and keep its momentum in the partitioned optimizer state.
+DeepSpeed's MuonWithAuxAdam, handed to deepspeed.initialize as a client optimizer: ZeRO-1/2
+orthogonalise each matrix's whole gradient while they partition (a flat partition holds pieces
+of matrices) and keep its momentum partitioned.
 
 Clipping: at ZeRO-1/2 the partition DeepSpeed clips already holds Muon's orthogonalised update
-(norm ~ sqrt(width) per matrix, ~66 for the quickstart model), so its gradient_clipping would
-shrink every Muon step ~66-fold, and differently from ZeRO-0, which clips raw gradients. So
-DeepSpeed's clipping is off under muon, and this optimizer clips each AdamW group's gradient to
-train.optimizer.grad_clip itself; Muon's update has a fixed norm by construction and needs none.
+(norm ~ sqrt(width) per matrix), which its gradient_clipping would shrink, unlike ZeRO-0's. So
+DeepSpeed's clipping is off under muon and this optimizer clips each AdamW group's gradient to
+train.optimizer.grad_clip itself; Muon's update has a fixed norm by construction.
 
 Imports DeepSpeed: import it only where an engine is built.
 """
@@ -45,10 +30,8 @@ if TYPE_CHECKING:
 ADAMW_EPS = 1e-8  # torch.optim.AdamW's default, so the AdamW half equals torch_adamw's
 
 
-# train.optimizer.muon_scope -> the parts of the model whose 2-D parameters Muon steps. By module,
-# not by scse_dist.param_groups.group_of's names: loop = core = group_of's anchor, adapter,
-# core_attn and core_mlp (the same split), and Muon also serves models whose parts hold bare
-# parameters.
+# train.optimizer.muon_scope -> the parts whose 2-D parameters Muon steps (by module, so parts
+# holding bare parameters count too; loop is group_of's anchor, adapter, core_attn, core_mlp)
 MUON_PARTS = {"all": ("prelude", "core", "coda"), "loop": ("core",)}
 
 
@@ -64,9 +47,8 @@ def muon_split(model: LoopedLM, scope: str = "all"
 
 
 def _eager_kernels() -> None:
-    """Run DeepSpeed's Muon kernels eagerly. They are torch.compile'd at import; on CPU inductor
-    took 70 + 20 + 14 s to compile them for the quickstart's three matrix shapes (per process,
-    2 shared cores), while eager Newton–Schulz on those shapes takes 2-18 ms per call."""
+    """Run DeepSpeed's Muon kernels eagerly: they are torch.compile'd at import, and on CPU the
+    compile takes far longer than the eager Newton–Schulz it would speed up."""
     from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
 
     for name in ("muon_update", "zeropower_via_newtonschulz5", "zeropower_via_gram_newtonschulz"):

@@ -1,7 +1,5 @@
 """train.optimizer: the optimizer's section of a run config (scse_dist.train.engine builds the
-optimizer from it, scse_dist.train.muon its Muon half).
-
-Torch-free, like scse_dist.train.config, which composes it."""
+optimizer from it, scse_dist.train.muon its Muon half). Torch-free."""
 
 from __future__ import annotations
 
@@ -13,38 +11,23 @@ from scse_dist.model.config import ConfigError
 
 @dataclass
 class OptimizerConfig:
-    # torch_adamw: torch.optim.AdamW, fused on CUDA (no nvcc or JIT build). deepspeed_fused_adam:
-    # DeepSpeed's FusedAdam, which JIT-compiles a CUDA extension at start-up (CUDA only). muon:
-    # Muon for the 2-D matrices of prelude, core and coda, AdamW (lr, betas, weight_decay below)
-    # for the embedding/head and gains (scse_dist.train.muon); ZeRO stage 0-2.
     kind: Literal["torch_adamw", "deepspeed_fused_adam", "muon"] = "torch_adamw"
     lr: float = 1e-3
-    # Per-parameter-group LR multipliers {group: factor >= 0} for AdamW (torch_adamw,
-    # deepspeed_fused_adam, Muon's AdamW half), groups of scse_dist.param_groups (embed,
-    # head, prelude, anchor, adapter, core_attn, core_mlp, coda, norm); unnamed groups keep 1.
-    # Under the same schedule; weight_decay is not changed (AdamW's decay step is lr * wd).
+    # {group of scse_dist.param_groups: factor} for AdamW's lr; unnamed groups keep 1
     lr_mult: dict[str, float] = field(default_factory=dict)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    # Muon's own settings (kind: muon). lr in units of spectral norm per step, under the same
-    # warmup-cosine schedule; 0.02, momentum 0.95 (Nesterov) and no weight decay are the
-    # defaults of Keller Jordan's reference implementation.
+    # Muon's own settings (kind: muon): Keller Jordan's reference defaults
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
-    # Which 2-D matrices Muon steps: all (prelude, core, coda) or loop (the core's alone: its
-    # blocks, SCSE's anchor, the concat adapter); the rest go to AdamW.
     muon_scope: Literal["all", "loop"] = "all"
-    # StableAdamW's update clipping (scse_dist.train.update_clip): each tensor's AdamW step
-    # divided by max(1, RMS(g / sqrt(v_hat)) / update_clip); 1.0 is StableAdamW's; 0: off.
-    # torch_adamw and muon's AdamW half, ZeRO stage 0-2.
-    update_clip: float = 0.0
+    update_clip: float = 0.0  # StableAdamW's per-tensor clipping (scse_dist.train.update_clip)
 
     def check(self) -> None:
-        """Values no optimizer can run with (one ConfigError naming the field); the checks
-        against the ZeRO stage are TrainConfig's."""
+        """Values no optimizer can run with (one ConfigError naming the field)."""
         if self.lr <= 0:
             raise ConfigError(f"train.optimizer.lr: must be > 0, got {self.lr}")
         from scse_dist.param_groups import check_lr_mult  # torch-free, like this module

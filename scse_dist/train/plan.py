@@ -1,12 +1,6 @@
-"""`scse-train --plan`: whether a config fits a cluster and how long it takes, before it queues.
-
-For W GPUs of one kind (h100, h200, a100) it prints, per GPU: weights, gradients and optimizer
-state at the config's ZeRO stage (scse_dist.train.sizing, beside DeepSpeed's own estimator where
-one exists), activations of one micro-batch at the deepest T with and without loop
-checkpointing, the largest micro-batch that fits, the bytes each GPU sends per step and their
-time over the stated link, and the time per step and for the run at a stated MFU. Nothing runs:
-the model is built on torch's meta device. Every assumption is printed with the flag that
-changes it.
+"""`scse-train --plan`: whether a config fits W GPUs of one kind and how long it takes, before it
+queues (docs/launching.md, "Sizing a run"). Nothing runs: the model is built on torch's meta
+device. Every assumption is printed with the flag that changes it.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
-"""Learning-rate schedules: linear warmup, then cosine, linear, constant or warmup-stable-decay.
+"""Learning-rate schedules: linear warmup, then cosine, linear, constant or warmup-stable-decay
+(docs/training.md, "LR schedules").
 
-`LRSchedule(step)` is the LR multiplier of optimizer step `step` (0-based: the s-th update uses
-lr * multiplier(s)); `train.schedule.kind` picks the shape after the warmup:
-
-  cosine    (default) from 1 at step W to min_lr_ratio at the last step (max_steps - 1)
-  linear    the same ends, a straight line between them
-  constant  1 after the warmup, whatever max_steps is
-  wsd       warmup-stable-decay: 1 until the decay, then `decay_shape` (linear, cosine or 1-sqrt)
-            over its last D steps (train.schedule.decay_steps, or round(decay_fraction * max_steps))
-            reaching min_lr_ratio at the last step. Raising max_steps while in the stable phase
-            extends the run; a cooldown may branch from any stable checkpoint
-            (train.start.branch_from).
-
-The warmup ramps 1/W, 2/W, ..., 1 over steps 0..W-1. Every decay runs from its anchor `a` (the
-last step at the peak: W for cosine and linear, max_steps - 1 - D for wsd) with progress
-p = (s - a) / (max_steps - 1 - a), clamped to [0, 1], so the multiplier past the last step stays
-at min_lr_ratio.
-
-The multiplier is a function of the config and the step only: a checkpoint keeps the step count
-of the scheduler, not its shape, so a resumed or branched run follows its own config's schedule
-from the step it resumes at (`ConfigLR`).
+`LRSchedule(step)` is the LR multiplier of 0-based optimizer step s: the warmup ramps 1/W, 2/W,
+..., 1 over steps 0..W-1; every decay runs from its anchor `a` (the last step at the peak: W for
+cosine and linear, max_steps - 1 - D for wsd) with progress p = (s - a) / (max_steps - 1 - a),
+clamped to [0, 1]. It is a function of the config and the step only: a resumed or branched run
+follows its own config's schedule from the step it resumes at (`ConfigLR`).
 """
 
 from __future__ import annotations
@@ -86,14 +72,10 @@ def _decayed(shape: str, progress: float) -> float:
 
 
 class ConfigLR(LambdaLR):
-    """A LambdaLR whose state (what DeepSpeed saves in a checkpoint) is the step count only.
-
-    torch's LambdaLR also saves its base LRs and the schedule object's fields, and loading them
-    back would replace this run's schedule with the checkpoint's. Here the config decides:
-    `load_state_dict` takes the step and sets every group's LR to the config's schedule at that
-    step (`apply`), so an unchanged config resumes bit for bit and a changed one (a longer wsd
-    run, a cooldown branch) takes effect from the resumed step.
-    """
+    """A LambdaLR whose state (what DeepSpeed saves in a checkpoint) is the step count only:
+    torch's also saves its base LRs and the schedule's fields, which would replace this run's
+    schedule with the checkpoint's. `load_state_dict` takes the step and applies the config's
+    schedule there, so an unchanged config resumes bit for bit and a changed one takes effect."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
@@ -117,8 +99,7 @@ class ConfigLR(LambdaLR):
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> ConfigLR:
-    # Handed to deepspeed.initialize, it is stepped by the engine once per optimizer step and its
-    # step count saved in the checkpoints (ConfigLR: the schedule itself comes from the config).
+    # deepspeed.initialize steps it once per optimizer step and saves its step count
     return ConfigLR(optimizer, LRSchedule.from_config(train))
 
 

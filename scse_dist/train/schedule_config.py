@@ -1,6 +1,5 @@
 """train.schedule: the LR schedule's section of a run config (scse_dist.train.schedule runs it).
-
-Torch-free, like scse_dist.train.config, which composes it."""
+Torch-free."""
 
 from __future__ import annotations
 
@@ -12,12 +11,8 @@ from scse_dist.model.config import ConfigError
 
 @dataclass
 class ScheduleConfig:
-    # The LR after the warmup (scse_dist.train.schedule): cosine or linear down to min_lr_ratio
-    # at the last step; constant; wsd (warmup-stable-decay): constant, then decay_shape over the
-    # last decay_steps steps (null: round(decay_fraction * train.max_steps)) down to min_lr_ratio.
     kind: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     warmup_steps: int = 20
-    # The LR at the end of the decay (cosine, linear, wsd), as a fraction of the optimizer's lr.
     min_lr_ratio: float = 0.1
     decay_fraction: float = 0.1
     decay_steps: Optional[int] = None

@@ -1,14 +1,8 @@
 """Loss-spike statistics (train.spike_skip): running mean and standard deviation of the loss and
 the global gradient norm over a window of applied steps, and whether a step's values are a spike.
 
-No torch and no collectives: the trainer hands `SpikeDetector.check` the same numbers on every
-rank (the loss averaged over all ranks, DeepSpeed's global gradient norm), so every rank keeps the
-same statistics and reaches the same decision. The skip itself is scse_dist.train.step's, the
-counting and stopping scse_dist.train.callbacks.spike's.
-
-A refused step's values stay out of the window: a run of spikes must not widen the statistics
-until the next spike passes as normal (the streak ends the run instead, train.spike_skip
-.max_in_a_row).
+No torch, no collectives: every rank is handed the same numbers and so decides alike. A refused
+step stays out of the window, so a run of spikes cannot widen the statistics until it passes.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """TensorBoard beside metrics.jsonl and wandb: every row the MetricsLogger writes, as scalars.
 
-Tags by row: a training row's keys go to `train/<key>` (train/loss, train/lr, train/depth,
-train/tokens_per_s, ...), keys that already name a group keep it (diag/D_kept), a row of kind
-"eval" goes to `eval/<key>` (eval/heldout_loss_T4), any other kind to `<kind>/<key>`; the step
-is the row's. Values that are not numbers (the task's name, a null mfu) are left out; a samples
-row's generations become one markdown table under the text tag `sample/text`.
-
-A resumed run (from checkpoint step N) opens a new event file marked with TensorBoard's restart
-event at step N + 1 (SummaryWriter's purge_step): readers then hide what a dead run wrote past N,
-as metrics.jsonl is cut there (docs/training.md, "TensorBoard").
+Tags (docs/training.md, "TensorBoard"): a training row's keys under `train/`, keys that name a
+group keep it (diag/D_kept), a row of kind K under `K/`; values that are not numbers are left
+out; a samples row's generations become a markdown table under `sample/text`. A resumed run
+marks its new event file with a restart event at step N + 1 (purge_step), as metrics.jsonl is
+cut there.
 """
 
 from __future__ import annotations

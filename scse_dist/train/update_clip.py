@@ -1,20 +1,12 @@
 """train.optimizer.update_clip: AdamW's step per tensor divided by max(1, RMS / update_clip), where
 RMS = sqrt(mean(g^2 / max(v_hat, eps^2))) over the tensor (StableAdamW, Wortsman et al. 2023,
-arXiv 2304.13013, at update_clip 1).
+arXiv 2304.13013, at update_clip 1); the moments update as in AdamW, the weight decay scales
+with the step.
 
-AdamW's step has a size set by the rate, not by the gradient's history: when a gradient is much
-larger than its running second moment (a spike, or the first steps after warmup reaches the
-peak), RMS > 1 and the step is shrunk for that tensor only. The moments update as in AdamW; the
-weight decay is scaled with the step, as in StableAdamW.
-
-The clipped step is applied after torch's AdamW (fused on CUDA) has stepped: each parameter moves
-from its old value by (AdamW's change) / factor, an exact lerp when the factor is 1, at the cost of
-one copy of the stepped tensors per step.
-
-"Per tensor" means per model parameter also under ZeRO-1/2, where the optimizer steps one flat
-fp32 partition per group per rank: `attach_zero_layouts` (build_engine) records where each
-parameter lies in each rank's partition, and the sums over a parameter split between ranks are
-all-reduced before the factor is taken.
+Applied after torch's AdamW has stepped: each parameter moves from its old value by (AdamW's
+change) / factor, an exact lerp when the factor is 1. Under ZeRO-1/2, where the optimizer steps
+one flat partition per group per rank, `attach_zero_layouts` records where each parameter lies,
+and the sums of a parameter split between ranks are all-reduced: "per tensor" stays per parameter.
 """
 
 from __future__ import annotations
@@ -64,8 +56,7 @@ class UpdateClippedAdamW(torch.optim.AdamW):
         self.update_clip = update_clip
         # id(flat partition) -> its Layout, set by attach_zero_layouts under ZeRO-1/2
         self.layouts: dict[int, Layout] = {}
-        # the last step's factor per stepped tensor (or per parameter of a layout), for tests and
-        # logging
+        # the last step's factor per stepped tensor (or per parameter of a layout)
         self.last_factors: list[torch.Tensor] = []
 
     @torch.no_grad()

@@ -1,13 +1,6 @@
-"""Warm starts: `train.start.init_from` loads an export's weights, and nothing else, into a new run.
-
-The optimizer, LR schedule and data position start fresh; this is continued pretraining or
-fine-tuning from an export (`runs/<name>/export`, or any fsspec URL of one). The weights go into
-the freshly built LoopedLM before DeepSpeed wraps it, so ZeRO-3 partitions the loaded weights.
-A run that has a checkpoint resumes it instead and ignores `init_from`.
-
-Strict by default: a missing or unexpected key, or a changed shape, stops the run naming the
-key. `train.start.init_from_strict: false` loads what fits and lists what it skipped. A looped
-model's weights do not depend on the loop depth T, so `model.depth` may differ from the export's.
+"""Warm starts: `train.start.init_from` loads an export's weights, and nothing else, into a new run
+(before DeepSpeed wraps the model, so ZeRO-3 partitions them). A run with a checkpoint resumes it
+instead. Strict by default: a missing, unexpected or reshaped key stops the run naming it.
 """
 
 from __future__ import annotations

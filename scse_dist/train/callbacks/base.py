@@ -1,53 +1,12 @@
 """The trainer's callback protocol: a `TrainState` every hook reads, and `Callback` with its hooks.
 
-`train()` (scse_dist.train.loop) calls the hooks in this order, each on every rank, for each
-callback in its list order:
-
-    on_start(state)          the engine is built and resumed; state.step is the resumed step
-    before_update(state)     at each step's update boundary: the last backward is done, the
-                             optimizer step not yet (the full gradients are there); state.step
-                             is still the steps done before this one
-    allow_update(state, loss, grad_norm)
-                             inside the update of a finite step, once its global gradient norm
-                             (before clipping) is known and before any weight changes; `loss`
-                             is the step's loss averaged over all ranks. Any callback's False
-                             leaves the weights as they were on every rank (result.refused), so
-                             the answer must come from these numbers and the callback's own
-                             state alone. Only asked when some callback overrides it.
-    on_step_end(state)       after each optimizer step; state.step is the steps done, state.result
-                             the step's StepResult. A hook may set state.stop_reason to end the run
-                             (the loop breaks after this step's hooks).
-    on_train_end(state)      the run reached train.max_steps (not on preemption): the process group
-                             is still up, so collectives (final checkpoint, export) belong here
-    on_teardown(state)       every orderly end (finished, preempted, TrainingStopped): close files
-    after_shutdown(state)    finished runs, after the process group is gone: rank-0-only work that
-                             no peer should wait on (evaluation of the export, uploads)
-
-A hook that raises ends the run; hooks that run collectives must do so on every rank alike.
-
-Order: within each hook, callbacks run by `priority`, highest first (ties: the built-ins, then
-train.callbacks in its order, then `train(cfg, callbacks=[...])` in theirs). The built-ins
-(callbacks.built_in, each built by `from_config` from the config entry that enables it):
-
-    500 NonFiniteCallback        the skipped-step count, before the row that logs it
-    450 SpikeSkipCallback        (train.spike_skip.enabled) the spike count, before the row too
-    400 LoopDiagnosticsCallback  (train.diagnostics_every) diag/ entries, before the row they
-                                 join (state.metrics_extra)
-    300 MetricsCallback          the training row
-    200 HeldoutEvalCallback      (eval.every_steps)
-    100 SampleCallback           (eval.sample_every)
-     50 DownstreamEvalCallback   (eval.downstream_every)
-      0 (a callback's default)   after the rows, before the checkpoint that saves its state
-   -100 CheckpointCallback       rows and states of a step before its checkpoint
-   -200 PreemptionCallback
-   -300 ExportCallback           after the final checkpoint
-   -400 AfterTrainingEval        after the export
-   -500 ProfilerCallback         (profile.enabled) last: a step's span holds all its hooks' work
-
-State: `state_dict()` is saved with every checkpoint (all callbacks' in the tag's client state,
-rank 0's), and `load_state_dict()` gets it back before `on_start` on every rank of a resume, at
-any world size. A callback ordered after CheckpointCallback has its state saved before its own
-`on_step_end` of that step ran.
+`train()` (scse_dist.train.loop) calls the hooks on every rank, for each callback by `priority`
+(highest first; ties keep the order given): on_start, then per step before_update (gradients
+complete, no update yet), allow_update (inside the update of a finite step), on_step_end (a hook
+may set state.stop_reason to end the run); on_train_end at train.max_steps (the process group
+still up), on_teardown at every orderly end, after_shutdown on finished runs once the process
+group is gone. A hook that raises ends the run; collectives in a hook run on every rank alike.
+The built-ins' priorities and what each hook may do: docs/training.md, "The trainer: callbacks".
 """
 
 from __future__ import annotations
@@ -132,15 +91,10 @@ class TrainState:
 
 
 class Callback:
-    """Base class: every hook does nothing and there is no state. Subclass and override the hooks
-    a concern needs.
+    """Base class: every hook does nothing and there is no state; override what a concern needs.
+    A train.callbacks entry builds `Class(Class.Config(**init_args))`, without Config `Class()`."""
 
-    A callback named in train.callbacks (`{class_path: "pkg.mod:Class", priority: ..., init_args:
-    {...}}`) is built as `Class(Class.Config(**init_args))` when it declares a `Config` dataclass
-    (its fields checked like any config field), else as `Class()` (init_args must then be empty).
-    """
-
-    priority: int = 0  # hook order: higher first (module docstring); an entry sets its own
+    priority: int = 0  # hook order: higher first; an entry sets its own
     Config: ClassVar[Optional[type]] = None  # the dataclass of its train.callbacks init_args
     # A built-in's config entry (callbacks.built_in): built as Class(value), off where the value
     # is 0 or its `enabled` false. None: Class(), always on.
@@ -165,7 +119,8 @@ class Callback:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The state_dict() a checkpoint saved, before on_start of the resumed run."""
+        """The state_dict() a checkpoint saved, before on_start of the resumed run (any world
+        size; a callback after CheckpointCallback had its state saved before its on_step_end)."""
 
     def on_start(self, state: TrainState) -> None:
         pass
@@ -174,7 +129,10 @@ class Callback:
         pass
 
     def allow_update(self, state: TrainState, loss: float, grad_norm: float) -> bool:
-        """Whether this step's update may be applied (the module docstring says when it runs)."""
+        """Whether this step's update may be applied: asked once the global gradient norm
+        before clipping is known, with the loss averaged over all ranks. False leaves the weights
+        as they were on every rank, so the answer must come from these numbers and the callback's
+        own state alone. Asked only when some callback overrides it."""
         return True
 
     def on_step_end(self, state: TrainState) -> None:

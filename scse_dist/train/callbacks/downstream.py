@@ -1,18 +1,10 @@
 """eval.downstream_every: downstream tasks (LAMBADA, WikiText, multiple choice) during training.
 
-Every `eval.downstream_every` steps each task of `eval.downstream_tasks` is scored at eval.depths
-(all depths in one loop run per batch) by the same scorer as `scse-eval --task` (the registry's
-`totals`): on the first `eval.downstream_max_examples` examples of its file (0: all), read once
-at start-up (a bad file stops the run before step 1), every rank scoring every world-size-th of
-them. A rank's result is additive totals (right answers, summed NLL, token counts), summed over
-ranks, and each depth's metrics come from the sums: the same numbers at any world size, and at
-world size 1 those of `scse-eval --task` on a checkpoint of that step.
-
-Row in metrics.jsonl (and wandb), one per evaluation, keys `<task>_<metric>_T<depth>`:
-    {"step": 40, "kind": "downstream", "hellaswag_acc_norm_T1": 0.27, "hellaswag_accuracy_T1":
-     0.26, ..., "hellaswag_examples": 500, "hellaswag_time_s": 2.0, ..., "downstream_time_s": 3.1}
-The first evaluation prints its cost against the step time once:
-    downstream eval: 3.10 s, = 12.4 training steps (0.25 s each)
+Each task of eval.downstream_tasks is scored at eval.depths by `scse-eval --task`'s scorer on its
+first eval.downstream_max_examples examples (read at start-up: a bad file stops the run before
+step 1), every rank scoring every world-size-th. The ranks' additive totals are summed, so the
+numbers are the same at any world size. One row per evaluation, keys `<task>_<metric>_T<depth>`
+(docs/training.md); the first evaluation prints its cost in training steps once.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""eval.every_steps: held-out loss at eval.depths during training, as rows of their own.
+"""eval.every_steps: held-out loss at eval.depths during training, as rows of their own
+(`"kind": "eval"`, docs/training.md).
 
-Every rank evaluates its share of the held-out split (the shards' `heldout` split, read as
-TokenStream reads it for training, one reader per rank) without gradients; the summed NLL and
-token counts are all-reduced, so the row is the loss over every rank's batches. eval.max_batches
-counts batches over all ranks (each rank takes ceil(max_batches / world size)). The ranks run the
-same number of forwards (a rank whose share runs out stops them all), which ZeRO-3's parameter
-gathers need; under ZeRO-3 the losses come from the model's own forward (forward_rows). At world
-size 1 the numbers equal those of `scse-eval --task heldout` on a checkpoint of that step (same
-batches, same code: scse_dist.eval.perplexity.evaluate_heldout).
-
-Row in metrics.jsonl (and wandb), one per evaluation:
-    {"step": 40, "kind": "eval", "task": "heldout", "heldout_loss_T1": 5.89,
-     "heldout_ppl_T1": 362.7, ..., "tokens": 2048, "eval_time_s": 0.41}
-Training rows have no "kind"; readers of training rows skip rows that have one.
+Every rank evaluates its share of the held-out split without gradients; the summed NLL and token
+counts are all-reduced. eval.max_batches counts batches over all ranks. The ranks run the same
+number of forwards, which ZeRO-3's gathers need. At world size 1 the numbers equal `scse-eval
+--task heldout`'s on a checkpoint of that step (scse_dist.eval.perplexity.evaluate_heldout).
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""profile.enabled: torch.profiler over a window of optimizer steps, a Chrome trace per rank.
-
-On the ranks in profile.ranks, the profiler records optimizer steps profile.start_step ..
-start_step + steps - 1 after profile.warmup_steps steps that it profiles and throws away (its
-own start-up would otherwise show in the first recorded step), and writes
-    <run dir>/profile/rank<R>.steps<A>-<B>.pt.trace.json   the trace: Perfetto, chrome://tracing,
-                                                           TensorBoard's PyTorch profiler plugin
-    <run dir>/profile/rank<R>.steps<A>-<B>.txt             the ops' table, by self time
-Each step of the trace is `ProfilerStep#<k>`, k the optimizer step; the model labels its loop
-steps `loop_step_<t>` and, under model.activation_checkpointing: loop, the backward's
-recomputation of step t `loop_step_<t>_recompute` (scse_dist.model.recurrence). A step's span
-holds what the trainer's hooks did after it (its metrics row, an evaluation, a checkpoint). A run
-that ends inside the window (finished, preempted, stopped) writes the steps it recorded. A run
-resumed past the window profiles nothing and says so. Outside the window the profiler is idle: no
-op is recorded.
-
-DeepSpeed's flops profiler (profile.flops_step) is configured in the DeepSpeed config
-(scse_dist.train.engine.flops_profiler_section), on CUDA only; on CPU this callback says so.
-What to look for in a looped model's trace: docs/training.md, "Profiling".
+"""profile.enabled: torch.profiler over a window of optimizer steps, a Chrome trace and an ops'
+table per profiled rank in <run dir>/profile/ (docs/training.md, "Profiling"). Trace step k is
+optimizer step k; a step's span holds its hooks' work. A run that ends inside the window writes
+what it recorded; one resumed past it profiles nothing and says so. DeepSpeed's flops profiler
+(profile.flops_step) is configured in the engine's config, on CUDA only.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """eval.sample_every: continuations of a few fixed prompts during training, to read along.
 
-Rank 0 generates (scse_dist.generate, KV cache) at the model's default depth, sampling at
-eval.sample_temperature with the run's seed (its own generator: training's random state is
-untouched, and the same seed at every step makes the samples comparable over training). One row:
-    {"step": 100, "kind": "sample", "depth": 4, "temperature": 0.8,
-     "samples": [{"prompt": "Return the", "text": " number of ..."}, ...]}
-in metrics.jsonl, a table in wandb, and a console line per prompt. Not under ZeRO-3, whose ranks
-each hold a slice of the weights (refused at the start).
+Rank 0 generates at the model's default depth with the run's seed (its own generator: training's
+random state is untouched), into a `"kind": "sample"` row (docs/training.md), a wandb table and a
+console line per prompt. Not under ZeRO-3 (refused at the start).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Loss spikes (train.spike_skip): a step whose loss or global gradient norm is more than k
-standard deviations above its running mean is not applied, on every rank alike; the skips are
-counted, said on rank 0 and logged (`spike_skips`), and too many in a row end the run.
-
-The decision is allow_update's (inside the update, scse_dist.train.step), the statistics
-scse_dist.train.spike's. Its state (the windows and the counts) goes into every checkpoint, so a
-resumed run goes on with the statistics it had, without a second warm-up.
+"""Loss spikes (train.spike_skip): the update of a spike is refused (allow_update), the skips
+counted, said on rank 0 and logged (`spike_skips`), and too many in a row end the run. The
+windows and counts are its state, so a resumed run needs no second warm-up.
 """
 
 from __future__ import annotations
