@@ -1,5 +1,2 @@
-"""Training on DeepSpeed: engine, loop, checkpoints, metrics, depth sampling, LR schedule.
-
-Submodules import torch/deepspeed lazily where they can, so `scse_dist.train.cli` parses a config
-(and fails on a bad one) without starting anything.
-"""
+"""Training on DeepSpeed. Submodules import torch/deepspeed lazily where they can, so
+`scse_dist.train.cli` parses a config (and fails on a bad one) without starting anything."""

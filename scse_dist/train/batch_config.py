@@ -28,12 +28,9 @@ class BatchConfig:
                             "grad_accum_steps": self.grad_accum_steps}.items():
             if value <= 0:
                 raise ConfigError(f"train.batch.{name}: must be > 0, got {value}")
-        non_negative: dict[str, float] = {"global_batch_size": self.global_batch_size,
-                                          "global_batch_tokens": self.global_batch_tokens,
-                                          "micro_batch_memory_gib": self.micro_batch_memory_gib}
-        for name, amount in non_negative.items():
-            if amount < 0:
-                raise ConfigError(f"train.batch.{name}: must be >= 0, got {amount}")
+        for name in ("global_batch_size", "global_batch_tokens", "micro_batch_memory_gib"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.batch.{name}: must be >= 0, got {getattr(self, name)}")
         if self.micro_batch_size != "auto":
             return
         if not (self.global_batch_size or self.global_batch_tokens):  # the batch auto keeps

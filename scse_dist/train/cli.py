@@ -63,15 +63,14 @@ def _plan_assumptions(args: argparse.Namespace):
     given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
              for flag, *_ in PLAN_FLAGS}
     given = {k: v for k, v in given.items() if v is not None}
+    world_size = given.pop("world_size", None)  # --dry-run's, instead of the launcher's
     if not args.plan:
-        if "world_size" in given and not args.dry_run:
+        if world_size is not None and not args.dry_run:
             raise ConfigError("--world-size: only with --plan or --dry-run")
-        world_size = given.pop("world_size", None)  # the dry run's, instead of the launcher's
         named = [f"--{k.replace('_', '-')}" for k in given] + (["--json"] if args.json else [])
         if named:
             raise ConfigError(f"{named[0]}: only with --plan")
         return world_size, None
-    world_size = given.pop("world_size", None)
     if world_size is None:
         raise ConfigError("--plan: needs --world-size (the GPUs the run trains on)")
     from scse_dist.train.plan import Assumptions

@@ -139,14 +139,9 @@ class TrainConfig:
 
     def check(self) -> None:
         """Values no run can train with (one ConfigError naming the field), train.depth's too."""
-        positive: dict[str, float] = {
-            "max_steps": self.max_steps,
-            "log_every": self.log_every,
-            "max_nonfinite_steps": self.max_nonfinite_steps,
-        }
-        for name, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"train.{name}: must be > 0, got {value}")
+        for name in ("max_steps", "log_every", "max_nonfinite_steps"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name}: must be > 0, got {getattr(self, name)}")
         if self.diagnostics_every is not None and self.diagnostics_every < 0:
             raise ConfigError(f"train.diagnostics_every: must be >= 0, got "
                               f"{self.diagnostics_every}")

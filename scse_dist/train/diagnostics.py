@@ -136,11 +136,8 @@ def weights_snapshot(model: torch.nn.Module, weight_of: TensorOf = lambda p: p
     """An fp32 copy of every trainable parameter, `weight_of(param)` (default the parameter; under
     DeepSpeed deepspeed.utils.safe_get_full_fp32_param, the optimizer's master weights, which every
     rank must call at ZeRO-1/2: it all-reduces; None falls back to the parameter)."""
-    out = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            out[name] = _fp32(param, weight_of).clone()
-    return out
+    return {name: _fp32(param, weight_of).clone() for name, param in model.named_parameters()
+            if param.requires_grad}
 
 
 def update_ratios(model: torch.nn.Module, before: dict[str, torch.Tensor],

@@ -192,13 +192,12 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
         print(describe_placement(env, os.environ), flush=True)
     if not torch.cuda.is_available():  # intra-op threads from the free cores (OMP_NUM_THREADS wins)
         configure_threads()
+        # Zero-start ablations produce subnormal floats, which make CPU math ~10x slower.
+        torch.set_flush_denormal(True)
     storage, resume_tag = _prepare_run_dir(cfg, env.rank == 0)
     run_dir = storage.local
     tokenizer = load_run_tokenizer(cfg)
     seed_everything(cfg.train.seed)
-    if not torch.cuda.is_available():
-        # Zero-start ablations produce subnormal floats, which make CPU math ~10x slower.
-        torch.set_flush_denormal(True)
     model = LoopedLM(cfg.model)
     n_params = model.num_parameters()  # before ZeRO-3 partitions them to empty placeholders
     # Before the engine: ZeRO-3 then partitions the loaded weights.
@@ -215,7 +214,11 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
                                       checkpoint_dir(run_dir) / resume_tag / CONFIG_NAME)
         if note and env.rank == 0:
             print(note, flush=True)
-    _check_resumed_step(start_step, cfg, run_dir)
+    if start_step > cfg.train.max_steps:  # going on would save it as step-<max_steps>, `latest`
+        raise ConfigError(
+            f"train.max_steps: {run_dir} resumed at step {start_step}, past train.max_steps="
+            f"{cfg.train.max_steps}: raise train.max_steps to continue that run, or give this one "
+            "another name or output_dir")
     if env.rank == 0:  # rows a dead run wrote past the resumed step would come twice
         cut_metrics(RunDir(run_dir).metrics, start_step)
     logger = MetricsLogger(str(run_dir), env.rank == 0, cfg.wandb, cfg.name, config_to_dict(cfg),
@@ -295,15 +298,6 @@ def _prepare_run_dir(cfg: RunConfig, rank0: bool) -> tuple[RunStorage, Any]:
     if rank0:
         save_config(cfg, RunDir(storage.local).config)
     return storage, resume_tag
-
-
-def _check_resumed_step(start_step: int, cfg: RunConfig, run_dir: Any) -> None:
-    if start_step > cfg.train.max_steps:
-        # Going on would save this model as checkpoint step-<max_steps> and point `latest` at it.
-        raise ConfigError(
-            f"train.max_steps: {run_dir} resumed at step {start_step}, past train.max_steps="
-            f"{cfg.train.max_steps}: raise train.max_steps to continue that run, or give this one "
-            "another name or output_dir")
 
 
 def _publish_outputs(state: TrainState) -> None:

@@ -26,13 +26,9 @@ CUDA_PEAK_BF16: list[tuple[str, float]] = [
 
 
 def peak_flops(device: torch.device) -> Optional[float]:
-    """Per-device peak FLOP/s: $SCSE_PEAK_FLOPS, else the bf16 table on CUDA, else None.
-
-    None on CPU (unless the env var is set) and for an unknown GPU: MFU is then left out rather
-    than guessed. A CPU has no table entry, and a matmul timed at start-up measures whatever
-    the other jobs on a shared machine leave free, not a peak (it read 51% MFU, and over 100% at
-    times, for a 1.2M-parameter model); tokens/s is the honest figure there.
-    """
+    """Per-device peak FLOP/s: $SCSE_PEAK_FLOPS, else the bf16 table on CUDA, else None (CPU, an
+    unknown GPU): MFU is then left out rather than guessed (a matmul timed at start-up measures
+    what other jobs leave free, not a peak)."""
     if os.environ.get(PEAK_FLOPS_ENV):
         return float(os.environ[PEAK_FLOPS_ENV])
     if device.type == "cuda":
@@ -71,10 +67,8 @@ def format_line(row: dict[str, Any]) -> str:
 
 
 def cut_metrics(path: str | Path, step: int) -> int:
-    """Drop the rows of `path` past `step` (and a torn last line), atomically; returns how many.
-
-    At a resume from checkpoint step N the rows a dead run wrote after N would be written again:
-    without the cut, metrics.jsonl would hold those steps twice and go backwards."""
+    """Drop the rows of `path` past `step` (and a torn last line), atomically; returns how many
+    (at a resume from step N a dead run's rows past N would come twice)."""
     lines = metric_lines(path)
     kept = [line for line, row in lines if row is not None and int(row.get("step", 0)) <= step]
     if len(kept) != len(lines):
@@ -84,11 +78,8 @@ def cut_metrics(path: str | Path, step: int) -> int:
 
 class MetricsLogger:
     """Writes each logged row to the console, run_dir/metrics.jsonl (flushed), wandb and, given a
-    `tensorboard_dir`, TensorBoard (scse_dist.train.tensorboard; `resumed_step`: the checkpoint
-    step the run resumed from, 0 for a fresh start).
-
-    Only rank 0 makes one; the other ranks pass enabled=False and every call is a no-op.
-    """
+    `tensorboard_dir`, TensorBoard (`resumed_step`: the checkpoint step resumed, 0: a fresh
+    start). Rank 0's; the others pass enabled=False and every call is a no-op."""
 
     def __init__(self, run_dir: str, enabled: bool, wandb_cfg: WandbConfig, run_name: str,
                  config_dict: dict[str, Any], tensorboard_dir: Optional[str | Path] = None,
@@ -149,12 +140,8 @@ class MetricsLogger:
         return out
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        for sink, end in ((self._file, "close"), (self._wandb, "finish"),
+                          (self._tensorboard, "close")):
+            if sink is not None:
+                getattr(sink, end)()
+        self._file = self._wandb = self._tensorboard = None

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from scse_dist.config import ConfigError, RunConfig
+from scse_dist.train.engine import resolve_precision
 from scse_dist.train.sizing import GIB, state_memory, training_depths
 
 # Why a candidate does not fit, or None when it does.
@@ -69,7 +70,7 @@ def probe(model: torch.nn.Module, size: int, cfg: RunConfig, depth: Optional[int
     tokens = torch.randint(0, cfg.model.vocab_size, (size, cfg.data.seq_len + 1),
                            generator=torch.Generator().manual_seed(size)).to(device)
     # bf16 runs probe under autocast over fp32 weights (an upper bound), on CPU as on CUDA
-    bf16 = _precision(cfg) == "bf16"
+    bf16 = resolve_precision(cfg.train.engine.precision) == "bf16"
     try:
         with preserved_rng(), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
             out = model(tokens[:, :-1], tokens[:, 1:], depth=depth,
@@ -81,18 +82,13 @@ def probe(model: torch.nn.Module, size: int, cfg: RunConfig, depth: Optional[int
             param.grad = None
 
 
-def _precision(cfg: RunConfig) -> str:
-    from scse_dist.train.engine import resolve_precision
-
-    return resolve_precision(cfg.train.engine.precision)
-
-
 def optimizer_reserve(cfg: RunConfig, model: torch.nn.Module, world_size: int) -> int:
     """Bytes of training state a probe does not hold (it holds fp32 weights and gradients): the
     optimizer's moments and master weights, as DeepSpeed will shard them."""
     n = sum(p.numel() for p in model.parameters())
     held = n * (4 + 4)
-    states = state_memory(n, _precision(cfg), cfg.train.engine.zero_stage, world_size)
+    states = state_memory(n, resolve_precision(cfg.train.engine.precision),
+                          cfg.train.engine.zero_stage, world_size)
     return max(0, int(states.total) - held)
 
 
@@ -197,17 +193,13 @@ def agree(size: int, device: torch.device) -> int:
     return int(value.item())
 
 
-def probe_depth(cfg: RunConfig, model: torch.nn.Module) -> Optional[int]:
-    """The deepest T the run draws (None for an untied model: its one depth)."""
-    return None if model.fixed_depth is not None else max(training_depths(cfg))
-
-
 def find_micro_batch(cfg: RunConfig, model: torch.nn.Module, world_size: int,
                      local_world_size: int, device: torch.device) -> tuple[int, str]:
     """(the micro-batch every rank agreed on, the line that says what was chosen and why)."""
     t = cfg.train
     candidates = t.batch.micro_batch_candidates(world_size)
-    depth = probe_depth(cfg, model)
+    # the deepest T the run draws (None for an untied model: its one depth)
+    depth = None if model.fixed_depth is not None else max(training_depths(cfg))
     model.to(device)  # DeepSpeed would move it there anyway; values unchanged
 
     def run(size: int) -> None:

@@ -83,12 +83,8 @@ def largest_layer(cfg: RunConfig) -> int:
 
 
 def comm_bytes(n_params: int, width: int, zero_stage: int, world_size: int, accum: int) -> float:
-    """Bytes one GPU sends per optimizer step in ring collectives ((W-1)/W of the tensor each).
-
-    ZeRO-0: one all-reduce of the gradients (2 passes); ZeRO-1: reduce-scatter of the gradients
-    and all-gather of the updated weights at the step; ZeRO-2: the reduce-scatter at every
-    micro-batch, the all-gather at the step; ZeRO-3: per micro-batch the weights gathered for
-    forward and again for backward, the gradients reduce-scattered."""
+    """Bytes one GPU sends per optimizer step in ring collectives ((W-1)/W of the tensor each),
+    in passes over the weights (docs/launching.md, "Sizing a run")."""
     share = n_params * width * (world_size - 1) / world_size
     passes = {0: 2, 1: 2, 2: accum + 1, 3: 3 * accum}[zero_stage]
     return passes * share
@@ -144,26 +140,25 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     mode = checkpointing_for(cfg, world_size, precision, budget, capacity)  # auto: by this
     modes = sorted({mode, "none", "loop"}, key=["none", "loop", "block"].index)
 
+    def at_steps(steps: int) -> tuple[list[int], int, dict[str, int]]:
+        """The depths drawn, the deepest, and the largest micro-batch that fits, by mode."""
+        depths = training_depths(cfg, steps)  # one draw per step: seconds at 20,000 steps
+        deepest = max(depths, default=m.depth)
+        return depths, deepest, {k: micro_batch_fits(cfg, deepest, precision, budget,
+                                                     state_total, k, capacity) for k in modes}
+
     # auto's micro-batch needs the deepest T; --tokens' steps need the micro-batch: the run's
     # own steps first, redone if --tokens gives another length
-    first_steps = t.max_steps
-    depths = training_depths(cfg, first_steps)  # one draw per step: seconds at 20,000 steps
-    deepest_t = max(depths, default=m.depth)
-    largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k, capacity)
-               for k in modes}
+    depths, deepest_t, largest = at_steps(t.max_steps)
     micro = next((c for c in candidates if c <= largest[mode]), candidates[-1]) \
         if t.batch.micro_batch_size == "auto" else t.batch.micro_batch_size
     accum = t.batch.grad_accum_for(world_size, micro)
     tokens_per_step = world_size * micro * accum * seq_len
     steps = t.max_steps if a.tokens is None else math.ceil(a.tokens / tokens_per_step)
-    if steps != first_steps:
-        depths = training_depths(cfg, steps)
-        deepest_t = max(depths, default=m.depth)
-        largest = {k: micro_batch_fits(cfg, deepest_t, precision, budget, state_total, k,
-                                       capacity) for k in modes}
-    counts = Counter(depths)
+    if steps != t.max_steps:
+        depths, deepest_t, largest = at_steps(steps)
     run_flops = tokens_per_step * sum(n * flops_per_token(m, d, seq_len, t.depth.backprop_steps)
-                                      for d, n in counts.items())
+                                      for d, n in Counter(depths).items())
     step_flops = run_flops / max(1, steps)
     activations = {k: activation_memory(cfg, deepest_t, precision, micro, k, capacity).total
                    for k in modes}

@@ -57,8 +57,7 @@ class LRSchedule:
             return 1.0
         span = max(1, self.max_steps - 1 - anchor)
         progress = min(1.0, (step - anchor) / span)
-        shape = "cosine" if self.kind == "cosine" else \
-            "linear" if self.kind == "linear" else self.decay_shape
+        shape = self.kind if self.kind in ("cosine", "linear") else self.decay_shape
         return self.min_ratio + (1.0 - self.min_ratio) * _decayed(shape, progress)
 
 

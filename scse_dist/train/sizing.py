@@ -1,41 +1,30 @@
-"""A run's size from its config alone: parameters, depths, and memory per rank. Shared arithmetic
-of `scse-train --dry-run` (this process), `scse-train --plan` (a cluster) and
-`train.batch.micro_batch_size: auto` (the optimizer state a probe does not allocate).
+"""A run's size from its config alone: parameters, depths, and memory per rank, for
+`scse-train --dry-run`, `scse-train --plan` and `micro_batch_size: auto`. In bytes:
 
-Memory per rank is the sum of two parts, in bytes:
-
-Training state (`state_memory`): weights, gradients and optimizer state as DeepSpeed holds them
-for AdamW, per parameter, N ranks, ZeRO stage k sharding its first k kinds (1: optimizer state,
-2: + gradients, 3: + weights):
+Training state (`state_memory`): what DeepSpeed holds for AdamW per parameter, N ranks, ZeRO
+stage k sharding its first k kinds (1: optimizer state, 2: + gradients, 3: + weights):
 
     bf16 (GPU)  weights 2 | gradients 2 (16-bit) + 4 (fp32 copy DeepSpeed's optimizer steps on)
                 | optimizer 4 (fp32 master weights) + 8 (Adam's two moments)
     fp32 (CPU)  weights 4 | gradients 4 | optimizer 8 (moments), + 4 (fp32 master copy of the
                 partition, which DeepSpeed's ZeRO optimizer clones even in fp32) at stage >= 1
 
-At ZeRO-2 bf16 this is DeepSpeed's own estimate (estimate_zero2_model_states_mem_needs without
-offload: 2P + 18P/N); scse-train --plan prints both. At ZeRO-3 the weights add the gathered
-working set: the loop is one ZeRO-3 leaf (gathered whole), and with the shipped
-configs/deepspeed/zero3.json (stage3_max_live_parameters and stage3_max_reuse_distance 1e9) every
-parameter stays gathered from its forward use to its backward one, so up to
-min(P, stage3_max_live_parameters) of them are live at the peak; DeepSpeed's estimator counts only
-its largest layer (4 bytes x its parameters), which this stack's config does not keep to.
+At ZeRO-2 bf16 this is DeepSpeed's estimate (2P + 18P/N). At ZeRO-3 the weights add the gathered
+working set: the loop is one leaf, gathered whole, and with the shipped zero3.json every
+parameter stays gathered from forward to backward: min(P, stage3_max_live_parameters) live.
 
 Activations (`activation_memory`): what autograd keeps for backward in one micro-batch, counted
-from the model's code (blocks.py, loss.py) and checked against the saved tensors' bytes and a real
-engine's peak memory (tests/test_sizing.py). Per token, one block (attention + SwiGLU, width d,
-hidden f) saves 13 d-wide and 4 f-wide tensors at the model's width w (its input, the q/k/v
-projection, rotated q and k, SDPA's output and its reshaped copy, two RMSNorms' inputs and
-outputs, the SwiGLU's four) plus SDPA's log-sum-exp (fp32, one per head; SDPA is flash attention:
-no S x S scores); in bf16 each RMSNorm keeps its input's fp32 copy. Blocks run: n_prelude +
-n_core x core_calls(T) + n_coda. Loop checkpointing keeps of the T loop steps only each step's
-input (d per token) and recomputes one step's n_core blocks in backward, after the coda and the
-loss behind the loop are freed; block checkpointing keeps each block's input and recomputes one
-block. Besides the blocks: the token ids, the anchor's input and scse's r*, the final norm, and the
-chunked loss's gradients of its input (B*S x d) and of the head (V x d). On top of what is saved,
-the largest of three transient peaks: backward's own working set (the gradients of one SwiGLU's
-three f-wide tensors), a recomputed step or block, and the chunked loss's logits at the end of
-forward (loss_chunks_bytes; up to 3 x 64 MiB off CUDA, 3 x 1 GiB at vocab 32000 on an 80 GB GPU).
+from the model's code (blocks.py, loss.py; checked in tests/test_sizing.py). Per token, one block
+(width d, hidden f) saves 13 d-wide and 4 f-wide tensors at the model's width (its input, the
+q/k/v projection, rotated q and k, SDPA's output and its reshaped copy, two RMSNorms' inputs and
+outputs, the SwiGLU's four) plus SDPA's fp32 log-sum-exp per head (flash attention: no S x S
+scores); in bf16 each RMSNorm keeps its input's fp32 copy. Blocks run: n_prelude + n_core x
+core_calls(T) + n_coda. Loop checkpointing keeps only each loop step's input and recomputes one
+step's blocks in backward, after the coda and the loss are freed; block checkpointing keeps each
+block's input. Besides the blocks: token ids, the anchor's input and scse's r*, the final norm,
+the chunked loss's gradients of its input and of the head. On top, the largest transient peak:
+backward's working set (one SwiGLU's three f-wide gradients), a recomputed step or block, or
+the chunked loss's logits at the end of forward (loss_chunks_bytes).
 """
 
 from __future__ import annotations

@@ -18,16 +18,13 @@ class StepResult(NamedTuple):
     skipped: bool  # non-finite loss or gradient on some rank: no update anywhere
     stop: bool  # some rank was asked to stop (preemption): save after this step
     depth: int  # the loop depth the step ran
-    # sum over micro-batches of each one's z-loss term (train.loss.z_loss > 0), else None
-    z_loss_sum: Optional[torch.Tensor] = None
-    # update_gate refused this (finite) step: no update anywhere, `skipped` stays False
-    refused: bool = False
-    # what update_gate was shown: the loss averaged over all ranks and micro-batches, and the
-    # global gradient norm before clipping (None when no gate asked)
+    z_loss_sum: Optional[torch.Tensor] = None  # the same for train.loss.z_loss's term, else None
+    refused: bool = False  # update_gate refused this finite step: no update, `skipped` False
+    # what update_gate was shown (None when no gate asked): the loss over ranks, the global
+    # gradient norm before clipping
     loss: Optional[float] = None
     grad_norm: Optional[float] = None
-    # train.loss.depth two_depths: sum over micro-batches of the cross-entropy at the short depth,
-    # and how many micro-batches had it (0 when the step's T <= short), else None
+    # train.loss.depth: the short depth's cross-entropy, summed over the micro-batches that had it
     short_loss_sum: Optional[torch.Tensor] = None
     short_micro_batches: int = 0
 

@@ -36,22 +36,15 @@ def tensorboard_log_dir(cfg: RunConfig, run_dir: str | Path) -> Optional[Path]:
         Path(run_dir) / TENSORBOARD_NAME
 
 
-def _number(value: Any) -> Optional[float]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """The row's numbers by TensorBoard tag (see the module docstring)."""
     kind = row.get("kind")
     group = "train" if kind is None else str(kind)
     out = {}
     for key, value in row.items():
-        number = _number(value)
-        if key in ("step", "kind") or number is None:
-            continue
-        out[key if "/" in key else f"{group}/{key}"] = number
+        if key not in ("step", "kind") and isinstance(value, (int, float)) \
+                and not isinstance(value, bool):
+            out[key if "/" in key else f"{group}/{key}"] = float(value)
     return out
 
 

@@ -86,13 +86,11 @@ class UpdateClippedAdamW(torch.optim.AdamW):
         assert p.grad is not None  # step passes only the tensors with a gradient
         sums = ratio_sums(p.grad, state["exp_avg_sq"], state["step"], group["betas"][1],
                           group["eps"], layout)
-        if layout is None:
-            numels = torch.tensor([p.numel()], dtype=torch.float32, device=sums.device)
-        else:
-            if layout.group is not None and dist.is_initialized() \
-                    and dist.get_world_size(layout.group) > 1:
-                dist.all_reduce(sums, group=layout.group)
-            numels = torch.tensor(layout.numels, dtype=torch.float32, device=sums.device)
+        if layout is not None and layout.group is not None and dist.is_initialized() \
+                and dist.get_world_size(layout.group) > 1:
+            dist.all_reduce(sums, group=layout.group)
+        numels = torch.tensor([p.numel()] if layout is None else layout.numels,
+                              dtype=torch.float32, device=sums.device)
         return clip_factors(sums, numels, self.update_clip)
 
 

@@ -80,8 +80,7 @@ def maybe_init_from(model: "nn.Module", train_cfg, has_checkpoint: bool, rank0: 
     if has_checkpoint:
         if rank0:
             print(f"train.start.init_from ignored: resuming this run's checkpoint instead of "
-                  f"{source}",
-                  flush=True)
+                  f"{source}", flush=True)
         return
     skipped = init_from_export(model, source, train_cfg.start.init_from_strict)
     if rank0:

@@ -1,9 +1,6 @@
-"""A run's callbacks: the built-in ones, train.callbacks (a user's own, named
-`package.module:Class`) and those `train(cfg, callbacks=[...])` is given, in hook order
-(priority); their states as a checkpoint saves them and a resume restores them.
-
-No torch here: scse-train builds the configured callbacks before it imports torch, so a bad entry
-is one ConfigError line (exit status 2) before anything starts.
+"""A run's callbacks: the built-ins, train.callbacks' (`package.module:Class`) and train()'s, in
+hook order, and their states in a checkpoint. No torch: a bad entry is one ConfigError line
+(exit status 2) before scse-train imports it.
 """
 
 from __future__ import annotations

@@ -57,12 +57,10 @@ class TrainState:
     preemption: Optional[PreemptionFlag] = None  # the trainer's signal flag (train() sets it)
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
-    # Entries a hook adds to this step's metrics row (MetricsCallback logs them with its row, or
-    # in a row of their own on a step it does not log) and then clears: loop diagnostics.
+    # entries a hook adds to this step's metrics row (MetricsCallback logs them, then clears)
     metrics_extra: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)  # returned by train(); hooks add to it
-    # The run's callbacks in hook order (set by train(); a checkpoint saves their states).
-    callbacks: list[Callback] = field(default_factory=list)
+    callbacks: list[Callback] = field(default_factory=list)  # in hook order (set by train())
 
     @property
     def result(self) -> StepResult:

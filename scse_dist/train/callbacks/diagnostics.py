@@ -1,13 +1,8 @@
-"""train.diagnostics_every: the loop diagnostics (scse_dist.train.diagnostics;
-docs/loop-diagnostics.md) into that step's metrics row (state.metrics_extra): gradient shares and
-a copy of the weights at the update boundary (before_update), then the update ratios against that
-copy (kept for that step only) and the loop's state on a fixed held-out batch after the step.
-Their time counts in the step's (state.step_seconds), so the logged tokens/s and MFU do too.
-
-Not under ZeRO-3 (parameters and gradients are partitioned and the direct calls into the model's
-pieces would bypass ZeRO-3's gathering hooks). At 1-2 every rank computes the gradient shares and
-update ratios (safe_get_full_grad and safe_get_full_fp32_param all-reduce); only rank 0 runs the
-forward pass.
+"""train.diagnostics_every: the loop diagnostics (docs/loop-diagnostics.md) into that step's row
+(state.metrics_extra): gradient shares and a weight copy at the update boundary, then the update
+ratios and the loop's state on a fixed held-out batch after the step, their time counted in the
+step's. Not under ZeRO-3 (direct calls into the model's pieces would bypass its gathering);
+at ZeRO-1/2 every rank joins the all-reduces, only rank 0 runs the forward.
 """
 
 from __future__ import annotations

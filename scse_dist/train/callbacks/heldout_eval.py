@@ -36,10 +36,8 @@ def agreed_batches(batches: Iterator[torch.Tensor], limit: int, device: torch.de
 
 def forward_rows(model: torch.nn.Module, batches: Iterator[torch.Tensor], depths: list[int],
                  eos_id: Optional[int] = None) -> list[dict]:
-    """evaluate_heldout's rows through the model's own forward (loss_by_depth). Under ZeRO-3:
-    the evaluation scorer reads the LM head's weight outside the forward, where ZeRO-3 holds it
-    partitioned; inside, its hooks gather every parameter. Equal to evaluate_heldout to ~1e-9.
-    eos_id: as evaluate_heldout's (model.document_mask)."""
+    """evaluate_heldout's rows through the model's own forward (loss_by_depth), for ZeRO-3, whose
+    hooks gather the LM head only inside the forward (the scorer reads it outside)."""
     nll = {d: 0.0 for d in depths}
     tokens, was_training = 0, model.training
     untied = getattr(model, "fixed_depth", None) is not None
@@ -87,9 +85,7 @@ class HeldoutEvalCallback(Callback):
         self.depths: list[int] = []
 
     def on_start(self, state: TrainState) -> None:
-        model = state.engine.module
-        # an untied model reads out its own depth only (said once here, not at every eval)
-        fixed: Optional[int] = getattr(model, "fixed_depth", None)
+        fixed: Optional[int] = getattr(state.engine.module, "fixed_depth", None)  # untied: its own
         self.depths = [fixed] if fixed is not None else sorted(set(state.cfg.eval.depths))
         self._stream(state)  # a missing or too small held-out split fails now, not at step N
 

@@ -15,16 +15,14 @@ from scse_dist.train.step import sum_over_ranks
 
 
 class MetricsCallback(Callback):
-    """Averages the loss over the steps since the last row (all ranks, one all-reduce per row).
-    Throughput and step time count the optimizer steps' own time (their data loading and the loop
-    diagnostics included), not what hooks do between them (evaluation, samples, checkpoint
-    saves)."""
+    """Averages the loss over the steps since the last row (all ranks, one all-reduce per row);
+    throughput and step time count the steps' own time (data and diagnostics included), not
+    evaluations or checkpoint saves between them."""
 
     priority = 300
 
     def __init__(self) -> None:
-        # The run's first and last logged loss (summary["first_loss"], ["final_loss"]): its state,
-        # so that the first stays the run's first across resumes.
+        # The run's first and last logged loss: its state, so the first stays across resumes
         self.first_loss: Optional[float] = None
         self.last_loss: Optional[float] = None
 
@@ -53,14 +51,11 @@ class MetricsCallback(Callback):
     def on_step_end(self, state: TrainState) -> None:
         result = state.result
         if not result.skipped:
-            z_sum = result.loss_sum.new_zeros(()) if result.z_loss_sum is None else \
-                result.z_loss_sum
-            short_sum = result.loss_sum.new_zeros(()) if result.short_loss_sum is None else \
-                result.short_loss_sum
-            self.loss_window += torch.stack(
-                [result.loss_sum, torch.tensor(float(result.micro_batches)).to(result.loss_sum),
-                 z_sum, short_sum,
-                 torch.tensor(float(result.short_micro_batches)).to(result.loss_sum)])
+            zero = result.loss_sum.new_zeros(())
+            z_sum = zero if result.z_loss_sum is None else result.z_loss_sum
+            short_sum = zero if result.short_loss_sum is None else result.short_loss_sum
+            self.loss_window += torch.stack([result.loss_sum, zero + result.micro_batches, z_sum,
+                                             short_sum, zero + result.short_micro_batches])
         self.window_steps += 1
         self.window_seconds += state.step_seconds
         self.window_flops += self.flops_per_token(state.cfg.model, result.depth,

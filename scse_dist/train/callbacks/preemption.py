@@ -1,9 +1,5 @@
-"""Preemption: SIGTERM, SIGUSR1 and Ctrl-C (SIGINT) finish the step in flight, save it, exit 75.
-
-The flag (PreemptionFlag, which train_step reads) is the trainer's, installed before anything else
-in train(), so a signal during start-up is honoured at the first step. A second Ctrl-C stops at
-once (exit 130) without saving: see PreemptionFlag.
-"""
+"""Preemption: SIGTERM, SIGUSR1 and Ctrl-C (SIGINT) finish the step in flight, save it, exit 75
+(the flag is scse_dist.train.faults.PreemptionFlag, installed first in train())."""
 
 from __future__ import annotations
 

@@ -20,11 +20,9 @@ from scse_dist.train.callbacks.base import Callback, TrainState
 
 def window_schedule(first_step: int, start: int, warmup: int, steps: int
                     ) -> Callable[[int], ProfilerAction]:
-    """The profiler's action for optimizer step k (the profiler's step_num, set to the first step
-    this process runs, `first_step`): warmup before `start` (as many steps as fit from
-    first_step on), record `start` .. start + steps - 1 (from first_step on, for a run resumed
-    inside the window), save at the last. The profiler also asks once for step 0 when it is
-    built: any k below first_step means first_step."""
+    """The profiler's action for optimizer step k from `first_step` (this process's first; the
+    profiler's query for 0 at build time means it): warmup before `start` (as many steps as
+    fit), record start .. start + steps - 1, save at the last."""
     warmup = max(0, min(warmup, start - first_step))
     last = start + steps - 1
 
@@ -36,10 +34,6 @@ def window_schedule(first_step: int, start: int, warmup: int, steps: int
             return ProfilerAction.WARMUP
         return ProfilerAction.RECORD_AND_SAVE if k == last else ProfilerAction.RECORD
     return action
-
-
-def trace_name(rank: int, first: int, last: int) -> str:
-    return f"rank{rank}.steps{first}-{last}"
 
 
 class ProfilerCallback(Callback):
@@ -101,7 +95,7 @@ class ProfilerCallback(Callback):
     def _save(self, profiler: Any) -> None:
         if not self.recorded:
             return
-        name = trace_name(self.rank, self.recorded[0], self.recorded[-1])
+        name = f"rank{self.rank}.steps{self.recorded[0]}-{self.recorded[-1]}"
         trace = self.dir / f"{name}.pt.trace.json"
         profiler.export_chrome_trace(str(trace))
         sort = "self_cuda_time_total" if ProfilerActivity.CUDA in profiler.activities \
