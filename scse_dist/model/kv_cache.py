@@ -1,18 +1,14 @@
 """A KV cache for looped LMs: one slot per physical block x loop step.
 
-A looped model attends at every loop step: the core's blocks at step t attend over the previous
-tokens' step-t keys and values. So a cache holds one slot per (prelude block), (core block, step)
-and (coda block); scse adds one slot per core block for r* = Phi(h*), whose attention runs over the
-previous tokens' h*-path K/V. Each new token then costs one token at depth T (+1 core call for
-scse's r*), never a re-run of the prefix: h* = a(s) and r* are computed once per token, when the
-token enters, and live on only through their K/V slots (no later token needs more of them).
+The core's blocks at step t attend over the previous tokens' step-t keys and values, so a cache
+holds one slot per prelude block, (core block, step) and coda block; scse adds one per core block
+for r* = Phi(h*). Each new token costs one token at depth T, never a re-run of the prefix.
 
 Modes:
   exact   (default) one slot per (core block, step): token-identical to recomputing the whole
           sequence without a cache.
   shared  one slot per physical core block, overwritten at each step (Huginn's compress-s with
-          s = 1): a new token at step t attends to the previous tokens' last-step K/V. Memory is
-          constant in T; the likelihood moves (benchmarks/bench_generate.py measures how far).
+          s = 1): memory constant in T; the likelihood moves.
 
 Use (LoopedLM.decode_step): the prompt is one call, each generated token another:
 
@@ -20,10 +16,6 @@ Use (LoopedLM.decode_step): the prompt is one call, each generated token another
     out = model.decode_step(prompt, cache, attention_mask=mask)   # left-padded (B, S) prompts
     out = model.decode_step(next_tokens[:, None], cache)          # logits (B, 1, V)
 
-Attention calls `KVSlot.update(k, v)` (blocks.KVHook) with the keys and values of the new tokens
-after RoPE and attends over what it returns: the cached ones followed by the new ones. A slot may
-be updated several times in one call (shared mode: once per step; a per-step read-out): each
-overwrites the last, and `commit`, at the end of the call, keeps the last.
 """
 
 from __future__ import annotations
@@ -37,12 +29,10 @@ CACHE_MODES = ("exact", "shared")
 
 
 class KVSlot:
-    """The cached keys and values of one attention call site, (B, H, L, head_dim) each.
-
-    Held in buffers with spare room (doubled when full), so appending a token copies only that
-    token: the cost of a new token does not grow with L beyond attention's own reads. `update`
-    writes the new K/V after the cached ones and returns views up to them; a second update in the
-    same call (shared mode, a per-step read-out) overwrites the same place."""
+    """The cached keys and values of one attention call site, (B, H, L, head_dim) each, in
+    buffers with spare room (doubled when full). `update` writes the new K/V after the cached ones
+    and returns views up to them; a second update in the same call overwrites the same place;
+    `commit` keeps it."""
 
     def __init__(self) -> None:
         self.k_buf: Optional[torch.Tensor] = None
