@@ -6,8 +6,6 @@ The residual form is a switch of `Block` (config `residual`):
   deepnorm  LN(alpha*h + G(h))            DeepNet constants for N layers
   deeploop  LN(alpha*h + G(h))            DeepLoop constants, N counts every loop visit
 where G is attention then SwiGLU (two sub-layers per block, each with its own residual).
-Under a Post-LN residual, model.branch_scale=forward holds the matrices DeepNet initialises at gain
-beta (value, output, FFN) at gain 1 and multiplies their outputs by beta in the forward instead.
 """
 
 from __future__ import annotations

@@ -27,8 +27,7 @@ class ModelConfig:
     n_coda: int = 1
     # A name in transitions.TRANSITIONS: untied, looped, additive, scse (or one registered there).
     recurrence: str = "scse"
-    # `untied` only: match the looped model's unrolled depth (n_prelude + n_core*depth + n_coda
-    # distinct blocks) or its parameter count (n_prelude + n_core + n_coda blocks, no loop).
+    # `untied` only: match the looped model's unrolled depth or its parameter count (no loop).
     untied_match: Literal["depth", "params"] = "depth"
     residual: Literal["preln", "deepnorm", "deeploop"] = "deeploop"
     # How the source re-enters each step. "default": none for scse/looped, add for additive.
@@ -42,28 +41,22 @@ class ModelConfig:
     # tracks the core's output scale. auto: core_norm where it applies (scse, Post-LN, the learned
     # anchor), else free.
     anchor_scale: Literal["auto", "free", "core_norm"] = "free"
-    # Weight of a loss term that keeps the loop moving (computed in LoopCore, no extra core
-    # call): mean hinge (floor - |D_T|/|D_0|)_+ plus the late motion |D_T - D_{T-1}| / |D_T|.
+    # Weight of a loss term that keeps the loop moving (recurrence.stability_penalty).
     loop_stability: float = 0.0
-    # The T in the unrolled depth N that the residual constants (deepnorm/deeploop alpha, beta;
-    # preln's output-projection init) come from; 0: `depth`. Set it to the largest trained depth.
+    # The T in the unrolled depth N of the residual constants and init; 0: `depth`.
     residual_depth: int = 0
     # Where deepnorm/deeploop's beta acts: init, the xavier gain of the value, output and FFN
     # matrices (DeepNet); forward, those at gain 1 and their outputs multiplied by beta. auto:
     # forward under a Post-LN residual, init under preln (no beta).
     branch_scale: Literal["init", "forward", "auto"] = "init"
-    # Nominal loop depth T: the default forward depth, the mean of sampled training depth, and
-    # the T in the unrolled depth N that deepnorm/deeploop constants are computed from.
+    # Nominal loop depth T: the default forward depth and the mean of sampled training depth.
     depth: int = 4
-    # auto: the trainer picks none or loop from the planner's memory estimate
-    # (scse_dist.train.sizing.checkpointing_for); the model itself reads auto as none.
+    # auto: the trainer picks none or loop from its memory estimate; the model reads it as none.
     activation_checkpointing: Literal["none", "loop", "block", "auto"] = "none"
     tie_embeddings: bool = True
-    # RMSNorm on each head's queries and keys (over head_dim, one gain per channel shared by the
-    # heads) before RoPE, in every block (OLMo 2, Qwen3): bounds the attention logits.
+    # RMSNorm on each head's queries and keys before RoPE (OLMo 2, Qwen3): bounds the logits.
     qk_norm: bool = False
-    # Attention within documents (documents.py): a token attends only to earlier tokens of its
-    # own packed document, in every block at every loop step. Off: causal over the whole window.
+    # Attention within each packed document (documents.py); off: causal over the whole window.
     document_mask: bool = False
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0

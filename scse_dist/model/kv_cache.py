@@ -10,12 +10,7 @@ Modes:
   shared  one slot per physical core block, overwritten at each step (Huginn's compress-s with
           s = 1): memory constant in T; the likelihood moves.
 
-Use (LoopedLM.decode_step): the prompt is one call, each generated token another:
-
-    cache = KVCache("exact")
-    out = model.decode_step(prompt, cache, attention_mask=mask)   # left-padded (B, S) prompts
-    out = model.decode_step(next_tokens[:, None], cache)          # logits (B, 1, V)
-
+Use: LoopedLM.decode_step, once with the prompt, then once per generated token.
 """
 
 from __future__ import annotations
@@ -110,11 +105,8 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def positions(self, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE position ids (B, S) and the attention mask (B, 1, S, L + S) of new tokens.
-
-        attention_mask (B, S): 1 real, 0 padding (left padding in the prompt). Each row counts
-        positions from its first real token, so a left-padded row gets its unpadded positions.
-        A new token sees the cached real tokens, the new real ones up to itself, and itself.
+        """RoPE position ids (B, S), counted from each row's first real token, and the attention
+        mask (B, 1, S, L + S) of new tokens given their attention_mask (B, S): 1 real, 0 padding.
         """
         b, s = attention_mask.shape
         new = attention_mask.bool()
@@ -131,8 +123,7 @@ class KVCache:
         return position_ids, _causal_mask(keys, s)
 
     def trailing_mask(self, s: int) -> torch.Tensor:
-        """(B, 1, s, L) attention mask of the last s cached tokens as queries (self-speculative
-        verification: their keys are in some slots already, and are appended to the others)."""
+        """(B, 1, s, L) attention mask of the last s cached tokens as queries (verify)."""
         assert self.key_mask is not None  # tokens are cached
         return _causal_mask(self.key_mask, s)
 
@@ -189,12 +180,8 @@ class _StepHook:
 
 class LoopKV:
     """The core's view of the K/V during one loop run (LoopCore.adaptive): each step's hooks.
-
-    `active` (B, S) bool, set by the loop under an exit rule: tokens still iterating. An exited
-    token's latest K/V stand in for the steps it skips, at every later step and, via `finish`,
-    in the cache slots of steps the loop did not run at all. cache None (teacher-forced adaptive
-    depth, no generation): only that stand-in, nothing is kept.
-    """
+    `active` (B, S): tokens still iterating; an exited token's latest K/V stand in for the steps
+    it skips (and, via `finish`, fill their cache slots). cache None: nothing is kept."""
 
     def __init__(self, cache: Optional[KVCache], core) -> None:
         self.cache, self.core = cache, core

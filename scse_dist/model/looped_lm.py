@@ -36,8 +36,8 @@ class LMOutput(NamedTuple):
     steps_used: Optional[torch.Tensor] = None  # (B, S) long: loop steps per token (exit_rule)
     # cfg.loop_stability's weighted term (training); the trainer adds it to `loss` before backward
     aux_loss: Optional[torch.Tensor] = None
-    # forward(z_loss=w > 0): w * mean(logsumexp(logits)^2) at the final depth, and `objective` =
-    # loss + z_loss, what training backpropagates (`loss` and `z_loss` are its parts, for logging)
+    # forward(z_loss=w > 0): w * mean(logsumexp(logits)^2), and loss + z_loss, what training
+    # backpropagates
     z_loss: Optional[torch.Tensor] = None
     objective: Optional[torch.Tensor] = None
 
@@ -198,18 +198,14 @@ class LoopedLM(nn.Module):
         readout_depths: coda+head applied at each of these depths of the same loop run.
         backprop_steps=k > 0: gradients flow through only the last k loop steps.
         initial_state: (B, S, d) replaces H0.
-        attention_mask: (B, S) 1 for real tokens, 0 for padding (left padding: generation,
-        batched evaluation); padding keys are masked in every block. position_ids: (B, S) RoPE
-        positions; with a mask and no position_ids, each row counts from its first real token.
-        Both None (training): plain causal attention at positions 0..S-1, the path whose numbers
-        every test pins. document_ids: (B, S) ids of the packed documents (`documents`; not with
-        attention_mask): each token attends only to earlier tokens of its document, in every
-        block at every loop step (model.document_mask; documents.py). Generation with a KV
-        cache across loop steps: decode_step.
-        exit_rule: adaptive depth per token (eval, no grad; LoopCore.adaptive): the loop runs up
-        to the rule's max_steps (else the depth above), each token stops when the rule fires, and
-        the output's steps_used says how many steps each took. Not with readout_depths,
-        backprop_steps or initial_state. The loop's per-step norms: LoopCore.trace.
+        attention_mask: (B, S) 1 for real tokens, 0 for (left) padding, whose keys every block
+        masks. position_ids: (B, S) RoPE positions; with a mask and none, each row counts from its
+        first real token. Both None (training): plain causal attention at positions 0..S-1.
+        document_ids: (B, S) ids of the packed documents (`documents`; not with attention_mask):
+        each token attends only within its document (documents.py).
+        exit_rule: adaptive depth per token (eval, no grad; LoopCore.adaptive) up to the rule's
+        max_steps (else the depth above); steps_used says how many steps each token took. Not
+        with readout_depths, backprop_steps or initial_state.
         z_loss: weight of PaLM's z-loss at the final depth (training; needs targets): the output's
         z_loss and objective (LMOutput). `loss` stays the cross-entropy.
         """
@@ -300,12 +296,9 @@ class LoopedLM(nn.Module):
         """Logits of new tokens given the ones in `cache`, whose K/V it then appends
         (scse_dist.model.kv_cache). The prefill is the same call with the whole prompt.
 
-        tokens (B, S); attention_mask (B, S): 1 real, 0 padding (left-padded prompts; None: all
-        real). depth: loop steps (default cfg.depth, untied: its fixed depth); every call on one
-        cache runs the same depth. exit_rule: per-token early exit (LoopCore.adaptive), its
-        max_steps (if set) replacing depth, as in forward; a token that exits keeps its state and
-        its latest K/V fill the cache slots of the steps it skipped. Each new token costs one
-        token at that depth (+1 core call for scse), whatever the cache's length.
+        tokens (B, S); attention_mask (B, S): 1 real, 0 padding (None: all real). depth: loop
+        steps (default cfg.depth), the same for every call on one cache. exit_rule: per-token
+        early exit, as in forward; an exited token's latest K/V fill the slots of skipped steps.
         """
         if exit_rule is not None:
             depth = exit_rule.max_steps or depth

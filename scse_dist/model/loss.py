@@ -92,11 +92,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                           targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of `F.linear(hidden, weight)` against `targets` over the targets not
-    equal to IGNORE_INDEX, in fp32, computed in row chunks (module docstring).
-
-    hidden: (..., d); weight: (V, d); targets: hidden's leading shape, long.
-    """
+    """Mean fp32 cross-entropy of `F.linear(hidden, weight)` (hidden (..., d), weight (V, d))
+    against `targets` (long, hidden's leading shape) except IGNORE_INDEX, in row chunks."""
     return _apply(hidden, weight, targets, 0.0)[0]
 
 

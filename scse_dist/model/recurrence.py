@@ -266,12 +266,11 @@ class LoopCore(nn.Module):
                  rope: Optional[RopeTables] = None, mask: Optional[AttnMask] = None,
                  log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  kv: Optional[LoopKV] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token exit, teacher-forced and batched (eval; no grad): up to rule.cap(depth)
-        steps; after step t a token whose rule fires keeps its loop variable (x_{t+1} =
-        where(active, step(x_t), x_t)) and its latest K/V in every core block (LoopKV.active), so
-        later steps of the other tokens attend to its latest available K/V. The loop stops once
-        every token has exited. Returns h and steps_used (B, S) long. log_probs(h) -> (B, S, V):
-        the per-step read-out rule.needs_readout asks for. rule None: `depth` steps for all.
+        """Per-token exit, teacher-forced and batched (eval; no grad): up to rule.cap(depth) steps;
+        a token whose rule fires keeps its loop variable and its latest K/V (LoopKV.active); the
+        loop stops once every token has exited. Returns h and steps_used (B, S) long.
+        log_probs(h) -> (B, S, V): the per-step read-out rule.needs_readout asks for. rule None:
+        `depth` steps for all.
         kv: a KV cache's view (decode_step); None: one that only carries exited tokens' K/V.
         """
         if rule is not None and rule.needs_readout and log_probs is None:

@@ -34,9 +34,8 @@ def check_draft_depth(draft_depth: int, depth: int) -> None:
 @torch.no_grad()
 def draft(model, tokens: torch.Tensor, cache: KVCache, draft_depth: int, depth: int,
           attention_mask: Optional[torch.Tensor] = None, readout: bool = True) -> Drafted:
-    """New tokens through the prelude, the loop's first `draft_depth` steps and the draft's
-    coda: their depth-d logits, and what `verify` continues from. Commits the tokens to the
-    cache (their deeper step slots and the full-depth coda's stay to be filled by verify).
+    """New tokens through the prelude, the loop's first `draft_depth` steps and the draft's coda:
+    their depth-d logits and what `verify` continues from; commits the tokens to the cache.
     readout=False skips the head (a round's last drafted token: only its K/V are needed)."""
     check_draft_depth(draft_depth, depth)
     if cache.mode != "exact":

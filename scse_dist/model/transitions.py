@@ -25,8 +25,7 @@ if TYPE_CHECKING:  # annotations only: this module stays free of torch (scse_dis
 
     import torch
 
-# Per-forward tensors (source, anchor, cos, sin, mask, ...) and, when decoding with a KV cache,
-# "kv": the cache's LoopKV view.
+# Per-forward tensors (source, anchor, cos, sin, mask, ...) and a KV cache's LoopKV view ("kv").
 Context = dict[str, Any]
 
 
@@ -41,8 +40,7 @@ class Core(Protocol):
             rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
             mask: Optional[torch.Tensor] = None, kv: Optional[Sequence[Any]] = None
             ) -> torch.Tensor:
-        """One core application Phi(h) with the source s, step t's block group, RoPE's (cos,
-        sin), the attention mask and one KV hook per core block (blocks.KVHook)."""
+        """One core application Phi(h) (LoopCore.phi)."""
 
     def phi_ctx(self, h: torch.Tensor, ctx: Context, t: int = 0, response: bool = False
                 ) -> torch.Tensor:
