@@ -225,23 +225,17 @@ def local_export(path: str | os.PathLike) -> Iterator[str]:
         raise OSError(f"export {exc}") from None
 
 
-def _read_aliases(weights: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    with safe_open(str(weights), framework="pt") as f:
-        raw = (f.metadata() or {}).get(_ALIASES_KEY, "{}")
-    return json.loads(raw)
-
-
 def read_export_weights(weights: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The tensors of an export's model.safetensors, tied aliases restored (InputError if
     unreadable)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     weights = str(weights)
     try:
         state = load_file(weights)
-        aliases = _read_aliases(Path(weights))
+        with safe_open(weights, framework="pt") as f:
+            aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
     except (SafetensorError, OSError, json.JSONDecodeError) as exc:
         raise InputError(f"{weights!r} is not a readable safetensors export: {exc}") from None
     for alias, source in aliases.items():
@@ -277,12 +271,9 @@ def describe_mismatch(problems: dict[str, list[str]], show: int = 5) -> str:
 
 def load_exported_model(path: str | os.PathLike, device: str | torch.device = "cpu"
                         ) -> tuple["LoopedLM", RunConfig]:
-    """Load an export (its directory, or its .safetensors file beside config.yaml), strictly.
-
-    Returns the model in eval mode on `device` and its RunConfig. Raises FileNotFoundError when a
-    file is missing and InputError (a ValueError), naming both files, when the weights do not fit
-    the config.
-    """
+    """Load an export (its directory, or its .safetensors file beside config.yaml), strictly: the
+    model in eval mode on `device` and its RunConfig. FileNotFoundError when a file is missing,
+    InputError naming both files when the weights do not fit the config."""
     from scse_dist.model import LoopedLM
 
     weights, config = _resolve_paths(path)

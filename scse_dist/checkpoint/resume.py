@@ -133,8 +133,8 @@ def _move_previous_run(run_dir: Path) -> Optional[Path]:
 
 
 def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
-    """train.start.resume_from: that tag, verified, made `latest`; the newer tags moved aside (they
-    belong to the abandoned continuation, and pruning would otherwise keep them over the new)."""
+    """train.start.resume_from: that tag, verified, made `latest`; the newer tags moved aside
+    (pruning would otherwise keep them over the new ones)."""
     root = checkpoint_dir(run_dir)
     if remote:
         raise ConfigError("train.start.resume_from: not supported with a remote output_dir "
@@ -163,8 +163,7 @@ def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
 
 
 def branch_source(spec: str) -> Path:
-    """train.start.branch_from's tag dir: the tag named, or a run dir's newest intact one,
-    verified."""
+    """train.start.branch_from's tag dir, verified: the tag named, or a run dir's newest intact."""
     if "://" in spec:
         raise ConfigError(f"train.start.branch_from: {spec!r}: local paths only; copy the run dir "
                           "(or the tag) here first")
@@ -187,8 +186,7 @@ def branch_source(spec: str) -> Path:
 
 def _link_tag(source: Path, root: Path) -> None:
     """source's files into root/<its name>, hard-linked where the file system allows (a tag's
-    files are never written again: saves make new tags), else copied; atomically (a .tmp- dir,
-    renamed), so a kill leaves no half tag."""
+    files are never written again), else copied, through a .tmp- dir renamed at the end."""
     tmp = root / f"{TMP_PREFIX}{source.name}"
     if tmp.exists():
         shutil.rmtree(tmp)

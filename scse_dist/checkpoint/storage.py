@@ -33,15 +33,10 @@ def _tag(tag: str) -> str:
     return f"{CHECKPOINTS_NAME}/{tag}"
 
 
-def _upload_policy() -> tuple[int, float]:
-    attempts = int(os.environ.get(UPLOAD_ATTEMPTS_ENV, "5"))
-    backoff = float(os.environ.get(UPLOAD_BACKOFF_ENV, "0.5"))
-    return max(1, attempts), backoff
-
-
 def _retry(what: str, action: Callable[[], Any]) -> Any:
     """`action()`, retried on any error with exponential backoff (backoff, 2x, 4x, ... seconds)."""
-    attempts, backoff = _upload_policy()
+    attempts = max(1, int(os.environ.get(UPLOAD_ATTEMPTS_ENV, "5")))
+    backoff = float(os.environ.get(UPLOAD_BACKOFF_ENV, "0.5"))
     for attempt in range(1, attempts + 1):
         try:
             return action()
@@ -147,9 +142,8 @@ class RunStorage:
         return latest.read_text().strip() if latest.is_file() else None
 
     def _staging_is_newer(self, remote_tag: Optional[str]) -> bool:
-        """Staging holds a newer committed tag than the remote `latest` (its upload failed, or the
-        run was killed mid-upload, on this machine): resume from it and upload it again, rather
-        than going back to the remote tag."""
+        """Staging holds a newer committed tag than the remote `latest` (its upload failed): resume
+        from it and upload it again."""
         tag = self._staging_tag()
         path = RunDir(self.local).checkpoints / tag if tag else None
         if not tag or path is None or not path.is_dir() or \
@@ -176,8 +170,7 @@ class RunStorage:
     def start_upload(self, tag: str, source: Path, manifest: dict[str, int],
                      faults: Any = None) -> None:
         """Upload this node's copy of `tag` (in `source`) in a background thread, after any tag an
-        earlier upload failed on; rank 0 then verifies the remote tag against `manifest` and only
-        then publishes the remote `latest`. Call wait() first: one upload in flight at most."""
+        earlier upload failed on; rank 0 then verifies it against `manifest` and publishes it."""
         if self.remote is None or local_rank() != 0 or not source.is_dir():
             return
         self.wait()
