@@ -21,8 +21,7 @@ import torch.distributed as dist
 # Collective timeout: a dead peer makes the others fail after this long instead of hanging forever.
 DEFAULT_TIMEOUT_S = 600
 TIMEOUT_ENV = "SCSE_DIST_TIMEOUT_S"
-# Slurm jobs without MASTER_PORT get a port derived from the job id, so every task of the job agrees
-# on it without talking, and two jobs on one node rarely collide.
+# Slurm jobs without MASTER_PORT derive a port from the job id: every task agrees without talking.
 SLURM_PORT_BASE = 20000
 SLURM_PORT_SPAN = 20000
 
