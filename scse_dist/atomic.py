@@ -72,8 +72,7 @@ def _made_parents(fs: Any, path: str) -> Iterator[None]:
 def removed_on_failure(path: Path, keep: Callable[[BaseException], bool] = lambda exc: False
                        ) -> Iterator[None]:
     """A local folder the body makes (with the parents it lacks) is removed whole when the body
-    fails, unless `keep(error)`: a run that cannot start leaves no run dir. A folder that exists
-    already is kept."""
+    fails, unless `keep(error)`; a folder that exists already is kept."""
     missing = list(itertools.takewhile(lambda p: not p.exists(), [path, *path.parents]))
     try:
         yield

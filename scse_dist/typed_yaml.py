@@ -121,11 +121,9 @@ def _is_dotted(path: list[str], dotted: tuple[str, ...]) -> bool:
 
 
 def apply_overrides(values: dict, overrides: list[str], dotted: tuple[str, ...] = ()) -> dict:
-    """Apply `a.b.c=value` strings (value parsed as YAML) to a nested dict, in place.
-
-    `dotted`: the mappings (their paths, `*` for any one name) whose keys are dotted paths
-    themselves, like a study spec's `overrides: {data.path: ...}`: an override into one takes
-    the rest of its key as one key (`overrides.data.path=x` sets overrides["data.path"])."""
+    """Apply `a.b.c=value` strings (value parsed as YAML) to a nested dict, in place. `dotted`:
+    paths (`*` for any one name) of mappings whose keys are dotted paths themselves: an override
+    into one takes the rest of its key as one key (`overrides.data.path=x`)."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key.sub=value")

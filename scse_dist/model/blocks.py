@@ -90,9 +90,8 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
 
 
 class KVHook(Protocol):
-    """What a block's attention reads instead of its own keys/values: `update` receives this
-    call's (B, H, S, head_dim) k and v after RoPE and returns those attended to (a cache across
-    loop steps; adaptive depth's merge of exited tokens' latest K/V). None: the plain path."""
+    """`update` receives a call's (B, H, S, head_dim) k and v after RoPE and returns those its
+    attention reads (a KV cache; adaptive depth's exited tokens' latest K/V)."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 

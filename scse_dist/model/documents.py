@@ -39,8 +39,7 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 
 class FlexMask:
-    """A FlexAttention BlockMask and the attention call that reads it (blocks.py dispatches on
-    this type; a plain tensor mask goes to SDPA)."""
+    """A FlexAttention BlockMask and the attention call that reads it (`attend` dispatches)."""
 
     def __init__(self, block_mask: Any, compiled: bool) -> None:
         self.block_mask, self.compiled = block_mask, compiled
