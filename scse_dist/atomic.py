@@ -21,8 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-# fsspec is imported where it is used: a command that only writes local files (scse-launch's
-# records) starts without it
+# fsspec is imported where it is used: a command that only writes local files starts without it
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
@@ -73,8 +72,7 @@ def _made_parents(fs: Any, path: str) -> Iterator[None]:
 def removed_on_failure(path: Path, keep: Callable[[BaseException], bool] = lambda exc: False
                        ) -> Iterator[None]:
     """A local folder the body makes (with the parents it lacks) is removed whole when the body
-    fails, unless `keep(error)`: a run that cannot start leaves no run dir. A folder that exists
-    already is kept."""
+    fails, unless `keep(error)`; a folder that exists already is kept."""
     missing = list(itertools.takewhile(lambda p: not p.exists(), [path, *path.parents]))
     try:
         yield
@@ -130,11 +128,10 @@ def output_dir(url: str, made_here: Callable[[str], bool], last: str) -> Iterato
     """Yield a new temporary folder beside `url` for the body to fill; when the body succeeds
     its files go to `url`, and when it fails the folder is removed and `url` is as it was.
 
-    A new (or empty) `url` is the temporary folder renamed. Into an existing one the files are
-    moved one by one: the old `last` (the file naming the others, e.g. an index) is removed first
-    and the new one moved last, so no crash leaves an index naming a half-replaced file. A file
-    already there is replaced only when `made_here(url)` says this stack wrote the folder; else
-    the command is refused (FileExistsError) before anything moves."""
+    A new (or empty) `url` is the temporary folder renamed. Into an existing one the files move
+    one by one, the old `last` (the file naming the others) removed first and the new one moved
+    last. A file already there is replaced only when `made_here(url)` says this stack wrote the
+    folder; else FileExistsError before anything moves."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(url)

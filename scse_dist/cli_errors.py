@@ -1,26 +1,16 @@
-"""Bad input at a command: one line on stderr naming the file (and line) and the fix, and an exit
-status a pipeline can act on, never a traceback. Every console script's `main` is wrapped in
-`cli_main(prog)`.
+"""Bad input at a command: one line on stderr naming the file and the fix, and an exit status a
+pipeline can act on, never a traceback (docs/config.md, "Bad input and exit statuses"). Every
+console script's `main` is wrapped in `cli_main(prog)`; scse-train adds 3, 4 and 75.
 
-Exit statuses shared by every command (scse-train adds 3 and 75, see scse_dist.train.cli):
+    2    bad arguments or config (argparse's own status; ConfigError)
+    65   bad input data (InputError; sysexits' EX_DATAERR)
+    66   an input that is missing or cannot be read (OSError; sysexits' EX_NOINPUT)
+    130  Ctrl-C: one line, `<prog>: interrupted` (a command that kept partial work raises
+         `Interrupted("what was kept")` and the line says so)
 
-    2   bad arguments or config (argparse's own status; ConfigError)
-    65  bad input data: empty, not UTF-8, malformed JSON/YAML, a missing field, the wrong tokenizer
-        (InputError; sysexits' EX_DATAERR)
-    66  an input that is missing or cannot be read: no such file, an unreachable URL, no
-        permission (OSError; sysexits' EX_NOINPUT)
-
-Ctrl-C in any command is one line, `<prog>: interrupted`, and exit status 130 (128 + SIGINT, what
-a shell reports), never a traceback; a command that saves partial work first raises
-`Interrupted("what was kept")` and the line says so. A reader of stdout that goes away early
-(`scse-data inspect ... | head`) ends the command silently with status 0, as other tools do.
-
-Errors are raised where the input is read, with the file and line in the message (e.g.
-scse_dist.data.sources); this module only maps their types to a line and a status. Anything else
-(a genuine bug) still ends in a traceback.
-
-`command_parser(prog, __doc__)` gives a command's `--help` its module docstring: the first
-paragraph whole (never a line cut mid-sentence) and the rest, with its examples, below the options.
+A reader of stdout that goes away early (`| head`) ends the command silently with status 0.
+Anything else (a bug) still ends in a traceback. `command_parser(prog, __doc__)` gives `--help`
+the module docstring: its first paragraph as the description, the rest below the options.
 """
 
 from __future__ import annotations
@@ -101,10 +91,9 @@ def _stdout_gone() -> bool:
 
 @contextmanager
 def from_config(field: str, value: str, source: str, flag: str) -> Iterator[None]:
-    """Reading `value`, which is `field` of `source`'s config rather than a flag the user gave:
-    a local path that is not there, and any bad input met inside, say where the path came from
-    and which flag names another (a relative path in a run's config is relative to the
-    directory the run was launched from)."""
+    """Reading `value`, `field` of `source`'s config rather than a flag the user gave: a missing
+    local path, and any bad input met inside, say where the path came from and which flag names
+    another."""
     where = f"{field} of the config of {source}; {flag} names another"
     local = "://" not in value and "{" not in value
     if local and not os.path.exists(value) and not glob.glob(value):

@@ -16,10 +16,8 @@ import yaml
 
 from scse_dist.checkpoint.start_config import StartConfig
 
-# Each section's dataclass sits beside the package it configures (below it: a leaf the package's
-# __init__ does not weigh down); this module composes them into RunConfig and re-exports them.
-# The model package owns its config (it is copied into exports as remote code); re-exported here.
-# check_model_config is the full check (the fields, then the recurrence's own: transitions.py).
+# Each section's dataclass sits beside the package it configures; this module composes them into
+# RunConfig and re-exports them.
 from scse_dist.data.config import DataConfig
 from scse_dist.eval.config import EvalConfig
 from scse_dist.launch.config import EvalResources, Resources  # noqa: F401
@@ -68,8 +66,7 @@ class RunConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    # What the run's training job asks of a batch system (scse-launch --backend ...); nothing
-    # else reads it, so a run trains the same wherever it runs.
+    # What the run's training job asks of a batch system (scse-launch); training never reads it.
     resources: Resources = field(default_factory=Resources)
 
     @property
@@ -126,10 +123,9 @@ def _check_depth_loss(cfg: RunConfig) -> None:
 # --------------------------------------------------------------------------- loading
 
 
-# Fields renamed since: old name -> new dotted name. A config that uses an old name still loads,
-# with one notice line per name and process. An old name that is now a section (train.optimizer,
-# train.schedule) is renamed only where it holds a value, not a mapping; those come first, so the
-# fields moved into them find a section.
+# Fields renamed since: old name -> new dotted name, still loaded with one notice per name and
+# process. An old name that is now a section is renamed only where it holds a value, not a
+# mapping; those come first, so the fields moved into them find a section.
 RENAMED_FIELDS = {"eval.slurm_gpus": "eval.resources.gpus_per_node",
                   "eval.slurm_cpus": "eval.resources.cpus_per_task",
                   "eval.slurm_time_min": "eval.resources.time_min",
@@ -227,10 +223,8 @@ def config_from_dict(values: dict) -> RunConfig:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML config (or defaults when `path` is None), apply overrides, validate.
-
-    An error names where to fix it: the file, or the command line when the file alone is free
-    of it (so a typo in an override is not blamed on the file)."""
+    """Load a YAML config (or defaults when `path` is None), apply overrides, validate; an error
+    names where to fix it: the file, or the command line when the file alone is free of it."""
     values = read_config_file(Path(path)) if path is not None else {}
     overrides = renamed_overrides(overrides or [])
     try:
@@ -240,8 +234,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         raise ConfigError(f"{exc} ({source})" if source else str(exc)) from None
 
 
-# A saved run config (a checkpoint's or an export's) written before a field existed ran with the
-# behaviour that field's default had then, not with today's default.
+# A saved run config written before a field existed ran with that field's default of then.
 SAVED_BEFORE = {"model": VALUE_BEFORE_FIELD}
 
 

@@ -21,8 +21,7 @@ import torch.distributed as dist
 # Collective timeout: a dead peer makes the others fail after this long instead of hanging forever.
 DEFAULT_TIMEOUT_S = 600
 TIMEOUT_ENV = "SCSE_DIST_TIMEOUT_S"
-# Slurm jobs without MASTER_PORT get a port derived from the job id, so every task of the job agrees
-# on it without talking, and two jobs on one node rarely collide.
+# Slurm jobs without MASTER_PORT derive a port from the job id: every task agrees without talking.
 SLURM_PORT_BASE = 20000
 SLURM_PORT_SPAN = 20000
 
@@ -93,14 +92,10 @@ def resolve_dist_env(environ: Mapping[str, str],
     # srun: SLURM_STEP_NUM_TASKS exists only inside a job step; an sbatch shell that runs python
     # directly has SLURM_NTASKS of the whole allocation but only one process, so it is rank 0 of 1.
     if source == "from SLURM_STEP_NUM_TASKS":
-        if "MASTER_ADDR" in environ:
-            addr = environ["MASTER_ADDR"]
-        else:
-            addr = first_host(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
-        if "MASTER_PORT" in environ:
-            port = _int(environ, "MASTER_PORT")
-        else:
-            port = SLURM_PORT_BASE + _int(environ, "SLURM_JOB_ID") % SLURM_PORT_SPAN
+        addr = environ["MASTER_ADDR"] if "MASTER_ADDR" in environ else \
+            first_host(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
+        port = _int(environ, "MASTER_PORT") if "MASTER_PORT" in environ else \
+            SLURM_PORT_BASE + _int(environ, "SLURM_JOB_ID") % SLURM_PORT_SPAN
         return DistEnv(rank=_int(environ, "SLURM_PROCID"),
                        world_size=world_size,
                        local_rank=_int(environ, "SLURM_LOCALID")
@@ -156,12 +151,8 @@ def init_distributed(backend: Optional[str] = None) -> DistEnv:
 
 
 def _skip_deepspeed_shm_build() -> None:
-    # DeepSpeed's TorchBackend JIT-builds the C++ `deepspeed_shm_comm` op on every rank at
-    # start-up (about 30 s cold on CPU) even when torch.distributed is already initialised. The op
-    # serves only inference all-reduce, which training never calls. `build_shm_op` returns None
-    # when the op is marked incompatible in `deepspeed.ops.__compatible_ops__`, a module-level dict
-    # that DeepSpeed probes once (0.2 s) and keeps, so flipping that one entry skips the build with
-    # no patching.
+    # DeepSpeed JIT-builds the `deepspeed_shm_comm` op (inference all-reduce only) on every rank
+    # at start-up; marking it incompatible in `__compatible_ops__` skips the build, no patching.
     from scse_dist.quiet import name_cpu_accelerator
 
     name_cpu_accelerator()  # the first DeepSpeed import of a training process
@@ -172,6 +163,11 @@ def _skip_deepspeed_shm_build() -> None:
 
 def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def local_rank() -> int:
+    """This process's rank on its node (init_distributed exports LOCAL_RANK for every launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def barrier() -> None:

@@ -1,6 +1,4 @@
-"""The parameter groups of a LoopedLM by role: one classification, `group_of(name)`, shared by the
-per-group diagnostics (update-to-weight ratios, docs/loop-diagnostics.md) and anything that treats
-the roles differently.
+"""The parameter groups of a LoopedLM by role: one classification, `group_of(name)`.
 
     embed      the token embedding (also the LM head when tied)
     head       an untied LM head
@@ -12,13 +10,9 @@ the roles differently.
     coda       the coda blocks' attention and SwiGLU matrices
     norm       every RMSNorm gain: the blocks' norm1/norm2, qk_norm's q_norm/k_norm, the final norm
 
-The gradient shares (diag/grad_share_*) use SHARE_GROUPS, where a parameter sits, derived from
-these by `share_group_of`.
-
-Norm gains are one group wherever they sit: under Post-LN the core's last norm2 gain is the output
-scale rho of Phi (diagnostics.core_scale), and gains are the parameters an optimizer step moves
-most relative to their size. `with_lr_mult` splits an optimizer's param groups by
-train.optimizer.lr_mult. Imports nothing heavy (no torch): the config's check uses it.
+The gradient shares (diag/grad_share_*) use SHARE_GROUPS, where a parameter sits
+(`share_group_of`). Norm gains are one group wherever they sit: an optimizer step moves them most
+relative to their size. No torch: the config's check uses it.
 """
 
 from __future__ import annotations
@@ -62,9 +56,8 @@ def group_of(name: str) -> str:
 
 
 def share_group_of(name: str) -> str:
-    """The SHARE_GROUPS entry of a LoopedLM parameter name: where its group_of sits (an untied
-    head with the coda, the adapter in the core); a norm gain goes with its part (the final
-    norm: coda)."""
+    """The SHARE_GROUPS entry of a parameter name: where its group_of sits (an untied head with the
+    coda, the adapter in the core, a norm gain with its part, the final norm with the coda)."""
     group = group_of(name)
     if group == "norm":
         group = name.split(".", 1)[0] if name.startswith(("core.", "prelude.")) else "coda"
@@ -79,8 +72,7 @@ def check_lr_mult(lr_mult: Mapping[str, float]) -> None:
             close = difflib.get_close_matches(key, PARAM_GROUPS, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             raise ConfigError(f"train.optimizer.lr_mult: unknown parameter group {key!r}; "
-                              f"{hint}the groups "
-                              f"are {', '.join(PARAM_GROUPS)}")
+                              f"{hint}the groups are {', '.join(PARAM_GROUPS)}")
         if not 0 <= value < math.inf:  # also rejects NaN
             raise ConfigError(f"train.optimizer.lr_mult.{key}: must be a finite multiplier >= 0, "
                               f"got {value}")
@@ -89,10 +81,8 @@ def check_lr_mult(lr_mult: Mapping[str, float]) -> None:
 def with_lr_mult(named: Iterable[tuple[str, Any]], groups: list[dict[str, Any]], lr: float,
                  lr_mult: Mapping[str, float], optimizer: str = "AdamW") -> list[dict[str, Any]]:
     """The optimizer's param groups, each split by the train.optimizer.lr_mult factor of its
-    parameters' groups, with lr = `lr` * factor (1 for a group not named); the groups' other
-    settings (weight decay, betas) are copied unchanged. The groups at factor 1 come first, so the
-    log's `lr` (group 0's) stays train.optimizer.lr's while one is left. `named`: the model's
-    named_parameters. Empty lr_mult: `groups` as they are. A named group with no parameter in
+    parameters' groups, lr = `lr` * factor, other settings copied. Factor-1 groups come first, so
+    the log's `lr` (group 0's) stays train.optimizer.lr's. A named group with no parameter in
     `groups` is a ConfigError (`optimizer` says whose groups these are)."""
     if not lr_mult:
         return groups
@@ -118,9 +108,8 @@ def with_lr_mult(named: Iterable[tuple[str, Any]], groups: list[dict[str, Any]],
 
 
 def lr_mult_split(lr_mult: Mapping[str, float]) -> frozenset[frozenset[str]]:
-    """The partition of PARAM_GROUPS by train.optimizer.lr_mult factor (1 where not named): what
-    decides how with_lr_mult splits an optimizer's groups. A resume may change the factors but not
-    this (DeepSpeed loads a checkpoint's optimizer state group by group)."""
+    """The partition of PARAM_GROUPS by lr_mult factor (how with_lr_mult splits): a resume may
+    change the factors but not this (DeepSpeed loads optimizer state group by group)."""
     by_factor: dict[float, set[str]] = {}
     for g in PARAM_GROUPS:
         by_factor.setdefault(float(lr_mult.get(g, 1.0)), set()).add(g)

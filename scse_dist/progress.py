@@ -1,14 +1,6 @@
-"""Progress of long work, one facility for every command: a tqdm bar on a terminal, and when
-stderr is not a terminal (a log file, a Slurm job) a plain line every `SCSE_PROGRESS_EVERY_S`
-seconds (default 30) and one at the end, so a log shows the rate and ETA without a bar's
-carriage returns.
-
-    with Progress(total=len(items), desc="lambada T=1,8,48", unit="passage") as bar:
-        for batch in batches:
-            ...
-            bar.update(len(batch))
-
-Only the process that should talk makes an enabled one (rank 0); `enabled=False` is a no-op.
+"""Progress of long work: a tqdm bar on a terminal; otherwise (a log file) a plain line every
+`SCSE_PROGRESS_EVERY_S` seconds (default 30) and one at the end. Only the process that should
+talk (rank 0) makes an enabled one; `enabled=False` is a no-op.
 """
 
 from __future__ import annotations
@@ -65,8 +57,7 @@ class Progress:
 
             from tqdm import tqdm
 
-            # A pty with no window size (`script` without a terminal) reports 0 columns, and
-            # tqdm then draws nothing: fall back to 100.
+            # a pty with no window size reports 0 columns, where tqdm draws nothing
             sized = shutil.get_terminal_size((0, 0)).columns > 0
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=self._stream,
                              dynamic_ncols=sized, ncols=None if sized else 100, leave=True)

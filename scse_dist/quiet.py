@@ -1,18 +1,9 @@
 """Third-party noise: quiet by default, shown with `-v`/`--verbose` (or `SCSE_VERBOSE=1`, which the
-flags set, so library code and child processes see one switch; the trainer reads only the
-variable).
+flags set, so library code and child processes see one switch).
 
-What is quietened, and how:
-- DeepSpeed's "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
-  detect it." on every import on a machine without CUDA: `DS_ACCELERATOR=cpu`, DeepSpeed's own
-  override, is set there before DeepSpeed is imported (never over a value the user set), so it
-  does not go looking.
-- DeepSpeed's zero_to_fp32 (consolidating a checkpoint's ZeRO partitions, e.g. `scse-eval` on a
-  checkpoint dir and the trainer's export): four print() lines and a tqdm bar, with no switch of
-  its own. `quiet_output()` holds them and prints them on stderr only if the block fails, so
-  nothing that explains a failure is lost.
-- wandb's run footer (history and summary sparklines, ~30 lines at the end of a training run):
-  `wandb.Settings(quiet=...)` from `wandb_settings()`; the lines saying where the run is saved stay.
+- DeepSpeed's accelerator notice without CUDA: `DS_ACCELERATOR=cpu` set before it is imported.
+- DeepSpeed's zero_to_fp32 prints and bar: `quiet_output()` holds them, shown only on failure.
+- wandb's run footer: `wandb_settings()`.
 """
 
 from __future__ import annotations

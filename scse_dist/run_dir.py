@@ -11,9 +11,7 @@ whether an evaluation of it is complete.
     RUN/eval/<name>.json   a results JSON per task (a study's sweep run: validation.json), and
                            report.md, frontier.png, scheduled.json
 
-No torch and nothing above the config layer is imported here, so the trainer, the evaluation,
-the launcher and the study all read the layout from it. "Evaluate this export" is
-scse_dist.eval.export_eval.evaluate_export, which writes RunDir.results(name).
+No torch and nothing above the config layer is imported here.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ OUTPUT_NAMES = (CHECKPOINTS_NAME, METRICS_NAME, EXPORT_NAME, EVAL_NAME, TENSORBO
                 PROFILE_NAME)
 # The kind of the rows the trainer's held-out evaluation writes (train.callbacks.heldout_eval).
 EVAL_KIND = "eval"
-# The key of a results JSON cut short by Ctrl-C (scse_dist.eval.task_run.run_task): the rows of the
-# items done and how far it got, {"done", "total", "unit"}. Such a file is not a finished result.
+# The key of a results JSON cut short by Ctrl-C: how far it got, {"done", "total", "unit"}.
 PARTIAL_KEY = "partial"
 
 
@@ -64,14 +61,9 @@ def metric_rows(path: str | os.PathLike) -> list[dict]:
     return [row for _, row in metric_lines(path) if row is not None]
 
 
-def is_training_row(row: dict) -> bool:
-    """A training step's row; evaluation and sample rows during training carry a "kind"."""
-    return "kind" not in row
-
-
 def is_complete(results_path: str | os.PathLike) -> bool:
     """An evaluation is complete when its results JSON exists, reads, and is not marked partial
-    (Ctrl-C'd: PARTIAL_KEY). Every place that skips an evaluation already done asks this."""
+    (PARTIAL_KEY)."""
     try:
         data = json.loads(Path(results_path).read_text(encoding="utf-8"))
     except (OSError, ValueError):  # absent, unreadable, not UTF-8, not JSON
@@ -131,7 +123,7 @@ class RunDir:
 
     def training_rows(self) -> list[dict]:
         """metrics.jsonl's training rows, in order (rows with a "kind" left out)."""
-        return [row for row in self.metric_rows() if is_training_row(row)]
+        return [row for row in self.metric_rows() if "kind" not in row]
 
     def rows_of(self, kind: str) -> list[dict]:
         """metrics.jsonl's rows of one kind ("eval", "sample"), in order."""

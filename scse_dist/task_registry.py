@@ -1,17 +1,10 @@
 """The evaluation tasks' registry: one `Task` record each, in `TASKS`.
 
-Everything else about a task is derived from its record: the values `eval.tasks` accepts (and
-which config field must then name its data file), `scse-eval --task`, the data the launcher
-hands each evaluation job, the study spec's tasks and `report.metrics`, the reports' headline,
-direction and metrics, and the study's pathology flags. A task is one module of
-scse_dist.eval.tasks holding its reader, its scorer and its record, which it registers when the
-package imports it (docs/architecture.md, "An evaluation task"); a plugin or a test calls
-`register` itself.
-
-This module sits beside config.py, below eval/: config validation reads it, and the layers let
-config import nothing above it. So the built-in tasks are imported on the registry's first use
-(`TASKS` loads BUILTIN then), not from here: by then the config layer is loaded, and reading the
-registry imports no torch, which keeps bad input rejected before torch loads.
+Everything else about a task (the values `eval.tasks` accepts, `scse-eval --task`, the study's
+tasks, the reports' headline and direction) is derived from its record. A task is one module of
+scse_dist.eval.tasks that registers its record when imported (docs/architecture.md). The config
+layer reads this module, so the built-in tasks are imported on the registry's first use, not
+from here, and reading it imports no torch.
 """
 
 from __future__ import annotations
@@ -45,10 +38,9 @@ class Task:
     scores_tokens: bool = True  # an exit rule (--exit) can stop each token's loop
     diagnostic: bool = False  # measures the loop, not quality: no headline for the study's flags,
     #                           no study metric table (the study plots it on its own)
-    # During training (eval.downstream_tasks), for the tasks that set both: `totals`
-    # (TaskRun) -> per depth {"depth": T, name: total, ...}, sums over the run's examples that
-    # add up across ranks' shares; `from_totals` (one depth's summed totals) -> its row, as
-    # `scorer` gives it. None: the task does not run during training.
+    # During training (eval.downstream_tasks), for the tasks that set both: `totals` (TaskRun)
+    # -> per depth {"depth": T, name: total, ...}, sums that add up across ranks' shares;
+    # `from_totals` (one depth's summed totals) -> its row, as `scorer` gives it.
     totals: Optional[Callable[[Any], list[dict]]] = None
     from_totals: Optional[Callable[[dict], dict]] = None
 

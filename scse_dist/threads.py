@@ -1,10 +1,8 @@
 """Intra-op threads for a command on CPU: enough to use the free cores, never more.
 
-torch starts one busy-waiting OpenMP thread per physical core. Beside another busy process those
-threads fight it for the cores: a LAMBADA batch took 18.6 s with torch's 2 threads on a shared
-2-core machine and 1.74 s with one. So a command takes the cores that are free now (the CPUs it
-may run on less the 1-minute load average, shared by the processes of this node), at least one.
-`OMP_NUM_THREADS` set by the user wins, and so does `threads` when a caller passes it.
+torch's busy-waiting OpenMP threads fight another busy process for the cores, so a command takes
+the cores free now (usable CPUs less the 1-minute load average, shared by this node's processes),
+at least one. `OMP_NUM_THREADS` set by the user wins, and so does `threads` when passed.
 """
 
 from __future__ import annotations

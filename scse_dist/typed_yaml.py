@@ -1,8 +1,6 @@
 """Typed YAML: a dataclass built from a nested dict with every value checked against its field's
-type (one `ConfigError` naming the field, with a did-you-mean for an unknown one), `key.sub=value`
-overrides, and YAML files that overlay a `base:` file. Generic: scse_dist.config applies it to
-the run config, scse_dist.study.spec to study specs (whose files overlay an `extends:` file, as
-their `base:` names the run config)."""
+type (one `ConfigError` naming the field), `key.sub=value` overrides, and YAML files that overlay
+a `base:` file. Generic: the run config and study specs use it."""
 
 from __future__ import annotations
 
@@ -27,6 +25,9 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
         if len(args) == 1 and len(typing.get_args(tp)) == 2:
             return args[0], True
     return tp, False
+
+
+_EXACT = {bool: "true or false", int: "an integer", str: "a string"}
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -64,13 +65,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [_coerce(v if not isinstance(v, str) or item_tp is str else _parse_scalar(v),
                         item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp in _EXACT:  # bool, int (a bool is no int here) and str: taken as they are
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(f"{where}: expected {_EXACT[tp]}, got {value!r}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
@@ -81,10 +78,6 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
     raise ConfigError(f"{where}: unsupported field type {tp}")  # pragma: no cover - schema bug
 
 
@@ -128,11 +121,9 @@ def _is_dotted(path: list[str], dotted: tuple[str, ...]) -> bool:
 
 
 def apply_overrides(values: dict, overrides: list[str], dotted: tuple[str, ...] = ()) -> dict:
-    """Apply `a.b.c=value` strings (value parsed as YAML) to a nested dict, in place.
-
-    `dotted`: the mappings (their paths, `*` for any one name) whose keys are dotted paths
-    themselves, like a study spec's `overrides: {data.path: ...}`: an override into one takes
-    the rest of its key as one key (`overrides.data.path=x` sets overrides["data.path"])."""
+    """Apply `a.b.c=value` strings (value parsed as YAML) to a nested dict, in place. `dotted`:
+    paths (`*` for any one name) of mappings whose keys are dotted paths themselves: an override
+    into one takes the rest of its key as one key (`overrides.data.path=x`)."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key.sub=value")
@@ -199,12 +190,10 @@ def setting_file(path: Path, key: str, overlay: str = "base") -> Path | None:
 def _read_yaml(path: Path, seen: tuple[Path, ...] = (), *, kind: str = "config file",
                overlay: str = "base", file_relative: tuple[str, ...] = (),
                normalize: Optional[Callable[[dict], Any]] = None) -> dict:
-    """Read a config file; `base: other.yaml` (relative to the file) is loaded first and overlaid,
-    so a baseline config states only what differs from the config it is compared against.
+    """Read a config file; `base: other.yaml` (relative to the file) is loaded first and overlaid.
 
-    kind: what the file is, in messages. overlay: the key naming the file to overlay. file_relative:
-    top-level keys holding paths relative to their file; an overlaid file's are rewritten
-    relative to the file overlaying it, so each stays relative to the file that set it.
+    kind: what the file is, in messages. overlay: the key naming the file to overlay.
+    file_relative: top-level keys holding paths relative to the file that set them.
     normalize: applied to each file's values (in place) before they are overlaid."""
     if path.resolve() in seen:
         raise ConfigError(f"{kind} {str(path)!r}: `{overlay}` chain loops back to itself")

@@ -43,11 +43,11 @@ def _read_json(path: Path) -> dict:
 
 def _size(tag_dir: Path) -> str:
     total: float = sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file())
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if total < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if total < 1024:
             return f"{total:.0f} {unit}" if unit == "B" else f"{total:.1f} {unit}"
         total /= 1024
-    return ""  # pragma: no cover
+    return f"{total:.1f} GiB"
 
 
 def describe(tag_dir: Path) -> dict:

@@ -1,21 +1,8 @@
-"""Exported model I/O: `model.safetensors` (fp32 weights), `config.yaml` (the resolved RunConfig)
-and the tokenizer the run trained with (`tokenizer.model` for sentencepiece, `tokenizer.json` for
-a Hugging Face tokenizer, `tokenizer.tiktoken` + `tokenizer.tiktoken.json` for tiktoken; the
-config's data.tokenizer_kind names the kind), plus the Hugging Face
-remote code (`config.json`, `*_scse.py` and the model package's modules; see scse_dist/hf), so
-`AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)` loads it without scse-dist.
-
-The exported directory is what eval and inference read; it holds no optimizer state and needs no
-DeepSpeed. safetensors never unpickles, so loading an untrusted export cannot run code.
-
-The export is self-contained: its config's `data.tokenizer` is a bare name (`tokenizer.model`,
-...), which the loader resolves against the export's own directory, so a copy works wherever it
-lies.
-(The run's own config.yaml and checkpoints keep the path the run trained with.)
-
-Tied weights (the LM head sharing the embedding) are saved once: safetensors refuses tensors that
-share storage. The dropped names go into the file's metadata and the model re-ties them itself on
-construction, so after loading `head.weight is embedding.weight` still holds.
+"""Exported model I/O: `model.safetensors` (fp32 weights), `config.yaml` (the resolved RunConfig),
+the run's tokenizer and the Hugging Face remote code (scse_dist/hf); docs/checkpoints.md, "The
+export". Its config's `data.tokenizer` is a bare name resolved against the export's own directory,
+so a copy works wherever it lies. Tied weights are saved once (safetensors refuses shared storage):
+the dropped names go into the file's metadata, and the model re-ties them on construction.
 """
 
 from __future__ import annotations
@@ -34,7 +21,7 @@ from scse_dist.atomic import atomic_write, output_dir
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_saved_config, save_config
 from scse_dist.data.config import TOKENIZER_EXPORT_NAMES as EXPORT_NAMES
-from scse_dist.run_dir import WEIGHTS_NAME
+from scse_dist.run_dir import CONFIG_NAME, WEIGHTS_NAME
 
 if TYPE_CHECKING:  # torch is imported where weights are read or written: a command that only
     # reads an export's config (or rejects a bad path) answers without it
@@ -43,8 +30,6 @@ if TYPE_CHECKING:  # torch is imported where weights are read or written: a comm
     from scse_dist.data.tokenizer import Tokenizer
     from scse_dist.model import LoopedLM
 
-CONFIG_NAME = "config.yaml"
-TOKENIZER_NAME = EXPORT_NAMES["sentencepiece"]
 # Every file an export's tokenizer may be (the kinds' names, tiktoken's settings beside its ranks).
 TOKENIZER_FILES = (*EXPORT_NAMES.values(), EXPORT_NAMES["tiktoken"] + ".json")
 # safetensors metadata key: JSON {dropped_name: kept_name} for tensors that shared storage.
@@ -54,8 +39,8 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def _save_canonical(tensors: dict, path: Path, metadata: dict[str, str]) -> None:
-    """save_file, then its metadata's keys sorted in place: safetensors writes them in hash-map
-    order, which differs between processes, so the same weights gave files of different bytes."""
+    """save_file, then its metadata's keys sorted in place (safetensors writes them in hash-map
+    order, which differs between processes): the same weights give the same bytes."""
     from safetensors.torch import save_file
 
     save_file(tensors, str(path), metadata=metadata)
@@ -96,17 +81,11 @@ def _dedupe_shared(state_dict: dict[str, torch.Tensor]
 def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out_dir: str,
                         tokenizer: Union[str, "Tokenizer", None] = None,
                         after_weights: Optional[Callable[[], None]] = None) -> str:
-    """Write `out_dir/model.safetensors` (fp32, contiguous, ties saved once), `out_dir/config.yaml`,
-    the Hugging Face files (scse_dist.hf.write_hf_files) and, given a `tokenizer` (loaded, or a
-    path or fsspec URL: cfg.data.tokenizer_kind is its kind when it is cfg.data.tokenizer), its
-    files under the kind's names (Tokenizer.export_files: `tokenizer.model`, ...); the config's
-    data.tokenizer then names that copy and data.tokenizer_kind its kind, and the HF files include
-    the tokenizer's.
-
-    The files are written into a folder beside `out_dir` and moved in when all are written,
-    model.safetensors last (scse_dist.atomic.output_dir): a failed or killed export leaves
-    `out_dir` as it was, never new weights beside an old config. `after_weights` runs once the
-    weights are written (the fault suite's SIGKILL mid-export). Returns `out_dir`.
+    """Write `out_dir/model.safetensors` (fp32, contiguous, ties saved once), `config.yaml`, the
+    Hugging Face files and, given a `tokenizer` (loaded, or a path or URL), its files under the
+    kind's names, which the saved config's data.tokenizer then names. Written beside `out_dir` and
+    moved in, model.safetensors last (atomic.output_dir): a failed export leaves `out_dir` as it
+    was. `after_weights` runs once the weights are written (the fault suite). Returns `out_dir`.
     """
     from scse_dist.hf import write_hf_files
 
@@ -205,9 +184,8 @@ def is_remote(url: str | os.PathLike) -> bool:
 
 @contextlib.contextmanager
 def fetched(url: str, names: Sequence[str], required: Sequence[str]) -> Iterator[str]:
-    """A temporary local dir holding the files `names` of the remote dir `url` (the one
-    downloader of the package); a missing `required` file is a FileNotFoundError naming it, any
-    other fsspec failure (unknown protocol, missing backend, network) an OSError."""
+    """A temporary local dir holding the files `names` of the remote dir `url`; a missing
+    `required` file is a FileNotFoundError naming it, any other fsspec failure an OSError."""
     import fsspec
 
     url = url.rstrip("/")
@@ -247,23 +225,17 @@ def local_export(path: str | os.PathLike) -> Iterator[str]:
         raise OSError(f"export {exc}") from None
 
 
-def _read_aliases(weights: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    with safe_open(str(weights), framework="pt") as f:
-        raw = (f.metadata() or {}).get(_ALIASES_KEY, "{}")
-    return json.loads(raw)
-
-
 def read_export_weights(weights: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The tensors of an export's model.safetensors, tied aliases restored (InputError if
     unreadable)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     weights = str(weights)
     try:
         state = load_file(weights)
-        aliases = _read_aliases(Path(weights))
+        with safe_open(weights, framework="pt") as f:
+            aliases = json.loads((f.metadata() or {}).get(_ALIASES_KEY, "{}"))
     except (SafetensorError, OSError, json.JSONDecodeError) as exc:
         raise InputError(f"{weights!r} is not a readable safetensors export: {exc}") from None
     for alias, source in aliases.items():
@@ -299,12 +271,9 @@ def describe_mismatch(problems: dict[str, list[str]], show: int = 5) -> str:
 
 def load_exported_model(path: str | os.PathLike, device: str | torch.device = "cpu"
                         ) -> tuple["LoopedLM", RunConfig]:
-    """Load an export (its directory, or its .safetensors file beside config.yaml), strictly.
-
-    Returns the model in eval mode on `device` and its RunConfig. Raises FileNotFoundError when a
-    file is missing and InputError (a ValueError), naming both files, when the weights do not fit
-    the config.
-    """
+    """Load an export (its directory, or its .safetensors file beside config.yaml), strictly: the
+    model in eval mode on `device` and its RunConfig. FileNotFoundError when a file is missing,
+    InputError naming both files when the weights do not fit the config."""
     from scse_dist.model import LoopedLM
 
     weights, config = _resolve_paths(path)

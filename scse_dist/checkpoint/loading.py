@@ -1,14 +1,6 @@
-"""Load a model to evaluate from an export or from a DeepSpeed checkpoint directory.
-
-Accepted paths:
-- an export: a dir with model.safetensors + config.yaml (or the .safetensors file itself);
-- a run dir (`runs/x`, holding checkpoints/), its `checkpoints/` dir (the `latest` tag is used),
-  or one tag dir `checkpoints/step-NNNNNNN`. The weights are consolidated to fp32 from the ZeRO
-  files (any stage) and the config is the tag's recorded `config.json` (tags saved before it was
-  recorded: the run's `config.yaml`).
-
-An export given as an fsspec URL is read through `scse_dist.checkpoint.export.local_export`
-(scse-eval does).
+"""Load a model to evaluate from an export (its dir or .safetensors file) or a DeepSpeed checkpoint:
+a run dir, its `checkpoints/` dir (the `latest` tag) or one tag dir, the weights consolidated to
+fp32 from any ZeRO stage and the config the tag's `config.json` (else the run's `config.yaml`).
 """
 
 from __future__ import annotations
@@ -19,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_saved_config
-from scse_dist.run_dir import RunDir
+from scse_dist.run_dir import CONFIG_NAME, WEIGHTS_NAME, RunDir
 
 if TYPE_CHECKING:  # imported where weights load: a bad path is reported without it
     import torch
@@ -40,7 +32,10 @@ def _deepspeed_location(path: Path) -> tuple[Path, str]:
                             "mp_rank_00_model_states.pt)")
 
 
-def _deepspeed_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
+def checkpoint_weights(root: Path, tag: str) -> dict[str, torch.Tensor]:
+    """The fp32 weights of DeepSpeed checkpoint `tag` under `root` (verified), engine prefixes
+    stripped."""
+    from scse_dist.checkpoint.export import _strip_wrapper_prefixes
     from scse_dist.checkpoint.manifest import verify_tag
     from scse_dist.checkpoint.zero_weights import fp32_state_dict
 
@@ -51,18 +46,15 @@ def _deepspeed_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
     if not status.intact:
         raise InputError(f"checkpoint {str(tag_dir)!r}: {status.problem} (`scse-ckpt list` shows "
                          "the intact tags)")
-    return fp32_state_dict(root=root, tag=tag)
+    return _strip_wrapper_prefixes(fp32_state_dict(root=root, tag=tag))
 
 
 def _is_export(p: Path) -> bool:
-    from scse_dist.checkpoint.export import WEIGHTS_NAME
-
     return p.suffix == ".safetensors" or (p / WEIGHTS_NAME).is_file()
 
 
 def deepspeed_checkpoint(path: str | os.PathLike) -> tuple[Path, str, Path]:
     """(checkpoints root, tag, config file) of a run dir, its checkpoints/ dir or one tag dir."""
-    from scse_dist.checkpoint.export import CONFIG_NAME
     from scse_dist.checkpoint.manifest import CONFIG_NAME as TAG_CONFIG_NAME
 
     p = Path(path)
@@ -83,13 +75,6 @@ def checkpoint_config(path: str | os.PathLike) -> RunConfig:
     if _is_export(Path(path)):
         return load_export_config(path)
     return load_saved_config(deepspeed_checkpoint(path)[2])
-
-
-def checkpoint_weights(root: Path, tag: str) -> dict[str, torch.Tensor]:
-    """The fp32 weights of DeepSpeed checkpoint `tag` under `root`, engine prefixes stripped."""
-    from scse_dist.checkpoint.export import _strip_wrapper_prefixes
-
-    return _strip_wrapper_prefixes(_deepspeed_state_dict(root, tag))
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[LoopedLM, RunConfig]:

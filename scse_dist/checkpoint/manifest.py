@@ -1,16 +1,6 @@
-"""Checkpoint manifests: every file of a tag with its size and xxh3-64 hash, checked before a
-resume.
-
-A save writes `manifest.json` into the tag after every rank has written its files and before the
-tag is renamed into place, so a committed tag always has one. Each rank hashes a share of the
-files it can see, and rank 0 writes the union (see `share_of`): with a shared run dir that splits
-the hashing over the ranks; with node-local staging (a remote output_dir) each node hashes its own
-shards. A resume checks the tag `latest` names against it (`verify_tag`) and falls back to the
-newest intact older tag.
-
-Why xxh3-64: it hashes ~5 GB/s on one CPU core against ~1.3 GB/s for sha256 and ~0.6 GB/s for
-blake2b (GPT-2-small-sized 1.5 GB file, docs/checkpoints.md), and it only has to catch truncation
-and corruption, not an attacker.
+"""Checkpoint manifests: every file of a tag with its size and xxh3-64 hash, written before the tag
+is renamed into place and checked before a resume (`verify_tag`). xxh3-64: the fastest of the
+hashes measured (docs/checkpoints.md), and it only has to catch truncation and corruption.
 """
 
 from __future__ import annotations
@@ -27,13 +17,11 @@ from scse_dist.atomic import atomic_write_text
 MANIFEST_NAME = "manifest.json"
 # the resolved config of the run that saved a tag (see train.start.resume)
 CONFIG_NAME = "config.json"
-# A tag's name and its step record (written by train.checkpoint; here, without torch, so that
-# scse-ckpt reads tags without importing it).
+# A tag's name and its step record (here, without torch, for scse-ckpt).
 TAG_PREFIX = "step-"
 META_NAME = "scse_meta.json"
 HASH_NAME = "xxh3_64"
-# Derived from a committed tag later (train/reshard.py: its universal form, and that conversion's
-# temporary dir), so not part of what the manifest vouches for.
+# Derived from a committed tag later (reshard.py), so not part of what the manifest vouches for.
 UNIVERSAL_DIR = "universal"
 _DERIVED = (UNIVERSAL_DIR, f".tmp-{UNIVERSAL_DIR}")
 _CHUNK = 8 << 20

@@ -1,17 +1,9 @@
 """Resume at another world size: DeepSpeed's universal checkpoint, converted once, beside the tag.
 
-ZeRO-1/2/3 partition the optimizer state (and at stage 3 the weights) over the ranks that saved
-them, so a tag saved by W1 ranks cannot be loaded by W2 as is. DeepSpeed's `ds_to_universal`
-rewrites a tag as one file per parameter (fp32 weights, exp_avg, exp_avg_sq), which a DeepSpeed
-engine with `checkpoint.load_universal` re-partitions over any world size as it loads.
-
-The first start that needs it converts the tag (rank 0, in process) into `TAG/.tmp-universal`
-and renames it to `TAG/universal`: a kill mid-conversion leaves no half universal checkpoint,
-and every later start at a changed size reuses it. With node-local staging (a remote
-output_dir, every node holding the whole tag) each node converts its own copy. It lives inside
-its tag, so retention deletes it with the tag. Our client state (the step, every old rank's data
-position and RNG) is read from the converted tag's copy of the model-states file, which DeepSpeed
-copies over unchanged.
+ZeRO partitions belong to the world size that saved them; `ds_to_universal` rewrites a tag as one
+file per parameter, which DeepSpeed re-partitions over any world size as it loads. The first start
+that needs it converts the tag into `TAG/.tmp-universal`, renamed to `TAG/universal` (inside its
+tag, so retention deletes it with the tag); node-local staging converts each node's copy.
 """
 
 from __future__ import annotations
@@ -30,7 +22,7 @@ import torch
 
 from scse_dist.checkpoint.manifest import UNIVERSAL_DIR as UNIVERSAL
 from scse_dist.config import rename_old_fields
-from scse_dist.distributed import barrier, is_rank0
+from scse_dist.distributed import barrier, is_rank0, local_rank
 
 
 def convert_once(root: Path, tag: str) -> str:
@@ -41,7 +33,7 @@ def convert_once(root: Path, tag: str) -> str:
     if is_rank0() and not final.is_dir():
         _convert(root / tag, final)
     barrier()
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not final.is_dir():
+    if local_rank() == 0 and not final.is_dir():
         _convert(root / tag, final)
     barrier()
     return f"{tag}/{UNIVERSAL}"
@@ -85,13 +77,10 @@ def load_universal(engine: Any, root: Path, tag: str) -> tuple[Any, Any]:
     return loaded
 
 
-# Muon (train.optimizer.kind: muon) at ZeRO-1/2: DeepSpeed's ds_to_universal reads exp_avg and
-# exp_avg_sq from every param group, but a Muon group holds one state, its momentum_buffer, laid
-# out over the whole matrices that touch a rank's partition rather than over the partition, so no
-# per-parameter slice of it can be cut by the partition's fragment map. The conversion reads a
-# staged copy of the tag (links to its files, rewritten optimizer files) in which each Muon group
-# carries zero moments of the partition's size; after the load they are dropped, so Muon's
-# momentum restarts from zero (AdamW's moments and every fp32 weight carry over exactly).
+# Muon at ZeRO-1/2: ds_to_universal reads exp_avg and exp_avg_sq from every param group, but a
+# Muon group's momentum_buffer spans whole matrices, not the partition. The conversion reads a
+# staged copy of the tag in which each Muon group carries zero moments of the partition's size;
+# they are dropped after the load, so Muon's momentum restarts from zero.
 MUON_STAGED = "muon-staged"
 MOMENTUM = "momentum_buffer"
 

@@ -1,20 +1,9 @@
 """What a start resumes from, decided before DeepSpeed loads anything: `plan_resume`.
 
-Rank 0 decides and broadcasts, so every rank loads the same tag or raises the same one-line error:
-
-1. `train.start.resume`: `auto` resumes when there is a checkpoint; `never` moves the run dir's
-   previous checkpoints, metrics, export and eval aside (`old-<time>/`, nothing deleted) and
-   starts fresh; `require` fails when there is nothing to resume.
-2. `train.start.resume_from: step-N` picks tag step-N instead (verified; one line listing the
-   tags there when it is absent; the newer tags are moved aside). Otherwise the tag `latest`
-   names is verified against its manifest (scse_dist.checkpoint.manifest); a broken tag is
-   reported in one line naming the file, and the newest intact older tag is used instead.
-3. `train.start.branch_from` (a new run with no checkpoint of its own): another run's checkpoint,
-   verified, is linked (or copied) into this run's checkpoints and resumed like one of its own:
-   weights, optimizer state, step, data position and RNG; the schedule is this run's.
-4. The chosen tag's recorded config (`config.json` in the tag) is compared with this run's, field
-   by field: a changed model, or a data field that changes the token stream, is refused. The LR
-   schedule may change (train.schedule.follow_config_schedule applies this run's).
+Rank 0 decides and broadcasts, so every rank loads the same tag or raises the same one-line error.
+train.start.resume / resume_from / branch_from (docs/config.md), the tag verified against its
+manifest with fallback to the newest intact older one, and the tag's recorded config compared with
+this run's: a changed model or token stream is refused (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -57,10 +46,8 @@ from scse_dist.run_dir import CHECKPOINTS_NAME, OUTPUT_NAMES
 
 # Moved aside by `train.start.resume: never` (the new run would append to or overwrite them).
 PREVIOUS_RUN_FILES = OUTPUT_NAMES
-# Fields that make a checkpoint another model or another token stream. Everything else may change
-# at a resume (max_steps, cadences, eval.*, wandb.*, ...); world size, num_workers, the batch
-# split and data.seq_len are the business of checkpoint.resume_if_present and TokenStream.resume
-# (token-exact positions, docs/data.md).
+# Fields that make a checkpoint another model or another token stream; everything else may change
+# (world size and the batch split: resume_if_present and TokenStream.resume).
 REFUSED_PREFIXES = ("model.",)
 REFUSED_FIELDS = {"data.path", "data.tokenizer", "data.heldout_fraction",
                   "data.shuffle_buffer", "data.mixture_paths", "data.mixture_weights", "train.seed"}
@@ -146,8 +133,8 @@ def _move_previous_run(run_dir: Path) -> Optional[Path]:
 
 
 def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
-    """train.start.resume_from: that tag, verified, made `latest`; the newer tags moved aside (they
-    belong to the abandoned continuation, and pruning would otherwise keep them over the new)."""
+    """train.start.resume_from: that tag, verified, made `latest`; the newer tags moved aside
+    (pruning would otherwise keep them over the new ones)."""
     root = checkpoint_dir(run_dir)
     if remote:
         raise ConfigError("train.start.resume_from: not supported with a remote output_dir "
@@ -176,8 +163,7 @@ def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
 
 
 def branch_source(spec: str) -> Path:
-    """train.start.branch_from's tag dir: the tag named, or a run dir's newest intact one,
-    verified."""
+    """train.start.branch_from's tag dir, verified: the tag named, or a run dir's newest intact."""
     if "://" in spec:
         raise ConfigError(f"train.start.branch_from: {spec!r}: local paths only; copy the run dir "
                           "(or the tag) here first")
@@ -200,8 +186,7 @@ def branch_source(spec: str) -> Path:
 
 def _link_tag(source: Path, root: Path) -> None:
     """source's files into root/<its name>, hard-linked where the file system allows (a tag's
-    files are never written again: saves make new tags), else copied; atomically (a .tmp- dir,
-    renamed), so a kill leaves no half tag."""
+    files are never written again), else copied, through a .tmp- dir renamed at the end."""
     tmp = root / f"{TMP_PREFIX}{source.name}"
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -1,8 +1,4 @@
-"""train.checkpoint: how often a run saves a checkpoint and how many it keeps
-(scse_dist.train.callbacks.checkpointing saves them; scse_dist.checkpoint.tags and .storage
-prune local and remote tags to `keep`).
-
-Torch-free, like scse_dist.train.config, which composes it."""
+"""train.checkpoint: how often a run saves a checkpoint and how many it keeps (torch-free)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""train.start: how a run starts when its run dir has no checkpoint of its own (resume, branch,
-warm start), and how often a crashed job starts again; scse_dist.checkpoint.resume and
-.warm_start act on it, scse_dist.launch.retries on max_retries.
-
-Torch-free, like scse_dist.train.config, which composes it."""
+"""train.start: how a run starts (resume, branch, warm start) and how often a crashed job starts
+again (torch-free; the fields: docs/config.md)."""
 
 from __future__ import annotations
 
@@ -15,28 +12,20 @@ from scse_dist.model.config import ConfigError
 
 @dataclass
 class StartConfig:
-    # A run dir with checkpoints: auto resumes the newest intact one (a changed model or data
-    # stream is refused); never moves them aside (run_dir/old-<time>/) and starts fresh; require
-    # fails when there is nothing to resume.
+    # auto resumes the newest intact checkpoint; never moves them aside (old-<time>/) and starts
+    # fresh; require fails when there is nothing to resume.
     resume: Literal["auto", "never", "require"] = "auto"
-    # Resume from this checkpoint tag (step-N) instead of the newest; the run dir's newer tags
-    # are moved aside (run_dir/old-<time>/checkpoints). For one command line: a requeue with it
-    # still set goes back to step-N again.
+    # Resume from this tag (step-N) instead of the newest; the newer tags are moved aside.
     resume_from: Optional[str] = None
-    # Branch: a new run starts from another run's checkpoint with everything a resume restores
-    # (weights, optimizer state, step, data position, RNG) and its own schedule: a cooldown off
-    # a stable phase. A local run dir (its newest intact checkpoint) or one of its tags
-    # (runs/x/checkpoints/step-0001000); linked or copied into this run's checkpoints. A run
-    # that has a checkpoint of its own resumes that and ignores this.
+    # A new run starts from another run's checkpoint (a run dir or one of its tags) with all a
+    # resume restores and its own schedule; a run with a checkpoint of its own ignores it.
     branch_from: Optional[str] = None
-    # Warm start: an export dir or URL whose weights (only) a new run starts from; a run that
-    # has a checkpoint resumes it and ignores this. Strict: every key and shape must match.
+    # Warm start: an export dir or URL whose weights alone a new run starts from (strict: every
+    # key and shape must match); a run with a checkpoint ignores it.
     init_from: Optional[str] = None
     init_from_strict: bool = True
-    # A training job that crashed (any exit but 0, bad config/input 2/65/66, 3 non-finite steps,
-    # 4 spikes, 75 preempted, 130 Ctrl-C) is requeued this many times on a batch system that can
-    # requeue (Slurm), and starts again by resuming the latest verified checkpoint; the same
-    # failure at the same step twice stops it sooner (scse_dist.launch.retries). 0: never.
+    # Requeues of a crashed training job (any exit but 0, 2, 3, 4, 65, 66, 75, 130) on a batch
+    # system that can (Slurm); the same failure at the same step twice stops sooner. 0: never.
     max_retries: int = 2
 
     def check(self) -> None:

@@ -1,21 +1,10 @@
 """Run directories on remote storage: an `output_dir` that is an fsspec URL (s3://, gs://, ...).
 
-DeepSpeed, the metrics logger and the exporter write plain local files, so a remote run works in a
-local staging dir (`$SCSE_STAGING_DIR/<name>`, default `<system temp>/scse-staging/<name>`) and
-mirrors it to the remote run dir:
-
-- start: if the remote has `checkpoints/latest` and staging lacks that tag, the tag, `latest` and
-  `metrics.jsonl` are downloaded (LOCAL_RANK 0 of every node: staging is node-local).
-- each checkpoint: after the local commit, every node uploads its own shards of the tag in a
-  background thread (the next save waits for it: one upload in flight), each file retried with
-  backoff; rank 0 then verifies every file of the tag remotely (size, against the manifest
-  gathered from all nodes) and only then uploads `latest` (so the remote `latest` always names a
-  complete tag), config.yaml and metrics.jsonl, and prunes remote tags beyond
-  `train.checkpoint.keep`. A tag that fails is reported, kept locally (`not_uploaded` protects it
-  from pruning) and retried at the next save.
-- end: export/ and eval/.
-
-A local output_dir is used in place: no staging, no copies (`RunStorage.remote` is None).
+A remote run works in a node-local staging dir (`$SCSE_STAGING_DIR/<name>`, default
+`<system temp>/scse-staging/<name>`) and mirrors it: the remote `latest` tag is fetched at the
+start; each checkpoint is uploaded in the background, verified, and only then named by the remote
+`latest`; a tag that fails stays in staging and is retried (docs/checkpoints.md). A local
+output_dir is used in place (`RunStorage.remote` is None).
 """
 
 from __future__ import annotations
@@ -31,7 +20,7 @@ from typing import Any, Callable, Optional
 import fsspec
 
 from scse_dist.checkpoint.export import is_remote
-from scse_dist.distributed import barrier, is_rank0
+from scse_dist.distributed import barrier, is_rank0, local_rank
 from scse_dist.run_dir import CHECKPOINTS_NAME, CONFIG_NAME, METRICS_NAME, RunDir
 
 STAGING_ENV = "SCSE_STAGING_DIR"
@@ -44,20 +33,10 @@ def _tag(tag: str) -> str:
     return f"{CHECKPOINTS_NAME}/{tag}"
 
 
-def _local_rank() -> int:
-    # init_distributed exports LOCAL_RANK for every launcher (Slurm's SLURM_LOCALID included).
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def _upload_policy() -> tuple[int, float]:
-    attempts = int(os.environ.get(UPLOAD_ATTEMPTS_ENV, "5"))
-    backoff = float(os.environ.get(UPLOAD_BACKOFF_ENV, "0.5"))
-    return max(1, attempts), backoff
-
-
 def _retry(what: str, action: Callable[[], Any]) -> Any:
     """`action()`, retried on any error with exponential backoff (backoff, 2x, 4x, ... seconds)."""
-    attempts, backoff = _upload_policy()
+    attempts = max(1, int(os.environ.get(UPLOAD_ATTEMPTS_ENV, "5")))
+    backoff = float(os.environ.get(UPLOAD_BACKOFF_ENV, "0.5"))
     for attempt in range(1, attempts + 1):
         try:
             return action()
@@ -132,7 +111,7 @@ class RunStorage:
     def fetch_latest(self) -> Optional[str]:
         """Download the remote `latest` tag into staging unless it is there; all ranks call this."""
         tag = None
-        if self.remote is not None and _local_rank() == 0:
+        if self.remote is not None and local_rank() == 0:
             tag = self._fetch_latest()
         barrier()
         return tag
@@ -163,9 +142,8 @@ class RunStorage:
         return latest.read_text().strip() if latest.is_file() else None
 
     def _staging_is_newer(self, remote_tag: Optional[str]) -> bool:
-        """Staging holds a newer committed tag than the remote `latest` (its upload failed, or the
-        run was killed mid-upload, on this machine): resume from it and upload it again, rather
-        than going back to the remote tag."""
+        """Staging holds a newer committed tag than the remote `latest` (its upload failed): resume
+        from it and upload it again."""
         tag = self._staging_tag()
         path = RunDir(self.local).checkpoints / tag if tag else None
         if not tag or path is None or not path.is_dir() or \
@@ -192,9 +170,8 @@ class RunStorage:
     def start_upload(self, tag: str, source: Path, manifest: dict[str, int],
                      faults: Any = None) -> None:
         """Upload this node's copy of `tag` (in `source`) in a background thread, after any tag an
-        earlier upload failed on; rank 0 then verifies the remote tag against `manifest` and only
-        then publishes the remote `latest`. Call wait() first: one upload in flight at most."""
-        if self.remote is None or _local_rank() != 0 or not source.is_dir():
+        earlier upload failed on; rank 0 then verifies it against `manifest` and publishes it."""
+        if self.remote is None or local_rank() != 0 or not source.is_dir():
             return
         self.wait()
         self._pending[tag] = (source, manifest)

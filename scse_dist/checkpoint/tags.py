@@ -1,15 +1,9 @@
 """Checkpoints: DeepSpeed save/resume under run_dir/checkpoints, retention, and the final export.
 
-A checkpoint is a DeepSpeed tag `step-{N:07d}` whose client_state carries what DeepSpeed does not
-save itself: the step, every rank's data-stream position and RNG states, the resolved config, and
-the trainer callbacks' states (rank 0's, scse_dist.train.callbacks.base).
-
-Saving is atomic: every rank writes tag `.tmp-step-N`; after a barrier (all ranks done) rank 0
-renames it to `step-N` and then replaces `latest` (written to a temporary file, then renamed).
-Before the rename, rank 0 adds `config.json` (the resolved config, compared at a resume) and
-`manifest.json` (every file's size and hash, verified at a resume; scse_dist.checkpoint.manifest).
-A kill at any point leaves `latest` naming a complete checkpoint; a leftover `.tmp-*` directory is
-removed at the next start.
+A tag `step-{N:07d}`'s client_state carries the step, every rank's data position and RNG, the
+config and the callbacks' states. Saving is atomic: every rank writes `.tmp-step-N`; after a
+barrier rank 0 adds `config.json` and `manifest.json`, renames it to `step-N`, then replaces
+`latest`, so a kill at any point leaves `latest` naming a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ from scse_dist.atomic import atomic_write_text
 from scse_dist.checkpoint import manifest
 from scse_dist.checkpoint.manifest import CONFIG_NAME, META_NAME, TAG_PREFIX
 from scse_dist.config import RunConfig, config_to_dict
-from scse_dist.distributed import barrier, is_rank0
+from scse_dist.distributed import barrier, is_rank0, local_rank
 from scse_dist.run_dir import RunDir
 
 TMP_PREFIX = ".tmp-"
@@ -80,13 +74,9 @@ def _from_rank0(obj: Any) -> Any:
 def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cfg: RunConfig,
                     faults: Any = None, storage: Any = None,
                     callback_states: Optional[dict[str, Any]] = None) -> str:
-    """Save tag step-{step} atomically (all ranks call this), then prune to train.checkpoint.keep.
-    `callback_states` ({key: state_dict}) are rank 0's, saved for every rank.
-
-    With a remote `storage` (checkpoint.storage.RunStorage), the previous save's upload finishes
-    first; after the local commit every node uploads its shards in the background and rank 0
-    publishes the remote `latest` once the whole tag is uploaded and verified
-    (storage.start_upload)."""
+    """Save tag step-{step} atomically (all ranks call this), then prune to train.checkpoint.keep;
+    with a remote `storage`, then upload it (storage.start_upload). `callback_states` are rank
+    0's, saved for every rank."""
     if storage is not None:
         storage.wait()  # one upload in flight at most: the previous save's finishes first
     per_rank = _gather({"data": stream.state_dict(), "rng": _rng_state()})
@@ -122,15 +112,11 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
 
 
 def _write_manifest(tmp: Path, storage: Any) -> dict[str, int]:
-    """Every rank hashes its share of the tag's files; rank 0 writes the union as the manifest.
-
-    A local run dir is shared by all ranks: rank r hashes every world-th file. Remote runs stage
-    on node-local disks: each node's LOCAL_RANK 0 hashes the files on its node. Returns {file:
-    size} of the whole tag, every node's files and (on rank 0) the manifest itself: what a remote
-    upload is verified against."""
+    """Every rank hashes its share of the tag's files (node-local staging: each node's first rank
+    its node's); rank 0 writes the union as the manifest. Returns {file: size} of the whole tag
+    and (on rank 0) the manifest: what a remote upload is verified against."""
     if storage is not None and storage.remote is not None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        index, count = (0, 1) if local_rank == 0 else (0, 0)
+        index, count = (0, 1) if local_rank() == 0 else (0, 0)
     else:
         index, count = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     files = manifest.tag_files(tmp) if count else []
@@ -209,13 +195,8 @@ def resume_if_present(engine: Any, run_dir: str | Path, stream: Any, named: Opti
 
 def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,
                  storage: Any = None, faults: Any = None) -> Optional[str]:
-    """Consolidate checkpoint `tag` to one fp32 state dict and save_exported_model it (rank 0),
-    with a copy of the run's tokenizer, so that the export is usable on its own.
-
-    Returns the export dir on rank 0, None elsewhere. Works for every ZeRO stage on CPU: at ZeRO
-    1-3 rank 0 alone reads the tag's partition files rather than gathering live partitions; at
-    ZeRO-0 it holds the whole weights itself.
-    """
+    """Consolidate checkpoint `tag` to fp32 weights on CPU (any ZeRO stage, rank 0 alone) and
+    export them with the run's tokenizer; returns the export dir on rank 0, None elsewhere."""
     from scse_dist.checkpoint.export import save_exported_model
     from scse_dist.checkpoint.zero_weights import fp32_state_dict
 

@@ -1,8 +1,4 @@
-"""A DeepSpeed model's full fp32 weights at any ZeRO stage, from a live engine or a saved tag.
-
-One function for the final export (train.checkpoint), eval's checkpoint loading (eval.loading) and
-the parity tool (train.parity).
-"""
+"""A DeepSpeed model's full fp32 weights at any ZeRO stage, from a live engine or a saved tag."""
 
 from __future__ import annotations
 
@@ -14,16 +10,10 @@ import torch
 
 def fp32_state_dict(engine: Any = None, root: Optional[str | Path] = None,
                     tag: Optional[str] = None) -> dict[str, torch.Tensor]:
-    """Full fp32 weights (on CPU) of the live `engine` or of checkpoint `tag` under `root`.
-
-    The ZeRO stage is the engine's, or, without one, 1-3 when the tag holds optimizer partitions.
-    - ZeRO 1-3 with a saved tag: DeepSpeed's zero_to_fp32 assembles the fp32 master weights from
-      every rank's partition files, so it runs on CPU, in one process, after the others exited.
-    - the live engine (no tag, or ZeRO-0): a copy of the module's weights; ZeRO-3 gathers its
-      partitions for it (every rank must call). With bf16 these are the bf16 weights widened
-      (zero_to_fp32 reads no ZeRO-0 checkpoint).
-    - a saved ZeRO-0 tag alone: the whole weights in its model-states file.
-    """
+    """Full fp32 weights (on CPU) of the live `engine` or of checkpoint `tag` under `root`: ZeRO
+    1-3 with a tag, zero_to_fp32 from the partition files (one process); the live engine, a copy
+    of its weights (ZeRO-3 gathers: every rank calls; bf16 widened); a ZeRO-0 tag, its model
+    states."""
     if engine is not None:
         stage = engine.zero_optimization_stage()
     else:

@@ -6,8 +6,6 @@ The residual form is a switch of `Block` (config `residual`):
   deepnorm  LN(alpha*h + G(h))            DeepNet constants for N layers
   deeploop  LN(alpha*h + G(h))            DeepLoop constants, N counts every loop visit
 where G is attention then SwiGLU (two sub-layers per block, each with its own residual).
-Under a Post-LN residual, model.branch_scale=forward holds the matrices DeepNet initialises at gain
-beta (value, output, FFN) at gain 1 and multiplies their outputs by beta in the forward instead.
 """
 
 from __future__ import annotations
@@ -27,13 +25,9 @@ from .transitions import Transition, transition_for
 
 
 def residual_constants(transition: Transition) -> tuple[float, float]:
-    """(alpha, beta) for the residual form of transition.cfg, from the unrolled depth
-    N = transition.residual_unrolled_depth (its unrolled_depth unless model.residual_depth is set).
-
-    alpha scales the residual stream inside the Post-LN sum; beta is the xavier gain of the FFN,
-    value and output projections. preln uses neither (1, 1). deeploop falls back to the DeepNorm
-    constants when no block is revisited (untied, or a single loop step), as the spec requires.
-    """
+    """(alpha, beta) for transition.cfg's residual form at N = transition.residual_unrolled_depth:
+    alpha scales the residual stream in the Post-LN sum, beta is the xavier gain of the FFN, value
+    and output projections; preln (1, 1). deeploop takes DeepNorm's when no block is revisited."""
     n, residual = transition.residual_unrolled_depth, transition.cfg.residual
     if residual == "preln":
         return 1.0, 1.0
@@ -61,11 +55,8 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 def rope_tables(seq_len: int, cfg: ModelConfig, device: torch.device,
                 position_ids: Optional[torch.Tensor] = None) -> RopeTables:
-    """RoPE's cos/sin for positions 0..seq_len-1, or for `position_ids` (B, S) when given.
-
-    Made once per model forward and handed to every block call (a loop makes T of them), in fp32
-    rather than stored as buffers, so casting the model to bf16 never degrades them.
-    """
+    """RoPE's cos/sin for positions 0..seq_len-1, or for `position_ids` (B, S) when given: made
+    per forward in fp32, not stored as buffers, so casting the model to bf16 never degrades them."""
     inv_freq = _inv_freq(cfg.d_model // cfg.n_heads // 2, cfg.rope_theta, torch.device(device))
     if position_ids is not None:  # per sequence (left padding), broadcast over heads
         angles = (position_ids.to(device, torch.float32)[..., None] * inv_freq)[:, None]
@@ -76,20 +67,15 @@ def rope_tables(seq_len: int, cfg: ModelConfig, device: torch.device,
 
 @functools.lru_cache(maxsize=None)
 def _inv_freq(half: int, theta: float, device: torch.device) -> torch.Tensor:
-    """RoPE's frequencies, made once per size and device: generation calls rope_tables once per
-    token (a pow over head_dim/2 every call was ~8 us of a ~1.4 ms depth-1 draft call on CPU).
-    Made outside inference mode (a cached inference tensor could not join autograd later);
-    read only."""
+    """RoPE's frequencies, cached per size and device (generation calls rope_tables per token);
+    made outside inference mode so the cached tensor can join autograd later. Read only."""
     with torch.inference_mode(False), torch.no_grad():
         return theta ** (-torch.arange(0, half, device=device, dtype=torch.float32) / half)
 
 
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, S) 1/0 key padding mask -> (B, 1, S, S) bool: causal and not a padding key.
-
-    Each position also sees itself, so a padding row's softmax is never empty (no NaN); real
-    tokens never see padding, so their values do not depend on it.
-    """
+    """(B, S) 1/0 key padding mask -> (B, 1, S, S) bool: causal and not a padding key. Each
+    position also sees itself, so a padding row's softmax is never empty (no NaN)."""
     s = attention_mask.shape[-1]
     causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
     keys = attention_mask.bool()[:, None, None, :]
@@ -104,9 +90,8 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
 
 
 class KVHook(Protocol):
-    """What a block's attention reads instead of its own keys/values: `update` receives this
-    call's (B, H, S, head_dim) k and v after RoPE and returns those attended to (a cache across
-    loop steps; adaptive depth's merge of exited tokens' latest K/V). None: the plain path."""
+    """`update` receives a call's (B, H, S, head_dim) k and v after RoPE and returns those its
+    attention reads (a KV cache; adaptive depth's exited tokens' latest K/V)."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -120,8 +105,7 @@ class CausalSelfAttention(nn.Module):
         self.d_model = cfg.d_model
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        # model.qk_norm: per-head RMSNorm of q and k before RoPE (absent when off: the state
-        # dict, and every number, stay as they were)
+        # model.qk_norm: per-head RMSNorm of q and k before RoPE (not in the state dict when off)
         head_dim = cfg.d_model // cfg.n_heads
         self.q_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -165,13 +149,9 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Attention + SwiGLU with the residual form chosen by cfg.residual.
 
-    `checkpointed` (set by the owner for activation_checkpointing=block) recomputes the block in
-    backward with non-reentrant torch checkpointing: reentrant breaks ZeRO-2/3 and DDP when a
-    module runs several times per step. `rope` comes from the model's forward (rope_tables); a
-    block called on its own makes its own. `mask` (attention_mask_4d) only for padded batches,
-    or a document mask (model.document_mask).
-    `transition`: the model's (its unrolled depth sets the residual constants and the init); a
-    block built on its own makes one from cfg.
+    `checkpointed` (activation_checkpointing=block) recomputes the block in backward, non-reentrant:
+    reentrant breaks ZeRO-2/3 and DDP when a module runs several times per step. `transition`: the
+    model's (its unrolled depth sets the residual constants and the init; default: from cfg).
     """
 
     def __init__(self, cfg: ModelConfig, checkpointed: bool = False,
@@ -186,8 +166,7 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        # model.branch_scale=forward (Post-LN only: check_model_fields), or auto under Post-LN:
-        # beta leaves the init
+        # model.branch_scale=forward, or auto under Post-LN: beta leaves the init
         self.forward_scale = self.post_ln and cfg.branch_scale in ("forward", "auto")
         if self.forward_scale:
             self.attn.scale = self.mlp.scale = self.beta
@@ -225,11 +204,9 @@ class Block(nn.Module):
         return h + self.mlp(self.norm2(h))
 
     def compile_math(self, backend: str) -> None:
-        """Regional torch.compile of the block's math (train.engine.compile): `_forward` runs inside
-        activation checkpointing and under the block's module hooks, so neither is traced (at
-        ZeRO-3 build_engine makes each block a leaf: no DeepSpeed hook on its sub-layers). Every
-        block shares this code and the loop depth T is a Python count outside it, so one graph
-        serves every block, every loop step and every T."""
+        """Regional torch.compile of the block's math (train.engine.compile): `_forward` runs
+        inside activation checkpointing and the module hooks, so neither is traced, and one graph
+        serves every block, loop step and depth."""
         # this instance's compiled forward shadows the method, on purpose
         self._forward = torch.compile(self._forward, backend=backend)  # type: ignore[method-assign]
 

@@ -1,11 +1,7 @@
-"""The model's config: `ModelConfig` and the checks of its field combinations.
+"""The model's config: `ModelConfig` and the checks of its fields (a leaf: it imports nothing).
 
-A leaf: it imports nothing of the package. What depends on the recurrence (the names
-`recurrence` accepts, the resolved inject and anchor scale, the unrolled depth, the checks of
-anchor_scale and loop_stability and the recurrence's own) lives on its `Transition`
-(transitions.py), as does `check_model_config`, the full check. The model package imports nothing
-else of scse_dist, so it can be copied verbatim into an export as remote code; `scse_dist.config`
-re-exports these.
+What depends on the recurrence lives on its `Transition` (transitions.py), as does
+`check_model_config`, the full check; `scse_dist.config` re-exports these.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ class ModelConfig:
     n_coda: int = 1
     # A name in transitions.TRANSITIONS: untied, looped, additive, scse (or one registered there).
     recurrence: str = "scse"
-    # `untied` only: match the looped model's unrolled depth (n_prelude + n_core*depth + n_coda
-    # distinct blocks) or its parameter count (n_prelude + n_core + n_coda blocks, no loop).
+    # `untied` only: match the looped model's unrolled depth or its parameter count (no loop).
     untied_match: Literal["depth", "params"] = "depth"
     residual: Literal["preln", "deepnorm", "deeploop"] = "deeploop"
     # How the source re-enters each step. "default": none for scse/looped, add for additive.
@@ -41,40 +36,27 @@ class ModelConfig:
     init_state: Literal["source", "zeros", "random"] = "source"
     zero_mask: bool = True
     forcing_bias_scale: float = 0.0
-    # Interventions against SCSE's loop collapse (issue 17; docs/loop-diagnostics.md). Each is off
-    # by default, which leaves the recurrence bit for bit as it was.
-    # core_norm: h* = RMSNorm_core(a(s)), through the core's output norm (the last core block's
-    # norm2, shared weights), so the anchor's norm R tracks the core's output scale rho. auto:
-    # core_norm where it applies (scse, a Post-LN residual, the learned anchor), else free (what
-    # configs/gpt2-small-scse.yaml names; not the default: it collapses at lower rates than free
-    # on two of the three corpora measured, research/scse-robustness-log.md).
+    # Interventions against SCSE's loop collapse (docs/loop-diagnostics.md), off by default.
+    # core_norm: h* = RMSNorm_core(a(s)), through the core's output norm, so the anchor's norm
+    # tracks the core's output scale. auto: core_norm where it applies (scse, Post-LN, the learned
+    # anchor), else free.
     anchor_scale: Literal["auto", "free", "core_norm"] = "free"
-    # Weight of a loss term that keeps the loop moving (computed in LoopCore, no extra core
-    # call): mean hinge (floor - |D_T|/|D_0|)_+ plus the late motion |D_T - D_{T-1}| / |D_T|.
+    # Weight of a loss term that keeps the loop moving (recurrence.stability_penalty).
     loop_stability: float = 0.0
-    # The T in the unrolled depth N that the residual constants (deepnorm/deeploop alpha, beta;
-    # preln's output-projection init) come from; 0: `depth`. Set it to the largest trained depth.
+    # The T in the unrolled depth N of the residual constants and init; 0: `depth`.
     residual_depth: int = 0
-    # Where deepnorm/deeploop's beta acts (issue 26): init, the xavier gain of the value, output
-    # and FFN matrices (DeepNet); forward, those matrices initialised at gain 1 and their outputs
-    # multiplied by beta in the forward: the same function at init, but each AdamW step (whose
-    # size the rate sets, not the weight) then moves the branch by beta times as much. auto:
-    # forward under a Post-LN residual, init under preln (no beta), so one config serves both
-    # (what the shipped configs name; not the default, which keeps older runs bit for bit).
+    # Where deepnorm/deeploop's beta acts: init, the xavier gain of the value, output and FFN
+    # matrices (DeepNet); forward, those at gain 1 and their outputs multiplied by beta. auto:
+    # forward under a Post-LN residual, init under preln (no beta).
     branch_scale: Literal["init", "forward", "auto"] = "init"
-    # Nominal loop depth T: the default forward depth, the mean of sampled training depth, and
-    # the T in the unrolled depth N that deepnorm/deeploop constants are computed from.
+    # Nominal loop depth T: the default forward depth and the mean of sampled training depth.
     depth: int = 4
-    # auto: the trainer picks none or loop from the planner's memory estimate
-    # (scse_dist.train.sizing.checkpointing_for); the model itself reads auto as none.
+    # auto: the trainer picks none or loop from its memory estimate; the model reads it as none.
     activation_checkpointing: Literal["none", "loop", "block", "auto"] = "none"
     tie_embeddings: bool = True
-    # RMSNorm on each head's queries and keys (over head_dim, one gain per channel shared by the
-    # heads) before RoPE, in every block (OLMo 2, Qwen3): bounds the attention logits.
+    # RMSNorm on each head's queries and keys before RoPE (OLMo 2, Qwen3): bounds the logits.
     qk_norm: bool = False
-    # Attention within documents (documents.py): training and held-out batches pack documents
-    # end to end, eos before each; with this on, a token attends only to earlier tokens of its
-    # own document, in every block at every loop step. Off: causal over the whole window.
+    # Attention within each packed document (documents.py); off: causal over the whole window.
     document_mask: bool = False
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -88,8 +70,8 @@ class ModelConfig:
 
 
 def check_model_fields(m: ModelConfig) -> None:
-    """Field values and combinations that no recurrence can run. The recurrence's own checks come
-    after these in transitions.check_model_config, the full check."""
+    """Field values and combinations that no recurrence can run (transitions.check_model_config
+    runs the recurrence's own after these)."""
     for name in ("vocab_size", "d_model", "n_heads", "max_seq_len", "n_core", "depth"):
         if getattr(m, name) <= 0:
             raise ConfigError(f"model.{name}: must be > 0, got {getattr(m, name)}")
@@ -112,7 +94,6 @@ def check_model_fields(m: ModelConfig) -> None:
                           f"{m.forcing_bias_scale}")
 
 
-# A model config saved before a field existed (a run's config.yaml, an export's config.json) ran
-# with the behaviour that field's default had then, not with today's: read by
-# scse_dist.config.load_saved_config and by the HF config (remote code) alike.
+# A model config saved before a field existed ran with that field's default of then, not today's
+# (scse_dist.config.load_saved_config and the HF config read this).
 VALUE_BEFORE_FIELD = {"anchor_scale": "free", "qk_norm": False, "document_mask": False}

@@ -1,26 +1,14 @@
 """Document masking (model.document_mask): attention within the documents of a packed row.
 
-Boundaries. The shards store every document followed by eos (scse_dist.data.shards), and the
-loader lays documents end to end, so a packed row's documents are found from its eos tokens:
-`document_ids` numbers them along the row. An eos opens the document after it, as the held-out
-scorer's windows [eos, *document] do (scse_dist.eval.scoring.document_windows): a document's
-first token is then predicted from eos alone, in training as in evaluation. (torchtitan and
-OLMo-core count the eos into the document it ends instead; that eos then predicts the next
-document's first token from the previous document.) The row's first tokens, the tail of a
-document begun in an earlier window, are a document of their own.
-
-Positions are not restarted per document (torchtitan's choice too): RoPE makes an attention
-logit depend on the query-key offset only, and a document's keys all lie inside it, so a
-document at offset k gets the logits it gets alone at offset 0, up to the rounding of fp32 RoPE
-angles (tests/test_model_documents.py holds this at every depth).
+Boundaries come from the eos tokens of a packed row (`document_ids`). An eos opens the document
+after it, as the held-out scorer's windows [eos, *document] do, so a document's first token is
+predicted from eos alone; the row's leading tokens are a document of their own. Positions are not
+restarted per document: RoPE logits depend on the query-key offset only.
 
 Backends, chosen at run time by the device of the tokens (the choice printed once):
-  sdpa  a (B, 1, S, S) bool block-diagonal causal mask through scaled_dot_product_attention:
-        CPU, and CUDA without FlexAttention. Correct everywhere; costs a dense masked kernel.
-  flex  FlexAttention's BlockMask (create_block_mask) and a compiled flex_attention, on CUDA:
-        tiles wholly outside a document are skipped, so short documents cost less than causal.
-$SCSE_DOCMASK_BACKEND=sdpa|flex forces one (tests, benchmarks; flex on CPU runs unfused, slow).
-The mask is made once per forward and used by every block at every loop step.
+  sdpa  a (B, 1, S, S) bool block-diagonal causal mask: CPU, and CUDA without FlexAttention.
+  flex  FlexAttention's BlockMask and a compiled flex_attention, on CUDA: skips masked tiles.
+$SCSE_DOCMASK_BACKEND=sdpa|flex forces one (flex on CPU runs unfused, slow).
 """
 
 from __future__ import annotations
@@ -51,8 +39,7 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 
 class FlexMask:
-    """A FlexAttention BlockMask and the attention call that reads it (blocks.py dispatches on
-    this type; a plain tensor mask goes to SDPA)."""
+    """A FlexAttention BlockMask and the attention call that reads it (`attend` dispatches)."""
 
     def __init__(self, block_mask: Any, compiled: bool) -> None:
         self.block_mask, self.compiled = block_mask, compiled
@@ -66,9 +53,7 @@ class FlexMask:
             if _compiled_flex is None:
                 _compiled_flex = torch.compile(flex_attention, dynamic=False)
             fn = _compiled_flex
-        # Compiled flex misreads a strided view: v straight from the qkv split, with q and k
-        # contiguous after RoPE, gave errors up to 3.7 on CPU inductor (tests/
-        # test_model_documents.py); contiguous inputs match SDPA to 1e-7.
+        # compiled flex misreads strided views (v straight from the qkv split)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return fn(q, k, v, block_mask=self.block_mask)
 

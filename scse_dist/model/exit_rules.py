@@ -83,8 +83,7 @@ class ExitRule:
             return kl < self.threshold
         motion = (d_new.float() - d_prev.float()).norm(dim=-1)
         size = d_prev.float().norm(dim=-1)
-        # A token at its anchor that stays there (scse's zero-deviation rows) has not moved:
-        # relative motion 0; one that leaves the anchor has moved infinitely far relative to it.
+        # a token at its anchor that stays there has relative motion 0; one that leaves, inf
         relative = torch.where(size > 0, motion / size.clamp(min=torch.finfo(size.dtype).tiny),
                                torch.where(motion > 0, torch.inf, 0.0))
         return relative < self.threshold

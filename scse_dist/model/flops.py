@@ -3,20 +3,14 @@
 Counted (2 FLOPs per multiply-accumulate, forward; training = 3x forward for the backward's two
 matmuls per forward matmul):
   per block        2 * (4 d^2 + 3 d f)     q, k, v, out projections and the SwiGLU's three matrices
-                   + 2 * 2 * S * d         attention scores QK^T and the weighted sum AV. Causal
-                                           attention is counted in full (not halved), as is
-                                           conventional (PaLM / nanoGPT MFU), so MFU is comparable.
-  blocks run       n_prelude + n_core * calls + n_coda, calls = Transition.core_calls(T): T + 1
-                   for scse (r* = Phi(h*) once), T for looped/additive; untied runs its fixed
-                   stack once (T must be its fixed depth).
+                   + 2 * 2 * S * d         attention QK^T and AV, in full (as PaLM / nanoGPT)
+  blocks run       n_prelude + n_core * calls + n_coda, calls = Transition.core_calls(T) (scse:
+                   T + 1); untied runs its fixed stack once.
   concat adapter   2 * 2d * d per core call;  learned anchor  2 * d^2 once (scse)
   LM head          2 * d * V
-  backprop_steps   with k > 0 (train.depth.backprop_steps), the first T - k loop steps run without
-                   gradient: their core calls count forward only (1x, not 3x). (Under inject
-                   none the prelude then has no gradient at all; its skipped backward is not
-                   taken off.)
-Norms (model.qk_norm's too), RoPE, softmax, the z-loss and elementwise ops are left out (they
-are a few percent at most).
+  backprop_steps   with k > 0, the first T - k loop steps have no backward: their core calls
+                   count 1x, not 3x.
+Norms, RoPE, softmax, the z-loss and elementwise ops are left out (a few percent at most).
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """A KV cache for looped LMs: one slot per physical block x loop step.
 
-A looped model attends at every loop step: the core's blocks at step t attend over the previous
-tokens' step-t keys and values. So a cache holds one slot per (prelude block), (core block, step)
-and (coda block); scse adds one slot per core block for r* = Phi(h*), whose attention runs over the
-previous tokens' h*-path K/V. Each new token then costs one token at depth T (+1 core call for
-scse's r*), never a re-run of the prefix: h* = a(s) and r* are computed once per token, when the
-token enters, and live on only through their K/V slots (no later token needs more of them).
+The core's blocks at step t attend over the previous tokens' step-t keys and values, so a cache
+holds one slot per prelude block, (core block, step) and coda block; scse adds one per core block
+for r* = Phi(h*). Each new token costs one token at depth T, never a re-run of the prefix.
 
 Modes:
   exact   (default) one slot per (core block, step): token-identical to recomputing the whole
           sequence without a cache.
   shared  one slot per physical core block, overwritten at each step (Huginn's compress-s with
-          s = 1): a new token at step t attends to the previous tokens' last-step K/V. Memory is
-          constant in T; the likelihood moves (benchmarks/bench_generate.py measures how far).
+          s = 1): memory constant in T; the likelihood moves.
 
-Use (LoopedLM.decode_step): the prompt is one call, each generated token another:
-
-    cache = KVCache("exact")
-    out = model.decode_step(prompt, cache, attention_mask=mask)   # left-padded (B, S) prompts
-    out = model.decode_step(next_tokens[:, None], cache)          # logits (B, 1, V)
-
-Attention calls `KVSlot.update(k, v)` (blocks.KVHook) with the keys and values of the new tokens
-after RoPE and attends over what it returns: the cached ones followed by the new ones. A slot may
-be updated several times in one call (shared mode: once per step; a per-step read-out): each
-overwrites the last, and `commit`, at the end of the call, keeps the last.
+Use: LoopedLM.decode_step, once with the prompt, then once per generated token.
 """
 
 from __future__ import annotations
@@ -37,12 +24,10 @@ CACHE_MODES = ("exact", "shared")
 
 
 class KVSlot:
-    """The cached keys and values of one attention call site, (B, H, L, head_dim) each.
-
-    Held in buffers with spare room (doubled when full), so appending a token copies only that
-    token: the cost of a new token does not grow with L beyond attention's own reads. `update`
-    writes the new K/V after the cached ones and returns views up to them; a second update in the
-    same call (shared mode, a per-step read-out) overwrites the same place."""
+    """The cached keys and values of one attention call site, (B, H, L, head_dim) each, in
+    buffers with spare room (doubled when full). `update` writes the new K/V after the cached ones
+    and returns views up to them; a second update in the same call overwrites the same place;
+    `commit` keeps it."""
 
     def __init__(self) -> None:
         self.k_buf: Optional[torch.Tensor] = None
@@ -120,11 +105,8 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def positions(self, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE position ids (B, S) and the attention mask (B, 1, S, L + S) of new tokens.
-
-        attention_mask (B, S): 1 real, 0 padding (left padding in the prompt). Each row counts
-        positions from its first real token, so a left-padded row gets its unpadded positions.
-        A new token sees the cached real tokens, the new real ones up to itself, and itself.
+        """RoPE position ids (B, S), counted from each row's first real token, and the attention
+        mask (B, 1, S, L + S) of new tokens given their attention_mask (B, S): 1 real, 0 padding.
         """
         b, s = attention_mask.shape
         new = attention_mask.bool()
@@ -141,8 +123,7 @@ class KVCache:
         return position_ids, _causal_mask(keys, s)
 
     def trailing_mask(self, s: int) -> torch.Tensor:
-        """(B, 1, s, L) attention mask of the last s cached tokens as queries (self-speculative
-        verification: their keys are in some slots already, and are appended to the others)."""
+        """(B, 1, s, L) attention mask of the last s cached tokens as queries (verify)."""
         assert self.key_mask is not None  # tokens are cached
         return _causal_mask(self.key_mask, s)
 
@@ -199,12 +180,8 @@ class _StepHook:
 
 class LoopKV:
     """The core's view of the K/V during one loop run (LoopCore.adaptive): each step's hooks.
-
-    `active` (B, S) bool, set by the loop under an exit rule: tokens still iterating. An exited
-    token's latest K/V stand in for the steps it skips, at every later step and, via `finish`,
-    in the cache slots of steps the loop did not run at all. cache None (teacher-forced adaptive
-    depth, no generation): only that stand-in, nothing is kept.
-    """
+    `active` (B, S): tokens still iterating; an exited token's latest K/V stand in for the steps
+    it skips (and, via `finish`, fill their cache slots). cache None: nothing is kept."""
 
     def __init__(self, cache: Optional[KVCache], core) -> None:
         self.cache, self.core = cache, core

@@ -1,7 +1,4 @@
-"""The language model: embedding -> prelude -> LoopCore -> coda -> final norm -> (tied) head.
-
-`LoopedLM.forward` is the one interface the trainer and evaluator use; see its docstring.
-"""
+"""The language model: embedding -> prelude -> LoopCore -> coda -> final norm -> (tied) head."""
 
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ from .transitions import check_model_config
 
 
 class LMOutput(NamedTuple):
-    """A NamedTuple, not a dataclass: ZeRO-3 finds the tensors in tuples and dicts (to hook their
-    backward) but not in other objects."""
+    """A NamedTuple, not a dataclass: ZeRO-3 hooks the backward of tensors in tuples only."""
 
     logits: Optional[torch.Tensor]  # (B, S, V) at the final depth; None if keep_logits=False
     loss: Optional[torch.Tensor]  # mean cross-entropy at the final depth, if targets given
@@ -38,12 +34,10 @@ class LMOutput(NamedTuple):
     core_calls: int  # Phi applications the output depends on (scse: T+1, others: T)
     depth: int  # the final depth run (with an exit rule: the most steps a token may take)
     steps_used: Optional[torch.Tensor] = None  # (B, S) long: loop steps per token (exit_rule)
-    # cfg.loop_stability's weighted loss term, when it is on, targets are given and grad is
-    # enabled (training); the trainer adds it to `loss` before backward. Not in `loss`.
+    # cfg.loop_stability's weighted term (training); the trainer adds it to `loss` before backward
     aux_loss: Optional[torch.Tensor] = None
-    # forward(z_loss=w > 0) with targets: z_loss is the term w * mean(logsumexp(logits)^2) at the
-    # final depth and `objective` = loss + z_loss, what training backpropagates (in the chunked
-    # path the one with a gradient: `loss` and `z_loss` are then its parts, for logging).
+    # forward(z_loss=w > 0): w * mean(logsumexp(logits)^2), and loss + z_loss, what training
+    # backpropagates
     z_loss: Optional[torch.Tensor] = None
     objective: Optional[torch.Tensor] = None
 
@@ -56,8 +50,7 @@ class DecodeOutput(NamedTuple):
 class LoopedLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        # before any block: they compute constants from the fields. The model's one Transition,
-        # held by the core.
+        # checked before any block computes constants from the fields
         transition = check_model_config(cfg)
         self.cfg = cfg
         ckpt_blocks = cfg.activation_checkpointing == "block"
@@ -87,9 +80,7 @@ class LoopedLM(nn.Module):
         return rope_tables(tokens.shape[-1], self.cfg, tokens.device)
 
     def documents(self, tokens: torch.Tensor, eos_id: int) -> Optional[torch.Tensor]:
-        """The document ids (B, S) forward's `document_ids` takes for packed `tokens` whose
-        documents each follow an eos (documents.document_ids), or None with
-        model.document_mask off: what the trainer and the held-out evaluation pass."""
+        """forward's `document_ids` for packed `tokens` (None with model.document_mask off)."""
         return document_ids(tokens, eos_id) if self.cfg.document_mask else None
 
     def positions(self, tokens: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -141,9 +132,8 @@ class LoopedLM(nn.Module):
         return F.linear(self.head_input(h, rope, mask), self.head_weight)
 
     def compile_blocks(self) -> None:
-        """Compile every block's math with torch.compile (train.engine.compile; regional, see
-        Block.compile_math). Backend inductor, or $SCSE_COMPILE_BACKEND (tests use aot_eager:
-        inductor compiles slowly on CPU)."""
+        """torch.compile every block's math (Block.compile_math); backend inductor, or
+        $SCSE_COMPILE_BACKEND (tests use aot_eager)."""
         backend = os.environ.get("SCSE_COMPILE_BACKEND", "inductor")
         for module in self.modules():
             if isinstance(module, Block):
@@ -172,18 +162,16 @@ class LoopedLM(nn.Module):
     def iter_depth_logits(self, tokens: torch.Tensor, depths: Iterable[int],
                           document_ids: Optional[torch.Tensor] = None
                           ) -> Iterator[tuple[int, torch.Tensor]]:
-        """One loop run to max(depths), then (depth, logits) per depth in increasing order, each
-        computed only when the caller asks for it: a caller that reduces each before the next
-        holds one (B, S, V) tensor at a time, not one per depth (a depth sweep at a 50K vocab)."""
+        """One loop run to max(depths), then (depth, logits) per depth in increasing order, made
+        lazily so a caller holds one (B, S, V) tensor at a time."""
         for t, h in self.iter_depth_head_inputs(tokens, depths, document_ids):
             yield t, F.linear(h, self.head_weight)
 
     def iter_depth_head_inputs(self, tokens: torch.Tensor, depths: Iterable[int],
                                document_ids: Optional[torch.Tensor] = None
                                ) -> Iterator[tuple[int, torch.Tensor]]:
-        """As iter_depth_logits, but (depth, the LM head's input (B, S, d)): coda and final
-        norm run on every position, and a caller that scores a few positions applies the head
-        (`head_weight`) to those rows only (scse_dist.eval.scorer). document_ids: as forward's."""
+        """As iter_depth_logits, but (depth, the LM head's input (B, S, d)), for a caller that
+        applies `head_weight` to a few rows only (scse_dist.eval.scorer)."""
         final, readouts = self._resolve_depths(None, depths)
         assert readouts is not None
         rope, mask = self.positions(tokens, document_ids=document_ids)
@@ -210,18 +198,14 @@ class LoopedLM(nn.Module):
         readout_depths: coda+head applied at each of these depths of the same loop run.
         backprop_steps=k > 0: gradients flow through only the last k loop steps.
         initial_state: (B, S, d) replaces H0.
-        attention_mask: (B, S) 1 for real tokens, 0 for padding (left padding: generation,
-        batched evaluation); padding keys are masked in every block. position_ids: (B, S) RoPE
-        positions; with a mask and no position_ids, each row counts from its first real token.
-        Both None (training): plain causal attention at positions 0..S-1, the path whose numbers
-        every test pins. document_ids: (B, S) ids of the packed documents (`documents`; not with
-        attention_mask): each token attends only to earlier tokens of its document, in every
-        block at every loop step (model.document_mask; documents.py). Generation with a KV
-        cache across loop steps: decode_step.
-        exit_rule: adaptive depth per token (eval, no grad; LoopCore.adaptive): the loop runs up
-        to the rule's max_steps (else the depth above), each token stops when the rule fires, and
-        the output's steps_used says how many steps each took. Not with readout_depths,
-        backprop_steps or initial_state. The loop's per-step norms: LoopCore.trace.
+        attention_mask: (B, S) 1 for real tokens, 0 for (left) padding, whose keys every block
+        masks. position_ids: (B, S) RoPE positions; with a mask and none, each row counts from its
+        first real token. Both None (training): plain causal attention at positions 0..S-1.
+        document_ids: (B, S) ids of the packed documents (`documents`; not with attention_mask):
+        each token attends only within its document (documents.py).
+        exit_rule: adaptive depth per token (eval, no grad; LoopCore.adaptive) up to the rule's
+        max_steps (else the depth above); steps_used says how many steps each token took. Not
+        with readout_depths, backprop_steps or initial_state.
         z_loss: weight of PaLM's z-loss at the final depth (training; needs targets): the output's
         z_loss and objective (LMOutput). `loss` stays the cross-entropy.
         """
@@ -286,9 +270,8 @@ class LoopedLM(nn.Module):
     def cached_prelude(self, tokens: torch.Tensor, cache: KVCache, depth: int,
                        attention_mask: torch.Tensor
                        ) -> tuple[torch.Tensor, RopeTables, torch.Tensor]:
-        """New tokens through the embedding and the prelude over the KV cache, the cache bound to
-        `depth` loop steps (every call on one cache runs the same depth): (h, rope, mask) for the
-        loop. Shared by decode_step and speculative drafting."""
+        """New tokens through the embedding and the prelude over the KV cache, which is bound to
+        one `depth`: (h, rope, mask) for the loop (decode_step, speculative drafting)."""
         if cache.depth is None:
             cache.depth = depth
         elif cache.depth != depth:
@@ -300,18 +283,22 @@ class LoopedLM(nn.Module):
             h = block(h, rope, mask, cache.slot("prelude", i))
         return h, rope, mask
 
+    def cached_head_input(self, h: torch.Tensor, rope: RopeTables, mask: torch.Tensor,
+                          cache: KVCache, slots: str = "coda") -> torch.Tensor:
+        """head_input over the KV cache: the coda with the cache's `slots`, then the final norm."""
+        for i, block in enumerate(self.coda):
+            h = block(h, rope, mask, cache.slot(slots, i))
+        return self.norm(h)
+
     def decode_step(self, tokens: torch.Tensor, cache: KVCache, *, depth: Optional[int] = None,
                     attention_mask: Optional[torch.Tensor] = None,
                     exit_rule: Optional[ExitRule] = None) -> DecodeOutput:
         """Logits of new tokens given the ones in `cache`, whose K/V it then appends
         (scse_dist.model.kv_cache). The prefill is the same call with the whole prompt.
 
-        tokens (B, S); attention_mask (B, S): 1 real, 0 padding (left-padded prompts; None: all
-        real). depth: loop steps (default cfg.depth, untied: its fixed depth); every call on one
-        cache runs the same depth. exit_rule: per-token early exit (LoopCore.adaptive), its
-        max_steps (if set) replacing depth, as in forward; a token that exits keeps its state and
-        its latest K/V fill the cache slots of the steps it skipped. Each new token costs one
-        token at that depth (+1 core call for scse), whatever the cache's length.
+        tokens (B, S); attention_mask (B, S): 1 real, 0 padding (None: all real). depth: loop
+        steps (default cfg.depth), the same for every call on one cache. exit_rule: per-token
+        early exit, as in forward; an exited token's latest K/V fill the slots of skipped steps.
         """
         if exit_rule is not None:
             depth = exit_rule.max_steps or depth
@@ -320,9 +307,7 @@ class LoopedLM(nn.Module):
         h, rope, mask = self.cached_prelude(tokens, cache, depth, attention_mask)
 
         def coda_head(h: torch.Tensor) -> torch.Tensor:
-            for i, block in enumerate(self.coda):
-                h = block(h, rope, mask, cache.slot("coda", i))
-            return F.linear(self.norm(h), self.head_weight)
+            return F.linear(self.cached_head_input(h, rope, mask, cache), self.head_weight)
 
         h, steps = self.core.adaptive(h, depth, exit_rule, rope, mask,
                                       lambda h: coda_head(h).float().log_softmax(-1),

@@ -1,21 +1,9 @@
 """Cross-entropy of the LM head without full-vocabulary logits: `chunked_cross_entropy`.
 
-`F.cross_entropy(F.linear(h, W).float(), y)` holds (B*S, V) logits in the model dtype, their fp32
-copy, the fp32 log-softmax saved for backward and the fp32 gradient: at vocab 32000 and 8 x 1024
-tokens that is 1 GiB per copy. Here the head matmul and the loss run over chunks of rows, and
-when a gradient is wanted each chunk's gradient is formed right away, in the same pass: the
-gradient of the logits is softmax - onehot (scaled by 1/kept tokens), so the gradients of the
-hidden states and of the head weight follow from it with the two backward matmuls, and backward
-only scales them by the incoming gradient. No chunk's logits outlive their chunk and nothing is
-recomputed (the head costs 3 matmuls, as unchunked). Values and gradients equal the unchunked
-path's within fp32 summation-order rounding (the gradient of the logits is cast to the model
-dtype before the two matmuls, as autograd does there).
-
-`chunked_cross_entropy_with_z_loss` adds PaLM's z-loss, `z_weight * mean(logsumexp(logits)^2)`,
-in the same chunks: the logsumexp is the cross-entropy's, and the z term's gradient,
-`2 z_weight * lse * softmax`, joins the logits' gradient before the same two matmuls, so the head
-still costs 3 matmuls. Its objective (cross-entropy + z term) is the one output with a gradient;
-the two parts come beside it, for logging.
+The head matmul and the loss run over chunks of rows, and each chunk's gradient (softmax - onehot,
+scaled by 1/kept tokens; the z-loss adds 2 z_weight * lse * softmax) is formed in the same pass,
+so no chunk's logits outlive it and nothing is recomputed (3 matmuls, as unchunked); backward only
+scales by the incoming gradient. Values equal the unchunked path's within fp32 summation order.
 
 The head weight is an input of the autograd Function, not captured: a tied head (the embedding
 matrix) then accumulates into the same .grad as the embedding lookup, and under ZeRO-3 the
@@ -30,12 +18,10 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # targets equal to this are left out of the loss (torch's default)
-# Logits per chunk (rows x vocab) off CUDA: 2^24 fp32 values = 64 MiB, ~500 rows at vocab 32000
-# (the quickstart's numbers were measured with these: another size reorders the fp32 sums).
+# Logits per chunk (rows x vocab) off CUDA: 2^24 fp32 values = 64 MiB (another size reorders the
+# fp32 sums, and so the quickstart's numbers).
 CHUNK_LOGITS = 1 << 24
-# Rows per chunk on CUDA: torchtitan's 8192 (2 chunks, not 32, per micro-batch of 16 x 1024: fewer
-# small kernels), while a chunk's fp32 logits stay within a 64th of the device's memory (at vocab
-# 32000, 1 GiB of an 80 GB GPU's).
+# Rows per chunk on CUDA (torchtitan's), while a chunk's fp32 logits stay within a 64th of memory.
 CUDA_CHUNK_ROWS = 8192
 
 
@@ -106,11 +92,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                           targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of `F.linear(hidden, weight)` against `targets` over the targets not
-    equal to IGNORE_INDEX, in fp32, computed in row chunks (module docstring).
-
-    hidden: (..., d); weight: (V, d); targets: hidden's leading shape, long.
-    """
+    """Mean fp32 cross-entropy of `F.linear(hidden, weight)` (hidden (..., d), weight (V, d))
+    against `targets` (long, hidden's leading shape) except IGNORE_INDEX, in row chunks."""
     return _apply(hidden, weight, targets, 0.0)[0]
 
 
@@ -123,9 +106,7 @@ class LossTerms(NamedTuple):
 def chunked_cross_entropy_with_z_loss(hidden: torch.Tensor, weight: torch.Tensor,
                                       targets: torch.Tensor, z_weight: float) -> LossTerms:
     """chunked_cross_entropy plus PaLM's z-loss, z_weight * mean(logsumexp(logits)^2) over the
-    same kept rows, in the same chunks (the logsumexp is the cross-entropy's own; the
-    gradient of both is formed in one pass, 3 matmuls as without it). Only `objective` carries a
-    gradient: the cross-entropy and the z term are its parts, for logging."""
+    same kept rows, in the same chunks. Only `objective` carries a gradient."""
     return LossTerms(*_apply(hidden, weight, targets, float(z_weight)))
 
 

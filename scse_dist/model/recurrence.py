@@ -1,16 +1,8 @@
-"""The loop: one module, `LoopCore`, holding the shared core blocks, the anchor and the concat
-adapter.
+"""The loop: `LoopCore` holds the shared core blocks, the anchor and the concat adapter.
 
-It runs the whole recurrence in one `forward`, so the training side can register this class as a
-DeepSpeed ZeRO-3 leaf module (`deepspeed.utils.set_z3_leaf_modules(model, [LoopCore])`): its
-parameters are then gathered once per forward/backward whatever the depth. Its `forward` returns a
-flat tuple of tensors: ZeRO-3 reduces a leaf's gradients in a full backward hook, which torch calls
-only for Tensor or tuple outputs (checked with DeepSpeed 0.19.8: a dict output left the grads
-unreduced and the optimizer step failed).
-
-The recurrence itself (cfg.recurrence: how x_0, x_{t+1} and h_t are formed) is a `Transition`
-(scse_dist/model/transitions.py, which states the algebra of each); LoopCore holds one and passes
-itself to it as the `Core` protocol defined there (Phi, phi_ctx, anchor, output_norm).
+It runs the whole recurrence in one `forward`, so training registers it as a ZeRO-3 leaf module:
+its parameters are gathered once per forward/backward whatever the depth. The recurrence itself
+is a `Transition` (transitions.py), to which LoopCore passes itself as the `Core` protocol.
 """
 
 from __future__ import annotations
@@ -30,15 +22,13 @@ from .exit_rules import ExitRule
 from .kv_cache import LoopKV
 from .transitions import Context, Transition, check_model_config
 
-# loop_stability's hinge floor on |D_T| / |D_0| per token: a loop that keeps half of its
-# starting deviation is not penalised; the collapsing seeds of issue 17 kept 1 to 4%.
+# loop_stability's hinge floor on |D_T| / |D_0| per token: keeping half is not penalised
 STABILITY_FLOOR = 0.5
 
 
 def loop_step_label(t: int, suffix: str = "") -> ContextManager[Any]:
-    """`loop_step_{t}{suffix}` around loop step t in a profiler trace (docs/training.md,
-    "Profiling"). Without an active profiler a null context: record_function alone costs ~5 us
-    per call even when nothing records (measured on CPU), the check ~0.1 us."""
+    """`loop_step_{t}{suffix}` around loop step t in a profiler trace (docs/training.md); a null
+    context without an active profiler, where record_function would still cost time."""
     if torch.autograd._profiler_enabled():
         return record_function(f"loop_step_{t}{suffix}")
     return contextlib.nullcontext()
@@ -90,12 +80,10 @@ class LoopTrace(NamedTuple):
 
 class LoopCore(nn.Module):
     def __init__(self, cfg: ModelConfig, transition: Optional[Transition] = None) -> None:
-        """transition: the model's, checked (LoopedLM's); a core built on its own checks cfg and
-        makes its own."""
+        """transition: the model's, checked; a core built on its own makes one."""
         super().__init__()
         d = cfg.d_model
         self.cfg = cfg
-        # the model's one Transition; no parameters: all of them live here
         self.transition = transition or check_model_config(cfg)
         self.inject = self.transition.resolved_inject
         self.init_state = cfg.init_state
@@ -108,11 +96,9 @@ class LoopCore(nn.Module):
         self.anchor: Optional[nn.Linear] = None
         if self.transition.learned_anchor:
             self.anchor = nn.Linear(d, d, bias=False)
-            # Orthogonal init: h* = Q s keeps each token's norm, so the anchor sits as far from 0
-            # as s does (RMSNorm's Jacobian scales like 1/sqrt(eps) at 0: a zero init blows up the
-            # anchor's gradients), and D_0 = s - Q s is O(|s|) and not parallel to h*. Identity
-            # would give D_0 = 0 (the mask freezes every token); a multiple c*I gives D_0 parallel
-            # to h*, which the first Post-LN norm erases (measured: bf16 rows collapsed to D = 0).
+            # Orthogonal: h* = Q s keeps each token's norm (a zero init blows up RMSNorm's
+            # gradients at 0), and D_0 = s - Q s is O(|s|) and not parallel to h* (identity gives
+            # D_0 = 0; c*I gives D_0 parallel to h*, which the first Post-LN norm erases).
             nn.init.orthogonal_(self.anchor.weight)
         self.adapter: Optional[nn.Linear] = None
         if self.inject == "concat":
@@ -142,8 +128,7 @@ class LoopCore(nn.Module):
             h = self.adapter(torch.cat([h, s], dim=-1))
         first = self.transition.group(t) * self.n_core
         for i in range(self.n_core):
-            # indexed, not sliced: a ModuleList slice builds a new ModuleList (an nn.Module
-            # __init__) per call, ~0.1 ms, a third of a block's time when decoding one token
+            # indexed, not sliced: a ModuleList slice builds a new module per call (slow decoding)
             block = self.blocks[first + i]
             h = block(h, rope, mask) if kv is None else block(h, rope, mask, kv[i])
         return h
@@ -210,14 +195,11 @@ class LoopCore(nn.Module):
                 stability: bool = False) -> tuple[torch.Tensor, ...]:
         """Run `depth` steps once. Returns a flat tuple: h_t for t in sorted(readout_depths)
         (default (depth,)), then, if stability, cfg.loop_stability * stability_penalty(D_0,
-        D_{depth-1}, D_depth). (The loop's per-step norms, without grad: trace.)
-
-        A tuple of tensors, not a dict: as a ZeRO-3 leaf this module's gradients are reduced in a
-        full backward hook, which torch only calls for Tensor or tuple outputs.
+        D_{depth-1}, D_depth). A tuple, not a dict: torch calls the full backward hook that
+        reduces a ZeRO-3 leaf's gradients only for Tensor or tuple outputs.
         backprop_steps=k in (0, depth): the first depth-k steps run without grad and the state is
         detached before the last k (the anchor and r* keep their grad).
-        rope: RoPE's cos/sin from the model's forward (made here when not given).
-        mask: the attention mask from the model's forward (None: plain causal attention).
+        rope, mask: from the model's forward (None: made here; plain causal attention).
         exit_rule: adaptive depth (see adaptive); returns (h, steps_used) instead.
         """
         if exit_rule is not None:
@@ -256,9 +238,8 @@ class LoopCore(nn.Module):
     @torch.no_grad()
     def trace(self, s: torch.Tensor, depth: int, keep: Iterable[int] = (),
               rope: Optional[RopeTables] = None) -> LoopTrace:
-        """The loop run `depth` steps from source `s` without grad: the one loop trace that the
-        training diagnostics and the diagnose task read (norms at every step, h_t for t in
-        `keep`)."""
+        """The loop run `depth` steps from `s` without grad, for the diagnostics: norms at every
+        step, h_t for t in `keep`."""
         x, ctx = self.start(s, rope=rope)
         h_prev = self.state(x, ctx)
         states = {0: h_prev} if 0 in keep else {}
@@ -275,8 +256,7 @@ class LoopCore(nn.Module):
 
     @torch.no_grad()
     def forcing_bias_norm(self, ctx: Context) -> torch.Tensor:
-        """Mean ||what a zero deviation moves to||: lambda*b for scse, Phi(s) - s otherwise (an
-        extra probe call, not counted in core_calls since the output does not depend on it)."""
+        """Mean ||what a zero deviation moves to||: lambda*b for scse, Phi(s) - s otherwise."""
         return _row_norm_mean(self.transition.forcing_bias(self, ctx))
 
     # ------------------------------------------------------------------ adaptive depth, decoding
@@ -286,16 +266,12 @@ class LoopCore(nn.Module):
                  rope: Optional[RopeTables] = None, mask: Optional[AttnMask] = None,
                  log_probs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  kv: Optional[LoopKV] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token exit, teacher-forced and batched (eval; no grad): up to rule.cap(depth)
-        steps; after step t a token whose rule fires keeps its loop variable (x_{t+1} =
-        where(active, step(x_t), x_t)) and its latest K/V in every core block (LoopKV.active), so
-        later steps of the other tokens attend to its latest available K/V. The loop stops once
-        every token has exited. Returns h and steps_used (B, S) long. log_probs(h) -> (B, S, V):
-        the per-step read-out, needed by rule.needs_readout (kl). The motion rule reads
-        D = h - anchor (anchor_of). rule None: every token runs `depth` steps.
-
-        kv: a KV cache's view (LoopedLM.decode_step), whose slots the steps read and append to;
-        None: a view without a cache, which only carries exited tokens' latest K/V.
+        """Per-token exit, teacher-forced and batched (eval; no grad): up to rule.cap(depth) steps;
+        a token whose rule fires keeps its loop variable and its latest K/V (LoopKV.active); the
+        loop stops once every token has exited. Returns h and steps_used (B, S) long.
+        log_probs(h) -> (B, S, V): the per-step read-out rule.needs_readout asks for. rule None:
+        `depth` steps for all.
+        kv: a KV cache's view (decode_step); None: one that only carries exited tokens' K/V.
         """
         if rule is not None and rule.needs_readout and log_probs is None:
             raise ValueError(f"exit rule {rule}: needs a read-out per step (log_probs)")

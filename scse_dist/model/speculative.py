@@ -1,17 +1,9 @@
 """Self-speculative decoding's two model calls: a draft at loop depth d, its verification to T.
 
-A looped model carries its own draft model: itself, stopped after d loop steps and read out
-there. Step t of a token reads only steps <= t (of itself and of the tokens before it), so the
-first d steps of a drafted token are exactly the full-depth model's first d steps: `draft`
-computes them once, writes their K/V into the cache's step slots 0..d-1 (and the prelude's, and
-scse's r* slots: h* and r* = Phi(h*) are computed once per token, here), and hands the loop
-variable after step d to `verify`, which runs only steps d..T-1 over all drafted positions in
-one call, then the coda and head.
-
-The draft's read-out runs the coda over the step-d state with its own K/V slots ("draft_coda",
-i), so the draft is exactly the model at depth d (with a cache); the full-depth coda's slots hold
-the verifier's. The decoding loop (accepting, rejecting, rolling the cache back with
-KVCache.truncate) is scse_dist.generate.speculative.
+Step t of a token reads only steps <= t, so a drafted token's first d steps are the full model's:
+`draft` computes them once (filling their K/V slots) and `verify` runs only steps d..T-1 over all
+drafted positions in one call. The draft's coda has its own slots ("draft_coda", i). The decoding
+loop is scse_dist.generate.speculative.
 """
 
 from __future__ import annotations
@@ -42,9 +34,8 @@ def check_draft_depth(draft_depth: int, depth: int) -> None:
 @torch.no_grad()
 def draft(model, tokens: torch.Tensor, cache: KVCache, draft_depth: int, depth: int,
           attention_mask: Optional[torch.Tensor] = None, readout: bool = True) -> Drafted:
-    """New tokens through the prelude, the loop's first `draft_depth` steps and the draft's
-    coda: their depth-d logits, and what `verify` continues from. Commits the tokens to the
-    cache (their deeper step slots and the full-depth coda's stay to be filled by verify).
+    """New tokens through the prelude, the loop's first `draft_depth` steps and the draft's coda:
+    their depth-d logits and what `verify` continues from; commits the tokens to the cache.
     readout=False skips the head (a round's last drafted token: only its K/V are needed)."""
     check_draft_depth(draft_depth, depth)
     if cache.mode != "exact":
@@ -56,7 +47,8 @@ def draft(model, tokens: torch.Tensor, cache: KVCache, draft_depth: int, depth: 
     x, ctx = core.start(h, None, rope, mask, LoopKV(cache, core))
     for t in range(draft_depth):
         x = core.step(x, ctx, t)
-    logits = _coda_head(model, core.state(x, ctx), rope, mask, cache, "draft_coda", readout)
+    h = model.cached_head_input(core.state(x, ctx), rope, mask, cache, "draft_coda")
+    logits = F.linear(h, model.head_weight) if readout else None
     cache.commit(attention_mask)
     context = {key: ctx[key] for key in POSITION_KEYS if key in ctx}
     context["cos"], context["sin"] = rope
@@ -79,14 +71,7 @@ def verify(model, drafts: Sequence[Drafted], cache: KVCache, draft_depth: int) -
     assert cache.depth is not None  # the prefill fixed it
     for t in range(draft_depth, cache.depth):
         x = core.step(x, ctx, t)
-    logits = _coda_head(model, core.state(x, ctx), (ctx["cos"], ctx["sin"]), mask, cache, "coda")
-    assert logits is not None  # readout
+    logits = F.linear(model.cached_head_input(core.state(x, ctx), (ctx["cos"], ctx["sin"]), mask,
+                                              cache), model.head_weight)
     cache.commit_slots()
     return logits
-
-
-def _coda_head(model, h: torch.Tensor, rope, mask: torch.Tensor, cache: KVCache,
-               slots: str, readout: bool = True) -> Optional[torch.Tensor]:
-    for i, block in enumerate(model.coda):
-        h = block(h, rope, mask, cache.slot(slots, i))
-    return F.linear(model.norm(h), model.head_weight) if readout else None

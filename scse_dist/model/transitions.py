@@ -7,17 +7,11 @@ With Phi(h) = F(h), F(h + s) or F(W[h; s]) by cfg.inject, and x the loop variabl
                       ref = r* - lambda * (r* - h*) = h* + (1 - lambda) * b,  b = r* - h*
   untied              like looped, but step t runs its own distinct group of n_core blocks
 
-A transition holds no parameters: the loop's module (`LoopCore`, recurrence.py) owns them all
-(their names are the checkpoint format, and it is the one ZeRO-3 leaf), and passes itself to
-`start`, `step` and the probes as a `Core`: the protocol below, all a transition may ask of it, so
-this module never imports recurrence.py. A transition also answers what the config's fields mean
-for this recurrence (the resolved inject and anchor scale, the unrolled depth N, whether it loops
-at all: `fixed_depth`), so code elsewhere asks it instead of comparing recurrence names, and
-`check_model_config` runs the field checks and then its own. A model builds it once (LoopedLM
-hands it to LoopCore, which holds it, and to every Block).
-
-Adding a recurrence is one subclass with a `name`, passed to `register` (here, or from a plugin or
-a test: tests/test_toy_extensions.py); the names model.recurrence accepts are the registry's.
+A transition holds no parameters: `LoopCore` (recurrence.py) owns them all and passes itself as a
+`Core`, the protocol below. A transition also says what the config's fields mean for its
+recurrence (resolved inject, anchor scale, unrolled depth, `fixed_depth`), so code elsewhere asks
+it instead of comparing names. Adding a recurrence is one subclass with a `name`, passed to
+`register` (tests/test_toy_extensions.py); model.recurrence accepts the registry's names.
 """
 
 from __future__ import annotations
@@ -31,8 +25,7 @@ if TYPE_CHECKING:  # annotations only: this module stays free of torch (scse_dis
 
     import torch
 
-# Per-forward tensors (source, anchor, cos, sin, mask, ...) and, when decoding with a KV cache,
-# "kv": the cache's LoopKV view.
+# Per-forward tensors (source, anchor, cos, sin, mask, ...) and a KV cache's LoopKV view ("kv").
 Context = dict[str, Any]
 
 
@@ -47,8 +40,7 @@ class Core(Protocol):
             rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
             mask: Optional[torch.Tensor] = None, kv: Optional[Sequence[Any]] = None
             ) -> torch.Tensor:
-        """One core application Phi(h) with the source s, step t's block group, RoPE's (cos,
-        sin), the attention mask and one KV hook per core block (blocks.KVHook)."""
+        """One core application Phi(h) (LoopCore.phi)."""
 
     def phi_ctx(self, h: torch.Tensor, ctx: Context, t: int = 0, response: bool = False
                 ) -> torch.Tensor:
@@ -133,9 +125,8 @@ class Transition:
 
     @property
     def starts_at_anchor(self) -> bool:
-        """Whether D_0 = h_0 - anchor is zero at every token by construction (here: the source
-        start, the anchor being the source), so that what is measured against D_0 (|D_T|/|D_0|,
-        cos(D_0, h*)) is undefined rather than a number the loop produced."""
+        """Whether D_0 = h_0 - anchor is zero at every token by construction, so that ratios
+        against D_0 are undefined rather than numbers the loop produced."""
         return self.cfg.init_state == "source"
 
     @property
@@ -143,8 +134,7 @@ class Transition:
         """"free" or "core_norm": cfg.anchor_scale with "auto" resolved for this model."""
         if self.cfg.anchor_scale != "auto":
             return self.cfg.anchor_scale
-        # the learned anchor only: "source" (h* = s exactly) and "zero" are ablations it would
-        # change
+        # the learned anchor only: "source" and "zero" are ablations it would change
         return "core_norm" if self.learned_anchor and self.cfg.residual != "preln" else "free"
 
     def own_flops(self) -> float:
@@ -160,8 +150,7 @@ class Transition:
     _no_input = ""  # what else keeps the input out, in check's message
 
     def check_interventions(self) -> None:
-        """anchor_scale and loop_stability against what this recurrence has (an anchor, a loop);
-        check_model_config runs it before check()."""
+        """anchor_scale and loop_stability against what this recurrence has (an anchor, a loop)."""
         m = self.cfg
         if m.anchor_scale == "core_norm":
             if not self.has_anchor:
@@ -291,8 +280,7 @@ class Scse(Transition):
             assert core.anchor is not None
             anchor = core.anchor(s)
         if self.resolved_anchor_scale == "core_norm":
-            # Through the core's own output norm: |h*| then follows the scale rho of Phi's
-            # output, which nothing else ties it to (issue 17: R/rho drifting off 1 collapses D).
+            # through the core's own output norm: |h*| then follows the scale of Phi's output
             anchor = core.output_norm(anchor)
         return anchor
 
@@ -301,10 +289,8 @@ class Scse(Transition):
         # r*: the one extra core call of SCSE
         response = core.phi_ctx(anchor, ctx, 0, response=True)
         ctx["response"] = response
-        # lerp is exact at both ends: ref = r* for lambda 0 (so a zero row gives exactly 0 even
-        # without the mask), ref = h* for lambda 1.
-        # Under autocast the two may differ in dtype (the anchor map's output is bf16, a Post-LN
-        # core's output fp32 after its norm's fp32 weight) and lerp takes one: the wider.
+        # lerp is exact at both ends (ref = r* for lambda 0, h* for 1); under autocast the two
+        # may differ in dtype and lerp takes one: the wider.
         if response.dtype != anchor.dtype:
             response, anchor = response.float(), anchor.float()
         ctx["ref"] = response.lerp(anchor, self.cfg.forcing_bias_scale)
@@ -313,9 +299,8 @@ class Scse(Transition):
     def step(self, core: Core, x: torch.Tensor, ctx: Context, t: int) -> torch.Tensor:
         delta = core.phi_ctx(ctx["anchor"] + x, ctx, t) - ctx["ref"]
         if self.zero_mask:
-            # Attention mixes rows: without this a row sitting exactly at its anchor would be
-            # moved by its neighbours. With it the anchor invariance is exact, bit for bit
-            # (0 * finite = +-0). A multiply, not masked_fill: one op fewer each way (~2% step).
+            # attention mixes rows: this keeps a row at its anchor exactly there (0 * finite = 0);
+            # a multiply is one op fewer than masked_fill each way
             delta = delta * (x != 0).any(dim=-1, keepdim=True).to(delta.dtype)
         return delta
 
@@ -357,10 +342,8 @@ def resolved_anchor_scale(cfg: ModelConfig) -> str:
 
 
 def check_model_config(cfg: ModelConfig) -> Transition:
-    """Every check of a model config: the fields (config.check_model_fields), then what they need
-    of the recurrence and its own combinations. Returns the checked Transition, so that a model
-    builds it once. LoopedLM calls this too, so a ModelConfig built in code gets the same
-    messages as one from YAML."""
+    """Every check of a model config: the fields, then the recurrence's own; returns the checked
+    Transition. LoopedLM calls it too, so a ModelConfig built in code gets the same messages."""
     check_model_fields(cfg)
     transition = transition_for(cfg)
     transition.check_interventions()
