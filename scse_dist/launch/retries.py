@@ -1,26 +1,11 @@
 """Crash retries of a training job: which failures requeue it, the record of its failed starts
 (RUN/logs/retries.json), and the refusal to loop on a failure that repeats.
 
-Training's exit status on one rank (scse_dist.train.cli), as `run_job train` reads it:
-  0, 75          finished; preempted and saved (a 75 is requeued by the backend, as before)
-  2, 65, 66      bad config or input: a rerun fails the same way; never retried
-  3              train.max_nonfinite_steps in a row: the same data would diverge again; never
-  4              train.spike_skip.max_in_a_row loss spikes in a row: likewise; never
-  130            a second Ctrl-C: the user stopped it; never
-  anything else  a crash (an exception, a signal such as SIGKILL or SIGSEGV): the job is
-                 requeued, at most train.start.max_retries times, and its next start resumes from
-                 the latest verified checkpoint (scse_dist.checkpoint.resume)
-
-Every task of the job runs `run_job train`, and one rank's crash ends its peers (a collective
-with a dead peer fails; srun --kill-on-bad-exit SIGTERMs the rest): one decision per start, by the
-first rank whose trainer failed. It claims the start (RUN/logs/retries/<job>.<start>, created
-exclusively: a rank that comes later decides nothing, and so does one that a signal stopped),
-takes the step and the failure's signature from the trainer's crash line (CRASH_LINE, printed by
-scse_dist.train.loop), appends the start to retries.json, and requeues the job or says in one
-line why not: this job already failed after the same step with the same signature (a retry would
-loop), or its train.start.max_retries retries are used. Both count per job id: a new submission
-starts afresh. A rank that stops with a status never retried (bad input on rank 0: 65) claims the
-start too, so that its peers' crashes that follow (a collective with it gone) requeue nothing.
+Statuses 0 and 75 are not failures, NEVER_RETRIED's fail the same way again, anything else is a
+crash: the first rank whose trainer failed claims the start (RUN/logs/retries/<job>.<start>,
+created exclusively, so later ranks decide nothing), records it and requeues the job, unless this
+job already failed after the same step with the same signature or its train.start.max_retries
+are used. The whole protocol: docs/launching.md, "Crash retries".
 """
 
 from __future__ import annotations

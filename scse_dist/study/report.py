@@ -1,16 +1,8 @@
 """The study report: seeds aggregated per variant and depth, paired comparisons with a verdict,
 extrapolation ratios, pathology flags, the learning-rate choice, the frontier plots, and a
-factorial's main effects and interactions (spec report.factorial: scse_dist.study.factorial).
+factorial's effects (spec report.factorial). What it writes and shows: docs/evaluation.md.
 
     python -m scse_dist.study.report STUDY_DIR        # or: scse-report --study STUDY_DIR
-
-Writes STUDY_DIR/report/ (report.md, aggregate.json, frontier_depth.png, frontier_flops.png,
-diagnose.png) and logs the aggregate to wandb in the study's group (offline, unless every run's
-config disables wandb: then nothing is logged; --wandb decides otherwise).
-The metrics shown per task are the spec's `report.metrics` (default: heldout ppl; WikiText ppl,
-word ppl and bits per byte; LAMBADA ppl and accuracy).
-Intervals are 95% Student-t intervals over seeds, mean +- t_{0.975, n-1} s / sqrt(n); paired
-comparisons take the per-seed difference (A - B, seeds matched) at each depth and its t interval.
 """
 
 from __future__ import annotations
@@ -50,13 +42,8 @@ def report_metrics(study: Study) -> dict[str, list[str]]:
     return {**default_report_metrics(), **given}
 
 
-def higher_is_better(task: str, metric: str) -> bool:
-    return metric in TASKS[task].higher_is_better
-
-
 def flops_at(model: ModelConfig, depth: int, seq_len: int) -> Optional[float]:
-    """Training FLOPs per token over the unrolled depth at loop depth T (SCSE's T+1 core calls
-    included): the one place the report calls scse_dist.model.flops."""
+    """Training FLOPs per token over the unrolled depth at loop depth T; None where undefined."""
     from scse_dist.model.flops import flops_per_token
 
     try:
@@ -66,9 +53,8 @@ def flops_at(model: ModelConfig, depth: int, seq_len: int) -> Optional[float]:
 
 
 def training_depth(cfg: RunConfig) -> Optional[int]:
-    """The deepest T the run trained at: model.depth, or the sampler's max (uniform: 2x mean by
-    default; poisson_lognormal: its max, else the mean, as it has no bound). None for a model that
-    does not loop (untied)."""
+    """The deepest T the run trained at (the depth sampler's max, else model.depth); None for a
+    model that does not loop."""
     m, d = cfg.model, cfg.train.depth
     if not transition_for(m).loops:
         return None
@@ -159,8 +145,7 @@ class StudyReport:
         return next((r.config for r in self.included if r.variant == variant and r.config), None)
 
     def extrapolation(self) -> list[tuple[str, int, dict[int, float]]]:
-        """(label, reference depth, {T > ref: mean(T) / mean(ref)}): ref is the deepest evaluated
-        T within the training range (the training depth itself when it was evaluated)."""
+        """(label, reference depth, {T > ref: mean(T) / mean(ref)}), ref as reference_depth."""
         rows = []
         for (variant, task, metric), by_depth in self.table.items():
             cfg = self.config_of(variant)
@@ -210,7 +195,7 @@ class StudyReport:
 
     def training_diagnostics_series(self) -> dict:
         """{variant: {run label: {metric: [(step, value)]}}} from the training logs' loop
-        diagnostics (final-stage runs; a recurrence without a loop logs none)."""
+        diagnostics."""
         out: dict = {}
         for run in self.included:
             series = {m: [(r["step"], r[m]) for r in run.metrics
@@ -270,7 +255,7 @@ class StudyReport:
                         if (t, m) == (task, metric)]
                 if mine:
                     rows = [(f"{a} - {b}", d) for a, b, d in mine]
-                    verdicts = [f"{a} {verdict(d, higher_is_better(task, metric))}"
+                    verdicts = [f"{a} {verdict(d, metric in TASKS[task].higher_is_better)}"
                                 for a, b, d in mine]
                     lines += [f"### {task} {metric}", ""]
                     lines += _depth_table("pair", rows, extra=("verdict", verdicts)) + [""]
@@ -289,9 +274,8 @@ class StudyReport:
         return "\n".join(lines) + "\n"
 
     def _run_lines(self) -> list[str]:
-        """A row per aggregated run: the first task's first metric at every depth, its ratio at
-        the deepest T over the reference depth of extrapolation(), and the training log's last
-        loop diagnostics (so a seed's collapse reads beside its numbers)."""
+        """A row per aggregated run: the first task's first metric per depth, its extrapolation
+        ratio, its last logged loop diagnostics and its flags."""
         task = next(iter(self.metrics), None)
         runs = [r for r in self.included if task in r.results]
         if task is None or not runs:
@@ -348,7 +332,7 @@ class StudyReport:
                 "aggregate": {f"{v}/{t}/{m}": {str(d): asdict(iv) for d, iv in by_d.items()}
                               for (v, t, m), by_d in self.table.items()},
                 "paired": {f"{a} - {b}/{t}/{m}": {
-                    "verdict": verdict(d, higher_is_better(t, m)),
+                    "verdict": verdict(d, m in TASKS[t].higher_is_better),
                     "depths": {str(k): asdict(iv) for k, iv in d.items()}}
                     for (a, b, t, m), d in self.pairs.items()},
                 "factorial": factorial.numbers(self.effects)}
@@ -402,12 +386,10 @@ def _write_report_files(report: StudyReport, out: Path) -> dict[str, str]:
 def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
                        wandb_mode: Literal["auto", "offline", "online", "disabled"] = "auto"
                        ) -> Path:
-    """Write report.md, aggregate.json and the PNGs into out_dir (default STUDY_DIR/report);
-    log to wandb unless wandb_mode is "disabled" (or "auto" and every run disables wandb: else
-    offline). Returns the report.md path."""
+    """Write the report into out_dir (default STUDY_DIR/report) and log it to wandb ("auto":
+    offline unless every run disables wandb). Returns the report.md path."""
     report = StudyReport(load_study(study_dir))
     out = Path(out_dir) if out_dir is not None else Path(study_dir) / "report"
-    # written beside `out` and moved in together (scse_dist.atomic.output_dir)
     with output_dir(str(out), lambda u: (Path(u) / REPORT_NAME).is_file(), REPORT_NAME) as tmp:
         images = _write_report_files(report, Path(tmp))
     images = {name: str(out / Path(p).name) for name, p in images.items()}

@@ -23,18 +23,7 @@
     report: {metrics: {lambada: [ppl, accuracy]},   # the metrics the report shows, per task
              factorial: {factors: {model.recurrence: [additive, scse], ...}}}  # .factorial
 
-A run is <study>/<variant>/<variant>-seed<k> (its name, <variant>-seed<k>, is in its results,
-logs and batch job name); with `lr`, stage 1 (sweep) runs <variant>/<variant>-lr<value>-seed<k>
-at `lr.seed`, scored on `lr.validation` (never a test set), and stage 2 (final) trains every
-seed at the variant's chosen rate (<study>/lr_choice.json). A variant's `lr: {key, values}` sweeps
-another field (Muon's `train.optimizer.muon_lr`) over its own grid; seed, steps and validation stay
-the study's.
-
-The file is read by scse_dist.typed_yaml like a run config: `extends:` (a spec's `base:` is its
-run config) loads another spec first and lays this one over it, mappings merged key by key, and
-`base:` and `out:` stay relative to the file that sets them; command-line overrides are
-typed_yaml's `key.sub=value` (`seeds=[0,1]`, `lr.steps=50`), where the keys of `overrides:` and
-a variant's `overrides:` are dotted run-config fields themselves (`overrides.data.path=...`).
+Run layout, LR stages, `extends:` and command-line overrides: docs/studies.md.
 """
 
 from __future__ import annotations
@@ -115,9 +104,7 @@ class StudySpec:
     exclude_flagged: bool = False
     evals: StudyEvals = field(default_factory=StudyEvals)
     order: str = "seed-major"
-    # What each training job asks the batch system for, on any backend (formerly `slurm:`); the
-    # defaults fit a CPU cluster (one node, one task, one CPU, no GPU); a GPU study sets
-    # gpus_per_node and tasks_per_node (one per GPU).
+    # each training job's request, on any backend (formerly `slurm:`); defaults fit a CPU cluster
     resources: Resources = field(default_factory=Resources)
     report: dict[str, Any] = field(default_factory=dict)  # read by scse_dist.study.report
     path: str = ""  # the spec file
@@ -127,8 +114,7 @@ class StudySpec:
         return Path(self.out) / self.name
 
     def rate_key(self, variant: str) -> str:
-        """The config field a variant's sweep chooses (train.optimizer.lr unless the variant
-        says)."""
+        """The config field a variant's sweep chooses."""
         return self.rates.get(variant, VariantRate()).key
 
     def rate_values(self, variant: str) -> list[float]:
@@ -234,10 +220,8 @@ BASELINE = "additive"  # the variant every other is compared with unless the spe
 
 
 def default_pairs(variants: dict[str, tuple[str, tuple]]) -> list[tuple[str, str]]:
-    """The pairs a study compares when its spec names none: each variant against `additive` with
-    the same axis values (else the first additive one). `variants`: expanded name -> (the spec's
-    variant, its axis-value suffixes); a study read back without its axes passes (name, ()).
-    The one rule: the spec applies it, and so does a study dir whose study.yaml has no pairs."""
+    """The pairs when a spec (or a study.yaml) names none: each variant against `additive` with the
+    same axis values, else the first additive one. `variants`: name -> (spec variant, suffixes)."""
     baseline = {suffix: full for full, (name, suffix) in variants.items() if name == BASELINE}
     if not baseline:
         return []
@@ -385,8 +369,6 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> StudySpec
     try:
         values = _read_yaml(p, kind="study spec", overlay="extends", file_relative=SPEC_PATHS)
         apply_overrides(values, given, DOTTED_MAPPINGS)
-    except SpecError:
-        raise
     except ConfigError as exc:
         raise SpecError(str(exc)) from None
     return parse_spec(values, str(p))

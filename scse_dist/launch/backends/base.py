@@ -1,12 +1,7 @@
-"""What a batch system must do for `scse-launch` and `scse-study`: the whole protocol.
-
-A backend submits a job (a command line, with a name, resources, log folder, environment and
-dependencies), submits an array of such jobs (one command per task) with a cap on how many run at
-once, checks a resource request before anything is submitted, and cancels a job. The launcher and
-the study build `Job`s and call these methods only; what a job id looks like, how a dependency is
-written and how a command reaches the nodes are the backend's business. Every command a job runs
-is an installed entry point (`python -m scse_dist...`), so a job needs no checkout and no script
-of its own. A new cluster type is one `Backend` subclass (docs/architecture.md, "A batch system").
+"""What a batch system must do for `scse-launch` and `scse-study`: submit a job, an array with a
+cap, check a request, cancel. Callers build `Job`s and call these methods only; every command a
+job runs is an installed entry point. A new cluster type is one `Backend` subclass
+(docs/architecture.md, "A batch system").
 """
 
 from __future__ import annotations

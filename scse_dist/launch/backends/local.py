@@ -1,9 +1,8 @@
-"""This machine as a batch system: each job runs to its end when it is submitted, as a child
-process (scse_dist.launch.children: signals forwarded, nothing left behind), with its output in
-LOG_DIR/NAME-ID.out and .err. So dependencies are met by order: an afterok job whose dependency
-failed never runs (as Slurm's kill_invalid_depend cancels it), and an array runs its tasks one
-after another (within any cap). A job that a signal stopped stops the submitting command too
-(StoppedBySignal): nothing after it is run, and a rerun resumes."""
+"""This machine as a batch system: each job runs to its end when submitted, as a child process
+(scse_dist.launch.children), output in LOG_DIR/NAME-ID.out and .err. Dependencies are met by
+order (an afterok job whose dependency failed never runs); an array's tasks run one by one. A
+job a signal stopped stops the submitting command too (StoppedBySignal); a rerun resumes.
+"""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
-"""Slurm through submitit: each job is a `submitit.SlurmExecutor` submission of a `SlurmTask`
-(a pickled callable that runs the job's command in every task, under srun), arrays are submitit's
-batch submissions with `array_parallelism` as the cap, dependencies and the backend's own flags
-are sbatch parameters submitit writes, cancelling is submitit's `Job.cancel`, and a requeue goes
-through submitit's job environment. Logs and submitit's pickles are in the job's log_dir
-(`<id>_<task>_log.out/.err`); it must be on a filesystem the nodes share, as the run dirs are.
+"""Slurm through submitit: each job a `submitit.SlurmExecutor` submission of a `SlurmTask` (run
+in every task, under srun), arrays a batch submission capped by `array_parallelism`, dependencies
+and --backend-args as sbatch parameters. Logs and pickles are in the job's log_dir, which must be
+on a filesystem the nodes share.
 
-Preemption: the sbatch script asks for SIGUSR1 120 s before the time limit and allows a requeue.
-The signal reaches every process of the job; the trainer saves and exits 75, and the SlurmTask of
-task 0, seeing 75, requeues the job with submitit (`scontrol requeue`), so the next start resumes
-from the checkpoint. submitit's own checkpoint handler (SIGUSR2, pickling the callable's state) is
-not used: the state to save is the trainer's, and it saves it itself.
+Preemption: SIGUSR1 120 s before the time limit; the trainer saves and exits 75, and task 0's
+SlurmTask requeues the job, whose next start resumes from the checkpoint (submitit's own
+checkpointing is not used: the state to save is the trainer's).
 """
 
 from __future__ import annotations
