@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-REQUEUE_EXIT_CODE = 75  # the trainer's "preempted, checkpoint saved, rerun to resume"
+REQUEUE_EXIT_CODE = 75  # scse_dist.train.faults': preempted and saved; a backend may requeue it
 
 
 @dataclass

@@ -55,24 +55,22 @@ def report_run(run_dir: str) -> str:
 
 def training_command(config: str, overrides: Sequence[str], evaluate: bool,
                      schedule_on: Optional[str] = None) -> list[str]:
-    """The training job's command on every backend (scse_dist.launch.run_job train): CONFIG by
-    its absolute path (a job may start elsewhere), evaluated inside the job or scheduling the
-    evaluation jobs on the backend `schedule_on` after itself."""
+    """The training job's command on every backend: run_job train CONFIG (absolute: a job may
+    start elsewhere), evaluating inside the job or scheduling eval jobs on `schedule_on`."""
     flags = ["--evaluate"] if evaluate else []
     flags += [f"--schedule-evals={schedule_on}"] if schedule_on else []
     return [*RUN_JOB, "train", str(Path(config).resolve()), *overrides, *flags]
 
 
 def eval_jobs(cfg: RunConfig, train_job: str) -> tuple[list[Job], Job]:
-    """One job per eval task, afterok on the training job; the report job, whose dependencies
-    (the eval jobs' ids) are filled in once they are known."""
+    """One job per eval task, afterok on the training job; the report job (after them, once their
+    ids are known)."""
     run_dir = Path(cfg.run_dir).resolve()
-    command = RUN_JOB
     job = Job(command=[], name=f"{cfg.name}-eval", resources=cfg.eval.resources,
               log_dir=run_dir / LOGS, after=[str(train_job)])
-    evals = [dataclasses.replace(job, command=[*command, "evaluate", str(run_dir), task])
+    evals = [dataclasses.replace(job, command=[*RUN_JOB, "evaluate", str(run_dir), task])
              for task in cfg.eval.tasks]
-    report = dataclasses.replace(job, command=[*command, "report", str(run_dir)],
+    report = dataclasses.replace(job, command=[*RUN_JOB, "report", str(run_dir)],
                                  name=f"{cfg.name}-report", after=[])
     return evals, report
 
@@ -104,8 +102,7 @@ def schedule_evals(cfg: RunConfig, train_job: str, backend: Backend) -> list[str
 
 
 def evaluate_all(cfg: RunConfig) -> str:
-    """Every task of eval.tasks that has no complete result yet (a requeued job repeats none;
-    a Ctrl-C'd one is evaluated again), then the run's report. Returns report.md."""
+    """Every task of eval.tasks without a complete result yet, then the run's report.md."""
     for task in cfg.eval.tasks:
         if not RunDir(cfg.run_dir).evaluated(task):
             evaluate_export(cfg.run_dir, task)
@@ -157,17 +154,16 @@ def backend_args(args: argparse.Namespace, prog: str) -> str:
 
 
 def check_world_batch(cfg: RunConfig) -> None:
-    """ConfigError (one line, exit 2) if the global batch does not divide at the world the
-    training job asks for: one rank per task, resources.nodes x resources.tasks_per_node."""
+    """ConfigError (exit 2) if the global batch does not divide at the training job's world,
+    resources.nodes x resources.tasks_per_node."""
     res = cfg.resources
     cfg.train.batch.grad_accum_for(res.nodes * res.tasks_per_node, world_from=(
         f"from resources.nodes {res.nodes} x resources.tasks_per_node {res.tasks_per_node}"))
 
 
 def submit_training(args: argparse.Namespace, cfg: RunConfig, backend: Backend) -> int:
-    """The training job: run_job train with CONFIG and the overrides, the config's resources: and
-    --backend-args. Prints the job id alone on stdout; 0 once submitted, or, when the backend ran
-    the job in place (local), the job's exit status."""
+    """Submit the training job and print its id alone on stdout; 0, or the job's exit status
+    where the backend ran it in place (local)."""
     in_place = backend.runs_in_place
     command = training_command(args.config, args.overrides, evaluate=in_place,
                                schedule_on=None if in_place else backend.name)

@@ -31,8 +31,7 @@ from scse_dist.study.spec import load_spec
 
 
 def runs_table(spec) -> str:
-    """One line per run: variant, seed, lr (the rate it trains at; 'from-sweep' until the sweep
-    picked it), stage, run dir, status (done/partial/new)."""
+    """One line per run: variant, seed, lr ('from-sweep' until chosen), stage, run dir, status."""
     chosen = read_choice(spec)
     rows = [("variant", "seed", "lr", "stage", "run_dir", "status")]
     for run in expand(spec, chosen):
@@ -46,11 +45,9 @@ def runs_table(spec) -> str:
 
 
 def gpu_hours(spec) -> str | None:
-    """A GPU study's cost as `scse-train --plan` sizes each run (training only, at the world of
-    the spec's resources and the planner's default GPU and MFU), summed per stage; None for a
-    study without GPUs. Each variant is planned once per stage, at its first seed's depth draws
-    (seeds differ there by about 1%); a final run before the sweep chose its rate is planned all
-    the same: the rate does not change its time."""
+    """A GPU study's cost as `scse-train --plan` sizes each run (training only, at the spec's
+    resources), summed per stage; None without GPUs. A variant is planned once per stage: its
+    seeds differ only in their depth draws, and the rate does not change its time."""
     res = spec.resources
     if not res.gpus_per_node:
         return None
@@ -59,7 +56,7 @@ def gpu_hours(spec) -> str | None:
     world, assumed = res.nodes * res.gpus_per_node, Assumptions(gpus_per_node=res.gpus_per_node)
     hours: dict[str, float] = {}
     longest, plan = 0.0, {}
-    planned: dict[tuple[str, str], dict] = {}  # a variant's seeds differ only in their depth draws
+    planned: dict[tuple[str, str], dict] = {}
     for run in expand(spec, read_choice(spec)):
         key = (run.variant, run.stage)
         if key not in planned:

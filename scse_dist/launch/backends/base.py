@@ -17,11 +17,6 @@ from scse_dist.launch.config import Resources
 # afterany: start once every dependency ended, however it ended.
 Dependency = Literal["afterok", "afterany"]
 
-# A job's command that exits with this status was preempted and saved a checkpoint: a backend
-# that can requeue a job does, and the next start resumes (scse_dist.train.faults).
-REQUEUE_EXIT_CODE = 75
-
-
 class BackendError(Exception):
     """A submission, check or cancel the batch system refused; the message is one line."""
 
@@ -37,14 +32,12 @@ class Job:
     after: list[str] = field(default_factory=list)  # job ids this one waits for
     dependency: Dependency = "afterok"
     env: dict[str, str] = field(default_factory=dict)  # set in the job, on top of the caller's
-    # the backend's own flags (--backend-args)
     backend_args: list[str] = field(default_factory=list)
 
 
 @dataclass
 class Task:
-    """One task of an array: its command, and the name it shows once it runs (where the batch
-    system can rename a running task; else the array's name stays)."""
+    """One task of an array: its command, and the name it shows once it runs (where it can)."""
 
     command: list[str]
     name: Optional[str] = None
@@ -86,16 +79,13 @@ class Backend(abc.ABC):
         """The job's resource request as the user would write it (error messages name these)."""
 
     def current_start(self) -> int:
-        """How many times the job this process runs in was requeued before this start (0: its
-        first start); a job that cannot be requeued always starts once."""
+        """How many times the job this process runs in was requeued before this start."""
         return 0
 
     def requeue(self, job_id: str) -> None:
-        """Put job `job_id` (running: the job this process runs in) back in the queue, to start
-        again under the same id. BackendError where the batch system cannot."""
+        """Put job `job_id` back in the queue, to start again under the same id."""
         raise BackendError(f"the {self.name} backend cannot requeue a job")
 
     def ended_with(self, job_id: str) -> Optional[int]:
-        """The job's exit status if it already ended by the time `submit` returned (a backend
-        that runs jobs in place); None for a job that is queued or running, as on a cluster."""
+        """The job's exit status if it ended within `submit`; None if queued or running."""
         return None

@@ -18,15 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from scse_dist.launch.backends.base import (
-    REQUEUE_EXIT_CODE,
-    Backend,
-    BackendError,
-    Job,
-    Resources,
-    Task,
-)
-from scse_dist.launch.children import run_child
+from scse_dist.launch.backends.base import Backend, BackendError, Job, Resources, Task
+from scse_dist.launch.children import REQUEUE_EXIT_CODE, run_child
 
 PREEMPT_SIGNAL = "USR1@120"  # what scse_dist.train.faults saves on, and how early
 
