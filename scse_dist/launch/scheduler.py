@@ -6,20 +6,11 @@
     scse-launch CONFIG [key.sub=value ...] --after-job ID  # only the evaluation jobs of job ID
     scse-launch CONFIG [key.sub=value ...] --evaluate      # evaluate the trained run here, report
 
-The training job, on every backend, runs `python -m scse_dist.launch.run_job train CONFIG ...`
-(the installed package: any directory, no checkout), asking for the config's `resources:` and
-then `--backend-args`; its logs are in RUN/logs. On a cluster (Slurm) the job's first task first
-submits one job per task in `eval.tasks` with an afterok dependency on itself and a report job
-after all of them, so evaluation starts only once training succeeded (if training fails, Slurm
-never starts them; a local cluster with `kill_invalid_depend` cancels them). A requeued training
-job keeps its id: the jobs already scheduled for that id are recorded in
-`RUN/eval/scheduled.json`, so they are not submitted twice. On a backend that runs jobs in place
-(local) the training job evaluates and reports itself instead.
-
-Every evaluation job, and `--local`, runs the same `evaluate_export` (scse_dist.eval.export_eval,
-as the trainer and a study do): the export's config says which data each task reads, and
-`run_task` writes `RUN/eval/<task>.json`; `report_run` then writes
-`RUN/eval/report.md` and `frontier.png`.
+The training job runs `python -m scse_dist.launch.run_job train CONFIG ...` (the installed
+package), asking for the config's `resources:`, then `--backend-args`; logs are in RUN/logs. On
+a cluster its first task submits an afterok evaluation job per `eval.tasks` entry and a report
+job after them (once per job id: RUN/eval/scheduled.json); on a backend that runs jobs in place
+(local) the job evaluates and reports itself. See docs/launching.md.
 """
 
 from __future__ import annotations
@@ -48,9 +39,7 @@ RUN_JOB = [sys.executable, "-m", "scse_dist.launch.run_job"]
 def report_run(run_dir: str) -> str:
     from scse_dist.eval.report import report_run as write
 
-    report = write(run_dir)["report"]
-    assert report is not None  # write_report always writes report.md
-    return report
+    return str(write(run_dir)["report"])  # report.md, always written
 
 
 def training_command(config: str, overrides: Sequence[str], evaluate: bool,

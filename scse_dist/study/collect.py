@@ -125,8 +125,7 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
             run.missing = f"unreadable results: {exc}"
             run.results = {}
             return run
-        # A task's evaluation under another name (score_validation's validation-owt.json holds
-        # task "heldout" on another text) is not that task's result: it must not replace it.
+        # a task's evaluation under another name (on another text) is not that task's result
         if data is not None and data["task"] == f.stem:
             run.results[data["task"]] = {r["depth"]: r for r in data["results"]}
             config_from_eval = config_from_eval or data.get("config")

@@ -40,9 +40,6 @@ def run_report(spec: StudySpec) -> int:
     return ended.status
 
 
-# --------------------------------------------------------------------------- local
-
-
 # A bad config (2), bad input data (65) or a missing input (66): every run that reads the same
 # input fails the same way, so a study whose first runs all fail alike stops there.
 INPUT_EXITS = (2, 65, 66)
@@ -127,9 +124,6 @@ def _run_local(spec: StudySpec, doing: list[str]) -> int:
     if failed:
         print(f"scse-study: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed or report else 0
-
-
-# --------------------------------------------------------------------------- batch system
 
 
 def _next_job(spec: StudySpec, stage: str, after: list[str], cli_args: list[str]) -> Job:
@@ -223,8 +217,7 @@ def run_submitted(spec: StudySpec, stage: str, max_parallel: int, backend: Backe
         ids = submit_stage(spec, stage, max_parallel, backend, backend_args, cli_args)
     except BackendError as exc:
         raise StudyError(str(exc)) from None
-    # A batch system runs the next job later (None here); a backend that ran the whole chain in
-    # place (local) hands back how it ended, so a failed run is this command's failure too.
+    # a backend that ran the whole chain in place (local) says how it ended: a failed run fails us
     ended = backend.ended_with(ids["next"])
     if ended and backend.current_job() is None:  # the user's own command: name the failures
         report_failures(spec)

@@ -56,8 +56,7 @@ def diagnose_plot(by_variant: dict[str, dict[str, list[tuple[int, float]]]],
     return save(fig, path)
 
 
-# The training log's loop diagnostics drawn per run (docs/loop-diagnostics.md): the deviation
-# kept over the loop, the anchor's norm over the core's output scale, and the loop's gain.
+# the training log's loop diagnostics per run (docs/loop-diagnostics.md): metric -> label, y scale
 TRAINING_DIAGNOSTICS = {"diag/D_kept": ("|D_T| / |D_0|", "log"),
                         "diag/anchor_over_scale": ("R / rho", "linear"),
                         "diag/loop_gain": ("loss(T=1) - loss(T) [nats]", "linear")}

@@ -19,7 +19,7 @@ from scse_dist.config import ModelConfig, RunConfig
 from scse_dist.model.transitions import transition_for
 from scse_dist.study import factorial
 from scse_dist.study.collect import Study, finite, load_study
-from scse_dist.study.compare import aggregate, paired, verdict
+from scse_dist.study.compare import aggregate, paired, values_by_depth, verdict
 from scse_dist.study.flags import Flag, run_flags, unigram_entropy
 from scse_dist.study.plots import (
     TRAINING_DIAGNOSTICS,
@@ -179,16 +179,10 @@ class StudyReport:
     def diagnose_series(self) -> dict:
         out: dict = {}
         for variant in self.variants:
-            runs = [r for r in self.included if r.variant == variant and "diagnose" in r.results]
-            norms = {}
-            for name in DIAGNOSE_NORMS:
-                by_depth: dict[int, list[float]] = {}
-                for run in runs:
-                    for depth, row in run.results["diagnose"].items():
-                        if finite(row.get(name)) is not None:
-                            by_depth.setdefault(depth, []).append(row[name])
-                if by_depth:
-                    norms[name] = [(d, sum(v) / len(v)) for d, v in sorted(by_depth.items())]
+            runs = [r for r in self.included if r.variant == variant]
+            norms = {name: [(d, sum(v.values()) / len(v)) for d, v in sorted(by_depth.items())]
+                     for name in DIAGNOSE_NORMS
+                     if (by_depth := values_by_depth(runs, "diagnose", name))}
             if norms:
                 out[variant] = norms
         return out

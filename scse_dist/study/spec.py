@@ -1,29 +1,7 @@
 """A study spec (YAML), read and checked (its runs: scse_dist.study.runs).
 
-    extends: repro-cpu.yaml        # optional: another spec this one overlays (scse_dist.typed_yaml)
-    name: repro-cpu            # the study dir is <out>/<name>
-    out: ../../studies             # relative to this file, like base: (default: ./studies)
-    base: ../repro-cpu-base.yaml   # a run config, relative to this file (may use `base:` itself)
-    overrides: {data.path: ...}    # dotted keys laid on every run
-    variants:                      # name -> the overrides that make it
-      scse: {overrides: {model.recurrence: scse}}
-      additive: {overrides: {model.recurrence: additive}}
-      scse-muon: {overrides: {train.optimizer: muon},
-                  lr: {key: train.optimizer.muon_lr, values: [0.01, 0.02]}}  # its own rate and grid
-    seeds: [0, 1, 2]
-    axes:                          # multiplied out; `variants:` limits an axis to some variants
-      model.residual: {values: [preln, deeploop], variants: [scse, additive]}
-    lr: {values: [1e-3, 3e-3], seed: 0, steps: 300, validation: path/to/valid.jsonl}
-    pairs: [[scse-preln, additive-preln]]   # default: each variant against `additive*`
-    exclude_flagged: false
-    evals: {tasks: [heldout, wikitext], depths: [1, 2, 4], wikitext: ..., lambada: ...,
-            data: {task: file}}   # data: a task's file when it has no field of its own
-    order: seed-major              # or variant-major: the order runs are started in
-    resources: {nodes: 1, tasks_per_node: 1, gpus_per_node: 0, cpus_per_task: 1, time_min: 60}
-    report: {metrics: {lambada: [ppl, accuracy]},   # the metrics the report shows, per task
-             factorial: {factors: {model.recurrence: [additive, scse], ...}}}  # .factorial
-
-Run layout, LR stages, `extends:` and command-line overrides: docs/studies.md.
+The format, with an example of every field, the run layout, the LR stages, `extends:` and
+command-line overrides: docs/studies.md.
 """
 
 from __future__ import annotations
@@ -124,8 +102,6 @@ class StudySpec:
         assert self.lr is not None  # load_spec: a variant's own lr needs the study's lr:
         return self.lr.values
 
-
-# --------------------------------------------------------------------------- parsing
 
 def _need(values: dict, key: str, kind: type | tuple, where: str) -> Any:
     if key not in values:

@@ -47,10 +47,9 @@ class Backend(abc.ABC):
     """A batch system. Job ids are strings; ids from `submit_array` can be waited on as a whole."""
 
     name: str
-    # True: each job runs to its end inside submit() (this machine), so a run is best evaluated
-    # inside its training job; False: jobs queue (a cluster), evaluations are jobs of their own.
+    # each job runs to its end inside submit() (this machine): a run is evaluated in its own job
     runs_in_place: bool = False
-    # True: requeue() works (a crashed training job is retried: scse_dist.launch.retries)
+    # requeue() works (a crashed training job is retried: scse_dist.launch.retries)
     requeues: bool = False
 
     @abc.abstractmethod

@@ -35,10 +35,6 @@ class LocalBackend(Backend):
     def __init__(self) -> None:
         self.exit_status: dict[str, Optional[int]] = {}  # job id -> status; None: never ran
 
-    def _new_id(self) -> str:
-        # unique across the processes of one study (a stage job submits the next stage's jobs)
-        return f"{os.getpid()}.{next(_ids)}"
-
     def _may_run(self, job: Job) -> bool:
         """afterok: every dependency this backend ran succeeded. Ids it does not know (the job
         that submitted this one, still running) are met by order."""
@@ -46,10 +42,10 @@ class LocalBackend(Backend):
             return True
         return all(self.exit_status.get(dep, 0) == 0 for dep in job.after)
 
-    def _run(self, job: Job, command: list[str], job_id: str, name: Optional[str]) -> int:
+    def _run(self, job: Job, command: list[str], job_id: str) -> int:
         log_dir = Path(job.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
-        name = name or job.name or "job"
+        name = job.name or "job"
         stem = log_dir / f"{name}-{job_id}"
         env = {**os.environ, **job.env, JOB_ID_VAR: job_id}
         with open(f"{stem}.out", "w") as out, open(f"{stem}.err", "w") as err:
@@ -62,22 +58,22 @@ class LocalBackend(Backend):
         return ended.status
 
     def submit(self, job: Job) -> str:
-        self._refuse_backend_args(job)
-        job_id = self._new_id()
-        self.exit_status[job_id] = None
-        if self._may_run(job):
-            self.exit_status[job_id] = self._run(job, job.command, job_id, job.name)
-        return job_id
+        return self._submit(job, {"": job.command})
 
     def submit_array(self, job: Job, tasks: Sequence[Task], max_parallel: int) -> str:
+        return self._submit(job, {f"_{i}": task.command for i, task in enumerate(tasks)})
+
+    def _submit(self, job: Job, commands: dict[str, list[str]]) -> str:
+        """Run each command (keyed by its id's suffix) in turn; the job's status, the first
+        failure's."""
         self._refuse_backend_args(job)
-        job_id = self._new_id()
+        # unique across the processes of one study (a stage job submits the next stage's jobs)
+        job_id = f"{os.getpid()}.{next(_ids)}"
         self.exit_status[job_id] = None
-        if not self._may_run(job):
-            return job_id
-        statuses = [self._run(job, task.command, f"{job_id}_{i}", job.name)
-                    for i, task in enumerate(tasks)]
-        self.exit_status[job_id] = next((s for s in statuses if s != 0), 0)
+        if self._may_run(job):
+            statuses = [self._run(job, command, job_id + suffix)
+                        for suffix, command in commands.items()]
+            self.exit_status[job_id] = next((s for s in statuses if s != 0), 0)
         return job_id
 
     def check(self, job: Job) -> None:

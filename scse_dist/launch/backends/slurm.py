@@ -70,8 +70,7 @@ class SlurmTask:
 
         job_env = submitit.JobEnvironment()
         if job_env.global_rank == 0 and self.name:
-            # an array's tasks share one name until they start; then squeue shows what each runs
-            # (submitit submits an array of one task as a plain job: renamed the same way)
+            # an array's tasks share one name until they start (an array of one is a plain job)
             subprocess.run(["scontrol", "update", f"JobId={job_env.job_id}",
                             f"JobName={self.name}"], check=False)
         ended = run_child(self.command, env={**os.environ, **self.env})
@@ -155,8 +154,7 @@ class SlurmBackend(Backend):
             raise BackendError(f"sbatch failed: {_last_line(str(exc))}") from None
 
     def check(self, job: Job) -> None:
-        # --test-only on the sbatch script submitit would submit: whether and when Slurm could
-        # start it; nothing is submitted
+        # sbatch --test-only on the script submitit would submit: nothing is submitted
         from submitit.slurm.slurm import _make_sbatch_string
 
         executor = self._executor(job)
