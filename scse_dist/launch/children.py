@@ -26,8 +26,7 @@ class Ended:
 
 
 class StoppedBySignal(Exception):
-    """A signal stopped the command while it ran `what`; `status` is its exit status (75: the
-    run saved a checkpoint and resumes when the command is run again)."""
+    """A signal stopped the command while it ran `what`; `status`: its exit (75: saved, rerun)."""
 
     def __init__(self, signal_name: str, status: int, what: str) -> None:
         saved = "it saved a checkpoint, rerun to resume" if status == REQUEUE_EXIT_CODE else \

@@ -10,8 +10,7 @@ from typing import Optional
 
 @dataclass
 class Resources:
-    """What one job asks of a batch system, on any backend: a run's training job (`resources:`),
-    each evaluation job (`eval.resources`), a study's training jobs (the spec's `resources:`)."""
+    """What one job (training, evaluation, a study's run) asks of a batch system, on any backend."""
 
     nodes: int = 1
     tasks_per_node: int = 1  # one training process each (one per GPU on a GPU node)

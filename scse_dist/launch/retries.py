@@ -57,14 +57,16 @@ class Failure:
 
 class CrashWatch:
     """run_child's on_stderr_line for the trainer: passes every line on to this process's stderr
-    and keeps the crash line, if the trainer printed one."""
+    and keeps the last non-blank one and the crash line, if the trainer printed one."""
 
     def __init__(self) -> None:
         self.crash: Optional[tuple[int, int, str]] = None  # rank, step, error
+        self.last = ""
 
     def __call__(self, line: str) -> None:
         sys.stderr.write(line)
         sys.stderr.flush()
+        self.last = line.strip() or self.last
         found = CRASH_LINE.match(line.rstrip("\n"))
         if found:
             self.crash = int(found[1]), int(found[2]), found[3]
@@ -163,9 +165,8 @@ def decide(logs: Path, failure: Failure, max_retries: int) -> Optional[tuple[boo
 
 def after_failure(logs: Path, max_retries: int, status: int, rank: int,
                   watch: CrashWatch) -> None:
-    """What `run_job train` does once its trainer failed on its own (no signal forwarded to it)
-    with the run's log dir `logs`: a crash, inside a job of a backend that requeues, is decided
-    (above) and maybe requeued; a status never retried decides its start as a stop."""
+    """After the trainer failed on its own, in a job of a backend that requeues: decide (a status
+    never retried as a stop) and maybe requeue."""
     where = current_backend()
     if not (is_crash(status) or status in NEVER_RETRIED) or where is None or \
             not where[0].requeues:

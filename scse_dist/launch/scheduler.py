@@ -52,8 +52,7 @@ def training_command(config: str, overrides: Sequence[str], evaluate: bool,
 
 
 def eval_jobs(cfg: RunConfig, train_job: str) -> tuple[list[Job], Job]:
-    """One job per eval task, afterok on the training job; the report job (after them, once their
-    ids are known)."""
+    """One job per eval task, afterok on the training job, and the report job (after them)."""
     run_dir = Path(cfg.run_dir).resolve()
     job = Job(command=[], name=f"{cfg.name}-eval", resources=cfg.eval.resources,
               log_dir=run_dir / LOGS, after=[str(train_job)])
@@ -143,8 +142,7 @@ def backend_args(args: argparse.Namespace, prog: str) -> str:
 
 
 def check_world_batch(cfg: RunConfig) -> None:
-    """ConfigError (exit 2) if the global batch does not divide at the training job's world,
-    resources.nodes x resources.tasks_per_node."""
+    """ConfigError if the global batch does not divide at resources.nodes x tasks_per_node."""
     res = cfg.resources
     cfg.train.batch.grad_accum_for(res.nodes * res.tasks_per_node, world_from=(
         f"from resources.nodes {res.nodes} x resources.tasks_per_node {res.tasks_per_node}"))

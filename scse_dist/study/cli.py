@@ -45,9 +45,8 @@ def runs_table(spec) -> str:
 
 
 def gpu_hours(spec) -> str | None:
-    """A GPU study's cost as `scse-train --plan` sizes each run (training only, at the spec's
-    resources), summed per stage; None without GPUs. A variant is planned once per stage: its
-    seeds differ only in their depth draws, and the rate does not change its time."""
+    """A GPU study's training cost as `scse-train --plan` sizes it, per stage; None without GPUs.
+    Once per variant and stage: seeds differ only in depth draws, the rate changes no time."""
     res = spec.resources
     if not res.gpus_per_node:
         return None

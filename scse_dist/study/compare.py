@@ -49,9 +49,8 @@ def paired(runs: list[StudyRun], a: str, b: str, task: str, metric: str) -> dict
 
 
 def verdict(diffs: dict[int, Interval], higher_is_better: bool) -> str:
-    """'better at all depths', 'better at depths 4, 8', 'worse at ...', 'no difference' when every
-    seed's difference is exactly 0 at every depth (e.g. accuracy 0 for both), or 'not resolved at
-    n seeds' when every interval contains 0 (or one seed leaves no interval)."""
+    """'better at all depths', 'better at depths 4, 8', 'worse at ...', 'no difference' (all 0),
+    or 'not resolved at n seeds' when every interval contains 0 (or there is none)."""
     if not diffs:
         return "no common depths"
     if all(iv.mean == 0 and not iv.std for iv in diffs.values()):

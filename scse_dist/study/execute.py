@@ -21,6 +21,7 @@ from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch.backends import Backend, BackendError, Job, Task
 from scse_dist.launch.children import StoppedBySignal, run_child, stop_on_signals
 from scse_dist.launch.config import Resources
+from scse_dist.launch.retries import CrashWatch
 from scse_dist.launch.scheduler import LOGS, training_command
 from scse_dist.progress import eta_seconds, format_duration
 from scse_dist.run_dir import RunDir
@@ -49,17 +50,12 @@ FAIL_FAST_AFTER = 2
 def _train(run: Run) -> tuple[int, str]:
     """scse-train on the run's config (resuming a checkpoint), its stderr passed on; (exit status,
     last stderr line). StoppedBySignal once a signal forwarded to it made it save and exit."""
-    last = [""]
-
-    def echo(line: str) -> None:
-        sys.stderr.write(line)
-        last[0] = line.strip() or last[0]
-
+    watch = CrashWatch()
     ended = run_child([sys.executable, "-m", "scse_dist.train.cli", "--config", run.config],
-                      on_stderr_line=echo)
+                      on_stderr_line=watch)
     if ended.signal_name:
         raise StoppedBySignal(ended.signal_name, ended.status, f"training {run.run_dir}")
-    return ended.status, last[0]
+    return ended.status, watch.last
 
 
 def _train_and_evaluate(spec: StudySpec, run: Run) -> tuple[int, str]:
@@ -137,8 +133,7 @@ def _next_job(spec: StudySpec, stage: str, after: list[str], cli_args: list[str]
 
 
 def check_request(backend: Backend, job: Job) -> None:
-    """StudyError, in one line, when the batch system says it could never run `job` (Slurm: more
-    nodes, CPUs or GPUs than any node has, an unknown partition), naming what was asked for."""
+    """StudyError naming the request when the batch system says it could never run `job`."""
     try:
         backend.check(job)
     except BackendError as exc:
@@ -149,8 +144,7 @@ def check_request(backend: Backend, job: Job) -> None:
 
 def training_array(spec: StudySpec, stage: str, runs: list[Run], backend: Backend,
                    backend_args: list[str]) -> tuple[Job, list[Task]]:
-    """A stage's array: what its tasks share, and each task's run_job train (evaluating inside
-    the job in the final stage)."""
+    """A stage's array job and its tasks (run_job train, evaluating in the final stage)."""
     # Submitted by a stage job: start after it ended, so that it never runs beside the array.
     me = backend.current_job() if os.environ.get("SCSE_STUDY_STAGE_JOB") else None
     job = Job(command=[], name=f"{spec.name}-{stage}", resources=spec.resources,
@@ -206,8 +200,7 @@ def report_failures(spec: StudySpec) -> int:
 
 def run_submitted(spec: StudySpec, stage: str, max_parallel: int, backend: Backend,
                   backend_args: list[str], cli_args: list[str]) -> int:
-    """One step of a study on a batch system: submit a stage (and the job continuing after it),
-    or, as the last job, name the failed runs and write the report."""
+    """One step on a batch system: submit a stage, or (the last job) name failures and report."""
     if stage == "auto":
         stage = "final" if not spec.lr or (spec.study_dir / "lr_choice.json").is_file() else "sweep"
     if stage == "report":  # a failed run fails the report job (Slurm shows it FAILED)

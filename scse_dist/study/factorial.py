@@ -65,8 +65,7 @@ Effects = dict[tuple[str, str], dict[int, dict[str, Effect]]]
 
 
 def effects(design: Factorial, runs: list, metrics: dict[str, list[str]]) -> tuple[Effects, str]:
-    """The effects per first metric of each task and depth of design.depths, and a note (why
-    there are none, or empty). `runs`: the report's aggregated StudyRuns."""
+    """The effects per task (its first metric) and depth, and a note: why there are none, or ""."""
     variants: dict[tuple[int, ...], set[str]] = {}
     placed = []
     for run in runs:

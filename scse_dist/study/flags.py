@@ -135,8 +135,7 @@ def _deviation(run: StudyRun) -> dict[int, float]:
 
 
 def _fell(deviation: dict[int, float], th: FlagThresholds) -> Optional[tuple[float, float]]:
-    """(deviation at the deepest T, the largest) when the first is below collapse_ratio x the
-    second, else None."""
+    """(deviation at the deepest T, the largest) if the first < collapse_ratio x the second."""
     if not deviation:
         return None
     deepest, largest = deviation[max(deviation)], max(deviation.values())

@@ -65,8 +65,7 @@ TRAINING_DIAGNOSTICS = {"diag/D_kept": ("|D_T| / |D_0|", "log"),
 def training_diagnostics_plot(by_variant: dict[str, dict[str, dict[str, list[tuple[int, float]]]]],
                               collapsed: set[str], path: str | Path) -> str:
     """A row per variant, a column per TRAINING_DIAGNOSTICS metric, a line per run against the
-    training step; runs in `collapsed` (their labels) dashed, so a collapsing seed stands out
-    beside the healthy ones."""
+    step; runs in `collapsed` (labels) dashed, so a collapsing seed stands out."""
     cols = list(TRAINING_DIAGNOSTICS)
     fig, axes = panels(max(1, len(by_variant)), len(cols), 4.2, 2.8)
     for axes_row, (variant, runs) in zip(axes, by_variant.items()):

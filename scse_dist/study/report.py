@@ -188,8 +188,7 @@ class StudyReport:
         return out
 
     def training_diagnostics_series(self) -> dict:
-        """{variant: {run label: {metric: [(step, value)]}}} from the training logs' loop
-        diagnostics."""
+        """{variant: {run label: {metric: [(step, value)]}}} of the logged loop diagnostics."""
         out: dict = {}
         for run in self.included:
             series = {m: [(r["step"], r[m]) for r in run.metrics

@@ -24,8 +24,7 @@ from scse_dist.typed_yaml import _read_yaml, apply_overrides
 
 
 def task_metrics() -> dict[str, tuple[str, ...]]:
-    """task -> every metric a spec's `report: {metrics: {task: [...]}}` may pick (the quality
-    tasks of scse_dist.task_registry; diagnose has its own plot)."""
+    """task -> every metric a spec's `report.metrics` may pick (quality tasks only)."""
     return {name: t.metrics for name, t in TASKS.items() if t.study_metrics}
 
 
@@ -336,9 +335,8 @@ DOTTED_MAPPINGS = ("overrides", "variants.*.overrides")
 
 
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> StudySpec:
-    """Read a spec file (and the spec it `extends:`), then `key=value` overrides (typed_yaml's:
-    `seeds=[0,1]`, `lr.steps=50`, `overrides.data.path=...`); `out=` on the command line is
-    relative to where it is typed."""
+    """Read a spec file (and what it `extends:`), then typed_yaml's `key=value` overrides;
+    `out=` on the command line is relative to where it is typed."""
     p = Path(path)
     given = [f"out={Path(item.split('=', 1)[1]).resolve()}" if item.startswith("out=") else item
              for item in overrides or []]

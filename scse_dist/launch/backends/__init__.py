@@ -21,8 +21,7 @@ def get_backend(name: str) -> Backend:
 
 
 def current_backend() -> Optional[tuple[Backend, str]]:
-    """The backend whose job this process runs in, and the job's id; None outside any job. Every
-    registered backend is asked, in BACKENDS' order, so a new one needs no edit here."""
+    """The backend whose job this process runs in (asked in BACKENDS' order) and the job's id."""
     for name in BACKENDS:
         backend = get_backend(name)
         job_id = backend.current_job()

@@ -58,8 +58,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def submit_array(self, job: Job, tasks: Sequence[Task], max_parallel: int) -> str:
-        """One array of len(tasks) jobs like `job` (whose command is unused), task i running
-        tasks[i].command, at most `max_parallel` at once; the array's id."""
+        """An array like `job`, task i running tasks[i].command, `max_parallel` at once; its id."""
 
     @abc.abstractmethod
     def check(self, job: Job) -> None:

@@ -36,8 +36,7 @@ class LocalBackend(Backend):
         self.exit_status: dict[str, Optional[int]] = {}  # job id -> status; None: never ran
 
     def _may_run(self, job: Job) -> bool:
-        """afterok: every dependency this backend ran succeeded. Ids it does not know (the job
-        that submitted this one, still running) are met by order."""
+        """afterok: every dependency this backend ran succeeded (others are met by order)."""
         if job.dependency == "afterany":
             return True
         return all(self.exit_status.get(dep, 0) == 0 for dep in job.after)
@@ -64,8 +63,7 @@ class LocalBackend(Backend):
         return self._submit(job, {f"_{i}": task.command for i, task in enumerate(tasks)})
 
     def _submit(self, job: Job, commands: dict[str, list[str]]) -> str:
-        """Run each command (keyed by its id's suffix) in turn; the job's status, the first
-        failure's."""
+        """Run each command (keyed by its id's suffix) in turn; the job fails as its first does."""
         self._refuse_backend_args(job)
         # unique across the processes of one study (a stage job submits the next stage's jobs)
         job_id = f"{os.getpid()}.{next(_ids)}"

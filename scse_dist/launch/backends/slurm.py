@@ -25,8 +25,7 @@ PREEMPT_SIGNAL = "USR1@120"  # what scse_dist.train.faults saves on, and how ear
 
 
 def resource_parameters(res: Resources) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters for a resource request (time, partition, mem and GPUs
-    only when asked for: else the cluster's defaults)."""
+    """submitit SlurmExecutor parameters for a request (the cluster's defaults where unasked)."""
     params: dict[str, Any] = {"nodes": res.nodes, "ntasks_per_node": res.tasks_per_node,
                               "cpus_per_task": res.cpus_per_task, "time": res.time_min or None}
     optional = {"gpus_per_node": res.gpus_per_node or None, "partition": res.partition,
@@ -58,9 +57,8 @@ def _submission_env() -> Iterator[None]:
 
 
 class SlurmTask:
-    """What each task of a Slurm job runs (pickled by submitit): the job's command, with the
-    job's environment, signals forwarded; status 75 requeues the job (task 0 does). `name`: the
-    name an array task takes once it starts."""
+    """What each task of a Slurm job runs (pickled by submitit): the job's command, signals
+    forwarded; status 75 requeues the job (task 0 does). `name`: an array task's, once started."""
 
     def __init__(self, command: list[str], env: dict[str, str], name: Optional[str]) -> None:
         self.command, self.env, self.name = command, env, name
@@ -103,8 +101,7 @@ class SlurmBackend(Backend):
         self._submitted: dict[str, Path] = {}  # job id -> its submitit folder, for cancel
 
     def parameters(self, job: Job, array_parallelism: Optional[int] = None) -> dict[str, Any]:
-        """The SlurmExecutor parameters of `job`: its resources, name, dependency, the preemption
-        signal and requeue, then --backend-args (which win)."""
+        """`job`'s SlurmExecutor parameters, --backend-args last (they win)."""
         extra: dict[str, Any] = {"signal": PREEMPT_SIGNAL, "requeue": True}
         if job.after:
             extra["dependency"] = f"{job.dependency}:{':'.join(job.after)}"
