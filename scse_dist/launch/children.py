@@ -35,12 +35,6 @@ class StoppedBySignal(Exception):
         self.signal_name, self.status = signal_name, status
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGKILL to what is left of the child's process group (its own children, if it left any)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
 @contextlib.contextmanager
 def _handling(signals: Sequence[int], handler: Callable[[int, object], None]) -> Iterator[None]:
     """`handler` for `signals` while the body runs, the previous handlers restored after."""
@@ -81,7 +75,8 @@ def run_child(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, stdo
         if proc.poll() is None:  # the parent itself is failing: take the child with it
             proc.kill()
             proc.wait()
-        _kill_group(proc.pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # what it left behind
+            os.killpg(proc.pid, signal.SIGKILL)
     return Ended(status, signal.Signals(received[0]).name if received else None)
 
 

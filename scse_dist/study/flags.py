@@ -7,6 +7,7 @@ included); ln V when the shards cannot be read, an upper bound that still catche
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -45,28 +46,17 @@ class UnigramEntropy:
     source: str  # how it was obtained, for the report
 
 
-_ENTROPY_CACHE: dict[tuple[str, int], UnigramEntropy] = {}
-
-
+@functools.cache
 def unigram_entropy(data_path: str, vocab_size: int, max_tokens: int = 2_000_000) -> UnigramEntropy:
     """-sum p ln p of the token frequencies of the training shards at `data_path` (cached)."""
-    key = (str(data_path), vocab_size)
-    if key not in _ENTROPY_CACHE:
-        _ENTROPY_CACHE[key] = _count_entropy(str(data_path), vocab_size, max_tokens)
-    return _ENTROPY_CACHE[key]
-
-
-def _count_entropy(data_path: str, vocab_size: int, max_tokens: int) -> UnigramEntropy:
     from scse_dist.data.index import iter_samples, resolve_split
 
     counts = np.zeros(vocab_size, dtype=np.int64)
     try:
-        _, index, _, urls = resolve_split(data_path, "train")
-        for url in urls:
-            for _, tokens, _ in iter_samples(url, index["eos_id"], index["vocab_size"]):
-                counts += np.bincount(tokens.astype(np.int64), minlength=vocab_size)[:vocab_size]
-                if counts.sum() >= max_tokens:
-                    break
+        _, index, _, urls = resolve_split(str(data_path), "train")
+        for tokens in (t for url in urls
+                       for _, t, _ in iter_samples(url, index["eos_id"], index["vocab_size"])):
+            counts += np.bincount(tokens.astype(np.int64), minlength=vocab_size)[:vocab_size]
             if counts.sum() >= max_tokens:
                 break
     except Exception as exc:  # JSONL corpus, missing or remote shards: fall back, and say so

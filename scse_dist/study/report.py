@@ -36,12 +36,6 @@ INTERVAL_METHOD = ("95% Student-t intervals over seeds: mean ± t(0.975, n-1)·s
                    "(s the sample standard deviation); no bootstrap")
 REPORT_NAME = "report.md"
 
-def report_metrics(study: Study) -> dict[str, list[str]]:
-    """task -> the metrics the report shows: the spec's report.metrics over the defaults."""
-    given = (study.spec.get("report") or {}).get("metrics") or {}
-    return {**default_report_metrics(), **given}
-
-
 def flops_at(model: ModelConfig, depth: int, seq_len: int) -> Optional[float]:
     """Training FLOPs per token over the unrolled depth at loop depth T; None where undefined."""
     from scse_dist.model.flops import flops_per_token
@@ -126,7 +120,9 @@ class StudyReport:
                          and any(f.excludes for f in self.flags[r.label])]
         self.included = [r for r in final if r not in self.excluded]
         self.variants = [v for v in study.variants if any(r.variant == v for r in self.included)]
-        self.metrics = report_metrics(study)
+        # task -> the metrics shown: the spec's report.metrics over the defaults
+        self.metrics = {**default_report_metrics(),
+                        **((study.spec.get("report") or {}).get("metrics") or {})}
         self.table = aggregate(self.included, self.variants, self.metrics)
         self.pairs = {(a, b, task, metric): paired(self.included, a, b, task, metric)
                       for a, b in study.pairs
@@ -347,12 +343,6 @@ def _log_to_wandb(report: StudyReport, out: Path, mode: Literal["offline", "onli
                  group=report.study.name, out_dir=out, images=images)
 
 
-def wandb_wanted(study: Study) -> bool:
-    """False when every run config the study has disables wandb (then "auto" logs nothing)."""
-    configs = [r.config for r in study.runs if r.config is not None]
-    return not configs or any(c.wandb.enabled for c in configs)
-
-
 def _write_report_files(report: StudyReport, out: Path) -> dict[str, str]:
     """report.md, aggregate.json and the PNGs into `out`; returns {title: PNG path}."""
     images = {}
@@ -386,8 +376,10 @@ def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
     with output_dir(str(out), lambda u: (Path(u) / REPORT_NAME).is_file(), REPORT_NAME) as tmp:
         images = _write_report_files(report, Path(tmp))
     images = {name: str(out / Path(p).name) for name, p in images.items()}
-    if wandb_mode == "auto":
-        wandb_mode = "offline" if wandb_wanted(report.study) else "disabled"
+    if wandb_mode == "auto":  # offline, unless every run config there is disables wandb
+        configs = [r.config for r in report.study.runs if r.config is not None]
+        wandb = not configs or any(c.wandb.enabled for c in configs)
+        wandb_mode = "offline" if wandb else "disabled"
     if wandb_mode != "disabled":
         _log_to_wandb(report, out, wandb_mode, images)
     return out / REPORT_NAME
