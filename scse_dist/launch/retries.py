@@ -1,15 +1,14 @@
 """Crash retries of a training job: which failures requeue it, the record of its failed starts
 (RUN/logs/retries.json), and the refusal to loop on a failure that repeats.
 
-Statuses 0 and 75 are not failures, NEVER_RETRIED's fail the same way again, anything else is a
-crash: the first rank whose trainer failed claims the start (RUN/logs/retries/<job>.<start>,
-created exclusively, so later ranks decide nothing), records it and requeues the job, unless this
-job already failed after the same step with the same signature or its train.start.max_retries
-are used. The whole protocol: docs/launching.md, "Crash retries".
+0 and 75 are not failures, NEVER_RETRIED's would fail again, anything else is a crash: the first
+rank whose trainer failed claims the start (created exclusively: later ranks decide nothing) and
+requeues the job, unless it would loop or its retries are used (docs/launching.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,7 +22,7 @@ from typing import Optional
 from scse_dist.atomic import atomic_write_text
 from scse_dist.launch.backends import BackendError, current_backend
 from scse_dist.launch.children import REQUEUE_EXIT_CODE
-from scse_dist.run_dir import CHECKPOINTS_NAME
+from scse_dist.run_dir import CHECKPOINTS_NAME, RunDir
 
 RECORD_NAME = "retries.json"  # in RUN/logs
 CLAIMS_NAME = "retries"  # RUN/logs/retries/<job>.<start>: the start's failure was decided
@@ -74,17 +73,9 @@ class CrashWatch:
 
 def _last_logged_step(run_dir: Path) -> int:
     """The last step metrics.jsonl holds (where a rank that said nothing got to, roughly)."""
-    try:
-        with open(run_dir / "metrics.jsonl", "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
+    for row in reversed(RunDir(run_dir).metric_rows()):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return int(row["step"])
     return 0
 
 

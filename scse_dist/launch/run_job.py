@@ -6,11 +6,9 @@
     python -m scse_dist.launch.run_job report RUN_DIR          # RUN/eval/report.md
     python -m scse_dist.launch.run_job run-dir CONFIG [key=value ...]  # prints RUN (absolute)
 
-`train` runs in every task of the job: the first task schedules the evaluation jobs on backend B
-(once per job id), every task trains (scse-train as a child), then with `--evaluate` the first
-task evaluates and reports inside the job. Its exit status is training's; after a crash the
-first rank that failed may requeue the job (scse_dist.launch.retries). Installed command lines,
-so any backend runs them from any directory; `run-dir` serves slurm/pretrain.sh.
+`train` runs in every task of the job (rank 0 first schedules the eval jobs on backend B, or with
+`--evaluate` evaluates after training); its exit status is training's, and a crash may requeue
+the job (scse_dist.launch.retries). `run-dir` serves slurm/pretrain.sh.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """`scse-study SPEC.yaml`: a grid of runs (variants x axes x seeds, an optional LR sweep) from one
 spec, on this machine or on a batch system, then the study report.
 
-    scse-study SPEC.yaml [key=value ...] --dry-run        # the table of runs and their status
-                                                          # (a GPU study: its planned GPU-hours)
-    scse-study SPEC.yaml --local                          # in sequence here, then the report
-    scse-study SPEC.yaml --slurm [--max-parallel P]       # job arrays, at most P runs at once
-    scse-study SPEC.yaml --backend NAME [...]             # the same on any backend (--slurm:
-                                                          # slurm; local: this machine's jobs)
+    scse-study SPEC.yaml [key=value ...] --dry-run   # the runs, their status (and GPU-hours)
+    scse-study SPEC.yaml --local                     # in sequence here, then the report
+    scse-study SPEC.yaml --slurm [--max-parallel P]  # job arrays, at most P runs at once
+    scse-study SPEC.yaml --backend NAME [...]        # the same on any backend (local: here)
 
 `key=value` overrides top-level spec fields (`out=/scratch/studies`) or the overrides every run
-gets (`overrides.data.path=...`). See scse_dist.study.spec (format), .plan (layout), .execute.
+gets (`overrides.data.path=...`). See docs/studies.md.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, config_from_dict, load_config
 from scse_dist.eval.results import read_results
 from scse_dist.run_dir import VALIDATION_NAME, RunDir
+from scse_dist.study.plan import LR_CHOICE_NAME, RUNS_NAME, SPEC_NAME
 from scse_dist.study.spec import default_pairs
 
 
@@ -142,7 +143,7 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
 
 def load_study(study_dir: str | Path) -> Study:
     study_dir = Path(study_dir)
-    spec_path, runs_path = study_dir / "study.yaml", study_dir / "runs.json"
+    spec_path, runs_path = study_dir / SPEC_NAME, study_dir / RUNS_NAME
     if not runs_path.is_file():
         raise FileNotFoundError(f"{study_dir}: no runs.json (not a study dir; run scse-study "
                                 "first)")
@@ -150,7 +151,7 @@ def load_study(study_dir: str | Path) -> Study:
     entries = _read_json(runs_path)
     if not isinstance(entries, list):
         raise InputError(f"{runs_path}: expected a list of runs")
-    lr_path = study_dir / "lr_choice.json"
+    lr_path = study_dir / LR_CHOICE_NAME
     return Study(dir=study_dir, name=str(spec.get("name") or study_dir.name), spec=spec or {},
                  runs=[load_run(study_dir, e) for e in entries],
                  lr_choice=_read_json(lr_path) if lr_path.is_file() else {})

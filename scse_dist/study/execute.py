@@ -1,12 +1,10 @@
 """Running a study: in sequence on this machine (`--local`), or as job arrays on a batch system
 (`--backend NAME`, `--slurm` for `--backend slurm`), through scse_dist.launch.backends only.
 
-On a batch system one stage at a time: an array over the stage's unfinished runs (at most P at
-once; final runs are evaluated inside their own job, holding its slot), then a job afterany on
-it running `scse-study ... --stage NEXT`: after the sweep it chooses the rates and submits the
-final array, after the final array it names the failed runs and writes the report. Why so, and
-the logs: docs/studies.md. `--local` runs each training as a child (scse_dist.launch.children);
-finished runs are never rerun, unfinished ones resume from their checkpoint.
+On a batch system one stage at a time: an array over the stage's unfinished runs (final runs
+evaluated inside their own job), then a job afterany on it running `scse-study ... --stage NEXT`
+(choose the rates and submit the final array; or name the failed runs and report): why so,
+docs/studies.md. Finished runs are never rerun, unfinished ones resume from their checkpoint.
 """
 
 from __future__ import annotations

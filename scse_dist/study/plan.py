@@ -8,10 +8,9 @@
     <out>/<study>/<variant>/<variant>-seed<k>/             a final run (stage 2)
     <out>/<study>/<variant>/<variant>-lr<value>-seed<k>/   an LR sweep run (stage 1)
 
-Each run dir (scse_dist.run_dir) holds `config.yaml` (its resolved RunConfig, written before
-training) and what the trainer writes there: metrics.jsonl, checkpoints/, export/,
-eval/<task>.json. A run is done when its export and every evaluation of its stage are complete (a
-sweep run: eval/validation.json); a Ctrl-C'd evaluation (marked partial) is not.
+Each run dir (scse_dist.run_dir) holds its resolved config.yaml, written before training, and
+the trainer's outputs. A run is done when its export and every evaluation of its stage (a sweep
+run's: eval/validation.json) are complete.
 """
 
 from __future__ import annotations

@@ -281,10 +281,9 @@ class StudyReport:
         for run in runs:
             values = {d: finite(row.get(metric)) for d, row in run.results[task].items()}
             ref = reference_depth(values, training_depth(run.config) if run.config else None)
-            ratio = None
-            at_ref, deepest = (values[ref] if ref is not None else None), values[max(values)]
-            if ref is not None and at_ref and deepest and max(values) > ref:
-                ratio = deepest / at_ref
+            at_ref = values[ref] if ref is not None and max(values) > ref else None
+            deepest = values[max(values)]
+            ratio = deepest / at_ref if at_ref and deepest else None
             last = {m: next((finite(r.get(m)) for r in reversed(run.metrics)
                              if finite(r.get(m)) is not None), None) for m in TRAINING_DIAGNOSTICS}
             cells = [_number(values.get(d)) for d in depths] + [_number(ratio, ".3f")]

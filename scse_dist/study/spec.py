@@ -23,11 +23,6 @@ from scse_dist.task_registry import TASKS
 from scse_dist.typed_yaml import _read_yaml, apply_overrides
 
 
-def task_metrics() -> dict[str, tuple[str, ...]]:
-    """task -> every metric a spec's `report.metrics` may pick (quality tasks only)."""
-    return {name: t.metrics for name, t in TASKS.items() if t.study_metrics}
-
-
 def default_report_metrics() -> dict[str, list[str]]:
     """task -> what the study report shows when the spec does not say."""
     return {name: list(t.study_metrics) for name, t in TASKS.items() if t.study_metrics}
@@ -126,7 +121,7 @@ def _check_keys(values: dict, allowed: set[str], where: str) -> None:
 def _check_report_metrics(metrics: Any) -> None:
     if not isinstance(metrics, dict):
         raise SpecError(f"report.metrics: expected {{task: [metric, ...]}}, got {metrics!r}")
-    known = task_metrics()
+    known = {name: t.metrics for name, t in TASKS.items() if t.study_metrics}  # quality tasks
     _check_keys(metrics, set(known), "report.metrics")
     for task, names in metrics.items():
         if not isinstance(names, list) or not names:
@@ -175,17 +170,15 @@ def _section(values: dict, key: str, cls: type) -> Any:
     return cls(**body)
 
 
-def _suffix(key: str, value: Any) -> str:
-    return str(value) if isinstance(value, str) else f"{key.split('.')[-1]}{value}"
-
-
 def _expand_variants(variants: dict, axes: list[Axis]) -> dict[str, tuple[str, tuple, dict]]:
     """{expanded name: (variant, axis-value suffixes, overrides)}, e.g. scse-deeploop."""
     out: dict[str, tuple[str, tuple, dict]] = {}
     for name, over in variants.items():
         mine = [a for a in axes if not a.variants or name in a.variants]
         for combo in itertools.product(*[a.values for a in mine]):
-            suffix = tuple(_suffix(a.key, v) for a, v in zip(mine, combo))
+            # a string value names itself; any other is its field's name and value: depth8
+            suffix = tuple(v if isinstance(v, str) else f"{a.key.split('.')[-1]}{v}"
+                           for a, v in zip(mine, combo))
             out["-".join([name, *suffix])] = \
                 (name, suffix, {**over, **{a.key: v for a, v in zip(mine, combo)}})
     return out

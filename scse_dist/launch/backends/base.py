@@ -13,8 +13,7 @@ from typing import Literal, Optional, Sequence
 
 from scse_dist.launch.config import Resources
 
-# afterok: start only if every dependency succeeded (a failed one means never);
-# afterany: start once every dependency ended, however it ended.
+# afterok: only if every dependency succeeded (else never); afterany: once every one ended
 Dependency = Literal["afterok", "afterany"]
 
 class BackendError(Exception):

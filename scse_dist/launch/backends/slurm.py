@@ -1,7 +1,6 @@
-"""Slurm through submitit: each job a `submitit.SlurmExecutor` submission of a `SlurmTask` (run
-in every task, under srun), arrays a batch submission capped by `array_parallelism`, dependencies
-and --backend-args as sbatch parameters. Logs and pickles are in the job's log_dir, which must be
-on a filesystem the nodes share.
+"""Slurm through submitit: each job a `SlurmTask` run in every task under srun, arrays a batch
+submission capped by `array_parallelism`; logs and pickles go to the job's log_dir, which the
+nodes must share.
 
 Preemption: SIGUSR1 120 s before the time limit; the trainer saves and exits 75, and task 0's
 SlurmTask requeues the job, whose next start resumes from the checkpoint (submitit's own
