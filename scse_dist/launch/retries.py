@@ -79,25 +79,20 @@ def _last_logged_step(run_dir: Path) -> int:
     return 0
 
 
-def _latest_tag(run_dir: Path) -> Optional[str]:
-    try:
-        return (run_dir / CHECKPOINTS_NAME / "latest").read_text().strip() or None
-    except OSError:
-        return None
-
-
 def failure_of(status: int, rank: int, watch: CrashWatch, run_dir: Path, job: str,
                start: int) -> Failure:
     if watch.crash is not None:
-        rank, step, error = watch.crash
-        signature = error
+        rank, step, signature = watch.crash
         for varying, same in _VARYING:
             signature = varying.sub(same, signature)
     else:  # killed (OOM, a segfault) or died before the loop: the status is all there is
         step = _last_logged_step(run_dir)
         signature = f"killed by {signal.Signals(-status).name}" if status < 0 else \
             f"exit {status}"
-    return Failure(job, start, rank, status, step, signature, _latest_tag(run_dir))
+    latest = None  # the checkpoint tag `latest` names, if any
+    with contextlib.suppress(OSError):
+        latest = (run_dir / CHECKPOINTS_NAME / "latest").read_text().strip() or None
+    return Failure(job, start, rank, status, step, signature, latest)
 
 
 def _claim(claims: Path, job: str, start: int) -> bool:
@@ -132,16 +127,14 @@ def decide(logs: Path, failure: Failure, max_retries: int) -> Optional[tuple[boo
     retried = sum(s.get("decision") == "retry" for s in earlier)
     what = (f"scse-launch: training crashed on rank {failure.rank} after step {failure.step} "
             f"(exit {failure.exit}: {failure.signature})")
+    failure.decision = "stop"
     if failure.exit in NEVER_RETRIED:
-        failure.decision = "stop"
         line = (f"scse-launch: training stopped on rank {failure.rank} with exit {failure.exit} "
                 f"({NEVER_RETRIED[failure.exit]}): not retrying, a rerun would fail the same way")
     elif same is not None:
-        failure.decision = "stop"
         line = (f"{what}: the same failure after the same step as start {same['start'] + 1} of "
                 f"job {failure.job}; not retrying, it would fail again ({record})")
     elif retried >= max_retries:
-        failure.decision = "stop"
         line = f"{what}: not retrying, train.start.max_retries={max_retries} " + \
             ("" if max_retries == 0 else f"and {retried} retries used ") + f"({record})"
     else:

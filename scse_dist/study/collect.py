@@ -31,8 +31,7 @@ class StudyRun:
     stage: str
     run_dir: Path
     config: Optional[RunConfig] = None
-    # task -> {depth -> result row}; empty when the run has not finished
-    results: dict[str, dict[int, dict]] = field(default_factory=dict)
+    results: dict[str, dict[int, dict]] = field(default_factory=dict)  # task -> depth -> row
     metrics: list[dict] = field(default_factory=list)  # metrics.jsonl rows, in order
     missing: Optional[str] = None  # why the run has no results
 

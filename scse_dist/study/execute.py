@@ -187,8 +187,7 @@ def report_failures(spec: StudySpec) -> int:
     """After the final array: one line for each run that did not finish; how many."""
     failed = 0
     for run in write_study(spec, "final"):
-        state = status(spec, run)
-        if state != "done":
+        if status(spec, run) != "done":
             trained = RunDir(run.run_dir).export.is_dir()
             what = "its evaluation did not finish" if trained else "training did not finish"
             print(f"scse-study: FAILED {run.run_dir}: {what}", flush=True)

@@ -75,9 +75,9 @@ def headline_by_depth(run: StudyRun) -> tuple[Optional[str], dict[int, float]]:
     """(task and metric, {depth: value}) of the first quality task with results, its headline."""
     for task in (t for t in TASKS.values() if not t.diagnostic):
         if task.name in run.results:
-            metric = task.headline
-            values = {d: finite(r.get(metric)) for d, r in run.results[task.name].items()}
-            return f"{task.name} {metric}", {d: v for d, v in values.items() if v is not None}
+            return f"{task.name} {task.headline}", {
+                d: v for d, r in run.results[task.name].items()
+                if (v := finite(r.get(task.headline))) is not None}
     return None, {}
 
 
@@ -149,10 +149,7 @@ def _loop_inactive(run: StudyRun, th: FlagThresholds, outlier: Optional[str]) ->
         why.append(f"deviation_norm fell to {fell[0]:.3g} from {fell[1]:.3g}")
     if motion2 is not None and deviation.get(1) and motion2 < th.motion_rel * deviation[1]:
         why.append(f"motion_norm at T=2 is {motion2:.3g} against deviation_norm {deviation[1]:.3g}")
-    if training:
-        why.append(training)
-    if outlier:
-        why.append(outlier)
+    why += [x for x in (training, outlier) if x]
     return Flag("loop inactive", f"{flat}; {'; '.join(why)}") if why else None
 
 

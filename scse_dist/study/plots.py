@@ -47,8 +47,7 @@ def diagnose_plot(by_variant: dict[str, dict[str, list[tuple[int, float]]]],
     fig, axes = panels(1, max(1, len(by_variant)), 4.2, 3.6)
     for ax, (variant, norms) in zip(axes[0], by_variant.items()):
         for name, points in norms.items():
-            # log axis: a collapsed norm of 0 drops
-            points = sorted((t, v) for t, v in points if v > 0)
+            points = sorted((t, v) for t, v in points if v > 0)  # log axis: a norm of 0 drops
             ax.plot([t for t, _ in points], [v for _, v in points], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")  # the norms span decades when a loop converges or collapses

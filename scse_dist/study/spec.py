@@ -76,8 +76,7 @@ class StudySpec:
     exclude_flagged: bool = False
     evals: StudyEvals = field(default_factory=StudyEvals)
     order: str = "seed-major"
-    # each training job's request, on any backend (formerly `slurm:`); defaults fit a CPU cluster
-    resources: Resources = field(default_factory=Resources)
+    resources: Resources = field(default_factory=Resources)  # each job's (formerly `slurm:`)
     report: dict[str, Any] = field(default_factory=dict)  # read by scse_dist.study.report
     path: str = ""  # the spec file
 

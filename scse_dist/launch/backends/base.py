@@ -46,10 +46,8 @@ class Backend(abc.ABC):
     """A batch system. Job ids are strings; ids from `submit_array` can be waited on as a whole."""
 
     name: str
-    # each job runs to its end inside submit() (this machine): a run is evaluated in its own job
-    runs_in_place: bool = False
-    # requeue() works (a crashed training job is retried: scse_dist.launch.retries)
-    requeues: bool = False
+    runs_in_place: bool = False  # a job runs to its end in submit(): evaluate inside the job
+    requeues: bool = False  # requeue() works: a crashed training job is retried (retries.py)
 
     @abc.abstractmethod
     def submit(self, job: Job) -> str:

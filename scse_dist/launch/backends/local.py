@@ -42,10 +42,9 @@ class LocalBackend(Backend):
         return all(self.exit_status.get(dep, 0) == 0 for dep in job.after)
 
     def _run(self, job: Job, command: list[str], job_id: str) -> int:
-        log_dir = Path(job.log_dir)
-        log_dir.mkdir(parents=True, exist_ok=True)
+        Path(job.log_dir).mkdir(parents=True, exist_ok=True)
         name = job.name or "job"
-        stem = log_dir / f"{name}-{job_id}"
+        stem = Path(job.log_dir) / f"{name}-{job_id}"
         env = {**os.environ, **job.env, JOB_ID_VAR: job_id}
         with open(f"{stem}.out", "w") as out, open(f"{stem}.err", "w") as err:
             ended = run_child(command, env=env, stdout=out, stderr=err)
