@@ -1,3 +1,2 @@
-"""Jobs on a batch system: scse-launch (train, then the evaluations and the report), what every
-job runs (run_job), crash retries, child processes, and the backends (Slurm, this machine) behind
-one protocol. The process group inside a job is scse_dist.distributed's."""
+"""Jobs on a batch system: scse-launch, what every job runs (run_job), crash retries, child
+processes, and the backends behind one protocol (the process group: scse_dist.distributed)."""

@@ -1,12 +1,8 @@
 """Processes a command starts, stopped with it and never left behind.
 
-Every command that runs another (`scse-study --local` a training run, the local backend a job,
-a batch job its training) runs it through `run_child`: the child gets a process group of its own,
-so a terminal's Ctrl-C reaches it once, through the parent, and not twice; SIGINT, SIGTERM and
-SIGUSR1 (a batch system's warning before the time limit) that reach the parent are forwarded to
-it; the parent waits for it to end (training finishes its step, saves and exits 75) and then kills
-whatever is left in its group. The parent then stops too (`StoppedBySignal`, status 75 when the
-child saved): a rerun resumes.
+`run_child` gives the child a process group of its own (a terminal's Ctrl-C reaches it once,
+through the parent), forwards SIGINT, SIGTERM and SIGUSR1 to it, waits for it (training saves and
+exits 75), then kills what is left of its group; the parent then stops too (`StoppedBySignal`).
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-REQUEUE_EXIT_CODE = 75  # the trainer's "preempted, checkpoint saved, rerun to resume"
+REQUEUE_EXIT_CODE = 75  # scse_dist.train.faults': preempted and saved; a backend may requeue it
 
 
 @dataclass
@@ -30,8 +26,7 @@ class Ended:
 
 
 class StoppedBySignal(Exception):
-    """A signal stopped the command while it ran `what`; `status` is its exit status (75: the
-    run saved a checkpoint and resumes when the command is run again)."""
+    """A signal stopped the command while it ran `what`; `status`: its exit (75: saved, rerun)."""
 
     def __init__(self, signal_name: str, status: int, what: str) -> None:
         saved = "it saved a checkpoint, rerun to resume" if status == REQUEUE_EXIT_CODE else \
@@ -40,29 +35,18 @@ class StoppedBySignal(Exception):
         self.signal_name, self.status = signal_name, status
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGKILL to what is left of the child's process group (its own children, if it left any)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
 @contextlib.contextmanager
-def _forwarding(proc: subprocess.Popen, received: list[int]) -> Iterator[None]:
+def _handling(signals: Sequence[int], handler: Callable[[int, object], None]) -> Iterator[None]:
+    """`handler` for `signals` while the body runs, the previous handlers restored after."""
     if threading.current_thread() is not threading.main_thread():
         yield  # handlers can only be set in the main thread; a thread's child ends with it
         return
-
-    def forward(signum: int, frame: object) -> None:
-        received.append(signum)
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def run_child(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, stdout=None,
@@ -74,8 +58,14 @@ def run_child(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, stdo
                             text=bool(on_stderr_line), errors="replace" if on_stderr_line else None,
                             start_new_session=True)
     received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
     try:
-        with _forwarding(proc, received):
+        with _handling(FORWARDED, forward):
             if on_stderr_line:
                 assert proc.stderr is not None  # piped when there is a reader
                 for line in proc.stderr:
@@ -85,7 +75,8 @@ def run_child(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, stdo
         if proc.poll() is None:  # the parent itself is failing: take the child with it
             proc.kill()
             proc.wait()
-        _kill_group(proc.pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # what it left behind
+            os.killpg(proc.pid, signal.SIGKILL)
     return Ended(status, signal.Signals(received[0]).name if received else None)
 
 
@@ -93,16 +84,9 @@ def run_child(argv: Sequence[str], env: Optional[Mapping[str, str]] = None, stdo
 def stop_on_signals(what: Callable[[], str]) -> Iterator[None]:
     """While the body runs without a child: SIGINT and SIGTERM raise StoppedBySignal (status 75:
     nothing half done is kept, a rerun redoes it); `what()` names the work in progress."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def stop(signum: int, frame: object) -> None:
         raise StoppedBySignal(signal.Signals(signum).name, REQUEUE_EXIT_CODE, what())
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with _handling((signal.SIGINT, signal.SIGTERM), stop):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

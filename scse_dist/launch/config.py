@@ -1,8 +1,5 @@
 """What a job asks of a batch system: the `resources:` section of a run config and of a study
-spec, and `eval.resources`. Any backend (scse_dist.launch.backends) turns it into its own request.
-
-Beside the package it configures and in the config layer (tests/test_imports.py): it imports
-only the model's ConfigError, so a config is checked without loading the launcher.
+spec, and `eval.resources`. It imports nothing of the launcher (tests/test_imports.py).
 """
 
 from __future__ import annotations
@@ -13,8 +10,7 @@ from typing import Optional
 
 @dataclass
 class Resources:
-    """What one job asks of a batch system, on any backend: a run's training job (`resources:`),
-    each evaluation job (`eval.resources`), a study's training jobs (the spec's `resources:`)."""
+    """What one job (training, evaluation, a study's run) asks of a batch system, on any backend."""
 
     nodes: int = 1
     tasks_per_node: int = 1  # one training process each (one per GPU on a GPU node)

@@ -1,30 +1,14 @@
 """Crash retries of a training job: which failures requeue it, the record of its failed starts
 (RUN/logs/retries.json), and the refusal to loop on a failure that repeats.
 
-Training's exit status on one rank (scse_dist.train.cli), as `run_job train` reads it:
-  0, 75          finished; preempted and saved (a 75 is requeued by the backend, as before)
-  2, 65, 66      bad config or input: a rerun fails the same way; never retried
-  3              train.max_nonfinite_steps in a row: the same data would diverge again; never
-  4              train.spike_skip.max_in_a_row loss spikes in a row: likewise; never
-  130            a second Ctrl-C: the user stopped it; never
-  anything else  a crash (an exception, a signal such as SIGKILL or SIGSEGV): the job is
-                 requeued, at most train.start.max_retries times, and its next start resumes from
-                 the latest verified checkpoint (scse_dist.checkpoint.resume)
-
-Every task of the job runs `run_job train`, and one rank's crash ends its peers (a collective
-with a dead peer fails; srun --kill-on-bad-exit SIGTERMs the rest): one decision per start, by the
-first rank whose trainer failed. It claims the start (RUN/logs/retries/<job>.<start>, created
-exclusively: a rank that comes later decides nothing, and so does one that a signal stopped),
-takes the step and the failure's signature from the trainer's crash line (CRASH_LINE, printed by
-scse_dist.train.loop), appends the start to retries.json, and requeues the job or says in one
-line why not: this job already failed after the same step with the same signature (a retry would
-loop), or its train.start.max_retries retries are used. Both count per job id: a new submission
-starts afresh. A rank that stops with a status never retried (bad input on rank 0: 65) claims the
-start too, so that its peers' crashes that follow (a collective with it gone) requeue nothing.
+0 and 75 are not failures, NEVER_RETRIED's would fail again, anything else is a crash: the first
+rank whose trainer failed claims the start (created exclusively: later ranks decide nothing) and
+requeues the job, unless it would loop or its retries are used (docs/launching.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -38,7 +22,7 @@ from typing import Optional
 from scse_dist.atomic import atomic_write_text
 from scse_dist.launch.backends import BackendError, current_backend
 from scse_dist.launch.children import REQUEUE_EXIT_CODE
-from scse_dist.run_dir import CHECKPOINTS_NAME
+from scse_dist.run_dir import CHECKPOINTS_NAME, RunDir
 
 RECORD_NAME = "retries.json"  # in RUN/logs
 CLAIMS_NAME = "retries"  # RUN/logs/retries/<job>.<start>: the start's failure was decided
@@ -72,14 +56,16 @@ class Failure:
 
 class CrashWatch:
     """run_child's on_stderr_line for the trainer: passes every line on to this process's stderr
-    and keeps the crash line, if the trainer printed one."""
+    and keeps the last non-blank one and the crash line, if the trainer printed one."""
 
     def __init__(self) -> None:
         self.crash: Optional[tuple[int, int, str]] = None  # rank, step, error
+        self.last = ""
 
     def __call__(self, line: str) -> None:
         sys.stderr.write(line)
         sys.stderr.flush()
+        self.last = line.strip() or self.last
         found = CRASH_LINE.match(line.rstrip("\n"))
         if found:
             self.crash = int(found[1]), int(found[2]), found[3]
@@ -87,39 +73,26 @@ class CrashWatch:
 
 def _last_logged_step(run_dir: Path) -> int:
     """The last step metrics.jsonl holds (where a rank that said nothing got to, roughly)."""
-    try:
-        with open(run_dir / "metrics.jsonl", "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
+    for row in reversed(RunDir(run_dir).metric_rows()):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return int(row["step"])
     return 0
-
-
-def _latest_tag(run_dir: Path) -> Optional[str]:
-    try:
-        return (run_dir / CHECKPOINTS_NAME / "latest").read_text().strip() or None
-    except OSError:
-        return None
 
 
 def failure_of(status: int, rank: int, watch: CrashWatch, run_dir: Path, job: str,
                start: int) -> Failure:
     if watch.crash is not None:
-        rank, step, error = watch.crash
-        signature = error
+        rank, step, signature = watch.crash
         for varying, same in _VARYING:
             signature = varying.sub(same, signature)
     else:  # killed (OOM, a segfault) or died before the loop: the status is all there is
         step = _last_logged_step(run_dir)
         signature = f"killed by {signal.Signals(-status).name}" if status < 0 else \
             f"exit {status}"
-    return Failure(job, start, rank, status, step, signature, _latest_tag(run_dir))
+    latest = None  # the checkpoint tag `latest` names, if any
+    with contextlib.suppress(OSError):
+        latest = (run_dir / CHECKPOINTS_NAME / "latest").read_text().strip() or None
+    return Failure(job, start, rank, status, step, signature, latest)
 
 
 def _claim(claims: Path, job: str, start: int) -> bool:
@@ -154,16 +127,14 @@ def decide(logs: Path, failure: Failure, max_retries: int) -> Optional[tuple[boo
     retried = sum(s.get("decision") == "retry" for s in earlier)
     what = (f"scse-launch: training crashed on rank {failure.rank} after step {failure.step} "
             f"(exit {failure.exit}: {failure.signature})")
+    failure.decision = "stop"
     if failure.exit in NEVER_RETRIED:
-        failure.decision = "stop"
         line = (f"scse-launch: training stopped on rank {failure.rank} with exit {failure.exit} "
                 f"({NEVER_RETRIED[failure.exit]}): not retrying, a rerun would fail the same way")
     elif same is not None:
-        failure.decision = "stop"
         line = (f"{what}: the same failure after the same step as start {same['start'] + 1} of "
                 f"job {failure.job}; not retrying, it would fail again ({record})")
     elif retried >= max_retries:
-        failure.decision = "stop"
         line = f"{what}: not retrying, train.start.max_retries={max_retries} " + \
             ("" if max_retries == 0 else f"and {retried} retries used ") + f"({record})"
     else:
@@ -178,9 +149,8 @@ def decide(logs: Path, failure: Failure, max_retries: int) -> Optional[tuple[boo
 
 def after_failure(logs: Path, max_retries: int, status: int, rank: int,
                   watch: CrashWatch) -> None:
-    """What `run_job train` does once its trainer failed on its own (no signal forwarded to it)
-    with the run's log dir `logs`: a crash, inside a job of a backend that requeues, is decided
-    (above) and maybe requeued; a status never retried decides its start as a stop."""
+    """After the trainer failed on its own, in a job of a backend that requeues: decide (a status
+    never retried as a stop) and maybe requeue."""
     where = current_backend()
     if not (is_crash(status) or status in NEVER_RETRIED) or where is None or \
             not where[0].requeues:

@@ -6,16 +6,9 @@
     python -m scse_dist.launch.run_job report RUN_DIR          # RUN/eval/report.md
     python -m scse_dist.launch.run_job run-dir CONFIG [key=value ...]  # prints RUN (absolute)
 
-`train` is the one training job: it runs in every task of the job (one per rank); the first task
-first schedules the evaluation jobs on backend B after this job (`--schedule-evals`, once per job
-id), then every task trains (scse-train as a child, signals forwarded), then, with `--evaluate`,
-the first task evaluates every eval task and writes the run's report inside the job. Its exit
-status is training's: 75 when training was preempted and saved (a backend that can requeue does);
-after a crash, the first rank that failed requeues the job itself, up to train.start.max_retries
-times (scse_dist.launch.retries).
-Command lines of the installed package, rather than scripts of a checkout or pickled functions,
-so that any backend runs them from any directory. `run-dir` is for a batch script
-(slurm/pretrain.sh): where the run's logs go, known before anything else runs.
+`train` runs in every task of the job (rank 0 first schedules the eval jobs on backend B, or with
+`--evaluate` evaluates after training); its exit status is training's, and a crash may requeue
+the job (scse_dist.launch.retries). `run-dir` serves slurm/pretrain.sh.
 """
 
 from __future__ import annotations

@@ -6,20 +6,11 @@
     scse-launch CONFIG [key.sub=value ...] --after-job ID  # only the evaluation jobs of job ID
     scse-launch CONFIG [key.sub=value ...] --evaluate      # evaluate the trained run here, report
 
-The training job, on every backend, runs `python -m scse_dist.launch.run_job train CONFIG ...`
-(the installed package: any directory, no checkout), asking for the config's `resources:` and
-then `--backend-args`; its logs are in RUN/logs. On a cluster (Slurm) the job's first task first
-submits one job per task in `eval.tasks` with an afterok dependency on itself and a report job
-after all of them, so evaluation starts only once training succeeded (if training fails, Slurm
-never starts them; a local cluster with `kill_invalid_depend` cancels them). A requeued training
-job keeps its id: the jobs already scheduled for that id are recorded in
-`RUN/eval/scheduled.json`, so they are not submitted twice. On a backend that runs jobs in place
-(local) the training job evaluates and reports itself instead.
-
-Every evaluation job, and `--local`, runs the same `evaluate_export` (scse_dist.eval.export_eval,
-as the trainer and a study do): the export's config says which data each task reads, and
-`run_task` writes `RUN/eval/<task>.json`; `report_run` then writes
-`RUN/eval/report.md` and `frontier.png`.
+The training job runs `python -m scse_dist.launch.run_job train CONFIG ...` (the installed
+package), asking for the config's `resources:`, then `--backend-args`; logs are in RUN/logs. On
+a cluster its first task submits an afterok evaluation job per `eval.tasks` entry and a report
+job after them (once per job id: RUN/eval/scheduled.json); on a backend that runs jobs in place
+(local) the job evaluates and reports itself. See docs/launching.md.
 """
 
 from __future__ import annotations
@@ -48,31 +39,26 @@ RUN_JOB = [sys.executable, "-m", "scse_dist.launch.run_job"]
 def report_run(run_dir: str) -> str:
     from scse_dist.eval.report import report_run as write
 
-    report = write(run_dir)["report"]
-    assert report is not None  # write_report always writes report.md
-    return report
+    return str(write(run_dir)["report"])  # report.md, always written
 
 
 def training_command(config: str, overrides: Sequence[str], evaluate: bool,
                      schedule_on: Optional[str] = None) -> list[str]:
-    """The training job's command on every backend (scse_dist.launch.run_job train): CONFIG by
-    its absolute path (a job may start elsewhere), evaluated inside the job or scheduling the
-    evaluation jobs on the backend `schedule_on` after itself."""
+    """The training job's command on every backend: run_job train CONFIG (absolute: a job may
+    start elsewhere), evaluating inside the job or scheduling eval jobs on `schedule_on`."""
     flags = ["--evaluate"] if evaluate else []
     flags += [f"--schedule-evals={schedule_on}"] if schedule_on else []
     return [*RUN_JOB, "train", str(Path(config).resolve()), *overrides, *flags]
 
 
 def eval_jobs(cfg: RunConfig, train_job: str) -> tuple[list[Job], Job]:
-    """One job per eval task, afterok on the training job; the report job, whose dependencies
-    (the eval jobs' ids) are filled in once they are known."""
+    """One job per eval task, afterok on the training job, and the report job (after them)."""
     run_dir = Path(cfg.run_dir).resolve()
-    command = RUN_JOB
     job = Job(command=[], name=f"{cfg.name}-eval", resources=cfg.eval.resources,
               log_dir=run_dir / LOGS, after=[str(train_job)])
-    evals = [dataclasses.replace(job, command=[*command, "evaluate", str(run_dir), task])
+    evals = [dataclasses.replace(job, command=[*RUN_JOB, "evaluate", str(run_dir), task])
              for task in cfg.eval.tasks]
-    report = dataclasses.replace(job, command=[*command, "report", str(run_dir)],
+    report = dataclasses.replace(job, command=[*RUN_JOB, "report", str(run_dir)],
                                  name=f"{cfg.name}-report", after=[])
     return evals, report
 
@@ -104,8 +90,7 @@ def schedule_evals(cfg: RunConfig, train_job: str, backend: Backend) -> list[str
 
 
 def evaluate_all(cfg: RunConfig) -> str:
-    """Every task of eval.tasks that has no complete result yet (a requeued job repeats none;
-    a Ctrl-C'd one is evaluated again), then the run's report. Returns report.md."""
+    """Every task of eval.tasks without a complete result yet, then the run's report.md."""
     for task in cfg.eval.tasks:
         if not RunDir(cfg.run_dir).evaluated(task):
             evaluate_export(cfg.run_dir, task)
@@ -157,17 +142,15 @@ def backend_args(args: argparse.Namespace, prog: str) -> str:
 
 
 def check_world_batch(cfg: RunConfig) -> None:
-    """ConfigError (one line, exit 2) if the global batch does not divide at the world the
-    training job asks for: one rank per task, resources.nodes x resources.tasks_per_node."""
+    """ConfigError if the global batch does not divide at resources.nodes x tasks_per_node."""
     res = cfg.resources
     cfg.train.batch.grad_accum_for(res.nodes * res.tasks_per_node, world_from=(
         f"from resources.nodes {res.nodes} x resources.tasks_per_node {res.tasks_per_node}"))
 
 
 def submit_training(args: argparse.Namespace, cfg: RunConfig, backend: Backend) -> int:
-    """The training job: run_job train with CONFIG and the overrides, the config's resources: and
-    --backend-args. Prints the job id alone on stdout; 0 once submitted, or, when the backend ran
-    the job in place (local), the job's exit status."""
+    """Submit the training job and print its id alone on stdout; 0, or the job's exit status
+    where the backend ran it in place (local)."""
     in_place = backend.runs_in_place
     command = training_command(args.config, args.overrides, evaluate=in_place,
                                schedule_on=None if in_place else backend.name)

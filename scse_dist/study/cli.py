@@ -1,15 +1,13 @@
 """`scse-study SPEC.yaml`: a grid of runs (variants x axes x seeds, an optional LR sweep) from one
 spec, on this machine or on a batch system, then the study report.
 
-    scse-study SPEC.yaml [key=value ...] --dry-run        # the table of runs and their status
-                                                          # (a GPU study: its planned GPU-hours)
-    scse-study SPEC.yaml --local                          # in sequence here, then the report
-    scse-study SPEC.yaml --slurm [--max-parallel P]       # job arrays, at most P runs at once
-    scse-study SPEC.yaml --backend NAME [...]             # the same on any backend (--slurm:
-                                                          # slurm; local: this machine's jobs)
+    scse-study SPEC.yaml [key=value ...] --dry-run   # the runs, their status (and GPU-hours)
+    scse-study SPEC.yaml --local                     # in sequence here, then the report
+    scse-study SPEC.yaml --slurm [--max-parallel P]  # job arrays, at most P runs at once
+    scse-study SPEC.yaml --backend NAME [...]        # the same on any backend (local: here)
 
 `key=value` overrides top-level spec fields (`out=/scratch/studies`) or the overrides every run
-gets (`overrides.data.path=...`). See scse_dist.study.spec (format), .plan (layout), .execute.
+gets (`overrides.data.path=...`). See docs/studies.md.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ from scse_dist.study.spec import load_spec
 
 
 def runs_table(spec) -> str:
-    """One line per run: variant, seed, lr (the rate it trains at; 'from-sweep' until the sweep
-    picked it), stage, run dir, status (done/partial/new)."""
+    """One line per run: variant, seed, lr ('from-sweep' until chosen), stage, run dir, status."""
     chosen = read_choice(spec)
     rows = [("variant", "seed", "lr", "stage", "run_dir", "status")]
     for run in expand(spec, chosen):
@@ -46,11 +43,8 @@ def runs_table(spec) -> str:
 
 
 def gpu_hours(spec) -> str | None:
-    """A GPU study's cost as `scse-train --plan` sizes each run (training only, at the world of
-    the spec's resources and the planner's default GPU and MFU), summed per stage; None for a
-    study without GPUs. Each variant is planned once per stage, at its first seed's depth draws
-    (seeds differ there by about 1%); a final run before the sweep chose its rate is planned all
-    the same: the rate does not change its time."""
+    """A GPU study's training cost as `scse-train --plan` sizes it, per stage; None without GPUs.
+    Once per variant and stage: seeds differ only in depth draws, the rate changes no time."""
     res = spec.resources
     if not res.gpus_per_node:
         return None
@@ -59,7 +53,7 @@ def gpu_hours(spec) -> str | None:
     world, assumed = res.nodes * res.gpus_per_node, Assumptions(gpus_per_node=res.gpus_per_node)
     hours: dict[str, float] = {}
     longest, plan = 0.0, {}
-    planned: dict[tuple[str, str], dict] = {}  # a variant's seeds differ only in their depth draws
+    planned: dict[tuple[str, str], dict] = {}
     for run in expand(spec, read_choice(spec)):
         key = (run.variant, run.stage)
         if key not in planned:

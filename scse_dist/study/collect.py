@@ -1,15 +1,6 @@
-"""A study directory read back: its spec, its runs, and what each run left behind.
-
-Layout (written by `scse-study`):
-    <study>/study.yaml       the resolved spec (name, variants, seeds, pairs, exclude_flagged, lr)
-    <study>/runs.json        [{"variant", "seed", "lr", "stage": "sweep"|"final", "run_dir",
-                               "config", "overrides"}, ...]
-    <study>/lr_choice.json   {variant: {"lr": chosen, "scores": {lr: validation metric}}} (a sweep)
-    <run_dir>/config.yaml, metrics.jsonl, eval/*.json  (the trainer's and scse-eval's outputs;
-                                                        scse_dist.run_dir)
-
-A run is finished when its evaluation JSONs exist. Anything else (no run dir, no results, an
-unreadable JSON) makes it a missing run, named in the report with the reason.
+"""A study directory read back (layout: scse_dist.study.plan): its spec, its runs, and what each
+run left behind. A run is finished when its evaluation JSONs exist; anything else (no run dir,
+no results, an unreadable JSON) makes it a missing run, named in the report with the reason.
 """
 
 from __future__ import annotations
@@ -26,10 +17,8 @@ from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, config_from_dict, load_config
 from scse_dist.eval.results import read_results
 from scse_dist.run_dir import VALIDATION_NAME, RunDir
+from scse_dist.study.plan import LR_CHOICE_NAME, RUNS_NAME, SPEC_NAME
 from scse_dist.study.spec import default_pairs
-
-# scse-study scores each LR sweep run into eval/validation.json (task heldout, validation data):
-# it counts the sweep run as finished, and is never read as a test result.
 
 
 @dataclass
@@ -42,15 +31,13 @@ class StudyRun:
     stage: str
     run_dir: Path
     config: Optional[RunConfig] = None
-    # task -> {depth -> result row}; empty when the run has not finished
-    results: dict[str, dict[int, dict]] = field(default_factory=dict)
+    results: dict[str, dict[int, dict]] = field(default_factory=dict)  # task -> depth -> row
     metrics: list[dict] = field(default_factory=list)  # metrics.jsonl rows, in order
     missing: Optional[str] = None  # why the run has no results
 
     @property
     def label(self) -> str:
-        """Unique within a study: a sweep run and the final run at the chosen rate share variant,
-        seed and lr, so a sweep run's label says so (it keys the report's flags)."""
+        """Unique within a study (a sweep run's says so: the final run may share its lr)."""
         lr = f" lr={self.lr:g}" if self.lr is not None else ""
         return f"{self.variant}/seed{self.seed}{lr}" + (" sweep" if self.stage == "sweep" else "")
 
@@ -73,8 +60,7 @@ class Study:
 
     @property
     def pairs(self) -> list[tuple[str, str]]:
-        """The spec's pairs (study.yaml holds them resolved; an empty list is none), else the
-        spec's default rule over the variants (study.spec.default_pairs)."""
+        """The spec's pairs (an empty list is none), else study.spec.default_pairs."""
         if self.spec.get("pairs") is not None:
             return [(str(a), str(b)) for a, b in self.spec["pairs"]]
         return default_pairs({v: (v, ()) for v in self.variants})
@@ -92,9 +78,8 @@ def _read_json(path: Path) -> Any:
 
 
 def _resolve_run_dir(study_dir: Path, run_dir: str) -> Path:
-    """runs.json may hold absolute paths, or paths relative to the study dir or to the cwd that
-    scse-study ran in (the report job may run elsewhere: then the part after the study dir's
-    name is taken relative to the study dir)."""
+    """A runs.json path: absolute, relative to the study dir, or to the cwd scse-study ran in
+    (elsewhere, the part after the study dir's name is taken relative to the study dir)."""
     p = Path(run_dir)
     if p.is_absolute() or p.exists() and not (study_dir / p).exists():
         return p
@@ -105,8 +90,7 @@ def _resolve_run_dir(study_dir: Path, run_dir: str) -> Path:
 
 
 def _run_config(study_dir: Path, run: StudyRun, entry: dict) -> Optional[RunConfig]:
-    """run_dir/config.yaml, else runs.json's config (a path or a dict); None if neither reads
-    (load_run then takes an eval JSON's config)."""
+    """run_dir/config.yaml, else runs.json's config (a path or a dict); None if neither reads."""
     given = entry.get("config")
     if isinstance(given, str):
         given = _resolve_run_dir(study_dir, given)
@@ -141,8 +125,7 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
             run.missing = f"unreadable results: {exc}"
             run.results = {}
             return run
-        # A task's evaluation under another name (score_validation's validation-owt.json holds
-        # task "heldout" on another text) is not that task's result: it must not replace it.
+        # a task's evaluation under another name (on another text) is not that task's result
         if data is not None and data["task"] == f.stem:
             run.results[data["task"]] = {r["depth"]: r for r in data["results"]}
             config_from_eval = config_from_eval or data.get("config")
@@ -159,7 +142,7 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
 
 def load_study(study_dir: str | Path) -> Study:
     study_dir = Path(study_dir)
-    spec_path, runs_path = study_dir / "study.yaml", study_dir / "runs.json"
+    spec_path, runs_path = study_dir / SPEC_NAME, study_dir / RUNS_NAME
     if not runs_path.is_file():
         raise FileNotFoundError(f"{study_dir}: no runs.json (not a study dir; run scse-study "
                                 "first)")
@@ -167,7 +150,7 @@ def load_study(study_dir: str | Path) -> Study:
     entries = _read_json(runs_path)
     if not isinstance(entries, list):
         raise InputError(f"{runs_path}: expected a list of runs")
-    lr_path = study_dir / "lr_choice.json"
+    lr_path = study_dir / LR_CHOICE_NAME
     return Study(dir=study_dir, name=str(spec.get("name") or study_dir.name), spec=spec or {},
                  runs=[load_run(study_dir, e) for e in entries],
                  lr_choice=_read_json(lr_path) if lr_path.is_file() else {})

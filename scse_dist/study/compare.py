@@ -11,7 +11,7 @@ from scse_dist.study.stats import Interval, t_interval
 Table = dict[tuple[str, str, str], dict[int, Interval]]
 
 
-def _values(runs: list[StudyRun], task: str, metric: str) -> dict[int, dict[int, float]]:
+def values_by_depth(runs: list[StudyRun], task: str, metric: str) -> dict[int, dict[int, float]]:
     """depth -> seed -> the task's metric (finite values only)."""
     out: dict[int, dict[int, float]] = {}
     for run in runs:
@@ -29,7 +29,7 @@ def aggregate(runs: list[StudyRun], variants: list[str], metrics: dict[str, list
         mine = [r for r in runs if r.variant == variant]
         for task, names in metrics.items():
             for metric in names:
-                by_depth = _values(mine, task, metric)
+                by_depth = values_by_depth(mine, task, metric)
                 if by_depth:
                     table[(variant, task, metric)] = {d: t_interval(list(v.values()))
                                                       for d, v in sorted(by_depth.items())}
@@ -38,8 +38,8 @@ def aggregate(runs: list[StudyRun], variants: list[str], metrics: dict[str, list
 
 def paired(runs: list[StudyRun], a: str, b: str, task: str, metric: str) -> dict[int, Interval]:
     """depth -> t interval of (A - B) over the seeds both variants have at that depth."""
-    va = _values([r for r in runs if r.variant == a], task, metric)
-    vb = _values([r for r in runs if r.variant == b], task, metric)
+    va = values_by_depth([r for r in runs if r.variant == a], task, metric)
+    vb = values_by_depth([r for r in runs if r.variant == b], task, metric)
     out = {}
     for depth in sorted(set(va) & set(vb)):
         seeds = sorted(set(va[depth]) & set(vb[depth]))
@@ -49,9 +49,8 @@ def paired(runs: list[StudyRun], a: str, b: str, task: str, metric: str) -> dict
 
 
 def verdict(diffs: dict[int, Interval], higher_is_better: bool) -> str:
-    """'better at all depths', 'better at depths 4, 8', 'worse at ...', 'no difference' when every
-    seed's difference is exactly 0 at every depth (e.g. accuracy 0 for both), or 'not resolved at
-    n seeds' when every interval contains 0 (or one seed leaves no interval)."""
+    """'better at all depths', 'better at depths 4, 8', 'worse at ...', 'no difference' (all 0),
+    or 'not resolved at n seeds' when every interval contains 0 (or there is none)."""
     if not diffs:
         return "no common depths"
     if all(iv.mean == 0 and not iv.std for iv in diffs.values()):

@@ -1,31 +1,10 @@
 """Running a study: in sequence on this machine (`--local`), or as job arrays on a batch system
 (`--backend NAME`, `--slurm` for `--backend slurm`), through scse_dist.launch.backends only.
 
-On a batch system, one stage at a time, each stage submitted by a job that waits for the one
-before (the local backend runs the same jobs one after another):
-
-    sweep   an array over the sweep runs, task i running `python -m scse_dist.launch.run_job
-            train <run i's config>` (no evaluation), at most P at once; then a job afterany:<array>
-            running `scse-study SPEC --backend B --stage final`: it scores the sweep on
-            lr.validation, writes lr_choice.json and submits stage 2 (afterany on itself). The
-            choice needs stage 1's results, so stage 2 can only be submitted by a job after it.
-    final   the same array over the final runs, each task evaluating its run inside its own job
-            after training (`run_job train ... --evaluate`: every eval task, then the run's
-            report), then a job afterany:<array> runs `--stage report`.
-    report  names the runs that did not finish and writes the study report.
-
-So at most P of the study's jobs run at once (the array's cap; the stage jobs run only between
-arrays), and a run's evaluations come before the next pending training run: they hold its array
-slot. Separate evaluation jobs (as `scse-launch` submits) would queue behind every pending array
-task on a small cluster and would not count against the cap.
-Each training job asks for `spec.resources` (default: one node, one task, no GPU, one CPU), then
---backend-args; the request is checked (Slurm: `sbatch --test-only`) before anything is
-submitted. Job output is in <study>/logs.
-
-`--local` runs each training as a child process (scse_dist.launch.children): SIGINT or SIGTERM
-is forwarded to it, it saves and exits 75, and the driver exits 75 after it with nothing left
-running. Finished runs are never resubmitted; unfinished ones resume from their checkpoint
-(train.start.resume auto), so rerunning a study after an interruption repeats nothing.
+On a batch system one stage at a time: an array over the stage's unfinished runs (final runs
+evaluated inside their own job), then a job afterany on it running `scse-study ... --stage NEXT`
+(choose the rates and submit the final array; or name the failed runs and report): why so,
+docs/studies.md. Finished runs are never rerun, unfinished ones resume from their checkpoint.
 """
 
 from __future__ import annotations
@@ -40,6 +19,7 @@ from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch.backends import Backend, BackendError, Job, Task
 from scse_dist.launch.children import StoppedBySignal, run_child, stop_on_signals
 from scse_dist.launch.config import Resources
+from scse_dist.launch.retries import CrashWatch
 from scse_dist.launch.scheduler import LOGS, training_command
 from scse_dist.progress import eta_seconds, format_duration
 from scse_dist.run_dir import RunDir
@@ -48,10 +28,6 @@ from scse_dist.study.runs import Run
 from scse_dist.study.spec import StudySpec
 
 REPORT_CMD = [sys.executable, "-m", "scse_dist.study.report"]
-
-
-def _stages(spec: StudySpec) -> tuple[str, ...]:
-    return ("sweep", "final") if spec.lr else ("final",)
 
 
 def run_report(spec: StudySpec) -> int:
@@ -63,9 +39,6 @@ def run_report(spec: StudySpec) -> int:
     return ended.status
 
 
-# --------------------------------------------------------------------------- local
-
-
 # A bad config (2), bad input data (65) or a missing input (66): every run that reads the same
 # input fails the same way, so a study whose first runs all fail alike stops there.
 INPUT_EXITS = (2, 65, 66)
@@ -73,20 +46,14 @@ FAIL_FAST_AFTER = 2
 
 
 def _train(run: Run) -> tuple[int, str]:
-    """scse-train on the run's config (resuming a checkpoint); (exit status, last stderr line).
-    Its stderr still reaches ours, line by line. A signal forwarded to it stops the study
-    (StoppedBySignal) once it has saved and exited."""
-    last = [""]
-
-    def echo(line: str) -> None:
-        sys.stderr.write(line)
-        last[0] = line.strip() or last[0]
-
+    """scse-train on the run's config (resuming a checkpoint), its stderr passed on; (exit status,
+    last stderr line). StoppedBySignal once a signal forwarded to it made it save and exit."""
+    watch = CrashWatch()
     ended = run_child([sys.executable, "-m", "scse_dist.train.cli", "--config", run.config],
-                      on_stderr_line=echo)
+                      on_stderr_line=watch)
     if ended.signal_name:
         raise StoppedBySignal(ended.signal_name, ended.status, f"training {run.run_dir}")
-    return ended.status, last[0]
+    return ended.status, watch.last
 
 
 def _train_and_evaluate(spec: StudySpec, run: Run) -> tuple[int, str]:
@@ -113,8 +80,7 @@ def _all_alike(outcomes: list[tuple[int, str]]) -> bool:
 
 def run_local(spec: StudySpec) -> int:
     """Every stage in sequence, finished runs skipped, then the report. 1 if a run failed; the
-    runs' exit status when the first ones all failed on the same input error (then it stops).
-    SIGINT or SIGTERM: StoppedBySignal, after the run in progress saved (status 75)."""
+    runs' exit status when the first ones all failed on the same input error (then it stops)."""
     doing = ["the study"]
     with stop_on_signals(lambda: doing[0]):
         return _run_local(spec, doing)
@@ -122,7 +88,7 @@ def run_local(spec: StudySpec) -> int:
 
 def _run_local(spec: StudySpec, doing: list[str]) -> int:
     failed, outcomes = [], []
-    for stage in _stages(spec):
+    for stage in ("sweep", "final") if spec.lr else ("final",):
         if stage == "final" and spec.lr:
             print(f"scse-study: chosen learning rates {choose_lrs(spec)}", flush=True)
         runs = write_study(spec, stage)
@@ -154,9 +120,6 @@ def _run_local(spec: StudySpec, doing: list[str]) -> int:
     return 1 if failed or report else 0
 
 
-# --------------------------------------------------------------------------- batch system
-
-
 def _next_job(spec: StudySpec, stage: str, after: list[str], cli_args: list[str]) -> Job:
     """A small job, afterany on `after`, that runs `scse-study SPEC --backend B --stage <stage>`."""
     cmd = [sys.executable, "-m", "scse_dist.study.cli", *cli_args, "--stage", stage]
@@ -168,8 +131,7 @@ def _next_job(spec: StudySpec, stage: str, after: list[str], cli_args: list[str]
 
 
 def check_request(backend: Backend, job: Job) -> None:
-    """StudyError, in one line, when the batch system says it could never run `job` (Slurm: more
-    nodes, CPUs or GPUs than any node has, an unknown partition), naming what was asked for."""
+    """StudyError naming the request when the batch system says it could never run `job`."""
     try:
         backend.check(job)
     except BackendError as exc:
@@ -178,31 +140,24 @@ def check_request(backend: Backend, job: Job) -> None:
                          f"spec field resources and --backend-args): {exc}") from None
 
 
-def _job_name(spec: StudySpec, run: Run) -> str:
-    """The name an array task takes when it starts: study, variant, (rate,) seed."""
-    return f"{spec.name}-{Path(run.run_dir).name}"
-
-
 def training_array(spec: StudySpec, stage: str, runs: list[Run], backend: Backend,
                    backend_args: list[str]) -> tuple[Job, list[Task]]:
-    """A stage's array: what its tasks share (resources, logs, the dependency) and each task,
-    run_job train on its run's config, evaluated inside the job in the final stage (not in
-    the LR sweep)."""
+    """A stage's array job and its tasks (run_job train, evaluating in the final stage)."""
     # Submitted by a stage job: start after it ended, so that it never runs beside the array.
     me = backend.current_job() if os.environ.get("SCSE_STUDY_STAGE_JOB") else None
     job = Job(command=[], name=f"{spec.name}-{stage}", resources=spec.resources,
               log_dir=spec.study_dir.resolve() / LOGS, after=[me] if me else [],
               dependency="afterany", backend_args=backend_args)
-    tasks = [Task(training_command(r.config, [], evaluate=stage == "final"), _job_name(spec, r))
-             for r in runs]
+    # each task takes its run's name once it starts: study, variant, (rate,) seed
+    tasks = [Task(training_command(r.config, [], evaluate=stage == "final"),
+                  f"{spec.name}-{Path(r.run_dir).name}") for r in runs]
     return job, tasks
 
 
 def submit_stage(spec: StudySpec, stage: str, max_parallel: int, backend: Backend,
                  backend_args: list[str], cli_args: list[str]) -> dict:
-    """Submit one stage's unfinished runs as an array (cap `max_parallel`) and the job that
-    continues after it; returns {"array": id or None, "next": id, "runs": [...]}. If the second
-    submission fails, the array is cancelled."""
+    """Submit one stage's unfinished runs as an array and the job continuing after it (if that
+    fails, the array is cancelled); returns the ids, also written to logs/<stage>.json."""
     if stage == "final" and spec.lr:
         print(f"scse-study: chosen learning rates {choose_lrs(spec)}", flush=True)
     runs = [r for r in write_study(spec, stage) if status(spec, r) != "done"]
@@ -232,8 +187,7 @@ def report_failures(spec: StudySpec) -> int:
     """After the final array: one line for each run that did not finish; how many."""
     failed = 0
     for run in write_study(spec, "final"):
-        state = status(spec, run)
-        if state != "done":
+        if status(spec, run) != "done":
             trained = RunDir(run.run_dir).export.is_dir()
             what = "its evaluation did not finish" if trained else "training did not finish"
             print(f"scse-study: FAILED {run.run_dir}: {what}", flush=True)
@@ -243,8 +197,7 @@ def report_failures(spec: StudySpec) -> int:
 
 def run_submitted(spec: StudySpec, stage: str, max_parallel: int, backend: Backend,
                   backend_args: list[str], cli_args: list[str]) -> int:
-    """One step of a study on a batch system: submit a stage (and the job continuing after it),
-    or, as the last job, name the failed runs and write the report."""
+    """One step on a batch system: submit a stage, or (the last job) name failures and report."""
     if stage == "auto":
         stage = "final" if not spec.lr or (spec.study_dir / "lr_choice.json").is_file() else "sweep"
     if stage == "report":  # a failed run fails the report job (Slurm shows it FAILED)
@@ -254,8 +207,7 @@ def run_submitted(spec: StudySpec, stage: str, max_parallel: int, backend: Backe
         ids = submit_stage(spec, stage, max_parallel, backend, backend_args, cli_args)
     except BackendError as exc:
         raise StudyError(str(exc)) from None
-    # A batch system runs the next job later (None here); a backend that ran the whole chain in
-    # place (local) hands back how it ended, so a failed run is this command's failure too.
+    # a backend that ran the whole chain in place (local) says how it ended: a failed run fails us
     ended = backend.ended_with(ids["next"])
     if ended and backend.current_job() is None:  # the user's own command: name the failures
         report_failures(spec)

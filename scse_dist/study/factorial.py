@@ -1,14 +1,6 @@
-"""A study read as a two-level factorial: which run is which cell, and the effects table.
-
-    report:
-      factorial:
-        factors: {model.recurrence: [additive, scse], model.residual: [preln, deeploop],
-                  train.optimizer.kind: [muon, torch_adamw]}  # run-config field: [level 0, 1]
-        depths: [1, 4, 8, 32]                             # the default
-
-A final run's cell is read from its resolved config (so each cell's own rates do not matter); a
-run whose field holds neither level is outside the factorial. Each cell must be one variant.
-The statistics are scse_dist.study.stats.factorial_effects.
+"""A study read as a two-level factorial (spec report.factorial: docs/studies.md): which run is
+which cell, read from its resolved config (a run whose field holds neither level is outside it;
+a cell must be one variant), and the effects table (scse_dist.study.stats.factorial_effects).
 """
 
 from __future__ import annotations
@@ -73,8 +65,7 @@ Effects = dict[tuple[str, str], dict[int, dict[str, Effect]]]
 
 
 def effects(design: Factorial, runs: list, metrics: dict[str, list[str]]) -> tuple[Effects, str]:
-    """The effects per first metric of each task and depth of design.depths, and a note (why
-    there are none, or empty). `runs`: the report's aggregated StudyRuns."""
+    """The effects per task (its first metric) and depth, and a note: why there are none, or ""."""
     variants: dict[tuple[int, ...], set[str]] = {}
     placed = []
     for run in runs:

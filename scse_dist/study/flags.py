@@ -1,36 +1,13 @@
-"""Pathology flags of one study run, from its training log (metrics.jsonl) and its evaluation.
-
-    plateau         the final training loss is within `plateau_margin` nats of (or above) the
-                    unigram entropy of the training data: the model learned no more than token
-                    frequencies (the issue's untied/looped baselines stuck at 6.93 = ln 1024);
-                    or the headline metric is flat in T and the final loss is more than
-                    `outlier_margin` nats above every other seed of its variant (a seed stuck on
-                    a plateau of its own, e.g. loss 6.09 against 5.3-5.6, far below the entropy).
-    loop inactive   the headline metric is flat in T from T=2 on (relative spread < flat_rel) and
-                    the diagnostics show the loop fell onto its anchor (deviation_norm at the
-                    deepest T < collapse_ratio x its largest value: diagnose records no anchor
-                    norm, so the deviation is measured against its own scale) or stopped moving
-                    (motion_norm at T=2 < motion_rel x deviation_norm at T=1), or the training
-                    log's last loop diagnostics say so (diag/D_kept = |D_T|/|D_0| below
-                    collapse_ratio: docs/loop-diagnostics.md), or the run is the outlier above.
-                    Without any of these the flat metric alone flags, and the detail says so. A
-                    run with no evaluation is flagged by the training diagnostics alone.
-    anchor fixed point  (an anchored recurrence whose metric does move with T, so not loop
-                    inactive) deviation_norm at the deepest T is below collapse_ratio x its
-                    largest: the state settles on h*, where SCSE's update is zero by
-                    construction, so past the transient the core computes nothing and the
-                    quality at depth is the coda's reading of the anchor alone (issue 26).
-    divergence      the final logged loss is non-finite, or above its minimum by >
-                    divergence_margin.
-    non-finite      the trainer skipped steps for a NaN/Inf loss or gradient (skipped_steps > 0).
-
-The unigram entropy (nats, like the loss) is counted from up to `max_tokens` tokens of the
-run's training shards (eos included, as the model sees them); when those cannot be read, ln V
-stands in, an upper bound that still catches a model stuck at the uniform distribution.
+"""Pathology flags of one study run, from its training log (metrics.jsonl) and its evaluation:
+plateau, loop inactive, anchor fixed point (a description, never excluded), divergence and
+non-finite. What each means, with FlagThresholds' values: docs/evaluation.md, docs/studies.md.
+The plateau's reference is the unigram entropy of up to `max_tokens` training tokens (eos
+included); ln V when the shards cannot be read, an upper bound that still catches a uniform model.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -59,8 +36,7 @@ class Flag:
 
     @property
     def excludes(self) -> bool:
-        """Whether exclude_flagged drops the run: a pathology, not the anchor fixed point (a
-        trained model whose quality is real, however little its loop computes at depth)."""
+        """Whether exclude_flagged drops the run: a pathology, not the anchor fixed point."""
         return self.name != "anchor fixed point"
 
 
@@ -70,28 +46,17 @@ class UnigramEntropy:
     source: str  # how it was obtained, for the report
 
 
-_ENTROPY_CACHE: dict[tuple[str, int], UnigramEntropy] = {}
-
-
+@functools.cache
 def unigram_entropy(data_path: str, vocab_size: int, max_tokens: int = 2_000_000) -> UnigramEntropy:
     """-sum p ln p of the token frequencies of the training shards at `data_path` (cached)."""
-    key = (str(data_path), vocab_size)
-    if key not in _ENTROPY_CACHE:
-        _ENTROPY_CACHE[key] = _count_entropy(str(data_path), vocab_size, max_tokens)
-    return _ENTROPY_CACHE[key]
-
-
-def _count_entropy(data_path: str, vocab_size: int, max_tokens: int) -> UnigramEntropy:
     from scse_dist.data.index import iter_samples, resolve_split
 
     counts = np.zeros(vocab_size, dtype=np.int64)
     try:
-        _, index, _, urls = resolve_split(data_path, "train")
-        for url in urls:
-            for _, tokens, _ in iter_samples(url, index["eos_id"], index["vocab_size"]):
-                counts += np.bincount(tokens.astype(np.int64), minlength=vocab_size)[:vocab_size]
-                if counts.sum() >= max_tokens:
-                    break
+        _, index, _, urls = resolve_split(str(data_path), "train")
+        for tokens in (t for url in urls
+                       for _, t, _ in iter_samples(url, index["eos_id"], index["vocab_size"])):
+            counts += np.bincount(tokens.astype(np.int64), minlength=vocab_size)[:vocab_size]
             if counts.sum() >= max_tokens:
                 break
     except Exception as exc:  # JSONL corpus, missing or remote shards: fall back, and say so
@@ -107,19 +72,18 @@ def _count_entropy(data_path: str, vocab_size: int, max_tokens: int) -> UnigramE
 
 
 def headline_by_depth(run: StudyRun) -> tuple[Optional[str], dict[int, float]]:
-    """(task, {depth: metric}) of the first quality task (registry order: heldout, wikitext,
-    lambada, ...; not a diagnostic) with results, its headline metric."""
+    """(task and metric, {depth: value}) of the first quality task with results, its headline."""
     for task in (t for t in TASKS.values() if not t.diagnostic):
         if task.name in run.results:
-            metric = task.headline
-            values = {d: finite(r.get(metric)) for d, r in run.results[task.name].items()}
-            return f"{task.name} {metric}", {d: v for d, v in values.items() if v is not None}
+            return f"{task.name} {task.headline}", {
+                d: v for d, r in run.results[task.name].items()
+                if (v := finite(r.get(task.headline))) is not None}
     return None, {}
 
 
 def flat_in_t(run: StudyRun, th: FlagThresholds) -> Optional[str]:
-    """'heldout ppl flat for T >= 2 (spread 0.41%)' when the headline metric barely moves with T
-    (a looped model; never one without a loop, untied), else None."""
+    """'heldout ppl flat for T >= 2 (spread 0.41%)' when a looped model's headline metric barely
+    moves with T, else None."""
     if run.config is not None and not transition_for(run.config.model).loops:
         return None
     name, values = headline_by_depth(run)
@@ -136,8 +100,7 @@ def _final_loss(run: StudyRun) -> Optional[float]:
 
 
 def above_peers(run: StudyRun, peers: list[StudyRun], th: FlagThresholds) -> Optional[str]:
-    """'final loss 6.090, 0.49 nats above its variant's other seeds (5.300-5.600)' when it is
-    more than outlier_margin above all of them, else None."""
+    """Why the final loss is more than outlier_margin above every peer's, or None."""
     final = _final_loss(run)
     others = [x for x in (_final_loss(p) for p in peers) if x is not None]
     if final is None or not others or final <= max(others) + th.outlier_margin:
@@ -156,6 +119,19 @@ def _collapsed_in_training(run: StudyRun, th: FlagThresholds) -> Optional[str]:
             "(diag/D_kept)")
 
 
+def _deviation(run: StudyRun) -> dict[int, float]:
+    return {d: v for d, r in (run.results.get("diagnose") or {}).items()
+            if (v := finite(r.get("deviation_norm"))) is not None}
+
+
+def _fell(deviation: dict[int, float], th: FlagThresholds) -> Optional[tuple[float, float]]:
+    """(deviation at the deepest T, the largest) if the first < collapse_ratio x the second."""
+    if not deviation:
+        return None
+    deepest, largest = deviation[max(deviation)], max(deviation.values())
+    return (deepest, largest) if largest > 0 and deepest < th.collapse_ratio * largest else None
+
+
 def _loop_inactive(run: StudyRun, th: FlagThresholds, outlier: Optional[str]) -> Optional[Flag]:
     training = _collapsed_in_training(run, th)
     flat = flat_in_t(run, th)
@@ -166,43 +142,32 @@ def _loop_inactive(run: StudyRun, th: FlagThresholds, outlier: Optional[str]) ->
     if not diag:
         confirm = "; ".join(x for x in (training, outlier) if x)
         return Flag("loop inactive", f"{flat}; {confirm or 'no diagnose results to confirm'}")
-    deviation = {d: v for d, r in diag.items()
-                 if (v := finite(r.get("deviation_norm"))) is not None}
+    deviation = _deviation(run)
     motion2 = finite(diag.get(2, {}).get("motion_norm"))
     why = []
-    if deviation:
-        deepest, largest = deviation[max(deviation)], max(deviation.values())
-        if largest > 0 and deepest < th.collapse_ratio * largest:
-            why.append(f"deviation_norm fell to {deepest:.3g} from {largest:.3g}")
+    if fell := _fell(deviation, th):
+        why.append(f"deviation_norm fell to {fell[0]:.3g} from {fell[1]:.3g}")
     if motion2 is not None and deviation.get(1) and motion2 < th.motion_rel * deviation[1]:
         why.append(f"motion_norm at T=2 is {motion2:.3g} against deviation_norm {deviation[1]:.3g}")
-    if training:
-        why.append(training)
-    if outlier:
-        why.append(outlier)
+    why += [x for x in (training, outlier) if x]
     return Flag("loop inactive", f"{flat}; {'; '.join(why)}") if why else None
 
 
 def _anchor_fixed_point(run: StudyRun, th: FlagThresholds) -> Optional[Flag]:
     if run.config is not None and not transition_for(run.config.model).has_anchor:
         return None  # the others' deviation is from their source, which they leave by design
-    deviation = {d: v for d, r in (run.results.get("diagnose") or {}).items()
-                 if (v := finite(r.get("deviation_norm"))) is not None}
-    if len(deviation) < 2:
-        return None
-    deepest, largest = deviation[max(deviation)], max(deviation.values())
-    if not (largest > 0 and deepest < th.collapse_ratio * largest):
+    deviation = _deviation(run)
+    if not (fell := _fell(deviation, th)):
         return None
     return Flag("anchor fixed point",
-                f"deviation_norm falls to {deepest:.3g} at T={max(deviation)} from {largest:.3g}: "
+                f"deviation_norm falls to {fell[0]:.3g} at T={max(deviation)} from {fell[1]:.3g}: "
                 "the state ends at or near its anchor, where the core's update is zero")
 
 
 def run_flags(run: StudyRun, entropy: Optional[UnigramEntropy],
               th: FlagThresholds = FlagThresholds(),
               peers: Optional[list[StudyRun]] = None) -> list[Flag]:
-    """Every pathology flag that `run`'s log and results raise (see the module docstring);
-    `peers`: the other finished seeds of its variant and stage."""
+    """Every pathology flag `run` raises; `peers`: the other finished seeds of its variant."""
     flags: list[Flag] = []
     flat = flat_in_t(run, th)
     outlier = above_peers(run, peers or [], th) if flat else None

@@ -8,10 +8,9 @@
     <out>/<study>/<variant>/<variant>-seed<k>/             a final run (stage 2)
     <out>/<study>/<variant>/<variant>-lr<value>-seed<k>/   an LR sweep run (stage 1)
 
-Each run dir (scse_dist.run_dir) holds `config.yaml` (its resolved RunConfig, written before
-training) and what the trainer writes there: metrics.jsonl, checkpoints/, export/,
-eval/<task>.json. A run is done when its export and every evaluation of its stage are complete (a
-sweep run: eval/validation.json); a Ctrl-C'd evaluation (marked partial) is not.
+Each run dir (scse_dist.run_dir) holds its resolved config.yaml, written before training, and
+the trainer's outputs. A run is done when its export and every evaluation of its stage (a sweep
+run's: eval/validation.json) are complete.
 """
 
 from __future__ import annotations
@@ -38,15 +37,11 @@ class StudyError(RuntimeError):
     """The study cannot go on (e.g. every LR sweep run of a variant failed)."""
 
 
-def evals_of(spec: StudySpec, run: Run) -> list[str]:
-    """The evaluations (eval/<name>.json) a run must have complete to count as done."""
-    return [VALIDATION_NAME] if run.stage == "sweep" else list(spec.evals.tasks)
-
-
 def status(spec: StudySpec, run: Run) -> str:
     """done (export and complete evaluations), partial (something was started), or new."""
     d = RunDir(run.run_dir)
-    if d.exported() and all(d.evaluated(name) for name in evals_of(spec, run)):
+    evals = [VALIDATION_NAME] if run.stage == "sweep" else spec.evals.tasks
+    if d.exported() and all(d.evaluated(name) for name in evals):
         return "done"
     return "partial" if d.started() else "new"
 
@@ -59,8 +54,7 @@ def read_choice(spec: StudySpec) -> dict[str, float] | None:
 
 
 def write_study(spec: StudySpec, stage: str) -> list[Run]:
-    """Write study.yaml, each run's config.yaml and runs.json for `stage` (and the stages before
-    it); returns the stage's runs. Final runs need the LR choice first when the spec sweeps."""
+    """Write study.yaml, each run's config.yaml and runs.json up to `stage`; the stage's runs."""
     chosen = read_choice(spec)
     d = spec.study_dir
     d.mkdir(parents=True, exist_ok=True)
@@ -77,8 +71,8 @@ def write_study(spec: StudySpec, stage: str) -> list[Run]:
 
 
 def evaluate_validation(spec: StudySpec, run: Run) -> float | None:
-    """The sweep score of a run: loss on `lr.validation` at the training depth (None: no export).
-    Computed once into eval/validation.json (again when a Ctrl-C left it partial)."""
+    """The sweep score of a run: loss on `lr.validation` at the training depth (None: no export),
+    computed once into eval/validation.json."""
     d = RunDir(run.run_dir)
     out = d.results(VALIDATION_NAME)
     if not is_complete(out):
@@ -94,8 +88,8 @@ def evaluate_validation(spec: StudySpec, run: Run) -> float | None:
 
 
 def choose_lrs(spec: StudySpec) -> dict[str, float]:
-    """Each variant's rate: the lowest validation loss over its sweep runs, at the training depth.
-    Writes lr_choice.json; StudyError when a variant has no sweep run that finished."""
+    """Each variant's rate, the lowest validation loss of its sweep, into lr_choice.json;
+    StudyError when a variant has no sweep run that finished."""
     assert spec.lr is not None  # called only for a study with lr:
     choice: dict[str, dict[str, Any]] = {}
     missing: list[str] = []
@@ -147,8 +141,7 @@ def _which(needing: list[Run], runs: list[Run]) -> str:
 
 
 def missing_inputs(spec: StudySpec) -> list[str]:
-    """One line per input file that some run needs and that is not there, naming the field and
-    the runs that need it."""
+    """One line per missing input file, naming the field and the runs that need it."""
     runs = expand(spec, read_choice(spec))
     needed: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
@@ -161,10 +154,8 @@ def missing_inputs(spec: StudySpec) -> list[str]:
 
 
 def refused_data(spec: StudySpec) -> list[tuple[int, str]]:
-    """(exit status, line) for each data setup whose runs' own start-up check
-    (scse_dist.data.preflight.check_run_data) would refuse it: shards of another tokenizer, a
-    tokenizer larger than model.vocab_size; naming the runs. Run after missing_inputs found
-    nothing missing."""
+    """(exit status, line naming the runs) for each data setup the runs' own start-up check
+    (scse_dist.data.preflight.check_run_data) would refuse; after missing_inputs found none."""
     from scse_dist.cli_errors import exit_status, one_line
     from scse_dist.data.preflight import check_run_data
 

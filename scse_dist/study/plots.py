@@ -47,8 +47,7 @@ def diagnose_plot(by_variant: dict[str, dict[str, list[tuple[int, float]]]],
     fig, axes = panels(1, max(1, len(by_variant)), 4.2, 3.6)
     for ax, (variant, norms) in zip(axes[0], by_variant.items()):
         for name, points in norms.items():
-            # log axis: a collapsed norm of 0 drops
-            points = sorted((t, v) for t, v in points if v > 0)
+            points = sorted((t, v) for t, v in points if v > 0)  # log axis: a norm of 0 drops
             ax.plot([t for t, _ in points], [v for _, v in points], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")  # the norms span decades when a loop converges or collapses
@@ -56,8 +55,7 @@ def diagnose_plot(by_variant: dict[str, dict[str, list[tuple[int, float]]]],
     return save(fig, path)
 
 
-# The training log's loop diagnostics drawn per run (docs/loop-diagnostics.md): the deviation
-# kept over the loop, the anchor's norm over the core's output scale, and the loop's gain.
+# the training log's loop diagnostics per run (docs/loop-diagnostics.md): metric -> label, y scale
 TRAINING_DIAGNOSTICS = {"diag/D_kept": ("|D_T| / |D_0|", "log"),
                         "diag/anchor_over_scale": ("R / rho", "linear"),
                         "diag/loop_gain": ("loss(T=1) - loss(T) [nats]", "linear")}
@@ -66,8 +64,7 @@ TRAINING_DIAGNOSTICS = {"diag/D_kept": ("|D_T| / |D_0|", "log"),
 def training_diagnostics_plot(by_variant: dict[str, dict[str, dict[str, list[tuple[int, float]]]]],
                               collapsed: set[str], path: str | Path) -> str:
     """A row per variant, a column per TRAINING_DIAGNOSTICS metric, a line per run against the
-    training step; runs in `collapsed` (their labels) dashed, so a collapsing seed stands out
-    beside the healthy ones."""
+    step; runs in `collapsed` (labels) dashed, so a collapsing seed stands out."""
     cols = list(TRAINING_DIAGNOSTICS)
     fig, axes = panels(max(1, len(by_variant)), len(cols), 4.2, 2.8)
     for axes_row, (variant, runs) in zip(axes, by_variant.items()):

@@ -1,16 +1,8 @@
 """The study report: seeds aggregated per variant and depth, paired comparisons with a verdict,
 extrapolation ratios, pathology flags, the learning-rate choice, the frontier plots, and a
-factorial's main effects and interactions (spec report.factorial: scse_dist.study.factorial).
+factorial's effects (spec report.factorial). What it writes and shows: docs/evaluation.md.
 
     python -m scse_dist.study.report STUDY_DIR        # or: scse-report --study STUDY_DIR
-
-Writes STUDY_DIR/report/ (report.md, aggregate.json, frontier_depth.png, frontier_flops.png,
-diagnose.png) and logs the aggregate to wandb in the study's group (offline, unless every run's
-config disables wandb: then nothing is logged; --wandb decides otherwise).
-The metrics shown per task are the spec's `report.metrics` (default: heldout ppl; WikiText ppl,
-word ppl and bits per byte; LAMBADA ppl and accuracy).
-Intervals are 95% Student-t intervals over seeds, mean +- t_{0.975, n-1} s / sqrt(n); paired
-comparisons take the per-seed difference (A - B, seeds matched) at each depth and its t interval.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ from scse_dist.config import ModelConfig, RunConfig
 from scse_dist.model.transitions import transition_for
 from scse_dist.study import factorial
 from scse_dist.study.collect import Study, finite, load_study
-from scse_dist.study.compare import aggregate, paired, verdict
+from scse_dist.study.compare import aggregate, paired, values_by_depth, verdict
 from scse_dist.study.flags import Flag, run_flags, unigram_entropy
 from scse_dist.study.plots import (
     TRAINING_DIAGNOSTICS,
@@ -44,19 +36,8 @@ INTERVAL_METHOD = ("95% Student-t intervals over seeds: mean ± t(0.975, n-1)·s
                    "(s the sample standard deviation); no bootstrap")
 REPORT_NAME = "report.md"
 
-def report_metrics(study: Study) -> dict[str, list[str]]:
-    """task -> the metrics the report shows: the spec's report.metrics over the defaults."""
-    given = (study.spec.get("report") or {}).get("metrics") or {}
-    return {**default_report_metrics(), **given}
-
-
-def higher_is_better(task: str, metric: str) -> bool:
-    return metric in TASKS[task].higher_is_better
-
-
 def flops_at(model: ModelConfig, depth: int, seq_len: int) -> Optional[float]:
-    """Training FLOPs per token over the unrolled depth at loop depth T (SCSE's T+1 core calls
-    included): the one place the report calls scse_dist.model.flops."""
+    """Training FLOPs per token over the unrolled depth at loop depth T; None where undefined."""
     from scse_dist.model.flops import flops_per_token
 
     try:
@@ -66,9 +47,8 @@ def flops_at(model: ModelConfig, depth: int, seq_len: int) -> Optional[float]:
 
 
 def training_depth(cfg: RunConfig) -> Optional[int]:
-    """The deepest T the run trained at: model.depth, or the sampler's max (uniform: 2x mean by
-    default; poisson_lognormal: its max, else the mean, as it has no bound). None for a model that
-    does not loop (untied)."""
+    """The deepest T the run trained at (the depth sampler's max, else model.depth); None for a
+    model that does not loop."""
     m, d = cfg.model, cfg.train.depth
     if not transition_for(m).loops:
         return None
@@ -140,7 +120,9 @@ class StudyReport:
                          and any(f.excludes for f in self.flags[r.label])]
         self.included = [r for r in final if r not in self.excluded]
         self.variants = [v for v in study.variants if any(r.variant == v for r in self.included)]
-        self.metrics = report_metrics(study)
+        # task -> the metrics shown: the spec's report.metrics over the defaults
+        self.metrics = {**default_report_metrics(),
+                        **((study.spec.get("report") or {}).get("metrics") or {})}
         self.table = aggregate(self.included, self.variants, self.metrics)
         self.pairs = {(a, b, task, metric): paired(self.included, a, b, task, metric)
                       for a, b in study.pairs
@@ -159,8 +141,7 @@ class StudyReport:
         return next((r.config for r in self.included if r.variant == variant and r.config), None)
 
     def extrapolation(self) -> list[tuple[str, int, dict[int, float]]]:
-        """(label, reference depth, {T > ref: mean(T) / mean(ref)}): ref is the deepest evaluated
-        T within the training range (the training depth itself when it was evaluated)."""
+        """(label, reference depth, {T > ref: mean(T) / mean(ref)}), ref as reference_depth."""
         rows = []
         for (variant, task, metric), by_depth in self.table.items():
             cfg = self.config_of(variant)
@@ -194,23 +175,16 @@ class StudyReport:
     def diagnose_series(self) -> dict:
         out: dict = {}
         for variant in self.variants:
-            runs = [r for r in self.included if r.variant == variant and "diagnose" in r.results]
-            norms = {}
-            for name in DIAGNOSE_NORMS:
-                by_depth: dict[int, list[float]] = {}
-                for run in runs:
-                    for depth, row in run.results["diagnose"].items():
-                        if finite(row.get(name)) is not None:
-                            by_depth.setdefault(depth, []).append(row[name])
-                if by_depth:
-                    norms[name] = [(d, sum(v) / len(v)) for d, v in sorted(by_depth.items())]
+            runs = [r for r in self.included if r.variant == variant]
+            norms = {name: [(d, sum(v.values()) / len(v)) for d, v in sorted(by_depth.items())]
+                     for name in DIAGNOSE_NORMS
+                     if (by_depth := values_by_depth(runs, "diagnose", name))}
             if norms:
                 out[variant] = norms
         return out
 
     def training_diagnostics_series(self) -> dict:
-        """{variant: {run label: {metric: [(step, value)]}}} from the training logs' loop
-        diagnostics (final-stage runs; a recurrence without a loop logs none)."""
+        """{variant: {run label: {metric: [(step, value)]}}} of the logged loop diagnostics."""
         out: dict = {}
         for run in self.included:
             series = {m: [(r["step"], r[m]) for r in run.metrics
@@ -270,7 +244,7 @@ class StudyReport:
                         if (t, m) == (task, metric)]
                 if mine:
                     rows = [(f"{a} - {b}", d) for a, b, d in mine]
-                    verdicts = [f"{a} {verdict(d, higher_is_better(task, metric))}"
+                    verdicts = [f"{a} {verdict(d, metric in TASKS[task].higher_is_better)}"
                                 for a, b, d in mine]
                     lines += [f"### {task} {metric}", ""]
                     lines += _depth_table("pair", rows, extra=("verdict", verdicts)) + [""]
@@ -289,9 +263,8 @@ class StudyReport:
         return "\n".join(lines) + "\n"
 
     def _run_lines(self) -> list[str]:
-        """A row per aggregated run: the first task's first metric at every depth, its ratio at
-        the deepest T over the reference depth of extrapolation(), and the training log's last
-        loop diagnostics (so a seed's collapse reads beside its numbers)."""
+        """A row per aggregated run: the first task's first metric per depth, its extrapolation
+        ratio, its last logged loop diagnostics and its flags."""
         task = next(iter(self.metrics), None)
         runs = [r for r in self.included if task in r.results]
         if task is None or not runs:
@@ -308,10 +281,9 @@ class StudyReport:
         for run in runs:
             values = {d: finite(row.get(metric)) for d, row in run.results[task].items()}
             ref = reference_depth(values, training_depth(run.config) if run.config else None)
-            ratio = None
-            at_ref, deepest = (values[ref] if ref is not None else None), values[max(values)]
-            if ref is not None and at_ref and deepest and max(values) > ref:
-                ratio = deepest / at_ref
+            at_ref = values[ref] if ref is not None and max(values) > ref else None
+            deepest = values[max(values)]
+            ratio = deepest / at_ref if at_ref and deepest else None
             last = {m: next((finite(r.get(m)) for r in reversed(run.metrics)
                              if finite(r.get(m)) is not None), None) for m in TRAINING_DIAGNOSTICS}
             cells = [_number(values.get(d)) for d in depths] + [_number(ratio, ".3f")]
@@ -348,7 +320,7 @@ class StudyReport:
                 "aggregate": {f"{v}/{t}/{m}": {str(d): asdict(iv) for d, iv in by_d.items()}
                               for (v, t, m), by_d in self.table.items()},
                 "paired": {f"{a} - {b}/{t}/{m}": {
-                    "verdict": verdict(d, higher_is_better(t, m)),
+                    "verdict": verdict(d, m in TASKS[t].higher_is_better),
                     "depths": {str(k): asdict(iv) for k, iv in d.items()}}
                     for (a, b, t, m), d in self.pairs.items()},
                 "factorial": factorial.numbers(self.effects)}
@@ -368,12 +340,6 @@ def _log_to_wandb(report: StudyReport, out: Path, mode: Literal["offline", "onli
                for (variant, task), by_depth in rows.items()]
     log_to_wandb(results, WandbConfig(mode=mode), name=f"{report.study.name}-report",
                  group=report.study.name, out_dir=out, images=images)
-
-
-def wandb_wanted(study: Study) -> bool:
-    """False when every run config the study has disables wandb (then "auto" logs nothing)."""
-    configs = [r.config for r in study.runs if r.config is not None]
-    return not configs or any(c.wandb.enabled for c in configs)
 
 
 def _write_report_files(report: StudyReport, out: Path) -> dict[str, str]:
@@ -402,17 +368,17 @@ def _write_report_files(report: StudyReport, out: Path) -> dict[str, str]:
 def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
                        wandb_mode: Literal["auto", "offline", "online", "disabled"] = "auto"
                        ) -> Path:
-    """Write report.md, aggregate.json and the PNGs into out_dir (default STUDY_DIR/report);
-    log to wandb unless wandb_mode is "disabled" (or "auto" and every run disables wandb: else
-    offline). Returns the report.md path."""
+    """Write the report into out_dir (default STUDY_DIR/report) and log it to wandb ("auto":
+    offline unless every run disables wandb). Returns the report.md path."""
     report = StudyReport(load_study(study_dir))
     out = Path(out_dir) if out_dir is not None else Path(study_dir) / "report"
-    # written beside `out` and moved in together (scse_dist.atomic.output_dir)
     with output_dir(str(out), lambda u: (Path(u) / REPORT_NAME).is_file(), REPORT_NAME) as tmp:
         images = _write_report_files(report, Path(tmp))
     images = {name: str(out / Path(p).name) for name, p in images.items()}
-    if wandb_mode == "auto":
-        wandb_mode = "offline" if wandb_wanted(report.study) else "disabled"
+    if wandb_mode == "auto":  # offline, unless every run config there is disables wandb
+        configs = [r.config for r in report.study.runs if r.config is not None]
+        wandb = not configs or any(c.wandb.enabled for c in configs)
+        wandb_mode = "offline" if wandb else "disabled"
     if wandb_mode != "disabled":
         _log_to_wandb(report, out, wandb_mode, images)
     return out / REPORT_NAME

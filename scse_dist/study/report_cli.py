@@ -7,8 +7,7 @@ A run's report is a markdown table (one row per run, task and metric, one column
 a quality-frontier plot (each task's headline metric against depth, one line per run).
 """
 
-# It sits above both eval and study (study imports eval, never the reverse), so one command
-# serves them.
+# above both eval and study (study imports eval, never the reverse), so one command serves both
 
 from __future__ import annotations
 

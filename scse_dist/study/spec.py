@@ -1,40 +1,7 @@
 """A study spec (YAML), read and checked (its runs: scse_dist.study.runs).
 
-    extends: repro-cpu.yaml        # optional: another spec this one overlays (scse_dist.typed_yaml)
-    name: repro-cpu            # the study dir is <out>/<name>
-    out: ../../studies             # relative to this file, like base: (default: ./studies)
-    base: ../repro-cpu-base.yaml   # a run config, relative to this file (may use `base:` itself)
-    overrides: {data.path: ...}    # dotted keys laid on every run
-    variants:                      # name -> the overrides that make it
-      scse: {overrides: {model.recurrence: scse}}
-      additive: {overrides: {model.recurrence: additive}}
-      scse-muon: {overrides: {train.optimizer: muon},
-                  lr: {key: train.optimizer.muon_lr, values: [0.01, 0.02]}}  # its own rate and grid
-    seeds: [0, 1, 2]
-    axes:                          # multiplied out; `variants:` limits an axis to some variants
-      model.residual: {values: [preln, deeploop], variants: [scse, additive]}
-    lr: {values: [1e-3, 3e-3], seed: 0, steps: 300, validation: path/to/valid.jsonl}
-    pairs: [[scse-preln, additive-preln]]   # default: each variant against `additive*`
-    exclude_flagged: false
-    evals: {tasks: [heldout, wikitext], depths: [1, 2, 4], wikitext: ..., lambada: ...,
-            data: {task: file}}   # data: a task's file when it has no field of its own
-    order: seed-major              # or variant-major: the order runs are started in
-    resources: {nodes: 1, tasks_per_node: 1, gpus_per_node: 0, cpus_per_task: 1, time_min: 60}
-    report: {metrics: {lambada: [ppl, accuracy]},   # the metrics the report shows, per task
-             factorial: {factors: {model.recurrence: [additive, scse], ...}}}  # .factorial
-
-A run is <study>/<variant>/<variant>-seed<k> (its name, <variant>-seed<k>, is in its results,
-logs and batch job name); with `lr`, stage 1 (sweep) runs <variant>/<variant>-lr<value>-seed<k>
-at `lr.seed`, scored on `lr.validation` (never a test set), and stage 2 (final) trains every
-seed at the variant's chosen rate (<study>/lr_choice.json). A variant's `lr: {key, values}` sweeps
-another field (Muon's `train.optimizer.muon_lr`) over its own grid; seed, steps and validation stay
-the study's.
-
-The file is read by scse_dist.typed_yaml like a run config: `extends:` (a spec's `base:` is its
-run config) loads another spec first and lays this one over it, mappings merged key by key, and
-`base:` and `out:` stay relative to the file that sets them; command-line overrides are
-typed_yaml's `key.sub=value` (`seeds=[0,1]`, `lr.steps=50`), where the keys of `overrides:` and
-a variant's `overrides:` are dotted run-config fields themselves (`overrides.data.path=...`).
+The format, with an example of every field, the run layout, the LR stages, `extends:` and
+command-line overrides: docs/studies.md.
 """
 
 from __future__ import annotations
@@ -54,12 +21,6 @@ from scse_dist.study.factorial import parse_factorial
 from scse_dist.study.runs import SpecError, expand, run_config
 from scse_dist.task_registry import TASKS
 from scse_dist.typed_yaml import _read_yaml, apply_overrides
-
-
-def task_metrics() -> dict[str, tuple[str, ...]]:
-    """task -> every metric a spec's `report: {metrics: {task: [...]}}` may pick (the quality
-    tasks of scse_dist.task_registry; diagnose has its own plot)."""
-    return {name: t.metrics for name, t in TASKS.items() if t.study_metrics}
 
 
 def default_report_metrics() -> dict[str, list[str]]:
@@ -115,10 +76,7 @@ class StudySpec:
     exclude_flagged: bool = False
     evals: StudyEvals = field(default_factory=StudyEvals)
     order: str = "seed-major"
-    # What each training job asks the batch system for, on any backend (formerly `slurm:`); the
-    # defaults fit a CPU cluster (one node, one task, one CPU, no GPU); a GPU study sets
-    # gpus_per_node and tasks_per_node (one per GPU).
-    resources: Resources = field(default_factory=Resources)
+    resources: Resources = field(default_factory=Resources)  # each job's (formerly `slurm:`)
     report: dict[str, Any] = field(default_factory=dict)  # read by scse_dist.study.report
     path: str = ""  # the spec file
 
@@ -127,8 +85,7 @@ class StudySpec:
         return Path(self.out) / self.name
 
     def rate_key(self, variant: str) -> str:
-        """The config field a variant's sweep chooses (train.optimizer.lr unless the variant
-        says)."""
+        """The config field a variant's sweep chooses."""
         return self.rates.get(variant, VariantRate()).key
 
     def rate_values(self, variant: str) -> list[float]:
@@ -138,8 +95,6 @@ class StudySpec:
         assert self.lr is not None  # load_spec: a variant's own lr needs the study's lr:
         return self.lr.values
 
-
-# --------------------------------------------------------------------------- parsing
 
 def _need(values: dict, key: str, kind: type | tuple, where: str) -> Any:
     if key not in values:
@@ -165,7 +120,7 @@ def _check_keys(values: dict, allowed: set[str], where: str) -> None:
 def _check_report_metrics(metrics: Any) -> None:
     if not isinstance(metrics, dict):
         raise SpecError(f"report.metrics: expected {{task: [metric, ...]}}, got {metrics!r}")
-    known = task_metrics()
+    known = {name: t.metrics for name, t in TASKS.items() if t.study_metrics}  # quality tasks
     _check_keys(metrics, set(known), "report.metrics")
     for task, names in metrics.items():
         if not isinstance(names, list) or not names:
@@ -214,17 +169,15 @@ def _section(values: dict, key: str, cls: type) -> Any:
     return cls(**body)
 
 
-def _suffix(key: str, value: Any) -> str:
-    return str(value) if isinstance(value, str) else f"{key.split('.')[-1]}{value}"
-
-
 def _expand_variants(variants: dict, axes: list[Axis]) -> dict[str, tuple[str, tuple, dict]]:
     """{expanded name: (variant, axis-value suffixes, overrides)}, e.g. scse-deeploop."""
     out: dict[str, tuple[str, tuple, dict]] = {}
     for name, over in variants.items():
         mine = [a for a in axes if not a.variants or name in a.variants]
         for combo in itertools.product(*[a.values for a in mine]):
-            suffix = tuple(_suffix(a.key, v) for a, v in zip(mine, combo))
+            # a string value names itself; any other is its field's name and value: depth8
+            suffix = tuple(v if isinstance(v, str) else f"{a.key.split('.')[-1]}{v}"
+                           for a, v in zip(mine, combo))
             out["-".join([name, *suffix])] = \
                 (name, suffix, {**over, **{a.key: v for a, v in zip(mine, combo)}})
     return out
@@ -234,10 +187,8 @@ BASELINE = "additive"  # the variant every other is compared with unless the spe
 
 
 def default_pairs(variants: dict[str, tuple[str, tuple]]) -> list[tuple[str, str]]:
-    """The pairs a study compares when its spec names none: each variant against `additive` with
-    the same axis values (else the first additive one). `variants`: expanded name -> (the spec's
-    variant, its axis-value suffixes); a study read back without its axes passes (name, ()).
-    The one rule: the spec applies it, and so does a study dir whose study.yaml has no pairs."""
+    """The pairs when a spec (or a study.yaml) names none: each variant against `additive` with the
+    same axis values, else the first additive one. `variants`: name -> (spec variant, suffixes)."""
     baseline = {suffix: full for full, (name, suffix) in variants.items() if name == BASELINE}
     if not baseline:
         return []
@@ -376,17 +327,14 @@ DOTTED_MAPPINGS = ("overrides", "variants.*.overrides")
 
 
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> StudySpec:
-    """Read a spec file (and the spec it `extends:`), then `key=value` overrides (typed_yaml's:
-    `seeds=[0,1]`, `lr.steps=50`, `overrides.data.path=...`); `out=` on the command line is
-    relative to where it is typed."""
+    """Read a spec file (and what it `extends:`), then typed_yaml's `key=value` overrides;
+    `out=` on the command line is relative to where it is typed."""
     p = Path(path)
     given = [f"out={Path(item.split('=', 1)[1]).resolve()}" if item.startswith("out=") else item
              for item in overrides or []]
     try:
         values = _read_yaml(p, kind="study spec", overlay="extends", file_relative=SPEC_PATHS)
         apply_overrides(values, given, DOTTED_MAPPINGS)
-    except SpecError:
-        raise
     except ConfigError as exc:
         raise SpecError(str(exc)) from None
     return parse_spec(values, str(p))

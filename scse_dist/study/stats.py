@@ -1,10 +1,7 @@
 """Small-sample statistics for a study: Student-t quantiles, 95% intervals over seeds, and the
-main effects and interactions of a two-level factorial.
-
-No scipy: a study report runs as a Slurm job in the training environment. The t quantile is the
-numerical inverse (bisection) of the t CDF, which is written with the regularized incomplete beta
-function (continued fraction, as in Numerical Recipes 6.4):
-    P(T <= t) = 1 - I_{df / (df + t^2)}(df / 2, 1 / 2) / 2     for t >= 0.
+effects of a two-level factorial. No scipy (a report runs as a job in the training environment):
+the t CDF is written with the regularized incomplete beta function (Numerical Recipes 6.4),
+P(T <= t) = 1 - I_{df / (df + t^2)}(df / 2, 1 / 2) / 2 for t >= 0, inverted by bisection.
 """
 
 from __future__ import annotations
@@ -72,9 +69,8 @@ def t_quantile(p: float, df: float) -> float:
 
 @dataclass(frozen=True)
 class Interval:
-    """Mean over n values, the sample standard deviation (n - 1) and a two-sided t interval.
-
-    With one value the spread and interval are unknown (None): one seed resolves nothing."""
+    """Mean over n values, the sample standard deviation (n - 1) and a two-sided t interval (None
+    with one value: one seed resolves nothing)."""
 
     n: int
     mean: float
@@ -91,8 +87,7 @@ class Interval:
 
 
 def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:
-    """mean +- t_{(1+level)/2, n-1} * std / sqrt(n) over `values` (non-finite values are the
-    caller's to drop: a NaN here would poison every seed's mean)."""
+    """mean +- t_{(1+level)/2, n-1} * std / sqrt(n) over `values` (finite: the caller drops NaN)."""
     xs = [float(v) for v in values]
     if not xs:
         raise ValueError("t_interval: no values")
@@ -107,9 +102,8 @@ def t_interval(values: Sequence[float], level: float = 0.95) -> Interval:
 
 @dataclass(frozen=True)
 class Effect:
-    """One effect of a two-level factorial: its estimate, 95% interval and how it was formed:
-    paired (the contrast per seed, over the seeds every cell has; n seeds) or, with fewer than
-    two shared seeds, Welch's interval over the cell means (n: the fewest seeds of a cell)."""
+    """One effect of a two-level factorial: its estimate and 95% interval, paired over the seeds
+    every cell has (n of them) or Welch's over the cell means (n: a cell's fewest seeds)."""
 
     mean: float
     low: Optional[float]
@@ -124,13 +118,8 @@ class Effect:
 def factorial_effects(cells: Mapping[tuple[int, ...], Mapping[int, float]],
                       factors: Sequence[str], level: float = 0.95) -> dict[str, Effect]:
     """Main effects and interactions of a 2^k factorial: `cells` maps levels (0 or 1 per factor)
-    to {seed: value}; every one of the 2^k cells must have a value.
-
-    The effect of a set S of factors is sum over cells of prod_{f in S} (+1 at level 1, -1 at
-    level 0) * value / 2^(k - |S|): for one factor, mean(level 1) - mean(level 0) over the other
-    factors; for two, how much the first's effect changes from the second's level 0 to its
-    level 1 (a difference of differences), averaged over the rest; for three, how much that
-    changes across the third. Keys: "a", "a x b", "a x b x c" in the order of `factors`."""
+    to {seed: value}, every cell filled. The effect of a set S of factors is the sum over cells
+    of prod_{f in S} (+1 at level 1, -1 at level 0) * value / 2^(k - |S|). Keys: "a", "a x b"."""
     k = len(factors)
     grid = list(itertools.product((0, 1), repeat=k))
     absent = [c for c in grid if not cells.get(c)]
@@ -153,8 +142,7 @@ def factorial_effects(cells: Mapping[tuple[int, ...], Mapping[int, float]],
 
 def _welch_effect(coef: Mapping[tuple[int, ...], float],
                   cells: Mapping[tuple[int, ...], Mapping[int, float]], level: float) -> Effect:
-    """sum c_i * mean_i with Welch-Satterthwaite's t interval (no interval if a cell has one
-    seed)."""
+    """sum c_i * mean_i with Welch-Satterthwaite's t interval (none if a cell has one seed)."""
     stats = {c: t_interval(list(cells[c].values())) for c in coef}
     mean = sum(coef[c] * iv.mean for c, iv in stats.items())
     n = min(iv.n for iv in stats.values())

@@ -8,9 +8,8 @@ from scse_dist.launch.backends.base import Backend, BackendError, Job, Resources
 from scse_dist.launch.backends.local import LocalBackend
 from scse_dist.launch.backends.slurm import SlurmBackend
 
-# The registry, in the order current_backend() asks each backend for its job: this machine's
-# first, since its job variable is set for its own children only, so a local job inside a Slurm
-# allocation is the local backend's.
+# in the order current_backend() asks: the local job variable is set for its own children only,
+# so a local job inside a Slurm allocation is the local backend's
 BACKENDS: dict[str, type[Backend]] = {"local": LocalBackend, "slurm": SlurmBackend}
 
 __all__ = ["BACKENDS", "Backend", "BackendError", "Job", "LocalBackend", "Resources",
@@ -22,8 +21,7 @@ def get_backend(name: str) -> Backend:
 
 
 def current_backend() -> Optional[tuple[Backend, str]]:
-    """The backend whose job this process runs in, and the job's id; None outside any job. Every
-    registered backend is asked, in BACKENDS' order, so a new one needs no edit here."""
+    """The backend whose job this process runs in (asked in BACKENDS' order) and the job's id."""
     for name in BACKENDS:
         backend = get_backend(name)
         job_id = backend.current_job()

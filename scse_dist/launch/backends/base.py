@@ -1,12 +1,7 @@
-"""What a batch system must do for `scse-launch` and `scse-study`: the whole protocol.
-
-A backend submits a job (a command line, with a name, resources, log folder, environment and
-dependencies), submits an array of such jobs (one command per task) with a cap on how many run at
-once, checks a resource request before anything is submitted, and cancels a job. The launcher and
-the study build `Job`s and call these methods only; what a job id looks like, how a dependency is
-written and how a command reaches the nodes are the backend's business. Every command a job runs
-is an installed entry point (`python -m scse_dist...`), so a job needs no checkout and no script
-of its own. A new cluster type is one `Backend` subclass (docs/architecture.md, "A batch system").
+"""What a batch system must do for `scse-launch` and `scse-study`: submit a job, an array with a
+cap, check a request, cancel. Callers build `Job`s and call these methods only; every command a
+job runs is an installed entry point. A new cluster type is one `Backend` subclass
+(docs/architecture.md, "A batch system").
 """
 
 from __future__ import annotations
@@ -18,14 +13,8 @@ from typing import Literal, Optional, Sequence
 
 from scse_dist.launch.config import Resources
 
-# afterok: start only if every dependency succeeded (a failed one means never);
-# afterany: start once every dependency ended, however it ended.
+# afterok: only if every dependency succeeded (else never); afterany: once every one ended
 Dependency = Literal["afterok", "afterany"]
-
-# A job's command that exits with this status was preempted and saved a checkpoint: a backend
-# that can requeue a job does, and the next start resumes (scse_dist.train.faults).
-REQUEUE_EXIT_CODE = 75
-
 
 class BackendError(Exception):
     """A submission, check or cancel the batch system refused; the message is one line."""
@@ -42,14 +31,12 @@ class Job:
     after: list[str] = field(default_factory=list)  # job ids this one waits for
     dependency: Dependency = "afterok"
     env: dict[str, str] = field(default_factory=dict)  # set in the job, on top of the caller's
-    # the backend's own flags (--backend-args)
     backend_args: list[str] = field(default_factory=list)
 
 
 @dataclass
 class Task:
-    """One task of an array: its command, and the name it shows once it runs (where the batch
-    system can rename a running task; else the array's name stays)."""
+    """One task of an array: its command, and the name it shows once it runs (where it can)."""
 
     command: list[str]
     name: Optional[str] = None
@@ -59,11 +46,8 @@ class Backend(abc.ABC):
     """A batch system. Job ids are strings; ids from `submit_array` can be waited on as a whole."""
 
     name: str
-    # True: each job runs to its end inside submit() (this machine), so a run is best evaluated
-    # inside its training job; False: jobs queue (a cluster), evaluations are jobs of their own.
-    runs_in_place: bool = False
-    # True: requeue() works (a crashed training job is retried: scse_dist.launch.retries)
-    requeues: bool = False
+    runs_in_place: bool = False  # a job runs to its end in submit(): evaluate inside the job
+    requeues: bool = False  # requeue() works: a crashed training job is retried (retries.py)
 
     @abc.abstractmethod
     def submit(self, job: Job) -> str:
@@ -71,8 +55,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def submit_array(self, job: Job, tasks: Sequence[Task], max_parallel: int) -> str:
-        """One array of len(tasks) jobs like `job` (whose command is unused), task i running
-        tasks[i].command, at most `max_parallel` at once; the array's id."""
+        """An array like `job`, task i running tasks[i].command, `max_parallel` at once; its id."""
 
     @abc.abstractmethod
     def check(self, job: Job) -> None:
@@ -91,16 +74,13 @@ class Backend(abc.ABC):
         """The job's resource request as the user would write it (error messages name these)."""
 
     def current_start(self) -> int:
-        """How many times the job this process runs in was requeued before this start (0: its
-        first start); a job that cannot be requeued always starts once."""
+        """How many times the job this process runs in was requeued before this start."""
         return 0
 
     def requeue(self, job_id: str) -> None:
-        """Put job `job_id` (running: the job this process runs in) back in the queue, to start
-        again under the same id. BackendError where the batch system cannot."""
+        """Put job `job_id` back in the queue, to start again under the same id."""
         raise BackendError(f"the {self.name} backend cannot requeue a job")
 
     def ended_with(self, job_id: str) -> Optional[int]:
-        """The job's exit status if it already ended by the time `submit` returned (a backend
-        that runs jobs in place); None for a job that is queued or running, as on a cluster."""
+        """The job's exit status if it ended within `submit`; None if queued or running."""
         return None

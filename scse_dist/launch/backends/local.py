@@ -1,9 +1,8 @@
-"""This machine as a batch system: each job runs to its end when it is submitted, as a child
-process (scse_dist.launch.children: signals forwarded, nothing left behind), with its output in
-LOG_DIR/NAME-ID.out and .err. So dependencies are met by order: an afterok job whose dependency
-failed never runs (as Slurm's kill_invalid_depend cancels it), and an array runs its tasks one
-after another (within any cap). A job that a signal stopped stops the submitting command too
-(StoppedBySignal): nothing after it is run, and a rerun resumes."""
+"""This machine as a batch system: each job runs to its end when submitted, as a child process
+(scse_dist.launch.children), output in LOG_DIR/NAME-ID.out and .err. Dependencies are met by
+order (an afterok job whose dependency failed never runs); an array's tasks run one by one. A
+job a signal stopped stops the submitting command too (StoppedBySignal); a rerun resumes.
+"""
 
 from __future__ import annotations
 
@@ -36,22 +35,16 @@ class LocalBackend(Backend):
     def __init__(self) -> None:
         self.exit_status: dict[str, Optional[int]] = {}  # job id -> status; None: never ran
 
-    def _new_id(self) -> str:
-        # unique across the processes of one study (a stage job submits the next stage's jobs)
-        return f"{os.getpid()}.{next(_ids)}"
-
     def _may_run(self, job: Job) -> bool:
-        """afterok: every dependency this backend ran succeeded. Ids it does not know (the job
-        that submitted this one, still running) are met by order."""
+        """afterok: every dependency this backend ran succeeded (others are met by order)."""
         if job.dependency == "afterany":
             return True
         return all(self.exit_status.get(dep, 0) == 0 for dep in job.after)
 
-    def _run(self, job: Job, command: list[str], job_id: str, name: Optional[str]) -> int:
-        log_dir = Path(job.log_dir)
-        log_dir.mkdir(parents=True, exist_ok=True)
-        name = name or job.name or "job"
-        stem = log_dir / f"{name}-{job_id}"
+    def _run(self, job: Job, command: list[str], job_id: str) -> int:
+        Path(job.log_dir).mkdir(parents=True, exist_ok=True)
+        name = job.name or "job"
+        stem = Path(job.log_dir) / f"{name}-{job_id}"
         env = {**os.environ, **job.env, JOB_ID_VAR: job_id}
         with open(f"{stem}.out", "w") as out, open(f"{stem}.err", "w") as err:
             ended = run_child(command, env=env, stdout=out, stderr=err)
@@ -63,22 +56,21 @@ class LocalBackend(Backend):
         return ended.status
 
     def submit(self, job: Job) -> str:
-        self._refuse_backend_args(job)
-        job_id = self._new_id()
-        self.exit_status[job_id] = None
-        if self._may_run(job):
-            self.exit_status[job_id] = self._run(job, job.command, job_id, job.name)
-        return job_id
+        return self._submit(job, {"": job.command})
 
     def submit_array(self, job: Job, tasks: Sequence[Task], max_parallel: int) -> str:
+        return self._submit(job, {f"_{i}": task.command for i, task in enumerate(tasks)})
+
+    def _submit(self, job: Job, commands: dict[str, list[str]]) -> str:
+        """Run each command (keyed by its id's suffix) in turn; the job fails as its first does."""
         self._refuse_backend_args(job)
-        job_id = self._new_id()
+        # unique across the processes of one study (a stage job submits the next stage's jobs)
+        job_id = f"{os.getpid()}.{next(_ids)}"
         self.exit_status[job_id] = None
-        if not self._may_run(job):
-            return job_id
-        statuses = [self._run(job, task.command, f"{job_id}_{i}", job.name)
-                    for i, task in enumerate(tasks)]
-        self.exit_status[job_id] = next((s for s in statuses if s != 0), 0)
+        if self._may_run(job):
+            statuses = [self._run(job, command, job_id + suffix)
+                        for suffix, command in commands.items()]
+            self.exit_status[job_id] = next((s for s in statuses if s != 0), 0)
         return job_id
 
     def check(self, job: Job) -> None:

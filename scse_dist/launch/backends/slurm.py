@@ -1,15 +1,10 @@
-"""Slurm through submitit: each job is a `submitit.SlurmExecutor` submission of a `SlurmTask`
-(a pickled callable that runs the job's command in every task, under srun), arrays are submitit's
-batch submissions with `array_parallelism` as the cap, dependencies and the backend's own flags
-are sbatch parameters submitit writes, cancelling is submitit's `Job.cancel`, and a requeue goes
-through submitit's job environment. Logs and submitit's pickles are in the job's log_dir
-(`<id>_<task>_log.out/.err`); it must be on a filesystem the nodes share, as the run dirs are.
+"""Slurm through submitit: each job a `SlurmTask` run in every task under srun, arrays a batch
+submission capped by `array_parallelism`; logs and pickles go to the job's log_dir, which the
+nodes must share.
 
-Preemption: the sbatch script asks for SIGUSR1 120 s before the time limit and allows a requeue.
-The signal reaches every process of the job; the trainer saves and exits 75, and the SlurmTask of
-task 0, seeing 75, requeues the job with submitit (`scontrol requeue`), so the next start resumes
-from the checkpoint. submitit's own checkpoint handler (SIGUSR2, pickling the callable's state) is
-not used: the state to save is the trainer's, and it saves it itself.
+Preemption: SIGUSR1 120 s before the time limit; the trainer saves and exits 75, and task 0's
+SlurmTask requeues the job, whose next start resumes from the checkpoint (submitit's own
+checkpointing is not used: the state to save is the trainer's).
 """
 
 from __future__ import annotations
@@ -22,22 +17,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from scse_dist.launch.backends.base import (
-    REQUEUE_EXIT_CODE,
-    Backend,
-    BackendError,
-    Job,
-    Resources,
-    Task,
-)
-from scse_dist.launch.children import run_child
+from scse_dist.launch.backends.base import Backend, BackendError, Job, Resources, Task
+from scse_dist.launch.children import REQUEUE_EXIT_CODE, run_child
 
 PREEMPT_SIGNAL = "USR1@120"  # what scse_dist.train.faults saves on, and how early
 
 
 def resource_parameters(res: Resources) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters for a resource request (time, partition, mem and GPUs
-    only when asked for: else the cluster's defaults)."""
+    """submitit SlurmExecutor parameters for a request (the cluster's defaults where unasked)."""
     params: dict[str, Any] = {"nodes": res.nodes, "ntasks_per_node": res.tasks_per_node,
                               "cpus_per_task": res.cpus_per_task, "time": res.time_min or None}
     optional = {"gpus_per_node": res.gpus_per_node or None, "partition": res.partition,
@@ -69,9 +56,8 @@ def _submission_env() -> Iterator[None]:
 
 
 class SlurmTask:
-    """What each task of a Slurm job runs (pickled by submitit): the job's command, with the
-    job's environment, signals forwarded; status 75 requeues the job (task 0 does). `name`: the
-    name an array task takes once it starts."""
+    """What each task of a Slurm job runs (pickled by submitit): the job's command, signals
+    forwarded; status 75 requeues the job (task 0 does). `name`: an array task's, once started."""
 
     def __init__(self, command: list[str], env: dict[str, str], name: Optional[str]) -> None:
         self.command, self.env, self.name = command, env, name
@@ -81,8 +67,7 @@ class SlurmTask:
 
         job_env = submitit.JobEnvironment()
         if job_env.global_rank == 0 and self.name:
-            # an array's tasks share one name until they start; then squeue shows what each runs
-            # (submitit submits an array of one task as a plain job: renamed the same way)
+            # an array's tasks share one name until they start (an array of one is a plain job)
             subprocess.run(["scontrol", "update", f"JobId={job_env.job_id}",
                             f"JobName={self.name}"], check=False)
         ended = run_child(self.command, env={**os.environ, **self.env})
@@ -115,8 +100,7 @@ class SlurmBackend(Backend):
         self._submitted: dict[str, Path] = {}  # job id -> its submitit folder, for cancel
 
     def parameters(self, job: Job, array_parallelism: Optional[int] = None) -> dict[str, Any]:
-        """The SlurmExecutor parameters of `job`: its resources, name, dependency, the preemption
-        signal and requeue, then --backend-args (which win)."""
+        """`job`'s SlurmExecutor parameters, --backend-args last (they win)."""
         extra: dict[str, Any] = {"signal": PREEMPT_SIGNAL, "requeue": True}
         if job.after:
             extra["dependency"] = f"{job.dependency}:{':'.join(job.after)}"
@@ -166,8 +150,7 @@ class SlurmBackend(Backend):
             raise BackendError(f"sbatch failed: {_last_line(str(exc))}") from None
 
     def check(self, job: Job) -> None:
-        # --test-only on the sbatch script submitit would submit: whether and when Slurm could
-        # start it; nothing is submitted
+        # sbatch --test-only on the script submitit would submit: nothing is submitted
         from submitit.slurm.slurm import _make_sbatch_string
 
         executor = self._executor(job)
