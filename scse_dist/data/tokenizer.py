@@ -56,13 +56,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_
     `sample_fraction` samples documents first (see training_lines). `special_tokens` become
     single pieces that are never split (e.g. `<|endoftext|>`, `<pad>`), right after unk/bos/eos.
     """
-    if not 0.0 < sample_fraction <= 1.0:
-        raise ConfigError(f"sample_fraction: must lie in (0, 1], got {sample_fraction}")
+    sentences = Sentences(texts, max_sentences, sample_fraction)
     if vocab_size < 260 and byte_fallback:
         raise ConfigError(f"vocab_size: {vocab_size} is too small; byte_fallback needs 256 byte "
                          "pieces plus unk/bos/eos, so use at least 260")
     model = io.BytesIO()
-    sentences = Sentences(training_lines(texts, max_sentences, sample_fraction))
     spm.set_random_generator_seed(0)
     try:
         spm.SentencePieceTrainer.train(
@@ -85,12 +83,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_
             num_threads=num_threads,
             minloglevel=2,
         )
-    except RuntimeError:
-        if sentences.error is not None:
-            raise sentences.error from None
-        if sentences.count == 0:
-            raise InputError("no text to train a tokenizer on (the documents hold no non-blank "
-                             "line)") from None
+    except RuntimeError:  # sentencepiece's wrapping of whatever went wrong
+        sentences.check()
         raise
     write_file(out_path, model.getvalue())  # whole or not at all (scse_dist.atomic)
     return out_path
@@ -113,25 +107,12 @@ class SentencePieceTokenizer(Tokenizer):
         if self.sp.eos_id() < 0:
             raise InputError(f"tokenizer {path}: has no eos id; train it with `scse-data "
                              "tokenizer`")
+        sp = self.sp
+        self.vocab_size, self.eos_id, self.bos_id = sp.get_piece_size(), sp.eos_id(), sp.bos_id()
+        self.eos_token = sp.id_to_piece(self.eos_id)
 
     def __reduce__(self):  # tokenizer worker processes get the bytes, not the processor
         return type(self), (self.model_bytes, self.path)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
-
-    @property
-    def eos_id(self) -> int:
-        return self.sp.eos_id()
-
-    @property
-    def bos_id(self) -> int:
-        return self.sp.bos_id()
-
-    @property
-    def eos_token(self) -> str:
-        return self.sp.id_to_piece(self.eos_id)
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)

@@ -118,7 +118,9 @@ class TiktokenTokenizer(Tokenizer):
         except ValueError as exc:  # a pattern that does not compile
             raise InputError(f"tokenizer {path}: tiktoken refuses it: {exc}") from None
         self.sha256 = hashlib.sha256(ranks_data + b"\n" + self.settings_bytes()).hexdigest()
-        self._vocab_size = max([*ranks.values(), *special.values()]) + 1
+        self.vocab_size = max([*ranks.values(), *special.values()]) + 1
+        self.eos_token = self.settings["eos_token"]
+        self.eos_id, self.bos_id = special[self.eos_token], special[self.settings["bos_token"]]
         self._special = set(special.values())
 
     @classmethod
@@ -149,22 +151,6 @@ class TiktokenTokenizer(Tokenizer):
 
     def settings_bytes(self) -> bytes:
         return (json.dumps(self.settings, indent=2, sort_keys=True) + "\n").encode("utf-8")
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eos_id(self) -> int:
-        return self.settings["special_tokens"][self.settings["eos_token"]]
-
-    @property
-    def bos_id(self) -> int:
-        return self.settings["special_tokens"][self.settings["bos_token"]]
-
-    @property
-    def eos_token(self) -> str:
-        return self.settings["eos_token"]
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)  # special tokens' strings are text
