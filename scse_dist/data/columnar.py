@@ -33,10 +33,6 @@ ROWS_PER_UNIT = 8192  # a saved dataset's rows per unit: parts balance to within
 SAVED_DATASET_FILES = ("state.json", "dataset_info.json")
 
 
-def _require(module: str, extra: str) -> Any:
-    return require_extra(module, extra, "reading this input")
-
-
 def is_parquet(url: str) -> bool:
     return url.lower().endswith(PARQUET_SUFFIX)
 
@@ -73,7 +69,7 @@ def directory_files(fs: Any, path: str, url: str) -> list[str] | None:
 def _open_parquet(url: str) -> Any:
     import fsspec
 
-    pq = _require("pyarrow.parquet", "parquet")
+    pq = require_extra("pyarrow.parquet", "parquet", "reading this input")
     try:
         return pq.ParquetFile(fsspec.open(url, "rb").open())
     except FileNotFoundError:
@@ -122,7 +118,7 @@ def iter_parquet(url: str, groups: range | None, text_field: str, stats: RowStat
 
 @functools.lru_cache(maxsize=8)
 def _load_saved(path: str) -> Any:
-    datasets = _require("datasets", "hf-datasets")
+    datasets = require_extra("datasets", "hf-datasets", "reading this input")
     return datasets.load_from_disk(path)
 
 
@@ -152,7 +148,7 @@ def iter_saved(path: str, rows: range | None, text_field: str, stats: RowStats) 
 def iter_hub(spec: str, text_field: str, stats: RowStats) -> Iterator[str]:
     """Documents of a Hub dataset, streamed in the dataset's order."""
     name, config, split = parse_hf(spec)
-    datasets = _require("datasets", "hf-datasets")
+    datasets = require_extra("datasets", "hf-datasets", "reading this input")
     try:
         ds = datasets.load_dataset(name, config, split=split, streaming=True)
         rows = iter(ds)

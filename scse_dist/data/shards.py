@@ -44,7 +44,7 @@ import io
 import itertools
 import json
 import tarfile
-from typing import Any, ContextManager, Iterable, Iterator
+from typing import Any, ContextManager, Iterable
 
 import fsspec
 import numpy as np
@@ -156,17 +156,6 @@ class _SplitWriter:
         return self.shards
 
 
-def _batches(documents: Iterable[str], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for text in documents:
-        batch.append(text)
-        if len(batch) >= size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 _worker_tokenizer: Any = None
 
 
@@ -195,17 +184,17 @@ def tokenize_into(documents: Iterable[str], tokenizer: Tokenizer, writers: dict[
     n_docs = n_tokens = 0
     progress = Progress(None, what, unit="doc", enabled=progress_every > 0,
                         every_s=progress_every)
-
+    docs = iter(documents)
+    batches = iter(lambda: list(itertools.islice(docs, encode_batch)), [])
     if workers > 1:
         import multiprocessing
 
         pool = multiprocessing.get_context("spawn").Pool(
             workers, initializer=_init_worker, initargs=(tokenizer,))
-        encoded: Iterable = pool.imap(_encode_in_worker, _batches(documents, encode_batch),
-                                      chunksize=1)
+        encoded: Iterable = pool.imap(_encode_in_worker, batches, chunksize=1)
     else:
         pool = None
-        encoded = ((b, tokenizer.encode_batch(b)) for b in _batches(documents, encode_batch))
+        encoded = ((b, tokenizer.encode_batch(b)) for b in batches)
     try:
         for batch, batch_ids in encoded:
             kept = 0

@@ -207,14 +207,10 @@ def _kind(url: str) -> str:
         return "parquet"
     if is_jsonl(url):
         return "jsonl"
-    return "saved" if _isdir(url) else "text"
-
-
-def _isdir(url: str) -> bool:
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(url)
-    return fs.isdir(path)
+    return "saved" if fs.isdir(path) else "text"
 
 
 def list_units(files: list[str]) -> list[Unit]:

@@ -300,12 +300,7 @@ class TokenStream:
                                      f"data.max_failures={self.max_failures}; see the lines "
                                      "above, then repair or rebuild the shards (or raise "
                                      "data.max_failures)")
-            if batches.dim() == 2:
-                self.consumed += 1
-                self._log_starts(progress, 0)
-                yield batches
-                continue
-            for i, batch in enumerate(batches):
+            for i, batch in enumerate([batches] if batches.dim() == 2 else batches):
                 self.consumed += 1
                 self._log_starts(progress, i)
                 yield batch
