@@ -1,20 +1,11 @@
-"""Columnar inputs of `scse-data`: parquet files, `datasets.save_to_disk` directories, Hub datasets.
-
-- `*.parquet` (any fsspec URL; a directory of them is its `*.parquet` files, sorted by path): the
-  document is each row's `text_field` column, rows in file order, row group by row group. Needs
-  pyarrow (`pip install 'scse-dist[parquet]'`).
-- a directory written by `Dataset.save_to_disk` (it holds state.json and dataset_info.json): its
-  rows in order, through `datasets.load_from_disk`. A `DatasetDict`'s directory is refused with its
-  splits named: give one split's subdirectory.
-- `hf:NAME:SPLIT` or `hf:NAME:CONFIG:SPLIT`: `datasets.load_dataset(NAME, CONFIG, split=SPLIT,
-  streaming=True)`, where the Hub (or its cache) is reachable; rows in the order the dataset
-  streams them. Both need `pip install 'scse-dist[hf-datasets]'`.
-
-Rows go through RowStats (scse_dist.data.rows): empty ones and, within its limit, bad ones
-(missing column, not a string, null) are skipped and counted. Rows are named `URL: row N`,
-counted from 0 within the file or dataset. A unit is a parquet row group, a range of
-ROWS_PER_UNIT rows of a saved dataset, or a whole Hub stream (it cannot be split without
-reading it): `--part` hands out contiguous runs of units.
+"""Columnar inputs of `scse-data` (docs/data.md, "Inputs"): the document is each row's
+`text_field` column of
+- `*.parquet` files (a directory: its parquet files, sorted), row group by row group (pyarrow);
+- a `datasets.save_to_disk` directory (state.json, dataset_info.json), rows in order; a
+  DatasetDict's is refused with its splits named;
+- `hf:NAME[:CONFIG]:SPLIT`, a Hub dataset streamed by `datasets.load_dataset`.
+Rows go through RowStats, named `URL: row N` (from 0). A unit for `--part` is a parquet row
+group, ROWS_PER_UNIT rows of a saved dataset, or a whole Hub stream (unsplittable unread).
 """
 
 from __future__ import annotations

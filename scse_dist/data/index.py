@@ -106,14 +106,10 @@ def index_root(path: str) -> str:
 
 
 def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[str]]:
-    """(root, index, entries, urls) of the non-empty shards of `split` under `path`.
-
-    `path` is a shard directory or URL prefix holding index.json, the index file itself, or a
-    brace pattern of shard URLs (`s3://b/web/train-{000000..000127}.tar`) whose directory holds
-    index.json: the pattern then selects a subset of the shards of each split it names shards of
-    (a split it names none of is read whole: the held-out split beside a training pattern), and
-    every shard it names must be listed there (the index carries the counts resume relies on).
-    """
+    """(root, index, entries, urls) of the non-empty shards of `split` under `path`: a shard
+    directory or URL prefix, its index file, or a brace pattern of shard URLs
+    (`s3://b/web/train-{000000..000127}.tar`), each of which its directory's index must list (it
+    carries the counts resume relies on)."""
     import braceexpand  # webdataset's own dependency
 
     pattern = path if "{" in path.rsplit("/", 1)[-1] else None
@@ -130,8 +126,7 @@ def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[st
             raise FileNotFoundError(f"{pattern}: {len(unknown)} shard(s) not listed in "
                                     f"{join(root, INDEX_NAME)}, e.g. {unknown[0]}")
         by_url = {shard_url(root, e): e for e in index["splits"][split]}
-        # The pattern narrows the split whose shards it names (training's, usually); a split it
-        # names none of (the held-out one beside a training pattern) is read whole.
+        # a split the pattern names no shard of (the held-out one beside training's) is read whole
         if any(u in by_url for u in wanted):
             entries = [by_url[u] for u in wanted if u in by_url and by_url[u]["tokens"] > 0]
     urls = [shard_url(root, e) for e in entries]
@@ -141,10 +136,7 @@ def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[st
 
 def check_shards_exist(urls: list[str]) -> None:
     """Fail at start-up, naming the files, when shards (or tables) are missing or storage is
-    unreachable.
-
-    One listing per directory (not one request per shard), so it stays cheap on object storage.
-    """
+    unreachable: one listing per directory, cheap on object storage."""
     listed: dict[str, set[str]] = {}
     missing = []
     for url in urls:

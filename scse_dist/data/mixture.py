@@ -1,9 +1,8 @@
 """MixedStream: batches drawn from several corpora (TokenStreams) with fixed weights.
 
 Batch i of every rank comes from corpus `choice(i)`, drawn from rng(seed, block) in blocks of
-BLOCK batches, so the sequence of corpora is a pure function of the seed: identical on every
-rank, on every run and after a resume. Each corpus keeps its own TokenStream (readers, shuffle,
-exact resume); a whole batch comes from one corpus, so packing never mixes corpora in a window.
+BLOCK batches: a pure function of the seed, the same on every rank, run and resume. A whole batch
+comes from one corpus, each keeping its own TokenStream (readers, shuffle, exact resume).
 """
 
 from __future__ import annotations

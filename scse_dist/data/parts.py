@@ -1,21 +1,17 @@
 """`scse-data shards` over many processes or jobs: tokenize in parts, then merge into one index.
 
-Part K of N (`--part K/N`) reads a contiguous run of the input's units (files, parquet row
-groups, rows of a saved dataset; scse_dist.data.sources.partition) and writes its documents'
-token ids, per split, as raw arrays under `out/parts/part-K-of-N/`:
+Part K of N (`--part K/N`) reads a contiguous run of the input's units
+(scse_dist.data.sources.partition) and writes its token ids, per split, under
+`out/parts/part-K-of-N/`:
 
     {split}.tokens   the documents' ids end to end (the shards' dtype, no eos)
     {split}.lens     uint32, each document's length
     part.json        the counts and everything the shards depend on
 
-`scse-data merge out` then packs the parts, in part order, into samples and shards with the same
-writer a single process uses, writes index.json and removes `out/parts`. Shard and sample
-boundaries fall by token and byte counts from the start of each split, so they can only be
-placed once the whole stream before them is known: tokenizing (the costly step) runs in parallel,
-packing (array slicing and tar writing) once, and the result is byte for byte what one process
-writes. The parts take about the space of the shards until the merge removes them. A part's
-folder and the merge's shards are written beside their place and moved in when complete
-(scse_dist.atomic.output_dir), so a part or a merge that fails changes nothing.
+`scse-data merge out` packs the parts in order with the single-process writer, writes index.json
+and removes `out/parts`. Sample and shard boundaries depend on everything before them, so only
+packing (cheap) runs once: the result is byte for byte what one process writes. Parts and merge
+follow the write rule (scse_dist.atomic.output_dir).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""A training run's data, checked before torch or DeepSpeed is imported: what `train()` would
-find wrong in its first seconds is reported in a fraction of one (one line, exit 65 or 66).
-
-    check_run_data(cfg, config_path, overrides)   # scse-train and scse-launch --local call it
-
-train() reads the same things again (cheap) when it starts, so library callers are checked too.
+"""A training run's data, checked before torch or DeepSpeed is imported (one line, exit 65 or 66):
+check_run_data, which scse-train and scse-launch --local call. train() reads the same again.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """ShardReader: one loader reader's access to tar samples, tolerant of corrupt input.
 
-Local shards are memory-mapped and every sample is read in place from the page cache, at the
-byte offsets of the shard's sample table (scse-tokens-v2). A remote shard read in file order
-(an unshuffled split) is one sequential stream (webdataset's tar iterator over an fsspec file:
-one request per shard). In a shuffled order each remote sample is one ranged read spanning its
-two members, the next few fetched together (`prefetch`, concurrent GETs on object storage):
-one GET of exactly the sample, where a buffered file would read ahead megabytes per seek.
+A local shard is memory-mapped and each sample read in place at its sample table's offsets. A
+remote one is one sequential stream when read in file order, else one ranged read per sample
+(both members), the next few fetched concurrently (`prefetch`): a buffered file would read ahead
+megabytes per seek.
 
-Bad input: a truncated or unreadable tar, a missing member, an array that does not decode,
-doc_lens that disagree with the tokens, or a token id past the vocabulary make the affected
-samples *bad*. Each event is one line on stderr, counted in `failures`, and its samples are
-added to `bad` so the resume arithmetic of the stream can treat them as empty (the data are
-corrupt on disk, so an uninterrupted run skips them too). The event past `max_failures` raises
-InputError (exit 65) naming the shard and sample instead.
+A truncated or unreadable tar, a missing member, an undecodable array, doc_lens that disagree
+with the tokens or an id past the vocabulary make the samples concerned *bad*: one line on
+stderr, counted in `failures`, and added to `bad` (the stream's resume arithmetic counts them
+empty). The event past `max_failures` is an InputError (exit 65) naming the shard and sample.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """The carry of a layout change: what the old readers left unread of the epochs they were in.
 
-A TokenStream's layout is its world size x data.num_workers, R readers in all. Reader r's stream
-is a sequence of items (a sample, or a document of one, from its first token on) epoch after
-epoch, each epoch's order a pure function of (seed, epoch, R). Its position is a token count
-from the start of its layout, so what it consumed is a prefix of that sequence.
+A reader's stream is its items (a sample, or a document of one, from a first token on), epoch
+after epoch, each epoch's order a pure function of (seed, epoch, readers R). Its position is a
+token count, so what it consumed is a prefix of that stream. At a resume under another layout,
+the walk below finds for every old reader where that prefix ends; the rest of that epoch and every
+later epoch it had not reached are unread. Per epoch, the carry is the unread items of all old
+readers in reader order, permuted with rng(seed, epoch, R_old, R_new); the new readers deal it
+round robin (epoch_items), then read regular epochs: every token of an interrupted epoch is read
+once across the change.
 
-When a run resumes at another layout, for every old reader the walk below finds where that
-prefix ends: the item it stopped in (its unread tail, from the next token on) and the rest of
-that epoch are unread, and so is every later epoch it had not reached. Per epoch from the
-oldest cut to the newest, the carry is that epoch's unread items of all old readers in reader
-order, permuted with rng(seed, epoch, R_old, R_new). The new readers deal it round robin
-(epoch_items), then read regular epochs at the new layout. So every token of an interrupted
-epoch is read exactly once across the change; batch composition after it cannot match a run
-that did not change, as other readers pack other items together.
-
-The carry is never stored: a checkpoint keeps the layout change as `origin` (the old layout,
-its readers' token positions, the bad samples known then, and the old layout's own origin),
-and the carry is recomputed from it, so a later resume at the same layout is bit-exact and a
-second change walks the old streams carry included.
+The carry is never stored: a checkpoint keeps the change as `origin` (the old layout, its readers'
+token positions, the bad samples known then, its own origin) and the carry is recomputed from it,
+so a later resume at the same layout is bit-exact and a second change walks the first's carry.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Bad-row accounting shared by the row readers (JSONL lines, parquet and `datasets` rows).
 
-A row whose text is empty or blank is skipped and counted (corpora such as WikiText hold many,
-and JSONL skipped them before there was a count). A *bad* row, one without the text field or
-whose value is not a string (a JSON number, a parquet null), is skipped and counted too, up to
-`max_bad_rows`; the next one stops the read with one InputError naming its file and row. The
-default, 0, stops at the first bad row, as JSONL always did.
+An empty or blank row is skipped and counted. A *bad* row (no text field, or a value that is not
+a string) is skipped and counted up to `max_bad_rows` (default 0); the next one stops the read with
+an InputError naming its file and row.
 """
 
 from __future__ import annotations

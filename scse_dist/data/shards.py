@@ -1,40 +1,20 @@
-"""Token shards: WebDataset tar files of packed token arrays, plus an index.json.
+"""Token shards: WebDataset tars of packed token arrays, a sample table beside each, index.json.
 
-On-disk format "scse-tokens-v2" under a directory or URL prefix `out`:
-
-    out/train-000000.tar, train-000001.tar, ...   out/heldout-000000.tar, ...   out/index.json
-
-Each tar member pair is one *sample* holding a run of whole documents (about `sample_tokens`,
-default 64K tokens; a longer document makes one bigger sample on its own):
-
-    {key}.tokens.npy    1-D uint16 (uint32 when the vocabulary exceeds 65536): the documents'
-                        token ids, each document followed by eos (the index's eos_id)
-    {key}.doc_lens.npy  1-D uint32: the length of each document without its eos, in order
-                        (sum + number of documents == len(tokens))
-
-`key` is `{split}-{shard:06d}-{sample:06d}`. A sample's tokens are already the packed training
-stream, so reading costs one ranged read and one widening copy per 64K tokens. (v1 stored no
-eos and left it to the loader; inserting it cost more than reading the sample.)
-
-Beside each tar, `{split}-{shard:06d}.samples.npy` is the shard's sample table: int64, one row
-per sample, TABLE_COLUMNS = (tokens, documents, tokens.npy data offset, its bytes, doc_lens.npy
-data offset, its bytes). The sizes let a resuming loader skip samples without reading them; the
-offsets let it read a sample in a shuffled order without scanning the tar headers first. A
-reader loads the tables of the shards it reads, when it first needs them, so index.json stays
-small at any corpus size (per-sample lists in it would be ~70 MB per 100B tokens, parsed by
-every loader process).
-
-index.json = {"format", "tokenizer_sha256", "vocab_size", "eos_id", "dtype", "sample_tokens",
-"splits": {"train": [{"url": "train-000000.tar", "table": "train-000000.samples.npy",
-"tokens": n, "documents": n, "samples": n}, ...], "heldout": [...]}, "sources": [...]}; urls
-are relative to `out`; "tokens" count document tokens, eos excluded. A document goes to heldout
-when the first 8 bytes of sha1(text), read as a fraction of 2**64, fall below
-`heldout_fraction`: the split depends on the text alone, so it is stable across re-runs and
-a held-out text (or an exact duplicate of it) never lands in train.
-
-The write rule (scse_dist.atomic.output_dir): the shards are written into a temporary folder
-beside `out` and moved into place when every one is complete, index.json last, so a failed or
-killed run leaves `out` as it was and an index never names a shard that is missing or partial.
+Format "scse-tokens-v2" under a directory or URL prefix `out` (docs/data.md):
+- `{split}-{shard:06d}.tar` (train, heldout): samples keyed `{split}-{shard:06d}-{sample:06d}`,
+  each a run of whole documents (about `sample_tokens`; a longer document is a sample alone):
+  `{key}.tokens.npy`, uint16 (uint32 past 65536 ids), each document followed by eos, already
+  the packed training stream; `{key}.doc_lens.npy`, uint32, each document's length without eos.
+- `{split}-{shard:06d}.samples.npy`, the sample table: int64, a row of TABLE_COLUMNS per sample;
+  its sizes let a resume skip samples unread, its offsets read one in any order. Kept out of
+  index.json so that the index stays small at any corpus size.
+- index.json = {"format", "tokenizer_sha256", "vocab_size", "eos_id", "dtype", "sample_tokens",
+  "splits": {split: [{"url", "table", "tokens" (eos excluded), "documents", "samples"}]},
+  "sources"}, urls relative to `out`.
+A document is held out when the first 8 bytes of sha1(text), as a fraction of 2**64, fall below
+`heldout_fraction`: by its text alone, so stable across runs, and never in train as well.
+Written by the write rule (scse_dist.atomic.output_dir): in a folder beside `out`, moved into
+place when complete, index.json last.
 """
 
 from __future__ import annotations
@@ -260,12 +240,8 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
                  encode_batch: int = 256, progress_every: float = 0.0, workers: int = 0) -> dict:
     """Tokenize `documents` into train/heldout shards under `out`; write and return the index.
 
-    Documents that encode to nothing are skipped. `progress_every` > 0 shows progress (a bar on a
-    terminal; else a line of documents, docs/s and tokens/s at most that often, in seconds).
-    `workers` > 1 tokenizes in that many processes; batches come back in input order, so the
-    shards are byte-identical to workers=0. (scse_dist.data.parts splits the same work over
-    processes or jobs, with the same bytes at the end.)
-    """
+    `progress_every` > 0: progress at most that often, in seconds. `workers` > 1 tokenizes in that
+    many processes, batches back in input order, so the shards are the bytes of workers=0."""
     check_layout(heldout_fraction, sample_tokens, shard_bytes)
     meta = shard_meta(tokenizer, sample_tokens, sources)
     with shards_output(out) as tmp:

@@ -1,29 +1,14 @@
 """Read documents from text and JSONL files over fsspec (local paths, globs, s3://, ...).
 
-Formats, picked by file name (compression suffixes .gz/.bz2/.xz/.zst are stripped first and
-decompressed by fsspec's `compression="infer"`; .zst needs the `zstandard` package):
+Formats, by file name (after a .gz/.bz2/.xz/.zst suffix, which fsspec decompresses; docs/data.md):
 - `*.jsonl`, `*.json`: one JSON object per line; the document is `obj[text_field]`.
-- anything else: plain text. By default a document is a run of lines between blank lines
-  (`text_split="blank_lines"`), because plain-text corpora (book dumps) are usually one huge
-  file, and one document per file would make the held-out split all-or-nothing.
-  `text_split="file"` makes each file one document; `text_split="wikitext"` one WikiText article.
-- `*.parquet`, a directory (its parquet files, or a `datasets.save_to_disk` dataset) and
-  `hf:NAME[:CONFIG]:SPLIT` (a Hub dataset, streamed): scse_dist.data.columnar.
-Empty documents are skipped. Inputs are read in the order given, globs expanded sorted. Rows
-(JSONL lines, parquet and dataset rows) that are empty or bad are counted in a RowStats
-(scse_dist.data.rows), which stops the read past its limit of bad rows. `part=(k, n)` reads one
-of n contiguous runs of the input's units (files, row groups), for `scse-data shards --part`.
-
-A WikiText file (`wiki.{train,valid,test}.raw` or the tokenized `wiki.*.tokens`, -2 and -103
-alike) is read as articles: one starts at a top-level heading line ` = Title = ` (sub-headings are
-` = = X = = `), returned with its raw text, newlines included, so the word and byte counts of all
-articles add up to those of the file (the wikitext task's word perplexity and bits per byte use
-them). The other evaluation formats (LAMBADA passages, multiple-choice questions) have readers
-of their own, each in its task's module (scse_dist.eval.tasks), on top of the helpers here.
-Bad input stops with an InputError (a ValueError) naming the file and, where there is one, the
-line: malformed JSON, a missing field, bytes that are not UTF-8, corrupt compression, and no
-documents at all. A missing input raises FileNotFoundError, an unreadable one (an unreachable URL,
-an unknown protocol) OSError, both naming it.
+- anything else: plain text, a document per run of lines between blank lines (`text_split=
+  "blank_lines"`: one huge book dump as one document would make the held-out split all or
+  nothing), per file ("file") or per WikiText article ("wikitext": read_wikitext_articles).
+- `*.parquet`, a directory and `hf:NAME[:CONFIG]:SPLIT`: scse_dist.data.columnar.
+Inputs are read in the order given, globs sorted; empty and bad rows go through a RowStats
+(scse_dist.data.rows). Bad input is an InputError naming the file and line, a missing input
+FileNotFoundError, an unreadable one OSError.
 """
 
 from __future__ import annotations
@@ -263,13 +248,12 @@ def iter_documents(urls: list[str] | tuple[str, ...] | str, text_field: str = "t
                    text_split: Literal["blank_lines", "file", "wikitext"] = "blank_lines",
                    stats: RowStats | None = None, part: tuple[int, int] | None = None
                    ) -> Iterator[str]:
-    """Yield every document of every input (see the module docstring for the formats).
+    """Yield every document of every input (formats: the module docstring).
 
-    `stats` counts the rows skipped and holds the bad-row limit (scse_dist.data.rows; default:
-    stop at the first bad row). `part=(k, n)` yields only part k of n (from 0), a contiguous run
-    of the input's units (`partition`): parts 0..n-1 in turn yield what part=None does.
-    Inputs that hold no document between them are an InputError (a job would train on nothing);
-    a part may be empty."""
+    `stats`: the rows skipped and the bad-row limit (default: stop at the first bad row).
+    `part=(k, n)`: only part k of n (from 0), a contiguous run of units (`partition`), so parts
+    0..n-1 in turn yield what part=None does. No document at all is an InputError (a job would
+    train on nothing); a part may be empty."""
     if text_split not in TEXT_SPLITS:
         raise ConfigError(f"text_split: must be one of {TEXT_SPLITS}, got {text_split!r}")
     stats = stats if stats is not None else RowStats()
@@ -299,7 +283,9 @@ def single_file(url: str) -> str:
 
 
 def read_wikitext_articles(url: str) -> list[str]:
-    """The articles of a WikiText file, each as its raw text (heading and newlines included)."""
+    """The articles of a WikiText file (raw or tokenized, -2 or -103), each its raw text from its
+    ` = Title = ` line on, newlines included: their word and byte counts add up to the file's
+    (the wikitext task's word perplexity and bits per byte)."""
     url = single_file(url)
     articles: list[list[str]] = []
     for lineno, line in text_lines(url):

@@ -1,28 +1,17 @@
 """TokenStream: packed (batch, seq_len + 1) LongTensor batches from scse-tokens-v2 shards.
 
-Readers. A rank reads through `num_workers` DataLoader worker processes (or inline when 0); each
-(rank, worker) pair is one *reader*, `reader = rank * max(1, num_workers) + worker`, out of
-R = world_size * max(1, num_workers). Readers split the data at the coarsest level that gives
-each one something: whole shards when there are at least R of them, else tar samples, else
-single documents (tiny splits, cached in memory). Fewer documents than readers is an error
-naming data.num_workers and the world size, never an idle reader that hangs its rank.
+A rank reads through `num_workers` DataLoader workers (inline when 0); each (rank, worker) is a
+*reader*, `rank * max(1, num_workers) + worker` of R = world_size * max(1, num_workers), that
+reads the items order.py deals it. A reader's documents, each followed by its stored eos, are laid
+end to end by a WindowPacker, across epochs when looping; with loop=False the last batch may hold
+fewer rows.
 
-Order: order.py (each reader's items in an epoch, a pure function of ids and seeds).
-
-Packing. Every document is followed by eos (stored so in the shards) and a reader's documents
-are laid end to end by a WindowPacker, across epochs when looping, in batch_size windows of
-seq_len + 1 tokens. With loop=False the stream is finite and its last batch may hold fewer rows
-(no full window dropped).
-
-Resume. The DataLoader takes batches from its workers round robin, so batch i of a rank comes
-from worker i % W: the rank's position is one number, the batches consumed, and each reader's
-position follows from it. A restarted stream gives worker w the role of reader slot
-(w + consumed) % W and lets every reader skip its consumed tokens arithmetically from the
+Resume: the DataLoader takes batches from its workers round robin, so a rank's position is one
+number, the batches consumed. A restarted reader skips its consumed tokens arithmetically from the
 sample tables' sizes (bad samples count as empty), so the next batch is exactly the one an
-uninterrupted run would have produced. At another world size or num_workers (`resume` with
-every rank's state) the epochs the old readers were in are finished by the new readers from
-what the old ones left unread, token for token (relayout.py), then the new layout's epochs
-follow. SCSE_LOG_SAMPLES=DIR logs each item whose first token is in a consumed batch.
+uninterrupted run would give. At another layout (`resume` with every rank's state) the new readers
+first finish what the old ones left unread (relayout.py). SCSE_LOG_SAMPLES=DIR logs each item
+whose first token is in a consumed batch.
 """
 
 from __future__ import annotations
@@ -90,9 +79,7 @@ class TokenStream:
         self.level = pick_level(self.n_samples, self.n_readers)
         self.consumed = 0  # batches this rank yielded in this layout: with it, the whole position
         self.bad: set[tuple[int, int]] = set()
-        # A layout change (another world size or worker count) leaves each epoch it interrupted
-        # partly read: `carry` holds, per such epoch, the items no old reader consumed (see
-        # relayout.py); this layout's readers read their share of them, then regular epochs.
+        # `carry`: per epoch a layout change cut, the items no old reader consumed (relayout.py)
         self.origin: Optional[dict[str, Any]] = None
         self.carry: dict[int, list[Item]] = {}
         self.reader_epochs = [0] * self.slots
@@ -260,8 +247,8 @@ class TokenStream:
 
     @property
     def group(self) -> int:
-        """Batches a worker sends at once (up to 64, ~1M tokens): one shared-memory tensor per
-        batch cost more than reading it (measured), so workers stack batches into groups."""
+        """Batches a worker stacks into one tensor (up to 64, ~1M tokens): a shared-memory tensor
+        per batch costs more than reading the batch."""
         return min(64, max(1, 2**20 // (self.batch_size * (self.seq_len + 1)))) \
             if self.num_workers else 1
 
@@ -372,13 +359,9 @@ class TokenStream:
             [int(state.get("epoch", 0))] * self.slots
 
     def resume(self, states: list[dict[str, Any]]) -> None:
-        """Resume from a checkpoint's states of every rank (in rank order), at any layout.
-
-        With the same world size, data.num_workers, micro-batch and seq_len this is
-        load_state_dict(states[rank]). Otherwise this layout starts anew: every old reader's
-        position says which items of its epoch it consumed (a prefix of its order); the rest of
-        each epoch any old reader had not finished is the carry, dealt over the new readers
-        (relayout.py)."""
+        """Resume from every rank's state (in rank order) at any layout: load_state_dict at the
+        same one (world size, num_workers, micro-batch, seq_len), else a new layout that first
+        reads the carry of the old one (relayout.py)."""
         first = states[0]
         if all(first.get(k, 0) == getattr(self, k) for k in LAYOUT_KEYS):
             return self.load_state_dict(states[self.rank])

@@ -1,25 +1,13 @@
-"""Tokenizers: one interface over three kinds of file, loaded from any fsspec URL and hashed.
+"""Tokenizers: one interface over three kinds of file (docs/data.md, "Tokenizers"), loaded from any
+fsspec URL and hashed; this module registers the kinds and holds sentencepiece's.
 
     Tokenizer.load(path, kind="auto")  # SentencePieceTokenizer, HFTokenizer or TiktokenTokenizer
 
-- "sentencepiece": a sentencepiece `.model` (trained here by `train_tokenizer`);
-- "hf": a Hugging Face `tokenizers` JSON file, `tokenizer.json` (GPT-2's byte-level BPE, Llama's,
-  any; a byte-level BPE is trained here by scse_dist.data.tokenizer_hf.train_byte_bpe);
-- "tiktoken": a tiktoken BPE ranks file (`*.tiktoken`) with its pattern and special tokens
-  (scse_dist.data.tokenizer_tiktoken).
-"auto" tells them apart by content: JSON is "hf", lines of `base64 rank` are "tiktoken", anything
-else must parse as a sentencepiece model.
-
-What every kind gives the rest of the project (shards, training, eval, generation, the export):
-`encode` (the text's ids, nothing added; a special token's string in the text is text),
-`encode_batch`, `decode` (special tokens dropped), `vocab_size`, `eos_id` (the document separator:
-shards put it between documents, eval windows start with it), `bos_id` (informational: nothing
-adds it), `sha256` (shards record it) and `export_files()` (what an export carries).
-
-The sentencepiece models trained here: unk = 0, bos = 1, eos = 2, no pad id (packing never pads).
-Byte fallback is on by default, so every string encodes without `<unk>`, and the normaliser is the
-identity, so `decode(encode(s)) == s` for ordinary text (whitespace and case are kept;
-sentencepiece only drops a leading space it added itself).
+Every kind gives: `encode` (the text's ids, nothing added; a special token's string is text),
+`encode_batch`, `decode` (special tokens dropped), `vocab_size`, `eos_id` (the document
+separator), `bos_id` (nothing adds it), `sha256` (shards record it) and `export_files()`.
+The sentencepiece models trained here: unk 0, bos 1, eos 2, no pad (packing never pads), byte
+fallback on (no `<unk>`) and the identity normaliser, so `decode(encode(s)) == s`.
 """
 
 from __future__ import annotations

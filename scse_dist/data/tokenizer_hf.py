@@ -1,14 +1,9 @@
 """The "hf" tokenizer kind: a Hugging Face `tokenizers` JSON file (tokenizer.json), and training a
-byte-level BPE into one (`scse-data tokenizer --kind byte-bpe`).
+byte-level BPE into one (`scse-data tokenizer --kind byte-bpe`); needs the `tokenizers` package.
 
-Needs the `tokenizers` package (`pip install 'scse-dist[tokenizers]'`; transformers pulls it too).
-
-A tokenizer.json names no EOS, so the first of EOS_NAMES in its vocabulary is the EOS (the
-document separator) and the first of BOS_NAMES the BOS, else the EOS: GPT-2's only special token,
-`<|endoftext|>`, is both; Llama's `</s>` / `<s>` (2 and 3: `<|end_of_text|>` /
-`<|begin_of_text|>`). A file with none of them is refused. Encoding adds nothing (no template
-post-processor's BOS) and keeps a special token's string in the text as text, as the other kinds
-do; decoding drops special tokens.
+A tokenizer.json names no EOS: the first of EOS_NAMES in its vocabulary is the EOS, the first of
+BOS_NAMES the BOS, else the EOS; a file with none is refused. Encoding adds nothing (no
+post-processor's BOS) and keeps a special token's string as text; decoding drops special tokens.
 """
 
 from __future__ import annotations

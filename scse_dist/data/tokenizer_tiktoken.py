@@ -1,20 +1,13 @@
-"""The "tiktoken" tokenizer kind: a tiktoken BPE ranks file (`NAME.tiktoken`: one `base64-token
-rank` line per token, as OpenAI publishes them) read from a local path or fsspec URL, never the
-network on its own.
+"""The "tiktoken" tokenizer kind: a tiktoken BPE ranks file (`NAME.tiktoken`, `base64-token rank`
+lines) from a path or fsspec URL, never the network; needs the `tiktoken` package.
 
-A ranks file holds no pattern or special tokens, so they are stated beside it, in
-`NAME.tiktoken.json` (SETTINGS_SUFFIX):
+Its pattern and special tokens are stated in `NAME.tiktoken.json` (SETTINGS_SUFFIX; docs/data.md):
 
-    {"pat_str": "<the pre-tokenizer regex>", "special_tokens": {"<|endoftext|>": 100257},
+    {"pat_str": "<regex>", "special_tokens": {"<|endoftext|>": 100257},
      "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
 
-(eos_token defaults to `<|endoftext|>`, bos_token to the eos_token), or, with no such file, by the
-file's name: `r50k_base`, `p50k_base`, `cl100k_base`, `o200k_base` (any encoding tiktoken itself
-defines) take that encoding's pattern and special tokens from tiktoken, with `<|endoftext|>` as
-EOS and BOS. An export always writes the settings file. The sha256 covers the ranks and the
-settings, so the same ranks with another pattern are another tokenizer.
-
-Needs the `tiktoken` package (`pip install 'scse-dist[tiktoken]'`).
+or, without it, taken from the encoding tiktoken defines by the file's name (cl100k_base, ...).
+An export always writes the settings; the sha256 covers ranks and settings.
 """
 
 from __future__ import annotations
