@@ -12,7 +12,6 @@ fallback on (no `<unk>`) and the identity normaliser, so `decode(encode(s)) == s
 
 from __future__ import annotations
 
-import hashlib
 import io
 from typing import Any, Iterable
 
@@ -21,7 +20,6 @@ import sentencepiece as spm
 from scse_dist.atomic import write_file
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
-from scse_dist.data.config import TOKENIZER_EXPORT_NAMES as EXPORT_NAMES
 from scse_dist.data.tokenizer_base import (  # noqa: F401  (re-exported: the package's names)
     MAX_SENTENCE_BYTES,
     Sentences,
@@ -84,8 +82,7 @@ class SentencePieceTokenizer(Tokenizer):
     kind = "sentencepiece"
 
     def __init__(self, model_bytes: bytes, path: str = "<bytes>"):
-        self.path, self.model_bytes = path, model_bytes
-        self.sha256 = hashlib.sha256(model_bytes).hexdigest()
+        super().__init__(model_bytes, path)
         try:
             self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         except RuntimeError:  # sentencepiece's only error for bytes that are not a model
@@ -99,9 +96,6 @@ class SentencePieceTokenizer(Tokenizer):
         self.vocab_size, self.eos_id, self.bos_id = sp.get_piece_size(), sp.eos_id(), sp.bos_id()
         self.eos_token = sp.id_to_piece(self.eos_id)
 
-    def __reduce__(self):  # tokenizer worker processes get the bytes, not the processor
-        return type(self), (self.model_bytes, self.path)
-
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
 
@@ -110,9 +104,6 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
-
-    def export_files(self) -> dict[str, bytes]:
-        return {EXPORT_NAMES[self.kind]: self.model_bytes}
 
     def special_ids(self) -> dict[str, Any]:
         return {**super().special_ids(), "unk": self.sp.unk_id()}

@@ -13,7 +13,11 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator
 import fsspec
 
 from scse_dist.cli_errors import InputError
-from scse_dist.data.config import TOKENIZER_KINDS as KINDS, TokenizerKind
+from scse_dist.data.config import (
+    TOKENIZER_EXPORT_NAMES as EXPORT_NAMES,
+    TOKENIZER_KINDS as KINDS,
+    TokenizerKind,
+)
 from scse_dist.model.config import ConfigError
 
 # sentencepiece skips training sentences longer than this many bytes; we cut lines to fit.
@@ -90,6 +94,13 @@ class Tokenizer:
     # kind's module only when one is loaded), so the kinds' modules import only this one.
     loaders: ClassVar[dict[str, Callable[[bytes, str], "Tokenizer"]]] = {}
 
+    def __init__(self, data: bytes, path: str):
+        self.data, self.path = data, path
+        self.sha256 = hashlib.sha256(data).hexdigest()
+
+    def __reduce__(self):  # tokenizer worker processes get the file's bytes, not the object
+        return type(self), (self.data, self.path)
+
     @staticmethod
     def load(path: str, kind: str = "auto") -> "Tokenizer":
         """The tokenizer file at `path` (a path or fsspec URL); kind "auto" tells it by content."""
@@ -111,7 +122,7 @@ class Tokenizer:
     def export_files(self) -> dict[str, bytes]:
         """{file name: bytes} an export writes so that Tokenizer.load(its first name) gives this
         tokenizer again (the same ids and sha256)."""
-        raise NotImplementedError
+        return {EXPORT_NAMES[self.kind]: self.data}
 
     def special_ids(self) -> dict[str, Any]:
         """What the Hugging Face files name: the ids eos, bos, unk (where the kind has one) and

@@ -8,13 +8,11 @@ post-processor's BOS) and keeps a special token's string as text; decoding drops
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Iterable
 
 from scse_dist.atomic import write_file
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
-from scse_dist.data.config import TOKENIZER_EXPORT_NAMES as EXPORT_NAMES
 from scse_dist.data.extras import require_extra
 from scse_dist.data.tokenizer_base import Sentences, Tokenizer
 
@@ -36,8 +34,7 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, data: bytes, path: str = "<bytes>"):
         tokenizers = require_tokenizers()
-        self.path, self.data = path, data
-        self.sha256 = hashlib.sha256(data).hexdigest()
+        super().__init__(data, path)
         try:
             self.tok = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
         except Exception as exc:  # UnicodeDecodeError, or tokenizers' own (a plain Exception)
@@ -55,9 +52,6 @@ class HFTokenizer(Tokenizer):
         self.bos_id = next((vocab[n] for n in BOS_NAMES if n in vocab), eos)
         self._batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
 
-    def __reduce__(self):
-        return type(self), (self.data, self.path)
-
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
@@ -67,9 +61,6 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def export_files(self) -> dict[str, bytes]:
-        return {EXPORT_NAMES[self.kind]: self.data}
 
     def special_ids(self) -> dict[str, Any]:
         unk_token = getattr(self.tok.model, "unk_token", None)

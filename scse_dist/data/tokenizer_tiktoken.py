@@ -97,7 +97,7 @@ class TiktokenTokenizer(Tokenizer):
 
     def __init__(self, ranks_data: bytes, settings: dict, path: str = "<bytes>"):
         tiktoken = require_tiktoken()
-        self.path, self.ranks_data = path, ranks_data
+        self.path, self.data = path, ranks_data
         self.settings = check_settings(settings, f"tokenizer {path} settings")
         ranks = parse_ranks(ranks_data, path)
         special = self.settings["special_tokens"]
@@ -140,7 +140,7 @@ class TiktokenTokenizer(Tokenizer):
         return cls(data, known, path)
 
     def __reduce__(self):
-        return type(self), (self.ranks_data, self.settings, self.path)
+        return type(self), (self.data, self.settings, self.path)
 
     def settings_bytes(self) -> bytes:
         return (json.dumps(self.settings, indent=2, sort_keys=True) + "\n").encode("utf-8")
@@ -157,4 +157,4 @@ class TiktokenTokenizer(Tokenizer):
 
     def export_files(self) -> dict[str, bytes]:
         name = EXPORT_NAMES[self.kind]
-        return {name: self.ranks_data, name + SETTINGS_SUFFIX: self.settings_bytes()}
+        return {name: self.data, name + SETTINGS_SUFFIX: self.settings_bytes()}
