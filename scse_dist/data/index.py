@@ -35,8 +35,7 @@ def index_as_written(root: str) -> Optional[dict]:
 
 
 def read_index(path: str) -> dict:
-    """Load and check `path`/index.json (`path` may also name the index file itself, or be a
-    brace pattern of shards whose directory holds it)."""
+    """Load and check the index.json of `path` (a data.path: see index_root)."""
     url = path if path.endswith(".json") else join(index_root(path), INDEX_NAME)
     try:
         with fsspec.open(url, "r") as f:
@@ -76,9 +75,8 @@ def read_index(path: str) -> dict:
 
 def check_tokenizer(path: str, index: dict, tokenizer_sha256: str,
                     whose: str = "data.tokenizer") -> None:
-    """InputError unless the shards at `path` (whose index is `index`) were written with the
-    tokenizer whose sha256 is `tokenizer_sha256` (`whose` names it in the message): another
-    tokenizer's ids are other words."""
+    """InputError unless the shards at `path` were written with the tokenizer of sha256
+    `tokenizer_sha256` (`whose` names it): another tokenizer's ids are other words."""
     if tokenizer_sha256 != index["tokenizer_sha256"]:
         raise InputError(f"{path.rstrip('/')}/index.json: the shards were written with another "
                          f"tokenizer (sha256 {index['tokenizer_sha256']}, {whose} has "
@@ -106,10 +104,9 @@ def index_root(path: str) -> str:
 
 
 def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[str]]:
-    """(root, index, entries, urls) of the non-empty shards of `split` under `path`: a shard
-    directory or URL prefix, its index file, or a brace pattern of shard URLs
-    (`s3://b/web/train-{000000..000127}.tar`), each of which its directory's index must list (it
-    carries the counts resume relies on)."""
+    """(root, index, entries, urls) of the non-empty shards of `split` under `path`, whose shard
+    URLs a brace pattern (`s3://b/web/train-{000000..000127}.tar`) may name, each listed in the
+    index (it carries the counts resume relies on)."""
     import braceexpand  # webdataset's own dependency
 
     pattern = path if "{" in path.rsplit("/", 1)[-1] else None

@@ -156,9 +156,8 @@ def _part_documents(fs: Any, here: str, split: str, dtype: np.dtype, documents: 
 
 
 def merge_parts(out: str, into: str | None = None) -> dict:
-    """Pack every part under out/parts into the shards and index.json one process would have
-    written, then remove out/parts; return the index. The shards go to `out` (written beside it
-    and moved in: shards_output), or straight into `into`, a new folder the caller publishes."""
+    """Pack the parts under out/parts into the shards and index.json one process would write, in
+    `out` (shards_output) or `into` (a new folder the caller publishes); remove out/parts."""
     fs, root = fsspec.core.url_to_fs(out)
     metas = _read_parts(fs, root, out)
     if sum(m["splits"][s]["documents"] for m in metas for s in SPLITS) == 0:
@@ -190,9 +189,8 @@ class PartFailed(Exception):
 
 def run_and_merge(argv: Callable[[str], list[str]], out: str, n: int) -> dict:
     """`scse-data shards --processes n`: parts 0..n-1 as processes (`argv(folder)`: the shards
-    command writing to `folder`), then the merge; all in a folder beside `out` that becomes it
-    when they succeed (shards_output). Returns the index; PartFailed for the first part that
-    fails (the others are stopped)."""
+    command writing to `folder`), then the merge, in shards_output(out). Returns the index;
+    PartFailed for the first part that fails (the others are stopped)."""
     with shards_output(out) as tmp:
         fs, root = fsspec.core.url_to_fs(tmp)
         fs.makedirs(join(root, PARTS_DIR))  # here, not by the parts, which share it
@@ -203,10 +201,9 @@ def run_and_merge(argv: Callable[[str], list[str]], out: str, n: int) -> dict:
 
 
 def run_parts(argvs: Sequence[Sequence[str]]) -> tuple[int, int]:
-    """Run the part commands at once, each in a process group of its own; SIGINT and SIGTERM are
-    forwarded to all of them (then KeyboardInterrupt), and the first that fails stops the others.
-    Returns (0, -1), or the exit status and number of the first part that failed (its own error
-    line is already on stderr)."""
+    """Run the part commands at once, each in its own process group; SIGINT and SIGTERM go to all
+    (then KeyboardInterrupt), and the first that fails stops the others. Returns (0, -1), or
+    that part's exit status and number (its error line is on stderr)."""
     # their stdout (a line per part) is not shown: the caller merges and prints the total
     procs = [subprocess.Popen(list(a), start_new_session=True, stdout=subprocess.DEVNULL)
              for a in argvs]

@@ -24,10 +24,9 @@ def load_run_tokenizer(cfg: RunConfig) -> Tokenizer:
 
 def check_run_data(cfg: RunConfig, config_path: Optional[str] = None,
                    overrides: Sequence[str] = ()) -> bool:
-    """The build rule (check_build); then, unless a build will write them, that data.path
-    holds shards, and that data.tokenizer loads, fits the model and is the one the shards were
-    written with. (Mixture paths are checked when the training stream opens them.) Returns
-    whether data.build will write them at the start."""
+    """The build rule; then, unless data.build will write them (returns whether), that data.path
+    holds shards and data.tokenizer loads, fits the model and wrote them. (The training stream
+    checks mixture paths.)"""
     check_build(cfg.data, config_path, overrides)
     if needs_build(cfg.data):  # FileNotFoundError when missing and nothing builds it
         if cfg.data.build_vocab_size > cfg.model.vocab_size:

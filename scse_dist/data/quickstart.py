@@ -81,9 +81,8 @@ def _current(path: str) -> bool:
 
 def build_stdlib_corpus(shards: str, tokenizer: str, vocab_size: int, heldout_fraction: float,
                         shard_bytes: int = 2**19) -> dict:
-    """Train the tokenizer on the train documents and write the shards (small ones, so that the
-    quickstart splits shards over ranks); the tokenizer is put in place after the shards, so a
-    failed build leaves nothing. Refused where it would write over what it did not make."""
+    """Train the tokenizer on the train documents, then write the shards (small: several per
+    rank) and put the tokenizer in place, so a failed build leaves nothing."""
     check_build_targets(shards, tokenizer)
     start = time.time()
     docs = list(stdlib_documents())
@@ -117,9 +116,8 @@ def ensure_data(cfg: DataConfig) -> None:
 
 
 def data_step(cfg: DataConfig) -> None:
-    """A run's data step, before train() (which only reads shards): ensure_data on rank 0 while
-    the launcher's other ranks wait, in the process group train() then goes on with. Every rank
-    has checked the run (preflight) before any rank builds."""
+    """A run's data step, after preflight and before train(): ensure_data on rank 0 while the
+    other ranks wait, in the process group train() then goes on with."""
     from scse_dist.distributed import abandon, barrier, init_distributed
 
     try:
@@ -154,9 +152,8 @@ def _built_index(root: str) -> Optional[dict]:
 
 
 def check_build_targets(shards: str, tokenizer: str) -> None:
-    """FileExistsError (exit 66) unless the build writes over nothing it did not make: `shards`
-    is new, empty or shards it built (its index says so), and `tokenizer` is new or the one
-    those shards name (by sha256)."""
+    """FileExistsError (exit 66) unless `shards` is new, empty or built by this build (its index
+    says so), and `tokenizer` new or the one those shards name."""
     root = index_root(shards)
     index = _built_index(root)
     fs, path = fsspec.core.url_to_fs(root)
@@ -177,10 +174,9 @@ def check_build_targets(shards: str, tokenizer: str) -> None:
 
 
 def check_build(cfg: DataConfig, config_path: Optional[str], overrides: Sequence[str]) -> None:
-    """The build rule (docs/data.md), checked before anything is written (exit 66): data.build
-    builds only into the data.path and data.tokenizer named where it is set (the command line, or
-    the file of the `base:` chain), so a mistyped path creates no corpus elsewhere; and it writes
-    over nothing it did not make (check_build_targets)."""
+    """The build rule (docs/data.md), before anything is written (exit 66): data.build builds only
+    into the data.path and data.tokenizer named where it is set (so a mistyped path creates no
+    corpus elsewhere), and over nothing it did not make (check_build_targets)."""
     if not needs_build(cfg):
         return
     keys = [item.split("=", 1)[0].strip() for item in overrides]

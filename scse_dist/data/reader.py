@@ -41,10 +41,8 @@ def _sample_index(key: str, fallback: int) -> int:
 class ShardReader:
     def __init__(self, urls: list[str], n_samples: list[int], eos: int, vocab_size: int,
                  table_urls: list[str], file_order: bool = False, max_failures: int = 100):
-        """`table_urls[s]`: shard s's sample table (sizes and member offsets, see
-        sample_format.TABLE_COLUMNS); `vocab_size`: the index's, no id may reach it.
-        `file_order`: samples are asked for in file order (an unshuffled split), so a remote
-        shard is streamed; otherwise every sample is a ranged read."""
+        """`vocab_size`: the index's, no id may reach it. `file_order`: samples are asked for in
+        file order (an unshuffled split), so a remote shard is streamed, not read by ranges."""
         self.urls, self.n_samples, self.eos, self.table_urls = urls, n_samples, eos, table_urls
         self.vocab_size, self.max_failures = vocab_size, max_failures
         self.file_order = file_order
@@ -56,7 +54,6 @@ class ShardReader:
         self._cursor: Optional[tuple[int, int, Iterator[tuple[int, Optional[Sample]]]]] = None
         self._sources: dict[int, Any] = {}  # shard -> mmap view, or (filesystem, path)
 
-    # ------------------------------------------------------------------ failures
 
     def _fail(self, s: int, samples: list[int], message: str) -> None:
         fresh = [(s, j) for j in samples if (s, j) not in self.bad]
@@ -77,7 +74,6 @@ class ShardReader:
         print(f"skipping {len(fresh)} bad sample(s): {where}{message}", file=sys.stderr,
               flush=True)
 
-    # ------------------------------------------------------------------ access
 
     def sample(self, s: int, j: int) -> Optional[Sample]:
         """Sample j of shard s, or None when it is bad."""
@@ -191,9 +187,8 @@ class ShardReader:
                        f"tar ends after {seen + 1} of {self.n_samples[s]} samples (truncated?)")
 
     def _location(self, s: int, j: int) -> tuple[int, int, dict[str, tuple[int, int]]]:
-        """(lo, hi, {member: (byte offset, size)}) of sample j of shard s, from its sample table
-        (loaded: only a readable shard is read); [lo, hi) spans both members and the tar header
-        between them."""
+        """(lo, hi, {member: (byte offset, size)}) of sample j of shard s, from its (loaded) sample
+        table; [lo, hi) spans both members and the tar header between them."""
         table = self._sample_tables[s]
         assert table is not None
         _, _, t, tn, d, dn = table[j].tolist()

@@ -24,8 +24,7 @@ CARRY_SEED = 0x6361  # "ca": the carry's permutation stream
 
 
 def carried_items(stream: Any, origin: dict[str, Any], n_new: int = 0) -> dict[int, list]:
-    """{epoch: items no old reader consumed} of the layout change `origin` to `n_new` readers
-    (default: the stream's), see the module doc."""
+    """{epoch: items no old reader consumed} of the layout change `origin` to `n_new` readers."""
     n_new = n_new or stream.n_readers
     n_old = origin["world_size"] * max(1, origin["num_workers"])
     old_carry = carried_items(stream, origin["origin"], n_old) if origin.get("origin") else {}

@@ -239,9 +239,8 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
                  sample_tokens: int = 65536, sources: list[str] | None = None,
                  encode_batch: int = 256, progress_every: float = 0.0, workers: int = 0) -> dict:
     """Tokenize `documents` into train/heldout shards under `out`; write and return the index.
-
-    `progress_every` > 0: progress at most that often, in seconds. `workers` > 1 tokenizes in that
-    many processes, batches back in input order, so the shards are the bytes of workers=0."""
+    `progress_every` > 0: progress at most that often (s). `workers` > 1: tokenizer processes,
+    batches back in input order, so the shards are the bytes of workers=0."""
     check_layout(heldout_fraction, sample_tokens, shard_bytes)
     meta = shard_meta(tokenizer, sample_tokens, sources)
     with shards_output(out) as tmp:

@@ -102,11 +102,8 @@ def _byte_lines(f) -> Iterator[bytes]:
 
 
 def text_lines(url: str) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a text file, any fsspec URL, decompressed by its suffix.
-
-    Read as bytes and decoded line by line, so a byte that is not UTF-8 is reported at its line.
-    "\r\n" line ends become "\n" (what text mode would give).
-    """
+    """(line number, line) of a text file, any fsspec URL, decompressed by its suffix; decoded
+    line by line, so a byte that is not UTF-8 is reported at its line; "\r\n" becomes "\n"."""
     import fsspec
 
     try:
@@ -248,12 +245,10 @@ def iter_documents(urls: list[str] | tuple[str, ...] | str, text_field: str = "t
                    text_split: Literal["blank_lines", "file", "wikitext"] = "blank_lines",
                    stats: RowStats | None = None, part: tuple[int, int] | None = None
                    ) -> Iterator[str]:
-    """Yield every document of every input (formats: the module docstring).
-
-    `stats`: the rows skipped and the bad-row limit (default: stop at the first bad row).
-    `part=(k, n)`: only part k of n (from 0), a contiguous run of units (`partition`), so parts
-    0..n-1 in turn yield what part=None does. No document at all is an InputError (a job would
-    train on nothing); a part may be empty."""
+    """Yield every document of every input (formats: the module docstring). `stats`: the rows
+    skipped and the bad-row limit (default 0). `part=(k, n)`: part k of n (`partition`), so parts
+    0..n-1 in turn yield what part=None does. Inputs without a document are an InputError (a job
+    would train on nothing); a part may be empty."""
     if text_split not in TEXT_SPLITS:
         raise ConfigError(f"text_split: must be one of {TEXT_SPLITS}, got {text_split!r}")
     stats = stats if stats is not None else RowStats()
@@ -272,7 +267,6 @@ def iter_documents(urls: list[str] | tuple[str, ...] | str, text_field: str = "t
         raise InputError(f"{names}: no documents ({what}; empty input?)")
 
 
-# --------------------------------------------------------------------------- single files
 
 
 def single_file(url: str) -> str:
@@ -303,6 +297,5 @@ def read_wikitext_articles(url: str) -> list[str]:
 
 
 def read_corpus(url: str) -> list[str]:
-    """Documents of a JSONL (`text` field) or plain-text corpus (blank-line separated), any fsspec
-    URL; one without documents is an InputError (iter_documents)."""
+    """Documents of a JSONL (`text` field) or plain-text corpus (iter_documents' defaults)."""
     return list(iter_documents(url))

@@ -161,7 +161,6 @@ class TokenStream:
                 docs = documents_of(sample)
                 yield from (docs if d < 0 else docs[d:d + 1])
 
-    # ------------------------------------------------------------------ one reader
 
     def _packed(self, reader: ShardReader, item: Item) -> Optional[np.ndarray]:
         s, j, d, first = item
@@ -243,7 +242,6 @@ class TokenStream:
             warnings.warn(f"{self.path}: reader {self.rank}.{slot} holds fewer than {width} tokens "
                           f"of split {self.split!r}: no batch at all")
 
-    # ------------------------------------------------------------------ the rank's stream
 
     @property
     def group(self) -> int:
@@ -310,7 +308,6 @@ class TokenStream:
                                         "epoch": epoch, "item": [s, j, d]}) + "\n")
         self._log.flush()
 
-    # ------------------------------------------------------------------ resume
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position: batches consumed in this layout, per reader its epoch and
@@ -359,9 +356,8 @@ class TokenStream:
             [int(state.get("epoch", 0))] * self.slots
 
     def resume(self, states: list[dict[str, Any]]) -> None:
-        """Resume from every rank's state (in rank order) at any layout: load_state_dict at the
-        same one (world size, num_workers, micro-batch, seq_len), else a new layout that first
-        reads the carry of the old one (relayout.py)."""
+        """Resume from every rank's state (in rank order): load_state_dict at the same LAYOUT_KEYS,
+        else a new layout that first reads the carry of the old one (relayout.py)."""
         first = states[0]
         if all(first.get(k, 0) == getattr(self, k) for k in LAYOUT_KEYS):
             return self.load_state_dict(states[self.rank])

@@ -36,12 +36,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_
                     byte_fallback: bool = True, max_sentences: int = 2_000_000,
                     num_threads: int = 2, special_tokens: Iterable[str] = (),
                     sample_fraction: float = 1.0) -> str:
-    """Train a sentencepiece model on `texts` (streamed) and write it to `out_path` (fsspec URL).
-
-    Returns `out_path`. `max_sentences` caps the number of lines read (the first ones);
-    `sample_fraction` samples documents first (see training_lines). `special_tokens` become
-    single pieces that are never split (e.g. `<|endoftext|>`, `<pad>`), right after unk/bos/eos.
-    """
+    """Train a sentencepiece model on the first `max_sentences` lines of `texts` (training_lines)
+    and write it to `out_path` (fsspec URL), which it returns. `special_tokens` become pieces
+    never split (e.g. `<|endoftext|>`), right after unk/bos/eos."""
     sentences = Sentences(texts, max_sentences, sample_fraction)
     if vocab_size < 260 and byte_fallback:
         raise ConfigError(f"vocab_size: {vocab_size} is too small; byte_fallback needs 256 byte "

@@ -27,10 +27,8 @@ MAX_SENTENCE_BYTES = 4096
 def training_lines(texts: Iterable[str], max_sentences: int, sample_fraction: float = 1.0
                    ) -> Iterator[str]:
     """Documents -> non-empty lines (sentencepiece's unit), the first `max_sentences` of them.
-
-    `sample_fraction` < 1 keeps a document when a hash of its text falls below it: a sample
-    spread over the whole of a large corpus, taken while streaming, and the same on every run
-    (unlike sentencepiece's own random sampling, which needs the corpus in memory).
+    `sample_fraction` < 1 keeps a document whose text hashes below it: spread over the corpus,
+    streamed and the same on every run (sentencepiece's own sampling holds the corpus in memory).
     """
     count = 0
     for text in texts:

@@ -71,10 +71,9 @@ class HFTokenizer(Tokenizer):
 def train_byte_bpe(texts: Iterable[str], vocab_size: int, out_path: str,
                    max_sentences: int = 2_000_000, special_tokens: Iterable[str] = (),
                    sample_fraction: float = 1.0) -> str:
-    """Train a GPT-2-style byte-level BPE on `texts` (streamed, the same lines and sampling as
-    train_tokenizer) and write its tokenizer.json to `out_path` (fsspec URL). Ids: BYTE_BPE_EOS
-    = 0, then `special_tokens`, the 256 byte tokens, the merges. Byte-level, so every string
-    encodes (no unknown token) and `decode(encode(s)) == s`. Returns `out_path`."""
+    """Train a GPT-2-style byte-level BPE on `texts` (the lines of train_tokenizer) and write its
+    tokenizer.json to `out_path`, which it returns. Ids: BYTE_BPE_EOS = 0, `special_tokens`, the
+    256 bytes, the merges; every string encodes, and `decode(encode(s)) == s`."""
     tokenizers = require_tokenizers()
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
