@@ -1,11 +1,8 @@
-"""Columnar inputs of `scse-data` (docs/data.md, "Inputs"): the document is each row's
-`text_field` column of
-- `*.parquet` files (a directory: its parquet files, sorted), row group by row group (pyarrow);
-- a `datasets.save_to_disk` directory (state.json, dataset_info.json), rows in order; a
-  DatasetDict's is refused with its splits named;
-- `hf:NAME[:CONFIG]:SPLIT`, a Hub dataset streamed by `datasets.load_dataset`.
-Rows go through RowStats, named `URL: row N` (from 0). A unit for `--part` is a parquet row
-group, ROWS_PER_UNIT rows of a saved dataset, or a whole Hub stream (unsplittable unread).
+"""Columnar inputs of `scse-data` (docs/data.md, "Inputs"), the document being each row's
+`text_field` column: `*.parquet` files (pyarrow, row group by row group), a `save_to_disk`
+directory and an `hf:NAME[:CONFIG]:SPLIT` Hub stream (`datasets`). Rows go through RowStats,
+named `URL: row N` (from 0). A unit for `--part` is a parquet row group, ROWS_PER_UNIT rows of a
+saved dataset, or a whole Hub stream (it cannot be split unread).
 """
 
 from __future__ import annotations

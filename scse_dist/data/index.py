@@ -4,7 +4,7 @@ samples. The format and how it is written: shards.py."""
 from __future__ import annotations
 
 import json
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import fsspec
 import numpy as np
@@ -160,12 +160,14 @@ def iter_samples(url: str, eos: int, vocab_size: int
                  ) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """Yield (key, tokens, doc_lens) for every sample of one tar shard, in file order; tokens
     hold each document followed by eos. ValueError naming the shard and sample on bad data."""
-    from webdataset.tariterators import (  # imports torch: not at start-up
-        group_by_keys,
-        tar_file_iterator,
-    )
-
     with fsspec.open(url, "rb") as f:
-        for parts in group_by_keys({**d, "__url__": url} for d in tar_file_iterator(f)):
+        for parts in tar_samples(f, url):
             yield parts["__key__"], *decode_sample(parts, f"{url}: sample {parts['__key__']!r}",
                                                    eos, vocab_size)
+
+
+def tar_samples(f: Any, url: str) -> Iterator[dict[str, Any]]:
+    """The samples of an open tar shard in file order: {"__key__": key, member: bytes}."""
+    from webdataset.tariterators import group_by_keys, tar_file_iterator  # imports torch
+
+    return group_by_keys({**d, "__url__": url} for d in tar_file_iterator(f))

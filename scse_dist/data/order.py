@@ -1,11 +1,8 @@
-"""Which items each reader of a TokenStream reads in an epoch, and in which order.
-
-Readers split the data by whole shards when there are at least as many as readers, else by tar
-samples, else by documents. Each epoch the units are permuted with rng(seed, epoch) and dealt
-round robin, so every token of an epoch is read once across ranks x workers; a shard's samples
-follow rng(seed, epoch, shard), and `shuffle_buffer` > 1 mixes a reader's samples across shards
-(seeded by (seed, epoch, reader)). Orders are computed on ids before reading: no memory, exact
-resume. Heldout is unshuffled by default, a shard then read as one sequential tar stream.
+"""Which items each reader of a TokenStream reads in an epoch, and in which order: units (whole
+shards if there are as many as readers, else samples, else documents) permuted with
+rng(seed, epoch) and dealt round robin, so every token of an epoch is read once; a shard's samples
+in rng(seed, epoch, shard) order, then an optional shuffle buffer across a reader's shards. All on
+ids before reading: no memory, exact resume. Heldout is unshuffled: one sequential read a shard.
 """
 
 from __future__ import annotations

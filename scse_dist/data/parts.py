@@ -1,17 +1,9 @@
-"""`scse-data shards` over many processes or jobs: tokenize in parts, then merge into one index.
-
-Part K of N (`--part K/N`) reads a contiguous run of the input's units
-(scse_dist.data.sources.partition) and writes its token ids, per split, under
-`out/parts/part-K-of-N/`:
-
-    {split}.tokens   the documents' ids end to end (the shards' dtype, no eos)
-    {split}.lens     uint32, each document's length
-    part.json        the counts and everything the shards depend on
-
-`scse-data merge out` packs the parts in order with the single-process writer, writes index.json
-and removes `out/parts`. Sample and shard boundaries depend on everything before them, so only
-packing (cheap) runs once: the result is byte for byte what one process writes. Parts and merge
-follow the write rule (scse_dist.atomic.output_dir).
+"""`scse-data shards` over many processes or jobs (docs/data.md, "Corpus scale"): part K of N
+(`--part K/N`, a contiguous run of units: sources.partition) writes its token ids per split under
+`out/parts/part-K-of-N/` ({split}.tokens, the shards' dtype without eos; {split}.lens, uint32; and
+part.json, the counts and all the shards depend on). `scse-data merge out` packs the parts in
+order with the one-process writer: sample and shard boundaries depend on all before them, so
+only the (cheap) packing runs once, and the bytes are those one process writes.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """ShardReader: one loader reader's access to tar samples, tolerant of corrupt input.
 
-A local shard is memory-mapped and each sample read in place at its sample table's offsets. A
-remote one is one sequential stream when read in file order, else one ranged read per sample
-(both members), the next few fetched concurrently (`prefetch`): a buffered file would read ahead
-megabytes per seek.
-
-A truncated or unreadable tar, a missing member, an undecodable array, doc_lens that disagree
-with the tokens or an id past the vocabulary make the samples concerned *bad*: one line on
-stderr, counted in `failures`, and added to `bad` (the stream's resume arithmetic counts them
-empty). The event past `max_failures` is an InputError (exit 65) naming the shard and sample.
+A local shard is memory-mapped and a sample read in place at its table's offsets; a remote one is
+streamed when read in file order, else one ranged read per sample, a few fetched concurrently
+(`prefetch`). A sample that cannot be read or decoded is *bad*: one line on stderr, counted in
+`failures`, added to `bad` (resume counts it empty); the event past `max_failures` is an
+InputError (exit 65) naming the shard and sample.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from scse_dist.cli_errors import InputError
+from scse_dist.data.index import tar_samples
 from scse_dist.data.sample_format import MEMBERS, Sample, decode_sample, load_sample_table
 
 
@@ -54,7 +51,6 @@ class ShardReader:
         self._cursor: Optional[tuple[int, int, Iterator[tuple[int, Optional[Sample]]]]] = None
         self._sources: dict[int, Any] = {}  # shard -> mmap view, or (filesystem, path)
 
-
     def _fail(self, s: int, samples: list[int], message: str) -> None:
         fresh = [(s, j) for j in samples if (s, j) not in self.bad]
         if not fresh:
@@ -73,7 +69,6 @@ class ShardReader:
         self.new_bad.extend(fresh)
         print(f"skipping {len(fresh)} bad sample(s): {where}{message}", file=sys.stderr,
               flush=True)
-
 
     def sample(self, s: int, j: int) -> Optional[Sample]:
         """Sample j of shard s, or None when it is bad."""
@@ -159,13 +154,7 @@ class ShardReader:
         url, seen = self.urls[s], -1
         try:
             with fsspec.open(url, "rb") as f:
-                from webdataset.tariterators import (  # imports torch
-                    group_by_keys,
-                    tar_file_iterator,
-                )
-
-                files = ({**d, "__url__": url} for d in tar_file_iterator(f))
-                for n, parts in enumerate(group_by_keys(files)):
+                for n, parts in enumerate(tar_samples(f, url)):
                     j = _sample_index(parts["__key__"], n)
                     if j > seen + 1:
                         self._fail(s, list(range(seen + 1, j)), "samples missing from the tar")

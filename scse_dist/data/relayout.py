@@ -1,17 +1,12 @@
 """The carry of a layout change: what the old readers left unread of the epochs they were in.
 
-A reader's stream is its items (a sample, or a document of one, from a first token on), epoch
-after epoch, each epoch's order a pure function of (seed, epoch, readers R). Its position is a
-token count, so what it consumed is a prefix of that stream. At a resume under another layout,
-the walk below finds for every old reader where that prefix ends; the rest of that epoch and every
-later epoch it had not reached are unread. Per epoch, the carry is the unread items of all old
-readers in reader order, permuted with rng(seed, epoch, R_old, R_new); the new readers deal it
-round robin (epoch_items), then read regular epochs: every token of an interrupted epoch is read
-once across the change.
-
-The carry is never stored: a checkpoint keeps the change as `origin` (the old layout, its readers'
-token positions, the bad samples known then, its own origin) and the carry is recomputed from it,
-so a later resume at the same layout is bit-exact and a second change walks the first's carry.
+A reader's position is a token count into its items (a sample, or a document, from a first token
+on), epoch after epoch in an order that is a pure function of (seed, epoch, readers), so what it
+read is a prefix. For each old reader the walk below finds where that prefix ends; per epoch, the
+carry is the unread items of all old readers in reader order, permuted with rng(seed, epoch,
+R_old, R_new), which the new readers deal round robin (epoch_items) before their regular epochs.
+The carry is never stored: it is recomputed from a checkpoint's `origin` (the old layout, its
+token positions, the bad samples, its own origin), so a second change walks the first's carry.
 """
 
 from __future__ import annotations

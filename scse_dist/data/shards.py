@@ -1,18 +1,8 @@
-"""Token shards: WebDataset tars of packed token arrays, a sample table beside each, index.json.
-
-Format "scse-tokens-v2" under a directory or URL prefix `out` (docs/data.md):
-- `{split}-{shard:06d}.tar` (train, heldout): samples keyed `{split}-{shard:06d}-{sample:06d}`,
-  each a run of whole documents (about `sample_tokens`; a longer document is a sample alone):
-  `{key}.tokens.npy`, uint16 (uint32 past 65536 ids), each document followed by eos, already
-  the packed training stream; `{key}.doc_lens.npy`, uint32, each document's length without eos.
-- `{split}-{shard:06d}.samples.npy`, the sample table: int64, a row of TABLE_COLUMNS per sample;
-  its sizes let a resume skip samples unread, its offsets read one in any order. Kept out of
-  index.json so that the index stays small at any corpus size.
-- index.json = {"format", "tokenizer_sha256", "vocab_size", "eos_id", "dtype", "sample_tokens",
-  "splits": {split: [{"url", "table", "tokens" (eos excluded), "documents", "samples"}]},
-  "sources"}, urls relative to `out`.
-A document is held out when the first 8 bytes of sha1(text), as a fraction of 2**64, fall below
-`heldout_fraction`: by its text alone, so stable across runs, and never in train as well.
+"""Token shards, format "scse-tokens-v2" (docs/data.md, "The shard format"): per split, WebDataset
+tars of samples, each whole documents as `{key}.tokens.npy` (the packed training stream: each
+document followed by eos) and `{key}.doc_lens.npy`; beside each tar its sample table (sizes a
+resume skips by, offsets a shuffled read seeks to: out of index.json, which stays small); and
+index.json. The held-out split goes by a hash of each text alone (stable, never in train too).
 Written by the write rule (scse_dist.atomic.output_dir): in a folder beside `out`, moved into
 place when complete, index.json last.
 """

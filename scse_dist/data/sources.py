@@ -1,14 +1,9 @@
-"""Read documents from text and JSONL files over fsspec (local paths, globs, s3://, ...).
-
-Formats, by file name (after a .gz/.bz2/.xz/.zst suffix, which fsspec decompresses; docs/data.md):
-- `*.jsonl`, `*.json`: one JSON object per line; the document is `obj[text_field]`.
-- anything else: plain text, a document per run of lines between blank lines (`text_split=
-  "blank_lines"`: one huge book dump as one document would make the held-out split all or
-  nothing), per file ("file") or per WikiText article ("wikitext": read_wikitext_articles).
-- `*.parquet`, a directory and `hf:NAME[:CONFIG]:SPLIT`: scse_dist.data.columnar.
-Inputs are read in the order given, globs sorted; empty and bad rows go through a RowStats
-(scse_dist.data.rows). Bad input is an InputError naming the file and line, a missing input
-FileNotFoundError, an unreadable one OSError.
+"""Documents from text and JSONL files over fsspec (local paths, globs, s3://, ...; docs/data.md),
+by name after a compression suffix (.gz/.bz2/.xz/.zst, decompressed by fsspec): `*.jsonl`/`*.json`
+one JSON object per line, `obj[text_field]`; else plain text, a document per run of lines between
+blank lines (a book dump as one document would make the held-out split all or nothing), per file
+or per WikiText article (`text_split`); parquet, directories and `hf:` specs: columnar.py. Bad
+input is an InputError naming file and line, a missing one FileNotFoundError, an unreadable OSError.
 """
 
 from __future__ import annotations

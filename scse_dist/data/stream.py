@@ -1,17 +1,11 @@
-"""TokenStream: packed (batch, seq_len + 1) LongTensor batches from scse-tokens-v2 shards.
-
-A rank reads through `num_workers` DataLoader workers (inline when 0); each (rank, worker) is a
-*reader*, `rank * max(1, num_workers) + worker` of R = world_size * max(1, num_workers), that
-reads the items order.py deals it. A reader's documents, each followed by its stored eos, are laid
-end to end by a WindowPacker, across epochs when looping; with loop=False the last batch may hold
-fewer rows.
+"""TokenStream: packed (batch, seq_len + 1) LongTensor batches from scse-tokens-v2 shards
+(docs/data.md). Each (rank, DataLoader worker) is a *reader*, `rank * slots + worker`, reading the
+items order.py deals it, its documents laid end to end (each with its stored eos) by a WindowPacker.
 
 Resume: the DataLoader takes batches from its workers round robin, so a rank's position is one
-number, the batches consumed. A restarted reader skips its consumed tokens arithmetically from the
-sample tables' sizes (bad samples count as empty), so the next batch is exactly the one an
-uninterrupted run would give. At another layout (`resume` with every rank's state) the new readers
-first finish what the old ones left unread (relayout.py). SCSE_LOG_SAMPLES=DIR logs each item
-whose first token is in a consumed batch.
+number, the batches consumed; a restarted reader skips its tokens arithmetically from the sample
+tables' sizes (bad samples count as empty), so the next batch is the one an uninterrupted run
+would give. At another layout (`resume` with every rank's state), relayout.py.
 """
 
 from __future__ import annotations
@@ -161,7 +155,6 @@ class TokenStream:
                 docs = documents_of(sample)
                 yield from (docs if d < 0 else docs[d:d + 1])
 
-
     def _packed(self, reader: ShardReader, item: Item) -> Optional[np.ndarray]:
         s, j, d, first = item
         sample = self._sample(reader, s, j)
@@ -242,7 +235,6 @@ class TokenStream:
             warnings.warn(f"{self.path}: reader {self.rank}.{slot} holds fewer than {width} tokens "
                           f"of split {self.split!r}: no batch at all")
 
-
     @property
     def group(self) -> int:
         """Batches a worker stacks into one tensor (up to 64, ~1M tokens): a shared-memory tensor
@@ -307,7 +299,6 @@ class TokenStream:
                                         "layout": [self.world_size, self.num_workers],
                                         "epoch": epoch, "item": [s, j, d]}) + "\n")
         self._log.flush()
-
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position: batches consumed in this layout, per reader its epoch and

@@ -1,13 +1,9 @@
-"""Tokenizers: one interface over three kinds of file (docs/data.md, "Tokenizers"), loaded from any
-fsspec URL and hashed; this module registers the kinds and holds sentencepiece's.
-
-    Tokenizer.load(path, kind="auto")  # SentencePieceTokenizer, HFTokenizer or TiktokenTokenizer
-
-Every kind gives: `encode` (the text's ids, nothing added; a special token's string is text),
-`encode_batch`, `decode` (special tokens dropped), `vocab_size`, `eos_id` (the document
-separator), `bos_id` (nothing adds it), `sha256` (shards record it) and `export_files()`.
+"""Tokenizers (docs/data.md, "Tokenizers"): `Tokenizer.load(path, kind="auto")` gives a
+SentencePieceTokenizer, HFTokenizer or TiktokenTokenizer, each with `encode` (nothing added; a
+special token's string is text), `encode_batch`, `decode` (special tokens dropped), `vocab_size`,
+`eos_id` (the document separator), `bos_id` (nothing adds it), `sha256` and `export_files()`.
 The sentencepiece models trained here: unk 0, bos 1, eos 2, no pad (packing never pads), byte
-fallback on (no `<unk>`) and the identity normaliser, so `decode(encode(s)) == s`.
+fallback (no `<unk>`) and the identity normaliser, so `decode(encode(s)) == s`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""The "tiktoken" tokenizer kind: a tiktoken BPE ranks file (`NAME.tiktoken`, `base64-token rank`
-lines) from a path or fsspec URL, never the network; needs the `tiktoken` package.
-
-Its pattern and special tokens are stated in `NAME.tiktoken.json` (SETTINGS_SUFFIX; docs/data.md):
-
-    {"pat_str": "<regex>", "special_tokens": {"<|endoftext|>": 100257},
-     "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
-
-or, without it, taken from the encoding tiktoken defines by the file's name (cl100k_base, ...).
-An export always writes the settings; the sha256 covers ranks and settings.
+"""The "tiktoken" tokenizer kind: a tiktoken BPE ranks file (`NAME.tiktoken`) from a path or
+fsspec URL, never the network, with its pattern and special tokens in `NAME.tiktoken.json`
+(SETTINGS_SUFFIX; docs/data.md) or, without it, those tiktoken defines for NAME (cl100k_base, ...).
+The sha256 covers ranks and settings; an export writes both. Needs the `tiktoken` package.
 """
 
 from __future__ import annotations
