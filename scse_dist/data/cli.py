@@ -172,8 +172,7 @@ def inspect_shards(path: str) -> bool:
     index = read_index(path)
     print(f"{path}: {index['format']}, vocab {index['vocab_size']}, {index['dtype']}, "
           f"eos {index['eos_id']}, tokenizer sha256 {index['tokenizer_sha256'][:16]}")
-    ok = True
-    start, read_tokens, read_docs = time.time(), 0, 0
+    ok, start, read_tokens, read_docs = True, time.time(), 0, 0
     for split, entries in index["splits"].items():
         print(f"  {split}: {len(entries)} shards, "
               f"{sum(e['documents'] for e in entries):,} documents, "

@@ -8,6 +8,7 @@ saved dataset, or a whole Hub stream (it cannot be split unread).
 from __future__ import annotations
 
 import functools
+import itertools
 import posixpath
 from typing import Any, Iterator
 
@@ -73,12 +74,9 @@ def _open_parquet(url: str) -> Any:
 def parquet_units(url: str) -> list[tuple[int, int]]:
     """(row group, its compressed bytes) of a parquet file, in file order."""
     meta = _open_parquet(url).metadata
-    out = []
-    for i in range(meta.num_row_groups):
-        group = meta.row_group(i)
-        size = sum(group.column(c).total_compressed_size for c in range(group.num_columns))
-        out.append((i, max(size, 1)))
-    return out
+    groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
+    return [(i, max(sum(g.column(c).total_compressed_size for c in range(g.num_columns)), 1))
+            for i, g in enumerate(groups)]
 
 
 def iter_parquet(url: str, groups: range | None, text_field: str, stats: RowStats
@@ -87,9 +85,8 @@ def iter_parquet(url: str, groups: range | None, text_field: str, stats: RowStat
     pf = _open_parquet(url)
     meta = pf.metadata
     names = pf.schema_arrow.names
-    first_row = [0]
-    for i in range(meta.num_row_groups):
-        first_row.append(first_row[-1] + meta.row_group(i).num_rows)
+    first_row = [0, *itertools.accumulate(meta.row_group(i).num_rows
+                                          for i in range(meta.num_row_groups))]
     for g in groups if groups is not None else range(meta.num_row_groups):
         row = first_row[g]
         if text_field not in names:

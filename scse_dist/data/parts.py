@@ -186,7 +186,8 @@ def run_and_merge(argv: Callable[[str], list[str]], out: str, n: int) -> dict:
     with shards_output(out) as tmp:
         fs, root = fsspec.core.url_to_fs(tmp)
         fs.makedirs(join(root, PARTS_DIR))  # here, not by the parts, which share it
-        status, which = run_parts([part_command(argv(tmp), k, n) for k in range(n)])
+        status, which = run_parts([[sys.executable, "-m", "scse_dist.data.cli", *argv(tmp),
+                                    "--part", f"{k}/{n}"] for k in range(n)])
         if status:
             raise PartFailed(status, which)
         return merge_parts(tmp, into=tmp)
@@ -233,8 +234,3 @@ def run_parts(argvs: Sequence[Sequence[str]]) -> tuple[int, int]:
     if received:
         raise KeyboardInterrupt
     return failed, which
-
-
-def part_command(argv: Sequence[str], k: int, n: int) -> list[str]:
-    """This interpreter running `scse-data <argv> --part k/n`."""
-    return [sys.executable, "-m", "scse_dist.data.cli", *argv, "--part", f"{k}/{n}"]

@@ -143,19 +143,14 @@ def needs_build(cfg: DataConfig) -> bool:
         "set data.build=stdlib_docs for the quickstart corpus (`scse-data quickstart`).")
 
 
-def _built_index(root: str) -> Optional[dict]:
-    """The index.json at `root` (of any format version) if this build wrote it, else None."""
-    index = index_as_written(root)
-    sources = index.get("sources") if index else None
-    ours = isinstance(sources, list) and len(sources) == 1 and str(sources[0]).startswith(SOURCE)
-    return index if ours else None
-
-
 def check_build_targets(shards: str, tokenizer: str) -> None:
     """FileExistsError (exit 66) unless `shards` is new, empty or built by this build (its index
     says so), and `tokenizer` new or the one those shards name."""
     root = index_root(shards)
-    index = _built_index(root)
+    index = index_as_written(root)  # of any format version; None unless this build wrote it:
+    sources = index.get("sources") if index else None
+    if not (isinstance(sources, list) and len(sources) == 1 and str(sources[0]).startswith(SOURCE)):
+        index = None
     fs, path = fsspec.core.url_to_fs(root)
     if index is None and fs.exists(path) and (not fs.isdir(path) or fs.ls(path, detail=False)):
         raise FileExistsError(

@@ -29,12 +29,6 @@ def documents_of(sample: Sample) -> list[np.ndarray]:
     return [tokens[e - n - 1:e - 1] for e, n in zip(ends.tolist(), lens.tolist())]
 
 
-def _sample_index(key: str, fallback: int) -> int:
-    """The writer's keys end in -NNNNNN (the sample number); other keys count in file order."""
-    tail = key.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else fallback
-
-
 class ShardReader:
     def __init__(self, urls: list[str], n_samples: list[int], eos: int, vocab_size: int,
                  table_urls: list[str], file_order: bool = False, max_failures: int = 100):
@@ -155,7 +149,8 @@ class ShardReader:
         try:
             with fsspec.open(url, "rb") as f:
                 for n, parts in enumerate(tar_samples(f, url)):
-                    j = _sample_index(parts["__key__"], n)
+                    tail = parts["__key__"].rsplit("-", 1)[-1]  # the writer's: -NNNNNN, sample j
+                    j = int(tail) if tail.isdigit() else n
                     if j > seen + 1:
                         self._fail(s, list(range(seen + 1, j)), "samples missing from the tar")
                     seen = max(seen, j)

@@ -34,10 +34,6 @@ from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.progress import Progress
 
 
-def token_dtype(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= 2**16 else "uint32"
-
-
 def is_heldout(text: str, fraction: float) -> bool:
     """Deterministic split by content: sha1(text) as a number in [0, 1) below `fraction`."""
     if fraction <= 0.0:
@@ -219,9 +215,10 @@ def finish_index(fs: fsspec.AbstractFileSystem, root: str, writers: dict[str, _S
 
 
 def shard_meta(tokenizer: Tokenizer, sample_tokens: int, sources: list[str] | None) -> dict:
-    return {"tokenizer_sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
-            "eos_id": tokenizer.eos_id, "dtype": token_dtype(tokenizer.vocab_size),
-            "sample_tokens": sample_tokens, "sources": list(sources or [])}
+    vocab = tokenizer.vocab_size
+    return {"tokenizer_sha256": tokenizer.sha256, "vocab_size": vocab, "eos_id": tokenizer.eos_id,
+            "dtype": "uint16" if vocab <= 2**16 else "uint32", "sample_tokens": sample_tokens,
+            "sources": list(sources or [])}
 
 
 def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,

@@ -65,10 +65,8 @@ class TokenStream:
                              f"{self.n_readers} readers (world_size={world_size} x "
                              f"data.num_workers={num_workers}); every reader needs data")
         self.n_samples = [int(e["samples"]) for e in self.shards]
-        tables = [table_url(self.root, e) for e in self.shards]
-        self._probe = ShardReader(self.urls, self.n_samples, self.eos,
-                                  int(self.index["vocab_size"]), tables,
-                                  file_order=not self.shuffle, max_failures=max_failures)
+        self.tables = [table_url(self.root, e) for e in self.shards]
+        self._probe = self._new_reader()
         self._memory: dict[tuple[int, int], Optional[Sample]] = {}  # document level only
         self.level = pick_level(self.n_samples, self.n_readers)
         self.consumed = 0  # batches this rank yielded in this layout: with it, the whole position
@@ -142,9 +140,8 @@ class TokenStream:
         return int(table[j, 0] + table[j, 1]) - first
 
     def _new_reader(self) -> ShardReader:
-        probe = self._probe
-        return ShardReader(self.urls, self.n_samples, self.eos, probe.vocab_size, probe.table_urls,
-                           probe.file_order, self.max_failures)
+        return ShardReader(self.urls, self.n_samples, self.eos, int(self.index["vocab_size"]),
+                           self.tables, not self.shuffle, self.max_failures)
 
     def documents(self, epoch: int = 0, worker: int = 0) -> Iterator[np.ndarray]:
         """One reader's documents in `epoch`, unpacked (no eos), in reading order."""
