@@ -85,20 +85,15 @@ def iter_parquet(url: str, groups: range | None, text_field: str, stats: RowStat
     pf = _open_parquet(url)
     meta = pf.metadata
     names = pf.schema_arrow.names
+    missing = None if text_field in names else f"set --text-field; columns: {names[:8]}"
     first_row = [0, *itertools.accumulate(meta.row_group(i).num_rows
                                           for i in range(meta.num_row_groups))]
     for g in groups if groups is not None else range(meta.num_row_groups):
-        row = first_row[g]
-        if text_field not in names:
-            missing = f"set --text-field; columns: {names[:8]}"
-            for r in range(row, first_row[g + 1]):
-                stats.take(None, f"{url}: row {r}", text_field, missing)
-            continue
-        for value in pf.read_row_group(g, columns=[text_field]).column(0).to_pylist():
-            text = stats.take(value, f"{url}: row {row}", text_field)
-            row += 1
-            if text is not None:
-                yield text
+        rows = range(first_row[g], first_row[g + 1])
+        values = [None] * len(rows) if missing else \
+            pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
+        yield from filter(None, (stats.take(v, f"{url}: row {r}", text_field, missing)
+                                 for r, v in zip(rows, values)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -117,17 +112,13 @@ def iter_saved(path: str, rows: range | None, text_field: str, stats: RowStats) 
     """Documents of a saved dataset's rows `rows` (all when None), in order."""
     ds = _load_saved(path)
     rows = rows if rows is not None else range(len(ds))
+    columns = ds.column_names
+    missing = None if text_field in columns else f"set --text-field; columns: {columns[:8]}"
     for start in range(rows.start, rows.stop, ROWS_PER_UNIT):
         stop = min(start + ROWS_PER_UNIT, rows.stop)
-        if text_field not in ds.column_names:
-            missing = f"set --text-field; columns: {ds.column_names[:8]}"
-            for r in range(start, stop):
-                stats.take(None, f"{path}: row {r}", text_field, missing)
-            continue
-        for r, value in enumerate(ds[start:stop][text_field], start):
-            text = stats.take(value, f"{path}: row {r}", text_field)
-            if text is not None:
-                yield text
+        values = [None] * (stop - start) if missing else ds[start:stop][text_field]
+        yield from filter(None, (stats.take(v, f"{path}: row {r}", text_field, missing)
+                                 for r, v in enumerate(values, start)))
 
 
 def iter_hub(spec: str, text_field: str, stats: RowStats) -> Iterator[str]:

@@ -1,8 +1,6 @@
-"""MixedStream: batches drawn from several corpora (TokenStreams) with fixed weights.
-
-Batch i of every rank comes from corpus `choice(i)`, drawn from rng(seed, block) in blocks of
-BLOCK batches: a pure function of the seed, the same on every rank, run and resume. A whole batch
-comes from one corpus, each keeping its own TokenStream (readers, shuffle, exact resume).
+"""MixedStream: batches drawn from several corpora (TokenStreams) with fixed weights. Batch i
+comes wholly from corpus `choice(i)`, drawn from rng(seed, block) in blocks of BLOCK batches: the
+same on every rank, run and resume. Each corpus keeps its own TokenStream and exact resume.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 shards if there are as many as readers, else samples, else documents) permuted with
 rng(seed, epoch) and dealt round robin, so every token of an epoch is read once; a shard's samples
 in rng(seed, epoch, shard) order, then an optional shuffle buffer across a reader's shards. All on
-ids before reading: no memory, exact resume. Heldout is unshuffled: one sequential read a shard.
+ids before reading (no memory, exact resume).
 """
 
 from __future__ import annotations

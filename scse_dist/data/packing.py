@@ -1,7 +1,6 @@
-"""WindowPacker: token runs laid end to end into (rows, width) int64 windows, one copy per token.
-
-The loader's hot path: each token of a narrow shard dtype is widened in its one copy into the
-window, and each full window is a fresh array the caller may keep (torch.from_numpy shares it).
+"""WindowPacker: token runs laid end to end into (rows, width) int64 windows, one copy per token
+(the loader's hot path: widened from the shard's dtype in that copy); each full window is a fresh
+array the caller may keep (torch.from_numpy shares it).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The quickstart corpus: real English text on every machine, with no download.
-
-The docstrings of the standard library's .py files (about 650 modules, 1.8 MB), parsed with `ast`,
-never imported; tests, site-packages and __pycache__ skipped; paths walked sorted, so corpus,
-tokenizer and shards are the same on every run of a Python version. The build writes nothing
-unless it succeeds and nothing over files it did not make; its marker is the index.json it writes
-last, whose `sources` name this corpus and `tokenizer_sha256` the tokenizer it trained.
+"""The quickstart corpus, real English text with no download: the docstrings of the standard
+library's .py files (about 650 modules, 1.8 MB), parsed with `ast`, never imported, walked sorted
+(the same corpus, tokenizer and shards on every run of a Python version). The build's marker is
+the index.json it writes last: `sources` name this corpus, `tokenizer_sha256` its tokenizer.
 """
 
 from __future__ import annotations

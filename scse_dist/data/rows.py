@@ -1,8 +1,6 @@
-"""Bad-row accounting shared by the row readers (JSONL lines, parquet and `datasets` rows).
-
-An empty or blank row is skipped and counted. A *bad* row (no text field, or a value that is not
-a string) is skipped and counted up to `max_bad_rows` (default 0); the next one stops the read with
-an InputError naming its file and row.
+"""Bad-row accounting shared by the row readers (JSONL lines, parquet and `datasets` rows): an
+empty row is skipped and counted; a *bad* one (no text field, or not a string) too, up to
+`max_bad_rows`, the next stopping the read with an InputError naming its file and row.
 """
 
 from __future__ import annotations

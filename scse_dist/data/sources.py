@@ -9,6 +9,7 @@ input is an InputError naming file and line, a missing one FileNotFoundError, an
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import lzma
 import re
@@ -157,15 +158,10 @@ def _iter_text(url: str, text_split: str) -> Iterator[str]:
         if text.strip():
             yield text
         return
-    lines: list[str] = []
-    for _, line in text_lines(url):
-        if line.strip():
-            lines.append(line)
-        elif lines:
-            yield "".join(lines).rstrip("\n")
-            lines = []
-    if lines:
-        yield "".join(lines).rstrip("\n")
+    lines = (line for _, line in text_lines(url))
+    for nonblank, run in itertools.groupby(lines, key=lambda line: bool(line.strip())):
+        if nonblank:
+            yield "".join(run).rstrip("\n")
 
 
 class Unit(NamedTuple):

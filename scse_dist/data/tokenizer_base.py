@@ -1,7 +1,5 @@
-"""The tokenizer interface every kind implements (scse_dist.data.tokenizer documents them), the
-reading of a tokenizer file, and the training lines the trainers of every kind share.
-
-Import `Tokenizer` from scse_dist.data.tokenizer, which registers the kinds' loaders.
+"""The tokenizer interface every kind implements (scse_dist.data.tokenizer, which registers the
+kinds' loaders, documents it), reading a tokenizer file, and the lines every trainer reads.
 """
 
 from __future__ import annotations

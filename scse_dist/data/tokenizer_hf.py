@@ -1,9 +1,7 @@
-"""The "hf" tokenizer kind: a Hugging Face `tokenizers` JSON file (tokenizer.json), and training a
-byte-level BPE into one (`scse-data tokenizer --kind byte-bpe`); needs the `tokenizers` package.
-
-A tokenizer.json names no EOS: the first of EOS_NAMES in its vocabulary is the EOS, the first of
-BOS_NAMES the BOS, else the EOS; a file with none is refused. Encoding adds nothing (no
-post-processor's BOS) and keeps a special token's string as text; decoding drops special tokens.
+"""The "hf" tokenizer kind, a Hugging Face `tokenizers` JSON file (tokenizer.json), and training a
+byte-level BPE into one (`scse-data tokenizer --kind byte-bpe`). A tokenizer.json names no EOS: the
+first of EOS_NAMES in its vocabulary is the EOS, the first of BOS_NAMES the BOS (else the EOS);
+a file with none is refused. Needs the `tokenizers` package.
 """
 
 from __future__ import annotations
