@@ -1,8 +1,9 @@
-"""ShardReader: one loader reader's access to tar samples, tolerant of corrupt input. A local
-shard is memory-mapped and a sample read in place at its table's offsets; a remote one streamed in
-file order, else one ranged read per sample, a few at once (`prefetch`). A sample that cannot be
-read or decoded is *bad*: one line on stderr, counted in `failures`, added to `bad` (resume counts
-it empty); the event past `max_failures` is an InputError (exit 65) naming shard and sample.
+"""ShardReader: one loader reader's access to tar samples, tolerant of corrupt input.
+
+A local shard is memory-mapped and a sample read in place at its table's offsets; a remote one
+streamed in file order, else one ranged read per sample, a few at once (`prefetch`). A sample
+that cannot be read or decoded is *bad*: one line on stderr, counted in `failures`, added to `bad`
+(resume counts it empty); the event past `max_failures` is an InputError (exit 65) naming them.
 """
 
 from __future__ import annotations

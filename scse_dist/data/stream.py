@@ -1,6 +1,7 @@
 """TokenStream: packed (batch, seq_len + 1) LongTensor batches from scse-tokens-v2 shards
 (docs/data.md). Each (rank, DataLoader worker) is a *reader*, `rank * slots + worker`, reading the
 items order.py deals it, its documents laid end to end (each with its stored eos) by a WindowPacker.
+
 A rank's position is one number, the batches consumed (the DataLoader takes them from its workers
 round robin); a restarted reader skips its tokens arithmetically from the sample tables' sizes (bad
 samples count as empty), so the next batch is the one an uninterrupted run would give. At another
