@@ -41,8 +41,7 @@ def expand_inputs(urls: list[str] | tuple[str, ...] | str) -> list[str]:
     """URLs or globs -> the concrete file URLs, in argument order, each glob sorted. A directory
     becomes its parquet files (sorted) or stays itself when it is a saved dataset; an `hf:` spec
     stays as it is (scse_dist.data.columnar)."""
-    if isinstance(urls, str):
-        urls = [urls]
+    urls = [urls] if isinstance(urls, str) else urls
     import fsspec  # here, not at the top: commands that only parse their arguments skip it
 
     out: list[str] = []

@@ -300,15 +300,14 @@ class TokenStream:
     def state_dict(self) -> dict[str, Any]:
         """This rank's position: batches consumed in this layout, per reader its epoch and
         batches, and how this layout began (`origin`: None, or the layout change it follows)."""
-        state = {k: getattr(self, k) for k in STATE_KEYS}
-        k = self.consumed
-        state.update(world_size=self.world_size, num_workers=self.num_workers,
-                     consumed_batches=k, epoch=self.epoch, failures=self.reader_failures,
-                     readers=[{"reader": self.rank * self.slots + s, "epoch": self.reader_epochs[s],
-                               "batches": n} for s, n in enumerate(self.slot_batches(k))],
-                     bad=sorted(list(b) for b in self.bad), origin=self.origin,
-                     tokenizer_sha256=self.index["tokenizer_sha256"])
-        return state
+        batches = self.slot_batches(self.consumed)
+        return dict({k: getattr(self, k) for k in STATE_KEYS}, world_size=self.world_size,
+                    num_workers=self.num_workers, consumed_batches=self.consumed, epoch=self.epoch,
+                    failures=self.reader_failures,
+                    readers=[{"reader": self.rank * self.slots + s, "epoch": self.reader_epochs[s],
+                              "batches": n} for s, n in enumerate(batches)],
+                    bad=sorted(list(b) for b in self.bad), origin=self.origin,
+                    tokenizer_sha256=self.index["tokenizer_sha256"])
 
     def _check(self, state: dict[str, Any], keys: Any = STATE_KEYS) -> None:
         for key in keys:
