@@ -1,7 +1,5 @@
-"""Data: sentencepiece tokenizer, document sources, token shards + index, packed token stream.
-
-The names below are imported on first use, so `scse-data` starts without torch (TokenStream and
-webdataset import it)."""
+"""Data: tokenizers, document sources, token shards + index, packed token stream. The names below
+are imported on first use, so `scse-data` starts without torch."""
 
 import importlib
 

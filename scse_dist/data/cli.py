@@ -19,6 +19,7 @@ from typing import Iterable, Iterator
 
 from scse_dist.cli_errors import cli_main
 from scse_dist.config import ConfigError
+from scse_dist.data.rows import RowStats
 from scse_dist.data.sources import TEXT_SPLITS
 
 # The readers and writers (numpy, sentencepiece, fsspec) are imported by the subcommand that
@@ -26,26 +27,19 @@ from scse_dist.data.sources import TEXT_SPLITS
 
 
 class _Counter:
-    """Counts documents and characters flowing through an iterator (for the summary line)."""
+    """Counts the documents flowing through an iterator (for the summary line)."""
 
     def __init__(self, docs: Iterable[str]):
-        self.docs, self.n, self.chars = docs, 0, 0
+        self.docs, self.n = docs, 0
 
     def __iter__(self) -> Iterator[str]:
         for d in self.docs:
             self.n += 1
-            self.chars += len(d)
             yield d
 
 
 def _rate(n: float, seconds: float) -> str:
     return f"{n / max(seconds, 1e-9):,.0f}"
-
-
-def _rows(args: argparse.Namespace):
-    from scse_dist.data.rows import RowStats
-
-    return RowStats(max_bad_rows=args.max_bad_rows)
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> None:
@@ -59,7 +53,7 @@ def cmd_tokenizer(args: argparse.Namespace) -> None:
         if given:
             raise ConfigError(f"{given[0]}: a sentencepiece option; --kind byte-bpe is byte-level "
                               "(no unknown characters) and BPE")
-    rows = _rows(args)
+    rows = RowStats(max_bad_rows=args.max_bad_rows)
     docs = _Counter(iter_documents(args.input, text_field=args.text_field,
                                    text_split=args.text_split, stats=rows))
     if args.kind == "byte-bpe":
@@ -126,7 +120,7 @@ def cmd_shards(args: argparse.Namespace) -> int:
                        time.time() - start))
         return 0
     tok = Tokenizer.load(args.tokenizer, args.tokenizer_kind)
-    rows = _rows(args)
+    rows = RowStats(max_bad_rows=args.max_bad_rows)
     docs = _Counter(iter_documents(args.input, text_field=args.text_field,
                                    text_split=args.text_split, stats=rows, part=args.part))
     layout = dict(heldout_fraction=args.heldout_fraction, shard_bytes=int(args.shard_mb * 2**20),
@@ -178,8 +172,7 @@ def inspect_shards(path: str) -> bool:
     index = read_index(path)
     print(f"{path}: {index['format']}, vocab {index['vocab_size']}, {index['dtype']}, "
           f"eos {index['eos_id']}, tokenizer sha256 {index['tokenizer_sha256'][:16]}")
-    ok = True
-    start, read_tokens, read_docs = time.time(), 0, 0
+    ok, start, read_tokens, read_docs = True, time.time(), 0, 0
     for split, entries in index["splits"].items():
         print(f"  {split}: {len(entries)} shards, "
               f"{sum(e['documents'] for e in entries):,} documents, "

@@ -1,25 +1,14 @@
-"""Columnar inputs of `scse-data`: parquet files, `datasets.save_to_disk` directories, Hub datasets.
-
-- `*.parquet` (any fsspec URL; a directory of them is its `*.parquet` files, sorted by path): the
-  document is each row's `text_field` column, rows in file order, row group by row group. Needs
-  pyarrow (`pip install 'scse-dist[parquet]'`).
-- a directory written by `Dataset.save_to_disk` (it holds state.json and dataset_info.json): its
-  rows in order, through `datasets.load_from_disk`. A `DatasetDict`'s directory is refused with its
-  splits named: give one split's subdirectory.
-- `hf:NAME:SPLIT` or `hf:NAME:CONFIG:SPLIT`: `datasets.load_dataset(NAME, CONFIG, split=SPLIT,
-  streaming=True)`, where the Hub (or its cache) is reachable; rows in the order the dataset
-  streams them. Both need `pip install 'scse-dist[hf-datasets]'`.
-
-Rows go through RowStats (scse_dist.data.rows): empty ones and, within its limit, bad ones
-(missing column, not a string, null) are skipped and counted. Rows are named `URL: row N`,
-counted from 0 within the file or dataset. A unit is a parquet row group, a range of
-ROWS_PER_UNIT rows of a saved dataset, or a whole Hub stream (it cannot be split without
-reading it): `--part` hands out contiguous runs of units.
+"""Columnar inputs of `scse-data` (docs/data.md, "Inputs"), the document being each row's
+`text_field` column: `*.parquet` files (pyarrow, row group by row group), a `save_to_disk`
+directory and an `hf:NAME[:CONFIG]:SPLIT` Hub stream (`datasets`). Rows go through RowStats,
+named `URL: row N` (from 0). A unit for `--part` is a parquet row group, ROWS_PER_UNIT rows of a
+saved dataset, or a whole Hub stream (it cannot be split unread).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import posixpath
 from typing import Any, Iterator
 
@@ -31,10 +20,6 @@ HF_PREFIX = "hf:"
 PARQUET_SUFFIX = ".parquet"
 ROWS_PER_UNIT = 8192  # a saved dataset's rows per unit: parts balance to within one of them
 SAVED_DATASET_FILES = ("state.json", "dataset_info.json")
-
-
-def _require(module: str, extra: str) -> Any:
-    return require_extra(module, extra, "reading this input")
 
 
 def is_parquet(url: str) -> bool:
@@ -73,7 +58,7 @@ def directory_files(fs: Any, path: str, url: str) -> list[str] | None:
 def _open_parquet(url: str) -> Any:
     import fsspec
 
-    pq = _require("pyarrow.parquet", "parquet")
+    pq = require_extra("pyarrow.parquet", "parquet", "reading this input")
     try:
         return pq.ParquetFile(fsspec.open(url, "rb").open())
     except FileNotFoundError:
@@ -89,12 +74,9 @@ def _open_parquet(url: str) -> Any:
 def parquet_units(url: str) -> list[tuple[int, int]]:
     """(row group, its compressed bytes) of a parquet file, in file order."""
     meta = _open_parquet(url).metadata
-    out = []
-    for i in range(meta.num_row_groups):
-        group = meta.row_group(i)
-        size = sum(group.column(c).total_compressed_size for c in range(group.num_columns))
-        out.append((i, max(size, 1)))
-    return out
+    groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
+    return [(i, max(sum(g.column(c).total_compressed_size for c in range(g.num_columns)), 1))
+            for i, g in enumerate(groups)]
 
 
 def iter_parquet(url: str, groups: range | None, text_field: str, stats: RowStats
@@ -103,26 +85,20 @@ def iter_parquet(url: str, groups: range | None, text_field: str, stats: RowStat
     pf = _open_parquet(url)
     meta = pf.metadata
     names = pf.schema_arrow.names
-    first_row = [0]
-    for i in range(meta.num_row_groups):
-        first_row.append(first_row[-1] + meta.row_group(i).num_rows)
+    missing = None if text_field in names else f"set --text-field; columns: {names[:8]}"
+    first_row = [0, *itertools.accumulate(meta.row_group(i).num_rows
+                                          for i in range(meta.num_row_groups))]
     for g in groups if groups is not None else range(meta.num_row_groups):
-        row = first_row[g]
-        if text_field not in names:
-            missing = f"set --text-field; columns: {names[:8]}"
-            for r in range(row, first_row[g + 1]):
-                stats.take(None, f"{url}: row {r}", text_field, missing)
-            continue
-        for value in pf.read_row_group(g, columns=[text_field]).column(0).to_pylist():
-            text = stats.take(value, f"{url}: row {row}", text_field)
-            row += 1
-            if text is not None:
-                yield text
+        rows = range(first_row[g], first_row[g + 1])
+        values = [None] * len(rows) if missing else \
+            pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
+        yield from filter(None, (stats.take(v, f"{url}: row {r}", text_field, missing)
+                                 for r, v in zip(rows, values)))
 
 
 @functools.lru_cache(maxsize=8)
 def _load_saved(path: str) -> Any:
-    datasets = _require("datasets", "hf-datasets")
+    datasets = require_extra("datasets", "hf-datasets", "reading this input")
     return datasets.load_from_disk(path)
 
 
@@ -136,23 +112,19 @@ def iter_saved(path: str, rows: range | None, text_field: str, stats: RowStats) 
     """Documents of a saved dataset's rows `rows` (all when None), in order."""
     ds = _load_saved(path)
     rows = rows if rows is not None else range(len(ds))
+    columns = ds.column_names
+    missing = None if text_field in columns else f"set --text-field; columns: {columns[:8]}"
     for start in range(rows.start, rows.stop, ROWS_PER_UNIT):
         stop = min(start + ROWS_PER_UNIT, rows.stop)
-        if text_field not in ds.column_names:
-            missing = f"set --text-field; columns: {ds.column_names[:8]}"
-            for r in range(start, stop):
-                stats.take(None, f"{path}: row {r}", text_field, missing)
-            continue
-        for r, value in enumerate(ds[start:stop][text_field], start):
-            text = stats.take(value, f"{path}: row {r}", text_field)
-            if text is not None:
-                yield text
+        values = [None] * (stop - start) if missing else ds[start:stop][text_field]
+        yield from filter(None, (stats.take(v, f"{path}: row {r}", text_field, missing)
+                                 for r, v in enumerate(values, start)))
 
 
 def iter_hub(spec: str, text_field: str, stats: RowStats) -> Iterator[str]:
     """Documents of a Hub dataset, streamed in the dataset's order."""
     name, config, split = parse_hf(spec)
-    datasets = _require("datasets", "hf-datasets")
+    datasets = require_extra("datasets", "hf-datasets", "reading this input")
     try:
         ds = datasets.load_dataset(name, config, split=split, streaming=True)
         rows = iter(ds)

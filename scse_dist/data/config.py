@@ -1,9 +1,5 @@
-"""The `data:` section of a run config: where the token shards are and how they are read.
-
-Beside the package it configures, and below it: it imports only the model's ConfigError, so
-`scse_dist.config` composes it without loading the data stack (or torch). `check()` is the
-section's one validation; scse_dist.config runs it, then the checks across sections.
-"""
+"""The `data:` section of a run config (docs/config.md): where the token shards are and how they
+are read. It imports only the model's ConfigError, so the config loads without the data stack."""
 
 from __future__ import annotations
 
@@ -14,37 +10,27 @@ from scse_dist.model.config import ConfigError
 
 TokenizerKind = Literal["sentencepiece", "hf", "tiktoken"]
 TOKENIZER_KINDS: tuple[TokenizerKind, ...] = ("sentencepiece", "hf", "tiktoken")
-# The file an export carries for each kind (scse_dist.checkpoint.export); tiktoken's settings
-# (pattern, special tokens) go beside its ranks as NAME.json. Here, not in data.tokenizer, so that
-# reading an export's config loads no tokenizer library.
+# The file an export carries for each kind (tiktoken's settings beside it as NAME.json); here so
+# that reading an export's config loads no tokenizer library.
 TOKENIZER_EXPORT_NAMES = {"sentencepiece": "tokenizer.model", "hf": "tokenizer.json",
                           "tiktoken": "tokenizer.tiktoken"}
 
 
 @dataclass
 class DataConfig:
-    # fsspec URL or path of a shard directory holding index.json (see scse_dist.data.shards).
-    path: str = "data/quickstart/shards"
-    # The tokenizer file the shards were written with: a sentencepiece .model, a Hugging Face
-    # tokenizer.json or a tiktoken ranks file (docs/data.md, "Tokenizers").
+    path: str = "data/quickstart/shards"  # shard directory or URL holding index.json
+    # the tokenizer file the shards were written with (docs/data.md, "Tokenizers")
     tokenizer: str = "data/quickstart/tokenizer.model"
-    # Which of those it is; "auto" tells them apart by content (JSON, `base64 rank` lines, else
-    # sentencepiece). An export writes the kind it carries here.
-    tokenizer_kind: Literal["auto", "sentencepiece", "hf", "tiktoken"] = "auto"
-    # If set and `path` has no index.json, build it first. "stdlib_docs": the quickstart corpus.
-    build: Optional[Literal["stdlib_docs"]] = None
+    tokenizer_kind: Literal["auto", "sentencepiece", "hf", "tiktoken"] = "auto"  # auto: by content
+    build: Optional[Literal["stdlib_docs"]] = None  # build the quickstart corpus if path has none
     build_vocab_size: int = 4096
     heldout_fraction: float = 0.02
     seq_len: int = 256
-    # DataLoader worker processes per rank (0: read in the training process). Each (rank, worker)
-    # is one reader; resuming needs the same world size and num_workers.
-    num_workers: int = 0
-    # Samples in the seeded shuffle buffer mixing each reader's samples across shards (0: off).
-    shuffle_buffer: int = 0
-    # Corrupt shards/samples skipped (one line each on stderr) before the run stops (exit 65).
-    max_failures: int = 100
-    # Train on a weighted mixture of these shard directories instead of `path` (held-out
-    # evaluation still reads `path`); weights are relative, one per path.
+    num_workers: int = 0  # DataLoader workers per rank (0: in the training process)
+    shuffle_buffer: int = 0  # samples in the shuffle buffer across a reader's shards (0: off)
+    max_failures: int = 100  # corrupt shards/samples skipped before the run stops (exit 65)
+    # a weighted mixture of shard directories to train on instead of `path` (held-out evaluation
+    # still reads `path`), one relative weight per path
     mixture_paths: list[str] = field(default_factory=list)
     mixture_weights: list[float] = field(default_factory=list)
 

@@ -4,7 +4,7 @@ samples. The format and how it is written: shards.py."""
 from __future__ import annotations
 
 import json
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import fsspec
 import numpy as np
@@ -35,8 +35,7 @@ def index_as_written(root: str) -> Optional[dict]:
 
 
 def read_index(path: str) -> dict:
-    """Load and check `path`/index.json (`path` may also name the index file itself, or be a
-    brace pattern of shards whose directory holds it)."""
+    """Load and check the index.json of `path` (a data.path: see index_root)."""
     url = path if path.endswith(".json") else join(index_root(path), INDEX_NAME)
     try:
         with fsspec.open(url, "r") as f:
@@ -76,9 +75,8 @@ def read_index(path: str) -> dict:
 
 def check_tokenizer(path: str, index: dict, tokenizer_sha256: str,
                     whose: str = "data.tokenizer") -> None:
-    """InputError unless the shards at `path` (whose index is `index`) were written with the
-    tokenizer whose sha256 is `tokenizer_sha256` (`whose` names it in the message): another
-    tokenizer's ids are other words."""
+    """InputError unless the shards at `path` were written with the tokenizer of sha256
+    `tokenizer_sha256` (`whose` names it): another tokenizer's ids are other words."""
     if tokenizer_sha256 != index["tokenizer_sha256"]:
         raise InputError(f"{path.rstrip('/')}/index.json: the shards were written with another "
                          f"tokenizer (sha256 {index['tokenizer_sha256']}, {whose} has "
@@ -106,14 +104,9 @@ def index_root(path: str) -> str:
 
 
 def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[str]]:
-    """(root, index, entries, urls) of the non-empty shards of `split` under `path`.
-
-    `path` is a shard directory or URL prefix holding index.json, the index file itself, or a
-    brace pattern of shard URLs (`s3://b/web/train-{000000..000127}.tar`) whose directory holds
-    index.json: the pattern then selects a subset of the shards of each split it names shards of
-    (a split it names none of is read whole: the held-out split beside a training pattern), and
-    every shard it names must be listed there (the index carries the counts resume relies on).
-    """
+    """(root, index, entries, urls) of the non-empty shards of `split` under `path`, whose shard
+    URLs a brace pattern (`s3://b/web/train-{000000..000127}.tar`) may name, each listed in the
+    index (it carries the counts resume relies on)."""
     import braceexpand  # webdataset's own dependency
 
     pattern = path if "{" in path.rsplit("/", 1)[-1] else None
@@ -130,8 +123,7 @@ def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[st
             raise FileNotFoundError(f"{pattern}: {len(unknown)} shard(s) not listed in "
                                     f"{join(root, INDEX_NAME)}, e.g. {unknown[0]}")
         by_url = {shard_url(root, e): e for e in index["splits"][split]}
-        # The pattern narrows the split whose shards it names (training's, usually); a split it
-        # names none of (the held-out one beside a training pattern) is read whole.
+        # a split the pattern names no shard of (the held-out one beside training's) is read whole
         if any(u in by_url for u in wanted):
             entries = [by_url[u] for u in wanted if u in by_url and by_url[u]["tokens"] > 0]
     urls = [shard_url(root, e) for e in entries]
@@ -141,10 +133,7 @@ def resolve_split(path: str, split: str) -> tuple[str, dict, list[dict], list[st
 
 def check_shards_exist(urls: list[str]) -> None:
     """Fail at start-up, naming the files, when shards (or tables) are missing or storage is
-    unreachable.
-
-    One listing per directory (not one request per shard), so it stays cheap on object storage.
-    """
+    unreachable: one listing per directory, cheap on object storage."""
     listed: dict[str, set[str]] = {}
     missing = []
     for url in urls:
@@ -171,12 +160,14 @@ def iter_samples(url: str, eos: int, vocab_size: int
                  ) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """Yield (key, tokens, doc_lens) for every sample of one tar shard, in file order; tokens
     hold each document followed by eos. ValueError naming the shard and sample on bad data."""
-    from webdataset.tariterators import (  # imports torch: not at start-up
-        group_by_keys,
-        tar_file_iterator,
-    )
-
     with fsspec.open(url, "rb") as f:
-        for parts in group_by_keys({**d, "__url__": url} for d in tar_file_iterator(f)):
+        for parts in tar_samples(f, url):
             yield parts["__key__"], *decode_sample(parts, f"{url}: sample {parts['__key__']!r}",
                                                    eos, vocab_size)
+
+
+def tar_samples(f: Any, url: str) -> Iterator[dict[str, Any]]:
+    """The samples of an open tar shard in file order: {"__key__": key, member: bytes}."""
+    from webdataset.tariterators import group_by_keys, tar_file_iterator  # imports torch
+
+    return group_by_keys({**d, "__url__": url} for d in tar_file_iterator(f))

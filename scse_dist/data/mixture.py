@@ -1,9 +1,6 @@
-"""MixedStream: batches drawn from several corpora (TokenStreams) with fixed weights.
-
-Batch i of every rank comes from corpus `choice(i)`, drawn from rng(seed, block) in blocks of
-BLOCK batches, so the sequence of corpora is a pure function of the seed: identical on every
-rank, on every run and after a resume. Each corpus keeps its own TokenStream (readers, shuffle,
-exact resume); a whole batch comes from one corpus, so packing never mixes corpora in a window.
+"""MixedStream: batches drawn from several corpora (TokenStreams) with fixed weights. Batch i
+comes wholly from corpus `choice(i)`, drawn from rng(seed, block) in blocks of BLOCK batches: the
+same on every rank, run and resume. Each corpus keeps its own TokenStream and exact resume.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""Which items each reader of a TokenStream reads in an epoch, and in which order.
-
-Units. Readers split the data at the coarsest level that gives each one something: whole shards
-when there are at least as many as readers, else tar samples, else single documents.
-
-Order. Each epoch, the units are permuted with rng(seed, epoch) and dealt round robin to the
-readers, so every token of an epoch is read exactly once across ranks x workers. Inside a
-shard, samples are visited in an order drawn from rng(seed, epoch, shard); `shuffle_buffer` > 1
-further mixes each reader's samples across neighbouring shards (a shuffle buffer of that many
-samples, seeded by (seed, epoch, reader)). All these orders are computed on sample ids, before
-reading, so they cost no memory and resume exactly. heldout defaults to no shuffle; an unshuffled
-shard is read as one sequential tar stream.
+"""Which items each reader of a TokenStream reads in an epoch, and in which order: units (whole
+shards if there are as many as readers, else samples, else documents) permuted with
+rng(seed, epoch) and dealt round robin, so every token of an epoch is read once; a shard's samples
+in rng(seed, epoch, shard) order, then an optional shuffle buffer across a reader's shards. All on
+ids before reading (no memory, exact resume).
 """
 
 from __future__ import annotations

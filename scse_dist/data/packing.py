@@ -1,9 +1,6 @@
-"""WindowPacker: token runs laid end to end into (rows, width) int64 windows, one copy per token.
-
-The loader's hot path. Shards store the packed stream (eos after each document) in a narrow
-dtype (uint16 for most vocabularies), so each token is touched once: widened to int64 in its
-copy into the output window. Each full window is handed out as a fresh array, so the caller
-may keep it (torch.from_numpy shares its memory).
+"""WindowPacker: token runs laid end to end into (rows, width) int64 windows, one copy per token
+(the loader's hot path: widened from the shard's dtype in that copy); each full window is a fresh
+array the caller may keep (torch.from_numpy shares it).
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""`scse-data shards` over many processes or jobs: tokenize in parts, then merge into one index.
-
-Part K of N (`--part K/N`) reads a contiguous run of the input's units (files, parquet row
-groups, rows of a saved dataset; scse_dist.data.sources.partition) and writes its documents'
-token ids, per split, as raw arrays under `out/parts/part-K-of-N/`:
-
-    {split}.tokens   the documents' ids end to end (the shards' dtype, no eos)
-    {split}.lens     uint32, each document's length
-    part.json        the counts and everything the shards depend on
-
-`scse-data merge out` then packs the parts, in part order, into samples and shards with the same
-writer a single process uses, writes index.json and removes `out/parts`. Shard and sample
-boundaries fall by token and byte counts from the start of each split, so they can only be
-placed once the whole stream before them is known: tokenizing (the costly step) runs in parallel,
-packing (array slicing and tar writing) once, and the result is byte for byte what one process
-writes. The parts take about the space of the shards until the merge removes them. A part's
-folder and the merge's shards are written beside their place and moved in when complete
-(scse_dist.atomic.output_dir), so a part or a merge that fails changes nothing.
+"""`scse-data shards` over many processes or jobs (docs/data.md, "Corpus scale"): part K of N
+(`--part K/N`, a contiguous run of units: sources.partition) writes its token ids per split under
+`out/parts/part-K-of-N/` ({split}.tokens, the shards' dtype without eos; {split}.lens, uint32; and
+part.json, the counts and all the shards depend on). `scse-data merge out` packs the parts in
+order with the one-process writer: sample and shard boundaries depend on all before them, so
+only the (cheap) packing runs once, and the bytes are those one process writes.
 """
 
 from __future__ import annotations
@@ -160,9 +148,8 @@ def _part_documents(fs: Any, here: str, split: str, dtype: np.dtype, documents: 
 
 
 def merge_parts(out: str, into: str | None = None) -> dict:
-    """Pack every part under out/parts into the shards and index.json one process would have
-    written, then remove out/parts; return the index. The shards go to `out` (written beside it
-    and moved in: shards_output), or straight into `into`, a new folder the caller publishes."""
+    """Pack the parts under out/parts into the shards and index.json one process would write, in
+    `out` (shards_output) or `into` (a new folder the caller publishes); remove out/parts."""
     fs, root = fsspec.core.url_to_fs(out)
     metas = _read_parts(fs, root, out)
     if sum(m["splits"][s]["documents"] for m in metas for s in SPLITS) == 0:
@@ -194,23 +181,22 @@ class PartFailed(Exception):
 
 def run_and_merge(argv: Callable[[str], list[str]], out: str, n: int) -> dict:
     """`scse-data shards --processes n`: parts 0..n-1 as processes (`argv(folder)`: the shards
-    command writing to `folder`), then the merge; all in a folder beside `out` that becomes it
-    when they succeed (shards_output). Returns the index; PartFailed for the first part that
-    fails (the others are stopped)."""
+    command writing to `folder`), then the merge, in shards_output(out). Returns the index;
+    PartFailed for the first part that fails (the others are stopped)."""
     with shards_output(out) as tmp:
         fs, root = fsspec.core.url_to_fs(tmp)
         fs.makedirs(join(root, PARTS_DIR))  # here, not by the parts, which share it
-        status, which = run_parts([part_command(argv(tmp), k, n) for k in range(n)])
+        status, which = run_parts([[sys.executable, "-m", "scse_dist.data.cli", *argv(tmp),
+                                    "--part", f"{k}/{n}"] for k in range(n)])
         if status:
             raise PartFailed(status, which)
         return merge_parts(tmp, into=tmp)
 
 
 def run_parts(argvs: Sequence[Sequence[str]]) -> tuple[int, int]:
-    """Run the part commands at once, each in a process group of its own; SIGINT and SIGTERM are
-    forwarded to all of them (then KeyboardInterrupt), and the first that fails stops the others.
-    Returns (0, -1), or the exit status and number of the first part that failed (its own error
-    line is already on stderr)."""
+    """Run the part commands at once, each in its own process group; SIGINT and SIGTERM go to all
+    (then KeyboardInterrupt), and the first that fails stops the others. Returns (0, -1), or
+    that part's exit status and number (its error line is on stderr)."""
     # their stdout (a line per part) is not shown: the caller merges and prints the total
     procs = [subprocess.Popen(list(a), start_new_session=True, stdout=subprocess.DEVNULL)
              for a in argvs]
@@ -248,8 +234,3 @@ def run_parts(argvs: Sequence[Sequence[str]]) -> tuple[int, int]:
     if received:
         raise KeyboardInterrupt
     return failed, which
-
-
-def part_command(argv: Sequence[str], k: int, n: int) -> list[str]:
-    """This interpreter running `scse-data <argv> --part k/n`."""
-    return [sys.executable, "-m", "scse_dist.data.cli", *argv, "--part", f"{k}/{n}"]

@@ -1,9 +1,5 @@
-"""A training run's data, checked before torch or DeepSpeed is imported: what `train()` would
-find wrong in its first seconds is reported in a fraction of one (one line, exit 65 or 66).
-
-    check_run_data(cfg, config_path, overrides)   # scse-train and scse-launch --local call it
-
-train() reads the same things again (cheap) when it starts, so library callers are checked too.
+"""A training run's data, checked before torch or DeepSpeed is imported (one line, exit 65 or 66):
+check_run_data, which scse-train and scse-launch --local call. train() reads the same again.
 """
 
 from __future__ import annotations
@@ -28,10 +24,9 @@ def load_run_tokenizer(cfg: RunConfig) -> Tokenizer:
 
 def check_run_data(cfg: RunConfig, config_path: Optional[str] = None,
                    overrides: Sequence[str] = ()) -> bool:
-    """The build rule (check_build); then, unless a build will write them, that data.path
-    holds shards, and that data.tokenizer loads, fits the model and is the one the shards were
-    written with. (Mixture paths are checked when the training stream opens them.) Returns
-    whether data.build will write them at the start."""
+    """The build rule; then, unless data.build will write them (returns whether), that data.path
+    holds shards and data.tokenizer loads, fits the model and wrote them. (The training stream
+    checks mixture paths.)"""
     check_build(cfg.data, config_path, overrides)
     if needs_build(cfg.data):  # FileNotFoundError when missing and nothing builds it
         if cfg.data.build_vocab_size > cfg.model.vocab_size:

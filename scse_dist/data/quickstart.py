@@ -1,13 +1,7 @@
-"""The quickstart corpus: real English text on every machine, with no download.
-
-Source: the docstrings of the Python standard library's own .py files (about 650 modules,
-1.8 MB of prose with code samples). Files are parsed with `ast`, never imported (imports run
-code). Test suites, site-packages and __pycache__ are skipped. Paths are walked sorted, so the
-corpus, the tokenizer and the shards are identical on every run of the same Python version.
-
-The build follows the write rule (scse_dist.atomic): it writes nothing unless it succeeds, and
-nothing over a tokenizer or shards it did not make. Its marker is the index.json it writes last:
-`sources` names the stdlib_docs corpus and `tokenizer_sha256` the tokenizer it trained.
+"""The quickstart corpus, real English text with no download: the docstrings of the standard
+library's .py files (about 650 modules, 1.8 MB), parsed with `ast`, never imported, walked sorted
+(the same corpus, tokenizer and shards on every run of a Python version). The build's marker is
+the index.json it writes last: `sources` name this corpus, `tokenizer_sha256` its tokenizer.
 """
 
 from __future__ import annotations
@@ -55,11 +49,8 @@ def stdlib_files(root: str | None = None) -> list[str]:
 
 
 def stdlib_documents(root: str | None = None) -> Iterator[str]:
-    """One document per module: all its docstrings joined by blank lines.
-
-    A module is the natural document: its docstrings share one topic and vocabulary, so packing
-    them together gives the model real long-range context; a docstring alone is often one line.
-    """
+    """One document per module, its docstrings joined by blank lines: they share a topic, so the
+    model gets long-range context (a docstring alone is often one line)."""
     for path in stdlib_files(root):
         try:
             with open(path, "rb") as f:
@@ -87,13 +78,8 @@ def _current(path: str) -> bool:
 
 def build_stdlib_corpus(shards: str, tokenizer: str, vocab_size: int, heldout_fraction: float,
                         shard_bytes: int = 2**19) -> dict:
-    """Train the tokenizer on the stdlib docstrings and write the shards; print a summary.
-
-    The tokenizer sees only the train documents. Small shards (512 KiB) by default so the
-    quickstart exercises the multi-shard rank split. Refused (check_build_targets) where it would
-    write over what it did not make; the tokenizer is trained under a temporary name and put in
-    place once the shards are, so a failed build leaves nothing behind.
-    """
+    """Train the tokenizer on the train documents, then write the shards (small: several per
+    rank) and put the tokenizer in place, so a failed build leaves nothing."""
     check_build_targets(shards, tokenizer)
     start = time.time()
     docs = list(stdlib_documents())
@@ -120,18 +106,15 @@ def build_stdlib_corpus(shards: str, tokenizer: str, vocab_size: int, heldout_fr
 
 
 def ensure_data(cfg: DataConfig) -> None:
-    """Make sure `cfg.path` holds shards: return if it does, build them if `cfg.build` says how.
-
-    Call it on one process (rank 0) and barrier: it does not lock against concurrent builders.
-    """
+    """Build `cfg.path`'s shards if needs_build says so. On one process only (data_step): it does
+    not lock against concurrent builders."""
     if needs_build(cfg):
         build_stdlib_corpus(cfg.path, cfg.tokenizer, cfg.build_vocab_size, cfg.heldout_fraction)
 
 
 def data_step(cfg: DataConfig) -> None:
-    """A run's data step, before train() (which only reads shards): ensure_data on rank 0 while
-    the launcher's other ranks wait, in the process group train() then goes on with. Every rank
-    has checked the run (preflight) before any rank builds."""
+    """A run's data step, after preflight and before train(): ensure_data on rank 0 while the
+    other ranks wait, in the process group train() then goes on with."""
     from scse_dist.distributed import abandon, barrier, init_distributed
 
     try:
@@ -157,20 +140,14 @@ def needs_build(cfg: DataConfig) -> bool:
         "set data.build=stdlib_docs for the quickstart corpus (`scse-data quickstart`).")
 
 
-def _built_index(root: str) -> Optional[dict]:
-    """The index.json at `root` (of any format version) if this build wrote it, else None."""
-    index = index_as_written(root)
-    sources = index.get("sources") if index else None
-    ours = isinstance(sources, list) and len(sources) == 1 and str(sources[0]).startswith(SOURCE)
-    return index if ours else None
-
-
 def check_build_targets(shards: str, tokenizer: str) -> None:
-    """FileExistsError (exit 66) unless the build writes over nothing it did not make: `shards`
-    is new, empty or shards it built (its index says so), and `tokenizer` is new or the one
-    those shards name (by sha256)."""
+    """FileExistsError (exit 66) unless `shards` is new, empty or built by this build (its index
+    says so), and `tokenizer` new or the one those shards name."""
     root = index_root(shards)
-    index = _built_index(root)
+    index = index_as_written(root)  # of any format version; None unless this build wrote it:
+    sources = index.get("sources") if index else None
+    if not (isinstance(sources, list) and len(sources) == 1 and str(sources[0]).startswith(SOURCE)):
+        index = None
     fs, path = fsspec.core.url_to_fs(root)
     if index is None and fs.exists(path) and (not fs.isdir(path) or fs.ls(path, detail=False)):
         raise FileExistsError(
@@ -189,13 +166,9 @@ def check_build_targets(shards: str, tokenizer: str) -> None:
 
 
 def check_build(cfg: DataConfig, config_path: Optional[str], overrides: Sequence[str]) -> None:
-    """The build rule, checked before anything is written, when `cfg` would build (exit 66).
-
-    Asked: data.build builds only into the data.path and data.tokenizer named where data.build
-    itself is set: the command line, or the file of the config's `base:` chain that sets it. A
-    path that a child config or the command line moves (a typo) is refused: it must not create a
-    corpus somewhere else and overwrite a tokenizer. Setting data.build there too asks for the
-    build there. Made: it writes over nothing it did not make (check_build_targets)."""
+    """The build rule (docs/data.md), before anything is written (exit 66): data.build builds only
+    into the data.path and data.tokenizer named where it is set (so a mistyped path creates no
+    corpus elsewhere), and over nothing it did not make (check_build_targets)."""
     if not needs_build(cfg):
         return
     keys = [item.split("=", 1)[0].strip() for item in overrides]

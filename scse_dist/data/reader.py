@@ -1,18 +1,9 @@
 """ShardReader: one loader reader's access to tar samples, tolerant of corrupt input.
 
-Local shards are memory-mapped and every sample is read in place from the page cache, at the
-byte offsets of the shard's sample table (scse-tokens-v2). A remote shard read in file order
-(an unshuffled split) is one sequential stream (webdataset's tar iterator over an fsspec file:
-one request per shard). In a shuffled order each remote sample is one ranged read spanning its
-two members, the next few fetched together (`prefetch`, concurrent GETs on object storage):
-one GET of exactly the sample, where a buffered file would read ahead megabytes per seek.
-
-Bad input: a truncated or unreadable tar, a missing member, an array that does not decode,
-doc_lens that disagree with the tokens, or a token id past the vocabulary make the affected
-samples *bad*. Each event is one line on stderr, counted in `failures`, and its samples are
-added to `bad` so the resume arithmetic of the stream can treat them as empty (the data are
-corrupt on disk, so an uninterrupted run skips them too). The event past `max_failures` raises
-InputError (exit 65) naming the shard and sample instead.
+A local shard is memory-mapped and a sample read in place at its table's offsets; a remote one
+streamed in file order, else one ranged read per sample, a few at once (`prefetch`). A sample
+that cannot be read or decoded is *bad*: one line on stderr, counted in `failures`, added to `bad`
+(resume counts it empty); the event past `max_failures` is an InputError (exit 65) naming them.
 """
 
 from __future__ import annotations
@@ -26,6 +17,7 @@ import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
 from scse_dist.cli_errors import InputError
+from scse_dist.data.index import tar_samples
 from scse_dist.data.sample_format import MEMBERS, Sample, decode_sample, load_sample_table
 
 
@@ -36,19 +28,11 @@ def documents_of(sample: Sample) -> list[np.ndarray]:
     return [tokens[e - n - 1:e - 1] for e, n in zip(ends.tolist(), lens.tolist())]
 
 
-def _sample_index(key: str, fallback: int) -> int:
-    """The writer's keys end in -NNNNNN (the sample number); other keys count in file order."""
-    tail = key.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else fallback
-
-
 class ShardReader:
     def __init__(self, urls: list[str], n_samples: list[int], eos: int, vocab_size: int,
                  table_urls: list[str], file_order: bool = False, max_failures: int = 100):
-        """`table_urls[s]`: shard s's sample table (sizes and member offsets, see
-        sample_format.TABLE_COLUMNS); `vocab_size`: the index's, no id may reach it.
-        `file_order`: samples are asked for in file order (an unshuffled split), so a remote
-        shard is streamed; otherwise every sample is a ranged read."""
+        """`vocab_size`: the index's, no id may reach it. `file_order`: samples are asked for in
+        file order (an unshuffled split), so a remote shard is streamed, not read by ranges."""
         self.urls, self.n_samples, self.eos, self.table_urls = urls, n_samples, eos, table_urls
         self.vocab_size, self.max_failures = vocab_size, max_failures
         self.file_order = file_order
@@ -59,8 +43,6 @@ class ShardReader:
         self.new_bad: list[tuple[int, int]] = []  # since the stream last collected them
         self._cursor: Optional[tuple[int, int, Iterator[tuple[int, Optional[Sample]]]]] = None
         self._sources: dict[int, Any] = {}  # shard -> mmap view, or (filesystem, path)
-
-    # ------------------------------------------------------------------ failures
 
     def _fail(self, s: int, samples: list[int], message: str) -> None:
         fresh = [(s, j) for j in samples if (s, j) not in self.bad]
@@ -80,8 +62,6 @@ class ShardReader:
         self.new_bad.extend(fresh)
         print(f"skipping {len(fresh)} bad sample(s): {where}{message}", file=sys.stderr,
               flush=True)
-
-    # ------------------------------------------------------------------ access
 
     def sample(self, s: int, j: int) -> Optional[Sample]:
         """Sample j of shard s, or None when it is bad."""
@@ -167,14 +147,9 @@ class ShardReader:
         url, seen = self.urls[s], -1
         try:
             with fsspec.open(url, "rb") as f:
-                from webdataset.tariterators import (  # imports torch
-                    group_by_keys,
-                    tar_file_iterator,
-                )
-
-                files = ({**d, "__url__": url} for d in tar_file_iterator(f))
-                for n, parts in enumerate(group_by_keys(files)):
-                    j = _sample_index(parts["__key__"], n)
+                for n, parts in enumerate(tar_samples(f, url)):
+                    tail = parts["__key__"].rsplit("-", 1)[-1]  # the writer's: -NNNNNN, sample j
+                    j = int(tail) if tail.isdigit() else n
                     if j > seen + 1:
                         self._fail(s, list(range(seen + 1, j)), "samples missing from the tar")
                     seen = max(seen, j)
@@ -195,9 +170,8 @@ class ShardReader:
                        f"tar ends after {seen + 1} of {self.n_samples[s]} samples (truncated?)")
 
     def _location(self, s: int, j: int) -> tuple[int, int, dict[str, tuple[int, int]]]:
-        """(lo, hi, {member: (byte offset, size)}) of sample j of shard s, from its sample table
-        (loaded: only a readable shard is read); [lo, hi) spans both members and the tar header
-        between them."""
+        """(lo, hi, {member: (byte offset, size)}) of sample j of shard s, from its (loaded) sample
+        table; [lo, hi) spans both members and the tar header between them."""
         table = self._sample_tables[s]
         assert table is not None
         _, _, t, tn, d, dn = table[j].tolist()

@@ -1,23 +1,12 @@
 """The carry of a layout change: what the old readers left unread of the epochs they were in.
 
-A TokenStream's layout is its world size x data.num_workers, R readers in all. Reader r's stream
-is a sequence of items (a sample, or a document of one, from its first token on) epoch after
-epoch, each epoch's order a pure function of (seed, epoch, R). Its position is a token count
-from the start of its layout, so what it consumed is a prefix of that sequence.
-
-When a run resumes at another layout, for every old reader the walk below finds where that
-prefix ends: the item it stopped in (its unread tail, from the next token on) and the rest of
-that epoch are unread, and so is every later epoch it had not reached. Per epoch from the
-oldest cut to the newest, the carry is that epoch's unread items of all old readers in reader
-order, permuted with rng(seed, epoch, R_old, R_new). The new readers deal it round robin
-(epoch_items), then read regular epochs at the new layout. So every token of an interrupted
-epoch is read exactly once across the change; batch composition after it cannot match a run
-that did not change, as other readers pack other items together.
-
-The carry is never stored: a checkpoint keeps the layout change as `origin` (the old layout,
-its readers' token positions, the bad samples known then, and the old layout's own origin),
-and the carry is recomputed from it, so a later resume at the same layout is bit-exact and a
-second change walks the old streams carry included.
+A reader's position is a token count into its items (a sample, or a document, from a first token
+on), epoch after epoch in an order that is a pure function of (seed, epoch, readers), so what it
+read is a prefix. For each old reader the walk below finds where that prefix ends; per epoch, the
+carry is the unread items of all old readers in reader order, permuted with rng(seed, epoch,
+R_old, R_new), which the new readers deal round robin (epoch_items) before their regular epochs.
+The carry is never stored: it is recomputed from a checkpoint's `origin` (the old layout, its
+token positions, the bad samples, its own origin), so a second change walks the first's carry.
 """
 
 from __future__ import annotations
@@ -30,8 +19,7 @@ CARRY_SEED = 0x6361  # "ca": the carry's permutation stream
 
 
 def carried_items(stream: Any, origin: dict[str, Any], n_new: int = 0) -> dict[int, list]:
-    """{epoch: items no old reader consumed} of the layout change `origin` to `n_new` readers
-    (default: the stream's), see the module doc."""
+    """{epoch: items no old reader consumed} of the layout change `origin` to `n_new` readers."""
     n_new = n_new or stream.n_readers
     n_old = origin["world_size"] * max(1, origin["num_workers"])
     old_carry = carried_items(stream, origin["origin"], n_old) if origin.get("origin") else {}

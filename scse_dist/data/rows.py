@@ -1,10 +1,6 @@
-"""Bad-row accounting shared by the row readers (JSONL lines, parquet and `datasets` rows).
-
-A row whose text is empty or blank is skipped and counted (corpora such as WikiText hold many,
-and JSONL skipped them before there was a count). A *bad* row, one without the text field or
-whose value is not a string (a JSON number, a parquet null), is skipped and counted too, up to
-`max_bad_rows`; the next one stops the read with one InputError naming its file and row. The
-default, 0, stops at the first bad row, as JSONL always did.
+"""Bad-row accounting shared by the row readers (JSONL lines, parquet and `datasets` rows): an
+empty row is skipped and counted; a *bad* one (no text field, or not a string) too, up to
+`max_bad_rows`, the next stopping the read with an InputError naming its file and row.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The sample layout of scse-tokens-v2, shared by the shard writer and the reader.
-
-shards.py's docstring describes the whole on-disk format; this module holds the pieces both sides
-need: the format name, a sample's two npy members, the sample table's columns, and the npy codec.
-It imports nothing from scse_dist, so shards.py (writing) and reader.py (reading) both import it
-and never each other.
+"""The sample layout of scse-tokens-v2 (format: shards.py): the format name, a sample's two npy
+members, the sample table's columns and the npy codec. It imports nothing from scse_dist, so the
+writer (shards.py) and the reader (reader.py) both import it and never each other.
 """
 
 from __future__ import annotations
@@ -33,8 +30,8 @@ _NPY_HEADER = re.compile(
 
 
 def load_npy(data: bytes) -> np.ndarray:
-    """np.load for the 1-D integer arrays the writer makes, without np.load's literal_eval of the
-    header (which was most of the time spent per sample); anything else goes to np.load."""
+    """np.load for the 1-D integer arrays the writer makes, without np.load's costly literal_eval
+    of the header; anything else goes to np.load."""
     if data[:8] == b"\x93NUMPY\x01\x00":
         end = 10 + int.from_bytes(data[8:10], "little")
         m = _NPY_HEADER.match(data, 10, end)
@@ -48,12 +45,9 @@ def load_npy(data: bytes) -> np.ndarray:
 
 
 def decode_sample(parts: dict[str, Any], where: str, eos: int, vocab_size: int) -> Sample:
-    """Member bytes -> (tokens, doc_lens); ValueError naming `where` when they do not fit.
-
-    `tokens` is the packed stream (each document followed by eos), so the eos positions are
-    checked too, and every id is below the tokenizer's `vocab_size` (one max() per sample: a
-    flipped byte would otherwise index past the embedding): a sample that passes is exactly the
-    training tokens."""
+    """Member bytes -> (tokens, doc_lens); ValueError naming `where` when they do not fit: the
+    lengths, the eos after each document, and every id below `vocab_size` (one max() per sample:
+    a flipped byte would otherwise index past the embedding)."""
     missing = [m for m in MEMBERS if m not in parts]
     if missing:
         raise ValueError(f"{where}: missing member(s) {missing}")

@@ -1,40 +1,10 @@
-"""Token shards: WebDataset tar files of packed token arrays, plus an index.json.
-
-On-disk format "scse-tokens-v2" under a directory or URL prefix `out`:
-
-    out/train-000000.tar, train-000001.tar, ...   out/heldout-000000.tar, ...   out/index.json
-
-Each tar member pair is one *sample* holding a run of whole documents (about `sample_tokens`,
-default 64K tokens; a longer document makes one bigger sample on its own):
-
-    {key}.tokens.npy    1-D uint16 (uint32 when the vocabulary exceeds 65536): the documents'
-                        token ids, each document followed by eos (the index's eos_id)
-    {key}.doc_lens.npy  1-D uint32: the length of each document without its eos, in order
-                        (sum + number of documents == len(tokens))
-
-`key` is `{split}-{shard:06d}-{sample:06d}`. A sample's tokens are already the packed training
-stream, so reading costs one ranged read and one widening copy per 64K tokens. (v1 stored no
-eos and left it to the loader; inserting it cost more than reading the sample.)
-
-Beside each tar, `{split}-{shard:06d}.samples.npy` is the shard's sample table: int64, one row
-per sample, TABLE_COLUMNS = (tokens, documents, tokens.npy data offset, its bytes, doc_lens.npy
-data offset, its bytes). The sizes let a resuming loader skip samples without reading them; the
-offsets let it read a sample in a shuffled order without scanning the tar headers first. A
-reader loads the tables of the shards it reads, when it first needs them, so index.json stays
-small at any corpus size (per-sample lists in it would be ~70 MB per 100B tokens, parsed by
-every loader process).
-
-index.json = {"format", "tokenizer_sha256", "vocab_size", "eos_id", "dtype", "sample_tokens",
-"splits": {"train": [{"url": "train-000000.tar", "table": "train-000000.samples.npy",
-"tokens": n, "documents": n, "samples": n}, ...], "heldout": [...]}, "sources": [...]}; urls
-are relative to `out`; "tokens" count document tokens, eos excluded. A document goes to heldout
-when the first 8 bytes of sha1(text), read as a fraction of 2**64, fall below
-`heldout_fraction`: the split depends on the text alone, so it is stable across re-runs and
-a held-out text (or an exact duplicate of it) never lands in train.
-
-The write rule (scse_dist.atomic.output_dir): the shards are written into a temporary folder
-beside `out` and moved into place when every one is complete, index.json last, so a failed or
-killed run leaves `out` as it was and an index never names a shard that is missing or partial.
+"""Token shards, format "scse-tokens-v2" (docs/data.md, "The shard format"): per split, WebDataset
+tars of samples, each whole documents as `{key}.tokens.npy` (the packed training stream: each
+document followed by eos) and `{key}.doc_lens.npy`; beside each tar its sample table (sizes a
+resume skips by, offsets a shuffled read seeks to: out of index.json, which stays small); and
+index.json. The held-out split goes by a hash of each text alone (stable, never in train too).
+Written by the write rule (scse_dist.atomic.output_dir): in a folder beside `out`, moved into
+place when complete, index.json last.
 """
 
 from __future__ import annotations
@@ -44,7 +14,7 @@ import io
 import itertools
 import json
 import tarfile
-from typing import Any, ContextManager, Iterable, Iterator
+from typing import Any, ContextManager, Iterable
 
 import fsspec
 import numpy as np
@@ -62,10 +32,6 @@ from scse_dist.data.sample_format import (  # noqa: F401
 )
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.progress import Progress
-
-
-def token_dtype(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
 def is_heldout(text: str, fraction: float) -> bool:
@@ -156,17 +122,6 @@ class _SplitWriter:
         return self.shards
 
 
-def _batches(documents: Iterable[str], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for text in documents:
-        batch.append(text)
-        if len(batch) >= size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 _worker_tokenizer: Any = None
 
 
@@ -195,17 +150,17 @@ def tokenize_into(documents: Iterable[str], tokenizer: Tokenizer, writers: dict[
     n_docs = n_tokens = 0
     progress = Progress(None, what, unit="doc", enabled=progress_every > 0,
                         every_s=progress_every)
-
+    docs = iter(documents)
+    batches = iter(lambda: list(itertools.islice(docs, encode_batch)), [])
     if workers > 1:
         import multiprocessing
 
         pool = multiprocessing.get_context("spawn").Pool(
             workers, initializer=_init_worker, initargs=(tokenizer,))
-        encoded: Iterable = pool.imap(_encode_in_worker, _batches(documents, encode_batch),
-                                      chunksize=1)
+        encoded: Iterable = pool.imap(_encode_in_worker, batches, chunksize=1)
     else:
         pool = None
-        encoded = ((b, tokenizer.encode_batch(b)) for b in _batches(documents, encode_batch))
+        encoded = ((b, tokenizer.encode_batch(b)) for b in batches)
     try:
         for batch, batch_ids in encoded:
             kept = 0
@@ -260,9 +215,10 @@ def finish_index(fs: fsspec.AbstractFileSystem, root: str, writers: dict[str, _S
 
 
 def shard_meta(tokenizer: Tokenizer, sample_tokens: int, sources: list[str] | None) -> dict:
-    return {"tokenizer_sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
-            "eos_id": tokenizer.eos_id, "dtype": token_dtype(tokenizer.vocab_size),
-            "sample_tokens": sample_tokens, "sources": list(sources or [])}
+    vocab = tokenizer.vocab_size
+    return {"tokenizer_sha256": tokenizer.sha256, "vocab_size": vocab, "eos_id": tokenizer.eos_id,
+            "dtype": "uint16" if vocab <= 2**16 else "uint32", "sample_tokens": sample_tokens,
+            "sources": list(sources or [])}
 
 
 def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
@@ -270,13 +226,8 @@ def write_shards(documents: Iterable[str], tokenizer: Tokenizer, out: str,
                  sample_tokens: int = 65536, sources: list[str] | None = None,
                  encode_batch: int = 256, progress_every: float = 0.0, workers: int = 0) -> dict:
     """Tokenize `documents` into train/heldout shards under `out`; write and return the index.
-
-    Documents that encode to nothing are skipped. `progress_every` > 0 shows progress (a bar on a
-    terminal; else a line of documents, docs/s and tokens/s at most that often, in seconds).
-    `workers` > 1 tokenizes in that many processes; batches come back in input order, so the
-    shards are byte-identical to workers=0. (scse_dist.data.parts splits the same work over
-    processes or jobs, with the same bytes at the end.)
-    """
+    `progress_every` > 0: progress at most that often (s). `workers` > 1: tokenizer processes,
+    batches back in input order, so the shards are the bytes of workers=0."""
     check_layout(heldout_fraction, sample_tokens, shard_bytes)
     meta = shard_meta(tokenizer, sample_tokens, sources)
     with shards_output(out) as tmp:

@@ -1,34 +1,15 @@
-"""Read documents from text and JSONL files over fsspec (local paths, globs, s3://, ...).
-
-Formats, picked by file name (compression suffixes .gz/.bz2/.xz/.zst are stripped first and
-decompressed by fsspec's `compression="infer"`; .zst needs the `zstandard` package):
-- `*.jsonl`, `*.json`: one JSON object per line; the document is `obj[text_field]`.
-- anything else: plain text. By default a document is a run of lines between blank lines
-  (`text_split="blank_lines"`), because plain-text corpora (book dumps) are usually one huge
-  file, and one document per file would make the held-out split all-or-nothing.
-  `text_split="file"` makes each file one document; `text_split="wikitext"` one WikiText article.
-- `*.parquet`, a directory (its parquet files, or a `datasets.save_to_disk` dataset) and
-  `hf:NAME[:CONFIG]:SPLIT` (a Hub dataset, streamed): scse_dist.data.columnar.
-Empty documents are skipped. Inputs are read in the order given, globs expanded sorted. Rows
-(JSONL lines, parquet and dataset rows) that are empty or bad are counted in a RowStats
-(scse_dist.data.rows), which stops the read past its limit of bad rows. `part=(k, n)` reads one
-of n contiguous runs of the input's units (files, row groups), for `scse-data shards --part`.
-
-A WikiText file (`wiki.{train,valid,test}.raw` or the tokenized `wiki.*.tokens`, -2 and -103
-alike) is read as articles: one starts at a top-level heading line ` = Title = ` (sub-headings are
-` = = X = = `), returned with its raw text, newlines included, so the word and byte counts of all
-articles add up to those of the file (the wikitext task's word perplexity and bits per byte use
-them). The other evaluation formats (LAMBADA passages, multiple-choice questions) have readers
-of their own, each in its task's module (scse_dist.eval.tasks), on top of the helpers here.
-Bad input stops with an InputError (a ValueError) naming the file and, where there is one, the
-line: malformed JSON, a missing field, bytes that are not UTF-8, corrupt compression, and no
-documents at all. A missing input raises FileNotFoundError, an unreadable one (an unreachable URL,
-an unknown protocol) OSError, both naming it.
+"""Documents from text and JSONL files over fsspec (local paths, globs, s3://, ...; docs/data.md),
+by name after a compression suffix (.gz/.bz2/.xz/.zst, decompressed by fsspec): `*.jsonl`/`*.json`
+one JSON object per line, `obj[text_field]`; else plain text, a document per run of lines between
+blank lines (a book dump as one document would make the held-out split all or nothing), per file
+or per WikiText article (`text_split`); parquet, directories and `hf:` specs: columnar.py. Bad
+input is an InputError naming file and line, a missing one FileNotFoundError, an unreadable OSError.
 """
 
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import lzma
 import re
@@ -60,8 +41,7 @@ def expand_inputs(urls: list[str] | tuple[str, ...] | str) -> list[str]:
     """URLs or globs -> the concrete file URLs, in argument order, each glob sorted. A directory
     becomes its parquet files (sorted) or stays itself when it is a saved dataset; an `hf:` spec
     stays as it is (scse_dist.data.columnar)."""
-    if isinstance(urls, str):
-        urls = [urls]
+    urls = [urls] if isinstance(urls, str) else urls
     import fsspec  # here, not at the top: commands that only parse their arguments skip it
 
     out: list[str] = []
@@ -117,11 +97,8 @@ def _byte_lines(f) -> Iterator[bytes]:
 
 
 def text_lines(url: str) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a text file, any fsspec URL, decompressed by its suffix.
-
-    Read as bytes and decoded line by line, so a byte that is not UTF-8 is reported at its line.
-    "\r\n" line ends become "\n" (what text mode would give).
-    """
+    """(line number, line) of a text file, any fsspec URL, decompressed by its suffix; decoded
+    line by line, so a byte that is not UTF-8 is reported at its line; "\r\n" becomes "\n"."""
     import fsspec
 
     try:
@@ -180,15 +157,10 @@ def _iter_text(url: str, text_split: str) -> Iterator[str]:
         if text.strip():
             yield text
         return
-    lines: list[str] = []
-    for _, line in text_lines(url):
-        if line.strip():
-            lines.append(line)
-        elif lines:
-            yield "".join(lines).rstrip("\n")
-            lines = []
-    if lines:
-        yield "".join(lines).rstrip("\n")
+    lines = (line for _, line in text_lines(url))
+    for nonblank, run in itertools.groupby(lines, key=lambda line: bool(line.strip())):
+        if nonblank:
+            yield "".join(run).rstrip("\n")
 
 
 class Unit(NamedTuple):
@@ -207,14 +179,10 @@ def _kind(url: str) -> str:
         return "parquet"
     if is_jsonl(url):
         return "jsonl"
-    return "saved" if _isdir(url) else "text"
-
-
-def _isdir(url: str) -> bool:
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(url)
-    return fs.isdir(path)
+    return "saved" if fs.isdir(path) else "text"
 
 
 def list_units(files: list[str]) -> list[Unit]:
@@ -267,13 +235,10 @@ def iter_documents(urls: list[str] | tuple[str, ...] | str, text_field: str = "t
                    text_split: Literal["blank_lines", "file", "wikitext"] = "blank_lines",
                    stats: RowStats | None = None, part: tuple[int, int] | None = None
                    ) -> Iterator[str]:
-    """Yield every document of every input (see the module docstring for the formats).
-
-    `stats` counts the rows skipped and holds the bad-row limit (scse_dist.data.rows; default:
-    stop at the first bad row). `part=(k, n)` yields only part k of n (from 0), a contiguous run
-    of the input's units (`partition`): parts 0..n-1 in turn yield what part=None does.
-    Inputs that hold no document between them are an InputError (a job would train on nothing);
-    a part may be empty."""
+    """Yield every document of every input (formats: the module docstring). `stats`: the rows
+    skipped and the bad-row limit (default 0). `part=(k, n)`: part k of n (`partition`), so parts
+    0..n-1 in turn yield what part=None does. Inputs without a document are an InputError (a job
+    would train on nothing); a part may be empty."""
     if text_split not in TEXT_SPLITS:
         raise ConfigError(f"text_split: must be one of {TEXT_SPLITS}, got {text_split!r}")
     stats = stats if stats is not None else RowStats()
@@ -292,7 +257,6 @@ def iter_documents(urls: list[str] | tuple[str, ...] | str, text_field: str = "t
         raise InputError(f"{names}: no documents ({what}; empty input?)")
 
 
-# --------------------------------------------------------------------------- single files
 
 
 def single_file(url: str) -> str:
@@ -303,7 +267,9 @@ def single_file(url: str) -> str:
 
 
 def read_wikitext_articles(url: str) -> list[str]:
-    """The articles of a WikiText file, each as its raw text (heading and newlines included)."""
+    """The articles of a WikiText file (raw or tokenized, -2 or -103), each its raw text from its
+    ` = Title = ` line on, newlines included: their word and byte counts add up to the file's
+    (the wikitext task's word perplexity and bits per byte)."""
     url = single_file(url)
     articles: list[list[str]] = []
     for lineno, line in text_lines(url):
@@ -321,6 +287,5 @@ def read_wikitext_articles(url: str) -> list[str]:
 
 
 def read_corpus(url: str) -> list[str]:
-    """Documents of a JSONL (`text` field) or plain-text corpus (blank-line separated), any fsspec
-    URL; one without documents is an InputError (iter_documents)."""
+    """Documents of a JSONL (`text` field) or plain-text corpus (iter_documents' defaults)."""
     return list(iter_documents(url))

@@ -1,28 +1,11 @@
-"""TokenStream: packed (batch, seq_len + 1) LongTensor batches from scse-tokens-v2 shards.
+"""TokenStream: packed (batch, seq_len + 1) LongTensor batches from scse-tokens-v2 shards
+(docs/data.md). Each (rank, DataLoader worker) is a *reader*, `rank * slots + worker`, reading the
+items order.py deals it, its documents laid end to end (each with its stored eos) by a WindowPacker.
 
-Readers. A rank reads through `num_workers` DataLoader worker processes (or inline when 0); each
-(rank, worker) pair is one *reader*, `reader = rank * max(1, num_workers) + worker`, out of
-R = world_size * max(1, num_workers). Readers split the data at the coarsest level that gives
-each one something: whole shards when there are at least R of them, else tar samples, else
-single documents (tiny splits, cached in memory). Fewer documents than readers is an error
-naming data.num_workers and the world size, never an idle reader that hangs its rank.
-
-Order: order.py (each reader's items in an epoch, a pure function of ids and seeds).
-
-Packing. Every document is followed by eos (stored so in the shards) and a reader's documents
-are laid end to end by a WindowPacker, across epochs when looping, in batch_size windows of
-seq_len + 1 tokens. With loop=False the stream is finite and its last batch may hold fewer rows
-(no full window dropped).
-
-Resume. The DataLoader takes batches from its workers round robin, so batch i of a rank comes
-from worker i % W: the rank's position is one number, the batches consumed, and each reader's
-position follows from it. A restarted stream gives worker w the role of reader slot
-(w + consumed) % W and lets every reader skip its consumed tokens arithmetically from the
-sample tables' sizes (bad samples count as empty), so the next batch is exactly the one an
-uninterrupted run would have produced. At another world size or num_workers (`resume` with
-every rank's state) the epochs the old readers were in are finished by the new readers from
-what the old ones left unread, token for token (relayout.py), then the new layout's epochs
-follow. SCSE_LOG_SAMPLES=DIR logs each item whose first token is in a consumed batch.
+A rank's position is one number, the batches consumed (the DataLoader takes them from its workers
+round robin); a restarted reader skips its tokens arithmetically from the sample tables' sizes (bad
+samples count as empty), so the next batch is the one an uninterrupted run would give. At another
+layout (`resume` with every rank's state), relayout.py.
 """
 
 from __future__ import annotations
@@ -82,17 +65,13 @@ class TokenStream:
                              f"{self.n_readers} readers (world_size={world_size} x "
                              f"data.num_workers={num_workers}); every reader needs data")
         self.n_samples = [int(e["samples"]) for e in self.shards]
-        tables = [table_url(self.root, e) for e in self.shards]
-        self._probe = ShardReader(self.urls, self.n_samples, self.eos,
-                                  int(self.index["vocab_size"]), tables,
-                                  file_order=not self.shuffle, max_failures=max_failures)
+        self.tables = [table_url(self.root, e) for e in self.shards]
+        self._probe = self._new_reader()
         self._memory: dict[tuple[int, int], Optional[Sample]] = {}  # document level only
         self.level = pick_level(self.n_samples, self.n_readers)
         self.consumed = 0  # batches this rank yielded in this layout: with it, the whole position
         self.bad: set[tuple[int, int]] = set()
-        # A layout change (another world size or worker count) leaves each epoch it interrupted
-        # partly read: `carry` holds, per such epoch, the items no old reader consumed (see
-        # relayout.py); this layout's readers read their share of them, then regular epochs.
+        # `carry`: per epoch a layout change cut, the items no old reader consumed (relayout.py)
         self.origin: Optional[dict[str, Any]] = None
         self.carry: dict[int, list[Item]] = {}
         self.reader_epochs = [0] * self.slots
@@ -161,9 +140,8 @@ class TokenStream:
         return int(table[j, 0] + table[j, 1]) - first
 
     def _new_reader(self) -> ShardReader:
-        probe = self._probe
-        return ShardReader(self.urls, self.n_samples, self.eos, probe.vocab_size, probe.table_urls,
-                           probe.file_order, self.max_failures)
+        return ShardReader(self.urls, self.n_samples, self.eos, int(self.index["vocab_size"]),
+                           self.tables, not self.shuffle, self.max_failures)
 
     def documents(self, epoch: int = 0, worker: int = 0) -> Iterator[np.ndarray]:
         """One reader's documents in `epoch`, unpacked (no eos), in reading order."""
@@ -173,8 +151,6 @@ class TokenStream:
             if sample is not None:
                 docs = documents_of(sample)
                 yield from (docs if d < 0 else docs[d:d + 1])
-
-    # ------------------------------------------------------------------ one reader
 
     def _packed(self, reader: ShardReader, item: Item) -> Optional[np.ndarray]:
         s, j, d, first = item
@@ -256,12 +232,10 @@ class TokenStream:
             warnings.warn(f"{self.path}: reader {self.rank}.{slot} holds fewer than {width} tokens "
                           f"of split {self.split!r}: no batch at all")
 
-    # ------------------------------------------------------------------ the rank's stream
-
     @property
     def group(self) -> int:
-        """Batches a worker sends at once (up to 64, ~1M tokens): one shared-memory tensor per
-        batch cost more than reading it (measured), so workers stack batches into groups."""
+        """Batches a worker stacks into one tensor (up to 64, ~1M tokens): a shared-memory tensor
+        per batch costs more than reading the batch."""
         return min(64, max(1, 2**20 // (self.batch_size * (self.seq_len + 1)))) \
             if self.num_workers else 1
 
@@ -300,12 +274,7 @@ class TokenStream:
                                      f"data.max_failures={self.max_failures}; see the lines "
                                      "above, then repair or rebuild the shards (or raise "
                                      "data.max_failures)")
-            if batches.dim() == 2:
-                self.consumed += 1
-                self._log_starts(progress, 0)
-                yield batches
-                continue
-            for i, batch in enumerate(batches):
+            for i, batch in enumerate([batches] if batches.dim() == 2 else batches):
                 self.consumed += 1
                 self._log_starts(progress, i)
                 yield batch
@@ -328,20 +297,17 @@ class TokenStream:
                                         "epoch": epoch, "item": [s, j, d]}) + "\n")
         self._log.flush()
 
-    # ------------------------------------------------------------------ resume
-
     def state_dict(self) -> dict[str, Any]:
         """This rank's position: batches consumed in this layout, per reader its epoch and
         batches, and how this layout began (`origin`: None, or the layout change it follows)."""
-        state = {k: getattr(self, k) for k in STATE_KEYS}
-        k = self.consumed
-        state.update(world_size=self.world_size, num_workers=self.num_workers,
-                     consumed_batches=k, epoch=self.epoch, failures=self.reader_failures,
-                     readers=[{"reader": self.rank * self.slots + s, "epoch": self.reader_epochs[s],
-                               "batches": n} for s, n in enumerate(self.slot_batches(k))],
-                     bad=sorted(list(b) for b in self.bad), origin=self.origin,
-                     tokenizer_sha256=self.index["tokenizer_sha256"])
-        return state
+        batches = self.slot_batches(self.consumed)
+        return dict({k: getattr(self, k) for k in STATE_KEYS}, world_size=self.world_size,
+                    num_workers=self.num_workers, consumed_batches=self.consumed, epoch=self.epoch,
+                    failures=self.reader_failures,
+                    readers=[{"reader": self.rank * self.slots + s, "epoch": self.reader_epochs[s],
+                              "batches": n} for s, n in enumerate(batches)],
+                    bad=sorted(list(b) for b in self.bad), origin=self.origin,
+                    tokenizer_sha256=self.index["tokenizer_sha256"])
 
     def _check(self, state: dict[str, Any], keys: Any = STATE_KEYS) -> None:
         for key in keys:
@@ -377,13 +343,8 @@ class TokenStream:
             [int(state.get("epoch", 0))] * self.slots
 
     def resume(self, states: list[dict[str, Any]]) -> None:
-        """Resume from a checkpoint's states of every rank (in rank order), at any layout.
-
-        With the same world size, data.num_workers, micro-batch and seq_len this is
-        load_state_dict(states[rank]). Otherwise this layout starts anew: every old reader's
-        position says which items of its epoch it consumed (a prefix of its order); the rest of
-        each epoch any old reader had not finished is the carry, dealt over the new readers
-        (relayout.py)."""
+        """Resume from every rank's state (in rank order): load_state_dict at the same LAYOUT_KEYS,
+        else a new layout that first reads the carry of the old one (relayout.py)."""
         first = states[0]
         if all(first.get(k, 0) == getattr(self, k) for k in LAYOUT_KEYS):
             return self.load_state_dict(states[self.rank])

@@ -1,30 +1,13 @@
-"""Tokenizers: one interface over three kinds of file, loaded from any fsspec URL and hashed.
-
-    Tokenizer.load(path, kind="auto")  # SentencePieceTokenizer, HFTokenizer or TiktokenTokenizer
-
-- "sentencepiece": a sentencepiece `.model` (trained here by `train_tokenizer`);
-- "hf": a Hugging Face `tokenizers` JSON file, `tokenizer.json` (GPT-2's byte-level BPE, Llama's,
-  any; a byte-level BPE is trained here by scse_dist.data.tokenizer_hf.train_byte_bpe);
-- "tiktoken": a tiktoken BPE ranks file (`*.tiktoken`) with its pattern and special tokens
-  (scse_dist.data.tokenizer_tiktoken).
-"auto" tells them apart by content: JSON is "hf", lines of `base64 rank` are "tiktoken", anything
-else must parse as a sentencepiece model.
-
-What every kind gives the rest of the project (shards, training, eval, generation, the export):
-`encode` (the text's ids, nothing added; a special token's string in the text is text),
-`encode_batch`, `decode` (special tokens dropped), `vocab_size`, `eos_id` (the document separator:
-shards put it between documents, eval windows start with it), `bos_id` (informational: nothing
-adds it), `sha256` (shards record it) and `export_files()` (what an export carries).
-
-The sentencepiece models trained here: unk = 0, bos = 1, eos = 2, no pad id (packing never pads).
-Byte fallback is on by default, so every string encodes without `<unk>`, and the normaliser is the
-identity, so `decode(encode(s)) == s` for ordinary text (whitespace and case are kept;
-sentencepiece only drops a leading space it added itself).
+"""Tokenizers (docs/data.md, "Tokenizers"): `Tokenizer.load(path, kind="auto")` gives a
+SentencePieceTokenizer, HFTokenizer or TiktokenTokenizer, each with `encode` (nothing added; a
+special token's string is text), `encode_batch`, `decode` (special tokens dropped), `vocab_size`,
+`eos_id` (the document separator), `bos_id` (nothing adds it), `sha256` and `export_files()`.
+The sentencepiece models trained here: unk 0, bos 1, eos 2, no pad (packing never pads), byte
+fallback (no `<unk>`) and the identity normaliser, so `decode(encode(s)) == s`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 from typing import Any, Iterable
 
@@ -33,7 +16,6 @@ import sentencepiece as spm
 from scse_dist.atomic import write_file
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
-from scse_dist.data.config import TOKENIZER_EXPORT_NAMES as EXPORT_NAMES
 from scse_dist.data.tokenizer_base import (  # noqa: F401  (re-exported: the package's names)
     MAX_SENTENCE_BYTES,
     Sentences,
@@ -50,19 +32,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_
                     byte_fallback: bool = True, max_sentences: int = 2_000_000,
                     num_threads: int = 2, special_tokens: Iterable[str] = (),
                     sample_fraction: float = 1.0) -> str:
-    """Train a sentencepiece model on `texts` (streamed) and write it to `out_path` (fsspec URL).
-
-    Returns `out_path`. `max_sentences` caps the number of lines read (the first ones);
-    `sample_fraction` samples documents first (see training_lines). `special_tokens` become
-    single pieces that are never split (e.g. `<|endoftext|>`, `<pad>`), right after unk/bos/eos.
-    """
-    if not 0.0 < sample_fraction <= 1.0:
-        raise ConfigError(f"sample_fraction: must lie in (0, 1], got {sample_fraction}")
+    """Train a sentencepiece model on the first `max_sentences` lines of `texts` (training_lines)
+    and write it to `out_path` (fsspec URL), which it returns. `special_tokens` become pieces
+    never split (e.g. `<|endoftext|>`), right after unk/bos/eos."""
+    sentences = Sentences(texts, max_sentences, sample_fraction)
     if vocab_size < 260 and byte_fallback:
         raise ConfigError(f"vocab_size: {vocab_size} is too small; byte_fallback needs 256 byte "
                          "pieces plus unk/bos/eos, so use at least 260")
     model = io.BytesIO()
-    sentences = Sentences(training_lines(texts, max_sentences, sample_fraction))
     spm.set_random_generator_seed(0)
     try:
         spm.SentencePieceTrainer.train(
@@ -85,12 +62,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_path: str, model_
             num_threads=num_threads,
             minloglevel=2,
         )
-    except RuntimeError:
-        if sentences.error is not None:
-            raise sentences.error from None
-        if sentences.count == 0:
-            raise InputError("no text to train a tokenizer on (the documents hold no non-blank "
-                             "line)") from None
+    except RuntimeError:  # sentencepiece's wrapping of whatever went wrong
+        sentences.check()
         raise
     write_file(out_path, model.getvalue())  # whole or not at all (scse_dist.atomic)
     return out_path
@@ -102,8 +75,7 @@ class SentencePieceTokenizer(Tokenizer):
     kind = "sentencepiece"
 
     def __init__(self, model_bytes: bytes, path: str = "<bytes>"):
-        self.path, self.model_bytes = path, model_bytes
-        self.sha256 = hashlib.sha256(model_bytes).hexdigest()
+        super().__init__(model_bytes, path)
         try:
             self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         except RuntimeError:  # sentencepiece's only error for bytes that are not a model
@@ -113,25 +85,9 @@ class SentencePieceTokenizer(Tokenizer):
         if self.sp.eos_id() < 0:
             raise InputError(f"tokenizer {path}: has no eos id; train it with `scse-data "
                              "tokenizer`")
-
-    def __reduce__(self):  # tokenizer worker processes get the bytes, not the processor
-        return type(self), (self.model_bytes, self.path)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
-
-    @property
-    def eos_id(self) -> int:
-        return self.sp.eos_id()
-
-    @property
-    def bos_id(self) -> int:
-        return self.sp.bos_id()
-
-    @property
-    def eos_token(self) -> str:
-        return self.sp.id_to_piece(self.eos_id)
+        sp = self.sp
+        self.vocab_size, self.eos_id, self.bos_id = sp.get_piece_size(), sp.eos_id(), sp.bos_id()
+        self.eos_token = sp.id_to_piece(self.eos_id)
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -141,9 +97,6 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode([int(i) for i in ids])
-
-    def export_files(self) -> dict[str, bytes]:
-        return {EXPORT_NAMES[self.kind]: self.model_bytes}
 
     def special_ids(self) -> dict[str, Any]:
         return {**super().special_ids(), "unk": self.sp.unk_id()}

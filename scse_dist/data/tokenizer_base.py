@@ -1,7 +1,5 @@
-"""The tokenizer interface every kind implements (scse_dist.data.tokenizer documents them), the
-reading of a tokenizer file, and the training lines the trainers of every kind share.
-
-Import `Tokenizer` from scse_dist.data.tokenizer, which registers the kinds' loaders.
+"""The tokenizer interface every kind implements (scse_dist.data.tokenizer, which registers the
+kinds' loaders, documents it), reading a tokenizer file, and the lines every trainer reads.
 """
 
 from __future__ import annotations
@@ -13,7 +11,12 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator
 import fsspec
 
 from scse_dist.cli_errors import InputError
-from scse_dist.data.config import TOKENIZER_KINDS as KINDS, TokenizerKind
+from scse_dist.data.config import (
+    TOKENIZER_EXPORT_NAMES as EXPORT_NAMES,
+    TOKENIZER_KINDS as KINDS,
+    TokenizerKind,
+)
+from scse_dist.model.config import ConfigError
 
 # sentencepiece skips training sentences longer than this many bytes; we cut lines to fit.
 MAX_SENTENCE_BYTES = 4096
@@ -22,10 +25,8 @@ MAX_SENTENCE_BYTES = 4096
 def training_lines(texts: Iterable[str], max_sentences: int, sample_fraction: float = 1.0
                    ) -> Iterator[str]:
     """Documents -> non-empty lines (sentencepiece's unit), the first `max_sentences` of them.
-
-    `sample_fraction` < 1 keeps a document when a hash of its text falls below it: a sample
-    spread over the whole of a large corpus, taken while streaming, and the same on every run
-    (unlike sentencepiece's own random sampling, which needs the corpus in memory).
+    `sample_fraction` < 1 keeps a document whose text hashes below it: spread over the corpus,
+    streamed and the same on every run (sentencepiece's own sampling holds the corpus in memory).
     """
     count = 0
     for text in texts:
@@ -45,13 +46,16 @@ def training_lines(texts: Iterable[str], max_sentences: int, sample_fraction: fl
 
 
 class Sentences:
-    """The training lines, counted, remembering an error raised while reading them: sentencepiece
-    turns an iterator's exception into a RuntimeError, which would hide e.g. an InputError."""
+    """A trainer's lines (training_lines), counted, remembering an error raised while reading
+    them: the trainers wrap an iterator's exception, which would hide e.g. an InputError."""
 
     error: Exception | None
 
-    def __init__(self, lines: Iterator[str]):
-        self.lines, self.count, self.error = lines, 0, None
+    def __init__(self, texts: Iterable[str], max_sentences: int, sample_fraction: float):
+        if not 0.0 < sample_fraction <= 1.0:
+            raise ConfigError(f"sample_fraction: must lie in (0, 1], got {sample_fraction}")
+        self.lines = training_lines(texts, max_sentences, sample_fraction)
+        self.count, self.error = 0, None
 
     def __iter__(self) -> Iterator[str]:
         try:
@@ -62,6 +66,14 @@ class Sentences:
             self.error = exc
             raise
 
+    def check(self) -> None:
+        """After the trainer failed or ended: the reader's own error, or none read at all."""
+        if self.error is not None:
+            raise self.error from None
+        if self.count == 0:
+            raise InputError("no text to train a tokenizer on (the documents hold no non-blank "
+                             "line)")
+
 
 class Tokenizer:
     """The interface (see the module docstring); `Tokenizer.load` returns the kind's subclass."""
@@ -69,10 +81,21 @@ class Tokenizer:
     kind: TokenizerKind
     path: str
     sha256: str
+    vocab_size: int
+    eos_id: int
+    bos_id: int
+    eos_token: str  # the EOS's string (the Hugging Face files name it)
 
     # kind -> (bytes, path) -> Tokenizer; scse_dist.data.tokenizer fills it (importing each
     # kind's module only when one is loaded), so the kinds' modules import only this one.
     loaders: ClassVar[dict[str, Callable[[bytes, str], "Tokenizer"]]] = {}
+
+    def __init__(self, data: bytes, path: str):
+        self.data, self.path = data, path
+        self.sha256 = hashlib.sha256(data).hexdigest()
+
+    def __reduce__(self):  # tokenizer worker processes get the file's bytes, not the object
+        return type(self), (self.data, self.path)
 
     @staticmethod
     def load(path: str, kind: str = "auto") -> "Tokenizer":
@@ -81,23 +104,6 @@ class Tokenizer:
             raise InputError(f"tokenizer kind {kind!r}: expected auto or one of {', '.join(KINDS)}")
         data = read_tokenizer_file(path)
         return Tokenizer.loaders[detect_kind(data) if kind == "auto" else kind](data, path)
-
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def eos_id(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def bos_id(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def eos_token(self) -> str:
-        """The EOS's string (the Hugging Face files name it)."""
-        raise NotImplementedError
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -112,7 +118,7 @@ class Tokenizer:
     def export_files(self) -> dict[str, bytes]:
         """{file name: bytes} an export writes so that Tokenizer.load(its first name) gives this
         tokenizer again (the same ids and sha256)."""
-        raise NotImplementedError
+        return {EXPORT_NAMES[self.kind]: self.data}
 
     def special_ids(self) -> dict[str, Any]:
         """What the Hugging Face files name: the ids eos, bos, unk (where the kind has one) and

@@ -1,27 +1,18 @@
-"""The "hf" tokenizer kind: a Hugging Face `tokenizers` JSON file (tokenizer.json), and training a
-byte-level BPE into one (`scse-data tokenizer --kind byte-bpe`).
-
-Needs the `tokenizers` package (`pip install 'scse-dist[tokenizers]'`; transformers pulls it too).
-
-A tokenizer.json names no EOS, so the first of EOS_NAMES in its vocabulary is the EOS (the
-document separator) and the first of BOS_NAMES the BOS, else the EOS: GPT-2's only special token,
-`<|endoftext|>`, is both; Llama's `</s>` / `<s>` (2 and 3: `<|end_of_text|>` /
-`<|begin_of_text|>`). A file with none of them is refused. Encoding adds nothing (no template
-post-processor's BOS) and keeps a special token's string in the text as text, as the other kinds
-do; decoding drops special tokens.
+"""The "hf" tokenizer kind, a Hugging Face `tokenizers` JSON file (tokenizer.json), and training a
+byte-level BPE into one (`scse-data tokenizer --kind byte-bpe`). A tokenizer.json names no EOS: the
+first of EOS_NAMES in its vocabulary is the EOS, the first of BOS_NAMES the BOS (else the EOS);
+a file with none is refused. Needs the `tokenizers` package.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Iterable
 
 from scse_dist.atomic import write_file
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
-from scse_dist.data.config import TOKENIZER_EXPORT_NAMES as EXPORT_NAMES
 from scse_dist.data.extras import require_extra
-from scse_dist.data.tokenizer_base import Sentences, Tokenizer, training_lines
+from scse_dist.data.tokenizer_base import Sentences, Tokenizer
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
@@ -41,8 +32,7 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, data: bytes, path: str = "<bytes>"):
         tokenizers = require_tokenizers()
-        self.path, self.data = path, data
-        self.sha256 = hashlib.sha256(data).hexdigest()
+        super().__init__(data, path)
         try:
             self.tok = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
         except Exception as exc:  # UnicodeDecodeError, or tokenizers' own (a plain Exception)
@@ -51,33 +41,14 @@ class HFTokenizer(Tokenizer):
         # a special token's string in the text is text (as sentencepiece and tiktoken here)
         self.tok.encode_special_tokens = True
         vocab = self.tok.get_vocab(with_added_tokens=True)
-        self._vocab_size = max(vocab.values()) + 1 if vocab else 0
+        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         eos = next((vocab[n] for n in EOS_NAMES if n in vocab), None)
         if eos is None:
             raise InputError(f"tokenizer {path}: no end-of-text token (none of "
                              f"{', '.join(EOS_NAMES)}) to separate documents with")
-        self._eos = eos
-        self._bos = next((vocab[n] for n in BOS_NAMES if n in vocab), eos)
+        self.eos_id, self.eos_token = eos, self.tok.id_to_token(eos)
+        self.bos_id = next((vocab[n] for n in BOS_NAMES if n in vocab), eos)
         self._batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
-
-    def __reduce__(self):
-        return type(self), (self.data, self.path)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eos_id(self) -> int:
-        return self._eos
-
-    @property
-    def bos_id(self) -> int:
-        return self._bos
-
-    @property
-    def eos_token(self) -> str:
-        return self.tok.id_to_token(self._eos)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -89,9 +60,6 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def export_files(self) -> dict[str, bytes]:
-        return {EXPORT_NAMES[self.kind]: self.data}
-
     def special_ids(self) -> dict[str, Any]:
         unk_token = getattr(self.tok.model, "unk_token", None)
         unk = self.tok.token_to_id(unk_token) if unk_token else None
@@ -101,15 +69,13 @@ class HFTokenizer(Tokenizer):
 def train_byte_bpe(texts: Iterable[str], vocab_size: int, out_path: str,
                    max_sentences: int = 2_000_000, special_tokens: Iterable[str] = (),
                    sample_fraction: float = 1.0) -> str:
-    """Train a GPT-2-style byte-level BPE on `texts` (streamed, the same lines and sampling as
-    train_tokenizer) and write its tokenizer.json to `out_path` (fsspec URL). Ids: BYTE_BPE_EOS
-    = 0, then `special_tokens`, the 256 byte tokens, the merges. Byte-level, so every string
-    encodes (no unknown token) and `decode(encode(s)) == s`. Returns `out_path`."""
+    """Train a GPT-2-style byte-level BPE on `texts` (the lines of train_tokenizer) and write its
+    tokenizer.json to `out_path`, which it returns. Ids: BYTE_BPE_EOS = 0, `special_tokens`, the
+    256 bytes, the merges; every string encodes, and `decode(encode(s)) == s`."""
     tokenizers = require_tokenizers()
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if not 0.0 < sample_fraction <= 1.0:
-        raise ConfigError(f"sample_fraction: must lie in (0, 1], got {sample_fraction}")
+    sentences = Sentences(texts, max_sentences, sample_fraction)
     specials = [BYTE_BPE_EOS, *[t for t in special_tokens if t != BYTE_BPE_EOS]]
     if vocab_size < 256 + len(specials):
         raise ConfigError(f"vocab_size: {vocab_size} is too small for a byte-level BPE: 256 byte "
@@ -121,14 +87,11 @@ def train_byte_bpe(texts: Iterable[str], vocab_size: int, out_path: str,
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    sentences = Sentences(training_lines(texts, max_sentences, sample_fraction))
     try:
         tok.train_from_iterator(iter(sentences), trainer)
     except Exception:
-        if sentences.error is not None:  # the reader's own error (e.g. an InputError), not
-            raise sentences.error from None  # the one tokenizers wraps it in
+        sentences.check()
         raise
-    if sentences.count == 0:
-        raise InputError("no text to train a tokenizer on (the documents hold no non-blank line)")
+    sentences.check()
     write_file(out_path, tok.to_str().encode("utf-8"))  # whole or not at all (scse_dist.atomic)
     return out_path

@@ -1,20 +1,7 @@
-"""The "tiktoken" tokenizer kind: a tiktoken BPE ranks file (`NAME.tiktoken`: one `base64-token
-rank` line per token, as OpenAI publishes them) read from a local path or fsspec URL, never the
-network on its own.
-
-A ranks file holds no pattern or special tokens, so they are stated beside it, in
-`NAME.tiktoken.json` (SETTINGS_SUFFIX):
-
-    {"pat_str": "<the pre-tokenizer regex>", "special_tokens": {"<|endoftext|>": 100257},
-     "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
-
-(eos_token defaults to `<|endoftext|>`, bos_token to the eos_token), or, with no such file, by the
-file's name: `r50k_base`, `p50k_base`, `cl100k_base`, `o200k_base` (any encoding tiktoken itself
-defines) take that encoding's pattern and special tokens from tiktoken, with `<|endoftext|>` as
-EOS and BOS. An export always writes the settings file. The sha256 covers the ranks and the
-settings, so the same ranks with another pattern are another tokenizer.
-
-Needs the `tiktoken` package (`pip install 'scse-dist[tiktoken]'`).
+"""The "tiktoken" tokenizer kind: a tiktoken BPE ranks file (`NAME.tiktoken`) from a path or
+fsspec URL, never the network, with its pattern and special tokens in `NAME.tiktoken.json`
+(SETTINGS_SUFFIX; docs/data.md) or, without it, those tiktoken defines for NAME (cl100k_base, ...).
+The sha256 covers ranks and settings; an export writes both. Needs the `tiktoken` package.
 """
 
 from __future__ import annotations
@@ -104,7 +91,7 @@ class TiktokenTokenizer(Tokenizer):
 
     def __init__(self, ranks_data: bytes, settings: dict, path: str = "<bytes>"):
         tiktoken = require_tiktoken()
-        self.path, self.ranks_data = path, ranks_data
+        self.path, self.data = path, ranks_data
         self.settings = check_settings(settings, f"tokenizer {path} settings")
         ranks = parse_ranks(ranks_data, path)
         special = self.settings["special_tokens"]
@@ -118,7 +105,9 @@ class TiktokenTokenizer(Tokenizer):
         except ValueError as exc:  # a pattern that does not compile
             raise InputError(f"tokenizer {path}: tiktoken refuses it: {exc}") from None
         self.sha256 = hashlib.sha256(ranks_data + b"\n" + self.settings_bytes()).hexdigest()
-        self._vocab_size = max([*ranks.values(), *special.values()]) + 1
+        self.vocab_size = max([*ranks.values(), *special.values()]) + 1
+        self.eos_token = self.settings["eos_token"]
+        self.eos_id, self.bos_id = special[self.eos_token], special[self.settings["bos_token"]]
         self._special = set(special.values())
 
     @classmethod
@@ -145,26 +134,10 @@ class TiktokenTokenizer(Tokenizer):
         return cls(data, known, path)
 
     def __reduce__(self):
-        return type(self), (self.ranks_data, self.settings, self.path)
+        return type(self), (self.data, self.settings, self.path)
 
     def settings_bytes(self) -> bytes:
         return (json.dumps(self.settings, indent=2, sort_keys=True) + "\n").encode("utf-8")
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eos_id(self) -> int:
-        return self.settings["special_tokens"][self.settings["eos_token"]]
-
-    @property
-    def bos_id(self) -> int:
-        return self.settings["special_tokens"][self.settings["bos_token"]]
-
-    @property
-    def eos_token(self) -> str:
-        return self.settings["eos_token"]
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)  # special tokens' strings are text
@@ -178,4 +151,4 @@ class TiktokenTokenizer(Tokenizer):
 
     def export_files(self) -> dict[str, bytes]:
         name = EXPORT_NAMES[self.kind]
-        return {name: self.ranks_data, name + SETTINGS_SUFFIX: self.settings_bytes()}
+        return {name: self.data, name + SETTINGS_SUFFIX: self.settings_bytes()}
