@@ -350,9 +350,9 @@ NOT_RUN = {
     # the planner at gpt2-medium size: tests/test_plan.py runs --plan through the CLI (table, JSON)
     "scse-train --config configs/gpt2-small-scse.yaml --plan --world-size 16 --gpu h200 --tokens 10e9      name=gpt2-medium-scse model.d_model=1024 model.n_heads=16 model.n_core=5 model.depth=16      train.engine.zero_stage=2 train.engine.deepspeed_config=configs/deepspeed/zero2.json":
         "sizes a run of 10B tokens; tests/test_plan.py runs scse-train --plan the same way",
-    "python launch/train.py --config configs/quickstart.yaml name=stable train.schedule=constant      train.max_steps=10000 train.checkpoint.every=1000 train.checkpoint.keep=20":
+    "python launch/train.py --config configs/quickstart.yaml name=stable train.schedule.kind=constant      train.max_steps=10000 train.checkpoint.every=1000 train.checkpoint.keep=20":
         "10,000 training steps; tests/test_train_cooldown.py trains a constant-LR run and branches it",
-    "python launch/train.py --config configs/quickstart.yaml name=stable-cool4k train.schedule=wsd      train.max_steps=5000 train.decay_steps=1000      train.branch_from=runs/stable/checkpoints/step-0004000":
+    "python launch/train.py --config configs/quickstart.yaml name=stable-cool4k train.schedule.kind=wsd      train.max_steps=5000 train.schedule.decay_steps=1000      train.start.branch_from=runs/stable/checkpoints/step-0004000":
         "branches the 10,000-step run above; tests/test_train_cooldown.py branches a cooldown the same way",
     "scse-study configs/studies/repro-cpu.yaml --dry-run": STUDY,
     "scse-study configs/studies/repro-cpu.yaml --local": STUDY,
@@ -382,7 +382,7 @@ NOT_RUN = {
     "lm_eval --model hf --model_args pretrained=runs/quickstart/export,trust_remote_code=True --include_path scse_dist/lmeval/tasks --tasks scse_lambada --metadata lambada=lambada_test.jsonl --device cpu":
         "lm-eval's hf model needs accelerate (lm_eval[hf]); tests/test_lmeval.py runs it on a "
         "tiny export against --model scse (test_hf_model_agrees_with_scse_model)",
-    "python launch/train.py --config configs/quickstart.yaml train.resume_from=step-100":
+    "python launch/train.py --config configs/quickstart.yaml train.start.resume_from=step-100":
         "the test's quickstart runs 30 steps (no step-100); tests/test_train_resume.py resumes a "
         "real run from a chosen tag (test_resume_from_a_chosen_tag_moves_the_newer_ones_aside)",
     "python launch/train.py --config configs/quickstart.yaml tensorboard.enabled=true":
