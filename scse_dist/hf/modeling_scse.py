@@ -1,12 +1,11 @@
 """`ScseForCausalLM`: an scse-dist `LoopedLM` as a Hugging Face causal LM (remote code).
 
-In an export this file sits beside the model package's own modules (looped_lm.py, blocks.py, ...,
-copied flat by scse_dist.hf.write_hf_files): the architecture is the project's one implementation,
-wrapped, never re-implemented. Works with transformers 4.57 and 5.x.
+In an export this file sits beside the model package's own modules (copied flat by
+scse_dist.hf.write_hf_files): the architecture is wrapped, never re-implemented. Works with
+transformers 4.57 and 5.x.
 
 Loop depth and read-outs are named arguments of `forward`, so `generate(..., num_steps=8)` passes
-transformers' keyword validation (it accepts forward's parameters because
-prepare_inputs_for_generation takes **kwargs):
+transformers' keyword validation:
 - num_steps: loop depth T (default: the config's `depth`; untied models have one fixed depth);
 - readout_depths: also read out these depths of the same loop run (`logits_by_depth`);
 - exit_rule: an ExitRule or its text ("motion:0.02,max=32"): per-token adaptive depth;
@@ -14,12 +13,10 @@ prepare_inputs_for_generation takes **kwargs):
 `attention_mask` (left padding) and `position_ids` are honoured: a left-padded batch gives each
 sequence the logits it has alone.
 
-KV cache: the model's own (kv_cache.KVCache: one slot per physical block x loop step), wrapped in
-`ScseCache`, a transformers `Cache` without transformers layers. `forward(..., use_cache=True)`
-(or with `past_key_values`) runs LoopedLM.decode_step: it returns the cache as the output's
-`past_key_values` (4.x) / `cache` (5.x) and takes it back with only the new tokens, so a new
-token costs one token at depth T (+1 core call for scse), not a re-run of the prefix. `generate`
-uses it unless `use_cache=False` (then every token recomputes the whole sequence).
+KV cache: the model's own (kv_cache.KVCache, per physical block x loop step) wrapped in
+`ScseCache`. `forward(..., use_cache=True)` (or with `past_key_values`) runs
+LoopedLM.decode_step, returns the cache as `past_key_values` (4.x) / `cache` (5.x) and takes it
+back with only the new tokens. `generate` uses it unless `use_cache=False`.
 """
 
 from dataclasses import dataclass
@@ -132,14 +129,11 @@ class ScseForCausalLM(PreTrainedModel, GenerationMixin):  # GenerationMixin expl
                 cache_mode: Optional[str] = None, use_cache: Optional[bool] = None,
                 return_dict: Optional[bool] = None, cache=None, **kwargs):
         """Logits at loop depth `num_steps` (see the module docstring). labels: the input ids (or
-        -100), shifted inside as usual for causal LMs. kwargs transformers passes and this model
-        does not use (cache_position, output_attentions, ...) are ignored; inputs_embeds is refused.
-
-        use_cache=True or a `past_key_values` (an ScseCache this model returned): input_ids are
-        the tokens after the cached ones, attention_mask covers them (or the cached ones too, as
-        transformers passes it), positions come from the cache; runs without autograd. Otherwise
-        (the default, so training keeps its gradients) the whole sequence is computed. `cache`:
-        5.x's name for past_key_values (a named parameter, so generate's validation takes it)."""
+        -100), shifted inside. Other kwargs transformers passes are ignored; inputs_embeds is
+        refused. With use_cache=True or a `past_key_values` (an ScseCache this model returned):
+        input_ids are the tokens after the cached ones, attention_mask covers them (or all),
+        positions come from the cache, no autograd; otherwise the whole sequence is computed.
+        `cache`: 5.x's name for past_key_values."""
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("ScseForCausalLM: inputs_embeds is not supported; pass input_ids")
         cache = past_key_values if cache is None else cache
