@@ -1,10 +1,6 @@
 """The `eval:` section of a run config: depths, batches, evaluation during training, the tasks
-`scse-launch` runs after training and their data files.
-
-Beside the package it configures, and below it: it imports only the task registry and the
-model's ConfigError, so `scse_dist.config` composes it without loading the evaluators (or torch).
-`check()` is the section's one validation; scse_dist.config runs it, then the checks across
-sections.
+`scse-launch` runs after training and their data files. It imports only the task registry and
+ConfigError, so `scse_dist.config` composes it without loading the evaluators (or torch).
 """
 
 from __future__ import annotations
@@ -52,7 +48,7 @@ class EvalConfig:
     data: dict[str, str] = field(default_factory=dict)
     stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
     # What each evaluation job scse-launch submits asks for, on any backend (one task on one
-    # node; 0 GPUs evaluates on CPU). Formerly eval.slurm_gpus, _cpus, _time_min, _partition.
+    # node; 0 GPUs evaluates on CPU).
     resources: EvalResources = field(default_factory=EvalResources)
 
     def check(self) -> None:

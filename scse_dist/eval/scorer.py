@@ -1,13 +1,11 @@
 """The one scorer of every evaluation task: per row of a batch and per loop depth, the summed NLL
 of the scored targets, their count, and whether each is the greedy argmax, from one loop run.
 
-Held-out batches (scse_dist.eval.perplexity) and token windows (scse_dist.eval.scoring: WikiText,
-LAMBADA, lm-eval's requests) both come here. The loop runs once to the deepest depth; at each
-depth the coda and final norm run on the whole batch (attention needs every position), but the
-LM head, the softmax and the argmax only on the scored positions, in chunks of rows whose logits
-go to one buffer reused across depths and batches. LAMBADA scores 1-3 of 128 positions per
-passage, so this skips almost all of the head (2.7x a block's work per token at vocab 4096,
-d_model 128) and the 32 MiB of fresh logits per depth and batch of 16.
+Held-out batches (scse_dist.eval.perplexity) and token windows (scse_dist.eval.scoring) both come
+here. The loop runs once to the deepest depth; at each depth the coda and final norm run on the
+whole batch (attention needs every position), but the LM head, the softmax and the argmax only
+on the scored positions (LAMBADA scores a few per passage), in chunks of rows whose logits go to
+one buffer reused across depths and batches.
 """
 
 from __future__ import annotations
@@ -109,8 +107,7 @@ class DepthScorer:
     def _head(self, hidden: torch.Tensor, weight: Optional[torch.Tensor], wanted: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(N,) NLL and (N,) bool "not the argmax" of `wanted` under the head's logits, formed
-        a chunk of rows at a time in one fp32 buffer (a fresh (B, S, V) per depth and batch cost
-        a page fault per 4 KiB page)."""
+        a chunk of rows at a time in one reused fp32 buffer."""
         vocab = weight.shape[0] if weight is not None else hidden.shape[1]
         step = max(1, CHUNK_LOGITS // vocab)
         nll = torch.empty(len(wanted), dtype=torch.float32, device=self.device)

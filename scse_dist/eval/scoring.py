@@ -1,13 +1,9 @@
 """Scoring token windows at several loop depths in one forward pass per batch.
 
 A `Window` is a token sequence whose targets from `first_scored` on count; the earlier ones are
-context only. WikiText's sliding window and LAMBADA's context + target are both windows, so one
-scorer serves both: per window and depth it returns the summed NLL of the scored targets, their
-count, and whether every scored target is the greedy argmax (scse_dist.eval.scorer).
-
-Windows are batched longest first, so a batch pads only to its own widest window, and the
-scores come back in the windows' order: each window's score is the same either way (a test
-holds sorted against unsorted equal).
+context only. WikiText's sliding window and LAMBADA's context + target are both windows, scored
+by scse_dist.eval.scorer. Windows are batched longest first, so a batch pads only to its own
+widest window; the scores come back in the windows' order.
 """
 
 from __future__ import annotations
@@ -21,10 +17,6 @@ from scse_dist.eval.scorer import IGNORE_INDEX, DepthScorer, Score, scoring_mode
 
 if TYPE_CHECKING:
     from scse_dist.model import LoopedLM
-
-__all__ = ["Window", "Score", "ScoringInterrupted", "document_windows", "context_target_window",
-           "score_windows"]
-
 
 class Window(NamedTuple):
     tokens: list[int]  # inputs tokens[:-1], targets tokens[1:]
@@ -90,8 +82,8 @@ def score_windows(model: LoopedLM, windows: Sequence[Window], depths: list[int],
     """Score every window at every depth. Returns (depths evaluated, scores[d_index][window]),
     in the windows' order. exit_stats: adaptive depth by its rule at one depth, the cap; it
     counts the scored tokens' steps. progress: a scse_dist.progress.Progress, updated by the
-    windows of each batch. sort=False: batches in the windows' order (for the test that the
-    order changes nothing). Ctrl-C raises ScoringInterrupted with the scores so far."""
+    windows of each batch. sort=False: batches in the windows' order. Ctrl-C raises
+    ScoringInterrupted with the scores so far."""
     scorer = DepthScorer(model, depths, exit_stats)
     order = sorted(range(len(windows)), key=lambda i: -len(windows[i].tokens)) if sort \
         else list(range(len(windows)))

@@ -1,17 +1,11 @@
-"""What every evaluation task shares: `run_task`, the one entry the CLI and evaluate_export
-(scse_dist.eval.export_eval: the trainer, the launcher, a study) call, the `TaskRun` a task's
-scorer gets, and the scoring pieces several tasks use (documents in sliding windows: heldout on a
-corpus and wikitext; context/target ids: lambada, the multiple-choice tasks, scse_dist.lmeval).
-The tasks themselves, each its reader and scorer in one module: scse_dist.eval.tasks.
+"""What every evaluation task shares: `run_task`, the one entry the CLI and evaluate_export call,
+the `TaskRun` a task's scorer gets (it returns one row per depth), and the scoring pieces several
+tasks use (documents in sliding windows; context/target ids). The tasks: scse_dist.eval.tasks.
 
-A scorer takes a TaskRun and returns one row per depth. run_task evaluates (with progress on rank
-0: items done, rate, ETA), prints a table and writes the results JSON (scse_dist.eval.results).
-On Ctrl-C it writes the results of the items done so far, marked `"partial": {"done", "total",
-"unit"}` (scse_dist.run_dir.is_complete is then False for it), and raises cli_errors.Interrupted
-with a line saying so.
-
-Nothing here imports torch at the top: the task modules import this one, and `scse-eval --help`
-and config validation read the registry without torch.
+On Ctrl-C run_task writes the results of the items done, marked `"partial": {"done", "total",
+"unit"}` (run_dir.is_complete is then False for it), and raises cli_errors.Interrupted.
+Nothing here imports torch at the top: `scse-eval --help` and config validation read the
+registry without it.
 """
 
 from __future__ import annotations
@@ -80,15 +74,15 @@ def document_rows(model: LoopedLM, tokenizer: Any, documents: list[str], depths:
     desc: a progress line's label (None: quiet). Ctrl-C: TaskInterrupted with the rows of the
     documents whose windows were all scored.
     """
-    return [document_metrics(t) for t in _document_totals(*_document_scores(
-        model, tokenizer, documents, depths, seq_len, stride, batch_size, exit_stats, desc),
-        documents)]
+    return [document_metrics(t) for t in document_totals(
+        model, tokenizer, documents, depths, seq_len, stride, batch_size, exit_stats, desc)]
 
 
-def _document_scores(model: LoopedLM, tokenizer: Any, documents: list[str],
-                     depths: list[int], seq_len: int, stride: int, batch_size: int,
-                     exit_stats: Optional[ExitStats], desc: Optional[str]
-                     ) -> tuple[list[int], list[list[Score]]]:
+def document_totals(model: LoopedLM, tokenizer: Any, documents: list[str], depths: list[int],
+                    seq_len: int, stride: int, batch_size: int,
+                    exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None
+                    ) -> list[dict]:
+    """document_rows' additive totals per depth (in training summed over ranks, then rows)."""
     from scse_dist.eval.scoring import document_windows
 
     ids = tokenizer.encode_batch([d.strip() for d in documents])
@@ -109,13 +103,13 @@ def _document_scores(model: LoopedLM, tokenizer: Any, documents: list[str],
             done)] if done else None  # the kept windows' documents are complete: all scored
         return table, len(done), len(documents)
 
-    return _scores(model, windows, depths, batch_size, exit_stats, desc, "window", "document",
-                   per_document)
+    return _document_totals(*_scores(model, windows, depths, batch_size, exit_stats, desc,
+                                     "window", "document", per_document), documents)
 
 
 def _document_totals(depths: list[int], scores: list[list[Score]], documents: list[str]
                      ) -> list[dict]:
-    """Per depth the additive totals of the documents' scores (summed over ranks in training)."""
+    """Per depth the additive totals of the documents' scores."""
     words = sum(len(d.split()) for d in documents)
     n_bytes = sum(len(d.encode("utf-8")) for d in documents)
     return [{"depth": d, "nll": sum(s.nll for s in per_window),
@@ -137,8 +131,7 @@ def context_target_ids(tokenizer: Any, context_text: str, target_text: str
                        ) -> tuple[list[int], list[int]]:
     """Context and target ids. The target is what encoding context + target adds after the
     context's own encoding (how the model saw such text in training); if the tokenizer merges
-    across the boundary, the target is encoded alone. (The lm-eval model scores its
-    (context, continuation) requests with this too: scse_dist.lmeval.)"""
+    across the boundary, the target is encoded alone."""
     context = tokenizer.encode(context_text)
     full = tokenizer.encode(context_text + target_text)
     if full[:len(context)] == context and len(full) > len(context):
@@ -147,19 +140,16 @@ def context_target_ids(tokenizer: Any, context_text: str, target_text: str
 
 
 def run_task(task: str, model: LoopedLM, cfg: RunConfig, data: str, depths: list[int],
-             out_path: str, checkpoint_label: str, *, tokenizer: Any = None,
-             stride: Optional[int] = None, max_batches: int = 0,
-             task_data: Optional[TaskData] = None,
+             out_path: str, checkpoint_label: str, *, stride: Optional[int] = None,
+             max_batches: int = 0, task_data: Optional[TaskData] = None,
              exit_rule: Optional[ExitRule] = None, progress: bool = True) -> list[dict]:
     """Evaluate `task` on `data`, print a table, write `out_path`. Returns the rows.
 
     Sequence length and batch size come from cfg.data.seq_len and cfg.eval.batch_size; the data
-    is `task_data` when read already, else read_task_data(task, cfg, data, tokenizer); stride
-    defaults to seq_len // 2. exit_rule: adaptive depth per token (not diagnose), one row at
-    the cap (the rule's max_steps, else max(depths)) with the steps used (ExitStats.summary).
-    progress: items done, rate and ETA on stderr (scse_dist.progress), on rank 0 only.
-    Ctrl-C: the results of the items done are written, marked "partial", and
-    cli_errors.Interrupted says how far it got.
+    is `task_data` when read already, else read_task_data(task, cfg, data); stride defaults to
+    seq_len // 2. exit_rule: adaptive depth per token (not diagnose), one row at the cap (the
+    rule's max_steps, else max(depths)) with the steps used (ExitStats.summary). progress:
+    items done, rate and ETA on stderr, on rank 0 only.
     """
     record = get_task(task)
     if exit_rule is not None and not record.scores_tokens:
@@ -168,7 +158,7 @@ def run_task(task: str, model: LoopedLM, cfg: RunConfig, data: str, depths: list
     from scse_dist.eval.exit_stats import ExitStats
 
     stats = ExitStats(exit_rule) if exit_rule is not None else None
-    tokenizer, inputs, shards = task_data or read_task_data(task, cfg, data, tokenizer)
+    tokenizer, inputs, shards = task_data or read_task_data(task, cfg, data)
     seq_len, batch_size = cfg.data.seq_len, cfg.eval.batch_size
     stride = stride or max(1, seq_len // 2)
     extra: dict[str, Any] = {"data": str(data), "seq_len": seq_len, "batch_size": batch_size}

@@ -26,9 +26,8 @@ class Passage(NamedTuple):
 
 def _split_passage(text: str, where: str) -> Passage:
     """lm-eval's official LAMBADA split (lambada_openai.yaml): context `text.split(' ')[:-1]`
-    joined by ' ', target `' ' + text.split(' ')[-1]`. Only a space separates the last word, so a
-    passage whose last word follows a newline keeps that newline in its target, as lm-eval
-    scores it (splitting on any whitespace moved it, and changed the perplexity by 1.5%)."""
+    joined by ' ', target `' ' + text.split(' ')[-1]` (a newline before the last word stays in
+    the target, as lm-eval scores it)."""
     words = text.split(" ")
     context, last = " ".join(words[:-1]), words[-1]
     if not context.strip() or not last.strip():
@@ -58,8 +57,8 @@ def read_lambada(url: str) -> list[Passage]:
 
 
 def lambada_totals(run: TaskRun) -> list[dict]:
-    """Per depth the additive totals over run.inputs' passages (in training: this rank's share,
-    then summed over ranks). Ctrl-C: TaskInterrupted with the rows of the passages scored."""
+    """Per depth the additive totals over run.inputs' passages (in training summed over ranks).
+    Ctrl-C: TaskInterrupted with the rows of the passages scored."""
     from scse_dist.eval.scoring import context_target_window  # imports torch
 
     windows: list[Window] = []
@@ -87,9 +86,8 @@ def _lambada_totals(depths: list[int], scores: list[list[Score]]) -> list[dict]:
 def lambada_metrics(totals: dict) -> dict:
     """One depth's row from its totals (_lambada_totals, or their sum over ranks), as lm-eval's
     LAMBADA tasks define acc and perplexity: accuracy = passages whose every target token is the
-    argmax / passages; loss = mean over passages of the target's summed NLL, ppl = exp(loss).
-    Per passage, not per token: a per-token ppl is exp(loss)^(passages / target_tokens), a
-    different number (1555 against lm-eval's 3.9e9 at 3 tokens a target, issue 42)."""
+    argmax / passages; loss = mean over passages of the target's summed NLL, ppl = exp(loss):
+    per passage, not per token."""
     n, nll = totals["examples"], totals["nll"]
     return {"depth": totals["depth"], "accuracy": totals["correct"] / n, "loss": nll / n,
             "ppl": _exp(nll / n), "examples": int(n), "target_tokens": int(totals["target_tokens"])}

@@ -18,10 +18,8 @@ same name builds (its `doc_to_text` and `doc_to_choice`), one `Choices` record p
 Bad input is one InputError naming the file and line (a missing field, a label out of range).
 
 Each answer is a (context, " " + answer) request (lm-eval's default target_delimiter), scored as
-scse-eval scores LAMBADA's target: the window EOS + context + answer, the answer's ids being what
-encoding context + answer adds after the context's own (task_run.context_target_ids), its
-log-likelihood the summed log-probability of those ids. Every answer of every question goes into
-one list of windows, batched longest first, all depths in one loop run per batch.
+LAMBADA's target is (task_run.context_target_ids): its log-likelihood is the summed
+log-probability of the answer's ids.
 
 Per question, as lm-eval's process_results (first index on a tie, as np.argmax):
     accuracy    argmax of the answers' log-likelihoods is the label       (lm-eval: acc)
@@ -241,8 +239,7 @@ def mc_metrics(totals: dict) -> dict:
 
 def mc_totals(run: TaskRun) -> list[dict]:
     """Per depth {"depth", "correct", "correct_norm", "correct_bytes", "examples"} over
-    run.inputs (a list of Choices; empty: zeros). Ctrl-C: TaskInterrupted with the rows of the
-    questions whose answers were all scored."""
+    run.inputs (Choices). Ctrl-C: TaskInterrupted with the rows of the questions done."""
     questions: list[Choices] = run.inputs
     windows, owner = choice_windows(run.tokenizer, questions, run.seq_len)
 

@@ -7,13 +7,7 @@ shards), so it stays with the corpus readers in scse_dist.data.sources.
 from __future__ import annotations
 
 from scse_dist.data.sources import read_wikitext_articles
-from scse_dist.eval.task_run import (
-    TaskRun,
-    _document_scores,
-    _document_totals,
-    document_metrics,
-    document_rows,
-)
+from scse_dist.eval.task_run import TaskRun, document_metrics, document_rows, document_totals
 from scse_dist.task_registry import Task, register
 
 
@@ -26,9 +20,8 @@ def wikitext_rows(run: TaskRun) -> list[dict]:
 # During training (eval.downstream_tasks): each rank's totals over its share, summed over ranks,
 # then each depth's row from the sums (the registry's `totals` and `from_totals`).
 def wikitext_totals(run: TaskRun) -> list[dict]:
-    return _document_totals(*_document_scores(run.model, run.tokenizer, run.inputs, run.depths,
-                                              run.seq_len, run.stride, run.batch_size,
-                                              run.exit_stats, run.desc), run.inputs)
+    return document_totals(run.model, run.tokenizer, run.inputs, run.depths, run.seq_len,
+                           run.stride, run.batch_size, run.exit_stats, run.desc)
 
 
 TASK = register(Task("wikitext", read_wikitext_articles, wikitext_rows,
