@@ -11,7 +11,7 @@ registry without it.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from scse_dist.cli_errors import Interrupted
 from scse_dist.config import RunConfig
@@ -47,20 +47,29 @@ def _progress(desc: Optional[str], total: Optional[int], unit: str) -> Progress:
     return Progress(total, desc or "", unit=unit, enabled=desc is not None)
 
 
-def _scores(model: LoopedLM, windows: list[Window], depths: list[int], batch_size: int,
-            exit_stats: Optional[ExitStats], desc: Optional[str], unit: str, item: str,
-            per_item: Any) -> tuple[list[int], list[list[Score]]]:
-    """score_windows with progress in `unit`s (one per window); on Ctrl-C, TaskInterrupted in
-    `item`s from `per_item(depths, scores)`: (rows over the items whose windows are all
-    scored, items done, items in all)."""
+def _scores(model: LoopedLM, windows: list[Window], owner: list[int], items: list,
+            depths: list[int], batch_size: int, exit_stats: Optional[ExitStats],
+            desc: Optional[str], unit: str, item: str, totals: Any, metrics: Any) -> list[dict]:
+    """`totals(depths, scores, owner, items)` of the windows scored by score_windows (owner[k]:
+    the item window k belongs to), with progress in `unit`s. Ctrl-C: TaskInterrupted in `item`s
+    with the `metrics` of the totals over the items whose windows are all scored."""
     from scse_dist.eval.scoring import ScoringInterrupted, score_windows
 
     try:
         with _progress(desc, len(windows), unit) as progress:
-            return score_windows(model, windows, depths, batch_size, exit_stats, progress)
+            return totals(*score_windows(model, windows, depths, batch_size, exit_stats, progress),
+                          owner, items)
     except ScoringInterrupted as stop:
-        rows, done, total = per_item(stop.depths, stop.scores)
-        raise TaskInterrupted(rows if done else None, done, total, item) from None
+        complete = [True] * len(items)
+        for i, score in zip(owner, stop.scores[0]):
+            complete[i] = complete[i] and score is not None
+        done = [i for i, ok in enumerate(complete) if ok]
+        kept = [k for k, i in enumerate(owner) if complete[i]]
+        renumbered = {i: n for n, i in enumerate(done)}
+        rows = [metrics(t) for t in totals(stop.depths, [[s[k] for k in kept] for s in stop.scores],
+                                           [renumbered[owner[k]] for k in kept],
+                                           [items[i] for i in done])] if done else None
+        raise TaskInterrupted(rows, len(done), len(items), item) from None
 
 
 def document_rows(model: LoopedLM, tokenizer: Any, documents: list[str], depths: list[int],
@@ -91,24 +100,12 @@ def document_totals(model: LoopedLM, tokenizer: Any, documents: list[str], depth
         for w in document_windows(doc, tokenizer.eos_id, seq_len, stride):
             windows.append(w)
             owner.append(i)
-
-    def per_document(depths: list[int], scores: list[list[Optional[Score]]]):
-        complete = [True] * len(documents)
-        for i, score in zip(owner, scores[0]):
-            complete[i] = complete[i] and score is not None
-        kept = [k for k, score in enumerate(scores[0]) if complete[owner[k]]]
-        done = [d for d, ok in zip(documents, complete) if ok]
-        table = [document_metrics(t) for t in _document_totals(
-            depths, cast("list[list[Score]]", [[s[k] for k in kept] for s in scores]),
-            done)] if done else None  # the kept windows' documents are complete: all scored
-        return table, len(done), len(documents)
-
-    return _document_totals(*_scores(model, windows, depths, batch_size, exit_stats, desc,
-                                     "window", "document", per_document), documents)
+    return _scores(model, windows, owner, documents, depths, batch_size, exit_stats, desc,
+                   "window", "document", _document_totals, document_metrics)
 
 
-def _document_totals(depths: list[int], scores: list[list[Score]], documents: list[str]
-                     ) -> list[dict]:
+def _document_totals(depths: list[int], scores: list[list[Score]], owner: list[int],
+                     documents: list[str]) -> list[dict]:
     """Per depth the additive totals of the documents' scores."""
     words = sum(len(d.split()) for d in documents)
     n_bytes = sum(len(d.encode("utf-8")) for d in documents)

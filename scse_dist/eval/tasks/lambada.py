@@ -8,7 +8,7 @@ per line). The context is the passage minus its last space-separated word, the t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple
 
 from scse_dist.cli_errors import InputError
 from scse_dist.data.sources import is_jsonl, jsonl_values, single_file, text_lines
@@ -65,17 +65,13 @@ def lambada_totals(run: TaskRun) -> list[dict]:
     for p in run.inputs:
         context, target = context_target_ids(run.tokenizer, p.context, p.target)
         windows.append(context_target_window(context, target, run.tokenizer.eos_id, run.seq_len))
-
-    def per_passage(depths: list[int], scores: list[list[Optional[Score]]]):
-        done = [[s for s in per_depth if s is not None] for per_depth in scores]
-        rows = [lambada_metrics(t) for t in _lambada_totals(depths, done)] if done[0] else []
-        return rows, len(done[0]), len(run.inputs)
-
-    return _lambada_totals(*_scores(run.model, windows, run.depths, run.batch_size,
-                                    run.exit_stats, run.desc, "passage", "passage", per_passage))
+    return _scores(run.model, windows, list(range(len(windows))), run.inputs, run.depths,
+                   run.batch_size, run.exit_stats, run.desc, "passage", "passage",
+                   _lambada_totals, lambada_metrics)
 
 
-def _lambada_totals(depths: list[int], scores: list[list[Score]]) -> list[dict]:
+def _lambada_totals(depths: list[int], scores: list[list[Score]], owner: list[int],
+                    passages: list[Passage]) -> list[dict]:
     """Per depth the additive totals of the passages' scores (summed over ranks in training)."""
     return [{"depth": d, "correct": sum(s.all_correct for s in per_window),
              "nll": sum(s.nll for s in per_window),

@@ -30,7 +30,7 @@ Per question, as lm-eval's process_results (first index on a tie, as np.argmax):
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 from scse_dist.cli_errors import InputError
 from scse_dist.data.sources import jsonl_values, single_file, text_lines
@@ -210,23 +210,16 @@ def question_totals(questions: list[Choices], lls: list[list[float]]) -> dict:
             "examples": len(lls)}
 
 
-def _totals(depths: list[int], scores: Sequence[Sequence[Optional[Score]]],
-            questions: list[Choices], owner: list[int]) -> tuple[list[dict], int]:
-    """Per depth the totals over the questions whose answers are all scored, and their count."""
-    complete = [True] * len(questions)
-    for i, score in zip(owner, scores[0]):
-        complete[i] = complete[i] and score is not None
+def _totals(depths: list[int], scores: list[list[Score]], owner: list[int],
+            questions: list[Choices]) -> list[dict]:
+    """Per depth the totals over the questions (owner[k]: the question of answer window k)."""
     out = []
     for d, per_window in zip(depths, scores):
         lls: list[list[float]] = [[] for _ in questions]
         for i, score in zip(owner, per_window):
-            if complete[i]:
-                assert score is not None  # complete: every window of question i was scored
-                lls[i].append(-score.nll)
-        done = [k for k, ok in enumerate(complete) if ok]
-        out.append({"depth": d, **question_totals([questions[k] for k in done],
-                                                  [lls[k] for k in done])})
-    return out, sum(complete)
+            lls[i].append(-score.nll)
+        out.append({"depth": d, **question_totals(questions, lls)})
+    return out
 
 
 def mc_metrics(totals: dict) -> dict:
@@ -240,16 +233,9 @@ def mc_metrics(totals: dict) -> dict:
 def mc_totals(run: TaskRun) -> list[dict]:
     """Per depth {"depth", "correct", "correct_norm", "correct_bytes", "examples"} over
     run.inputs (Choices). Ctrl-C: TaskInterrupted with the rows of the questions done."""
-    questions: list[Choices] = run.inputs
-    windows, owner = choice_windows(run.tokenizer, questions, run.seq_len)
-
-    def per_question(depths: list[int], scores: list[list[Optional[Score]]]):
-        totals, done = _totals(depths, scores, questions, owner)
-        return [mc_metrics(t) for t in totals] if done else None, done, len(questions)
-
-    depths, scores = _scores(run.model, windows, run.depths, run.batch_size, run.exit_stats,
-                             run.desc, "answer", "question", per_question)
-    return _totals(depths, scores, questions, owner)[0]
+    windows, owner = choice_windows(run.tokenizer, run.inputs, run.seq_len)
+    return _scores(run.model, windows, owner, run.inputs, run.depths, run.batch_size,
+                   run.exit_stats, run.desc, "answer", "question", _totals, mc_metrics)
 
 
 def mc_task_rows(run: TaskRun) -> list[dict]:
