@@ -2,21 +2,15 @@
 
     --model scse --model_args pretrained=EXPORT,depth=T,exit=fixed,batch_size=B,device=cpu
 
-Its model args are listed in `scse-lm-eval --help` (scse_dist.lmeval.cli).
-
-Requests are scored the way scse-eval scores its tasks (scse_dist.eval.scoring): a
-(context, continuation) pair is the window EOS + context + continuation, cut from the left to
-max_length inputs, the continuation's ids being what encoding context + continuation adds after
-the context's own ids; a rolling request is the document's sliding windows, EOS first. Batches are
-right-padded, which causal attention makes exact. So scse-eval and lm-eval agree to rounding on
-the same data, and the harness's task code (document reading, target split, aggregation) checks
-ours.
+Its model args are listed in `scse-lm-eval --help` (scse_dist.lmeval.cli). Requests are windows
+as scse-eval forms them (scse_dist.eval.scoring): (context, continuation) is EOS + context +
+continuation cut from the left to max_length inputs; a rolling request is the document's sliding
+windows. So scse-eval and lm-eval agree to rounding on the same data.
 """
 
 from __future__ import annotations
 
 import sys
-from contextlib import ExitStack
 from typing import Any, Optional, cast
 
 # lm-eval's own models: its registry loads them only when it is empty, which registering `scse`
@@ -45,9 +39,8 @@ from scse_dist.progress import Progress
 
 class ExitScorer:
     """Loop depth for the harness's requests: `depth` steps per token, or an exit rule's adaptive
-    depth capped at `depth` (the rule's max= overrides the cap), scored by scse-eval's own scorer
-    (score_windows with ExitStats), so `exit=motion:0.02` here equals `scse-eval --exit
-    motion:0.02` at the same cap. Steps used are counted per lm-eval task (`steps_summary`)."""
+    depth capped at `depth` (the rule's max= overrides the cap), scored as scse-eval scores.
+    Steps used are counted per lm-eval task (`steps_summary`)."""
 
     def __init__(self, depth: int, rule: Optional[ExitRule] = None):
         self.depth = depth
@@ -78,10 +71,9 @@ class ExitScorer:
 
 
 def exit_scorer(text: str, depth: int, options: Optional[dict] = None) -> ExitScorer:
-    """The scorer of the `exit=` model arg: a rule's text as scse-eval --exit takes it
-    (scse_dist.model.exit_rules.parse_exit_rule), "fixed" being plain fixed depth. lm-eval splits
-    --model_args at commas, so `exit=motion:0.02,min=2,max=8` arrives as exit="motion:0.02" and
-    the model args min=2, max=8: `options` ({"min": 2, "max": 8}) joins them back."""
+    """The scorer of the `exit=` model arg, as scse-eval --exit takes it ("fixed": fixed depth).
+    lm-eval splits --model_args at commas, so `exit=motion:0.02,min=2,max=8` arrives as
+    exit="motion:0.02" and the model args min=2, max=8: `options` joins them back."""
     unknown = sorted(set(options or {}) - {"min", "max"})
     if unknown:
         raise ValueError(f"unknown model args {', '.join(unknown)} (the exit rule's options are "
@@ -122,8 +114,7 @@ class ScseLM(LM):
             if device:
                 print(f"scse: device {device} is not available; using cpu", file=sys.stderr)
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        with ExitStack() as stack:  # a URL: a temporary local copy, kept while loading
-            local = stack.enter_context(local_export(str(pretrained)))
+        with local_export(str(pretrained)) as local:  # a URL: a temporary local copy
             cfg = checkpoint_config(local)
             self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
             self.model, _ = load_model(local, device=device)
@@ -184,10 +175,8 @@ class ScseLM(LM):
 
     def _score(self, requests: list[Instance], windows: list[Window], quiet: bool = False
                ) -> list[Score]:
-        """Each request's window(s) scored, task by task in request order (so the steps used are
-        counted per task, and a task's batches are those scse-eval forms on the same data).
-        lm-eval leaves progress to the model: windows done, rate and ETA per task on stderr
-        (scse_dist.progress) on rank 0, unless lm-eval passes disable_tqdm."""
+        """Each request's window(s) scored, task by task in request order (steps used counted per
+        task), with progress per task on stderr on rank 0 unless lm-eval passes disable_tqdm."""
         tasks: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
             tasks.setdefault(getattr(request, "task_name", None) or "", []).append(i)
@@ -207,8 +196,8 @@ class ScseLM(LM):
         return cast("list[Score]", scores)  # every window is in one task's rows
 
     def get_model_info(self) -> dict:
-        """What lm-eval adds to its results JSON's `config` (it asks every model that has this):
-        the depth, the exit rule and, with one, each task's steps used per scored token."""
+        """What lm-eval adds to its results JSON's `config`: the depth, the exit rule and, with
+        one, each task's steps used per scored token."""
         info: dict[str, Any] = {"scse_depth": self.depth,
                                 "scse_exit": str(self.scorer.rule or "fixed")}
         if self.scorer.rule is not None:
@@ -220,9 +209,8 @@ class ScseLM(LM):
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Each request alone, continuing EOS + context. Greedy unless do_sample (temperature,
         top_p); stops at EOS, max_gen_toks, or the first `until` string, which is cut off.
-        Through the KV cache (scse_dist.generate) while the sequence fits max_length; beyond, a
-        sliding window of max_length tokens, recomputed per token (the cache cannot drop its
-        oldest tokens: their K/V shaped every later token's)."""
+        Through the KV cache while the sequence fits max_length; beyond, a sliding window of
+        max_length tokens recomputed per token (the cache cannot drop its oldest tokens)."""
         return [self._generate(*request.args) for request in requests]
 
     def _generate(self, context: str, gen_kwargs: dict) -> str:
