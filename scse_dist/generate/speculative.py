@@ -1,25 +1,20 @@
 """Self-speculative decoding: a looped model drafts with its own first d loop steps.
 
 Each round drafts K tokens one at a time at depth d (scse_dist.model.speculative.draft), verifies
-them at the full depth T in one call over the K+1 positions (verify: only steps d+1..T, the
-draft's first d steps and scse's h*, r* being reused), and keeps the longest prefix the verifier
-agrees with plus one token of the verifier's: its own where it disagreed, the next one when it
-agreed with all K. The cache then forgets the rejected drafts (KVCache.truncate).
+them at the full depth T in one call over the K+1 positions (verify: only steps d+1..T), and keeps
+the longest prefix the verifier agrees with plus one token of the verifier's; the cache then
+forgets the rejected drafts (KVCache.truncate).
 
 The rule is the standard speculative-sampling one (Leviathan et al. 2023; Chen et al. 2023): a
 drafted token y drawn from the draft's q is kept with probability min(1, p(y) / q(y)), p being
-the verifier's distribution (the same temperature and top-p), and on rejection the token is
-drawn from max(p - q, 0) normalised. Every token is then distributed exactly as p, and greedy
-decoding (p, q one-hot) gives exactly full-depth greedy decoding's tokens.
+the verifier's distribution, and on rejection the token is drawn from max(p - q, 0) normalised.
+Every token is then distributed exactly as p, and greedy decoding gives exactly full-depth
+greedy decoding's tokens.
 
 A batch shares one cache length, so a round keeps, in every row, the fewest drafts any unfinished
 row kept (a); each row's next token is then its own draft a+1 if it kept that one, else its
-correction. A row's token at each position is still drawn from p given its prefix, so the rows
-stay exact; they only lose the drafts they kept beyond a.
-
-K is fixed, or chosen per round by AdaptiveDraft (`--speculative D,auto`) from a alone: it grows
-after a round that kept all K and shrinks after one that did not. A round's K is then fixed
-before its drafts are drawn, and the rule above holds for any such K, so the output stays exact.
+correction, so the rows stay exact. K is fixed, or chosen per round by AdaptiveDraft from past
+rounds only (fixed before a round's drafts are drawn), so the output stays exact.
 """
 
 from __future__ import annotations
