@@ -76,13 +76,8 @@ class ScseCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return len(self.kv)
 
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_croppable(self) -> bool:  # 5.x: no rollback (deferred stop checks, assisted decoding)
-        return False
+    # (the base class's properties; 5.x reads is_croppable: no rollback for assisted decoding)
+    is_compileable = is_croppable = False
 
     def reset(self) -> None:
         self.kv = KVCache(self.kv.mode)
