@@ -30,15 +30,11 @@ def _rows(depths: list[int], nll_sum: dict[int, float], tokens: int) -> list[dic
 def evaluate_heldout(model: LoopedLM, batches: Iterable[torch.Tensor], depths: list[int],
                      max_batches: int = 0, exit_stats: Optional[ExitStats] = None,
                      progress=None, eos_id: Optional[int] = None) -> list[dict]:
-    """Mean token NLL and perplexity of `model` on `batches` (B, S+1) at each depth in `depths`.
-
-    Returns `[{"depth", "loss", "ppl", "tokens"}]` sorted by depth. `max_batches` 0 means all.
-    An untied model (`model.fixed_depth` set) is evaluated at its own depth only.
-    exit_stats: adaptive depth by its rule, one row at the cap (ExitStats.depth); the steps each
-    scored token used are added to it. progress: a scse_dist.progress.Progress, one per batch.
-    eos_id: the batches' eos (documents packed end to end, as in training): a model trained with
-    model.document_mask is scored with it too, its documents attending within themselves.
-    Ctrl-C raises TaskInterrupted with the rows of the batches done.
+    """Mean token NLL and perplexity of `model` on `batches` (B, S+1) at each depth in `depths`:
+    `[{"depth", "loss", "ppl", "tokens"}]` sorted by depth. `max_batches` 0 means all.
+    exit_stats: adaptive depth by its rule, one row at the cap. progress: a Progress, one per
+    batch. eos_id: the batches' eos, so a model trained with model.document_mask is scored with
+    it too. Ctrl-C raises TaskInterrupted with the rows of the batches done.
     """
     scorer = DepthScorer(model, depths, exit_stats, eos_id)
     nll_sum = {d: 0.0 for d in scorer.depths}

@@ -58,8 +58,7 @@ def scoring_mode(model: LoopedLM) -> Iterator[None]:
 
 class DepthScorer:
     """Scores (inputs, targets) batches at `depths` (resolve_depths) of one loop run, or with
-    `exit_stats` at one depth, the cap, by its exit rule (the steps each scored token used are
-    added to it)."""
+    `exit_stats` at its cap by its exit rule (adding the steps each scored token used)."""
 
     def __init__(self, model: LoopedLM, depths: list[int],
                  exit_stats: Optional[ExitStats] = None, eos_id: Optional[int] = None) -> None:
@@ -93,7 +92,7 @@ class DepthScorer:
     def _head_inputs(self, inputs: torch.Tensor, scored: torch.Tensor
                      ) -> Iterator[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Per depth: the head's inputs (N, d) at the scored positions and the head weight, or
-        (exit rule: the model forms its logits itself) the logits (N, V) and None."""
+        (exit rule) the model's logits (N, V) and None."""
         docs = None if self.eos_id is None else self.model.documents(inputs, self.eos_id)
         if self.exit_stats is not None:
             out = self.model(inputs, depth=self.depths[0], exit_rule=self.exit_stats.rule,

@@ -76,13 +76,9 @@ def document_rows(model: LoopedLM, tokenizer: Any, documents: list[str], depths:
                   seq_len: int, stride: int, batch_size: int,
                   exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None) -> list[dict]:
     """Token ppl, word ppl and bits per byte of `documents` (each scored on its own, sliding
-    window).
-
-    word_ppl = exp(total NLL / whitespace words of the original text) and bits_per_byte =
-    total NLL / ln 2 / UTF-8 bytes: both divide the same total, so they compare across tokenizers.
-    desc: a progress line's label (None: quiet). Ctrl-C: TaskInterrupted with the rows of the
-    documents whose windows were all scored.
-    """
+    window). word_ppl = exp(total NLL / whitespace words of the original text) and bits_per_byte
+    = total NLL / ln 2 / UTF-8 bytes compare across tokenizers. desc: a progress line's label
+    (None: quiet). Ctrl-C: TaskInterrupted with the rows of the documents done."""
     return [document_metrics(t) for t in document_totals(
         model, tokenizer, documents, depths, seq_len, stride, batch_size, exit_stats, desc)]
 
@@ -191,8 +187,8 @@ def _progress_label(task: str, model: LoopedLM, depths: list[int],
 
 class TaskRun(NamedTuple):
     """What a task's scorer gets: the model, the data its reader read (or a held-out shard
-    stream: `shards`), the settings, the ExitStats of an exit rule (None: fixed depths), a
-    progress label (None: quiet) and `extra`, a dict of settings it adds to the results JSON."""
+    stream: `shards`), the settings, an exit rule's ExitStats, a progress label (None: quiet)
+    and `extra`, settings it adds to the results JSON."""
 
     model: LoopedLM
     tokenizer: Any

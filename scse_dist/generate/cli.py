@@ -78,10 +78,10 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _parsed(text: Optional[str], parse: Callable[[str], Any], prefix: str) -> Any:
-    """parse(text), None for None; a ValueError as one line, `prefix` + its message."""
+def _checked(value: Any, check: Callable[[Any], Any], prefix: str) -> Any:
+    """check(value), None for None; a ValueError as one line, `prefix` + its message."""
     try:
-        return None if text is None else parse(text)
+        return None if value is None else check(value)
     except ValueError as exc:
         raise InputError(f"{prefix}{exc}") from None
 
@@ -95,8 +95,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
     except ValueError as exc:
         raise InputError(f"--{exc}".replace("_", "-", 1)) from None
-    exit_rule = _parsed(args.exit, parse_exit_rule, "--exit: ")
-    speculative = _parsed(args.speculative, parse_speculative, "--")
+    exit_rule = _checked(args.exit, parse_exit_rule, "--exit: ")
+    speculative = _checked(args.speculative, parse_speculative, "--")
     prompts = _read_prompts(args)
     from scse_dist.checkpoint.export import local_export
     from scse_dist.checkpoint.loading import load_model
@@ -115,10 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not p:
             raise InputError(f"prompt {i + 1}: encodes to no tokens")
     depth = args.depth if args.depth is not None else model.fixed_depth or cfg.model.depth
-    try:
-        model.core.transition.check_depth(depth)
-    except ValueError as exc:
-        raise InputError(f"--{exc}") from None
+    _checked(depth, model.core.transition.check_depth, "--")
     exit_rule = _exit_cap(exit_rule, args.depth, model)
     _check_speculative(speculative, depth, args)
     single = len(prompts) == 1

@@ -49,21 +49,16 @@ class ExitScorer:
 
     def score(self, model: torch.nn.Module, windows: list[Window], batch_size: int,
               task: str = "", progress: Optional[Progress] = None) -> list[Score]:
-        stats = None
-        if self.rule is not None:
-            stats = self.stats.setdefault(task, ExitStats(self.rule))
+        stats = None if self.rule is None else self.stats.setdefault(task, ExitStats(self.rule))
         return score_windows(model, windows, [self.depth], batch_size, stats, progress)[1][0]
 
     def next_logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """(B, V) logits for the token after each row of `tokens` (B, S)."""
-        if self.rule is None:
-            return model(tokens, depth=self.depth).logits[:, -1].float()
-        return model(tokens, depth=self.rule.cap(self.depth),
-                     exit_rule=self.rule).logits[:, -1].float()
+        depth = self.depth if self.rule is None else self.rule.cap(self.depth)
+        return model(tokens, depth=depth, exit_rule=self.rule).logits[:, -1].float()
 
     def steps_summary(self) -> dict:
-        """{task: ExitStats.summary()} (mean_steps, steps_pNN, steps_histogram) of the scored
-        loglikelihood tokens; empty at fixed depth."""
+        """{task: ExitStats.summary()} of the scored loglikelihood tokens; empty at fixed depth."""
         return {task: stats.summary() for task, stats in sorted(self.stats.items())}
 
     def __repr__(self) -> str:

@@ -1,30 +1,13 @@
 """The multiple-choice tasks (hellaswag, piqa, arc_easy, arc_challenge, multiple_choice): their
-readers, one per local JSONL format, and their scorer, lm-eval's `output_type: multiple_choice`.
+readers, one per local JSONL format (docs/evaluation.md), and their scorer, lm-eval's
+`output_type: multiple_choice`.
 
-Each reader turns one dataset's local format into the context and answers lm-eval's task of the
-same name builds (its `doc_to_text` and `doc_to_choice`), one `Choices` record per question:
-
-    multiple_choice  {"context": str, "choices": [str, ...], "label": int}   (the generic schema)
-    hellaswag        HellaSwag's JSONL (rowanz/hellaswag or the HF dataset's rows): activity_label,
-                     ctx_a, ctx_b (or ctx), endings, label; lm-eval's preprocessing ("[title]"
-                     and other bracketed artifacts removed) on the query and every ending
-    piqa             PIQA's JSONL: goal, sol1, sol2 and label, or without label the original
-                     release's labels file beside it (valid.jsonl -> valid-labels.lst, one 0/1
-                     a line); context "Question: {goal}\\nAnswer:"
-    arc              ARC (Easy or Challenge): the HF rows (question: str, choices: {text, label},
-                     answerKey) or AI2's own JSONL (question: {stem, choices: [{text, label}]},
-                     answerKey); context "Question: {question}\\nAnswer:"
-
-Bad input is one InputError naming the file and line (a missing field, a label out of range).
-
-Each answer is a (context, " " + answer) request (lm-eval's default target_delimiter), scored as
-LAMBADA's target is (task_run.context_target_ids): its log-likelihood is the summed
-log-probability of the answer's ids.
-
-Per question, as lm-eval's process_results (first index on a tie, as np.argmax):
-    accuracy    argmax of the answers' log-likelihoods is the label       (lm-eval: acc)
-    acc_norm    argmax of log-likelihood / len(answer) in characters      (lm-eval: acc_norm)
-    acc_bytes   argmax of log-likelihood / len(answer) in UTF-8 bytes     (lm-eval: acc_bytes)
+Each reader builds the context and answers lm-eval's task of the same name builds (its
+`doc_to_text` and `doc_to_choice`), one `Choices` record per question; bad input is one
+InputError naming the file and line. Each answer is a (context, " " + answer) request scored as
+LAMBADA's target is (task_run.context_target_ids). Per question, as lm-eval's process_results
+(first index on a tie): accuracy, acc_norm and acc_bytes are whether the argmax of the answers'
+log-likelihoods, per character, per UTF-8 byte, is the label.
 """
 
 from __future__ import annotations
