@@ -118,9 +118,8 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoi
         eval=dataclasses.replace(cfg.eval, batch_size=args.batch_size or cfg.eval.batch_size))
     max_batches = cfg.eval.max_batches if args.max_batches is None else args.max_batches
     data = args.data or cfg.data.path
-    # The model's tokenizer (--tokenizer, else the export's own copy) reads text and must be the
-    # one held-out shards were written with. Bad data fails before the weights load; a path from
-    # the checkpoint's config fails with a line that says so and names the flag.
+    # The model's tokenizer (--tokenizer, else the export's own copy) reads text and shards. Bad
+    # data fails before the weights load; one from the config with a line naming the flag.
     with nullcontext() if args.tokenizer else from_config(
             "data.tokenizer", cfg.data.tokenizer, args.checkpoint, "--tokenizer"):
         tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)

@@ -17,10 +17,8 @@ def evaluate_export(run_dir: str | os.PathLike, task: str, *, data: Optional[str
                     at_model_depth: bool = False, name: Optional[str] = None,
                     label: Optional[str] = None) -> str:
     """Evaluate RUN/export on `task` into RUN/eval/<name or task>.json; returns that path.
-
-    data: the file the task reads (default: its eval.* file, else data.path's held-out shards);
-    at_model_depth: at model.depth alone (the depth it trained at) instead of eval.depths;
-    label: the results' "checkpoint" (default "<run name>@export")."""
+    data: default its eval.* file, else data.path; at_model_depth: at model.depth alone instead
+    of eval.depths; label: the results' "checkpoint" (default "<run name>@export")."""
     import torch
 
     from scse_dist.checkpoint.loading import load_model

@@ -1,11 +1,7 @@
 """The one scorer of every evaluation task: per row of a batch and per loop depth, the summed NLL
 of the scored targets, their count, and whether each is the greedy argmax, from one loop run.
-
-Held-out batches (scse_dist.eval.perplexity) and token windows (scse_dist.eval.scoring) both come
-here. The loop runs once to the deepest depth; at each depth the coda and final norm run on the
-whole batch (attention needs every position), but the LM head, the softmax and the argmax only
-on the scored positions (LAMBADA scores a few per passage), in chunks of rows whose logits go to
-one buffer reused across depths and batches.
+The LM head, softmax and argmax run only on the scored positions (LAMBADA scores a few per
+passage), in chunks of rows whose logits go to one buffer reused across depths and batches.
 """
 
 from __future__ import annotations

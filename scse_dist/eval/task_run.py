@@ -1,11 +1,8 @@
 """What every evaluation task shares: `run_task`, the one entry the CLI and evaluate_export call,
 the `TaskRun` a task's scorer gets (it returns one row per depth), and the scoring pieces several
-tasks use (documents in sliding windows; context/target ids). The tasks: scse_dist.eval.tasks.
-
-On Ctrl-C run_task writes the results of the items done, marked `"partial": {"done", "total",
-"unit"}` (run_dir.is_complete is then False for it), and raises cli_errors.Interrupted.
-Nothing here imports torch at the top: `scse-eval --help` and config validation read the
-registry without it.
+tasks use. On Ctrl-C run_task writes the results of the items done, marked `"partial": {"done",
+"total", "unit"}`, and raises cli_errors.Interrupted. No torch at the top: `scse-eval --help` and
+config validation read the registry without it.
 """
 
 from __future__ import annotations
@@ -88,14 +85,10 @@ def document_totals(model: LoopedLM, tokenizer: Any, documents: list[str], depth
                     exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None
                     ) -> list[dict]:
     """document_rows' additive totals per depth (in training summed over ranks, then rows)."""
-    from scse_dist.eval.scoring import document_windows
+    from scse_dist.eval.scoring import documents_windows
 
-    ids = tokenizer.encode_batch([d.strip() for d in documents])
-    windows, owner = [], []
-    for i, doc in enumerate(ids):
-        for w in document_windows(doc, tokenizer.eos_id, seq_len, stride):
-            windows.append(w)
-            owner.append(i)
+    windows, owner = documents_windows(tokenizer.encode_batch([d.strip() for d in documents]),
+                                       tokenizer.eos_id, seq_len, stride)
     return _scores(model, windows, owner, documents, depths, batch_size, exit_stats, desc,
                    "window", "document", _document_totals, document_metrics)
 

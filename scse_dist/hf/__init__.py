@@ -1,16 +1,12 @@
 """Hugging Face `transformers` remote code for an export: `write_hf_files(out_dir, ...)`.
 
 An export then loads with `AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)`
-(and AutoConfig, AutoTokenizer) with torch, transformers, safetensors and the tokenizer kind's
-library, without scse-dist. The export dir gets config.json (`model_type`, `auto_map`, the
-ModelConfig fields, the tokenizer's special ids and kind), tokenizer_config.json (with a
-tokenizer: the kind's AutoTokenizer class, TOKENIZER_CLASSES, and its special tokens), the remote
-code beside this file (REMOTE_CODE) and the model package's modules, copied verbatim and flat.
-
-Flat, because transformers' dynamic-module loader (4.57 and 5.x) copies a remote file's relative
-imports by the regex `from .NAME import` to `NAME.py` beside it, so a subpackage fails; the model
-package's modules import each other only as `from .NAME import`. The remote-code files therefore
-run only in an export (tests/test_hf_export.py loads one). Nothing here imports transformers.
+(and AutoConfig, AutoTokenizer) without scse-dist. The export dir gets config.json,
+tokenizer_config.json (with a tokenizer), the remote code beside this file (REMOTE_CODE) and the
+model package's modules, copied verbatim and flat: transformers' dynamic-module loader copies a
+remote file's relative imports by the regex `from .NAME import` to `NAME.py` beside it, so a
+subpackage fails. The remote-code files therefore run only in an export. Nothing here imports
+transformers.
 """
 
 from __future__ import annotations

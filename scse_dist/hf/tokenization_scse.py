@@ -1,11 +1,7 @@
 """`ScseTokenizer`: the export's sentencepiece model (tokenizer.model) as a Hugging Face tokenizer
-(remote code, see scse_dist/hf).
-
-Encodes exactly as scse-dist's `Tokenizer` (scse_dist/data/tokenizer.py): sentencepiece's encode of
-the whole text, plus the EOS in front (tokenization_scse_base.py). Decoding is sentencepiece's
-decode, so `decode(encode(text, add_special_tokens=False)) == text` wherever scse-dist's round trip
-holds; EOS decodes to "</s>" (sentencepiece's own decode drops it), or to nothing with
-skip_special_tokens=True.
+(remote code, see scse_dist/hf): sentencepiece's encode of the whole text, as scse-dist's
+`Tokenizer`, plus the EOS in front (tokenization_scse_base.py); EOS decodes to "</s>" (to
+nothing with skip_special_tokens=True).
 """
 
 import sentencepiece as spm
@@ -48,16 +44,6 @@ class ScseTokenizer(ScseTokenizerBase):
         """sentencepiece's decode; a control token (EOS, the pad) is its piece, "</s>", unless
         skip_special_tokens drops it. (lm-eval's hf model takes a prefix token that decodes to ""
         as already present at the start of every text, which would drop the EOS in front.)"""
-        ids = [token_ids] if isinstance(token_ids, int) else [int(i) for i in token_ids]
-        if skip_special_tokens:
-            special = set(self.all_special_ids)
-            ids = [i for i in ids if i not in special]
-        text: list[str] = []
-        run: list[int] = []
-        for i in ids:
-            if self.sp_model.is_control(i):
-                text += [self.sp_model.decode(run), self.sp_model.id_to_piece(i)]
-                run = []
-            else:
-                run.append(i)
-        return "".join(text) + self.sp_model.decode(run)
+        dropped = frozenset(self.all_special_ids if skip_special_tokens else ())
+        return self._decode_runs(token_ids, self.sp_model.is_control, self.sp_model.decode, True,
+                                 dropped)

@@ -27,6 +27,22 @@ class ScseTokenizerBase(PreTrainedTokenizer):
     def _tokenize(self, text: str) -> list:  # type: ignore[override]
         return self.tokenize(text)
 
+    def _decode_runs(self, token_ids, is_special, decode, keep_special: bool,
+                     dropped: frozenset = frozenset()) -> str:
+        """`decode` of each run of ids between special ones (`is_special`), the special ones as
+        their token strings (if keep_special); ids in `dropped` are left out first."""
+        ids = [token_ids] if isinstance(token_ids, int) else [int(i) for i in token_ids]
+        text: list[str] = []
+        run: list[int] = []
+        for i in (i for i in ids if i not in dropped):
+            if is_special(i):
+                text += [decode(run), self._convert_id_to_token(i)] if keep_special \
+                    else [decode(run)]
+                run = []
+            else:
+                run.append(i)
+        return "".join(text) + decode(run)
+
     def build_inputs_with_special_tokens(self, token_ids_0: list,
                                          token_ids_1: Optional[list] = None) -> list:
         return [self.eos_token_id] + token_ids_0 + (token_ids_1 or [])

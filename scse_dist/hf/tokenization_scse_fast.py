@@ -1,10 +1,6 @@
-"""`ScseTokenizerFast`: the export's Hugging Face tokenizer.json (data.tokenizer_kind "hf") as a
-transformers tokenizer (remote code, see scse_dist/hf).
-
-Encodes exactly as scse-dist's "hf" kind (scse_dist/data/tokenizer_hf.py): the file's pipeline,
-a special token's string in the text kept as text (split_special_tokens), and the EOS in front
-as the slow tokenizers do (tokenization_scse_base.py), replacing the file's own post-processor
-(e.g. Llama's BOS).
+"""`ScseTokenizerFast`: the export's tokenizer.json (data.tokenizer_kind "hf") as a transformers
+tokenizer (remote code, see scse_dist/hf): the file's pipeline, a special token's string kept as
+text, and the EOS in front as the slow tokenizers do, replacing the file's own post-processor.
 """
 
 from tokenizers import processors

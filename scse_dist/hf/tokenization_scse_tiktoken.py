@@ -1,12 +1,8 @@
 """`ScseTiktokenTokenizer`: the export's tiktoken ranks (tokenizer.tiktoken) and settings
-(tokenizer.tiktoken.json: pattern, special tokens, EOS; data.tokenizer_kind "tiktoken") as a
-transformers tokenizer (remote code, see scse_dist/hf). Needs the `tiktoken` package.
-
-Encodes exactly as scse-dist's "tiktoken" kind (scse_dist/data/tokenizer_tiktoken.py): tiktoken's
-encode_ordinary, plus the EOS in front (tokenization_scse_base.py). A token's string is its bytes
-in GPT-2's byte-to-unicode alphabet (tiktoken's tokens need not be UTF-8); decoding joins the bytes
-and decodes them as UTF-8 (invalid bytes replaced, as tiktoken does); a special token decodes to
-its string unless skip_special_tokens.
+(tokenizer.tiktoken.json) as a transformers tokenizer (remote code, see scse_dist/hf): tiktoken's
+encode_ordinary, as scse-dist's "tiktoken" kind, plus the EOS in front (tokenization_scse_base.py).
+A token's string is its bytes in GPT-2's byte-to-unicode alphabet; decoding joins the bytes as
+UTF-8 (invalid bytes replaced, as tiktoken does).
 """
 
 import base64
@@ -72,15 +68,6 @@ class ScseTiktokenTokenizer(ScseTokenizerBase):
 
     def _decode(self, token_ids, skip_special_tokens: bool = False,  # type: ignore[override]
                 **kwargs) -> str:
-        ids = [token_ids] if isinstance(token_ids, int) else [int(i) for i in token_ids]
-        text: list = []
-        run: list = []
-        for i in ids:
-            if i in self.special_id_set:
-                text.append(self.enc.decode(run))
-                run = []
-                if not skip_special_tokens:
-                    text.append(self.decoder[i])
-            else:
-                run.append(i)
-        return "".join(text) + self.enc.decode(run)
+        """A special token is its string unless skip_special_tokens."""
+        return self._decode_runs(token_ids, self.special_id_set.__contains__, self.enc.decode,
+                                 not skip_special_tokens)

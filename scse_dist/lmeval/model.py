@@ -27,7 +27,7 @@ from scse_dist.eval.scoring import (
     Score,
     Window,
     context_target_window,
-    document_windows,
+    documents_windows,
     score_windows,
 )
 from scse_dist.eval.task_run import context_target_ids
@@ -140,8 +140,6 @@ class ScseLM(LM):
     def tokenizer_name(self) -> str:
         return self.tokenizer.sha256
 
-    # ----------------------------------------------------------------- loglikelihood
-
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False
                       ) -> list[tuple[float, bool]]:
         windows = []
@@ -155,13 +153,8 @@ class ScseLM(LM):
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False
                               ) -> list[float]:
-        windows, owner = [], []
-        for i, request in enumerate(requests):
-            (text,) = request.args
-            for w in document_windows(self.tokenizer.encode(text), self.eot_token_id,
-                                      self.max_length, self.stride):
-                windows.append(w)
-                owner.append(i)
+        windows, owner = documents_windows([self.tokenizer.encode(r.args[0]) for r in requests],
+                                           self.eot_token_id, self.max_length, self.stride)
         totals = [0.0] * len(requests)
         for i, score in zip(owner, self._score([requests[i] for i in owner], windows,
                                                disable_tqdm)):
@@ -198,8 +191,6 @@ class ScseLM(LM):
         if self.scorer.rule is not None:
             info["scse_steps"] = self.scorer.steps_summary()
         return info
-
-    # ----------------------------------------------------------------- generation
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Each request alone, continuing EOS + context. Greedy unless do_sample (temperature,

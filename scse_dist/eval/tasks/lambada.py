@@ -1,9 +1,5 @@
 """lambada: last-word prediction, accuracy (every target token is the argmax) and ppl per passage,
-both as lm-eval's LAMBADA tasks define them (acc, perplexity).
-
-The reader: the OpenAI JSONL (`{"text": ...}` per line) or the original plain text (one passage
-per line). The context is the passage minus its last space-separated word, the target is
-`" " + last word`.
+both as lm-eval's LAMBADA tasks define them, from the OpenAI JSONL or one passage per line.
 """
 
 from __future__ import annotations

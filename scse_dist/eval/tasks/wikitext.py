@@ -1,7 +1,5 @@
-"""wikitext: WikiText raw, document-wise sliding window; ppl, word_ppl, bits_per_byte.
-
-Its reader, WikiText's articles, is a corpus format too (`text_split="wikitext"` when building
-shards), so it stays with the corpus readers in scse_dist.data.sources.
+"""wikitext: WikiText raw, document-wise sliding window; ppl, word_ppl, bits_per_byte. Its
+reader is a corpus format too, so it stays in scse_dist.data.sources.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ def wikitext_rows(run: TaskRun) -> list[dict]:
                          run.stride, run.batch_size, run.exit_stats, run.desc)
 
 
-# During training (eval.downstream_tasks): each rank's totals over its share, summed over ranks,
-# then each depth's row from the sums (the registry's `totals` and `from_totals`).
+# During training: each rank's totals over its share, summed over ranks (registry `totals`).
 def wikitext_totals(run: TaskRun) -> list[dict]:
     return document_totals(run.model, run.tokenizer, run.inputs, run.depths, run.seq_len,
                            run.stride, run.batch_size, run.exit_stats, run.desc)
