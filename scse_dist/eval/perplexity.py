@@ -20,11 +20,9 @@ if TYPE_CHECKING:
 
 
 def _rows(depths: list[int], nll_sum: dict[int, float], tokens: int) -> list[dict]:
-    rows = []
-    for d in depths:
-        loss = nll_sum[d] / tokens
-        rows.append({"depth": d, "loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": tokens})
-    return rows
+    losses = {d: nll_sum[d] / tokens for d in depths}
+    return [{"depth": d, "loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": tokens}
+            for d, loss in losses.items()]
 
 
 def evaluate_heldout(model: LoopedLM, batches: Iterable[torch.Tensor], depths: list[int],

@@ -109,9 +109,8 @@ def _draft_round(model, pending: torch.Tensor, mask: torch.Tensor, cache: KVCach
                  draft_depth: int, depth: int, k: int, sampling: Sampling,
                  generator: torch.Generator
                  ) -> tuple[list[Drafted], list[torch.Tensor], torch.Tensor]:
-    """The pending tokens and k drafted ones through the draft (the last drafted token too: its
-    first steps are verify's input). Returns the drafts, q at each drafted position and the
-    drafted tokens (B, k)."""
+    """The pending tokens and k drafted ones (the last too: verify starts from its first steps)
+    through the draft: the drafts, q at each drafted position and the drafted tokens (B, k)."""
     drafts = [draft(model, pending, cache, draft_depth, depth, mask, readout=k > 0)]
     q, drafted = [], []
     for i in range(k):

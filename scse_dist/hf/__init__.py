@@ -43,9 +43,8 @@ def model_package_modules() -> list[Path]:
 
 
 def hf_config(model: ModelConfig, tokenizer: Optional[dict[str, Any]]) -> dict:
-    """config.json's content. tokenizer: {"kind": .., "eos": .., "eos_token": .., ...} (the
-    tokenizer's kind and Tokenizer.special_ids), or None for an export without a tokenizer (then
-    no AutoTokenizer)."""
+    """config.json's content. tokenizer: its kind and Tokenizer.special_ids ({"kind", "eos",
+    "eos_token", ...}), or None for an export without one (then no AutoTokenizer)."""
     auto_map: dict[str, Any] = {"AutoConfig": "configuration_scse.ScseConfig",
                                 "AutoModelForCausalLM": "modeling_scse.ScseForCausalLM"}
     config = {"model_type": "scse", "architectures": ["ScseForCausalLM"], "auto_map": auto_map,

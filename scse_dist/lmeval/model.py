@@ -142,12 +142,9 @@ class ScseLM(LM):
 
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False
                       ) -> list[tuple[float, bool]]:
-        windows = []
-        for request in requests:
-            context, continuation = request.args
-            context_ids, target_ids = context_target_ids(self.tokenizer, context, continuation)
-            windows.append(context_target_window(context_ids, target_ids, self.eot_token_id,
-                                                 self.max_length))
+        windows = [context_target_window(*context_target_ids(self.tokenizer, *request.args),
+                                         self.eot_token_id, self.max_length)
+                   for request in requests]
         scores = self._score(requests, windows, disable_tqdm)
         return [(-s.nll, s.all_correct) for s in scores]
 
@@ -207,7 +204,6 @@ class ScseLM(LM):
         do_sample = bool(kwargs.pop("do_sample", False))
         temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
         top_p = float(kwargs.pop("top_p", 1.0))
-        # scse-generate's sampler; greedy (Sampling()) unless do_sample with a temperature > 0
         sampling = Sampling(temperature, top_p) if do_sample and temperature > 0 else Sampling()
         generator = torch.Generator(device=self._device).manual_seed(int(kwargs.pop("seed", 0)))
         ids = [self.eot_token_id, *self.tokenizer.encode(context)]

@@ -12,7 +12,7 @@ from scse_dist.eval.task_run import TaskRun, _exp, _scores, context_target_ids
 from scse_dist.task_registry import Task, register
 
 if TYPE_CHECKING:
-    from scse_dist.eval.scoring import Score, Window
+    from scse_dist.eval.scoring import Score
 
 
 class Passage(NamedTuple):
@@ -57,10 +57,8 @@ def lambada_totals(run: TaskRun) -> list[dict]:
     Ctrl-C: TaskInterrupted with the rows of the passages scored."""
     from scse_dist.eval.scoring import context_target_window  # imports torch
 
-    windows: list[Window] = []
-    for p in run.inputs:
-        context, target = context_target_ids(run.tokenizer, p.context, p.target)
-        windows.append(context_target_window(context, target, run.tokenizer.eos_id, run.seq_len))
+    windows = [context_target_window(*context_target_ids(run.tokenizer, p.context, p.target),
+                                     run.tokenizer.eos_id, run.seq_len) for p in run.inputs]
     return _scores(run.model, windows, list(range(len(windows))), run.inputs, run.depths,
                    run.batch_size, run.exit_stats, run.desc, "passage", "passage",
                    _lambada_totals, lambada_metrics)

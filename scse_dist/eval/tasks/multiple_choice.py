@@ -168,13 +168,10 @@ def choice_windows(tokenizer, questions: list[Choices], seq_len: int
     """Every answer's window, question by question, and the question each belongs to."""
     from scse_dist.eval.scoring import context_target_window  # imports torch
 
-    windows, owner = [], []
-    for i, q in enumerate(questions):
-        for answer in q.choices:
-            context, target = context_target_ids(tokenizer, q.context, TARGET_DELIMITER + answer)
-            windows.append(context_target_window(context, target, tokenizer.eos_id, seq_len))
-            owner.append(i)
-    return windows, owner
+    owner = [i for i, q in enumerate(questions) for _ in q.choices]
+    return [context_target_window(*context_target_ids(tokenizer, q.context, TARGET_DELIMITER + a),
+                                  tokenizer.eos_id, seq_len)
+            for q in questions for a in q.choices], owner
 
 
 def _argmax(values: list[float]) -> int:
