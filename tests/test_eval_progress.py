@@ -175,6 +175,34 @@ def test_ctrl_c_in_wikitext_keeps_the_documents_whose_windows_all_scored(export,
                                           [1, 2], str(tmp_path / "s.json"), "x", stride=seq_len)
 
 
+def test_ctrl_c_in_multiple_choice_keeps_the_questions_whose_answers_all_scored(
+        export, tmp_path, monkeypatch):
+    """One answer per batch, longest first: the first question's long answer goes first and its
+    short one last, so stopping before the last leaves only the second question complete, and
+    the partial rows are that question's, as if run alone."""
+    model, cfg = load_exported_model(export)
+    cfg.eval.batch_size = 1
+    first = {"context": "The cat sees", "label": 1,
+             "choices": ["the red ball today and the blue river at night again", "it"]}
+    second = {"context": "The cat sees", "label": 0,
+              "choices": ["the tall tree today.", "an open door today."]}
+    tok = Tokenizer.load(cfg.data.tokenizer)
+    sizes = [len(tok.encode("The cat sees " + a)) for q in (first, second) for a in q["choices"]]
+    assert sizes[0] > max(sizes[2:]) and sizes[1] < min(sizes[2:])  # the order described
+    data = tmp_path / "mc.jsonl"
+    data.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    _stop_after(monkeypatch, 3)
+    with pytest.raises(Interrupted, match=r"^multiple_choice: 1/2 questions scored .*partial "):
+        run_task("multiple_choice", model, cfg, str(data), [1, 2], str(tmp_path / "p.json"), "x")
+    partial = json.loads((tmp_path / "p.json").read_text())
+    assert partial["partial"] == {"done": 1, "total": 2, "unit": "question"}
+    monkeypatch.undo()
+    data.write_text(json.dumps(second) + "\n")
+    alone = run_task("multiple_choice", model, cfg, str(data), [1, 2], str(tmp_path / "s.json"),
+                     "x")
+    assert partial["results"] == alone and alone[0]["examples"] == 1
+
+
 # --------------------------------------------------------------------------- as a user runs it
 
 

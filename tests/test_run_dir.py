@@ -68,13 +68,13 @@ def test_is_complete_only_for_a_whole_results_file(tmp_path, tiny_run):
 def test_a_ctrl_c_during_run_task_leaves_a_file_that_is_not_complete(tiny_run, monkeypatch):
     from scse_dist.eval import perplexity
     from scse_dist.eval.export_eval import evaluate_export
-    from scse_dist.eval.perplexity import HeldoutInterrupted
+    from scse_dist.eval.task_run import TaskInterrupted
 
     run, _ = tiny_run
 
     def interrupted(model, batches, depths, **kwargs):
-        raise HeldoutInterrupted([{"depth": d, "loss": PARTIAL_LOSS, "ppl": 1e6, "tokens": 32}
-                                  for d in depths], 1)
+        raise TaskInterrupted([{"depth": d, "loss": PARTIAL_LOSS, "ppl": 1e6, "tokens": 32}
+                               for d in depths], 1, kwargs["max_batches"] or None, "batch")
 
     monkeypatch.setattr(perplexity, "evaluate_heldout", interrupted)  # the heldout task's call
     with pytest.raises(Interrupted, match="partial results in"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from typing import Sequence
 
 from scse_dist.cli_errors import cli_main, command_parser, from_config
@@ -102,13 +102,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _given_or_from(given: str | None, field: str, value: str, checkpoint: str, flag: str
-                   ) -> AbstractContextManager:
-    """Nothing for a path the user gave; for one from the checkpoint's config, errors that say
-    so and name the flag (cli_errors.from_config)."""
-    return nullcontext() if given else from_config(field, value, checkpoint, flag)
-
-
 def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint: str) -> None:
     from scse_dist.checkpoint.loading import checkpoint_config, load_model
 
@@ -125,12 +118,12 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoi
         eval=dataclasses.replace(cfg.eval, batch_size=args.batch_size or cfg.eval.batch_size))
     max_batches = cfg.eval.max_batches if args.max_batches is None else args.max_batches
     data = args.data or cfg.data.path
-    # The model's tokenizer (--tokenizer, else the export's own copy) reads text and must be the
-    # one held-out shards were written with. Bad data fails before the weights load.
-    with _given_or_from(args.tokenizer, "data.tokenizer", cfg.data.tokenizer, args.checkpoint,
-                        "--tokenizer"):
+    # The model's tokenizer (--tokenizer, else the export's own copy) reads text and shards. Bad
+    # data fails before the weights load; one from the config with a line naming the flag.
+    with nullcontext() if args.tokenizer else from_config(
+            "data.tokenizer", cfg.data.tokenizer, args.checkpoint, "--tokenizer"):
         tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
-    with _given_or_from(args.data, "data.path", data, args.checkpoint, "--data"):
+    with nullcontext() if args.data else from_config("data.path", data, args.checkpoint, "--data"):
         task_data = read_task_data(args.task, cfg, data, tokenizer)
     import torch  # only now: bad input above is reported without it
 

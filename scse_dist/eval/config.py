@@ -1,10 +1,6 @@
 """The `eval:` section of a run config: depths, batches, evaluation during training, the tasks
-`scse-launch` runs after training and their data files.
-
-Beside the package it configures, and below it: it imports only the task registry and the
-model's ConfigError, so `scse_dist.config` composes it without loading the evaluators (or torch).
-`check()` is the section's one validation; scse_dist.config runs it, then the checks across
-sections.
+`scse-launch` runs after training and their data files. It imports only the task registry and
+ConfigError, so `scse_dist.config` composes it without loading the evaluators (or torch).
 """
 
 from __future__ import annotations
@@ -20,40 +16,27 @@ from scse_dist.task_registry import TASKS, Task, field_value, unknown_task
 
 @dataclass
 class EvalConfig:
+    """Each field's meaning: docs/config.md (the eval.* rows)."""
+
     depths: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 48])
     batch_size: int = 8
     max_batches: int = 0  # 0: the whole held-out split
     after_train: bool = True
-    # During training: held-out loss at `depths` every this many steps (0: off), rows of kind
-    # "eval" in metrics.jsonl and wandb (docs/training.md, "Evaluation during training").
-    every_steps: int = 0
-    # During training: continuations of `sample_prompts` every this many steps (0: off), rank 0,
-    # `sample_tokens` new tokens each, sampled at `sample_temperature` (0: greedy) with
-    # train.seed; rows of kind "sample" in metrics.jsonl and a table in wandb.
-    sample_every: int = 0
+    every_steps: int = 0  # during training: held-out loss at `depths` (0: off)
+    sample_every: int = 0  # during training: continuations of sample_prompts (0: off)
     sample_prompts: list[str] = field(
         default_factory=lambda: ["The", "Return the", "This module provides"])
     sample_tokens: int = 32
     sample_temperature: float = 0.8
-    # During training: the tasks in `downstream_tasks` (registry tasks with totals: lambada,
-    # wikitext, hellaswag, piqa, arc_easy, arc_challenge, multiple_choice; files from eval.lambada,
-    # eval.wikitext, eval.data.<task>) at `depths` every this many steps (0: off), each on the
-    # first `downstream_max_examples` examples of its file (0: all), every rank scoring its
-    # share; rows of kind "downstream" in metrics.jsonl and wandb (docs/training.md).
-    downstream_every: int = 0
+    downstream_every: int = 0  # during training: downstream_tasks at `depths` (0: off)
     downstream_tasks: list[str] = field(default_factory=list)
-    downstream_max_examples: int = 0
-    # Tasks `scse-launch` runs as jobs after training (scse_dist.task_registry; heldout and
-    # diagnose read data.path).
-    tasks: list[str] = field(default_factory=lambda: ["heldout"])
+    downstream_max_examples: int = 0  # per task and evaluation (0: all)
+    tasks: list[str] = field(default_factory=lambda: ["heldout"])  # scse-launch's, after training
     wikitext: Optional[str] = None  # wiki.{valid,test}.raw path or URL, for the wikitext task
     lambada: Optional[str] = None  # LAMBADA JSONL or plain text, for the lambada task
-    # task -> its file, for tasks with no field above
-    data: dict[str, str] = field(default_factory=dict)
+    data: dict[str, str] = field(default_factory=dict)  # task -> its file (other tasks)
     stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
-    # What each evaluation job scse-launch submits asks for, on any backend (one task on one
-    # node; 0 GPUs evaluates on CPU). Formerly eval.slurm_gpus, _cpus, _time_min, _partition.
-    resources: EvalResources = field(default_factory=EvalResources)
+    resources: EvalResources = field(default_factory=EvalResources)  # each evaluation job's
 
     def check(self) -> None:
         """Values no evaluation can use, and each listed task's data file (ConfigError naming the

@@ -16,7 +16,7 @@ from scse_dist.task_registry import TASKS
 CURVE_NAME = "heldout_curve.png"
 DOWNSTREAM_CURVE_NAME = "downstream_curve.png"
 DOWNSTREAM_KIND = "downstream"
-_LOSS_KEY = re.compile(r"^heldout_loss_T(\d+)$")
+DOWNSTREAM_KEY = "{task}_{metric}_T{depth}"  # the trainer's heldout_loss_T4 has this form too
 
 
 def eval_rows(run_dir: str | Path, kind: str = EVAL_KIND) -> list[dict]:
@@ -25,40 +25,34 @@ def eval_rows(run_dir: str | Path, kind: str = EVAL_KIND) -> list[dict]:
     return RunDir(run_dir).rows_of(kind)
 
 
-DOWNSTREAM_KEY = "{task}_{metric}_T{depth}"
-
-
 def downstream_key(task: str, metric: str, depth: int) -> str:
     """The key of a downstream row's value: `hellaswag_acc_norm_T4`."""
     return DOWNSTREAM_KEY.format(task=task, metric=metric, depth=depth)
 
 
+def _by_depth(rows: list[dict], task: str, metric: str) -> dict[int, list[tuple[int, float]]]:
+    """{depth: [(step, the rows' `<task>_<metric>_T<depth>`), ...]} sorted by depth, then step."""
+    key = re.compile("^" + re.escape(DOWNSTREAM_KEY.format(task=task, metric=metric, depth="@"))
+                     .replace("@", r"(\d+)") + "$")
+    curves: dict[int, list[tuple[int, float]]] = {}
+    for row in rows:
+        for name, value in row.items():
+            match = key.match(name)
+            if match:
+                curves.setdefault(int(match.group(1)), []).append((int(row["step"]), value))
+    return {d: sorted(points) for d, points in sorted(curves.items())}
+
+
 def downstream_by_depth(rows: list[dict]) -> dict[str, dict[int, list[tuple[int, float]]]]:
     """{task: {depth: [(step, the task's headline metric), ...]}} from rows of kind downstream,
-    tasks in registry order, then depth, then step."""
-    curves: dict[str, dict[int, list[tuple[int, float]]]] = {}
-    for task, record in TASKS.items():
-        key = re.compile("^" + re.escape(DOWNSTREAM_KEY.format(
-            task=task, metric=record.headline, depth="@")).replace("@", r"(\d+)") + "$")
-        for row in rows:
-            for name, value in row.items():
-                match = key.match(name)
-                if match:
-                    curves.setdefault(task, {}).setdefault(int(match.group(1)), []).append(
-                        (int(row["step"]), value))
-    return {task: {d: sorted(p) for d, p in sorted(by_depth.items())}
-            for task, by_depth in curves.items()}
+    tasks in registry order."""
+    curves = {task: _by_depth(rows, task, record.headline) for task, record in TASKS.items()}
+    return {task: by_depth for task, by_depth in curves.items() if by_depth}
 
 
 def loss_by_depth(rows: list[dict]) -> dict[int, list[tuple[int, float]]]:
     """{depth: [(step, held-out loss), ...]} sorted by depth, then step."""
-    curves: dict[int, list[tuple[int, float]]] = {}
-    for row in rows:
-        for key, value in row.items():
-            match = _LOSS_KEY.match(key)
-            if match:
-                curves.setdefault(int(match.group(1)), []).append((int(row["step"]), value))
-    return {d: sorted(points) for d, points in sorted(curves.items())}
+    return _by_depth(rows, "heldout", "loss")
 
 
 def heldout_curve_plot(run_dirs: Sequence[str | Path], path: str | Path) -> Optional[str]:

@@ -1,10 +1,7 @@
 """Evaluate a run's export: the one function the trainer (after training), the launcher's
-evaluation jobs and a study (its tasks, its sweep's validation score) call.
-
-The export's own config gives the settings (eval.depths, eval.max_batches where the task reads
-held-out shards, eval.stride, and the file the task reads: eval.data.<task>, else data.path);
-the results go to RUN/eval/<name>.json (scse_dist.run_dir). A Ctrl-C leaves that file marked
-partial, so run_dir.is_complete() is False for it and the next call evaluates again.
+evaluation jobs and a study call. The export's own config gives the settings and the file the
+task reads; the results go to RUN/eval/<name>.json, marked partial after a Ctrl-C (so
+run_dir.is_complete() is False for it and the next call evaluates again).
 """
 
 from __future__ import annotations
@@ -20,10 +17,8 @@ def evaluate_export(run_dir: str | os.PathLike, task: str, *, data: Optional[str
                     at_model_depth: bool = False, name: Optional[str] = None,
                     label: Optional[str] = None) -> str:
     """Evaluate RUN/export on `task` into RUN/eval/<name or task>.json; returns that path.
-
-    data: the file the task reads (default: its eval.* file, else data.path's held-out shards);
-    at_model_depth: at model.depth alone (the depth it trained at) instead of eval.depths;
-    label: the results' "checkpoint" (default "<run name>@export")."""
+    data: default its eval.* file, else data.path; at_model_depth: at model.depth alone instead
+    of eval.depths; label: the results' "checkpoint" (default "<run name>@export")."""
     import torch
 
     from scse_dist.checkpoint.loading import load_model

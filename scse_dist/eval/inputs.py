@@ -1,9 +1,7 @@
 """What an evaluation task reads, read and checked before any model loads: the task's record
-(scse_dist.task_registry), the tokenizer, and the task's data through the record's reader
-(held-out shards, a corpus, WikiText articles, LAMBADA passages).
-
-Nothing here imports torch until a good shard dir is opened as a stream, so `scse-eval` reports a
-bad file, a bad tokenizer or shards of another tokenizer in a fraction of a second.
+(scse_dist.task_registry), the tokenizer, and the task's data through the record's reader.
+Nothing here imports torch until a good shard dir is opened as a stream, so `scse-eval` reports
+bad input at once.
 """
 
 from __future__ import annotations
@@ -85,11 +83,8 @@ def no_exit_rule(task: str) -> str:
 
 
 def read_task_data(task: str, cfg: RunConfig, data: str, tokenizer: Any = None) -> TaskData:
-    """Open `task`'s data with its record's reader (held-out shards, for a task that reads the
-    held-out split, as a stream); bad data fails here, so scse-eval calls it before loading a
-    model.
-
-    The tokenizer defaults to cfg.data.tokenizer; shard data must have been written with it."""
+    """Open `task`'s data with its record's reader (held-out shards as a stream) with `tokenizer`
+    (default cfg.data.tokenizer; shards must have been written with it). Bad data fails here."""
     record = get_task(task)
     tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg)
     if record.heldout and is_shard_dir(data):

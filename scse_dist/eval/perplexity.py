@@ -1,9 +1,7 @@
-"""Held-out perplexity at several loop depths, from one forward per batch.
+"""Held-out perplexity at several loop depths, from one forward per batch (scse_dist.eval.scorer).
 
-The model reads out every requested depth in a single pass, which the method spec guarantees
-equals separate forwards at each depth (scse_dist.eval.scorer). Token NLL is summed per depth
-over the whole split and divided once at the end, so a ragged last batch is weighted by its real
-token count rather than as a full batch.
+Token NLL is summed per depth over the whole split and divided once at the end, so a ragged last
+batch is weighted by its real token count.
 """
 
 from __future__ import annotations
@@ -14,42 +12,27 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 
 from scse_dist.eval.exit_stats import ExitStats
-from scse_dist.eval.scorer import IGNORE_INDEX, DepthScorer, resolve_depths, scoring_mode
+from scse_dist.eval.scorer import DepthScorer, scoring_mode
+from scse_dist.eval.task_run import TaskInterrupted
 
 if TYPE_CHECKING:
     from scse_dist.model import LoopedLM
 
-__all__ = ["IGNORE_INDEX", "HeldoutInterrupted", "evaluate_heldout", "resolve_depths"]
-
-
-class HeldoutInterrupted(KeyboardInterrupt):
-    """Ctrl-C during evaluate_heldout: `rows` over the `batches` scored before it (None if none)."""
-
-    def __init__(self, rows: Optional[list[dict]], batches: int) -> None:
-        super().__init__()
-        self.rows, self.batches = rows, batches
-
 
 def _rows(depths: list[int], nll_sum: dict[int, float], tokens: int) -> list[dict]:
-    rows = []
-    for d in depths:
-        loss = nll_sum[d] / tokens
-        rows.append({"depth": d, "loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": tokens})
-    return rows
+    losses = {d: nll_sum[d] / tokens for d in depths}
+    return [{"depth": d, "loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": tokens}
+            for d, loss in losses.items()]
 
 
 def evaluate_heldout(model: LoopedLM, batches: Iterable[torch.Tensor], depths: list[int],
                      max_batches: int = 0, exit_stats: Optional[ExitStats] = None,
                      progress=None, eos_id: Optional[int] = None) -> list[dict]:
-    """Mean token NLL and perplexity of `model` on `batches` (B, S+1) at each depth in `depths`.
-
-    Returns `[{"depth", "loss", "ppl", "tokens"}]` sorted by depth. `max_batches` 0 means all.
-    An untied model (`model.fixed_depth` set) is evaluated at its own depth only.
-    exit_stats: adaptive depth by its rule, one row at the cap (ExitStats.depth); the steps each
-    scored token used are added to it. progress: a scse_dist.progress.Progress, one per batch.
-    eos_id: the batches' eos (documents packed end to end, as in training): a model trained with
-    model.document_mask is scored with it too, its documents attending within themselves.
-    Ctrl-C raises HeldoutInterrupted with the rows of the batches done.
+    """Mean token NLL and perplexity of `model` on `batches` (B, S+1) at each depth in `depths`:
+    `[{"depth", "loss", "ppl", "tokens"}]` sorted by depth. `max_batches` 0 means all.
+    exit_stats: adaptive depth by its rule, one row at the cap. progress: a Progress, one per
+    batch. eos_id: the batches' eos, so a model trained with model.document_mask is scored with
+    it too. Ctrl-C raises TaskInterrupted with the rows of the batches done.
     """
     scorer = DepthScorer(model, depths, exit_stats, eos_id)
     nll_sum = {d: 0.0 for d in scorer.depths}
@@ -70,8 +53,8 @@ def evaluate_heldout(model: LoopedLM, batches: Iterable[torch.Tensor], depths: l
                 if progress is not None:
                     progress.update(1)
         except KeyboardInterrupt:
-            raise HeldoutInterrupted(_rows(scorer.depths, nll_sum, tokens) if tokens else None,
-                                     done) from None
+            raise TaskInterrupted(_rows(scorer.depths, nll_sum, tokens) if tokens else None,
+                                  done, max_batches or None, "batch") from None
     if tokens == 0:
         raise ValueError("evaluate_heldout: the batches held no tokens (is the held-out split "
                          "empty?)")

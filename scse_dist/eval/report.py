@@ -3,13 +3,11 @@
     scse-report runs/scse runs/additive runs/untied --out reports/main   # compare several runs
     scse-report --study runs/my-study      # a study's seeds aggregated (scse_dist.study.report)
 
-A run's results are `RUN/eval/*.json` (written by scse_dist.eval.task_run.run_task). The table has
-one row per (run, task, metric) and one column per depth; the plot draws each task's headline
-metric against depth (log scale), one line per run, so SCSE, additive and untied models share
-axes (an untied model is a single point at its fixed depth). Runs trained with eval.every_steps
-also get heldout_curve.png: held-out loss against training step, one line per depth; runs
-trained with eval.downstream_every downstream_curve.png: each task's headline metric against
-training step, one panel per run and task, one line per depth.
+A run's results are `RUN/eval/*.json` (scse_dist.eval.task_run.run_task). The table has one row
+per (run, task, metric) and one column per depth; the plot draws each task's headline metric
+against depth (log scale), one line per run (an untied model: a point at its fixed depth). Runs
+trained with eval.every_steps or eval.downstream_every also get heldout_curve.png or
+downstream_curve.png, against training step (scse_dist.eval.curves).
 """
 
 from __future__ import annotations
@@ -111,9 +109,7 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, wandb_cfg:
     table = markdown_table(results)
     with output_dir(str(out), lambda u: (Path(u) / REPORT_NAME).is_file(), REPORT_NAME) as tmp:
         plot = frontier_plot(results, Path(tmp) / PLOT_NAME)
-        # runs trained with eval.every_steps: held-out loss against step, one line per depth
         curve = heldout_curve_plot(run_dirs, Path(tmp) / CURVE_NAME)
-        # runs trained with eval.downstream_every: each task's headline against step, per depth
         downstream = downstream_curve_plot(run_dirs, Path(tmp) / DOWNSTREAM_CURVE_NAME)
         (Path(tmp) / REPORT_NAME).write_text(
             "# Evaluation report\n\nRuns: " + ", ".join(str(r) for r in run_dirs) + "\n\n"

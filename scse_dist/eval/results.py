@@ -34,7 +34,7 @@ def _finite_or_none(value: Any) -> Any:
 
 def write_results(path: str | os.PathLike, task: str, checkpoint: str, cfg: RunConfig,
                   rows: list[dict], extra: dict[str, Any] | None = None) -> str:
-    """Write the results JSON atomically (temp file, then os.replace). Returns the path."""
+    """Write the results JSON atomically. Returns the path."""
     payload: dict[str, Any] = {
         "task": task,
         "checkpoint": str(checkpoint),

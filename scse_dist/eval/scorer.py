@@ -1,13 +1,7 @@
 """The one scorer of every evaluation task: per row of a batch and per loop depth, the summed NLL
 of the scored targets, their count, and whether each is the greedy argmax, from one loop run.
-
-Held-out batches (scse_dist.eval.perplexity) and token windows (scse_dist.eval.scoring: WikiText,
-LAMBADA, lm-eval's requests) both come here. The loop runs once to the deepest depth; at each
-depth the coda and final norm run on the whole batch (attention needs every position), but the
-LM head, the softmax and the argmax only on the scored positions, in chunks of rows whose logits
-go to one buffer reused across depths and batches. LAMBADA scores 1-3 of 128 positions per
-passage, so this skips almost all of the head (2.7x a block's work per token at vocab 4096,
-d_model 128) and the 32 MiB of fresh logits per depth and batch of 16.
+The LM head, softmax and argmax run only on the scored positions (LAMBADA scores a few per
+passage), in chunks of rows whose logits go to one buffer reused across depths and batches.
 """
 
 from __future__ import annotations
@@ -60,8 +54,7 @@ def scoring_mode(model: LoopedLM) -> Iterator[None]:
 
 class DepthScorer:
     """Scores (inputs, targets) batches at `depths` (resolve_depths) of one loop run, or with
-    `exit_stats` at one depth, the cap, by its exit rule (the steps each scored token used are
-    added to it)."""
+    `exit_stats` at its cap by its exit rule (adding the steps each scored token used)."""
 
     def __init__(self, model: LoopedLM, depths: list[int],
                  exit_stats: Optional[ExitStats] = None, eos_id: Optional[int] = None) -> None:
@@ -95,7 +88,7 @@ class DepthScorer:
     def _head_inputs(self, inputs: torch.Tensor, scored: torch.Tensor
                      ) -> Iterator[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Per depth: the head's inputs (N, d) at the scored positions and the head weight, or
-        (exit rule: the model forms its logits itself) the logits (N, V) and None."""
+        (exit rule) the model's logits (N, V) and None."""
         docs = None if self.eos_id is None else self.model.documents(inputs, self.eos_id)
         if self.exit_stats is not None:
             out = self.model(inputs, depth=self.depths[0], exit_rule=self.exit_stats.rule,
@@ -109,8 +102,7 @@ class DepthScorer:
     def _head(self, hidden: torch.Tensor, weight: Optional[torch.Tensor], wanted: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(N,) NLL and (N,) bool "not the argmax" of `wanted` under the head's logits, formed
-        a chunk of rows at a time in one fp32 buffer (a fresh (B, S, V) per depth and batch cost
-        a page fault per 4 KiB page)."""
+        a chunk of rows at a time in one reused fp32 buffer."""
         vocab = weight.shape[0] if weight is not None else hidden.shape[1]
         step = max(1, CHUNK_LOGITS // vocab)
         nll = torch.empty(len(wanted), dtype=torch.float32, device=self.device)

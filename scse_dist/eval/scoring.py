@@ -1,13 +1,6 @@
-"""Scoring token windows at several loop depths in one forward pass per batch.
-
-A `Window` is a token sequence whose targets from `first_scored` on count; the earlier ones are
-context only. WikiText's sliding window and LAMBADA's context + target are both windows, so one
-scorer serves both: per window and depth it returns the summed NLL of the scored targets, their
-count, and whether every scored target is the greedy argmax (scse_dist.eval.scorer).
-
-Windows are batched longest first, so a batch pads only to its own widest window, and the
-scores come back in the windows' order: each window's score is the same either way (a test
-holds sorted against unsorted equal).
+"""Scoring token windows at several loop depths in one forward pass per batch. A `Window` is a
+token sequence whose targets from `first_scored` on count (the earlier ones are context only);
+windows are batched longest first, and the scores come back in the windows' order.
 """
 
 from __future__ import annotations
@@ -22,22 +15,14 @@ from scse_dist.eval.scorer import IGNORE_INDEX, DepthScorer, Score, scoring_mode
 if TYPE_CHECKING:
     from scse_dist.model import LoopedLM
 
-__all__ = ["Window", "Score", "ScoringInterrupted", "document_windows", "context_target_window",
-           "score_windows"]
-
-
 class Window(NamedTuple):
     tokens: list[int]  # inputs tokens[:-1], targets tokens[1:]
     first_scored: int  # index into the targets of the first scored one
 
 
 def document_windows(ids: list[int], eos_id: int, seq_len: int, stride: int) -> list[Window]:
-    """Sliding windows over one document, EOS first (a document follows EOS in training).
-
-    Each window holds up to `seq_len` inputs; consecutive windows start `stride` apart and each
-    scores only the targets no earlier window scored, so every token is scored once, with up to
-    `seq_len - stride` tokens of context carried over.
-    """
+    """Sliding windows over one document, EOS first (as in training): up to `seq_len` inputs
+    each, `stride` apart, each scoring only the targets no earlier window scored."""
     if not 1 <= stride <= seq_len:
         raise ValueError(f"stride: must lie in 1..seq_len={seq_len}, got {stride}")
     seq = [eos_id, *ids]
@@ -49,6 +34,14 @@ def document_windows(ids: list[int], eos_id: int, seq_len: int, stride: int) -> 
         scored_to = end
         begin += stride
     return windows
+
+
+def documents_windows(documents: list[list[int]], eos_id: int, seq_len: int, stride: int
+                      ) -> tuple[list[Window], list[int]]:
+    """Every document's document_windows, and the document each window belongs to."""
+    owned = [(w, i) for i, ids in enumerate(documents)
+             for w in document_windows(ids, eos_id, seq_len, stride)]
+    return [w for w, _ in owned], [i for _, i in owned]
 
 
 def context_target_window(context: list[int], target: list[int], eos_id: int, seq_len: int
@@ -87,11 +80,9 @@ def _padded(chunk: Sequence[Window]) -> tuple[torch.Tensor, torch.Tensor]:
 def score_windows(model: LoopedLM, windows: Sequence[Window], depths: list[int],
                   batch_size: int, exit_stats: Optional[ExitStats] = None, progress=None,
                   sort: bool = True) -> tuple[list[int], list[list[Score]]]:
-    """Score every window at every depth. Returns (depths evaluated, scores[d_index][window]),
-    in the windows' order. exit_stats: adaptive depth by its rule at one depth, the cap; it
-    counts the scored tokens' steps. progress: a scse_dist.progress.Progress, updated by the
-    windows of each batch. sort=False: batches in the windows' order (for the test that the
-    order changes nothing). Ctrl-C raises ScoringInterrupted with the scores so far."""
+    """(depths evaluated, scores[d_index][window]) in the windows' order. exit_stats: adaptive
+    depth by its rule at its cap. progress: updated by each batch's windows. sort=False: batches
+    in the windows' order. Ctrl-C raises ScoringInterrupted with the scores so far."""
     scorer = DepthScorer(model, depths, exit_stats)
     order = sorted(range(len(windows)), key=lambda i: -len(windows[i].tokens)) if sort \
         else list(range(len(windows)))

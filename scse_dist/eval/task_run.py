@@ -1,23 +1,14 @@
-"""What every evaluation task shares: `run_task`, the one entry the CLI and evaluate_export
-(scse_dist.eval.export_eval: the trainer, the launcher, a study) call, the `TaskRun` a task's
-scorer gets, and the scoring pieces several tasks use (documents in sliding windows: heldout on a
-corpus and wikitext; context/target ids: lambada, the multiple-choice tasks, scse_dist.lmeval).
-The tasks themselves, each its reader and scorer in one module: scse_dist.eval.tasks.
-
-A scorer takes a TaskRun and returns one row per depth. run_task evaluates (with progress on rank
-0: items done, rate, ETA), prints a table and writes the results JSON (scse_dist.eval.results).
-On Ctrl-C it writes the results of the items done so far, marked `"partial": {"done", "total",
-"unit"}` (scse_dist.run_dir.is_complete is then False for it), and raises cli_errors.Interrupted
-with a line saying so.
-
-Nothing here imports torch at the top: the task modules import this one, and `scse-eval --help`
-and config validation read the registry without torch.
+"""What every evaluation task shares: `run_task`, the one entry the CLI and evaluate_export call,
+the `TaskRun` a task's scorer gets (it returns one row per depth), and the scoring pieces several
+tasks use. On Ctrl-C run_task writes the results of the items done, marked `"partial": {"done",
+"total", "unit"}`, and raises cli_errors.Interrupted. No torch at the top: `scse-eval --help` and
+config validation read the registry without it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from scse_dist.cli_errors import Interrupted
 from scse_dist.config import RunConfig
@@ -53,69 +44,58 @@ def _progress(desc: Optional[str], total: Optional[int], unit: str) -> Progress:
     return Progress(total, desc or "", unit=unit, enabled=desc is not None)
 
 
-def _scores(model: LoopedLM, windows: list[Window], depths: list[int], batch_size: int,
-            exit_stats: Optional[ExitStats], desc: Optional[str], unit: str, item: str,
-            per_item: Any) -> tuple[list[int], list[list[Score]]]:
-    """score_windows with progress in `unit`s (one per window); on Ctrl-C, TaskInterrupted in
-    `item`s from `per_item(depths, scores)`: (rows over the items whose windows are all
-    scored, items done, items in all)."""
+def _scores(model: LoopedLM, windows: list[Window], owner: list[int], items: list,
+            depths: list[int], batch_size: int, exit_stats: Optional[ExitStats],
+            desc: Optional[str], unit: str, item: str, totals: Any, metrics: Any) -> list[dict]:
+    """`totals(depths, scores, owner, items)` of the windows scored by score_windows (owner[k]:
+    the item window k belongs to), with progress in `unit`s. Ctrl-C: TaskInterrupted in `item`s
+    with the `metrics` of the totals over the items whose windows are all scored."""
     from scse_dist.eval.scoring import ScoringInterrupted, score_windows
 
     try:
         with _progress(desc, len(windows), unit) as progress:
-            return score_windows(model, windows, depths, batch_size, exit_stats, progress)
+            return totals(*score_windows(model, windows, depths, batch_size, exit_stats, progress),
+                          owner, items)
     except ScoringInterrupted as stop:
-        rows, done, total = per_item(stop.depths, stop.scores)
-        raise TaskInterrupted(rows if done else None, done, total, item) from None
+        complete = [True] * len(items)
+        for i, score in zip(owner, stop.scores[0]):
+            complete[i] = complete[i] and score is not None
+        done = [i for i, ok in enumerate(complete) if ok]
+        kept = [k for k, i in enumerate(owner) if complete[i]]
+        renumbered = {i: n for n, i in enumerate(done)}
+        rows = [metrics(t) for t in totals(stop.depths, [[s[k] for k in kept] for s in stop.scores],
+                                           [renumbered[owner[k]] for k in kept],
+                                           [items[i] for i in done])] if done else None
+        raise TaskInterrupted(rows, len(done), len(items), item) from None
 
 
 def document_rows(model: LoopedLM, tokenizer: Any, documents: list[str], depths: list[int],
                   seq_len: int, stride: int, batch_size: int,
                   exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None) -> list[dict]:
     """Token ppl, word ppl and bits per byte of `documents` (each scored on its own, sliding
-    window).
-
-    word_ppl = exp(total NLL / whitespace words of the original text) and bits_per_byte =
-    total NLL / ln 2 / UTF-8 bytes: both divide the same total, so they compare across tokenizers.
-    desc: a progress line's label (None: quiet). Ctrl-C: TaskInterrupted with the rows of the
-    documents whose windows were all scored.
-    """
-    return [document_metrics(t) for t in _document_totals(*_document_scores(
-        model, tokenizer, documents, depths, seq_len, stride, batch_size, exit_stats, desc),
-        documents)]
+    window). word_ppl = exp(total NLL / whitespace words of the original text) and bits_per_byte
+    = total NLL / ln 2 / UTF-8 bytes compare across tokenizers. desc: a progress line's label
+    (None: quiet). Ctrl-C: TaskInterrupted with the rows of the documents done."""
+    return [document_metrics(t) for t in document_totals(
+        model, tokenizer, documents, depths, seq_len, stride, batch_size, exit_stats, desc)]
 
 
-def _document_scores(model: LoopedLM, tokenizer: Any, documents: list[str],
-                     depths: list[int], seq_len: int, stride: int, batch_size: int,
-                     exit_stats: Optional[ExitStats], desc: Optional[str]
-                     ) -> tuple[list[int], list[list[Score]]]:
-    from scse_dist.eval.scoring import document_windows
+def document_totals(model: LoopedLM, tokenizer: Any, documents: list[str], depths: list[int],
+                    seq_len: int, stride: int, batch_size: int,
+                    exit_stats: Optional[ExitStats] = None, desc: Optional[str] = None
+                    ) -> list[dict]:
+    """document_rows' additive totals per depth (in training summed over ranks, then rows)."""
+    from scse_dist.eval.scoring import documents_windows
 
-    ids = tokenizer.encode_batch([d.strip() for d in documents])
-    windows, owner = [], []
-    for i, doc in enumerate(ids):
-        for w in document_windows(doc, tokenizer.eos_id, seq_len, stride):
-            windows.append(w)
-            owner.append(i)
-
-    def per_document(depths: list[int], scores: list[list[Optional[Score]]]):
-        complete = [True] * len(documents)
-        for i, score in zip(owner, scores[0]):
-            complete[i] = complete[i] and score is not None
-        kept = [k for k, score in enumerate(scores[0]) if complete[owner[k]]]
-        done = [d for d, ok in zip(documents, complete) if ok]
-        table = [document_metrics(t) for t in _document_totals(
-            depths, cast("list[list[Score]]", [[s[k] for k in kept] for s in scores]),
-            done)] if done else None  # the kept windows' documents are complete: all scored
-        return table, len(done), len(documents)
-
-    return _scores(model, windows, depths, batch_size, exit_stats, desc, "window", "document",
-                   per_document)
+    windows, owner = documents_windows(tokenizer.encode_batch([d.strip() for d in documents]),
+                                       tokenizer.eos_id, seq_len, stride)
+    return _scores(model, windows, owner, documents, depths, batch_size, exit_stats, desc,
+                   "window", "document", _document_totals, document_metrics)
 
 
-def _document_totals(depths: list[int], scores: list[list[Score]], documents: list[str]
-                     ) -> list[dict]:
-    """Per depth the additive totals of the documents' scores (summed over ranks in training)."""
+def _document_totals(depths: list[int], scores: list[list[Score]], owner: list[int],
+                     documents: list[str]) -> list[dict]:
+    """Per depth the additive totals of the documents' scores."""
     words = sum(len(d.split()) for d in documents)
     n_bytes = sum(len(d.encode("utf-8")) for d in documents)
     return [{"depth": d, "nll": sum(s.nll for s in per_window),
@@ -137,8 +117,7 @@ def context_target_ids(tokenizer: Any, context_text: str, target_text: str
                        ) -> tuple[list[int], list[int]]:
     """Context and target ids. The target is what encoding context + target adds after the
     context's own encoding (how the model saw such text in training); if the tokenizer merges
-    across the boundary, the target is encoded alone. (The lm-eval model scores its
-    (context, continuation) requests with this too: scse_dist.lmeval.)"""
+    across the boundary, the target is encoded alone."""
     context = tokenizer.encode(context_text)
     full = tokenizer.encode(context_text + target_text)
     if full[:len(context)] == context and len(full) > len(context):
@@ -147,19 +126,16 @@ def context_target_ids(tokenizer: Any, context_text: str, target_text: str
 
 
 def run_task(task: str, model: LoopedLM, cfg: RunConfig, data: str, depths: list[int],
-             out_path: str, checkpoint_label: str, *, tokenizer: Any = None,
-             stride: Optional[int] = None, max_batches: int = 0,
-             task_data: Optional[TaskData] = None,
+             out_path: str, checkpoint_label: str, *, stride: Optional[int] = None,
+             max_batches: int = 0, task_data: Optional[TaskData] = None,
              exit_rule: Optional[ExitRule] = None, progress: bool = True) -> list[dict]:
     """Evaluate `task` on `data`, print a table, write `out_path`. Returns the rows.
 
     Sequence length and batch size come from cfg.data.seq_len and cfg.eval.batch_size; the data
-    is `task_data` when read already, else read_task_data(task, cfg, data, tokenizer); stride
-    defaults to seq_len // 2. exit_rule: adaptive depth per token (not diagnose), one row at
-    the cap (the rule's max_steps, else max(depths)) with the steps used (ExitStats.summary).
-    progress: items done, rate and ETA on stderr (scse_dist.progress), on rank 0 only.
-    Ctrl-C: the results of the items done are written, marked "partial", and
-    cli_errors.Interrupted says how far it got.
+    is `task_data` when read already, else read_task_data(task, cfg, data); stride defaults to
+    seq_len // 2. exit_rule: adaptive depth per token (not diagnose), one row at the cap (the
+    rule's max_steps, else max(depths)) with the steps used (ExitStats.summary). progress:
+    items done, rate and ETA on stderr, on rank 0 only.
     """
     record = get_task(task)
     if exit_rule is not None and not record.scores_tokens:
@@ -168,7 +144,7 @@ def run_task(task: str, model: LoopedLM, cfg: RunConfig, data: str, depths: list
     from scse_dist.eval.exit_stats import ExitStats
 
     stats = ExitStats(exit_rule) if exit_rule is not None else None
-    tokenizer, inputs, shards = task_data or read_task_data(task, cfg, data, tokenizer)
+    tokenizer, inputs, shards = task_data or read_task_data(task, cfg, data)
     seq_len, batch_size = cfg.data.seq_len, cfg.eval.batch_size
     stride = stride or max(1, seq_len // 2)
     extra: dict[str, Any] = {"data": str(data), "seq_len": seq_len, "batch_size": batch_size}
@@ -204,8 +180,8 @@ def _progress_label(task: str, model: LoopedLM, depths: list[int],
 
 class TaskRun(NamedTuple):
     """What a task's scorer gets: the model, the data its reader read (or a held-out shard
-    stream: `shards`), the settings, the ExitStats of an exit rule (None: fixed depths), a
-    progress label (None: quiet) and `extra`, a dict of settings it adds to the results JSON."""
+    stream: `shards`), the settings, an exit rule's ExitStats, a progress label (None: quiet)
+    and `extra`, settings it adds to the results JSON."""
 
     model: LoopedLM
     tokenizer: Any

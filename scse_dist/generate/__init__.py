@@ -1,13 +1,5 @@
-"""Generation: greedy, temperature and top-p decoding over the loop-step KV cache, and
-self-speculative decoding; the `scse-generate` command.
-
-    core.py         generate(): the decoding loop (the library)
-    sampling.py     how a next token is chosen from logits; the left-padded batch; Generation
-    speculative.py  self-speculative decoding's rounds (the model's draft and verify calls are
-                    scse_dist.model.speculative, which an export carries)
-    options.py      the options as a command line states them, without torch
-    text.py         a continuation as text (and streamed), without torch
-    cli.py          scse-generate
+"""Generation: greedy, temperature and top-p decoding over the loop-step KV cache (core.py), and
+self-speculative decoding (speculative.py); the `scse-generate` command (cli.py).
 
 The names below are imported on first use, so `scse-generate --help` starts without torch:
 `from scse_dist.generate import generate, Sampling` loads torch only when it is asked for."""

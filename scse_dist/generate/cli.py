@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from scse_dist.cli_errors import InputError, cli_main, command_parser
 from scse_dist.generate.options import (
@@ -28,6 +28,7 @@ from scse_dist.generate.options import (
     Sampling,
     parse_speculative,
 )
+from scse_dist.model.exit_rules import parse_exit_rule
 
 if TYPE_CHECKING:
     from scse_dist.generate.sampling import Generation
@@ -77,24 +78,12 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _exit_rule(text: Optional[str]):
-    if text is None:
-        return None
-    from scse_dist.model.exit_rules import parse_exit_rule
-
+def _checked(value: Any, check: Callable[[Any], Any], prefix: str) -> Any:
+    """check(value), None for None; a ValueError as one line, `prefix` + its message."""
     try:
-        return parse_exit_rule(text)
+        return None if value is None else check(value)
     except ValueError as exc:
-        raise InputError(f"--exit: {exc}") from None
-
-
-def _speculative(text: Optional[str]) -> Optional[tuple[int, DraftTokens]]:
-    if text is None:
-        return None
-    try:
-        return parse_speculative(text)
-    except ValueError as exc:
-        raise InputError(f"--{exc}") from None
+        raise InputError(f"{prefix}{exc}") from None
 
 
 @cli_main("scse-generate")
@@ -106,8 +95,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
     except ValueError as exc:
         raise InputError(f"--{exc}".replace("_", "-", 1)) from None
-    exit_rule = _exit_rule(args.exit)
-    speculative = _speculative(args.speculative)
+    exit_rule = _checked(args.exit, parse_exit_rule, "--exit: ")
+    speculative = _checked(args.speculative, parse_speculative, "--")
     prompts = _read_prompts(args)
     from scse_dist.checkpoint.export import local_export
     from scse_dist.checkpoint.loading import load_model
@@ -126,10 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not p:
             raise InputError(f"prompt {i + 1}: encodes to no tokens")
     depth = args.depth if args.depth is not None else model.fixed_depth or cfg.model.depth
-    try:
-        model.core.transition.check_depth(depth)
-    except ValueError as exc:
-        raise InputError(f"--{exc}") from None
+    _checked(depth, model.core.transition.check_depth, "--")
     exit_rule = _exit_cap(exit_rule, args.depth, model)
     _check_speculative(speculative, depth, args)
     single = len(prompts) == 1

@@ -1,7 +1,5 @@
 """Text generation: greedy, temperature and top-p sampling over LoopedLM.decode_step's KV cache,
-and self-speculative decoding (scse_dist.generate.speculative). The command is
-scse_dist.generate.cli.
-"""
+and self-speculative decoding (scse_dist.generate.speculative)."""
 
 from __future__ import annotations
 
@@ -26,11 +24,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
     """Continue every prompt (token ids, non-empty) by up to max_new_tokens, stopping a sequence
     at eos_id. cache: "exact" / "shared" (KVCache modes) or "none" (recompute the whole sequence
     for each token). on_token(row, token) is called for each new token as it is chosen.
-    generator: sampling's random numbers (default: a new one seeded with sampling.seed).
-    stop(row, new tokens) -> True also ends a row (a stop string: lm-eval's `until`).
-    speculative=(d, K): self-speculative decoding (scse_dist.generate.speculative), K tokens drafted
-    at loop depth d per round, K an int or AdaptiveDraft() (K adapted per round from the
-    acceptance so far); greedy gives the same tokens, sampling the same distribution."""
+    generator: sampling's random numbers (default: seeded with sampling.seed). stop(row, new
+    tokens) -> True also ends a row. speculative=(d, K): self-speculative decoding, K tokens
+    (an int or AdaptiveDraft()) drafted at loop depth d per round."""
     if cache not in CACHE_CHOICES:
         raise ValueError(f"cache: must be one of {', '.join(CACHE_CHOICES)}; got {cache!r}")
     if not prompts or any(len(p) == 0 for p in prompts):

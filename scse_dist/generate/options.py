@@ -31,10 +31,8 @@ class Sampling:
 @dataclass(frozen=True)
 class AdaptiveDraft:
     """K, the tokens drafted per round, chosen from the rounds before (`--speculative D,auto`):
-    the "heuristic" schedule of transformers' assisted generation. K starts at `start`, grows by
-    2 after a round whose drafts every unfinished row kept, else shrinks by 1 (never below 1),
-    and stays <= `max` (and below the tokens left). It depends only on past rounds, so decoding
-    stays exact; it tracks the acceptance rate, which varies over a text."""
+    from `start`, +2 after a round whose drafts every unfinished row kept, else -1 (never below
+    1), and <= `max` (and below the tokens left)."""
     start: int = DEFAULT_DRAFT_TOKENS
     max: int = MAX_DRAFT_TOKENS
 

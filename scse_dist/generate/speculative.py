@@ -1,25 +1,13 @@
-"""Self-speculative decoding: a looped model drafts with its own first d loop steps.
+"""Self-speculative decoding (docs/using-the-model.md): a looped model drafts K tokens with its own
+first d loop steps (scse_dist.model.speculative.draft), verifies them at the full depth T in one
+call (verify), keeps the longest prefix the verifier agrees with plus one token of the
+verifier's, and truncates the rejected drafts from the cache.
 
-Each round drafts K tokens one at a time at depth d (scse_dist.model.speculative.draft), verifies
-them at the full depth T in one call over the K+1 positions (verify: only steps d+1..T, the
-draft's first d steps and scse's h*, r* being reused), and keeps the longest prefix the verifier
-agrees with plus one token of the verifier's: its own where it disagreed, the next one when it
-agreed with all K. The cache then forgets the rejected drafts (KVCache.truncate).
-
-The rule is the standard speculative-sampling one (Leviathan et al. 2023; Chen et al. 2023): a
-drafted token y drawn from the draft's q is kept with probability min(1, p(y) / q(y)), p being
-the verifier's distribution (the same temperature and top-p), and on rejection the token is
-drawn from max(p - q, 0) normalised. Every token is then distributed exactly as p, and greedy
-decoding (p, q one-hot) gives exactly full-depth greedy decoding's tokens.
-
-A batch shares one cache length, so a round keeps, in every row, the fewest drafts any unfinished
-row kept (a); each row's next token is then its own draft a+1 if it kept that one, else its
-correction. A row's token at each position is still drawn from p given its prefix, so the rows
-stay exact; they only lose the drafts they kept beyond a.
-
-K is fixed, or chosen per round by AdaptiveDraft (`--speculative D,auto`) from a alone: it grows
-after a round that kept all K and shrinks after one that did not. A round's K is then fixed
-before its drafts are drawn, and the rule above holds for any such K, so the output stays exact.
+The rule is the standard speculative-sampling one: a drafted y drawn from the draft's q is kept
+with probability min(1, p(y) / q(y)), else the token is drawn from max(p - q, 0) normalised, so
+every token is distributed exactly as p (greedy: exactly full-depth greedy's tokens). A batch
+shares one cache length, so a round keeps, in every row, the fewest drafts any unfinished row
+kept; K is fixed before a round's drafts are drawn, so AdaptiveDraft keeps the output exact.
 """
 
 from __future__ import annotations
@@ -72,10 +60,8 @@ def speculative_generate(model, prompts: Sequence[Sequence[int]], *, max_new_tok
                          draft_depth: int, draft_tokens: DraftTokens = DEFAULT_DRAFT_TOKENS,
                          depth: Optional[int] = None, sampling: Sampling = Sampling(),
                          eos_id: Optional[int] = None, on_token=None) -> Generation:
-    """scse_dist.generate.generate's tokens (greedy: the same tokens; sampled: the same
-    distribution) with drafts of `draft_tokens` tokens at loop depth `draft_depth` (a fixed K, or
-    AdaptiveDraft: K chosen per round). The result's `speculation` counts rounds, drafted and
-    accepted tokens (per row, summed), and mean_k: the mean K drafted per round."""
+    """generate's tokens with drafts of `draft_tokens` (K, or AdaptiveDraft) at `draft_depth`;
+    the result's `speculation` counts rounds, drafted and accepted tokens, and mean_k."""
     schedule = draft_tokens if isinstance(draft_tokens, AdaptiveDraft) else None
     k_next = draft_tokens.start if isinstance(draft_tokens, AdaptiveDraft) else draft_tokens
     if k_next < 1:
@@ -123,9 +109,8 @@ def _draft_round(model, pending: torch.Tensor, mask: torch.Tensor, cache: KVCach
                  draft_depth: int, depth: int, k: int, sampling: Sampling,
                  generator: torch.Generator
                  ) -> tuple[list[Drafted], list[torch.Tensor], torch.Tensor]:
-    """The pending tokens and k drafted ones through the draft (the last drafted token too: its
-    first steps are verify's input). Returns the drafts, q at each drafted position and the
-    drafted tokens (B, k)."""
+    """The pending tokens and k drafted ones (the last too: verify starts from its first steps)
+    through the draft: the drafts, q at each drafted position and the drafted tokens (B, k)."""
     drafts = [draft(model, pending, cache, draft_depth, depth, mask, readout=k > 0)]
     q, drafted = [], []
     for i in range(k):

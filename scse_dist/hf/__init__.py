@@ -1,24 +1,12 @@
 """Hugging Face `transformers` remote code for an export: `write_hf_files(out_dir, ...)`.
 
 An export then loads with `AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)`
-(and AutoConfig, AutoTokenizer) in an environment with torch, transformers and safetensors (and
-the tokenizer kind's library: sentencepiece, tokenizers (transformers' own) or tiktoken) and no
-scse-dist. The export dir gets:
-- config.json: `model_type`, `auto_map`, the ModelConfig fields, the tokenizer's special ids and
-  kind (`scse_tokenizer_kind`);
-- tokenizer_config.json (with a tokenizer): the kind's AutoTokenizer class (TOKENIZER_CLASSES) and
-  its special tokens;
-- configuration_scse.py, modeling_scse.py and the three tokenization_scse*.py (the files beside
-  this one; AutoTokenizer imports only its kind's);
-- the model package's modules (scse_dist/model/*.py but its __init__), copied verbatim and flat.
-
-Flat, because transformers' dynamic-module loader (4.57 and 5.x alike) copies a remote file's
-relative imports by the regex `from .NAME import` to `NAME.py` beside it: a subpackage
-(`from .pkg.mod import`) becomes the file `pkg.mod.py` and fails. The package's modules only
-import each other as `from .NAME import`, so copied side by side they work unchanged, and
-modeling_scse.py imports `.looped_lm` as one of them. The three files here are therefore not
-importable where they lie; they run only in an export (tests/test_hf_export.py loads one).
-Nothing here imports transformers: the core install writes these files without it.
+(and AutoConfig, AutoTokenizer) without scse-dist. The export dir gets config.json,
+tokenizer_config.json (with a tokenizer), the remote code beside this file (REMOTE_CODE) and the
+model package's modules, copied verbatim and flat: transformers' dynamic-module loader copies a
+remote file's relative imports by the regex `from .NAME import` to `NAME.py` beside it, so a
+subpackage fails. The remote-code files therefore run only in an export. Nothing here imports
+transformers.
 """
 
 from __future__ import annotations
@@ -36,7 +24,8 @@ from scse_dist.model.config import ModelConfig
 HERE = Path(__file__).parent
 MODEL_PACKAGE = HERE.parent / "model"
 REMOTE_CODE = ("configuration_scse.py", "modeling_scse.py", "tokenization_scse.py",
-               "tokenization_scse_fast.py", "tokenization_scse_tiktoken.py")
+               "tokenization_scse_base.py", "tokenization_scse_fast.py",
+               "tokenization_scse_tiktoken.py")
 # AutoTokenizer's (slow, fast) classes for each tokenizer kind (scse_dist.data.tokenizer).
 TOKENIZER_CLASSES = {"sentencepiece": ["tokenization_scse.ScseTokenizer", None],
                      "hf": [None, "tokenization_scse_fast.ScseTokenizerFast"],
@@ -54,9 +43,8 @@ def model_package_modules() -> list[Path]:
 
 
 def hf_config(model: ModelConfig, tokenizer: Optional[dict[str, Any]]) -> dict:
-    """config.json's content. tokenizer: {"kind": .., "eos": .., "eos_token": .., ...} (the
-    tokenizer's kind and Tokenizer.special_ids), or None for an export without a tokenizer (then
-    no AutoTokenizer)."""
+    """config.json's content. tokenizer: its kind and Tokenizer.special_ids ({"kind", "eos",
+    "eos_token", ...}), or None for an export without one (then no AutoTokenizer)."""
     auto_map: dict[str, Any] = {"AutoConfig": "configuration_scse.ScseConfig",
                                 "AutoModelForCausalLM": "modeling_scse.ScseForCausalLM"}
     config = {"model_type": "scse", "architectures": ["ScseForCausalLM"], "auto_map": auto_map,

@@ -35,9 +35,8 @@ class ScseConfig(PretrainedConfig):
     def __init__(self, **kwargs):
         for name, default in MODEL_FIELDS.items():
             setattr(self, name, kwargs.pop(name, default))
-        # A tied head is structural in LoopedLM (no head parameter; the head reads the embedding),
-        # so transformers has nothing to tie: with tie_word_embeddings False neither 4.x (list
-        # `_tied_weights_keys`) nor 5.x (dict) looks for an output embedding.
+        # A tied head is structural in LoopedLM (the head reads the embedding): transformers
+        # has nothing to tie, and with False neither 4.x nor 5.x looks for an output embedding.
         kwargs["tie_word_embeddings"] = False
         # generate uses the model's own KV cache (ScseCache in modeling_scse) unless told not to.
         kwargs.setdefault("use_cache", True)

@@ -1,25 +1,12 @@
-"""`ScseForCausalLM`: an scse-dist `LoopedLM` as a Hugging Face causal LM (remote code).
-
-In an export this file sits beside the model package's own modules (looped_lm.py, blocks.py, ...,
-copied flat by scse_dist.hf.write_hf_files): the architecture is the project's one implementation,
-wrapped, never re-implemented. Works with transformers 4.57 and 5.x.
+"""`ScseForCausalLM`: an scse-dist `LoopedLM` as a Hugging Face causal LM (remote code; its
+use: docs/using-the-model.md). In an export this file sits beside the model package's own
+modules: the architecture is wrapped, never re-implemented. Works with transformers 4.57 and 5.x.
 
 Loop depth and read-outs are named arguments of `forward`, so `generate(..., num_steps=8)` passes
-transformers' keyword validation (it accepts forward's parameters because
-prepare_inputs_for_generation takes **kwargs):
-- num_steps: loop depth T (default: the config's `depth`; untied models have one fixed depth);
-- readout_depths: also read out these depths of the same loop run (`logits_by_depth`);
-- exit_rule: an ExitRule or its text ("motion:0.02,max=32"): per-token adaptive depth;
-- cache_mode: "exact" (default) or "shared", the KV cache's mode (kv_cache.py).
-`attention_mask` (left padding) and `position_ids` are honoured: a left-padded batch gives each
-sequence the logits it has alone.
-
-KV cache: the model's own (kv_cache.KVCache: one slot per physical block x loop step), wrapped in
-`ScseCache`, a transformers `Cache` without transformers layers. `forward(..., use_cache=True)`
-(or with `past_key_values`) runs LoopedLM.decode_step: it returns the cache as the output's
-`past_key_values` (4.x) / `cache` (5.x) and takes it back with only the new tokens, so a new
-token costs one token at depth T (+1 core call for scse), not a re-run of the prefix. `generate`
-uses it unless `use_cache=False` (then every token recomputes the whole sequence).
+transformers' keyword validation: num_steps (loop depth T, default the config's `depth`),
+readout_depths (`logits_by_depth` of the same loop run), exit_rule (an ExitRule or its text),
+cache_mode ("exact" or "shared"). The KV cache is the model's own (kv_cache.KVCache, per physical
+block x loop step) wrapped in `ScseCache`; `generate` uses it unless `use_cache=False`.
 """
 
 from dataclasses import dataclass
@@ -60,13 +47,9 @@ class ScseCausalLMOutput(CausalLMOutputWithPast):
 
 
 class ScseCache(Cache):
-    """The model's KVCache as a transformers `Cache`, so generate keeps and hands it back.
-
-    It holds no transformers layers (`layers=[]`, which 4.57 and 5.x both accept): the K/V live
-    in `kv`, per physical block x loop step, which transformers' per-layer Cache cannot express.
-    transformers reads only `get_seq_length` (the cached length, left padding included) and the
-    flags below; what would edit the K/V behind the model's back (crop, beam reordering) refuses.
-    """
+    """The model's KVCache as a transformers `Cache`, so generate keeps and hands it back. It
+    holds no transformers layers: the K/V live in `kv`, per physical block x loop step; what
+    would edit them behind the model's back (crop, beam reordering) refuses."""
 
     def __init__(self, mode: str = "exact") -> None:
         super().__init__(layers=[])
@@ -79,13 +62,8 @@ class ScseCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return len(self.kv)
 
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_croppable(self) -> bool:  # 5.x: no rollback (deferred stop checks, assisted decoding)
-        return False
+    # (the base class's properties; 5.x reads is_croppable: no rollback for assisted decoding)
+    is_compileable = is_croppable = False
 
     def reset(self) -> None:
         self.kv = KVCache(self.kv.mode)
@@ -132,14 +110,11 @@ class ScseForCausalLM(PreTrainedModel, GenerationMixin):  # GenerationMixin expl
                 cache_mode: Optional[str] = None, use_cache: Optional[bool] = None,
                 return_dict: Optional[bool] = None, cache=None, **kwargs):
         """Logits at loop depth `num_steps` (see the module docstring). labels: the input ids (or
-        -100), shifted inside as usual for causal LMs. kwargs transformers passes and this model
-        does not use (cache_position, output_attentions, ...) are ignored; inputs_embeds is refused.
-
-        use_cache=True or a `past_key_values` (an ScseCache this model returned): input_ids are
-        the tokens after the cached ones, attention_mask covers them (or the cached ones too, as
-        transformers passes it), positions come from the cache; runs without autograd. Otherwise
-        (the default, so training keeps its gradients) the whole sequence is computed. `cache`:
-        5.x's name for past_key_values (a named parameter, so generate's validation takes it)."""
+        -100), shifted inside. Other kwargs transformers passes are ignored; inputs_embeds is
+        refused. With use_cache=True or a `past_key_values` (an ScseCache this model returned):
+        input_ids are the tokens after the cached ones, attention_mask covers them (or all),
+        positions come from the cache, no autograd; otherwise the whole sequence is computed.
+        `cache`: 5.x's name for past_key_values."""
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("ScseForCausalLM: inputs_embeds is not supported; pass input_ids")
         cache = past_key_values if cache is None else cache
@@ -201,16 +176,13 @@ class ScseForCausalLM(PreTrainedModel, GenerationMixin):  # GenerationMixin expl
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        """generate builds no DynamicCache (4.57 and 5.x both ask this): forward makes its own
-        ScseCache on the first call and returns it."""
+        """No DynamicCache from generate: forward makes its own ScseCache on the first call."""
         return False
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       use_cache=None, cache_mode=None, cache=None, **kwargs):
-        """One generation step's forward inputs, the same in 4.57 and 5.x (this replaces theirs:
-        no cache_position, no next_sequence_length). With the cache (use_cache, generate's
-        default): the tokens after the cached ones and their mask columns, and the cache (none
-        before the prefill); without: the whole sequence, recomputed."""
+        """One generation step's forward inputs, the same in 4.57 and 5.x: with the cache (the
+        default) the tokens after the cached ones; without, the whole sequence."""
         cache = past_key_values if cache is None else cache  # 5.x names it `cache`
         inputs = {name: kwargs[name] for name in LOOP_ARGUMENTS if name in kwargs}
         if cache_mode is not None:

@@ -1,12 +1,6 @@
-"""`ScseTokenizerFast`: the export's Hugging Face tokenizer.json (data.tokenizer_kind "hf") as a
-transformers tokenizer (remote code, see scse_dist/hf).
-
-Encodes exactly as scse-dist's "hf" kind (scse_dist/data/tokenizer_hf.py): the file's pipeline,
-with a special token's string in the text kept as text (split_special_tokens). The one addition,
-with add_special_tokens=True (the default), is the EOS id in front, as ScseTokenizer does (every
-document starts after an EOS in scse-dist): the file's own post-processor (e.g. Llama's BOS) is
-replaced by that, so both kinds of export give the same shape of input. EOS is also the BOS and
-the pad; padding is on the left (generation).
+"""`ScseTokenizerFast`: the export's tokenizer.json (data.tokenizer_kind "hf") as a transformers
+tokenizer (remote code, see scse_dist/hf): the file's pipeline, a special token's string kept as
+text, and the EOS in front as the slow tokenizers do, replacing the file's own post-processor.
 """
 
 from tokenizers import processors

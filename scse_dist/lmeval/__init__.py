@@ -1,7 +1,5 @@
-"""lm-evaluation-harness integration: the `scse` model (scse_dist.lmeval.model), the offline tasks
-scse_lambada and scse_wikitext (TASKS_DIR), and the `scse-lm-eval` command (scse_dist.lmeval.cli).
-
-Importing this package does not import lm_eval (an optional extra: `pip install '.[lm-eval]'`).
+"""lm-evaluation-harness integration: the `scse` model (model.py), the offline tasks (TASKS_DIR)
+and `scse-lm-eval` (cli.py). Importing this package does not import lm_eval (an optional extra).
 """
 
 from pathlib import Path

@@ -106,12 +106,9 @@ def refused_tasks(args: Sequence[str]) -> Optional[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """lm-eval 0.4 has no plugin entry point, so its `lm_eval` command cannot find a third-party
-    model: this imports the model (registering it) when the arguments name it (the import loads
-    torch, which `--help` or `ls tasks` need not wait for) and runs lm-eval's CLI on the
-    arguments. `batch_size=` and `device=` in --model_args become --batch_size and --device:
-    lm-eval's CLI passes those two to every model itself, and a model arg of the same name would
-    collide."""
+    """lm-eval's CLI with the model registered when the arguments name it (lm-eval 0.4 has no
+    plugin entry point). `batch_size=` and `device=` in --model_args become --batch_size and
+    --device: lm-eval's CLI passes those two to every model itself."""
     if importlib.util.find_spec("lm_eval") is None:
         print("scse-lm-eval: lm_eval is not installed; pip install 'scse-dist[lm-eval]'",
               file=sys.stderr)

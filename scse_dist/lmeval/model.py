@@ -2,21 +2,15 @@
 
     --model scse --model_args pretrained=EXPORT,depth=T,exit=fixed,batch_size=B,device=cpu
 
-Its model args are listed in `scse-lm-eval --help` (scse_dist.lmeval.cli).
-
-Requests are scored the way scse-eval scores its tasks (scse_dist.eval.scoring): a
-(context, continuation) pair is the window EOS + context + continuation, cut from the left to
-max_length inputs, the continuation's ids being what encoding context + continuation adds after
-the context's own ids; a rolling request is the document's sliding windows, EOS first. Batches are
-right-padded, which causal attention makes exact. So scse-eval and lm-eval agree to rounding on
-the same data, and the harness's task code (document reading, target split, aggregation) checks
-ours.
+Its model args are listed in `scse-lm-eval --help` (scse_dist.lmeval.cli). Requests are windows
+as scse-eval forms them (scse_dist.eval.scoring): (context, continuation) is EOS + context +
+continuation cut from the left to max_length inputs; a rolling request is the document's sliding
+windows. So scse-eval and lm-eval agree to rounding on the same data.
 """
 
 from __future__ import annotations
 
 import sys
-from contextlib import ExitStack
 from typing import Any, Optional, cast
 
 # lm-eval's own models: its registry loads them only when it is empty, which registering `scse`
@@ -33,7 +27,7 @@ from scse_dist.eval.scoring import (
     Score,
     Window,
     context_target_window,
-    document_windows,
+    documents_windows,
     score_windows,
 )
 from scse_dist.eval.task_run import context_target_ids
@@ -45,9 +39,8 @@ from scse_dist.progress import Progress
 
 class ExitScorer:
     """Loop depth for the harness's requests: `depth` steps per token, or an exit rule's adaptive
-    depth capped at `depth` (the rule's max= overrides the cap), scored by scse-eval's own scorer
-    (score_windows with ExitStats), so `exit=motion:0.02` here equals `scse-eval --exit
-    motion:0.02` at the same cap. Steps used are counted per lm-eval task (`steps_summary`)."""
+    depth capped at `depth` (the rule's max= overrides the cap), scored as scse-eval scores.
+    Steps used are counted per lm-eval task (`steps_summary`)."""
 
     def __init__(self, depth: int, rule: Optional[ExitRule] = None):
         self.depth = depth
@@ -56,21 +49,16 @@ class ExitScorer:
 
     def score(self, model: torch.nn.Module, windows: list[Window], batch_size: int,
               task: str = "", progress: Optional[Progress] = None) -> list[Score]:
-        stats = None
-        if self.rule is not None:
-            stats = self.stats.setdefault(task, ExitStats(self.rule))
+        stats = None if self.rule is None else self.stats.setdefault(task, ExitStats(self.rule))
         return score_windows(model, windows, [self.depth], batch_size, stats, progress)[1][0]
 
     def next_logits(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """(B, V) logits for the token after each row of `tokens` (B, S)."""
-        if self.rule is None:
-            return model(tokens, depth=self.depth).logits[:, -1].float()
-        return model(tokens, depth=self.rule.cap(self.depth),
-                     exit_rule=self.rule).logits[:, -1].float()
+        depth = self.depth if self.rule is None else self.rule.cap(self.depth)
+        return model(tokens, depth=depth, exit_rule=self.rule).logits[:, -1].float()
 
     def steps_summary(self) -> dict:
-        """{task: ExitStats.summary()} (mean_steps, steps_pNN, steps_histogram) of the scored
-        loglikelihood tokens; empty at fixed depth."""
+        """{task: ExitStats.summary()} of the scored loglikelihood tokens; empty at fixed depth."""
         return {task: stats.summary() for task, stats in sorted(self.stats.items())}
 
     def __repr__(self) -> str:
@@ -78,10 +66,9 @@ class ExitScorer:
 
 
 def exit_scorer(text: str, depth: int, options: Optional[dict] = None) -> ExitScorer:
-    """The scorer of the `exit=` model arg: a rule's text as scse-eval --exit takes it
-    (scse_dist.model.exit_rules.parse_exit_rule), "fixed" being plain fixed depth. lm-eval splits
-    --model_args at commas, so `exit=motion:0.02,min=2,max=8` arrives as exit="motion:0.02" and
-    the model args min=2, max=8: `options` ({"min": 2, "max": 8}) joins them back."""
+    """The scorer of the `exit=` model arg, as scse-eval --exit takes it ("fixed": fixed depth).
+    lm-eval splits --model_args at commas, so `exit=motion:0.02,min=2,max=8` arrives as
+    exit="motion:0.02" and the model args min=2, max=8: `options` joins them back."""
     unknown = sorted(set(options or {}) - {"min", "max"})
     if unknown:
         raise ValueError(f"unknown model args {', '.join(unknown)} (the exit rule's options are "
@@ -122,8 +109,7 @@ class ScseLM(LM):
             if device:
                 print(f"scse: device {device} is not available; using cpu", file=sys.stderr)
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        with ExitStack() as stack:  # a URL: a temporary local copy, kept while loading
-            local = stack.enter_context(local_export(str(pretrained)))
+        with local_export(str(pretrained)) as local:  # a URL: a temporary local copy
             cfg = checkpoint_config(local)
             self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
             self.model, _ = load_model(local, device=device)
@@ -154,28 +140,18 @@ class ScseLM(LM):
     def tokenizer_name(self) -> str:
         return self.tokenizer.sha256
 
-    # ----------------------------------------------------------------- loglikelihood
-
     def loglikelihood(self, requests: list[Instance], disable_tqdm: bool = False
                       ) -> list[tuple[float, bool]]:
-        windows = []
-        for request in requests:
-            context, continuation = request.args
-            context_ids, target_ids = context_target_ids(self.tokenizer, context, continuation)
-            windows.append(context_target_window(context_ids, target_ids, self.eot_token_id,
-                                                 self.max_length))
+        windows = [context_target_window(*context_target_ids(self.tokenizer, *request.args),
+                                         self.eot_token_id, self.max_length)
+                   for request in requests]
         scores = self._score(requests, windows, disable_tqdm)
         return [(-s.nll, s.all_correct) for s in scores]
 
     def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False
                               ) -> list[float]:
-        windows, owner = [], []
-        for i, request in enumerate(requests):
-            (text,) = request.args
-            for w in document_windows(self.tokenizer.encode(text), self.eot_token_id,
-                                      self.max_length, self.stride):
-                windows.append(w)
-                owner.append(i)
+        windows, owner = documents_windows([self.tokenizer.encode(r.args[0]) for r in requests],
+                                           self.eot_token_id, self.max_length, self.stride)
         totals = [0.0] * len(requests)
         for i, score in zip(owner, self._score([requests[i] for i in owner], windows,
                                                disable_tqdm)):
@@ -184,10 +160,8 @@ class ScseLM(LM):
 
     def _score(self, requests: list[Instance], windows: list[Window], quiet: bool = False
                ) -> list[Score]:
-        """Each request's window(s) scored, task by task in request order (so the steps used are
-        counted per task, and a task's batches are those scse-eval forms on the same data).
-        lm-eval leaves progress to the model: windows done, rate and ETA per task on stderr
-        (scse_dist.progress) on rank 0, unless lm-eval passes disable_tqdm."""
+        """Each request's window(s) scored, task by task in request order (steps used counted per
+        task), with progress per task on stderr on rank 0 unless lm-eval passes disable_tqdm."""
         tasks: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
             tasks.setdefault(getattr(request, "task_name", None) or "", []).append(i)
@@ -207,22 +181,19 @@ class ScseLM(LM):
         return cast("list[Score]", scores)  # every window is in one task's rows
 
     def get_model_info(self) -> dict:
-        """What lm-eval adds to its results JSON's `config` (it asks every model that has this):
-        the depth, the exit rule and, with one, each task's steps used per scored token."""
+        """What lm-eval adds to its results JSON's `config`: the depth, the exit rule and, with
+        one, each task's steps used per scored token."""
         info: dict[str, Any] = {"scse_depth": self.depth,
                                 "scse_exit": str(self.scorer.rule or "fixed")}
         if self.scorer.rule is not None:
             info["scse_steps"] = self.scorer.steps_summary()
         return info
 
-    # ----------------------------------------------------------------- generation
-
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Each request alone, continuing EOS + context. Greedy unless do_sample (temperature,
         top_p); stops at EOS, max_gen_toks, or the first `until` string, which is cut off.
-        Through the KV cache (scse_dist.generate) while the sequence fits max_length; beyond, a
-        sliding window of max_length tokens, recomputed per token (the cache cannot drop its
-        oldest tokens: their K/V shaped every later token's)."""
+        Through the KV cache while the sequence fits max_length; beyond, a sliding window of
+        max_length tokens recomputed per token (the cache cannot drop its oldest tokens)."""
         return [self._generate(*request.args) for request in requests]
 
     def _generate(self, context: str, gen_kwargs: dict) -> str:
@@ -233,7 +204,6 @@ class ScseLM(LM):
         do_sample = bool(kwargs.pop("do_sample", False))
         temperature = float(kwargs.pop("temperature", 1.0 if do_sample else 0.0))
         top_p = float(kwargs.pop("top_p", 1.0))
-        # scse-generate's sampler; greedy (Sampling()) unless do_sample with a temperature > 0
         sampling = Sampling(temperature, top_p) if do_sample and temperature > 0 else Sampling()
         generator = torch.Generator(device=self._device).manual_seed(int(kwargs.pop("seed", 0)))
         ids = [self.eot_token_id, *self.tokenizer.encode(context)]

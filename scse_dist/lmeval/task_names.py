@@ -1,13 +1,10 @@
-"""The task names lm-eval would accept, read without importing lm_eval: an unknown `--tasks` name is
-then one line before lm-eval's start (importing it and indexing its ~14,000 task files with YAML
-takes 15-30 s, and ends in a traceback).
+"""The task names lm-eval would accept, read without importing lm_eval, so an unknown `--tasks`
+name is one line before lm-eval's slow start (and its traceback).
 
 lm-eval's index (lm_eval.tasks.TaskIndex) names a task by a config's `task:`, a group by its
 `group:`, and a tag by each of its `tag:` values, in its own task dir and the --include_path
-dir, includes resolved. A line scan of every file there (an include has any name:
-`_default_template_yaml`, `naijarc`) for those keys, a scalar, a [flow, list] or `- item` lines,
-finds a superset of its names (tests/test_lmeval_cli.py holds it to the installed lm-eval's
-index) in ~1.5 s.
+dir. A line scan of every file there (an include has any name) for those keys, a scalar, a
+[flow, list] or `- item` lines, finds a superset of its names (tests/test_lmeval_cli.py).
 """
 
 from __future__ import annotations

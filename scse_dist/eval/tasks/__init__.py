@@ -1,8 +1,6 @@
 """The evaluation tasks, one module each holding its reader, its scorer and its `Task` record,
-which it registers (scse_dist.task_registry) when imported here. A task module imports torch only
-inside its scorer: config validation and `scse-eval --help` read the registry before any model
-loads. What the tasks share (run_task, TaskRun, document and context/target scoring):
-scse_dist.eval.task_run."""
+which it registers (scse_dist.task_registry) when imported here; torch loads only inside a
+scorer. What the tasks share: scse_dist.eval.task_run."""
 
 # The import order is the registry's order (eval.tasks' "must be one of heldout, wikitext, ...").
 # isort: off

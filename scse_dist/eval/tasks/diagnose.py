@@ -21,11 +21,10 @@ def diagnose_rows(model: LoopedLM, batches: Iterable[torch.Tensor], depths: list
                   max_batches: int = 0, desc: Optional[str] = None) -> list[dict]:
     """Mean per-token norms of the trained loop on real text (batches (B, S+1) of token ids).
 
-    bias_norm: ||b|| = ||Phi(h*) - h*|| at the anchor (scse: h* = a(s); the other kinds: h* = s, the
-    forcing bias their transition produces at the source). effective_bias_norm: where a zero
-    deviation actually moves (scse: lambda * b, 0 for SCSE proper). deviation_norm: ||h_T - h*||;
-    motion_norm: ||h_T - h_{T-1}||. desc: a progress line's label (None: quiet). Ctrl-C:
-    TaskInterrupted with the means over the batches done.
+    bias_norm: ||b|| = ||Phi(h*) - h*|| at the anchor (scse: h* = a(s); the other kinds: h* = s).
+    effective_bias_norm: where a zero deviation actually moves (scse: lambda * b).
+    deviation_norm: ||h_T - h*||; motion_norm: ||h_T - h_{T-1}||. Ctrl-C: TaskInterrupted with
+    the means over the batches done.
     """
     import torch
 

@@ -4,7 +4,7 @@ eval.max_batches), or on any JSONL/text corpus, each document scored on its own.
 from __future__ import annotations
 
 from scse_dist.data.sources import read_corpus
-from scse_dist.eval.task_run import TaskInterrupted, TaskRun, _progress, document_rows
+from scse_dist.eval.task_run import TaskRun, _progress, document_rows
 from scse_dist.task_registry import Task, register
 
 
@@ -14,16 +14,12 @@ def heldout_rows(run: TaskRun) -> list[dict]:
     if not run.shards:
         return document_rows(run.model, run.tokenizer, run.inputs, run.depths, run.seq_len,
                              run.seq_len, run.batch_size, run.exit_stats, run.desc)
-    from scse_dist.eval.perplexity import HeldoutInterrupted, evaluate_heldout  # imports torch
+    from scse_dist.eval.perplexity import evaluate_heldout  # imports torch
 
     run.extra["max_batches"] = run.max_batches
-    try:
-        with _progress(run.desc, run.max_batches or None, "batch") as bar:
-            return evaluate_heldout(run.model, run.inputs, run.depths, max_batches=run.max_batches,
-                                    exit_stats=run.exit_stats, progress=bar,
-                                    eos_id=run.inputs.eos)
-    except HeldoutInterrupted as stop:
-        raise TaskInterrupted(stop.rows, stop.batches, run.max_batches or None, "batch") from None
+    with _progress(run.desc, run.max_batches or None, "batch") as bar:
+        return evaluate_heldout(run.model, run.inputs, run.depths, max_batches=run.max_batches,
+                                exit_stats=run.exit_stats, progress=bar, eos_id=run.inputs.eos)
 
 
 TASK = register(Task("heldout", read_corpus, heldout_rows, metrics=("ppl", "loss"),

@@ -1,14 +1,10 @@
 """lambada: last-word prediction, accuracy (every target token is the argmax) and ppl per passage,
-both as lm-eval's LAMBADA tasks define them (acc, perplexity).
-
-The reader: the OpenAI JSONL (`{"text": ...}` per line) or the original plain text (one passage
-per line). The context is the passage minus its last space-separated word, the target is
-`" " + last word`.
+both as lm-eval's LAMBADA tasks define them, from the OpenAI JSONL or one passage per line.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple
 
 from scse_dist.cli_errors import InputError
 from scse_dist.data.sources import is_jsonl, jsonl_values, single_file, text_lines
@@ -16,7 +12,7 @@ from scse_dist.eval.task_run import TaskRun, _exp, _scores, context_target_ids
 from scse_dist.task_registry import Task, register
 
 if TYPE_CHECKING:
-    from scse_dist.eval.scoring import Score, Window
+    from scse_dist.eval.scoring import Score
 
 
 class Passage(NamedTuple):
@@ -26,9 +22,8 @@ class Passage(NamedTuple):
 
 def _split_passage(text: str, where: str) -> Passage:
     """lm-eval's official LAMBADA split (lambada_openai.yaml): context `text.split(' ')[:-1]`
-    joined by ' ', target `' ' + text.split(' ')[-1]`. Only a space separates the last word, so a
-    passage whose last word follows a newline keeps that newline in its target, as lm-eval
-    scores it (splitting on any whitespace moved it, and changed the perplexity by 1.5%)."""
+    joined by ' ', target `' ' + text.split(' ')[-1]` (a newline before the last word stays in
+    the target, as lm-eval scores it)."""
     words = text.split(" ")
     context, last = " ".join(words[:-1]), words[-1]
     if not context.strip() or not last.strip():
@@ -58,25 +53,19 @@ def read_lambada(url: str) -> list[Passage]:
 
 
 def lambada_totals(run: TaskRun) -> list[dict]:
-    """Per depth the additive totals over run.inputs' passages (in training: this rank's share,
-    then summed over ranks). Ctrl-C: TaskInterrupted with the rows of the passages scored."""
+    """Per depth the additive totals over run.inputs' passages (in training summed over ranks).
+    Ctrl-C: TaskInterrupted with the rows of the passages scored."""
     from scse_dist.eval.scoring import context_target_window  # imports torch
 
-    windows: list[Window] = []
-    for p in run.inputs:
-        context, target = context_target_ids(run.tokenizer, p.context, p.target)
-        windows.append(context_target_window(context, target, run.tokenizer.eos_id, run.seq_len))
-
-    def per_passage(depths: list[int], scores: list[list[Optional[Score]]]):
-        done = [[s for s in per_depth if s is not None] for per_depth in scores]
-        rows = [lambada_metrics(t) for t in _lambada_totals(depths, done)] if done[0] else []
-        return rows, len(done[0]), len(run.inputs)
-
-    return _lambada_totals(*_scores(run.model, windows, run.depths, run.batch_size,
-                                    run.exit_stats, run.desc, "passage", "passage", per_passage))
+    windows = [context_target_window(*context_target_ids(run.tokenizer, p.context, p.target),
+                                     run.tokenizer.eos_id, run.seq_len) for p in run.inputs]
+    return _scores(run.model, windows, list(range(len(windows))), run.inputs, run.depths,
+                   run.batch_size, run.exit_stats, run.desc, "passage", "passage",
+                   _lambada_totals, lambada_metrics)
 
 
-def _lambada_totals(depths: list[int], scores: list[list[Score]]) -> list[dict]:
+def _lambada_totals(depths: list[int], scores: list[list[Score]], owner: list[int],
+                    passages: list[Passage]) -> list[dict]:
     """Per depth the additive totals of the passages' scores (summed over ranks in training)."""
     return [{"depth": d, "correct": sum(s.all_correct for s in per_window),
              "nll": sum(s.nll for s in per_window),
@@ -87,9 +76,8 @@ def _lambada_totals(depths: list[int], scores: list[list[Score]]) -> list[dict]:
 def lambada_metrics(totals: dict) -> dict:
     """One depth's row from its totals (_lambada_totals, or their sum over ranks), as lm-eval's
     LAMBADA tasks define acc and perplexity: accuracy = passages whose every target token is the
-    argmax / passages; loss = mean over passages of the target's summed NLL, ppl = exp(loss).
-    Per passage, not per token: a per-token ppl is exp(loss)^(passages / target_tokens), a
-    different number (1555 against lm-eval's 3.9e9 at 3 tokens a target, issue 42)."""
+    argmax / passages; loss = mean over passages of the target's summed NLL, ppl = exp(loss):
+    per passage, not per token."""
     n, nll = totals["examples"], totals["nll"]
     return {"depth": totals["depth"], "accuracy": totals["correct"] / n, "loss": nll / n,
             "ppl": _exp(nll / n), "examples": int(n), "target_tokens": int(totals["target_tokens"])}

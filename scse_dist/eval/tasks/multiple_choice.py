@@ -1,38 +1,19 @@
 """The multiple-choice tasks (hellaswag, piqa, arc_easy, arc_challenge, multiple_choice): their
-readers, one per local JSONL format, and their scorer, lm-eval's `output_type: multiple_choice`.
+readers, one per local JSONL format (docs/evaluation.md), and their scorer, lm-eval's
+`output_type: multiple_choice`.
 
-Each reader turns one dataset's local format into the context and answers lm-eval's task of the
-same name builds (its `doc_to_text` and `doc_to_choice`), one `Choices` record per question:
-
-    multiple_choice  {"context": str, "choices": [str, ...], "label": int}   (the generic schema)
-    hellaswag        HellaSwag's JSONL (rowanz/hellaswag or the HF dataset's rows): activity_label,
-                     ctx_a, ctx_b (or ctx), endings, label; lm-eval's preprocessing ("[title]"
-                     and other bracketed artifacts removed) on the query and every ending
-    piqa             PIQA's JSONL: goal, sol1, sol2 and label, or without label the original
-                     release's labels file beside it (valid.jsonl -> valid-labels.lst, one 0/1
-                     a line); context "Question: {goal}\\nAnswer:"
-    arc              ARC (Easy or Challenge): the HF rows (question: str, choices: {text, label},
-                     answerKey) or AI2's own JSONL (question: {stem, choices: [{text, label}]},
-                     answerKey); context "Question: {question}\\nAnswer:"
-
-Bad input is one InputError naming the file and line (a missing field, a label out of range).
-
-Each answer is a (context, " " + answer) request (lm-eval's default target_delimiter), scored as
-scse-eval scores LAMBADA's target: the window EOS + context + answer, the answer's ids being what
-encoding context + answer adds after the context's own (task_run.context_target_ids), its
-log-likelihood the summed log-probability of those ids. Every answer of every question goes into
-one list of windows, batched longest first, all depths in one loop run per batch.
-
-Per question, as lm-eval's process_results (first index on a tie, as np.argmax):
-    accuracy    argmax of the answers' log-likelihoods is the label       (lm-eval: acc)
-    acc_norm    argmax of log-likelihood / len(answer) in characters      (lm-eval: acc_norm)
-    acc_bytes   argmax of log-likelihood / len(answer) in UTF-8 bytes     (lm-eval: acc_bytes)
+Each reader builds the context and answers lm-eval's task of the same name builds (its
+`doc_to_text` and `doc_to_choice`), one `Choices` record per question; bad input is one
+InputError naming the file and line. Each answer is a (context, " " + answer) request scored as
+LAMBADA's target is (task_run.context_target_ids). Per question, as lm-eval's process_results
+(first index on a tie): accuracy, acc_norm and acc_bytes are whether the argmax of the answers'
+log-likelihoods, per character, per UTF-8 byte, is the label.
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 from scse_dist.cli_errors import InputError
 from scse_dist.data.sources import jsonl_values, single_file, text_lines
@@ -187,13 +168,10 @@ def choice_windows(tokenizer, questions: list[Choices], seq_len: int
     """Every answer's window, question by question, and the question each belongs to."""
     from scse_dist.eval.scoring import context_target_window  # imports torch
 
-    windows, owner = [], []
-    for i, q in enumerate(questions):
-        for answer in q.choices:
-            context, target = context_target_ids(tokenizer, q.context, TARGET_DELIMITER + answer)
-            windows.append(context_target_window(context, target, tokenizer.eos_id, seq_len))
-            owner.append(i)
-    return windows, owner
+    owner = [i for i, q in enumerate(questions) for _ in q.choices]
+    return [context_target_window(*context_target_ids(tokenizer, q.context, TARGET_DELIMITER + a),
+                                  tokenizer.eos_id, seq_len)
+            for q in questions for a in q.choices], owner
 
 
 def _argmax(values: list[float]) -> int:
@@ -212,23 +190,16 @@ def question_totals(questions: list[Choices], lls: list[list[float]]) -> dict:
             "examples": len(lls)}
 
 
-def _totals(depths: list[int], scores: Sequence[Sequence[Optional[Score]]],
-            questions: list[Choices], owner: list[int]) -> tuple[list[dict], int]:
-    """Per depth the totals over the questions whose answers are all scored, and their count."""
-    complete = [True] * len(questions)
-    for i, score in zip(owner, scores[0]):
-        complete[i] = complete[i] and score is not None
+def _totals(depths: list[int], scores: list[list[Score]], owner: list[int],
+            questions: list[Choices]) -> list[dict]:
+    """Per depth the totals over the questions (owner[k]: the question of answer window k)."""
     out = []
     for d, per_window in zip(depths, scores):
         lls: list[list[float]] = [[] for _ in questions]
         for i, score in zip(owner, per_window):
-            if complete[i]:
-                assert score is not None  # complete: every window of question i was scored
-                lls[i].append(-score.nll)
-        done = [k for k, ok in enumerate(complete) if ok]
-        out.append({"depth": d, **question_totals([questions[k] for k in done],
-                                                  [lls[k] for k in done])})
-    return out, sum(complete)
+            lls[i].append(-score.nll)
+        out.append({"depth": d, **question_totals(questions, lls)})
+    return out
 
 
 def mc_metrics(totals: dict) -> dict:
@@ -241,18 +212,10 @@ def mc_metrics(totals: dict) -> dict:
 
 def mc_totals(run: TaskRun) -> list[dict]:
     """Per depth {"depth", "correct", "correct_norm", "correct_bytes", "examples"} over
-    run.inputs (a list of Choices; empty: zeros). Ctrl-C: TaskInterrupted with the rows of the
-    questions whose answers were all scored."""
-    questions: list[Choices] = run.inputs
-    windows, owner = choice_windows(run.tokenizer, questions, run.seq_len)
-
-    def per_question(depths: list[int], scores: list[list[Optional[Score]]]):
-        totals, done = _totals(depths, scores, questions, owner)
-        return [mc_metrics(t) for t in totals] if done else None, done, len(questions)
-
-    depths, scores = _scores(run.model, windows, run.depths, run.batch_size, run.exit_stats,
-                             run.desc, "answer", "question", per_question)
-    return _totals(depths, scores, questions, owner)[0]
+    run.inputs (Choices). Ctrl-C: TaskInterrupted with the rows of the questions done."""
+    windows, owner = choice_windows(run.tokenizer, run.inputs, run.seq_len)
+    return _scores(run.model, windows, owner, run.inputs, run.depths, run.batch_size,
+                   run.exit_stats, run.desc, "answer", "question", _totals, mc_metrics)
 
 
 def mc_task_rows(run: TaskRun) -> list[dict]:

@@ -1,19 +1,11 @@
-"""wikitext: WikiText raw, document-wise sliding window; ppl, word_ppl, bits_per_byte.
-
-Its reader, WikiText's articles, is a corpus format too (`text_split="wikitext"` when building
-shards), so it stays with the corpus readers in scse_dist.data.sources.
+"""wikitext: WikiText raw, document-wise sliding window; ppl, word_ppl, bits_per_byte. Its
+reader is a corpus format too, so it stays in scse_dist.data.sources.
 """
 
 from __future__ import annotations
 
 from scse_dist.data.sources import read_wikitext_articles
-from scse_dist.eval.task_run import (
-    TaskRun,
-    _document_scores,
-    _document_totals,
-    document_metrics,
-    document_rows,
-)
+from scse_dist.eval.task_run import TaskRun, document_metrics, document_rows, document_totals
 from scse_dist.task_registry import Task, register
 
 
@@ -23,12 +15,10 @@ def wikitext_rows(run: TaskRun) -> list[dict]:
                          run.stride, run.batch_size, run.exit_stats, run.desc)
 
 
-# During training (eval.downstream_tasks): each rank's totals over its share, summed over ranks,
-# then each depth's row from the sums (the registry's `totals` and `from_totals`).
+# During training: each rank's totals over its share, summed over ranks (registry `totals`).
 def wikitext_totals(run: TaskRun) -> list[dict]:
-    return _document_totals(*_document_scores(run.model, run.tokenizer, run.inputs, run.depths,
-                                              run.seq_len, run.stride, run.batch_size,
-                                              run.exit_stats, run.desc), run.inputs)
+    return document_totals(run.model, run.tokenizer, run.inputs, run.depths, run.seq_len,
+                           run.stride, run.batch_size, run.exit_stats, run.desc)
 
 
 TASK = register(Task("wikitext", read_wikitext_articles, wikitext_rows,

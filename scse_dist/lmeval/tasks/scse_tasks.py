@@ -1,19 +1,9 @@
 """Data and metrics of the offline tasks scse_lambada and scse_wikitext (no hub download).
 
-The data file is named by lm-eval's task metadata, which its CLI fills from `--metadata`:
-    --metadata lambada=PATH     (scse_lambada)
-    --metadata wikitext=PATH    (scse_wikitext)
-Files are read with scse-dist's readers (the formats scse-eval reads), so both tools see the same
-documents.
-
-scse_wikitext follows scse-eval's conventions, which differ from lm-eval's stock `wikitext` task:
-- the article is scored as it is in the file (stripped of surrounding whitespace); the stock task
-  first undoes WikiText's tokenization (" @-@ " -> "-", " , " -> ", ", ...);
-- words are `len(page.split())`; the stock task counts `len(re.split(r"\\s+", page))`, which adds
-  one for leading and one for trailing whitespace (every article ends with a newline);
-- bytes are the UTF-8 bytes of the article as in the file, as in the stock task.
-word_perplexity = exp(-sum loglikelihood / sum words) and bits_per_byte = -sum loglikelihood /
-ln 2 / sum bytes aggregate over articles, like scse-eval's word_ppl and bits_per_byte.
+The data file is named by lm-eval's task metadata, which its CLI fills from `--metadata`
+(`lambada=PATH`, `wikitext=PATH`), and read with scse-dist's readers, so scse-eval and lm-eval
+see the same documents. scse_wikitext follows scse-eval's conventions (the article as in the
+file, stripped; words `len(page.split())`), not lm-eval's stock `wikitext`: docs/evaluation.md.
 """
 
 from __future__ import annotations
