@@ -44,8 +44,8 @@ def test_the_gpu_study_dry_run_lists_its_runs_and_their_planned_gpu_hours(world,
     assert study_main([str(SPEC), *overrides, "--dry-run"]) == EXIT_NO_INPUT
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines()[1:] if line.split()[-1:] == ["new"]]
-    assert len(rows) == 12  # 2 variants x (3 sweep rates + 3 seeds)
-    assert sum(r[3] == "sweep" for r in rows) == 6 and sum(r[3] == "final" for r in rows) == 6
+    assert len(rows) == 18  # 3 variants x (3 sweep rates + 3 seeds)
+    assert sum(r[3] == "sweep" for r in rows) == 9 and sum(r[3] == "final" for r in rows) == 9
     found = PLANNED.search(out)
     assert found, out
     total, sweep, final = (float(found[i].replace(",", "")) for i in (1, 2, 3))
@@ -55,6 +55,6 @@ def test_the_gpu_study_dry_run_lists_its_runs_and_their_planned_gpu_hours(world,
     # the plan sums each step's sampled depth; the expectation differs by the draws (~1%)
     assert final == pytest.approx(expected_gpu_hours(spec, "final"), rel=0.02)
     assert sweep == pytest.approx(expected_gpu_hours(spec, "sweep"), rel=0.05)
-    # equal training FLOPs: the two variants' final runs cost the same GPU-hours, so the
-    # longest run is half the final stage's hours over 3 seeds, spread over the world
-    assert float(found[6]) == pytest.approx(final / 6 / world, rel=0.02, abs=0.06)
+    # equal training FLOPs: the three variants' final runs cost the same GPU-hours, so the
+    # longest run is a ninth of the final stage's hours (3 variants x 3 seeds), over the world
+    assert float(found[6]) == pytest.approx(final / 9 / world, rel=0.02, abs=0.06)
