@@ -1,10 +1,11 @@
 """What the user docs claim holds: command-output samples are what the commands print today,
 tables render whole, pages stay short, the docs speak to users, and the named facts (the CLI that
 downloads from the Hugging Face Hub, the CPU wheel index, what `activation_checkpointing: auto`
-picks for gpt2-small-scse) are the code's."""
+picks for gpt2-small-scse, what config.md says a shipped config sets) are the code's."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 import shlex
@@ -178,3 +179,19 @@ def test_gpt2_small_scse_checkpoints_nothing_on_h100s():
     assert checkpointing_for(cfg, 1, "bf16", budget / 8, h100) == "loop"
     launching = " ".join((REPO / "docs" / "launching.md").read_text().split())
     assert "On one H100, or 16, that is none" in launching
+
+
+def test_what_config_md_says_a_shipped_config_sets():
+    """A row of docs/config.md that says "`configs/X.yaml` sets `V`" holds: X's field is V."""
+    from scse_dist.config import load_config
+
+    claims = []
+    for row in (REPO / "docs" / "config.md").read_text().splitlines():
+        field = re.match(r"\| `([\w.]+)` \|", row)
+        for config, value in re.findall(r"`(configs/[\w./-]+\.yaml)` sets `([^`]+)`", row):
+            assert field, f"config.md: {config} sets {value} outside a field's row"
+            claims.append((field.group(1), config, value))
+    assert claims  # the check reads the rows it means to
+    for field, config, value in claims:
+        got = functools.reduce(getattr, field.split("."), load_config(str(REPO / config)))
+        assert str(got) == value, f"docs/config.md: {config} sets {field}: {got}, not {value}"
