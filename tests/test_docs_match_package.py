@@ -1,7 +1,8 @@
 """The docs match the package: docs/architecture.md's layout names every module of scse_dist,
 every relative link of README.md, docs/ and research/ resolves (file and heading), and none of
-those pages cites a project file that does not exist, and README, docs and configs name config
-keys by their current names."""
+those pages cites a project file that does not exist, README and docs name no file outside the
+checkout (`../shared/...`), and README, docs, configs and the Slurm scripts name config keys by
+their current names."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
-         *sorted((REPO / "research").glob("*.md"))]
+USER_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [*USER_PAGES, *sorted((REPO / "research").glob("*.md"))]
 # A path the docs cite: under one of the project's own folders, ending in a file's suffix.
 CITED = re.compile(r"(?<![\w./-])((?:scse_dist|configs|benchmarks|tests|slurm|launch|docs|research)"
                    r"/[\w./-]*\w\.(?:py|yaml|md|sh|json|png|txt))\b")
@@ -94,12 +95,44 @@ def test_no_doc_cites_a_missing_project_file(page):
     assert not missing, f"{page.relative_to(REPO)} cites files the project does not have: {missing}"
 
 
+# A `../` path in prose or code (`../shared/data/x.txt`, `out: ../../studies`).
+UP_PATH = re.compile(r"(?<![\w./-])((?:\.\./)+[\w.-][\w./-]*)")
+PROJECT_DIRS = [REPO, *(d for d in REPO.rglob("*") if d.is_dir()
+                        and not {".git", ".venv", "__pycache__"} & set(d.relative_to(REPO).parts))]
+
+
+def outside_the_project(path: str) -> bool:
+    """Whether `path` lands outside the checkout from every folder of it (the page's own, or the
+    one a config or spec that holds it lives in): a file a clone does not have."""
+    for folder in PROJECT_DIRS:
+        target = (folder / path).resolve()
+        if target.is_relative_to(REPO) and (target.exists() or target.parent.exists()):
+            return False
+    return True
+
+
+def test_the_outside_check_tells_a_clones_files_from_others():
+    assert outside_the_project("../shared/data/lambada/dev.txt")
+    assert outside_the_project("../../shared/tools/gpu-check.sh")
+    assert not outside_the_project("../research/scse-robustness-log.md")
+    assert not outside_the_project("../../studies")  # an output folder beside configs/
+    assert UP_PATH.findall("`../shared/x.txt` and [log](../research/a.md#h)") == [
+        "../shared/x.txt", "../research/a.md"]
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_user_doc_relies_on_files_outside_the_checkout(page):
+    """A clone has only the repository: a doc that reads `../shared/...` says how to get it."""
+    outside = sorted({p for p in UP_PATH.findall(page.read_text()) if outside_the_project(p)})
+    assert not outside, f"{page.relative_to(REPO)} names files outside the checkout: {outside}"
+
+
 # --- Config keys by their current names ----------------------------------------------------------
 # docs/config.md lists the renames on purpose between these two comments; nowhere else names an
 # old key, since the package reads those only with a `config: notice:` line.
 OLD_NAMES_LIST = re.compile(r"<!-- old names: -->.*?<!-- /old names -->", flags=re.S)
 KEY_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
-             *sorted((REPO / "configs").rglob("*.yaml"))]
+             *sorted((REPO / "configs").rglob("*.yaml")), *sorted((REPO / "slurm").glob("*.sh"))]
 # Old names that are also the new section's name: old only with a kind as their value.
 OLD_KINDS = {"train.optimizer": get_args(get_type_hints(OptimizerConfig)["kind"]),
              "train.schedule": get_args(get_type_hints(ScheduleConfig)["kind"])}
@@ -177,7 +210,7 @@ def test_the_old_name_finder_tells_old_from_new():
 
 
 def test_docs_and_configs_name_keys_by_their_current_names():
-    """README, docs and configs say `train.optimizer.lr`, not `train.lr`: the old names load
-    only with a notice (scse_dist/config.py's RENAMED_FIELDS)."""
+    """README, docs, configs and the Slurm scripts say `train.optimizer.lr`, not `train.lr`: the
+    old names load only with a notice (scse_dist/config.py's RENAMED_FIELDS)."""
     old = [hit for page in KEY_PAGES for hit in old_names_in(page)]
     assert not old, "old config names (rename them):\n" + "\n".join(old)

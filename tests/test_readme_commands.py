@@ -335,7 +335,7 @@ STUDY = ("a study trains dozens of runs (minutes to days); tests/test_study.py r
 LOCAL_CLUSTER = ("the CPU-cluster study walkthrough starts the machine-wide local Slurm; "
                  "tests/test_study_slurm.py runs the same on the tests' own cluster (spec "
                  "defaults, no --backend-args, the cap, evaluations in the job, the report)")
-SHARED = "reads ../shared/data, which the project's tests must not depend on"
+SHARED = "reads the public text samples of docs/studies.md, which the tests do not download"
 PARTS = ("a Slurm array of parts and its merge; tests/test_data_parts.py runs parts 0..N-1 and "
          "`scse-data merge` and compares every file with one process's, byte for byte")
 NOT_RUN = {
@@ -363,17 +363,20 @@ NOT_RUN = {
     "scse-study configs/studies/cpu-cluster.yaml --slurm --max-parallel 2": LOCAL_CLUSTER,
     "squeue -o '%.8i %.26j %.8T %.8M %R'": LOCAL_CLUSTER,
     "cat studies/cpu-cluster/report/report.md": LOCAL_CLUSTER,
-    "scse-data tokenizer --input ../shared/data/webtext/c4_en_train00000_first1000.jsonl --vocab-size 4096 --out data/webtext/tokenizer.model": SHARED,
-    "scse-data shards --input ../shared/data/webtext/c4_en_train00000_first1000.jsonl --tokenizer data/webtext/tokenizer.model --out data/webtext/shards --heldout-fraction 0.05": SHARED,
+    "scse-data tokenizer --input data/public/c4_en_train00000_first1000.jsonl --vocab-size 4096 --out data/webtext/tokenizer.model": SHARED,
+    "scse-data shards --input data/public/c4_en_train00000_first1000.jsonl --tokenizer data/webtext/tokenizer.model --out data/webtext/shards --heldout-fraction 0.05": SHARED,
     "mkdir -p data/eval": SHARED,
+    "mkdir -p data/public": SHARED,
+    "curl -L https://huggingface.co/datasets/allenai/c4/resolve/main/en/c4-train.00000-of-01024.json.gz | gunzip | head -n 1000 > data/public/c4_en_train00000_first1000.jsonl":
+        "downloads C4 from the Hugging Face Hub (no network here)",
     "scse-data shards --input hf:wikitext:wikitext-103-raw-v1:train --tokenizer data/web/tokenizer.model --out data/wikitext/shards":
         "streams from the Hugging Face Hub (no network here); tests/test_data_columnar.py reads a "
         "save_to_disk directory and parquet through the same row accounting",
     "sbatch --array=0-63 --wrap 'scse-data shards --input \"corpus/*.parquet\" --tokenizer data/web/tokenizer.model --out s3://bucket/web --part $SLURM_ARRAY_TASK_ID/64'": PARTS,
     "sbatch --dependency=afterok:ARRAY_JOB_ID --wrap 'scse-data merge s3://bucket/web'": PARTS,
-    "head -c 50000 ../shared/data/webtext/openwebtext_sample.txt > data/eval/owt-valid.txt": SHARED,
-    "head -c 20000 ../shared/data/wikitext-2-raw/wiki.valid.raw > data/eval/wiki.valid.raw": SHARED,
-    "head -n 100 ../shared/data/lambada/lambada_development_plain_text.txt > data/eval/lambada-dev.txt": SHARED,
+    "head -c 50000 data/public/openwebtext_sample.txt > data/eval/owt-valid.txt": SHARED,
+    "head -c 20000 data/public/wiki.valid.raw > data/eval/wiki.valid.raw": SHARED,
+    "head -n 100 data/public/lambada_development_plain_text.txt > data/eval/lambada-dev.txt": SHARED,
     "python3 -m venv .venv": ENVIRONMENT,
     ". .venv/bin/activate": ENVIRONMENT,
     "pip install torch==2.13.0 setuptools wheel": ENVIRONMENT,

@@ -1,5 +1,5 @@
 """Held-out loss and downstream metrics against training step, from the rows the trainer writes
-during training (RUN/metrics.jsonl, docs/training.md): eval.every_steps' rows of kind "eval"
+during training (RUN/metrics.jsonl, docs/monitoring.md): eval.every_steps' rows of kind "eval"
 and eval.downstream_every's rows of kind "downstream" (keys `<task>_<metric>_T<depth>`,
 downstream_key)."""
 

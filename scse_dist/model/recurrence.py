@@ -27,7 +27,7 @@ STABILITY_FLOOR = 0.5
 
 
 def loop_step_label(t: int, suffix: str = "") -> ContextManager[Any]:
-    """`loop_step_{t}{suffix}` around loop step t in a profiler trace (docs/training.md); a null
+    """`loop_step_{t}{suffix}` around loop step t in a profiler trace (docs/monitoring.md); a null
     context without an active profiler, where record_function would still cost time."""
     if torch.autograd._profiler_enabled():
         return record_function(f"loop_step_{t}{suffix}")

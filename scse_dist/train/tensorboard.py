@@ -1,6 +1,6 @@
 """TensorBoard beside metrics.jsonl and wandb: every row the MetricsLogger writes, as scalars.
 
-Tags (docs/training.md, "TensorBoard"): a training row's keys under `train/`, keys that name a
+Tags (docs/monitoring.md, "TensorBoard"): a training row's keys under `train/`, keys that name a
 group keep it (diag/D_kept), a row of kind K under `K/`; values that are not numbers are left
 out; a samples row's generations become a markdown table under `sample/text`. A resumed run
 marks its new event file with a restart event at step N + 1 (purge_step), as metrics.jsonl is

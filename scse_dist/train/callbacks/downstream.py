@@ -4,7 +4,7 @@ Each task of eval.downstream_tasks is scored at eval.depths by `scse-eval --task
 first eval.downstream_max_examples examples (read at start-up: a bad file stops the run before
 step 1), every rank scoring every world-size-th. The ranks' additive totals are summed, so the
 numbers are the same at any world size. One row per evaluation, keys `<task>_<metric>_T<depth>`
-(docs/training.md); the first evaluation prints its cost in training steps once.
+(docs/monitoring.md); the first evaluation prints its cost in training steps once.
 """
 
 from __future__ import annotations

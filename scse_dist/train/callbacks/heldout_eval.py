@@ -1,5 +1,5 @@
 """eval.every_steps: held-out loss at eval.depths during training, as rows of their own
-(`"kind": "eval"`, docs/training.md).
+(`"kind": "eval"`, docs/monitoring.md).
 
 Every rank evaluates its share of the held-out split without gradients; the summed NLL and token
 counts are all-reduced. eval.max_batches counts batches over all ranks. The ranks run the same

@@ -1,5 +1,5 @@
 """profile.enabled: torch.profiler over a window of optimizer steps, a Chrome trace and an ops'
-table per profiled rank in <run dir>/profile/ (docs/training.md, "Profiling"). Trace step k is
+table per profiled rank in <run dir>/profile/ (docs/monitoring.md, "Profiling"). Trace step k is
 optimizer step k; a step's span holds its hooks' work. A run that ends inside the window writes
 what it recorded; one resumed past it profiles nothing and says so. DeepSpeed's flops profiler
 (profile.flops_step) is configured in the engine's config, on CUDA only.

@@ -1,7 +1,7 @@
 """eval.sample_every: continuations of a few fixed prompts during training, to read along.
 
 Rank 0 generates at the model's default depth with the run's seed (its own generator: training's
-random state is untouched), into a `"kind": "sample"` row (docs/training.md), a wandb table and a
+random state is untouched), into a `"kind": "sample"` row (docs/monitoring.md), a wandb table and a
 console line per prompt. Not under ZeRO-3 (refused at the start).
 """
 
