@@ -35,8 +35,8 @@ ROOT = Path(scse_dist.__file__).parent
 
 LAYERS = [
     {"model"},
-    {"config", "typed_yaml", "task_registry", "run_dir", "cli_errors", "atomic", "progress",
-     "quiet", "threads", "distributed", "hf", "figures", "param_groups"},
+    {"config", "typed_yaml", "task_registry", "run_dir", "resources", "cli_errors", "atomic",
+     "progress", "quiet", "threads", "distributed", "hf", "figures", "param_groups"},
     {"data"},
     {"checkpoint"},
     {"train", "eval", "generate"},
@@ -207,14 +207,14 @@ def test_a_planted_upward_import_is_caught(tmp_path):
 def test_section_configs_sit_in_the_config_layer():
     graph = _graph()
     sections = {"scse_dist.data.config", "scse_dist.train.config", "scse_dist.eval.config",
-                "scse_dist.launch.config", "scse_dist.train.optimizer_config",
-                "scse_dist.train.schedule_config", "scse_dist.checkpoint.start_config"}
+                "scse_dist.train.optimizer_config", "scse_dist.train.schedule_config",
+                "scse_dist.checkpoint.start_config", "scse_dist.checkpoint.save_config"}
     assert sections <= graph["scse_dist.config"] | graph["scse_dist.train.config"]
     assert {_layer(m) for m in sections} == {_layer("scse_dist.config")}
 
 
 @pytest.mark.parametrize("package", ["scse_dist.data", "scse_dist.train", "scse_dist.eval",
-                                     "scse_dist.launch", "scse_dist.checkpoint"])
+                                     "scse_dist.checkpoint"])
 def test_section_packages_import_nothing(package):
     # importing a section config runs its package's __init__: it must stay this light
     assert _graph()[package] == set()

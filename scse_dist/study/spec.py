@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from scse_dist.config import ConfigError
-from scse_dist.launch.config import Resources
+from scse_dist.resources import Resources
 from scse_dist.study.factorial import parse_factorial
 from scse_dist.study.runs import SpecError, expand, run_config
 from scse_dist.task_registry import TASKS
