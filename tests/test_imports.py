@@ -16,6 +16,7 @@ A package's __init__ importing its own submodules is the usual pattern, not a cy
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -162,8 +163,6 @@ def test_no_module_imports_a_higher_layer():
 
 def _lint_imports(cwd: Path) -> subprocess.CompletedProcess:
     """`lint-imports` on the package found first on the path from `cwd` (PYTHONPATH=cwd)."""
-    import os
-
     env = {**os.environ, "PYTHONPATH": str(cwd)}
     return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
