@@ -248,7 +248,7 @@ def run_one_stage(name: str, result: Path, cpu: bool) -> int:
         write_json(result, recorded)
         print(f"{name}: {key} = {value}", flush=True)
 
-    PROBES[name](record, cpu)
+    PROBES[name](record, cpu, CONFIG)
     return 0
 
 

@@ -2,7 +2,8 @@
 bug probes (flex attention in a compiled block against SDPA; the micro-batch finder under bf16
 autocast), and greedy and speculative generation.
 
-Each stage is `stage(record, cpu)`: it runs in a child process of its own (gpu_check.py bounds its
+Each stage is `stage(record, cpu, config)` (`config`: the GPU run's config file, whose model
+generation times on GPU): it runs in a child process of its own (gpu_check.py bounds its
 time) and hands each number to `record(key, value)` as soon as it has it, so a stage that runs
 out of time still leaves what it measured. A failing measure records its error as one line under
 `<key>_error` and the stage goes on. KEYS lists every key each stage records, on GPU and CPU alike
@@ -17,6 +18,7 @@ import importlib.metadata
 import os
 import platform
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -46,7 +48,7 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc) else ''}"
 
 
-def versions(record: Record, cpu: bool) -> None:
+def versions(record: Record, cpu: bool, config: Path) -> None:
     device = _device(cpu)
     record("python", platform.python_version())
     record("torch", torch.__version__)
@@ -136,7 +138,7 @@ def _finder_under_autocast(record: Record, device: torch.device) -> None:
     record("finder_micro_batch", 2)
 
 
-def bug_probes(record: Record, cpu: bool) -> None:
+def bug_probes(record: Record, cpu: bool, config: Path) -> None:
     device = _device(cpu)
     record("compile_backend", os.environ.get("SCSE_COMPILE_BACKEND", "inductor"))
     # the finder first: it takes seconds, the compile of flex most of the stage
@@ -148,7 +150,7 @@ def bug_probes(record: Record, cpu: bool) -> None:
             record(key.split("_")[0] + "_error", _error(exc))
 
 
-def generation(record: Record, cpu: bool) -> None:
+def generation(record: Record, cpu: bool, config: Path) -> None:
     """Greedy and speculative decoding (KV cache) of random-weight models at the GPU config's
     size (bf16) or the toy size (fp32): tokens/s, and whether greedy speculation gave greedy's
     tokens."""
@@ -160,9 +162,8 @@ def generation(record: Record, cpu: bool) -> None:
     if cpu:
         model_cfg = _model_cfg(True).model
     else:
-        from gpu_check import CONFIG  # the GPU config's model, random weights
         from scse_dist.config import load_config
-        model_cfg = load_config(str(CONFIG), []).model
+        model_cfg = load_config(str(config), []).model  # the GPU config's model, random weights
     torch.manual_seed(0)
     model = LoopedLM(model_cfg).to(device, torch.float32 if cpu else torch.bfloat16).eval()
     prompts = torch.randint(1, model_cfg.vocab_size, (4, 32),

@@ -20,13 +20,13 @@ from scse_dist.checkpoint.start_config import StartConfig
 # RunConfig and re-exports them.
 from scse_dist.data.config import DataConfig
 from scse_dist.eval.config import EvalConfig
-from scse_dist.launch.config import EvalResources, Resources  # noqa: F401
 from scse_dist.model.config import VALUE_BEFORE_FIELD, ConfigError, ModelConfig  # noqa: F401
 from scse_dist.model.transitions import (  # noqa: F401
     check_model_config,
     resolved_anchor_scale,
     transition_for,
 )
+from scse_dist.resources import EvalResources, Resources  # noqa: F401
 from scse_dist.train.batch_config import BatchConfig  # noqa: F401
 from scse_dist.train.config import (  # noqa: F401
     CallbackSpec,

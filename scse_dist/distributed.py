@@ -2,15 +2,17 @@
 
 `deepspeed` and `torchrun` export RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT; `srun` exports
 SLURM_* instead; a plain `python launch/train.py` exports nothing and is rank 0 of 1.
-`resolve_dist_env` maps all of them to one `DistEnv` (pure apart from asking `scontrol` for the
-first host and the OS for a free port); `init_distributed` exports it and starts the group.
+`resolve_dist_env` maps all of them to one `DistEnv` (pure apart from asking the OS for a free
+port); `init_distributed` exports it and starts the group. Under srun the first host of the node
+list is submitit's reading of it. submitit's TorchDistributedEnvironment is not used: it needs a
+job submitit started (slurm/pretrain.sh's srun is not), takes the world size from SLURM_NTASKS
+(a batch shell that runs python itself would wait for peers), and draws another port.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Mapping, Optional
@@ -47,19 +49,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def scontrol_first_host(nodelist: str) -> str:
-    """First host of a Slurm node list such as ``node[1-4]`` (via ``scontrol show hostnames``)."""
+def slurm_first_host(nodelist: str) -> str:
+    """First host of a Slurm node list such as ``gpu[03-06],cpu1``, read by the parser behind
+    submitit's SlurmJobEnvironment.hostnames (no scontrol)."""
+    from submitit.slurm.slurm import SlurmParseException, _parse_node_list
+
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
-                             capture_output=True, text=True, timeout=30).stdout.split()
-    except (OSError, subprocess.SubprocessError) as exc:
-        if "[" not in nodelist and "," not in nodelist:
-            return nodelist  # a single plain host name needs no expansion
-        raise RuntimeError(f"SLURM_JOB_NODELIST={nodelist!r}: cannot expand it with scontrol "
-                           f"({exc}); set MASTER_ADDR") from None
-    if not out:
-        raise RuntimeError(f"SLURM_JOB_NODELIST={nodelist!r}: scontrol returned no hosts")
-    return out[0]
+        hosts = _parse_node_list(nodelist)
+    except SlurmParseException:
+        hosts = []
+    if not hosts:
+        raise RuntimeError(f"SLURM_JOB_NODELIST={nodelist!r}: not a Slurm node list; set "
+                           "MASTER_ADDR")
+    return hosts[0]
 
 
 def _int(environ: Mapping[str, str], key: str) -> int:
@@ -80,7 +82,7 @@ def launcher_world(environ: Mapping[str, str]) -> tuple[int, str]:
 
 
 def resolve_dist_env(environ: Mapping[str, str],
-                     first_host: Callable[[str], str] = scontrol_first_host) -> DistEnv:
+                     first_host: Callable[[str], str] = slurm_first_host) -> DistEnv:
     """Map a launcher's environment to rank, world size, local rank and rendezvous address."""
     world_size, source = launcher_world(environ)
     if source == "from WORLD_SIZE":  # deepspeed launcher, torchrun

@@ -1,29 +1,24 @@
 """The package's import graph: acyclic, and layered so that nothing imports upward.
 
-Read from the source (module-level and function-level imports alike, relative imports resolved),
-so it costs no torch import. A package's __init__ importing its own submodules is the usual
-pattern, not a cycle. Imports under `if TYPE_CHECKING:` load nothing and are left out of the
-layering, but not of the model's circle check: a transition reaches LoopCore through the `Core`
-protocol of its own module, so transitions.py names nothing of the model but its config.
-
-Layers, lowest first; a module may import its own layer and the ones below (within a layer, the
-cycle check keeps the graph acyclic):
-    model  <-  config, task_registry, run_dir, cli_errors, atomic, progress, quiet, threads,
-               distributed, hf
-    <-  data  <-  checkpoint  <-  train, eval, generate
-    <-  launch, study, lmeval
-
-A package's own `config` module (scse_dist/data/config.py, train/config.py, eval/config.py: its
-section of the run config), or a `<name>_config` one for a section within it (train.optimizer's
-train/optimizer_config.py, train.start's checkpoint/start_config.py), sits in the config layer, not
-its package's: `scse_dist.config`
-composes the sections, and whatever reads a config imports them, without loading the package.
-So a section may import only the config layer and below, never its own package's modules.
+The layers are written down once, as pyproject.toml's [tool.importlinter] contracts, which
+`lint-imports` checks (CI runs it; test_the_contracts_hold runs it here). import-linter sees
+packages; this file reads the same layers module by module, from the source (imports inside
+functions and under TYPE_CHECKING alike, relative imports resolved, no torch imported), for what a
+package-level contract cannot say: a package's own `config` module (data/config.py,
+train/config.py, eval/config.py: its section of the run config), or a `<name>_config` one for a
+section within it (train/optimizer_config.py, checkpoint/start_config.py, ...), sits in the config
+layer, not its package's. `scse_dist.config` composes the sections, and whatever reads a config
+imports them without loading the package, so a section imports only the config layer and below.
+That is why the layers contract may ignore the hub's imports of the sections, and only those.
+A package's __init__ importing its own submodules is the usual pattern, not a cycle.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,17 +26,19 @@ import pytest
 
 import scse_dist
 
-ROOT = Path(scse_dist.__file__).parent
+try:
+    import tomllib
+except ImportError:  # Python 3.10: import-linter brings tomli
+    import tomli as tomllib
 
-LAYERS = [
-    {"model"},
-    {"config", "typed_yaml", "task_registry", "run_dir", "cli_errors", "atomic", "progress",
-     "quiet", "threads", "distributed", "hf", "figures", "param_groups"},
-    {"data"},
-    {"checkpoint"},
-    {"train", "eval", "generate"},
-    {"launch", "study", "lmeval"},
-]
+ROOT = Path(scse_dist.__file__).parent
+PYPROJECT = ROOT.parent / "pyproject.toml"
+CONTRACTS = {c["id"]: c for c in
+             tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]["contracts"]}
+# The layers contract's layers, lowest first: each a set of top-level names (model, config, ...).
+LAYERS = [{name.strip().removeprefix("scse_dist.") for name in re.split(r"[|:]", layer)}
+          for layer in reversed(CONTRACTS["layers"]["layers"])]
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
 def _modules(root: Path = ROOT) -> dict[str, Path]:
@@ -61,19 +58,10 @@ def _absolute(name: str, path: Path, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path], annotations: bool = False
-             ) -> set[str]:
-    """scse_dist modules that `name` imports anywhere in its source (with their packages);
-    with `annotations`, also those under `if TYPE_CHECKING:`."""
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """scse_dist modules that `name` imports anywhere in its source (with their packages)."""
     named = set()
-    tree = ast.parse(path.read_text())
-    annotation_only = set() if annotations else {
-        id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-        and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-        for stmt in block.body for n in ast.walk(stmt)}
-    for node in ast.walk(tree):
-        if id(node) in annotation_only:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             module = _absolute(name, path, node)
             named.add(module)
@@ -156,10 +144,9 @@ def test_transitions_reach_the_core_through_their_own_protocol():
     """No circle transitions <-> recurrence, not even one of annotations: a Transition is handed
     the core as transitions.Core, so its module names nothing of the model but the config."""
     modules = _modules()
-    seen = _imports("scse_dist.model.transitions", modules["scse_dist.model.transitions"], modules,
-                    annotations=True)
+    seen = _imports("scse_dist.model.transitions", modules["scse_dist.model.transitions"], modules)
     assert seen == {"scse_dist.model.config"}
-    graph = {m: _imports(m, p, modules, annotations=True) for m, p in modules.items()
+    graph = {m: _imports(m, p, modules) for m, p in modules.items()
              if m.startswith("scse_dist.model")}
     assert _cycles(graph) == []
 
@@ -172,6 +159,57 @@ def test_no_package_level_cycles():
 
 def test_no_module_imports_a_higher_layer():
     assert _upward(_graph()) == []
+
+
+def _lint_imports(cwd: Path) -> subprocess.CompletedProcess:
+    """`lint-imports` on the package found first on the path from `cwd` (PYTHONPATH=cwd)."""
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_contracts_hold():
+    proc = _lint_imports(ROOT.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"Contracts: {len(CONTRACTS)} kept, 0 broken." in proc.stdout
+
+
+def test_the_contracts_ignore_only_the_hubs_imports_of_sections():
+    assert CONTRACTS["acyclic"]["ignore_imports"] == CONTRACTS["layers"]["ignore_imports"]
+    assert not any("ignore_imports" in c for i, c in CONTRACTS.items() if i not in ("layers",
+                                                                                   "acyclic"))
+    ignored = [rule.split(" -> ") for rule in CONTRACTS["layers"]["ignore_imports"]]
+    assert {a for a, _ in ignored} == {"scse_dist.config"}
+    assert all(_in_section(b) and _layer(b) == _layer("scse_dist.config") for _, b in ignored)
+    assert {b for _, b in ignored} <= _graph()["scse_dist.config"]
+
+
+@pytest.mark.parametrize("rel, planted, broken", [
+    ("data/packing.py", "from scse_dist.train.engine import build_engine",
+     "scse_dist.data.packing -> scse_dist.train.engine"),  # a layer above
+    ("progress.py", "from scse_dist.atomic import atomic_write",
+     "scse_dist.progress -> scse_dist.atomic"),  # a leaf importing its own layer
+    ("study/spec.py", "from scse_dist.study.runs import expand", "- .spec -> .runs"),  # a circle
+])
+def test_lint_imports_catches_a_planted_import(tmp_path, rel, planted, broken):
+    copy = _plant(tmp_path, {rel: (ROOT / rel).read_text() + f"\n{planted}  # planted\n"})
+    (tmp_path / "pyproject.toml").write_text(PYPROJECT.read_text())
+    proc = _lint_imports(copy.parent)
+    assert proc.returncode == 1 and broken in proc.stdout, proc.stdout + proc.stderr
+    assert "0 kept" not in proc.stdout  # the other contracts still hold
+
+
+def test_benchmark_scripts_import_no_circle():
+    """benchmarks/ are scripts beside each other (no package): none imports one that imports it."""
+    scripts = {p.stem: p for p in (ROOT.parent / "benchmarks").glob("*.py")}
+    graph = {name: {a.name.split(".")[0] for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.Import) for a in node.names}
+             | {(node.module or "").split(".")[0] for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and not node.level}
+             for name, path in scripts.items()}
+    graph = {name: deps & set(scripts) - {name} for name, deps in graph.items()}
+    assert "gpu_check_probes" in graph["gpu_check"]
+    assert _cycles(graph) == []
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -207,14 +245,14 @@ def test_a_planted_upward_import_is_caught(tmp_path):
 def test_section_configs_sit_in_the_config_layer():
     graph = _graph()
     sections = {"scse_dist.data.config", "scse_dist.train.config", "scse_dist.eval.config",
-                "scse_dist.launch.config", "scse_dist.train.optimizer_config",
-                "scse_dist.train.schedule_config", "scse_dist.checkpoint.start_config"}
+                "scse_dist.train.optimizer_config", "scse_dist.train.schedule_config",
+                "scse_dist.checkpoint.start_config", "scse_dist.checkpoint.save_config"}
     assert sections <= graph["scse_dist.config"] | graph["scse_dist.train.config"]
     assert {_layer(m) for m in sections} == {_layer("scse_dist.config")}
 
 
 @pytest.mark.parametrize("package", ["scse_dist.data", "scse_dist.train", "scse_dist.eval",
-                                     "scse_dist.launch", "scse_dist.checkpoint"])
+                                     "scse_dist.checkpoint"])
 def test_section_packages_import_nothing(package):
     # importing a section config runs its package's __init__: it must stay this light
     assert _graph()[package] == set()
@@ -225,14 +263,6 @@ def test_a_section_config_importing_its_package_is_caught(tmp_path):
                              + "\nfrom scse_dist.train.schedule import build_lr_scheduler"
                                "  # planted\n"})
     assert "scse_dist.train.config -> scse_dist.train.schedule" in _upward(_graph(copy))
-
-
-@pytest.mark.parametrize("leaf", ["scse_dist.model.config", "scse_dist.data.sample_format",
-                                  "scse_dist.progress", "scse_dist.quiet", "scse_dist.threads",
-                                  "scse_dist.run_dir"])
-def test_leaves_import_nothing_of_scse_dist(leaf):
-    graph = _graph()
-    assert graph[leaf] == set()
 
 
 def test_sample_format_is_shared_by_reader_and_writer():

@@ -1,8 +1,6 @@
-"""Launcher environments -> DistEnv, for deepspeed/torchrun, srun (with a fake scontrol) and
-none."""
+"""Launcher environments -> DistEnv, for deepspeed/torchrun, srun and none."""
 
 import os
-import stat
 import subprocess
 import sys
 import textwrap
@@ -14,7 +12,7 @@ from scse_dist.distributed import (
     DistEnv,
     describe_placement,
     resolve_dist_env,
-    scontrol_first_host,
+    slurm_first_host,
 )
 
 
@@ -83,28 +81,29 @@ def test_bad_integer_names_the_variable():
                           "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "1"})
 
 
-def test_real_scontrol_lookup_via_fake_binary_on_path(tmp_path, monkeypatch):
-    fake = tmp_path / "scontrol"
-    fake.write_text(textwrap.dedent("""\
-        #!/bin/sh
-        [ "$1 $2" = "show hostnames" ] || exit 1
-        echo "$3" > "$(dirname "$0")/asked"
-        printf 'node07\\nnode08\\n'
-        """))
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+def test_srun_rendezvous_is_the_first_host_of_the_node_list(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol anywhere: none is needed
     env = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0",
            "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_JOB_ID": "42"}
     got = resolve_dist_env(env)
     assert (got.rank, got.world_size, got.master_addr) == (1, 2, "node07")
-    assert (tmp_path / "asked").read_text().strip() == "node[07-08]"
+    # the step's own node list first, when srun ran on part of the allocation
+    assert resolve_dist_env({**env, "SLURM_STEP_NODELIST": "node08"}).master_addr == "node08"
 
 
-def test_missing_scontrol_needs_master_addr_for_a_node_range(monkeypatch, tmp_path):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol anywhere
-    assert scontrol_first_host("single-host") == "single-host"
-    with pytest.raises(RuntimeError, match="set MASTER_ADDR"):
-        scontrol_first_host("n[1-4]")
+@pytest.mark.parametrize("nodelist, first", [
+    ("single-host", "single-host"), ("gpu[03-06],cpu1", "gpu03"), ("a1,b[2-3]", "a1"),
+    ("vnode[1-2]", "vnode1"), ("n[009-011]", "n009")])
+def test_first_host_of_a_node_list(nodelist, first):
+    assert slurm_first_host(nodelist) == first
+
+
+@pytest.mark.parametrize("nodelist", ["n[1-", "x[a-b]", ""])
+def test_a_node_list_that_does_not_parse_asks_for_master_addr(nodelist):
+    with pytest.raises(RuntimeError) as err:
+        slurm_first_host(nodelist)
+    assert str(err.value) == f"SLURM_JOB_NODELIST={nodelist!r}: not a Slurm node list; set " \
+        "MASTER_ADDR"
 
 
 def test_init_distributed_without_launcher_starts_a_gloo_group_of_one():

@@ -1,6 +1,6 @@
 """A real 2-node Slurm (`slurm/local-cluster.sh start --nodes 2`: two slurmds on this host):
 `scse-launch configs/tiny-cpu.yaml resources.nodes=2` trains at world
-size 2, one rank per node, rendezvous at the first node from `scontrol show hostnames`; a
+size 2, one rank per node, rendezvous at the first node of the job's node list; a
 preemption signal reaches both nodes, the job requeues itself and resumes on both from the
 checkpoint, and the evaluations it scheduled run after it."""
 

@@ -14,7 +14,7 @@ import yaml
 
 from conftest import REPO_ROOT, tiny_documents
 from scse_dist.config import Resources
-from scse_dist.study.runs import expand
+from scse_dist.study.runs import check_runs, expand
 from scse_dist.study.spec import SpecError, load_spec, parse_spec
 
 
@@ -260,7 +260,7 @@ def test_every_shipped_study_spec_resolves_every_run(path):
 def test_bad_spec_names_the_field(tmp_path, tiny_config, change, message):
     spec = study_spec(tiny_config(tmp_path), str(tmp_path / "out"), **{"axes": {}, **change})
     with pytest.raises(SpecError) as err:
-        parse_spec(spec, "spec.yaml")
+        check_runs(parse_spec(spec, "spec.yaml"))  # the last: each variant's run config loads
     assert str(err.value).startswith("spec.yaml: ") and message in str(err.value), str(err.value)
 
 

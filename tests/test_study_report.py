@@ -115,6 +115,23 @@ def test_t_quantile_matches_the_tables():
     assert t_quantile(0.975, 10_000) == pytest.approx(1.9602, abs=1e-4)  # -> the normal's 1.96
 
 
+@pytest.mark.parametrize("p", [0.6, 0.9, 0.975, 0.995])
+def test_t_quantile_matches_the_closed_forms(p):
+    """df 1 is Cauchy's tan(pi (p - 1/2)); df 2 is (2p - 1) / sqrt(2p(1 - p))."""
+    assert t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-12)
+    assert t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-12)
+
+
+@pytest.mark.parametrize("p, df, before", [
+    (0.975, 2.7, 3.3921483831736623), (0.975, 5.5, 2.501858617589278),
+    (0.9, 7.3, 1.40892231774842), (0.995, 3, 5.840909309734343), (0.975, 30, 2.042272456300452)])
+def test_t_quantile_keeps_the_former_values(p, df, before):
+    """What the hand-written incomplete beta gave (Welch's df need not be whole): scipy's agree."""
+    assert t_quantile(p, df) == pytest.approx(before, abs=1e-9)
+    with pytest.raises(ValueError, match="t_quantile: need 0 < p < 1"):
+        t_quantile(1.0, df)
+
+
 def test_t_interval_of_three_seeds_and_of_one():
     iv = t_interval([1.0, 2.0, 3.0])
     assert (iv.n, iv.mean, iv.std) == (3, 2.0, 1.0)

@@ -212,7 +212,7 @@ def test_resume_note_names_both_schedules_only_when_the_lr_moves(tmp_path):
 def test_a_study_varies_the_schedule(tmp_path, tiny_config):
     """Variants and axes are config overrides: a study compares schedules (and decay shapes) as it
     compares recurrences; a bad schedule value names the variant and the field."""
-    from scse_dist.study.runs import expand, run_config
+    from scse_dist.study.runs import check_runs, expand, run_config
     from scse_dist.study.spec import SpecError, parse_spec
 
     spec = {"name": "s", "out": str(tmp_path / "out"), "base": tiny_config(tmp_path),
@@ -236,7 +236,7 @@ def test_a_study_varies_the_schedule(tmp_path, tiny_config):
     # overlaps the warmup of 2
     spec["variants"]["wsd"]["overrides"]["train.schedule.decay_steps"] = 19
     with pytest.raises(SpecError) as err:
-        parse_spec(spec, "spec.yaml")
+        check_runs(parse_spec(spec, "spec.yaml"))
     assert str(err.value).startswith("spec.yaml: variants.wsd-linear (run ")
     assert str(err.value).endswith("train.schedule.decay_steps: the wsd decay of 19 steps overlaps "
                                    "the warmup of 2 in train.max_steps=20; it may take at most 18")

@@ -9,8 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from scse_dist.launch.config import EvalResources
 from scse_dist.model.config import ConfigError
+from scse_dist.resources import EvalResources
 from scse_dist.task_registry import TASKS, Task, field_value, unknown_task
 
 

@@ -24,7 +24,7 @@ from scse_dist.launch.children import StoppedBySignal
 from scse_dist.launch.scheduler import add_backend_args, backend_args
 from scse_dist.study.execute import run_local, run_submitted
 from scse_dist.study.plan import StudyError, missing_inputs, read_choice, refused_data, status
-from scse_dist.study.runs import expand, run_config
+from scse_dist.study.runs import check_runs, expand, run_config
 from scse_dist.study.spec import load_spec
 
 
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_parallel < 1:
         print("scse-study: --max-parallel: must be >= 1", file=sys.stderr)
         return 2
-    spec = load_spec(args.spec, args.overrides)
+    spec = check_runs(load_spec(args.spec, args.overrides))
     try:
         if args.dry_run:
             print(runs_table(spec))

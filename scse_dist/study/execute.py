@@ -18,10 +18,10 @@ from pathlib import Path
 from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch.backends import Backend, BackendError, Job, Task
 from scse_dist.launch.children import StoppedBySignal, run_child, stop_on_signals
-from scse_dist.launch.config import Resources
 from scse_dist.launch.retries import CrashWatch
 from scse_dist.launch.scheduler import LOGS, training_command
 from scse_dist.progress import eta_seconds, format_duration
+from scse_dist.resources import Resources
 from scse_dist.run_dir import RunDir
 from scse_dist.study.plan import StudyError, choose_lrs, evaluate_validation, status, write_study
 from scse_dist.study.runs import Run

@@ -1,24 +1,18 @@
-"""A study spec's runs: each run's dir, stage and overrides (expand), and its resolved run config
-(run_config). The spec, and where its runs go: scse_dist.study.spec."""
+"""A study spec's runs: each run's dir, stage and overrides (expand), its resolved run config
+(run_config), and the check that every variant's config loads (check_runs). The spec, and where
+its runs go: scse_dist.study.spec."""
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from scse_dist.config import ConfigError, RunConfig, config_from_dict, read_config_file, renamed_key
 from scse_dist.run_dir import RunDir
+from scse_dist.study.spec import SpecError, StudySpec
 from scse_dist.task_registry import TASKS, field_value
-
-if TYPE_CHECKING:  # the spec imports this module: its expansion checks every run's config
-    from scse_dist.study.spec import StudySpec
-
-
-class SpecError(ConfigError):
-    """A study spec field is missing, mistyped or makes a run config that does not load; the
-    message names the field. A ConfigError: the commands exit 2 on it."""
 
 
 @dataclass
@@ -100,3 +94,9 @@ def run_config(spec: StudySpec, run: Run) -> RunConfig:
     except ConfigError as exc:
         raise SpecError(f"{where} (run {run.run_dir}): {exc}") from None
 
+
+def check_runs(spec: StudySpec) -> StudySpec:
+    """The spec, once every variant's run config loads; SpecError naming the first that does not."""
+    for run in expand(spec, chosen={v: 1e-3 for v in spec.variants}):
+        run_config(spec, run)
+    return spec

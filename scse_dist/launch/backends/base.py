@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Sequence
 
-from scse_dist.launch.config import Resources
+from scse_dist.resources import Resources
 
 # afterok: only if every dependency succeeded (else never); afterany: once every one ended
 Dependency = Literal["afterok", "afterany"]

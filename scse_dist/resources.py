@@ -1,5 +1,6 @@
 """What a job asks of a batch system: the `resources:` section of a run config and of a study
-spec, and `eval.resources`. It imports nothing of the launcher (tests/test_imports.py).
+spec, and `eval.resources`. A leaf below the launcher, the eval section and the study, which all
+ask for jobs.
 """
 
 from __future__ import annotations
