@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import TINY_VOCAB, tiny_documents
+from conftest import REPO_ROOT, TINY_VOCAB, tiny_documents
 from scse_dist.data.cli import main
 from scse_dist.data.shards import is_heldout, write_shards
 from scse_dist.data.stream import TokenStream
@@ -209,3 +211,29 @@ def test_training_on_imported_shards_passes_the_tokenizer_check(corpus, tiny_con
                             "train.checkpoint.every=3"), subprocess_env)
     steps = [m for m in read_metrics(tmp_path / "runs" / "tiny") if "loss" in m]
     assert steps[-1]["step"] == 3 and np.isfinite(steps[-1]["loss"]), steps
+
+
+@pytest.mark.slow
+def test_the_docs_commands_run_as_written(tmp_path, user_env):
+    """docs/data.md's import and inspect, as written, on two llm.c files of GPT-2's layout (the
+    eos before each document, a document cut across the files) with a small byte-level BPE at
+    GPT-2's tokenizer path."""
+    from scse_dist.data.tokenizer_hf import train_byte_bpe
+
+    section = (REPO_ROOT / "docs/data.md").read_text().split("## Pre-tokenized corpora")[1]
+    commands = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1).splitlines()
+    assert [c.split()[1] for c in commands] == ["import", "inspect"]
+    texts = tiny_documents(300, seed=9)
+    (tmp_path / "data/gpt2").mkdir(parents=True)
+    train_byte_bpe(texts, TINY_VOCAB, str(tmp_path / "data/gpt2/tokenizer.json"))
+    tok = Tokenizer.load(str(tmp_path / "data/gpt2/tokenizer.json"))
+    stream = np.concatenate([[tok.eos_id, *d] for d in tok.encode_batch(texts)])
+    (tmp_path / "fineweb10B").mkdir()
+    write_bin(tmp_path / "fineweb10B/fineweb_val_000000.bin", stream[:len(stream) // 3])
+    write_bin(tmp_path / "fineweb10B/fineweb_train_000001.bin", stream[len(stream) // 3:])
+    for command in commands:
+        out = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=user_env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+    # 300: the document cut at the end of the val file goes on in the first train file
+    assert out.stdout.rstrip().splitlines()[-1].startswith("OK: read 300 documents"), out.stdout

@@ -6,7 +6,7 @@
     scse-data shards --input 'data/*.parquet' --tokenizer tok.model --out shards --processes 8
     scse-data shards --input hf:wikitext:wikitext-103-raw-v1:train --tokenizer tok.model --out s
     scse-data shards ... --part K/N   then   scse-data merge OUT   (a Slurm array: docs/data.md)
-    scse-data import --format llm-c-bin 'fineweb10B/*.bin' --tokenizer gpt2.json --out shards
+    scse-data import --format llm-c-bin 'fineweb/*.bin' --tokenizer gpt2/tokenizer.json --out s
     scse-data inspect s3://bucket/shards
     scse-data quickstart --out data/quickstart
 """
@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_shards, parser=s)
 
     im = sub.add_parser("import", help="pre-tokenized ids (llm.c .bin, .npy, raw) into shards")
-    im.add_argument("files", nargs="+", help="local files or globs, one token stream in order")
+    im.add_argument("files", nargs="+", help="local files or globs (each sorted): one stream of "
+                    "ids in the order written (a document cut at a file's end goes on in the next)")
     im.add_argument("--format", required=True,
                     choices=["llm-c-bin", "npy", "raw-uint16", "raw-uint32"],
                     help="llm-c-bin: llm.c's 256-int32 header, then the ids; npy: a 1-D integer "
@@ -301,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--tokenizer-kind", default="auto",
                     choices=["auto", "sentencepiece", "hf", "tiktoken"])
     im.add_argument("--out", required=True, help="output directory or URL prefix")
-    im.add_argument("--heldout-fraction", type=float, default=0.0)
+    im.add_argument("--heldout-fraction", type=float, default=0.0,
+                    help="held out by the hash of each document's decoded text, as `shards` does "
+                         "(> 0 decodes every document)")
     im.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MiB")
     im.add_argument("--sample-tokens", type=int, default=65536, help="tokens per tar sample")
     im.set_defaults(func=cmd_import)
