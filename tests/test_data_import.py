@@ -100,13 +100,22 @@ def test_bin_import_reads_back_byte_exact_through_the_training_stream(corpus, fr
 
 
 @pytest.mark.parametrize("fmt,suffix", [("npy", ".npy"), ("raw-uint16", ".u16"),
-                                        ("raw-uint32", ".u32")])
-def test_npy_and_raw_ids_import_as_the_bin_does(fmt, suffix, corpus, from_text, tmp_path):
-    """eos after each document here (nanoGPT's layout): the same documents, the same shards."""
-    ids = np.concatenate([[*d, corpus["tok"].eos_id] for d in corpus["docs"]])
+                                        ("raw-uint32", ".u32"), ("llm-c-bin", ".bin")])
+def test_npy_raw_and_uint32_bin_ids_import_as_the_bin_does(fmt, suffix, corpus, from_text,
+                                                          tmp_path):
+    """eos after each document (nanoGPT's layout), or before and after (empty runs between two
+    eos are no documents): the same documents, the same shards. .bin: llm.c's Llama 3 layout
+    (magic 20240801, version 7, uint32 ids)."""
+    eos = corpus["tok"].eos_id
+    ids = np.concatenate([[*d, eos] for d in corpus["docs"]])
     path = tmp_path / f"ids{suffix}"
     if fmt == "npy":
         np.save(path, ids.astype(np.int64))
+    elif fmt == "llm-c-bin":
+        ids = np.concatenate([[eos, *d, eos] for d in corpus["docs"]]).astype("<u4")
+        header = np.zeros(256, dtype="<i4")
+        header[:3] = 20240801, 7, len(ids)
+        path.write_bytes(header.tobytes() + ids.tobytes())
     else:
         path.write_bytes(ids.astype("<u2" if fmt == "raw-uint16" else "<u4").tobytes())
     out = tmp_path / "shards"
