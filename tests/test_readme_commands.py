@@ -338,6 +338,8 @@ LOCAL_CLUSTER = ("the CPU-cluster study walkthrough starts the machine-wide loca
 SHARED = "reads the public text samples of docs/studies.md, which the tests do not download"
 PARTS = ("a Slurm array of parts and its merge; tests/test_data_parts.py runs parts 0..N-1 and "
          "`scse-data merge` and compares every file with one process's, byte for byte")
+IMPORT = ("tests/test_data_import.py runs docs/data.md's import and inspect as written, on small "
+          "llm.c files of GPT-2's layout")
 NOT_RUN = {
     # docs/data.md's recipe: write_inputs puts a byte-level BPE in GPT-2's format at the path
     "mkdir -p data/gpt2": "write_inputs makes data/gpt2 and writes tokenizer.json there",
@@ -372,6 +374,9 @@ NOT_RUN = {
     "scse-data shards --input hf:wikitext:wikitext-103-raw-v1:train --tokenizer data/web/tokenizer.model --out data/wikitext/shards":
         "streams from the Hugging Face Hub (no network here); tests/test_data_columnar.py reads a "
         "save_to_disk directory and parquet through the same row accounting",
+    "scse-data import --format llm-c-bin fineweb10B/fineweb_val_000000.bin 'fineweb10B/fineweb_train_*.bin' --tokenizer data/gpt2/tokenizer.json --out data/fineweb-bin/shards --heldout-fraction 0.001":
+        IMPORT,
+    "scse-data inspect data/fineweb-bin/shards": IMPORT,
     "sbatch --array=0-63 --wrap 'scse-data shards --input \"corpus/*.parquet\" --tokenizer data/web/tokenizer.model --out s3://bucket/web --part $SLURM_ARRAY_TASK_ID/64'": PARTS,
     "sbatch --dependency=afterok:ARRAY_JOB_ID --wrap 'scse-data merge s3://bucket/web'": PARTS,
     "head -c 50000 data/public/openwebtext_sample.txt > data/eval/owt-valid.txt": SHARED,

@@ -6,6 +6,7 @@
     scse-data shards --input 'data/*.parquet' --tokenizer tok.model --out shards --processes 8
     scse-data shards --input hf:wikitext:wikitext-103-raw-v1:train --tokenizer tok.model --out s
     scse-data shards ... --part K/N   then   scse-data merge OUT   (a Slurm array: docs/data.md)
+    scse-data import --format llm-c-bin 'fineweb/*.bin' --tokenizer gpt2/tokenizer.json --out s
     scse-data inspect s3://bucket/shards
     scse-data quickstart --out data/quickstart
 """
@@ -153,6 +154,19 @@ def cmd_merge(args: argparse.Namespace) -> None:
     print(_summary(f"merged {args.path}", index["splits"], time.time() - start))
 
 
+def cmd_import(args: argparse.Namespace) -> None:
+    from scse_dist.data.pretokenized import import_tokens, read_token_files
+    from scse_dist.data.tokenizer import Tokenizer
+
+    start = time.time()
+    tok = Tokenizer.load(args.tokenizer, args.tokenizer_kind)
+    files = read_token_files(args.files, args.format, tok)  # all checked before writing
+    index = import_tokens(files, tok, args.out, heldout_fraction=args.heldout_fraction,
+                          shard_bytes=int(args.shard_mb * 2**20), sample_tokens=args.sample_tokens)
+    print(_summary(f"imported {len(files)} files into {args.out}", index["splits"],
+                   time.time() - start))
+
+
 def _part(text: str) -> tuple[int, int]:
     """'K/N' (K from 0 to N-1) -> (K, N)."""
     try:
@@ -275,6 +289,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--processes", type=int, default=1,
                    help="run the N parts as N processes here, then merge (the same bytes as one)")
     s.set_defaults(func=cmd_shards, parser=s)
+
+    im = sub.add_parser("import", help="pre-tokenized ids (llm.c .bin, .npy, raw) into shards")
+    im.add_argument("files", nargs="+", help="local files or globs (each sorted): one stream of "
+                    "ids in the order written (a document cut at a file's end goes on in the next)")
+    im.add_argument("--format", required=True,
+                    choices=["llm-c-bin", "npy", "raw-uint16", "raw-uint32"],
+                    help="llm-c-bin: llm.c's 256-int32 header, then the ids; npy: a 1-D integer "
+                         "array; raw-uint16/32: little-endian ids, no header")
+    im.add_argument("--tokenizer", required=True, help="the tokenizer the ids are of: its eos "
+                    "separates documents, its vocabulary bounds the ids (as for shards)")
+    im.add_argument("--tokenizer-kind", default="auto",
+                    choices=["auto", "sentencepiece", "hf", "tiktoken"])
+    im.add_argument("--out", required=True, help="output directory or URL prefix")
+    im.add_argument("--heldout-fraction", type=float, default=0.0,
+                    help="held out by the hash of each document's decoded text, as `shards` does "
+                         "(> 0 decodes every document)")
+    im.add_argument("--shard-mb", type=float, default=256.0, help="shard size in MiB")
+    im.add_argument("--sample-tokens", type=int, default=65536, help="tokens per tar sample")
+    im.set_defaults(func=cmd_import)
 
     m = sub.add_parser("merge", help="pack the parts of `shards --part K/N` into shards + index")
     m.add_argument("path", help="the --out of the parts")
