@@ -41,7 +41,8 @@ def kind_id(kw: dict) -> str:
 
 
 def cfg_of(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=1, ffn_hidden=64,
+    # 4:1 with two k/v heads (so a wrong head-to-group map shows), heads wider than 32 / 8
+    base = dict(vocab_size=64, d_model=32, n_heads=8, n_kv_heads=2, head_dim=8, ffn_hidden=64,
                 max_seq_len=64, n_prelude=1, n_core=2, n_coda=1, depth=3)
     return ModelConfig(**{**base, **kw})
 
@@ -219,7 +220,7 @@ def test_kv_cache_decode_equals_the_full_forward_with_n_kv_heads_cached(kw: dict
             decoded[which] = torch.cat(parts, 1), cache
         logits, cache = decoded["gqa"]
         # the cache holds n_kv_heads heads per slot: a quarter of the multi-head model's bytes
-        assert {t.shape[1:] for t in cache.tensors()} == {(1, 13, 8)}
+        assert {t.shape[1:] for t in cache.tensors()} == {(2, 13, 8)}
         assert cache.nbytes() * 4 == decoded["mha"][1].nbytes()
         assert_near(logits, decoded["mha"][0])
         if mode == "exact":  # the full forward's logits
@@ -260,7 +261,7 @@ def assert_near(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_document_mask_under_gqa(monkeypatch) -> None:
     """Each packed document gets its logits alone through the SDPA mask, and FlexAttention's
     logits are the SDPA mask's."""
-    model = gqa_model(recurrence="scse", document_mask=True)
+    model = gqa_model(recurrence="scse", residual="preln", document_mask=True)
     gen = torch.Generator().manual_seed(5)
     rows = [packed(gen) for _ in range(2)]
     tokens = torch.stack([r for r, _ in rows])
@@ -320,8 +321,8 @@ def test_flops_hand_count_under_gqa() -> None:
     block = 2 * (projections + 3 * d * f) + 2 * 2 * s * q
     # T = 3: 1 + 3 + 1 blocks and the head, 3x for training
     assert flops_per_token(cfg, depth=3, seq_len=s) == 3 * (5 * block + 2 * d * v)
-    mha = cfg_of(d_model=d, n_heads=4, n_kv_heads=None, vocab_size=v, ffn_hidden=f, n_core=1,
-                 recurrence="looped")
+    mha = cfg_of(d_model=d, n_heads=4, n_kv_heads=None, head_dim=None, vocab_size=v,
+                 ffn_hidden=f, n_core=1, recurrence="looped")
     assert flops_per_token(mha, 3, s) == 3 * (5 * (2 * (4 * d * d + 3 * d * f) + 4 * s * d)
                                               + 2 * d * v)
 
