@@ -302,7 +302,8 @@ def test_a_gqa_model_trains() -> None:
 
 @pytest.mark.slow
 def test_the_trainer_runs_a_gqa_model(tmp_path, tiny_config, tiny_data, subprocess_env) -> None:
-    cfg = tiny_config(tmp_path, "model.n_heads=4", "model.n_kv_heads=1", "train.max_steps=10")
+    cfg = tiny_config(tmp_path, "model.n_heads=4", "model.n_kv_heads=1", "train.max_steps=10",
+                      "train.log_every=1")
     run_trainer(cfg, subprocess_env)
     losses = [r["loss"] for r in read_metrics(tmp_path / "runs" / "tiny") if "kind" not in r]
     assert len(losses) == 10 and losses[-1] < losses[0]
