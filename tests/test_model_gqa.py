@@ -90,15 +90,18 @@ def prompts(*lengths: int) -> list[list[int]]:
 
 # Recorded with the code before model.n_kv_heads / model.head_dim existed (torch 2.13 CPU, the
 # commit before them): per case, sha256 of the state dict's names, shapes and bytes; the next
-# torch.rand after init (the RNG's draws); sha256 of the logits' bytes.
-BEFORE = {"deeploop": ("a29e3d7d9202ecae", 0.667160153388977, "b9c766cd0a167b32"),
-          "preln": ("fe7600cdb4032d56", 0.667160153388977, "f70c2777e4f430e4"),
-          "forward_qknorm": ("517dd2cefcb9e619", 0.667160153388977, "82fbcd95efd29fcf")}
+# torch.rand after init (the RNG's draws); sha256 of the logits' bytes and of the gradients of
+# one loss.
+BEFORE = {
+    "deeploop": ("a29e3d7d9202ecae", 0.667160153388977, "b9c766cd0a167b32", "bf3f3134fffb640d"),
+    "preln": ("fe7600cdb4032d56", 0.667160153388977, "f70c2777e4f430e4", "f598def641a22b3e"),
+    "forward_qknorm": ("517dd2cefcb9e619", 0.667160153388977, "82fbcd95efd29fcf",
+                       "41fd1bca433fa6c3")}
 BEFORE_KW = {"deeploop": {}, "preln": dict(residual="preln"),
              "forward_qknorm": dict(branch_scale="forward", qk_norm=True)}
 
 
-def fingerprint(cfg: ModelConfig) -> tuple[str, float, str]:
+def fingerprint(cfg: ModelConfig) -> tuple[str, float, str, str]:
     torch.manual_seed(0)
     model = LoopedLM(cfg)
     h = hashlib.sha256()
@@ -109,7 +112,13 @@ def fingerprint(cfg: ModelConfig) -> tuple[str, float, str]:
     tokens = torch.randint(0, 64, (2, 12))
     with torch.no_grad():
         logits = model(tokens).logits
-    return h.hexdigest()[:16], after, hashlib.sha256(logits.numpy().tobytes()).hexdigest()[:16]
+    model(tokens[:, :-1], tokens[:, 1:]).loss.backward()
+    grads = hashlib.sha256()
+    for name, p in model.named_parameters():
+        grads.update(name.encode())
+        grads.update(p.grad.numpy().tobytes())
+    return (h.hexdigest()[:16], after, hashlib.sha256(logits.numpy().tobytes()).hexdigest()[:16],
+            grads.hexdigest()[:16])
 
 
 @pytest.mark.parametrize("case", sorted(BEFORE))
