@@ -27,6 +27,7 @@ from scse_dist.model.documents import BACKEND_ENV, document_ids, flex_attention
 from scse_dist.model.exit_rules import parse_exit_rule
 from scse_dist.model.kv_cache import KVCache
 from scse_dist.train.sizing import count_parameters
+from test_model_compile import assert_same_step, compiles, fresh_dynamo  # noqa: F401
 from train_procs import read_metrics, run_trainer
 
 EOS = 2
@@ -307,6 +308,20 @@ def test_a_gqa_model_trains() -> None:
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.1, losses
     assert all(p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters())
+
+
+def test_compiled_gqa_blocks_match_eager(fresh_dynamo) -> None:  # noqa: F811
+    """train.engine.compile's regional compile traces grouped-query attention: one graph for
+    every block and depth, the loss and gradients eager's."""
+    torch.manual_seed(0)
+    eager = LoopedLM(cfg_of(recurrence="scse"))
+    compiled = LoopedLM(cfg_of(recurrence="scse"))
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile_blocks()
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(7))
+    for depth in (2, 5):
+        assert_same_step(eager, compiled, tokens, depth=depth)
+    assert compiles() == 1
 
 
 @pytest.mark.slow
