@@ -1,6 +1,7 @@
 """An export loads in Hugging Face transformers as remote code, without scse-dist, and gives the
-native model's numbers (a scse, an additive and a model.qk_norm + branch_scale=forward export
-(whose gain-1 weights are wrong by 1/beta without the field); one whose config.json
+native model's numbers (a scse, an additive, a model.qk_norm + branch_scale=forward export
+(whose gain-1 weights are wrong by 1/beta without the field) and a grouped-query one
+(n_kv_heads 4:1, a head_dim not d_model / n_heads); one whose config.json
 predates qk_norm loads with it off): logits at depths 1, 4, 32 (fp32, 1e-5), a left-padded batch
 equal to each sequence alone, the tokenizer's ids and text equal to scse-dist's, greedy generation
 equal to the native model's recomputed greedy at num_steps 1 and 8, batched and alone, both through
@@ -187,7 +188,9 @@ def exports(tmp_path_factory, tiny_data) -> list[Path]:
             _export(root / "additive", tiny_data["tokenizer"], recurrence="additive",
                     residual="preln", tie_embeddings=False),
             _export(root / "qknorm", tiny_data["tokenizer"], n_core=2, qk_norm=True,
-                    branch_scale="forward")]
+                    branch_scale="forward"),
+            _export(root / "gqa", tiny_data["tokenizer"], n_core=2, n_heads=4, n_kv_heads=1,
+                    head_dim=16, qk_norm=True)]
 
 
 def test_export_writes_the_remote_code_and_config(exports):
@@ -266,7 +269,7 @@ def test_transformers_loads_the_export_without_scse_dist(exports, tiny_data, tmp
     assert old_config.pop("qk_norm") is False
     (copies[0] / "config.json").write_text(json.dumps(old_config))
     job = {"exports": [{"dir": str(c), "fields": ["depth", "recurrence", "d_model", "qk_norm",
-                                                 "branch_scale"]}
+                                                 "branch_scale", "n_kv_heads", "head_dim"]}
                        for c in copies],
            "tokens": tokens, "depths": DEPTHS, "prompts": PROMPTS, "texts": TEXTS,
            "steps": GENERATE_STEPS, "new_tokens": NEW_TOKENS, "exit": EXIT_RULE}
@@ -287,7 +290,9 @@ def test_transformers_loads_the_export_without_scse_dist(exports, tiny_data, tmp
         native, (_, cfg) = _native(path, tokens, tokenizer), load_exported_model(path)
         assert res["config"] == {"depth": 3, "recurrence": cfg.model.recurrence, "d_model": 32,
                                  "qk_norm": cfg.model.qk_norm,
-                                 "branch_scale": cfg.model.branch_scale}
+                                 "branch_scale": cfg.model.branch_scale,
+                                 "n_kv_heads": cfg.model.n_kv_heads,
+                                 "head_dim": cfg.model.head_dim}
         for t in DEPTHS:
             diff = (res["logits"][t] - native["logits"][t]).abs().max().item()
             print(f"{path.name} depth {t}: max |HF - native| logit = {diff:.2e}")

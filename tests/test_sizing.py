@@ -54,7 +54,8 @@ def saved_bytes(cfg, batch: int) -> int:
 @pytest.mark.parametrize("extra", [
     [], ["model.n_prelude=2", "model.n_core=2"], ["model.recurrence=looped"],
     ["model.recurrence=additive"], ["model.anchor_scale=core_norm"], ["model.inject=concat"],
-    ["train.depth.backprop_steps=1"]])
+    ["train.depth.backprop_steps=1"], ["model.n_heads=4", "model.n_kv_heads=1"],
+    ["model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=24"]])
 def test_saved_activations_match_the_count(extra):
     cfg = load_config(None, SMALL + extra + ["model.activation_checkpointing=none"])
     planned = activation_memory(cfg, cfg.model.depth, "fp32", 4).saved

@@ -1,5 +1,5 @@
 """Transformer building blocks: RMSNorm, RoPE, causal attention (SDPA; documents.py for the
-document mask), SwiGLU, and one `Block`.
+document mask; grouped-query under model.n_kv_heads), SwiGLU, and one `Block`.
 
 The residual form is a switch of `Block` (config `residual`):
   preln     h + G(LN(h))                  (GPT-2 style init)
@@ -57,7 +57,7 @@ def rope_tables(seq_len: int, cfg: ModelConfig, device: torch.device,
                 position_ids: Optional[torch.Tensor] = None) -> RopeTables:
     """RoPE's cos/sin for positions 0..seq_len-1, or for `position_ids` (B, S) when given: made
     per forward in fp32, not stored as buffers, so casting the model to bf16 never degrades them."""
-    inv_freq = _inv_freq(cfg.d_model // cfg.n_heads // 2, cfg.rope_theta, torch.device(device))
+    inv_freq = _inv_freq(cfg.resolved_head_dim // 2, cfg.rope_theta, torch.device(device))
     if position_ids is not None:  # per sequence (left padding), broadcast over heads
         angles = (position_ids.to(device, torch.float32)[..., None] * inv_freq)[:, None]
         return angles.cos(), angles.sin()
@@ -90,8 +90,9 @@ def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
 
 
 class KVHook(Protocol):
-    """`update` receives a call's (B, H, S, head_dim) k and v after RoPE and returns those its
-    attention reads (a KV cache; adaptive depth's exited tokens' latest K/V)."""
+    """`update` receives a call's (B, H_kv, S, head_dim) k and v after RoPE (H_kv: n_kv_heads)
+    and returns those its attention reads (a KV cache; adaptive depth's exited tokens' latest
+    K/V)."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -101,12 +102,14 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         # model.branch_scale=forward: beta on the values and the output (set by Block; None: off)
         self.scale: Optional[float] = None
-        self.n_heads = cfg.n_heads
-        self.d_model = cfg.d_model
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.resolved_n_kv_heads
+        self.head_dim = head_dim = cfg.resolved_head_dim
+        # the rows of qkv: q (n_heads heads), then k and v (n_kv_heads heads each)
+        self.widths = (cfg.n_heads * head_dim, self.n_kv_heads * head_dim,
+                       self.n_kv_heads * head_dim)
+        self.qkv = nn.Linear(cfg.d_model, sum(self.widths), bias=False)
+        self.proj = nn.Linear(self.widths[0], cfg.d_model, bias=False)
         # model.qk_norm: per-head RMSNorm of q and k before RoPE (not in the state dict when off)
-        head_dim = cfg.d_model // cfg.n_heads
         self.q_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
@@ -115,18 +118,19 @@ class CausalSelfAttention(nn.Module):
         """mask: None (plain causal, the training path), attention_mask_4d's (B, 1, S, S), or a
         document mask (documents.document_mask: SDPA's bool mask or a FlexMask).
         kv: a KVHook whose update(k, v) gives the keys/values attended to (after RoPE)."""
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).split(self.widths, dim=-1)
         if self.scale is not None:
             v = v * self.scale
-        q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(b, s, t.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2)
+                   for t in (q, k, v))
         if self.q_norm is not None and self.k_norm is not None:  # both, under model.qk_norm
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if kv is not None:
             k, v = kv.update(k, v)
         y = attend(q, k, v, mask)
-        out = self.proj(y.transpose(1, 2).reshape(b, s, d))
+        out = self.proj(y.transpose(1, 2).reshape(b, s, self.widths[0]))
         return out if self.scale is None else out * self.scale
 
 
@@ -174,13 +178,12 @@ class Block(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self, cfg: ModelConfig, unrolled_depth: int) -> None:
-        d = cfg.d_model
         if self.post_ln:
             # DeepNet: xavier_normal with gain beta on FFN, value and output projections, gain 1
             # on query and key (they only set attention logits, not the residual scale). Under
             # branch_scale=forward gain 1, the same draws, and beta in the forward.
             gain = 1.0 if self.forward_scale else self.beta
-            q, k, v = self.attn.qkv.weight.split(d, dim=0)
+            q, k, v = self.attn.qkv.weight.split(self.attn.widths, dim=0)
             nn.init.xavier_normal_(q)
             nn.init.xavier_normal_(k)
             for w in (v, self.attn.proj.weight, self.mlp.gate.weight, self.mlp.up.weight,

@@ -7,7 +7,7 @@ What depends on the recurrence lives on its `Transition` (transitions.py), as do
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 
 class ConfigError(ValueError):
@@ -19,6 +19,12 @@ class ModelConfig:
     vocab_size: int = 4096
     d_model: int = 256
     n_heads: int = 4
+    # Grouped-query attention: heads of keys and values, each shared by n_heads / n_kv_heads
+    # query heads; None: n_heads (multi-head attention).
+    n_kv_heads: Optional[int] = None
+    # Width of each attention head; None: d_model / n_heads. Set, q is n_heads * head_dim wide,
+    # k and v n_kv_heads * head_dim (Qwen3's need not equal d_model / n_heads).
+    head_dim: Optional[int] = None
     # SwiGLU hidden width; 0 picks the usual 8/3 * d_model rounded up to a multiple of 64.
     ffn_hidden: int = 0
     max_seq_len: int = 256
@@ -68,6 +74,14 @@ class ModelConfig:
             return self.ffn_hidden
         return ((8 * self.d_model // 3) + 63) // 64 * 64
 
+    @property
+    def resolved_n_kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
 
 def check_model_fields(m: ModelConfig) -> None:
     """Field values and combinations that no recurrence can run (transitions.check_model_config
@@ -78,9 +92,15 @@ def check_model_fields(m: ModelConfig) -> None:
     for name in ("n_prelude", "n_coda", "ffn_hidden"):
         if getattr(m, name) < 0:
             raise ConfigError(f"model.{name}: must be >= 0, got {getattr(m, name)}")
-    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
+    if m.head_dim is None and (m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2):
         raise ConfigError(f"model.n_heads: d_model={m.d_model} must split into {m.n_heads} heads "
-                          "of even width (RoPE rotates pairs)")
+                          "of even width (RoPE rotates pairs), or set model.head_dim")
+    if m.head_dim is not None and (m.head_dim <= 0 or m.head_dim % 2):
+        raise ConfigError(f"model.head_dim: must be even and > 0 (RoPE rotates pairs), got "
+                          f"{m.head_dim}")
+    if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
+        raise ConfigError(f"model.n_kv_heads: must be > 0 and divide model.n_heads="
+                          f"{m.n_heads}, got {m.n_kv_heads}")
     if m.residual_depth < 0:
         raise ConfigError(f"model.residual_depth: must be >= 0 (0: model.depth), got "
                           f"{m.residual_depth}")

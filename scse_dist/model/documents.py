@@ -9,6 +9,9 @@ Backends, chosen at run time by the device of the tokens (the choice printed onc
   sdpa  a (B, 1, S, S) bool block-diagonal causal mask: CPU, and CUDA without FlexAttention.
   flex  FlexAttention's BlockMask and a compiled flex_attention, on CUDA: skips masked tiles.
 $SCSE_DOCMASK_BACKEND=sdpa|flex forces one (flex on CPU runs unfused, slow).
+
+`attend` also serves grouped-query attention (model.n_kv_heads): keys and values with fewer heads
+than the queries, each shared by a group of query heads.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ try:  # torch >= 2.5 (pyproject allows 2.4)
 except ImportError:  # pragma: no cover - older torch: the SDPA mask everywhere
     create_block_mask = flex_attention = None  # type: ignore[assignment]
 
+# SDPA's enable_gqa: torch >= 2.5
+_SDPA_GQA = torch.__version__ >= "2.5"
 _logged: set[str] = set()
 _compiled_flex: Optional[Callable[..., Any]] = None
 
@@ -55,6 +60,8 @@ class FlexMask:
             fn = _compiled_flex
         # compiled flex misreads strided views (v straight from the qkv split)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if k.shape[1] != q.shape[1]:  # grouped-query: flex shares each k/v head itself
+            return fn(q, k, v, block_mask=self.block_mask, enable_gqa=True)
         return fn(q, k, v, block_mask=self.block_mask)
 
 
@@ -102,11 +109,27 @@ def document_mask(doc: torch.Tensor) -> AttnMask:
     return FlexMask(block_mask, compiled=doc.device.type == "cuda")
 
 
+def fused_gqa(q: torch.Tensor, mask: Optional[AttnMask]) -> bool:
+    """Whether SDPA's enable_gqa has a fused kernel for these queries: CPU's, and CUDA's flash
+    attention (fp16/bf16, head_dim <= 256, no mask). Elsewhere it falls back to the math kernel,
+    which materializes the scores: repeating k/v heads keeps the memory-efficient one."""
+    if mask is not None or not _SDPA_GQA:
+        return False
+    return q.device.type == "cpu" or (q.dtype in (torch.float16, torch.bfloat16)
+                                      and q.shape[-1] <= 256)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            mask: Optional[AttnMask]) -> torch.Tensor:
-    """Attention of (B, H, S, head_dim) q, k, v under `mask` (None: plain causal)."""
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """Attention of (B, H, S, head_dim) q and (B, H_kv, L, head_dim) k, v under `mask` (None:
+    plain causal). H_kv divides H; query head i reads k/v head i // (H / H_kv) (grouped-query)."""
     if isinstance(mask, FlexMask):
         return mask.attend(q, k, v)
+    if k.shape[1] != q.shape[1]:
+        if fused_gqa(q, mask):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

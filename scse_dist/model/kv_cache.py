@@ -24,10 +24,11 @@ CACHE_MODES = ("exact", "shared")
 
 
 class KVSlot:
-    """The cached keys and values of one attention call site, (B, H, L, head_dim) each, in
-    buffers with spare room (doubled when full). `update` writes the new K/V after the cached ones
-    and returns views up to them; a second update in the same call overwrites the same place;
-    `commit` keeps it."""
+    """The cached keys and values of one attention call site, (B, H_kv, L, head_dim) each (H_kv:
+    model.n_kv_heads, fewer than the query heads under grouped-query attention), in buffers with
+    spare room (doubled when full). `update` writes the new K/V after the cached ones and returns
+    views up to them; a second update in the same call overwrites the same place; `commit` keeps
+    it."""
 
     def __init__(self) -> None:
         self.k_buf: Optional[torch.Tensor] = None
@@ -97,7 +98,7 @@ class KVCache:
         return self.slot("core", block) if self.mode == "shared" else self.slot("core", block, step)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The cached keys and values, one (B, H, L, head_dim) view each."""
+        """The cached keys and values, one (B, H_kv, L, head_dim) view each."""
         return [t for s in self.slots.values() for t in (s.k, s.v) if t is not None]
 
     def nbytes(self) -> int:

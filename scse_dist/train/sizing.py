@@ -15,13 +15,15 @@ parameter stays gathered from forward to backward: min(P, stage3_max_live_parame
 
 Activations (`activation_memory`): what autograd keeps for backward in one micro-batch, counted
 from the model's code (blocks.py, loss.py; checked in tests/test_sizing.py). Per token, one block
-(width d, hidden f) saves 13 d-wide and 4 f-wide tensors at the model's width (its input, the
-q/k/v projection, rotated q and k, SDPA's output and its reshaped copy, two RMSNorms' inputs and
-outputs, the SwiGLU's four) plus SDPA's fp32 log-sum-exp per head (flash attention: no S x S
-scores); in bf16 each RMSNorm keeps its input's fp32 copy. Blocks run: n_prelude + n_core x
-core_calls(T) + n_coda. Loop checkpointing keeps only each loop step's input and recomputes one
-step's blocks in backward, after the coda and the loss are freed; block checkpointing keeps each
-block's input. Besides the blocks: token ids, the anchor's input and scse's r*, the final norm,
+(width d, hidden f; queries q = n_heads x head_dim wide, keys and values kv = n_kv_heads x
+head_dim, both d by default) saves at the model's width 6 d-wide tensors (the block's input and
+those of its RMSNorms and matmuls), the q/k/v projection (q + 2 kv), rotated q (q) and k (kv),
+SDPA's output and its reshaped copy (q each) and the SwiGLU's four f-wide ones, plus SDPA's fp32
+log-sum-exp per query head (flash attention, grouped-query too: no S x S scores); in bf16 each
+RMSNorm keeps its input's fp32 copy. Blocks run: n_prelude + n_core x core_calls(T) + n_coda.
+Loop checkpointing keeps only each loop step's input and recomputes one step's blocks in
+backward, after the coda and the loss are freed; block checkpointing keeps each block's input.
+Besides the blocks: token ids, the anchor's input and scse's r*, the final norm,
 the chunked loss's gradients of its input and of the head. On top, the largest transient peak:
 backward's working set (one SwiGLU's three f-wide gradients), a recomputed step or block, or
 the chunked loss's logits at the end of forward (loss_chunks_bytes).
@@ -154,9 +156,11 @@ def block_activation_bytes(cfg: RunConfig, precision: str, tokens: int) -> float
     """What one block saves for backward over `tokens` tokens (module docstring)."""
     m = cfg.model
     d, f = m.d_model, m.resolved_ffn_hidden
+    q, kv = m.n_heads * m.resolved_head_dim, m.resolved_n_kv_heads * m.resolved_head_dim
     width = 2 if precision == "bf16" else 4
     fp32_norm_copies = 2 * d * (4 - width)  # bf16: each RMSNorm keeps its fp32 input
-    return tokens * ((13 * d + 4 * f) * width + fp32_norm_copies + 4 * m.n_heads)
+    return tokens * ((6 * d + 4 * q + 3 * kv + 4 * f) * width + fp32_norm_copies
+                     + 4 * m.n_heads)
 
 
 def activation_memory(cfg: RunConfig, depth: int, precision: str, micro_batch: int,
