@@ -35,6 +35,7 @@ from scse_dist.checkpoint.tags import (
 )
 from scse_dist.cli_errors import InputError
 from scse_dist.config import (
+    SAVED_BEFORE,
     ConfigError,
     OptimizerConfig,
     RunConfig,
@@ -76,6 +77,9 @@ def refused_changes(saved: dict, current: dict) -> list[str]:
     """'field: saved -> current' for every refused field that differs (absent on one side too).
     `saved` may use the names of an older scse-dist (RENAMED_FIELDS): renamed, in place."""
     rename_old_fields(saved)
+    for section, fields in SAVED_BEFORE.items():  # a field the saved config predates
+        for name, value in fields.items():
+            saved.get(section, {}).setdefault(name, value)
     old, new = _flatten(saved), _flatten(current)
     missing = "<absent>"
     return [f"{name}: {old.get(name, missing)!r} -> {new.get(name, missing)!r}"

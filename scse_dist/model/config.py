@@ -116,4 +116,5 @@ def check_model_fields(m: ModelConfig) -> None:
 
 # A model config saved before a field existed ran with that field's default of then, not today's
 # (scse_dist.config.load_saved_config and the HF config read this).
-VALUE_BEFORE_FIELD = {"anchor_scale": "free", "qk_norm": False, "document_mask": False}
+VALUE_BEFORE_FIELD = {"anchor_scale": "free", "qk_norm": False, "document_mask": False,
+                      "n_kv_heads": None, "head_dim": None}
