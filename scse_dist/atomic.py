@@ -114,7 +114,7 @@ def _inject_no_space(path: str) -> None:
 @contextlib.contextmanager
 def no_space(path: str | os.PathLike) -> Iterator[None]:
     """Writes to `path` in the body: one that fails for want of space raises NoSpaceError naming
-    `path` (the injected fault of SCSE_FAULT_NO_SPACE comes when the body has written)."""
+    the file (the error's, else `path`); SCSE_FAULT_NO_SPACE's comes when the body has written."""
     try:
         yield
         _inject_no_space(os.fspath(path))
@@ -123,7 +123,8 @@ def no_space(path: str | os.PathLike) -> Iterator[None]:
     except Exception as exc:
         if not is_no_space(exc):
             raise
-        raise NoSpaceError.at(path) from exc
+        # the file the error names, if it names one (a body may write beside `path` too)
+        raise NoSpaceError.at(getattr(exc, "filename", None) or path) from exc
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
@@ -244,7 +245,7 @@ def output_dir(url: str, made_here: Callable[[str], bool], last: str) -> Iterato
     tmp, tmp_url = _temporary(fs, root)
     with _made_parents(fs, tmp):
         try:
-            with no_space(url), _named_as_published(tmp_url, url):
+            with _named_as_published(tmp_url, url), no_space(url):
                 fs.makedirs(tmp, exist_ok=True)
                 yield tmp_url
             _publish(fs, tmp, root, url, made_here, last)
