@@ -52,6 +52,9 @@ class NoSpaceError(OSError):
     def __str__(self) -> str:
         return str(self.strerror)
 
+    def __reduce__(self) -> tuple[Any, ...]:  # as it was, from a worker process too
+        return type(self), (str(self), self.path)
+
     @classmethod
     def at(cls, path: str | os.PathLike) -> "NoSpaceError":
         path = os.fspath(path)

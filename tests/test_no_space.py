@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import re
 import resource
 import shutil
@@ -50,6 +51,13 @@ def test_a_file_that_does_not_fit_leaves_the_old_one_and_names_path_and_free_spa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "results.json"]  # no .tmp-*
     assert str(err.value).startswith(f"no space left writing {target}: ")
     assert FREE.search(str(err.value)) and err.value.path == str(target)
+
+
+def test_the_error_comes_back_whole_from_a_worker_process(tmp_path):
+    error = NoSpaceError.at(tmp_path / "part-0" / "train.tokens")
+    back = pickle.loads(pickle.dumps(error))
+    assert (type(back), str(back), back.path, back.errno) == \
+        (NoSpaceError, str(error), error.path, errno.ENOSPC)
 
 
 def test_a_new_file_that_does_not_fit_leaves_no_folder(tmp_path, inject):

@@ -153,6 +153,8 @@ def _corpus(root: Path) -> Path:
 WRITERS = {
     "shards": (["scse-data", "shards", "--input", "{root}/corpus.jsonl", "--tokenizer",
                 "{root}/tok.model", "--out", "{root}/out"], 2_000),
+    "shards-in-parts": (["scse-data", "shards", "--input", "{root}/corpus.jsonl", "--tokenizer",
+                         "{root}/tok.model", "--out", "{root}/out", "--processes", "2"], 2_000),
     "export": (["scse-export", "{root}/run", "--out", "{root}/out"], 150_000),
     "eval": (["scse-eval", "--checkpoint", "{root}/run/export", "--task", "heldout", "--data",
               "{root}/run/shards", "--depths", "1,2", "--max-batches", "2", "--out",
@@ -181,5 +183,12 @@ def test_a_commands_output_that_does_not_fit_leaves_the_previous_one(
     before = listing(tmp_path)
     proc = run(cmd, user_env, cwd=tmp_path, fsize=fsize if limited else None,
                fault=None if limited else f"{tmp_path}/out*")
-    assert_refused(proc, prog, re.escape(str(tmp_path / "out")) + ".*")
+    where = "out"
+    if writer == "shards-in-parts" and limited:  # a part's line (in the folder being built), then
+        # the whole command's (the injected fault matches the output only: the command's one line)
+        assert re.fullmatch(r"scse-data: error: part [01]/2 exited 74; the other parts were "
+                            r"stopped\n", proc.stderr.splitlines(True)[-1]), proc.stderr
+        proc.stderr = "".join(proc.stderr.splitlines(True)[:-1])
+        where = r"\.tmp-out\.\d+/parts/part-0000[01]-of-00002"
+    assert_refused(proc, prog, re.escape(str(tmp_path)) + f"/{where}.*")
     assert listing(tmp_path) == before
