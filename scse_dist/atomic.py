@@ -9,19 +9,125 @@ command leaves the filesystem as it found it (no partial file, no empty or tempo
 
 Temporary names start with `.tmp-` and end with the pid, so a killed writer's leftovers are
 never read as outputs (checkpoint.remove_partial_saves clears them from a checkpoints dir).
+
+Out of space: a write that fails for want of space (ENOSPC, EDQUOT, EFBIG: a full disk, a quota,
+a file-size limit) raises NoSpaceError naming the path and the free space; commands exit 74 on it
+(scse_dist.cli_errors). Every writer here converts; `with no_space(path):` converts other writes.
+For tests, `SCSE_FAULT_NO_SPACE=PATTERN[@N]` fails the Nth write (default: the first) whose path
+matches the fnmatch PATTERN with ENOSPC, after the data is written and before it is renamed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fnmatch
 import itertools
 import os
 import posixpath
+import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 # fsspec is imported where it is used: a command that only writes local files starts without it
+
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+NO_SPACE_FAULT_ENV = "SCSE_FAULT_NO_SPACE"
+# Writers that wrap the OSError in their own: safetensors says "(os error 28)"; torch.save only
+# says that its stream stopped short ("unexpected pos", "file write failed").
+_OS_ERROR = re.compile(r"os error (\d+)")
+_TORCH_WRITE = re.compile(r"inline_container\.cc.*(unexpected pos|file write failed)", re.S)
+_injected_count = 0  # writes that matched SCSE_FAULT_NO_SPACE so far in this process
+
+
+class NoSpaceError(OSError):
+    """A write failed for want of space (a full disk, a quota, a file-size limit): one line that
+    names the path and the free space on its file system."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(errno.ENOSPC, message)
+        self.path = path
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # as it was, from a worker process too
+        return type(self), (str(self), self.path)
+
+    @classmethod
+    def at(cls, path: str | os.PathLike) -> "NoSpaceError":
+        path = os.fspath(path)
+        free = _free_space(path)
+        where = f"{free} free on that file system" if free else "a remote file system"
+        return cls(f"no space left writing {path}: {where} (a full disk, a quota or a file-size "
+                   "limit); free space and rerun the same command", path)
+
+
+def _free_space(path: str) -> str:
+    """Free space on the file system of local `path` (its nearest existing folder), e.g. 1.2 MB;
+    "" for a URL."""
+    if "://" in path and not path.startswith("file://"):
+        return ""
+    folder = Path(path.removeprefix("file://")).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = float(shutil.disk_usage(folder).free)
+    except OSError:
+        return "unknown space"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if free < 1000 or unit == "TB":
+            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
+        free /= 1000
+    return ""  # not reached
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether `exc` (or an error it wraps) is a write that failed for want of space."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            if current.errno in NO_SPACE_ERRNOS:
+                return True
+        else:
+            text = str(current)
+            code = _OS_ERROR.search(text)
+            if (code and int(code[1]) in NO_SPACE_ERRNOS) or _TORCH_WRITE.search(text):
+                return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _inject_no_space(path: str) -> None:
+    """SCSE_FAULT_NO_SPACE's failed write, when `path` is the Nth that matches its pattern."""
+    global _injected_count
+    spec = os.environ.get(NO_SPACE_FAULT_ENV)
+    if not spec:
+        return
+    pattern, _, nth = spec.rpartition("@") if "@" in spec else (spec, "", "1")
+    if fnmatch.fnmatch(path, pattern):
+        _injected_count += 1
+        if _injected_count == int(nth):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+@contextlib.contextmanager
+def no_space(path: str | os.PathLike) -> Iterator[None]:
+    """Writes to `path` in the body: one that fails for want of space raises NoSpaceError naming
+    the file (the error's, else `path`); SCSE_FAULT_NO_SPACE's comes when the body has written."""
+    try:
+        yield
+        _inject_no_space(os.fspath(path))
+    except NoSpaceError:
+        raise
+    except Exception as exc:
+        if not is_no_space(exc):
+            raise
+        # the file the error names, if it names one (a body may write beside `path` too)
+        raise NoSpaceError.at(getattr(exc, "filename", None) or path) from exc
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> None:
@@ -102,13 +208,14 @@ def staged_file(url: str) -> Iterator[str]:
     tmp, tmp_url = _temporary(fs, path)
     with _made_parents(fs, tmp):
         try:
-            yield tmp_url
-            if _local(fs):
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            with no_space(url):
+                yield tmp_url
+                if _local(fs):
+                    fd = os.open(tmp, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
             _move(fs, tmp, path)
         finally:
             if fs.exists(tmp):
@@ -140,14 +247,26 @@ def output_dir(url: str, made_here: Callable[[str], bool], last: str) -> Iterato
         raise FileExistsError(f"{url}: exists and is not a folder; give another output")
     tmp, tmp_url = _temporary(fs, root)
     with _made_parents(fs, tmp):
-        fs.makedirs(tmp, exist_ok=True)
         try:
-            yield tmp_url
+            with _named_as_published(tmp_url, url), no_space(url):
+                fs.makedirs(tmp, exist_ok=True)
+                yield tmp_url
             _publish(fs, tmp, root, url, made_here, last)
             _remove_dead_temporaries(fs, root)
         finally:
             if fs.exists(tmp):
                 fs.rm(tmp, recursive=True)
+
+
+@contextlib.contextmanager
+def _named_as_published(tmp_url: str, url: str) -> Iterator[None]:
+    """A file of the folder `tmp_url` that did not fit is named where it was going: in `url`."""
+    try:
+        yield
+    except NoSpaceError as exc:
+        if not exc.path.startswith(tmp_url + "/"):
+            raise
+        raise NoSpaceError.at(url.rstrip("/") + exc.path[len(tmp_url):]) from exc
 
 
 def _remove_dead_temporaries(fs: Any, root: str) -> None:

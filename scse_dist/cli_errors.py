@@ -5,6 +5,9 @@ console script's `main` is wrapped in `cli_main(prog)`; scse-train adds 3, 4 and
     2    bad arguments or config (argparse's own status; ConfigError)
     65   bad input data (InputError; sysexits' EX_DATAERR)
     66   an input that is missing or cannot be read (OSError; sysexits' EX_NOINPUT)
+    74   no space left writing an output: a full disk, a quota or a file-size limit (NoSpaceError,
+         or an OSError with ENOSPC, EDQUOT or EFBIG; sysexits' EX_IOERR). The line names the path
+         and the free space; nothing partial is left in place of an output
     130  Ctrl-C: one line, `<prog>: interrupted` (a command that kept partial work raises
          `Interrupted("what was kept")` and the line says so)
 
@@ -26,11 +29,13 @@ import sys
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
 
+from scse_dist.atomic import NO_SPACE_ERRNOS, NoSpaceError
 from scse_dist.config import ConfigError
 
 EXIT_CONFIG = 2
 EXIT_BAD_INPUT = 65
 EXIT_NO_INPUT = 66
+EXIT_NO_SPACE = 74
 EXIT_INTERRUPTED = 130
 
 
@@ -59,6 +64,9 @@ def exit_status(exc: BaseException) -> Optional[int]:
     # InputError with the file named, these are the fallback for a reader that did not.
     if isinstance(exc, (InputError, UnicodeDecodeError, json.JSONDecodeError)):
         return EXIT_BAD_INPUT
+    if isinstance(exc, NoSpaceError) or \
+            (isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS):
+        return EXIT_NO_SPACE
     # io.UnsupportedOperation is an OSError, but that one is a bug
     if isinstance(exc, OSError) and not isinstance(exc, io.UnsupportedOperation):
         return EXIT_NO_INPUT
@@ -128,8 +136,11 @@ def cli_main(prog: str) -> Callable:
                 status = exit_status(exc)
                 if status is None:
                     raise
-                kind = "config error" if status == EXIT_CONFIG else "error"
-                print(f"{prog}: {kind}: {one_line(exc)}", file=sys.stderr, flush=True)
+                if status == EXIT_NO_SPACE and not isinstance(exc, NoSpaceError) and \
+                        isinstance(exc, OSError) and exc.filename:  # the free space named too
+                    exc = NoSpaceError.at(exc.filename)
+                kind = {EXIT_CONFIG: "config error: ", EXIT_NO_SPACE: ""}.get(status, "error: ")
+                print(f"{prog}: {kind}{one_line(exc)}", file=sys.stderr, flush=True)
                 return status
 
         return run

@@ -27,7 +27,7 @@ def run(tmp_path):
 
 
 def test_crashes_are_what_a_retry_may_get_past():
-    assert [s for s in (0, 1, 2, 3, 4, 65, 66, 75, 130, 137, -9, -11) if is_crash(s)] == \
+    assert [s for s in (0, 1, 2, 3, 4, 65, 66, 74, 75, 130, 137, -9, -11) if is_crash(s)] == \
         [1, 137, -9, -11]
 
 
@@ -80,6 +80,16 @@ def test_bad_input_on_one_rank_decides_its_start_so_a_peers_crash_is_not_retried
     # rank 1 lost its peer in a collective: a crash, but the start is decided already
     peer = crashed("scse-train: rank 1 crashed after step 5: RuntimeError: Connection closed")
     assert decide(logs, failure_of(1, 1, peer, run, "42", 0), max_retries=2) is None
+    assert [s["decision"] for s in read_record(logs / "retries.json")] == ["stop"]
+
+
+def test_no_space_is_not_retried_and_the_line_says_to_free_space(run):
+    logs = run / "logs"
+    retry, line = decide(logs, failure_of(74, 0, CrashWatch(), run, "42", 0), max_retries=2)
+    assert not retry and line == (
+        "scse-launch: training stopped on rank 0 with exit 74 (no space left: a full disk, a quota "
+        "or a file-size limit): not retrying, free space, then submit the same job again: it "
+        "resumes from the last checkpoint")
     assert [s["decision"] for s in read_record(logs / "retries.json")] == ["stop"]
 
 

@@ -19,7 +19,7 @@ def test_help_lists_exit_statuses_the_config_docs_and_the_shipped_configs(capsys
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for status in ("0 ", "2 ", "3 ", "65 ", "66 ", "75 ", "130 "):
+    for status in ("0 ", "2 ", "3 ", "65 ", "66 ", "74 ", "75 ", "130 "):
         assert f"\n  {status}" in out, status
     assert "docs/config.md" in out and "--dry-run" in out and "--print-config" in out
     assert "quickstart.yaml" in out and "tiny-cpu.yaml" in out

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from scse_dist.atomic import NO_SPACE_FAULT_ENV
 from scse_dist.train.faults import (
     NONFINITE_EXIT_CODE,
     REQUEUE_EXIT_CODE,
@@ -23,6 +24,8 @@ from scse_dist.train.faults import (
 from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
 pytestmark = pytest.mark.slow
+
+NO_SPACE = 74  # scse_dist.cli_errors.EXIT_NO_SPACE
 
 STEPS = ("train.max_steps=12", "train.checkpoint.every=4", "train.log_every=1")
 
@@ -91,6 +94,28 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_pat
     assert "at step 4 (data stream and RNG restored)" in stdout
     assert_same_params(exported(run_dir), reference["params"])
     assert not list(ckpts.glob(".tmp-*"))
+
+
+def test_no_space_on_one_rank_stops_every_rank_with_74_and_the_rerun_resumes_exactly(
+        tmp_path, tiny_config, env, reference):
+    cfg = tiny_config(tmp_path, *STEPS)
+    run_dir = tmp_path / "runs" / "tiny"
+    ckpts = run_dir / "checkpoints"
+    # Rank 1's optimizer states of step 8 do not fit (inside DeepSpeed's save); rank 0's do.
+    fault = {NO_SPACE_FAULT_ENV: "*/.tmp-step-0000008/*zero_pp_rank_1_*"}
+    results = train_ranks(cfg, env, extra_env=fault)  # a rank left waiting: the 30 s timeout
+    assert [r.returncode for r in results] == [NO_SPACE] * 2, results[0].tail() + results[1].tail()
+    says = f"scse-train: no space left writing {ckpts / '.tmp-step-0000008'}/zero_pp_rank_1_"
+    assert results[1].stderr.splitlines()[-1].startswith(says)
+    assert results[0].stderr.splitlines()[-1].startswith(says) and \
+        results[0].stderr.rstrip().endswith("(on another rank) (it resumes from step-0000004)")
+    assert "Traceback" not in results[0].stderr + results[1].stderr
+    assert (ckpts / "latest").read_text() == "step-0000004"
+    assert tag_dirs(ckpts) == ["step-0000004"]  # the partial tag removed
+
+    stdout = all_passed(train_ranks(cfg, env))
+    assert "at step 4 (data stream and RNG restored)" in stdout
+    assert_same_params(exported(run_dir), reference["params"])
 
 
 def test_nan_on_one_rank_skips_the_step_everywhere_and_k_in_a_row_stop(tmp_path, tiny_config, env):

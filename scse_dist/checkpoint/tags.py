@@ -4,6 +4,10 @@ A tag `step-{N:07d}`'s client_state carries the step, every rank's data position
 config and the callbacks' states. Saving is atomic: every rank writes `.tmp-step-N`; after a
 barrier rank 0 adds `config.json` and `manifest.json`, renames it to `step-N`, then replaces
 `latest`, so a kill at any point leaves `latest` naming a complete checkpoint.
+
+A write that fails for want of space (scse_dist.atomic.NoSpaceError) on any rank is agreed at
+the save's next collective: every rank raises it, rank 0 removes `.tmp-step-N`, and `latest` and
+the tags before it are as they were.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scse_dist.atomic import atomic_write_text
+from scse_dist.atomic import NoSpaceError, atomic_write_text, no_space
 from scse_dist.checkpoint import manifest
 from scse_dist.checkpoint.manifest import CONFIG_NAME, META_NAME, TAG_PREFIX
 from scse_dist.config import RunConfig, config_to_dict
@@ -88,33 +92,83 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
     if is_rank0() and tmp.exists():
         shutil.rmtree(tmp)
     barrier()
-    engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
-    if is_rank0():  # read before DeepSpeed loads anything, to refuse a world-size change clearly
-        (tmp / META_NAME).write_text(json.dumps({"step": step, "world_size": len(per_rank)}))
-        (tmp / CONFIG_NAME).write_text(json.dumps(client_state["config"], indent=1))
+    _convert_no_space(engine)
+    failed = None  # this rank's NoSpaceError, agreed with the others at the next collective
+    try:
+        engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state,
+                               save_latest=False)
+    except NoSpaceError as exc:
+        failed = exc
+        barrier()  # DeepSpeed's last barrier, where the other ranks wait: writes come before it
+    if is_rank0() and failed is None:  # meta: read before DeepSpeed loads anything, to refuse
+        # a world-size change clearly
+        failed = _written(tmp / META_NAME, json.dumps({"step": step, "world_size": len(per_rank)}))
+        failed = failed or _written(tmp / CONFIG_NAME, json.dumps(client_state["config"], indent=1))
     if faults is not None:
         faults.mid_save(step)
-    barrier()  # every rank has written its shard: only now may the tag become visible
-    tag_sizes = _write_manifest(tmp, storage)
+    _agree(failed, tmp)  # every rank has written its shard: only now may the tag become visible
+    entries = _hash_tag(tmp, storage)
+    # {file: size} of the whole tag and (on rank 0) the manifest: what an upload is verified against
+    tag_sizes = {name: entry["size"] for name, entry in entries.items()}
     remote = storage is not None and storage.remote is not None
     if is_rank0():
-        final = root / tag
-        if final.exists():  # an earlier run reached this step but died before updating latest
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        atomic_write_text(root / "latest", tag)  # readers see the old or the new name, never half
-        prune_checkpoints(run_dir, cfg.train.checkpoint.keep,
-                          protect=storage.not_uploaded() if remote else set())
-    barrier()
+        try:
+            manifest.write_manifest(tmp, entries)
+            tag_sizes[manifest.MANIFEST_NAME] = (tmp / manifest.MANIFEST_NAME).stat().st_size
+            final = root / tag
+            if final.exists():  # an earlier run reached this step but died before updating latest
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            atomic_write_text(root / "latest", tag)  # readers see the old or the new name
+            prune_checkpoints(run_dir, cfg.train.checkpoint.keep,
+                              protect=storage.not_uploaded() if remote else set())
+        except NoSpaceError as exc:
+            failed = exc
+    _agree(failed, tmp)
     if remote:  # rank 0's copy is renamed; another node's shards are still under the tmp name
         storage.start_upload(tag, root / tag if is_rank0() else tmp, tag_sizes, faults)
     return tag
 
 
-def _write_manifest(tmp: Path, storage: Any) -> dict[str, int]:
+def _convert_no_space(engine: Any) -> None:
+    """DeepSpeed's checkpoint files are written by torch.save, which reports a full disk as a
+    RuntimeError: each file's write raises NoSpaceError naming the file instead."""
+    writer = engine.checkpoint_engine
+    if getattr(writer, "_scse_no_space", False):
+        return
+    save = writer.save
+
+    def converted(state_dict: Any, path: str) -> Any:
+        with no_space(path):
+            return save(state_dict, path)
+
+    writer.save, writer._scse_no_space = converted, True
+
+
+def _written(path: Path, text: str) -> Optional[NoSpaceError]:
+    """`text` as `path` (inside the temporary tag); the NoSpaceError if it did not fit."""
+    try:
+        with no_space(path):
+            path.write_text(text)
+    except NoSpaceError as exc:
+        return exc
+    return None
+
+
+def _agree(failed: Optional[NoSpaceError], tmp: Optional[Path] = None) -> None:
+    """A collective (in place of a barrier): when a write failed on any rank, every rank raises
+    (the first failing rank's line) and rank 0 removes the temporary tag `tmp`."""
+    lines = [line for line in _gather(str(failed) if failed else None) if line]
+    if not lines:
+        return
+    if is_rank0() and tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise failed or NoSpaceError(f"{lines[0]} (on another rank)")
+
+
+def _hash_tag(tmp: Path, storage: Any) -> dict[str, Any]:
     """Every rank hashes its share of the tag's files (node-local staging: each node's first rank
-    its node's); rank 0 writes the union as the manifest. Returns {file: size} of the whole tag
-    and (on rank 0) the manifest: what a remote upload is verified against."""
+    its node's); every rank gets the union, the manifest's entries."""
     if storage is not None and storage.remote is not None:
         index, count = (0, 1) if local_rank() == 0 else (0, 0)
     else:
@@ -122,12 +176,7 @@ def _write_manifest(tmp: Path, storage: Any) -> dict[str, int]:
     files = manifest.tag_files(tmp) if count else []
     shares = _gather(manifest.hash_files(tmp, manifest.share_of(files, index, count))
                      if count else {})
-    entries = {name: entry for share in shares for name, entry in share.items()}
-    sizes = {name: entry["size"] for name, entry in entries.items()}
-    if is_rank0():
-        manifest.write_manifest(tmp, entries)
-        sizes[manifest.MANIFEST_NAME] = (tmp / manifest.MANIFEST_NAME).stat().st_size
-    return sizes
+    return {name: entry for share in shares for name, entry in share.items()}
 
 
 def remove_partial_saves(run_dir: str | Path) -> list[Path]:
@@ -201,13 +250,17 @@ def export_final(engine: Any, cfg: RunConfig, run_dir: str | Path, tag: str,
     from scse_dist.checkpoint.zero_weights import fp32_state_dict
 
     out: Optional[str] = None
+    failed = None
     if is_rank0():
         if storage is not None:  # a remote run: other nodes' shards may exist only remotely
             storage.complete_tag(tag)
         state_dict = fp32_state_dict(engine, checkpoint_dir(run_dir), tag)
-        out = save_exported_model(state_dict, cfg, str(RunDir(run_dir).export),
-                                  tokenizer=cfg.data.tokenizer, after_weights=None if faults is None
-                                  else lambda: faults.mid_export(int(tag.rsplit("-", 1)[-1])))
-    barrier()
+        try:
+            out = save_exported_model(
+                state_dict, cfg, str(RunDir(run_dir).export), tokenizer=cfg.data.tokenizer,
+                after_weights=None if faults is None
+                else lambda: faults.mid_export(int(tag.rsplit("-", 1)[-1])))
+        except NoSpaceError as exc:  # the export as it was; the checkpoint is saved
+            failed = exc
+    _agree(failed)  # in place of a barrier: every rank stops when rank 0's export did not fit
     return out
-

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from scse_dist.atomic import atomic_write_text
+from scse_dist.cli_errors import EXIT_NO_SPACE
 from scse_dist.launch.backends import BackendError, current_backend
 from scse_dist.launch.children import REQUEUE_EXIT_CODE
 from scse_dist.run_dir import CHECKPOINTS_NAME, RunDir
@@ -27,7 +28,9 @@ from scse_dist.run_dir import CHECKPOINTS_NAME, RunDir
 RECORD_NAME = "retries.json"  # in RUN/logs
 CLAIMS_NAME = "retries"  # RUN/logs/retries/<job>.<start>: the start's failure was decided
 NEVER_RETRIED = {2: "bad config", 3: "non-finite steps", 4: "loss spikes", 65: "bad input data",
-                 66: "a missing or unreadable input", 130: "a second Ctrl-C"}
+                 66: "a missing or unreadable input",
+                 74: "no space left: a full disk, a quota or a file-size limit",
+                 130: "a second Ctrl-C"}
 # scse_dist.train.loop prints it on the rank whose step raised: rank, last finished step, error
 CRASH_LINE = re.compile(r"^scse-train: rank (\d+) crashed after step (\d+): (.+)$")
 # what differs between two starts of the same failure: object addresses, a peer's port
@@ -129,8 +132,10 @@ def decide(logs: Path, failure: Failure, max_retries: int) -> Optional[tuple[boo
             f"(exit {failure.exit}: {failure.signature})")
     failure.decision = "stop"
     if failure.exit in NEVER_RETRIED:
+        then = "free space, then submit the same job again: it resumes from the last " \
+            "checkpoint" if failure.exit == EXIT_NO_SPACE else "a rerun would fail the same way"
         line = (f"scse-launch: training stopped on rank {failure.rank} with exit {failure.exit} "
-                f"({NEVER_RETRIED[failure.exit]}): not retrying, a rerun would fail the same way")
+                f"({NEVER_RETRIED[failure.exit]}): not retrying, {then}")
     elif same is not None:
         line = (f"{what}: the same failure after the same step as start {same['start'] + 1} of "
                 f"job {failure.job}; not retrying, it would fail again ({record})")

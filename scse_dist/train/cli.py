@@ -29,6 +29,9 @@ EXIT_STATUSES = """exit statuses:
   65   bad input data (another tokenizer's shards, a tokenizer larger than model.vocab_size,
        corrupt data past data.max_failures, a split with nothing readable)
   66   an input is missing or unreadable (data.path, data.tokenizer)
+  74   no space left writing a checkpoint, the export, a metrics row (a full disk, a quota or
+       a file-size limit): the line names the path and the free space; the last checkpoint
+       is intact: free space and rerun the same command to resume
   75   preempted by SIGTERM, SIGUSR1 or Ctrl-C: the step in flight was saved; rerun to resume
   130  a second Ctrl-C: stopped at once without saving"""
 

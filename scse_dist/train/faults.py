@@ -7,14 +7,18 @@ paths in real processes; the kinds (_KINDS) are listed in docs/checkpoints.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
+
+from scse_dist.atomic import NoSpaceError
+from scse_dist.cli_errors import EXIT_NO_SPACE
 
 REQUEUE_EXIT_CODE = 75
 NONFINITE_EXIT_CODE = 3
@@ -39,6 +43,17 @@ class TrainingStopped(Exception):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+@contextlib.contextmanager
+def stopped_when_out_of_space(last_saved: int) -> Iterator[None]:
+    """A write that every rank agreed did not fit (a checkpoint, the export: NoSpaceError) ends
+    the run in order, exit 74, with one line saying where a rerun resumes."""
+    try:
+        yield
+    except NoSpaceError as exc:
+        resume = f"step-{last_saved:07d}" if last_saved > 0 else "the start"
+        raise TrainingStopped(f"{exc} (it resumes from {resume})", EXIT_NO_SPACE) from None
 
 
 class PreemptionFlag:

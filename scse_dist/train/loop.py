@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from scse_dist.atomic import removed_on_failure
+from scse_dist.atomic import atomic_write, removed_on_failure
 from scse_dist.checkpoint.manifest import CONFIG_NAME
 from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
@@ -295,8 +295,8 @@ def _prepare_run_dir(cfg: RunConfig, rank0: bool) -> tuple[RunStorage, Any]:
     # Verified, and its config compared with this one, before anything is built or loaded; a
     # refused config leaves the run dir as it was (config.yaml included).
     resume_tag = plan_resume(cfg, storage.local, remote=storage.remote is not None)
-    if rank0:
-        save_config(cfg, RunDir(storage.local).config)
+    if rank0:  # whole or not at all: a disk that is full keeps the config that was there
+        atomic_write(RunDir(storage.local).config, lambda path: save_config(cfg, path))
     return storage, resume_tag
 
 

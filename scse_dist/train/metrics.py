@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from scse_dist.atomic import atomic_write_text
+from scse_dist.atomic import NoSpaceError, atomic_write_text, no_space
 from scse_dist.config import WandbConfig
 from scse_dist.run_dir import RunDir, metric_lines
 
@@ -85,14 +85,15 @@ class MetricsLogger:
                  config_dict: dict[str, Any], tensorboard_dir: Optional[str | Path] = None,
                  resumed_step: int = 0) -> None:
         self.enabled = enabled
-        self._file = None
+        self._file: Optional[int] = None  # metrics.jsonl's descriptor, appending
         self._wandb = None
         self._tensorboard = None
         if not enabled:
             return
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         # Append: a resumed run continues the same file.
-        self._file = open(RunDir(run_dir).metrics, "a")
+        self._path = RunDir(run_dir).metrics
+        self._file = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         if tensorboard_dir is not None:
             from scse_dist.train.tensorboard import TensorBoardSink
 
@@ -122,12 +123,25 @@ class MetricsLogger:
         if not self.enabled:
             return
         assert self._file is not None  # opened when enabled
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        self._append((json.dumps(row) + "\n").encode())
         if self._wandb is not None:
             self._wandb.log(self._for_wandb(row), step=row["step"])
         if self._tensorboard is not None:
             self._tensorboard.write(row)
+
+    def _append(self, line: bytes) -> None:
+        """`line` whole at the end of metrics.jsonl, or (no space for it: NoSpaceError) not at
+        all: a part written is cut off again."""
+        assert self._file is not None
+        size = os.fstat(self._file).st_size
+        try:
+            with no_space(self._path):
+                view = memoryview(line)
+                while view:  # a write may take part of it: a full disk fails the next one
+                    view = view[os.write(self._file, view):]
+        except NoSpaceError:
+            os.ftruncate(self._file, size)
+            raise
 
     @staticmethod
     def _for_wandb(row: dict[str, Any]) -> dict[str, Any]:
@@ -140,8 +154,9 @@ class MetricsLogger:
         return out
 
     def close(self) -> None:
-        for sink, end in ((self._file, "close"), (self._wandb, "finish"),
-                          (self._tensorboard, "close")):
+        if self._file is not None:
+            os.close(self._file)
+        for sink, end in ((self._wandb, "finish"), (self._tensorboard, "close")):
             if sink is not None:
                 getattr(sink, end)()
         self._file = self._wandb = self._tensorboard = None

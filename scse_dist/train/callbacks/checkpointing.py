@@ -9,6 +9,7 @@ import time
 from scse_dist.checkpoint.tags import save_checkpoint, tag_for
 from scse_dist.train.callbacks.assembly import callback_states
 from scse_dist.train.callbacks.base import Callback, TrainState, every
+from scse_dist.train.faults import stopped_when_out_of_space
 
 
 class CheckpointCallback(Callback):
@@ -43,8 +44,9 @@ class CheckpointCallback(Callback):
     @staticmethod
     def save(state: TrainState, step: int) -> None:
         start = time.perf_counter()
-        save_checkpoint(state.engine, state.run_dir, step, state.stream, state.cfg, state.faults,
-                        state.storage, callback_states(state.callbacks))
+        with stopped_when_out_of_space(state.last_saved):  # the previous tag stays `latest`
+            save_checkpoint(state.engine, state.run_dir, step, state.stream, state.cfg,
+                            state.faults, state.storage, callback_states(state.callbacks))
         state.last_saved = step
         if state.rank0:
             print(f"saved checkpoint {tag_for(step)} ({time.perf_counter() - start:.1f} s)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from scse_dist.checkpoint.tags import export_final, tag_for
 from scse_dist.distributed import barrier
 from scse_dist.train.callbacks.base import Callback, TrainState
+from scse_dist.train.faults import stopped_when_out_of_space
 
 
 class ExportCallback(Callback):
@@ -15,6 +16,7 @@ class ExportCallback(Callback):
 
     def on_train_end(self, state: TrainState) -> None:
         barrier()
-        state.summary["export_dir"] = export_final(state.engine, state.cfg, state.run_dir,
-                                                   tag_for(state.max_steps), state.storage,
-                                                   state.faults)
+        with stopped_when_out_of_space(state.last_saved):  # rerun: the export from that tag
+            state.summary["export_dir"] = export_final(state.engine, state.cfg, state.run_dir,
+                                                       tag_for(state.max_steps), state.storage,
+                                                       state.faults)
