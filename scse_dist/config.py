@@ -125,8 +125,13 @@ def _check_depth_loss(cfg: RunConfig) -> None:
 
 # Fields renamed since: old name -> new dotted name, still loaded with one notice per name and
 # process. An old name that is now a section is renamed only where it holds a value, not a
-# mapping; those come first, so the fields moved into them find a section.
-RENAMED_FIELDS = {"eval.slurm_gpus": "eval.resources.gpus_per_node",
+# mapping; those come first, so the fields moved into them find a section. `<task>` stands for
+# each key of the old mapping.
+RENAMED_FIELDS = {"eval.wikitext": "eval.task_settings.wikitext.path",
+                  "eval.lambada": "eval.task_settings.lambada.path",
+                  "eval.stride": "eval.task_settings.wikitext.stride",
+                  "eval.data.<task>": "eval.task_settings.<task>.path",
+                  "eval.slurm_gpus": "eval.resources.gpus_per_node",
                   "eval.slurm_cpus": "eval.resources.cpus_per_task",
                   "eval.slurm_time_min": "eval.resources.time_min",
                   "eval.slurm_partition": "eval.resources.partition",
@@ -158,6 +163,12 @@ def renamed_key(key: str, value: Any = None) -> str:
     """The current name of dotted key `key` (an override's, a study's) given `value`: a
     RENAMED_FIELDS old name, or a key inside one, moves to its new name (with the notice)."""
     for old, new in RENAMED_FIELDS.items():
+        if old.endswith(EACH):  # eval.data.<task>: the task's key moves
+            prefix = old.removesuffix(EACH) + "."
+            if key.startswith(prefix) and "." not in key[len(prefix):]:
+                _notice(old, new)
+                return new.replace(EACH[1:], key[len(prefix):])
+            continue
         if new.startswith(old + "."):  # a name that is now a section: only a value moves
             if key == old and not isinstance(value, dict):
                 _notice(old, new)
@@ -181,7 +192,7 @@ def rename_old_fields(values: dict) -> dict:
     """Move the values of RENAMED_FIELDS' old names to their new ones, in place (the new name
     wins when both are given), saying so once per name on stderr; returns `values`."""
     for old, new in RENAMED_FIELDS.items():
-        *path, leaf = old.split(".")
+        *path, leaf = old.removesuffix(EACH).split(".")
         node: Any = values
         for part in path:
             node = node.get(part) if isinstance(node, dict) else None
@@ -190,15 +201,29 @@ def rename_old_fields(values: dict) -> dict:
         if new.startswith(old + ".") and isinstance(node[leaf], dict):
             continue  # already the section
         value = node.pop(leaf)
-        *new_path, new_leaf = new.split(".")
-        target = values
-        for part in new_path:
-            target = target.setdefault(part, {})
-            if not isinstance(target, dict):
-                raise ConfigError(f"{'.'.join(new_path)}: expected a mapping")
-        target.setdefault(new_leaf, value)
+        if old.endswith(EACH):  # a mapping whose every key moves
+            if not isinstance(value, dict):
+                raise ConfigError(f"{old.removesuffix(EACH)}: expected a mapping, got {value!r}")
+            for key, each in value.items():
+                _set_new(values, new.replace(EACH[1:], str(key)), each)
+        else:
+            _set_new(values, new, value)
         _notice(old, new)
     return values
+
+
+EACH = ".<task>"  # an old name ending so names every key of a mapping (RENAMED_FIELDS)
+
+
+def _set_new(values: dict, new: str, value: Any) -> None:
+    """values' dotted `new` set to `value` unless given already (the new name wins)."""
+    *new_path, new_leaf = new.split(".")
+    target = values
+    for part in new_path:
+        target = target.setdefault(part, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"{'.'.join(new_path)}: expected a mapping")
+    target.setdefault(new_leaf, value)
 
 
 def read_config_file(path: Path) -> dict:

@@ -9,6 +9,7 @@ from here, and reading it imports no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 from dataclasses import dataclass
@@ -30,9 +31,9 @@ class Task:
     report: tuple[str, ...]  # a run's report, headline first (the one plotted, and flagged flat)
     study_report: Optional[tuple[str, ...]] = None  # a study report's default; None: `report`
     higher_is_better: tuple[str, ...] = ()  # the metrics where higher is better (others: lower)
-    # The eval.* field naming its data file ("lambada": eval.lambada, "data.toy": eval.data.toy);
-    # None: it reads data.path.
-    data_field: Optional[str] = None
+    # Its settings dataclass (its module's `Config`), set under eval.task_settings.<name>; a
+    # `path` field there names its data file (without one it reads data.path). None: no settings.
+    settings: Optional[type] = None
     # reads data.path's held-out split when it is a shard dir; max_batches applies
     heldout: bool = False
     scores_tokens: bool = True  # an exit rule (--exit) can stop each token's loop
@@ -43,6 +44,13 @@ class Task:
     # `from_totals` (one depth's summed totals) -> its row, as `scorer` gives it.
     totals: Optional[Callable[[Any], list[dict]]] = None
     from_totals: Optional[Callable[[dict], dict]] = None
+
+    @property
+    def data_field(self) -> Optional[str]:
+        """The eval.* field naming its data file ("task_settings.lambada.path"); None: data.path."""
+        has_path = self.settings is not None and "path" in {
+            f.name for f in dataclasses.fields(self.settings)}
+        return f"task_settings.{self.name}.path" if has_path else None
 
     @property
     def headline(self) -> str:
@@ -126,7 +134,8 @@ def either(names: list[str]) -> str:
 
 
 def field_value(eval_cfg: Any, dotted: str) -> Any:
-    """eval_cfg's `dotted` field ("lambada", or "data.toy" inside the eval.data mapping)."""
+    """eval_cfg's `dotted` field, through mappings and dataclasses ("task_settings.toy.path");
+    None where a part is missing."""
     node = eval_cfg
     for part in dotted.split("."):
         node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)

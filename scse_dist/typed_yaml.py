@@ -107,6 +107,11 @@ def _build(cls: type, values: dict, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def build_dataclass(cls: type, values: dict, prefix: str = "") -> Any:
+    """`cls` from `values`, each checked against its field's type (ConfigError naming it)."""
+    return _build(cls, values, prefix)
+
+
 def _parse_scalar(text: str) -> Any:
     try:
         return yaml.safe_load(text)

@@ -21,7 +21,7 @@ from scse_dist.checkpoint.export import load_exported_model, save_exported_model
 from scse_dist.cli_errors import Interrupted
 from scse_dist.config import config_from_dict
 from scse_dist.data.tokenizer import Tokenizer
-from scse_dist.eval import scorer as scorer_module
+from scse_dist.eval import scoring as scorer_module
 from scse_dist.eval.scoring import context_target_window, document_windows, score_windows
 from scse_dist.eval.task_run import context_target_ids, run_task
 from scse_dist.eval.tasks.lambada import read_lambada

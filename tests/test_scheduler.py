@@ -114,7 +114,8 @@ def test_old_eval_resource_names_load_with_one_notice(tmp_path, tiny_config, cap
 
 def test_tasks_that_need_a_file_say_which_field(tmp_path, tiny_config, capsys):
     assert scheduler.main([tiny_config(tmp_path), "eval.tasks=[heldout,lambada]", "--local"]) == 2
-    assert "eval.lambada: eval.tasks lists 'lambada', so set eval.lambada" in \
+    assert "eval.task_settings.lambada.path: eval.tasks lists 'lambada', so set " \
+        "eval.task_settings.lambada.path" in \
         capsys.readouterr().err
 
 

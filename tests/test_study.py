@@ -292,8 +292,8 @@ def test_dry_run_names_every_missing_input_and_the_runs_that_need_it(tmp_path, t
     out = study(write_spec(tmp_path / "spec.yaml", spec), "--dry-run")
     assert out.returncode == 66 and len(out.stdout.splitlines()) == 1 + 3 * 3
     assert out.stderr.splitlines() == [
-        f"scse-study: missing input: eval.lambada {tmp_path / 'lambada.txt'} (no such file or "
-        "directory), needed by all 9 runs",
+        f"scse-study: missing input: eval.task_settings.lambada.path {tmp_path / 'lambada.txt'} "
+        "(no such file or directory), needed by all 9 runs",
         f"scse-study: missing input: data.path {tmp_path / 'gone'} (no such file or directory), "
         "needed by 3 run(s): looped-seed0, looped-seed1, looped-seed2"]
     # a sweep reads lr.validation and no test file; the final runs read the test files

@@ -4,17 +4,21 @@ launcher's evaluation job, and shown in a run's report and in a study report wit
 its record gives."""
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from conftest import tiny_config_dict
 from scse_dist.checkpoint.export import save_exported_model
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError, config_from_dict, load_config, save_config
 from scse_dist.eval.cli import main as scse_eval
+from scse_dist.eval.config import task_files
 from scse_dist.eval.report import report_run
 from scse_dist.eval.results import write_results
 from scse_dist.launch import run_job
@@ -33,10 +37,19 @@ def read_toy(path: str) -> list[str]:
     return lines
 
 
+@dataclass
+class ToyConfig:
+    """The toy task's own settings: eval.task_settings.toy."""
+
+    path: Optional[str] = None  # its data file
+    lines: int = 0  # score only the first `lines` lines (0: all)
+
+
 def score_toy(run) -> list[dict]:
     """Per depth: the NLL of each line's first token right after EOS, and how often it is the
-    argmax."""
-    first = torch.tensor([run.tokenizer.encode(line)[0] for line in run.inputs])
+    argmax, over the first run.settings.lines lines."""
+    lines = run.inputs[:run.settings.lines or None]
+    first = torch.tensor([run.tokenizer.encode(line)[0] for line in lines])
     eos = torch.full((len(first), 1), run.tokenizer.eos_id)
     rows = []
     with torch.inference_mode():
@@ -53,7 +66,7 @@ def score_toy(run) -> list[dict]:
 TOY = Task("toy", reader=read_toy, scorer=score_toy,
            metrics=("first_nll", "first_hit"),
            table=("first_nll", "first_hit"), report=("first_nll", "first_hit"),
-           higher_is_better=("first_hit",), data_field="data.toy")
+           higher_is_better=("first_hit",), settings=ToyConfig)
 
 
 @pytest.fixture
@@ -75,13 +88,17 @@ def test_config_accepts_a_registered_task_and_asks_for_its_data(tiny_data, tmp_p
                                           r"arc_challenge, multiple_choice; got 'toy'$"):
         config_from_dict(values)
     monkeypatch.setitem(TASKS, "toy", TOY)
-    with pytest.raises(ConfigError, match="^eval.data.toy: eval.tasks lists 'toy', so set "
-                                          "eval.data.toy to its data file$"):
+    with pytest.raises(ConfigError, match="^eval.task_settings.toy.path: eval.tasks lists 'toy', "
+                                          "so set eval.task_settings.toy.path to its data file$"):
         config_from_dict(values)
     with pytest.raises(ConfigError, match=r"got 'tyo' \(did you mean 'toy'\?\)$"):
         config_from_dict(_config(tiny_data, tmp_path, tasks=["tyo"]))
-    values["eval"]["data"] = {"toy": "toy.txt"}
-    assert config_from_dict(values).eval.data == {"toy": "toy.txt"}
+    values["eval"]["task_settings"] = {"toy": {"path": "toy.txt", "lines": 2}}
+    assert config_from_dict(values).eval.settings("toy") == ToyConfig("toy.txt", 2)
+    values["eval"]["task_settings"] = {"toy": {"path": "toy.txt", "line": 2}}
+    with pytest.raises(ConfigError, match=r"^eval.task_settings.toy.line: unknown field \(did you "
+                                          r"mean 'lines'\?\)$"):
+        config_from_dict(values)
 
 
 @pytest.fixture
@@ -90,7 +107,7 @@ def toy_run(tiny_data, tmp_path, toy):
     data = tmp_path / "toy.txt"
     data.write_text("\n".join(LINES) + "\n")
     cfg = config_from_dict(_config(tiny_data, tmp_path, tasks=["heldout", "toy"],
-                                   data={"toy": str(data)}))
+                                   task_settings={"toy": {"path": str(data), "lines": 2}}))
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True)
     save_config(cfg, run_dir / "config.yaml")
@@ -107,7 +124,7 @@ def _expected(model, tokenizer_path, depth):
     with torch.no_grad():
         logp = model(torch.tensor([[tok.eos_id]]), depth=depth).logits[0, -1].float() \
             .log_softmax(-1)
-    return -sum(float(logp[tok.encode(line)[0]]) for line in LINES) / len(LINES)
+    return -sum(float(logp[tok.encode(line)[0]]) for line in LINES[:2]) / 2
 
 
 def test_scse_eval_and_the_launcher_run_the_task_and_the_run_report_shows_it(toy_run, tmp_path,
@@ -115,21 +132,21 @@ def test_scse_eval_and_the_launcher_run_the_task_and_the_run_report_shows_it(toy
     run_dir, model, cfg = toy_run
     out = tmp_path / "cli.json"
     assert scse_eval(["--checkpoint", str(run_dir / "export"), "--task", "toy", "--data",
-                      cfg.eval.data["toy"], "--depths", "1,2", "--out", str(out),
+                      cfg.eval.settings("toy").path, "--depths", "1,2", "--out", str(out),
                       "--device", "cpu"]) == 0
     assert "| depth | first_nll | first_hit |" in capsys.readouterr().out  # the record's table
     by_cli = json.loads(out.read_text())
-    assert by_cli["task"] == "toy" and by_cli["toy_lines"] == 3
+    assert by_cli["task"] == "toy" and by_cli["toy_lines"] == 2  # its own setting, lines: 2
     for row in by_cli["results"]:
-        assert row["lines"] == 3
+        assert row["lines"] == 2
         assert row["first_nll"] == pytest.approx(_expected(model, cfg.data.tokenizer, row["depth"]),
                                                  rel=1e-5)
     # the launcher's evaluation job (evaluate_export): the export's config says where the toy
-    # data is (eval.data.toy)
+    # data is (eval.task_settings.toy.path)
     assert run_job.main(["evaluate", str(run_dir), "toy"]) == 0
     assert capsys.readouterr().out.endswith(f"scse-launch: toy: {run_dir / 'eval' / 'toy.json'}\n")
     by_launcher = json.loads((run_dir / "eval" / "toy.json").read_text())
-    assert by_launcher["data"] == cfg.eval.data["toy"] and "max_batches" not in by_launcher
+    assert by_launcher["data"] == cfg.eval.settings("toy").path and "max_batches" not in by_launcher
     assert by_launcher["results"] == by_cli["results"]
     report = Path(report_run(str(run_dir))["report"]).read_text()
     row = by_cli["results"][0], by_cli["results"][1]
@@ -174,8 +191,8 @@ def test_a_study_spec_takes_the_task_its_data_and_report_metrics(tmp_path, tiny_
             "report": {"metrics": {"toy": ["first_hit"]}}}
     parsed = parse_spec(spec, "spec.yaml")
     (run,) = expand(parsed)
-    assert run_config(parsed, run).eval.data == {"toy": data}
-    assert _inputs(parsed, run)["eval.data.toy"] == data  # --dry-run checks it exists
+    assert run_config(parsed, run).eval.settings("toy") == ToyConfig(data)
+    assert _inputs(parsed, run)["eval.task_settings.toy.path"] == data  # --dry-run checks it
     spec["report"] = {"metrics": {"toy": ["first_hits"]}}
     with pytest.raises(SpecError, match=r"report.metrics.toy: 'first_hits' is not a metric of toy "
                                         r"\(did you mean 'first_hit'\?\)"):
@@ -213,3 +230,51 @@ def test_reading_the_registry_loads_every_task_without_torch(subprocess_env):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [",".join(BUILT_IN), "False"]
+
+
+def test_no_module_of_eval_imports_a_private_name_of_another():
+    """The helpers tasks share are public: no `from x import _name` under scse_dist/eval/."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "scse_dist" / "eval"
+    private = [f"{path.relative_to(root)}: {node.module}.{alias.name}"
+               for path in sorted(root.rglob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+               if isinstance(node, ast.ImportFrom) and node.module
+               for alias in node.names if alias.name.startswith("_")]
+    assert len(list(root.rglob("*.py"))) > 10 and private == []
+
+
+def test_the_old_per_task_keys_load_with_one_notice_each_as_the_new_ones(tiny_data, tmp_path,
+                                                                          monkeypatch, capsys):
+    """eval.wikitext, eval.lambada, eval.stride and eval.data.<task>, in a file and as
+    overrides: the same settings as eval.task_settings, and one notice per old name."""
+    from scse_dist import config
+
+    monkeypatch.setattr(config, "_noticed", set())
+    new = _config(tiny_data, tmp_path, tasks=["heldout", "wikitext", "piqa"], task_settings={
+        "wikitext": {"path": "w.raw", "stride": 7}, "lambada": {"path": "l.txt"},
+        "piqa": {"path": "p.jsonl"}, "hellaswag": {"path": "h.jsonl"}})
+    old = _config(tiny_data, tmp_path, tasks=["heldout", "wikitext", "piqa"], wikitext="w.raw",
+                  lambada="l.txt", stride=7, data={"piqa": "p.jsonl", "hellaswag": "h.jsonl"})
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old))
+    expected = config_from_dict(new).eval
+    assert capsys.readouterr().err == ""
+    assert load_config(path).eval == expected
+    assert load_config(path, ["eval.data.piqa=p.jsonl", "eval.stride=7"]).eval == expected
+    notices = capsys.readouterr().err.splitlines()
+    assert notices == [f"config: notice: {o} is now {n}; the old name is read for now" for o, n in
+                       (("eval.wikitext", "eval.task_settings.wikitext.path"),
+                        ("eval.lambada", "eval.task_settings.lambada.path"),
+                        ("eval.stride", "eval.task_settings.wikitext.stride"),
+                        ("eval.data.<task>", "eval.task_settings.<task>.path"))]
+    assert task_files(expected) == {"eval.task_settings.wikitext.path": "w.raw",
+                                    "eval.task_settings.lambada.path": "l.txt",
+                                    "eval.task_settings.piqa.path": "p.jsonl",
+                                    "eval.task_settings.hellaswag.path": "h.jsonl"}
+    with pytest.raises(ConfigError, match=r"^eval.task_settings.wikitext.stride: must be >= 0, "
+                                          r"got -1$"):
+        config_from_dict(_config(tiny_data, tmp_path, task_settings={"wikitext": {"stride": -1}}))
+    with pytest.raises(ConfigError, match=r"^eval.task_settings.heldout: heldout has no settings"):
+        config_from_dict(_config(tiny_data, tmp_path, task_settings={"heldout": {}}))

@@ -128,7 +128,7 @@ def test_the_built_ins_keep_their_order_and_an_entry_takes_its_place(tiny_config
     # each built-in from the section that enables it: off, it is not in the list
     every_on = load_config(tiny_config(
         tmp_path, "eval.downstream_every=5", "eval.downstream_tasks=[lambada]",
-        f"eval.lambada={tmp_path / 'lambada.jsonl'}",
+        f"eval.task_settings.lambada.path={tmp_path / 'lambada.jsonl'}",
         "train.spike_skip.enabled=true", "profile.enabled=true", "train.diagnostics_every=0"))
     assert set(names(built_in_callbacks(every_on))) - set(names(built_in)) == {
         "SpikeSkipCallback", "DownstreamEvalCallback", "ProfilerCallback"}

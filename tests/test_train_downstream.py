@@ -56,9 +56,9 @@ def _config(tiny_data, tmp_path, **fields):
     ({"downstream_tasks": ["hellaswg"]}, "eval.downstream_tasks[0]: must be one of heldout, "
      "wikitext, lambada, diagnose, hellaswag, piqa, arc_easy, arc_challenge, multiple_choice; got "
      "'hellaswg' (did you mean 'hellaswag'?)"),
-    ({"downstream_tasks": ["piqa"]}, "eval.data.piqa: eval.downstream_tasks lists 'piqa', so set "
-     "eval.data.piqa to its data file"),
-    ({"downstream_tasks": ["lambada", "lambada"], "lambada": "l.jsonl"},
+    ({"downstream_tasks": ["piqa"]}, "eval.task_settings.piqa.path: eval.downstream_tasks lists "
+     "'piqa', so set eval.task_settings.piqa.path to its data file"),
+    ({"downstream_tasks": ["lambada", "lambada"], "task_settings": {"lambada": {"path": "l"}}},
      "eval.downstream_tasks[1]: 'lambada' is listed twice"),
     ({"downstream_max_examples": -1}, "eval.downstream_max_examples: must be >= 0, got -1"),
 ])
@@ -117,7 +117,8 @@ def _check_rows_equal_scse_eval(rows, run_dir, files, env, tmp_path):
 def _overrides(files) -> list[str]:
     return ["train.max_steps=10", "eval.downstream_every=5",
             "eval.downstream_tasks=[hellaswag,lambada]", "eval.downstream_max_examples=5",
-            f"eval.data.hellaswag={files['hellaswag']}", f"eval.lambada={files['lambada']}"]
+            f"eval.task_settings.hellaswag.path={files['hellaswag']}",
+            f"eval.task_settings.lambada.path={files['lambada']}"]
 
 
 @pytest.mark.slow

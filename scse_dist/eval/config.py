@@ -1,17 +1,19 @@
 """The `eval:` section of a run config: depths, batches, evaluation during training, the tasks
-`scse-launch` runs after training and their data files. It imports only the task registry and
-ConfigError, so `scse_dist.config` composes it without loading the evaluators (or torch).
+`scse-launch` runs after training and each task's own settings (eval.task_settings, built as the
+class its record names). It imports only the config layer (the task registry, typed YAML,
+ConfigError), so `scse_dist.config` composes it without loading the evaluators (or torch).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any
 
 from scse_dist.model.config import ConfigError
 from scse_dist.resources import EvalResources
 from scse_dist.task_registry import TASKS, Task, field_value, unknown_task
+from scse_dist.typed_yaml import build_dataclass
 
 
 @dataclass
@@ -32,11 +34,30 @@ class EvalConfig:
     downstream_tasks: list[str] = field(default_factory=list)
     downstream_max_examples: int = 0  # per task and evaluation (0: all)
     tasks: list[str] = field(default_factory=lambda: ["heldout"])  # scse-launch's, after training
-    wikitext: Optional[str] = None  # wiki.{valid,test}.raw path or URL, for the wikitext task
-    lambada: Optional[str] = None  # LAMBADA JSONL or plain text, for the lambada task
-    data: dict[str, str] = field(default_factory=dict)  # task -> its file (other tasks)
-    stride: int = 0  # wikitext sliding-window stride; 0 means data.seq_len // 2
+    # task -> its settings (its record's `settings` class: a mapping of its fields as given,
+    # the dataclass once built); a task not named here takes that class's defaults
+    task_settings: dict[str, Any] = field(default_factory=dict)
     resources: EvalResources = field(default_factory=EvalResources)  # each evaluation job's
+
+    def __post_init__(self) -> None:
+        """Each eval.task_settings entry built as its task's settings class (ConfigError)."""
+        for name, values in self.task_settings.items():
+            where = f"eval.task_settings.{name}"
+            if name not in TASKS:
+                raise ConfigError(f"{where}: {unknown_task(name)}")
+            cls = TASKS[name].settings
+            if cls is None:
+                raise ConfigError(f"{where}: {name} has no settings (it reads data.path)")
+            if not isinstance(values, cls):
+                if not isinstance(values, dict):
+                    raise ConfigError(f"{where}: expected a mapping, got {values!r}")
+                self.task_settings[name] = build_dataclass(cls, values, where)
+
+    def settings(self, task: str) -> Any:
+        """`task`'s settings: eval.task_settings.<task>, else its class's defaults (None if
+        it has no settings)."""
+        cls = TASKS[task].settings
+        return self.task_settings.get(task) or (cls() if cls is not None else None)
 
     def check(self) -> None:
         """Values no evaluation can use, and each listed task's data file (ConfigError naming the
@@ -53,7 +74,11 @@ class EvalConfig:
                               "eval.sample_every is set")
         if self.sample_tokens < 1:
             raise ConfigError(f"eval.sample_tokens: must be >= 1, got {self.sample_tokens}")
-        for name in ("stride", "every_steps", "max_batches", "sample_every",
+        for name, own in self.task_settings.items():
+            problem = getattr(own, "problem", lambda: None)()
+            if problem:
+                raise ConfigError(f"eval.task_settings.{name}.{problem}")
+        for name in ("every_steps", "max_batches", "sample_every",
                      "sample_temperature", "downstream_every", "downstream_max_examples"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"eval.{name}: must be >= 0, got {getattr(self, name)}")
@@ -88,3 +113,10 @@ class EvalConfig:
         if self.downstream_every and not self.downstream_tasks:
             raise ConfigError("eval.downstream_tasks: eval.downstream_every is set, so name the "
                               f"tasks to run (any of {', '.join(able)})")
+
+
+def task_files(eval_cfg: EvalConfig) -> dict[str, str]:
+    """Field -> file of every data file the eval section names ("eval.task_settings.lambada.path":
+    its path), whether or not a listed task reads it."""
+    return {f"eval.task_settings.{name}.path": own.path
+            for name, own in eval_cfg.task_settings.items() if getattr(own, "path", None)}

@@ -30,7 +30,8 @@ def evaluate_export(run_dir: str | os.PathLike, task: str, *, data: Optional[str
     depths = [cfg.model.depth] if at_model_depth else cfg.eval.depths
     out = str(run.results(name or task))
     record = TASKS[task]
+    stride = getattr(cfg.eval.settings(task), "stride", 0)  # wikitext's (0: seq_len // 2)
     run_task(task, model, cfg, data or data_path(record, cfg), depths, out,
-             checkpoint_label=label or f"{cfg.name}@export", stride=cfg.eval.stride or None,
+             checkpoint_label=label or f"{cfg.name}@export", stride=stride or None,
              max_batches=cfg.eval.max_batches if record.heldout else 0)
     return out

@@ -1,4 +1,4 @@
-"""Held-out perplexity at several loop depths, from one forward per batch (scse_dist.eval.scorer).
+"""Held-out perplexity at several loop depths, from one forward per batch (scse_dist.eval.scoring).
 
 Token NLL is summed per depth over the whole split and divided once at the end, so a ragged last
 batch is weighted by its real token count.
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 
 from scse_dist.eval.exit_stats import ExitStats
-from scse_dist.eval.scorer import DepthScorer, scoring_mode
+from scse_dist.eval.scoring import DepthScorer, scoring_mode
 from scse_dist.eval.task_run import TaskInterrupted
 
 if TYPE_CHECKING:

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 STEP_METRICS = ("mean_steps", "steps_p50", "steps_p90")
 
 
-def _exp(x: float) -> float:
+def safe_exp(x: float) -> float:
+    """exp(x), capped below float overflow (a ppl of a diverged model stays a number)."""
     return math.exp(min(x, 700.0))
 
 
@@ -39,21 +40,24 @@ class TaskInterrupted(KeyboardInterrupt):
         self.rows, self.done, self.total, self.unit = rows, done, total, unit
 
 
-def _progress(desc: Optional[str], total: Optional[int], unit: str) -> Progress:
+def task_progress(desc: Optional[str], total: Optional[int], unit: str) -> Progress:
     """Progress of a task's items; desc None: quiet (not rank 0, or the caller asked)."""
     return Progress(total, desc or "", unit=unit, enabled=desc is not None)
 
 
-def _scores(model: LoopedLM, windows: list[Window], owner: list[int], items: list,
-            depths: list[int], batch_size: int, exit_stats: Optional[ExitStats],
-            desc: Optional[str], unit: str, item: str, totals: Any, metrics: Any) -> list[dict]:
-    """`totals(depths, scores, owner, items)` of the windows scored by score_windows (owner[k]:
-    the item window k belongs to), with progress in `unit`s. Ctrl-C: TaskInterrupted in `item`s
-    with the `metrics` of the totals over the items whose windows are all scored."""
+def score_items(model: LoopedLM, windows: list[Window], owner: list[int], items: list,
+                depths: list[int], batch_size: int, exit_stats: Optional[ExitStats],
+                desc: Optional[str], unit: str, item: str, totals: Any, metrics: Any
+                ) -> list[dict]:
+    """Score the windows of `items` at every depth and return `totals` of their scores.
+
+    totals(depths, scores, owner, items): owner[k] is the item window k belongs to; progress is
+    in `unit`s. Ctrl-C: TaskInterrupted in `item`s with the `metrics` of the totals over the
+    items whose windows are all scored."""
     from scse_dist.eval.scoring import ScoringInterrupted, score_windows
 
     try:
-        with _progress(desc, len(windows), unit) as progress:
+        with task_progress(desc, len(windows), unit) as progress:
             return totals(*score_windows(model, windows, depths, batch_size, exit_stats, progress),
                           owner, items)
     except ScoringInterrupted as stop:
@@ -89,7 +93,7 @@ def document_totals(model: LoopedLM, tokenizer: Any, documents: list[str], depth
 
     windows, owner = documents_windows(tokenizer.encode_batch([d.strip() for d in documents]),
                                        tokenizer.eos_id, seq_len, stride)
-    return _scores(model, windows, owner, documents, depths, batch_size, exit_stats, desc,
+    return score_items(model, windows, owner, documents, depths, batch_size, exit_stats, desc,
                    "window", "document", _document_totals, document_metrics)
 
 
@@ -106,8 +110,8 @@ def _document_totals(depths: list[int], scores: list[list[Score]], owner: list[i
 def document_metrics(totals: dict) -> dict:
     """One depth's row from its totals (_document_totals, or their sum over ranks)."""
     nll, tokens = totals["nll"], totals["tokens"]
-    return {"depth": totals["depth"], "loss": nll / tokens, "ppl": _exp(nll / tokens),
-            "word_ppl": _exp(nll / totals["words"]),
+    return {"depth": totals["depth"], "loss": nll / tokens, "ppl": safe_exp(nll / tokens),
+            "word_ppl": safe_exp(nll / totals["words"]),
             "bits_per_byte": nll / math.log(2) / totals["bytes"], "tokens": int(tokens),
             "words": int(totals["words"]), "bytes": int(totals["bytes"]),
             "documents": int(totals["documents"])}
@@ -151,7 +155,8 @@ def run_task(task: str, model: LoopedLM, cfg: RunConfig, data: str, depths: list
     desc = _progress_label(task, model, depths, exit_rule) if progress and is_rank0() else None
     try:
         rows = record.scorer(TaskRun(model, tokenizer, inputs, shards, depths, seq_len, stride,
-                                    batch_size, max_batches, stats, desc, extra))
+                                    batch_size, max_batches, stats, desc, extra,
+                                    cfg.eval.settings(task)))
     except TaskInterrupted as stop:
         raise Interrupted(_write_partial(stop, task, out_path, checkpoint_label, cfg, stats,
                                          extra)) from None
@@ -180,8 +185,8 @@ def _progress_label(task: str, model: LoopedLM, depths: list[int],
 
 class TaskRun(NamedTuple):
     """What a task's scorer gets: the model, the data its reader read (or a held-out shard
-    stream: `shards`), the settings, an exit rule's ExitStats, a progress label (None: quiet)
-    and `extra`, settings it adds to the results JSON."""
+    stream: `shards`), the settings, an exit rule's ExitStats, a progress label (None: quiet),
+    `extra`, settings it adds to the results JSON, and the task's own settings."""
 
     model: LoopedLM
     tokenizer: Any
@@ -195,6 +200,7 @@ class TaskRun(NamedTuple):
     exit_stats: Optional[ExitStats]
     desc: Optional[str]
     extra: dict
+    settings: Any = None  # the task's own (eval.task_settings.<task>; its record's `settings`)
 
 
 def _add_steps(rows: list[dict], stats: Optional[ExitStats]) -> list[dict]:

@@ -171,7 +171,7 @@ class LoopedLM(nn.Module):
                                document_ids: Optional[torch.Tensor] = None
                                ) -> Iterator[tuple[int, torch.Tensor]]:
         """As iter_depth_logits, but (depth, the LM head's input (B, S, d)), for a caller that
-        applies `head_weight` to a few rows only (scse_dist.eval.scorer)."""
+        applies `head_weight` to a few rows only (scse_dist.eval.scoring)."""
         final, readouts = self._resolve_depths(None, depths)
         assert readouts is not None
         rope, mask = self.positions(tokens, document_ids=document_ids)

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from scse_dist.config import ConfigError, RunConfig, config_from_dict, read_config_file, renamed_key
 from scse_dist.run_dir import RunDir
 from scse_dist.study.spec import SpecError, StudySpec
-from scse_dist.task_registry import TASKS, field_value
+from scse_dist.task_registry import TASKS
 
 
 @dataclass
@@ -84,8 +84,9 @@ def run_config(spec: StudySpec, run: Run) -> RunConfig:
              "eval.depths": spec.evals.depths, "eval.tasks": spec.evals.tasks,
              "eval.after_train": False, "wandb.group": spec.name}
     for task in TASKS.values():  # each task's data file, where the spec names one
-        if task.data_field and field_value(spec.evals, task.data_field):
-            study[f"eval.{task.data_field}"] = field_value(spec.evals, task.data_field)
+        named = spec.evals.data.get(task.name) or getattr(spec.evals, task.name, None)
+        if task.data_field and isinstance(named, str):  # evals.data.<task>, .wikitext, .lambada
+            study[f"eval.{task.data_field}"] = named
     where = f"{spec.path}: variants.{run.variant}"
     for key, value in {**spec.overrides, **run.overrides, **study}.items():
         _set_dotted(values, renamed_key(str(key), value), value, where)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from scse_dist.cli_errors import InputError
 from scse_dist.data.sources import read_corpus
-from scse_dist.eval.task_run import TaskInterrupted, TaskRun, _progress
+from scse_dist.eval.task_run import TaskInterrupted, TaskRun, task_progress
 from scse_dist.task_registry import Task, register
 
 if TYPE_CHECKING:
@@ -28,13 +28,13 @@ def diagnose_rows(model: LoopedLM, batches: Iterable[torch.Tensor], depths: list
     """
     import torch
 
-    from scse_dist.eval.scorer import resolve_depths
+    from scse_dist.eval.scoring import resolve_depths
 
     depths = resolve_depths(model, depths)
     sums: dict[str, torch.Tensor] = {}
     n = 0
     try:
-        with torch.inference_mode(), _progress(desc, max_batches or None, "batch") as progress:
+        with torch.inference_mode(), task_progress(desc, max_batches or None, "batch") as progress:
             for i, batch in enumerate(batches):
                 if max_batches and i >= max_batches:
                     break

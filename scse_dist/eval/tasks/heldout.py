@@ -4,7 +4,7 @@ eval.max_batches), or on any JSONL/text corpus, each document scored on its own.
 from __future__ import annotations
 
 from scse_dist.data.sources import read_corpus
-from scse_dist.eval.task_run import TaskRun, _progress, document_rows
+from scse_dist.eval.task_run import TaskRun, document_rows, task_progress
 from scse_dist.task_registry import Task, register
 
 
@@ -17,7 +17,7 @@ def heldout_rows(run: TaskRun) -> list[dict]:
     from scse_dist.eval.perplexity import evaluate_heldout  # imports torch
 
     run.extra["max_batches"] = run.max_batches
-    with _progress(run.desc, run.max_batches or None, "batch") as bar:
+    with task_progress(run.desc, run.max_batches or None, "batch") as bar:
         return evaluate_heldout(run.model, run.inputs, run.depths, max_batches=run.max_batches,
                                 exit_stats=run.exit_stats, progress=bar, eos_id=run.inputs.eos)
 

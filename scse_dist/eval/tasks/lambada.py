@@ -4,15 +4,23 @@ both as lm-eval's LAMBADA tasks define them, from the OpenAI JSONL or one passag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from scse_dist.cli_errors import InputError
 from scse_dist.data.sources import is_jsonl, jsonl_values, single_file, text_lines
-from scse_dist.eval.task_run import TaskRun, _exp, _scores, context_target_ids
+from scse_dist.eval.task_run import TaskRun, context_target_ids, safe_exp, score_items
 from scse_dist.task_registry import Task, register
 
 if TYPE_CHECKING:
     from scse_dist.eval.scoring import Score
+
+
+@dataclass
+class Config:
+    """eval.task_settings.lambada."""
+
+    path: Optional[str] = None  # LAMBADA JSONL or plain text, path or URL
 
 
 class Passage(NamedTuple):
@@ -59,7 +67,7 @@ def lambada_totals(run: TaskRun) -> list[dict]:
 
     windows = [context_target_window(*context_target_ids(run.tokenizer, p.context, p.target),
                                      run.tokenizer.eos_id, run.seq_len) for p in run.inputs]
-    return _scores(run.model, windows, list(range(len(windows))), run.inputs, run.depths,
+    return score_items(run.model, windows, list(range(len(windows))), run.inputs, run.depths,
                    run.batch_size, run.exit_stats, run.desc, "passage", "passage",
                    _lambada_totals, lambada_metrics)
 
@@ -80,7 +88,8 @@ def lambada_metrics(totals: dict) -> dict:
     per passage, not per token."""
     n, nll = totals["examples"], totals["nll"]
     return {"depth": totals["depth"], "accuracy": totals["correct"] / n, "loss": nll / n,
-            "ppl": _exp(nll / n), "examples": int(n), "target_tokens": int(totals["target_tokens"])}
+            "ppl": safe_exp(nll / n), "examples": int(n),
+            "target_tokens": int(totals["target_tokens"])}
 
 
 def lambada_task_rows(run: TaskRun) -> list[dict]:
@@ -91,5 +100,5 @@ def lambada_task_rows(run: TaskRun) -> list[dict]:
 TASK = register(Task("lambada", read_lambada, lambada_task_rows,
                      metrics=("ppl", "accuracy", "loss"), table=("accuracy", "ppl"),
                      report=("accuracy", "ppl"), study_report=("ppl", "accuracy"),
-                     higher_is_better=("accuracy",), data_field="lambada",
+                     higher_is_better=("accuracy",), settings=Config,
                      totals=lambada_totals, from_totals=lambada_metrics))

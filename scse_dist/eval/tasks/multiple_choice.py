@@ -13,15 +13,23 @@ log-likelihoods, per character, per UTF-8 byte, is the label.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 from scse_dist.cli_errors import InputError
 from scse_dist.data.sources import jsonl_values, single_file, text_lines
-from scse_dist.eval.task_run import TaskRun, _scores, context_target_ids
+from scse_dist.eval.task_run import TaskRun, context_target_ids, score_items
 from scse_dist.task_registry import Task, register
 
 if TYPE_CHECKING:
     from scse_dist.eval.scoring import Score, Window
+
+
+@dataclass
+class Config:
+    """eval.task_settings.<task> of each multiple-choice task."""
+
+    path: Optional[str] = None  # its local JSONL file (formats: docs/evaluation.md)
 
 
 class Choices(NamedTuple):
@@ -214,7 +222,7 @@ def mc_totals(run: TaskRun) -> list[dict]:
     """Per depth {"depth", "correct", "correct_norm", "correct_bytes", "examples"} over
     run.inputs (Choices). Ctrl-C: TaskInterrupted with the rows of the questions done."""
     windows, owner = choice_windows(run.tokenizer, run.inputs, run.seq_len)
-    return _scores(run.model, windows, owner, run.inputs, run.depths, run.batch_size,
+    return score_items(run.model, windows, owner, run.inputs, run.depths, run.batch_size,
                    run.exit_stats, run.desc, "answer", "question", _totals, mc_metrics)
 
 
@@ -224,8 +232,8 @@ def mc_task_rows(run: TaskRun) -> list[dict]:
 
 READERS = {"hellaswag": read_hellaswag, "piqa": read_piqa, "arc_easy": read_arc,
            "arc_challenge": read_arc, "multiple_choice": read_multiple_choice}
-for _name, _reader in READERS.items():  # each reads its local file from eval.data.<name>
+for _name, _reader in READERS.items():  # each reads eval.task_settings.<name>.path
     register(Task(_name, _reader, mc_task_rows, metrics=("acc_norm", "accuracy", "acc_bytes"),
                   table=("accuracy", "acc_norm"), report=("acc_norm", "accuracy"),
                   higher_is_better=("acc_norm", "accuracy", "acc_bytes"),
-                  data_field=f"data.{_name}", totals=mc_totals, from_totals=mc_metrics))
+                  settings=Config, totals=mc_totals, from_totals=mc_metrics))

@@ -4,9 +4,23 @@ reader is a corpus format too, so it stays in scse_dist.data.sources.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 from scse_dist.data.sources import read_wikitext_articles
 from scse_dist.eval.task_run import TaskRun, document_metrics, document_rows, document_totals
 from scse_dist.task_registry import Task, register
+
+
+@dataclass
+class Config:
+    """eval.task_settings.wikitext."""
+
+    path: Optional[str] = None  # wiki.{valid,test}.raw path or URL
+    stride: int = 0  # sliding-window stride in tokens; 0 means data.seq_len // 2
+
+    def problem(self) -> Optional[str]:
+        return f"stride: must be >= 0, got {self.stride}" if self.stride < 0 else None
 
 
 def wikitext_rows(run: TaskRun) -> list[dict]:
@@ -25,5 +39,5 @@ TASK = register(Task("wikitext", read_wikitext_articles, wikitext_rows,
                      metrics=("ppl", "word_ppl", "bits_per_byte", "loss"),
                      table=("ppl", "word_ppl", "bits_per_byte"),
                      report=("word_ppl", "ppl", "bits_per_byte"),
-                     study_report=("ppl", "word_ppl", "bits_per_byte"), data_field="wikitext",
+                     study_report=("ppl", "word_ppl", "bits_per_byte"), settings=Config,
                      totals=wikitext_totals, from_totals=document_metrics))

@@ -69,9 +69,10 @@ class DownstreamEvalCallback(Callback):
         shown = []
         for name, (n, share) in self.shares.items():
             task, started = TASKS[name], time.perf_counter()
+            own = cfg.eval.settings(name)
+            stride = getattr(own, "stride", 0) or max(1, seq_len // 2)
             run = TaskRun(state.engine.module, state.tokenizer, share, False, self.depths,
-                          seq_len, cfg.eval.stride or max(1, seq_len // 2), cfg.eval.batch_size,
-                          0, None, None, {})
+                          seq_len, stride, cfg.eval.batch_size, 0, None, None, {}, own)
             totals = task.share_totals(run)
             if state.env.world_size > 1:
                 totals = reduce_totals(totals, device)
