@@ -5,6 +5,8 @@ console script's `main` is wrapped in `cli_main(prog)`; scse-train adds 3, 4 and
     2    bad arguments or config (argparse's own status; ConfigError)
     65   bad input data (InputError; sysexits' EX_DATAERR)
     66   an input that is missing or cannot be read (OSError; sysexits' EX_NOINPUT)
+    75   try again later: another process holds what the command would write (TryLater;
+         sysexits' EX_TEMPFAIL, the status a launcher requeues)
     130  Ctrl-C: one line, `<prog>: interrupted` (a command that kept partial work raises
          `Interrupted("what was kept")` and the line says so)
 
@@ -31,11 +33,17 @@ from scse_dist.config import ConfigError
 EXIT_CONFIG = 2
 EXIT_BAD_INPUT = 65
 EXIT_NO_INPUT = 66
+EXIT_TEMPFAIL = 75
 EXIT_INTERRUPTED = 130
 
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, after the command kept what it could; the message says what (one line)."""
+
+
+class TryLater(Exception):
+    """Another process holds what this command would write (a run dir's lock); the message names
+    it. Exit 75: rerun when it has ended."""
 
 
 class InputError(ValueError):
@@ -53,6 +61,8 @@ def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
 
 def exit_status(exc: BaseException) -> Optional[int]:
     """The exit status of an error bad input causes; None for anything else (a bug: re-raise)."""
+    if isinstance(exc, TryLater):
+        return EXIT_TEMPFAIL
     if isinstance(exc, ConfigError):
         return EXIT_CONFIG
     # UnicodeDecodeError and JSONDecodeError are ValueErrors too; readers normally convert them to
@@ -128,7 +138,7 @@ def cli_main(prog: str) -> Callable:
                 status = exit_status(exc)
                 if status is None:
                     raise
-                kind = "config error" if status == EXIT_CONFIG else "error"
+                kind = {EXIT_CONFIG: "config error", EXIT_TEMPFAIL: "busy"}.get(status, "error")
                 print(f"{prog}: {kind}: {one_line(exc)}", file=sys.stderr, flush=True)
                 return status
 

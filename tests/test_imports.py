@@ -35,7 +35,8 @@ ROOT = Path(scse_dist.__file__).parent
 
 LAYERS = [
     {"model"},
-    {"config", "typed_yaml", "task_registry", "run_dir", "cli_errors", "atomic", "progress",
+    {"config", "typed_yaml", "task_registry", "run_dir", "run_lock", "cli_errors", "atomic",
+     "progress",
      "quiet", "threads", "distributed", "hf", "figures", "param_groups"},
     {"data"},
     {"checkpoint"},
