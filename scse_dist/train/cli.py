@@ -29,7 +29,8 @@ EXIT_STATUSES = """exit statuses:
   65   bad input data (another tokenizer's shards, a tokenizer larger than model.vocab_size,
        corrupt data past data.max_failures, a split with nothing readable)
   66   an input is missing or unreadable (data.path, data.tokenizer)
-  75   preempted by SIGTERM, SIGUSR1 or Ctrl-C: the step in flight was saved; rerun to resume
+  75   preempted by SIGTERM, SIGUSR1 or Ctrl-C: the step in flight was saved; rerun to resume;
+       or another process holds the run dir's lock (one line names it): rerun when it has ended
   130  a second Ctrl-C: stopped at once without saving"""
 
 
