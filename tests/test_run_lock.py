@@ -165,6 +165,7 @@ def test_scse_export_into_a_busy_run_dir_is_refused_before_it_reads_anything(tmp
 
     run = tmp_path / "runs" / "r"
     (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("name: r\n")
     foreign_lock(run, live_pid)
     before = listing(tmp_path)
     assert export_cli.main([str(run), "--out", str(run / "export")]) == 75
@@ -175,7 +176,7 @@ def test_scse_export_into_a_busy_run_dir_is_refused_before_it_reads_anything(tmp
     # without the lock the same command goes on to read the checkpoint (there is none: 66)
     (run / LOCK_NAME).unlink()
     assert export_cli.main([str(run), "--out", str(run / "export")]) == 66
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml"]
 
 
 def test_a_study_does_not_rewrite_the_config_of_a_run_being_trained(tmp_path, tiny_config,

@@ -34,16 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_dir_lock(out: str) -> ContextManager[object]:
     """The lock of the run dir `out` lies in (`out` or the nearest folder above it holding
-    checkpoints/ or a lock): an export into a run dir is one of its writers. Elsewhere, nothing to
-    hold."""
-    from scse_dist.run_dir import CHECKPOINTS_NAME
-    from scse_dist.run_lock import LOCK_NAME, held
+    checkpoints/ and config.yaml): an export into a run dir is one of its writers. Elsewhere,
+    nothing to hold."""
+    from scse_dist.run_dir import RunDir
+    from scse_dist.run_lock import held
 
     if "://" not in out:
         path = Path(out).resolve()
-        for folder in (path, *path.parents):
-            if (folder / CHECKPOINTS_NAME).is_dir() or (folder / LOCK_NAME).exists():
-                return held(folder)
+        for folder in map(RunDir, (path, *path.parents)):
+            if folder.checkpoints.is_dir() and folder.config.is_file():
+                return held(folder.path)
     return contextlib.nullcontext()
 
 
