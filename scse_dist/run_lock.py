@@ -112,11 +112,23 @@ class RunLock:
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(self.record))
+            self._remove_dead_heartbeats()
             self._thread = threading.Thread(target=self._beat, daemon=True,
                                             name=f"heartbeat {self.path}")
             self._thread.start()
             return self
         raise self._busy()
+
+    def _heartbeat_tmp(self, pid: int) -> Path:
+        return self.path.with_name(f".tmp-{LOCK_NAME}.{socket.gethostname()}.{pid}")
+
+    def _remove_dead_heartbeats(self) -> None:
+        """A heartbeat's temporary file that a killed holder on this host left behind."""
+        for tmp in self.path.parent.glob(f".tmp-{LOCK_NAME}.*"):
+            pid = tmp.name.rpartition(".")[2]
+            if pid.isdigit() and tmp == self._heartbeat_tmp(int(pid)) and not _alive(int(pid)):
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
 
     def _busy(self) -> RunDirBusy:
         _, record, mtime = _read(self.path)
@@ -162,14 +174,16 @@ class RunLock:
     def renew(self) -> None:
         """Write a new heartbeat (a temporary file renamed over the lock, so readers see a whole
         record); a lock taken over meanwhile is left to its new holder."""
-        if not self._ours():
-            print(f"{self.path}: this process's lock was taken over (no heartbeat for "
-                  f"{STALE_AFTER_S:.0f} s?); another process may be writing the run dir",
-                  file=sys.stderr, flush=True)
+        data, record, _ = _read(self.path)
+        if data is None or record.get("token") != self.record.get("token"):
+            if data is not None:  # gone with its run dir (a start refused) needs no word
+                print(f"{self.path}: this process's lock was taken over (no heartbeat for "
+                      f"{STALE_AFTER_S:.0f} s?); another process may be writing the run dir",
+                      file=sys.stderr, flush=True)
             self._stop.set()
             return
         self.record["heartbeat"] = time.time()
-        tmp = self.path.with_name(f".tmp-{LOCK_NAME}.{socket.gethostname()}.{os.getpid()}")
+        tmp = self._heartbeat_tmp(os.getpid())
         tmp.write_text(json.dumps(self.record))
         os.replace(tmp, self.path)
 

@@ -107,16 +107,21 @@ def test_a_holder_on_another_host_is_alive_until_its_heartbeat_is_too_old(tmp_pa
     assert list(tmp_path.iterdir()) == []  # nothing set aside is left
 
 
-def test_a_dead_pid_on_this_host_is_stale_at_once(tmp_path, capsys):
+def test_a_dead_pid_on_this_host_is_stale_at_once(tmp_path, capsys, live_pid):
     pid = dead_pid()
     foreign_lock(tmp_path, pid, job=None)
+    # a heartbeat it was writing when it died goes; a live process's, or another host's, stays
+    here = socket.gethostname()
+    kept = [f".tmp-{LOCK_NAME}.{here}.{live_pid}", f".tmp-{LOCK_NAME}.node-elsewhere.{pid}"]
+    for name in [f".tmp-{LOCK_NAME}.{here}.{pid}", *kept]:
+        (tmp_path / name).write_text("{}")
     lock = RunLock(tmp_path).acquire()
     line, = capsys.readouterr().err.splitlines()
     assert line == (f"{tmp_path}: took over a stale lock (host {socket.gethostname()}, pid {pid}, "
                     f"Slurm job none, heartbeat 0 s ago): its process {pid} on this host is gone")
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     lock.release()
-    assert list(tmp_path.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
 
 
 def test_a_lock_being_written_counts_as_held_until_it_is_old(tmp_path):
