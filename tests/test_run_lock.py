@@ -290,3 +290,24 @@ def test_a_second_training_into_a_busy_run_dir_is_refused_and_changes_nothing(
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "kind" not in r] == list(range(1, steps + 1))
     assert not (run_dir / LOCK_NAME).exists() and not list(run_dir.rglob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_every_rank_of_a_second_training_exits_75_and_none_waits(tmp_path, tiny_config,
+                                                                 subprocess_env, live_pid):
+    """Two ranks start into a run dir another process holds: rank 0 alone asks the lock, and
+    both ranks stop with its one line and exit 75 (none waits for a peer that left)."""
+    from train_procs import train_ranks
+
+    config = tiny_config(tmp_path)
+    run_dir = tmp_path / "runs" / "tiny"
+    run_dir.mkdir(parents=True)
+    data = foreign_lock(run_dir, live_pid)
+    results = train_ranks(config, subprocess_env, timeout=240)
+    assert [r.returncode for r in results] == [75, 75], results[0].tail() + results[1].tail()
+    for result in results:
+        line, = result.stderr.splitlines()
+        assert line.startswith(f"scse-train: busy: {run_dir} is being written by another process")
+        assert f"pid {live_pid}" in line
+    assert [p.name for p in run_dir.iterdir()] == [LOCK_NAME]
+    assert (run_dir / LOCK_NAME).read_bytes() == data
