@@ -7,8 +7,9 @@ command leaves the filesystem as it found it (no partial file, no empty or tempo
                                        succeeds (the parent folders it had to make go on failure)
     with output_dir(url, ...) as tmp:  a folder of outputs, built beside its place and moved in
 
-Temporary names start with `.tmp-` and end with the pid, so a killed writer's leftovers are
-never read as outputs (checkpoint.remove_partial_saves clears them from a checkpoints dir).
+Temporary names are `.tmp-NAME.HOST.PID`, so a killed writer's leftovers are never read as
+outputs, and one is removed only when its writer is provably gone: its host is this host and its
+pid is dead (a writer on another node of a shared file system is never taken for dead).
 
 Out of space: a write that fails for want of space (ENOSPC, EDQUOT, EFBIG: a full disk, a quota,
 a file-size limit) raises NoSpaceError naming the path and the free space; commands exit 74 on it
@@ -27,6 +28,7 @@ import os
 import posixpath
 import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -194,7 +196,7 @@ def removed_on_failure(path: Path, keep: Callable[[BaseException], bool] = lambd
 def _temporary(fs: Any, path: str) -> tuple[str, str]:
     """(fs path, URL) of the temporary name beside `path`."""
     parent, name = posixpath.split(path.rstrip("/"))
-    tmp = posixpath.join(parent, f".tmp-{name}.{os.getpid()}")
+    tmp = posixpath.join(parent, f".tmp-{name}.{socket.gethostname()}.{os.getpid()}")
     return tmp, tmp if _local(fs) else fs.unstrip_protocol(tmp)
 
 
@@ -270,14 +272,17 @@ def _named_as_published(tmp_url: str, url: str) -> Iterator[None]:
 
 
 def _remove_dead_temporaries(fs: Any, root: str) -> None:
-    """Once `root` is published, the `.tmp-NAME.PID` folders a killed process left beside it are
-    this stack's own leftovers: remove those whose process is gone (local filesystems only)."""
+    """Once `root` is published, the `.tmp-NAME.HOST.PID` folders a killed process left beside it
+    are this stack's own leftovers: remove those written on this host by a process that is gone
+    (local filesystems only; one of another host, or without a host, stays)."""
     if not _local(fs):
         return
     parent, name = os.path.split(root)
-    for leftover in Path(parent or ".").glob(f".tmp-{name}.*"):
-        pid = leftover.name.rsplit(".", 1)[-1]
-        if not pid.isdigit() or not leftover.is_dir() or _alive(int(pid)):
+    prefix = f".tmp-{name}."
+    for leftover in Path(parent or ".").glob(f"{prefix}*"):
+        host, _, pid = leftover.name[len(prefix):].rpartition(".")
+        if host != socket.gethostname() or not pid.isdigit() or not leftover.is_dir() \
+                or _alive(int(pid)):
             continue
         shutil.rmtree(leftover, ignore_errors=True)
 

@@ -8,6 +8,8 @@ console script's `main` is wrapped in `cli_main(prog)`; scse-train adds 3, 4 and
     74   no space left writing an output: a full disk, a quota or a file-size limit (NoSpaceError,
          or an OSError with ENOSPC, EDQUOT or EFBIG; sysexits' EX_IOERR). The line names the path
          and the free space; nothing partial is left in place of an output
+    75   try again later: another process holds what the command would write (TryLater;
+         sysexits' EX_TEMPFAIL, the status a launcher requeues)
     130  Ctrl-C: one line, `<prog>: interrupted` (a command that kept partial work raises
          `Interrupted("what was kept")` and the line says so)
 
@@ -36,11 +38,17 @@ EXIT_CONFIG = 2
 EXIT_BAD_INPUT = 65
 EXIT_NO_INPUT = 66
 EXIT_NO_SPACE = 74
+EXIT_TEMPFAIL = 75
 EXIT_INTERRUPTED = 130
 
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C, after the command kept what it could; the message says what (one line)."""
+
+
+class TryLater(Exception):
+    """Another process holds what this command would write (a run dir's lock); the message names
+    it. Exit 75: rerun when it has ended."""
 
 
 class InputError(ValueError):
@@ -58,6 +66,8 @@ def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
 
 def exit_status(exc: BaseException) -> Optional[int]:
     """The exit status of an error bad input causes; None for anything else (a bug: re-raise)."""
+    if isinstance(exc, TryLater):
+        return EXIT_TEMPFAIL
     if isinstance(exc, ConfigError):
         return EXIT_CONFIG
     # UnicodeDecodeError and JSONDecodeError are ValueErrors too; readers normally convert them to
@@ -139,7 +149,8 @@ def cli_main(prog: str) -> Callable:
                 if status == EXIT_NO_SPACE and not isinstance(exc, NoSpaceError) and \
                         isinstance(exc, OSError) and exc.filename:  # the free space named too
                     exc = NoSpaceError.at(exc.filename)
-                kind = {EXIT_CONFIG: "config error: ", EXIT_NO_SPACE: ""}.get(status, "error: ")
+                kind = {EXIT_CONFIG: "config error: ", EXIT_NO_SPACE: "",
+                        EXIT_TEMPFAIL: "busy: "}.get(status, "error: ")
                 print(f"{prog}: {kind}{one_line(exc)}", file=sys.stderr, flush=True)
                 return status
 

@@ -38,7 +38,7 @@ srun --kill-on-bad-exit=1 --open-mode=append --output="$run_dir/logs/%j_%t_log.o
   "$PYTHON" -u -m scse_dist.launch.run_job train "$@" --schedule-evals=slurm
 status=$?
 if [ "$status" -eq 75 ]; then
-  echo "pretrain.sh: preempted and saved; requeueing job $SLURM_JOB_ID"
+  echo "pretrain.sh: exit 75 (preempted and saved, or the run dir still held by another job); requeueing job $SLURM_JOB_ID"
   scontrol requeue "$SLURM_JOB_ID"
 fi
 echo "pretrain.sh: training exited $status"

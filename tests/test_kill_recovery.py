@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from scse_dist.run_lock import LOCK_NAME
 from train_procs import REPO, TRAIN, read_metrics, run_trainer
 
 pytestmark = pytest.mark.slow
@@ -25,11 +26,13 @@ KILLS = 3
 SEED = 38
 
 
-def killed_at(config: str, env: dict, fault: str) -> None:
-    """Run the trainer with SCSE_FAULT=fault and check that the fault's SIGKILL ended it."""
+def killed_at(config: str, env: dict, fault: str) -> str:
+    """Run the trainer with SCSE_FAULT=fault and check that the fault's SIGKILL ended it; its
+    stderr."""
     out = subprocess.run([sys.executable, TRAIN, "--config", config], cwd=REPO, text=True,
                          env=dict(env, SCSE_FAULT=fault), capture_output=True, timeout=300)
     assert out.returncode == -9, f"{fault}: rc {out.returncode}\n{out.stderr[-3000:]}"
+    return out.stderr
 
 
 def sha256(path) -> str:
@@ -48,9 +51,12 @@ def test_sigkill_at_random_steps_in_a_save_and_in_the_export_then_a_clean_finish
     ckpts, export = run_dir / "checkpoints", run_dir / "export"
     # increasing steps, so each rerun (resumed at or before the last kill) reaches the next one
     kills = sorted(random.Random(SEED).sample(range(2, STEPS), KILLS))
-    for step in kills:
-        killed_at(config, subprocess_env, f"kill@{step}")
+    for i, step in enumerate(kills):
+        stderr = killed_at(config, subprocess_env, f"kill@{step}")
         assert max(r["step"] for r in read_metrics(run_dir)) == step - 1
+        # the killed run's lock stays; the next start takes it over (its pid is gone), one line
+        assert (run_dir / LOCK_NAME).is_file()
+        assert ("took over a stale lock" in stderr) == (i > 0), stderr[-3000:]
     committed = (ckpts / "latest").read_text()
     killed_at(config, subprocess_env, f"kill_in_save@{STEPS}")
     assert (ckpts / "latest").read_text() == committed  # the half-written save is not named
@@ -64,4 +70,4 @@ def test_sigkill_at_random_steps_in_a_save_and_in_the_export_then_a_clean_finish
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
     assert sha256(export / "model.safetensors") == want
     assert (export / "config.yaml").is_file()
-    assert not list(run_dir.rglob(".tmp-*"))
+    assert not list(run_dir.rglob(".tmp-*")) and not (run_dir / LOCK_NAME).exists()

@@ -80,6 +80,7 @@ def test_ctrl_c_saves_the_step_in_flight_exits_75_and_the_rerun_resumes(tmp_path
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
     ckpts = tmp_path / "runs" / "tiny" / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step-0000003"
+    assert not (ckpts.parent / ".lock").exists()  # the run dir's lock released at exit 75
 
     rerun = subprocess.run([sys.executable, TRAIN, "--config", config], cwd=REPO,
                            env=subprocess_env, capture_output=True, text=True, timeout=240)
@@ -104,3 +105,4 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line_and_saves_nothing(tmp_path,
     assert "Traceback" not in out
     assert not (tmp_path / "runs" / "tiny" / "checkpoints").exists() or \
         not list((tmp_path / "runs" / "tiny" / "checkpoints").glob("step-*"))
+    assert not (tmp_path / "runs" / "tiny" / ".lock").exists()  # released before os._exit

@@ -12,7 +12,9 @@ or --tokenizer) and the Hugging Face files (scse_dist/hf).
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+import contextlib
+from pathlib import Path
+from typing import ContextManager, Sequence
 
 from scse_dist.cli_errors import InputError, cli_main, command_parser, from_config
 from scse_dist.quiet import add_verbose_flag, set_verbose
@@ -30,13 +32,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run_dir_lock(out: str) -> ContextManager[object]:
+    """The lock of the run dir `out` lies in (`out` or the nearest folder above it holding
+    checkpoints/ and config.yaml): an export into a run dir is one of its writers. Elsewhere,
+    nothing to hold."""
+    from scse_dist.run_dir import RunDir
+    from scse_dist.run_lock import held
+
+    if "://" not in out:
+        path = Path(out).resolve()
+        for folder in map(RunDir, (path, *path.parents)):
+            if folder.checkpoints.is_dir() and folder.config.is_file():
+                return held(folder.path)
+    return contextlib.nullcontext()
+
+
 @cli_main("scse-export")
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 done; 2 bad arguments or config; 65 a tokenizer that is not one, or weights
     that do not fit the config; 66 a checkpoint, config or tokenizer that is missing or
-    unreadable. Errors are one line on stderr naming the file."""
+    unreadable; 75 --out is in a run dir another process is writing (its lock). Errors are one
+    line on stderr naming the file."""
     args = build_parser().parse_args(argv)
     set_verbose(args.verbose)
+    with _run_dir_lock(args.out):  # before anything is read or written: a busy run dir is exit 75
+        return _export(args)
+
+
+def _export(args: argparse.Namespace) -> int:
     from scse_dist.checkpoint.export import describe_mismatch, save_exported_model, weights_mismatch
     from scse_dist.checkpoint.loading import checkpoint_weights, deepspeed_checkpoint
     from scse_dist.config import load_saved_config

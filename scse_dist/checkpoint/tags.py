@@ -180,7 +180,8 @@ def _hash_tag(tmp: Path, storage: Any) -> dict[str, Any]:
 
 
 def remove_partial_saves(run_dir: str | Path) -> list[Path]:
-    """Delete `.tmp-*` leftovers of saves that were killed (rank 0, before any new save)."""
+    """Delete `.tmp-*` leftovers of saves that were killed (rank 0, before any new save). Only
+    the holder of the run dir's lock (scse_dist.run_lock) calls this: no other writer is alive."""
     root = checkpoint_dir(run_dir)
     stale = sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
     for path in stale:

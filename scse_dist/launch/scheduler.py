@@ -171,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 submitted (or, --local, done); 1 the backend refused a job; 2 bad config
     (a global batch the training job's world, nodes x tasks_per_node, cannot divide too);
     65 bad input data; 66 an input missing or unreadable (--local); 75 stopped by SIGINT or
-    SIGTERM, the run saved (rerun to resume); with --backend local, the training job's own
-    status."""
+    SIGTERM, the run saved (rerun to resume), or (--local) the run dir held by another process
+    (its lock); with --backend local, the training job's own status."""
     args = build_parser().parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     try:

@@ -96,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """0 done (or submitted); 1 a run or the report failed; 2 bad spec or arguments; 66 (--dry-run)
     an input file of some run is missing, 65 (--dry-run) a run's data would be refused (another
     tokenizer's shards, a tokenizer larger than model.vocab_size); 75 stopped by SIGINT or
-    SIGTERM, the run in progress saved (rerun to resume)."""
+    SIGTERM, the run in progress saved (rerun to resume), or a run dir's config would be rewritten
+    while another process trains that run (its lock)."""
     args = build_parser().parse_intermixed_args(argv)
     if args.max_parallel < 1:
         print("scse-study: --max-parallel: must be >= 1", file=sys.stderr)

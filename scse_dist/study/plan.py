@@ -8,9 +8,9 @@
     <out>/<study>/<variant>/<variant>-seed<k>/             a final run (stage 2)
     <out>/<study>/<variant>/<variant>-lr<value>-seed<k>/   an LR sweep run (stage 1)
 
-Each run dir (scse_dist.run_dir) holds its resolved config.yaml, written before training, and
-the trainer's outputs. A run is done when its export and every evaluation of its stage (a sweep
-run's: eval/validation.json) are complete.
+Each run dir (scse_dist.run_dir) holds its resolved config.yaml, written before training (under
+the run dir's lock, scse_dist.run_lock), and the trainer's outputs. A run is done when its
+export and every evaluation of its stage (a sweep run's: eval/validation.json) are complete.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import yaml
 from scse_dist.atomic import atomic_write_text
 from scse_dist.config import config_to_dict
 from scse_dist.run_dir import VALIDATION_NAME, RunDir, is_complete
+from scse_dist.run_lock import held
 from scse_dist.study.runs import Run, expand, run_config
 from scse_dist.study.spec import StudySpec
 from scse_dist.task_registry import TASKS, field_value
@@ -46,6 +47,13 @@ def status(spec: StudySpec, run: Run) -> str:
     return "partial" if d.started() else "new"
 
 
+def _holds(path: str, text: str) -> bool:
+    try:
+        return Path(path).read_text() == text
+    except OSError:
+        return False
+
+
 def read_choice(spec: StudySpec) -> dict[str, float] | None:
     path = spec.study_dir / LR_CHOICE_NAME
     if not spec.lr or not path.is_file():
@@ -63,9 +71,11 @@ def write_study(spec: StudySpec, stage: str) -> list[Run]:
     atomic_write_text(d / SPEC_NAME, yaml.safe_dump(resolved, sort_keys=False))
     known = expand(spec, chosen, ("sweep",) if stage == "sweep" else ("sweep", "final"))
     for run in known:
-        cfg = run_config(spec, run)
+        text = yaml.safe_dump(config_to_dict(run_config(spec, run)), sort_keys=False)
         Path(run.run_dir).mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run.config, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        if not _holds(run.config, text):  # a run being trained elsewhere: RunDirBusy, exit 75
+            with held(run.run_dir):
+                atomic_write_text(run.config, text)
     atomic_write_text(d / RUNS_NAME, json.dumps([r.record() for r in known], indent=2) + "\n")
     return [r for r in known if r.stage == stage]
 

@@ -32,7 +32,8 @@ EXIT_STATUSES = """exit statuses:
   74   no space left writing a checkpoint, the export, a metrics row (a full disk, a quota or
        a file-size limit): the line names the path and the free space; the last checkpoint
        is intact: free space and rerun the same command to resume
-  75   preempted by SIGTERM, SIGUSR1 or Ctrl-C: the step in flight was saved; rerun to resume
+  75   preempted by SIGTERM, SIGUSR1 or Ctrl-C: the step in flight was saved; rerun to resume;
+       or another process holds the run dir's lock (one line names it): rerun when it has ended
   130  a second Ctrl-C: stopped at once without saving"""
 
 

@@ -19,6 +19,7 @@ import torch
 
 from scse_dist.atomic import NoSpaceError
 from scse_dist.cli_errors import EXIT_NO_SPACE
+from scse_dist.run_lock import drop_held
 
 REQUEUE_EXIT_CODE = 75
 NONFINITE_EXIT_CODE = 3
@@ -91,6 +92,7 @@ class PreemptionFlag:
             return
         if self._ctrl_c:
             self._say(_SECOND_CTRL_C)
+            drop_held()  # os._exit skips the `finally` that would release the run dir's lock
             os._exit(INTERRUPTED_EXIT_CODE)
         # set before saying so: a second Ctrl-C that lands during the write must see them
         self._ctrl_c = True

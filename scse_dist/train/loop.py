@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from scse_dist import run_lock
 from scse_dist.atomic import atomic_write, removed_on_failure
 from scse_dist.checkpoint.manifest import CONFIG_NAME
 from scse_dist.checkpoint.resume import plan_resume
@@ -26,13 +27,13 @@ from scse_dist.cli_errors import exit_status, one_line
 from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
 from scse_dist.distributed import (
     abandon,
-    barrier,
     describe_placement,
     init_distributed,
     launcher_world,
     shutdown,
 )
 from scse_dist.run_dir import EVAL_NAME, EXPORT_NAME, METRICS_NAME, RunDir
+from scse_dist.run_lock import RunDirBusy
 from scse_dist.threads import configure_threads
 from scse_dist.train.callbacks.assembly import configured_callbacks, in_hook_order, restore_states
 from scse_dist.train.callbacks.base import Callback, TrainState
@@ -67,12 +68,21 @@ def with_world_batch(cfg: RunConfig, world_size: int, world_from: str = "") -> R
 def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
     """Train `cfg` on every rank of the launcher's world; return a summary (complete on rank 0).
     `callbacks` run beside the built-in ones and train.callbacks' (new instances per call: they
-    hold the run's state)."""
+    hold the run's state). Rank 0 holds the run dir's lock (scse_dist.run_lock) from before its
+    first write to the end, whatever the end."""
+    with contextlib.ExitStack() as lock:
+        return _train(cfg, callbacks, lock)
+
+
+def _train(cfg: RunConfig, callbacks: Sequence[Callback], lock: contextlib.ExitStack
+           ) -> dict[str, Any]:
     configured = configured_callbacks(cfg.train.callbacks)  # a bad entry: before anything starts
     preemption = PreemptionFlag().install()  # first: a signal during start-up is honoured at step 1
     state = None
 
     def keep_run_dir(exc: BaseException) -> bool:  # a crash's logs, or a checkpoint to resume
+        if isinstance(exc, RunDirBusy):  # another process's run dir, made just before ours
+            return True
         return state is not None and (state.last_saved > 0 or exit_status(exc) is None)
 
     # The write rule: a run refused before it saved anything leaves no run dir that it made.
@@ -81,7 +91,7 @@ def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
     with made:
         try:
             try:
-                state, saved_states = _start(cfg)
+                state, saved_states = _start(cfg, lock)
             except BaseException:  # a refused config or bad data: nothing to save or wait for
                 abandon()
                 raise
@@ -177,9 +187,10 @@ def _teardown(state: TrainState, callbacks: list[Callback]) -> None:
               file=sys.stderr, flush=True)
 
 
-def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
-    """Process group, run dir, data, model, engine and the resumed step, as a TrainState, and the
-    callbacks' states the resumed checkpoint saved ({} for a fresh start)."""
+def _start(cfg: RunConfig, lock: contextlib.ExitStack) -> tuple[TrainState, dict[str, Any]]:
+    """Process group, run dir (its lock entered into `lock` on rank 0), data, model, engine and
+    the resumed step, as a TrainState, and the callbacks' states the resumed checkpoint saved
+    ({} for a fresh start)."""
     from scse_dist.data.preflight import load_run_tokenizer
     from scse_dist.data.stream import TokenStream
     from scse_dist.model import LoopedLM
@@ -194,7 +205,7 @@ def _start(cfg: RunConfig) -> tuple[TrainState, dict[str, Any]]:
         configure_threads()
         # Zero-start ablations produce subnormal floats, which make CPU math ~10x slower.
         torch.set_flush_denormal(True)
-    storage, resume_tag = _prepare_run_dir(cfg, env.rank == 0)
+    storage, resume_tag = _prepare_run_dir(cfg, env.rank == 0, lock)
     run_dir = storage.local
     tokenizer = load_run_tokenizer(cfg)
     seed_everything(cfg.train.seed)
@@ -285,12 +296,22 @@ def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch=batch))
 
 
-def _prepare_run_dir(cfg: RunConfig, rank0: bool) -> tuple[RunStorage, Any]:
-    """The run dir (checkpoint to resume fetched, verified and agreed) and the tag."""
+def _prepare_run_dir(cfg: RunConfig, rank0: bool, lock: contextlib.ExitStack
+                     ) -> tuple[RunStorage, Any]:
+    """The run dir (locked, checkpoint to resume fetched, verified and agreed) and the tag."""
     storage = RunStorage.for_config(cfg)  # a remote output_dir: run_dir is a local staging dir
-    if rank0:  # one rank writes the run dir, the others wait for it
-        storage.local.mkdir(parents=True, exist_ok=True)
-    barrier()
+    refused: list[Any] = [None]
+    if rank0:  # one rank writes the run dir and holds its lock, the others wait for it
+        try:
+            storage.local.mkdir(parents=True, exist_ok=True)
+            # before any write: a second writer is refused here (exit 75), having changed nothing
+            lock.enter_context(run_lock.held(storage.local))
+        except Exception as exc:  # every rank raises it: none waits for a peer that left
+            refused[0] = exc
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        raise refused[0]
     storage.fetch_latest()  # remote runs: the checkpoint to resume from, onto every node
     # Verified, and its config compared with this one, before anything is built or loaded; a
     # refused config leaves the run dir as it was (config.yaml included).

@@ -74,8 +74,8 @@ class SlurmTask:
         if ended.status == REQUEUE_EXIT_CODE and job_env.global_rank != 0:
             return 0  # task 0 requeues the job; a failure here would end task 0 first (srun)
         if ended.status == REQUEUE_EXIT_CODE:
-            print(f"slurm backend: the job's command was preempted and saved; requeueing job "
-                  f"{job_env.job_id}", flush=True)
+            print(f"slurm backend: the job's command exited 75 (preempted and saved, or its run "
+                  f"dir still held by another job); requeueing job {job_env.job_id}", flush=True)
             try:
                 job_env._requeue(countdown=0)  # submitit's requeue: scontrol requeue <job id>
             except (subprocess.SubprocessError, OSError) as exc:  # e.g. the job was cancelled
