@@ -131,7 +131,7 @@ def test_every_docs_page_is_short(page):
 # Words for the project's own history and machines, not for a user.
 NOT_FOR_USERS = [r"\bissues? #?\d+", r"\bissue-\d+", r"\bthis round\b", r"\bfirst round\b",
                  r"\blent (GPU|machine)", r"\bload average (was )?\d", r"\bsessions?\b",
-                 r"\bstop \d+x\b", r"\bthe lead\b", r"\bhelpers?\b", r"\.\./shared\b"]
+                 r"\bstop \d+x\b", r"\bthe lead\b", r"\.\./shared\b"]
 
 
 def user_text(page: Path) -> str:
