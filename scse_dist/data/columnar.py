@@ -2,7 +2,7 @@
 `text_field` column: `*.parquet` files (pyarrow, row group by row group), a `save_to_disk`
 directory and an `hf:NAME[:CONFIG]:SPLIT` Hub stream (`datasets`). Rows go through RowStats,
 named `URL: row N` (from 0). A unit for `--part` is a parquet row group, ROWS_PER_UNIT rows of a
-saved dataset, or a whole Hub stream (it cannot be split unread).
+saved dataset, or a whole Hub stream (it cannot be split unread). Each registers its `Source`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Iterator
 from scse_dist.config import ConfigError
 from scse_dist.data.extras import require_extra
 from scse_dist.data.rows import RowStats
+from scse_dist.data.source_registry import Source, register_source
 
 HF_PREFIX = "hf:"
 PARQUET_SUFFIX = ".parquet"
@@ -71,11 +72,12 @@ def _open_parquet(url: str) -> Any:
         raise OSError(f"input {url!r} cannot be opened: {type(exc).__name__}: {exc}") from exc
 
 
-def parquet_units(url: str) -> list[tuple[int, int]]:
-    """(row group, its compressed bytes) of a parquet file, in file order."""
+def parquet_units(url: str) -> list[tuple[range | None, int]]:
+    """(row group, its compressed bytes) of a parquet file's units, in file order."""
     meta = _open_parquet(url).metadata
     groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
-    return [(i, max(sum(g.column(c).total_compressed_size for c in range(g.num_columns)), 1))
+    return [(range(i, i + 1), max(sum(g.column(c).total_compressed_size
+                                      for c in range(g.num_columns)), 1))
             for i, g in enumerate(groups)]
 
 
@@ -102,10 +104,11 @@ def _load_saved(path: str) -> Any:
     return datasets.load_from_disk(path)
 
 
-def saved_units(path: str) -> list[tuple[int, int]]:
-    """(first row, rows) of a saved dataset's units."""
+def saved_units(path: str) -> list[tuple[range | None, int]]:
+    """(rows, weight) of a saved dataset's units: ROWS_PER_UNIT rows each, 256 bytes a row."""
     n = len(_load_saved(path))
-    return [(start, min(ROWS_PER_UNIT, n - start)) for start in range(0, n, ROWS_PER_UNIT)]
+    units = [range(a, min(a + ROWS_PER_UNIT, n)) for a in range(0, n, ROWS_PER_UNIT)]
+    return [(rows, 256 * len(rows)) for rows in units]
 
 
 def iter_saved(path: str, rows: range | None, text_field: str, stats: RowStats) -> Iterator[str]:
@@ -136,3 +139,22 @@ def iter_hub(spec: str, text_field: str, stats: RowStats) -> Iterator[str]:
         text = stats.take(row.get(text_field), f"{spec}: row {r}", text_field, missing)
         if text is not None:
             yield text
+
+
+def _is_saved(url: str) -> bool:  # a directory left by expand_inputs is a saved dataset
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs.isdir(path)
+
+
+register_source(Source("hub", lambda url: url.startswith(HF_PREFIX) and bool(parse_hf(url)),
+                       lambda url: [(None, 2**30)],  # nominal: a stream has no known size
+                       lambda url, rows, field, split, stats: iter_hub(url, field, stats),
+                       priority=-10, files=False))
+register_source(Source("parquet", is_parquet, parquet_units,
+                       lambda url, rows, field, split, stats: iter_parquet(url, rows, field, stats),
+                       priority=-20))
+register_source(Source("saved", _is_saved, saved_units,
+                       lambda url, rows, field, split, stats: iter_saved(url, rows, field, stats),
+                       priority=-40))

@@ -2,7 +2,8 @@
 by name after a compression suffix (.gz/.bz2/.xz/.zst, decompressed by fsspec): `*.jsonl`/`*.json`
 one JSON object per line, `obj[text_field]`; else plain text, a document per run of lines between
 blank lines (a book dump as one document would make the held-out split all or nothing), per file
-or per WikiText article (`text_split`); parquet, directories and `hf:` specs: columnar.py. Bad
+or per WikiText article (`text_split`); parquet, directories and `hf:` specs: columnar.py. Each
+format is a registered `Source` (source_registry.py), the first that matches an input reads it. Bad
 input is an InputError naming file and line, a missing one FileNotFoundError, an unreadable OSError.
 """
 
@@ -14,22 +15,20 @@ import json
 import lzma
 import re
 import zlib
-from typing import Any, Iterator, Literal, NamedTuple
+from typing import Any, Iterator, Literal
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import ConfigError
-from scse_dist.data.columnar import (
-    HF_PREFIX,
-    directory_files,
-    is_parquet,
-    iter_hub,
-    iter_parquet,
-    iter_saved,
-    parquet_units,
-    parse_hf,
-    saved_units,
-)
+from scse_dist.data.columnar import directory_files
 from scse_dist.data.rows import RowStats
+from scse_dist.data.source_registry import (
+    SOURCES,
+    Source,
+    Unit,
+    by_priority,
+    register_source,
+    source_of,
+)
 
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zstd")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -39,15 +38,14 @@ _WIKITEXT_TITLE = re.compile(r"^ = [^=].* = $")
 
 def expand_inputs(urls: list[str] | tuple[str, ...] | str) -> list[str]:
     """URLs or globs -> the concrete file URLs, in argument order, each glob sorted. A directory
-    becomes its parquet files (sorted) or stays itself when it is a saved dataset; an `hf:` spec
-    stays as it is (scse_dist.data.columnar)."""
+    becomes its parquet files (sorted) or stays itself when it is a saved dataset; an input of a
+    source that reads no files (an `hf:` spec: scse_dist.data.columnar) stays as it is."""
     urls = [urls] if isinstance(urls, str) else urls
     import fsspec  # here, not at the top: commands that only parse their arguments skip it
 
     out: list[str] = []
     for url in urls:
-        if url.startswith(HF_PREFIX):
-            parse_hf(url)  # a malformed spec fails here, before anything is read
+        if any(s.matches(url) for s in by_priority() if not s.files):  # a malformed one fails here
             out.append(url)
             continue
         local = "://" not in url or url.startswith("file://")
@@ -163,45 +161,30 @@ def _iter_text(url: str, text_split: str) -> Iterator[str]:
             yield "".join(run).rstrip("\n")
 
 
-class Unit(NamedTuple):
-    """A piece of the input read as one: a file, a parquet row group, rows of a saved dataset."""
-
-    url: str
-    kind: str  # "jsonl", "text", "parquet", "saved", "hub"
-    rows: range | None = None  # row groups (parquet) or rows (saved); None: all of it
-    weight: int = 1  # bytes, about: what --part balances
-
-
-def _kind(url: str) -> str:
-    if url.startswith(HF_PREFIX):
-        return "hub"
-    if is_parquet(url):
-        return "parquet"
-    if is_jsonl(url):
-        return "jsonl"
+def _file_units(url: str) -> list[tuple[range | None, int]]:
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(url)
-    return "saved" if fs.isdir(path) else "text"
+    return [(None, max(int(fs.size(path) or 1), 1))]
+
+
+def _text_documents(url: str, rows: range | None, text_field: str, text_split: str,
+                    stats: RowStats) -> Iterator[str]:
+    return iter(read_wikitext_articles(url)) if text_split == "wikitext" else \
+        _iter_text(url, text_split)
+
+
+register_source(Source("jsonl", is_jsonl, _file_units,
+                       lambda url, rows, field, split, stats: _iter_jsonl(url, field, stats),
+                       priority=-30))
+register_source(Source("text", lambda url: True, _file_units, _text_documents, priority=-50,
+                       fields=False))
 
 
 def list_units(files: list[str]) -> list[Unit]:
     """The units of expanded inputs, in reading order, each weighed (for --part)."""
-    import fsspec
-
-    units: list[Unit] = []
-    for url in files:
-        kind = _kind(url)
-        if kind == "parquet":
-            units += [Unit(url, kind, range(g, g + 1), w) for g, w in parquet_units(url)]
-        elif kind == "saved":
-            units += [Unit(url, kind, range(a, a + n), n * 256) for a, n in saved_units(url)]
-        elif kind == "hub":
-            units.append(Unit(url, kind, None, 2**30))  # nominal: a stream has no known size
-        else:
-            fs, path = fsspec.core.url_to_fs(url)
-            units.append(Unit(url, kind, None, max(int(fs.size(path) or 1), 1)))
-    return units
+    return [Unit(url, s.name, rows, weight) for url in files for s in [source_of(url)]
+            for rows, weight in s.units(url)]
 
 
 def partition(units: list[Unit], part: int, parts: int) -> list[Unit]:
@@ -216,21 +199,6 @@ def partition(units: list[Unit], part: int, parts: int) -> list[Unit]:
     return mine
 
 
-def _unit_documents(u: Unit, text_field: str, text_split: str, stats: RowStats
-                    ) -> Iterator[str]:
-    if u.kind == "jsonl":
-        return _iter_jsonl(u.url, text_field, stats)
-    if u.kind == "parquet":
-        return iter_parquet(u.url, u.rows, text_field, stats)
-    if u.kind == "saved":
-        return iter_saved(u.url, u.rows, text_field, stats)
-    if u.kind == "hub":
-        return iter_hub(u.url, text_field, stats)
-    if text_split == "wikitext":
-        return iter(read_wikitext_articles(u.url))
-    return _iter_text(u.url, text_split)
-
-
 def iter_documents(urls: list[str] | tuple[str, ...] | str, text_field: str = "text",
                    text_split: Literal["blank_lines", "file", "wikitext"] = "blank_lines",
                    stats: RowStats | None = None, part: tuple[int, int] | None = None
@@ -243,16 +211,16 @@ def iter_documents(urls: list[str] | tuple[str, ...] | str, text_field: str = "t
         raise ConfigError(f"text_split: must be one of {TEXT_SPLITS}, got {text_split!r}")
     stats = stats if stats is not None else RowStats()
     files = expand_inputs(urls)
-    units = [Unit(url, _kind(url)) for url in files] if part is None else \
+    units = [Unit(url, source_of(url).name) for url in files] if part is None else \
         partition(list_units(files), *part)
     n = 0
     for u in units:
-        for doc in _unit_documents(u, text_field, text_split, stats):
+        for doc in SOURCES[u.kind].documents(u.url, u.rows, text_field, text_split, stats):
             n += 1
             yield doc
     if n == 0 and part is None:
         names = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-        rows = all(_kind(f) in ("jsonl", "parquet", "saved", "hub") for f in files)
+        rows = all(source_of(f).fields for f in files)
         what = f"no row with a non-empty {text_field!r}" if rows else "nothing but blank lines"
         raise InputError(f"{names}: no documents ({what}; empty input?)")
 
