@@ -269,7 +269,10 @@ def test_dry_run_table_and_bad_spec_exit_status(tmp_path, tiny_config):
                       study_spec(tiny_config(tmp_path), str(tmp_path / "out")))
     out = study(path, "--dry-run")
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    lines = [line for line in out.stdout.splitlines() if not line.startswith("evaluation file: ")]
+    # then the files it evaluates on, by name
+    assert out.stdout.splitlines()[len(lines):] == \
+        ["evaluation file: heldout (test): data.path's held-out split"]
     assert lines[0].split() == ["variant", "seed", "lr", "stage", "run_dir", "status"]
     assert len(lines) == 1 + 5 * 3 and all(line.split()[-1] == "new" for line in lines[1:])
     # the rate each run trains at (the base config's, without a sweep)
@@ -290,7 +293,9 @@ def test_dry_run_names_every_missing_input_and_the_runs_that_need_it(tmp_path, t
                              "lambada": str(tmp_path / "lambada.txt")})
     spec["variants"]["looped"]["overrides"]["data.path"] = str(tmp_path / "gone")
     out = study(write_spec(tmp_path / "spec.yaml", spec), "--dry-run")
-    assert out.returncode == 66 and len(out.stdout.splitlines()) == 1 + 3 * 3
+    assert out.returncode == 66 and len(out.stdout.splitlines()) == 1 + 3 * 3 + 2  # + the files
+    assert out.stdout.splitlines()[-2] == \
+        f"evaluation file: lambada (test): {tmp_path / 'lambada.txt'}"
     assert out.stderr.splitlines() == [
         f"scse-study: missing input: eval.lambada {tmp_path / 'lambada.txt'} (no such file or "
         "directory), needed by all 9 runs",
