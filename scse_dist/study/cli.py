@@ -54,6 +54,22 @@ def runs_table(spec) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
+def stages(spec) -> list[str]:
+    """The study's stages in order, with the runs and seeds of each (the selected variants)."""
+    runs = selected(spec, expand(spec, read_choice(spec)))
+    sweep = [r for r in runs if r.stage == "sweep"]
+    final = len(runs) - len(sweep)
+    steps = []
+    if sweep:
+        steps += [f"sweep ({len(sweep)} runs at seed {sweep[0].seed})",
+                  "rates chosen on " + ("validation.path" if spec.validation else "lr.validation")]
+    steps.append(f"final ({final} runs at seeds {', '.join(map(str, spec.seeds))})")
+    if spec.validation:
+        steps.append(f"validation ({spec.validation.path}, each final run)")
+    steps.append("report" + (" (the pre-registration first)" if spec.preregistration else ""))
+    return ["stages: " + " -> ".join(steps)]
+
+
 def edge_rule(spec) -> list[str]:
     """The sweep's edge rule, when the spec asks for it (lr.extend_edges)."""
     if not spec.lr or not spec.lr.extend_edges:
@@ -134,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1 if run_report(spec) else 0
         if args.dry_run:
             print(runs_table(spec))
-            for line in gpu_hours(spec) + edge_rule(spec) + evaluation_files(spec):
+            for line in stages(spec) + gpu_hours(spec) + edge_rule(spec) + evaluation_files(spec):
                 print(line)
             missing = missing_inputs(spec)
             # nothing missing: what the runs' own data checks would refuse, with their status
