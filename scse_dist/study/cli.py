@@ -88,7 +88,7 @@ def evaluation_files(spec) -> list[str]:
         files["lr.validation (chooses)"] = spec.lr.validation
     for task, path in [("wikitext", spec.evals.wikitext), ("lambada", spec.evals.lambada),
                        *spec.evals.data.items()]:
-        if path and task in spec.evals.tasks:
+        if path and task in spec.evals.tasks and task != "validation":
             files[f"{task} (test)"] = path
     if "heldout" in spec.evals.tasks:
         files["heldout (test)"] = "data.path's held-out split"
@@ -150,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1 if run_report(spec) else 0
         if args.dry_run:
             print(runs_table(spec))
-            for line in stages(spec) + gpu_hours(spec) + edge_rule(spec) + evaluation_files(spec):
+            cost = gpu_hours(spec, read_choice(spec))
+            for line in stages(spec) + cost + edge_rule(spec) + evaluation_files(spec):
                 print(line)
             missing = missing_inputs(spec)
             # nothing missing: what the runs' own data checks would refuse, with their status

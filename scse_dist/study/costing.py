@@ -11,9 +11,10 @@ planned at the largest micro-batch that divides it (the FLOPs do not change).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from scse_dist.config import ConfigError
+from scse_dist.study.runs import expand, run_config
 
 if TYPE_CHECKING:  # the spec imports this module to check its section
     from scse_dist.study.spec import StudySpec
@@ -51,11 +52,10 @@ def _at_world(cfg, world: int):
         return dataclasses.replace(cfg, train=train)
 
 
-def gpu_hours(spec: StudySpec) -> list[str]:
+def gpu_hours(spec: StudySpec, chosen: Optional[dict[str, float]]) -> list[str]:
     """One line per (world, MFU): planned GPU-hours per stage and the longest run; [] for a study
-    without GPUs. Planned once per variant and stage: seeds differ only in depth draws."""
-    from scse_dist.study.plan import read_choice
-    from scse_dist.study.runs import expand, run_config
+    without GPUs. `chosen`: the rates chosen so far. Planned once per variant and stage: seeds
+    differ only in depth draws."""
     from scse_dist.train.plan import Assumptions, build
 
     res = spec.resources
@@ -63,7 +63,7 @@ def gpu_hours(spec: StudySpec) -> list[str]:
         return []
     worlds = spec.costing.get("gpus") or [res.nodes * res.gpus_per_node]
     lines = []
-    runs = expand(spec, read_choice(spec))
+    runs = expand(spec, chosen)
     for world in worlds:
         for mfu in spec.costing.get("mfu", DEFAULT_MFU):
             assumed = Assumptions(gpus_per_node=res.gpus_per_node, mfu=mfu)

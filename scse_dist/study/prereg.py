@@ -4,6 +4,7 @@ rule applied, then the secondary comparisons, labelled so.
 
     preregistration:
       primary: {pair: [scse-deeploop, additive-preln], task: wikitext, metric: word_ppl, depth: 48}
+    (task: any quality task, `validation` included: the study's validation text)
       secondary: [{pair: [...], task: lambada, metric: accuracy, depth: 48}, ...]
       note: free text (why this pair; what a win would mean)
 
@@ -19,17 +20,12 @@ from scse_dist.config import ConfigError
 from scse_dist.study.stats import Interval
 from scse_dist.task_registry import TASKS
 
-VALIDATION = "validation"  # the study's validation text, a task of the report (study.validation)
 RULE = ("the 95% paired t interval of A - B over the seeds both have, at the declared depth, "
         "must exclude zero; otherwise the comparison is not resolved")
 
 
-def metrics_of(task: str) -> tuple[str, ...]:
-    return ("ppl", "loss") if task == VALIDATION else TASKS[task].metrics
-
-
 def higher_is_better(task: str, metric: str) -> bool:
-    return task != VALIDATION and metric in TASKS[task].higher_is_better
+    return metric in TASKS[task].higher_is_better
 
 
 def _comparison(body: Any, variants: list[str], where: str) -> dict:
@@ -40,11 +36,12 @@ def _comparison(body: Any, variants: list[str], where: str) -> dict:
     if not isinstance(pair, list) or len(pair) != 2 or any(v not in variants for v in pair):
         raise ConfigError(f"{where}.pair: two variants of the study, got {pair!r}")
     task, metric, depth = body["task"], body["metric"], body["depth"]
-    if task != VALIDATION and (task not in TASKS or TASKS[task].diagnostic):
-        raise ConfigError(f"{where}.task: {VALIDATION} or a quality task, got {task!r}")
-    if metric not in metrics_of(task):
+    if task not in TASKS or TASKS[task].diagnostic:
+        quality = ", ".join(n for n, t in TASKS.items() if not t.diagnostic)
+        raise ConfigError(f"{where}.task: one of {quality}, got {task!r}")
+    if metric not in TASKS[task].metrics:
         raise ConfigError(f"{where}.metric: {metric!r} is not a metric of {task} "
-                          f"({', '.join(metrics_of(task))})")
+                          f"({', '.join(TASKS[task].metrics)})")
     if type(depth) is not int or depth < 1:
         raise ConfigError(f"{where}.depth: a loop depth >= 1, got {depth!r}")
     return {"pair": [str(v) for v in pair], "task": task, "metric": metric, "depth": depth}

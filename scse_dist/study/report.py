@@ -30,6 +30,7 @@ from scse_dist.study.plots import (
 )
 from scse_dist.study.spec import default_report_metrics
 from scse_dist.study.stats import Interval
+from scse_dist.task_registry import TASKS
 
 DIAGNOSE_NORMS = ("deviation_norm", "motion_norm", "bias_norm")
 INTERVAL_METHOD = ("95% Student-t intervals over seeds: mean ± t(0.975, n-1)·s/√n "
@@ -115,8 +116,6 @@ class StudyReport:
         # task -> the metrics shown: the spec's report.metrics over the defaults
         self.metrics = {**default_report_metrics(),
                         **((study.spec.get("report") or {}).get("metrics") or {})}
-        if study.spec.get("validation"):  # the validation stage's scores (study.validation)
-            self.metrics[prereg.VALIDATION] = ["ppl"]
         self.table = aggregate(self.included, self.variants, self.metrics)
         self.pairs = {(a, b, task, metric): paired(self.included, a, b, task, metric)
                       for a, b in study.pairs
@@ -215,7 +214,7 @@ class StudyReport:
             rows = [(self.marked(v), self.table[(v, task, metric)]) for v in self.variants
                     if (v, task, metric) in self.table]
             if rows:
-                better = "higher" if prereg.higher_is_better(task, metric) else "lower"
+                better = TASKS[task].better(metric)
                 lines += [f"## {task} {metric} ({better} is better): mean ± 95% half-width over "
                           "seeds", ""]
                 lines += _depth_table("variant", rows) + [""]
@@ -226,7 +225,7 @@ class StudyReport:
                         if (t, m) == (task, metric)]
                 if mine:
                     rows = [(f"{a} - {b}", d) for a, b, d in mine]
-                    verdicts = [f"{a} {verdict(d, prereg.higher_is_better(task, metric))}"
+                    verdicts = [f"{a} {verdict(d, metric in TASKS[task].higher_is_better)}"
                                 for a, b, d in mine]
                     lines += [f"### {task} {metric}", ""]
                     lines += _depth_table("pair", rows, extra=("verdict", verdicts)) + [""]
@@ -302,7 +301,7 @@ class StudyReport:
                 "aggregate": {f"{v}/{t}/{m}": {str(d): asdict(iv) for d, iv in by_d.items()}
                               for (v, t, m), by_d in self.table.items()},
                 "paired": {f"{a} - {b}/{t}/{m}": {
-                    "verdict": verdict(d, prereg.higher_is_better(t, m)),
+                    "verdict": verdict(d, m in TASKS[t].higher_is_better),
                     "depths": {str(k): asdict(iv) for k, iv in d.items()}}
                     for (a, b, t, m), d in self.pairs.items()},
                 "factorial": factorial.numbers(self.effects),

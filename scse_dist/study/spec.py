@@ -305,6 +305,9 @@ def _parse(values: Any, file: str) -> StudySpec:
             if v not in expanded:
                 raise SpecError(f"pairs[{i}]: {v!r} is not a variant; known: {', '.join(expanded)}")
     evals = _section(values, "evals", StudyEvals)
+    if valid:  # the final runs score it in their own jobs, like the test tasks
+        evals.tasks = [*evals.tasks, *(["validation"] if "validation" not in evals.tasks else [])]
+        evals.data = {**evals.data, "validation": valid.path}
     for task in evals.tasks:
         if task not in TASKS:
             raise SpecError(f"evals.tasks: {task!r} is not one of {', '.join(TASKS)}")

@@ -1,5 +1,7 @@
 """heldout: perplexity on a data dir's held-out shards (index.json; its heldout split, up to
-eval.max_batches), or on any JSONL/text corpus, each document scored on its own."""
+eval.max_batches), or on any JSONL/text corpus, each document scored on its own. validation: the
+same on the text `eval.data.validation` names, where a study makes its choices (a study's
+`validation:`), kept apart from heldout, a test set."""
 
 from __future__ import annotations
 
@@ -24,3 +26,6 @@ def heldout_rows(run: TaskRun) -> list[dict]:
 
 TASK = register(Task("heldout", read_corpus, heldout_rows, metrics=("ppl", "loss"),
                      table=("ppl", "loss"), report=("ppl",), heldout=True))
+VALIDATION = register(Task("validation", read_corpus, heldout_rows, metrics=("ppl", "loss"),
+                           table=("ppl", "loss"), report=("ppl",), data_field="data.validation",
+                           heldout=True))
