@@ -345,7 +345,7 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
     import shutil
     shutil.rmtree(d / "scse/scse-seed1/export")
     table = study(path, "--dry-run")
-    assert [line.split()[-1] for line in table.stdout.splitlines()[1:]] == \
+    assert [line.split()[-1] for line in table.stdout.splitlines()[1:4]] == \
         ["done", "done", "partial"]
     again = study(path, "--local", env=user_env)
     assert "sweep stage: 2 of 2 runs done, 0 to run" in again.stdout
