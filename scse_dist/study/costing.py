@@ -40,10 +40,12 @@ def parse_costing(body: Any) -> dict[str, Any]:
 def _at_world(cfg, world: int):
     """The run config as it would run on `world` GPUs (a micro-batch that divides the batch)."""
     batch = cfg.train.batch
+    if not isinstance(batch.micro_batch_size, int):  # auto: the planner picks one per world
+        return cfg
     try:
         batch.grad_accum_for(world, batch.micro_batch_size)
         return cfg
-    except (ConfigError, TypeError):
+    except ConfigError:
         sequences = batch.global_batch_tokens // cfg.data.seq_len // world
         micro = max((m for m in range(1, batch.micro_batch_size + 1) if sequences % m == 0),
                     default=1)
