@@ -1,12 +1,14 @@
-"""Score studies' runs on a validation text, where rates and variants are chosen (never on a test
-set): ppl per loop depth, mean and 95% Student-t interval over seeds per variant, the worst
+"""Score several studies' runs on a validation text, where rates and variants are chosen (never on
+a test set): ppl per loop depth, mean and 95% Student-t interval over seeds per variant, the worst
 depth ratios ppl(T=8)/ppl(T=2) and ppl(32)/ppl(8) over the seeds, and paired differences.
 
     python benchmarks/score_validation.py STUDY_DIR [STUDY_DIR ...] --data data/eval/owt-valid.txt \
         [--pair A B ...] [--json out.json]
     python benchmarks/score_validation.py STUDY_DIR ... --name heldout   # read the test results
 
-With --data, each run's export is evaluated once into RUN/eval/<--name>.json (at the run's
+Within one study, the spec's `validation:` section does this as a stage of the study, and
+`scse-study SPEC --report` shows it; this script merges several studies. With --data, each run's
+export is evaluated once into RUN/eval/<--name>.json (at the run's
 eval.depths and eval.max_batches); a rerun reads what is there. Without it, RUN/eval/<--name>.json
 is read as the study wrote it. Variants are merged across studies by name (the seeds of
 `scse-forward-lr0.004` from two studies are one variant; a seed found twice is an error);
@@ -16,7 +18,6 @@ is read as the study wrote it. Variants are merged across studies by name (the s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -30,21 +31,12 @@ def runs_of(study: Path) -> list[dict]:
 
 
 def score(run_dir: Path, data: str | None, name: str) -> dict[int, float] | None:
-    """{depth: ppl} of RUN/eval/<name>.json, evaluated from RUN/export on `data` first when
-    given and missing (None: nothing to read yet)."""
-    from scse_dist.eval.export_eval import evaluate_export
-    from scse_dist.run_dir import RunDir, is_complete
+    """{depth: ppl} of RUN/eval/<name>.json, scored by the study's validation stage
+    (scse_dist.study.validation.score) from RUN/export on `data` when missing."""
+    from scse_dist.study.validation import score as validation_score
 
-    d = RunDir(run_dir)
-    out = d.results(name)
-    if not is_complete(out):
-        if data is None or not d.exported():
-            return None
-        with contextlib.redirect_stdout(sys.stderr):  # the evaluation's own table: not ours
-            evaluate_export(d, "heldout", data=data, name=name,
-                            label=f"{run_dir.name}@export ({name})")
-    rows = json.loads(out.read_text())["results"]
-    return {int(r["depth"]): float(r["ppl"]) for r in rows}
+    rows = validation_score(run_dir, data, name)
+    return None if rows is None else {int(r["depth"]): float(r["ppl"]) for r in rows}
 
 
 def fmt(iv) -> str:

@@ -359,6 +359,13 @@ NOT_RUN = {
     "scse-study configs/studies/repro-cpu.yaml --dry-run": STUDY,
     "scse-study configs/studies/repro-cpu.yaml --local": STUDY,
     "scse-study configs/studies/gpt2-small.yaml --slurm --max-parallel 4": STUDY,
+    "scse-study configs/studies/repro-cpu.yaml --variants scse-preln,additive-preln --local":
+        "a piece of a study; tests/test_study_pieces.py runs a tiny study in two pieces",
+    "scse-study configs/studies/repro-cpu.yaml --report":
+        "tests/test_study_pieces.py runs --report over a tiny study's pieces",
+    "scse-data fetch-eval --manifest configs/eval/gpu.json --out data/eval-gpu":
+        "downloads from the Hub (no network here); tests/test_fetch_eval.py runs it on a local "
+        "mirror (--source)",
     "bash slurm/local-cluster.sh start": LOCAL_CLUSTER,
     "scse-data quickstart --out data/tiny-cpu --vocab-size 512 --heldout-fraction 0.05": LOCAL_CLUSTER,
     "scse-study configs/studies/cpu-cluster.yaml --dry-run": LOCAL_CLUSTER,

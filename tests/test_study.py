@@ -269,7 +269,11 @@ def test_dry_run_table_and_bad_spec_exit_status(tmp_path, tiny_config):
                       study_spec(tiny_config(tmp_path), str(tmp_path / "out")))
     out = study(path, "--dry-run")
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
+    lines = out.stdout.splitlines()[:-2]
+    # then its stages, and the files it evaluates on, by name
+    assert out.stdout.splitlines()[-2:] == [
+        "stages: final (15 runs at seeds 0, 1, 2) -> report",
+        "evaluation file: heldout (test): data.path's held-out split"]
     assert lines[0].split() == ["variant", "seed", "lr", "stage", "run_dir", "status"]
     assert len(lines) == 1 + 5 * 3 and all(line.split()[-1] == "new" for line in lines[1:])
     # the rate each run trains at (the base config's, without a sweep)
@@ -280,8 +284,8 @@ def test_dry_run_table_and_bad_spec_exit_status(tmp_path, tiny_config):
     bad = study(path, "--dry-run", "seeds=[]")
     assert bad.returncode == 2 and "seeds: a non-empty list" in bad.stderr and not bad.stdout
     sweep = study(path, "--dry-run", "lr={values: [0.001], validation: v.txt}")
-    assert {line.split()[2] for line in sweep.stdout.splitlines()[1:] if "final" in line} == \
-        {"from-sweep"}
+    assert {line.split()[2] for line in sweep.stdout.splitlines()[1:]
+            if "final" in line and not line.startswith("stages: ")} == {"from-sweep"}
 
 
 def test_dry_run_names_every_missing_input_and_the_runs_that_need_it(tmp_path, tiny_config):
@@ -290,7 +294,9 @@ def test_dry_run_names_every_missing_input_and_the_runs_that_need_it(tmp_path, t
                              "lambada": str(tmp_path / "lambada.txt")})
     spec["variants"]["looped"]["overrides"]["data.path"] = str(tmp_path / "gone")
     out = study(write_spec(tmp_path / "spec.yaml", spec), "--dry-run")
-    assert out.returncode == 66 and len(out.stdout.splitlines()) == 1 + 3 * 3
+    assert out.returncode == 66 and len(out.stdout.splitlines()) == 1 + 3 * 3 + 3  # + stages, files
+    assert out.stdout.splitlines()[-2] == \
+        f"evaluation file: lambada (test): {tmp_path / 'lambada.txt'}"
     assert out.stderr.splitlines() == [
         f"scse-study: missing input: eval.task_settings.lambada.path {tmp_path / 'lambada.txt'} "
         "(no such file or directory), needed by all 9 runs",
@@ -339,7 +345,7 @@ def test_local_study_sweeps_lr_trains_evaluates_and_rerun_skips(tmp_path, tiny_c
     import shutil
     shutil.rmtree(d / "scse/scse-seed1/export")
     table = study(path, "--dry-run")
-    assert [line.split()[-1] for line in table.stdout.splitlines()[1:]] == \
+    assert [line.split()[-1] for line in table.stdout.splitlines()[1:4]] == \
         ["done", "done", "partial"]
     again = study(path, "--local", env=user_env)
     assert "sweep stage: 2 of 2 runs done, 0 to run" in again.stdout

@@ -54,8 +54,8 @@ def _config(tiny_data, tmp_path, **fields):
      "training (held-out loss: eval.every_steps); the tasks that do: wikitext, lambada, hellaswag, "
      "piqa, arc_easy, arc_challenge, multiple_choice"),
     ({"downstream_tasks": ["hellaswg"]}, "eval.downstream_tasks[0]: must be one of heldout, "
-     "wikitext, lambada, diagnose, hellaswag, piqa, arc_easy, arc_challenge, multiple_choice; got "
-     "'hellaswg' (did you mean 'hellaswag'?)"),
+     "validation, wikitext, lambada, diagnose, hellaswag, piqa, arc_easy, arc_challenge, "
+     "multiple_choice; got 'hellaswg' (did you mean 'hellaswag'?)"),
     ({"downstream_tasks": ["piqa"]}, "eval.task_settings.piqa.path: eval.downstream_tasks lists "
      "'piqa', so set eval.task_settings.piqa.path to its data file"),
     ({"downstream_tasks": ["lambada", "lambada"], "task_settings": {"lambada": {"path": "l"}}},

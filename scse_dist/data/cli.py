@@ -227,6 +227,13 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
                         args.heldout_fraction)
 
 
+def cmd_fetch_eval(args: argparse.Namespace) -> None:
+    from scse_dist.data.eval_files import fetch_eval
+
+    for line in fetch_eval(args.manifest, args.out, args.source, args.accept_unrecorded):
+        print(line)
+
+
 INPUT_HELP = ("files, globs or directories (fsspec URLs): text, JSONL, parquet, a datasets "
               "save_to_disk directory, or hf:NAME[:CONFIG]:SPLIT (the Hub, streamed)")
 BAD_ROWS_HELP = ("rows without the text field or with a non-string value skipped (and counted) "
@@ -323,6 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--vocab-size", type=int, default=4096)
     q.add_argument("--heldout-fraction", type=float, default=0.02)
     q.set_defaults(func=cmd_quickstart)
+
+    f = sub.add_parser("fetch-eval", help="fetch, checksum and prepare a study's evaluation files "
+                       "(WikiText-103, LAMBADA) from the Hub at pinned revisions")
+    f.add_argument("--manifest", default="configs/eval/gpu.json",
+                   help="the files, their revisions and sha256 (scse_dist.data.eval_files)")
+    f.add_argument("--out", required=True, help="a new directory for the prepared files")
+    f.add_argument("--source", default=None, help="a local mirror DIR/<repo>/<path> instead of "
+                   "the Hub (no network)")
+    f.add_argument("--accept-unrecorded", action="store_true",
+                   help="go on for a file whose sha256 the manifest does not record (printed)")
+    f.set_defaults(func=cmd_fetch_eval)
     return p
 
 

@@ -14,11 +14,12 @@ from scse_dist.task_registry import TASKS, data_path
 
 
 def evaluate_export(run_dir: str | os.PathLike, task: str, *, data: Optional[str] = None,
-                    at_model_depth: bool = False, name: Optional[str] = None,
-                    label: Optional[str] = None) -> str:
+                    at_model_depth: bool = False, depths: Optional[list[int]] = None,
+                    name: Optional[str] = None, label: Optional[str] = None) -> str:
     """Evaluate RUN/export on `task` into RUN/eval/<name or task>.json; returns that path.
     data: default its eval.* file, else data.path; at_model_depth: at model.depth alone instead
-    of eval.depths; label: the results' "checkpoint" (default "<run name>@export")."""
+    of eval.depths; depths: these instead of either; label: the results' "checkpoint" (default
+    "<run name>@export")."""
     import torch
 
     from scse_dist.checkpoint.loading import load_model
@@ -27,7 +28,8 @@ def evaluate_export(run_dir: str | os.PathLike, task: str, *, data: Optional[str
     run = RunDir(run_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, cfg = load_model(run.export, device=device)
-    depths = [cfg.model.depth] if at_model_depth else cfg.eval.depths
+    if depths is None:
+        depths = [cfg.model.depth] if at_model_depth else cfg.eval.depths
     out = str(run.results(name or task))
     record = TASKS[task]
     stride = getattr(cfg.eval.settings(task), "stride", 0)  # wikitext's (0: seq_len // 2)

@@ -131,6 +131,11 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
             config_from_eval = config_from_eval or data.get("config")
     if run.config is None and config_from_eval:
         run.config = config_from_dict(config_from_eval)
+    validation = RunDir(run.run_dir).results(VALIDATION_NAME)
+    if run.stage == "final" and run.results and validation.is_file():  # the validation stage's
+        data = read_results(validation)
+        if data is not None:
+            run.results[VALIDATION_NAME] = {r["depth"]: r for r in data["results"]}
     scored = run.stage == "sweep" and RunDir(run.run_dir).results(VALIDATION_NAME).is_file()
     if not run.results and not scored:
         steps = [r["step"] for r in run.metrics if "step" in r]
@@ -138,6 +143,19 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
         where = f"training stopped at step {steps[-1]} of {planned}" if steps else "no training log"
         run.missing = f"no evaluation results ({where})"
     return run
+
+
+def unsubmitted(study_dir: Path, spec: dict, entries: list) -> list[dict]:
+    """The final runs the spec (study.yaml) names that runs.json does not: a study run in pieces
+    lists the pieces not run yet, never drops them."""
+    variants, seeds = spec.get("variants"), spec.get("seeds")
+    if not isinstance(variants, dict) or not isinstance(seeds, list):
+        return []
+    have = {(str(e["variant"]), int(e["seed"])) for e in entries
+            if e.get("stage", "final") == "final"}
+    return [{"variant": v, "seed": s, "stage": "final",
+             "run_dir": str(study_dir / v / f"{v}-seed{s}")}
+            for s in seeds for v in variants if (v, s) not in have]
 
 
 def load_study(study_dir: str | Path) -> Study:
@@ -152,7 +170,8 @@ def load_study(study_dir: str | Path) -> Study:
         raise InputError(f"{runs_path}: expected a list of runs")
     lr_path = study_dir / LR_CHOICE_NAME
     return Study(dir=study_dir, name=str(spec.get("name") or study_dir.name), spec=spec or {},
-                 runs=[load_run(study_dir, e) for e in entries],
+                 runs=[load_run(study_dir, e) for e in entries + unsubmitted(study_dir, spec,
+                                                                             entries)],
                  lr_choice=_read_json(lr_path) if lr_path.is_file() else {})
 
 

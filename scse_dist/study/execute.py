@@ -23,15 +23,18 @@ from scse_dist.launch.scheduler import LOGS, training_command
 from scse_dist.progress import eta_seconds, format_duration
 from scse_dist.resources import Resources
 from scse_dist.run_dir import RunDir
-from scse_dist.study.plan import StudyError, choose_lrs, evaluate_validation, status, write_study
+from scse_dist.study.plan import StudyError, choose_lrs, recorded_runs, status, write_study
 from scse_dist.study.runs import Run
 from scse_dist.study.spec import StudySpec
+from scse_dist.study.validation import score_finished, sweep_score
 
 REPORT_CMD = [sys.executable, "-m", "scse_dist.study.report"]
 
 
 def run_report(spec: StudySpec) -> int:
-    """The study report, in a child process; its exit status."""
+    """The validation stage (each finished final run scored on the spec's validation text), then
+    the study report over every run of runs.json, in a child process; its exit status."""
+    score_finished(spec, recorded_runs(spec))
     print(f"scse-study: report: {' '.join(REPORT_CMD[1:])} {spec.study_dir}", flush=True)
     ended = run_child([*REPORT_CMD, str(spec.study_dir)])
     if ended.signal_name:
@@ -64,7 +67,7 @@ def _train_and_evaluate(spec: StudySpec, run: Run) -> tuple[int, str]:
             print(f"scse-study: FAILED {run.run_dir}: training exited {code}", flush=True)
             return code, line
     if run.stage == "sweep":
-        evaluate_validation(spec, run)
+        sweep_score(spec, run)
     else:
         for task in spec.evals.tasks:
             if not RunDir(run.run_dir).evaluated(task):

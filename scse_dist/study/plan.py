@@ -25,10 +25,11 @@ import yaml
 
 from scse_dist.atomic import atomic_write_text
 from scse_dist.config import config_to_dict
-from scse_dist.run_dir import VALIDATION_NAME, RunDir, is_complete
+from scse_dist.run_dir import VALIDATION_NAME, RunDir
 from scse_dist.run_lock import held
 from scse_dist.study.runs import Run, expand, run_config
 from scse_dist.study.spec import StudySpec
+from scse_dist.study.validation import sweep_metric, sweep_score
 from scse_dist.task_registry import TASKS, field_value
 
 SPEC_NAME, RUNS_NAME, LR_CHOICE_NAME = "study.yaml", "runs.json", "lr_choice.json"
@@ -61,51 +62,61 @@ def read_choice(spec: StudySpec) -> dict[str, float] | None:
     return {v: c["lr"] for v, c in json.loads(path.read_text()).items()}
 
 
+def selected(spec: StudySpec, runs: list[Run]) -> list[Run]:
+    """The runs of the variants `--variants` names (all without it)."""
+    return [r for r in runs if not spec.only or r.variant in spec.only]
+
+
+def recorded_runs(spec: StudySpec) -> list[dict]:
+    """runs.json's entries ([] before the study first wrote it)."""
+    path = spec.study_dir / RUNS_NAME
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def merged_runs(spec: StudySpec, new: list[dict]) -> list[dict]:
+    """runs.json's entries with `new` laid over them by run dir (the newest entry of a run wins),
+    in the spec's run order, then any run the spec no longer names, in their old order: a study
+    run in pieces records what one run in one go would."""
+    by_dir = {str(r["run_dir"]): r for r in recorded_runs(spec)}
+    by_dir.update({str(r["run_dir"]): r for r in new})
+    order = {r.run_dir: i for i, r in enumerate(expand(spec, read_choice(spec)))}
+    return sorted(by_dir.values(), key=lambda r: order.get(str(r["run_dir"]), len(order)))
+
+
 def write_study(spec: StudySpec, stage: str) -> list[Run]:
-    """Write study.yaml, each run's config.yaml and runs.json up to `stage`; the stage's runs."""
+    """Write study.yaml, each selected run's config.yaml up to `stage`, and merge them into
+    runs.json (which keeps every run ever written); the stage's selected runs."""
     chosen = read_choice(spec)
     d = spec.study_dir
     d.mkdir(parents=True, exist_ok=True)
     resolved = dataclasses.asdict(spec)
     resolved["pairs"] = [list(p) for p in spec.pairs]
+    del resolved["only"]  # which pieces ran is runs.json's to say
     atomic_write_text(d / SPEC_NAME, yaml.safe_dump(resolved, sort_keys=False))
-    known = expand(spec, chosen, ("sweep",) if stage == "sweep" else ("sweep", "final"))
+    known = selected(spec, expand(spec, chosen,
+                                  ("sweep",) if stage == "sweep" else ("sweep", "final")))
     for run in known:
         text = yaml.safe_dump(config_to_dict(run_config(spec, run)), sort_keys=False)
         Path(run.run_dir).mkdir(parents=True, exist_ok=True)
         if not _holds(run.config, text):  # a run being trained elsewhere: RunDirBusy, exit 75
             with held(run.run_dir):
                 atomic_write_text(run.config, text)
-    atomic_write_text(d / RUNS_NAME, json.dumps([r.record() for r in known], indent=2) + "\n")
+    runs = merged_runs(spec, [r.record() for r in known])
+    atomic_write_text(d / RUNS_NAME, json.dumps(runs, indent=2) + "\n")
     return [r for r in known if r.stage == stage]
 
 
-def evaluate_validation(spec: StudySpec, run: Run) -> float | None:
-    """The sweep score of a run: loss on `lr.validation` at the training depth (None: no export),
-    computed once into eval/validation.json."""
-    d = RunDir(run.run_dir)
-    out = d.results(VALIDATION_NAME)
-    if not is_complete(out):
-        if not d.exported():
-            return None
-        from scse_dist.eval.export_eval import evaluate_export
-
-        assert spec.lr is not None  # sweep runs exist only with lr:
-        evaluate_export(d, "heldout", data=spec.lr.validation, at_model_depth=True,
-                        name=VALIDATION_NAME, label=f"{run.run_dir}@export (validation)")
-    loss = json.loads(out.read_text())["results"][0]["loss"]
-    return loss if loss is not None else float("inf")  # a diverged run loses the choice
-
-
 def choose_lrs(spec: StudySpec) -> dict[str, float]:
-    """Each variant's rate, the lowest validation loss of its sweep, into lr_choice.json;
-    StudyError when a variant has no sweep run that finished."""
+    """Each selected variant's rate, the lowest validation loss of its sweep, merged into
+    lr_choice.json; StudyError when a variant has no sweep run that finished, or (lr.extend_edges)
+    when its best rate is at the edge of its grid."""
     assert spec.lr is not None  # called only for a study with lr:
-    choice: dict[str, dict[str, Any]] = {}
+    path = spec.study_dir / LR_CHOICE_NAME
+    choice: dict[str, dict[str, Any]] = json.loads(path.read_text()) if path.is_file() else {}
     missing: list[str] = []
-    for variant in spec.variants:
+    for variant in selected_variants(spec):
         runs = [r for r in expand(spec, None, ("sweep",)) if r.variant == variant]
-        scores = {r.lr: evaluate_validation(spec, r) for r in runs}
+        scores = {r.lr: sweep_score(spec, r) for r in runs}
         done = {lr: s for lr, s in scores.items() if s is not None}
         if not done:
             missing.append(variant)
@@ -114,13 +125,37 @@ def choose_lrs(spec: StudySpec) -> dict[str, float]:
         choice[variant] = {"lr": best, "key": spec.rate_key(variant),
                            "scores": {f"{lr:g}": s for lr, s in scores.items()},
                            "failed": [r.run_dir for r in runs if scores[r.lr] is None],
-                           "metric": "loss on lr.validation at model.depth",
-                           "validation": spec.lr.validation}
+                           "metric": sweep_metric(spec), "validation": spec.lr.validation}
     if missing:
         raise StudyError(f"no LR sweep run finished for variant(s) {', '.join(missing)}; see "
                          f"{spec.study_dir}/<variant>/lr*/ and rerun the study")
-    atomic_write_text(spec.study_dir / LR_CHOICE_NAME, json.dumps(choice, indent=2) + "\n")
+    edges = [edge_line(spec, v, choice[v]) for v in selected_variants(spec)] \
+        if spec.lr.extend_edges else []
+    if any(edges):
+        raise StudyError("; ".join(e for e in edges if e))
+    order = list(spec.variants)
+    choice = dict(sorted(choice.items(), key=lambda kv: order.index(kv[0])
+                         if kv[0] in order else len(order)))
+    atomic_write_text(path, json.dumps(choice, indent=2) + "\n")
     return {v: c["lr"] for v, c in choice.items()}
+
+
+def selected_variants(spec: StudySpec) -> list[str]:
+    return [v for v in spec.variants if not spec.only or v in spec.only]
+
+
+def edge_line(spec: StudySpec, variant: str, choice: dict) -> str:
+    """The edge rule (lr.extend_edges): '' when the chosen rate is interior, else what to add,
+    one step past the edge (the grid's ratio there)."""
+    grid = sorted(float(lr) for lr in choice["scores"])
+    best = float(choice["lr"])
+    if len(grid) < 2 or grid[0] < best < grid[-1]:
+        return ""
+    nxt = best * best / grid[-2] if best == grid[-1] else best * best / grid[1]
+    grid_text = ", ".join(f"{g:g}" for g in grid)
+    return (f"{variant}: its best rate {best:g} is at the edge of its grid ({grid_text}); the "
+            f"edge rule (lr.extend_edges): add {nxt:.3g} to its {spec.rate_key(variant)} grid "
+            "(the variant's lr.values) and rerun")
 
 
 def _inputs(spec: StudySpec, run: Run) -> dict[str, str]:
@@ -192,3 +227,33 @@ def refused_data(spec: StudySpec) -> list[tuple[int, str]]:
     return [(status, f"{line} (exit {status}), for {_which(failing, runs)}")
             for (status, line), failing in needing.items()]
 
+
+
+def _edge_mark(chosen: Any, scores: dict[str, Any]) -> str:
+    """" (grid edge)" when the chosen rate is the sweep's lowest or highest of several."""
+    grid = sorted(float(lr) for lr in scores)
+    if chosen is None or len(grid) < 2 or float(chosen) not in (grid[0], grid[-1]):
+        return ""
+    return " (grid edge: lowest)" if float(chosen) == grid[0] else " (grid edge: highest)"
+
+
+def choice_markdown(lr_choice: dict[str, Any]) -> list[str]:
+    """The report's learning-rate section: each variant's chosen rate and its sweep's scores."""
+    if not lr_choice:
+        return []
+    metrics = {c.get("metric") for c in lr_choice.values() if c.get("metric")}
+    lines = ["## Learning rate (chosen on validation)", "",
+             f"Score: {', '.join(sorted(metrics)) or 'the validation metric'} (the chosen lr has "
+             "the best score); a failed sweep run has no score. A choice at the edge of the grid "
+             "is marked: the best rate may lie beyond it.", "",
+             "| variant | chosen lr | scores (lr: score) |", "|---|---:|---|"]
+    for variant, choice in lr_choice.items():
+        scores = choice.get("scores") or {}
+        cells = ", ".join(f"{lr}: {v:.4g}" if isinstance(v, (int, float)) else f"{lr}: failed"
+                          for lr, v in scores.items())
+        # a variant may sweep another rate (Muon's); train.lr in a study of before
+        field = choice.get("key", "train.optimizer.lr")
+        named = "" if field in ("train.optimizer.lr", "train.lr") else f"{field.split('.')[-1]} "
+        lines.append(f"| {variant} | {named}{choice.get('lr')}"
+                     f"{_edge_mark(choice.get('lr'), scores)} | {cells} |")
+    return lines + [""]

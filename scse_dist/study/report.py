@@ -17,10 +17,11 @@ from scse_dist.atomic import output_dir
 from scse_dist.cli_errors import cli_main
 from scse_dist.config import ModelConfig, RunConfig
 from scse_dist.model.transitions import transition_for
-from scse_dist.study import factorial
+from scse_dist.study import factorial, prereg
 from scse_dist.study.collect import Study, finite, load_study
 from scse_dist.study.compare import aggregate, paired, values_by_depth, verdict
 from scse_dist.study.flags import Flag, run_flags, unigram_entropy
+from scse_dist.study.plan import choice_markdown
 from scse_dist.study.plots import (
     TRAINING_DIAGNOSTICS,
     diagnose_plot,
@@ -77,14 +78,6 @@ def _number(value: Optional[float], fmt: str = ".4g") -> str:
     return "" if value is None else format(value, fmt)
 
 
-def _edge_mark(chosen: Any, scores: dict[str, Any]) -> str:
-    """" (grid edge)" when the chosen rate is the sweep's lowest or highest of several."""
-    grid = sorted(float(lr) for lr in scores)
-    if chosen is None or len(grid) < 2 or float(chosen) not in (grid[0], grid[-1]):
-        return ""
-    return " (grid edge: lowest)" if float(chosen) == grid[0] else " (grid edge: highest)"
-
-
 def _depth_table(header: str, rows: list[tuple[str, dict[int, Any]]], fmt=_cell,
                  extra: Optional[tuple[str, list[str]]] = None) -> list[str]:
     depths = sorted({d for _, cells in rows for d in cells})
@@ -128,6 +121,11 @@ class StudyReport:
                       for a, b in study.pairs
                       for task, names in self.metrics.items() for metric in names}
         self.pairs = {k: v for k, v in self.pairs.items() if v}
+        self.prereg = study.spec.get("preregistration") or {}
+        self.declared = {(*c["pair"], c["task"], c["metric"], c["depth"]):
+                         paired(self.included, c["pair"][0], c["pair"][1], c["task"],
+                                c["metric"]).get(c["depth"])
+                         for _, c in prereg.comparisons(self.prereg)}
         self.design = factorial.parse_factorial((study.spec.get("report") or {}).get("factorial"))
         self.effects, self.factorial_note = factorial.effects(
             self.design, self.included, self.metrics) if self.design else ({}, "")
@@ -205,29 +203,12 @@ class StudyReport:
                   f"{len(self.missing)} missing; {len(self.included)} final-stage runs in the "
                   "aggregate.",
                   "", f"Intervals: {INTERVAL_METHOD}.", ""]
+        lines[2:2] = prereg.markdown(self.prereg, self.declared)  # first, before any result
         if self.missing:
             lines += ["## Missing or failed runs", ""]
             lines += [f"- {r.label} ({r.stage}, `{r.run_dir}`): {r.missing}" for r in self.missing]
             lines.append("")
-        if s.lr_choice:
-            metrics = {c.get("metric") for c in s.lr_choice.values() if c.get("metric")}
-            lines += ["## Learning rate (chosen on validation)", "",
-                      f"Score: {', '.join(sorted(metrics)) or 'the validation metric'} (the "
-                      "chosen lr has the best score); a failed sweep run has no score. A choice at "
-                      "the edge of the grid is marked: the best rate may lie beyond it.", "",
-                      "| variant | chosen lr | scores (lr: score) |", "|---|---:|---|"]
-            for variant, choice in s.lr_choice.items():
-                scores = choice.get("scores") or {}
-                cells = ", ".join(f"{lr}: {v:.4g}" if isinstance(v, (int, float)) else
-                                  f"{lr}: failed" for lr, v in scores.items())
-                # a variant may sweep another rate (Muon's); train.lr in a study of before
-                field = choice.get("key", "train.optimizer.lr")
-                named = ("" if field in ("train.optimizer.lr", "train.lr")
-                         else f"{field.split('.')[-1]} ")
-                lines.append(f"| {variant} | {named}{choice.get('lr')}"
-                             f"{_edge_mark(choice.get('lr'), scores)} "
-                             f"| {cells} |")
-            lines.append("")
+        lines += choice_markdown(s.lr_choice)
         lines += self._flag_lines()
         for task, metric in self._task_metrics():
             rows = [(self.marked(v), self.table[(v, task, metric)]) for v in self.variants
@@ -323,7 +304,9 @@ class StudyReport:
                     "verdict": verdict(d, m in TASKS[t].higher_is_better),
                     "depths": {str(k): asdict(iv) for k, iv in d.items()}}
                     for (a, b, t, m), d in self.pairs.items()},
-                "factorial": factorial.numbers(self.effects)}
+                "factorial": factorial.numbers(self.effects),
+                "preregistration": {f"{a} - {b}/{t}/{m}/T={d}": None if iv is None else asdict(iv)
+                                    for (a, b, t, m, d), iv in self.declared.items()}}
 
 
 def _log_to_wandb(report: StudyReport, out: Path, mode: Literal["offline", "online", "disabled"],

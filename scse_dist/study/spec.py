@@ -19,6 +19,7 @@ from typing import Any, Optional
 from scse_dist.config import ConfigError
 from scse_dist.resources import Resources
 from scse_dist.study.factorial import parse_factorial
+from scse_dist.study.prereg import parse_preregistration
 from scse_dist.task_registry import TASKS
 from scse_dist.typed_yaml import _read_yaml, apply_overrides
 
@@ -39,6 +40,7 @@ class LrSweep:
     validation: str  # a JSONL/text corpus or a shard dir: what the rate is chosen on
     seed: int = 0
     steps: int = 0  # 0: the run config's train.max_steps
+    extend_edges: bool = False  # a best rate at its grid's edge stops the study (choose_lrs)
 
 
 @dataclass
@@ -55,6 +57,13 @@ class StudyEvals:
     wikitext: Optional[str] = None
     lambada: Optional[str] = None
     data: dict[str, str] = field(default_factory=dict)  # like eval.data: task -> its file
+
+
+@dataclass
+class StudyValidation:
+    """The validation text every choice is made on (scse_dist.study.validation scores it)."""
+    path: str
+    depth: int = 4  # the depth rates are chosen at (the sweep's score)
 
 
 RUN_ORDERS = ("seed-major", "variant-major")
@@ -83,7 +92,11 @@ class StudySpec:
     order: str = "seed-major"
     resources: Resources = field(default_factory=Resources)  # each job's (formerly `slurm:`)
     report: dict[str, Any] = field(default_factory=dict)  # read by scse_dist.study.report
+    validation: Optional[StudyValidation] = None
+    preregistration: dict[str, Any] = field(default_factory=dict)  # scse_dist.study.prereg
+    costing: dict[str, Any] = field(default_factory=dict)  # scse_dist.study.costing
     path: str = ""  # the spec file
+    only: list[str] = field(default_factory=list)  # --variants: the runs started (empty: all)
 
     @property
     def study_dir(self) -> Path:
@@ -201,6 +214,25 @@ def default_pairs(variants: dict[str, tuple[str, tuple]]) -> list[tuple[str, str
             for full, (name, suffix) in variants.items() if name != BASELINE]
 
 
+# costing's default MFUs: scse_dist.study.costing prints GPU-hours at each
+DEFAULT_MFU = (0.40, 0.25)
+
+
+def parse_costing(body: Any) -> dict[str, Any]:
+    """{gpus: [...], mfu: [...]} checked ({} when absent); ConfigError naming the field."""
+    if body is None:
+        return {}
+    if not isinstance(body, dict) or set(body) - {"gpus", "mfu"}:
+        raise ConfigError(f"costing: expected {{gpus: [8, 64], mfu: [0.4, 0.25]}}, got {body!r}")
+    gpus, mfu = body.get("gpus", []), body.get("mfu", list(DEFAULT_MFU))
+    if not isinstance(gpus, list) or not all(type(g) is int and g >= 1 for g in gpus):
+        raise ConfigError(f"costing.gpus: a list of GPU counts >= 1, got {gpus!r}")
+    if not isinstance(mfu, list) or not mfu or \
+            not all(isinstance(m, (int, float)) and 0 < m <= 1 for m in mfu):
+        raise ConfigError(f"costing.mfu: a non-empty list of fractions in (0, 1], got {mfu!r}")
+    return {"gpus": gpus, "mfu": [float(m) for m in mfu]}
+
+
 def parse_spec(values: Any, file: str = "<spec>") -> StudySpec:
     """Check and expand a spec mapping; SpecError naming the field (`file: variants.x: ...`)."""
     try:
@@ -231,7 +263,7 @@ def _parse(values: Any, file: str) -> StudySpec:
         raise SpecError("a study spec is a mapping at the top level")
     _check_keys(values, {"name", "out", "base", "overrides", "variants", "seeds", "axes", "lr",
                          "pairs", "exclude_flagged", "evals", "order", "resources", "slurm",
-                         "report"}, "")
+                         "report", "validation", "preregistration", "costing"}, "")
     name = _need(values, "name", str, "")
     if not name or "/" in name:
         raise SpecError(f"name: a non-empty study name without '/', got {name!r}")
@@ -266,14 +298,22 @@ def _parse(values: Any, file: str) -> StudySpec:
             raise SpecError(f"axes.{key}.variants: {stray[0]!r} is not a variant")
         axes.append(Axis(str(key), vals, list(only)))
     expanded = _expand_variants(variants, axes)
+    valid = None
+    if values.get("validation") is not None:
+        _need(_need(values, "validation", dict, ""), "path", str, "validation")
+        valid = _section(values, "validation", StudyValidation)
+        if not isinstance(valid.path, str) or valid.depth < 1:
+            raise SpecError(f"validation: a path and a depth >= 1, got {values['validation']!r}")
     lr = None
     if values.get("lr") is not None:
         body = _need(values, "lr", dict, "")
-        _check_keys(body, {"values", "validation", "seed", "steps"}, "lr")
+        _check_keys(body, {"values", "validation", "seed", "steps", "extend_edges"}, "lr")
         sweep_rates = _positive_rates(body.get("values"), "lr.values")
-        validation = _need(body, "validation", str, "lr")
+        # the study's validation text, unless the sweep names its own
+        validation = valid.path if valid and "validation" not in body else \
+            _need(body, "validation", str, "lr")
         lr = LrSweep(sweep_rates, validation, int(body.get("seed", 0)),
-                     int(body.get("steps", 0)))
+                     int(body.get("steps", 0)), bool(body.get("extend_edges", False)))
     if own_rates and lr is None:
         raise SpecError(f"variants.{next(iter(own_rates))}.lr: needs the study's lr: section "
                         "(validation, seed, steps)")
@@ -288,6 +328,9 @@ def _parse(values: Any, file: str) -> StudySpec:
             if v not in expanded:
                 raise SpecError(f"pairs[{i}]: {v!r} is not a variant; known: {', '.join(expanded)}")
     evals = _section(values, "evals", StudyEvals)
+    if valid:  # the final runs score it in their own jobs, like the test tasks
+        evals.tasks = [*evals.tasks, *(["validation"] if "validation" not in evals.tasks else [])]
+        evals.data = {**evals.data, "validation": valid.path}
     for task in evals.tasks:
         if task not in TASKS:
             raise SpecError(f"evals.tasks: {task!r} is not one of {', '.join(TASKS)}")
@@ -310,6 +353,8 @@ def _parse(values: Any, file: str) -> StudySpec:
     _check_report_metrics(report.get("metrics") or {})
     try:
         parse_factorial(report.get("factorial"))
+        prereg = parse_preregistration(values.get("preregistration"), list(expanded))
+        costing = parse_costing(values.get("costing"))
     except ConfigError as exc:
         raise SpecError(str(exc)) from None
     # `out:` is relative to the spec file, like `base:` (the default, ./studies, to the cwd)
@@ -319,7 +364,8 @@ def _parse(values: Any, file: str) -> StudySpec:
     spec = StudySpec(name=name, base=base, variants={k: v[2] for k, v in expanded.items()},
                      seeds=seeds, out=out, overrides=overrides, lr=lr, rates=rates,
                      pairs=[tuple(p) for p in pairs], exclude_flagged=exclude, evals=evals,
-                     order=order, resources=resources, report=report, path=file)
+                     order=order, resources=resources, report=report, validation=valid,
+                     preregistration=prereg, costing=costing, path=file)
     return spec
 
 

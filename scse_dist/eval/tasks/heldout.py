@@ -1,7 +1,12 @@
 """heldout: perplexity on a data dir's held-out shards (index.json; its heldout split, up to
-eval.max_batches), or on any JSONL/text corpus, each document scored on its own."""
+eval.max_batches), or on any JSONL/text corpus, each document scored on its own. validation: the
+same on the text `eval.task_settings.validation.path` names, where a study makes its choices (a
+study's `validation:`), kept apart from heldout, a test set."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 from scse_dist.data.sources import read_corpus
 from scse_dist.eval.task_run import TaskRun, document_rows, task_progress
@@ -22,5 +27,15 @@ def heldout_rows(run: TaskRun) -> list[dict]:
                                 exit_stats=run.exit_stats, progress=bar, eos_id=run.inputs.eos)
 
 
+@dataclass
+class ValidationConfig:
+    """eval.task_settings.validation."""
+
+    path: Optional[str] = None  # the validation text (JSONL or plain text), path or URL
+
+
 TASK = register(Task("heldout", read_corpus, heldout_rows, metrics=("ppl", "loss"),
                      table=("ppl", "loss"), report=("ppl",), heldout=True))
+VALIDATION = register(Task("validation", read_corpus, heldout_rows, metrics=("ppl", "loss"),
+                           table=("ppl", "loss"), report=("ppl",), settings=ValidationConfig,
+                           heldout=True))
