@@ -35,8 +35,8 @@ ROOT = Path(scse_dist.__file__).parent
 
 LAYERS = [
     {"model"},
-    {"config", "typed_yaml", "task_registry", "run_dir", "cli_errors", "atomic", "progress",
-     "quiet", "threads", "distributed", "hf", "figures", "param_groups"},
+    {"config", "config_paths", "typed_yaml", "task_registry", "run_dir", "cli_errors", "atomic",
+     "progress", "quiet", "threads", "distributed", "hf", "figures", "param_groups"},
     {"data"},
     {"checkpoint"},
     {"train", "eval", "generate"},
