@@ -2,11 +2,11 @@
 exists (docs/config.md, "Paths in config files"). Torch-free: scse-train, scse-launch and
 scse-study run the check before anything imports torch or queues a job.
 
-A relative input path written in a config file resolves against that file's directory (like
-`base:`); one given on the command line (or by a study spec's overrides) against the working
-directory. A path found only under the working directory is still read from there, with a
-notice. Output locations (output_dir, tensorboard.log_dir) and the files data.build writes
-(data.path, data.tokenizer when it is set) resolve against the working directory.
+A relative input path written in a config file (or a study spec) resolves against that file's
+directory (like `base:`); one given on the command line against the working directory. A path
+found only under the working directory is still read from there, with a notice. Output
+locations (output_dir, tensorboard.log_dir) and the files data.build writes (data.path,
+data.tokenizer when it is set) resolve against the working directory.
 """
 
 from __future__ import annotations
@@ -127,6 +127,41 @@ def comparable(field: str, value: Any) -> Any:
     if isinstance(value, list):
         return [comparable(field, v) for v in value]
     return os.path.abspath(value) if _local(value) else value
+
+
+# A study spec's own input paths (beside the run-config input fields its overrides set)
+SPEC_INPUTS = ("evals.wikitext", "evals.lambada", "evals.data", "lr.validation")
+
+
+def _resolved(name: str, value: Any, file: Path) -> Any:
+    if isinstance(value, list):
+        return [_resolved(f"{name}[{i}]", v, file) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {k: _resolved(f"{name}.{k}", v, file) for k, v in value.items()}
+    return _resolve_one(name, value, file) if _local(value) and not os.path.isabs(value) else value
+
+
+def resolve_spec_paths(values: dict, file: Path) -> None:
+    """One study spec file's relative input paths, against its directory, in place: its evals'
+    files, lr.validation, and the input fields of its overrides (data.path and data.tokenizer
+    not where the same overrides set data.build: the build's output)."""
+    for field in SPEC_INPUTS:
+        section, leaf = field.split(".")
+        node = values.get(section)
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = _resolved(field, node[leaf], file)
+    variants = values.get("variants")
+    mappings = [("overrides", values.get("overrides"))] + [
+        (f"variants.{name}.overrides", v.get("overrides"))
+        for name, v in (variants.items() if isinstance(variants, dict) else ())
+        if isinstance(v, dict)]
+    for where, overrides in mappings:
+        if not isinstance(overrides, dict):
+            continue
+        for key, value in overrides.items():
+            built = overrides.get("data.build") and key in BUILT_FIELDS
+            if (key in INPUT_FIELDS or key.startswith("eval.data.")) and not built:
+                overrides[key] = _resolved(f"{where}.{key}", value, file)
 
 
 def input_paths(cfg: Any) -> dict[str, str]:

@@ -99,7 +99,7 @@ def run_config(spec: StudySpec, run: Run) -> RunConfig:
              for key, value in {**spec.overrides, **run.overrides, **study}.items()}
     for key, value in given.items():
         _set_dotted(values, key, value, where)
-    # the base's relative input paths against its directory; the spec's as written
+    # the base's relative input paths against its directory; the spec's are resolved already
     forget_overridden(origins, given)
     resolve_paths(values, origins)
     try:
