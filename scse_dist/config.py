@@ -10,11 +10,12 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
 from scse_dist.checkpoint.start_config import StartConfig
+from scse_dist.config_paths import forget_overridden, note_origins, resolve_paths
 
 # Each section's dataclass sits beside the package it configures; this module composes them into
 # RunConfig and re-exports them.
@@ -226,10 +227,17 @@ def _set_new(values: dict, new: str, value: Any) -> None:
     target.setdefault(new_leaf, value)
 
 
-def read_config_file(path: Path) -> dict:
+def read_config_file(path: Path, origins: Optional[dict[str, Path]] = None) -> dict:
     """A config file's values (its `base:` chain overlaid), each file's old names renamed before
-    the next overlays it, so a newer file's value wins whichever names either uses."""
-    return _read_yaml(path, normalize=rename_old_fields)
+    the next overlays it, so a newer file's value wins whichever names either uses. `origins`,
+    if given, gets the file that set each input path (config_paths.resolve_paths' input)."""
+
+    def normalize(values: dict, file: Path) -> None:
+        rename_old_fields(values)
+        if origins is not None:
+            note_origins(values, file, origins)
+
+    return _read_yaml(path, normalize=normalize)
 
 
 def config_from_dict(values: dict) -> RunConfig:
@@ -250,10 +258,15 @@ def config_from_dict(values: dict) -> RunConfig:
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML config (or defaults when `path` is None), apply overrides, validate; an error
     names where to fix it: the file, or the command line when the file alone is free of it."""
-    values = read_config_file(Path(path)) if path is not None else {}
+    origins: dict[str, Path] = {}
+    values = read_config_file(Path(path), origins) if path is not None else {}
     overrides = renamed_overrides(overrides or [])
     try:
-        return config_from_dict(apply_overrides(copy.deepcopy(values), overrides))
+        given = apply_overrides(copy.deepcopy(values), overrides)
+        # the file's relative input paths against its directory; the command line's as typed
+        forget_overridden(origins, (item.split("=", 1)[0].strip() for item in overrides))
+        resolve_paths(given, origins)
+        return config_from_dict(given)
     except ConfigError as exc:
         source = _error_source(exc, path, values, overrides or [])
         raise ConfigError(f"{exc} ({source})" if source else str(exc)) from None

@@ -194,18 +194,19 @@ def setting_file(path: Path, key: str, overlay: str = "base") -> Path | None:
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = (), *, kind: str = "config file",
                overlay: str = "base", file_relative: tuple[str, ...] = (),
-               normalize: Optional[Callable[[dict], Any]] = None) -> dict:
+               normalize: Optional[Callable[[dict, Path], Any]] = None) -> dict:
     """Read a config file; `base: other.yaml` (relative to the file) is loaded first and overlaid.
 
     kind: what the file is, in messages. overlay: the key naming the file to overlay.
     file_relative: top-level keys holding paths relative to the file that set them.
-    normalize: applied to each file's values (in place) before they are overlaid."""
+    normalize: applied to each file's values (in place), with the file's path, before they are
+    overlaid; the file that overlays another comes first."""
     if path.resolve() in seen:
         raise ConfigError(f"{kind} {str(path)!r}: `{overlay}` chain loops back to itself")
     values = _read_one(path, kind)
     base = values.pop(overlay, None)
     if normalize is not None:
-        normalize(values)
+        normalize(values, path)
     if base is None:
         return values
     if not isinstance(base, str):

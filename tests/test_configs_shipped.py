@@ -1,7 +1,8 @@
 """Every shipped run config trains, exports and evaluates through `python launch/train.py`.
 
-Each YAML under configs/ runs as a user runs it (from the repo root, so the relative
-`train.engine.deepspeed_config` paths resolve) with only its sizes shrunk: width, heads, vocabulary,
+Each YAML under configs/ runs as a user runs it, from a directory outside the checkout (the paths
+a config writes resolve against its own directory: docs/config.md, "Paths in config files"),
+with only its sizes shrunk: width, heads, vocabulary,
 sequence length (a batch in tokens with it: the same sequences), steps, evaluation batches, and
 the data and output paths. Everything else (gradient accumulation, micro-batch, DeepSpeed JSON,
 ZeRO stage, activation checkpointing, depth sampling, eval depths, after-train evaluation,
@@ -95,9 +96,9 @@ def test_shipped_config_trains_exports_and_evaluates(config, tmp_path, tiny_data
     overrides = size_overrides(config, tiny_data, tmp_path / "runs")
     user_cfg = load_config(config)
     want = load_config(config, overrides)
-    out = subprocess.run([sys.executable, "launch/train.py", "--config",
-                          str(config.relative_to(REPO)), *overrides],
-                         cwd=REPO, env=user_env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--config", str(config),
+                          *overrides],
+                         cwd=tmp_path, env=user_env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"rc={out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-4000:]}"
     run_dir = tmp_path / "runs" / want.name
 

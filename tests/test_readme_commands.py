@@ -176,8 +176,10 @@ def check_gpt2_two_ranks(d: Path, out: str) -> None:
     run = d / "runs/gpt2-small-scse"
     assert "world 2 (env), ZeRO-1" in out
     ran = yaml.safe_load((run / "config.yaml").read_text())["train"]
+    # the config's own relative path, resolved against its directory (docs/config.md)
     assert ran["batch"]["grad_accum_steps"] == 4 and \
-        ran["engine"]["deepspeed_config"] == "configs/deepspeed/zero1.json"
+        Path(ran["engine"]["deepspeed_config"]).resolve() == \
+        (d / "configs/deepspeed/zero1.json").resolve()
     # every rank consumed micro 16 x accumulation 4 sequences of 32 tokens per step: the
     # 4096-token global batch over 2 ranks
     assert "global batch 128 seq (4096 tokens) = micro 16 x accum 4 x world 2" in out

@@ -134,11 +134,17 @@ def test_a_branch_of_another_model_is_refused_and_changes_nothing(reference, tmp
         "run from an export's weights alone)")
     assert not (tmp_path / "runs" / "tiny" / "checkpoints").exists()
     assert snapshot(reference_dir) == before
+    # a source that is not there: a missing input, before anything starts
     out = train(tiny_config(tmp_path, *WSD), subprocess_env,
                 f"train.start.branch_from={tmp_path / 'nowhere'}")
+    assert out.returncode == 66
+    assert out.stderr.strip() == (
+        f"scse-train: error: train.start.branch_from: '{tmp_path / 'nowhere'}' does not exist")
+    # one that is there but is no run dir nor tag
+    out = train(tiny_config(tmp_path, *WSD), subprocess_env, f"train.start.branch_from={tmp_path}")
     assert out.returncode == 2
     assert out.stderr.strip() == (
-        f"scse-train: config error: train.start.branch_from: '{tmp_path / 'nowhere'}' is neither a "
+        f"scse-train: config error: train.start.branch_from: '{tmp_path}' is neither a "
         "run dir (holding checkpoints/) nor a checkpoint tag "
         "(runs/<name>/checkpoints/step-NNNNNNN)")
 

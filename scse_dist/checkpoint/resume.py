@@ -42,6 +42,7 @@ from scse_dist.config import (
     config_to_dict,
     rename_old_fields,
 )
+from scse_dist.config_paths import comparable
 from scse_dist.distributed import is_rank0
 from scse_dist.run_dir import CHECKPOINTS_NAME, OUTPUT_NAMES
 
@@ -84,8 +85,8 @@ def refused_changes(saved: dict, current: dict) -> list[str]:
     missing = "<absent>"
     return [f"{name}: {old.get(name, missing)!r} -> {new.get(name, missing)!r}"
             for name in sorted(set(old) | set(new))
-            if is_refused(name) and old.get(name, missing) != new.get(name, missing)] \
-        + _regrouped(saved, current)
+            if is_refused(name) and comparable(name, old.get(name, missing))
+            != comparable(name, new.get(name, missing))] + _regrouped(saved, current)
 
 
 def _regrouped(saved: dict, current: dict) -> list[str]:

@@ -1,5 +1,6 @@
-"""A training run's data, checked before torch or DeepSpeed is imported (one line, exit 65 or 66):
-check_run_data, which scse-train and scse-launch --local call. train() reads the same again.
+"""A training run's inputs and data, checked before torch or DeepSpeed is imported (one line, exit
+65 or 66): check_run_data, which scse-train, scse-launch and scse-study --dry-run call. train()
+reads the same again.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from typing import Optional, Sequence
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig
+from scse_dist.config_paths import check_inputs
 from scse_dist.data.index import check_tokenizer, read_index
 from scse_dist.data.quickstart import check_build, needs_build
 from scse_dist.data.tokenizer import Tokenizer
@@ -24,9 +26,11 @@ def load_run_tokenizer(cfg: RunConfig) -> Tokenizer:
 
 def check_run_data(cfg: RunConfig, config_path: Optional[str] = None,
                    overrides: Sequence[str] = ()) -> bool:
-    """The build rule; then, unless data.build will write them (returns whether), that data.path
-    holds shards and data.tokenizer loads, fits the model and wrote them. (The training stream
-    checks mixture paths.)"""
+    """Every input file the config names exists (config_paths.check_inputs); the build rule;
+    then, unless data.build will write them (returns whether), that data.path holds shards and
+    data.tokenizer loads, fits the model and wrote them. (The training stream reads the mixture
+    paths' shards.)"""
+    check_inputs(cfg)
     check_build(cfg.data, config_path, overrides)
     if needs_build(cfg.data):  # FileNotFoundError when missing and nothing builds it
         if cfg.data.build_vocab_size > cfg.model.vocab_size:

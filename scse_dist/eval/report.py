@@ -128,9 +128,9 @@ def write_report(run_dirs: Sequence[str | Path], out_dir: str | Path, wandb_cfg:
 
 def report_run(run_dir: str | Path) -> dict[str, Optional[str]]:
     """The report of one training run, into RUN/eval/, logged to the run's wandb group."""
-    from scse_dist.config import load_config
+    from scse_dist.config import load_saved_config
 
     run = RunDir(run_dir)
-    cfg = load_config(run.config)
+    cfg = load_saved_config(run.config)  # as saved: its paths are not the config file's
     return write_report([run_dir], run.eval, cfg.wandb, wandb_name=f"{cfg.name}-eval",
                         wandb_group=cfg.wandb.group or cfg.name)

@@ -170,10 +170,11 @@ def submit_training(args: argparse.Namespace, cfg: RunConfig, backend: Backend) 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 submitted (or, --local, done); 1 the backend refused a job; 2 bad config
     (a global batch the training job's world, nodes x tasks_per_node, cannot divide too);
-    65 bad input data; 66 an input missing or unreadable (--local); 75 stopped by SIGINT or
-    SIGTERM, the run saved (rerun to resume), or (--local) the run dir held by another process
-    (its lock); with --backend local, the training job's own status."""
-    args = build_parser().parse_args(argv)
+    65 bad input data; 66 an input the config names missing or unreadable (checked before the
+    training job queues, and --local); 75 stopped by SIGINT or SIGTERM, the run saved (rerun to
+    resume), or (--local) the run dir held by another process (its lock); with --backend local,
+    the training job's own status."""
+    args = build_parser().parse_intermixed_args(argv)  # flags anywhere among the overrides
     cfg = load_config(args.config, args.overrides)
     try:
         return _launch(args, cfg)
@@ -183,9 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _launch(args: argparse.Namespace, cfg: RunConfig) -> int:
-    if args.local:
-        from scse_dist.data.preflight import check_run_data
+    from scse_dist.data.preflight import check_run_data
 
+    if args.local:
         if check_run_data(cfg, args.config, args.overrides):  # bad data: one line before torch
             from scse_dist.data.quickstart import data_step
 
@@ -200,6 +201,7 @@ def _launch(args: argparse.Namespace, cfg: RunConfig) -> int:
             schedule_evals(cfg, args.after_job, get_backend(args.backend))
             return 0
         check_world_batch(cfg)  # a batch the job's world cannot divide: before it queues
+        check_run_data(cfg, args.config, args.overrides)  # and the run's inputs, as it will
         return submit_training(args, cfg, get_backend(args.backend))
     except BackendError as exc:
         print(f"scse-launch: {exc}", file=sys.stderr)

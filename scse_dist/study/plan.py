@@ -16,7 +16,6 @@ export and every evaluation of its stage (a sweep run's: eval/validation.json) a
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,12 @@ import yaml
 
 from scse_dist.atomic import atomic_write_text
 from scse_dist.config import config_to_dict
+from scse_dist.config_paths import input_exists, input_paths
 from scse_dist.run_dir import VALIDATION_NAME, RunDir
 from scse_dist.run_lock import held
 from scse_dist.study.runs import Run, expand, run_config
 from scse_dist.study.spec import StudySpec
 from scse_dist.study.validation import sweep_metric, sweep_score
-from scse_dist.task_registry import TASKS, field_value
 
 SPEC_NAME, RUNS_NAME, LR_CHOICE_NAME = "study.yaml", "runs.json", "lr_choice.json"
 
@@ -159,18 +158,15 @@ def edge_line(spec: StudySpec, variant: str, choice: dict) -> str:
 
 
 def _inputs(spec: StudySpec, run: Run) -> dict[str, str]:
-    """field -> the local path a run reads (data the trainer builds itself, and URLs, left out)."""
-    cfg = run_config(spec, run)
-    found = {} if cfg.data.build else {"data.path": cfg.data.path,
-                                       "data.tokenizer": cfg.data.tokenizer}
+    """field -> the local path a run reads: its config's (config_paths.input_paths), the test
+    tasks' files for final runs only, lr.validation for sweep runs."""
+    found = input_paths(run_config(spec, run))
     if run.stage == "sweep":
         assert spec.lr is not None  # sweep runs exist only with lr:
-        found["lr.validation"] = spec.lr.validation
-    else:  # the test tasks: final runs only
-        for task in (TASKS[name] for name in cfg.eval.tasks):
-            if task.data_field:
-                found[f"eval.{task.data_field}"] = field_value(cfg.eval, task.data_field)
-    return {k: v for k, v in found.items() if v and "://" not in str(v)}
+        found = {k: v for k, v in found.items() if not k.startswith("eval.")}
+        if "://" not in spec.lr.validation:
+            found["lr.validation"] = spec.lr.validation
+    return found
 
 
 def _which(needing: list[Run], runs: list[Run]) -> str:
@@ -191,7 +187,7 @@ def missing_inputs(spec: StudySpec) -> list[str]:
     needed: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
         for key, path in _inputs(spec, run).items():
-            if not Path(path).exists() and not glob.glob(path):
+            if not input_exists(path):
                 needed.setdefault((key, path), []).append(run)
     return [f"missing input: {key} {path} (no such file or directory), needed by "
             f"{_which(needing, runs)}"

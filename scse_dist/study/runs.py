@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from scse_dist.config import ConfigError, RunConfig, config_from_dict, read_config_file, renamed_key
+from scse_dist.config_paths import forget_overridden, resolve_paths
 from scse_dist.run_dir import RunDir
 from scse_dist.study.spec import SpecError, StudySpec
 from scse_dist.task_registry import TASKS
@@ -75,8 +76,9 @@ def _set_dotted(values: dict, key: str, value: Any, where: str) -> None:
 def run_config(spec: StudySpec, run: Run) -> RunConfig:
     """The resolved RunConfig of a run: base, study overrides, variant, seed/lr, then the study's
     fixed fields (run dir, evaluation tasks and depths; evaluations are the study's jobs)."""
+    origins: dict[str, Path] = {}
     try:
-        values = read_config_file(Path(spec.base))
+        values = read_config_file(Path(spec.base), origins)
     except ConfigError as exc:
         raise SpecError(f"{spec.path}: base: {exc}") from None
     run_dir = Path(run.run_dir)
@@ -88,8 +90,13 @@ def run_config(spec: StudySpec, run: Run) -> RunConfig:
         if task.data_field and isinstance(named, str):  # evals.data.<task>, .wikitext, .lambada
             study[f"eval.{task.data_field}"] = named
     where = f"{spec.path}: variants.{run.variant}"
-    for key, value in {**spec.overrides, **run.overrides, **study}.items():
-        _set_dotted(values, renamed_key(str(key), value), value, where)
+    given = {renamed_key(str(key), value): value
+             for key, value in {**spec.overrides, **run.overrides, **study}.items()}
+    for key, value in given.items():
+        _set_dotted(values, key, value, where)
+    # the base's relative input paths against its directory; the spec's are resolved already
+    forget_overridden(origins, given)
+    resolve_paths(values, origins)
     try:
         return config_from_dict(values)
     except ConfigError as exc:

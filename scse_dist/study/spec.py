@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from scse_dist.config import ConfigError
+from scse_dist.config_paths import resolve_spec_paths
 from scse_dist.resources import Resources
 from scse_dist.study.factorial import parse_factorial
 from scse_dist.study.prereg import parse_preregistration
@@ -382,7 +383,8 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> StudySpec
     given = [f"out={Path(item.split('=', 1)[1]).resolve()}" if item.startswith("out=") else item
              for item in overrides or []]
     try:
-        values = _read_yaml(p, kind="study spec", overlay="extends", file_relative=SPEC_PATHS)
+        values = _read_yaml(p, kind="study spec", overlay="extends", file_relative=SPEC_PATHS,
+                            normalize=resolve_spec_paths)
         apply_overrides(values, given, DOTTED_MAPPINGS)
     except ConfigError as exc:
         raise SpecError(str(exc)) from None

@@ -28,7 +28,8 @@ EXIT_STATUSES = """exit statuses:
   4    train.spike_skip.max_in_a_row loss spikes in a row; the last good checkpoint is kept
   65   bad input data (another tokenizer's shards, a tokenizer larger than model.vocab_size,
        corrupt data past data.max_failures, a split with nothing readable)
-  66   an input is missing or unreadable (data.path, data.tokenizer)
+  66   an input is missing or unreadable (every file the config names: data.path,
+       data.tokenizer, train.engine.deepspeed_config, eval files, init_from, branch_from)
   74   no space left writing a checkpoint, the export, a metrics row (a full disk, a quota or
        a file-size limit): the line names the path and the free space; the last checkpoint
        is intact: free space and rerun the same command to resume
@@ -131,7 +132,7 @@ def check_can_start(cfg: RunConfig, args: argparse.Namespace) -> bool:
 
 @cli_main("scse-train")
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # flags anywhere among the overrides
     # a ConfigError is exit 2, before any process group
     cfg = load_config(args.config, args.overrides)
     world_size, assumptions = _plan_assumptions(args)

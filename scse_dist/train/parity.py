@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
                         help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     from scse_dist.distributed import init_distributed, shutdown
     from scse_dist.train.loop import with_world_batch

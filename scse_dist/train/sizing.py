@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from scse_dist.config import RunConfig
+from scse_dist.config_paths import check_inputs
 from scse_dist.model.transitions import resolved_anchor_scale, transition_for
 
 GIB = 2**30
@@ -83,10 +84,11 @@ class StateMemory:
 
 def stage3_max_live(cfg: RunConfig) -> int:
     """stage3_max_live_parameters of train.engine.deepspeed_config (DeepSpeed's default without
-    one)."""
+    one); FileNotFoundError naming the field if it names no file."""
     path = cfg.train.engine.deepspeed_config
-    if not path or not Path(path).is_file():
+    if not path:
         return STAGE3_MAX_LIVE_DEFAULT
+    check_inputs(cfg, ("train.engine.deepspeed_config",))
     zero = json.loads(Path(path).read_text()).get("zero_optimization", {})
     return int(zero.get("stage3_max_live_parameters", STAGE3_MAX_LIVE_DEFAULT))
 
