@@ -222,7 +222,7 @@ def test_scse_study_reads_overrides_after_a_flag(tmp_path, tiny_config, capsys):
     spec = write_spec(tmp_path / "spec.yaml",
                       study_spec(tiny_config(tmp_path), str(tmp_path / "out"), axes={}))
     assert study_cli.main([spec, "seeds=[4]", "--dry-run", "name=t"]) == 0
-    rows = capsys.readouterr().out.splitlines()[1:]
+    rows = [r for r in capsys.readouterr().out.splitlines() if str(tmp_path / "out") in r]
     assert len(rows) == 3 and all(" 4 " in r and "/t/" in r for r in rows)
 
 

@@ -100,11 +100,13 @@ PROJECT_DIRS = [REPO, *(d for d in REPO.rglob("*") if d.is_dir()
 
 def outside_the_project(path: str) -> bool:
     """Whether `path` lands outside the checkout from every folder of it (the page's own, or the
-    one a config or spec that holds it lives in): a file a clone does not have."""
+    one a config or spec that holds it lives in): a file a clone does not have, nor builds
+    under data/."""
     for folder in PROJECT_DIRS:
         target = (folder / path).resolve()
-        if target.is_relative_to(REPO) and (target.exists() or target.parent.exists()):
-            return False
+        if target.is_relative_to(REPO) and (target.exists() or target.parent.exists()
+                                            or target.is_relative_to(REPO / "data")):
+            return False  # a clone's file, or data/ that a user builds or downloads
     return True
 
 

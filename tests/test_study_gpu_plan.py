@@ -73,8 +73,8 @@ def test_the_gpu_study_dry_run_lists_its_runs_files_and_planned_gpu_hours(spec, 
     assert {r[1] for r in rows if r[3] == "sweep"} == {"0"}
     assert {r[1] for r in rows if r[3] == "final"} == {"1", "2", "3"}
     assert "stages: sweep (21 runs at seed 0) -> rates chosen on validation.path -> final (21 " \
-        "runs at seeds 1, 2, 3) -> validation (data/eval-gpu/wiki.valid.raw, each final run) -> " \
-        "report (the pre-registration first)" in out
+        f"runs at seeds 1, 2, 3) -> validation ({REPO_ROOT}/data/eval-gpu/wiki.valid.raw, each " \
+        "final run) -> report (the pre-registration first)" in out  # against the spec's dir
     for name in ("wiki.valid.raw", "wiki.test.raw", "lambada_test.jsonl"):
         assert f"data/eval-gpu/{name}" in out
     assert out.count("edge rule (lr.extend_edges)") == 1

@@ -258,22 +258,25 @@ def test_the_old_per_task_keys_load_with_one_notice_each_as_the_new_ones(tiny_da
         "piqa": {"path": "p.jsonl"}, "hellaswag": {"path": "h.jsonl"}})
     old = _config(tiny_data, tmp_path, tasks=["heldout", "wikitext", "piqa"], wikitext="w.raw",
                   lambada="l.txt", stride=7, data={"piqa": "p.jsonl", "hellaswag": "h.jsonl"})
-    path = tmp_path / "old.yaml"
+    path, new_path = tmp_path / "old.yaml", tmp_path / "new.yaml"
     path.write_text(yaml.safe_dump(old))
-    expected = config_from_dict(new).eval
+    new_path.write_text(yaml.safe_dump(new))
+    expected = load_config(new_path).eval  # both files' paths resolve against their directory
     assert capsys.readouterr().err == ""
     assert load_config(path).eval == expected
-    assert load_config(path, ["eval.data.piqa=p.jsonl", "eval.stride=7"]).eval == expected
+    # a command line's path is as typed (the working directory's): absolute here
+    assert load_config(path, [f"eval.data.piqa={tmp_path / 'p.jsonl'}", "eval.stride=7"]).eval \
+        == expected
     notices = capsys.readouterr().err.splitlines()
     assert notices == [f"config: notice: {o} is now {n}; the old name is read for now" for o, n in
                        (("eval.wikitext", "eval.task_settings.wikitext.path"),
                         ("eval.lambada", "eval.task_settings.lambada.path"),
                         ("eval.stride", "eval.task_settings.wikitext.stride"),
                         ("eval.data.<task>", "eval.task_settings.<task>.path"))]
-    assert task_files(expected) == {"eval.task_settings.wikitext.path": "w.raw",
-                                    "eval.task_settings.lambada.path": "l.txt",
-                                    "eval.task_settings.piqa.path": "p.jsonl",
-                                    "eval.task_settings.hellaswag.path": "h.jsonl"}
+    assert task_files(expected) == {"eval.task_settings.wikitext.path": str(tmp_path / "w.raw"),
+                                    "eval.task_settings.lambada.path": str(tmp_path / "l.txt"),
+                                    "eval.task_settings.piqa.path": str(tmp_path / "p.jsonl"),
+                                    "eval.task_settings.hellaswag.path": str(tmp_path / "h.jsonl")}
     with pytest.raises(ConfigError, match=r"^eval.task_settings.wikitext.stride: must be >= 0, "
                                           r"got -1$"):
         config_from_dict(_config(tiny_data, tmp_path, task_settings={"wikitext": {"stride": -1}}))
