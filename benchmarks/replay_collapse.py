@@ -80,7 +80,7 @@ def replay(cfg: Any, run_dir: Path, tag: str, way: str, steps: int, window: Any
     rows = []
     for step in range(start, start + steps):
         depth = None if model.fixed_depth is not None else \
-            sample_depth(step, t.depth, cfg.model.depth, t.seed)
+            sample_depth(step, t.depth, cfg.model.depth, t.seed, t.max_steps)
         result = train_step(engine, (next(batches) for _ in range(t.batch.grad_accum_steps)),
                             depth=depth, backprop_steps=t.depth.backprop_steps,
                             z_loss=t.loss.z_loss)

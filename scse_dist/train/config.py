@@ -20,6 +20,26 @@ from scse_dist.train.schedule_config import ScheduleConfig
 
 
 @dataclass
+class DepthCurriculumConfig:
+    """train.depth.curriculum: the mean training depth ramps from `start` to model.depth over the
+    first `fraction` of train.max_steps, `linear` or `1-sqrt` (scse_dist.train.depth)."""
+
+    shape: Literal["none", "linear", "1-sqrt"] = "none"
+    start: float = 1.0
+    fraction: float = 0.25
+
+    def check(self) -> None:
+        if self.shape not in ("none", "linear", "1-sqrt"):
+            raise ConfigError(f"train.depth.curriculum.shape: expected none, linear or 1-sqrt, "
+                              f"got {self.shape!r}")
+        if not 1 <= self.start < float("inf"):  # also rejects NaN
+            raise ConfigError(f"train.depth.curriculum.start: must be >= 1, got {self.start}")
+        if not 0 < self.fraction <= 1:
+            raise ConfigError(f"train.depth.curriculum.fraction: must be > 0 and <= 1, got "
+                              f"{self.fraction}")
+
+
+@dataclass
 class DepthSamplingConfig:
     # fixed: T = model.depth; uniform: U{min, max} (max 0: 2*model.depth); poisson_lognormal
     kind: Literal["fixed", "uniform", "poisson_lognormal"] = "fixed"
@@ -28,8 +48,10 @@ class DepthSamplingConfig:
     sigma: float = 0.5
     # Backpropagate through only the last k loop steps (0: all of them).
     backprop_steps: int = 0
+    curriculum: DepthCurriculumConfig = field(default_factory=DepthCurriculumConfig)
 
     def check(self) -> None:
+        self.curriculum.check()
         if self.min <= 0:
             raise ConfigError(f"train.depth.min: must be > 0, got {self.min}")
         if self.backprop_steps < 0:

@@ -140,7 +140,7 @@ def _run(state: TrainState, callbacks: list[Callback], preemption: PreemptionFla
         state.faults.step_started(step + 1)
         # Untied models have one fixed depth; the loop kinds draw T per step, the same on all ranks.
         depth = (None if model.fixed_depth is not None else
-                 sample_depth(step, t.depth, state.cfg.model.depth, t.seed))
+                 sample_depth(step, t.depth, state.cfg.model.depth, t.seed, t.max_steps))
         state.lr = engine.get_lr()[0]  # the lr this step uses: the scheduler advances in step()
         started = time.perf_counter()
         state.result = train_step(engine, (next(batches) for _ in range(t.batch.grad_accum_steps)),

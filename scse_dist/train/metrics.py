@@ -56,8 +56,10 @@ def format_line(row: dict[str, Any]) -> str:
         parts += [f"z_loss {row['z_loss']:.3g}"] if "z_loss" in row else []  # train.loss.z_loss
         # train.loss.depth: the loss at its short depth
         parts += [f"loss_short {row['loss_short']:.4f}"] if "loss_short" in row else []
-        parts += [f"lr {row['lr']:.3e}", f"T {row['depth']:>2d}",
-                  f"tok/s {row['tokens_per_s']:,.0f}", f"step {row['step_time_s'] * 1000:.0f} ms"]
+        parts += [f"lr {row['lr']:.3e}", f"T {row['depth']:>2d}"]
+        # train.depth.curriculum: the mean T the step drew around
+        parts += [f"T mean {row['depth_mean']:.2f}"] if "depth_mean" in row else []
+        parts += [f"tok/s {row['tokens_per_s']:,.0f}", f"step {row['step_time_s'] * 1000:.0f} ms"]
     if row.get("mfu") is not None:
         parts.append(f"mfu {100 * row['mfu']:.2f}%")
     if row.get("peak_mem_gib") is not None:

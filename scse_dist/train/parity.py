@@ -57,7 +57,7 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     losses = []
     for step in range(t.max_steps):
         depth = None if model.fixed_depth is not None else \
-            sample_depth(step, t.depth, cfg.model.depth, t.seed)
+            sample_depth(step, t.depth, cfg.model.depth, t.seed, t.max_steps)
         batch = global_batch(cfg, step, micro * accum * world)
         parts = (batch[(m * world + rank) * micro:(m * world + rank + 1) * micro]
                  for m in range(accum))

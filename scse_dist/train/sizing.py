@@ -55,7 +55,7 @@ def training_depths(cfg: RunConfig, steps: Optional[int] = None) -> list[int]:
     if fixed is not None:
         return [fixed] * steps
     t = cfg.train
-    return [sample_depth(step, t.depth, cfg.model.depth, t.seed) for step in range(steps)]
+    return [sample_depth(step, t.depth, cfg.model.depth, t.seed, steps) for step in range(steps)]
 
 
 def count_parameters(cfg: RunConfig) -> int:

@@ -10,6 +10,7 @@ import torch
 
 from scse_dist.progress import eta_seconds, format_duration
 from scse_dist.train.callbacks.base import Callback, TrainState
+from scse_dist.train.depth import depth_mean
 from scse_dist.train.metrics import peak_flops, peak_memory
 from scse_dist.train.step import sum_over_ranks
 
@@ -88,7 +89,7 @@ class MetricsCallback(Callback):
             / (state.env.world_size * self.peak) if self.peak else None
         state.logger.log({
             "step": state.step, "loss": loss, **z_loss, **short, "lr": state.lr,
-            "depth": state.result.depth,
+            "depth": state.result.depth, **self._depth_mean(state),
             "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": seconds / self.window_steps,
             "tokens": state.step * state.tokens_per_step, "skipped_steps": state.skipped_steps,
             # train.spike_skip.enabled: the loss spikes skipped so far
@@ -100,6 +101,15 @@ class MetricsCallback(Callback):
         self.last_loss = loss
         state.first_loss, state.last_loss = self.first_loss, self.last_loss
         self._new_window()
+
+    @staticmethod
+    def _depth_mean(state: TrainState) -> dict[str, float]:
+        """train.depth.curriculum on: `depth_mean`, the mean the row's step drew around."""
+        t = state.cfg.train
+        if t.depth.curriculum.shape == "none":
+            return {}
+        return {"depth_mean": depth_mean(state.step - 1, t.depth, state.cfg.model.depth,
+                                         t.max_steps)}
 
     def _progress(self, state: TrainState) -> str:
         """` | elapsed 1:02 | ETA 5:10`: time since this process's first step, and the rest at
