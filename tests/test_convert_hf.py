@@ -104,6 +104,11 @@ def test_llama_gqa_llama3_rope_imports_with_transformers_logits(tmp_path, tokeni
     assert max_diff(model, plain) > 1e-3
     # its tokenizer came along: the same file, so the same hash in shards written with it
     assert Tokenizer.load(cfg.data.tokenizer).sha256 == Tokenizer.load(str(tokenizer_file)).sha256
+    # the export's remote code carries the scaling too (transformers 5 owns a rope_scaling name)
+    remote = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "exp",
+                                                               trust_remote_code=True).eval()
+    assert vars(remote.config.model_config().rope_scaling) == vars(m.rope_scaling)  # its own class
+    assert max_diff(model, remote) <= 1e-4
 
 
 def test_qwen3_qk_norm_and_head_dim_import_with_transformers_logits(tmp_path, tokenizer_file,
