@@ -148,6 +148,38 @@ def test_to_hf_loads_in_plain_transformers_with_native_logits(build, tmp_path, t
     assert tok(text)["input_ids"] == Tokenizer.load(str(tokenizer_file)).encode(text)
 
 
+def test_a_trained_untied_stack_goes_out_with_its_layers_in_running_order(tmp_path, capsys,
+                                                                          tokenizer_file):
+    """prelude, two groups of two core blocks, coda: six Llama layers in the order they run."""
+    from scse_dist.model.config import RopeScaling
+
+    model_cfg = ModelConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_kv_heads=2,
+                            recurrence="untied", residual="preln", n_prelude=1, n_core=2,
+                            depth=2, n_coda=1, tie_embeddings=False,
+                            rope_scaling=RopeScaling(original_max_position_embeddings=16))
+    torch.manual_seed(3)
+    native = LoopedLM(model_cfg).eval()
+    with torch.no_grad():
+        for p in native.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    save_exported_model(native.state_dict(), RunConfig(model=model_cfg), str(tmp_path / "exp"),
+                        tokenizer=str(tokenizer_file))
+    status, out, _ = convert(capsys, "to-hf", str(tmp_path / "exp"), "--out", str(tmp_path / "hf"))
+    assert status == 0 and "(LlamaForCausalLM, 6 layers)" in out
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert max_diff(back, native) <= 1e-4
+
+
+def test_sharded_weights_import(tmp_path, tokenizer_file, capsys):
+    model, folder = llama(tmp_path, tokenizer_file)
+    shutil.rmtree(folder)
+    model.save_pretrained(folder, max_shard_size="40KB")
+    shutil.copy(tokenizer_file, folder / "tokenizer.json")
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert convert(capsys, "from-hf", str(folder), "--out", str(tmp_path / "exp"))[0] == 0
+    assert max_diff(model, load_exported_model(tmp_path / "exp")[0]) <= 1e-4
+
+
 REFUSED = {
     "attention_bias": {"attention_bias": True},
     "rope_scaling": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4,
