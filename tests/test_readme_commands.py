@@ -342,7 +342,13 @@ PARTS = ("a Slurm array of parts and its merge; tests/test_data_parts.py runs pa
          "`scse-data merge` and compares every file with one process's, byte for byte")
 IMPORT = ("tests/test_data_import.py runs docs/data.md's import and inspect as written, on small "
           "llm.c files of GPT-2's layout")
+CONVERT = ("downloads a hub checkpoint; tests/test_convert_hf.py runs scse-convert from-hf, the "
+           "shards' tokenizer check and to-hf on tiny saved models")
 NOT_RUN = {
+    "scse-convert from-hf HuggingFaceTB/SmolLM2-135M --out exports/smollm2": CONVERT,
+    "scse-data shards --input 'data/*.jsonl.gz' --tokenizer exports/smollm2/tokenizer.json --out data/smollm2/shards":
+        CONVERT,
+    "scse-convert to-hf exports/smollm2 --out hf/smollm2": CONVERT,
     # docs/data.md's recipe: write_inputs puts a byte-level BPE in GPT-2's format at the path
     "mkdir -p data/gpt2": "write_inputs makes data/gpt2 and writes tokenizer.json there",
     "curl -L -o data/gpt2/tokenizer.json https://huggingface.co/openai-community/gpt2/resolve/main/tokenizer.json":

@@ -24,6 +24,9 @@ from .transitions import check_model_config
 # value that field had then (VALUE_BEFORE_FIELD), like a saved run config.
 MODEL_FIELDS = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)},
                 **VALUE_BEFORE_FIELD}
+# Fields whose name PretrainedConfig owns (transformers 5's rope_scaling is a property that
+# rewrites rope_parameters): kept under another attribute, read from config.json by either name.
+RENAMED = {"rope_scaling": "scse_rope_scaling"}
 
 
 class ScseConfig(PretrainedConfig):
@@ -34,7 +37,8 @@ class ScseConfig(PretrainedConfig):
 
     def __init__(self, **kwargs):
         for name, default in MODEL_FIELDS.items():
-            setattr(self, name, kwargs.pop(name, default))
+            attr = RENAMED.get(name, name)
+            setattr(self, attr, kwargs.pop(attr, kwargs.pop(name, default)))
         # A tied head is structural in LoopedLM (the head reads the embedding): transformers
         # has nothing to tie, and with False neither 4.x nor 5.x looks for an output embedding.
         kwargs["tie_word_embeddings"] = False
@@ -43,6 +47,7 @@ class ScseConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
     def model_config(self) -> ModelConfig:
-        cfg = ModelConfig(**{name: getattr(self, name) for name in MODEL_FIELDS})
+        cfg = ModelConfig(**{name: getattr(self, RENAMED.get(name, name))
+                             for name in MODEL_FIELDS})
         check_model_config(cfg)
         return cfg

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import ModelConfig
+from .config import ModelConfig, RopeScaling
 from .documents import AttnMask, attend
 from .transitions import Transition, transition_for
 
@@ -57,7 +57,8 @@ def rope_tables(seq_len: int, cfg: ModelConfig, device: torch.device,
                 position_ids: Optional[torch.Tensor] = None) -> RopeTables:
     """RoPE's cos/sin for positions 0..seq_len-1, or for `position_ids` (B, S) when given: made
     per forward in fp32, not stored as buffers, so casting the model to bf16 never degrades them."""
-    inv_freq = _inv_freq(cfg.resolved_head_dim // 2, cfg.rope_theta, torch.device(device))
+    inv_freq = _inv_freq(cfg.resolved_head_dim // 2, cfg.rope_theta, torch.device(device),
+                         cfg.rope_scaling)
     if position_ids is not None:  # per sequence (left padding), broadcast over heads
         angles = (position_ids.to(device, torch.float32)[..., None] * inv_freq)[:, None]
         return angles.cos(), angles.sin()
@@ -66,11 +67,27 @@ def rope_tables(seq_len: int, cfg: ModelConfig, device: torch.device,
 
 
 @functools.lru_cache(maxsize=None)
-def _inv_freq(half: int, theta: float, device: torch.device) -> torch.Tensor:
+def _inv_freq(half: int, theta: float, device: torch.device,
+              scaling: Optional[RopeScaling] = None) -> torch.Tensor:
     """RoPE's frequencies, cached per size and device (generation calls rope_tables per token);
     made outside inference mode so the cached tensor can join autograd later. Read only."""
     with torch.inference_mode(False), torch.no_grad():
-        return theta ** (-torch.arange(0, half, device=device, dtype=torch.float32) / half)
+        inv_freq = theta ** (-torch.arange(0, half, device=device, dtype=torch.float32) / half)
+        return inv_freq if scaling is None else _llama3_scaled(inv_freq, scaling)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, r: RopeScaling) -> torch.Tensor:
+    """Llama 3's frequencies (transformers' `_compute_llama3_parameters`, step for step): long
+    wavelengths divided by the factor, short ones kept, those between interpolated."""
+    low_wavelen = r.original_max_position_embeddings / r.low_freq_factor
+    high_wavelen = r.original_max_position_embeddings / r.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
+    smooth = ((r.original_max_position_embeddings / wavelen - r.low_freq_factor)
+              / (r.high_freq_factor - r.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,19 @@ class ConfigError(ValueError):
     """A config field is unknown, mistyped or inconsistent. The message names the field."""
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's RoPE frequency scaling (transformers' rope type `llama3`): wavelengths longer
+    than original_max_position_embeddings / low_freq_factor are stretched by `factor`, those
+    shorter than original_max_position_embeddings / high_freq_factor kept, and those between
+    interpolated."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 4096
@@ -66,7 +79,17 @@ class ModelConfig:
     document_mask: bool = False
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # Llama 3's RoPE scaling (RopeScaling); None: plain RoPE.
+    rope_scaling: Optional[RopeScaling] = None
     init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        # a mapping (the Hugging Face config.json of an export) becomes the dataclass
+        if isinstance(self.rope_scaling, dict):
+            try:
+                self.rope_scaling = RopeScaling(**self.rope_scaling)
+            except TypeError as exc:
+                raise ConfigError(f"model.rope_scaling: {exc}") from None
 
     @property
     def resolved_ffn_hidden(self) -> int:
@@ -109,6 +132,11 @@ def check_model_fields(m: ModelConfig) -> None:
                           "forward; residual=preln has no beta (use init, or a Post-LN residual)")
     if not m.loop_stability >= 0:  # also rejects NaN
         raise ConfigError(f"model.loop_stability: must be >= 0, got {m.loop_stability}")
+    r = m.rope_scaling
+    if r is not None and not (r.factor >= 1 and 0 < r.low_freq_factor < r.high_freq_factor
+                              and r.original_max_position_embeddings > 0):
+        raise ConfigError(f"model.rope_scaling: needs factor >= 1, 0 < low_freq_factor < "
+                          f"high_freq_factor and original_max_position_embeddings > 0, got {r}")
     if not 0.0 <= m.forcing_bias_scale <= 1.0:
         raise ConfigError(f"model.forcing_bias_scale: must lie in [0, 1], got "
                           f"{m.forcing_bias_scale}")
