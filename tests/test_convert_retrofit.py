@@ -201,3 +201,43 @@ def test_a_retrofitted_export_trains_from_init_from_and_evaluates_at_several_dep
     with torch.no_grad():
         losses = trained(TOKENS, targets, readout_depths=[1, 2, 4]).loss_by_depth
     assert sorted(losses) == [1, 2, 4] and all(torch.isfinite(v) for v in losses.values())
+
+
+def test_scse_starts_as_the_looped_model_and_an_orthogonal_anchor_adds_its_term(
+        exports, tmp_path, capsys):
+    """What docs/retrofit.md says of SCSE: with h* = 0 it is the looped model at every depth;
+    with another anchor, depth 1 is the kept layers plus h* - Phi(h*)."""
+    for recurrence in ("scse", "looped"):
+        assert retrofit(capsys, exports["preln"], tmp_path / recurrence, recurrence,
+                        *MAPS[0][0])[0] == 0
+    scse, looped = load_model(tmp_path / "scse")[0], load_model(tmp_path / "looped")[0]
+    with torch.no_grad():
+        for depth in (1, 3):
+            gap = scse(TOKENS, depth=depth).logits - looped(TOKENS, depth=depth).logits
+            assert gap.abs().max().item() <= 1e-5
+        torch.nn.init.orthogonal_(scse.core.anchor.weight)
+        s = scse.source(TOKENS)
+        anchor = scse.core.anchor(s)
+        h1 = scse.core.phi(s, s) + (anchor - scse.core.phi(anchor, s))
+        got = scse(TOKENS, depth=1).logits
+        assert (got - scse.readout(h1)).abs().max().item() <= 1e-5
+        assert (got - reference_logits(exports["preln"], MAPS[0][1], TOKENS)).abs().max() > 1e-2
+
+
+def test_the_default_map_of_22_layers_is_the_papers_and_untied_match_params_numbers_its_core(
+        tmp_path, capsys, tiny_data):
+    from scse_dist.convert.layer_map import default_map
+
+    assert default_map(22).record() == {"prelude": [0, 1, 2, 3], "core": list(range(10, 18)),
+                                        "coda": [18, 19, 20, 21], "left_out": [4, 5, 6, 7, 8, 9]}
+    # untied_match=params: one core group, so the stack is n_prelude + n_core + n_coda layers
+    export = untied_export(tmp_path, tiny_data["tokenizer"], untied_match="params", n_core=3,
+                           depth=2)
+    rc, stdout, _ = retrofit(capsys, export, tmp_path / "looped", "looped", "--prelude", "0",
+                             "--core", "2-3", "--coda", "4", "--depth", "3")
+    assert rc == 0 and "layers left out: 1\n" in stdout
+    net, cfg = load_model(tmp_path / "looped")
+    assert (cfg.model.n_core, cfg.model.depth) == (2, 3)
+    with torch.no_grad():
+        got = net(TOKENS, depth=1).logits
+    assert (got - reference_logits(export, [0, 2, 3, 4], TOKENS)).abs().max().item() <= 1e-5
