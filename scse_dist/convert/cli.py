@@ -3,11 +3,14 @@ out, as a plain Hugging Face folder (docs/pretrained.md).
 
     scse-convert from-hf DIR_OR_HUB_ID --out EXPORT
     scse-convert to-hf EXPORT --out DIR
+    scse-convert retrofit EXPORT --out EXPORT2 --recurrence scse --prelude 0-3 --core 10-17 \
+        --coda 18-21
 
 from-hf reads a save_pretrained folder of LlamaForCausalLM or Qwen3ForCausalLM (config.json,
 safetensors weights, tokenizer.json), or downloads a hub id where the network allows. to-hf writes
 LlamaForCausalLM (Qwen3ForCausalLM under model.qk_norm), which transformers loads without
-trust_remote_code.
+trust_remote_code. retrofit builds a looped model from an untied export by a layer map
+(docs/retrofit.md).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 from typing import Sequence
 
 from scse_dist.cli_errors import cli_main, command_parser
+from scse_dist.convert.retrofit import add_retrofit_parser, run_retrofit
 from scse_dist.quiet import add_verbose_flag, set_verbose
 
 
@@ -29,19 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
     dst = sub.add_parser("to-hf", help="an untied export -> a plain Hugging Face folder")
     dst.add_argument("export", metavar="EXPORT", help="export dir (scse-export, scse-convert)")
     dst.add_argument("--out", required=True, help="folder to write")
-    for sp in (src, dst):
+    for sp in (src, dst, add_retrofit_parser(sub)):
         add_verbose_flag(sp)
     return p
 
 
 @cli_main("scse-convert")
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 done; 2 bad arguments; 65 a checkpoint or export the other side cannot
-    compute exactly (the line names the field), or files that are not what they claim; 66 a
-    folder, file or hub id that is missing or cannot be read. Nothing is written unless it
-    succeeds."""
+    """Exit status: 0 done; 2 bad arguments (retrofit: a bad layer map); 65 a checkpoint or export
+    the other side cannot compute exactly (the line names the field), or files that are not what
+    they claim; 66 a folder, file or hub id that is missing or cannot be read. Nothing is written
+    unless it succeeds."""
     args = build_parser().parse_args(argv)
     set_verbose(args.verbose)
+    if args.command == "retrofit":
+        return run_retrofit(args)
     if args.command == "from-hf":
         from scse_dist.convert.hf_import import import_hf
 
