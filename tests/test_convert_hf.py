@@ -56,9 +56,9 @@ def _saved(model, folder: Path, tokenizer_file: Path) -> Path:
 
 def llama(tmp_path: Path, tokenizer_file: Path, tied: bool = False, **extra) -> tuple:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2,
-                                   tie_word_embeddings=tied, rope_theta=5000.0,
-                                   rope_scaling=dict(LLAMA3), **extra)
+    cfg = transformers.LlamaConfig(**{**COMMON, **extra}, num_attention_heads=8,
+                                   num_key_value_heads=2, tie_word_embeddings=tied,
+                                   rope_theta=5000.0, rope_scaling=dict(LLAMA3))
     model = transformers.LlamaForCausalLM(cfg).eval()
     return model, _saved(model, tmp_path / "llama", tokenizer_file)
 
@@ -240,3 +240,22 @@ def test_a_rope_scaling_that_is_not_one_is_a_config_error(bad):
     with pytest.raises(ConfigError, match="model.rope_scaling"):
         check_model_config(ModelConfig(rope_scaling=RopeScaling(**bad)))
     check_model_config(ModelConfig(rope_scaling=RopeScaling()))  # the defaults are Llama 3.1's
+
+
+@pytest.mark.parametrize("recurrence", ["scse", "additive", "looped"])
+def test_an_imported_llama_retrofits_to_its_own_logits_at_depth_1(recurrence, tmp_path,
+                                                                  tokenizer_file, capsys):
+    """from-hf, then retrofit with a map that keeps every layer: at T = 1 the looped model is
+    transformers' Llama, to fp32 rounding (GQA and llama3 RoPE carried through both steps)."""
+    model, folder = llama(tmp_path, tokenizer_file, num_hidden_layers=4)
+    assert convert(capsys, "from-hf", str(folder), "--out", str(tmp_path / "exp"))[0] == 0
+    status, out, err = convert(capsys, "retrofit", str(tmp_path / "exp"), "--out",
+                               str(tmp_path / "loop"), "--recurrence", recurrence,
+                               "--prelude", "0", "--core", "1-2", "--coda", "3")
+    assert (status, err) == (0, "") and "layers left out: none" in out
+    looped, cfg = load_exported_model(tmp_path / "loop")
+    assert (cfg.model.recurrence, cfg.model.n_kv_heads, cfg.model.n_core) == (recurrence, 2, 2)
+    with torch.no_grad():
+        at_1 = looped(tokens(), depth=1).logits
+        assert (model(tokens()).logits - at_1).abs().max().item() <= 1e-4
+        assert (looped(tokens(), depth=2).logits - at_1).abs().max().item() > 1e-3
