@@ -56,6 +56,10 @@ def build_seed_corpus(root: Path, tiny_data: dict, env: dict) -> Path:
     (seed / "trained" / "run").rename(seed / "run")
     (seed / "trained").rmdir()
     (seed / "trained.yaml").unlink()
+    # a command launching the trained run's own config writes into out/ too
+    run_config = yaml.safe_load((seed / "run" / "config.yaml").read_text())
+    run_config["output_dir"] = "out/runs"
+    (seed / "run" / "config.yaml").write_text(yaml.safe_dump(run_config, sort_keys=False))
     spec = {"name": "s", "out": "out/studies", "base": "tiny.yaml", "seeds": [0],
             "variants": {"scse": {"overrides": {"model.recurrence": "scse"}},
                          "additive": {"overrides": {"model.recurrence": "additive"}}},

@@ -390,8 +390,10 @@ def test_fuzzed_command_as_a_process(name, fuzz_seed, fuzz_examples, subprocess_
 REGRESSIONS = [
     ("scse-ckpt", ["list", "run"],
      [("json_del", f"{TAG}/manifest.json", ["files", "config.json", "size"])]),
+    ("scse-ckpt", ["list", "run"], [("json_set", f"{TAG}/manifest.json", ["files"], None)]),
     ("scse-data", ["inspect", "shards"],
      [("json_set", "shards/index.json", ["splits", "heldout", 0, "tokens"], None)]),
+    ("scse-study", ["spec.yaml", "--dry-run"], [("yaml_set", "spec.yaml", ["out"], None)]),
 ]
 
 

@@ -308,7 +308,8 @@ def _parse(values: Any, file: str) -> StudySpec:
     except ConfigError as exc:
         raise SpecError(str(exc)) from None
     # `out:` is relative to the spec file, like `base:` (the default, ./studies, to the cwd)
-    out = os.path.normpath(Path(file).parent / values["out"]) if "out" in values else "studies"
+    out = (os.path.normpath(Path(file).parent / _need(values, "out", str, "")) if "out" in values
+           else "studies")
     rates = {full: own_rates[vname] for full, (vname, _, _) in expanded.items()
              if vname in own_rates}
     spec = StudySpec(name=name, base=base, variants={k: v[2] for k, v in expanded.items()},
