@@ -75,6 +75,7 @@ class Command:
     huge: tuple[str, ...] = ()  # flags that take a huge number without harm
     writes: tuple[str, ...] = ()  # its default outputs, beside out/ and --out
     checks: tuple[str, ...] = ()  # subcommands documented to exit 1 when they find a fault
+    logs: bool = False  # writes job files into RUN/logs/ (the run an override may move)
     # argv -> whether it may run in this process (it must not train); None: any
     in_process: Optional[Callable[[list[str]], bool]] = None
 
@@ -172,7 +173,7 @@ COMMANDS = {c.name: c for c in [
              ["run/config.yaml", "--evaluate"]],
             ["tiny.yaml", "run/config.yaml", "shards/index.json"], BAD | {0, 1, 75},
             _flags("scse_dist.launch.scheduler:build_parser"), CONFIG_KEYS,
-            in_process=_launch_does_not_train),
+            in_process=_launch_does_not_train, logs=True),
     Command("scse-study", "scse_dist.study.cli:main",
             [["spec.yaml", "--dry-run"], ["spec.yaml", "--dry-run", "--stage", "sweep"]],
             ["spec.yaml", "tiny.yaml", "shards/index.json", "tok.model"], BAD | {0, 1, 75},
@@ -214,7 +215,7 @@ assert not {c.name for c in COMMANDS.values()} ^ {
 def values(command: Command, flag: Optional[str]) -> st.SearchStrategy[str]:
     numbers = NUMBERS + (HUGE if flag in command.huge else [])
     return (st.sampled_from(GOOD_PATHS + NEW_PATHS) | st.sampled_from(numbers) | GARBAGE |
-            st.sampled_from(["heldout", "lambada", "1,2", "--", "-h", "scse", "h100"]))
+            st.sampled_from(["heldout", "lambada", "1,2", "--", "-h", "scse", "h100", "cuda"]))
 
 
 @st.composite
@@ -301,7 +302,8 @@ def check(command: Command, seed: Path, scratch: Path, argv: list[str], mutation
     # new files where --out points are the command's output; no existing file may change
     out = [os.path.normpath(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a == "--out"]
     harmed = [p for p in changed(before, snapshot(work)) if p in before or not (
-        p.startswith(command.writes) or any(o in (".", p) or p.startswith(o + "/") for o in out))]
+        p.startswith(command.writes) or any(o in (".", p) or p.startswith(o + "/") for o in out)
+        or command.logs and "/logs/" in p)]
     assert not harmed, (harmed, what)
     TALLY.setdefault(command.name, {}).setdefault(outcome.status, 0)
     TALLY[command.name][outcome.status] += 1
@@ -394,6 +396,14 @@ REGRESSIONS = [
     ("scse-data", ["inspect", "shards"],
      [("json_set", "shards/index.json", ["splits", "heldout", 0, "tokens"], None)]),
     ("scse-study", ["spec.yaml", "--dry-run"], [("yaml_set", "spec.yaml", ["out"], None)]),
+    ("scse-study", ["spec.yaml", "--dry-run"],
+     [("yaml_set", "spec.yaml", ["evals", "tasks", 0], {"k": 1})]),
+    ("scse-study", ["spec.yaml", "--dry-run"],
+     [("yaml_set", "spec.yaml", ["pairs"], [[{"k": 1}, "scse"]])]),
+    ("scse-generate", [EXPORT, "--prompt", "tok.model", "--device", "4"], []),
+    ("scse-generate", [EXPORT, "--prompt", "a", "--device", "cuda"], []),
+    ("scse-eval", ["--checkpoint", EXPORT, "--task", "heldout", "--out", "out/r.json",
+                   "--max-batches", "1", "--depths", "1", "--device", "cuda:x"], []),
 ]
 
 

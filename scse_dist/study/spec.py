@@ -280,11 +280,11 @@ def _parse(values: Any, file: str) -> StudySpec:
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
             raise SpecError(f"pairs[{i}]: expected [variant, baseline], got {pair!r}")
         for v in pair:
-            if v not in expanded:
+            if not isinstance(v, str) or v not in expanded:
                 raise SpecError(f"pairs[{i}]: {v!r} is not a variant; known: {', '.join(expanded)}")
     evals = _section(values, "evals", StudyEvals)
     for task in evals.tasks:
-        if task not in TASKS:
+        if not isinstance(task, str) or task not in TASKS:
             raise SpecError(f"evals.tasks: {task!r} is not one of {', '.join(TASKS)}")
     overrides = values.get("overrides") or {}
     if not isinstance(overrides, dict):
