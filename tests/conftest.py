@@ -100,8 +100,8 @@ def run_profiling_imports(cmd: list[str], env: dict[str, str], **kwargs) -> Prof
 
 
 def pytest_addoption(parser):
-    parser.addoption("--fuzz-examples", type=int, default=25, metavar="N",
-                     help="examples per command for tests/test_fuzz_commands.py (default 25)")
+    parser.addoption("--fuzz-examples", type=int, default=60, metavar="N",
+                     help="examples per command for tests/test_fuzz_commands.py (default 60)")
 
 
 @pytest.fixture(scope="session")

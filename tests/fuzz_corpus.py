@@ -1,4 +1,5 @@
-"""The command fuzzer's seed corpus and its mutators (tests/test_fuzz_commands.py).
+"""The command fuzzer's seed corpus, its mutators and its in-process runner
+(tests/test_fuzz_commands.py).
 
 The seed corpus is one folder, built once per session from conftest's tiny data plus a run of 2
 steps (checkpoints, export, held-out results) and a study spec. Every example works in a fresh
@@ -14,13 +15,18 @@ case: (kind, path, *params), applied by `mutate`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
 import struct
 import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import yaml
 from hypothesis import strategies as st
@@ -200,3 +206,38 @@ def file_mutations(seed: Path, files: list[str]) -> st.SearchStrategy:
                               st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)),
                     st.tuples(st.just("delete"), st.just(rel))]
     return st.one_of(options)
+
+
+@dataclass
+class Outcome:
+    status: object
+    stdout: str
+    stderr: str
+
+
+def run_in_process(main: Callable, argv: list[str], cwd: Path) -> Outcome:
+    """main(argv) with cwd, os.environ, sys.argv and torch's thread count restored afterwards;
+    an exception that escapes is the traceback a user would see."""
+    import torch
+
+    saved = (os.getcwd(), dict(os.environ), list(sys.argv), torch.get_num_threads())
+    out, err = io.StringIO(), io.StringIO()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(list(argv))
+            except SystemExit as exc:  # argparse (2, or 0 after --help)
+                status = exc.code if isinstance(exc.code, int) else (exc.code is not None)
+            except BaseException:  # noqa: BLE001 (KeyboardInterrupt would be a traceback too)
+                import traceback
+
+                traceback.print_exc()
+                status = "raised"
+    finally:
+        os.chdir(saved[0])
+        os.environ.clear()
+        os.environ.update(saved[1])
+        sys.argv[:] = saved[2]
+        torch.set_num_threads(saved[3])
+    return Outcome(status, out.getvalue(), err.getvalue())

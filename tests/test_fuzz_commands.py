@@ -1,15 +1,16 @@
 """Command fuzzing: every console script under generated argument vectors and mutated input files
 (tests/fuzz_corpus.py), checked per example for three properties: no traceback, an exit status
-in the command's documented set (docs/config.md, docs/checkpoints.md), and no file outside the
-command's own output (out/) changed, added or removed.
+in the command's documented set (docs/config.md, docs/checkpoints.md), and no file changed or
+removed, and none added outside the command's own output (out/, where --out points).
 
 Seeded (derandomize) and repeatable. Most examples run a command's `main(argv)` in this process
 (seconds of imports saved each), its cwd, environment and sys.argv restored after; a few per
 command spawn the real console script. Nothing trains for long: in this process scse-train runs
-only with --dry-run, --plan or --print-config, scse-launch never trains here, and scse-study only
---dry-run; the spawned scse-train runs are 2 steps of the tiny model.
+only with --dry-run, --plan or --print-config, and scse-launch and scse-study never run a job
+here; the spawned scse-train runs are 2 steps of the tiny model.
 
-Budget: `--fuzz-examples N` per command (default 25); failures found are kept in REGRESSIONS.
+Budget: `--fuzz-examples N` per command in this process (default 60), and N // 20 spawned; the
+failures found are kept in REGRESSIONS.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import io
 import os
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -35,10 +35,12 @@ from fuzz_corpus import (
     BINARY_FILES,
     TAG,
     YAML_FILES,
+    Outcome,
     build_seed_corpus,
     changed,
     file_mutations,
     mutate,
+    run_in_process,
     snapshot,
 )
 
@@ -238,41 +240,6 @@ def argvs(draw, command: Command) -> list[str]:
             key = draw(st.sampled_from(command.keys) | GARBAGE)
             argv[at:at] = [f"{key}={draw(values(command, None))}"]
     return argv
-
-
-@dataclass
-class Outcome:
-    status: object
-    stdout: str
-    stderr: str
-
-
-def run_in_process(main: Callable, argv: list[str], cwd: Path) -> Outcome:
-    """main(argv) with cwd, os.environ, sys.argv and torch's thread count restored afterwards;
-    an exception that escapes is the traceback a user would see."""
-    import torch
-
-    saved = (os.getcwd(), dict(os.environ), list(sys.argv), torch.get_num_threads())
-    out, err = io.StringIO(), io.StringIO()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                status = main(list(argv))
-            except SystemExit as exc:  # argparse (2, or 0 after --help)
-                status = exc.code if isinstance(exc.code, int) else (exc.code is not None)
-            except BaseException:  # noqa: BLE001 (KeyboardInterrupt would be a traceback too)
-                import traceback
-
-                traceback.print_exc()
-                status = "raised"
-    finally:
-        os.chdir(saved[0])
-        os.environ.clear()
-        os.environ.update(saved[1])
-        sys.argv[:] = saved[2]
-        torch.set_num_threads(saved[3])
-    return Outcome(status, out.getvalue(), err.getvalue())
 
 
 def run_spawned(command: Command, argv: list[str], cwd: Path, env: dict) -> Outcome:
