@@ -99,6 +99,16 @@ def run_profiling_imports(cmd: list[str], env: dict[str, str], **kwargs) -> Prof
     return Profiled(proc.returncode, proc.stdout, own, frozenset(packages))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-examples", type=int, default=60, metavar="N",
+                     help="examples per command for tests/test_fuzz_commands.py (default 60)")
+
+
+@pytest.fixture(scope="session")
+def fuzz_examples(request) -> int:
+    return request.config.getoption("--fuzz-examples")
+
+
 @pytest.fixture(autouse=True)
 def cpu_settings():
     """One thread: the test models are too small to gain from two, and busy-waiting OpenMP threads

@@ -1,7 +1,7 @@
 """`scse-ckpt`: check a run's checkpoints against their manifests.
 
     scse-ckpt list RUN_DIR     each tag: step, world size, ZeRO stage, size, status; which is
-                               `latest`
+                               `latest`; exit 1 if any tag is broken
     scse-ckpt verify RUN_DIR   one line per tag; exit 1 if any tag is broken
 
 RUN_DIR is a run dir, or its checkpoints/ dir. Status: `ok`, `no manifest` (saved before

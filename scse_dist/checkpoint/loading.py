@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scse_dist.cli_errors import InputError
-from scse_dist.config import RunConfig, load_saved_config
+from scse_dist.config import ConfigError, RunConfig, load_saved_config
 from scse_dist.run_dir import CONFIG_NAME, WEIGHTS_NAME, RunDir
 
 if TYPE_CHECKING:  # imported where weights load: a bad path is reported without it
@@ -75,6 +75,18 @@ def checkpoint_config(path: str | os.PathLike) -> RunConfig:
     if _is_export(Path(path)):
         return load_export_config(path)
     return load_saved_config(deepspeed_checkpoint(path)[2])
+
+
+def device_flag(name: str) -> str:
+    """`--device NAME` as given, once torch can place a tensor there; else ConfigError (exit 2):
+    an unknown device string, or a CUDA device on a machine without one."""
+    import torch
+
+    try:
+        torch.empty(0, device=name)
+    except (RuntimeError, AssertionError) as exc:  # torch's own message, e.g. "not compiled with"
+        raise ConfigError(f"--device {name!r}: {exc}") from None
+    return name
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu") -> tuple[LoopedLM, RunConfig]:

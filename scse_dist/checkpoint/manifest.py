@@ -90,6 +90,9 @@ def verify_tag(tag_dir: Path) -> TagStatus:
         manifest = json.loads(path.read_text())
         files = manifest["files"]
         algorithm = manifest["hash"]
+        if not isinstance(files, dict) or not all(
+                isinstance(e, dict) and type(e.get("size")) is int for e in files.values()):
+            raise ValueError("'files' must map each name to its size and hash")
     except (ValueError, KeyError, TypeError) as err:
         return TagStatus(f"{MANIFEST_NAME} is unreadable ({err})")
     if algorithm != HASH_NAME:
@@ -105,6 +108,6 @@ def verify_tag(tag_dir: Path) -> TagStatus:
     if extra:
         return TagStatus(f"{extra[0]} is not in the manifest")
     for name, entry in files.items():
-        if file_hash(tag_dir / name) != entry[HASH_NAME]:
+        if file_hash(tag_dir / name) != entry.get(HASH_NAME):
             return TagStatus(f"{name} differs from the manifest ({HASH_NAME} mismatch)")
     return TagStatus()

@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("path", help="the --out of the parts")
     m.set_defaults(func=cmd_merge)
 
-    i = sub.add_parser("inspect", help="print counts and check that every shard reads")
+    i = sub.add_parser("inspect", help="print counts and check that every shard reads (exit 1 "
+                                       "if one does not)")
     i.add_argument("path", help="shard directory or URL prefix")
     i.set_defaults(func=lambda a: 0 if inspect_shards(a.path) else 1)
 

@@ -21,7 +21,7 @@ def join(prefix: str, name: str) -> str:
 
 _REQUIRED = {"format": str, "tokenizer_sha256": str, "vocab_size": int, "eos_id": int,
              "dtype": str, "splits": dict}
-_SHARD_FIELDS = ("url", "table", "tokens", "documents", "samples")
+_SHARD_FIELDS = {"url": str, "table": str, "tokens": int, "documents": int, "samples": int}
 
 
 def index_as_written(root: str) -> Optional[dict]:
@@ -67,9 +67,12 @@ def read_index(path: str) -> dict:
         if not isinstance(shards, list):
             raise InputError(f"{url}: field 'splits.{split}' must be a list of shards")
         for i, shard in enumerate(shards):
-            for field in _SHARD_FIELDS:
+            for field, tp in _SHARD_FIELDS.items():
                 if not isinstance(shard, dict) or field not in shard:
                     raise InputError(f"{url}: field 'splits.{split}[{i}].{field}' is missing")
+                if not isinstance(shard[field], tp) or isinstance(shard[field], bool):
+                    raise InputError(f"{url}: field 'splits.{split}[{i}].{field}' is not a "
+                                     f"{tp.__name__}")
     return index
 
 

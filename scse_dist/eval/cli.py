@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoint: str) -> None:
-    from scse_dist.checkpoint.loading import checkpoint_config, load_model
+    from scse_dist.checkpoint.loading import checkpoint_config, device_flag, load_model
 
     cfg = checkpoint_config(checkpoint)
     seq_len = args.seq_len or cfg.data.seq_len
@@ -131,7 +131,8 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoi
     from scse_dist.threads import configure_threads
 
     configure_threads()  # torch's default threads beside another busy process: 10x slower
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device_flag(args.device) if args.device else (
+        "cuda" if torch.cuda.is_available() else "cpu")
     model, _ = load_model(checkpoint, device=device)
     run_task(args.task, model, cfg, data, args.depths or cfg.eval.depths, args.out,
              checkpoint_label=args.checkpoint, stride=args.stride, max_batches=max_batches,

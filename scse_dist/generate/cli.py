@@ -99,11 +99,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     speculative = _checked(args.speculative, parse_speculative, "--")
     prompts = _read_prompts(args)
     from scse_dist.checkpoint.export import local_export
-    from scse_dist.checkpoint.loading import load_model
+    from scse_dist.checkpoint.loading import device_flag, load_model
     from scse_dist.eval.inputs import load_tokenizer
 
     with local_export(args.export) as path:  # a missing or bad path fails before torch loads
-        model, cfg = load_model(path, device=args.device)
+        model, cfg = load_model(path, device=device_flag(args.device))
         tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
     from scse_dist.generate.core import generate
     from scse_dist.generate.text import TextStream, continuation_text

@@ -326,14 +326,14 @@ def _parse(values: Any, file: str) -> StudySpec:
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
             raise SpecError(f"pairs[{i}]: expected [variant, baseline], got {pair!r}")
         for v in pair:
-            if v not in expanded:
+            if not isinstance(v, str) or v not in expanded:
                 raise SpecError(f"pairs[{i}]: {v!r} is not a variant; known: {', '.join(expanded)}")
     evals = _section(values, "evals", StudyEvals)
     if valid:  # the final runs score it in their own jobs, like the test tasks
         evals.tasks = [*evals.tasks, *(["validation"] if "validation" not in evals.tasks else [])]
         evals.data = {**evals.data, "validation": valid.path}
     for task in evals.tasks:
-        if task not in TASKS:
+        if not isinstance(task, str) or task not in TASKS:
             raise SpecError(f"evals.tasks: {task!r} is not one of {', '.join(TASKS)}")
     overrides = values.get("overrides") or {}
     if not isinstance(overrides, dict):
@@ -359,7 +359,8 @@ def _parse(values: Any, file: str) -> StudySpec:
     except ConfigError as exc:
         raise SpecError(str(exc)) from None
     # `out:` is relative to the spec file, like `base:` (the default, ./studies, to the cwd)
-    out = os.path.normpath(Path(file).parent / values["out"]) if "out" in values else "studies"
+    out = (os.path.normpath(Path(file).parent / _need(values, "out", str, "")) if "out" in values
+           else "studies")
     rates = {full: own_rates[vname] for full, (vname, _, _) in expanded.items()
              if vname in own_rates}
     spec = StudySpec(name=name, base=base, variants={k: v[2] for k, v in expanded.items()},
