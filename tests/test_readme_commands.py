@@ -342,13 +342,21 @@ PARTS = ("a Slurm array of parts and its merge; tests/test_data_parts.py runs pa
          "`scse-data merge` and compares every file with one process's, byte for byte")
 IMPORT = ("tests/test_data_import.py runs docs/data.md's import and inspect as written, on small "
           "llm.c files of GPT-2's layout")
-CONVERT = ("downloads a hub checkpoint; tests/test_convert_hf.py runs scse-convert from-hf, the "
-           "shards' tokenizer check and to-hf on tiny saved models")
+PRETRAINED = ("starts from a hub checkpoint (no network here); tests/test_pretrained_e2e.py runs "
+              "the recipe's steps as commands on tiny saved Llama and Qwen3 models (import, "
+              "retrofit, shards with the export's tokenizer, 10 steps from a base: config under "
+              "ZeRO-1 and ZeRO-3, scse-eval at T = 1, 2, 4), and tests/test_convert_hf.py runs "
+              "to-hf")
 NOT_RUN = {
-    "scse-convert from-hf HuggingFaceTB/SmolLM2-135M --out exports/smollm2": CONVERT,
+    "scse-convert from-hf HuggingFaceTB/SmolLM2-135M --out exports/smollm2": PRETRAINED,
+    "scse-convert retrofit exports/smollm2 --out exports/smollm2-scse --recurrence scse":
+        PRETRAINED,
     "scse-data shards --input 'data/*.jsonl.gz' --tokenizer exports/smollm2/tokenizer.json --out data/smollm2/shards":
-        CONVERT,
-    "scse-convert to-hf exports/smollm2 --out hf/smollm2": CONVERT,
+        PRETRAINED,
+    "scse-train --config smollm2-scse.yaml": PRETRAINED,
+    "scse-eval --checkpoint runs/smollm2-scse/export --task heldout --data data/smollm2/shards --depths 1,2,4,8 --out depths.json":
+        PRETRAINED,
+    "scse-convert to-hf exports/smollm2 --out hf/smollm2": PRETRAINED,
     # docs/data.md's recipe: write_inputs puts a byte-level BPE in GPT-2's format at the path
     "mkdir -p data/gpt2": "write_inputs makes data/gpt2 and writes tokenizer.json there",
     "curl -L -o data/gpt2/tokenizer.json https://huggingface.co/openai-community/gpt2/resolve/main/tokenizer.json":
