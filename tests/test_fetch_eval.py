@@ -100,6 +100,8 @@ def test_the_shipped_manifest_pins_the_gpu_studys_files():
     assert files["wiki.test.raw"]["path"] == "wikitext-103-raw-v1/test-00000-of-00001.parquet"
     spec = load_spec(REPO_ROOT / "configs/studies/gpt2-small-decisive.yaml")
     # the study reads what the command writes
-    assert spec.evals.wikitext == "data/eval-gpu/wiki.test.raw"
-    assert spec.evals.lambada == "data/eval-gpu/lambada_test.jsonl"
-    assert spec.validation is not None and spec.validation.path == "data/eval-gpu/wiki.valid.raw"
+    # (the spec's paths resolve against its directory: the checkout's data/eval-gpu)
+    assert spec.evals.wikitext == str(REPO_ROOT / "data/eval-gpu/wiki.test.raw")
+    assert spec.evals.lambada == str(REPO_ROOT / "data/eval-gpu/lambada_test.jsonl")
+    assert spec.validation is not None and \
+        spec.validation.path == str(REPO_ROOT / "data/eval-gpu/wiki.valid.raw")

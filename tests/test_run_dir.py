@@ -118,8 +118,9 @@ def _study(tmp_path: Path, tiny_config, **fields):
 
 
 def test_the_study_scores_a_partial_validation_again(tmp_path, tiny_config):
-    from scse_dist.study.plan import evaluate_validation, status
+    from scse_dist.study.plan import status
     from scse_dist.study.runs import expand, run_config
+    from scse_dist.study.validation import sweep_score as evaluate_validation
 
     validation = tmp_path / "valid.txt"
     validation.write_text("\n\n".join(tiny_documents(6, seed=7)))
