@@ -200,6 +200,16 @@ COMMANDS = {c.name: c for c in [
              "run/export/tokenizer.model", "prompts.txt"], BAD | {0},
             ["--prompt", "--prompt-file", "--depth", "--exit", "--speculative", "--max-new-tokens",
              "--temperature", "--top-p", "--seed", "--cache", "--device"]),
+    # the seed export is a looped SCSE model: to-hf and retrofit refuse it (65) unless a
+    # mutation breaks it first; from-hf reads no Hugging Face folder here (HF_HUB_OFFLINE below)
+    Command("scse-convert", "scse_dist.convert.cli:main",
+            [["to-hf", EXPORT, "--out", "out/hf"],
+             ["retrofit", EXPORT, "--out", "out/r", "--recurrence", "scse", "--prelude", "0",
+              "--core", "1", "--coda", "2"],
+             ["from-hf", EXPORT, "--out", "out/x"]],
+            ["run/export/config.yaml", "run/export/model.safetensors",
+             "run/export/tokenizer.model"], BAD | {0},
+            _flags("scse_dist.convert.cli:build_parser")),
     # lm-eval is an optional extra: without it the command says so and exits 1. In this process
     # only what is refused before lm-eval's own CLI starts (it indexes ~15k tasks: 45 s)
     Command("scse-lm-eval", "scse_dist.lmeval.cli:main",
@@ -243,6 +253,7 @@ def argvs(draw, command: Command) -> list[str]:
 
 
 def run_spawned(command: Command, argv: list[str], cwd: Path, env: dict) -> Outcome:
+    env = {**env, "HF_HUB_OFFLINE": "1"}  # scse-convert from-hf: a hub id, never a download
     done = subprocess.run(console_script(command.name) + argv, cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
     return Outcome(done.returncode, done.stdout, done.stderr)
@@ -299,6 +310,7 @@ def fuzz_env(monkeypatch):
     """What an in-process command sees of the environment: no wandb, no launcher variables."""
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # scse-convert from-hf: a hub id, never a download
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                  "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
