@@ -125,7 +125,7 @@ def check_can_start(cfg: RunConfig, args: argparse.Namespace) -> bool:
     building = check_run_data(cfg, args.config, args.overrides)  # before torch is imported
     from scse_dist.train.callbacks.assembly import check_callbacks
 
-    check_callbacks(cfg.train.callbacks)  # imports their modules (torch only if they do)
+    check_callbacks(cfg)  # imports their modules
     return building
 
 
