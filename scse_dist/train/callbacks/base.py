@@ -51,7 +51,7 @@ class TrainState:
     step_seconds: float = 0.0  # wall time of the last optimizer step (its data included)
     last_saved: int = -1  # step of the newest checkpoint of this run (-1: none yet)
     skipped_steps: int = 0  # non-finite steps skipped so far (written by the non-finite callback)
-    spike_skips: Optional[int] = None  # spikes skipped so far (train.spike_skip.enabled), else None
+    spike_skips: Optional[int] = None  # spikes skipped so far (spike_skip on), else None
     stop_reason: Optional[str] = None  # set by a hook: the run ends after this step (preemption)
     preemption: Optional[PreemptionFlag] = None  # the trainer's signal flag (train() sets it)
     first_loss: Optional[float] = None
