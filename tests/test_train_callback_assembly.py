@@ -234,8 +234,8 @@ def test_states_survive_a_preemption_and_a_resume_at_another_world_size(
     import subprocess
 
     cfg = tiny_config(tmp_path, "train.batch.global_batch_size=4", "train.batch.micro_batch_size=2",
-                      "train.max_nonfinite_steps=4",
-                      f"train.callbacks=[{{class_path: {TOY}, init_args: {{every_steps: 5}}}}]")
+                      "train.callbacks.nonfinite.init_args.max_in_a_row=4",
+                      f"train.callbacks.toy={{class_path: {TOY}, init_args: {{every_steps: 5}}}}")
     env = dict(subprocess_env, PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
     first = subprocess.run([sys.executable, TRAIN, "--config", cfg], cwd=REPO, text=True,
                            capture_output=True, timeout=300,

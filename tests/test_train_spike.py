@@ -251,8 +251,8 @@ SPIKE = ("train.spike_skip.enabled=true", "train.spike_skip.warmup=4",
 
 
 def probe(out, steps=()) -> str:
-    return f"train.callbacks=[{{class_path: {PROBE}, init_args: {{out: '{out}', " \
-           f"steps: {list(steps)}}}}}]"
+    return f"train.callbacks.probe={{class_path: {PROBE}, init_args: {{out: '{out}', " \
+           f"steps: {list(steps)}}}}}"
 
 
 @pytest.fixture
@@ -339,8 +339,8 @@ def test_too_many_spikes_in_a_row_end_the_run_with_one_line_and_status_4(tmp_pat
     out = run(config, env, "spike@6,spike@7")
     assert out.returncode == SPIKE_EXIT_CODE, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if "in a row" in line]
-    assert lines == ["scse-train: step 7: 2 loss spikes in a row (train.spike_skip.max_in_a_row="
-                     "2); stopping without saving, last good checkpoint: step-0000004"]
+    assert lines == [f"scse-train: step 7: 2 loss spikes in a row ({SP}.max_in_a_row=2); "
+                     "stopping without saving, last good checkpoint: step-0000004"]
     ckpts = tmp_path / "runs" / "tiny" / "checkpoints"
     assert (ckpts / "latest").read_text() == "step-0000004"
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step-0000004"]
