@@ -50,7 +50,7 @@ STAGES = [("versions", 30, 30), ("bug_probes", 60, 60), ("eager_zero1", 70, 60),
 TRAIN_STAGES = {  # the overrides each trainer stage adds to the common ones
     "eager_zero1": ["train.engine.compile=false"],
     "compiled_loop": ["train.engine.compile=true", "model.activation_checkpointing=loop",
-                      "profile.enabled=true"],
+                      "train.callbacks.profiler.enabled=true"],
     "compiled_none": ["train.engine.compile=true", "model.activation_checkpointing=none"],
     "zero3": ["train.engine.compile=false", "train.engine.zero_stage=3"],
     "document_mask": ["train.engine.compile=false", "model.document_mask=true"],
@@ -205,7 +205,8 @@ def train_stage(name: str, common: list[str], work: Path, out: Path, timeout: fl
     """One trainer process (`python launch/train.py`) of gpt2-small-scse plus `name`'s overrides."""
     overrides = common + [f"name={name}", f"output_dir={work / 'runs'}"] + TRAIN_STAGES[name]
     if name == "compiled_loop":  # the profiler's table of the last step but one
-        overrides += [f"profile.start_step={steps - 1}", "profile.steps=1"]
+        profiler = "train.callbacks.profiler.init_args"
+        overrides += [f"{profiler}.start_step={steps - 1}", f"{profiler}.steps=1"]
     stage = int(next((o.split("=")[1] for o in overrides
                       if o.startswith("train.engine.zero_stage=")), 1))
     overrides.append(f"train.engine.deepspeed_config={REPO / 'configs' / 'deepspeed'}/"

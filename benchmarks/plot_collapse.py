@@ -5,8 +5,9 @@ update-to-weight ratio per parameter group, all against the training step, one r
 
     python benchmarks/plot_collapse.py --run RUN [--run RUN2 ...] --out collapse.png [--until 200]
 
-Reads only RUN/metrics.jsonl (rows with `diag/` keys, written every train.diagnostics_every
-steps); names each row by the run directory's name.
+Reads only RUN/metrics.jsonl (rows with `diag/` keys, written every
+train.callbacks.diagnostics.init_args.every_steps steps); names each row by the run directory's
+name.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def diag_rows(run: Path, until: int) -> list[dict]:
     # through RunDir: a torn last line (a run killed mid-write) is skipped
     rows = [r for r in run_dir.metric_rows() if "diag/D_kept" in r and r.get("step", 0) <= until]
     if not rows:
-        sys.exit(f"plot_collapse: {path}: no loop diagnostics rows (train.diagnostics_every off?)")
+        sys.exit(f"plot_collapse: {path}: no loop diagnostics rows (the diagnostics callback off?)")
     return rows
 
 

@@ -33,8 +33,6 @@ from scse_dist.train.config import (  # noqa: F401
     CallbackSpec,
     DepthLossConfig,
     DepthSamplingConfig,
-    ProfileConfig,
-    SpikeSkipConfig,
     TensorBoardConfig,
     TrainConfig,
     WandbConfig,
@@ -66,7 +64,6 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
-    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # What the run's training job asks of a batch system (scse-launch); training never reads it.
     resources: Resources = field(default_factory=Resources)
 
@@ -85,24 +82,15 @@ def _check_consistency(cfg: RunConfig) -> None:
     cfg.train.check()
     cfg.eval.check()
     cfg.tensorboard.check()
-    cfg.profile.check()
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds "
                           f"model.max_seq_len={cfg.model.max_seq_len}")
     cfg.train.batch.check_tokens(cfg.data.seq_len)
     if cfg.resources.problem():
         raise ConfigError(f"resources: {cfg.resources.problem()}")
-    if cfg.eval.downstream_every and cfg.train.engine.zero_stage == 3:
-        # the scorer applies the LM head outside the forward, where ZeRO-3 keeps it partitioned
-        raise ConfigError("eval.downstream_every: downstream tasks during training run at ZeRO "
-                          "stage 0, 1 or 2, not train.engine.zero_stage 3; evaluate the "
-                          "checkpoints with scse-eval instead")
     _check_depth_loss(cfg)
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
-    if cfg.profile.enabled and cfg.profile.start_step > cfg.train.max_steps:
-        raise ConfigError(f"profile.start_step: {cfg.profile.start_step} is past train.max_steps="
-                          f"{cfg.train.max_steps}, so nothing would be profiled; lower it")
 
 
 def _check_depth_loss(cfg: RunConfig) -> None:
@@ -124,6 +112,7 @@ def _check_depth_loss(cfg: RunConfig) -> None:
 # --------------------------------------------------------------------------- loading
 
 
+CB = "train.callbacks"
 # Fields renamed since: old name -> new dotted name, still loaded with one notice per name and
 # process. An old name that is now a section is renamed only where it holds a value, not a
 # mapping; those come first, so the fields moved into them find a section. `<task>` stands for
@@ -142,6 +131,23 @@ RENAMED_FIELDS = {"eval.wikitext": "eval.task_settings.wikitext.path",
                   "train.depth_loss": "train.loss.depth",
                   "train.checkpoint_every": "train.checkpoint.every",
                   "train.keep_checkpoints": "train.checkpoint.keep",
+                  # the built-in callbacks' settings, now their train.callbacks entries'
+                  "train.max_nonfinite_steps": f"{CB}.nonfinite.init_args.max_in_a_row",
+                  "train.spike_skip.enabled": f"{CB}.spike_skip.enabled",
+                  **{f"train.spike_skip.{name}": f"{CB}.spike_skip.init_args.{name}"
+                     for name in ("metric", "k", "window", "warmup", "max_in_a_row")},
+                  "train.diagnostics_every": f"{CB}.diagnostics.init_args.every_steps",
+                  "profile.enabled": f"{CB}.profiler.enabled",
+                  **{f"profile.{name}": f"{CB}.profiler.init_args.{name}"
+                     for name in ("start_step", "steps", "warmup_steps", "ranks", "record_shapes",
+                                  "profile_memory", "with_stack", "flops_step")},
+                  "eval.every_steps": f"{CB}.heldout_eval.init_args.every_steps",
+                  "eval.sample_every": f"{CB}.samples.init_args.every_steps",
+                  **{f"eval.sample_{name}": f"{CB}.samples.init_args.{name}"
+                     for name in ("prompts", "tokens", "temperature")},
+                  "eval.downstream_every": f"{CB}.downstream.init_args.every_steps",
+                  "eval.downstream_tasks": f"{CB}.downstream.init_args.tasks",
+                  "eval.downstream_max_examples": f"{CB}.downstream.init_args.max_examples",
                   # the flat train.* fields of the sections that own them now
                   **{f"train.{f.name}": f"train.{section}.{f.name}"
                      for section, cls in (("batch", BatchConfig), ("engine", EngineConfig),
@@ -192,16 +198,25 @@ def renamed_overrides(overrides: list[str]) -> list[str]:
 def rename_old_fields(values: dict) -> dict:
     """Move the values of RENAMED_FIELDS' old names to their new ones, in place (the new name
     wins when both are given), saying so once per name on stderr; returns `values`."""
+    train = values.get("train")
+    if isinstance(train, dict) and isinstance(train.get("callbacks"), list):
+        if train["callbacks"]:  # keyed by class path
+            _notice("train.callbacks as a list", "a mapping of name: entry")
+        train["callbacks"] = {_listed_name(e, train["callbacks"][:i]): e
+                              for i, e in enumerate(train["callbacks"])}
     for old, new in RENAMED_FIELDS.items():
         *path, leaf = old.removesuffix(EACH).split(".")
         node: Any = values
+        parent = None
         for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
+            parent, node = node, node.get(part) if isinstance(node, dict) else None
         if not isinstance(node, dict) or leaf not in node:
             continue
         if new.startswith(old + ".") and isinstance(node[leaf], dict):
             continue  # already the section
         value = node.pop(leaf)
+        if not node and parent is not None:  # a section whose fields all moved (profile) goes
+            del parent[path[-1]]
         if old.endswith(EACH):  # a mapping whose every key moves
             if not isinstance(value, dict):
                 raise ConfigError(f"{old.removesuffix(EACH)}: expected a mapping, got {value!r}")
@@ -211,6 +226,13 @@ def rename_old_fields(values: dict) -> dict:
             _set_new(values, new, value)
         _notice(old, new)
     return values
+
+
+def _listed_name(entry: Any, before: list) -> str:
+    """A train.callbacks list entry's name: its class path (`#2`, ... for a repeat)."""
+    path = entry.get("class_path", "") if isinstance(entry, dict) else ""
+    repeats = sum(isinstance(e, dict) and e.get("class_path", "") == path for e in before)
+    return f"{path}#{repeats + 1}" if repeats else str(path)
 
 
 EACH = ".<task>"  # an old name ending so names every key of a mapping (RENAMED_FIELDS)

@@ -7,7 +7,7 @@ whether an evaluation of it is complete.
     RUN/checkpoints/       DeepSpeed tags step-<k>/ and `latest`
     RUN/export/            the exported model: model.safetensors, config.yaml, the tokenizer
     RUN/tensorboard/       TensorBoard event files (tensorboard.enabled)
-    RUN/profile/           profiler traces (profile.enabled)
+    RUN/profile/           profiler traces (the profiler callback)
     RUN/eval/<name>.json   a results JSON per task (a study's sweep run: validation.json), and
                            report.md, frontier.png, scheduled.json
 
@@ -27,7 +27,7 @@ CHECKPOINTS_NAME = "checkpoints"
 EXPORT_NAME = "export"
 EVAL_NAME = "eval"
 TENSORBOARD_NAME = "tensorboard"  # event files (tensorboard.enabled; its log_dir's default)
-PROFILE_NAME = "profile"  # profiler traces and the flops profiler's report (profile.enabled)
+PROFILE_NAME = "profile"  # profiler traces and the flops profiler's report (the profiler callback)
 WEIGHTS_NAME = "model.safetensors"  # the export's weights (scse_dist.checkpoint.export)
 # A study's sweep run is scored on lr.validation into eval/validation.json: not a task's result.
 VALIDATION_NAME = "validation"

@@ -39,7 +39,7 @@ class Task:
     scores_tokens: bool = True  # an exit rule (--exit) can stop each token's loop
     diagnostic: bool = False  # measures the loop, not quality: no headline for the study's flags,
     #                           no study metric table (the study plots it on its own)
-    # During training (eval.downstream_tasks), for the tasks that set both: `totals` (TaskRun)
+    # During training (the downstream callback), for the tasks that set both: `totals` (TaskRun)
     # -> per depth {"depth": T, name: total, ...}, sums that add up across ranks' shares;
     # `from_totals` (one depth's summed totals) -> its row, as `scorer` gives it.
     totals: Optional[Callable[[Any], list[dict]]] = None
@@ -65,7 +65,7 @@ class Task:
 
     @property
     def downstream(self) -> bool:
-        """Whether it can run during training (eval.downstream_tasks)."""
+        """Whether it can run during training (the downstream callback's tasks)."""
         return self.totals is not None and self.from_totals is not None
 
     def share_totals(self, run: Any) -> list[dict]:

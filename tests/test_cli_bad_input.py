@@ -92,12 +92,15 @@ CASES = {
         ("--config {config} data.tokenizer={other}", BAD_INPUT,
          "{shards}/index.json: the shards were written with another tokenizer"),
         # a callback of the user's own: imported before torch, named in one line ({{ }}: braces)
-        ('--config {config} train.callbacks=[{{"class_path":"no_such_mod:Cb"}}]', BAD_CONFIG,
-         "train.callbacks[0].class_path: 'no_such_mod:Cb': cannot import no_such_mod (No module "
+        ('--config {config} train.callbacks.mine.class_path=no_such_mod:Cb', BAD_CONFIG,
+         "train.callbacks.mine.class_path: 'no_such_mod:Cb': cannot import no_such_mod (No module "
          "named 'no_such_mod')"),
-        ('--config {config} train.callbacks=[{{"class_path":"json:JSONDecoder"}}]', BAD_CONFIG,
-         "train.callbacks[0].class_path: 'json:JSONDecoder' is not a subclass of "
+        ('--config {config} train.callbacks.mine.class_path=json:JSONDecoder', BAD_CONFIG,
+         "train.callbacks.mine.class_path: 'json:JSONDecoder' is not a subclass of "
          "scse_dist.train.callbacks.Callback"),
+        # a built-in's setting: checked before torch too
+        ('--config {config} train.callbacks.heldout_eval.init_args.every_steps=-1', BAD_CONFIG,
+         "train.callbacks.heldout_eval.init_args.every_steps: must be >= 0, got -1"),
     ],
     "launch/train.py": [
         ("--config {d}/bad.yaml", BAD_CONFIG, "{d}/bad.yaml:2: not valid YAML"),

@@ -281,7 +281,7 @@ def test_a_saved_run_config_of_before_loads(tmp_path):
 @pytest.mark.parametrize("section, message", [
     ("data", "data.heldout_fraction: must lie in [0, 1), got 1.0"),
     ("train", "train.depth.sigma: must be > 0, got 0.0"),
-    ("eval", "eval.sample_tokens: must be >= 1, got 0"),
+    ("eval", "eval.batch_size: must be > 0, got 0"),
 ])
 def test_each_section_checks_itself_in_one_place(section, message):
     """A section built in code answers with the message the YAML loader gives: its check() is the
@@ -289,12 +289,61 @@ def test_each_section_checks_itself_in_one_place(section, message):
     from scse_dist.config import DataConfig, DepthSamplingConfig, EvalConfig, TrainConfig
     built = {"data": DataConfig(heldout_fraction=1.0),
              "train": TrainConfig(depth=DepthSamplingConfig(sigma=0.0)),
-             "eval": EvalConfig(sample_tokens=0)}[section]
+             "eval": EvalConfig(batch_size=0)}[section]
     with pytest.raises(ConfigError) as err:
         built.check()
     assert str(err.value) == message
     override = {"data": "data.heldout_fraction=1.0", "train": "train.depth.sigma=0",
-                "eval": "eval.sample_tokens=0"}[section]
+                "eval": "eval.batch_size=0"}[section]
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert str(err.value) == f"{message} (on the command line: {override})"
+
+
+# The built-in callbacks' old settings (now their train.callbacks entries'), as a saved run's
+# config of then held them, and the same run by the new names.
+OLD_CALLBACK_KEYS = {"train": {"max_nonfinite_steps": 7, "diagnostics_every": 0, "callbacks": [],
+                               "spike_skip": {"enabled": True, "k": 3.0}},
+                     "profile": {"enabled": True, "steps": 3},
+                     "eval": {"every_steps": 5, "sample_every": 4, "sample_prompts": ["a"],
+                              "sample_tokens": 8, "sample_temperature": 0.0,
+                              "downstream_every": 0, "downstream_tasks": [],
+                              "downstream_max_examples": 9}}
+NEW_CALLBACK_KEYS = {"nonfinite": {"init_args": {"max_in_a_row": 7}},
+                     "diagnostics": {"init_args": {"every_steps": 0}},
+                     "spike_skip": {"enabled": True, "init_args": {"k": 3.0}},
+                     "profiler": {"enabled": True, "init_args": {"steps": 3}},
+                     "heldout_eval": {"init_args": {"every_steps": 5}},
+                     "samples": {"init_args": {"every_steps": 4, "prompts": ["a"], "tokens": 8,
+                                               "temperature": 0.0}},
+                     "downstream": {"init_args": {"every_steps": 0, "tasks": [],
+                                                  "max_examples": 9}}}
+
+
+def test_the_built_in_callbacks_old_settings_load_with_one_notice_each(tmp_path, capsys):
+    import copy
+    import json
+
+    import scse_dist.config as config
+    from scse_dist.checkpoint.resume import refused_changes
+
+    config._noticed.clear()
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(OLD_CALLBACK_KEYS))
+    (tmp_path / "new.yaml").write_text(yaml.safe_dump({"train": {"callbacks": NEW_CALLBACK_KEYS}}))
+    old = load_config(tmp_path / "old.yaml")
+    notices = capsys.readouterr().err.splitlines()
+    assert len(notices) == len(set(notices)) == 14  # one per old name, each once
+    assert all(n.startswith("config: notice: ") for n in notices)
+    assert old == load_config(tmp_path / "new.yaml")
+    overrides = [f"{k}={json.dumps(v)}" for k, v in (
+        ("train.max_nonfinite_steps", 7), ("eval.sample_prompts", ["a"]), ("profile.steps", 3))]
+    by_override = load_config(None, overrides).train.callbacks
+    assert (by_override["nonfinite"].init_args, by_override["samples"].init_args,
+            by_override["profiler"].init_args) == ({"max_in_a_row": 7}, {"prompts": ["a"]},
+                                                   {"steps": 3})
+    assert capsys.readouterr().err == ""  # said once per process
+    # a saved run config of then resumes: none of them is a refused change
+    saved = config_to_dict(load_config(None))
+    for section, fields in OLD_CALLBACK_KEYS.items():
+        saved.setdefault(section, {}).update(copy.deepcopy(fields))  # callbacks: [] as then
+    assert refused_changes(saved, config_to_dict(old)) == []

@@ -162,6 +162,9 @@ def fake_state(model, step: int, zero_stage: int = 0, cfg=None):
                            step_seconds=0.0)
 
 
+FIVE = LoopDiagnosticsCallback.Config(every_steps=5)
+
+
 def test_callback_logs_on_its_steps_only() -> None:
     model = model_of()
     loss = model(WINDOW[:, :-1], WINDOW[:, 1:], keep_logits=False).loss
@@ -174,13 +177,13 @@ def test_callback_logs_on_its_steps_only() -> None:
         callback.on_step_end(state)
         return state.metrics_extra
 
-    callback = LoopDiagnosticsCallback(every=5, depth=3, max_depth=4, window=WINDOW)
+    callback = LoopDiagnosticsCallback(FIVE, depth=3, max_depth=4, window=WINDOW)
     assert row_of(callback, 4) == {}
     row = row_of(callback, 5)
     assert row["diag/grad_norm"] > 0 and row["diag/D_norm_t4"] > 0
     assert sum(row[f"diag/grad_share_{g}"] for g in SHARE_GROUPS) == pytest.approx(1.0)
     assert model.training is False  # left as it was
-    skipped = LoopDiagnosticsCallback(every=5, depth=3, max_depth=4, window=WINDOW)
+    skipped = LoopDiagnosticsCallback(FIVE, depth=3, max_depth=4, window=WINDOW)
     assert row_of(skipped, 5, zero_stage=3) == {}
 
 
@@ -190,17 +193,15 @@ def test_the_callback_from_a_run_config(tmp_path, capsys) -> None:
     data = f"data.path={tmp_path / 'none'}"
     cfg = load_config(None, [data, "train.log_every=7", "train.depth.kind=uniform",
                              "model.depth=3"])
-    callback = LoopDiagnosticsCallback.from_config(cfg)
-    assert callback is not None
+    callback = LoopDiagnosticsCallback(LoopDiagnosticsCallback.Config())  # null: log_every
+    assert callback.for_run(cfg)
     assert (callback.every, callback.depth, callback.max_depth) == (7, 3, 6)
     callback.on_start(fake_state(None, 0, cfg=cfg))
     assert callback.window is None  # no held-out split there: said in one line, grads still run
     assert capsys.readouterr().out.startswith(f"loop diagnostics: no held-out batch in {tmp_path}")
     assert callback.due(14) and not callback.due(15)
-    every_5 = LoopDiagnosticsCallback.from_config(
-        load_config(None, [data, "train.diagnostics_every=5"]))
-    assert every_5 is not None and every_5.every == 5
-    off = load_config(None, [data, "train.diagnostics_every=0"])
-    assert LoopDiagnosticsCallback.from_config(off) is None
+    every_5 = LoopDiagnosticsCallback(FIVE)
+    assert every_5.for_run(cfg) and every_5.every == 5
+    assert not LoopDiagnosticsCallback(LoopDiagnosticsCallback.Config(every_steps=0)).for_run(cfg)
     untied = load_config(None, [data, "model.recurrence=untied", "model.residual=preln"])
-    assert LoopDiagnosticsCallback.from_config(untied) is None
+    assert not LoopDiagnosticsCallback(FIVE).for_run(untied)

@@ -100,7 +100,8 @@ def test_callback_reports_the_update_of_its_step() -> None:
         return SimpleNamespace(engine=engine, step=step, rank0=True, metrics_extra={},
                                step_seconds=0.0)
 
-    callback = LoopDiagnosticsCallback(every=2, depth=3, max_depth=3, window=WINDOW)
+    callback = LoopDiagnosticsCallback(LoopDiagnosticsCallback.Config(every_steps=2), depth=3,
+                                       max_depth=3, window=WINDOW)
     callback.on_start(state(0))
     rows = {}
     for step in (1, 2):

@@ -53,7 +53,7 @@ def test_a_run_without_diagnostics_is_one_line(tmp_path):
                            str(tmp_path / "x.png")], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 1
     assert done.stderr.strip() == (f"plot_collapse: {run}/metrics.jsonl: no loop diagnostics "
-                                   "rows (train.diagnostics_every off?)")
+                                   "rows (the diagnostics callback off?)")
     assert not (tmp_path / "x.png").exists()
 
 

@@ -125,7 +125,7 @@ def test_a_toy_without_a_loop_is_treated_as_one(toy):
                                  "train.diagnostics_every=1"])
         assert training_depths(cfg) == [2, 2, 2]  # the depth it runs, not model.depth
         assert training_depth(cfg) is None
-        assert LoopDiagnosticsCallback.from_config(cfg) is None
+        assert not LoopDiagnosticsCallback(LoopDiagnosticsCallback.Config(1)).for_run(cfg)
         flat = {"heldout": {d: {"ppl": 100.0} for d in (1, 2, 4)}}
         run = StudyRun("pair", 0, None, "final", Path("r"), config=cfg, results=flat)
         assert flat_in_t(run, FlagThresholds()) is None

@@ -5,6 +5,7 @@ training; the slow test resumes a real run at another world size and finds every
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from conftest import step_result
-from scse_dist.config import CallbackSpec, ConfigError, load_config
+from scse_dist.config import CallbackSpec, ConfigError, RunConfig, load_config
 from scse_dist.train.callbacks.assembly import (
     callback_states,
     check_callbacks,
@@ -47,31 +48,38 @@ def drive(state, callbacks: list[Callback], losses: list[float], skipped: set[in
 # --------------------------------------------------------------------------- config entries
 
 
+def entries(*specs: CallbackSpec) -> RunConfig:
+    """A run config whose train.callbacks is `specs` alone ("mine", "mine2", ...), no built-in."""
+    cfg = RunConfig()
+    cfg.train.callbacks = {f"mine{i or ''}": spec for i, spec in enumerate(specs)}
+    return cfg
+
+
 def test_an_entry_is_built_with_its_config_and_priority():
-    [toy] = configured_callbacks([spec(init_args={"every_steps": 3}, priority=7)])
+    [toy] = configured_callbacks(entries(spec(init_args={"every_steps": 3}, priority=7)))
     assert isinstance(toy, StepCounter) and toy.every_steps == 3 and toy.priority == 7
-    [plain] = configured_callbacks([spec()])
+    [plain] = configured_callbacks(entries(spec()))
     assert plain.every_steps == 5 and plain.priority == 350 == StepCounter.priority
 
 
 @pytest.mark.parametrize("entry, message", [
-    (spec("no_such_module:Toy"), "train.callbacks[0].class_path: 'no_such_module:Toy': cannot "
+    (spec("no_such_module:Toy"), "train.callbacks.mine.class_path: 'no_such_module:Toy': cannot "
                                  "import no_such_module (No module named 'no_such_module')"),
-    (spec("toy_callback:Nope"), "train.callbacks[0].class_path: 'toy_callback:Nope': "
+    (spec("toy_callback:Nope"), "train.callbacks.mine.class_path: 'toy_callback:Nope': "
                                 "toy_callback has no Nope"),
-    (spec("json:JSONDecoder"), "train.callbacks[0].class_path: 'json:JSONDecoder' is not a "
+    (spec("json:JSONDecoder"), "train.callbacks.mine.class_path: 'json:JSONDecoder' is not a "
                                "subclass of scse_dist.train.callbacks.Callback"),
-    (spec(init_args={"every": 3}), "train.callbacks[0].init_args.every: unknown field (did you "
+    (spec(init_args={"every": 3}), "train.callbacks.mine.init_args.every: unknown field (did you "
                                    "mean 'every_steps'?)"),
-    (spec(init_args={"every_steps": "often"}), "train.callbacks[0].init_args.every_steps: "
+    (spec(init_args={"every_steps": "often"}), "train.callbacks.mine.init_args.every_steps: "
                                                "expected an integer, got 'often'"),
     (spec("scse_dist.train.callbacks.export:ExportCallback", init_args={"x": 1}),
-     "train.callbacks[0].init_args: scse_dist.train.callbacks.export:ExportCallback declares no "
+     "train.callbacks.mine.init_args: scse_dist.train.callbacks.export:ExportCallback declares no "
      "Config dataclass, so it takes none; got x"),
 ])
 def test_a_bad_entry_is_one_config_error_naming_it(entry, message):
     with pytest.raises(ConfigError) as err:
-        check_callbacks([entry])
+        check_callbacks(entries(entry))
     assert str(err.value) == message
 
 
@@ -87,30 +95,48 @@ class Needs(Callback):
 def test_a_required_init_arg_is_named():
     path = f"{__name__}:Needs"
     with pytest.raises(ConfigError) as err:
-        check_callbacks([spec(path)])
-    assert str(err.value) == f"train.callbacks[0].init_args.threshold: required by {path}, missing"
-    [built] = configured_callbacks([spec(path, init_args={"threshold": 2})])
+        check_callbacks(entries(spec(path)))
+    assert str(err.value) == \
+        f"train.callbacks.mine.init_args.threshold: required by {path}, missing"
+    [built] = configured_callbacks(entries(spec(path, init_args={"threshold": 2})))
     assert built.threshold == 2.0
 
 
 def test_the_config_checks_an_entrys_form_without_importing_it(tiny_config, tmp_path):
-    with pytest.raises(ConfigError, match=r"^train.callbacks\[1\].class_path: expected "
+    with pytest.raises(ConfigError, match=r"^train.callbacks.b.class_path: expected "
                                           r"'package.module:Class', "
                                           r"got 'toy_callback.StepCounter'"):
-        load_config(tiny_config(tmp_path, f"train.callbacks=[{{class_path: {TOY}}}, "
-                                          "{class_path: toy_callback.StepCounter}]"))
-    cfg = load_config(tiny_config(tmp_path, "train.callbacks=[{class_path: not_installed:X, "
-                                            "init_args: {anything: [1, 2]}}]"))
-    assert cfg.train.callbacks == [spec("not_installed:X", init_args={"anything": [1, 2]})]
+        load_config(tiny_config(tmp_path, f"train.callbacks={{a: {{class_path: {TOY}}}, "
+                                          "b: {class_path: toy_callback.StepCounter}}"))
+    cfg = load_config(tiny_config(tmp_path, "train.callbacks={x: {class_path: not_installed:X, "
+                                            "init_args: {anything: [1, 2]}}}"))
+    assert cfg.train.callbacks["x"] == spec("not_installed:X", init_args={"anything": [1, 2]})
+    assert list(cfg.train.callbacks)[:2] == ["nonfinite", "spike_skip"]  # the built-ins first
+
+
+def test_a_list_of_entries_still_loads_keyed_by_class_path_with_one_notice(tiny_config, tmp_path,
+                                                                           capsys):
+    import scse_dist.config as config
+
+    config._noticed.clear()
+    cfg = load_config(tiny_config(tmp_path, f"train.callbacks=[{{class_path: {TOY}}}, "
+                                            f"{{class_path: {TOY}, priority: 1}}]"))
+    assert cfg.train.callbacks[TOY] == spec() and cfg.train.callbacks[f"{TOY}#2"].priority == 1
+    assert capsys.readouterr().err == ("config: notice: train.callbacks as a list is now a mapping "
+                                       "of name: entry; the old name is read for now\n")
 
 
 # --------------------------------------------------------------------------- order and state
 
 
-def test_the_built_ins_keep_their_order_and_an_entry_takes_its_place(tiny_config, tmp_path):
-    from scse_dist.train.callbacks.built_in import built_in_callbacks
+def built_in_callbacks(cfg):
+    """The callbacks train() runs for `cfg`: its enabled entries with work in this run."""
+    return [c for c in configured_callbacks(cfg) if c.for_run(cfg)]
 
-    cfg = load_config(tiny_config(tmp_path, "eval.every_steps=5", "eval.sample_every=5"))
+
+def test_the_built_ins_keep_their_order_and_an_entry_takes_its_place(tiny_config, tmp_path):
+    cfg = load_config(tiny_config(tmp_path, "train.callbacks.heldout_eval.init_args.every_steps=5",
+                                  "train.callbacks.samples.init_args.every_steps=5"))
     built_in = built_in_callbacks(cfg)
     assert in_hook_order(built_in) == built_in
     names = lambda cbs: [type(c).__name__ for c in cbs]  # noqa: E731
@@ -118,21 +144,28 @@ def test_the_built_ins_keep_their_order_and_an_entry_takes_its_place(tiny_config
         "NonFiniteCallback", "LoopDiagnosticsCallback", "MetricsCallback",
         "HeldoutEvalCallback", "SampleCallback", "CheckpointCallback", "PreemptionCallback",
         "ExportCallback", "AfterTrainingEval"]
-    late, early, default = (configured_callbacks([spec(priority=p)])[0]
-                            for p in (-250, 350, None))
+    late, early, default = (StepCounter(StepCounter.Config()) for _ in range(3))
+    late.priority, early.priority = -250, 350
     plain = Callback()  # priority 0: after the rows, before the checkpoint
     order = in_hook_order([*built_in, late, early, plain])
     assert order.index(early) == 2 and order.index(plain) == 6
     assert names(order[order.index(late) - 1:][:1]) == ["PreemptionCallback"]
     assert default.priority == 350
-    # each built-in from the section that enables it: off, it is not in the list
+    # each built-in from its entry: disabled, or with nothing to do, it is not in the list
     every_on = load_config(tiny_config(
-        tmp_path, "eval.downstream_every=5", "eval.downstream_tasks=[lambada]",
+        tmp_path, "train.callbacks.downstream.init_args={every_steps: 5, tasks: [lambada]}",
         f"eval.task_settings.lambada.path={tmp_path / 'lambada.jsonl'}",
-        "train.spike_skip.enabled=true", "profile.enabled=true", "train.diagnostics_every=0"))
+        "train.callbacks.spike_skip.enabled=true", "train.callbacks.profiler.enabled=true",
+        "train.callbacks.diagnostics.init_args.every_steps=0",
+        "train.callbacks.export.enabled=false"))
     assert set(names(built_in_callbacks(every_on))) - set(names(built_in)) == {
         "SpikeSkipCallback", "DownstreamEvalCallback", "ProfilerCallback"}
-    assert "LoopDiagnosticsCallback" not in names(built_in_callbacks(every_on))
+    assert {"LoopDiagnosticsCallback", "ExportCallback", "HeldoutEvalCallback"}.isdisjoint(
+        names(built_in_callbacks(every_on)))
+    # an entry that names a built-in moves it: a priority of its own, its init_args laid over
+    moved = load_config(tiny_config(tmp_path, "train.callbacks.metrics.priority=-600",
+                                    "train.callbacks.heldout_eval.init_args.every_steps=5"))
+    assert names(in_hook_order(built_in_callbacks(moved)))[-1] == "MetricsCallback"
 
 
 def test_states_are_keyed_by_class_repeats_numbered_and_restored():
@@ -177,10 +210,10 @@ def test_the_nonfinite_counts_carry_on_from_their_state(train_state):
     from scse_dist.train.faults import TrainingStopped
 
     state = train_state()
-    first = NonFiniteCallback(3)
+    first = NonFiniteCallback(NonFiniteCallback.Config(3))
     drive(state, [first], [1.0, math.nan, math.nan], skipped={2, 3})
     assert first.state_dict() == {"total": 2, "in_a_row": 2} and state.skipped_steps == 2
-    later, again = train_state(), NonFiniteCallback(3)
+    later, again = train_state(), NonFiniteCallback(NonFiniteCallback.Config(3))
     again.load_state_dict(first.state_dict())
     later.start_step = later.step = 3
     with pytest.raises(TrainingStopped, match="^step 4: 3 non-finite steps in a row"):
@@ -201,8 +234,8 @@ def test_states_survive_a_preemption_and_a_resume_at_another_world_size(
     import subprocess
 
     cfg = tiny_config(tmp_path, "train.batch.global_batch_size=4", "train.batch.micro_batch_size=2",
-                      "train.max_nonfinite_steps=4",
-                      f"train.callbacks=[{{class_path: {TOY}, init_args: {{every_steps: 5}}}}]")
+                      "train.callbacks.nonfinite.init_args.max_in_a_row=4",
+                      f"train.callbacks.toy={{class_path: {TOY}, init_args: {{every_steps: 5}}}}")
     env = dict(subprocess_env, PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
     first = subprocess.run([sys.executable, TRAIN, "--config", cfg], cwd=REPO, text=True,
                            capture_output=True, timeout=300,
@@ -254,3 +287,60 @@ def test_mypy_checks_a_callback_against_the_typed_train_state(tmp_path):
     assert bad.returncode == 1
     assert '"StepResult" has no attribute "mean_loss"' in bad.stdout, bad.stdout
     assert "has no attribute \"epochs\"" in bad.stdout, bad.stdout
+
+
+# --------------------------------------------------------------------------- the built-ins' docs
+
+
+def _table(text: str, header: str) -> list[list[str]]:
+    """The cells of the rows of the markdown table whose header row starts with `header`."""
+    rows = itertools.takewhile(lambda line: line.startswith("|"),
+                               text[text.index(header):].split("\n")[2:])
+    return [[cell.strip().strip("`") for cell in row.strip("|").split(" | ")] for row in rows]
+
+
+def test_the_callback_tables_of_the_docs_match_the_built_ins():
+    """docs/training.md's built-ins (name, class, file, priority, on by default) and settings
+    (name.field, default) are the code's: BUILT_IN_CALLBACKS and each class's Config."""
+    import dataclasses
+    import importlib
+
+    import yaml
+
+    from scse_dist.train.config import BUILT_IN_CALLBACKS, built_in_entries
+
+    text = (REPO / "docs" / "training.md").read_text()
+    documented = {name: (int(priority), cls, file, on)
+                  for priority, name, cls, file, on, _ in _table(text, "| priority | name |")}
+    in_code, settings = {}, {}
+    for name, spec in built_in_entries().items():
+        module, cls_name = spec.class_path.split(":")
+        cls = getattr(importlib.import_module(module), cls_name)
+        in_code[name] = (cls.priority, cls_name, module.rsplit(".", 1)[1] + ".py",
+                         "yes" if spec.enabled else "no")
+        for f in dataclasses.fields(cls.Config) if cls.Config else ():
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            settings[f"{name}.{f.name}"] = default
+    assert list(documented) == list(BUILT_IN_CALLBACKS)  # in hook order, as the defaults
+    assert documented == in_code
+    assert [in_code[n][0] for n in documented] == sorted((p for p, *_ in in_code.values()),
+                                                         reverse=True)
+    rows = _table(text, "| setting | default |")
+    assert {key: yaml.safe_load(default) for key, default, _ in rows} == settings
+
+
+def test_each_old_built_in_setting_moves_to_a_setting_of_its_callback():
+    import dataclasses
+    import importlib
+
+    from scse_dist.config import RENAMED_FIELDS
+    from scse_dist.train.config import built_in_entries
+
+    moved = {old: new.split(".")[2:] for old, new in RENAMED_FIELDS.items()
+             if new.startswith("train.callbacks.")}
+    assert len(moved) == 25
+    for name, *where in moved.values():
+        module, cls_name = built_in_entries()[name].class_path.split(":")
+        config = getattr(importlib.import_module(module), cls_name).Config
+        assert where == ["enabled"] or (
+            where[0] == "init_args" and where[1] in {f.name for f in dataclasses.fields(config)})

@@ -214,9 +214,10 @@ def test_logged_throughput_counts_the_loop_diagnostics(tmp_path, tiny_config, su
     logged tokens/s is the wall-clock rate between its log steps to within 5% (a ratio in one
     run, not a speed)."""
     config = tiny_config(tmp_path, "train.max_steps=31", "train.log_every=10",
-                         "train.diagnostics_every=10", "train.checkpoint.every=1000",
-                         f"train.callbacks=[{{class_path: wall_clock_probe:StepEnds, "
-                         f"init_args: {{out: '{tmp_path / 'ends.json'}'}}}}]")
+                         "train.callbacks.diagnostics.init_args.every_steps=10",
+                         "train.checkpoint.every=1000",
+                         "train.callbacks.probe={class_path: wall_clock_probe:StepEnds, "
+                         f"init_args: {{out: '{tmp_path / 'ends.json'}'}}}}")
     run_trainer(config, dict(subprocess_env, PYTHONPATH=f"{REPO}:{REPO / 'tests'}"))
     ends = {int(k): v for k, v in json.loads((tmp_path / "ends.json").read_text()).items()}
     rows = {r["step"]: r for r in read_metrics(tmp_path / "runs" / "tiny") if "loss" in r}

@@ -14,6 +14,7 @@ import pytest
 from conftest import tiny_config_dict
 from scse_dist.config import ConfigError, config_from_dict
 from scse_dist.eval.curves import downstream_by_depth, eval_rows
+from scse_dist.train.callbacks.assembly import check_callbacks
 from scse_dist.train.callbacks.downstream import reduce_totals, row_keys
 from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
@@ -30,6 +31,8 @@ LAMBADA = ["the cat sees the red ball today . the dog likes the red ball",
            "a small bird reads an open door at night . our teacher finds the tall tree",
            "my sister paints the blue river . the robot builds a quiet house"]
 
+D = "train.callbacks.downstream"
+
 
 def _task_files(root) -> dict[str, str]:
     hs, lam = root / "hellaswag_val.jsonl", root / "lambada_test.jsonl"
@@ -40,27 +43,31 @@ def _task_files(root) -> dict[str, str]:
     return {"hellaswag": str(hs), "lambada": str(lam)}
 
 
-def _config(tiny_data, tmp_path, **fields):
+def _config(tiny_data, tmp_path, lambada: bool = False, **init_args):
     values = tiny_config_dict(tiny_data, str(tmp_path / "runs"))
-    values["eval"].update(fields)
-    return config_from_dict(values)
+    values["train"]["callbacks"] = {"downstream": {"init_args": init_args}}
+    if lambada:
+        values["eval"]["task_settings"] = {"lambada": {"path": "l.jsonl"}}
+    return check_callbacks(config_from_dict(values))
+
+
+ABLE = "wikitext, lambada, hellaswag, piqa, arc_easy, arc_challenge, multiple_choice"
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"downstream_every": 5}, "eval.downstream_tasks: eval.downstream_every is set, so name the "
-     "tasks to run (any of wikitext, lambada, hellaswag, piqa, arc_easy, arc_challenge, "
-     "multiple_choice)"),
-    ({"downstream_tasks": ["heldout"]}, "eval.downstream_tasks[0]: 'heldout' does not run during "
-     "training (held-out loss: eval.every_steps); the tasks that do: wikitext, lambada, hellaswag, "
-     "piqa, arc_easy, arc_challenge, multiple_choice"),
-    ({"downstream_tasks": ["hellaswg"]}, "eval.downstream_tasks[0]: must be one of heldout, "
-     "validation, wikitext, lambada, diagnose, hellaswag, piqa, arc_easy, arc_challenge, "
-     "multiple_choice; got 'hellaswg' (did you mean 'hellaswag'?)"),
-    ({"downstream_tasks": ["piqa"]}, "eval.task_settings.piqa.path: eval.downstream_tasks lists "
-     "'piqa', so set eval.task_settings.piqa.path to its data file"),
-    ({"downstream_tasks": ["lambada", "lambada"], "task_settings": {"lambada": {"path": "l"}}},
-     "eval.downstream_tasks[1]: 'lambada' is listed twice"),
-    ({"downstream_max_examples": -1}, "eval.downstream_max_examples: must be >= 0, got -1"),
+    ({"every_steps": 5}, f"{D}.init_args.tasks: every_steps is set, so name the tasks to run "
+     f"(any of {ABLE})"),
+    ({"tasks": ["heldout"]}, f"{D}.init_args.tasks[0]: 'heldout' does not run during training "
+     f"(held-out loss: heldout_eval); the tasks that do: {ABLE}"),
+    ({"tasks": ["hellaswg"]}, f"{D}.init_args.tasks[0]: must be one of heldout, validation, "
+     "wikitext, lambada, diagnose, hellaswag, piqa, arc_easy, arc_challenge, multiple_choice; got "
+     f"'hellaswg' (did you mean 'hellaswag'?); the tasks that do: {ABLE}"),
+    ({"tasks": ["piqa"]}, f"{D}.init_args.tasks lists 'piqa', so set "
+     "eval.task_settings.piqa.path to its data file"),
+    ({"tasks": ["lambada", "lambada"], "lambada": True},
+     f"{D}.init_args.tasks[1]: 'lambada' is listed twice"),
+    ({"max_examples": -1}, f"{D}.init_args.max_examples: must be >= 0, got -1"),
+    ({"every_steps": -1}, f"{D}.init_args.every_steps: must be >= 0, got -1"),
 ])
 def test_bad_downstream_fields_are_one_line_naming_the_field(tiny_data, tmp_path, fields, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message) + "$"):
@@ -70,10 +77,11 @@ def test_bad_downstream_fields_are_one_line_naming_the_field(tiny_data, tmp_path
 def test_downstream_needs_zero_stage_below_3(tiny_data, tmp_path):
     values = tiny_config_dict(tiny_data, str(tmp_path / "runs"))
     values["train"]["engine"] = {"zero_stage": 3}
-    values["eval"].update(downstream_every=5, downstream_tasks=["lambada"], lambada="l.jsonl")
-    with pytest.raises(ConfigError, match=r"^eval.downstream_every: downstream tasks during "
+    values["eval"].update(downstream_every=5, downstream_tasks=["lambada"],
+                          task_settings={"lambada": {"path": "l.jsonl"}})  # the old names
+    with pytest.raises(ConfigError, match=rf"^{D}: downstream tasks during "
                                           r"training run at ZeRO stage 0, 1 or 2"):
-        config_from_dict(values)
+        check_callbacks(config_from_dict(values))
 
 
 def test_reduce_totals_of_one_rank_and_row_keys():

@@ -12,11 +12,14 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from scse_dist.config import ConfigError, load_config
+from scse_dist.train.callbacks.assembly import config_of
 from scse_dist.train.callbacks.profiler import ProfilerCallback, window_schedule
 from scse_dist.train.engine import build_ds_config
 
 NONE, WARMUP = ProfilerAction.NONE, ProfilerAction.WARMUP
 RECORD, SAVE = ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE
+
+PR = "train.callbacks.profiler.init_args"
 
 
 def actions(first: int, start: int, warmup: int, steps: int, upto: int) -> list[ProfilerAction]:
@@ -42,7 +45,8 @@ def fake_state(tmp_path: Path, rank: int = 0, world_size: int = 1, step: int = 0
 
 
 def profile_cfg(*overrides: str):
-    return load_config(None, ["profile.enabled=true", *overrides]).profile
+    return config_of(load_config(None, ["train.callbacks.profiler.enabled=true", *overrides]),
+                     "profiler")
 
 
 def test_a_window_cut_short_by_the_end_of_the_run_keeps_the_steps_it_recorded(tmp_path, capsys):
@@ -81,23 +85,23 @@ def test_only_the_listed_ranks_profile_and_a_resume_past_the_window_profiles_not
     assert callback.profiler is None
     assert capsys.readouterr().out == \
         "profile: steps 3..4 were done before this run resumed at step 10: nothing profiled\n"
-    with pytest.raises(ConfigError, match=r"^profile.ranks: none of \[1\] is a rank of this run "
+    with pytest.raises(ConfigError, match=rf"^{PR}.ranks: none of \[1\] is a rank of this run "
                                           r"\(world size 1\)$"):
         ProfilerCallback(cfg).on_start(fake_state(tmp_path))
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["profile.start_step=0"], "profile.start_step: must be >= 1, got 0"),
-    (["profile.steps=0"], "profile.steps: must be >= 1, got 0"),
-    (["profile.ranks=[]"], "profile.ranks: need a non-empty list of ranks >= 0, got []"),
-    (["profile.flops_step=-1"], "profile.flops_step: must be >= 0 (0: off), got -1"),
-    (["profile.enabled=true", "profile.start_step=300"],
-     "profile.start_step: 300 is past train.max_steps=200, so nothing would be profiled; lower it"),
+    ("start_step=0", "start_step: must be >= 1, got 0"),
+    ("steps=0", "steps: must be >= 1, got 0"),
+    ("ranks=[]", "ranks: need a non-empty list of ranks >= 0, got []"),
+    ("flops_step=-1", "flops_step: must be >= 0 (0: off), got -1"),
+    ("start_step=300",
+     "start_step: 300 is past train.max_steps=200, so nothing would be profiled; lower it"),
 ])
 def test_bad_profile_fields_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
-    assert str(err.value).split(" (on the command line")[0] == message
+        profile_cfg(f"{PR}.{overrides}")
+    assert str(err.value) == f"{PR}.{message}"
 
 
 def loop_labels(checkpointing: str, depth: int, backward: bool) -> list[str]:
@@ -127,6 +131,7 @@ def test_the_model_labels_each_loop_step_and_each_recomputation_of_a_checkpointe
 
 def test_the_flops_profiler_section_is_generated_on_cuda_only():
     cfg = load_config(None, ["profile.enabled=true", "profile.start_step=5", "profile.steps=2"])
+    assert cfg.train.callbacks["profiler"].init_args == {"start_step": 5, "steps": 2}  # old keys
     assert build_ds_config(cfg, on_cuda=True)["flops_profiler"] == {
         "enabled": True, "profile_step": 6,  # DeepSpeed counts the steps done: this is step 7
         "module_depth": -1, "top_modules": 3, "detailed": True,

@@ -15,13 +15,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scse_dist.config import ConfigError, SpikeSkipConfig, load_config
+from scse_dist.config import ConfigError, load_config
+from scse_dist.train.callbacks.assembly import check_callbacks, config_of
 from scse_dist.train.callbacks.spike import SpikeSkipCallback
 from scse_dist.train.faults import SPIKE_EXIT_CODE, SPIKE_FACTOR, FaultInjector, TrainingStopped
 from scse_dist.train.spike import RunningStats, SpikeDetector
 from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
 PROBE = "weights_probe:WeightsAt"
+
+SP = "train.callbacks.spike_skip.init_args"
 
 
 # --------------------------------------------------------------------------- the statistics
@@ -41,8 +44,8 @@ def test_running_stats_are_the_mean_and_sample_std_of_the_last_window_values():
     assert stats.std == pytest.approx(0.311916121, rel=1e-8)  # by hand: sqrt(0.291875 / 3)
 
 
-def cfg(**kw) -> SpikeSkipConfig:
-    return SpikeSkipConfig(**{"enabled": True, "k": 3.0, "window": 5, "warmup": 3, **kw})
+def cfg(**kw) -> SpikeSkipCallback.Config:
+    return SpikeSkipCallback.Config(**{"k": 3.0, "window": 5, "warmup": 3, **kw})
 
 
 def test_a_spike_is_refused_only_after_the_warmup_and_stays_out_of_the_window():
@@ -100,29 +103,28 @@ def test_state_round_trip_and_a_smaller_window_keeps_the_newest_values():
 
 
 @pytest.mark.parametrize("override,message", [
-    ("train.spike_skip.k=0", "train.spike_skip.k: must be a finite number > 0, got 0"),
-    ("train.spike_skip.k=.nan", "train.spike_skip.k: must be a finite number > 0, got nan"),
-    ("train.spike_skip.window=1", "train.spike_skip.window: must be >= 2"),
-    ("train.spike_skip.warmup=1", "train.spike_skip.warmup: must lie in [2, "
-                                  "train.spike_skip.window=128], got 1"),
-    ("train.spike_skip.warmup=200", "train.spike_skip.warmup: must lie in [2, "
-                                    "train.spike_skip.window=128], got 200"),
-    ("train.spike_skip.max_in_a_row=0", "train.spike_skip.max_in_a_row: must be >= 1, got 0"),
-    ("train.spike_skip.metric=norm", "train.spike_skip.metric"),
+    ("k=0", f"{SP}.k: must be a finite number > 0, got 0"),
+    ("k=.nan", f"{SP}.k: must be a finite number > 0, got nan"),
+    ("window=1", f"{SP}.window: must be >= 2"),
+    ("warmup=1", f"{SP}.warmup: must lie in [2, window=128], got 1"),
+    ("warmup=200", f"{SP}.warmup: must lie in [2, window=128], got 200"),
+    ("max_in_a_row=0", f"{SP}.max_in_a_row: must be >= 1, got 0"),
+    ("metric=norm", f"{SP}.metric"),
 ])
 def test_bad_spike_skip_fields_are_named(override, message):
+    cfg = load_config(None, ["train.callbacks.spike_skip.enabled=true", f"{SP}.{override}"])
     with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+        check_callbacks(cfg)
     assert message in str(err.value)
 
 
 def test_muon_at_zero_1_or_2_is_refused_with_spike_skipping():
-    base = ["train.optimizer.kind=muon", "train.spike_skip.enabled=true"]
-    with pytest.raises(ConfigError, match=r"^train.spike_skip.enabled: not with "
+    base = ["train.optimizer.kind=muon", "train.callbacks.spike_skip.enabled=true"]
+    with pytest.raises(ConfigError, match=r"^train.callbacks.spike_skip: not with "
                                            "train.optimizer.kind: "
                                           r"muon at train.engine.zero_stage 1"):
-        load_config(None, base)
-    assert load_config(None, [*base, "train.engine.zero_stage=0"]).train.spike_skip.enabled
+        check_callbacks(load_config(None, base))
+    assert config_of(load_config(None, [*base, "train.engine.zero_stage=0"]), "spike_skip")
 
 
 def test_the_spike_fault_multiplies_the_loss_on_its_step_and_rank():
@@ -236,7 +238,8 @@ def test_the_callback_counts_streaks_and_stops_with_its_own_exit_status(capsys):
     with pytest.raises(TrainingStopped) as stop:
         callback.on_step_end(state)
     assert stop.value.exit_code == SPIKE_EXIT_CODE == 4
-    assert str(stop.value) == ("step 8: 2 loss spikes in a row (train.spike_skip.max_in_a_row=2); "
+    assert str(stop.value) == ("step 8: 2 loss spikes in a row (train.callbacks.spike_skip."
+                               "init_args.max_in_a_row=2); "
                                "stopping without saving, last good checkpoint: step-0000004")
     assert state.spike_skips == 3
 
@@ -248,8 +251,8 @@ SPIKE = ("train.spike_skip.enabled=true", "train.spike_skip.warmup=4",
 
 
 def probe(out, steps=()) -> str:
-    return f"train.callbacks=[{{class_path: {PROBE}, init_args: {{out: '{out}', " \
-           f"steps: {list(steps)}}}}}]"
+    return f"train.callbacks.probe={{class_path: {PROBE}, init_args: {{out: '{out}', " \
+           f"steps: {list(steps)}}}}}"
 
 
 @pytest.fixture
@@ -336,8 +339,8 @@ def test_too_many_spikes_in_a_row_end_the_run_with_one_line_and_status_4(tmp_pat
     out = run(config, env, "spike@6,spike@7")
     assert out.returncode == SPIKE_EXIT_CODE, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if "in a row" in line]
-    assert lines == ["scse-train: step 7: 2 loss spikes in a row (train.spike_skip.max_in_a_row="
-                     "2); stopping without saving, last good checkpoint: step-0000004"]
+    assert lines == [f"scse-train: step 7: 2 loss spikes in a row ({SP}.max_in_a_row=2); "
+                     "stopping without saving, last good checkpoint: step-0000004"]
     ckpts = tmp_path / "runs" / "tiny" / "checkpoints"
     assert (ckpts / "latest").read_text() == "step-0000004"
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step-0000004"]

@@ -3,7 +3,8 @@ named in a config's train.callbacks, and no file of the package touched:
 
     train:
       callbacks:
-        - class_path: toy_callback:StepCounter     # its module on PYTHONPATH
+        step_counter:                              # a name of your choosing
+          class_path: toy_callback:StepCounter     # its module on PYTHONPATH
           init_args: {every_steps: 5}
 
 Every `every_steps` steps it adds to that step's training row how many steps it has seen over the

@@ -24,15 +24,6 @@ class EvalConfig:
     batch_size: int = 8
     max_batches: int = 0  # 0: the whole held-out split
     after_train: bool = True
-    every_steps: int = 0  # during training: held-out loss at `depths` (0: off)
-    sample_every: int = 0  # during training: continuations of sample_prompts (0: off)
-    sample_prompts: list[str] = field(
-        default_factory=lambda: ["The", "Return the", "This module provides"])
-    sample_tokens: int = 32
-    sample_temperature: float = 0.8
-    downstream_every: int = 0  # during training: downstream_tasks at `depths` (0: off)
-    downstream_tasks: list[str] = field(default_factory=list)
-    downstream_max_examples: int = 0  # per task and evaluation (0: all)
     tasks: list[str] = field(default_factory=lambda: ["heldout"])  # scse-launch's, after training
     # task -> its settings (its record's `settings` class: a mapping of its fields as given,
     # the dataclass once built); a task not named here takes that class's defaults
@@ -69,20 +60,12 @@ class EvalConfig:
             raise ConfigError(f"eval.batch_size: must be > 0, got {self.batch_size}")
         for i, task in enumerate(self.tasks):
             self._check_task("tasks", i, task)
-        if self.sample_every and not all(p.strip() for p in self.sample_prompts or [""]):
-            raise ConfigError("eval.sample_prompts: need at least one prompt, none empty, when "
-                              "eval.sample_every is set")
-        if self.sample_tokens < 1:
-            raise ConfigError(f"eval.sample_tokens: must be >= 1, got {self.sample_tokens}")
         for name, own in self.task_settings.items():
             problem = getattr(own, "problem", lambda: None)()
             if problem:
                 raise ConfigError(f"eval.task_settings.{name}.{problem}")
-        for name in ("every_steps", "max_batches", "sample_every",
-                     "sample_temperature", "downstream_every", "downstream_max_examples"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"eval.{name}: must be >= 0, got {getattr(self, name)}")
-        self._check_downstream()
+        if self.max_batches < 0:
+            raise ConfigError(f"eval.max_batches: must be >= 0, got {self.max_batches}")
         res = self.resources
         problem = res.problem() or ("an evaluation is one task on one node: nodes and "
                                     "tasks_per_node must be 1" if (res.nodes, res.tasks_per_node)
@@ -100,19 +83,6 @@ class EvalConfig:
             raise ConfigError(f"eval.{need}: eval.{listed} lists {task!r}, so set eval.{need} "
                               "to its data file")
         return TASKS[task]
-
-    def _check_downstream(self) -> None:
-        able = [name for name, task in TASKS.items() if task.downstream]
-        for i, task in enumerate(self.downstream_tasks):
-            where = f"eval.downstream_tasks[{i}]"
-            if not self._check_task("downstream_tasks", i, task).downstream:
-                raise ConfigError(f"{where}: {task!r} does not run during training (held-out "
-                                  f"loss: eval.every_steps); the tasks that do: {', '.join(able)}")
-            if task in self.downstream_tasks[:i]:
-                raise ConfigError(f"{where}: {task!r} is listed twice")
-        if self.downstream_every and not self.downstream_tasks:
-            raise ConfigError("eval.downstream_tasks: eval.downstream_every is set, so name the "
-                              f"tasks to run (any of {', '.join(able)})")
 
 
 def task_files(eval_cfg: EvalConfig) -> dict[str, str]:

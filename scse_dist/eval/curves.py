@@ -1,6 +1,6 @@
 """Held-out loss and downstream metrics against training step, from the rows the trainer writes
-during training (RUN/metrics.jsonl, docs/monitoring.md): eval.every_steps' rows of kind "eval"
-and eval.downstream_every's rows of kind "downstream" (keys `<task>_<metric>_T<depth>`,
+during training (RUN/metrics.jsonl, docs/monitoring.md): the heldout_eval callback's rows of kind
+"eval" and the downstream callback's rows of kind "downstream" (keys `<task>_<metric>_T<depth>`,
 downstream_key)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 A run's results are `RUN/eval/*.json` (scse_dist.eval.task_run.run_task). The table has one row
 per (run, task, metric) and one column per depth; the plot draws each task's headline metric
 against depth (log scale), one line per run (an untied model: a point at its fixed depth). Runs
-trained with eval.every_steps or eval.downstream_every also get heldout_curve.png or
+trained with the heldout_eval or downstream callback on also get heldout_curve.png or
 downstream_curve.png, against training step (scse_dist.eval.curves).
 """
 

@@ -24,8 +24,10 @@ EXIT_STATUSES = """exit statuses:
   1    a crash (an exception; "rank R crashed after step N" says where): a Slurm training job
        requeues itself up to train.start.max_retries times
   2    bad arguments or config, before anything starts (one line naming the field)
-  3    train.max_nonfinite_steps non-finite steps in a row; the last good checkpoint is kept
-  4    train.spike_skip.max_in_a_row loss spikes in a row; the last good checkpoint is kept
+  3    too many non-finite steps in a row (the nonfinite callback's max_in_a_row); the last
+       good checkpoint is kept
+  4    too many loss spikes in a row (the spike_skip callback's max_in_a_row); the last good
+       checkpoint is kept
   65   bad input data (another tokenizer's shards, a tokenizer larger than model.vocab_size,
        corrupt data past data.max_failures, a split with nothing readable)
   66   an input is missing or unreadable (every file the config names: data.path,
@@ -126,7 +128,7 @@ def check_can_start(cfg: RunConfig, args: argparse.Namespace) -> bool:
     building = check_run_data(cfg, args.config, args.overrides)  # before torch is imported
     from scse_dist.train.callbacks.assembly import check_callbacks
 
-    check_callbacks(cfg.train.callbacks)  # imports their modules (torch only if they do)
+    check_callbacks(cfg)  # imports their modules
     return building
 
 

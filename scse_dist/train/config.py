@@ -1,4 +1,4 @@
-"""The `train:` section of a run config and the `wandb:`, `tensorboard:` and `profile:` sections.
+"""The `train:` section of a run config and the `wandb:` and `tensorboard:` sections.
 
 Torch-free, so `scse_dist.config` composes it without loading the trainer. Each section's
 `check()` is its one validation (field meanings: docs/config.md).
@@ -64,32 +64,6 @@ class DepthSamplingConfig:
 
 
 @dataclass
-class SpikeSkipConfig:
-    """train.spike_skip: a step whose loss or gradient norm is more than k standard deviations
-    above its running mean over `window` applied steps is not applied (scse_dist.train.spike)."""
-
-    enabled: bool = False
-    metric: Literal["loss", "grad_norm", "both"] = "both"
-    k: float = 6.0
-    window: int = 128
-    warmup: int = 20  # applied steps before any step can be skipped
-    max_in_a_row: int = 5  # skipped spikes in a row that end the run (exit status 4)
-
-    def check(self) -> None:
-        if not 0.0 < self.k < float("inf"):  # also rejects NaN
-            raise ConfigError(f"train.spike_skip.k: must be a finite number > 0, got {self.k}")
-        if self.window < 2:
-            raise ConfigError(f"train.spike_skip.window: must be >= 2 (a standard deviation "
-                              f"needs two values), got {self.window}")
-        if not 2 <= self.warmup <= self.window:
-            raise ConfigError(f"train.spike_skip.warmup: must lie in [2, train.spike_skip.window="
-                              f"{self.window}], got {self.warmup}")
-        if self.max_in_a_row < 1:
-            raise ConfigError(f"train.spike_skip.max_in_a_row: must be >= 1, got "
-                              f"{self.max_in_a_row}")
-
-
-@dataclass
 class DepthLossConfig:
     """train.loss.depth two_depths: the loss at loop depth `short`, read out from the same forward,
     joins the objective with `weight` (no term when the step's T <= short)."""
@@ -131,11 +105,30 @@ def largest_trained_depth(sampling: DepthSamplingConfig, mean_depth: int) -> int
 
 @dataclass
 class CallbackSpec:
-    """One entry of train.callbacks: a trainer callback of the user's own (docs/training.md)."""
+    """An entry of train.callbacks: a trainer callback, built-in or own (docs/training.md)."""
 
-    class_path: str  # "package.module:Class", imported when training starts, not when read
+    class_path: str = ""  # "package.module:Class", imported when training starts (""; a built-in's)
+    enabled: bool = True
     priority: Optional[int] = None  # null: the class's own
-    init_args: dict[str, Any] = field(default_factory=dict)
+    init_args: dict[str, Any] = field(default_factory=dict)  # the fields of the class's Config
+
+
+# The built-ins: train.callbacks' entries by default, each off-able, its settings its init_args.
+BUILT_INS = "scse_dist.train.callbacks"
+BUILT_IN_CALLBACKS = {
+    "nonfinite": "nonfinite:NonFiniteCallback", "spike_skip": "spike:SpikeSkipCallback",
+    "diagnostics": "diagnostics:LoopDiagnosticsCallback", "metrics": "metrics:MetricsCallback",
+    "heldout_eval": "heldout_eval:HeldoutEvalCallback", "samples": "samples:SampleCallback",
+    "downstream": "downstream:DownstreamEvalCallback",
+    "checkpoint": "checkpointing:CheckpointCallback", "preemption": "preemption:PreemptionCallback",
+    "export": "export:ExportCallback", "after_training": "after_training:AfterTrainingEval",
+    "profiler": "profiler:ProfilerCallback"}
+OFF_BY_DEFAULT = ("spike_skip", "profiler")
+
+
+def built_in_entries() -> dict[str, CallbackSpec]:
+    return {name: CallbackSpec(f"{BUILT_INS}.{path}", enabled=name not in OFF_BY_DEFAULT)
+            for name, path in BUILT_IN_CALLBACKS.items()}
 
 
 CALLBACK_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -152,44 +145,43 @@ class TrainConfig:
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     log_every: int = 10
-    diagnostics_every: Optional[int] = None  # loop diagnostics; null: log_every; 0: off
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
-    max_nonfinite_steps: int = 5  # non-finite (skipped) steps in a row that stop the run: exit 3
-    spike_skip: SpikeSkipConfig = field(default_factory=SpikeSkipConfig)
-    callbacks: list[CallbackSpec] = field(default_factory=list)
+    # name -> entry: the built-ins (built_in_entries), then the user's; an entry naming a
+    # built-in is laid over it (its init_args key by key)
+    callbacks: dict[str, CallbackSpec] = field(default_factory=built_in_entries)
+
+    def __post_init__(self) -> None:
+        given, self.callbacks = self.callbacks, built_in_entries()
+        for name, spec in given.items():
+            base = self.callbacks.get(name)
+            if base is not None and spec.class_path in ("", base.class_path):
+                spec.class_path = base.class_path
+                spec.init_args = {**base.init_args, **spec.init_args}
+            self.callbacks[name] = spec
 
     def check(self) -> None:
         """Values no run can train with (one ConfigError naming the field), train.depth's too."""
-        for name in ("max_steps", "log_every", "max_nonfinite_steps"):
+        for name in ("max_steps", "log_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"train.{name}: must be > 0, got {getattr(self, name)}")
-        if self.diagnostics_every is not None and self.diagnostics_every < 0:
-            raise ConfigError(f"train.diagnostics_every: must be >= 0, got "
-                              f"{self.diagnostics_every}")
         self.batch.check()
         self.checkpoint.check()
         self.depth.check()
-        self.spike_skip.check()
         self.loss.check()
         self.optimizer.check()
         self.schedule.check(self.max_steps)
         self.start.check()
         self.engine.check()
         self._check_optimizer_zero()
-        for i, spec in enumerate(self.callbacks):
+        for name, spec in self.callbacks.items():
             if not CALLBACK_PATH.fullmatch(spec.class_path):
-                raise ConfigError(f"train.callbacks[{i}].class_path: expected "
+                raise ConfigError(f"train.callbacks.{name}.class_path: expected "
                                   f"'package.module:Class', got {spec.class_path!r}")
 
     def _check_optimizer_zero(self) -> None:
-        """train.optimizer against the ZeRO stage and spike skipping."""
+        """train.optimizer against the ZeRO stage."""
         kind, stage = self.optimizer.kind, self.engine.zero_stage
-        if kind == "muon" and self.spike_skip.enabled and stage in (1, 2):
-            # ZeRO-1/2 commit Muon's momentum inside their step, before the update a skip withholds
-            raise ConfigError("train.spike_skip.enabled: not with train.optimizer.kind: muon at "
-                              f"train.engine.zero_stage {stage} (ZeRO-1/2 advance Muon's "
-                              "momentum even on a skipped step); use ZeRO stage 0 or torch_adamw")
         if kind == "muon" and stage == 3:
             # DeepSpeed's ds_to_universal (resume at another world size) has no Muon state there
             raise ConfigError("train.engine.zero_stage: train.optimizer.kind: muon works at ZeRO "
@@ -218,40 +210,3 @@ class TensorBoardConfig:
         if self.log_dir is not None and ("://" in self.log_dir or not self.log_dir.strip()):
             raise ConfigError(f"tensorboard.log_dir: a local directory, or null for <run dir>/"
                               f"tensorboard; got {self.log_dir!r}")
-
-
-@dataclass
-class ProfileConfig:
-    # torch.profiler over steps start_step .. last_step, after warmup_steps thrown away
-    enabled: bool = False
-    start_step: int = 10
-    steps: int = 2
-    warmup_steps: int = 1
-    ranks: list[int] = field(default_factory=lambda: [0])
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = False
-    # CUDA: DeepSpeed's flops profiler over this step (null: the one after the window; 0: off)
-    flops_step: Optional[int] = None
-
-    def check(self) -> None:
-        for name in ("start_step", "steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"profile.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"profile.warmup_steps: must be >= 0, got {self.warmup_steps}")
-        if not self.ranks or any(r < 0 for r in self.ranks):
-            raise ConfigError(f"profile.ranks: need a non-empty list of ranks >= 0, got "
-                              f"{self.ranks}")
-        if self.flops_step is not None and self.flops_step < 0:
-            raise ConfigError(f"profile.flops_step: must be >= 0 (0: off), got {self.flops_step}")
-
-    @property
-    def last_step(self) -> int:
-        """The last step the trace records."""
-        return self.start_step + self.steps - 1
-
-    @property
-    def flops_profile_step(self) -> int:
-        """The optimizer step DeepSpeed's flops profiler measures (0: none)."""
-        return self.last_step + 1 if self.flops_step is None else self.flops_step

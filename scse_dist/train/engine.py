@@ -71,10 +71,12 @@ def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
 
 
 def flops_profiler_section(cfg: RunConfig, on_cuda: bool) -> Optional[dict[str, Any]]:
-    """DeepSpeed's flops profiler once, over optimizer step profile.flops_profile_step, when
+    """DeepSpeed's flops profiler once, over the profiler callback's flops_profile_step, when
     profiling on CUDA (None otherwise). Its profile_step counts the steps done before it."""
-    p = cfg.profile
-    if not (p.enabled and on_cuda and p.flops_profile_step):
+    from scse_dist.train.callbacks.assembly import config_of
+
+    p = config_of(cfg, "profiler")
+    if not (p is not None and on_cuda and p.flops_profile_step):
         return None
     step = p.flops_profile_step
     # A remote output_dir's run dir is a staging dir this function does not know: stdout then.

@@ -37,7 +37,6 @@ from scse_dist.run_lock import RunDirBusy
 from scse_dist.threads import configure_threads
 from scse_dist.train.callbacks.assembly import configured_callbacks, in_hook_order, restore_states
 from scse_dist.train.callbacks.base import Callback, TrainState
-from scse_dist.train.callbacks.built_in import built_in_callbacks
 from scse_dist.train.depth import sample_depth, short_depth_loss
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import FaultInjector, PreemptionFlag, TrainingStopped
@@ -67,16 +66,16 @@ def with_world_batch(cfg: RunConfig, world_size: int, world_from: str = "") -> R
 
 def train(cfg: RunConfig, callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
     """Train `cfg` on every rank of the launcher's world; return a summary (complete on rank 0).
-    `callbacks` run beside the built-in ones and train.callbacks' (new instances per call: they
-    hold the run's state). Rank 0 holds the run dir's lock (scse_dist.run_lock) from before its
-    first write to the end, whatever the end."""
+    `callbacks` run beside train.callbacks' (the built-ins and the user's; new instances per
+    call: they hold the run's state). Rank 0 holds the run dir's lock (scse_dist.run_lock) from
+    before its first write to the end, whatever the end."""
     with contextlib.ExitStack() as lock:
         return _train(cfg, callbacks, lock)
 
 
 def _train(cfg: RunConfig, callbacks: Sequence[Callback], lock: contextlib.ExitStack
            ) -> dict[str, Any]:
-    configured = configured_callbacks(cfg.train.callbacks)  # a bad entry: before anything starts
+    configured = configured_callbacks(cfg)  # a bad entry: before anything starts
     preemption = PreemptionFlag().install()  # first: a signal during start-up is honoured at step 1
     state = None
 
@@ -96,8 +95,8 @@ def _train(cfg: RunConfig, callbacks: Sequence[Callback], lock: contextlib.ExitS
                 abandon()
                 raise
             state.preemption = preemption
-            state.callbacks = in_hook_order([*built_in_callbacks(state.cfg), *configured,
-                                             *callbacks])
+            state.callbacks = in_hook_order(
+                [*(c for c in configured if c.for_run(state.cfg)), *callbacks])
             left = restore_states(state.callbacks, saved_states)
             if left and state.rank0:
                 print(f"resumed checkpoint holds the state of callbacks this run does not have, "

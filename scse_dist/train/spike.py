@@ -1,5 +1,6 @@
-"""Loss-spike statistics (train.spike_skip): running mean and standard deviation of the loss and
-the global gradient norm over a window of applied steps, and whether a step's values are a spike.
+"""Loss-spike statistics (train.callbacks.spike_skip): running mean and standard deviation of the
+loss and the global gradient norm over a window of applied steps, and whether a step's values are
+a spike.
 
 No torch, no collectives: every rank is handed the same numbers and so decides alike. A refused
 step stays out of the window, so a run of spikes cannot widen the statistics until it passes.
@@ -11,8 +12,6 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
-
-from scse_dist.train.config import SpikeSkipConfig
 
 METRICS = {"loss": ("loss",), "grad_norm": ("grad_norm",), "both": ("loss", "grad_norm")}
 
@@ -60,13 +59,13 @@ class Spike:
 class SpikeDetector:
     """One window of RunningStats per watched metric; `check` decides and then updates them."""
 
-    def __init__(self, cfg: SpikeSkipConfig) -> None:
+    def __init__(self, cfg: Any) -> None:  # callbacks.spike.SpikeSkipCallback.Config
         self.cfg = cfg
         self.stats = {name: RunningStats(cfg.window) for name in METRICS[cfg.metric]}
 
     def check(self, loss: float, grad_norm: float) -> Optional[Spike]:
         """The spike `loss` or `grad_norm` is, or None; a step that is not one joins the window.
-        No metric can refuse before its window holds train.spike_skip.warmup values."""
+        No metric can refuse before its window holds cfg.warmup values."""
         values = {"loss": float(loss), "grad_norm": float(grad_norm)}
         for name, stats in self.stats.items():
             if len(stats) < self.cfg.warmup:

@@ -1,6 +1,6 @@
-"""A run's callbacks: the built-ins, train.callbacks' (`package.module:Class`) and train()'s, in
-hook order, and their states in a checkpoint. No torch: a bad entry is one ConfigError line
-(exit status 2) before scse-train imports it.
+"""A run's callbacks: train.callbacks' entries (the built-ins and the user's, each
+`package.module:Class`) and train()'s, in hook order, and their states in a checkpoint. A bad
+entry is one ConfigError line (exit status 2) before training starts.
 """
 
 from __future__ import annotations
@@ -10,27 +10,44 @@ import importlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from scse_dist.config import CallbackSpec, ConfigError
+from scse_dist.config import CallbackSpec, ConfigError, RunConfig
 from scse_dist.train.callbacks.base import Callback
+from scse_dist.train.config import BUILT_INS
 from scse_dist.typed_yaml import _build as build_dataclass
 
 
-def configured_callbacks(specs: Sequence[CallbackSpec]) -> list[Callback]:
-    """One callback per train.callbacks entry, in the list's order."""
-    return [_instantiate(*resolved) for resolved in check_callbacks(specs)]
+def configured_callbacks(cfg: RunConfig) -> list[Callback]:
+    """One callback per enabled train.callbacks entry, in the mapping's order."""
+    return [_instantiate(*resolved) for resolved in check_callbacks(cfg)]
 
 
-def check_callbacks(specs: Sequence[CallbackSpec]
-                    ) -> list[tuple[CallbackSpec, type[Callback], Any]]:
-    """Each entry's class imported and its init_args checked into its Config (None without one),
-    nothing built yet: a bad entry is a ConfigError naming it."""
-    return [(spec, *_resolve(spec, f"train.callbacks[{i}]")) for i, spec in enumerate(specs)]
+def check_callbacks(cfg: RunConfig) -> list[tuple[CallbackSpec, type[Callback], Any]]:
+    """Each enabled entry's class imported and its init_args checked into its Config (None
+    without one), against the run too, nothing built yet: a bad entry is a ConfigError naming it.
+    Yours are checked first, then those with init_args: a bad one is named before the built-ins
+    without settings import torch."""
+    entries = [(name, spec) for name, spec in cfg.train.callbacks.items() if spec.enabled]
+    resolved = {name: _resolve(spec, f"train.callbacks.{name}", cfg) for name, spec in sorted(
+        entries, key=lambda e: (e[1].class_path.startswith(BUILT_INS), not e[1].init_args))}
+    return [(spec, *resolved[name]) for name, spec in entries]
 
 
-def _resolve(spec: CallbackSpec, where: str) -> tuple[type[Callback], Any]:
+def config_of(cfg: RunConfig, name: str) -> Any:
+    """Entry `name`'s Config as checked (None: the entry is off or absent)."""
+    spec = cfg.train.callbacks.get(name)
+    return _resolve(spec, f"train.callbacks.{name}", cfg)[1] if spec and spec.enabled else None
+
+
+def _resolve(spec: CallbackSpec, where: str, cfg: RunConfig) -> tuple[type[Callback], Any]:
     cls = _import_class(spec.class_path, f"{where}.class_path")
     if cls.Config is not None:
-        return cls, _own_config(cls.Config, spec, f"{where}.init_args")
+        config = _own_config(cls.Config, spec, f"{where}.init_args")
+        try:
+            getattr(config, "check", lambda run: None)(cfg)
+        except ConfigError as exc:  # "init_args.<field>: ..." or about the entry as a whole
+            sep = "." if str(exc).startswith("init_args.") else ": "
+            raise ConfigError(f"{where}{sep}{exc}") from None
+        return cls, config
     if spec.init_args:
         raise ConfigError(f"{where}.init_args: {spec.class_path} declares no Config dataclass, "
                           f"so it takes none; got {', '.join(sorted(spec.init_args))}")
@@ -66,7 +83,10 @@ def _own_config(config_cls: type, spec: CallbackSpec, where: str) -> Any:
                and f.name not in spec.init_args]
     if missing:
         raise ConfigError(f"{where}.{missing[0]}: required by {spec.class_path}, missing")
-    return build_dataclass(config_cls, spec.init_args, where)
+    try:
+        return build_dataclass(config_cls, spec.init_args, where)
+    except ConfigError as exc:  # its own checks (__post_init__) name a field of init_args
+        raise ConfigError(str(exc) if str(exc).startswith(where) else f"{where}.{exc}") from None
 
 
 def in_hook_order(callbacks: Iterable[Callback]) -> list[Callback]:

@@ -11,12 +11,11 @@ The built-ins' priorities and what each hook may do: docs/training.md, "The trai
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
-from scse_dist.config import RunConfig
+from scse_dist.config import ConfigError, RunConfig
 
 if TYPE_CHECKING:  # annotations only: this module stays free of torch (config checks import it)
     from deepspeed import DeepSpeedEngine
@@ -52,7 +51,7 @@ class TrainState:
     step_seconds: float = 0.0  # wall time of the last optimizer step (its data included)
     last_saved: int = -1  # step of the newest checkpoint of this run (-1: none yet)
     skipped_steps: int = 0  # non-finite steps skipped so far (written by the non-finite callback)
-    spike_skips: Optional[int] = None  # spikes skipped so far (train.spike_skip.enabled), else None
+    spike_skips: Optional[int] = None  # spikes skipped so far (spike_skip on), else None
     stop_reason: Optional[str] = None  # set by a hook: the run ends after this step (preemption)
     preemption: Optional[PreemptionFlag] = None  # the trainer's signal flag (train() sets it)
     first_loss: Optional[float] = None
@@ -90,21 +89,16 @@ class TrainState:
 
 class Callback:
     """Base class: every hook does nothing and there is no state; override what a concern needs.
-    A train.callbacks entry builds `Class(Class.Config(**init_args))`, without Config `Class()`."""
+    A train.callbacks entry builds `Class(Class.Config(**init_args))`, without Config `Class()`.
+    A Config may have `check(run: RunConfig)`: its fields against the run's (ConfigError)."""
 
     priority: int = 0  # hook order: higher first; an entry sets its own
     Config: ClassVar[Optional[type]] = None  # the dataclass of its train.callbacks init_args
-    # A built-in's config entry (callbacks.built_in): built as Class(value), off where the value
-    # is 0 or its `enabled` false. None: Class(), always on.
-    config_key: ClassVar[Optional[str]] = None
 
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> Optional[Callback]:
-        """A built-in for a run's config (config_key), None when that leaves it off."""
-        if cls.config_key is None:
-            return cls()
-        value = operator.attrgetter(cls.config_key)(cfg)
-        return cls(value) if getattr(value, "enabled", value) else None  # type: ignore[call-arg]
+    def for_run(self, cfg: RunConfig) -> bool:
+        """Fits itself to the run's config; False: no work in this run (e.g. a cadence of 0), so
+        the run leaves it out."""
+        return True
 
     @property
     def state_key(self) -> str:
@@ -144,6 +138,17 @@ class Callback:
 
     def after_shutdown(self, state: TrainState) -> None:
         pass
+
+
+@dataclass
+class Cadence:
+    """A Config of a callback that acts every `every_steps` optimizer steps (0: off)."""
+
+    every_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError(f"every_steps: must be >= 0, got {self.every_steps}")
 
 
 def every(n: int, step: int) -> bool:

@@ -1,4 +1,4 @@
-"""train.diagnostics_every: the loop diagnostics (docs/loop-diagnostics.md) into that step's row
+"""The loop diagnostics (docs/loop-diagnostics.md) into that step's row
 (state.metrics_extra): gradient shares and a weight copy at the update boundary, then the update
 ratios and the loop's state on a fixed held-out batch after the step, their time counted in the
 step's. Not under ZeRO-3 (direct calls into the model's pieces would bypass its gathering);
@@ -8,18 +8,14 @@ at ZeRO-1/2 every rank joins the all-reduces, only rank 0 runs the forward.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
-import torch
-
-from scse_dist.config import RunConfig
+from scse_dist.config import ConfigError, RunConfig
 from scse_dist.train.callbacks.base import Callback, TrainState, every
-from scse_dist.train.diagnostics import (
-    gradient_shares,
-    loop_diagnostics,
-    update_ratios,
-    weights_snapshot,
-)
+
+if TYPE_CHECKING:  # torch in the hooks only: config checks import this module
+    import torch
 
 
 class LoopDiagnosticsCallback(Callback):
@@ -27,27 +23,34 @@ class LoopDiagnosticsCallback(Callback):
     `window` (B, S+1): the held-out batch (None: the first eval.batch_size sequences of
     data.path's held-out split, read at on_start)."""
 
+    @dataclass
+    class Config:
+        every_steps: Optional[int] = None  # null: train.log_every; 0: off
+
+        def __post_init__(self) -> None:
+            if self.every_steps is not None and self.every_steps < 0:
+                raise ConfigError(f"every_steps: must be >= 0, got {self.every_steps}")
+
     priority = 400
 
-    def __init__(self, every: int, depth: int, max_depth: int,
+    def __init__(self, config: Config, depth: int = 0, max_depth: int = 0,
                  window: Optional[torch.Tensor] = None) -> None:
-        self.every, self.depth, self.max_depth, self.window = every, depth, max_depth, window
+        self.config, self.every = config, config.every_steps or 0
+        self.depth, self.max_depth, self.window = depth, max_depth, window
         self.enabled, self.rank0 = True, True
         self._grads: dict[str, float] = {}
         self._before: dict[str, torch.Tensor] = {}
 
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> Optional[LoopDiagnosticsCallback]:
-        """Every train.diagnostics_every steps (null: log_every; 0: off), T = model.depth, up to
-        the largest trained depth. Off for a model that does not loop (untied)."""
+    def for_run(self, cfg: RunConfig) -> bool:
+        """Every every_steps steps (null: log_every), T = model.depth, up to the largest trained
+        depth. Off for a model that does not loop (untied)."""
         from scse_dist.model.transitions import transition_for
         from scse_dist.train.config import largest_trained_depth
 
         t, m = cfg.train, cfg.model
-        steps = t.log_every if t.diagnostics_every is None else t.diagnostics_every
-        if steps <= 0 or not transition_for(m).loops:
-            return None
-        return cls(steps, m.depth, largest_trained_depth(t.depth, m.depth))
+        self.every = t.log_every if self.config.every_steps is None else self.config.every_steps
+        self.depth, self.max_depth = m.depth, largest_trained_depth(t.depth, m.depth)
+        return self.every > 0 and transition_for(m).loops
 
     def on_start(self, state: TrainState) -> None:
         self.enabled = state.engine.zero_optimization_stage() < 3
@@ -66,12 +69,16 @@ class LoopDiagnosticsCallback(Callback):
         # partitions all-reduced (a collective: every rank gets here at the same steps).
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
+        from scse_dist.train.diagnostics import gradient_shares, weights_snapshot
+
         self._grads = gradient_shares(state.engine.module, safe_get_full_grad)
         self._before = weights_snapshot(state.engine.module, safe_get_full_fp32_param)
 
     def on_step_end(self, state: TrainState) -> None:  # before MetricsCallback (300) reads the time
         if not self.due(state.step):
             return
+        from scse_dist.train.diagnostics import loop_diagnostics, update_ratios
+
         started = time.perf_counter()
         model = state.engine.module
         row, self._grads = self._grads, {}

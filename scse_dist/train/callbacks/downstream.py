@@ -1,7 +1,7 @@
-"""eval.downstream_every: downstream tasks (LAMBADA, WikiText, multiple choice) during training.
+"""Downstream tasks (LAMBADA, WikiText, multiple choice) during training.
 
-Each task of eval.downstream_tasks is scored at eval.depths by `scse-eval --task`'s scorer on its
-first eval.downstream_max_examples examples (read at start-up: a bad file stops the run before
+Each task of `tasks` is scored at eval.depths by `scse-eval --task`'s scorer on its
+first `max_examples` examples (read at start-up: a bad file stops the run before
 step 1), every rank scoring every world-size-th. The ranks' additive totals are summed, so the
 numbers are the same at any world size. One row per evaluation, keys `<task>_<metric>_T<depth>`
 (docs/monitoring.md); the first evaluation prints its cost in training steps once.
@@ -10,18 +10,24 @@ numbers are the same at any world size. One row per evaluation, keys `<task>_<me
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from scse_dist.config import ConfigError, RunConfig
 from scse_dist.eval.curves import DOWNSTREAM_KIND, downstream_key
-from scse_dist.task_registry import TASKS, data_path
-from scse_dist.train.callbacks.base import Callback, TrainState, every
-from scse_dist.train.step import sum_over_ranks
+from scse_dist.task_registry import TASKS, data_path, field_value, unknown_task
+from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every
+
+if TYPE_CHECKING:
+    import torch
 
 
 def reduce_totals(totals: list[dict], device: torch.device) -> list[dict]:
     """Per-depth totals of one rank -> their sums over every rank (one all-reduce)."""
+    import torch  # here: config checks import this module, without torch
+
+    from scse_dist.train.step import sum_over_ranks
+
     keys = [k for k in totals[0] if k != "depth"]
     values = torch.tensor([float(t[k]) for t in totals for k in keys], dtype=torch.float64,
                           device=device)
@@ -35,21 +41,57 @@ def row_keys(task: str, row: dict) -> dict[str, Any]:
 
 
 class DownstreamEvalCallback(Callback):
-    priority = 50  # after the held-out evaluation (200) and the samples (100), before checkpoints
-    config_key = "eval.downstream_every"
+    @dataclass
+    class Config(Cadence):
+        tasks: list[str] = field(default_factory=list)
+        max_examples: int = 0  # per task and evaluation (0: all)
 
-    def __init__(self, every_steps: int) -> None:
-        self.every_steps = every_steps
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.max_examples < 0:
+                raise ConfigError(f"max_examples: must be >= 0, got {self.max_examples}")
+
+        def check(self, run: RunConfig) -> None:
+            able = [name for name, task in TASKS.items() if task.downstream]
+            for i, name in enumerate(self.tasks):
+                task = TASKS.get(name)
+                if task is None or not task.downstream:
+                    why = unknown_task(name) if task is None else \
+                        f"{name!r} does not run during training (held-out loss: heldout_eval)"
+                    raise ConfigError(f"init_args.tasks[{i}]: {why}; the tasks that do: "
+                                      f"{', '.join(able)}")
+                if task.data_field and not field_value(run.eval, task.data_field):
+                    raise ConfigError(f"init_args.tasks lists {name!r}, so set "
+                                      f"eval.{task.data_field} to its data file")
+                if name in self.tasks[:i]:
+                    raise ConfigError(f"init_args.tasks[{i}]: {name!r} is listed twice")
+            if self.every_steps and not self.tasks:
+                raise ConfigError("init_args.tasks: every_steps is set, so name the tasks to run "
+                                  f"(any of {', '.join(able)})")
+            if self.every_steps and run.train.engine.zero_stage == 3:
+                # the scorer applies the LM head outside the forward, where ZeRO-3 partitions it
+                raise ConfigError("downstream tasks during training run at ZeRO stage 0, 1 or 2, "
+                                  "not train.engine.zero_stage 3; evaluate the checkpoints with "
+                                  "scse-eval instead")
+
+    priority = 50  # after the held-out evaluation (200) and the samples (100), before checkpoints
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.every_steps = config.every_steps
         self.depths: list[int] = []
         self.shares: dict[str, tuple[int, list]] = {}  # task -> (examples in all, this rank's)
         self.cost_printed = False
+
+    def for_run(self, cfg: RunConfig) -> bool:
+        return self.every_steps > 0
 
     def on_start(self, state: TrainState) -> None:
         cfg, env = state.cfg, state.env
         fixed = getattr(state.engine.module, "fixed_depth", None)  # untied: its own depth only
         self.depths = [fixed] if fixed is not None else sorted(set(cfg.eval.depths))
-        limit = cfg.eval.downstream_max_examples
-        for name in cfg.eval.downstream_tasks:
+        limit = self.config.max_examples
+        for name in self.config.tasks:
             task = TASKS[name]
             examples = list(task.reader(data_path(task, cfg)))
             examples = examples[:limit] if limit else examples

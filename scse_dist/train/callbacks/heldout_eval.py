@@ -1,4 +1,4 @@
-"""eval.every_steps: held-out loss at eval.depths during training, as rows of their own
+"""Held-out loss at eval.depths during training, as rows of their own
 (`"kind": "eval"`, docs/monitoring.md).
 
 Every rank evaluates its share of the held-out split without gradients; the summed NLL and token
@@ -12,19 +12,24 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from typing import Any, Iterator, Optional, cast
+from typing import TYPE_CHECKING, Any, Iterator, Optional, cast
 
-import torch
-
+from scse_dist.config import RunConfig
 from scse_dist.run_dir import EVAL_KIND
-from scse_dist.train.callbacks.base import Callback, TrainState, every
-from scse_dist.train.step import sum_over_ranks
+from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every
+
+if TYPE_CHECKING:  # torch in the functions only: config checks import this module
+    import torch
 
 
 def agreed_batches(batches: Iterator[torch.Tensor], limit: int, device: torch.device
                    ) -> Iterator[torch.Tensor]:
     """Up to `limit` (0: no limit) batches, while every rank still has one: one tiny all-reduce
     per batch keeps the ranks' forward counts equal."""
+    import torch
+
+    from scse_dist.train.step import sum_over_ranks
+
     for _ in (range(limit) if limit else itertools.count()):
         batch = next(batches, None)
         ran_out = sum_over_ranks(torch.tensor([float(batch is None)], device=device))
@@ -38,6 +43,8 @@ def forward_rows(model: torch.nn.Module, batches: Iterator[torch.Tensor], depths
                  eos_id: Optional[int] = None) -> list[dict]:
     """evaluate_heldout's rows through the model's own forward (loss_by_depth), for ZeRO-3, whose
     hooks gather the LM head only inside the forward (the scorer reads it outside)."""
+    import torch
+
     nll = {d: 0.0 for d in depths}
     tokens, was_training = 0, model.training
     untied = getattr(model, "fixed_depth", None) is not None
@@ -69,6 +76,10 @@ def forward_rows(model: torch.nn.Module, batches: Iterator[torch.Tensor], depths
 
 def reduce_rows(rows: list[dict], device: torch.device) -> list[dict]:
     """Per-depth rows of one rank -> the same rows over every rank (token-weighted mean loss)."""
+    import torch
+
+    from scse_dist.train.step import sum_over_ranks
+
     values = torch.tensor([r["loss"] * r["tokens"] for r in rows] + [rows[0]["tokens"]],
                           dtype=torch.float64, device=device)
     *nll, tokens = sum_over_ranks(values).tolist()
@@ -77,12 +88,15 @@ def reduce_rows(rows: list[dict], device: torch.device) -> list[dict]:
 
 
 class HeldoutEvalCallback(Callback):
+    Config = Cadence  # every_steps: held-out loss at eval.depths (0: off)
     priority = 200
-    config_key = "eval.every_steps"
 
-    def __init__(self, every_steps: int) -> None:
-        self.every_steps = every_steps
+    def __init__(self, config: Cadence) -> None:
+        self.every_steps = config.every_steps
         self.depths: list[int] = []
+
+    def for_run(self, cfg: RunConfig) -> bool:
+        return self.every_steps > 0
 
     def on_start(self, state: TrainState) -> None:
         fixed: Optional[int] = getattr(state.engine.module, "fixed_depth", None)  # untied: its own

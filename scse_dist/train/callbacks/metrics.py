@@ -92,7 +92,7 @@ class MetricsCallback(Callback):
             "depth": state.result.depth, **self._depth_mean(state),
             "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": seconds / self.window_steps,
             "tokens": state.step * state.tokens_per_step, "skipped_steps": state.skipped_steps,
-            # train.spike_skip.enabled: the loss spikes skipped so far
+            # the spike_skip callback on: the loss spikes skipped so far
             **({} if state.spike_skips is None else {"spike_skips": state.spike_skips}),
             "data_failures": int(data_failures), **peak_memory(state.engine.device),
             **state.metrics_extra},

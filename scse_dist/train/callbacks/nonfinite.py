@@ -3,27 +3,30 @@ The counts are its state: they go on across a resume (a run preempted mid-streak
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from scse_dist.checkpoint.tags import tag_for
-from scse_dist.config import RunConfig
+from scse_dist.config import ConfigError
 from scse_dist.train.callbacks.base import Callback, TrainState
-from scse_dist.train.faults import NONFINITE_EXIT_CODE, TrainingStopped
 
 
 class NonFiniteCallback(Callback):
-    """train.max_nonfinite_steps skipped steps in a row raise TrainingStopped (exit 3), leaving
-    the last good checkpoint as it was. Runs before the metrics callback, which logs the count."""
+    """`max_in_a_row` skipped steps in a row raise TrainingStopped (exit 3), leaving the last
+    good checkpoint as it was. Runs before the metrics callback, which logs the count."""
+
+    @dataclass
+    class Config:
+        max_in_a_row: int = 5  # non-finite (skipped) steps in a row that stop the run: exit 3
+
+        def __post_init__(self) -> None:
+            if self.max_in_a_row <= 0:
+                raise ConfigError(f"max_in_a_row: must be > 0, got {self.max_in_a_row}")
 
     priority = 500
 
-    def __init__(self, max_in_a_row: int) -> None:
-        self.max_in_a_row = max_in_a_row
+    def __init__(self, config: Config) -> None:
+        self.max_in_a_row = config.max_in_a_row
         self.total = self.in_a_row = 0
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> NonFiniteCallback:
-        return cls(cfg.train.max_nonfinite_steps)
 
     def state_dict(self) -> dict[str, Any]:
         return {"total": self.total, "in_a_row": self.in_a_row}
@@ -38,11 +41,15 @@ class NonFiniteCallback(Callback):
         skipped = state.result.skipped
         self.in_a_row = self.in_a_row + 1 if skipped else 0
         self.total += skipped
-        if self.in_a_row >= self.max_in_a_row:
+        if self.in_a_row >= self.max_in_a_row:  # torch-free module: config checks import it
+            from scse_dist.checkpoint.tags import tag_for
+            from scse_dist.train.faults import NONFINITE_EXIT_CODE, TrainingStopped
+
             last = tag_for(state.last_saved) if state.last_saved > 0 else "none"
             raise TrainingStopped(
                 f"step {state.step}: {self.in_a_row} non-finite steps in a row "
-                f"(train.max_nonfinite_steps={self.max_in_a_row}); stopping without saving, last "
+                f"(train.callbacks.nonfinite.init_args.max_in_a_row={self.max_in_a_row}); stopping "
+                f"without saving, last "
                 f"good checkpoint: {last}", NONFINITE_EXIT_CODE)
         state.skipped_steps = self.total
         if skipped and state.rank0:

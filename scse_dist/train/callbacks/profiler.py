@@ -1,21 +1,24 @@
-"""profile.enabled: torch.profiler over a window of optimizer steps, a Chrome trace and an ops'
-table per profiled rank in <run dir>/profile/ (docs/monitoring.md, "Profiling"). Trace step k is
-optimizer step k; a step's span holds its hooks' work. A run that ends inside the window writes
-what it recorded; one resumed past it profiles nothing and says so. DeepSpeed's flops profiler
-(profile.flops_step) is configured in the engine's config, on CUDA only.
+"""torch.profiler (train.callbacks.profiler, off by default) over a window of optimizer steps, a
+Chrome trace and an ops' table per profiled rank in <run dir>/profile/ (docs/monitoring.md,
+"Profiling"). Trace step k is optimizer step k; a step's span holds its hooks' work. A run that
+ends inside the window writes what it recorded; one resumed past it profiles nothing and says so.
+DeepSpeed's flops profiler (init_args.flops_step) is configured in the engine's config, on CUDA
+only.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
-from torch.profiler import ProfilerAction, ProfilerActivity
-
-from scse_dist.config import ConfigError, ProfileConfig
+from scse_dist.config import ConfigError, RunConfig
 from scse_dist.run_dir import PROFILE_NAME
 from scse_dist.train.callbacks.base import Callback, TrainState
+
+if TYPE_CHECKING:  # torch in the hooks only: config checks import this module
+    import torch
+    from torch.profiler import ProfilerAction
 
 
 def window_schedule(first_step: int, start: int, warmup: int, steps: int
@@ -23,6 +26,8 @@ def window_schedule(first_step: int, start: int, warmup: int, steps: int
     """The profiler's action for optimizer step k from `first_step` (this process's first; the
     profiler's query for 0 at build time means it): warmup before `start` (as many steps as
     fit), record start .. start + steps - 1, save at the last."""
+    from torch.profiler import ProfilerAction
+
     warmup = max(0, min(warmup, start - first_step))
     last = start + steps - 1
 
@@ -37,20 +42,62 @@ def window_schedule(first_step: int, start: int, warmup: int, steps: int
 
 
 class ProfilerCallback(Callback):
-    priority = -500  # last: a profiled step's span holds its row, evaluation and checkpoint too
-    config_key = "profile"
+    @dataclass
+    class Config:
+        # torch.profiler over steps start_step .. last_step, after warmup_steps thrown away
+        start_step: int = 10
+        steps: int = 2
+        warmup_steps: int = 1
+        ranks: list[int] = field(default_factory=lambda: [0])
+        record_shapes: bool = False
+        profile_memory: bool = False
+        with_stack: bool = False
+        # CUDA: DeepSpeed's flops profiler over this step (null: the one after the window; 0: off)
+        flops_step: Optional[int] = None
 
-    def __init__(self, cfg: ProfileConfig) -> None:
+        def __post_init__(self) -> None:
+            for name in ("start_step", "steps"):
+                if getattr(self, name) < 1:
+                    raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+            if self.warmup_steps < 0:
+                raise ConfigError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+            if not self.ranks or any(r < 0 for r in self.ranks):
+                raise ConfigError(f"ranks: need a non-empty list of ranks >= 0, got {self.ranks}")
+            if self.flops_step is not None and self.flops_step < 0:
+                raise ConfigError(f"flops_step: must be >= 0 (0: off), got {self.flops_step}")
+
+        def check(self, run: RunConfig) -> None:
+            if self.start_step > run.train.max_steps:
+                raise ConfigError(f"init_args.start_step: {self.start_step} is past train."
+                                  f"max_steps={run.train.max_steps}, so nothing would be "
+                                  "profiled; lower it")
+
+        @property
+        def last_step(self) -> int:
+            """The last step the trace records."""
+            return self.start_step + self.steps - 1
+
+        @property
+        def flops_profile_step(self) -> int:
+            """The optimizer step DeepSpeed's flops profiler measures (0: none)."""
+            return self.last_step + 1 if self.flops_step is None else self.flops_step
+
+    priority = -500  # last: a profiled step's span holds its row, evaluation and checkpoint too
+
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.profiler: Optional[torch.profiler.profile] = None
         self.recorded: list[int] = []  # optimizer steps inside the recording window so far
         self.written: list[Path] = []
 
     def on_start(self, state: TrainState) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity
+
         p, rank = self.cfg, state.env.rank
         if not any(r < state.env.world_size for r in p.ranks):
-            raise ConfigError(f"profile.ranks: none of {p.ranks} is a rank of this run (world "
-                              f"size {state.env.world_size})")
+            raise ConfigError(f"train.callbacks.profiler.init_args.ranks: none of {p.ranks} is a "
+                              f"rank of this run (world size {state.env.world_size})")
         cuda = state.engine.device.type == "cuda"
         if state.rank0 and p.flops_profile_step and not cuda:
             print("profile: DeepSpeed's flops profiler runs on CUDA only; skipped on CPU",
@@ -93,6 +140,8 @@ class ProfilerCallback(Callback):
             profiler.stop()
 
     def _save(self, profiler: Any) -> None:
+        from torch.profiler import ProfilerActivity
+
         if not self.recorded:
             return
         name = f"rank{self.rank}.steps{self.recorded[0]}-{self.recorded[-1]}"

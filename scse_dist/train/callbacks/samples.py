@@ -1,4 +1,4 @@
-"""eval.sample_every: continuations of a few fixed prompts during training, to read along.
+"""Continuations of a few fixed prompts during training, to read along.
 
 Rank 0 generates at the model's default depth with the run's seed (its own generator: training's
 random state is untouched), into a `"kind": "sample"` row (docs/monitoring.md), a wandb table and a
@@ -7,24 +7,48 @@ console line per prompt. Not under ZeRO-3 (refused at the start).
 
 from __future__ import annotations
 
-from scse_dist.config import ConfigError
-from scse_dist.train.callbacks.base import Callback, TrainState, every
+from dataclasses import dataclass, field
+
+from scse_dist.config import ConfigError, RunConfig
+from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every
 
 SAMPLE_KIND = "sample"
 
 
 class SampleCallback(Callback):
-    priority = 100
-    config_key = "eval.sample_every"
+    @dataclass
+    class Config(Cadence):
+        prompts: list[str] = field(
+            default_factory=lambda: ["The", "Return the", "This module provides"])
+        tokens: int = 32
+        temperature: float = 0.8
 
-    def __init__(self, every_steps: int) -> None:
-        self.every_steps = every_steps
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.every_steps and not all(p.strip() for p in self.prompts or [""]):
+                raise ConfigError("prompts: need at least one prompt, none empty, when "
+                                  "every_steps is set")
+            if self.tokens < 1:
+                raise ConfigError(f"tokens: must be >= 1, got {self.tokens}")
+            if self.temperature < 0:
+                raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
+
+        def check(self, run: RunConfig) -> None:
+            if self.every_steps and run.train.engine.zero_stage == 3:
+                raise ConfigError("not with train.engine.zero_stage=3 (each rank holds a slice "
+                                  "of the weights); set every_steps to 0 or use ZeRO 0-2")
+
+    priority = 100
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.every_steps = config.every_steps
+
+    def for_run(self, cfg: RunConfig) -> bool:
+        return self.every_steps > 0
 
     def on_start(self, state: TrainState) -> None:
-        if state.engine.zero_optimization_stage() == 3:
-            raise ConfigError("eval.sample_every: not with train.engine.zero_stage=3 (each rank "
-                              "holds a slice of the weights); set it to 0 or use ZeRO 0-2")
-        self.prompts = [state.tokenizer.encode(p) for p in state.cfg.eval.sample_prompts]
+        self.prompts = [state.tokenizer.encode(p) for p in self.config.prompts]
 
     def on_step_end(self, state: TrainState) -> None:
         if state.rank0 and every(self.every_steps, state.step) and not state.result.stop:
@@ -34,16 +58,16 @@ class SampleCallback(Callback):
         from scse_dist.generate import Sampling, continuation_text, generate
 
         cfg, model = state.cfg, state.engine.module
-        sampling = Sampling(temperature=cfg.eval.sample_temperature, seed=cfg.train.seed)
+        sampling = Sampling(temperature=self.config.temperature, seed=cfg.train.seed)
         was_training = model.training
         model.eval()
         try:
-            out = generate(model, self.prompts, max_new_tokens=cfg.eval.sample_tokens,
+            out = generate(model, self.prompts, max_new_tokens=self.config.tokens,
                            sampling=sampling, eos_id=state.tokenizer.eos_id)
         finally:
             model.train(was_training)
         samples = [{"prompt": text, "text": continuation_text(state.tokenizer, ids, new)}
-                   for text, ids, new in zip(cfg.eval.sample_prompts, self.prompts, out.tokens)]
+                   for text, ids, new in zip(self.config.prompts, self.prompts, out.tokens)]
         for s in samples:
             print(f"sample step {state.step:>6d} | {s['prompt']!r} -> {s['text']!r}"[:400],
                   flush=True)

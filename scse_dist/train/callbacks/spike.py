@@ -1,28 +1,57 @@
-"""Loss spikes (train.spike_skip): the update of a spike is refused (allow_update), the skips
-counted, said on rank 0 and logged (`spike_skips`), and too many in a row end the run. The
-windows and counts are its state, so a resumed run needs no second warm-up.
+"""Loss spikes (train.callbacks.spike_skip, off by default): the update of a spike is refused
+(allow_update), the skips counted, said on rank 0 and logged (`spike_skips`), and too many in a
+row end the run. The windows and counts are its state, so a resumed run needs no second warm-up.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 
-from scse_dist.checkpoint.tags import tag_for
+from scse_dist.config import ConfigError, RunConfig
 from scse_dist.train.callbacks.base import Callback, TrainState
-from scse_dist.train.config import SpikeSkipConfig
-from scse_dist.train.faults import SPIKE_EXIT_CODE, TrainingStopped
 from scse_dist.train.spike import Spike, SpikeDetector
 
 
 class SpikeSkipCallback(Callback):
-    """train.spike_skip.max_in_a_row refused steps in a row raise TrainingStopped (exit 4),
-    leaving the last good checkpoint as it was. Before the metrics callback, which logs the
-    count; a non-finite step (the non-finite callback's) neither adds to nor ends a streak."""
+    """`max_in_a_row` refused steps in a row raise TrainingStopped (exit 4), leaving the last
+    good checkpoint as it was. Before the metrics callback, which logs the count; a non-finite
+    step (the non-finite callback's) neither adds to nor ends a streak."""
+
+    @dataclass
+    class Config:
+        """A step whose loss or gradient norm is more than k standard deviations above its
+        running mean over `window` applied steps is not applied (scse_dist.train.spike)."""
+
+        metric: Literal["loss", "grad_norm", "both"] = "both"
+        k: float = 6.0
+        window: int = 128
+        warmup: int = 20  # applied steps before any step can be skipped
+        max_in_a_row: int = 5  # skipped spikes in a row that end the run (exit status 4)
+
+        def __post_init__(self) -> None:
+            if not 0.0 < self.k < float("inf"):  # also rejects NaN
+                raise ConfigError(f"k: must be a finite number > 0, got {self.k}")
+            if self.window < 2:
+                raise ConfigError(f"window: must be >= 2 (a standard deviation needs two "
+                                  f"values), got {self.window}")
+            if not 2 <= self.warmup <= self.window:
+                raise ConfigError(f"warmup: must lie in [2, window={self.window}], got "
+                                  f"{self.warmup}")
+            if self.max_in_a_row < 1:
+                raise ConfigError(f"max_in_a_row: must be >= 1, got {self.max_in_a_row}")
+
+        def check(self, run: RunConfig) -> None:
+            stage = run.train.engine.zero_stage
+            if run.train.optimizer.kind == "muon" and stage in (1, 2):
+                # ZeRO-1/2 commit Muon's momentum in their step, before the update a skip withholds
+                raise ConfigError(f"not with train.optimizer.kind: muon at train.engine.zero_stage "
+                                  f"{stage} (ZeRO-1/2 advance Muon's momentum even on a skipped "
+                                  "step); use ZeRO stage 0 or torch_adamw")
 
     priority = 450
-    config_key = "train.spike_skip"
 
-    def __init__(self, cfg: SpikeSkipConfig) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.detector = SpikeDetector(cfg)
         self.total = 0
@@ -57,9 +86,13 @@ class SpikeSkipCallback(Callback):
         if state.rank0:
             print(f"step {state.step}: loss spike ({spike.describe()}), step skipped "
                   f"({self.in_a_row} in a row, {self.total} in all)", flush=True)
-        if self.in_a_row >= self.cfg.max_in_a_row:
+        if self.in_a_row >= self.cfg.max_in_a_row:  # torch-free module: config checks import it
+            from scse_dist.checkpoint.tags import tag_for
+            from scse_dist.train.faults import SPIKE_EXIT_CODE, TrainingStopped
+
             last = tag_for(state.last_saved) if state.last_saved > 0 else "none"
             raise TrainingStopped(
                 f"step {state.step}: {self.in_a_row} loss spikes in a row "
-                f"(train.spike_skip.max_in_a_row={self.cfg.max_in_a_row}); stopping without "
+                f"(train.callbacks.spike_skip.init_args.max_in_a_row={self.cfg.max_in_a_row}); "
+                "stopping without "
                 f"saving, last good checkpoint: {last}", SPIKE_EXIT_CODE)
