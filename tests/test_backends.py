@@ -264,3 +264,32 @@ def test_a_non_editable_install_launches_from_any_directory(tmp_path, tiny_confi
     heldout = json.loads((run / "eval" / "heldout.json").read_text())
     assert [r["depth"] for r in heldout["results"]] == [1, 2]
     assert (run / "eval" / "report.md").is_file()
+
+
+@pytest.mark.parametrize("array", [False, True])
+@pytest.mark.parametrize("logs_existed", [False, True])
+def test_a_refused_sbatch_leaves_the_log_dir_as_it_found_it(tmp_path, monkeypatch, array,
+                                                            logs_existed):
+    """sbatch exits 1: BackendError naming its last line, and submitit's submission script and
+    pickles removed (the log dir too when the submission made it); an earlier job's files stay."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("sbatch", "echo 'sbatch: error: Batch job submission failed: queue full' "
+                                  ">&2; exit 1"), ("srun", "exit 0")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{__import__('os').environ['PATH']}")
+    logs = tmp_path / "run" / "logs"
+    if logs_existed:  # an earlier submission's files
+        logs.mkdir(parents=True)
+        for name in ("1_submission.sh", "1_0_result.pkl", ".submission_file_old.sh"):
+            (logs / name).write_text("earlier")
+    before = sorted((p, p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*"))
+    job = Job(command=["true"], name="j", log_dir=logs)
+    with pytest.raises(BackendError, match=r"^sbatch failed: .*queue full"):
+        if array:
+            SlurmBackend().submit_array(job, [Task(["true"], "a"), Task(["true"], "b")], 2)
+        else:
+            SlurmBackend().submit(job)
+    assert sorted((p, p.read_bytes() if p.is_file() else None)
+                  for p in tmp_path.rglob("*")) == before

@@ -77,7 +77,7 @@ class Command:
     huge: tuple[str, ...] = ()  # flags that take a huge number without harm
     writes: tuple[str, ...] = ()  # its default outputs, beside out/ and --out
     checks: tuple[str, ...] = ()  # subcommands documented to exit 1 when they find a fault
-    logs: bool = False  # writes job files into RUN/logs/ (the run an override may move)
+    logs: bool = False  # a submission's job files in RUN/logs/ (the run an override may move)
     # argv -> whether it may run in this process (it must not train); None: any
     in_process: Optional[Callable[[list[str]], bool]] = None
 
@@ -281,7 +281,7 @@ def check(command: Command, seed: Path, scratch: Path, argv: list[str], mutation
     out = [os.path.normpath(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a == "--out"]
     harmed = [p for p in changed(before, snapshot(work)) if p in before or not (
         p.startswith(command.writes) or any(o in (".", p) or p.startswith(o + "/") for o in out)
-        or command.logs and "/logs/" in p)]
+        or command.logs and outcome.status == 0 and "/logs/" in p)]
     assert not harmed, (harmed, what)
     TALLY.setdefault(command.name, {}).setdefault(outcome.status, 0)
     TALLY[command.name][outcome.status] += 1

@@ -358,3 +358,23 @@ def test_transformers_loads_the_export_without_scse_dist(exports, tiny_data, tmp
               f"{res['generated'][8, True][0][:, width:].tolist()}")
         assert res["bf16_generated"][:, width].tolist() == \
             res["generated"][8, True][0][:, width].tolist()
+
+
+@pytest.mark.slow
+def test_depth_is_refused_naming_num_steps_not_run_at_the_config_depth(exports, tmp_path,
+                                                                      monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        exports[0], trust_remote_code=True).eval()
+    ids = torch.randint(3, TINY_VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    for call in (lambda: model(ids, depth=1), lambda: model(ids, num_step=1)):
+        with pytest.raises(TypeError, match=r"\(s\) (depth|num_step); the loop depth is "
+                                            "`num_steps`"):
+            call()
+    with pytest.raises(ValueError, match=r"not used by the model: \['depth'\]"):  # generate's
+        model.generate(ids, depth=1, max_new_tokens=2, do_sample=False)
+    with torch.no_grad():  # what transformers passes is still taken
+        out = model(ids, num_steps=1, output_attentions=False, output_hidden_states=False,
+                    cache_position=None, return_dict=True)
+        assert torch.equal(out.logits, model(ids, num_steps=1).logits)

@@ -89,3 +89,22 @@ def test_non_strict_loads_what_fits_and_lists_what_it_skipped(source_export, tin
     warm = load_file(str(tmp_path / "runs" / "deeper" / "export" / "model.safetensors"))
     for key in source:  # every key that fits came from the export
         torch.testing.assert_close(warm[key], source[key], rtol=0, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize("override, change", [
+    ("model.rope_theta=500000", "model.rope_theta: 10000.0 -> 500000.0"),
+    ("model.norm_eps=1e-5", "model.norm_eps: 1e-06 -> 1e-05"),
+])
+def test_a_model_field_that_keeps_the_shapes_is_refused_naming_it(
+        source_export, tiny_config, tmp_path, subprocess_env, override, change):
+    cfg = tiny_config(tmp_path, "name=other", override, f"train.start.init_from={source_export}")
+    before = sorted(tmp_path.rglob("*"))
+    out = train(cfg, subprocess_env)
+    assert out.returncode == 2, tail(out)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"scse-train: config error: train.start.init_from: {source_export} is another model than "
+        f"this run's: {change} (export -> run); start from its config with `base: "
+        f"{source_export}/config.yaml`"), lines
+    assert "Traceback" not in out.stderr
+    assert sorted(tmp_path.rglob("*")) == before  # refused before anything is built or written

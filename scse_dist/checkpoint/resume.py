@@ -55,6 +55,12 @@ REFUSED_FIELDS = {"data.path", "data.tokenizer", "data.heldout_fraction",
                   "data.shuffle_buffer", "data.mixture_paths", "data.mixture_weights", "train.seed"}
 # A model field that changes memory use, not the weights.
 ALLOWED_MODEL_FIELDS = {"model.activation_checkpointing"}
+# What a warm start (train.start.init_from) may change besides: the nominal loop depth a
+# continuation trains towards, the init of weights the export lacks, the training-only loss term;
+# and the sizes, which always change a weight's shape or name (the weights check owns those).
+WARM_START_MODEL_FIELDS = ALLOWED_MODEL_FIELDS | {
+    "model.depth", "model.init_std", "model.loop_stability", "model.vocab_size", "model.d_model",
+    "model.ffn_hidden", "model.n_prelude", "model.n_core", "model.n_coda"}
 
 
 def _flatten(values: dict, prefix: str = "") -> dict[str, Any]:
@@ -87,6 +93,15 @@ def refused_changes(saved: dict, current: dict) -> list[str]:
             for name in sorted(set(old) | set(new))
             if is_refused(name) and comparable(name, old.get(name, missing))
             != comparable(name, new.get(name, missing))] + _regrouped(saved, current)
+
+
+def warm_start_changes(saved: dict, current: dict) -> list[str]:
+    """'field: export -> run' for every model field of `current` (a run config's dict) that differs
+    from `saved` (the export's, as load_saved_config fills it) and changes what the weights
+    compute: refused_changes' model fields less WARM_START_MODEL_FIELDS."""
+    return [change for change in refused_changes({"model": saved["model"]},
+                                                 {"model": current["model"]})
+            if change.split(":", 1)[0] not in WARM_START_MODEL_FIELDS]
 
 
 def _regrouped(saved: dict, current: dict) -> list[str]:

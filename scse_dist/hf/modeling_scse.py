@@ -34,6 +34,18 @@ from .transitions import transition_for  # noqa: F401
 
 # forward's loop arguments, which generation hands on to every step.
 LOOP_ARGUMENTS = ("num_steps", "readout_depths", "exit_rule")
+# Keyword arguments transformers (generate, pipelines) or lm-eval may pass that forward ignores;
+# any other is a TypeError: `depth=` or a typo would otherwise run at the config's depth unnoticed.
+IGNORED_ARGUMENTS = frozenset({"inputs_embeds", "cache_position", "output_attentions",
+                               "output_hidden_states", "logits_to_keep", "num_logits_to_keep",
+                               "token_type_ids", "head_mask"})
+
+
+def _refuse_unknown(names, allowed=IGNORED_ARGUMENTS) -> None:
+    unknown = sorted(set(names) - allowed)
+    if unknown:
+        raise TypeError(f"ScseForCausalLM: unexpected keyword argument(s) {', '.join(unknown)}; "
+                        "the loop depth is `num_steps`")
 # The output's cache field: `cache` in 5.x, `past_key_values` in 4.x.
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ \
     else "past_key_values"
@@ -110,11 +122,13 @@ class ScseForCausalLM(PreTrainedModel, GenerationMixin):  # GenerationMixin expl
                 cache_mode: Optional[str] = None, use_cache: Optional[bool] = None,
                 return_dict: Optional[bool] = None, cache=None, **kwargs):
         """Logits at loop depth `num_steps` (see the module docstring). labels: the input ids (or
-        -100), shifted inside. Other kwargs transformers passes are ignored; inputs_embeds is
-        refused. With use_cache=True or a `past_key_values` (an ScseCache this model returned):
-        input_ids are the tokens after the cached ones, attention_mask covers them (or all),
+        -100), shifted inside. The kwargs IGNORED_ARGUMENTS names are ignored, any other is a
+        TypeError; inputs_embeds is refused. With use_cache=True or a `past_key_values` (an
+        ScseCache this model returned): input_ids are the tokens after the cached ones,
+        attention_mask covers them (or all),
         positions come from the cache, no autograd; otherwise the whole sequence is computed.
         `cache`: 5.x's name for past_key_values."""
+        _refuse_unknown(kwargs)
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("ScseForCausalLM: inputs_embeds is not supported; pass input_ids")
         cache = past_key_values if cache is None else cache

@@ -44,7 +44,7 @@ from scse_dist.train.metrics import MetricsLogger, cut_metrics
 from scse_dist.train.schedule import follow_config_schedule
 from scse_dist.train.step import UpdateGate, train_step
 from scse_dist.train.tensorboard import tensorboard_log_dir
-from scse_dist.train.warm_start import maybe_init_from
+from scse_dist.train.warm_start import check_init_config, maybe_init_from
 
 
 def seed_everything(seed: int) -> None:
@@ -314,6 +314,9 @@ def _prepare_run_dir(cfg: RunConfig, rank0: bool, lock: contextlib.ExitStack
     storage.fetch_latest()  # remote runs: the checkpoint to resume from, onto every node
     # Verified, and its config compared with this one, before anything is built or loaded; a
     # refused config leaves the run dir as it was (config.yaml included).
+    fresh = not (checkpoint_dir(storage.local) / "latest").is_file()
+    if cfg.train.start.resume == "never" or fresh:
+        check_init_config(cfg)  # a warm start's model is the export's (one that resumes ignores it)
     resume_tag = plan_resume(cfg, storage.local, remote=storage.remote is not None)
     if rank0:  # whole or not at all: a disk that is full keeps the config that was there
         atomic_write(RunDir(storage.local).config, lambda path: save_config(cfg, path))

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import fsspec
 
 from scse_dist.checkpoint.export import (
+    CONFIG_NAME,
     WEIGHTS_NAME,
     describe_mismatch,
     fetched,
@@ -19,7 +20,9 @@ from scse_dist.checkpoint.export import (
     read_export_weights,
     weights_mismatch,
 )
+from scse_dist.checkpoint.resume import warm_start_changes
 from scse_dist.cli_errors import InputError
+from scse_dist.config import ConfigError, RunConfig, config_to_dict, load_saved_config
 
 if TYPE_CHECKING:
     from torch import nn
@@ -55,6 +58,31 @@ def read_init_weights(source: str) -> dict:
             return read_export_weights(Path(tmp) / name)
     except FileNotFoundError:
         raise FileNotFoundError(f"train.start.init_from: {url} does not exist") from None
+
+
+def check_init_config(cfg: RunConfig) -> None:
+    """ConfigError (one line, exit 2) when this run's `model:` differs from the export's saved
+    config in a field that changes what the weights compute (WARM_START_MODEL_FIELDS may differ).
+    An export without config.yaml (a bare .safetensors file) is not compared."""
+    source = cfg.train.start.init_from
+    if not source:
+        return
+    folder = _weights_url(source).rsplit("/", 1)[0]
+    if is_remote(folder):
+        with fetched(folder, (CONFIG_NAME,), required=()) as tmp:
+            path = Path(tmp) / CONFIG_NAME
+            saved = load_saved_config(path) if path.is_file() else None
+    else:
+        check_init_from(source)
+        path = Path(fsspec.core.strip_protocol(folder)) / CONFIG_NAME
+        saved = load_saved_config(path) if path.is_file() else None
+    if saved is None:
+        return
+    changes = warm_start_changes(config_to_dict(saved), config_to_dict(cfg))
+    if changes:
+        raise ConfigError(f"train.start.init_from: {source} is another model than this run's: "
+                          f"{'; '.join(changes)} (export -> run); start from its config with "
+                          f"`base: {path}`")
 
 
 def init_from_export(model: "nn.Module", source: str, strict: bool = True) -> list[str]:

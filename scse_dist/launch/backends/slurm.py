@@ -21,6 +21,8 @@ from scse_dist.launch.backends.base import Backend, BackendError, Job, Resources
 from scse_dist.launch.children import REQUEUE_EXIT_CODE, run_child
 
 PREEMPT_SIGNAL = "USR1@120"  # what scse_dist.train.faults saves on, and how early
+# The files a submission writes into its log_dir (submitit's names): a refused one removes its own.
+SUBMISSION_FILES = ("*_submission.sh", "*.pkl", ".submission_file_*")
 
 
 def resource_parameters(res: Resources) -> dict[str, Any]:
@@ -87,6 +89,26 @@ class SlurmTask:
         return 0
 
 
+@contextlib.contextmanager
+def _undone_on_failure(folder: Path) -> Iterator[None]:
+    """A submission that raises removes the submitit files it wrote into `folder` (those that were
+    not there before), and the folders it created (`folder` and its missing parents) left empty."""
+    made = [d for d in (folder, *folder.parents) if not d.exists()]
+    before = set() if made else set(os.listdir(folder))
+    try:
+        yield
+    except BaseException:
+        if folder.is_dir():
+            for path in folder.iterdir():
+                if path.name not in before and path.is_file() and \
+                        any(path.match(pattern) for pattern in SUBMISSION_FILES):
+                    path.unlink()
+        for path in made:  # deepest first
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+        raise
+
+
 def _last_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else "no reason given"
@@ -125,15 +147,17 @@ class SlurmBackend(Backend):
         return executor
 
     def submit(self, job: Job) -> str:
-        executor = self._executor(job)
-        with self._errors(), _submission_env():
+        folder = Path(job.log_dir).resolve()
+        with _undone_on_failure(folder), self._errors(), _submission_env():
+            executor = self._executor(job)
             submitted = executor.submit(SlurmTask(job.command, job.env, None))  # named already
         self._submitted[submitted.job_id] = executor.folder
         return submitted.job_id
 
     def submit_array(self, job: Job, tasks: Sequence[Task], max_parallel: int) -> str:
-        executor = self._executor(job, array_parallelism=max_parallel)
-        with self._errors(), _submission_env():
+        folder = Path(job.log_dir).resolve()
+        with _undone_on_failure(folder), self._errors(), _submission_env():
+            executor = self._executor(job, array_parallelism=max_parallel)
             with executor.batch():  # one sbatch --array on leaving the block
                 jobs = [executor.submit(SlurmTask(t.command, job.env, t.name)) for t in tasks]
         array_id = jobs[0].job_id.split("_")[0]  # task i is <array id>_<i>
