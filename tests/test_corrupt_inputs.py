@@ -149,8 +149,11 @@ def experiment(tmp_path_factory, tiny_data, subprocess_env) -> Path:
          "variants": {"scse": {"overrides": {}}}, "seeds": [0]}, sort_keys=False))
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
                                              for t in tiny_documents(20, seed=3)))
-    out = subprocess.run(console_script("scse-train") + ["--config", "tiny.yaml"], cwd=root,
-                         env=subprocess_env, capture_output=True, text=True, timeout=300)
+    # data paths on the command line stay relative in the run's saved config, so each probe's
+    # copy of the experiment reads its own files (a config file's would be absolute: the original)
+    train = ["--config", "tiny.yaml", "data.path=shards", "data.tokenizer=tokenizer.model"]
+    out = subprocess.run(console_script("scse-train") + train, cwd=root, env=subprocess_env,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return root
 
