@@ -422,7 +422,7 @@ NOT_RUN = {
     "tensorboard --logdir runs/quickstart/tensorboard":
         "TensorBoard's web server runs until stopped; tests/test_train_tensorboard.py reads the "
         "event files with TensorBoard's own loader (EventAccumulator)",
-    "python launch/train.py --config configs/quickstart.yaml profile.enabled=true profile.start_step=20 model.activation_checkpointing=loop":
+    "python launch/train.py --config configs/quickstart.yaml train.callbacks.profiler.enabled=true train.callbacks.profiler.init_args.start_step=20 model.activation_checkpointing=loop":
         "the 300-step quickstart, profiled; tests/test_train_tensorboard.py profiles a tiny run "
         "under loop checkpointing and reads its trace's loop-step labels",
     "python benchmarks/replay_collapse.py --run runs/NAME --from-step 20 --steps 15":

@@ -300,7 +300,7 @@ def _table(text: str, header: str) -> list[list[str]]:
 
 
 def test_the_callback_tables_of_the_docs_match_the_built_ins():
-    """docs/training.md's built-ins (name, class, file, priority, on by default) and settings
+    """docs/callbacks.md's built-ins (name, class, file, priority, on by default) and settings
     (name.field, default) are the code's: BUILT_IN_CALLBACKS and each class's Config."""
     import dataclasses
     import importlib
@@ -309,7 +309,7 @@ def test_the_callback_tables_of_the_docs_match_the_built_ins():
 
     from scse_dist.train.config import BUILT_IN_CALLBACKS, built_in_entries
 
-    text = (REPO / "docs" / "training.md").read_text()
+    text = (REPO / "docs" / "callbacks.md").read_text()
     documented = {name: (int(priority), cls, file, on)
                   for priority, name, cls, file, on, _ in _table(text, "| priority | name |")}
     in_code, settings = {}, {}

@@ -80,6 +80,8 @@ def checkpoint_config(path: str | os.PathLike) -> RunConfig:
 def device_flag(name: str) -> str:
     """`--device NAME` as given, once torch can place a tensor there; else ConfigError (exit 2):
     an unknown device string, or a CUDA device on a machine without one."""
+    if name == "cpu":  # always there: a bad checkpoint path is still found before torch loads
+        return name
     import torch
 
     try:

@@ -6,7 +6,7 @@ complete, no update yet), allow_update (inside the update of a finite step), on_
 may set state.stop_reason to end the run); on_train_end at train.max_steps (the process group
 still up), on_teardown at every orderly end, after_shutdown on finished runs once the process
 group is gone. A hook that raises ends the run; collectives in a hook run on every rank alike.
-The built-ins' priorities and what each hook may do: docs/training.md, "The trainer: callbacks".
+The built-ins' priorities and what each hook may do: docs/callbacks.md, "The trainer: callbacks".
 """
 
 from __future__ import annotations
