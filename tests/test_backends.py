@@ -229,14 +229,22 @@ def test_local_backend_launch_trains_evaluates_and_reports_in_one_job(tmp_path, 
     assert (run / "eval" / "report.md").is_file() and not (run / "eval" / "scheduled.json").exists()
     assert "scse-launch: report" in (run / "logs" / f"tiny-{job}.out").read_text()
     # a training job that fails here is scse-launch's failure too: its status and one line
-    broken = subprocess.run(["scse-launch", cfg, f"data.path={tmp_path}/missing", "name=broken",
+    env = dict(user_env, WANDB_MODE="disabled")
+    # a missing input is refused before the job queues: one line naming the field, no job
+    missing = subprocess.run(["scse-launch", cfg, f"data.path={tmp_path}/missing", "name=gone",
+                              "--backend", "local"], capture_output=True, text=True, cwd=tmp_path,
+                             env=env, timeout=600)
+    assert missing.returncode == 66 and missing.stderr.startswith("scse-launch: error: data.path: ")
+    assert len(missing.stderr.splitlines()) == 1 and not (tmp_path / "runs" / "gone").exists()
+    # nothing to resume under resume=require: only the training job can tell (exit 2 there)
+    broken = subprocess.run(["scse-launch", cfg, "train.start.resume=require", "name=broken",
                              "--backend", "local"], capture_output=True, text=True, cwd=tmp_path,
-                            env=dict(user_env, WANDB_MODE="disabled"), timeout=600)
+                            env=env, timeout=600)
     job = broken.stdout.splitlines()[-1]
-    assert broken.returncode == 66 and broken.stderr == \
-        f"scse-launch: training job {job} exited 66 (its logs say why)\n", broken.stderr
+    assert broken.returncode == 2 and broken.stderr == \
+        f"scse-launch: training job {job} exited 2 (its logs say why)\n", broken.stderr
     err_log = tmp_path / "runs" / "broken" / "logs" / f"broken-{job}.err"
-    assert "scse-train: error:" in err_log.read_text()
+    assert "scse-train: config error:" in err_log.read_text()
 
 
 @pytest.mark.slow
