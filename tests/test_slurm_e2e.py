@@ -127,8 +127,9 @@ def test_training_then_dependent_evaluations_and_report(slurm_cluster, tmp_path)
 
 
 def test_failed_training_never_runs_the_evaluations(slurm_cluster, tmp_path):
-    # no data and no data.build: training fails at start-up, after scheduling its evaluations
-    train = submit(tmp_path, "name=broken", "data.build=null")
+    # nothing to resume under resume=require: training fails at start-up, after scheduling its
+    # evaluations (a missing input would be refused before anything queues)
+    train = submit(tmp_path, "name=broken", "train.start.resume=require")
     run_dir = tmp_path / "runs" / "broken"
     ids = scheduled(run_dir)
     assert wait_final(train)["JobState"] == "FAILED"
@@ -137,7 +138,7 @@ def test_failed_training_never_runs_the_evaluations(slurm_cluster, tmp_path):
         assert info["JobState"] == "CANCELLED" or info["Reason"] == "DependencyNeverSatisfied", info
         assert not list((run_dir / "logs").glob(f"{job}_*_log.out"))  # Slurm never started it
     assert sorted(p.name for p in (run_dir / "eval").iterdir()) == ["scheduled.json"]
-    assert "scse-train: error:" in logs(tmp_path)
+    assert "scse-train: config error: train.start.resume" in logs(tmp_path)
 
 
 def test_preemption_signal_requeues_and_resumes_without_rescheduling(slurm_cluster, tmp_path):

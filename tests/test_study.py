@@ -365,7 +365,7 @@ def test_local_study_stops_when_its_first_runs_fail_on_the_same_input(tmp_path, 
     assert out.stdout.count("] starting ") == 2  # looped never started
     errors = [line for line in out.stderr.splitlines() if line.startswith("scse-train: error:")]
     assert len(errors) == 2 and errors[0] == errors[1]
-    assert f"data.path '{tmp_path / 'no-shards'}' has no index.json" in errors[0]
+    assert f"data.path: '{tmp_path / 'no-shards'}' does not exist" in errors[0]
     assert out.stderr.splitlines()[-1] == \
         f"scse-study: stopped: the first 2 runs failed alike (exit 66): {errors[0]}", out.stderr
 
