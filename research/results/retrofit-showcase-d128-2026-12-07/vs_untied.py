@@ -1,8 +1,10 @@
 """Each looped arm of the retrofit showcase at every T against the untied arm at its only depth
 (T = 6, its 8 blocks), paired by seed: scse-report pairs variants at common depths only, and the
-untied model has one. Reads the study's runs through scse_dist.study (the runs' eval/*.json).
+untied model has one. Then each looped arm against itself at T = 1. Reads the study's runs
+through scse_dist.study (the runs' eval/*.json).
 
-    python research/results/retrofit-showcase-d128-2026-12-07/vs_untied.py studies/retrofit-showcase-d128
+    python research/results/retrofit-showcase-d128-2026-12-07/vs_untied.py \
+        studies/retrofit-showcase-d128
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ def main(study_dir: str) -> None:
     for task in ("heldout", "validation"):
         base = values_by_depth([r for r in final if r.variant == "untied"], task, "ppl")
         if len(base) != 1:
-            raise SystemExit(f"vs_untied: untied has depths {sorted(base)} for {task}, expected one")
+            raise SystemExit(f"vs_untied: untied has depths {sorted(base)} for {task}, "
+                             "expected one")
         (t_u, ref), = base.items()
         print(f"\n{task} ppl: arm at T minus untied at T={t_u} (paired by seed, 95% t interval)")
         print("| arm | " + " | ".join(f"T={d}" for d in (1, 2, 4, 8, 16, 32)) + " |")
@@ -36,6 +39,16 @@ def main(study_dir: str) -> None:
                 iv = t_interval([by_depth[d][s] - ref[s] for s in seeds])
                 cells.append(f"{iv.mean:+.1f} ({iv.low:+.1f}, {iv.high:+.1f})")
             print(f"| {arm} - untied | " + " | ".join(cells) + " |")
+        print(f"\n{task} ppl: each looped arm at T minus itself at T=1 (does depth pay)")
+        for arm in ("scse", "additive"):
+            by_depth = values_by_depth([r for r in final if r.variant == arm], task, "ppl")
+            one = by_depth[1]
+            cells = []
+            for d in (2, 4, 8, 16, 32):
+                seeds = sorted(set(by_depth[d]) & set(one))
+                iv = t_interval([by_depth[d][s] - one[s] for s in seeds])
+                cells.append(f"T={d} {iv.mean:+.1f} ({iv.low:+.1f}, {iv.high:+.1f})")
+            print(f"{arm}: " + "; ".join(cells))
 
 
 if __name__ == "__main__":
