@@ -155,7 +155,8 @@ def check_dry_run(d: Path, out: str) -> None:
 
 def check_print_config(d: Path, out: str) -> None:
     printed = yaml.safe_load(out)
-    assert printed["name"] == "quickstart" and printed["eval"]["every_steps"] == 100
+    heldout_eval = printed["train"]["callbacks"]["heldout_eval"]
+    assert printed["name"] == "quickstart" and heldout_eval["init_args"]["every_steps"] == 100
     assert not (d / "runs").exists()
 
 
