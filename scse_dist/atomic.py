@@ -282,12 +282,13 @@ def _remove_dead_temporaries(fs: Any, root: str) -> None:
     for leftover in Path(parent or ".").glob(f"{prefix}*"):
         host, _, pid = leftover.name[len(prefix):].rpartition(".")
         if host != socket.gethostname() or not pid.isdigit() or not leftover.is_dir() \
-                or _alive(int(pid)):
+                or pid_alive(int(pid)):
             continue
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host is alive (another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

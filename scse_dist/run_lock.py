@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator, Optional
 
+from scse_dist.atomic import pid_alive
 from scse_dist.cli_errors import TryLater
 
 LOCK_NAME = ".lock"
@@ -38,16 +39,6 @@ _TAKEOVER_TRIES = 5
 
 class RunDirBusy(TryLater):
     """Another live process holds the run dir's lock (exit 75: rerun when it has ended)."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _read(path: Path) -> tuple[Optional[bytes], dict, float]:
@@ -74,7 +65,7 @@ def heartbeat_age(record: dict, mtime: float) -> float:
 def stale_reason(record: dict, mtime: float) -> Optional[str]:
     """Why a lock is stale (None: its holder may be alive)."""
     pid = record.get("pid")
-    if record.get("host") == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+    if record.get("host") == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
         return f"its process {pid} on this host is gone"
     age = heartbeat_age(record, mtime)
     if age > STALE_AFTER_S:
@@ -126,7 +117,7 @@ class RunLock:
         """A heartbeat's temporary file that a killed holder on this host left behind."""
         for tmp in self.path.parent.glob(f".tmp-{LOCK_NAME}.*"):
             pid = tmp.name.rpartition(".")[2]
-            if pid.isdigit() and tmp == self._heartbeat_tmp(int(pid)) and not _alive(int(pid)):
+            if pid.isdigit() and tmp == self._heartbeat_tmp(int(pid)) and not pid_alive(int(pid)):
                 with contextlib.suppress(FileNotFoundError):
                     tmp.unlink()
 
