@@ -268,7 +268,8 @@ def _with_checkpointing(cfg: RunConfig, env: Any) -> RunConfig:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or env.world_size
         budget = cfg.train.batch.micro_batch_memory_gib * GIB or default_budget(local_world)
     precision = resolve_precision(cfg.train.engine.precision)
-    mode = checkpointing_for(cfg, env.world_size, precision, budget, cuda_memory)
+    mode = checkpointing_for(cfg.model, cfg.data, cfg.train, env.world_size, precision, budget,
+                             cuda_memory)
     if env.rank == 0:
         print(f"model.activation_checkpointing: auto: {mode} (the planner's estimate against "
               f"{budget / GIB:.1f} GiB)", flush=True)
@@ -287,7 +288,7 @@ def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:
               else torch.device("cpu"))
     # Ranks of one node share its memory; unknown placement counts them all as on this node.
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or env.world_size
-    size, line = find_micro_batch(cfg, model, env.world_size, local_world, device)
+    size, line = find_micro_batch(cfg.train, cfg.data, model, env.world_size, local_world, device)
     if env.rank == 0:
         print(line, flush=True)
     accum = cfg.train.batch.grad_accum_for(env.world_size, size)
