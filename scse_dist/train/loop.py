@@ -217,7 +217,7 @@ def _start(cfg: RunConfig, lock: contextlib.ExitStack) -> tuple[TrainState, dict
     assert isinstance(cfg.train.batch.micro_batch_size, int)  # _with_micro_batch resolved auto
     stream = TokenStream.from_config(cfg.data, "train", cfg.train.batch.micro_batch_size, env.rank,
                                      env.world_size, cfg.train.seed, tokenizer.sha256)
-    engine, ds_config = build_engine(cfg, model)
+    engine, ds_config = build_engine(cfg.train, cfg.run_dir, model)
     start_step, callback_states = resume_if_present(engine, run_dir, stream, resume_tag)
     if resume_tag is not None:  # the LR from this config's schedule at the resumed step
         note = follow_config_schedule(engine.lr_scheduler, cfg.train,

@@ -27,27 +27,30 @@ def check_callbacks(cfg: RunConfig) -> list[tuple[CallbackSpec, type[Callback], 
     Yours are checked first, then those with init_args: a bad one is named before the built-ins
     without settings import torch."""
     entries = [(name, spec) for name, spec in cfg.train.callbacks.items() if spec.enabled]
-    resolved = {name: _resolve(spec, f"train.callbacks.{name}", cfg) for name, spec in sorted(
-        entries, key=lambda e: (e[1].class_path.startswith(BUILT_INS), not e[1].init_args))}
-    return [(spec, *resolved[name]) for name, spec in entries]
-
-
-def config_of(cfg: RunConfig, name: str) -> Any:
-    """Entry `name`'s Config as checked (None: the entry is off or absent)."""
-    spec = cfg.train.callbacks.get(name)
-    return _resolve(spec, f"train.callbacks.{name}", cfg)[1] if spec and spec.enabled else None
-
-
-def _resolve(spec: CallbackSpec, where: str, cfg: RunConfig) -> tuple[type[Callback], Any]:
-    cls = _import_class(spec.class_path, f"{where}.class_path")
-    if cls.Config is not None:
-        config = _own_config(cls.Config, spec, f"{where}.init_args")
+    resolved = {}
+    for name, spec in sorted(entries, key=lambda e: (e[1].class_path.startswith(BUILT_INS),
+                                                     not e[1].init_args)):
+        where = f"train.callbacks.{name}"
+        resolved[name] = _resolve(spec, where)
         try:
-            getattr(config, "check", lambda run: None)(cfg)
+            getattr(resolved[name][1], "check", lambda run: None)(cfg)
         except ConfigError as exc:  # "init_args.<field>: ..." or about the entry as a whole
             sep = "." if str(exc).startswith("init_args.") else ": "
             raise ConfigError(f"{where}{sep}{exc}") from None
-        return cls, config
+    return [(spec, *resolved[name]) for name, spec in entries]
+
+
+def config_of(callbacks: dict[str, CallbackSpec], name: str) -> Any:
+    """Entry `name`'s Config, its own fields checked (None: the entry is off or absent); its
+    check against the run is check_callbacks'."""
+    spec = callbacks.get(name)
+    return _resolve(spec, f"train.callbacks.{name}")[1] if spec and spec.enabled else None
+
+
+def _resolve(spec: CallbackSpec, where: str) -> tuple[type[Callback], Any]:
+    cls = _import_class(spec.class_path, f"{where}.class_path")
+    if cls.Config is not None:
+        return cls, _own_config(cls.Config, spec, f"{where}.init_args")
     if spec.init_args:
         raise ConfigError(f"{where}.init_args: {spec.class_path} declares no Config dataclass, "
                           f"so it takes none; got {', '.join(sorted(spec.init_args))}")
