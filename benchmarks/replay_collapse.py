@@ -64,7 +64,7 @@ def replay(cfg: Any, run_dir: Path, tag: str, way: str, steps: int, window: Any
 
     t = cfg.train
     stream = TokenStream.from_config(cfg.data, "train", t.batch.micro_batch_size, 0, 1, t.seed,
-                                     load_run_tokenizer(cfg).sha256)
+                                     load_run_tokenizer(cfg.data, cfg.model).sha256)
     engine, _ = build_engine(cfg.train, cfg.run_dir, LoopedLM(cfg.model))
     start, _ = resume_if_present(engine, run_dir, stream, tag)
     if way == "half_lr":  # ConfigLR sets every group's lr from base_lrs at each step

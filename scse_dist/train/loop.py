@@ -206,7 +206,7 @@ def _start(cfg: RunConfig, lock: contextlib.ExitStack) -> tuple[TrainState, dict
         torch.set_flush_denormal(True)
     storage, resume_tag = _prepare_run_dir(cfg, env.rank == 0, lock)
     run_dir = storage.local
-    tokenizer = load_run_tokenizer(cfg)
+    tokenizer = load_run_tokenizer(cfg.data, cfg.model)
     seed_everything(cfg.train.seed)
     model = LoopedLM(cfg.model)
     n_params = model.num_parameters()  # before ZeRO-3 partitions them to empty placeholders
@@ -232,7 +232,7 @@ def _start(cfg: RunConfig, lock: contextlib.ExitStack) -> tuple[TrainState, dict
     if env.rank == 0:  # rows a dead run wrote past the resumed step would come twice
         cut_metrics(RunDir(run_dir).metrics, start_step)
     logger = MetricsLogger(str(run_dir), env.rank == 0, cfg.wandb, cfg.name, config_to_dict(cfg),
-                           tensorboard_log_dir(cfg, run_dir), start_step)
+                           tensorboard_log_dir(cfg.tensorboard, run_dir), start_step)
     state = TrainState(cfg=cfg, env=env, run_dir=run_dir, storage=storage, engine=engine,
                        stream=stream, tokenizer=tokenizer, logger=logger,
                        faults=FaultInjector(env.rank), start_step=start_step, step=start_step,
@@ -317,7 +317,8 @@ def _prepare_run_dir(cfg: RunConfig, rank0: bool, lock: contextlib.ExitStack
     # refused config leaves the run dir as it was (config.yaml included).
     fresh = not (checkpoint_dir(storage.local) / "latest").is_file()
     if cfg.train.start.resume == "never" or fresh:
-        check_init_config(cfg)  # a warm start's model is the export's (one that resumes ignores it)
+        # a warm start's model is the export's (one that resumes ignores it)
+        check_init_config(cfg.train.start, cfg.model)
     resume_tag = plan_resume(cfg, storage.local, remote=storage.remote is not None)
     if rank0:  # whole or not at all: a disk that is full keeps the config that was there
         atomic_write(RunDir(storage.local).config, lambda path: save_config(cfg, path))
