@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = with_world_batch(saved, 1)
     init_distributed()
-    window = heldout_window(cfg)
+    window = heldout_window(cfg.data, cfg.eval)
     if window is None:
         return 2
     results = {way: replay(cfg, args.run, tag, way, args.steps, window) for way in ways}

@@ -126,7 +126,8 @@ def test_a_toy_without_a_loop_is_treated_as_one(toy):
         # the depth it runs, not model.depth
         assert training_depths(cfg.model, cfg.train) == [2, 2, 2]
         assert training_depth(cfg.model, cfg.train) is None
-        assert not LoopDiagnosticsCallback(LoopDiagnosticsCallback.Config(1)).for_run(cfg)
+        every_1 = LoopDiagnosticsCallback.Config(1)
+        assert not LoopDiagnosticsCallback(every_1, cfg.train, cfg.model).for_run()
         flat = {"heldout": {d: {"ppl": 100.0} for d in (1, 2, 4)}}
         run = StudyRun("pair", 0, None, "final", Path("r"), config=cfg, results=flat)
         assert flat_in_t(run, FlagThresholds()) is None

@@ -96,7 +96,7 @@ def _train(cfg: RunConfig, callbacks: Sequence[Callback], lock: contextlib.ExitS
                 raise
             state.preemption = preemption
             state.callbacks = in_hook_order(
-                [*(c for c in configured if c.for_run(state.cfg)), *callbacks])
+                [*(c for c in configured if c.for_run()), *callbacks])
             left = restore_states(state.callbacks, saved_states)
             if left and state.rank0:
                 print(f"resumed checkpoint holds the state of callbacks this run does not have, "
