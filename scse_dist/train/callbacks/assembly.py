@@ -27,7 +27,8 @@ def configured_callbacks(cfg: RunConfig) -> list[Callback]:
     """One callback per enabled train.callbacks entry, in the mapping's order, each built with
     its Config and the sections its constructor names (as configured: the values train() resolves
     at start, such as an auto micro-batch, are state.cfg's)."""
-    return [_instantiate(*resolved, cfg) for resolved in check_callbacks(cfg)]
+    return [_instantiate(spec, cls, config, _sections(cls, cfg))
+            for spec, cls, config in check_callbacks(cfg)]
 
 
 def check_callbacks(cfg: RunConfig) -> list[tuple[CallbackSpec, type[Callback], Any]]:
@@ -75,9 +76,8 @@ def _sections(function: Callable[..., Any], run: RunConfig) -> dict[str, Any]:
     return {name: getattr(run, name) for name in SECTIONS if name in names}
 
 
-def _instantiate(spec: CallbackSpec, cls: type[Callback], config: Any, run: RunConfig
-                 ) -> Callback:
-    sections = _sections(cls, run)
+def _instantiate(spec: CallbackSpec, cls: type[Callback], config: Any,
+                 sections: dict[str, Any]) -> Callback:
     callback = cls(**sections) if config is None else cls(config, **sections)  # type: ignore[call-arg]
     if spec.priority is not None:
         callback.priority = spec.priority
