@@ -142,7 +142,7 @@ def make_engine(cfg, loop_leaf: bool):
 
     torch.manual_seed(0)
     model = LoopedLM(cfg.model)
-    engine, _ = build_engine(cfg, model, loop_leaf=loop_leaf)
+    engine, _ = build_engine(cfg.train, cfg.run_dir, model, loop_leaf=loop_leaf)
     return engine, model
 
 

@@ -129,7 +129,7 @@ def _finder_under_autocast(record: Record, device: torch.device) -> None:
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch=batch, engine=engine))
     model = LoopedLM(cfg.model)
     if device.type == "cuda":
-        record("finder_micro_batch", find_micro_batch(cfg, model, 1, 1, device)[0])
+        record("finder_micro_batch", find_micro_batch(cfg.train, cfg.data, model, 1, 1, device)[0])
         return
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.data.seq_len + 1))
     with torch.autocast("cpu", torch.bfloat16):

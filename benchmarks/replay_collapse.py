@@ -64,8 +64,8 @@ def replay(cfg: Any, run_dir: Path, tag: str, way: str, steps: int, window: Any
 
     t = cfg.train
     stream = TokenStream.from_config(cfg.data, "train", t.batch.micro_batch_size, 0, 1, t.seed,
-                                     load_run_tokenizer(cfg).sha256)
-    engine, _ = build_engine(cfg, LoopedLM(cfg.model))
+                                     load_run_tokenizer(cfg.data, cfg.model).sha256)
+    engine, _ = build_engine(cfg.train, cfg.run_dir, LoopedLM(cfg.model))
     start, _ = resume_if_present(engine, run_dir, stream, tag)
     if way == "half_lr":  # ConfigLR sets every group's lr from base_lrs at each step
         engine.lr_scheduler.base_lrs = [lr / 2 for lr in engine.lr_scheduler.base_lrs]
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = with_world_batch(saved, 1)
     init_distributed()
-    window = heldout_window(cfg)
+    window = heldout_window(cfg.data, cfg.eval)
     if window is None:
         return 2
     results = {way: replay(cfg, args.run, tag, way, args.steps, window) for way in ways}

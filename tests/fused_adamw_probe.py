@@ -31,14 +31,14 @@ def run(overrides: list[str], fused: bool) -> tuple[torch.Tensor, bool, bool]:
     built = []
     plain = engine_module.build_optimizer
 
-    def build_optimizer(cfg, model):  # as on CUDA when fused: torch.optim.AdamW(fused=True)
-        built.append(plain(cfg, model, on_cuda=fused))
+    def build_optimizer(opt, model):  # as on CUDA when fused: torch.optim.AdamW(fused=True)
+        built.append(plain(opt, model, on_cuda=fused))
         return built[-1]
 
     engine_module.build_optimizer = build_optimizer
     try:
         torch.manual_seed(0)
-        engine, _ = engine_module.build_engine(cfg, LoopedLM(cfg.model))
+        engine, _ = engine_module.build_engine(cfg.train, cfg.run_dir, LoopedLM(cfg.model))
     finally:
         engine_module.build_optimizer = plain
     t, gen = cfg.train, torch.Generator().manual_seed(1)

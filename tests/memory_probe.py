@@ -41,14 +41,14 @@ def main(overrides: list[str]) -> None:
                                               "model.vocab_size=64", "data.seq_len=8",
                                               "train.batch.micro_batch_size=1",
                                               "train.batch.grad_accum_steps=1"])
-    warm, _ = build_engine(warm_cfg, LoopedLM(warm_cfg.model))
+    warm, _ = build_engine(warm_cfg.train, warm_cfg.run_dir, LoopedLM(warm_cfg.model))
     for _ in range(2):
         train_step(warm, [torch.zeros(1, 9, dtype=torch.long)], depth=2)
     del warm
     gc.collect()
     _release_freed_memory()
     base = rss()
-    engine, _ = build_engine(cfg, LoopedLM(cfg.model))
+    engine, _ = build_engine(cfg.train, cfg.run_dir, LoopedLM(cfg.model))
     t = cfg.train
 
     def step() -> None:

@@ -26,7 +26,7 @@ from scse_dist.train.loop import with_world_batch
 def main(config: str, out: str, tag: str) -> None:
     env = init_distributed()
     cfg = with_world_batch(load_config(config), env.world_size)
-    engine, _ = build_engine(cfg, LoopedLM(cfg.model))
+    engine, _ = build_engine(cfg.train, cfg.run_dir, LoopedLM(cfg.model))
     root = checkpoint_dir(Path(cfg.output_dir) / cfg.name)
     saved_world = json.loads((root / tag / META_NAME).read_text())["world_size"]
     if saved_world == env.world_size:

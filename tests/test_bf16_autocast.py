@@ -94,6 +94,7 @@ def test_the_finder_probe_runs_under_bf16_autocast(tiny_config, tmp_path, fields
     before = {k: v.clone() for k, v in model.state_dict().items()}
     calls = []
     model.register_forward_hook(lambda m, i, out: calls.append(torch.is_autocast_enabled("cpu")))
-    mb.probe(model, 4, cfg, depth=model.fixed_depth or 3, device=torch.device("cpu"))
+    mb.probe(model, 4, cfg.data, cfg.train, depth=model.fixed_depth or 3,
+             device=torch.device("cpu"))
     assert calls == [True]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -160,10 +160,11 @@ def test_the_dry_run_mean_and_flops_follow_the_ramp():
     cfg = load_config(None, [*base, "train.depth.curriculum.shape=linear",
                              "train.depth.curriculum.fraction=0.5"])
     # the ramp 1, 2, 3, 4, 5, 5, 6, 7, then 8 for the last 8 steps: mean 97 / 16 = 6.0625
-    assert training_depths(cfg) == [1, 2, 3, 4, 5, 5, 6, 7] + [8] * 8
+    assert training_depths(cfg.model, cfg.train) == [1, 2, 3, 4, 5, 5, 6, 7] + [8] * 8
     assert "training depth T (fixed): min 1, mean 6.06, max 8" in describe(cfg, world_size=1)
     assert "training depth T (fixed): min 8, mean 8.00, max 8" in describe(flat, world_size=1)
-    assert training_depths(cfg, 32) == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 5, 6, 6, 7, 7, 8] + [8] * 16
+    assert training_depths(cfg.model, cfg.train, 32) == \
+        [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 5, 6, 6, 7, 7, 8] + [8] * 16
 
     def total(c):
         line = [x for x in describe(c, world_size=1).splitlines() if "FLOPs in all" in x]

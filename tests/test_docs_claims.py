@@ -174,9 +174,10 @@ def test_gpt2_small_scse_checkpoints_nothing_on_h100s():
     assert cfg.model.activation_checkpointing == "auto"
     h100 = GPUS["h100"].memory_mib * 2**20
     budget = Assumptions().memory_fraction * h100
-    assert [checkpointing_for(cfg, world, "bf16", budget, h100) for world in (1, 16)] \
+    sections = cfg.model, cfg.data, cfg.train
+    assert [checkpointing_for(*sections, world, "bf16", budget, h100) for world in (1, 16)] \
         == ["none", "none"]
-    assert checkpointing_for(cfg, 1, "bf16", budget / 8, h100) == "loop"
+    assert checkpointing_for(*sections, 1, "bf16", budget / 8, h100) == "loop"
     launching = " ".join((REPO / "docs" / "launching.md").read_text().split())
     assert "On one H100, or 16, that is none" in launching
 

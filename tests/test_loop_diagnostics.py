@@ -11,6 +11,7 @@ from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
 from scse_dist.param_groups import SHARE_GROUPS, share_group_of
 from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
+from scse_dist.train.config import DepthSamplingConfig, TrainConfig
 from scse_dist.train.diagnostics import gradient_shares, loop_diagnostics
 from scse_dist.train.metrics import format_line
 
@@ -163,6 +164,8 @@ def fake_state(model, step: int, zero_stage: int = 0, cfg=None):
 
 
 FIVE = LoopDiagnosticsCallback.Config(every_steps=5)
+# training depths 2..4 (uniform, max 4) around model.depth 3
+UP_TO_4 = TrainConfig(depth=DepthSamplingConfig(kind="uniform", max=4))
 
 
 def test_callback_logs_on_its_steps_only() -> None:
@@ -177,13 +180,14 @@ def test_callback_logs_on_its_steps_only() -> None:
         callback.on_step_end(state)
         return state.metrics_extra
 
-    callback = LoopDiagnosticsCallback(FIVE, depth=3, max_depth=4, window=WINDOW)
+    callback = LoopDiagnosticsCallback(FIVE, UP_TO_4, tiny(), window=WINDOW)
+    assert (callback.depth, callback.max_depth) == (3, 4)
     assert row_of(callback, 4) == {}
     row = row_of(callback, 5)
     assert row["diag/grad_norm"] > 0 and row["diag/D_norm_t4"] > 0
     assert sum(row[f"diag/grad_share_{g}"] for g in SHARE_GROUPS) == pytest.approx(1.0)
     assert model.training is False  # left as it was
-    skipped = LoopDiagnosticsCallback(FIVE, depth=3, max_depth=4, window=WINDOW)
+    skipped = LoopDiagnosticsCallback(FIVE, UP_TO_4, tiny(), window=WINDOW)
     assert row_of(skipped, 5, zero_stage=3) == {}
 
 
@@ -193,15 +197,17 @@ def test_the_callback_from_a_run_config(tmp_path, capsys) -> None:
     data = f"data.path={tmp_path / 'none'}"
     cfg = load_config(None, [data, "train.log_every=7", "train.depth.kind=uniform",
                              "model.depth=3"])
-    callback = LoopDiagnosticsCallback(LoopDiagnosticsCallback.Config())  # null: log_every
-    assert callback.for_run(cfg)
+    # null: log_every
+    callback = LoopDiagnosticsCallback(LoopDiagnosticsCallback.Config(), cfg.train, cfg.model)
+    assert callback.for_run()
     assert (callback.every, callback.depth, callback.max_depth) == (7, 3, 6)
     callback.on_start(fake_state(None, 0, cfg=cfg))
     assert callback.window is None  # no held-out split there: said in one line, grads still run
     assert capsys.readouterr().out.startswith(f"loop diagnostics: no held-out batch in {tmp_path}")
     assert callback.due(14) and not callback.due(15)
-    every_5 = LoopDiagnosticsCallback(FIVE)
-    assert every_5.for_run(cfg) and every_5.every == 5
-    assert not LoopDiagnosticsCallback(LoopDiagnosticsCallback.Config(every_steps=0)).for_run(cfg)
+    every_5 = LoopDiagnosticsCallback(FIVE, cfg.train, cfg.model)
+    assert every_5.for_run() and every_5.every == 5
+    off = LoopDiagnosticsCallback.Config(every_steps=0)
+    assert not LoopDiagnosticsCallback(off, cfg.train, cfg.model).for_run()
     untied = load_config(None, [data, "model.recurrence=untied", "model.residual=preln"])
-    assert not LoopDiagnosticsCallback(FIVE).for_run(untied)
+    assert not LoopDiagnosticsCallback(FIVE, untied.train, untied.model).for_run()

@@ -14,6 +14,7 @@ from scse_dist.config import ConfigError, ModelConfig
 from scse_dist.model import LoopedLM
 from scse_dist.param_groups import PARAM_GROUPS, group_of
 from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
+from scse_dist.train.config import TrainConfig
 from scse_dist.train.core_probes import jacobian_gain, phi_jacobian, sublayer_ratios
 from scse_dist.train.diagnostics import loop_diagnostics, update_ratios, weights_snapshot
 
@@ -100,8 +101,8 @@ def test_callback_reports_the_update_of_its_step() -> None:
         return SimpleNamespace(engine=engine, step=step, rank0=True, metrics_extra={},
                                step_seconds=0.0)
 
-    callback = LoopDiagnosticsCallback(LoopDiagnosticsCallback.Config(every_steps=2), depth=3,
-                                       max_depth=3, window=WINDOW)
+    callback = LoopDiagnosticsCallback(LoopDiagnosticsCallback.Config(every_steps=2),
+                                       TrainConfig(), tiny(), window=WINDOW)  # T = 3, fixed
     callback.on_start(state(0))
     rows = {}
     for step in (1, 2):

@@ -92,7 +92,7 @@ def test_a_probe_leaves_weights_gradients_and_every_rng_stream_as_they_were(tiny
     model = LoopedLM(cfg.model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    mb.probe(model, 8, cfg, depth=3, device=torch.device("cpu"))
+    mb.probe(model, 8, cfg.data, cfg.train, depth=3, device=torch.device("cpu"))
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in model.parameters())
@@ -106,7 +106,7 @@ def test_find_micro_batch_on_cpu_picks_what_fits_the_budget_and_says_why(tiny_co
 
     cfg = tiny_cfg(tiny_config, tmp_path, f"train.batch.micro_batch_memory_gib={24 / 1024}")
     model = LoopedLM(cfg.model)
-    size, line = mb.find_micro_batch(cfg, model, 1, 1, torch.device("cpu"))
+    size, line = mb.find_micro_batch(cfg.train, cfg.data, model, 1, 1, torch.device("cpu"))
     assert size == 16, line
     assert line.startswith("micro-batch auto: 16 (32 needs 0.0")
     assert line.endswith("of the 0.0234 GiB budget) at T=3 under a CPU budget of 0.0234 GiB; "

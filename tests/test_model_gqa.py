@@ -369,7 +369,7 @@ def test_flops_match_torch_flop_counter_under_gqa(shape) -> None:
 
 def test_the_planner_counts_the_smaller_projections() -> None:
     base = ["model.d_model=64", "model.n_heads=4", "model.n_core=1", "model.ffn_hidden=128"]
-    mha = count_parameters(load_config(None, base))
-    gqa = count_parameters(load_config(None, base + ["model.n_kv_heads=1"]))
+    mha = count_parameters(load_config(None, base).model)
+    gqa = count_parameters(load_config(None, base + ["model.n_kv_heads=1"]).model)
     blocks = 3  # prelude, one core block, coda
     assert mha - gqa == blocks * 2 * 64 * (64 - 16)  # k and v: 4 heads of 16 -> 1

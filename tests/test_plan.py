@@ -29,7 +29,7 @@ GPT2 = "configs/gpt2-small-scse.yaml"
 def test_plan_arithmetic_on_16_h200_at_zero2():
     cfg = load_config(GPT2, ["train.engine.zero_stage=2", "train.depth.kind=fixed"])
     plan = build(cfg, 16, Assumptions(gpu="h200", mfu=0.25, tokens=1e9))
-    n = count_parameters(cfg)
+    n = count_parameters(cfg.model)
     tokens_per_step = 16 * 2 * 16 * 1024  # micro 16 x accum 2 x 16 GPUs: the config's 524288
     assert plan["tokens_per_step"] == tokens_per_step == cfg.train.batch.global_batch_tokens
     assert plan["steps"] == -(-10**9 // tokens_per_step) and plan["depth"]["max"] == 4
@@ -48,11 +48,13 @@ def test_largest_micro_batch_fits_and_one_more_does_not():
     plan = build(cfg, 8, Assumptions(gpu="a100", memory_fraction=0.5))
     budget, state = plan["memory_bytes"]["budget"], plan["memory_bytes"]["training_state"]
     gpu = plan["memory_bytes"]["capacity"]  # the loss's chunks are sized for the GPU's memory
-    deepest = max(training_depths(cfg))
+    deepest = max(training_depths(cfg.model, cfg.train))
+    sections = cfg.model, cfg.data, cfg.train
     for mode, largest in plan["largest_micro_batch"].items():
-        assert state + activation_memory(cfg, deepest, "bf16", largest, mode, gpu).total <= budget
-        assert state + activation_memory(cfg, deepest, "bf16", largest + 1, mode, gpu).total > \
-            budget
+        assert state + activation_memory(*sections, deepest, "bf16", largest, mode, gpu).total \
+            <= budget
+        assert state + activation_memory(*sections, deepest, "bf16", largest + 1, mode, gpu
+                                         ).total > budget
     assert plan["largest_micro_batch"]["loop"] > plan["largest_micro_batch"]["none"]
     assert plan["fits"] == (plan["largest_micro_batch"]["none"] >= 16)
 
@@ -82,10 +84,12 @@ def test_auto_checkpointing_is_none_where_the_estimate_fits_else_loop():
     tight = build(cfg, 1, Assumptions(gpu="h100", memory_fraction=10 * GIB / (81559 * 2**20)))
     assert tight["activation_checkpointing"] == "loop" and tight["fits"]
     h100 = roomy["memory_bytes"]["capacity"]  # the loss's chunks as sized on it
-    assert checkpointing_for(cfg, 1, "bf16", need, h100) == "none"
-    assert checkpointing_for(cfg, 1, "bf16", need - 1, h100) == "loop"
+    sections = cfg.model, cfg.data, cfg.train
+    assert checkpointing_for(*sections, 1, "bf16", need, h100) == "none"
+    assert checkpointing_for(*sections, 1, "bf16", need - 1, h100) == "loop"
     fixed = load_config(GPT2, ["model.activation_checkpointing=block"])
-    assert checkpointing_for(fixed, 1, "bf16", 1.0) == "block"  # only auto is chosen
+    # only auto is chosen
+    assert checkpointing_for(fixed.model, fixed.data, fixed.train, 1, "bf16", 1.0) == "block"
 
 
 def test_table_and_json_through_the_cli(capsys, tiny_data):

@@ -58,7 +58,7 @@ def saved_bytes(cfg, batch: int) -> int:
     ["model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=24"]])
 def test_saved_activations_match_the_count(extra):
     cfg = load_config(None, SMALL + extra + ["model.activation_checkpointing=none"])
-    planned = activation_memory(cfg, cfg.model.depth, "fp32", 4).saved
+    planned = activation_memory(cfg.model, cfg.data, cfg.train, cfg.model.depth, "fp32", 4).saved
     assert saved_bytes(cfg, 4) == pytest.approx(planned, rel=0.02)
 
 
@@ -95,6 +95,6 @@ def test_a_real_engine_peak_is_within_15_percent_of_the_plan(extra, subprocess_e
     assert out.returncode == 0, out.stderr[-3000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     cfg = load_config(None, overrides)
-    states = state_memory(count_parameters(cfg), "fp32", cfg.train.engine.zero_stage, 1).total
-    planned = states + activation_memory(cfg, 4, "fp32", 8).total
+    states = state_memory(count_parameters(cfg.model), "fp32", cfg.train.engine.zero_stage, 1).total
+    planned = states + activation_memory(cfg.model, cfg.data, cfg.train, 4, "fp32", 8).total
     assert measured["peak"] == pytest.approx(planned, rel=0.15), (measured, states, planned)

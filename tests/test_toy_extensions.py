@@ -107,9 +107,9 @@ def test_what_other_modules_ask_answers_for_it(toy):
 
     cfg = load_config(None, ["model.recurrence=relaxed", "train.max_steps=5",
                              "train.depth.kind=uniform", "train.depth.max=6"])
-    depths = training_depths(cfg)
+    depths = training_depths(cfg.model, cfg.train)
     assert len(depths) == 5 and all(2 <= d <= 6 for d in depths)
-    assert training_depth(cfg) == 6  # a loop: the sampler's deepest T
+    assert training_depth(cfg.model, cfg.train) == 6  # a loop: the sampler's deepest T
 
 
 def test_a_toy_without_a_loop_is_treated_as_one(toy):
@@ -123,9 +123,11 @@ def test_a_toy_without_a_loop_is_treated_as_one(toy):
     try:
         cfg = load_config(None, ["model.recurrence=pair", "train.max_steps=3", "model.depth=6",
                                  "train.diagnostics_every=1"])
-        assert training_depths(cfg) == [2, 2, 2]  # the depth it runs, not model.depth
-        assert training_depth(cfg) is None
-        assert not LoopDiagnosticsCallback(LoopDiagnosticsCallback.Config(1)).for_run(cfg)
+        # the depth it runs, not model.depth
+        assert training_depths(cfg.model, cfg.train) == [2, 2, 2]
+        assert training_depth(cfg.model, cfg.train) is None
+        every_1 = LoopDiagnosticsCallback.Config(1)
+        assert not LoopDiagnosticsCallback(every_1, cfg.train, cfg.model).for_run()
         flat = {"heldout": {d: {"ppl": 100.0} for d in (1, 2, 4)}}
         run = StudyRun("pair", 0, None, "final", Path("r"), config=cfg, results=flat)
         assert flat_in_t(run, FlagThresholds()) is None
@@ -190,7 +192,8 @@ cfg = load_config(None, ['model.recurrence=relaxed', 'model.d_model=32', 'model.
 model = LoopedLM(cfg.model)
 toks = torch.randint(0, 64, (2, 9))
 model(toks, toks, depth=3).loss.backward()
-print(type(model.core.transition).__name__, training_depths(cfg), training_depth(cfg))
+print(type(model.core.transition).__name__, training_depths(cfg.model, cfg.train),
+      training_depth(cfg.model, cfg.train))
 """
     env = dict(subprocess_env, PYTHONPATH=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,

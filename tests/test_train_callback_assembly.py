@@ -15,6 +15,7 @@ import torch
 
 from conftest import step_result
 from scse_dist.config import CallbackSpec, ConfigError, RunConfig, load_config
+from scse_dist.model.config import ModelConfig
 from scse_dist.train.callbacks.assembly import (
     callback_states,
     check_callbacks,
@@ -24,6 +25,7 @@ from scse_dist.train.callbacks.assembly import (
     state_keys,
 )
 from scse_dist.train.callbacks.base import Callback
+from scse_dist.train.config import TrainConfig
 from toy_callback import StepCounter
 from train_procs import REPO, TRAIN, read_metrics, train_ranks
 
@@ -102,6 +104,34 @@ def test_a_required_init_arg_is_named():
     assert built.threshold == 2.0
 
 
+class Sized(Callback):
+    """Reads two sections besides its Config: they come by the names of its parameters."""
+
+    @dataclass
+    class Config:
+        every_steps: int = 1
+
+        def check(self, train: TrainConfig) -> None:
+            if self.every_steps > train.max_steps:
+                raise ConfigError(f"init_args.every_steps: past train.max_steps={train.max_steps}")
+
+    def __init__(self, config: Config, model: ModelConfig, train: TrainConfig) -> None:
+        self.every_steps = config.every_steps
+        self.depth, self.max_steps = model.depth, train.max_steps
+
+
+def test_an_entry_gets_the_sections_its_constructor_and_check_name():
+    path = f"{__name__}:Sized"
+    cfg = entries(spec(path, init_args={"every_steps": 3}))
+    cfg.model.depth, cfg.train.max_steps = 7, 9
+    [built] = configured_callbacks(cfg)
+    assert (built.every_steps, built.depth, built.max_steps) == (3, 7, 9)
+    cfg.train.max_steps = 2
+    with pytest.raises(ConfigError) as err:
+        check_callbacks(cfg)
+    assert str(err.value) == "train.callbacks.mine.init_args.every_steps: past train.max_steps=2"
+
+
 def test_the_config_checks_an_entrys_form_without_importing_it(tiny_config, tmp_path):
     with pytest.raises(ConfigError, match=r"^train.callbacks.b.class_path: expected "
                                           r"'package.module:Class', "
@@ -131,7 +161,7 @@ def test_a_list_of_entries_still_loads_keyed_by_class_path_with_one_notice(tiny_
 
 def built_in_callbacks(cfg):
     """The callbacks train() runs for `cfg`: its enabled entries with work in this run."""
-    return [c for c in configured_callbacks(cfg) if c.for_run(cfg)]
+    return [c for c in configured_callbacks(cfg) if c.for_run()]
 
 
 def test_the_built_ins_keep_their_order_and_an_entry_takes_its_place(tiny_config, tmp_path):

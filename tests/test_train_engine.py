@@ -17,8 +17,13 @@ def cfg_with(*overrides):
     return load_config(None, list(overrides))
 
 
+def ds_config(cfg, on_cuda):
+    """build_ds_config of a run config's train section and run dir."""
+    return build_ds_config(cfg.train, cfg.run_dir, on_cuda=on_cuda)
+
+
 def test_generated_values_come_from_the_config():
-    ds = build_ds_config(cfg_with("train.batch.micro_batch_size=3",
+    ds = ds_config(cfg_with("train.batch.micro_batch_size=3",
                                   "train.batch.grad_accum_steps=2",
                                   "train.optimizer.grad_clip=0.5", "train.engine.zero_stage=2",
                                   "train.optimizer.lr=0.01",
@@ -38,7 +43,7 @@ def test_optimizer_is_torch_adamw_fused_on_cuda_with_no_decay_on_norms():
                    "train.optimizer.weight_decay=0.05")
     model = LoopedLM(cfg.model)
     for on_cuda, fused in ((True, True), (False, None)):
-        opt = build_optimizer(cfg, model, on_cuda=on_cuda)
+        opt = build_optimizer(cfg.train.optimizer, model, on_cuda=on_cuda)
         assert type(opt) is torch.optim.AdamW
         assert opt.defaults["fused"] is fused  # fused: torch's own kernel, no nvcc/JIT build
         assert opt.defaults["lr"] == 0.01 and opt.defaults["betas"] == (0.9, 0.99)
@@ -48,7 +53,7 @@ def test_optimizer_is_torch_adamw_fused_on_cuda_with_no_decay_on_norms():
             all(p.dim() < 2 for p in rest["params"])
         assert len(decay["params"]) + len(rest["params"]) == len(list(model.parameters()))
     # fused=True really steps on these parameters (torch's fused AdamW also runs on CPU)
-    opt = build_optimizer(cfg, model, on_cuda=True)
+    opt = build_optimizer(cfg.train.optimizer, model, on_cuda=True)
     model(torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8))).loss.backward()
     before = model.embed.weight.detach().clone()
     opt.step()
@@ -57,20 +62,21 @@ def test_optimizer_is_torch_adamw_fused_on_cuda_with_no_decay_on_norms():
 
 def test_deepspeed_fused_adam_is_opt_in_and_needs_cuda():
     cfg = cfg_with("train.optimizer.kind=deepspeed_fused_adam", "train.engine.precision=bf16")
-    ds = build_ds_config(cfg, on_cuda=True)
+    ds = ds_config(cfg, on_cuda=True)
     assert ds["optimizer"] == {"type": "AdamW", "params": {
         "lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}}
     assert ds["bf16"]["enabled"] is True
-    assert build_optimizer(cfg, LoopedLM(cfg.model), on_cuda=True) is None  # DeepSpeed builds it
+    # DeepSpeed builds it
+    assert build_optimizer(cfg.train.optimizer, LoopedLM(cfg.model), on_cuda=True) is None
     with pytest.raises(ConfigError, match="^train.optimizer.kind: deepspeed_fused_adam needs a "
                                           "CUDA"):
-        build_ds_config(cfg, on_cuda=False)
+        ds_config(cfg, on_cuda=False)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_shipped_zero_files_merge_over_the_generated_config(stage):
     path = REPO / "configs" / "deepspeed" / f"zero{stage}.json"
-    ds = build_ds_config(cfg_with(f"train.engine.zero_stage={stage}",
+    ds = ds_config(cfg_with(f"train.engine.zero_stage={stage}",
                                   f"train.engine.deepspeed_config={path}"),
                          on_cuda=False)
     file_zero = json.loads(path.read_text())["zero_optimization"]
@@ -81,7 +87,7 @@ def test_shipped_zero_files_merge_over_the_generated_config(stage):
 def test_conflicting_stage_names_both_the_field_and_the_file():
     path = REPO / "configs" / "deepspeed" / "zero3.json"
     with pytest.raises(ConfigError) as err:
-        build_ds_config(cfg_with("train.engine.zero_stage=1",
+        ds_config(cfg_with("train.engine.zero_stage=1",
                                  f"train.engine.deepspeed_config={path}"),
                         on_cuda=False)
     msg = str(err.value)
@@ -93,14 +99,14 @@ def test_file_may_repeat_a_field_with_the_same_value_and_add_new_keys(tmp_path):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"gradient_clipping": 1, "optimizer": {"params": {"eps": 1e-6}},
                              "zero_optimization": {"overlap_comm": True}}))
-    ds = build_ds_config(cfg_with(f"train.engine.deepspeed_config={f}",
+    ds = ds_config(cfg_with(f"train.engine.deepspeed_config={f}",
                                   "train.optimizer.kind=deepspeed_fused_adam"), on_cuda=True)
     assert ds["gradient_clipping"] == 1
     assert ds["optimizer"]["params"]["eps"] == 1e-6 and ds["optimizer"]["params"]["lr"] == 1e-3
     assert ds["zero_optimization"] == {"stage": 1, "overlap_comm": True}
     with pytest.raises(ConfigError, match="^train.optimizer.kind: .*ds.json has an 'optimizer' "
                                           "section"):
-        build_ds_config(cfg_with(f"train.engine.deepspeed_config={f}"), on_cuda=False)
+        ds_config(cfg_with(f"train.engine.deepspeed_config={f}"), on_cuda=False)
 
 
 @pytest.mark.parametrize("content, field", [
@@ -112,19 +118,19 @@ def test_other_conflicts(tmp_path, content, field):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps(content))
     with pytest.raises(ConfigError, match=f"^{field}:"):
-        build_ds_config(cfg_with(f"train.engine.deepspeed_config={f}",
+        ds_config(cfg_with(f"train.engine.deepspeed_config={f}",
                                  "train.optimizer.kind=deepspeed_fused_adam"), on_cuda=True)
 
 
 def test_missing_or_broken_file(tmp_path):
     with pytest.raises(ConfigError,
                        match="train.engine.deepspeed_config: file .*nope.json.* does not exist"):
-        build_ds_config(cfg_with(f"train.engine.deepspeed_config={tmp_path}/nope.json"),
+        ds_config(cfg_with(f"train.engine.deepspeed_config={tmp_path}/nope.json"),
                         on_cuda=False)
     bad = tmp_path / "bad.json"
     bad.write_text("{stage: 3")
     with pytest.raises(ConfigError, match="is not valid JSON"):
-        build_ds_config(cfg_with(f"train.engine.deepspeed_config={bad}"), on_cuda=False)
+        ds_config(cfg_with(f"train.engine.deepspeed_config={bad}"), on_cuda=False)
 
 
 @pytest.mark.slow

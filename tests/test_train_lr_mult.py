@@ -32,7 +32,7 @@ def one_step(*overrides: str) -> tuple[LoopedLM, dict[str, torch.Tensor], torch.
                              "train.optimizer.lr=0.01", *overrides])
     torch.manual_seed(0)
     model = LoopedLM(cfg.model)
-    optimizer = build_optimizer(cfg, model, on_cuda=False)
+    optimizer = build_optimizer(cfg.train.optimizer, model, on_cuda=False)
     model(TOKENS[:, :-1], TOKENS[:, 1:], keep_logits=False).loss.backward()
     before = weights_snapshot(model)
     optimizer.step()

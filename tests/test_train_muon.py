@@ -208,9 +208,9 @@ def test_muon_config_fields_and_the_ds_config():
     assert (muon.train.optimizer.muon_lr, muon.train.optimizer.muon_momentum,
             muon.train.optimizer.muon_weight_decay) == \
         (0.02, 0.95, 0.0)
-    ds = generated_ds_config(muon, on_cuda=False)
+    ds = generated_ds_config(muon.train, muon.run_dir, on_cuda=False)
     assert ds["gradient_clipping"] == 0.0 and ds["zero_allow_untested_optimizer"] is True
-    adamw = generated_ds_config(RunConfig(), on_cuda=False)
+    adamw = generated_ds_config(RunConfig().train, "runs/run", on_cuda=False)
     assert adamw["gradient_clipping"] == 1.0 and "zero_allow_untested_optimizer" not in adamw
 
 

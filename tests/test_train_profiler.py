@@ -12,7 +12,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from scse_dist.config import ConfigError, load_config
-from scse_dist.train.callbacks.assembly import config_of
+from scse_dist.train.callbacks.assembly import check_callbacks, config_of
 from scse_dist.train.callbacks.profiler import ProfilerCallback, window_schedule
 from scse_dist.train.engine import build_ds_config
 
@@ -45,8 +45,8 @@ def fake_state(tmp_path: Path, rank: int = 0, world_size: int = 1, step: int = 0
 
 
 def profile_cfg(*overrides: str):
-    return config_of(load_config(None, ["train.callbacks.profiler.enabled=true", *overrides]),
-                     "profiler")
+    cfg = load_config(None, ["train.callbacks.profiler.enabled=true", *overrides])
+    return config_of(cfg.train.callbacks, "profiler")
 
 
 def test_a_window_cut_short_by_the_end_of_the_run_keeps_the_steps_it_recorded(tmp_path, capsys):
@@ -99,8 +99,9 @@ def test_only_the_listed_ranks_profile_and_a_resume_past_the_window_profiles_not
      "start_step: 300 is past train.max_steps=200, so nothing would be profiled; lower it"),
 ])
 def test_bad_profile_fields_are_one_line(overrides, message):
+    cfg = load_config(None, ["train.callbacks.profiler.enabled=true", f"{PR}.{overrides}"])
     with pytest.raises(ConfigError) as err:
-        profile_cfg(f"{PR}.{overrides}")
+        check_callbacks(cfg)  # its fields, then against the run
     assert str(err.value) == f"{PR}.{message}"
 
 
@@ -132,14 +133,17 @@ def test_the_model_labels_each_loop_step_and_each_recomputation_of_a_checkpointe
 def test_the_flops_profiler_section_is_generated_on_cuda_only():
     cfg = load_config(None, ["profile.enabled=true", "profile.start_step=5", "profile.steps=2"])
     assert cfg.train.callbacks["profiler"].init_args == {"start_step": 5, "steps": 2}  # old keys
-    assert build_ds_config(cfg, on_cuda=True)["flops_profiler"] == {
+    assert build_ds_config(cfg.train, cfg.run_dir, on_cuda=True)["flops_profiler"] == {
         "enabled": True, "profile_step": 6,  # DeepSpeed counts the steps done: this is step 7
         "module_depth": -1, "top_modules": 3, "detailed": True,
         "output_file": "runs/run/profile/flops_step7.txt"}
-    assert "flops_profiler" not in build_ds_config(cfg, on_cuda=False)
+    assert "flops_profiler" not in build_ds_config(cfg.train, cfg.run_dir, on_cuda=False)
     at_3 = load_config(None, ["profile.enabled=true", "profile.flops_step=3"])
-    assert build_ds_config(at_3, on_cuda=True)["flops_profiler"]["profile_step"] == 2
+    section = build_ds_config(at_3.train, at_3.run_dir, on_cuda=True)["flops_profiler"]
+    assert section["profile_step"] == 2
     for overrides in ([], ["profile.enabled=true", "profile.flops_step=0"]):
-        assert "flops_profiler" not in build_ds_config(load_config(None, overrides), on_cuda=True)
+        off = load_config(None, overrides)
+        assert "flops_profiler" not in build_ds_config(off.train, off.run_dir, on_cuda=True)
     remote = load_config(None, ["profile.enabled=true", "output_dir=s3://bucket/runs"])
-    assert build_ds_config(remote, on_cuda=True)["flops_profiler"]["output_file"] is None
+    section = build_ds_config(remote.train, remote.run_dir, on_cuda=True)["flops_profiler"]
+    assert section["output_file"] is None

@@ -110,9 +110,9 @@ def test_tensorboard_without_the_package_is_one_config_error(tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     cfg = load_config(tiny_config(tmp_path), ["tensorboard.enabled=true"])
     with pytest.raises(ConfigError) as err:
-        check_tensorboard(cfg)
+        check_tensorboard(cfg.tensorboard)
     assert str(err.value) == line
-    check_tensorboard(load_config(tiny_config(tmp_path)))  # off: no check
+    check_tensorboard(load_config(tiny_config(tmp_path)).tensorboard)  # off: no check
     with pytest.raises(ConfigError) as err:  # train() called directly: the same line
         MetricsLogger(str(tmp_path), True, OFF, "r", {}, tmp_path / "tb", 0)
     assert str(err.value) == line

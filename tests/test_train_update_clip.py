@@ -122,12 +122,13 @@ def test_a_flat_tensor_with_a_layout_clips_each_parameter_alone() -> None:
 def test_config_fields_and_refusals() -> None:
     cfg = load_config(None, [])
     assert cfg.train.optimizer.update_clip == 0.0
-    assert type(build_optimizer(cfg, LoopedLM(cfg.model), on_cuda=False)) is torch.optim.AdamW
+    plain = build_optimizer(cfg.train.optimizer, LoopedLM(cfg.model), on_cuda=False)
+    assert type(plain) is torch.optim.AdamW
     cfg = load_config(None, ["train.optimizer.update_clip=1.0"])
-    opt = build_optimizer(cfg, LoopedLM(cfg.model), on_cuda=False)
+    opt = build_optimizer(cfg.train.optimizer, LoopedLM(cfg.model), on_cuda=False)
     assert isinstance(opt, UpdateClippedAdamW) and opt.update_clip == 1.0
     muon = build_optimizer(load_config(None, ["train.optimizer.update_clip=1.0",
-                                              "train.optimizer.kind=muon"]),
+                                              "train.optimizer.kind=muon"]).train.optimizer,
                            LoopedLM(cfg.model), on_cuda=False)
     assert isinstance(muon.aux_optimizer, UpdateClippedAdamW)
     for overrides, message in [

@@ -17,15 +17,14 @@ from scse_dist.convert.hf_import import HF_CONFIG, HF_TOKENIZER, LAYER_NAMES, QK
 if TYPE_CHECKING:
     import torch
 
-    from scse_dist.config import RunConfig
     from scse_dist.model import LoopedLM
+    from scse_dist.model.config import ModelConfig
 
 HF_WEIGHTS = "model.safetensors"
 
 
-def _check_plain(cfg: RunConfig, export: str) -> None:
+def _check_plain(m: ModelConfig, export: str) -> None:
     """Refuse what a plain Llama/Qwen3 layer stack does not compute (one line naming the field)."""
-    m = cfg.model
     why = None
     if m.recurrence != "untied":
         why = (f"model.recurrence: {m.recurrence} loops, which Llama cannot express; scse-export "
@@ -38,8 +37,7 @@ def _check_plain(cfg: RunConfig, export: str) -> None:
         raise InputError(f"{export}: {why}; nothing written")
 
 
-def _hf_config(cfg: RunConfig, n_layers: int, special: dict[str, Any]) -> dict[str, Any]:
-    m = cfg.model
+def _hf_config(m: ModelConfig, n_layers: int, special: dict[str, Any]) -> dict[str, Any]:
     qwen = m.qk_norm
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling is not None:
@@ -99,13 +97,13 @@ def export_hf(export: str, out: str) -> str:
     from scse_dist.data.tokenizer import Tokenizer
     from scse_dist.data.tokenizer_hf import HFTokenizer
 
-    _check_plain(read_config(export), export)  # before the weights are read
+    _check_plain(read_config(export).model, export)  # before the weights are read
     model, cfg = load_exported_model(export)
     tokenizer = Tokenizer.load(cfg.data.tokenizer, cfg.data.tokenizer_kind) \
         if Path(cfg.data.tokenizer).is_file() else None
     special = tokenizer.special_ids() if tokenizer is not None else {}
     state, n_layers = hf_state_dict(model)
-    config = _hf_config(cfg, n_layers, special)
+    config = _hf_config(cfg.model, n_layers, special)
 
     def made_here(url: str) -> bool:  # a folder this command wrote is replaced; others refused
         return (Path(url) / HF_WEIGHTS).is_file() and (Path(url) / HF_CONFIG).is_file()

@@ -58,15 +58,14 @@ def target_layers(m: ModelConfig) -> list[str]:
             + [f"coda.{i}." for i in range(m.n_coda)])
 
 
-def retrofit_config(cfg: RunConfig, recurrence: str, layers: LayerMap, depth: int) -> RunConfig:
+def retrofit_model(m: ModelConfig, recurrence: str, layers: LayerMap, depth: int) -> ModelConfig:
     if recurrence not in DEPTH_ONE_FIELDS:
         raise ConfigError(f"--recurrence: retrofit builds {', '.join(DEPTH_ONE_FIELDS)}; got "
                           f"{recurrence!r}")
-    model = dataclasses.replace(
-        cfg.model, recurrence=recurrence, n_prelude=len(layers.prelude), n_core=len(layers.core),
+    return dataclasses.replace(
+        m, recurrence=recurrence, n_prelude=len(layers.prelude), n_core=len(layers.core),
         n_coda=len(layers.coda), depth=depth, residual_depth=0, untied_match="depth",
         loop_stability=0.0, **DEPTH_ONE_FIELDS[recurrence])
-    return dataclasses.replace(cfg, model=model)
 
 
 def _block_scales(m: ModelConfig) -> tuple[float, float, bool]:
@@ -129,9 +128,9 @@ def depth_one_note(old: ModelConfig) -> str:
             "constants of the new depth are folded into each block's output matrices)")
 
 
-def _check_source(export: Path, cfg: RunConfig) -> None:
-    if cfg.model.recurrence != "untied":
-        raise InputError(f"{str(export)!r} holds a recurrence={cfg.model.recurrence} model; "
+def _check_source(export: Path, m: ModelConfig) -> None:
+    if m.recurrence != "untied":
+        raise InputError(f"{str(export)!r} holds a recurrence={m.recurrence} model; "
                          "retrofit reads an untied export (model.recurrence: untied)")
 
 
@@ -156,19 +155,21 @@ def retrofit(export_dir: str, out_dir: str, recurrence: str, prelude: Optional[s
     if Path(out_dir).resolve() == export.resolve():
         raise ConfigError("--out: names the input export; give a new folder")
     cfg = load_export_config(export)
-    _check_source(export, cfg)
+    _check_source(export, cfg.model)
     n_layers = len(source_layers(cfg.model))
     layers = default_map(n_layers) if prelude is None else \
         layer_map(n_layers, prelude, core or "", coda or "")
-    new_cfg = retrofit_config(cfg, recurrence, layers, depth)
+    new_cfg = dataclasses.replace(cfg, model=retrofit_model(cfg.model, recurrence, layers, depth))
     from scse_dist.config import check_model_config
 
     check_model_config(new_cfg.model)
-    return _write(export, out_dir, cfg, new_cfg, layers)
+    return _write(export, out_dir, cfg.model, new_cfg, layers)
 
 
-def _write(export: Path, out_dir: str, cfg: RunConfig, new_cfg: RunConfig, layers: LayerMap
+def _write(export: Path, out_dir: str, old: ModelConfig, new_cfg: RunConfig, layers: LayerMap
            ) -> dict[str, Any]:
+    """The export of `new_cfg` (the source's config with the retrofitted model) from the source
+    export of model `old`."""
     from scse_dist.atomic import atomic_write_text, output_dir
     from scse_dist.checkpoint.export import (
         WEIGHTS_NAME,
@@ -179,7 +180,7 @@ def _write(export: Path, out_dir: str, cfg: RunConfig, new_cfg: RunConfig, layer
     )
 
     state = read_export_weights(export / WEIGHTS_NAME)
-    new_state = retrofit_weights(state, cfg.model, new_cfg.model, layers)
+    new_state = retrofit_weights(state, old, new_cfg.model, layers)
     import torch
 
     from scse_dist.model import LoopedLM
@@ -192,8 +193,8 @@ def _write(export: Path, out_dir: str, cfg: RunConfig, new_cfg: RunConfig, layer
     record = {"source": str(export), "n_layers": layers.n_layers, **layers.record(),
               "recurrence": new_cfg.model.recurrence,
               "fields": DEPTH_ONE_FIELDS[new_cfg.model.recurrence],
-              "depth_one": depth_one_note(cfg.model)}
-    tokenizer = cfg.data.tokenizer if os.path.isfile(cfg.data.tokenizer) else None
+              "depth_one": depth_one_note(old)}
+    tokenizer = new_cfg.data.tokenizer if os.path.isfile(new_cfg.data.tokenizer) else None
 
     def made_here(url: str) -> bool:
         return (Path(url) / WEIGHTS_NAME).is_file()

@@ -10,17 +10,19 @@ from typing import Optional, Sequence
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig
 from scse_dist.config_paths import check_inputs
+from scse_dist.data.config import DataConfig
 from scse_dist.data.index import check_tokenizer, read_index
 from scse_dist.data.quickstart import check_build, needs_build
 from scse_dist.data.tokenizer import Tokenizer
+from scse_dist.model.config import ModelConfig
 
 
-def load_run_tokenizer(cfg: RunConfig) -> Tokenizer:
+def load_run_tokenizer(data: DataConfig, model: ModelConfig) -> Tokenizer:
     """data.tokenizer, loaded; InputError if it has more pieces than the model has embeddings."""
-    tokenizer = Tokenizer.load(cfg.data.tokenizer, cfg.data.tokenizer_kind)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise InputError(f"data.tokenizer: {cfg.data.tokenizer} has {tokenizer.vocab_size} tokens, "
-                         f"more than model.vocab_size={cfg.model.vocab_size}")
+    tokenizer = Tokenizer.load(data.tokenizer, data.tokenizer_kind)
+    if tokenizer.vocab_size > model.vocab_size:
+        raise InputError(f"data.tokenizer: {data.tokenizer} has {tokenizer.vocab_size} tokens, "
+                         f"more than model.vocab_size={model.vocab_size}")
     return tokenizer
 
 
@@ -38,6 +40,6 @@ def check_run_data(cfg: RunConfig, config_path: Optional[str] = None,
                              f"the build trains has more pieces than model.vocab_size="
                              f"{cfg.model.vocab_size}")
         return True
-    tokenizer = load_run_tokenizer(cfg)
+    tokenizer = load_run_tokenizer(cfg.data, cfg.model)
     check_tokenizer(cfg.data.path, read_index(cfg.data.path), tokenizer.sha256)
     return False

@@ -122,7 +122,7 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoi
     # data fails before the weights load; one from the config with a line naming the flag.
     with nullcontext() if args.tokenizer else from_config(
             "data.tokenizer", cfg.data.tokenizer, args.checkpoint, "--tokenizer"):
-        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
+        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data, cfg.model)
     with nullcontext() if args.data else from_config("data.path", data, args.checkpoint, "--data"):
         task_data = read_task_data(args.task, cfg, data, tokenizer)
     import torch  # only now: bad input above is reported without it

@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig
+from scse_dist.data.config import DataConfig
+from scse_dist.model.config import ModelConfig
 from scse_dist.task_registry import TASKS, Task, either, unknown_task
 
 
@@ -20,26 +22,27 @@ def is_shard_dir(path: str) -> bool:
     return fs.isfile(root.rstrip("/") + "/index.json")
 
 
-def check_heldout_shards(path: str, cfg: RunConfig, tokenizer: Any) -> None:
+def check_heldout_shards(path: str, data: DataConfig, model: ModelConfig, tokenizer: Any
+                         ) -> None:
     """InputError unless `path` holds held-out shards the model can read: ids within its vocab,
     a heldout split, written with the model's tokenizer."""
     from scse_dist.data.index import check_tokenizer, read_index
 
     # Shards from a bigger tokenizer would index past the embedding: say so instead of crashing.
     index = read_index(str(path))
-    if index["vocab_size"] > cfg.model.vocab_size:
+    if index["vocab_size"] > model.vocab_size:
         raise InputError(f"{path}: shards were written with vocab_size={index['vocab_size']}, "
-                         f"more than the model's model.vocab_size={cfg.model.vocab_size}")
+                         f"more than the model's model.vocab_size={model.vocab_size}")
     if not index["splits"].get("heldout"):
         raise InputError(f"{path}: index.json lists no heldout shards "
                          "(build shards with data.heldout_fraction > 0)")
-    check_tokenizer(str(path), index, tokenizer.sha256, f"the model's ({cfg.data.tokenizer})")
+    check_tokenizer(str(path), index, tokenizer.sha256, f"the model's ({data.tokenizer})")
 
 
 def _shard_stream(path: str, cfg: RunConfig, tokenizer: Any):
     """The held-out split of the shards at `path` as (B, seq_len + 1) batches, checked first.
     A corrupt sample stops it (max_failures=0): a perplexity without it would be another one."""
-    check_heldout_shards(path, cfg, tokenizer)
+    check_heldout_shards(path, cfg.data, cfg.model, tokenizer)
     from scse_dist.data.stream import TokenStream  # imports torch: only for shards that passed
 
     return TokenStream(path, split="heldout", seq_len=cfg.data.seq_len,
@@ -47,15 +50,14 @@ def _shard_stream(path: str, cfg: RunConfig, tokenizer: Any):
                        tokenizer_sha256=tokenizer.sha256, max_failures=0)
 
 
-def load_tokenizer(path: str, cfg: RunConfig):
+def load_tokenizer(path: str, data: DataConfig, model: ModelConfig):
     from scse_dist.data.tokenizer import Tokenizer
 
     # data.tokenizer_kind is the kind of data.tokenizer; another file (--tokenizer) tells its own
-    tokenizer = Tokenizer.load(path, cfg.data.tokenizer_kind if path == cfg.data.tokenizer
-                               else "auto")
-    if tokenizer.vocab_size > cfg.model.vocab_size:
+    tokenizer = Tokenizer.load(path, data.tokenizer_kind if path == data.tokenizer else "auto")
+    if tokenizer.vocab_size > model.vocab_size:
         raise InputError(f"tokenizer {path}: {tokenizer.vocab_size} pieces, more than the model's "
-                         f"model.vocab_size={cfg.model.vocab_size}")
+                         f"model.vocab_size={model.vocab_size}")
     return tokenizer
 
 
@@ -86,7 +88,7 @@ def read_task_data(task: str, cfg: RunConfig, data: str, tokenizer: Any = None) 
     """Open `task`'s data with its record's reader (held-out shards as a stream) with `tokenizer`
     (default cfg.data.tokenizer; shards must have been written with it). Bad data fails here."""
     record = get_task(task)
-    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg)
+    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg.data, cfg.model)
     if record.heldout and is_shard_dir(data):
         return TaskData(tokenizer, _shard_stream(data, cfg, tokenizer), shards=True)
     return TaskData(tokenizer, record.reader(data), shards=False)

@@ -104,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     with local_export(args.export) as path:  # a missing or bad path fails before torch loads
         model, cfg = load_model(path, device=device_flag(args.device))
-        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
+        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data, cfg.model)
     from scse_dist.generate.core import generate
     from scse_dist.generate.text import TextStream, continuation_text
     from scse_dist.threads import configure_threads

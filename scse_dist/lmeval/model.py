@@ -111,7 +111,7 @@ class ScseLM(LM):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         with local_export(str(pretrained)) as local:  # a URL: a temporary local copy
             cfg = checkpoint_config(local)
-            self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg)
+            self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data, cfg.model)
             self.model, _ = load_model(local, device=device)
         fixed = getattr(self.model, "fixed_depth", None)
         self.depth = _int_arg("depth", depth) or fixed or cfg.model.depth

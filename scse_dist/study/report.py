@@ -31,6 +31,7 @@ from scse_dist.study.plots import (
 from scse_dist.study.spec import default_report_metrics
 from scse_dist.study.stats import Interval
 from scse_dist.task_registry import TASKS
+from scse_dist.train.config import TrainConfig
 
 DIAGNOSE_NORMS = ("deviation_norm", "motion_norm", "bias_norm")
 INTERVAL_METHOD = ("95% Student-t intervals over seeds: mean ± t(0.975, n-1)·s/√n "
@@ -47,10 +48,10 @@ def flops_at(model: ModelConfig, depth: int, seq_len: int) -> Optional[float]:
         return None
 
 
-def training_depth(cfg: RunConfig) -> Optional[int]:
+def training_depth(m: ModelConfig, train: TrainConfig) -> Optional[int]:
     """The deepest T the run trained at (the depth sampler's max, else model.depth); None for a
     model that does not loop."""
-    m, d = cfg.model, cfg.train.depth
+    d = train.depth
     if not transition_for(m).loops:
         return None
     if d.kind == "uniform":
@@ -143,7 +144,7 @@ class StudyReport:
         rows = []
         for (variant, task, metric), by_depth in self.table.items():
             cfg = self.config_of(variant)
-            t_train = training_depth(cfg) if cfg else None
+            t_train = training_depth(cfg.model, cfg.train) if cfg else None
             ref = reference_depth(by_depth, t_train)
             if ref is None:
                 continue
@@ -261,7 +262,8 @@ class StudyReport:
                  "|---|" + "---:|" * (len(depths) + 4) + "---|"]
         for run in runs:
             values = {d: finite(row.get(metric)) for d, row in run.results[task].items()}
-            ref = reference_depth(values, training_depth(run.config) if run.config else None)
+            cfg = run.config
+            ref = reference_depth(values, training_depth(cfg.model, cfg.train) if cfg else None)
             at_ref = values[ref] if ref is not None and max(values) > ref else None
             deepest = values[max(values)]
             ratio = deepest / at_ref if at_ref and deepest else None

@@ -124,7 +124,7 @@ def check_can_start(cfg: RunConfig, args: argparse.Namespace) -> bool:
     from scse_dist.data.preflight import check_run_data
     from scse_dist.train.tensorboard import check_tensorboard
 
-    check_tensorboard(cfg)  # tensorboard.enabled without the package: one line, exit 2
+    check_tensorboard(cfg.tensorboard)  # tensorboard.enabled without the package: one line, exit 2
     building = check_run_data(cfg, args.config, args.overrides)  # before torch is imported
     from scse_dist.train.callbacks.assembly import check_callbacks
 

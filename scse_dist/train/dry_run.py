@@ -38,14 +38,14 @@ def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:
     accum = t.batch.grad_accum_for(world_size, world_from=world_from)
     micro = t.batch.micro_batch_at(world_size)  # auto: the most it may take
     tokens_per_step = world_size * micro * accum * seq_len
-    depths = training_depths(cfg)
+    depths = training_depths(cfg.model, t)
     backprop = t.depth.backprop_steps
     flops = [flops_per_token(cfg.model, d, seq_len, backprop) for d in depths]
-    n_params = count_parameters(cfg)
+    n_params = count_parameters(cfg.model)
     precision = resolve_precision(t.engine.precision)
     states = state_memory(n_params, precision, t.engine.zero_stage, world_size).total
-    activations = activation_memory(cfg, max(depths, default=cfg.model.depth), precision,
-                                    micro).total
+    activations = activation_memory(cfg.model, cfg.data, t, max(depths, default=cfg.model.depth),
+                                    precision, micro).total
     mean = sum(flops) / len(flops) if flops else 0.0
     lines = [
         f"dry run of {cfg.name}: nothing is created (run dir {Path(cfg.output_dir) / cfg.name})",

@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from scse_dist.config import ConfigError, RunConfig, deep_merge
+from scse_dist.config import ConfigError, deep_merge
 from scse_dist.param_groups import with_lr_mult
 from scse_dist.run_dir import PROFILE_NAME
+from scse_dist.train.config import TrainConfig
+from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule import build_lr_scheduler
 
 if TYPE_CHECKING:
@@ -40,17 +42,17 @@ def resolve_precision(precision: str) -> str:
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
 
 
-def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
+def generated_ds_config(train: TrainConfig, run_dir: str, on_cuda: bool) -> dict[str, Any]:
     """DeepSpeed's config from train.*; an optimizer section only for deepspeed_fused_adam (the
     others are built by build_optimizer and handed over as a client optimizer)."""
-    t, opt = cfg.train, cfg.train.optimizer
+    opt = train.optimizer
     generated: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": t.batch.micro_batch_size,
-        "gradient_accumulation_steps": t.batch.grad_accum_steps,
+        "train_micro_batch_size_per_gpu": train.batch.micro_batch_size,
+        "gradient_accumulation_steps": train.batch.grad_accum_steps,
         # muon clips its AdamW groups itself (scse_dist.train.muon says why)
         "gradient_clipping": 0.0 if opt.kind == "muon" else opt.grad_clip,
-        "zero_optimization": {"stage": t.engine.zero_stage},
-        "bf16": {"enabled": resolve_precision(t.engine.precision) == "bf16"},
+        "zero_optimization": {"stage": train.engine.zero_stage},
+        "bf16": {"enabled": resolve_precision(train.engine.precision) == "bf16"},
         "fp16": {"enabled": False},
         "steps_per_print": 1 << 30,  # we log ourselves (scse_dist.train.metrics)
         "wall_clock_breakdown": False,
@@ -58,7 +60,7 @@ def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
     # muon: a subclass of DeepSpeed's own Muon; update_clip: of torch's AdamW (not on its list)
     if opt.kind == "muon" or opt.update_clip:
         generated["zero_allow_untested_optimizer"] = True
-    flops = flops_profiler_section(cfg, on_cuda)
+    flops = flops_profiler_section(train, run_dir, on_cuda)
     if flops:
         generated["flops_profiler"] = flops
     if opt.kind == "deepspeed_fused_adam":
@@ -70,18 +72,19 @@ def generated_ds_config(cfg: RunConfig, on_cuda: bool) -> dict[str, Any]:
     return generated
 
 
-def flops_profiler_section(cfg: RunConfig, on_cuda: bool) -> Optional[dict[str, Any]]:
+def flops_profiler_section(train: TrainConfig, run_dir: str, on_cuda: bool
+                           ) -> Optional[dict[str, Any]]:
     """DeepSpeed's flops profiler once, over the profiler callback's flops_profile_step, when
     profiling on CUDA (None otherwise). Its profile_step counts the steps done before it."""
     from scse_dist.train.callbacks.assembly import config_of
 
-    p = config_of(cfg, "profiler")
+    p = config_of(train.callbacks, "profiler")
     if not (p is not None and on_cuda and p.flops_profile_step):
         return None
     step = p.flops_profile_step
     # A remote output_dir's run dir is a staging dir this function does not know: stdout then.
-    output = None if "://" in cfg.run_dir else \
-        str(Path(cfg.run_dir) / PROFILE_NAME / f"flops_step{step}.txt")
+    output = None if "://" in run_dir else \
+        str(Path(run_dir) / PROFILE_NAME / f"flops_step{step}.txt")
     return {"enabled": True, "profile_step": step - 1, "module_depth": -1, "top_modules": 3,
             "detailed": True, "output_file": output}
 
@@ -107,12 +110,14 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str, Any]:
-    """The generated ds_config with cfg.train.engine.deepspeed_config (if any) merged over it; a
-    file value that contradicts a config field is a ConfigError naming both."""
+def build_ds_config(train: TrainConfig, run_dir: str, on_cuda: Optional[bool] = None
+                    ) -> dict[str, Any]:
+    """The generated ds_config with train.engine.deepspeed_config (if any) merged over it; a
+    file value that contradicts a config field is a ConfigError naming both. `run_dir`: where the
+    flops profiler writes."""
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
-    generated = generated_ds_config(cfg, on_cuda)
-    path = cfg.train.engine.deepspeed_config
+    generated = generated_ds_config(train, run_dir, on_cuda)
+    path = train.engine.deepspeed_config
     if not path:
         return generated
     if not Path(path).is_file():
@@ -126,7 +131,7 @@ def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str,
         raise ConfigError(f"train.engine.deepspeed_config: {path!r} must hold a JSON object")
     if "optimizer" in extra and "optimizer" not in generated:
         raise ConfigError(f"train.optimizer.kind: {path} has an 'optimizer' section, but "
-                          f"train.optimizer.kind={cfg.train.optimizer.kind} builds torch's AdamW "
+                          f"train.optimizer.kind={train.optimizer.kind} builds torch's AdamW "
                           "from train.optimizer; remove the section, or set "
                           "train.optimizer.kind: deepspeed_fused_adam")
     for key_path, field_name in _OWNED:
@@ -142,12 +147,11 @@ def build_ds_config(cfg: RunConfig, on_cuda: Optional[bool] = None) -> dict[str,
     return deep_merge(generated, extra)
 
 
-def build_optimizer(cfg: RunConfig, model: LoopedLM,
+def build_optimizer(opt: OptimizerConfig, model: LoopedLM,
                     on_cuda: Optional[bool] = None) -> Optional[torch.optim.Optimizer]:
     """torch.optim.AdamW over the decay/no-decay groups, fused on CUDA; Muon with AdamW for
     train.optimizer.kind: muon; None when DeepSpeed builds its own."""
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
-    opt = cfg.train.optimizer
     if opt.kind == "muon":
         from scse_dist.train.muon import build_muon
 
@@ -189,17 +193,18 @@ def require_hookable_output(module: torch.nn.Module, args: Any, output: Any) -> 
                     "train.engine.zero_stage <= 2, or make the module return tensors")
 
 
-def build_engine(cfg: RunConfig, model: LoopedLM,
+def build_engine(train: TrainConfig, run_dir: str, model: LoopedLM,
                  loop_leaf: bool = True) -> tuple[Any, dict[str, Any]]:
     """(engine, ds_config): deepspeed.initialize with our ds_config, optimizer and LR schedule,
-    once the process group is up. `loop_leaf=False` leaves ZeRO-3 to gather per call (for
-    benchmarks/bench_distributed.py, to measure what the leaf saves)."""
+    once the process group is up (`run_dir`: where the flops profiler writes). `loop_leaf=False`
+    leaves ZeRO-3 to gather per call (for benchmarks/bench_distributed.py, to measure what the
+    leaf saves)."""
     from scse_dist.quiet import name_cpu_accelerator
 
     name_cpu_accelerator()
     import deepspeed
 
-    ds_config = build_ds_config(cfg)
+    ds_config = build_ds_config(train, run_dir)
     if ds_config["zero_optimization"].get("stage", 0) == 3 and model.fixed_depth is None \
             and loop_leaf:
         from scse_dist.model import LoopCore
@@ -209,18 +214,19 @@ def build_engine(cfg: RunConfig, model: LoopedLM,
         # Not for untied: its LoopCore holds every distinct block, which would stay gathered.
         for leaf in deepspeed.utils.set_z3_leaf_modules(model, [LoopCore]):
             leaf.register_forward_hook(require_hookable_output)
-    if cfg.train.engine.compile:
+    if train.engine.compile:
         # Each Block's math is compiled; as ZeRO-3 leaves, no DeepSpeed hook runs inside it.
         from scse_dist.model import Block
 
         model.compile_blocks()
         deepspeed.utils.set_z3_leaf_modules(model, [Block])
-    optimizer, opt = build_optimizer(cfg, model), cfg.train.optimizer
+    opt = train.optimizer
+    optimizer = build_optimizer(opt, model)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer,
         model_parameters=None if optimizer else _param_groups(
             model, opt.weight_decay, opt.lr, opt.lr_mult),
-        config=ds_config, lr_scheduler=lambda opt: build_lr_scheduler(opt, cfg.train))
+        config=ds_config, lr_scheduler=lambda opt: build_lr_scheduler(opt, train))
     if opt.kind == "muon":  # wrapped by ZeRO-1/2 or bf16: each rank holds a slice
         from scse_dist.train.muon import MuonAdamW
 

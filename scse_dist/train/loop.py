@@ -96,7 +96,7 @@ def _train(cfg: RunConfig, callbacks: Sequence[Callback], lock: contextlib.ExitS
                 raise
             state.preemption = preemption
             state.callbacks = in_hook_order(
-                [*(c for c in configured if c.for_run(state.cfg)), *callbacks])
+                [*(c for c in configured if c.for_run()), *callbacks])
             left = restore_states(state.callbacks, saved_states)
             if left and state.rank0:
                 print(f"resumed checkpoint holds the state of callbacks this run does not have, "
@@ -206,7 +206,7 @@ def _start(cfg: RunConfig, lock: contextlib.ExitStack) -> tuple[TrainState, dict
         torch.set_flush_denormal(True)
     storage, resume_tag = _prepare_run_dir(cfg, env.rank == 0, lock)
     run_dir = storage.local
-    tokenizer = load_run_tokenizer(cfg)
+    tokenizer = load_run_tokenizer(cfg.data, cfg.model)
     seed_everything(cfg.train.seed)
     model = LoopedLM(cfg.model)
     n_params = model.num_parameters()  # before ZeRO-3 partitions them to empty placeholders
@@ -217,7 +217,7 @@ def _start(cfg: RunConfig, lock: contextlib.ExitStack) -> tuple[TrainState, dict
     assert isinstance(cfg.train.batch.micro_batch_size, int)  # _with_micro_batch resolved auto
     stream = TokenStream.from_config(cfg.data, "train", cfg.train.batch.micro_batch_size, env.rank,
                                      env.world_size, cfg.train.seed, tokenizer.sha256)
-    engine, ds_config = build_engine(cfg, model)
+    engine, ds_config = build_engine(cfg.train, cfg.run_dir, model)
     start_step, callback_states = resume_if_present(engine, run_dir, stream, resume_tag)
     if resume_tag is not None:  # the LR from this config's schedule at the resumed step
         note = follow_config_schedule(engine.lr_scheduler, cfg.train,
@@ -232,7 +232,7 @@ def _start(cfg: RunConfig, lock: contextlib.ExitStack) -> tuple[TrainState, dict
     if env.rank == 0:  # rows a dead run wrote past the resumed step would come twice
         cut_metrics(RunDir(run_dir).metrics, start_step)
     logger = MetricsLogger(str(run_dir), env.rank == 0, cfg.wandb, cfg.name, config_to_dict(cfg),
-                           tensorboard_log_dir(cfg, run_dir), start_step)
+                           tensorboard_log_dir(cfg.tensorboard, run_dir), start_step)
     state = TrainState(cfg=cfg, env=env, run_dir=run_dir, storage=storage, engine=engine,
                        stream=stream, tokenizer=tokenizer, logger=logger,
                        faults=FaultInjector(env.rank), start_step=start_step, step=start_step,
@@ -268,7 +268,8 @@ def _with_checkpointing(cfg: RunConfig, env: Any) -> RunConfig:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or env.world_size
         budget = cfg.train.batch.micro_batch_memory_gib * GIB or default_budget(local_world)
     precision = resolve_precision(cfg.train.engine.precision)
-    mode = checkpointing_for(cfg, env.world_size, precision, budget, cuda_memory)
+    mode = checkpointing_for(cfg.model, cfg.data, cfg.train, env.world_size, precision, budget,
+                             cuda_memory)
     if env.rank == 0:
         print(f"model.activation_checkpointing: auto: {mode} (the planner's estimate against "
               f"{budget / GIB:.1f} GiB)", flush=True)
@@ -287,7 +288,7 @@ def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:
               else torch.device("cpu"))
     # Ranks of one node share its memory; unknown placement counts them all as on this node.
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or env.world_size
-    size, line = find_micro_batch(cfg, model, env.world_size, local_world, device)
+    size, line = find_micro_batch(cfg.train, cfg.data, model, env.world_size, local_world, device)
     if env.rank == 0:
         print(line, flush=True)
     accum = cfg.train.batch.grad_accum_for(env.world_size, size)
@@ -316,7 +317,8 @@ def _prepare_run_dir(cfg: RunConfig, rank0: bool, lock: contextlib.ExitStack
     # refused config leaves the run dir as it was (config.yaml included).
     fresh = not (checkpoint_dir(storage.local) / "latest").is_file()
     if cfg.train.start.resume == "never" or fresh:
-        check_init_config(cfg)  # a warm start's model is the export's (one that resumes ignores it)
+        # a warm start's model is the export's (one that resumes ignores it)
+        check_init_config(cfg.train.start, cfg.model)
     resume_tag = plan_resume(cfg, storage.local, remote=storage.remote is not None)
     if rank0:  # whole or not at all: a disk that is full keeps the config that was there
         atomic_write(RunDir(storage.local).config, lambda path: save_config(cfg, path))

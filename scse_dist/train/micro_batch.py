@@ -16,15 +16,21 @@ import gc
 import random
 import re
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import ConfigError
+from scse_dist.data.config import DataConfig
+from scse_dist.train.config import TrainConfig
 from scse_dist.train.engine import resolve_precision
+from scse_dist.train.engine_config import EngineConfig
 from scse_dist.train.sizing import GIB, state_memory, training_depths
+
+if TYPE_CHECKING:
+    from scse_dist.model import LoopedLM
 
 # Why a candidate does not fit, or None when it does.
 WhyNot = Callable[[int], Optional[str]]
@@ -64,17 +70,18 @@ def preserved_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(states[3])
 
 
-def probe(model: torch.nn.Module, size: int, cfg: RunConfig, depth: Optional[int],
-          device: torch.device) -> None:
-    """One forward + backward of `size` random sequences; no step, the gradients dropped after."""
-    tokens = torch.randint(0, cfg.model.vocab_size, (size, cfg.data.seq_len + 1),
+def probe(model: LoopedLM, size: int, data: DataConfig, train: TrainConfig,
+          depth: Optional[int], device: torch.device) -> None:
+    """One forward + backward of `size` random sequences of data.seq_len tokens from the model's
+    vocabulary; no step, the gradients dropped after."""
+    tokens = torch.randint(0, model.cfg.vocab_size, (size, data.seq_len + 1),
                            generator=torch.Generator().manual_seed(size)).to(device)
     # bf16 runs probe under autocast over fp32 weights (an upper bound), on CPU as on CUDA
-    bf16 = resolve_precision(cfg.train.engine.precision) == "bf16"
+    bf16 = resolve_precision(train.engine.precision) == "bf16"
     try:
         with preserved_rng(), torch.autocast(device.type, torch.bfloat16, enabled=bf16):
             out = model(tokens[:, :-1], tokens[:, 1:], depth=depth,
-                        backprop_steps=cfg.train.depth.backprop_steps, keep_logits=False)
+                        backprop_steps=train.depth.backprop_steps, keep_logits=False)
             out.loss.backward()
             del out
     finally:
@@ -82,13 +89,12 @@ def probe(model: torch.nn.Module, size: int, cfg: RunConfig, depth: Optional[int
             param.grad = None
 
 
-def optimizer_reserve(cfg: RunConfig, model: torch.nn.Module, world_size: int) -> int:
+def optimizer_reserve(engine: EngineConfig, model: torch.nn.Module, world_size: int) -> int:
     """Bytes of training state a probe does not hold (it holds fp32 weights and gradients): the
     optimizer's moments and master weights, as DeepSpeed will shard them."""
     n = sum(p.numel() for p in model.parameters())
     held = n * (4 + 4)
-    states = state_memory(n, resolve_precision(cfg.train.engine.precision),
-                          cfg.train.engine.zero_stage, world_size)
+    states = state_memory(n, resolve_precision(engine.precision), engine.zero_stage, world_size)
     return max(0, int(states.total) - held)
 
 
@@ -193,24 +199,23 @@ def agree(size: int, device: torch.device) -> int:
     return int(value.item())
 
 
-def find_micro_batch(cfg: RunConfig, model: torch.nn.Module, world_size: int,
+def find_micro_batch(train: TrainConfig, data: DataConfig, model: LoopedLM, world_size: int,
                      local_world_size: int, device: torch.device) -> tuple[int, str]:
     """(the micro-batch every rank agreed on, the line that says what was chosen and why)."""
-    t = cfg.train
-    candidates = t.batch.micro_batch_candidates(world_size)
+    candidates = train.batch.micro_batch_candidates(world_size)
     # the deepest T the run draws (None for an untied model: its one depth)
-    depth = None if model.fixed_depth is not None else max(training_depths(cfg))
+    depth = None if model.fixed_depth is not None else max(training_depths(model.cfg, train))
     model.to(device)  # DeepSpeed would move it there anyway; values unchanged
 
     def run(size: int) -> None:
-        probe(model, size, cfg, depth, device)
+        probe(model, size, data, train, depth, device)
 
-    reserve = optimizer_reserve(cfg, model, world_size)
+    reserve = optimizer_reserve(train.engine, model, world_size)
     if device.type == "cuda":
         why_not = cuda_why_not(run, reserve, device)
         budget = None
     else:
-        budget = int(t.batch.micro_batch_memory_gib * GIB) or default_budget(local_world_size)
+        budget = int(train.batch.micro_batch_memory_gib * GIB) or default_budget(local_world_size)
         run(candidates[-1])  # first-call allocations (autograd, thread pools) out of the measures
         why_not = CpuBudget(run, budget, reserve).why_not
     local = choose(candidates, why_not)
@@ -222,10 +227,10 @@ def find_micro_batch(cfg: RunConfig, model: torch.nn.Module, world_size: int,
             f"train.batch.micro_batch_size: auto: not even 1 sequence per micro-batch fits {where} "
             f"({local.refused[1] if local.refused else 'on another rank'}); shorten data.seq_len, "
             "turn on model.activation_checkpointing or raise train.batch.micro_batch_memory_gib")
-    accum = t.batch.grad_accum_for(world_size, size)
+    accum = train.batch.grad_accum_for(world_size, size)
     return size, (f"micro-batch auto: {size} ({_reason(local, size, candidates)}) {where}; "
-                  f"grad_accum_steps {accum} for global batch {t.batch.global_batch_size} at world "
-                  f"size {world_size}")
+                  f"grad_accum_steps {accum} for global batch {train.batch.global_batch_size} "
+                  f"at world size {world_size}")
 
 
 def _reason(local: Choice, size: int, candidates: Sequence[int]) -> str:

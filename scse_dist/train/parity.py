@@ -20,16 +20,20 @@ import torch
 import torch.distributed as dist
 
 from scse_dist.config import RunConfig, load_config
+from scse_dist.data.config import DataConfig
+from scse_dist.model.config import ModelConfig
+from scse_dist.train.config import TrainConfig
 
 
-def global_batch(cfg: RunConfig, step: int, size: int) -> torch.Tensor:
+def global_batch(model: ModelConfig, data: DataConfig, train: TrainConfig, step: int, size: int
+                 ) -> torch.Tensor:
     """`size` rows of arithmetic progressions (start + stride * i) mod min(64, vocab): learnable,
     so the loss falls within a few steps and the curves compare something that moves."""
-    g = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
-    vocab = min(64, cfg.model.vocab_size)
+    g = torch.Generator().manual_seed(train.seed * 1_000_003 + step)
+    vocab = min(64, model.vocab_size)
     start = torch.randint(0, vocab, (size, 1), generator=g)
     stride = torch.randint(1, 8, (size, 1), generator=g)
-    return (start + stride * torch.arange(cfg.data.seq_len + 1)) % vocab
+    return (start + stride * torch.arange(data.seq_len + 1)) % vocab
 
 
 def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
@@ -51,14 +55,14 @@ def run_stage(cfg: RunConfig, stage: int, out_dir: Path) -> list[float]:
     rank = dist.get_rank()
     seed_everything(t.seed)
     model = LoopedLM(cfg.model)
-    engine, _ = build_engine(cfg, model)
+    engine, _ = build_engine(t, cfg.run_dir, model)
     micro, accum = t.batch.micro_batch_size, t.batch.grad_accum_steps
     assert isinstance(micro, int), "parity: train.batch.micro_batch_size must be a number, not auto"
     losses = []
     for step in range(t.max_steps):
         depth = None if model.fixed_depth is not None else \
             sample_depth(step, t.depth, cfg.model.depth, t.seed, t.max_steps)
-        batch = global_batch(cfg, step, micro * accum * world)
+        batch = global_batch(cfg.model, cfg.data, t, step, micro * accum * world)
         parts = (batch[(m * world + rank) * micro:(m * world + rank + 1) * micro]
                  for m in range(accum))
         result = train_step(engine, parts, depth=depth, backprop_steps=t.depth.backprop_steps,

@@ -11,6 +11,9 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from scse_dist.config import ConfigError, RunConfig
+from scse_dist.data.config import DataConfig
+from scse_dist.model.config import ModelConfig
+from scse_dist.train.config import TrainConfig
 from scse_dist.train.sizing import (
     GIB,
     activation_memory,
@@ -71,15 +74,15 @@ def check(world_size: int, a: Assumptions) -> Gpu:
     return GPUS[a.gpu]
 
 
-def largest_layer(cfg: RunConfig) -> int:
+def largest_layer(model: ModelConfig) -> int:
     """Parameters of the module holding the most of its own (DeepSpeed's ZeRO-3 estimator's)."""
     import torch
 
     from scse_dist.model import LoopedLM
 
     with torch.device("meta"):
-        model = LoopedLM(cfg.model)
-    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+        net = LoopedLM(model)
+    return max(sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules())
 
 
 def comm_bytes(n_params: int, width: int, zero_stage: int, world_size: int, accum: int) -> float:
@@ -90,11 +93,13 @@ def comm_bytes(n_params: int, width: int, zero_stage: int, world_size: int, accu
     return passes * share
 
 
-def micro_batch_fits(cfg: RunConfig, depth: int, precision: str, budget: float, states: float,
-                     mode: str, cuda_memory: Optional[int] = None) -> int:
+def micro_batch_fits(model: ModelConfig, data: DataConfig, train: TrainConfig, depth: int,
+                     precision: str, budget: float, states: float, mode: str,
+                     cuda_memory: Optional[int] = None) -> int:
     """The largest micro-batch whose activations fit beside the training state (0: none)."""
     def activations(size: int) -> float:
-        return activation_memory(cfg, depth, precision, size, mode, cuda_memory).total
+        return activation_memory(model, data, train, depth, precision, size, mode,
+                                 cuda_memory).total
 
     def fits(size: int) -> bool:
         return states + activations(size) <= budget
@@ -127,24 +132,25 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     width = 2 if precision == "bf16" else 4
     capacity = gpu.memory_mib * 2**20
     budget = a.memory_fraction * capacity
-    n_params = count_parameters(cfg)
-    max_live = stage3_max_live(cfg)
+    n_params = count_parameters(m)
+    max_live = stage3_max_live(t.engine)
     states = state_memory(n_params, precision, t.engine.zero_stage, world_size, max_live)
     ds_bytes, ds_name = deepspeed_estimate(n_params, t.engine.zero_stage, world_size,
-                                           a.gpus_per_node, largest_layer(cfg))
+                                           a.gpus_per_node, largest_layer(m))
     # DeepSpeed's estimator where it describes this config: 16-bit weights with AdamW at ZeRO-2
     # (at ZeRO-3 it counts only the largest layer gathered; the loop's leaf gathers more)
     use_ds = ds_bytes is not None and t.engine.zero_stage == 2 and precision == "bf16" \
         and t.optimizer.kind != "muon"
     state_total = float(ds_bytes) if use_ds and ds_bytes is not None else states.total
-    mode = checkpointing_for(cfg, world_size, precision, budget, capacity)  # auto: by this
+    # auto: by this budget
+    mode = checkpointing_for(m, cfg.data, t, world_size, precision, budget, capacity)
     modes = sorted({mode, "none", "loop"}, key=["none", "loop", "block"].index)
 
     def at_steps(steps: int) -> tuple[list[int], int, dict[str, int]]:
         """The depths drawn, the deepest, and the largest micro-batch that fits, by mode."""
-        depths = training_depths(cfg, steps)  # one draw per step: seconds at 20,000 steps
+        depths = training_depths(m, t, steps)  # one draw per step: seconds at 20,000 steps
         deepest = max(depths, default=m.depth)
-        return depths, deepest, {k: micro_batch_fits(cfg, deepest, precision, budget,
+        return depths, deepest, {k: micro_batch_fits(m, cfg.data, t, deepest, precision, budget,
                                                      state_total, k, capacity) for k in modes}
 
     # auto's micro-batch needs the deepest T; --tokens' steps need the micro-batch: the run's
@@ -160,8 +166,8 @@ def build(cfg: RunConfig, world_size: int, a: Assumptions = Assumptions()) -> di
     run_flops = tokens_per_step * sum(n * flops_per_token(m, d, seq_len, t.depth.backprop_steps)
                                       for d, n in Counter(depths).items())
     step_flops = run_flops / max(1, steps)
-    activations = {k: activation_memory(cfg, deepest_t, precision, micro, k, capacity).total
-                   for k in modes}
+    activations = {k: activation_memory(m, cfg.data, t, deepest_t, precision, micro, k,
+                                        capacity).total for k in modes}
     peak = state_total + activations[mode]
 
     per_gpu_flops = peak_flops(gpu) * a.mfu

@@ -36,35 +36,39 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from scse_dist.config import RunConfig
-from scse_dist.config_paths import check_inputs
+from scse_dist.config_paths import missing_message
+from scse_dist.data.config import DataConfig
+from scse_dist.model.config import ModelConfig
 from scse_dist.model.transitions import resolved_anchor_scale, transition_for
+from scse_dist.train.config import TrainConfig
+from scse_dist.train.engine_config import EngineConfig
 
 GIB = 2**30
 # DeepSpeed's default, and configs/deepspeed/zero3.json's
 STAGE3_MAX_LIVE_DEFAULT = 1_000_000_000
 
 
-def training_depths(cfg: RunConfig, steps: Optional[int] = None) -> list[int]:
+def training_depths(model: ModelConfig, train: TrainConfig, steps: Optional[int] = None
+                    ) -> list[int]:
     """The depth T of every step of the run (a loop's sampled ones; a fixed stack has one);
     `steps` replaces train.max_steps (a planned run of another length)."""
     from scse_dist.train.depth import sample_depth
 
-    steps = cfg.train.max_steps if steps is None else steps
-    fixed = transition_for(cfg.model).fixed_depth
+    steps = train.max_steps if steps is None else steps
+    fixed = transition_for(model).fixed_depth
     if fixed is not None:
         return [fixed] * steps
-    t = cfg.train
-    return [sample_depth(step, t.depth, cfg.model.depth, t.seed, steps) for step in range(steps)]
+    return [sample_depth(step, train.depth, model.depth, train.seed, steps)
+            for step in range(steps)]
 
 
-def count_parameters(cfg: RunConfig) -> int:
+def count_parameters(model: ModelConfig) -> int:
     import torch
 
     from scse_dist.model import LoopedLM
 
     with torch.device("meta"):  # shapes only: any size counts in milliseconds
-        return LoopedLM(cfg.model).num_parameters()
+        return LoopedLM(model).num_parameters()
 
 
 # --------------------------------------------------------------------------- training state
@@ -82,13 +86,16 @@ class StateMemory:
         return self.weights + self.gradients + self.optimizer
 
 
-def stage3_max_live(cfg: RunConfig) -> int:
+def stage3_max_live(engine: EngineConfig) -> int:
     """stage3_max_live_parameters of train.engine.deepspeed_config (DeepSpeed's default without
-    one); FileNotFoundError naming the field if it names no file."""
-    path = cfg.train.engine.deepspeed_config
+    one); FileNotFoundError naming the field if it names no local file."""
+    path = engine.deepspeed_config
     if not path:
         return STAGE3_MAX_LIVE_DEFAULT
-    check_inputs(cfg, ("train.engine.deepspeed_config",))
+    missing = missing_message("train.engine.deepspeed_config", path) \
+        if path.strip() and "://" not in path else None  # config_paths checks local paths only
+    if missing:
+        raise FileNotFoundError(missing)
     zero = json.loads(Path(path).read_text()).get("zero_optimization", {})
     return int(zero.get("stage3_max_live_parameters", STAGE3_MAX_LIVE_DEFAULT))
 
@@ -154,9 +161,8 @@ class ActivationMemory:
         return self.saved + self.transient
 
 
-def block_activation_bytes(cfg: RunConfig, precision: str, tokens: int) -> float:
+def block_activation_bytes(m: ModelConfig, precision: str, tokens: int) -> float:
     """What one block saves for backward over `tokens` tokens (module docstring)."""
-    m = cfg.model
     d, f = m.d_model, m.resolved_ffn_hidden
     q, kv = m.n_heads * m.resolved_head_dim, m.resolved_n_kv_heads * m.resolved_head_dim
     width = 2 if precision == "bf16" else 4
@@ -165,21 +171,20 @@ def block_activation_bytes(cfg: RunConfig, precision: str, tokens: int) -> float
                      + 4 * m.n_heads)
 
 
-def activation_memory(cfg: RunConfig, depth: int, precision: str, micro_batch: int,
-                      checkpointing: Optional[str] = None,
+def activation_memory(m: ModelConfig, data: DataConfig, train: TrainConfig, depth: int,
+                      precision: str, micro_batch: int, checkpointing: Optional[str] = None,
                       cuda_memory: Optional[int] = None) -> ActivationMemory:
     """One micro-batch's activations at loop depth `depth`; `checkpointing` (none, loop, block)
     replaces model.activation_checkpointing; `cuda_memory`: the bytes of the CUDA device the
     loss's chunks are sized for (None: off CUDA)."""
-    m = cfg.model
     mode = m.activation_checkpointing if checkpointing is None else checkpointing
-    tokens = micro_batch * cfg.data.seq_len
+    tokens = micro_batch * data.seq_len
     width = 2 if precision == "bf16" else 4
-    block = block_activation_bytes(cfg, precision, tokens)
+    block = block_activation_bytes(m, precision, tokens)
     transition = transition_for(m)
     calls = transition.core_calls(depth)
     steps = depth  # loop steps, each one checkpoint under loop checkpointing
-    backprop = cfg.train.depth.backprop_steps
+    backprop = train.depth.backprop_steps
     if backprop:
         calls, steps = min(calls, backprop + (calls - steps)), min(steps, backprop)
     outside = (m.n_prelude + m.n_coda) * block + (calls - steps) * m.n_core * block
@@ -209,21 +214,21 @@ def activation_memory(cfg: RunConfig, depth: int, precision: str, micro_batch: i
                                        loss_chunks_bytes(m.vocab_size, tokens, cuda_memory)))
 
 
-def checkpointing_for(cfg: RunConfig, world_size: int, precision: str, budget: float,
-                      cuda_memory: Optional[int] = None
+def checkpointing_for(m: ModelConfig, data: DataConfig, train: TrainConfig, world_size: int,
+                      precision: str, budget: float, cuda_memory: Optional[int] = None
                       ) -> Literal["none", "loop", "block", "auto"]:
     """model.activation_checkpointing resolved: auto is none where the largest micro-batch the
     run may use, at the deepest T it draws, fits beside the training state in `budget` bytes
     without checkpointing, else loop (whose recompute, about a fifth of a step, buys the memory);
     any other value as it is."""
-    m, t = cfg.model, cfg.train
     if m.activation_checkpointing != "auto":
         return m.activation_checkpointing
-    micro = t.batch.micro_batch_at(world_size)
-    states = state_memory(count_parameters(cfg), precision, t.engine.zero_stage, world_size,
-                          stage3_max_live(cfg)).total
-    depth = max(training_depths(cfg), default=m.depth)
-    need = states + activation_memory(cfg, depth, precision, micro, "none", cuda_memory).total
+    micro = train.batch.micro_batch_at(world_size)
+    states = state_memory(count_parameters(m), precision, train.engine.zero_stage, world_size,
+                          stage3_max_live(train.engine)).total
+    depth = max(training_depths(m, train), default=m.depth)
+    need = states + activation_memory(m, data, train, depth, precision, micro, "none",
+                                      cuda_memory).total
     return "none" if need <= budget else "loop"
 
 

@@ -13,27 +13,27 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import ConfigError
 from scse_dist.run_dir import TENSORBOARD_NAME
+from scse_dist.train.config import TensorBoardConfig
 
 NOT_INSTALLED = ("tensorboard.enabled: the tensorboard package is not installed; "
                  "pip install 'scse-dist[tensorboard]' (or tensorboard), or set "
                  "tensorboard.enabled: false")
 
 
-def check_tensorboard(cfg: RunConfig) -> None:
-    """ConfigError (one line) when cfg asks for TensorBoard and the package is missing; imports
-    nothing, so scse-train can say it before torch is loaded."""
-    if cfg.tensorboard.enabled and importlib.util.find_spec("tensorboard") is None:
+def check_tensorboard(tensorboard: TensorBoardConfig) -> None:
+    """ConfigError (one line) when the run asks for TensorBoard and the package is missing;
+    imports nothing, so scse-train can say it before torch is loaded."""
+    if tensorboard.enabled and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(NOT_INSTALLED)
 
 
-def tensorboard_log_dir(cfg: RunConfig, run_dir: str | Path) -> Optional[Path]:
+def tensorboard_log_dir(tensorboard: TensorBoardConfig, run_dir: str | Path) -> Optional[Path]:
     """Where the run's event files go; None when TensorBoard is off."""
-    if not cfg.tensorboard.enabled:
+    if not tensorboard.enabled:
         return None
-    return Path(cfg.tensorboard.log_dir) if cfg.tensorboard.log_dir else \
-        Path(run_dir) / TENSORBOARD_NAME
+    return Path(tensorboard.log_dir) if tensorboard.log_dir else Path(run_dir) / TENSORBOARD_NAME
 
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:

@@ -21,8 +21,10 @@ from scse_dist.checkpoint.export import (
     weights_mismatch,
 )
 from scse_dist.checkpoint.resume import warm_start_changes
+from scse_dist.checkpoint.start_config import StartConfig
 from scse_dist.cli_errors import InputError
-from scse_dist.config import ConfigError, RunConfig, config_to_dict, load_saved_config
+from scse_dist.config import ConfigError, config_to_dict, load_saved_config
+from scse_dist.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from torch import nn
@@ -60,11 +62,11 @@ def read_init_weights(source: str) -> dict:
         raise FileNotFoundError(f"train.start.init_from: {url} does not exist") from None
 
 
-def check_init_config(cfg: RunConfig) -> None:
+def check_init_config(start: StartConfig, model: ModelConfig) -> None:
     """ConfigError (one line, exit 2) when this run's `model:` differs from the export's saved
     config in a field that changes what the weights compute (WARM_START_MODEL_FIELDS may differ).
     An export without config.yaml (a bare .safetensors file) is not compared."""
-    source = cfg.train.start.init_from
+    source = start.init_from
     if not source:
         return
     folder = _weights_url(source).rsplit("/", 1)[0]
@@ -78,7 +80,7 @@ def check_init_config(cfg: RunConfig) -> None:
         saved = load_saved_config(path) if path.is_file() else None
     if saved is None:
         return
-    changes = warm_start_changes(config_to_dict(saved), config_to_dict(cfg))
+    changes = warm_start_changes(config_to_dict(saved), {"model": config_to_dict(model)})
     if changes:
         raise ConfigError(f"train.start.init_from: {source} is another model than this run's: "
                           f"{'; '.join(changes)} (export -> run); start from its config with "

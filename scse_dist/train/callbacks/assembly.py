@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Iterable, Sequence
+import inspect
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from scse_dist.config import CallbackSpec, ConfigError, RunConfig
@@ -15,47 +16,69 @@ from scse_dist.train.callbacks.base import Callback
 from scse_dist.train.config import BUILT_INS
 from scse_dist.typed_yaml import _build as build_dataclass
 
+# The run config's sections (model, data, train, eval, ...). A callback's constructor and its
+# Config's check get, by name, the sections their parameters are called after:
+# `__init__(self, config, train)` is given the train section.
+SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig)
+                 if f.default_factory is not dataclasses.MISSING)
+
 
 def configured_callbacks(cfg: RunConfig) -> list[Callback]:
-    """One callback per enabled train.callbacks entry, in the mapping's order."""
-    return [_instantiate(*resolved) for resolved in check_callbacks(cfg)]
+    """One callback per enabled train.callbacks entry, in the mapping's order, each built with
+    its Config and the sections its constructor names (as configured: the values train() resolves
+    at start, such as an auto micro-batch, are state.cfg's)."""
+    return [_instantiate(spec, cls, config, _sections(cls, cfg))
+            for spec, cls, config in check_callbacks(cfg)]
 
 
 def check_callbacks(cfg: RunConfig) -> list[tuple[CallbackSpec, type[Callback], Any]]:
     """Each enabled entry's class imported and its init_args checked into its Config (None
     without one), against the run too, nothing built yet: a bad entry is a ConfigError naming it.
     Yours are checked first, then those with init_args: a bad one is named before the built-ins
-    without settings import torch."""
+    without settings import torch. A Config's `check` gets the sections it names."""
     entries = [(name, spec) for name, spec in cfg.train.callbacks.items() if spec.enabled]
-    resolved = {name: _resolve(spec, f"train.callbacks.{name}", cfg) for name, spec in sorted(
-        entries, key=lambda e: (e[1].class_path.startswith(BUILT_INS), not e[1].init_args))}
-    return [(spec, *resolved[name]) for name, spec in entries]
-
-
-def config_of(cfg: RunConfig, name: str) -> Any:
-    """Entry `name`'s Config as checked (None: the entry is off or absent)."""
-    spec = cfg.train.callbacks.get(name)
-    return _resolve(spec, f"train.callbacks.{name}", cfg)[1] if spec and spec.enabled else None
-
-
-def _resolve(spec: CallbackSpec, where: str, cfg: RunConfig) -> tuple[type[Callback], Any]:
-    cls = _import_class(spec.class_path, f"{where}.class_path")
-    if cls.Config is not None:
-        config = _own_config(cls.Config, spec, f"{where}.init_args")
+    resolved = {}
+    for name, spec in sorted(entries, key=lambda e: (e[1].class_path.startswith(BUILT_INS),
+                                                     not e[1].init_args)):
+        where = f"train.callbacks.{name}"
+        resolved[name] = _resolve(spec, where)
+        check = getattr(resolved[name][1], "check", None)
+        if check is None:
+            continue
         try:
-            getattr(config, "check", lambda run: None)(cfg)
+            check(**_sections(check, cfg))
         except ConfigError as exc:  # "init_args.<field>: ..." or about the entry as a whole
             sep = "." if str(exc).startswith("init_args.") else ": "
             raise ConfigError(f"{where}{sep}{exc}") from None
-        return cls, config
+    return [(spec, *resolved[name]) for name, spec in entries]
+
+
+def config_of(callbacks: dict[str, CallbackSpec], name: str) -> Any:
+    """Entry `name`'s Config, its own fields checked (None: the entry is off or absent); its
+    check against the run is check_callbacks'."""
+    spec = callbacks.get(name)
+    return _resolve(spec, f"train.callbacks.{name}")[1] if spec and spec.enabled else None
+
+
+def _resolve(spec: CallbackSpec, where: str) -> tuple[type[Callback], Any]:
+    cls = _import_class(spec.class_path, f"{where}.class_path")
+    if cls.Config is not None:
+        return cls, _own_config(cls.Config, spec, f"{where}.init_args")
     if spec.init_args:
         raise ConfigError(f"{where}.init_args: {spec.class_path} declares no Config dataclass, "
                           f"so it takes none; got {', '.join(sorted(spec.init_args))}")
     return cls, None
 
 
-def _instantiate(spec: CallbackSpec, cls: type[Callback], config: Any) -> Callback:
-    callback = cls() if config is None else cls(config)  # type: ignore[call-arg]
+def _sections(function: Callable[..., Any], run: RunConfig) -> dict[str, Any]:
+    """The sections of `run` that `function`'s parameters name."""
+    names = inspect.signature(function).parameters
+    return {name: getattr(run, name) for name in SECTIONS if name in names}
+
+
+def _instantiate(spec: CallbackSpec, cls: type[Callback], config: Any,
+                 sections: dict[str, Any]) -> Callback:
+    callback = cls(**sections) if config is None else cls(config, **sections)  # type: ignore[call-arg]
     if spec.priority is not None:
         callback.priority = spec.priority
     return callback

@@ -89,15 +89,16 @@ class TrainState:
 
 class Callback:
     """Base class: every hook does nothing and there is no state; override what a concern needs.
-    A train.callbacks entry builds `Class(Class.Config(**init_args))`, without Config `Class()`.
-    A Config may have `check(run: RunConfig)`: its fields against the run's (ConfigError)."""
+    A train.callbacks entry builds `Class(Class.Config(**init_args))`, without Config `Class()`,
+    and passes, by name, each section of the run config that the constructor has a parameter
+    for (`train`, `model`, `eval`, ...). A Config may have a `check` of its fields against such
+    sections, named the same way (ConfigError)."""
 
     priority: int = 0  # hook order: higher first; an entry sets its own
     Config: ClassVar[Optional[type]] = None  # the dataclass of its train.callbacks init_args
 
-    def for_run(self, cfg: RunConfig) -> bool:
-        """Fits itself to the run's config; False: no work in this run (e.g. a cadence of 0), so
-        the run leaves it out."""
+    def for_run(self) -> bool:
+        """False: no work in this run (e.g. a cadence of 0), so the run leaves it out."""
         return True
 
     @property

@@ -11,17 +11,25 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import ConfigError
+from scse_dist.model.transitions import transition_for
 from scse_dist.train.callbacks.base import Callback, TrainState, every
+from scse_dist.train.config import largest_trained_depth
 
 if TYPE_CHECKING:  # torch in the hooks only: config checks import this module
     import torch
 
+    from scse_dist.data.config import DataConfig
+    from scse_dist.eval.config import EvalConfig
+    from scse_dist.model.config import ModelConfig
+    from scse_dist.train.config import TrainConfig
+
 
 class LoopDiagnosticsCallback(Callback):
-    """Every `every` optimizer steps at training depth `depth`, the deviations up to `max_depth`;
-    `window` (B, S+1): the held-out batch (None: the first eval.batch_size sequences of
-    data.path's held-out split, read at on_start)."""
+    """Every every_steps optimizer steps (null: train.log_every) at training depth model.depth,
+    the deviations up to the largest trained depth; `window` (B, S+1): the held-out batch (None:
+    the first eval.batch_size sequences of data.path's held-out split, read at on_start). Off
+    for a model that does not loop (untied)."""
 
     @dataclass
     class Config:
@@ -33,30 +41,23 @@ class LoopDiagnosticsCallback(Callback):
 
     priority = 400
 
-    def __init__(self, config: Config, depth: int = 0, max_depth: int = 0,
+    def __init__(self, config: Config, train: TrainConfig, model: ModelConfig,
                  window: Optional[torch.Tensor] = None) -> None:
-        self.config, self.every = config, config.every_steps or 0
-        self.depth, self.max_depth, self.window = depth, max_depth, window
+        self.every = train.log_every if config.every_steps is None else config.every_steps
+        self.depth, self.max_depth = model.depth, largest_trained_depth(train.depth, model.depth)
+        self.loops, self.window = transition_for(model).loops, window
         self.enabled, self.rank0 = True, True
         self._grads: dict[str, float] = {}
         self._before: dict[str, torch.Tensor] = {}
 
-    def for_run(self, cfg: RunConfig) -> bool:
-        """Every every_steps steps (null: log_every), T = model.depth, up to the largest trained
-        depth. Off for a model that does not loop (untied)."""
-        from scse_dist.model.transitions import transition_for
-        from scse_dist.train.config import largest_trained_depth
-
-        t, m = cfg.train, cfg.model
-        self.every = t.log_every if self.config.every_steps is None else self.config.every_steps
-        self.depth, self.max_depth = m.depth, largest_trained_depth(t.depth, m.depth)
-        return self.every > 0 and transition_for(m).loops
+    def for_run(self) -> bool:
+        return self.every > 0 and self.loops
 
     def on_start(self, state: TrainState) -> None:
         self.enabled = state.engine.zero_optimization_stage() < 3
         self.rank0 = state.rank0
         if self.window is None and self.rank0 and self.enabled:
-            self.window = heldout_window(state.cfg)
+            self.window = heldout_window(state.cfg.data, state.cfg.eval)
 
     def due(self, step: int) -> bool:
         """Whether 1-based optimizer step `step` logs diagnostics."""
@@ -100,17 +101,17 @@ class LoopDiagnosticsCallback(Callback):
         state.step_seconds += time.perf_counter() - started
 
 
-def heldout_window(cfg: RunConfig) -> Optional[torch.Tensor]:
+def heldout_window(data: DataConfig, eval: EvalConfig) -> Optional[torch.Tensor]:
     """The fixed batch: the first eval.batch_size sequences of data.path's held-out split (None,
     with one printed line, when there is none)."""
     from scse_dist.data.stream import TokenStream
 
     try:
-        stream = TokenStream(cfg.data.path, split="heldout", seq_len=cfg.data.seq_len,
-                             batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0,
+        stream = TokenStream(data.path, split="heldout", seq_len=data.seq_len,
+                             batch_size=eval.batch_size, rank=0, world_size=1, seed=0,
                              loop=False)
         return next(iter(stream))
     except (OSError, ValueError, StopIteration) as err:  # InputError is a ValueError
-        print(f"loop diagnostics: no held-out batch in {cfg.data.path} ({err}); only gradient "
+        print(f"loop diagnostics: no held-out batch in {data.path} ({err}); only gradient "
               "shares are logged", flush=True)
         return None

@@ -13,10 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import ConfigError
+from scse_dist.eval.config import EvalConfig
 from scse_dist.eval.curves import DOWNSTREAM_KIND, downstream_key
 from scse_dist.task_registry import TASKS, data_path, field_value, unknown_task
 from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every
+from scse_dist.train.config import TrainConfig
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +53,7 @@ class DownstreamEvalCallback(Callback):
             if self.max_examples < 0:
                 raise ConfigError(f"max_examples: must be >= 0, got {self.max_examples}")
 
-        def check(self, run: RunConfig) -> None:
+        def check(self, train: TrainConfig, eval: EvalConfig) -> None:
             able = [name for name, task in TASKS.items() if task.downstream]
             for i, name in enumerate(self.tasks):
                 task = TASKS.get(name)
@@ -60,7 +62,7 @@ class DownstreamEvalCallback(Callback):
                         f"{name!r} does not run during training (held-out loss: heldout_eval)"
                     raise ConfigError(f"init_args.tasks[{i}]: {why}; the tasks that do: "
                                       f"{', '.join(able)}")
-                if task.data_field and not field_value(run.eval, task.data_field):
+                if task.data_field and not field_value(eval, task.data_field):
                     raise ConfigError(f"init_args.tasks lists {name!r}, so set "
                                       f"eval.{task.data_field} to its data file")
                 if name in self.tasks[:i]:
@@ -68,7 +70,7 @@ class DownstreamEvalCallback(Callback):
             if self.every_steps and not self.tasks:
                 raise ConfigError("init_args.tasks: every_steps is set, so name the tasks to run "
                                   f"(any of {', '.join(able)})")
-            if self.every_steps and run.train.engine.zero_stage == 3:
+            if self.every_steps and train.engine.zero_stage == 3:
                 # the scorer applies the LM head outside the forward, where ZeRO-3 partitions it
                 raise ConfigError("downstream tasks during training run at ZeRO stage 0, 1 or 2, "
                                   "not train.engine.zero_stage 3; evaluate the checkpoints with "
@@ -83,7 +85,7 @@ class DownstreamEvalCallback(Callback):
         self.shares: dict[str, tuple[int, list]] = {}  # task -> (examples in all, this rank's)
         self.cost_printed = False
 
-    def for_run(self, cfg: RunConfig) -> bool:
+    def for_run(self) -> bool:
         return self.every_steps > 0
 
     def on_start(self, state: TrainState) -> None:

@@ -14,7 +14,6 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional, cast
 
-from scse_dist.config import RunConfig
 from scse_dist.run_dir import EVAL_KIND
 from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every
 
@@ -95,7 +94,7 @@ class HeldoutEvalCallback(Callback):
         self.every_steps = config.every_steps
         self.depths: list[int] = []
 
-    def for_run(self, cfg: RunConfig) -> bool:
+    def for_run(self) -> bool:
         return self.every_steps > 0
 
     def on_start(self, state: TrainState) -> None:

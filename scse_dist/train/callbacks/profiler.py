@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import ConfigError
 from scse_dist.run_dir import PROFILE_NAME
 from scse_dist.train.callbacks.base import Callback, TrainState
+from scse_dist.train.config import TrainConfig
 
 if TYPE_CHECKING:  # torch in the hooks only: config checks import this module
     import torch
@@ -66,10 +67,10 @@ class ProfilerCallback(Callback):
             if self.flops_step is not None and self.flops_step < 0:
                 raise ConfigError(f"flops_step: must be >= 0 (0: off), got {self.flops_step}")
 
-        def check(self, run: RunConfig) -> None:
-            if self.start_step > run.train.max_steps:
+        def check(self, train: TrainConfig) -> None:
+            if self.start_step > train.max_steps:
                 raise ConfigError(f"init_args.start_step: {self.start_step} is past train."
-                                  f"max_steps={run.train.max_steps}, so nothing would be "
+                                  f"max_steps={train.max_steps}, so nothing would be "
                                   "profiled; lower it")
 
         @property

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import ConfigError
 from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every
+from scse_dist.train.config import TrainConfig
 
 SAMPLE_KIND = "sample"
 
@@ -33,8 +34,8 @@ class SampleCallback(Callback):
             if self.temperature < 0:
                 raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
 
-        def check(self, run: RunConfig) -> None:
-            if self.every_steps and run.train.engine.zero_stage == 3:
+        def check(self, train: TrainConfig) -> None:
+            if self.every_steps and train.engine.zero_stage == 3:
                 raise ConfigError("not with train.engine.zero_stage=3 (each rank holds a slice "
                                   "of the weights); set every_steps to 0 or use ZeRO 0-2")
 
@@ -44,7 +45,7 @@ class SampleCallback(Callback):
         self.config = config
         self.every_steps = config.every_steps
 
-    def for_run(self, cfg: RunConfig) -> bool:
+    def for_run(self) -> bool:
         return self.every_steps > 0
 
     def on_start(self, state: TrainState) -> None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import ConfigError
 from scse_dist.train.callbacks.base import Callback, TrainState
+from scse_dist.train.config import TrainConfig
 from scse_dist.train.spike import Spike, SpikeDetector
 
 
@@ -41,9 +42,9 @@ class SpikeSkipCallback(Callback):
             if self.max_in_a_row < 1:
                 raise ConfigError(f"max_in_a_row: must be >= 1, got {self.max_in_a_row}")
 
-        def check(self, run: RunConfig) -> None:
-            stage = run.train.engine.zero_stage
-            if run.train.optimizer.kind == "muon" and stage in (1, 2):
+        def check(self, train: TrainConfig) -> None:
+            stage = train.engine.zero_stage
+            if train.optimizer.kind == "muon" and stage in (1, 2):
                 # ZeRO-1/2 commit Muon's momentum in their step, before the update a skip withholds
                 raise ConfigError(f"not with train.optimizer.kind: muon at train.engine.zero_stage "
                                   f"{stage} (ZeRO-1/2 advance Muon's momentum even on a skipped "
