@@ -21,7 +21,7 @@ from scse_dist.config_paths import forget_overridden, note_origins, resolve_path
 # RunConfig and re-exports them.
 from scse_dist.data.config import DataConfig
 from scse_dist.eval.config import EvalConfig
-from scse_dist.model.config import VALUE_BEFORE_FIELD, ConfigError, ModelConfig  # noqa: F401
+from scse_dist.model.config import VALUE_BEFORE_FIELD, ModelConfig  # noqa: F401
 from scse_dist.model.transitions import (  # noqa: F401
     check_model_config,
     resolved_anchor_scale,
@@ -44,6 +44,7 @@ from scse_dist.train.schedule_config import ScheduleConfig
 
 # The typed-YAML machinery; apply_overrides and deep_merge are part of this module's interface.
 from scse_dist.typed_yaml import (  # noqa: F401
+    ConfigError,  # noqa: F401
     _build,
     _parse_scalar,
     _read_yaml,
@@ -77,7 +78,7 @@ class RunConfig:
 
 def _check_consistency(cfg: RunConfig) -> None:
     """The whole config: each section's own check (model first), then what spans sections."""
-    check_model_config(cfg.model)
+    check_model(cfg.model)
     cfg.data.check()
     cfg.train.check()
     cfg.eval.check()
@@ -91,6 +92,15 @@ def _check_consistency(cfg: RunConfig) -> None:
     _check_depth_loss(cfg)
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
+
+
+def check_model(model: ModelConfig) -> None:
+    """The model's own check (transitions.check_model_config) as a ConfigError: the model
+    imports nothing of the config layer, so its checks raise a plain ValueError."""
+    try:
+        check_model_config(model)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_depth_loss(cfg: RunConfig) -> None:

@@ -15,7 +15,9 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
 
-from scse_dist.model.config import ConfigError
+
+class ConfigError(ValueError):
+    """A config field is unknown, mistyped or inconsistent. The message names the field."""
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scse_dist.config import ConfigError, config_to_dict, load_config, save_config
+from scse_dist.config import config_to_dict, load_config, save_config
 from scse_dist.model.transitions import transition_for
+from scse_dist.typed_yaml import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from scse_dist.config import ConfigError, load_config
+from scse_dist.config import load_config
 from scse_dist.launch.retries import CrashWatch, decide, failure_of, is_crash, read_record
 from scse_dist.train.faults import FaultInjector
+from scse_dist.typed_yaml import ConfigError
 
 
 def crashed(line: str) -> CrashWatch:

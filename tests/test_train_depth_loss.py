@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scse_dist.config import ConfigError, ModelConfig, load_config
+from scse_dist.config import ModelConfig, load_config
 from scse_dist.model import LoopedLM
 from scse_dist.train.depth import short_depth_loss
 from scse_dist.train.step import train_step
+from scse_dist.typed_yaml import ConfigError
 from test_train_step import RecordingEngine, windows
 from train_procs import read_metrics, run_trainer
 

@@ -15,11 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scse_dist.config import ConfigError, load_config
+from scse_dist.config import load_config
 from scse_dist.train.callbacks.assembly import check_callbacks, config_of
 from scse_dist.train.callbacks.spike import SpikeSkipCallback
 from scse_dist.train.faults import SPIKE_EXIT_CODE, SPIKE_FACTOR, FaultInjector, TrainingStopped
 from scse_dist.train.spike import RunningStats, SpikeDetector
+from scse_dist.typed_yaml import ConfigError
 from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
 PROBE = "weights_probe:WeightsAt"

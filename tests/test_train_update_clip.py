@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from scse_dist.config import ConfigError, load_config
+from scse_dist.config import load_config
 from scse_dist.model import LoopedLM
 from scse_dist.train.engine import build_optimizer
 from scse_dist.train.update_clip import Layout, UpdateClippedAdamW
+from scse_dist.typed_yaml import ConfigError
 from train_procs import all_passed, run_ranks
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1

@@ -36,7 +36,6 @@ from scse_dist.checkpoint.tags import (
 from scse_dist.cli_errors import InputError
 from scse_dist.config import (
     SAVED_BEFORE,
-    ConfigError,
     OptimizerConfig,
     RunConfig,
     config_to_dict,
@@ -45,6 +44,7 @@ from scse_dist.config import (
 from scse_dist.config_paths import comparable
 from scse_dist.distributed import is_rank0
 from scse_dist.run_dir import CHECKPOINTS_NAME, OUTPUT_NAMES
+from scse_dist.typed_yaml import ConfigError
 
 # Moved aside by `train.start.resume: never` (the new run would append to or overwrite them).
 PREVIOUS_RUN_FILES = OUTPUT_NAMES

@@ -10,10 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from scse_dist.model.config import ConfigError
 from scse_dist.resources import EvalResources
 from scse_dist.task_registry import TASKS, Task, field_value, unknown_task
-from scse_dist.typed_yaml import build_dataclass
+from scse_dist.typed_yaml import ConfigError, build_dataclass
 
 
 @dataclass

@@ -9,7 +9,7 @@ import importlib
 
 _EXPORTS = {
     "Block": "blocks", "RMSNorm": "blocks", "residual_constants": "blocks",
-    "ConfigError": "config", "ModelConfig": "config", "check_model_fields": "config",
+    "ModelConfig": "config", "check_model_fields": "config",
     "ExitRule": "exit_rules", "parse_exit_rule": "exit_rules", "check_model_config": "transitions",
     "flops_per_token": "flops", "LMOutput": "looped_lm", "LoopedLM": "looped_lm",
     "LoopCore": "recurrence", "Transition": "transitions", "transition_for": "transitions",

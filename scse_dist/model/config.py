@@ -10,10 +10,6 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 
-class ConfigError(ValueError):
-    """A config field is unknown, mistyped or inconsistent. The message names the field."""
-
-
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3's RoPE frequency scaling (transformers' rope type `llama3`): wavelengths longer
@@ -89,7 +85,7 @@ class ModelConfig:
             try:
                 self.rope_scaling = RopeScaling(**self.rope_scaling)
             except TypeError as exc:
-                raise ConfigError(f"model.rope_scaling: {exc}") from None
+                raise ValueError(f"model.rope_scaling: {exc}") from None
 
     @property
     def resolved_ffn_hidden(self) -> int:
@@ -111,34 +107,34 @@ def check_model_fields(m: ModelConfig) -> None:
     runs the recurrence's own after these)."""
     for name in ("vocab_size", "d_model", "n_heads", "max_seq_len", "n_core", "depth"):
         if getattr(m, name) <= 0:
-            raise ConfigError(f"model.{name}: must be > 0, got {getattr(m, name)}")
+            raise ValueError(f"model.{name}: must be > 0, got {getattr(m, name)}")
     for name in ("n_prelude", "n_coda", "ffn_hidden"):
         if getattr(m, name) < 0:
-            raise ConfigError(f"model.{name}: must be >= 0, got {getattr(m, name)}")
+            raise ValueError(f"model.{name}: must be >= 0, got {getattr(m, name)}")
     if m.head_dim is None and (m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2):
-        raise ConfigError(f"model.n_heads: d_model={m.d_model} must split into {m.n_heads} heads "
+        raise ValueError(f"model.n_heads: d_model={m.d_model} must split into {m.n_heads} heads "
                           "of even width (RoPE rotates pairs), or set model.head_dim")
     if m.head_dim is not None and (m.head_dim <= 0 or m.head_dim % 2):
-        raise ConfigError(f"model.head_dim: must be even and > 0 (RoPE rotates pairs), got "
+        raise ValueError(f"model.head_dim: must be even and > 0 (RoPE rotates pairs), got "
                           f"{m.head_dim}")
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
-        raise ConfigError(f"model.n_kv_heads: must be > 0 and divide model.n_heads="
+        raise ValueError(f"model.n_kv_heads: must be > 0 and divide model.n_heads="
                           f"{m.n_heads}, got {m.n_kv_heads}")
     if m.residual_depth < 0:
-        raise ConfigError(f"model.residual_depth: must be >= 0 (0: model.depth), got "
+        raise ValueError(f"model.residual_depth: must be >= 0 (0: model.depth), got "
                           f"{m.residual_depth}")
     if m.branch_scale == "forward" and m.residual == "preln":
-        raise ConfigError("model.branch_scale: forward moves deepnorm/deeploop's beta into the "
+        raise ValueError("model.branch_scale: forward moves deepnorm/deeploop's beta into the "
                           "forward; residual=preln has no beta (use init, or a Post-LN residual)")
     if not m.loop_stability >= 0:  # also rejects NaN
-        raise ConfigError(f"model.loop_stability: must be >= 0, got {m.loop_stability}")
+        raise ValueError(f"model.loop_stability: must be >= 0, got {m.loop_stability}")
     r = m.rope_scaling
     if r is not None and not (r.factor >= 1 and 0 < r.low_freq_factor < r.high_freq_factor
                               and r.original_max_position_embeddings > 0):
-        raise ConfigError(f"model.rope_scaling: needs factor >= 1, 0 < low_freq_factor < "
+        raise ValueError(f"model.rope_scaling: needs factor >= 1, 0 < low_freq_factor < "
                           f"high_freq_factor and original_max_position_embeddings > 0, got {r}")
     if not 0.0 <= m.forcing_bias_scale <= 1.0:
-        raise ConfigError(f"model.forcing_bias_scale: must lie in [0, 1], got "
+        raise ValueError(f"model.forcing_bias_scale: must lie in [0, 1], got "
                           f"{m.forcing_bias_scale}")
 
 

@@ -65,7 +65,7 @@ PLAN_FLAGS = [
 def _plan_assumptions(args: argparse.Namespace):
     """(--world-size, --plan's flags as Assumptions); a plan flag without --plan is a one-line
     error (--world-size also goes with --dry-run)."""
-    from scse_dist.config import ConfigError
+    from scse_dist.typed_yaml import ConfigError
 
     given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
              for flag, *_ in PLAN_FLAGS}

@@ -12,11 +12,11 @@ from typing import Any, Literal, Optional
 
 from scse_dist.checkpoint.save_config import CheckpointConfig
 from scse_dist.checkpoint.start_config import StartConfig
-from scse_dist.model.config import ConfigError
 from scse_dist.train.batch_config import BatchConfig
 from scse_dist.train.engine_config import EngineConfig
 from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
+from scse_dist.typed_yaml import ConfigError
 
 
 @dataclass

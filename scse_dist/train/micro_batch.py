@@ -22,9 +22,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.train.engine import resolve_precision
 from scse_dist.train.sizing import GIB, state_memory, training_depths
+from scse_dist.typed_yaml import ConfigError
 
 # Why a candidate does not fit, or None when it does.
 WhyNot = Callable[[int], Optional[str]]

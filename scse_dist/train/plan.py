@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.train.sizing import (
     GIB,
     activation_memory,
@@ -21,6 +21,7 @@ from scse_dist.train.sizing import (
     state_memory,
     training_depths,
 )
+from scse_dist.typed_yaml import ConfigError
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ import importlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from scse_dist.config import CallbackSpec, ConfigError, RunConfig
+from scse_dist.config import CallbackSpec, RunConfig
 from scse_dist.train.callbacks.base import Callback
 from scse_dist.train.config import BUILT_INS
-from scse_dist.typed_yaml import _build as build_dataclass
+from scse_dist.typed_yaml import ConfigError, _build as build_dataclass
 
 
 def configured_callbacks(cfg: RunConfig) -> list[Callback]:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import RunConfig
+from scse_dist.typed_yaml import ConfigError
 
 if TYPE_CHECKING:  # annotations only: this module stays free of torch (config checks import it)
     from deepspeed import DeepSpeedEngine

@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.train.callbacks.base import Callback, TrainState, every
+from scse_dist.typed_yaml import ConfigError
 
 if TYPE_CHECKING:  # torch in the hooks only: config checks import this module
     import torch

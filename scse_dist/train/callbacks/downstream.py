@@ -13,10 +13,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.eval.curves import DOWNSTREAM_KIND, downstream_key
 from scse_dist.task_registry import TASKS, data_path, field_value, unknown_task
 from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every
+from scse_dist.typed_yaml import ConfigError
 
 if TYPE_CHECKING:
     import torch

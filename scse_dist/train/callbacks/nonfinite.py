@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from scse_dist.config import ConfigError
 from scse_dist.train.callbacks.base import Callback, TrainState
+from scse_dist.typed_yaml import ConfigError
 
 
 class NonFiniteCallback(Callback):

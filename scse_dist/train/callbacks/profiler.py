@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.run_dir import PROFILE_NAME
 from scse_dist.train.callbacks.base import Callback, TrainState
+from scse_dist.typed_yaml import ConfigError
 
 if TYPE_CHECKING:  # torch in the hooks only: config checks import this module
     import torch

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every
+from scse_dist.typed_yaml import ConfigError
 
 SAMPLE_KIND = "sample"
 

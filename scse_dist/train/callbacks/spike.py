@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.spike import Spike, SpikeDetector
+from scse_dist.typed_yaml import ConfigError
 
 
 class SpikeSkipCallback(Callback):
