@@ -21,6 +21,7 @@ from scse_dist.config_paths import forget_overridden, note_origins, resolve_path
 # RunConfig and re-exports them.
 from scse_dist.data.config import DataConfig
 from scse_dist.eval.config import EvalConfig
+from scse_dist.launch.config import LaunchConfig
 from scse_dist.model.config import VALUE_BEFORE_FIELD, ModelConfig  # noqa: F401
 from scse_dist.model.transitions import (  # noqa: F401
     check_model_config,
@@ -29,16 +30,11 @@ from scse_dist.model.transitions import (  # noqa: F401
 )
 from scse_dist.resources import EvalResources, Resources  # noqa: F401
 from scse_dist.train.batch_config import BatchConfig  # noqa: F401
-from scse_dist.train.config import (  # noqa: F401
-    CallbackSpec,
-    DepthLossConfig,
-    DepthSamplingConfig,
-    TensorBoardConfig,
-    TrainConfig,
-    WandbConfig,
-    largest_trained_depth,
-)
+from scse_dist.train.config import CallbackSpec, TrainConfig  # noqa: F401
+from scse_dist.train.depth_config import DepthSamplingConfig, largest_trained_depth  # noqa: F401
 from scse_dist.train.engine_config import EngineConfig  # noqa: F401
+from scse_dist.train.loss_config import DepthLossConfig  # noqa: F401
+from scse_dist.train.metrics_config import TensorBoardConfig, WandbConfig
 from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
 
@@ -67,6 +63,7 @@ class RunConfig:
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     # What the run's training job asks of a batch system (scse-launch); training never reads it.
     resources: Resources = field(default_factory=Resources)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
     def run_dir(self) -> str:
@@ -83,6 +80,7 @@ def _check_consistency(cfg: RunConfig) -> None:
     cfg.train.check()
     cfg.eval.check()
     cfg.tensorboard.check()
+    cfg.launch.check()
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds "
                           f"model.max_seq_len={cfg.model.max_seq_len}")
@@ -139,6 +137,8 @@ RENAMED_FIELDS = {"eval.wikitext": "eval.task_settings.wikitext.path",
                   "train.schedule": "train.schedule.kind",
                   "train.z_loss": "train.loss.z_loss",
                   "train.depth_loss": "train.loss.depth",
+                  "train.max_retries": "launch.max_retries",  # read by the launcher alone
+                  "train.start.max_retries": "launch.max_retries",
                   "train.checkpoint_every": "train.checkpoint.every",
                   "train.keep_checkpoints": "train.checkpoint.keep",
                   # the built-in callbacks' settings, now their train.callbacks entries'

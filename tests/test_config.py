@@ -202,14 +202,14 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
 
     config._noticed.clear()
     (tmp_path / "old.yaml").write_text(OLD_TRAIN)
-    t = load_config(tmp_path / "old.yaml").train
-    o, s = t.optimizer, t.schedule
+    cfg = load_config(tmp_path / "old.yaml")
+    t, o, s = cfg.train, cfg.train.optimizer, cfg.train.schedule
     assert (o.kind, o.lr, o.lr_mult, o.beta2, o.grad_clip, o.muon_lr, o.update_clip) == \
         ("muon", 2e-3, {"embed": 2.0}, 0.99, 0.5, 0.01, 1.0)
     assert (s.kind, s.warmup_steps, s.decay_steps, s.min_lr_ratio) == ("wsd", 4, 10, 0.0)
     assert (t.start.resume, t.start.init_from_strict, t.max_steps) == ("require", False, 40)
     assert (t.batch.micro_batch_size, t.batch.global_batch_size) == (2, 16)
-    assert (t.engine.zero_stage, t.engine.compile, t.start.max_retries) == (0, True, 0)
+    assert (t.engine.zero_stage, t.engine.compile, cfg.launch.max_retries) == (0, True, 0)
     assert (t.loss.z_loss, t.loss.depth.kind, t.loss.depth.short) == (1e-4, "two_depths", 3)
     assert (t.checkpoint.every, t.checkpoint.keep) == (7, 2)
     notices = capfd.readouterr().err.splitlines()
@@ -219,6 +219,8 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
         "for now" in notices
     assert "config: notice: train.micro_batch_size is now train.batch.micro_batch_size; the old " \
         "name is read for now" in notices
+    assert "config: notice: train.max_retries is now launch.max_retries; the old name is read " \
+        "for now" in notices
     assert len(notices) == 21  # one per old name in the file, once per process
     load_config(tmp_path / "old.yaml")
     assert capfd.readouterr().err == ""
@@ -232,7 +234,7 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
                              "train.schedule.kind=wsd", "train.schedule.warmup_steps=4",
                              "train.schedule.decay_steps=10", "train.schedule.min_lr_ratio=0",
                              "train.start.resume=require", "train.start.init_from_strict=false",
-                             "train.start.max_retries=0", "train.loss.z_loss=1e-4",
+                             "launch.max_retries=0", "train.loss.z_loss=1e-4",
                              "train.loss.depth.kind=two_depths", "train.loss.depth.short=3",
                              "train.checkpoint.every=7"])
     assert config_to_dict(new) == config_to_dict(load_config(tmp_path / "old.yaml"))
@@ -287,7 +289,8 @@ def test_a_saved_run_config_of_before_loads(tmp_path):
 def test_each_section_checks_itself_in_one_place(section, message):
     """A section built in code answers with the message the YAML loader gives: its check() is the
     one place its rules live (scse_dist.config only adds the checks across sections)."""
-    from scse_dist.config import DataConfig, DepthSamplingConfig, EvalConfig, TrainConfig
+    from scse_dist.config import DataConfig, EvalConfig, TrainConfig
+    from scse_dist.train.depth_config import DepthSamplingConfig
     built = {"data": DataConfig(heldout_fraction=1.0),
              "train": TrainConfig(depth=DepthSamplingConfig(sigma=0.0)),
              "eval": EvalConfig(batch_size=0)}[section]

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from scse_dist.config import DepthSamplingConfig, ModelConfig, load_config
+from scse_dist.config import ModelConfig, load_config
 from scse_dist.model import LoopedLM, flops_per_token
-from scse_dist.train.config import DepthCurriculumConfig
 from scse_dist.train.depth import depth_mean, sample_depth
+from scse_dist.train.depth_config import DepthCurriculumConfig, DepthSamplingConfig
 from scse_dist.train.dry_run import describe
 from scse_dist.train.sizing import training_depths
 from scse_dist.typed_yaml import ConfigError

@@ -311,8 +311,8 @@ class StudyReport:
 
 def _log_to_wandb(report: StudyReport, out: Path, mode: Literal["offline", "online", "disabled"],
                   images: dict[str, str]) -> None:
-    from scse_dist.config import WandbConfig
     from scse_dist.eval.results import log_to_wandb
+    from scse_dist.train.metrics_config import WandbConfig
 
     # The per-variant means in the single-run report's shape: one row per (variant, task).
     rows: dict[tuple[str, str], dict[int, dict]] = {}

@@ -46,7 +46,7 @@ class LoopDiagnosticsCallback(Callback):
         """Every every_steps steps (null: log_every), T = model.depth, up to the largest trained
         depth. Off for a model that does not loop (untied)."""
         from scse_dist.model.transitions import transition_for
-        from scse_dist.train.config import largest_trained_depth
+        from scse_dist.train.depth_config import largest_trained_depth
 
         t, m = cfg.train, cfg.model
         self.every = t.log_every if self.config.every_steps is None else self.config.every_steps
