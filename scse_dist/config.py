@@ -17,36 +17,22 @@ import yaml
 from scse_dist.checkpoint.start_config import StartConfig
 from scse_dist.config_paths import forget_overridden, note_origins, resolve_paths
 
-# Each section's dataclass sits beside the package it configures; this module composes them into
-# RunConfig and re-exports them.
+# Each section's dataclass sits beside the code it configures; this module composes them into
+# RunConfig and checks what spans them. It re-exports nothing: import a name from its module.
 from scse_dist.data.config import DataConfig
 from scse_dist.eval.config import EvalConfig
 from scse_dist.launch.config import LaunchConfig
-from scse_dist.model.config import VALUE_BEFORE_FIELD, ModelConfig  # noqa: F401
-from scse_dist.model.transitions import (  # noqa: F401
-    check_model_config,
-    resolved_anchor_scale,
-    transition_for,
-)
-from scse_dist.resources import EvalResources, Resources  # noqa: F401
-from scse_dist.train.batch_config import BatchConfig  # noqa: F401
-from scse_dist.train.config import CallbackSpec, TrainConfig  # noqa: F401
-from scse_dist.train.depth_config import DepthSamplingConfig, largest_trained_depth  # noqa: F401
-from scse_dist.train.engine_config import EngineConfig  # noqa: F401
-from scse_dist.train.loss_config import DepthLossConfig  # noqa: F401
+from scse_dist.model.config import VALUE_BEFORE_FIELD, ModelConfig
+from scse_dist.model.transitions import check_model_config, resolved_anchor_scale, transition_for
+from scse_dist.resources import Resources
+from scse_dist.train.batch_config import BatchConfig
+from scse_dist.train.config import TrainConfig
+from scse_dist.train.depth_config import largest_trained_depth
+from scse_dist.train.engine_config import EngineConfig
 from scse_dist.train.metrics_config import TensorBoardConfig, WandbConfig
 from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
-
-# The typed-YAML machinery; apply_overrides and deep_merge are part of this module's interface.
-from scse_dist.typed_yaml import (  # noqa: F401
-    ConfigError,  # noqa: F401
-    _build,
-    _parse_scalar,
-    _read_yaml,
-    apply_overrides,
-    deep_merge,
-)
+from scse_dist.typed_yaml import ConfigError, _build, _parse_scalar, _read_yaml, apply_overrides
 
 # --------------------------------------------------------------------------- the run config
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from recurrences import recurrences
-from scse_dist.config import ModelConfig, load_config
+from scse_dist.config import load_config
 from scse_dist.eval.perplexity import evaluate_heldout
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 from scse_dist.model.transitions import check_model_config
 from scse_dist.train import micro_batch as mb
 from scse_dist.train.step import train_step

@@ -289,7 +289,9 @@ def test_a_saved_run_config_of_before_loads(tmp_path):
 def test_each_section_checks_itself_in_one_place(section, message):
     """A section built in code answers with the message the YAML loader gives: its check() is the
     one place its rules live (scse_dist.config only adds the checks across sections)."""
-    from scse_dist.config import DataConfig, EvalConfig, TrainConfig
+    from scse_dist.data.config import DataConfig
+    from scse_dist.eval.config import EvalConfig
+    from scse_dist.train.config import TrainConfig
     from scse_dist.train.depth_config import DepthSamplingConfig
     built = {"data": DataConfig(heldout_fraction=1.0),
              "train": TrainConfig(depth=DepthSamplingConfig(sigma=0.0)),

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from scse_dist.config import ModelConfig, load_config
+from scse_dist.config import load_config
 from scse_dist.model import LoopedLM, flops_per_token
+from scse_dist.model.config import ModelConfig
 from scse_dist.train.depth import depth_mean, sample_depth
 from scse_dist.train.depth_config import DepthCurriculumConfig, DepthSamplingConfig
 from scse_dist.train.dry_run import describe

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from recurrences import over_recurrences
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 from scse_dist.param_groups import PARAM_GROUPS, group_of
 from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
 from scse_dist.train.core_probes import jacobian_gain, phi_jacobian, sublayer_ratios

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from scse_dist.config import BatchConfig, load_config
+from scse_dist.config import load_config
 from scse_dist.train import micro_batch as mb
+from scse_dist.train.batch_config import BatchConfig
 from scse_dist.typed_yaml import ConfigError
 from train_procs import TRAIN
 

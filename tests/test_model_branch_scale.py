@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scse_dist.config import ModelConfig
 from scse_dist.model import Block, LoopedLM
 from scse_dist.model.blocks import rope_tables
+from scse_dist.model.config import ModelConfig
 
 BETA_MATRICES = ("attn.proj.weight", "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")
 

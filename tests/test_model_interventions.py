@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM, residual_constants
+from scse_dist.model.config import ModelConfig
 from scse_dist.model.recurrence import stability_penalty
 from scse_dist.model.transitions import transition_for
 from scse_dist.train.diagnostics import loop_diagnostics

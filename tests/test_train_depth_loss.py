@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scse_dist.config import ModelConfig, load_config
+from scse_dist.config import load_config
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 from scse_dist.train.depth import short_depth_loss
 from scse_dist.train.step import train_step
 from scse_dist.typed_yaml import ConfigError

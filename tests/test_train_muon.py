@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from scse_dist.config import OptimizerConfig, RunConfig, TrainConfig, load_config
+from scse_dist.config import RunConfig, load_config
 from scse_dist.model import LoopedLM, ModelConfig
+from scse_dist.train.config import TrainConfig
+from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.typed_yaml import ConfigError
 from train_procs import all_passed, read_metrics, run_ranks, train_ranks
 

@@ -177,8 +177,8 @@ class StageZeroEngine:
 # the refused first step never calls AdamW's step, which torch's scheduler notices
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_the_gate_sees_the_norm_before_clipping_and_a_refusal_leaves_weights_and_state():
-    from scse_dist.config import ModelConfig
     from scse_dist.model import LoopedLM
+    from scse_dist.model.config import ModelConfig
     from scse_dist.train.step import train_step
 
     torch.manual_seed(0)

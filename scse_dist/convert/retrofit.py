@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from scse_dist.cli_errors import InputError
-from scse_dist.config import ModelConfig, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.convert.layer_map import LayerMap, default_map, layer_map
+from scse_dist.model.config import ModelConfig
 from scse_dist.typed_yaml import ConfigError
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """The `data:` section of a run config (docs/config.md): where the token shards are and how they
-are read. It imports only the model's ConfigError, so the config loads without the data stack."""
+are read. It imports only typed_yaml's ConfigError, so the config loads without the data stack."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Self-contained: nothing here imports the rest of scse_dist (relative imports only), so the
 package can be copied verbatim, under any name, into an export as remote code. Names load lazily
-so that `scse_dist.config` (which re-exports `.config`) does not import torch.
+so that `scse_dist.config` (which imports `.config`) does not import torch.
 """
 
 import importlib

@@ -1,7 +1,8 @@
 """The model's config: `ModelConfig` and the checks of its fields (a leaf: it imports nothing).
 
 What depends on the recurrence lives on its `Transition` (transitions.py), as does
-`check_model_config`, the full check; `scse_dist.config` re-exports these.
+`check_model_config`, the full check. The checks raise a plain ValueError (the model imports
+nothing of the config layer); `scse_dist.config.check_model` makes it a ConfigError.
 """
 
 from __future__ import annotations

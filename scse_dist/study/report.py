@@ -15,7 +15,8 @@ from typing import Any, Literal, Optional, Sequence
 
 from scse_dist.atomic import output_dir
 from scse_dist.cli_errors import cli_main
-from scse_dist.config import ModelConfig, RunConfig
+from scse_dist.config import RunConfig
+from scse_dist.model.config import ModelConfig
 from scse_dist.model.transitions import transition_for
 from scse_dist.study import factorial, prereg
 from scse_dist.study.collect import Study, finite, load_study

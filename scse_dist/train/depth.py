@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from scse_dist.config import TrainConfig
+from scse_dist.train.config import TrainConfig
 from scse_dist.train.depth_config import DepthSamplingConfig
 
 

@@ -10,9 +10,9 @@ import importlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from scse_dist.config import CallbackSpec, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.train.callbacks.base import Callback
-from scse_dist.train.config import BUILT_INS
+from scse_dist.train.config import BUILT_INS, CallbackSpec
 from scse_dist.typed_yaml import ConfigError, _build as build_dataclass
 
 
