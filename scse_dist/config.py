@@ -66,7 +66,6 @@ def _check_consistency(cfg: RunConfig) -> None:
     cfg.train.check()
     cfg.eval.check()
     cfg.tensorboard.check()
-    cfg.launch.check()
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds "
                           f"model.max_seq_len={cfg.model.max_seq_len}")

@@ -133,9 +133,9 @@ def test_config_fields_and_refusals() -> None:
     assert isinstance(muon.aux_optimizer, UpdateClippedAdamW)
     for overrides, message in [
             (["train.optimizer.update_clip=-1"],
-             "train.optimizer.update_clip: must be a finite threshold >= 0"),
+             "train.optimizer.update_clip: must be a finite number >= 0"),
             (["train.optimizer.update_clip=nan"],
-             "train.optimizer.update_clip: must be a finite threshold >= 0"),
+             "train.optimizer.update_clip: must be a finite number >= 0"),
             (["train.optimizer.update_clip=1", "train.optimizer.kind=deepspeed_fused_adam"],
              "train.optimizer.update_clip: DeepSpeed's FusedAdam has no per-tensor update "
              "clipping"),

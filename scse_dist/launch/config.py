@@ -3,17 +3,11 @@ its `resources:` (scse_dist.launch.run_job reads it; training never does). Torch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from scse_dist.typed_yaml import ConfigError
+from dataclasses import dataclass, field
 
 
 @dataclass
 class LaunchConfig:
     # Requeues of a crashed training job (any exit but 0, 2, 3, 4, 65, 66, 75, 130) on a batch
     # system that can (Slurm); the same failure at the same step twice stops sooner. 0: never.
-    max_retries: int = 2
-
-    def check(self) -> None:
-        if self.max_retries < 0:
-            raise ConfigError(f"launch.max_retries: must be >= 0, got {self.max_retries}")
+    max_retries: int = field(default=2, metadata={"ge": 0})

@@ -54,14 +54,14 @@ CALLBACK_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-
 @dataclass
 class TrainConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
-    max_steps: int = 200
+    max_steps: int = field(default=200, metadata={"gt": 0})
     engine: EngineConfig = field(default_factory=EngineConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     start: StartConfig = field(default_factory=StartConfig)
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    log_every: int = 10
+    log_every: int = field(default=10, metadata={"gt": 0})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
     # name -> entry: the built-ins (built_in_entries), then the user's; an entry naming a
@@ -78,18 +78,13 @@ class TrainConfig:
             self.callbacks[name] = spec
 
     def check(self) -> None:
-        """Values no run can train with (one ConfigError naming the field), train.depth's too."""
-        for name in ("max_steps", "log_every"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"train.{name}: must be > 0, got {getattr(self, name)}")
+        """Combinations no run can train with (one ConfigError naming the field), its sections'
+        too; each field's bounds are declared on it (typed_yaml checks them)."""
         self.batch.check()
-        self.checkpoint.check()
         self.depth.check()
-        self.loss.check()
         self.optimizer.check()
         self.schedule.check(self.max_steps)
         self.start.check()
-        self.engine.check()
         self._check_optimizer_zero()
         for name, spec in self.callbacks.items():
             if not CALLBACK_PATH.fullmatch(spec.class_path):

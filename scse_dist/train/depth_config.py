@@ -15,42 +15,24 @@ class DepthCurriculumConfig:
     first `fraction` of train.max_steps, `linear` or `1-sqrt` (scse_dist.train.depth)."""
 
     shape: Literal["none", "linear", "1-sqrt"] = "none"
-    start: float = 1.0
-    fraction: float = 0.25
-
-    def check(self) -> None:
-        if self.shape not in ("none", "linear", "1-sqrt"):
-            raise ConfigError(f"train.depth.curriculum.shape: expected none, linear or 1-sqrt, "
-                              f"got {self.shape!r}")
-        if not 1 <= self.start < float("inf"):  # also rejects NaN
-            raise ConfigError(f"train.depth.curriculum.start: must be >= 1, got {self.start}")
-        if not 0 < self.fraction <= 1:
-            raise ConfigError(f"train.depth.curriculum.fraction: must be > 0 and <= 1, got "
-                              f"{self.fraction}")
+    start: float = field(default=1.0, metadata={"ge": 1, "finite": True})
+    fraction: float = field(default=0.25, metadata={"gt": 0, "le": 1})
 
 
 @dataclass
 class DepthSamplingConfig:
     # fixed: T = model.depth; uniform: U{min, max} (max 0: 2*model.depth); poisson_lognormal
     kind: Literal["fixed", "uniform", "poisson_lognormal"] = "fixed"
-    min: int = 2
+    min: int = field(default=2, metadata={"gt": 0})
     max: int = 0
-    sigma: float = 0.5
+    sigma: float = field(default=0.5, metadata={"gt": 0})
     # Backpropagate through only the last k loop steps (0: all of them).
-    backprop_steps: int = 0
+    backprop_steps: int = field(default=0, metadata={"ge": 0})
     curriculum: DepthCurriculumConfig = field(default_factory=DepthCurriculumConfig)
 
     def check(self) -> None:
-        self.curriculum.check()
-        if self.min <= 0:
-            raise ConfigError(f"train.depth.min: must be > 0, got {self.min}")
-        if self.backprop_steps < 0:
-            raise ConfigError(f"train.depth.backprop_steps: must be >= 0, got "
-                              f"{self.backprop_steps}")
         if self.kind == "uniform" and self.max and self.max < self.min:
             raise ConfigError(f"train.depth.max: {self.max} is below train.depth.min={self.min}")
-        if self.sigma <= 0:
-            raise ConfigError(f"train.depth.sigma: must be > 0, got {self.sigma}")
 
 
 def largest_trained_depth(sampling: DepthSamplingConfig, mean_depth: int) -> int:

@@ -8,12 +8,11 @@ at ZeRO-1/2 every rank joins the all-reduces, only rank 0 runs the forward.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from scse_dist.config import RunConfig
 from scse_dist.train.callbacks.base import Callback, TrainState, every
-from scse_dist.typed_yaml import ConfigError
 
 if TYPE_CHECKING:  # torch in the hooks only: config checks import this module
     import torch
@@ -26,11 +25,8 @@ class LoopDiagnosticsCallback(Callback):
 
     @dataclass
     class Config:
-        every_steps: Optional[int] = None  # null: train.log_every; 0: off
-
-        def __post_init__(self) -> None:
-            if self.every_steps is not None and self.every_steps < 0:
-                raise ConfigError(f"every_steps: must be >= 0, got {self.every_steps}")
+        # null: train.log_every; 0: off
+        every_steps: Optional[int] = field(default=None, metadata={"ge": 0})
 
     priority = 400
 

@@ -45,12 +45,7 @@ class DownstreamEvalCallback(Callback):
     @dataclass
     class Config(Cadence):
         tasks: list[str] = field(default_factory=list)
-        max_examples: int = 0  # per task and evaluation (0: all)
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            if self.max_examples < 0:
-                raise ConfigError(f"max_examples: must be >= 0, got {self.max_examples}")
+        max_examples: int = field(default=0, metadata={"ge": 0})  # per task and evaluation (0: all)
 
         def check(self, run: RunConfig) -> None:
             able = [name for name, task in TASKS.items() if task.downstream]
