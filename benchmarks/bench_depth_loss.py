@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 
 DEPTH, SHORT, WEIGHT = 4, 2, 0.5
 

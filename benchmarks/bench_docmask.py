@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 from scse_dist.model.documents import backend_for, document_ids
 
 EOS = 2

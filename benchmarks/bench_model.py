@@ -32,8 +32,8 @@ import time
 import torch
 
 from proc_memory import run_child, status_kib  # benchmarks/, beside this script
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM, flops_per_token
+from scse_dist.model.config import ModelConfig
 
 
 def model_config(quick: bool, **kw) -> ModelConfig:

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 
 RECURRENCES = ("untied", "looped", "additive", "scse")
 

@@ -113,7 +113,7 @@ def write_json(path: Path, value: Any) -> None:
 
 def build_data(root: Path, vocab: int) -> Path:
     """The tiny corpus (shards/ + tokenizer.model: the quickstart's stdlib docstrings) in root."""
-    from scse_dist.config import DataConfig
+    from scse_dist.data.config import DataConfig
     from scse_dist.data.quickstart import ensure_data
 
     ensure_data(DataConfig(path=str(root / "shards"), tokenizer=str(root / "tokenizer.model"),

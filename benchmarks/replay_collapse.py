@@ -56,8 +56,8 @@ def replay(cfg: Any, run_dir: Path, tag: str, way: str, steps: int, window: Any
     from scse_dist.data.preflight import load_run_tokenizer
     from scse_dist.data.stream import TokenStream
     from scse_dist.model import LoopedLM
-    from scse_dist.train.config import largest_trained_depth
     from scse_dist.train.depth import sample_depth
+    from scse_dist.train.depth_config import largest_trained_depth
     from scse_dist.train.diagnostics import loop_diagnostics
     from scse_dist.train.engine import build_engine
     from scse_dist.train.step import train_step

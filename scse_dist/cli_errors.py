@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
 
 from scse_dist.atomic import NO_SPACE_ERRNOS, NoSpaceError
-from scse_dist.config import ConfigError
+from scse_dist.typed_yaml import ConfigError
 
 EXIT_CONFIG = 2
 EXIT_BAD_INPUT = 65

@@ -17,39 +17,22 @@ import yaml
 from scse_dist.checkpoint.start_config import StartConfig
 from scse_dist.config_paths import forget_overridden, note_origins, resolve_paths
 
-# Each section's dataclass sits beside the package it configures; this module composes them into
-# RunConfig and re-exports them.
+# Each section's dataclass sits beside the code it configures; this module composes them into
+# RunConfig and checks what spans them. It re-exports nothing: import a name from its module.
 from scse_dist.data.config import DataConfig
 from scse_dist.eval.config import EvalConfig
-from scse_dist.model.config import VALUE_BEFORE_FIELD, ConfigError, ModelConfig  # noqa: F401
-from scse_dist.model.transitions import (  # noqa: F401
-    check_model_config,
-    resolved_anchor_scale,
-    transition_for,
-)
-from scse_dist.resources import EvalResources, Resources  # noqa: F401
-from scse_dist.train.batch_config import BatchConfig  # noqa: F401
-from scse_dist.train.config import (  # noqa: F401
-    CallbackSpec,
-    DepthLossConfig,
-    DepthSamplingConfig,
-    TensorBoardConfig,
-    TrainConfig,
-    WandbConfig,
-    largest_trained_depth,
-)
-from scse_dist.train.engine_config import EngineConfig  # noqa: F401
+from scse_dist.launch.config import LaunchConfig
+from scse_dist.model.config import VALUE_BEFORE_FIELD, ModelConfig
+from scse_dist.model.transitions import check_model_config, resolved_anchor_scale, transition_for
+from scse_dist.resources import Resources
+from scse_dist.train.batch_config import BatchConfig
+from scse_dist.train.config import TrainConfig
+from scse_dist.train.depth_config import largest_trained_depth
+from scse_dist.train.engine_config import EngineConfig
+from scse_dist.train.metrics_config import TensorBoardConfig, WandbConfig
 from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
-
-# The typed-YAML machinery; apply_overrides and deep_merge are part of this module's interface.
-from scse_dist.typed_yaml import (  # noqa: F401
-    _build,
-    _parse_scalar,
-    _read_yaml,
-    apply_overrides,
-    deep_merge,
-)
+from scse_dist.typed_yaml import ConfigError, _build, _parse_scalar, _read_yaml, apply_overrides
 
 # --------------------------------------------------------------------------- the run config
 
@@ -66,6 +49,7 @@ class RunConfig:
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     # What the run's training job asks of a batch system (scse-launch); training never reads it.
     resources: Resources = field(default_factory=Resources)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
     def run_dir(self) -> str:
@@ -77,7 +61,7 @@ class RunConfig:
 
 def _check_consistency(cfg: RunConfig) -> None:
     """The whole config: each section's own check (model first), then what spans sections."""
-    check_model_config(cfg.model)
+    check_model(cfg.model)
     cfg.data.check()
     cfg.train.check()
     cfg.eval.check()
@@ -91,6 +75,15 @@ def _check_consistency(cfg: RunConfig) -> None:
     _check_depth_loss(cfg)
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"name: must be a non-empty run name without '/', got {cfg.name!r}")
+
+
+def check_model(model: ModelConfig) -> None:
+    """The model's own check (transitions.check_model_config) as a ConfigError: the model
+    imports nothing of the config layer, so its checks raise a plain ValueError."""
+    try:
+        check_model_config(model)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_depth_loss(cfg: RunConfig) -> None:
@@ -129,6 +122,8 @@ RENAMED_FIELDS = {"eval.wikitext": "eval.task_settings.wikitext.path",
                   "train.schedule": "train.schedule.kind",
                   "train.z_loss": "train.loss.z_loss",
                   "train.depth_loss": "train.loss.depth",
+                  "train.max_retries": "launch.max_retries",  # read by the launcher alone
+                  "train.start.max_retries": "launch.max_retries",
                   "train.checkpoint_every": "train.checkpoint.every",
                   "train.keep_checkpoints": "train.checkpoint.keep",
                   # the built-in callbacks' settings, now their train.callbacks entries'

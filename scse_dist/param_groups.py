@@ -22,7 +22,7 @@ import math
 import re
 from typing import Any, Iterable, Mapping
 
-from scse_dist.model.config import ConfigError
+from scse_dist.typed_yaml import ConfigError
 
 PARAM_GROUPS = ("embed", "head", "prelude", "anchor", "adapter", "core_attn", "core_mlp", "coda",
                 "norm")

@@ -1,6 +1,7 @@
 """Typed YAML: a dataclass built from a nested dict with every value checked against its field's
-type (one `ConfigError` naming the field), `key.sub=value` overrides, and YAML files that overlay
-a `base:` file. Generic: the run config and study specs use it."""
+type and the bounds its metadata declares (model.config.bound_problem; one `ConfigError` naming the
+field), `key.sub=value` overrides, and YAML files that overlay a `base:` file. Generic: the run
+config, study specs and callbacks' Configs use it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import yaml
 
-from scse_dist.model.config import ConfigError
+from scse_dist.model.config import bound_problem
+
+
+class ConfigError(ValueError):
+    """A config field is unknown, mistyped or inconsistent. The message names the field."""
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -95,20 +100,24 @@ def _coerce_union(value: Any, members: tuple, where: str) -> Any:
 
 def _build(cls: type, values: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
         where = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(names)}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(fields)}"
             raise ConfigError(f"{where}: unknown field{hint}")
         kwargs[key] = _coerce(value, hints[key], where)
+        problem = bound_problem(fields[key], kwargs[key])
+        if problem:
+            raise ConfigError(f"{where}: {problem}")
     return cls(**kwargs)
 
 
 def build_dataclass(cls: type, values: dict, prefix: str = "") -> Any:
-    """`cls` from `values`, each checked against its field's type (ConfigError naming it)."""
+    """`cls` from `values`, each checked against its field's type and bounds (ConfigError naming
+    it)."""
     return _build(cls, values, prefix)
 
 

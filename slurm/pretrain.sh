@@ -10,7 +10,7 @@
 # script's own lines in RUN/logs/<job>_batch.out (slurm-scse-pretrain-<job>.out in the submit
 # directory only holds an error from before the run dir is known, e.g. a bad config).
 # Exit 75 (preempted: SIGUSR1 120 s before the limit, checkpoint saved) requeues the job; a crash
-# is requeued by the job itself up to train.start.max_retries times (docs/launching.md).
+# is requeued by the job itself up to launch.max_retries times (docs/launching.md).
 # $SCSE_PYTHON: the interpreter to run (default: python on the submitting shell's PATH).
 #SBATCH --job-name=scse-pretrain
 #SBATCH --nodes=1

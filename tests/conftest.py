@@ -163,7 +163,7 @@ def tiny_config(tiny_data) -> Callable[..., str]:
 
     Runs go to directory/runs/tiny. Overrides use the CLI's `key.sub=value` syntax.
     """
-    from scse_dist.config import apply_overrides
+    from scse_dist.typed_yaml import apply_overrides
 
     def make(directory: str | os.PathLike, *overrides: str) -> str:
         directory = Path(directory)

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from recurrences import recurrences
-from scse_dist.config import ConfigError, ModelConfig, load_config
+from scse_dist.config import load_config
 from scse_dist.eval.perplexity import evaluate_heldout
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 from scse_dist.model.transitions import check_model_config
 from scse_dist.train import micro_batch as mb
 from scse_dist.train.step import train_step
@@ -33,7 +34,7 @@ def _variants() -> list[dict]:
             continue  # the anchor fields mean nothing without one: each such model once
         try:
             check_model_config(ModelConfig(**fields))
-        except ConfigError:
+        except ValueError:
             continue
         found.append(fields)
     return found

@@ -234,7 +234,7 @@ def test_only_bad_input_becomes_a_line_a_bug_still_raises(capsys):
     import json
 
     from scse_dist.cli_errors import InputError, cli_main
-    from scse_dist.config import ConfigError
+    from scse_dist.typed_yaml import ConfigError
 
     def command(exc):
         @cli_main("scse-x")

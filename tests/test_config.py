@@ -1,12 +1,14 @@
 """Config loading: YAML + overrides map onto typed fields; bad input names the field."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import yaml
 
-from scse_dist.config import ConfigError, config_to_dict, load_config, save_config
+from scse_dist.config import config_to_dict, load_config, save_config
 from scse_dist.model.transitions import transition_for
+from scse_dist.typed_yaml import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,7 +51,7 @@ def test_untied_param_match_has_no_loop_visits():
      "model.zero_mask: the zero-deviation mask belongs to forcing_bias_scale=0"),
     ("model.forcing_bias_scale=1.5", "model.forcing_bias_scale: must lie in [0, 1], got 1.5"),
     ("model.n_heads=3", "model.n_heads: d_model=256 must split into 3 heads"),
-    ("train.engine.zero_stage=4", "train.engine.zero_stage: must be 0, 1, 2 or 3, got 4"),
+    ("train.engine.zero_stage=4", "train.engine.zero_stage: must lie in [0, 3], got 4"),
     ("train.engine.compile=yes please",
      "train.engine.compile: expected true or false, got 'yes please'"),
     ("data.seq_len=4096", "data.seq_len: 4096 exceeds model.max_seq_len=256"),
@@ -201,14 +203,14 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
 
     config._noticed.clear()
     (tmp_path / "old.yaml").write_text(OLD_TRAIN)
-    t = load_config(tmp_path / "old.yaml").train
-    o, s = t.optimizer, t.schedule
+    cfg = load_config(tmp_path / "old.yaml")
+    t, o, s = cfg.train, cfg.train.optimizer, cfg.train.schedule
     assert (o.kind, o.lr, o.lr_mult, o.beta2, o.grad_clip, o.muon_lr, o.update_clip) == \
         ("muon", 2e-3, {"embed": 2.0}, 0.99, 0.5, 0.01, 1.0)
     assert (s.kind, s.warmup_steps, s.decay_steps, s.min_lr_ratio) == ("wsd", 4, 10, 0.0)
     assert (t.start.resume, t.start.init_from_strict, t.max_steps) == ("require", False, 40)
     assert (t.batch.micro_batch_size, t.batch.global_batch_size) == (2, 16)
-    assert (t.engine.zero_stage, t.engine.compile, t.start.max_retries) == (0, True, 0)
+    assert (t.engine.zero_stage, t.engine.compile, cfg.launch.max_retries) == (0, True, 0)
     assert (t.loss.z_loss, t.loss.depth.kind, t.loss.depth.short) == (1e-4, "two_depths", 3)
     assert (t.checkpoint.every, t.checkpoint.keep) == (7, 2)
     notices = capfd.readouterr().err.splitlines()
@@ -218,6 +220,8 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
         "for now" in notices
     assert "config: notice: train.micro_batch_size is now train.batch.micro_batch_size; the old " \
         "name is read for now" in notices
+    assert "config: notice: train.max_retries is now launch.max_retries; the old name is read " \
+        "for now" in notices
     assert len(notices) == 21  # one per old name in the file, once per process
     load_config(tmp_path / "old.yaml")
     assert capfd.readouterr().err == ""
@@ -231,7 +235,7 @@ def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_
                              "train.schedule.kind=wsd", "train.schedule.warmup_steps=4",
                              "train.schedule.decay_steps=10", "train.schedule.min_lr_ratio=0",
                              "train.start.resume=require", "train.start.init_from_strict=false",
-                             "train.start.max_retries=0", "train.loss.z_loss=1e-4",
+                             "launch.max_retries=0", "train.loss.z_loss=1e-4",
                              "train.loss.depth.kind=two_depths", "train.loss.depth.short=3",
                              "train.checkpoint.every=7"])
     assert config_to_dict(new) == config_to_dict(load_config(tmp_path / "old.yaml"))
@@ -278,26 +282,67 @@ def test_a_saved_run_config_of_before_loads(tmp_path):
     assert (t.optimizer.kind, t.schedule.kind) == ("torch_adamw", "cosine")
 
 
-@pytest.mark.parametrize("section, message", [
-    ("data", "data.heldout_fraction: must lie in [0, 1), got 1.0"),
-    ("train", "train.depth.sigma: must be > 0, got 0.0"),
-    ("eval", "eval.batch_size: must be > 0, got 0"),
+@pytest.mark.parametrize("cls, override, message", [
+    ("DataConfig", "data.heldout_fraction=1.0", "must lie in [0, 1), got 1.0"),
+    ("DepthSamplingConfig", "train.depth.sigma=0", "must be > 0, got 0.0"),
+    ("EvalConfig", "eval.batch_size=0", "must be > 0, got 0"),
+    ("ModelConfig", "model.loop_stability=.nan", "must be >= 0, got nan"),
+    ("LossConfig", "train.loss.z_loss=.inf", "must be a finite number >= 0, got inf"),
 ])
-def test_each_section_checks_itself_in_one_place(section, message):
-    """A section built in code answers with the message the YAML loader gives: its check() is the
-    one place its rules live (scse_dist.config only adds the checks across sections)."""
-    from scse_dist.config import DataConfig, DepthSamplingConfig, EvalConfig, TrainConfig
-    built = {"data": DataConfig(heldout_fraction=1.0),
-             "train": TrainConfig(depth=DepthSamplingConfig(sigma=0.0)),
-             "eval": EvalConfig(batch_size=0)}[section]
+def test_bounds_are_declared_on_the_fields_and_checked_in_one_place(cls, override, message):
+    """A field's bounds are its metadata, and the loader checks them for every dataclass it
+    builds (build_dataclass: each section, a task's settings, a callback's Config); a config file
+    or an override gets the same message."""
+    from scse_dist.data.config import DataConfig
+    from scse_dist.eval.config import EvalConfig
+    from scse_dist.model.config import ModelConfig
+    from scse_dist.train.depth_config import DepthSamplingConfig
+    from scse_dist.train.loss_config import LossConfig
+    from scse_dist.typed_yaml import build_dataclass
+
+    built = {"DataConfig": DataConfig, "DepthSamplingConfig": DepthSamplingConfig,
+             "EvalConfig": EvalConfig, "ModelConfig": ModelConfig, "LossConfig": LossConfig}[cls]
+    key, raw = override.split("=")
+    where, name = key.rsplit(".", 1)
     with pytest.raises(ConfigError) as err:
-        built.check()
-    assert str(err.value) == message
-    override = {"data": "data.heldout_fraction=1.0", "train": "train.depth.sigma=0",
-                "eval": "eval.batch_size=0"}[section]
+        build_dataclass(built, {name: yaml.safe_load(raw)}, where)
+    assert str(err.value) == f"{key}: {message}"
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
-    assert str(err.value) == f"{message} (on the command line: {override})"
+    assert str(err.value) == f"{key}: {message} (on the command line: {override})"
+
+
+def test_every_declared_bound_is_known_and_holds_for_its_default():
+    """Each bound a field declares is one the loader knows (a misspelt one would check nothing),
+    and each default lies within its field's bounds: the sections, tasks' settings, callbacks."""
+    import importlib
+    import typing
+
+    from scse_dist.config import RunConfig
+    from scse_dist.model.config import BOUNDS, bound_problem
+    from scse_dist.task_registry import TASKS
+    from scse_dist.train.config import BUILT_IN_CALLBACKS, BUILT_INS
+
+    callbacks = [getattr(importlib.import_module(f"{BUILT_INS}.{path.split(':')[0]}"),
+                         path.split(":")[1]) for path in BUILT_IN_CALLBACKS.values()]
+    todo = [RunConfig, *(t.settings for t in TASKS.values() if t.settings),
+            *(c.Config for c in callbacks if c.Config is not None)]
+    seen, bounded = set(), 0
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            assert set(f.metadata) <= {*BOUNDS, "finite", "note"}, (cls, f.name)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+                else f.default
+            assert bound_problem(f, default) is None, (cls, f.name)
+            bounded += bool(f.metadata)
+            todo += [t for t in (hints[f.name], *typing.get_args(hints[f.name]))
+                     if dataclasses.is_dataclass(t)]
+    assert bounded >= 50, bounded
 
 
 # The built-in callbacks' old settings (now their train.callbacks entries'), as a saved run's

@@ -16,7 +16,8 @@ from hypothesis import assume, given, settings, strategies as st
 
 from conftest import console_script
 from scse_dist.cli_errors import EXIT_CONFIG, cli_main
-from scse_dist.config import RunConfig, apply_overrides, config_from_dict
+from scse_dist.config import RunConfig, config_from_dict
+from scse_dist.typed_yaml import apply_overrides
 
 # repeatable: the same examples every run, none saved in the checkout
 SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, database=None)

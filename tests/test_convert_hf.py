@@ -234,12 +234,13 @@ def test_a_missing_folder_or_unreachable_hub_id_is_exit_66(tmp_path, capsys, mon
 @pytest.mark.parametrize("bad", [dict(factor=0.5), dict(low_freq_factor=4.0, high_freq_factor=1.0),
                                  dict(original_max_position_embeddings=0)])
 def test_a_rope_scaling_that_is_not_one_is_a_config_error(bad):
-    from scse_dist.config import ConfigError, check_model_config
+    from scse_dist.config import check_model
     from scse_dist.model.config import RopeScaling
+    from scse_dist.typed_yaml import ConfigError
 
     with pytest.raises(ConfigError, match="model.rope_scaling"):
-        check_model_config(ModelConfig(rope_scaling=RopeScaling(**bad)))
-    check_model_config(ModelConfig(rope_scaling=RopeScaling()))  # the defaults are Llama 3.1's
+        check_model(ModelConfig(rope_scaling=RopeScaling(**bad)))
+    check_model(ModelConfig(rope_scaling=RopeScaling()))  # the defaults are Llama 3.1's
 
 
 @pytest.mark.parametrize("recurrence", ["scse", "additive", "looped"])

@@ -9,8 +9,8 @@ import textwrap
 import pytest
 import torch
 
-from scse_dist.config import DataConfig
 from scse_dist.data.cli import main
+from scse_dist.data.config import DataConfig
 from scse_dist.data.index import read_index
 from scse_dist.data.quickstart import ensure_data, stdlib_documents
 from scse_dist.data.stream import TokenStream

@@ -129,7 +129,7 @@ def test_brace_pattern_selects_shards(tmp_path):
                        match="2 shard.*not listed in .*index.json, e.g. .*train-000998.tar"):
         TokenStream(f"{out}/train-{{000998..000999}}.tar")
     # the trainer's start-up check finds the pattern's index (it looked for PATTERN/index.json)
-    from scse_dist.config import DataConfig
+    from scse_dist.data.config import DataConfig
     from scse_dist.data.quickstart import needs_build
 
     assert needs_build(DataConfig(path=f"{out}/train-{{000000..000001}}.tar")) is False

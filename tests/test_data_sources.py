@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT, console_script, run_profiling_imports
-from scse_dist.config import ConfigError
 from scse_dist.data.cli import main
 from scse_dist.data.source_registry import SOURCES, by_priority, source_of
 from scse_dist.data.sources import iter_documents, list_units
+from scse_dist.typed_yaml import ConfigError
 from toy_source import TOY, document
 
 LAYOUT = ["--heldout-fraction", "0.1", "--sample-tokens", "500", "--shard-mb", "0.002",

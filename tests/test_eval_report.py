@@ -102,7 +102,7 @@ def test_a_run_without_results_and_a_broken_json_are_named(tmp_path):
 
 
 def test_report_numbers_go_to_an_offline_wandb_run_in_the_group(tmp_path, monkeypatch):
-    from scse_dist.config import WandbConfig
+    from scse_dist.train.metrics_config import WandbConfig
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = _run(tmp_path, "scse", "scse", {1: 40.0, 8: 20.0})

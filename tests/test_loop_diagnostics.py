@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 from scse_dist.param_groups import SHARE_GROUPS, share_group_of
 from scse_dist.train.callbacks.diagnostics import LoopDiagnosticsCallback
-from scse_dist.train.config import DepthSamplingConfig, TrainConfig
+from scse_dist.train.config import TrainConfig
+from scse_dist.train.depth_config import DepthSamplingConfig
 from scse_dist.train.diagnostics import gradient_shares, loop_diagnostics
 from scse_dist.train.metrics import format_line
 

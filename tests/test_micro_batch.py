@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from scse_dist.config import BatchConfig, ConfigError, load_config
+from scse_dist.config import load_config
 from scse_dist.train import micro_batch as mb
+from scse_dist.train.batch_config import BatchConfig
+from scse_dist.typed_yaml import ConfigError
 from train_procs import TRAIN
 
 MIB = 2**20

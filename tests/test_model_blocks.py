@@ -9,9 +9,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from recurrences import over_recurrences
-from scse_dist.config import ModelConfig
 from scse_dist.model import Block, LoopedLM, RMSNorm, flops_per_token, residual_constants
 from scse_dist.model.blocks import apply_rope, rope_tables
+from scse_dist.model.config import ModelConfig
 from scse_dist.model.transitions import transition_for
 
 

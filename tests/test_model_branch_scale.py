@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scse_dist.config import ConfigError, ModelConfig
 from scse_dist.model import Block, LoopedLM
 from scse_dist.model.blocks import rope_tables
+from scse_dist.model.config import ModelConfig
 
 BETA_MATRICES = ("attn.proj.weight", "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")
 
@@ -112,7 +112,7 @@ def test_one_adamw_step_moves_the_branch_beta_times_as_far() -> None:
 
 
 def test_forward_needs_a_post_ln_residual() -> None:
-    with pytest.raises(ConfigError, match=r"^model.branch_scale: forward moves deepnorm/"
+    with pytest.raises(ValueError, match=r"^model.branch_scale: forward moves deepnorm/"
                                           r"deeploop's beta into the forward; residual=preln"):
         LoopedLM(tiny(residual="preln", branch_scale="forward"))
 

@@ -17,8 +17,8 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,10 +10,10 @@ import warnings
 import pytest
 import torch
 
-from scse_dist.config import ModelConfig
 from scse_dist.eval.perplexity import evaluate_heldout
 from scse_dist.model import KVCache, LoopedLM
 from scse_dist.model.blocks import Block
+from scse_dist.model.config import ModelConfig
 from scse_dist.model.documents import (
     BACKEND_ENV,
     FlexMask,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from recurrences import over_recurrences
-from scse_dist.config import ModelConfig
 from scse_dist.model import ExitRule, LoopedLM, parse_exit_rule
+from scse_dist.model.config import ModelConfig
 from scse_dist.model.kv_cache import LoopKV
 
 # each loop of the registry as configured by default, and with concat injection under Pre-LN

@@ -19,14 +19,16 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from scse_dist.config import ConfigError, ModelConfig, load_config
+from scse_dist.config import load_config
 from scse_dist.generate import generate
 from scse_dist.model import LoopedLM, flops_per_token
 from scse_dist.model.blocks import CausalSelfAttention, apply_rope, attention_mask_4d, rope_tables
+from scse_dist.model.config import ModelConfig
 from scse_dist.model.documents import BACKEND_ENV, document_ids, flex_attention
 from scse_dist.model.exit_rules import parse_exit_rule
 from scse_dist.model.kv_cache import KVCache
 from scse_dist.train.sizing import count_parameters
+from scse_dist.typed_yaml import ConfigError
 from test_model_compile import assert_same_step, compiles, fresh_dynamo  # noqa: F401
 from train_procs import read_metrics, run_trainer
 

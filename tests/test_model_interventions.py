@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scse_dist.config import ConfigError, ModelConfig
 from scse_dist.model import LoopedLM, residual_constants
+from scse_dist.model.config import ModelConfig
 from scse_dist.model.recurrence import stability_penalty
 from scse_dist.model.transitions import transition_for
 from scse_dist.train.diagnostics import loop_diagnostics
@@ -95,7 +95,7 @@ def test_core_norm_anchor_trains_the_norm_gain_through_the_anchor() -> None:
     (dict(residual_depth=-2), "model.residual_depth: must be >= 0 (0: model.depth), got -2"),
 ])
 def test_bad_intervention_fields_are_one_line(kw: dict, message: str) -> None:
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ValueError) as err:  # the model's own check: a plain ValueError
         LoopedLM(tiny(**kw))
     assert str(err.value) == message
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from recurrences import over_recurrences
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 
 
 def tiny(**kw) -> ModelConfig:

@@ -13,8 +13,8 @@ import torch
 
 import scse_dist.model
 from conftest import WITHOUT_SCSE_DIST
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 
 PACKAGE = Path(scse_dist.model.__file__).parent
 

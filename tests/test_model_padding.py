@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 
 KINDS = [dict(recurrence="untied"), dict(recurrence="looped"), dict(recurrence="additive"),
          dict(recurrence="scse"), dict(recurrence="scse", inject="concat", residual="preln")]

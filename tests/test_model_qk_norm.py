@@ -8,10 +8,10 @@ import pytest
 import torch
 import yaml
 
-from scse_dist.config import ModelConfig, config_to_dict, load_config, load_saved_config
+from scse_dist.config import config_to_dict, load_config, load_saved_config
 from scse_dist.model import Block, LoopedLM
 from scse_dist.model.blocks import CausalSelfAttention, apply_rope, rope_tables
-from scse_dist.model.config import VALUE_BEFORE_FIELD
+from scse_dist.model.config import VALUE_BEFORE_FIELD, ModelConfig
 from scse_dist.model.kv_cache import KVCache
 
 

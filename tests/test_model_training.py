@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 
 
 def tiny(**kw) -> ModelConfig:

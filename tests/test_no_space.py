@@ -23,8 +23,8 @@ from scse_dist.atomic import (
     output_dir,
 )
 from scse_dist.cli_errors import EXIT_NO_SPACE, cli_main
-from scse_dist.config import WandbConfig
 from scse_dist.train.metrics import MetricsLogger
+from scse_dist.train.metrics_config import WandbConfig
 
 FREE = re.compile(r": \d+(\.\d)? (B|kB|MB|GB|TB) free on that file system \(a full disk, a quota "
                   r"or a file-size limit\); free space and rerun the same command$")

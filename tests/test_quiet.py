@@ -11,8 +11,8 @@ import pytest
 from scse_dist.quiet import quiet_output
 
 FOOTER_RUN = """
-from scse_dist.config import WandbConfig
 from scse_dist.train.metrics import MetricsLogger
+from scse_dist.train.metrics_config import WandbConfig
 
 logger = MetricsLogger({run_dir!r}, True, WandbConfig(enabled=True, mode="offline"), "quiet",
                        {{"a": 1}})

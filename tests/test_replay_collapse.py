@@ -24,8 +24,8 @@ def _script():
 
 
 def test_what_each_way_holds_still() -> None:
-    from scse_dist.config import ModelConfig
     from scse_dist.model import LoopedLM
+    from scse_dist.model.config import ModelConfig
 
     names = [n for n, _ in LoopedLM(ModelConfig(vocab_size=64, d_model=32, n_heads=2,
                                                 inject="concat")).named_parameters()]

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from scse_dist.config import ConfigError, load_config
+from scse_dist.config import load_config
 from scse_dist.launch.retries import CrashWatch, decide, failure_of, is_crash, read_record
 from scse_dist.train.faults import FaultInjector
+from scse_dist.typed_yaml import ConfigError
 
 
 def crashed(line: str) -> CrashWatch:
@@ -102,16 +103,23 @@ def test_different_failures_are_retried_until_max_retries(run):
 
     assert at(7, 0)[0] and at(9, 1)[0]  # another step: another failure
     retry, line = at(11, 2)
-    assert not retry and "not retrying, train.start.max_retries=2 and 2 retries used" in line
+    assert not retry and "not retrying, launch.max_retries=2 and 2 retries used" in line
     assert at(7, 0, job="43")[0]  # a new submission counts afresh
     retry, line = at(7, 0, job="44", max_retries=0)
-    assert not retry and "not retrying, train.start.max_retries=0 (" in line
+    assert not retry and "not retrying, launch.max_retries=0 (" in line
 
 
-def test_max_retries_is_checked(tmp_path):
-    assert load_config(None, []).train.start.max_retries == 2
-    with pytest.raises(ConfigError, match="train.start.max_retries: must be >= 0, got -1"):
-        load_config(None, ["train.start.max_retries=-1"])
+def test_max_retries_is_checked(tmp_path, capfd):
+    assert load_config(None, []).launch.max_retries == 2
+    with pytest.raises(ConfigError, match="launch.max_retries: must be >= 0, got -1"):
+        load_config(None, ["launch.max_retries=-1"])
+    # its old name, train.start.max_retries (the launcher alone reads it), loads with a notice
+    import scse_dist.config as config
+
+    config._noticed.discard("train.start.max_retries")  # once per process: this test's own
+    (tmp_path / "old.yaml").write_text("train: {start: {max_retries: 0}}\n")
+    assert load_config(tmp_path / "old.yaml").launch.max_retries == 0
+    assert "train.start.max_retries is now launch.max_retries" in capfd.readouterr().err
 
 
 def test_crash_faults_raise_at_their_step_and_crash_once_only_at_the_first_start(monkeypatch):

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from recording_backend import RecordingBackend
-from scse_dist.config import ConfigError, EvalResources, Resources, load_config
+from scse_dist.config import load_config
 from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch import scheduler
+from scse_dist.resources import EvalResources, Resources
+from scse_dist.typed_yaml import ConfigError
 
 
 def test_eval_jobs_depend_on_training_and_are_scheduled_once_per_job(tmp_path, tiny_config):

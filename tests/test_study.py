@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT, tiny_documents
-from scse_dist.config import Resources
+from scse_dist.resources import Resources
 from scse_dist.study.runs import check_runs, expand
 from scse_dist.study.spec import SpecError, load_spec, parse_spec
 

@@ -16,7 +16,7 @@ import yaml
 from conftest import tiny_config_dict
 from scse_dist.checkpoint.export import save_exported_model
 from scse_dist.cli_errors import InputError
-from scse_dist.config import ConfigError, config_from_dict, load_config, save_config
+from scse_dist.config import config_from_dict, load_config, save_config
 from scse_dist.eval.cli import main as scse_eval
 from scse_dist.eval.config import task_files
 from scse_dist.eval.report import report_run
@@ -25,6 +25,7 @@ from scse_dist.launch import run_job
 from scse_dist.model import LoopedLM
 from scse_dist.study.report import write_study_report
 from scse_dist.task_registry import TASKS, Task
+from scse_dist.typed_yaml import ConfigError
 from test_study_report import write_run, write_study
 
 LINES = ["the cat sees the red ball", "a small bird reads", "my sister paints the blue river"]

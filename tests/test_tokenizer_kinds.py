@@ -159,7 +159,7 @@ def test_bad_tokenizer_files_are_one_line_each(tmp_path, kinds):
 
 
 def test_a_missing_package_is_one_line_naming_the_extra(kinds, monkeypatch):
-    from scse_dist.config import ConfigError
+    from scse_dist.typed_yaml import ConfigError
 
     for module, name in (("tiktoken", "tiktoken"), ("tokenizers", "byte-bpe")):
         monkeypatch.setitem(sys.modules, module, None)  # `import` raises ImportError

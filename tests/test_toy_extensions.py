@@ -20,9 +20,10 @@ import test_model_exit  # noqa: F401
 import test_model_invariance  # noqa: F401
 import test_model_transitions  # noqa: F401
 from recurrences import REGISTRY_TESTS, loops, other_parameters
-from scse_dist.config import ConfigError, load_config
+from scse_dist.config import load_config
 from scse_dist.model import LoopedLM
 from scse_dist.model.transitions import TRANSITIONS, Transition, Untied, register, transition_for
+from scse_dist.typed_yaml import ConfigError
 
 
 class Relaxed(Transition):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import step_result
-from scse_dist.config import CallbackSpec, ConfigError, RunConfig, load_config
+from scse_dist.config import RunConfig, load_config
 from scse_dist.model.config import ModelConfig
 from scse_dist.train.callbacks.assembly import (
     callback_states,
@@ -25,7 +25,8 @@ from scse_dist.train.callbacks.assembly import (
     state_keys,
 )
 from scse_dist.train.callbacks.base import Callback
-from scse_dist.train.config import TrainConfig
+from scse_dist.train.config import CallbackSpec, TrainConfig
+from scse_dist.typed_yaml import ConfigError
 from toy_callback import StepCounter
 from train_procs import REPO, TRAIN, read_metrics, train_ranks
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from scse_dist.config import WandbConfig
 from scse_dist.train.callbacks.heldout_eval import agreed_batches, reduce_rows
 from scse_dist.train.metrics import MetricsLogger, cut_metrics
+from scse_dist.train.metrics_config import WandbConfig
 from train_procs import REPO, TRAIN, all_passed, read_metrics, run_trainer, train_ranks
 
 TIMING = ("tokens_per_s", "mfu", "step_time_s")

@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 
-from scse_dist.config import DepthSamplingConfig
-from scse_dist.train.config import largest_trained_depth
 from scse_dist.train.depth import sample_depth
+from scse_dist.train.depth_config import DepthSamplingConfig, largest_trained_depth
 
 
 def draws(sampling, mean, n=3000, seed=0):

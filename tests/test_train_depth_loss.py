@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scse_dist.config import ConfigError, ModelConfig, load_config
+from scse_dist.config import load_config
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 from scse_dist.train.depth import short_depth_loss
 from scse_dist.train.step import train_step
+from scse_dist.typed_yaml import ConfigError
 from test_train_step import RecordingEngine, windows
 from train_procs import read_metrics, run_trainer
 
@@ -69,7 +71,7 @@ def test_no_term_at_a_step_no_deeper_than_short_and_off_is_as_before() -> None:
 
 @pytest.mark.parametrize("overrides,message", [
     (["train.loss.depth.short=0"], "train.loss.depth.short: must be >= 1, got 0"),
-    (["train.loss.depth.weight=0"], "train.loss.depth.weight: must be a finite weight > 0"),
+    (["train.loss.depth.weight=0"], "train.loss.depth.weight: must be a finite number > 0"),
     (["model.recurrence=untied"], "train.loss.depth: recurrence=untied runs one fixed depth"),
     (["train.loss.depth.short=4"], "train.loss.depth.short: 4 is not below the largest trained "
                                    "depth 4"),

@@ -12,10 +12,11 @@ import sys
 import pytest
 
 from conftest import tiny_config_dict
-from scse_dist.config import ConfigError, config_from_dict
+from scse_dist.config import config_from_dict
 from scse_dist.eval.curves import downstream_by_depth, eval_rows
 from scse_dist.train.callbacks.assembly import check_callbacks
 from scse_dist.train.callbacks.downstream import reduce_totals, row_keys
+from scse_dist.typed_yaml import ConfigError
 from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
 TIMING = ("tokens_per_s", "mfu", "step_time_s")

@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from scse_dist.config import ConfigError, load_config
+from scse_dist.config import load_config
 from scse_dist.model import LoopedLM
 from scse_dist.train.engine import build_ds_config, build_optimizer
+from scse_dist.typed_yaml import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,18 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scse_dist.config import (
-    ConfigError,
-    OptimizerConfig,
-    ScheduleConfig,
-    TrainConfig,
-    load_config,
-)
+from scse_dist.config import load_config
 from scse_dist.model import LoopedLM, ModelConfig
 from scse_dist.param_groups import group_of
+from scse_dist.train.config import TrainConfig
 from scse_dist.train.diagnostics import update_ratios, weights_snapshot
 from scse_dist.train.engine import _param_groups, build_optimizer
+from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule import build_lr_scheduler
+from scse_dist.train.schedule_config import ScheduleConfig
+from scse_dist.typed_yaml import ConfigError
 from train_procs import read_metrics, run_trainer
 
 MODEL = ModelConfig(vocab_size=64, d_model=32, n_heads=2, max_seq_len=32, depth=2)

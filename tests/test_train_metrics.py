@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from scse_dist.config import WandbConfig
 from scse_dist.train.metrics import MetricsLogger, format_line, peak_flops, peak_memory
+from scse_dist.train.metrics_config import WandbConfig
 
 
 def row(step, loss, mfu=0.25):

@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from scse_dist.config import ConfigError, OptimizerConfig, RunConfig, TrainConfig, load_config
+from scse_dist.config import RunConfig, load_config
 from scse_dist.model import LoopedLM, ModelConfig
+from scse_dist.train.config import TrainConfig
+from scse_dist.train.optimizer_config import OptimizerConfig
+from scse_dist.typed_yaml import ConfigError
 from train_procs import all_passed, read_metrics, run_ranks, train_ranks
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic
@@ -111,7 +114,7 @@ def test_muon_scope_puts_the_loop_s_matrices_alone_in_muon_under_loop(recurrence
 
 
 def test_muon_scope_needs_muon():
-    from scse_dist.config import ConfigError
+    from scse_dist.typed_yaml import ConfigError
 
     TrainConfig(optimizer=OptimizerConfig(kind="muon", muon_scope="loop")).check()
     with pytest.raises(ConfigError, match=r"^train.optimizer.muon_scope: loop narrows "

@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
-from scse_dist.config import ConfigError, load_config
+from scse_dist.config import load_config
 from scse_dist.train.callbacks.assembly import check_callbacks, config_of
 from scse_dist.train.callbacks.profiler import ProfilerCallback, window_schedule
 from scse_dist.train.engine import build_ds_config
+from scse_dist.typed_yaml import ConfigError
 
 NONE, WARMUP = ProfilerAction.NONE, ProfilerAction.WARMUP
 RECORD, SAVE = ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE

@@ -8,19 +8,17 @@ import math
 import pytest
 import torch
 
-from scse_dist.config import (
-    ConfigError,
-    OptimizerConfig,
-    ScheduleConfig,
-    TrainConfig,
-    load_config,
-)
+from scse_dist.config import load_config
+from scse_dist.train.config import TrainConfig
+from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule import (
     LRSchedule,
     build_lr_scheduler,
     describe,
     follow_config_schedule,
 )
+from scse_dist.train.schedule_config import ScheduleConfig
+from scse_dist.typed_yaml import ConfigError
 
 
 def schedule(max_steps: int, schedule: str = "cosine", **fields) -> LRSchedule:

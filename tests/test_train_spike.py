@@ -15,11 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scse_dist.config import ConfigError, load_config
+from scse_dist.config import load_config
 from scse_dist.train.callbacks.assembly import check_callbacks
 from scse_dist.train.callbacks.spike import SpikeSkipCallback
 from scse_dist.train.faults import SPIKE_EXIT_CODE, SPIKE_FACTOR, FaultInjector, TrainingStopped
 from scse_dist.train.spike import RunningStats, SpikeDetector
+from scse_dist.typed_yaml import ConfigError
 from train_procs import REPO, TRAIN, all_passed, read_metrics, train_ranks
 
 PROBE = "weights_probe:WeightsAt"
@@ -177,8 +178,8 @@ class StageZeroEngine:
 # the refused first step never calls AdamW's step, which torch's scheduler notices
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_the_gate_sees_the_norm_before_clipping_and_a_refusal_leaves_weights_and_state():
-    from scse_dist.config import ModelConfig
     from scse_dist.model import LoopedLM
+    from scse_dist.model.config import ModelConfig
     from scse_dist.train.step import train_step
 
     torch.manual_seed(0)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scse_dist.config import ModelConfig
 from scse_dist.model import LoopedLM
+from scse_dist.model.config import ModelConfig
 from scse_dist.train.step import train_step
 
 

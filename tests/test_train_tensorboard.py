@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from scse_dist.config import ConfigError, WandbConfig, load_config
+from scse_dist.config import load_config
 from scse_dist.train.depth import sample_depth
 from scse_dist.train.metrics import MetricsLogger
+from scse_dist.train.metrics_config import WandbConfig
 from scse_dist.train.tensorboard import check_tensorboard
+from scse_dist.typed_yaml import ConfigError
 from train_procs import read_metrics, run_trainer
 
 pytest.importorskip("tensorboard")

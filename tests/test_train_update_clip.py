@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from scse_dist.config import ConfigError, load_config
+from scse_dist.config import load_config
 from scse_dist.model import LoopedLM
 from scse_dist.train.engine import build_optimizer
 from scse_dist.train.update_clip import Layout, UpdateClippedAdamW
+from scse_dist.typed_yaml import ConfigError
 from train_procs import all_passed, run_ranks
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
@@ -133,9 +134,9 @@ def test_config_fields_and_refusals() -> None:
     assert isinstance(muon.aux_optimizer, UpdateClippedAdamW)
     for overrides, message in [
             (["train.optimizer.update_clip=-1"],
-             "train.optimizer.update_clip: must be a finite threshold >= 0"),
+             "train.optimizer.update_clip: must be a finite number >= 0"),
             (["train.optimizer.update_clip=nan"],
-             "train.optimizer.update_clip: must be a finite threshold >= 0"),
+             "train.optimizer.update_clip: must be a finite number >= 0"),
             (["train.optimizer.update_clip=1", "train.optimizer.kind=deepspeed_fused_adam"],
              "train.optimizer.update_clip: DeepSpeed's FusedAdam has no per-tensor update "
              "clipping"),

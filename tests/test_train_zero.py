@@ -17,14 +17,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from scse_dist.config import (
-    BatchConfig,
-    ConfigError,
-    config_from_dict,
-    config_to_dict,
-    load_config,
-)
+from scse_dist.config import config_from_dict, config_to_dict, load_config
 from scse_dist.distributed import free_port
+from scse_dist.train.batch_config import BatchConfig
+from scse_dist.typed_yaml import ConfigError
 from train_procs import REPO, TRAIN, all_passed, run_ranks
 
 TOL = 1e-5

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scse_dist.cli_errors import InputError
-from scse_dist.config import ConfigError, RunConfig, load_saved_config
+from scse_dist.config import RunConfig, load_saved_config
 from scse_dist.run_dir import CONFIG_NAME, WEIGHTS_NAME, RunDir
+from scse_dist.typed_yaml import ConfigError
 
 if TYPE_CHECKING:  # imported where weights load: a bad path is reported without it
     import torch

@@ -34,17 +34,12 @@ from scse_dist.checkpoint.tags import (
     tag_for,
 )
 from scse_dist.cli_errors import InputError
-from scse_dist.config import (
-    SAVED_BEFORE,
-    ConfigError,
-    OptimizerConfig,
-    RunConfig,
-    config_to_dict,
-    rename_old_fields,
-)
+from scse_dist.config import SAVED_BEFORE, RunConfig, config_to_dict, rename_old_fields
 from scse_dist.config_paths import comparable
 from scse_dist.distributed import is_rank0
 from scse_dist.run_dir import CHECKPOINTS_NAME, OUTPUT_NAMES
+from scse_dist.train.optimizer_config import OptimizerConfig
+from scse_dist.typed_yaml import ConfigError
 
 # Moved aside by `train.start.resume: never` (the new run would append to or overwrite them).
 PREVIOUS_RUN_FILES = OUTPUT_NAMES

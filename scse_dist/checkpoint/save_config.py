@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from scse_dist.model.config import ConfigError
+from dataclasses import dataclass, field
 
 
 @dataclass
 class CheckpointConfig:
     # Steps between checkpoints (and one at the last step, and on preemption).
-    every: int = 100
+    every: int = field(default=100, metadata={"gt": 0})
     # Checkpoints kept, locally and at a remote output_dir; older tags are pruned.
-    keep: int = 2
-
-    def check(self) -> None:
-        for name, value in (("every", self.every), ("keep", self.keep)):
-            if value <= 0:
-                raise ConfigError(f"train.checkpoint.{name}: must be > 0, got {value}")
+    keep: int = field(default=2, metadata={"gt": 0})

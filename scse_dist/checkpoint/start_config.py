@@ -1,5 +1,5 @@
-"""train.start: how a run starts (resume, branch, warm start) and how often a crashed job starts
-again (torch-free; the fields: docs/config.md)."""
+"""train.start: how a run starts (resume, branch, warm start); torch-free, the fields:
+docs/config.md."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from scse_dist.model.config import ConfigError
+from scse_dist.typed_yaml import ConfigError
 
 
 @dataclass
@@ -24,14 +24,9 @@ class StartConfig:
     # key and shape must match); a run with a checkpoint ignores it.
     init_from: Optional[str] = None
     init_from_strict: bool = True
-    # Requeues of a crashed training job (any exit but 0, 2, 3, 4, 65, 66, 75, 130) on a batch
-    # system that can (Slurm); the same failure at the same step twice stops sooner. 0: never.
-    max_retries: int = 2
 
     def check(self) -> None:
         """Values and combinations no run can start from (one ConfigError naming the field)."""
-        if self.max_retries < 0:
-            raise ConfigError(f"train.start.max_retries: must be >= 0, got {self.max_retries}")
         if self.init_from is not None and not self.init_from.strip():
             raise ConfigError("train.start.init_from: an export dir or URL, or null; got an "
                               "empty string")

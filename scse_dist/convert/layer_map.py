@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from scse_dist.config import ConfigError
+from scse_dist.typed_yaml import ConfigError
 
 # The map of McLeish et al. (2025) for TinyLlama's 22 layers, as fractions of the stack:
 # prelude 0-3, core 10-17, coda 18-21 (layers 4-9 left out). default_map scales it to L layers.

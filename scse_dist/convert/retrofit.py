@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from scse_dist.cli_errors import InputError
-from scse_dist.config import ConfigError, ModelConfig, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.convert.layer_map import LayerMap, default_map, layer_map
+from scse_dist.model.config import ModelConfig
+from scse_dist.typed_yaml import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -160,9 +162,9 @@ def retrofit(export_dir: str, out_dir: str, recurrence: str, prelude: Optional[s
     layers = default_map(n_layers) if prelude is None else \
         layer_map(n_layers, prelude, core or "", coda or "")
     new_cfg = dataclasses.replace(cfg, model=retrofit_model(cfg.model, recurrence, layers, depth))
-    from scse_dist.config import check_model_config
+    from scse_dist.config import check_model
 
-    check_model_config(new_cfg.model)
+    check_model(new_cfg.model)
     return _write(export, out_dir, cfg.model, new_cfg, layers)
 
 

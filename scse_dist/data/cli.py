@@ -19,9 +19,9 @@ import time
 from typing import Iterable, Iterator
 
 from scse_dist.cli_errors import cli_main
-from scse_dist.config import ConfigError
 from scse_dist.data.rows import RowStats
 from scse_dist.data.sources import TEXT_SPLITS
+from scse_dist.typed_yaml import ConfigError
 
 # The readers and writers (numpy, sentencepiece, fsspec) are imported by the subcommand that
 # uses them, so `--help` and a bad argument answer at once.

@@ -12,10 +12,10 @@ import itertools
 import posixpath
 from typing import Any, Iterator
 
-from scse_dist.config import ConfigError
 from scse_dist.data.extras import require_extra
 from scse_dist.data.rows import RowStats
 from scse_dist.data.source_registry import Source, register_source
+from scse_dist.typed_yaml import ConfigError
 
 HF_PREFIX = "hf:"
 PARQUET_SUFFIX = ".parquet"

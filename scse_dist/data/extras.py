@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from scse_dist.model.config import ConfigError
+from scse_dist.typed_yaml import ConfigError
 
 
 def require_extra(module: str, extra: str, what: str) -> Any:

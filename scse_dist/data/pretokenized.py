@@ -17,7 +17,6 @@ import fsspec
 import numpy as np
 
 from scse_dist.cli_errors import InputError, one_line
-from scse_dist.config import ConfigError
 from scse_dist.data.shards import (
     check_layout,
     finish_index,
@@ -28,6 +27,7 @@ from scse_dist.data.shards import (
     split_writers,
 )
 from scse_dist.data.tokenizer import Tokenizer
+from scse_dist.typed_yaml import ConfigError
 
 # llm.c's dev/data/data_common.py: a header of 256 little-endian int32 (magic, version, token
 # count, then zeros), then the ids; (magic, version) -> the ids' dtype

@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence
 import fsspec
 
 from scse_dist.atomic import staged_file
-from scse_dist.config import DataConfig
+from scse_dist.data.config import DataConfig
 from scse_dist.data.index import INDEX_NAME, index_as_written, index_root, join, read_index
 from scse_dist.data.shards import is_heldout, write_shards
 from scse_dist.data.tokenizer import Tokenizer, train_tokenizer

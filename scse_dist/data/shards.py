@@ -21,7 +21,6 @@ import numpy as np
 
 from scse_dist.atomic import output_dir
 from scse_dist.cli_errors import InputError
-from scse_dist.config import ConfigError
 from scse_dist.data.index import INDEX_NAME, SPLITS, index_as_written, join
 from scse_dist.data.sample_format import (  # noqa: F401
     FORMAT,
@@ -32,6 +31,7 @@ from scse_dist.data.sample_format import (  # noqa: F401
 )
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.progress import Progress
+from scse_dist.typed_yaml import ConfigError
 
 
 def is_heldout(text: str, fraction: float) -> bool:

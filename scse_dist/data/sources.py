@@ -18,7 +18,6 @@ import zlib
 from typing import Any, Iterator, Literal
 
 from scse_dist.cli_errors import InputError
-from scse_dist.config import ConfigError
 from scse_dist.data.columnar import directory_files
 from scse_dist.data.rows import RowStats
 from scse_dist.data.source_registry import (
@@ -29,6 +28,7 @@ from scse_dist.data.source_registry import (
     register_source,
     source_of,
 )
+from scse_dist.typed_yaml import ConfigError
 
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zstd")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")

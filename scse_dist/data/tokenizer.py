@@ -15,7 +15,6 @@ import sentencepiece as spm
 
 from scse_dist.atomic import write_file
 from scse_dist.cli_errors import InputError
-from scse_dist.config import ConfigError
 from scse_dist.data.tokenizer_base import (  # noqa: F401  (re-exported: the package's names)
     MAX_SENTENCE_BYTES,
     Sentences,
@@ -24,6 +23,7 @@ from scse_dist.data.tokenizer_base import (  # noqa: F401  (re-exported: the pac
     read_tokenizer_file,
     training_lines,
 )
+from scse_dist.typed_yaml import ConfigError
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 

@@ -16,7 +16,7 @@ from scse_dist.data.config import (
     TOKENIZER_KINDS as KINDS,
     TokenizerKind,
 )
-from scse_dist.model.config import ConfigError
+from scse_dist.typed_yaml import ConfigError
 
 # sentencepiece skips training sentences longer than this many bytes; we cut lines to fit.
 MAX_SENTENCE_BYTES = 4096

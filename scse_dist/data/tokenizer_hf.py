@@ -10,9 +10,9 @@ from typing import Any, Iterable
 
 from scse_dist.atomic import write_file
 from scse_dist.cli_errors import InputError
-from scse_dist.config import ConfigError
 from scse_dist.data.extras import require_extra
 from scse_dist.data.tokenizer_base import Sentences, Tokenizer
+from scse_dist.typed_yaml import ConfigError
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")

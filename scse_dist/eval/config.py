@@ -10,10 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from scse_dist.model.config import ConfigError
 from scse_dist.resources import EvalResources
 from scse_dist.task_registry import TASKS, Task, field_value, unknown_task
-from scse_dist.typed_yaml import build_dataclass
+from scse_dist.typed_yaml import ConfigError, build_dataclass
 
 
 @dataclass
@@ -21,8 +20,8 @@ class EvalConfig:
     """Each field's meaning: docs/config.md (the eval.* rows)."""
 
     depths: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 48])
-    batch_size: int = 8
-    max_batches: int = 0  # 0: the whole held-out split
+    batch_size: int = field(default=8, metadata={"gt": 0})
+    max_batches: int = field(default=0, metadata={"ge": 0})  # 0: the whole held-out split
     after_train: bool = True
     tasks: list[str] = field(default_factory=lambda: ["heldout"])  # scse-launch's, after training
     # task -> its settings (its record's `settings` class: a mapping of its fields as given,
@@ -56,16 +55,12 @@ class EvalConfig:
         if any(x <= 0 for x in self.depths) or not self.depths:
             raise ConfigError(f"eval.depths: need a non-empty list of depths >= 1, got "
                               f"{self.depths}")
-        if self.batch_size <= 0:
-            raise ConfigError(f"eval.batch_size: must be > 0, got {self.batch_size}")
         for i, task in enumerate(self.tasks):
             self._check_task("tasks", i, task)
         for name, own in self.task_settings.items():
             problem = getattr(own, "problem", lambda: None)()
             if problem:
                 raise ConfigError(f"eval.task_settings.{name}.{problem}")
-        if self.max_batches < 0:
-            raise ConfigError(f"eval.max_batches: must be >= 0, got {self.max_batches}")
         res = self.resources
         problem = res.problem() or ("an evaluation is one task on one node: nodes and "
                                     "tasks_per_node must be 1" if (res.nodes, res.tasks_per_node)

@@ -140,7 +140,7 @@ def decide(logs: Path, failure: Failure, max_retries: int) -> Optional[tuple[boo
         line = (f"{what}: the same failure after the same step as start {same['start'] + 1} of "
                 f"job {failure.job}; not retrying, it would fail again ({record})")
     elif retried >= max_retries:
-        line = f"{what}: not retrying, train.start.max_retries={max_retries} " + \
+        line = f"{what}: not retrying, launch.max_retries={max_retries} " + \
             ("" if max_retries == 0 else f"and {retried} retries used ") + f"({record})"
     else:
         failure.decision = "retry"

@@ -46,7 +46,7 @@ def train_job(config: str, overrides: list[str], evaluate: bool, schedule_on: st
     if ended.status == 0 and evaluate and first:
         print(f"scse-launch: report {evaluate_all(cfg)}", flush=True)
     if ended.status != 0 and ended.signal_name is None:  # failed by itself: retried if a crash
-        after_failure(Path(cfg.run_dir).resolve() / LOGS, cfg.train.start.max_retries, ended.status,
+        after_failure(Path(cfg.run_dir).resolve() / LOGS, cfg.launch.max_retries, ended.status,
                       resolve_dist_env(os.environ).rank, watch)
     # a trainer a signal killed: the shell's 128 + N (a negative exit status would wrap mod 256)
     return ended.status if ended.status >= 0 else 128 - ended.status

@@ -2,14 +2,14 @@
 
 Self-contained: nothing here imports the rest of scse_dist (relative imports only), so the
 package can be copied verbatim, under any name, into an export as remote code. Names load lazily
-so that `scse_dist.config` (which re-exports `.config`) does not import torch.
+so that `scse_dist.config` (which imports `.config`) does not import torch.
 """
 
 import importlib
 
 _EXPORTS = {
     "Block": "blocks", "RMSNorm": "blocks", "residual_constants": "blocks",
-    "ConfigError": "config", "ModelConfig": "config", "check_model_fields": "config",
+    "ModelConfig": "config", "check_model_fields": "config",
     "ExitRule": "exit_rules", "parse_exit_rule": "exit_rules", "check_model_config": "transitions",
     "flops_per_token": "flops", "LMOutput": "looped_lm", "LoopedLM": "looped_lm",
     "LoopCore": "recurrence", "Transition": "transitions", "transition_for": "transitions",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-from .config import ConfigError, ModelConfig, check_model_fields
+from .config import ModelConfig, check_model_fields
 
 if TYPE_CHECKING:  # annotations only: this module stays free of torch (scse_dist.config imports it)
     from collections.abc import Callable, Sequence
@@ -154,24 +154,24 @@ class Transition:
         m = self.cfg
         if m.anchor_scale == "core_norm":
             if not self.has_anchor:
-                raise ConfigError(f"model.anchor_scale: only scse has an anchor; got "
+                raise ValueError(f"model.anchor_scale: only scse has an anchor; got "
                                   f"anchor_scale={m.anchor_scale} with recurrence={m.recurrence}")
             if m.residual == "preln":
-                raise ConfigError("model.anchor_scale: core_norm needs a Post-LN residual "
+                raise ValueError("model.anchor_scale: core_norm needs a Post-LN residual "
                                   "(deepnorm or deeploop), whose core output is normalised; got "
                                   "residual=preln")
             if m.anchor == "zero":
-                raise ConfigError("model.anchor_scale: core_norm would normalise the zero anchor "
+                raise ValueError("model.anchor_scale: core_norm would normalise the zero anchor "
                                   "(RMSNorm at 0); use anchor learned or source")
         if m.loop_stability > 0 and not self.loops:
-            raise ConfigError(f"model.loop_stability: {m.recurrence} has no loop to keep moving; "
+            raise ValueError(f"model.loop_stability: {m.recurrence} has no loop to keep moving; "
                               "set it to 0")
 
     def check(self) -> None:
         """Field combinations this recurrence cannot run (ConfigError naming the field)."""
         m = self.cfg
         if not self.input_enters():
-            raise ConfigError(f"model.inject: recurrence={m.recurrence} with "
+            raise ValueError(f"model.inject: recurrence={m.recurrence} with "
                               f"{self._no_input}init_state="
                               f"{m.init_state} and inject=none never sees the input (the loop "
                               "state starts from noise or zeros); use inject add or concat")
@@ -229,7 +229,7 @@ class Untied(Transition):
 
     def check(self) -> None:
         if self.resolved_inject != "none":
-            raise ConfigError(f"model.inject: untied has no loop to inject into, got "
+            raise ValueError(f"model.inject: untied has no loop to inject into, got "
                               f"{self.cfg.inject!r}")
 
 
@@ -259,7 +259,7 @@ class Scse(Transition):
     def check(self) -> None:
         m = self.cfg
         if m.zero_mask and m.forcing_bias_scale > 0:
-            raise ConfigError("model.zero_mask: the zero-deviation mask belongs to "
+            raise ValueError("model.zero_mask: the zero-deviation mask belongs to "
                               f"forcing_bias_scale=0; got forcing_bias_scale={m.forcing_bias_scale}"
                               " with zero_mask=true (set model.zero_mask=false)")
         super().check()
@@ -267,7 +267,7 @@ class Scse(Transition):
         # the loop then computes nothing (the spec's first trap).
         if m.forcing_bias_scale == 0 and \
                 (m.anchor, m.init_state) in {("source", "source"), ("zero", "zeros")}:
-            raise ConfigError(f"model.init_state: anchor={m.anchor} with init_state={m.init_state}"
+            raise ValueError(f"model.init_state: anchor={m.anchor} with init_state={m.init_state}"
                               " gives D_0 = 0 for every token, so the loop computes nothing; pick "
                               "another init_state")
 
@@ -332,7 +332,7 @@ def transition_for(cfg: ModelConfig) -> Transition:
     try:
         return TRANSITIONS[cfg.recurrence](cfg)
     except KeyError:
-        raise ConfigError(f"model.recurrence: must be one of {', '.join(TRANSITIONS)}; got "
+        raise ValueError(f"model.recurrence: must be one of {', '.join(TRANSITIONS)}; got "
                           f"{cfg.recurrence!r}") from None
 
 

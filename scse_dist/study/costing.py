@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from scse_dist.config import ConfigError
 from scse_dist.study.runs import expand, run_config
 from scse_dist.study.spec import DEFAULT_MFU, StudySpec
+from scse_dist.typed_yaml import ConfigError
 
 
 def _at_world(cfg, world: int):

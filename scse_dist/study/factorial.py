@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.study.stats import Effect, factorial_effects
 from scse_dist.task_registry import field_value
+from scse_dist.typed_yaml import ConfigError
 
 DEFAULT_DEPTHS = [1, 4, 8, 32]
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from scse_dist.config import ConfigError
 from scse_dist.study.stats import Interval
 from scse_dist.task_registry import TASKS
+from scse_dist.typed_yaml import ConfigError
 
 RULE = ("the 95% paired t interval of A - B over the seeds both have, at the declared depth, "
         "must exclude zero; otherwise the comparison is not resolved")

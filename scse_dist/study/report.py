@@ -15,7 +15,8 @@ from typing import Any, Literal, Optional, Sequence
 
 from scse_dist.atomic import output_dir
 from scse_dist.cli_errors import cli_main
-from scse_dist.config import ModelConfig, RunConfig
+from scse_dist.config import RunConfig
+from scse_dist.model.config import ModelConfig
 from scse_dist.model.transitions import transition_for
 from scse_dist.study import factorial, prereg
 from scse_dist.study.collect import Study, finite, load_study
@@ -313,8 +314,8 @@ class StudyReport:
 
 def _log_to_wandb(report: StudyReport, out: Path, mode: Literal["offline", "online", "disabled"],
                   images: dict[str, str]) -> None:
-    from scse_dist.config import WandbConfig
     from scse_dist.eval.results import log_to_wandb
+    from scse_dist.train.metrics_config import WandbConfig
 
     # The per-variant means in the single-run report's shape: one row per (variant, task).
     rows: dict[tuple[str, str], dict[int, dict]] = {}

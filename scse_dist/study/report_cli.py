@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.runs:
         p.error("give run dirs, or --study STUDY_DIR")
-    from scse_dist.config import WandbConfig
+    from scse_dist.train.metrics_config import WandbConfig
 
     paths = write_report(args.runs, args.out or "report",
                          WandbConfig(enabled=True, mode=args.wandb or "disabled"),

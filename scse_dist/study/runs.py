@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from scse_dist.config import ConfigError, RunConfig, config_from_dict, read_config_file, renamed_key
+from scse_dist.config import RunConfig, config_from_dict, read_config_file, renamed_key
 from scse_dist.config_paths import forget_overridden, resolve_paths
 from scse_dist.run_dir import RunDir
 from scse_dist.study.spec import SpecError, StudySpec
 from scse_dist.task_registry import TASKS
+from scse_dist.typed_yaml import ConfigError
 
 
 @dataclass

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from scse_dist.config import ConfigError
 from scse_dist.config_paths import resolve_spec_paths
 from scse_dist.resources import Resources
 from scse_dist.study.factorial import parse_factorial
 from scse_dist.study.prereg import parse_preregistration
 from scse_dist.task_registry import TASKS
-from scse_dist.typed_yaml import _read_yaml, apply_overrides
+from scse_dist.typed_yaml import ConfigError, _read_yaml, apply_overrides
 
 
 class SpecError(ConfigError):

@@ -3,34 +3,27 @@ rank (scse_dist.train.micro_batch chooses micro_batch_size: auto). Torch-free.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from scse_dist.model.config import ConfigError
+from scse_dist.typed_yaml import ConfigError
 
 
 @dataclass
 class BatchConfig:
     # auto: the largest power of two dividing the rank's share of the global batch that fits
-    micro_batch_size: Union[int, Literal["auto"]] = 8
-    grad_accum_steps: int = 1
+    micro_batch_size: Union[int, Literal["auto"]] = field(default=8, metadata={"gt": 0})
+    grad_accum_steps: int = field(default=1, metadata={"gt": 0})
     # Sequences per optimizer step over all ranks (0: micro x accum x world); when set,
     # grad_accum_steps is derived from it, so the batch stays the same at any world size.
-    global_batch_size: int = 0
-    global_batch_tokens: int = 0  # the same in tokens (scse_dist.config sets both)
+    global_batch_size: int = field(default=0, metadata={"ge": 0})
+    # the same in tokens (scse_dist.config sets both)
+    global_batch_tokens: int = field(default=0, metadata={"ge": 0})
     # auto on CPU: the GiB a probe may take (0: half of MemAvailable, shared by the node's ranks)
-    micro_batch_memory_gib: float = 0.0
+    micro_batch_memory_gib: float = field(default=0.0, metadata={"ge": 0})
 
     def check(self) -> None:
-        """Values no run can train with (one ConfigError naming the field)."""
-        micro = 1 if self.micro_batch_size == "auto" else self.micro_batch_size
-        for name, value in {"micro_batch_size": micro,
-                            "grad_accum_steps": self.grad_accum_steps}.items():
-            if value <= 0:
-                raise ConfigError(f"train.batch.{name}: must be > 0, got {value}")
-        for name in ("global_batch_size", "global_batch_tokens", "micro_batch_memory_gib"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.batch.{name}: must be >= 0, got {getattr(self, name)}")
+        """Combinations no run can train with (one ConfigError naming the field)."""
         if self.micro_batch_size != "auto":
             return
         if not (self.global_batch_size or self.global_batch_tokens):  # the batch auto keeps

@@ -22,7 +22,7 @@ EXIT_STATUSES = """exit statuses:
   0    finished: checkpoint, export (and evaluation) written (--dry-run, --plan: the run
        would start; otherwise they exit with the status below that the run would have)
   1    a crash (an exception; "rank R crashed after step N" says where): a Slurm training job
-       requeues itself up to train.start.max_retries times
+       requeues itself up to launch.max_retries times
   2    bad arguments or config, before anything starts (one line naming the field)
   3    too many non-finite steps in a row (the nonfinite callback's max_in_a_row); the last
        good checkpoint is kept
@@ -65,7 +65,7 @@ PLAN_FLAGS = [
 def _plan_assumptions(args: argparse.Namespace):
     """(--world-size, --plan's flags as Assumptions); a plan flag without --plan is a one-line
     error (--world-size also goes with --dry-run)."""
-    from scse_dist.config import ConfigError
+    from scse_dist.typed_yaml import ConfigError
 
     given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
              for flag, *_ in PLAN_FLAGS}

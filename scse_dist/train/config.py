@@ -1,106 +1,23 @@
-"""The `train:` section of a run config and the `wandb:` and `tensorboard:` sections.
-
-Torch-free, so `scse_dist.config` composes it without loading the trainer. Each section's
-`check()` is its one validation (field meanings: docs/config.md).
+"""The `train:` section of a run config: its own fields, train.callbacks, and the sections each
+beside its code (batch, engine, optimizer, ...). Torch-free, so `scse_dist.config` composes it
+without loading the trainer (field meanings: docs/config.md).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from scse_dist.checkpoint.save_config import CheckpointConfig
 from scse_dist.checkpoint.start_config import StartConfig
-from scse_dist.model.config import ConfigError
 from scse_dist.train.batch_config import BatchConfig
+from scse_dist.train.depth_config import DepthSamplingConfig
 from scse_dist.train.engine_config import EngineConfig
+from scse_dist.train.loss_config import LossConfig
 from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
-
-
-@dataclass
-class DepthCurriculumConfig:
-    """train.depth.curriculum: the mean training depth ramps from `start` to model.depth over the
-    first `fraction` of train.max_steps, `linear` or `1-sqrt` (scse_dist.train.depth)."""
-
-    shape: Literal["none", "linear", "1-sqrt"] = "none"
-    start: float = 1.0
-    fraction: float = 0.25
-
-    def check(self) -> None:
-        if self.shape not in ("none", "linear", "1-sqrt"):
-            raise ConfigError(f"train.depth.curriculum.shape: expected none, linear or 1-sqrt, "
-                              f"got {self.shape!r}")
-        if not 1 <= self.start < float("inf"):  # also rejects NaN
-            raise ConfigError(f"train.depth.curriculum.start: must be >= 1, got {self.start}")
-        if not 0 < self.fraction <= 1:
-            raise ConfigError(f"train.depth.curriculum.fraction: must be > 0 and <= 1, got "
-                              f"{self.fraction}")
-
-
-@dataclass
-class DepthSamplingConfig:
-    # fixed: T = model.depth; uniform: U{min, max} (max 0: 2*model.depth); poisson_lognormal
-    kind: Literal["fixed", "uniform", "poisson_lognormal"] = "fixed"
-    min: int = 2
-    max: int = 0
-    sigma: float = 0.5
-    # Backpropagate through only the last k loop steps (0: all of them).
-    backprop_steps: int = 0
-    curriculum: DepthCurriculumConfig = field(default_factory=DepthCurriculumConfig)
-
-    def check(self) -> None:
-        self.curriculum.check()
-        if self.min <= 0:
-            raise ConfigError(f"train.depth.min: must be > 0, got {self.min}")
-        if self.backprop_steps < 0:
-            raise ConfigError(f"train.depth.backprop_steps: must be >= 0, got "
-                              f"{self.backprop_steps}")
-        if self.kind == "uniform" and self.max and self.max < self.min:
-            raise ConfigError(f"train.depth.max: {self.max} is below train.depth.min={self.min}")
-        if self.sigma <= 0:
-            raise ConfigError(f"train.depth.sigma: must be > 0, got {self.sigma}")
-
-
-@dataclass
-class DepthLossConfig:
-    """train.loss.depth two_depths: the loss at loop depth `short`, read out from the same forward,
-    joins the objective with `weight` (no term when the step's T <= short)."""
-
-    kind: Literal["off", "two_depths"] = "off"
-    weight: float = 0.5
-    short: int = 2
-
-    def check(self) -> None:
-        if self.kind == "off":
-            return
-        if self.short < 1:
-            raise ConfigError(f"train.loss.depth.short: must be >= 1, got {self.short}")
-        if not 0 < self.weight < float("inf"):  # also rejects NaN
-            raise ConfigError(f"train.loss.depth.weight: must be a finite weight > 0, got "
-                              f"{self.weight}")
-
-
-@dataclass
-class LossConfig:
-    """train.loss: terms added to the cross-entropy at the step's depth (which is logged)."""
-
-    z_loss: float = 0.0
-    depth: DepthLossConfig = field(default_factory=DepthLossConfig)
-
-    def check(self) -> None:
-        if not self.z_loss >= 0 or self.z_loss == float("inf"):  # also rejects NaN
-            raise ConfigError(f"train.loss.z_loss: must be a finite weight >= 0, got {self.z_loss}")
-        self.depth.check()
-
-
-def largest_trained_depth(sampling: DepthSamplingConfig, mean_depth: int) -> int:
-    """The deepest T training draws: uniform's max (2*mean when 0), poisson_lognormal's max, or
-    2*mean when it is unbounded (its tail past that is rare), fixed's mean."""
-    if sampling.kind == "fixed":
-        return mean_depth
-    return max(sampling.max or 2 * mean_depth, sampling.min)
+from scse_dist.typed_yaml import ConfigError
 
 
 @dataclass
@@ -137,14 +54,14 @@ CALLBACK_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-
 @dataclass
 class TrainConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
-    max_steps: int = 200
+    max_steps: int = field(default=200, metadata={"gt": 0})
     engine: EngineConfig = field(default_factory=EngineConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     start: StartConfig = field(default_factory=StartConfig)
     depth: DepthSamplingConfig = field(default_factory=DepthSamplingConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    log_every: int = 10
+    log_every: int = field(default=10, metadata={"gt": 0})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = 0
     # name -> entry: the built-ins (built_in_entries), then the user's; an entry naming a
@@ -161,18 +78,13 @@ class TrainConfig:
             self.callbacks[name] = spec
 
     def check(self) -> None:
-        """Values no run can train with (one ConfigError naming the field), train.depth's too."""
-        for name in ("max_steps", "log_every"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"train.{name}: must be > 0, got {getattr(self, name)}")
+        """Combinations no run can train with (one ConfigError naming the field), its sections'
+        too; each field's bounds are declared on it (typed_yaml checks them)."""
         self.batch.check()
-        self.checkpoint.check()
         self.depth.check()
-        self.loss.check()
         self.optimizer.check()
         self.schedule.check(self.max_steps)
         self.start.check()
-        self.engine.check()
         self._check_optimizer_zero()
         for name, spec in self.callbacks.items():
             if not CALLBACK_PATH.fullmatch(spec.class_path):
@@ -190,23 +102,3 @@ class TrainConfig:
         if self.optimizer.update_clip and stage == 3:
             raise ConfigError("train.optimizer.update_clip: works at ZeRO stage 0, 1 or 2 (it "
                               "finds each parameter in the rank's flat partition), not 3")
-
-
-@dataclass
-class WandbConfig:
-    enabled: bool = True
-    mode: Literal["offline", "online", "disabled"] = "offline"
-    project: str = "scse-dist"
-    entity: Optional[str] = None
-    group: Optional[str] = None
-
-
-@dataclass
-class TensorBoardConfig:
-    enabled: bool = False  # every metrics.jsonl row as TensorBoard scalars (rank 0)
-    log_dir: Optional[str] = None
-
-    def check(self) -> None:
-        if self.log_dir is not None and ("://" in self.log_dir or not self.log_dir.strip()):
-            raise ConfigError(f"tensorboard.log_dir: a local directory, or null for <run dir>/"
-                              f"tensorboard; got {self.log_dir!r}")

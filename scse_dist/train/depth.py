@@ -7,7 +7,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from scse_dist.config import DepthSamplingConfig, TrainConfig
+from scse_dist.train.config import TrainConfig
+from scse_dist.train.depth_config import DepthSamplingConfig
 
 
 def depth_mean(step: int, sampling: DepthSamplingConfig, target: int, total_steps: int) -> float:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.train.sizing import (
     GIB,
     activation_memory,
@@ -18,6 +18,7 @@ from scse_dist.train.sizing import (
     state_memory,
     training_depths,
 )
+from scse_dist.typed_yaml import ConfigError
 
 
 def describe(cfg: RunConfig, world_size: Optional[int] = None) -> str:

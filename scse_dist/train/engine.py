@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from scse_dist.config import ConfigError, deep_merge
 from scse_dist.param_groups import with_lr_mult
 from scse_dist.run_dir import PROFILE_NAME
 from scse_dist.train.config import TrainConfig
 from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule import build_lr_scheduler
+from scse_dist.typed_yaml import ConfigError, deep_merge
 
 if TYPE_CHECKING:
     from scse_dist.model import LoopedLM

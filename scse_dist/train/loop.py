@@ -24,7 +24,7 @@ from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
 from scse_dist.checkpoint.tags import checkpoint_dir, resume_if_present
 from scse_dist.cli_errors import exit_status, one_line
-from scse_dist.config import ConfigError, RunConfig, config_to_dict, save_config
+from scse_dist.config import RunConfig, config_to_dict, save_config
 from scse_dist.distributed import (
     abandon,
     describe_placement,
@@ -45,6 +45,7 @@ from scse_dist.train.schedule import follow_config_schedule
 from scse_dist.train.step import UpdateGate, train_step
 from scse_dist.train.tensorboard import tensorboard_log_dir
 from scse_dist.train.warm_start import check_init_config, maybe_init_from
+from scse_dist.typed_yaml import ConfigError
 
 
 def seed_everything(seed: int) -> None:

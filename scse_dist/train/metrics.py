@@ -11,8 +11,8 @@ from typing import Any, Optional
 import torch
 
 from scse_dist.atomic import NoSpaceError, atomic_write_text, no_space
-from scse_dist.config import WandbConfig
 from scse_dist.run_dir import RunDir, metric_lines
+from scse_dist.train.metrics_config import WandbConfig
 
 PEAK_FLOPS_ENV = "SCSE_PEAK_FLOPS"
 # Dense bf16 tensor-core peaks (FLOP/s), matched as substrings of torch.cuda.get_device_name().

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scse_dist.config import ConfigError
 from scse_dist.data.config import DataConfig
 from scse_dist.train.config import TrainConfig
 from scse_dist.train.engine import resolve_precision
 from scse_dist.train.engine_config import EngineConfig
 from scse_dist.train.sizing import GIB, state_memory, training_depths
+from scse_dist.typed_yaml import ConfigError
 
 if TYPE_CHECKING:
     from scse_dist.model import LoopedLM

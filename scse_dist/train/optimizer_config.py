@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from scse_dist.model.config import ConfigError
+from scse_dist.typed_yaml import ConfigError
 
 
 @dataclass
 class OptimizerConfig:
     kind: Literal["torch_adamw", "deepspeed_fused_adam", "muon"] = "torch_adamw"
-    lr: float = 1e-3
+    lr: float = field(default=1e-3, metadata={"gt": 0})
     # {group of scse_dist.param_groups: factor} for AdamW's lr; unnamed groups keep 1
     lr_mult: dict[str, float] = field(default_factory=dict)
     weight_decay: float = 0.1
@@ -20,34 +20,22 @@ class OptimizerConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     # Muon's own settings (kind: muon): Keller Jordan's reference defaults
-    muon_lr: float = 0.02
-    muon_momentum: float = 0.95
-    muon_weight_decay: float = 0.0
+    muon_lr: float = field(default=0.02, metadata={"gt": 0})
+    muon_momentum: float = field(default=0.95, metadata={"ge": 0, "lt": 1})
+    muon_weight_decay: float = field(default=0.0, metadata={"ge": 0})
     muon_scope: Literal["all", "loop"] = "all"
-    update_clip: float = 0.0  # StableAdamW's per-tensor clipping (scse_dist.train.update_clip)
+    # StableAdamW's per-tensor clipping (scse_dist.train.update_clip); 0: off
+    update_clip: float = field(default=0.0, metadata={"ge": 0, "finite": True, "note": "0: off"})
 
     def check(self) -> None:
-        """Values no optimizer can run with (one ConfigError naming the field)."""
-        if self.lr <= 0:
-            raise ConfigError(f"train.optimizer.lr: must be > 0, got {self.lr}")
+        """Combinations no optimizer can run with (one ConfigError naming the field)."""
         from scse_dist.param_groups import check_lr_mult  # torch-free, like this module
 
         check_lr_mult(self.lr_mult)
-        if self.muon_lr <= 0:
-            raise ConfigError(f"train.optimizer.muon_lr: must be > 0, got {self.muon_lr}")
-        if not 0.0 <= self.muon_momentum < 1.0:
-            raise ConfigError(f"train.optimizer.muon_momentum: must lie in [0, 1), got "
-                              f"{self.muon_momentum}")
-        if self.muon_weight_decay < 0:
-            raise ConfigError(f"train.optimizer.muon_weight_decay: must be >= 0, got "
-                              f"{self.muon_weight_decay}")
         if self.muon_scope != "all" and self.kind != "muon":
             raise ConfigError(f"train.optimizer.muon_scope: {self.muon_scope} narrows "
                               f"train.optimizer.kind: muon, but the optimizer is {self.kind}; set "
                               "it to muon or leave muon_scope at all")
-        if not 0 <= self.update_clip < float("inf"):  # also rejects NaN
-            raise ConfigError(f"train.optimizer.update_clip: must be a finite threshold >= 0 "
-                              f"(0: off), got {self.update_clip}")
         if self.update_clip and self.kind == "deepspeed_fused_adam":
             raise ConfigError("train.optimizer.update_clip: DeepSpeed's FusedAdam has no "
                               "per-tensor update clipping; use train.optimizer.kind: torch_adamw "

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import RunConfig
 from scse_dist.data.config import DataConfig
 from scse_dist.model.config import ModelConfig
 from scse_dist.train.config import TrainConfig
@@ -24,6 +24,7 @@ from scse_dist.train.sizing import (
     state_memory,
     training_depths,
 )
+from scse_dist.typed_yaml import ConfigError
 
 
 @dataclass(frozen=True)

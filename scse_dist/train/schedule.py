@@ -20,7 +20,9 @@ from typing import Any, Optional
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from scse_dist.config import ScheduleConfig, TrainConfig, rename_old_fields
+from scse_dist.config import rename_old_fields
+from scse_dist.train.config import TrainConfig
+from scse_dist.train.schedule_config import ScheduleConfig
 
 
 @dataclass(frozen=True)

@@ -3,35 +3,24 @@ Torch-free."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from scse_dist.model.config import ConfigError
+from scse_dist.typed_yaml import ConfigError
 
 
 @dataclass
 class ScheduleConfig:
     kind: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    decay_fraction: float = 0.1
-    decay_steps: Optional[int] = None
+    warmup_steps: int = field(default=20, metadata={"ge": 0})
+    min_lr_ratio: float = field(default=0.1, metadata={"ge": 0, "le": 1})
+    decay_fraction: float = field(default=0.1, metadata={"gt": 0, "le": 1})
+    decay_steps: Optional[int] = field(default=None,
+                                       metadata={"ge": 1, "note": "null: decay_fraction"})
     decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"
 
     def check(self, max_steps: int) -> None:
-        """Values no schedule of `max_steps` steps can run (one ConfigError naming the field)."""
-        if self.warmup_steps < 0:
-            raise ConfigError(f"train.schedule.warmup_steps: must be >= 0, got "
-                              f"{self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"train.schedule.min_lr_ratio: must lie in [0, 1], got "
-                              f"{self.min_lr_ratio}")
-        if not 0.0 < self.decay_fraction <= 1.0:
-            raise ConfigError(f"train.schedule.decay_fraction: must lie in (0, 1], got "
-                              f"{self.decay_fraction}")
-        if self.decay_steps is not None and self.decay_steps < 1:
-            raise ConfigError(f"train.schedule.decay_steps: must be >= 1 (null: decay_fraction), "
-                              f"got {self.decay_steps}")
+        """What no schedule of `max_steps` steps can run (one ConfigError naming the field)."""
         if self.kind != "wsd":
             return
         decay = self.wsd_decay_steps(max_steps)

@@ -13,9 +13,9 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Optional
 
-from scse_dist.config import ConfigError
 from scse_dist.run_dir import TENSORBOARD_NAME
-from scse_dist.train.config import TensorBoardConfig
+from scse_dist.train.metrics_config import TensorBoardConfig
+from scse_dist.typed_yaml import ConfigError
 
 NOT_INSTALLED = ("tensorboard.enabled: the tensorboard package is not installed; "
                  "pip install 'scse-dist[tensorboard]' (or tensorboard), or set "

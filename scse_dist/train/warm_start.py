@@ -23,8 +23,9 @@ from scse_dist.checkpoint.export import (
 from scse_dist.checkpoint.resume import warm_start_changes
 from scse_dist.checkpoint.start_config import StartConfig
 from scse_dist.cli_errors import InputError
-from scse_dist.config import ConfigError, config_to_dict, load_saved_config
+from scse_dist.config import config_to_dict, load_saved_config
 from scse_dist.model.config import ModelConfig
+from scse_dist.typed_yaml import ConfigError
 
 if TYPE_CHECKING:
     from torch import nn

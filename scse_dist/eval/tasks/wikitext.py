@@ -4,7 +4,7 @@ reader is a corpus format too, so it stays in scse_dist.data.sources.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from scse_dist.data.sources import read_wikitext_articles
@@ -17,10 +17,8 @@ class Config:
     """eval.task_settings.wikitext."""
 
     path: Optional[str] = None  # wiki.{valid,test}.raw path or URL
-    stride: int = 0  # sliding-window stride in tokens; 0 means data.seq_len // 2
-
-    def problem(self) -> Optional[str]:
-        return f"stride: must be >= 0, got {self.stride}" if self.stride < 0 else None
+    # sliding-window stride in tokens; 0 means data.seq_len // 2
+    stride: int = field(default=0, metadata={"ge": 0})
 
 
 def wikitext_rows(run: TaskRun) -> list[dict]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
-from scse_dist.config import ConfigError, RunConfig
+from scse_dist.config import RunConfig
 
 if TYPE_CHECKING:  # annotations only: this module stays free of torch (config checks import it)
     from deepspeed import DeepSpeedEngine
@@ -145,11 +145,7 @@ class Callback:
 class Cadence:
     """A Config of a callback that acts every `every_steps` optimizer steps (0: off)."""
 
-    every_steps: int = 0
-
-    def __post_init__(self) -> None:
-        if self.every_steps < 0:
-            raise ConfigError(f"every_steps: must be >= 0, got {self.every_steps}")
+    every_steps: int = field(default=0, metadata={"ge": 0})
 
 
 def every(n: int, step: int) -> bool:

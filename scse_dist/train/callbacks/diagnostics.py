@@ -8,13 +8,12 @@ at ZeRO-1/2 every rank joins the all-reduces, only rank 0 runs the forward.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from scse_dist.config import ConfigError
 from scse_dist.model.transitions import transition_for
 from scse_dist.train.callbacks.base import Callback, TrainState, every
-from scse_dist.train.config import largest_trained_depth
+from scse_dist.train.depth_config import largest_trained_depth
 
 if TYPE_CHECKING:  # torch in the hooks only: config checks import this module
     import torch
@@ -33,11 +32,8 @@ class LoopDiagnosticsCallback(Callback):
 
     @dataclass
     class Config:
-        every_steps: Optional[int] = None  # null: train.log_every; 0: off
-
-        def __post_init__(self) -> None:
-            if self.every_steps is not None and self.every_steps < 0:
-                raise ConfigError(f"every_steps: must be >= 0, got {self.every_steps}")
+        # null: train.log_every; 0: off
+        every_steps: Optional[int] = field(default=None, metadata={"ge": 0})
 
     priority = 400
 

@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from scse_dist.config import ConfigError
 from scse_dist.eval.config import EvalConfig
 from scse_dist.eval.curves import DOWNSTREAM_KIND, downstream_key
 from scse_dist.task_registry import TASKS, data_path, field_value, unknown_task
 from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every
 from scse_dist.train.config import TrainConfig
+from scse_dist.typed_yaml import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -46,12 +46,7 @@ class DownstreamEvalCallback(Callback):
     @dataclass
     class Config(Cadence):
         tasks: list[str] = field(default_factory=list)
-        max_examples: int = 0  # per task and evaluation (0: all)
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            if self.max_examples < 0:
-                raise ConfigError(f"max_examples: must be >= 0, got {self.max_examples}")
+        max_examples: int = field(default=0, metadata={"ge": 0})  # per task and evaluation (0: all)
 
         def check(self, train: TrainConfig, eval: EvalConfig) -> None:
             able = [name for name, task in TASKS.items() if task.downstream]

@@ -3,10 +3,9 @@ The counts are its state: they go on across a resume (a run preempted mid-streak
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from scse_dist.config import ConfigError
 from scse_dist.train.callbacks.base import Callback, TrainState
 
 
@@ -16,11 +15,8 @@ class NonFiniteCallback(Callback):
 
     @dataclass
     class Config:
-        max_in_a_row: int = 5  # non-finite (skipped) steps in a row that stop the run: exit 3
-
-        def __post_init__(self) -> None:
-            if self.max_in_a_row <= 0:
-                raise ConfigError(f"max_in_a_row: must be > 0, got {self.max_in_a_row}")
+        # non-finite (skipped) steps in a row that stop the run: exit 3
+        max_in_a_row: int = field(default=5, metadata={"gt": 0})
 
     priority = 500
 

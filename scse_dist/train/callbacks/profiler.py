@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from scse_dist.config import ConfigError
 from scse_dist.run_dir import PROFILE_NAME
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.config import TrainConfig
+from scse_dist.typed_yaml import ConfigError
 
 if TYPE_CHECKING:  # torch in the hooks only: config checks import this module
     import torch
@@ -46,26 +46,19 @@ class ProfilerCallback(Callback):
     @dataclass
     class Config:
         # torch.profiler over steps start_step .. last_step, after warmup_steps thrown away
-        start_step: int = 10
-        steps: int = 2
-        warmup_steps: int = 1
+        start_step: int = field(default=10, metadata={"ge": 1})
+        steps: int = field(default=2, metadata={"ge": 1})
+        warmup_steps: int = field(default=1, metadata={"ge": 0})
         ranks: list[int] = field(default_factory=lambda: [0])
         record_shapes: bool = False
         profile_memory: bool = False
         with_stack: bool = False
         # CUDA: DeepSpeed's flops profiler over this step (null: the one after the window; 0: off)
-        flops_step: Optional[int] = None
+        flops_step: Optional[int] = field(default=None, metadata={"ge": 0, "note": "0: off"})
 
         def __post_init__(self) -> None:
-            for name in ("start_step", "steps"):
-                if getattr(self, name) < 1:
-                    raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-            if self.warmup_steps < 0:
-                raise ConfigError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
             if not self.ranks or any(r < 0 for r in self.ranks):
                 raise ConfigError(f"ranks: need a non-empty list of ranks >= 0, got {self.ranks}")
-            if self.flops_step is not None and self.flops_step < 0:
-                raise ConfigError(f"flops_step: must be >= 0 (0: off), got {self.flops_step}")
 
         def check(self, train: TrainConfig) -> None:
             if self.start_step > train.max_steps:

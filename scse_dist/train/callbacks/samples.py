@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scse_dist.config import ConfigError
 from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every
 from scse_dist.train.config import TrainConfig
+from scse_dist.typed_yaml import ConfigError
 
 SAMPLE_KIND = "sample"
 
@@ -21,18 +21,13 @@ class SampleCallback(Callback):
     class Config(Cadence):
         prompts: list[str] = field(
             default_factory=lambda: ["The", "Return the", "This module provides"])
-        tokens: int = 32
-        temperature: float = 0.8
+        tokens: int = field(default=32, metadata={"ge": 1})
+        temperature: float = field(default=0.8, metadata={"ge": 0})
 
         def __post_init__(self) -> None:
-            super().__post_init__()
             if self.every_steps and not all(p.strip() for p in self.prompts or [""]):
                 raise ConfigError("prompts: need at least one prompt, none empty, when "
                                   "every_steps is set")
-            if self.tokens < 1:
-                raise ConfigError(f"tokens: must be >= 1, got {self.tokens}")
-            if self.temperature < 0:
-                raise ConfigError(f"temperature: must be >= 0, got {self.temperature}")
 
         def check(self, train: TrainConfig) -> None:
             if self.every_steps and train.engine.zero_stage == 3:

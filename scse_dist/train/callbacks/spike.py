@@ -5,13 +5,13 @@ row end the run. The windows and counts are its state, so a resumed run needs no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from scse_dist.config import ConfigError
 from scse_dist.train.callbacks.base import Callback, TrainState
 from scse_dist.train.config import TrainConfig
 from scse_dist.train.spike import Spike, SpikeDetector
+from scse_dist.typed_yaml import ConfigError
 
 
 class SpikeSkipCallback(Callback):
@@ -25,22 +25,17 @@ class SpikeSkipCallback(Callback):
         running mean over `window` applied steps is not applied (scse_dist.train.spike)."""
 
         metric: Literal["loss", "grad_norm", "both"] = "both"
-        k: float = 6.0
-        window: int = 128
+        k: float = field(default=6.0, metadata={"gt": 0, "finite": True})
+        window: int = field(default=128, metadata={
+            "ge": 2, "note": "a standard deviation needs two values"})
         warmup: int = 20  # applied steps before any step can be skipped
-        max_in_a_row: int = 5  # skipped spikes in a row that end the run (exit status 4)
+        # skipped spikes in a row that end the run (exit status 4)
+        max_in_a_row: int = field(default=5, metadata={"ge": 1})
 
         def __post_init__(self) -> None:
-            if not 0.0 < self.k < float("inf"):  # also rejects NaN
-                raise ConfigError(f"k: must be a finite number > 0, got {self.k}")
-            if self.window < 2:
-                raise ConfigError(f"window: must be >= 2 (a standard deviation needs two "
-                                  f"values), got {self.window}")
             if not 2 <= self.warmup <= self.window:
                 raise ConfigError(f"warmup: must lie in [2, window={self.window}], got "
                                   f"{self.warmup}")
-            if self.max_in_a_row < 1:
-                raise ConfigError(f"max_in_a_row: must be >= 1, got {self.max_in_a_row}")
 
         def check(self, train: TrainConfig) -> None:
             stage = train.engine.zero_stage
