@@ -28,7 +28,7 @@ from scse_dist.study.runs import Run
 from scse_dist.study.spec import StudySpec
 from scse_dist.study.validation import score_finished, sweep_score
 
-REPORT_CMD = [sys.executable, "-m", "scse_dist.study.report"]
+REPORT_CMD = [sys.executable, "-m", "scse_dist.study.report_cli", "--study"]
 
 
 def run_report(spec: StudySpec) -> int:
