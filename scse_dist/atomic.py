@@ -78,11 +78,11 @@ def _free_space(path: str) -> str:
         free = float(shutil.disk_usage(folder).free)
     except OSError:
         return "unknown space"
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if free < 1000 or unit == "TB":
+    for unit in ("B", "kB", "MB", "GB"):
+        if free < 1000:
             return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
         free /= 1000
-    return ""  # not reached
+    return f"{free:.1f} TB"
 
 
 def is_no_space(exc: BaseException) -> bool:

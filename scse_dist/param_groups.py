@@ -39,14 +39,10 @@ def group_of(name: str) -> str:
     no group raises ValueError naming it (a new parameter must be given a group here)."""
     if _NORM.search(name) or name == "norm.weight":
         return "norm"
-    if name == "embed.weight":
-        return "embed"
-    if name == "head.weight":
-        return "head"
-    if name.startswith("core.anchor."):
-        return "anchor"
-    if name.startswith("core.adapter."):
-        return "adapter"
+    if name in ("embed.weight", "head.weight"):
+        return name.split(".")[0]
+    if name.startswith(("core.anchor.", "core.adapter.")):
+        return name.split(".")[1]
     block = _BLOCK.match(name)
     if block is not None:
         part, sub = block.groups()

@@ -5,6 +5,7 @@ talk (rank 0) makes an enabled one; `enabled=False` is a no-op.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -16,10 +17,9 @@ DEFAULT_EVERY_S = 30.0
 
 def format_duration(seconds: Optional[float]) -> str:
     """`1:02:03` for an hour and more, `2:03` below it; `?` when unknown."""
-    if seconds is None or seconds != seconds or seconds == float("inf") or seconds < 0:
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
         return "?"
-    whole = int(round(seconds))
-    hours, rest = divmod(whole, 3600)
+    hours, rest = divmod(int(round(seconds)), 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 

@@ -18,7 +18,7 @@ from scse_dist.generate import Sampling, continuation_text, generate
 from scse_dist.generate.cli import main as generate_main
 from scse_dist.model import LoopedLM, ModelConfig
 from scse_dist.model.exit_rules import ExitRule, parse_exit_rule
-from scse_dist.model.kv_cache import KVCache, _causal_mask
+from scse_dist.model.kv_cache import KVCache, causal_mask
 
 KINDS = [dict(recurrence="untied"), dict(recurrence="looped"), dict(recurrence="additive"),
          dict(recurrence="scse"), dict(recurrence="scse", inject="concat"),
@@ -238,11 +238,11 @@ def test_one_new_tokens_mask_is_the_general_causal_mask() -> None:
             cache.commit(torch.rand(3, 6, generator=gen).gt(0.3).long())
         keys = torch.cat([cache.key_mask, torch.tensor(new).bool()], dim=1)
         got = cache.positions(torch.tensor(new))[1]
-        assert got.shape == (3, 1, 1, 7) and torch.equal(got, _causal_mask(keys, 1))
+        assert got.shape == (3, 1, 1, 7) and torch.equal(got, causal_mask(keys, 1))
         cache.commit(torch.tensor(new))
         cache.truncate(6)
     empty = KVCache().positions(torch.tensor([[1], [0]]))[1]
-    assert torch.equal(empty, _causal_mask(torch.tensor([[True], [False]]), 1))
+    assert torch.equal(empty, causal_mask(torch.tensor([[True], [False]]), 1))
 
 
 def test_cache_refuses_another_depth_or_batch() -> None:

@@ -11,7 +11,7 @@ import yaml
 from scse_dist.config import config_from_dict, save_config
 from scse_dist.eval.results import write_results
 from scse_dist.study.compare import verdict
-from scse_dist.study.report import main as study_report_main, write_study_report
+from scse_dist.study.report import write_study_report
 from scse_dist.study.report_cli import main as scse_report_main
 from scse_dist.study.stats import Interval, t_interval, t_quantile
 from scse_dist.train.metrics import MetricsLogger
@@ -80,7 +80,7 @@ HEALTHY_DIAG = {t: (10.0 + t, 1.0 / t if t else 0.0, 2.0) for t in DEPTHS}
 def comparison(tmp_path_factory):
     """additive, scse (better everywhere), looped (better at T=1, worse at T=8) and untied (one
     point, unresolved), 3 seeds each; lambada accuracy for additive and scse. Reported once
-    (python -m scse_dist.study.report's main), without wandb."""
+    (scse-report --study), without wandb."""
     study = tmp_path_factory.mktemp("studies") / "cmp"
     base = {1: 50.0, 2: 40.0, 4: 30.0, 8: 32.0}
     looped_shift = {1: [-3.0, -3.1, -3.2], 2: [1.0, -1.0, 0.5], 4: [2.0, -2.0, 1.0],
@@ -102,7 +102,7 @@ def comparison(tmp_path_factory):
          "additive": {"lr": 3e-3, "scores": {"0.001": 33.0, "0.003": 32.0, "0.01": 32.5}}}))
     write_study(study, entries, variants={"additive": {}, "scse": {}, "looped": {}, "untied": {}},
                 seeds=[0, 1, 2])
-    assert study_report_main([str(study), "--wandb", "disabled"]) == 0
+    assert scse_report_main(["--study", str(study), "--wandb", "disabled"]) == 0
     return study
 
 

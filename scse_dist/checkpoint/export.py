@@ -7,6 +7,7 @@ the dropped names go into the file's metadata, and the model re-ties them on con
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -89,14 +90,12 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
     """
     from scse_dist.hf import write_hf_files
 
-    loaded: Optional[Tokenizer] = None
+    loaded = None if isinstance(tokenizer, str) else tokenizer
     if isinstance(tokenizer, str):  # read first: a bad tokenizer fails before anything is written
         from scse_dist.data.tokenizer import Tokenizer
 
         loaded = Tokenizer.load(tokenizer, cfg.data.tokenizer_kind
                                 if tokenizer == cfg.data.tokenizer else "auto")
-    elif tokenizer is not None:
-        loaded = tokenizer
     state_dict = _strip_wrapper_prefixes(dict(state_dict))
     kept, aliases = _dedupe_shared(state_dict)
     tensors = {
@@ -105,10 +104,7 @@ def save_exported_model(state_dict: dict[str, torch.Tensor], cfg: RunConfig, out
     }
     # Distinct tensors may still be views into one storage (e.g. slices of a fused buffer), which
     # safetensors also refuses: give those their own copy.
-    storages: dict[int, int] = {}
-    for t in tensors.values():
-        ptr = t.untyped_storage().data_ptr()
-        storages[ptr] = storages.get(ptr, 0) + 1
+    storages = collections.Counter(t.untyped_storage().data_ptr() for t in tensors.values())
     tensors = {n: t.clone() if t.numel() and storages[t.untyped_storage().data_ptr()] > 1 else t
                for n, t in tensors.items()}
     metadata = {"format": "pt", _ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
@@ -261,12 +257,9 @@ def weights_mismatch(expected: dict[str, torch.Tensor],
 
 def describe_mismatch(problems: dict[str, list[str]], show: int = 5) -> str:
     """weights_mismatch's result on one line, at most `show` names per kind."""
-    parts = []
-    for label, items in problems.items():
-        shown = ", ".join(items[:show]) + (f" (+{len(items) - show} more)"
-                                           if len(items) > show else "")
-        parts.append(f"{label}: {shown}")
-    return "; ".join(parts)
+    return "; ".join(f"{label}: {', '.join(items[:show])}"
+                     + (f" (+{len(items) - show} more)" if len(items) > show else "")
+                     for label, items in problems.items())
 
 
 def load_exported_model(path: str | os.PathLike, device: str | torch.device = "cpu"

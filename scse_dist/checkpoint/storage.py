@@ -47,10 +47,6 @@ def _retry(what: str, action: Callable[[], Any]) -> Any:
             time.sleep(backoff * 2 ** (attempt - 1))
 
 
-def _step_of(tag: str) -> int:
-    return int(tag.rsplit("-", 1)[-1])
-
-
 class RunStorage:
     """The run dir the trainer writes (`local`) and, for a remote output_dir, its mirror URL."""
 
@@ -145,8 +141,7 @@ class RunStorage:
         """Staging holds a newer committed tag than the remote `latest` (its upload failed): resume
         from it and upload it again."""
         tag = self._staging_tag()
-        path = RunDir(self.local).checkpoints / tag if tag else None
-        if not tag or path is None or not path.is_dir() or \
+        if not tag or not (path := RunDir(self.local).checkpoints / tag).is_dir() or \
                 (remote_tag is not None and tag <= remote_tag):
             return False
         self._pending[tag] = (path, {p.relative_to(path).as_posix(): p.stat().st_size
@@ -193,7 +188,7 @@ class RunStorage:
             source, manifest = self._pending[tag]
             try:
                 self._upload(_tag(tag), source, after_file=lambda: (
-                    faults.mid_upload(_step_of(tag)) if faults else None))
+                    faults.mid_upload(int(tag.rsplit("-", 1)[-1])) if faults else None))
                 if is_rank0():
                     self._verify(tag, manifest)
             except Exception as err:  # reported, not raised: training goes on (docs/checkpoints.md)

@@ -17,11 +17,8 @@ Item = tuple[int, int, int, int]
 
 def pick_level(n_samples: list[int], n_readers: int) -> str:
     """The unit readers split the data by: "shard", "sample" or "document"."""
-    if len(n_samples) >= n_readers:
-        return "shard"
-    if sum(n_samples) >= n_readers:
-        return "sample"
-    return "document"
+    return "shard" if len(n_samples) >= n_readers else \
+        "sample" if sum(n_samples) >= n_readers else "document"
 
 
 def _units(stream: Any, level: str) -> list[tuple[int, int, int]]:

@@ -76,4 +76,4 @@ def load_sample_table(url: str, n_samples: int) -> np.ndarray:
     if table.shape != (n_samples, len(TABLE_COLUMNS)) or table.dtype.kind not in "iu":
         raise ValueError(f"{url}: sample table of shape {table.shape}, expected "
                          f"({n_samples}, {len(TABLE_COLUMNS)}) integers")
-    return table.reshape(n_samples, len(TABLE_COLUMNS))
+    return table

@@ -184,16 +184,12 @@ def no_documents(out: str) -> InputError:
                       "encodes to a token)")
 
 
-def holds_shards(out: str) -> bool:
-    """Whether `out` holds a shard index of any version: scse-data wrote the folder, so a new run
-    may replace its files (scse_dist.atomic.output_dir)."""
-    return str((index_as_written(out) or {}).get("format", "")).startswith("scse-tokens")
-
-
 def shards_output(out: str) -> ContextManager[str]:
-    """The context in which a command writes shards: a temporary folder (fs, root) that becomes
-    `out` when the body succeeds (scse_dist.atomic.output_dir)."""
-    return output_dir(out, holds_shards, INDEX_NAME)
+    """The context in which a command writes shards: a temporary folder that becomes `out` when
+    the body succeeds (scse_dist.atomic.output_dir); a folder holding a shard index of any version
+    is scse-data's, so its files may be replaced."""
+    return output_dir(out, lambda url: str((index_as_written(url) or {}).get("format", ""))
+                      .startswith("scse-tokens"), INDEX_NAME)
 
 
 def split_writers(fs: fsspec.AbstractFileSystem, root: str, dtype: str, eos: int,

@@ -10,6 +10,7 @@ input is an InputError naming file and line, a missing one FileNotFoundError, an
 from __future__ import annotations
 
 import gzip
+import io
 import itertools
 import json
 import lzma
@@ -78,22 +79,6 @@ def is_jsonl(url: str) -> bool:
     return name.endswith(JSONL_SUFFIXES)
 
 
-def _byte_lines(f) -> Iterator[bytes]:
-    """Lines of a binary file object by read() alone (zstd's stream reader cannot readline)."""
-    pending: list[bytes] = []  # the pieces of a line longer than a chunk (joined once)
-    while chunk := f.read(1 << 20):
-        lines = chunk.split(b"\n")
-        if len(lines) > 1:
-            yield b"".join(pending) + lines[0] + b"\n"
-            for line in lines[1:-1]:
-                yield line + b"\n"
-            pending = []
-        pending.append(lines[-1])
-    tail = b"".join(pending)
-    if tail:
-        yield tail
-
-
 def text_lines(url: str) -> Iterator[tuple[int, str]]:
     """(line number, line) of a text file, any fsspec URL, decompressed by its suffix; decoded
     line by line, so a byte that is not UTF-8 is reported at its line; "\r\n" becomes "\n"."""
@@ -111,7 +96,8 @@ def text_lines(url: str) -> Iterator[tuple[int, str]]:
     lineno = 0
     with f:
         try:
-            for lineno, raw in enumerate(_byte_lines(f), 1):
+            # buffered here: zstd's stream reader cannot readline itself
+            for lineno, raw in enumerate(io.BufferedReader(f, 1 << 20), 1):
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:

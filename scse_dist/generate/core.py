@@ -50,12 +50,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
     done = [False] * len(prompts)
     step_in, mask_in = tokens, mask
     for _ in range(max_new_tokens):
-        if kv is None:  # the reference: a fresh cache over the whole sequence, used once
-            out = model.decode_step(tokens, KVCache(), depth=depth, attention_mask=mask,
-                                    exit_rule=exit_rule)
-        else:
-            out = model.decode_step(step_in, kv, depth=depth, attention_mask=mask_in,
-                                    exit_rule=exit_rule)
+        # no cache: the reference, a fresh cache over the whole sequence, used once
+        x, cache_x, mask_x = (tokens, KVCache(), mask) if kv is None else (step_in, kv, mask_in)
+        out = model.decode_step(x, cache_x, depth=depth, attention_mask=mask_x, exit_rule=exit_rule)
         chosen = next_tokens(out.logits[:, -1], sampling, generator)
         for row, token in enumerate(chosen.tolist()):
             if done[row]:

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig, RopeScaling
 from .documents import AttnMask, attend
+from .kv_cache import causal_mask
 from .transitions import Transition, transition_for
 
 
@@ -91,12 +92,8 @@ def _llama3_scaled(inv_freq: torch.Tensor, r: RopeScaling) -> torch.Tensor:
 
 
 def attention_mask_4d(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, S) 1/0 key padding mask -> (B, 1, S, S) bool: causal and not a padding key. Each
-    position also sees itself, so a padding row's softmax is never empty (no NaN)."""
-    s = attention_mask.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
-    keys = attention_mask.bool()[:, None, None, :]
-    return (causal & keys) | torch.eye(s, dtype=torch.bool, device=attention_mask.device)
+    """(B, S) 1/0 key padding mask -> (B, 1, S, S) bool (kv_cache.causal_mask with no cache)."""
+    return causal_mask(attention_mask.bool(), attention_mask.shape[-1])
 
 
 def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:

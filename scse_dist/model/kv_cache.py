@@ -116,17 +116,17 @@ class KVCache:
         start = self.next_position if self.next_position is not None else \
             torch.zeros(b, dtype=torch.long, device=new.device)
         position_ids = (start[:, None] + new.long().cumsum(-1) - 1).clamp(min=0)
-        if s == 1:  # one token (each generated one): _causal_mask's value in 2 ops, not 7
+        if s == 1:  # one token (each generated one): causal_mask's value in 2 ops, not 7
             seen = torch.ones_like(new)  # it sees every real cached token and itself
             keys = seen if self.key_mask is None else torch.cat([self.key_mask, seen], dim=1)
             return position_ids, keys[:, None, None, :]
         keys = new if self.key_mask is None else torch.cat([self.key_mask, new], dim=1)
-        return position_ids, _causal_mask(keys, s)
+        return position_ids, causal_mask(keys, s)
 
     def trailing_mask(self, s: int) -> torch.Tensor:
         """(B, 1, s, L) attention mask of the last s cached tokens as queries (verify)."""
         assert self.key_mask is not None  # tokens are cached
-        return _causal_mask(self.key_mask, s)
+        return causal_mask(self.key_mask, s)
 
     def commit_slots(self) -> None:
         """Append every slot's new K/V, leaving the padding mask and positions as they are."""
@@ -152,9 +152,9 @@ class KVCache:
             self.key_mask = self.key_mask[:, :length]
 
 
-def _causal_mask(keys: torch.Tensor, s: int) -> torch.Tensor:
-    """(B, 1, s, L) bool for the last s of L keys as queries: causal, padding keys masked, and
-    each query sees itself (so a padding row's softmax is never empty)."""
+def causal_mask(keys: torch.Tensor, s: int) -> torch.Tensor:
+    """(B, 1, s, L) bool for the last s of L keys (B, L) as queries: causal, padding keys masked,
+    and each query sees itself (so a padding row's softmax is never empty, no NaN)."""
     past = keys.shape[1] - s
     q = torch.arange(s, device=keys.device)[:, None] + past
     k = torch.arange(keys.shape[1], device=keys.device)[None, :]

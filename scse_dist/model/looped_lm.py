@@ -95,8 +95,7 @@ class LoopedLM(nn.Module):
             if document_ids.shape != tokens.shape:
                 raise ValueError(f"document_ids: expected the tokens' shape "
                                  f"{tuple(tokens.shape)}, got {tuple(document_ids.shape)}")
-            rope = self.rope(tokens) if position_ids is None else \
-                rope_tables(tokens.shape[-1], self.cfg, tokens.device, position_ids)
+            rope = rope_tables(tokens.shape[-1], self.cfg, tokens.device, position_ids)
             return rope, document_mask(document_ids.to(tokens.device))
         if attention_mask is None and position_ids is None:
             return self.rope(tokens), None  # the training path: positions 0..S-1, is_causal

@@ -136,8 +136,7 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
         data = read_results(validation)
         if data is not None:
             run.results[VALIDATION_NAME] = {r["depth"]: r for r in data["results"]}
-    scored = run.stage == "sweep" and RunDir(run.run_dir).results(VALIDATION_NAME).is_file()
-    if not run.results and not scored:
+    if not run.results and not (run.stage == "sweep" and validation.is_file()):
         steps = [r["step"] for r in run.metrics if "step" in r]
         planned = run.config.train.max_steps if run.config else "?"
         where = f"training stopped at step {steps[-1]} of {planned}" if steps else "no training log"

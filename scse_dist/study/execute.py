@@ -28,7 +28,7 @@ from scse_dist.study.runs import Run
 from scse_dist.study.spec import StudySpec
 from scse_dist.study.validation import score_finished, sweep_score
 
-REPORT_CMD = [sys.executable, "-m", "scse_dist.study.report"]
+REPORT_CMD = [sys.executable, "-m", "scse_dist.study.report_cli", "--study"]
 
 
 def run_report(spec: StudySpec) -> int:
@@ -75,12 +75,6 @@ def _train_and_evaluate(spec: StudySpec, run: Run) -> tuple[int, str]:
     return 0, ""
 
 
-def _all_alike(outcomes: list[tuple[int, str]]) -> bool:
-    """The first runs of this invocation all failed on the same input error."""
-    return len(outcomes) >= FAIL_FAST_AFTER and len(set(outcomes)) == 1 and \
-        outcomes[0][0] in INPUT_EXITS
-
-
 def run_local(spec: StudySpec) -> int:
     """Every stage in sequence, finished runs skipped, then the report. 1 if a run failed; the
     runs' exit status when the first ones all failed on the same input error (then it stops)."""
@@ -113,7 +107,9 @@ def _run_local(spec: StudySpec, doing: list[str]) -> int:
             outcomes.append(outcome)
             if outcome[0] != 0:
                 failed.append(run.run_dir)
-            if _all_alike(outcomes):
+            # the first runs of this invocation all failed on the same input error
+            if len(outcomes) >= FAIL_FAST_AFTER and len(set(outcomes)) == 1 and \
+                    outcome[0] in INPUT_EXITS:
                 print(f"scse-study: stopped: the first {len(outcomes)} runs failed alike (exit "
                       f"{outcome[0]}): {outcome[1]}", file=sys.stderr)
                 return outcome[0]

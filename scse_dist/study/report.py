@@ -1,20 +1,17 @@
 """The study report: seeds aggregated per variant and depth, paired comparisons with a verdict,
 extrapolation ratios, pathology flags, the learning-rate choice, the frontier plots, and a
-factorial's effects (spec report.factorial). What it writes and shows: docs/evaluation.md.
-
-    python -m scse_dist.study.report STUDY_DIR        # or: scse-report --study STUDY_DIR
+factorial's effects (spec report.factorial). What it writes and shows: docs/evaluation.md;
+the command is `scse-report --study STUDY_DIR` (scse_dist.study.report_cli).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional
 
 from scse_dist.atomic import output_dir
-from scse_dist.cli_errors import cli_main
 from scse_dist.config import RunConfig
 from scse_dist.model.config import ModelConfig
 from scse_dist.model.transitions import transition_for
@@ -57,9 +54,7 @@ def training_depth(m: ModelConfig, train: TrainConfig) -> Optional[int]:
         return None
     if d.kind == "uniform":
         return d.max or 2 * m.depth
-    if d.kind == "poisson_lognormal" and d.max:
-        return d.max
-    return m.depth
+    return d.max if d.kind == "poisson_lognormal" and d.max else m.depth
 
 
 def reference_depth(depths, t_train: Optional[int]) -> Optional[int]:
@@ -119,10 +114,9 @@ class StudyReport:
         self.metrics = {**default_report_metrics(),
                         **((study.spec.get("report") or {}).get("metrics") or {})}
         self.table = aggregate(self.included, self.variants, self.metrics)
-        self.pairs = {(a, b, task, metric): paired(self.included, a, b, task, metric)
-                      for a, b in study.pairs
-                      for task, names in self.metrics.items() for metric in names}
-        self.pairs = {k: v for k, v in self.pairs.items() if v}
+        keys = [(a, b, t, m) for a, b in study.pairs for t, names in self.metrics.items()
+                for m in names]
+        self.pairs = {k: v for k in keys if (v := paired(self.included, *k))}
         self.prereg = study.spec.get("preregistration") or {}
         self.declared = {(*c["pair"], c["task"], c["metric"], c["depth"]):
                          paired(self.included, c["pair"][0], c["pair"][1], c["task"],
@@ -368,22 +362,3 @@ def write_study_report(study_dir: str | Path, out_dir: str | Path | None = None,
     if wandb_mode != "disabled":
         _log_to_wandb(report, out, wandb_mode, images)
     return out / REPORT_NAME
-
-
-@cli_main("scse-report")
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m scse_dist.study.report",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("study_dir", help="a study dir (holding runs.json)")
-    p.add_argument("--out", default=None, help="output dir (default STUDY_DIR/report)")
-    p.add_argument("--wandb", choices=["auto", "offline", "online", "disabled"], default="auto",
-                   help="auto (default): offline, or nothing when every run's config disables "
-                        "wandb")
-    args = p.parse_args(argv)
-    path = write_study_report(args.study_dir, args.out, args.wandb)
-    print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -35,12 +35,6 @@ class LocalBackend(Backend):
     def __init__(self) -> None:
         self.exit_status: dict[str, Optional[int]] = {}  # job id -> status; None: never ran
 
-    def _may_run(self, job: Job) -> bool:
-        """afterok: every dependency this backend ran succeeded (others are met by order)."""
-        if job.dependency == "afterany":
-            return True
-        return all(self.exit_status.get(dep, 0) == 0 for dep in job.after)
-
     def _run(self, job: Job, command: list[str], job_id: str) -> int:
         Path(job.log_dir).mkdir(parents=True, exist_ok=True)
         name = job.name or "job"
@@ -67,7 +61,8 @@ class LocalBackend(Backend):
         # unique across the processes of one study (a stage job submits the next stage's jobs)
         job_id = f"{os.getpid()}.{next(_ids)}"
         self.exit_status[job_id] = None
-        if self._may_run(job):
+        # afterok: every dependency this backend ran succeeded (others are met by order)
+        if job.dependency == "afterany" or all(self.exit_status.get(d, 0) == 0 for d in job.after):
             statuses = [self._run(job, command, job_id + suffix)
                         for suffix, command in commands.items()]
             self.exit_status[job_id] = next((s for s in statuses if s != 0), 0)
