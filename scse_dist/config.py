@@ -49,6 +49,7 @@ from scse_dist.typed_yaml import (  # noqa: F401
     _read_yaml,
     apply_overrides,
     deep_merge,
+    old_name_notice,
 )
 
 # --------------------------------------------------------------------------- the run config
@@ -154,17 +155,6 @@ RENAMED_FIELDS = {"eval.wikitext": "eval.task_settings.wikitext.path",
                                           ("optimizer", OptimizerConfig),
                                           ("schedule", ScheduleConfig), ("start", StartConfig))
                      for f in dataclasses.fields(cls) if f.name != "kind"}}
-_noticed: set[str] = set()
-
-
-def _notice(old: str, new: str) -> None:
-    import sys
-
-    if old not in _noticed:
-        _noticed.add(old)
-        print(f"config: notice: {old} is now {new}; the old name is read for now",
-              file=sys.stderr, flush=True)
-
 
 def renamed_key(key: str, value: Any = None) -> str:
     """The current name of dotted key `key` (an override's, a study's) given `value`: a
@@ -173,15 +163,15 @@ def renamed_key(key: str, value: Any = None) -> str:
         if old.endswith(EACH):  # eval.data.<task>: the task's key moves
             prefix = old.removesuffix(EACH) + "."
             if key.startswith(prefix) and "." not in key[len(prefix):]:
-                _notice(old, new)
+                old_name_notice(old, new)
                 return new.replace(EACH[1:], key[len(prefix):])
             continue
         if new.startswith(old + "."):  # a name that is now a section: only a value moves
             if key == old and not isinstance(value, dict):
-                _notice(old, new)
+                old_name_notice(old, new)
                 return new
         elif key == old or key.startswith(old + "."):
-            _notice(old, new)
+            old_name_notice(old, new)
             return new + key[len(old):]
     return key
 
@@ -201,7 +191,7 @@ def rename_old_fields(values: dict) -> dict:
     train = values.get("train")
     if isinstance(train, dict) and isinstance(train.get("callbacks"), list):
         if train["callbacks"]:  # keyed by class path
-            _notice("train.callbacks as a list", "a mapping of name: entry")
+            old_name_notice("train.callbacks as a list", "a mapping of name: entry")
         train["callbacks"] = {_listed_name(e, train["callbacks"][:i]): e
                               for i, e in enumerate(train["callbacks"])}
     for old, new in RENAMED_FIELDS.items():
@@ -224,7 +214,7 @@ def rename_old_fields(values: dict) -> dict:
                 _set_new(values, new.replace(EACH[1:], str(key)), each)
         else:
             _set_new(values, new, value)
-        _notice(old, new)
+        old_name_notice(old, new)
     return values
 
 

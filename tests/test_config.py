@@ -197,9 +197,9 @@ train:
 
 
 def test_old_flat_train_names_load_into_their_sections_with_one_notice_each(tmp_path, capfd):
-    import scse_dist.config as config
+    import scse_dist.typed_yaml as typed_yaml
 
-    config._noticed.clear()
+    typed_yaml._noticed.clear()
     (tmp_path / "old.yaml").write_text(OLD_TRAIN)
     t = load_config(tmp_path / "old.yaml").train
     o, s = t.optimizer, t.schedule
@@ -324,10 +324,10 @@ def test_the_built_in_callbacks_old_settings_load_with_one_notice_each(tmp_path,
     import copy
     import json
 
-    import scse_dist.config as config
+    import scse_dist.typed_yaml as typed_yaml
     from scse_dist.checkpoint.resume import refused_changes
 
-    config._noticed.clear()
+    typed_yaml._noticed.clear()
     (tmp_path / "old.yaml").write_text(yaml.safe_dump(OLD_CALLBACK_KEYS))
     (tmp_path / "new.yaml").write_text(yaml.safe_dump({"train": {"callbacks": NEW_CALLBACK_KEYS}}))
     old = load_config(tmp_path / "old.yaml")
