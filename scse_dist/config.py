@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -46,6 +47,7 @@ from scse_dist.train.schedule_config import ScheduleConfig
 from scse_dist.typed_yaml import (  # noqa: F401
     _build,
     _parse_scalar,
+    _read_one,
     _read_yaml,
     apply_overrides,
     deep_merge,
@@ -288,18 +290,36 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 SAVED_BEFORE = {"model": VALUE_BEFORE_FIELD}
 
 
-def load_saved_config(path: str | Path) -> RunConfig:
-    """load_config for the config a run saved (config.yaml, config.json): a field it lacks takes
-    the value it had when the run was made (SAVED_BEFORE), else today's default."""
-    values = read_config_file(Path(path))
+def read_saved_config(saved: str | Path | dict) -> dict:
+    """The values of a config a run saved (a run dir's or an export's config.yaml, a checkpoint
+    tag's config.json, or such values already read), the one reader of them: old names renamed
+    (one notice each), and a model field it lacks at the value it had when the run was made
+    (SAVED_BEFORE); another field it lacks stays absent (its reader's default)."""
+    if isinstance(saved, dict):
+        values = saved
+    elif Path(saved).suffix == ".json":  # JSON as JSON: YAML 1.1 would read 1e-05 as a string
+        try:
+            values = json.loads(Path(saved).read_text())
+        except ValueError as exc:
+            raise ConfigError(f"config file {str(saved)!r}: not valid JSON ({exc})") from None
+    else:
+        values = _read_one(Path(saved))
+    rename_old_fields(values)
     for section, fields in SAVED_BEFORE.items():
         if isinstance(values.get(section), dict):
             for name, value in fields.items():
                 values[section].setdefault(name, value)
+    return values
+
+
+def load_saved_config(saved: str | Path | dict) -> RunConfig:
+    """read_saved_config's values as a RunConfig (today's default for what they lack)."""
     try:
-        return config_from_dict(values)
+        return config_from_dict(read_saved_config(saved))
     except ConfigError as exc:
-        raise ConfigError(f"{exc} (in {path})") from None
+        if isinstance(saved, dict):
+            raise
+        raise ConfigError(f"{exc} (in {saved})") from None
 
 
 def _error_source(exc: ConfigError, path: str | Path | None, values: dict,

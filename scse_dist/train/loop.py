@@ -19,7 +19,6 @@ import torch
 
 from scse_dist import run_lock
 from scse_dist.atomic import atomic_write, removed_on_failure
-from scse_dist.checkpoint.manifest import CONFIG_NAME
 from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
 from scse_dist.checkpoint.tags import checkpoint_dir, resume_if_present
@@ -204,7 +203,7 @@ def _start(cfg: RunConfig, lock: contextlib.ExitStack) -> tuple[TrainState, dict
         configure_threads()
         # Zero-start ablations produce subnormal floats, which make CPU math ~10x slower.
         torch.set_flush_denormal(True)
-    storage, resume_tag = _prepare_run_dir(cfg, env.rank == 0, lock)
+    storage, (resume_tag, saved) = _prepare_run_dir(cfg, env.rank == 0, lock)
     run_dir = storage.local
     tokenizer = load_run_tokenizer(cfg)
     seed_everything(cfg.train.seed)
@@ -220,8 +219,7 @@ def _start(cfg: RunConfig, lock: contextlib.ExitStack) -> tuple[TrainState, dict
     engine, ds_config = build_engine(cfg, model)
     start_step, callback_states = resume_if_present(engine, run_dir, stream, resume_tag)
     if resume_tag is not None:  # the LR from this config's schedule at the resumed step
-        note = follow_config_schedule(engine.lr_scheduler, cfg.train,
-                                      checkpoint_dir(run_dir) / resume_tag / CONFIG_NAME)
+        note = follow_config_schedule(engine.lr_scheduler, cfg.train, (saved or {}).get("train"))
         if note and env.rank == 0:
             print(note, flush=True)
     if start_step > cfg.train.max_steps:  # going on would save it as step-<max_steps>, `latest`
@@ -296,8 +294,9 @@ def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:
 
 
 def _prepare_run_dir(cfg: RunConfig, rank0: bool, lock: contextlib.ExitStack
-                     ) -> tuple[RunStorage, Any]:
-    """The run dir (locked, checkpoint to resume fetched, verified and agreed) and the tag."""
+                     ) -> tuple[RunStorage, tuple[Optional[str], Optional[dict]]]:
+    """The run dir (locked, checkpoint to resume fetched, verified and agreed), the tag and the
+    config that tag saved (plan_resume)."""
     storage = RunStorage.for_config(cfg)  # a remote output_dir: run_dir is a local staging dir
     refused: list[Any] = [None]
     if rank0:  # one rank writes the run dir and holds its lock, the others wait for it
@@ -317,10 +316,10 @@ def _prepare_run_dir(cfg: RunConfig, rank0: bool, lock: contextlib.ExitStack
     fresh = not (checkpoint_dir(storage.local) / "latest").is_file()
     if cfg.train.start.resume == "never" or fresh:
         check_init_config(cfg)  # a warm start's model is the export's (one that resumes ignores it)
-    resume_tag = plan_resume(cfg, storage.local, remote=storage.remote is not None)
+    resumed = plan_resume(cfg, storage.local, remote=storage.remote is not None)
     if rank0:  # whole or not at all: a disk that is full keeps the config that was there
         atomic_write(RunDir(storage.local).config, lambda path: save_config(cfg, path))
-    return storage, resume_tag
+    return storage, resumed
 
 
 def _publish_outputs(state: TrainState) -> None:
