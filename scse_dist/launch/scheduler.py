@@ -184,13 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _launch(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from scse_dist.data.preflight import check_run_data
+    from scse_dist.data.preflight import check_run_data, check_then_build
 
     if args.local:
-        if check_run_data(cfg, args.config, args.overrides):  # bad data: one line before torch
-            from scse_dist.data.quickstart import data_step
-
-            data_step(cfg.data)  # data.build: the data step, before the trainer
+        check_then_build(cfg, args.config, args.overrides)  # bad data: one line before torch
         print(f"scse-launch: report {run_local(cfg)}")
         return 0
     if args.evaluate:
