@@ -54,10 +54,7 @@ def _size(tag_dir: Path) -> str:
 def describe(tag_dir: Path) -> dict:
     """Step, world size and ZeRO stage (from the tag's own records; '?' where absent) and status."""
     meta = _read_json(tag_dir / META_NAME)
-    try:
-        train = read_saved_config(tag_dir / CONFIG_NAME).get("train", {})
-    except (OSError, ValueError):
-        train = {}
+    train = read_saved_config(_read_json(tag_dir / CONFIG_NAME)).get("train", {})
     return {"tag": tag_dir.name, "step": meta.get("step", "?"),
             "world_size": meta.get("world_size", "?"),
             "zero_stage": train.get("engine", {}).get("zero_stage", "?"),
