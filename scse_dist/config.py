@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -32,7 +33,15 @@ from scse_dist.train.engine_config import EngineConfig
 from scse_dist.train.metrics_config import TensorBoardConfig, WandbConfig
 from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
-from scse_dist.typed_yaml import ConfigError, _build, _parse_scalar, _read_yaml, apply_overrides
+from scse_dist.typed_yaml import (
+    ConfigError,
+    _build,
+    _parse_scalar,
+    _read_one,
+    _read_yaml,
+    apply_overrides,
+    old_name_notice,
+)
 
 # --------------------------------------------------------------------------- the run config
 
@@ -149,17 +158,6 @@ RENAMED_FIELDS = {"eval.wikitext": "eval.task_settings.wikitext.path",
                                           ("optimizer", OptimizerConfig),
                                           ("schedule", ScheduleConfig), ("start", StartConfig))
                      for f in dataclasses.fields(cls) if f.name != "kind"}}
-_noticed: set[str] = set()
-
-
-def _notice(old: str, new: str) -> None:
-    import sys
-
-    if old not in _noticed:
-        _noticed.add(old)
-        print(f"config: notice: {old} is now {new}; the old name is read for now",
-              file=sys.stderr, flush=True)
-
 
 def renamed_key(key: str, value: Any = None) -> str:
     """The current name of dotted key `key` (an override's, a study's) given `value`: a
@@ -168,15 +166,15 @@ def renamed_key(key: str, value: Any = None) -> str:
         if old.endswith(EACH):  # eval.data.<task>: the task's key moves
             prefix = old.removesuffix(EACH) + "."
             if key.startswith(prefix) and "." not in key[len(prefix):]:
-                _notice(old, new)
+                old_name_notice(old, new)
                 return new.replace(EACH[1:], key[len(prefix):])
             continue
         if new.startswith(old + "."):  # a name that is now a section: only a value moves
             if key == old and not isinstance(value, dict):
-                _notice(old, new)
+                old_name_notice(old, new)
                 return new
         elif key == old or key.startswith(old + "."):
-            _notice(old, new)
+            old_name_notice(old, new)
             return new + key[len(old):]
     return key
 
@@ -196,7 +194,7 @@ def rename_old_fields(values: dict) -> dict:
     train = values.get("train")
     if isinstance(train, dict) and isinstance(train.get("callbacks"), list):
         if train["callbacks"]:  # keyed by class path
-            _notice("train.callbacks as a list", "a mapping of name: entry")
+            old_name_notice("train.callbacks as a list", "a mapping of name: entry")
         train["callbacks"] = {_listed_name(e, train["callbacks"][:i]): e
                               for i, e in enumerate(train["callbacks"])}
     for old, new in RENAMED_FIELDS.items():
@@ -219,7 +217,7 @@ def rename_old_fields(values: dict) -> dict:
                 _set_new(values, new.replace(EACH[1:], str(key)), each)
         else:
             _set_new(values, new, value)
-        _notice(old, new)
+        old_name_notice(old, new)
     return values
 
 
@@ -293,18 +291,36 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 SAVED_BEFORE = {"model": VALUE_BEFORE_FIELD}
 
 
-def load_saved_config(path: str | Path) -> RunConfig:
-    """load_config for the config a run saved (config.yaml, config.json): a field it lacks takes
-    the value it had when the run was made (SAVED_BEFORE), else today's default."""
-    values = read_config_file(Path(path))
+def read_saved_config(saved: str | Path | dict) -> dict:
+    """The values of a config a run saved (a run dir's or an export's config.yaml, a checkpoint
+    tag's config.json, or such values already read), the one reader of them: old names renamed
+    (one notice each), and a model field it lacks at the value it had when the run was made
+    (SAVED_BEFORE); another field it lacks stays absent (its reader's default)."""
+    if isinstance(saved, dict):
+        values = saved
+    elif Path(saved).suffix == ".json":  # JSON as JSON: YAML 1.1 would read 1e-05 as a string
+        try:
+            values = json.loads(Path(saved).read_text())
+        except ValueError as exc:
+            raise ConfigError(f"config file {str(saved)!r}: not valid JSON ({exc})") from None
+    else:
+        values = _read_one(Path(saved))
+    rename_old_fields(values)
     for section, fields in SAVED_BEFORE.items():
         if isinstance(values.get(section), dict):
             for name, value in fields.items():
                 values[section].setdefault(name, value)
+    return values
+
+
+def load_saved_config(saved: str | Path | dict) -> RunConfig:
+    """read_saved_config's values as a RunConfig (today's default for what they lack)."""
     try:
-        return config_from_dict(values)
+        return config_from_dict(read_saved_config(saved))
     except ConfigError as exc:
-        raise ConfigError(f"{exc} (in {path})") from None
+        if isinstance(saved, dict):
+            raise
+        raise ConfigError(f"{exc} (in {saved})") from None
 
 
 def _error_source(exc: ConfigError, path: str | Path | None, values: dict,

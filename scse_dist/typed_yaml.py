@@ -1,7 +1,8 @@
 """Typed YAML: a dataclass built from a nested dict with every value checked against its field's
 type and the bounds its metadata declares (model.config.bound_problem; one `ConfigError` naming the
-field), `key.sub=value` overrides, and YAML files that overlay a `base:` file. Generic: the run
-config, study specs and callbacks' Configs use it."""
+field), `key.sub=value` overrides, YAML files that overlay a `base:` file, and the one notice that
+an old name was read. Generic: the run config, study specs, callbacks' Configs and the commands'
+flags use it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import copy
 import dataclasses
 import difflib
 import os
+import sys
 import types
 import typing
 from pathlib import Path
@@ -21,6 +23,17 @@ from scse_dist.model.config import bound_problem
 
 class ConfigError(ValueError):
     """A config field is unknown, mistyped or inconsistent. The message names the field."""
+
+_noticed: set[str] = set()
+
+
+def old_name_notice(old: str, new: str, who: str = "config") -> None:
+    """Say on stderr, once per process, that old name `old` (a config field, a spec's key, a flag)
+    was read as `new`."""
+    line = f"{who}: notice: {old} is now {new}; the old name is read for now"
+    if line not in _noticed:
+        _noticed.add(line)
+        print(line, file=sys.stderr, flush=True)
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:

@@ -211,7 +211,8 @@ def test_auto_on_two_ranks_splits_the_rank_share_and_trains(tmp_path, tiny_confi
 
 @pytest.mark.slow
 def test_a_resume_may_choose_another_micro_batch(tmp_path, tiny_config, subprocess_env):
-    """The config saved in the run dir keeps auto; the resumed run probes again and continues."""
+    """The config saved in the run dir names what this start chose (its accumulation too); the
+    resumed run, given auto again, probes again and continues."""
     cfg = tiny_config(tmp_path, "train.batch.micro_batch_size=auto",
                       "train.batch.global_batch_size=64", "train.depth.max=3",
                       "train.checkpoint.every=2", "train.log_every=1")
@@ -225,4 +226,8 @@ def test_a_resume_may_choose_another_micro_batch(tmp_path, tiny_config, subproce
     assert "micro-batch auto: 16 (" in outs[0] and "steps 0..2" in outs[0]
     assert "micro-batch auto: 8 (16 needs" in outs[1] and "steps 2..4" in outs[1]
     assert "grad_accum_steps 8 for global batch 64" in outs[1]
+    from scse_dist.config import load_saved_config
+
+    saved = load_saved_config(tmp_path / "runs/tiny/config.yaml").train.batch
+    assert (saved.micro_batch_size, saved.grad_accum_steps) == (8, 8)
     assert [step for step, _ in _losses(tmp_path / "runs/tiny")] == [1, 2, 3, 4]

@@ -96,9 +96,9 @@ def test_a_global_batch_the_jobs_world_cannot_divide_is_refused_before_it_queues
 
 
 def test_old_eval_resource_names_load_with_one_notice(tmp_path, tiny_config, capsys, monkeypatch):
-    from scse_dist import config as config_module
+    from scse_dist import typed_yaml
 
-    monkeypatch.setattr(config_module, "_noticed", set())
+    monkeypatch.setattr(typed_yaml, "_noticed", set())
     cfg = load_config(tiny_config(tmp_path), ["eval.slurm_gpus=2", "eval.slurm_time_min=30"])
     again = load_config(tiny_config(tmp_path), ["eval.slurm_gpus=2"])
     assert cfg.eval.resources == EvalResources(gpus_per_node=2, time_min=30)

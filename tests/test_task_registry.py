@@ -251,9 +251,9 @@ def test_the_old_per_task_keys_load_with_one_notice_each_as_the_new_ones(tiny_da
                                                                           monkeypatch, capsys):
     """eval.wikitext, eval.lambada, eval.stride and eval.data.<task>, in a file and as
     overrides: the same settings as eval.task_settings, and one notice per old name."""
-    from scse_dist import config
+    from scse_dist import typed_yaml
 
-    monkeypatch.setattr(config, "_noticed", set())
+    monkeypatch.setattr(typed_yaml, "_noticed", set())
     new = _config(tiny_data, tmp_path, tasks=["heldout", "wikitext", "piqa"], task_settings={
         "wikitext": {"path": "w.raw", "stride": 7}, "lambada": {"path": "l.txt"},
         "piqa": {"path": "p.jsonl"}, "hellaswag": {"path": "h.jsonl"}})

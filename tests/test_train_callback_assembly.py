@@ -147,9 +147,9 @@ def test_the_config_checks_an_entrys_form_without_importing_it(tiny_config, tmp_
 
 def test_a_list_of_entries_still_loads_keyed_by_class_path_with_one_notice(tiny_config, tmp_path,
                                                                            capsys):
-    import scse_dist.config as config
+    import scse_dist.typed_yaml as typed_yaml
 
-    config._noticed.clear()
+    typed_yaml._noticed.clear()
     cfg = load_config(tiny_config(tmp_path, f"train.callbacks=[{{class_path: {TOY}}}, "
                                             f"{{class_path: {TOY}, priority: 1}}]"))
     assert cfg.train.callbacks[TOY] == spec() and cfg.train.callbacks[f"{TOY}#2"].priority == 1

@@ -177,6 +177,11 @@ def test_checkpoint_state_is_the_step_and_the_config_decides_the_rest():
 
 
 def test_resume_note_names_both_schedules_only_when_the_lr_moves(tmp_path):
+    from scse_dist.config import read_saved_config
+
+    def read(path):  # the checkpoint's train section, as plan_resume reads it
+        return read_saved_config(path)["train"]
+
     saved = tmp_path / "config.json"
     stable = TrainConfig(max_steps=100, optimizer=OptimizerConfig(lr=1e-3),
                          schedule=ScheduleConfig(warmup_steps=2, kind="wsd", decay_steps=20))
@@ -185,13 +190,13 @@ def test_resume_note_names_both_schedules_only_when_the_lr_moves(tmp_path):
     longer = dataclasses.replace(stable, max_steps=200)
     sched, _ = scheduler_for(longer)
     sched.load_state_dict({"last_epoch": 50, "_step_count": 51})
-    assert follow_config_schedule(sched, longer, saved) is None
+    assert follow_config_schedule(sched, longer, read(saved)) is None
     # a cooldown starting now: the LR moves, and the line says from what to what
     cooldown = dataclasses.replace(stable, max_steps=60, schedule=dataclasses.replace(
         stable.schedule, decay_steps=10, decay_shape="1-sqrt"))
     sched, opt = scheduler_for(cooldown)
     sched.load_state_dict({"last_epoch": 50, "_step_count": 51})
-    assert follow_config_schedule(sched, cooldown, saved) == (
+    assert follow_config_schedule(sched, cooldown, read(saved)) == (
         "train.schedule: step 51 runs at lr 7.1540e-04 under this config's schedule (wsd 1-sqrt, "
         "decay 10 of 60 steps, warmup 2, lr 0.001); the checkpoint's (wsd linear, decay 20 of "
         "100 steps, warmup 2, lr 0.001) had 1.0000e-03")
@@ -203,7 +208,7 @@ def test_resume_note_names_both_schedules_only_when_the_lr_moves(tmp_path):
                          schedule=ScheduleConfig(warmup_steps=2))
     sched, _ = scheduler_for(cosine)
     sched.load_state_dict({"last_epoch": 50, "_step_count": 51})
-    assert follow_config_schedule(sched, cosine, saved) is None
+    assert follow_config_schedule(sched, cosine, read(saved)) is None
     assert describe(cosine) == "cosine, 100 steps, warmup 2, lr 0.001"
 
 

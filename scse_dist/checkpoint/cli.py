@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 from scse_dist.checkpoint.manifest import CONFIG_NAME, META_NAME, TAG_PREFIX, verify_tag
 from scse_dist.cli_errors import cli_main
+from scse_dist.config import read_saved_config
 from scse_dist.run_dir import RunDir
 
 EXIT_BROKEN = 1
@@ -53,11 +54,10 @@ def _size(tag_dir: Path) -> str:
 def describe(tag_dir: Path) -> dict:
     """Step, world size and ZeRO stage (from the tag's own records; '?' where absent) and status."""
     meta = _read_json(tag_dir / META_NAME)
-    train = _read_json(tag_dir / CONFIG_NAME).get("train", {})
+    train = read_saved_config(_read_json(tag_dir / CONFIG_NAME)).get("train", {})
     return {"tag": tag_dir.name, "step": meta.get("step", "?"),
             "world_size": meta.get("world_size", "?"),
-            # a tag saved before train.engine holds it flat
-            "zero_stage": train.get("engine", {}).get("zero_stage", train.get("zero_stage", "?")),
+            "zero_stage": train.get("engine", {}).get("zero_stage", "?"),
             "size": _size(tag_dir), "status": verify_tag(tag_dir)}
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import shutil
 import time
@@ -20,8 +19,8 @@ from typing import Any
 
 import torch
 
-from scse_dist.checkpoint.manifest import UNIVERSAL_DIR as UNIVERSAL
-from scse_dist.config import rename_old_fields
+from scse_dist.checkpoint.manifest import CONFIG_NAME, UNIVERSAL_DIR as UNIVERSAL
+from scse_dist.config import read_saved_config
 from scse_dist.distributed import barrier, is_rank0, local_rank
 
 
@@ -87,10 +86,8 @@ MOMENTUM = "momentum_buffer"
 
 def _muon_staged(source: Path, staged: Path) -> Path | None:
     """The staged copy of tag `source` when its run used Muon, else None."""
-    run_config = json.loads((source / "config.json").read_text()) \
-        if (source / "config.json").is_file() else {}
-    # a tag saved before train.optimizer was a section names it flat: renamed
-    if rename_old_fields(run_config).get("train", {}).get("optimizer", {}).get("kind") != "muon":
+    run_config = read_saved_config(source / CONFIG_NAME) if (source / CONFIG_NAME).is_file() else {}
+    if run_config.get("train", {}).get("optimizer", {}).get("kind") != "muon":
         return None
     if staged.exists():
         shutil.rmtree(staged)

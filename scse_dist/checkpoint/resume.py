@@ -8,7 +8,6 @@ this run's: a changed model or token stream is refused (docs/checkpoints.md).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -34,7 +33,7 @@ from scse_dist.checkpoint.tags import (
     tag_for,
 )
 from scse_dist.cli_errors import InputError
-from scse_dist.config import SAVED_BEFORE, RunConfig, config_to_dict, rename_old_fields
+from scse_dist.config import RunConfig, config_to_dict, read_saved_config
 from scse_dist.config_paths import comparable
 from scse_dist.distributed import is_rank0
 from scse_dist.run_dir import CHECKPOINTS_NAME, OUTPUT_NAMES
@@ -76,12 +75,8 @@ def is_refused(field: str) -> bool:
 
 
 def refused_changes(saved: dict, current: dict) -> list[str]:
-    """'field: saved -> current' for every refused field that differs (absent on one side too).
-    `saved` may use the names of an older scse-dist (RENAMED_FIELDS): renamed, in place."""
-    rename_old_fields(saved)
-    for section, fields in SAVED_BEFORE.items():  # a field the saved config predates
-        for name, value in fields.items():
-            saved.get(section, {}).setdefault(name, value)
+    """'field: saved -> current' for every refused field that differs (absent on one side too);
+    `saved` as read_saved_config reads it."""
     old, new = _flatten(saved), _flatten(current)
     missing = "<absent>"
     return [f"{name}: {old.get(name, missing)!r} -> {new.get(name, missing)!r}"
@@ -216,16 +211,18 @@ def _link_tag(source: Path, root: Path) -> None:
     atomic_write_text(root / "latest", source.name)
 
 
-def _branch(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
-    """train.start.branch_from: the source tag compared, then linked into this run; its tag name."""
+Resumed = tuple[Optional[str], Optional[dict]]  # the tag (None: start fresh), the config it saved
+
+
+def _branch(cfg: RunConfig, run_dir: Path, remote: bool) -> Resumed:
+    """train.start.branch_from: the source tag compared, then linked into this run."""
     if remote:
         raise ConfigError("train.start.branch_from: not supported with a remote output_dir; branch "
                           "into a local run dir")
     assert cfg.train.start.branch_from is not None  # plan_resume calls this only when it is set
     source = branch_source(cfg.train.start.branch_from)
-    recorded = source / CONFIG_NAME
-    changes = refused_changes(json.loads(recorded.read_text()), config_to_dict(cfg)) \
-        if recorded.is_file() else []
+    saved = read_saved_config(source / CONFIG_NAME) if (source / CONFIG_NAME).is_file() else None
+    changes = refused_changes(saved, config_to_dict(cfg)) if saved is not None else []
     if changes:
         raise ConfigError(
             f"train.start.branch_from: {source} is a checkpoint of another model or data stream: "
@@ -236,10 +233,10 @@ def _branch(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
     _link_tag(source, root)
     print(f"train.start.branch_from: starting from {source} (weights, optimizer state, step, data "
           "position and RNG; the LR schedule is this run's)", flush=True)
-    return source.name
+    return source.name, saved
 
 
-def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Optional[str]:
+def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Resumed:
     mode = cfg.train.start.resume
     root = checkpoint_dir(run_dir)
     branch = cfg.train.start.branch_from
@@ -251,7 +248,7 @@ def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Optional[str]:
         if aside is not None:
             print(f"train.start.resume=never: moved the previous run's files to {aside}; starting "
                   + ("over from train.start.branch_from" if branch else "fresh"), flush=True)
-        return _branch(cfg, run_dir, remote) if branch else None
+        return _branch(cfg, run_dir, remote) if branch else (None, None)
     for path in remove_partial_saves(run_dir):
         print(f"removed {path}: a save that did not finish", flush=True)
     tag = chosen_tag(cfg, run_dir, remote) if cfg.train.start.resume_from else choose_tag(root)
@@ -261,25 +258,27 @@ def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Optional[str]:
         if mode == "require":
             raise ConfigError(f"train.start.resume: require, but {run_dir} has no checkpoint to "
                               f"resume ({root / 'latest'} does not exist)")
-        return None
+        return None, None
     if branch:
         print(f"train.start.branch_from ignored: resuming this run's checkpoint {tag}", flush=True)
     recorded = root / tag / CONFIG_NAME
     if not recorded.is_file():
         _warn(f"checkpoint {tag} has no recorded {CONFIG_NAME}: its config is not compared")
-        return tag
-    changes = refused_changes(json.loads(recorded.read_text()), config_to_dict(cfg))
+        return tag, None
+    saved = read_saved_config(recorded)
+    changes = refused_changes(saved, config_to_dict(cfg))
     if changes:
         raise ConfigError(
             f"{run_dir} holds checkpoint {tag} of another model or data stream: "
             f"{'; '.join(changes)}. Give this run another name, or set train.start.resume=never to "
             "move the old checkpoints aside and start fresh")
-    return tag
+    return tag, saved
 
 
-def plan_resume(cfg: RunConfig, run_dir: str | Path, remote: bool = False) -> Optional[str]:
-    """The checkpoint tag every rank resumes from (None: start fresh). All ranks call this."""
-    decision: list[Any] = [None, None]  # (tag, error)
+def plan_resume(cfg: RunConfig, run_dir: str | Path, remote: bool = False) -> Resumed:
+    """The checkpoint tag every rank resumes from (None: start fresh) and the config it saved
+    (None: none recorded), read once, on rank 0. All ranks call this."""
+    decision: list[Any] = [(None, None), None]  # ((tag, saved config), error)
     if is_rank0():
         try:
             decision[0] = _decide(cfg, Path(run_dir), remote)

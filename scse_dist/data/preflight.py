@@ -1,18 +1,19 @@
 """A training run's inputs and data, checked before torch or DeepSpeed is imported (one line, exit
-65 or 66): check_run_data, which scse-train, scse-launch and scse-study --dry-run call. train()
-reads the same again.
+65 or 66): check_run_data, which scse-train, scse-launch and scse-study --dry-run call; then the
+data step (check_then_build). train() reads the same again.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import os
+from typing import Callable, Optional, Sequence
 
 from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig
 from scse_dist.config_paths import check_inputs
 from scse_dist.data.config import DataConfig
 from scse_dist.data.index import check_tokenizer, read_index
-from scse_dist.data.quickstart import check_build, needs_build
+from scse_dist.data.quickstart import check_build, data_step, needs_build
 from scse_dist.data.tokenizer import Tokenizer
 from scse_dist.model.config import ModelConfig
 
@@ -43,3 +44,22 @@ def check_run_data(cfg: RunConfig, config_path: Optional[str] = None,
     tokenizer = load_run_tokenizer(cfg.data, cfg.model)
     check_tokenizer(cfg.data.path, read_index(cfg.data.path), tokenizer.sha256)
     return False
+
+
+def check_then_build(cfg: RunConfig, config_path: Optional[str] = None,
+                     overrides: Sequence[str] = (), then: Callable[[], object] = lambda: None,
+                     build: bool = True) -> bool:
+    """The data step of a run started here (scse-train, scse-launch --local): check_run_data, the
+    caller's checks that may import torch (`then`), then, with `build`, the global batch at the
+    launcher's world and data.build's build where it is due (rank 0 builds, the others wait).
+    Returns whether data.build writes the data."""
+    building = check_run_data(cfg, config_path, overrides)
+    then()
+    if build:
+        from scse_dist.distributed import launcher_world  # imports torch
+
+        world_size, world_from = launcher_world(os.environ)
+        cfg.train.batch.grad_accum_for(world_size, world_from=world_from)
+        if building:
+            data_step(cfg.data)
+    return building

@@ -30,6 +30,7 @@ from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch.backends import BACKENDS, Backend, BackendError, Job, get_backend
 from scse_dist.launch.children import REQUEUE_EXIT_CODE, StoppedBySignal
 from scse_dist.run_dir import RunDir
+from scse_dist.typed_yaml import old_name_notice
 
 SCHEDULED_NAME = "scheduled.json"
 LOGS = "logs"  # RUN/logs, STUDY/logs: every backend's job output
@@ -136,8 +137,7 @@ def add_backend_args(p: argparse.ArgumentParser, what: str) -> None:
 def backend_args(args: argparse.Namespace, prog: str) -> str:
     if args.sbatch_args is None:
         return args.backend_args
-    print(f"{prog}: notice: --sbatch-args is now --backend-args; the old name is read for now",
-          file=sys.stderr, flush=True)
+    old_name_notice("--sbatch-args", "--backend-args", prog)
     return " ".join(a for a in (args.backend_args, args.sbatch_args) if a)
 
 
@@ -184,13 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _launch(args: argparse.Namespace, cfg: RunConfig) -> int:
-    from scse_dist.data.preflight import check_run_data
+    from scse_dist.data.preflight import check_run_data, check_then_build
 
     if args.local:
-        if check_run_data(cfg, args.config, args.overrides):  # bad data: one line before torch
-            from scse_dist.data.quickstart import data_step
-
-            data_step(cfg.data)  # data.build: the data step, before the trainer
+        check_then_build(cfg, args.config, args.overrides)  # bad data: one line before torch
         print(f"scse-launch: report {run_local(cfg)}")
         return 0
     if args.evaluate:

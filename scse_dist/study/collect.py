@@ -14,7 +14,7 @@ from typing import Any, Optional
 import yaml
 
 from scse_dist.cli_errors import InputError
-from scse_dist.config import RunConfig, config_from_dict, load_config
+from scse_dist.config import RunConfig, load_config, load_saved_config
 from scse_dist.eval.results import read_results
 from scse_dist.run_dir import VALIDATION_NAME, RunDir
 from scse_dist.study.plan import LR_CHOICE_NAME, RUNS_NAME, SPEC_NAME
@@ -90,14 +90,16 @@ def _resolve_run_dir(study_dir: Path, run_dir: str) -> Path:
 
 
 def _run_config(study_dir: Path, run: StudyRun, entry: dict) -> Optional[RunConfig]:
-    """run_dir/config.yaml, else runs.json's config (a path or a dict); None if neither reads."""
+    """run_dir/config.yaml (as saved), else runs.json's config (a path or a dict); None if neither
+    reads."""
     given = entry.get("config")
     if isinstance(given, str):
         given = _resolve_run_dir(study_dir, given)
-    for c in (RunDir(run.run_dir).config, given):
+    saved = RunDir(run.run_dir).config
+    for c in (saved, given):
         try:
-            if isinstance(c, dict):
-                return config_from_dict(c)
+            if isinstance(c, dict) or (c == saved and saved.is_file()):
+                return load_saved_config(c)
             if isinstance(c, (str, Path)) and Path(c).is_file():
                 return load_config(c)
         except (ValueError, OSError):
@@ -130,7 +132,7 @@ def load_run(study_dir: Path, entry: dict) -> StudyRun:
             run.results[data["task"]] = {r["depth"]: r for r in data["results"]}
             config_from_eval = config_from_eval or data.get("config")
     if run.config is None and config_from_eval:
-        run.config = config_from_dict(config_from_eval)
+        run.config = load_saved_config(config_from_eval)
     validation = RunDir(run.run_dir).results(VALIDATION_NAME)
     if run.stage == "final" and run.results and validation.is_file():  # the validation stage's
         data = read_results(validation)

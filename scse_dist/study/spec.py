@@ -11,7 +11,6 @@ import dataclasses
 import difflib
 import itertools
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -21,7 +20,7 @@ from scse_dist.resources import Resources
 from scse_dist.study.factorial import parse_factorial
 from scse_dist.study.prereg import parse_preregistration
 from scse_dist.task_registry import TASKS
-from scse_dist.typed_yaml import ConfigError, _read_yaml, apply_overrides
+from scse_dist.typed_yaml import ConfigError, _read_yaml, apply_overrides, old_name_notice
 
 
 class SpecError(ConfigError):
@@ -248,14 +247,8 @@ def _resources_key(values: dict) -> str:
         return "resources"
     if "resources" in values:
         raise SpecError("slurm: is the old name of resources:; give one of them")
-    if "slurm" not in _NOTICED:  # once per process
-        _NOTICED.add("slurm")
-        print("scse-study: notice: the spec's slurm: section is now resources:; the old name is "
-              "read for now", file=sys.stderr, flush=True)
+    old_name_notice("the spec's slurm: section", "resources:", "scse-study")
     return "slurm"
-
-
-_NOTICED: set[str] = set()
 
 
 def _parse(values: Any, file: str) -> StudySpec:

@@ -8,7 +8,6 @@ statuses: EXIT_STATUSES (--help); errors are one line on stderr from every rank 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from pathlib import Path
@@ -117,19 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_can_start(cfg: RunConfig, args: argparse.Namespace) -> bool:
+def check_can_start(cfg: RunConfig, args: argparse.Namespace, build: bool = False) -> bool:
     """The checks a run makes before it starts, each one line and exit 2, 65 or 66 (--dry-run and
-    --plan end with them: they exit with the status the run would have). Returns whether
-    data.build will write the data at the start."""
-    from scse_dist.data.preflight import check_run_data
+    --plan end with them: they exit with the status the run would have); with `build`, the
+    launcher's world too, then the data step. Returns whether data.build writes the data."""
+    from scse_dist.data.preflight import check_then_build
+    from scse_dist.train.callbacks.assembly import check_callbacks
     from scse_dist.train.tensorboard import check_tensorboard
 
     check_tensorboard(cfg.tensorboard)  # tensorboard.enabled without the package: one line, exit 2
-    building = check_run_data(cfg, args.config, args.overrides)  # before torch is imported
-    from scse_dist.train.callbacks.assembly import check_callbacks
-
-    check_callbacks(cfg)  # imports their modules
-    return building
+    # the data's checks first, before torch is imported (check_callbacks imports their modules)
+    return check_then_build(cfg, args.config, args.overrides, lambda: check_callbacks(cfg), build)
 
 
 @cli_main("scse-train")
@@ -159,15 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             "it at the start" if building else
                                             "present and readable") + ")")
         return 0
-    building = check_can_start(cfg, args)
-    from scse_dist.distributed import launcher_world  # imports torch: after the checks
-
-    world_size, world_from = launcher_world(os.environ)  # before any process group starts
-    cfg.train.batch.grad_accum_for(world_size, world_from=world_from)
-    if building:  # the data step (data.build), then the trainer, which only reads shards
-        from scse_dist.data.quickstart import data_step
-
-        data_step(cfg.data)
+    check_can_start(cfg, args, build=True)  # then the trainer, which only reads shards
     from scse_dist.train.faults import PREEMPT_SIGNALS, REQUEUE_EXIT_CODE, TrainingStopped
     from scse_dist.train.loop import train  # imports deepspeed only once the config is good
 

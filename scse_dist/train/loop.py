@@ -12,14 +12,13 @@ import os
 import random
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import numpy as np
 import torch
 
 from scse_dist import run_lock
 from scse_dist.atomic import atomic_write, removed_on_failure
-from scse_dist.checkpoint.manifest import CONFIG_NAME
 from scse_dist.checkpoint.resume import plan_resume
 from scse_dist.checkpoint.storage import RunStorage
 from scse_dist.checkpoint.tags import checkpoint_dir, resume_if_present
@@ -57,7 +56,8 @@ def seed_everything(seed: int) -> None:
 
 def with_world_batch(cfg: RunConfig, world_size: int, world_from: str = "") -> RunConfig:
     """cfg with grad_accum_steps derived from train.batch.global_batch_size at this world size
-    (micro_batch_size: auto only checked here: its accumulation comes with the choice)."""
+    (micro_batch_size: auto only checked here), for scripts that build their own engine
+    (train.parity, benchmarks); train() resolves its config in _resolved."""
     accum = cfg.train.batch.grad_accum_for(world_size, world_from=world_from)
     if cfg.train.batch.micro_batch_size == "auto":
         return cfg
@@ -193,36 +193,34 @@ def _start(cfg: RunConfig, lock: contextlib.ExitStack) -> tuple[TrainState, dict
     ({} for a fresh start)."""
     from scse_dist.data.preflight import load_run_tokenizer
     from scse_dist.data.stream import TokenStream
-    from scse_dist.model import LoopedLM
 
     # a global batch that does not divide: one line before any process group starts
-    cfg = with_world_batch(cfg, *launcher_world(os.environ))
+    world_size, world_from = launcher_world(os.environ)
+    cfg.train.batch.grad_accum_for(world_size, world_from=world_from)
     env = init_distributed()
-    cfg = _with_checkpointing(cfg, env)  # before config.yaml is written: the resolved value
     if env.world_size > 1:  # every rank, so that a multi-node log shows each one started, and where
         print(describe_placement(env, os.environ), flush=True)
     if not torch.cuda.is_available():  # intra-op threads from the free cores (OMP_NUM_THREADS wins)
         configure_threads()
         # Zero-start ablations produce subnormal floats, which make CPU math ~10x slower.
         torch.set_flush_denormal(True)
-    storage, resume_tag = _prepare_run_dir(cfg, env.rank == 0, lock)
+    storage, (resume_tag, saved) = _prepare_run_dir(cfg, env.rank == 0, lock)
     run_dir = storage.local
     tokenizer = load_run_tokenizer(cfg.data, cfg.model)
-    seed_everything(cfg.train.seed)
-    model = LoopedLM(cfg.model)
+    cfg, model = _resolved(cfg, env)  # the run's config from here on, and its model
+    if env.rank == 0:  # whole or not at all: a disk that is full keeps the config that was there
+        atomic_write(RunDir(run_dir).config, lambda path: save_config(cfg, path))
     n_params = model.num_parameters()  # before ZeRO-3 partitions them to empty placeholders
     # Before the engine: ZeRO-3 then partitions the loaded weights.
     maybe_init_from(model, cfg.train, resume_tag is not None, env.rank == 0)
-    cfg = _with_micro_batch(cfg, model, env)
     # The data is opened before the engine is built: bad data stops the run in seconds.
-    assert isinstance(cfg.train.batch.micro_batch_size, int)  # _with_micro_batch resolved auto
+    assert isinstance(cfg.train.batch.micro_batch_size, int)  # _resolved resolved auto
     stream = TokenStream.from_config(cfg.data, "train", cfg.train.batch.micro_batch_size, env.rank,
                                      env.world_size, cfg.train.seed, tokenizer.sha256)
     engine, ds_config = build_engine(cfg.train, cfg.run_dir, model)
     start_step, callback_states = resume_if_present(engine, run_dir, stream, resume_tag)
     if resume_tag is not None:  # the LR from this config's schedule at the resumed step
-        note = follow_config_schedule(engine.lr_scheduler, cfg.train,
-                                      checkpoint_dir(run_dir) / resume_tag / CONFIG_NAME)
+        note = follow_config_schedule(engine.lr_scheduler, cfg.train, (saved or {}).get("train"))
         if note and env.rank == 0:
             print(note, flush=True)
     if start_step > cfg.train.max_steps:  # going on would save it as step-<max_steps>, `latest`
@@ -250,12 +248,28 @@ def _start(cfg: RunConfig, lock: contextlib.ExitStack) -> tuple[TrainState, dict
     return state, callback_states
 
 
-def _with_checkpointing(cfg: RunConfig, env: Any) -> RunConfig:
-    """cfg with model.activation_checkpointing: auto resolved by the planner's estimate
+def _resolved(cfg: RunConfig, env: Any) -> tuple[RunConfig, Any]:
+    """The run's config, built once with what this world and device decide, and its model (on
+    the run's seed): model.activation_checkpointing: auto first (the model is built with it), then
+    train.batch.micro_batch_size: auto by probing that model, and grad_accum_steps."""
+    from scse_dist.model import LoopedLM
+
+    model_cfg = dataclasses.replace(cfg.model, activation_checkpointing=_checkpointing(cfg, env))
+    seed_everything(cfg.train.seed)
+    model = LoopedLM(model_cfg)
+    micro = _micro_batch(cfg, model, env)
+    accum = cfg.train.batch.grad_accum_for(env.world_size, micro)
+    batch = dataclasses.replace(cfg.train.batch, micro_batch_size=micro, grad_accum_steps=accum)
+    train = dataclasses.replace(cfg.train, batch=batch)
+    return dataclasses.replace(cfg, model=model_cfg, train=train), model
+
+
+def _checkpointing(cfg: RunConfig, env: Any) -> Literal["none", "loop", "block", "auto"]:
+    """model.activation_checkpointing, auto resolved by the planner's estimate
     (scse_dist.train.sizing.checkpointing_for) against this device: the share of a GPU's memory
     scse-train --plan fills, or on CPU the micro-batch finder's budget."""
     if cfg.model.activation_checkpointing != "auto":
-        return cfg
+        return cfg.model.activation_checkpointing
     from scse_dist.train.engine import resolve_precision
     from scse_dist.train.micro_batch import default_budget
     from scse_dist.train.plan import Assumptions
@@ -274,15 +288,13 @@ def _with_checkpointing(cfg: RunConfig, env: Any) -> RunConfig:
     if env.rank == 0:
         print(f"model.activation_checkpointing: auto: {mode} (the planner's estimate against "
               f"{budget / GIB:.1f} GiB)", flush=True)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                              activation_checkpointing=mode))
+    return mode
 
 
-def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:
-    """cfg with train.batch.micro_batch_size: auto resolved by probing (scse_dist.train.micro_batch)
-    and grad_accum_steps re-derived from it; a fixed micro-batch as it is."""
-    if cfg.train.batch.micro_batch_size != "auto":
-        return cfg
+def _micro_batch(cfg: RunConfig, model: Any, env: Any) -> int:
+    """train.batch.micro_batch_size, auto resolved by probing `model` (train.micro_batch)."""
+    if isinstance(cfg.train.batch.micro_batch_size, int):
+        return cfg.train.batch.micro_batch_size
     from scse_dist.train.micro_batch import find_micro_batch
 
     device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
@@ -292,14 +304,13 @@ def _with_micro_batch(cfg: RunConfig, model: Any, env: Any) -> RunConfig:
     size, line = find_micro_batch(cfg.train, cfg.data, model, env.world_size, local_world, device)
     if env.rank == 0:
         print(line, flush=True)
-    accum = cfg.train.batch.grad_accum_for(env.world_size, size)
-    batch = dataclasses.replace(cfg.train.batch, micro_batch_size=size, grad_accum_steps=accum)
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, batch=batch))
+    return size
 
 
 def _prepare_run_dir(cfg: RunConfig, rank0: bool, lock: contextlib.ExitStack
-                     ) -> tuple[RunStorage, Any]:
-    """The run dir (locked, checkpoint to resume fetched, verified and agreed) and the tag."""
+                     ) -> tuple[RunStorage, tuple[Optional[str], Optional[dict]]]:
+    """The run dir (locked, checkpoint to resume fetched, verified and agreed), the tag and the
+    config that tag saved (plan_resume)."""
     storage = RunStorage.for_config(cfg)  # a remote output_dir: run_dir is a local staging dir
     refused: list[Any] = [None]
     if rank0:  # one rank writes the run dir and holds its lock, the others wait for it
@@ -320,10 +331,7 @@ def _prepare_run_dir(cfg: RunConfig, rank0: bool, lock: contextlib.ExitStack
     if cfg.train.start.resume == "never" or fresh:
         # a warm start's model is the export's (one that resumes ignores it)
         check_init_config(cfg.train.start, cfg.model)
-    resume_tag = plan_resume(cfg, storage.local, remote=storage.remote is not None)
-    if rank0:  # whole or not at all: a disk that is full keeps the config that was there
-        atomic_write(RunDir(storage.local).config, lambda path: save_config(cfg, path))
-    return storage, resume_tag
+    return storage, plan_resume(cfg, storage.local, remote=storage.remote is not None)
 
 
 def _publish_outputs(state: TrainState) -> None:

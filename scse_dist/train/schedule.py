@@ -11,16 +11,13 @@ follows its own config's schedule from the step it resumes at (`ConfigLR`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from scse_dist.config import rename_old_fields
 from scse_dist.train.config import TrainConfig
 from scse_dist.train.schedule_config import ScheduleConfig
 
@@ -105,18 +102,17 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> 
 
 
 def follow_config_schedule(scheduler: ConfigLR, train: TrainConfig,
-                           saved_config: Path) -> Optional[str]:
+                           saved: Optional[dict]) -> Optional[str]:
     """After a resume or branch: every group's LR from this run's schedule at the resumed step
     (the checkpoint's optimizer state holds the saving run's). Returns a line saying so when that
-    LR differs from the one the checkpoint's own schedule (its `config.json`) gives there; None
-    when they agree (an unchanged config, a wsd run extended in its stable phase)."""
+    LR differs from the one the checkpoint's own schedule (`saved`: the train section of its
+    config, as plan_resume read it; None: none recorded) gives there; None when they agree (an
+    unchanged config, a wsd run extended in its stable phase)."""
     scheduler.apply()
-    if not saved_config.is_file():
+    if saved is None:
         return None
-    # the fields the LR at a step depends on: the rates, max_steps and train.schedule (a
-    # checkpoint saved before they were sections has them flat: renamed)
-    saved = rename_old_fields(json.loads(saved_config.read_text())).get("train", {})
-    # a field the checkpoint lacks did not exist yet: its default is what that run did
+    # the fields the LR at a step depends on: the rates, max_steps and train.schedule; a field
+    # the checkpoint lacks did not exist yet: its default is what that run did
     defaults = TrainConfig()
     rates = {name: saved.get("optimizer", {}).get(name, getattr(defaults.optimizer, name))
              for name in ("lr", "muon_lr")}
