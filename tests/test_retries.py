@@ -114,9 +114,9 @@ def test_max_retries_is_checked(tmp_path, capfd):
     with pytest.raises(ConfigError, match="launch.max_retries: must be >= 0, got -1"):
         load_config(None, ["launch.max_retries=-1"])
     # its old name, train.start.max_retries (the launcher alone reads it), loads with a notice
-    import scse_dist.config as config
+    import scse_dist.typed_yaml as typed_yaml
 
-    config._noticed.discard("train.start.max_retries")  # once per process: this test's own
+    typed_yaml._noticed.discard("train.start.max_retries")  # once per process: this test's own
     (tmp_path / "old.yaml").write_text("train: {start: {max_retries: 0}}\n")
     assert load_config(tmp_path / "old.yaml").launch.max_retries == 0
     assert "train.start.max_retries is now launch.max_retries" in capfd.readouterr().err
