@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def heldout_batches(cfg, data: str, batch_size: int, max_batches: int) -> list[torch.Tensor]:
     """The first max_batches held-out batches (B, S+1), read once so every setting sees them."""
     cfg.eval.batch_size = batch_size
-    stream = read_task_data("heldout", cfg, data).inputs
+    stream = read_task_data("heldout", cfg.data, cfg.model, batch_size, data).inputs
     batches = []
     for batch in stream:
         if len(batches) == max_batches:

@@ -217,7 +217,8 @@ def heldout_rows(cfg, n: int) -> torch.Tensor:
     from scse_dist.eval.inputs import read_task_data
 
     rows = []
-    for batch in read_task_data("heldout", cfg, cfg.data.path).inputs:
+    for batch in read_task_data("heldout", cfg.data, cfg.model, cfg.eval.batch_size,
+                                cfg.data.path).inputs:
         rows += list(batch)
         if len(rows) >= n:
             break

@@ -188,7 +188,7 @@ def renamed_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
-def rename_old_fields(values: dict) -> dict:
+def _rename_old_fields(values: dict) -> dict:
     """Move the values of RENAMED_FIELDS' old names to their new ones, in place (the new name
     wins when both are given), saying so once per name on stderr; returns `values`."""
     train = values.get("train")
@@ -248,7 +248,7 @@ def read_config_file(path: Path, origins: Optional[dict[str, Path]] = None) -> d
     if given, gets the file that set each input path (config_paths.resolve_paths' input)."""
 
     def normalize(values: dict, file: Path) -> None:
-        rename_old_fields(values)
+        _rename_old_fields(values)
         if origins is not None:
             note_origins(values, file, origins)
 
@@ -259,7 +259,7 @@ def config_from_dict(values: dict) -> RunConfig:
     if not isinstance(values, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got "
                           f"{type(values).__name__}")
-    rename_old_fields(values)
+    _rename_old_fields(values)
     cfg = _build(RunConfig, values)
     _check_consistency(cfg)
     # A saved config names what ran, so "auto" is written down as what it meant here.
@@ -305,7 +305,7 @@ def read_saved_config(saved: str | Path | dict) -> dict:
             raise ConfigError(f"config file {str(saved)!r}: not valid JSON ({exc})") from None
     else:
         values = _read_one(Path(saved))
-    rename_old_fields(values)
+    _rename_old_fields(values)
     for section, fields in SAVED_BEFORE.items():
         if isinstance(values.get(section), dict):
             for name, value in fields.items():

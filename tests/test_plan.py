@@ -73,7 +73,7 @@ def test_auto_takes_the_largest_candidate_that_fits():
 def test_auto_checkpointing_is_none_where_the_estimate_fits_else_loop():
     """gpt2-small-scse's auto on one GPU, micro-batch 16 at T = 16: none on an H100 (17.6 GiB
     of 72), loop where only 10 GiB may be filled (8.2 GiB with it); the trainer asks the same
-    function with its device's memory (scse_dist.train.loop._with_checkpointing)."""
+    function with its device's memory (scse_dist.train.loop._checkpointing)."""
     cfg = load_config(GPT2, ["train.batch.global_batch_tokens=0", "train.batch.micro_batch_size=16",
                              "train.batch.grad_accum_steps=1"])
     assert cfg.model.activation_checkpointing == "auto"

@@ -169,7 +169,7 @@ def test_the_launchers_evaluate_all_redoes_a_partial_task(tiny_run):
     write_partial(run.results("heldout"), cfg)
     write_complete(run.results("diagnose"), cfg, "diagnose", 1.25)
     kept = run.results("diagnose").read_text()
-    report = Path(evaluate_all(cfg)).read_text()
+    report = Path(evaluate_all(cfg.eval.tasks, cfg.run_dir)).read_text()
     heldout = json.loads(run.results("heldout").read_text())
     assert PARTIAL_KEY not in heldout and heldout["checkpoint"] == "tiny@export"
     assert run.results("diagnose").read_text() == kept

@@ -22,7 +22,10 @@ def test_eval_jobs_depend_on_training_and_are_scheduled_once_per_job(tmp_path, t
     cfg = load_config(tiny_config(tmp_path, "eval.tasks=[heldout,diagnose]",
                                   "eval.resources.gpus_per_node=1",
                                   "eval.resources.partition=eval"))
-    assert scheduler.schedule_evals(cfg, "42", backend) == ["100", "101", "102"]
+    def schedule(train_job):
+        return scheduler.schedule_evals(cfg.eval, cfg.name, cfg.run_dir, train_job, backend)
+
+    assert schedule("42") == ["100", "101", "102"]
     assert backend.kinds() == ["submit"] * 3  # through the protocol only
     (_, j1, _), (_, j2, _), (_, j3, _) = backend.calls
     run_dir = str((tmp_path / "runs" / "tiny").resolve())
@@ -39,9 +42,9 @@ def test_eval_jobs_depend_on_training_and_are_scheduled_once_per_job(tmp_path, t
     assert marker == {"train_job": "42", "eval_jobs": {"heldout": "100", "diagnose": "101"},
                       "report_job": "102"}
     # the requeued training job (same id) calls again: nothing new
-    assert scheduler.schedule_evals(cfg, "42", backend) == [] and len(backend.calls) == 3
+    assert schedule("42") == [] and len(backend.calls) == 3
     # a new training job of the same run is a new training: its evaluations are scheduled
-    assert len(scheduler.schedule_evals(cfg, "43", backend)) == 3
+    assert len(schedule("43")) == 3
 
 
 def test_a_refused_report_job_cancels_the_eval_jobs_and_is_one_line(tmp_path, tiny_config, capsys,

@@ -25,6 +25,7 @@ from scse_dist.checkpoint.manifest import (
     tag_files,
     verify_tag,
 )
+from scse_dist.checkpoint.start_config import StartConfig
 from scse_dist.checkpoint.tags import (
     TMP_PREFIX,
     checkpoint_dir,
@@ -33,7 +34,7 @@ from scse_dist.checkpoint.tags import (
     tag_for,
 )
 from scse_dist.cli_errors import InputError
-from scse_dist.config import RunConfig, config_to_dict, read_saved_config
+from scse_dist.config import read_saved_config
 from scse_dist.config_paths import comparable
 from scse_dist.distributed import is_rank0
 from scse_dist.run_dir import CHECKPOINTS_NAME, OUTPUT_NAMES
@@ -142,7 +143,7 @@ def _move_previous_run(run_dir: Path) -> Optional[Path]:
     return aside
 
 
-def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
+def chosen_tag(resume_from: str, run_dir: Path, remote: bool) -> str:
     """train.start.resume_from: that tag, verified, made `latest`; the newer tags moved aside
     (pruning would otherwise keep them over the new ones)."""
     root = checkpoint_dir(run_dir)
@@ -150,13 +151,11 @@ def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
         raise ConfigError("train.start.resume_from: not supported with a remote output_dir "
                           "(only the remote `latest` is fetched); copy the run dir locally to "
                           "resume from it")
-    assert cfg.train.start.resume_from is not None  # plan_resume calls this only when it is set
-    want = tag_for(int(cfg.train.start.resume_from.split("-")[1]))
+    want = tag_for(int(resume_from.split("-")[1]))
     available = [p.name for p in list_checkpoints(run_dir)]
     if want not in available:
         raise ConfigError(f"train.start.resume_from: {run_dir} has no checkpoint "
-                          f"{cfg.train.start.resume_from}; available: "
-                          f"{', '.join(available) or 'none'}")
+                          f"{resume_from}; available: {', '.join(available) or 'none'}")
     status = verify_tag(root / want)
     if not status.intact:
         raise InputError(f"train.start.resume_from: checkpoint {want}: {status.problem}")
@@ -166,7 +165,7 @@ def chosen_tag(cfg: RunConfig, run_dir: Path, remote: bool) -> str:
         aside.mkdir(parents=True, exist_ok=True)
         for path in newer:
             path.rename(aside / path.name)
-        print(f"train.start.resume_from={cfg.train.start.resume_from}: moved the newer checkpoints "
+        print(f"train.start.resume_from={resume_from}: moved the newer checkpoints "
               f"{', '.join(p.name for p in newer)} to {aside}", flush=True)
     atomic_write_text(root / "latest", want)  # a kill before the next save resumes it again
     return want
@@ -214,15 +213,14 @@ def _link_tag(source: Path, root: Path) -> None:
 Resumed = tuple[Optional[str], Optional[dict]]  # the tag (None: start fresh), the config it saved
 
 
-def _branch(cfg: RunConfig, run_dir: Path, remote: bool) -> Resumed:
+def _branch(branch_from: str, current: dict, run_dir: Path, remote: bool) -> Resumed:
     """train.start.branch_from: the source tag compared, then linked into this run."""
     if remote:
         raise ConfigError("train.start.branch_from: not supported with a remote output_dir; branch "
                           "into a local run dir")
-    assert cfg.train.start.branch_from is not None  # plan_resume calls this only when it is set
-    source = branch_source(cfg.train.start.branch_from)
+    source = branch_source(branch_from)
     saved = read_saved_config(source / CONFIG_NAME) if (source / CONFIG_NAME).is_file() else None
-    changes = refused_changes(saved, config_to_dict(cfg)) if saved is not None else []
+    changes = refused_changes(saved, current) if saved is not None else []
     if changes:
         raise ConfigError(
             f"train.start.branch_from: {source} is a checkpoint of another model or data stream: "
@@ -236,10 +234,10 @@ def _branch(cfg: RunConfig, run_dir: Path, remote: bool) -> Resumed:
     return source.name, saved
 
 
-def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Resumed:
-    mode = cfg.train.start.resume
+def _decide(start: StartConfig, current: dict, run_dir: Path, remote: bool) -> Resumed:
+    mode = start.resume
     root = checkpoint_dir(run_dir)
-    branch = cfg.train.start.branch_from
+    branch = start.branch_from
     if mode == "never":
         if remote:
             raise ConfigError("train.start.resume: never is not supported with a remote output_dir "
@@ -248,12 +246,12 @@ def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Resumed:
         if aside is not None:
             print(f"train.start.resume=never: moved the previous run's files to {aside}; starting "
                   + ("over from train.start.branch_from" if branch else "fresh"), flush=True)
-        return _branch(cfg, run_dir, remote) if branch else (None, None)
+        return _branch(branch, current, run_dir, remote) if branch else (None, None)
     for path in remove_partial_saves(run_dir):
         print(f"removed {path}: a save that did not finish", flush=True)
-    tag = chosen_tag(cfg, run_dir, remote) if cfg.train.start.resume_from else choose_tag(root)
+    tag = chosen_tag(start.resume_from, run_dir, remote) if start.resume_from else choose_tag(root)
     if tag is None and branch:
-        return _branch(cfg, run_dir, remote)  # compared with the source's config there
+        return _branch(branch, current, run_dir, remote)  # compared with the source's config there
     if tag is None:
         if mode == "require":
             raise ConfigError(f"train.start.resume: require, but {run_dir} has no checkpoint to "
@@ -266,7 +264,7 @@ def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Resumed:
         _warn(f"checkpoint {tag} has no recorded {CONFIG_NAME}: its config is not compared")
         return tag, None
     saved = read_saved_config(recorded)
-    changes = refused_changes(saved, config_to_dict(cfg))
+    changes = refused_changes(saved, current)
     if changes:
         raise ConfigError(
             f"{run_dir} holds checkpoint {tag} of another model or data stream: "
@@ -275,13 +273,15 @@ def _decide(cfg: RunConfig, run_dir: Path, remote: bool) -> Resumed:
     return tag, saved
 
 
-def plan_resume(cfg: RunConfig, run_dir: str | Path, remote: bool = False) -> Resumed:
+def plan_resume(start: StartConfig, current: dict, run_dir: str | Path, remote: bool = False
+                ) -> Resumed:
     """The checkpoint tag every rank resumes from (None: start fresh) and the config it saved
-    (None: none recorded), read once, on rank 0. All ranks call this."""
+    (None: none recorded), read once, on rank 0; `current` is this run's config (config_to_dict),
+    compared with the tag's. All ranks call this."""
     decision: list[Any] = [(None, None), None]  # ((tag, saved config), error)
     if is_rank0():
         try:
-            decision[0] = _decide(cfg, Path(run_dir), remote)
+            decision[0] = _decide(start, current, Path(run_dir), remote)
         except (ConfigError, InputError) as err:
             decision[1] = err
     if dist.is_initialized():

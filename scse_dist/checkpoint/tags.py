@@ -26,7 +26,7 @@ import torch.distributed as dist
 from scse_dist.atomic import NoSpaceError, atomic_write_text, no_space
 from scse_dist.checkpoint import manifest
 from scse_dist.checkpoint.manifest import CONFIG_NAME, META_NAME, TAG_PREFIX
-from scse_dist.config import RunConfig, config_to_dict
+from scse_dist.config import RunConfig
 from scse_dist.distributed import barrier, is_rank0, local_rank
 from scse_dist.run_dir import RunDir
 
@@ -75,16 +75,16 @@ def _from_rank0(obj: Any) -> Any:
     return out[0]
 
 
-def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cfg: RunConfig,
-                    faults: Any = None, storage: Any = None,
+def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, config: dict,
+                    keep: int, faults: Any = None, storage: Any = None,
                     callback_states: Optional[dict[str, Any]] = None) -> str:
-    """Save tag step-{step} atomically (all ranks call this), then prune to train.checkpoint.keep;
-    with a remote `storage`, then upload it (storage.start_upload). `callback_states` are rank
-    0's, saved for every rank."""
+    """Save tag step-{step} with the run's `config` (config_to_dict) atomically (all ranks call
+    this), then prune to `keep` (train.checkpoint.keep); with a remote `storage`, then upload it
+    (storage.start_upload). `callback_states` are rank 0's, saved for every rank."""
     if storage is not None:
         storage.wait()  # one upload in flight at most: the previous save's finishes first
     per_rank = _gather({"data": stream.state_dict(), "rng": _rng_state()})
-    client_state = {"step": step, "ranks": per_rank, "config": config_to_dict(cfg),
+    client_state = {"step": step, "ranks": per_rank, "config": config,
                     "callbacks": _from_rank0(callback_states or {})}
     root = checkpoint_dir(run_dir)
     tag = tag_for(step)
@@ -120,8 +120,7 @@ def save_checkpoint(engine: Any, run_dir: str | Path, step: int, stream: Any, cf
                 shutil.rmtree(final)
             os.replace(tmp, final)
             atomic_write_text(root / "latest", tag)  # readers see the old or the new name
-            prune_checkpoints(run_dir, cfg.train.checkpoint.keep,
-                              protect=storage.not_uploaded() if remote else set())
+            prune_checkpoints(run_dir, keep, protect=storage.not_uploaded() if remote else set())
         except NoSpaceError as exc:
             failed = exc
     _agree(failed, tmp)

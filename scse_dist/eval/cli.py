@@ -124,7 +124,8 @@ def evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace, checkpoi
             "data.tokenizer", cfg.data.tokenizer, args.checkpoint, "--tokenizer"):
         tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data, cfg.model)
     with nullcontext() if args.data else from_config("data.path", data, args.checkpoint, "--data"):
-        task_data = read_task_data(args.task, cfg, data, tokenizer)
+        task_data = read_task_data(args.task, cfg.data, cfg.model, cfg.eval.batch_size, data,
+                                   tokenizer)
     import torch  # only now: bad input above is reported without it
 
     from scse_dist.eval.task_run import run_task

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from scse_dist.cli_errors import InputError
-from scse_dist.config import RunConfig
 from scse_dist.data.config import DataConfig
 from scse_dist.model.config import ModelConfig
 from scse_dist.task_registry import TASKS, Task, either, unknown_task
@@ -39,14 +38,15 @@ def check_heldout_shards(path: str, data: DataConfig, model: ModelConfig, tokeni
     check_tokenizer(str(path), index, tokenizer.sha256, f"the model's ({data.tokenizer})")
 
 
-def _shard_stream(path: str, cfg: RunConfig, tokenizer: Any):
+def _shard_stream(path: str, data: DataConfig, model: ModelConfig, batch_size: int,
+                  tokenizer: Any):
     """The held-out split of the shards at `path` as (B, seq_len + 1) batches, checked first.
     A corrupt sample stops it (max_failures=0): a perplexity without it would be another one."""
-    check_heldout_shards(path, cfg.data, cfg.model, tokenizer)
+    check_heldout_shards(path, data, model, tokenizer)
     from scse_dist.data.stream import TokenStream  # imports torch: only for shards that passed
 
-    return TokenStream(path, split="heldout", seq_len=cfg.data.seq_len,
-                       batch_size=cfg.eval.batch_size, rank=0, world_size=1, seed=0, loop=False,
+    return TokenStream(path, split="heldout", seq_len=data.seq_len,
+                       batch_size=batch_size, rank=0, world_size=1, seed=0, loop=False,
                        tokenizer_sha256=tokenizer.sha256, max_failures=0)
 
 
@@ -84,11 +84,13 @@ def no_exit_rule(task: str) -> str:
     return f"{task} measures the loop at fixed depths; use --exit with {either(takes)}"
 
 
-def read_task_data(task: str, cfg: RunConfig, data: str, tokenizer: Any = None) -> TaskData:
+def read_task_data(task: str, data_config: DataConfig, model: ModelConfig, batch_size: int,
+                   data: str, tokenizer: Any = None) -> TaskData:
     """Open `task`'s data with its record's reader (held-out shards as a stream) with `tokenizer`
-    (default cfg.data.tokenizer; shards must have been written with it). Bad data fails here."""
+    (default data.tokenizer; shards must have been written with it). Bad data fails here."""
     record = get_task(task)
-    tokenizer = tokenizer or load_tokenizer(cfg.data.tokenizer, cfg.data, cfg.model)
+    tokenizer = tokenizer or load_tokenizer(data_config.tokenizer, data_config, model)
     if record.heldout and is_shard_dir(data):
-        return TaskData(tokenizer, _shard_stream(data, cfg, tokenizer), shards=True)
+        return TaskData(tokenizer, _shard_stream(data, data_config, model, batch_size, tokenizer),
+                        shards=True)
     return TaskData(tokenizer, record.reader(data), shards=False)

@@ -136,7 +136,7 @@ def run_task(task: str, model: LoopedLM, cfg: RunConfig, data: str, depths: list
     """Evaluate `task` on `data`, print a table, write `out_path`. Returns the rows.
 
     Sequence length and batch size come from cfg.data.seq_len and cfg.eval.batch_size; the data
-    is `task_data` when read already, else read_task_data(task, cfg, data); stride defaults to
+    is `task_data` when read already, else read by read_task_data; stride defaults to
     seq_len // 2. exit_rule: adaptive depth per token (not diagnose), one row at the cap (the
     rule's max_steps, else max(depths)) with the steps used (ExitStats.summary). progress:
     items done, rate and ETA on stderr, on rank 0 only.
@@ -148,7 +148,8 @@ def run_task(task: str, model: LoopedLM, cfg: RunConfig, data: str, depths: list
     from scse_dist.eval.exit_stats import ExitStats
 
     stats = ExitStats(exit_rule) if exit_rule is not None else None
-    tokenizer, inputs, shards = task_data or read_task_data(task, cfg, data)
+    tokenizer, inputs, shards = task_data or read_task_data(task, cfg.data, cfg.model,
+                                                            cfg.eval.batch_size, data)
     seq_len, batch_size = cfg.data.seq_len, cfg.eval.batch_size
     stride = stride or max(1, seq_len // 2)
     extra: dict[str, Any] = {"data": str(data), "seq_len": seq_len, "batch_size": batch_size}

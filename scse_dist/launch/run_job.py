@@ -37,14 +37,14 @@ def train_job(config: str, overrides: list[str], evaluate: bool, schedule_on: st
         backend = get_backend(schedule_on)
         job_id = backend.current_job()
         if job_id:
-            schedule_evals(cfg, job_id, backend)
+            schedule_evals(cfg.eval, cfg.name, cfg.run_dir, job_id, backend)
     # evaluated below: the trainer's own held-out evaluation after training would repeat it
     extra = ["eval.after_train=false"] if evaluate else []
     watch = CrashWatch()  # its stderr passes through, its crash line is kept
     ended = run_child([sys.executable, "-m", "scse_dist.train.cli", "--config", config, *overrides,
                        *extra], on_stderr_line=watch)
     if ended.status == 0 and evaluate and first:
-        print(f"scse-launch: report {evaluate_all(cfg)}", flush=True)
+        print(f"scse-launch: report {evaluate_all(cfg.eval.tasks, cfg.run_dir)}", flush=True)
     if ended.status != 0 and ended.signal_name is None:  # failed by itself: retried if a crash
         after_failure(Path(cfg.run_dir).resolve() / LOGS, cfg.launch.max_retries, ended.status,
                       resolve_dist_env(os.environ).rank, watch)

@@ -26,10 +26,13 @@ from typing import Optional, Sequence
 from scse_dist.atomic import atomic_write_text
 from scse_dist.cli_errors import cli_main, command_parser
 from scse_dist.config import RunConfig, load_config
+from scse_dist.eval.config import EvalConfig
 from scse_dist.eval.export_eval import evaluate_export
 from scse_dist.launch.backends import BACKENDS, Backend, BackendError, Job, get_backend
 from scse_dist.launch.children import REQUEUE_EXIT_CODE, StoppedBySignal
+from scse_dist.resources import Resources
 from scse_dist.run_dir import RunDir
+from scse_dist.train.batch_config import BatchConfig
 from scse_dist.typed_yaml import old_name_notice
 
 SCHEDULED_NAME = "scheduled.json"
@@ -52,26 +55,27 @@ def training_command(config: str, overrides: Sequence[str], evaluate: bool,
     return [*RUN_JOB, "train", str(Path(config).resolve()), *overrides, *flags]
 
 
-def eval_jobs(cfg: RunConfig, train_job: str) -> tuple[list[Job], Job]:
+def eval_jobs(eval: EvalConfig, name: str, run_dir: str, train_job: str) -> tuple[list[Job], Job]:
     """One job per eval task, afterok on the training job, and the report job (after them)."""
-    run_dir = Path(cfg.run_dir).resolve()
-    job = Job(command=[], name=f"{cfg.name}-eval", resources=cfg.eval.resources,
-              log_dir=run_dir / LOGS, after=[str(train_job)])
-    evals = [dataclasses.replace(job, command=[*RUN_JOB, "evaluate", str(run_dir), task])
-             for task in cfg.eval.tasks]
-    report = dataclasses.replace(job, command=[*RUN_JOB, "report", str(run_dir)],
-                                 name=f"{cfg.name}-report", after=[])
+    resolved = Path(run_dir).resolve()
+    job = Job(command=[], name=f"{name}-eval", resources=eval.resources,
+              log_dir=resolved / LOGS, after=[str(train_job)])
+    evals = [dataclasses.replace(job, command=[*RUN_JOB, "evaluate", str(resolved), task])
+             for task in eval.tasks]
+    report = dataclasses.replace(job, command=[*RUN_JOB, "report", str(resolved)],
+                                 name=f"{name}-report", after=[])
     return evals, report
 
 
-def schedule_evals(cfg: RunConfig, train_job: str, backend: Backend) -> list[str]:
+def schedule_evals(eval: EvalConfig, name: str, run_dir: str, train_job: str, backend: Backend
+                   ) -> list[str]:
     """Submit the eval jobs (afterok:train_job) and the report job; once per training job id.
     If a submission fails, the jobs already submitted are cancelled."""
-    marker = RunDir(Path(cfg.run_dir).resolve()).eval / SCHEDULED_NAME
+    marker = RunDir(Path(run_dir).resolve()).eval / SCHEDULED_NAME
     if marker.is_file() and json.loads(marker.read_text()).get("train_job") == str(train_job):
         print(f"scse-launch: evaluations of job {train_job} were already scheduled ({marker})")
         return []
-    evals, report = eval_jobs(cfg, train_job)
+    evals, report = eval_jobs(eval, name, run_dir, train_job)
     submitted: list[str] = []
     try:
         for job in evals:
@@ -81,7 +85,7 @@ def schedule_evals(cfg: RunConfig, train_job: str, backend: Backend) -> list[str
         for job_id in submitted:
             backend.cancel(job_id)
         raise
-    ids = {"train_job": str(train_job), "eval_jobs": dict(zip(cfg.eval.tasks, submitted)),
+    ids = {"train_job": str(train_job), "eval_jobs": dict(zip(eval.tasks, submitted)),
            "report_job": report_id}
     marker.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(marker, json.dumps(ids, indent=2) + "\n")
@@ -90,12 +94,12 @@ def schedule_evals(cfg: RunConfig, train_job: str, backend: Backend) -> list[str
     return [*submitted, report_id]
 
 
-def evaluate_all(cfg: RunConfig) -> str:
-    """Every task of eval.tasks without a complete result yet, then the run's report.md."""
-    for task in cfg.eval.tasks:
-        if not RunDir(cfg.run_dir).evaluated(task):
-            evaluate_export(cfg.run_dir, task)
-    return report_run(cfg.run_dir)
+def evaluate_all(tasks: Sequence[str], run_dir: str) -> str:
+    """Every task of `tasks` without a complete result yet, then the run's report.md."""
+    for task in tasks:
+        if not RunDir(run_dir).evaluated(task):
+            evaluate_export(run_dir, task)
+    return report_run(run_dir)
 
 
 def run_local(cfg: RunConfig) -> str:
@@ -141,21 +145,21 @@ def backend_args(args: argparse.Namespace, prog: str) -> str:
     return " ".join(a for a in (args.backend_args, args.sbatch_args) if a)
 
 
-def check_world_batch(cfg: RunConfig) -> None:
+def check_world_batch(batch: BatchConfig, res: Resources) -> None:
     """ConfigError if the global batch does not divide at resources.nodes x tasks_per_node."""
-    res = cfg.resources
-    cfg.train.batch.grad_accum_for(res.nodes * res.tasks_per_node, world_from=(
+    batch.grad_accum_for(res.nodes * res.tasks_per_node, world_from=(
         f"from resources.nodes {res.nodes} x resources.tasks_per_node {res.tasks_per_node}"))
 
 
-def submit_training(args: argparse.Namespace, cfg: RunConfig, backend: Backend) -> int:
+def submit_training(args: argparse.Namespace, name: str, resources: Resources, run_dir: str,
+                    backend: Backend) -> int:
     """Submit the training job and print its id alone on stdout; 0, or the job's exit status
     where the backend ran it in place (local)."""
     in_place = backend.runs_in_place
     command = training_command(args.config, args.overrides, evaluate=in_place,
                                schedule_on=None if in_place else backend.name)
-    job = Job(command=command, name=cfg.name, resources=cfg.resources,
-              log_dir=Path(cfg.run_dir).resolve() / LOGS,
+    job = Job(command=command, name=name, resources=resources,
+              log_dir=Path(run_dir).resolve() / LOGS,
               backend_args=shlex.split(backend_args(args, "scse-launch")))
     job_id = backend.submit(job)
     print(job_id, flush=True)
@@ -191,15 +195,17 @@ def _launch(args: argparse.Namespace, cfg: RunConfig) -> int:
         print(f"scse-launch: report {run_local(cfg)}")
         return 0
     if args.evaluate:
-        print(f"scse-launch: report {evaluate_all(cfg)}")
+        print(f"scse-launch: report {evaluate_all(cfg.eval.tasks, cfg.run_dir)}")
         return 0
     try:
         if args.after_job:
-            schedule_evals(cfg, args.after_job, get_backend(args.backend))
+            schedule_evals(cfg.eval, cfg.name, cfg.run_dir, args.after_job,
+                           get_backend(args.backend))
             return 0
-        check_world_batch(cfg)  # a batch the job's world cannot divide: before it queues
+        check_world_batch(cfg.train.batch, cfg.resources)  # a bad batch: before it queues
         check_run_data(cfg, args.config, args.overrides)  # and the run's inputs, as it will
-        return submit_training(args, cfg, get_backend(args.backend))
+        return submit_training(args, cfg.name, cfg.resources, cfg.run_dir,
+                               get_backend(args.backend))
     except BackendError as exc:
         print(f"scse-launch: {exc}", file=sys.stderr)
         return 1

@@ -20,10 +20,12 @@ import torch
 from scse_dist import run_lock
 from scse_dist.atomic import atomic_write, removed_on_failure
 from scse_dist.checkpoint.resume import plan_resume
+from scse_dist.checkpoint.start_config import StartConfig
 from scse_dist.checkpoint.storage import RunStorage
 from scse_dist.checkpoint.tags import checkpoint_dir, resume_if_present
 from scse_dist.cli_errors import exit_status, one_line
 from scse_dist.config import RunConfig, config_to_dict, save_config
+from scse_dist.data.config import DataConfig
 from scse_dist.distributed import (
     abandon,
     describe_placement,
@@ -31,11 +33,13 @@ from scse_dist.distributed import (
     launcher_world,
     shutdown,
 )
+from scse_dist.model.config import ModelConfig
 from scse_dist.run_dir import EVAL_NAME, EXPORT_NAME, METRICS_NAME, RunDir
 from scse_dist.run_lock import RunDirBusy
 from scse_dist.threads import configure_threads
 from scse_dist.train.callbacks.assembly import configured_callbacks, in_hook_order, restore_states
 from scse_dist.train.callbacks.base import Callback, TrainState
+from scse_dist.train.config import TrainConfig
 from scse_dist.train.depth import sample_depth, short_depth_loss
 from scse_dist.train.engine import build_engine
 from scse_dist.train.faults import FaultInjector, PreemptionFlag, TrainingStopped
@@ -204,7 +208,9 @@ def _start(cfg: RunConfig, lock: contextlib.ExitStack) -> tuple[TrainState, dict
         configure_threads()
         # Zero-start ablations produce subnormal floats, which make CPU math ~10x slower.
         torch.set_flush_denormal(True)
-    storage, (resume_tag, saved) = _prepare_run_dir(cfg, env.rank == 0, lock)
+    storage = RunStorage.for_config(cfg)  # a remote output_dir: run_dir is a local staging dir
+    resume_tag, saved = _prepare_run_dir(storage, cfg.train.start, cfg.model, config_to_dict(cfg),
+                                         env.rank == 0, lock)
     run_dir = storage.local
     tokenizer = load_run_tokenizer(cfg.data, cfg.model)
     cfg, model = _resolved(cfg, env)  # the run's config from here on, and its model
@@ -254,22 +260,24 @@ def _resolved(cfg: RunConfig, env: Any) -> tuple[RunConfig, Any]:
     train.batch.micro_batch_size: auto by probing that model, and grad_accum_steps."""
     from scse_dist.model import LoopedLM
 
-    model_cfg = dataclasses.replace(cfg.model, activation_checkpointing=_checkpointing(cfg, env))
+    model_cfg = dataclasses.replace(cfg.model, activation_checkpointing=_checkpointing(
+        cfg.model, cfg.data, cfg.train, env))
     seed_everything(cfg.train.seed)
     model = LoopedLM(model_cfg)
-    micro = _micro_batch(cfg, model, env)
+    micro = _micro_batch(cfg.train, cfg.data, model, env)
     accum = cfg.train.batch.grad_accum_for(env.world_size, micro)
     batch = dataclasses.replace(cfg.train.batch, micro_batch_size=micro, grad_accum_steps=accum)
     train = dataclasses.replace(cfg.train, batch=batch)
     return dataclasses.replace(cfg, model=model_cfg, train=train), model
 
 
-def _checkpointing(cfg: RunConfig, env: Any) -> Literal["none", "loop", "block", "auto"]:
+def _checkpointing(model: ModelConfig, data: DataConfig, train: TrainConfig, env: Any
+                   ) -> Literal["none", "loop", "block", "auto"]:
     """model.activation_checkpointing, auto resolved by the planner's estimate
     (scse_dist.train.sizing.checkpointing_for) against this device: the share of a GPU's memory
     scse-train --plan fills, or on CPU the micro-batch finder's budget."""
-    if cfg.model.activation_checkpointing != "auto":
-        return cfg.model.activation_checkpointing
+    if model.activation_checkpointing != "auto":
+        return model.activation_checkpointing
     from scse_dist.train.engine import resolve_precision
     from scse_dist.train.micro_batch import default_budget
     from scse_dist.train.plan import Assumptions
@@ -281,37 +289,36 @@ def _checkpointing(cfg: RunConfig, env: Any) -> Literal["none", "loop", "block",
         budget = Assumptions().memory_fraction * cuda_memory
     else:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or env.world_size
-        budget = cfg.train.batch.micro_batch_memory_gib * GIB or default_budget(local_world)
-    precision = resolve_precision(cfg.train.engine.precision)
-    mode = checkpointing_for(cfg.model, cfg.data, cfg.train, env.world_size, precision, budget,
-                             cuda_memory)
+        budget = train.batch.micro_batch_memory_gib * GIB or default_budget(local_world)
+    precision = resolve_precision(train.engine.precision)
+    mode = checkpointing_for(model, data, train, env.world_size, precision, budget, cuda_memory)
     if env.rank == 0:
         print(f"model.activation_checkpointing: auto: {mode} (the planner's estimate against "
               f"{budget / GIB:.1f} GiB)", flush=True)
     return mode
 
 
-def _micro_batch(cfg: RunConfig, model: Any, env: Any) -> int:
+def _micro_batch(train: TrainConfig, data: DataConfig, model: Any, env: Any) -> int:
     """train.batch.micro_batch_size, auto resolved by probing `model` (train.micro_batch)."""
-    if isinstance(cfg.train.batch.micro_batch_size, int):
-        return cfg.train.batch.micro_batch_size
+    if isinstance(train.batch.micro_batch_size, int):
+        return train.batch.micro_batch_size
     from scse_dist.train.micro_batch import find_micro_batch
 
     device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
               else torch.device("cpu"))
     # Ranks of one node share its memory; unknown placement counts them all as on this node.
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or env.world_size
-    size, line = find_micro_batch(cfg.train, cfg.data, model, env.world_size, local_world, device)
+    size, line = find_micro_batch(train, data, model, env.world_size, local_world, device)
     if env.rank == 0:
         print(line, flush=True)
     return size
 
 
-def _prepare_run_dir(cfg: RunConfig, rank0: bool, lock: contextlib.ExitStack
-                     ) -> tuple[RunStorage, tuple[Optional[str], Optional[dict]]]:
-    """The run dir (locked, checkpoint to resume fetched, verified and agreed), the tag and the
-    config that tag saved (plan_resume)."""
-    storage = RunStorage.for_config(cfg)  # a remote output_dir: run_dir is a local staging dir
+def _prepare_run_dir(storage: RunStorage, start: StartConfig, model: ModelConfig, current: dict,
+                     rank0: bool, lock: contextlib.ExitStack
+                     ) -> tuple[Optional[str], Optional[dict]]:
+    """The run dir locked, the checkpoint to resume fetched, verified and agreed: the tag and the
+    config that tag saved (plan_resume, against `current`: this run's config, config_to_dict)."""
     refused: list[Any] = [None]
     if rank0:  # one rank writes the run dir and holds its lock, the others wait for it
         try:
@@ -328,10 +335,10 @@ def _prepare_run_dir(cfg: RunConfig, rank0: bool, lock: contextlib.ExitStack
     # Verified, and its config compared with this one, before anything is built or loaded; a
     # refused config leaves the run dir as it was (config.yaml included).
     fresh = not (checkpoint_dir(storage.local) / "latest").is_file()
-    if cfg.train.start.resume == "never" or fresh:
+    if start.resume == "never" or fresh:
         # a warm start's model is the export's (one that resumes ignores it)
-        check_init_config(cfg.train.start, cfg.model)
-    return storage, plan_resume(cfg, storage.local, remote=storage.remote is not None)
+        check_init_config(start, model)
+    return plan_resume(start, current, storage.local, remote=storage.remote is not None)
 
 
 def _publish_outputs(state: TrainState) -> None:

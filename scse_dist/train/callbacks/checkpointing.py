@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from scse_dist.checkpoint.tags import save_checkpoint, tag_for
+from scse_dist.config import config_to_dict
 from scse_dist.train.callbacks.assembly import callback_states
 from scse_dist.train.callbacks.base import Callback, TrainState, every
 from scse_dist.train.faults import stopped_when_out_of_space
@@ -45,7 +46,8 @@ class CheckpointCallback(Callback):
     def save(state: TrainState, step: int) -> None:
         start = time.perf_counter()
         with stopped_when_out_of_space(state.last_saved):  # the previous tag stays `latest`
-            save_checkpoint(state.engine, state.run_dir, step, state.stream, state.cfg,
+            save_checkpoint(state.engine, state.run_dir, step, state.stream,
+                            config_to_dict(state.cfg), state.cfg.train.checkpoint.keep,
                             state.faults, state.storage, callback_states(state.callbacks))
         state.last_saved = step
         if state.rank0:
