@@ -71,6 +71,13 @@ class Task:
         return self.totals is not None and self.from_totals is not None
 
 
+@dataclass
+class DataFile:
+    """The settings of a task whose data file is all it takes: eval.task_settings.<task>.path."""
+
+    path: Optional[str] = None  # the task's data file, a path or a URL
+
+
 class Registry(dict[str, Task]):
     """name -> Task, in the order registered; reading it first imports BUILTIN, whose modules
     register the built-in tasks (so `register` and monkeypatch.setitem, which look first, add
