@@ -56,12 +56,17 @@ class InputError(ValueError):
     says what is wrong and what to do. A ValueError, so library callers may catch either."""
 
 
-def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
-    """An ArgumentParser whose help shows `doc`: its first paragraph as the description, the rest
-    (usage examples, defaults) as the epilog, both as written."""
+def doc_help(doc: str) -> dict:
+    """A parser's (or sub-parser's) help from `doc`: its first paragraph as the description, the
+    rest (usage examples, defaults) as the epilog, both as written."""
     first, _, rest = doc.strip().partition("\n\n")
-    return argparse.ArgumentParser(prog=prog, description=first, epilog=rest or None,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return dict(description=first, epilog=rest or None,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """An ArgumentParser whose help shows `doc` (doc_help)."""
+    return argparse.ArgumentParser(prog=prog, **doc_help(doc))
 
 
 def exit_status(exc: BaseException) -> Optional[int]:

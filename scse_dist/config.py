@@ -35,11 +35,11 @@ from scse_dist.train.optimizer_config import OptimizerConfig
 from scse_dist.train.schedule_config import ScheduleConfig
 from scse_dist.typed_yaml import (
     ConfigError,
-    _build,
     _parse_scalar,
     _read_one,
     _read_yaml,
     apply_overrides,
+    build_dataclass,
     old_name_notice,
 )
 
@@ -260,7 +260,7 @@ def config_from_dict(values: dict) -> RunConfig:
         raise ConfigError(f"config: expected a mapping at the top level, got "
                           f"{type(values).__name__}")
     _rename_old_fields(values)
-    cfg = _build(RunConfig, values)
+    cfg = build_dataclass(RunConfig, values)
     _check_consistency(cfg)
     # A saved config names what ran, so "auto" is written down as what it meant here.
     cfg.model.anchor_scale = resolved_anchor_scale(cfg.model)

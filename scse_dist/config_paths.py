@@ -32,7 +32,9 @@ _WRITTEN: dict[str, tuple[str, str]] = {}
 _noticed: set[tuple[str, str]] = set()
 
 
-def _get(values: Any, dotted: str) -> Any:
+def field_value(values: Any, dotted: str) -> Any:
+    """`dotted` ("eval.task_settings.toy.path") through mappings and dataclasses; None where a
+    part is missing."""
     for part in dotted.split("."):
         values = values.get(part) if isinstance(values, dict) else getattr(values, part, None)
     return values
@@ -42,7 +44,7 @@ def _leaves(field: str, value: Any) -> Iterable[tuple[str, Any]]:
     """(name, path) of each path a field holds: data.mixture_paths[1],
     eval.task_settings.toy.path."""
     if field == TASK_SETTINGS:
-        return ((f"{field}.{task}.path", _get(own, "path")) for task, own in value.items()) \
+        return ((f"{field}.{task}.path", field_value(own, "path")) for task, own in value.items()) \
             if isinstance(value, dict) else ()
     if isinstance(value, list):
         return ((f"{field}[{i}]", v) for i, v in enumerate(value))
@@ -66,7 +68,7 @@ def note_origins(values: dict, path: Path, origins: dict[str, Path]) -> None:
     """Record `path` as the file that sets each input path `values` (one config file's own
     mapping) holds, unless a file read before it (one that overlays it) set that path."""
     for field in INPUT_FIELDS:
-        value = _get(values, field)
+        value = field_value(values, field)
         if value is None or (field == TASK_SETTINGS) != isinstance(value, dict):
             continue  # unset, or a value the typed config will refuse
         for name, v in _leaves(field, value):  # the tasks' paths merge task by task
@@ -110,9 +112,9 @@ def _resolve_one(name: str, written: str, config: Path) -> str:
 def resolve_paths(values: dict, origins: dict[str, Path]) -> None:
     """Each relative input path a config file wrote (origins: field -> file), resolved in place
     (absolute); what data.build writes and what the command line gave stay as they are."""
-    building = bool(_get(values, "data.build"))
+    building = bool(field_value(values, "data.build"))
     for field in INPUT_FIELDS:
-        value = _get(values, field)
+        value = field_value(values, field)
         if building and field in BUILT_FIELDS:
             continue
         if isinstance(value, list) and field in origins:
@@ -122,7 +124,7 @@ def resolve_paths(values: dict, origins: dict[str, Path]) -> None:
         for name, v in list(_leaves(field, value)):
             if name in origins and _local(v) and not os.path.isabs(v):
                 *path, leaf = name.split(".")
-                _get(values, ".".join(path))[leaf] = _resolve_one(name, v, origins[name])
+                field_value(values, ".".join(path))[leaf] = _resolve_one(name, v, origins[name])
 
 
 def comparable(field: str, value: Any) -> Any:
@@ -180,7 +182,7 @@ def input_paths(cfg: Any) -> dict[str, str]:
     for field in INPUT_FIELDS:
         if (cfg.data.build and field in BUILT_FIELDS) or (resumes and "start" in field):
             continue
-        found.update((n, v) for n, v in _leaves(field, _get(cfg, field)) if _local(v))
+        found.update((n, v) for n, v in _leaves(field, field_value(cfg, field)) if _local(v))
     return found
 
 

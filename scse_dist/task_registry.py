@@ -15,6 +15,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
+from scse_dist.config_paths import field_value
+
 BUILTIN = "scse_dist.eval.tasks"  # the package whose modules register the built-in tasks
 
 
@@ -68,13 +70,12 @@ class Task:
         """Whether it can run during training (the downstream callback's tasks)."""
         return self.totals is not None and self.from_totals is not None
 
-    def share_totals(self, run: Any) -> list[dict]:
-        assert self.totals is not None  # downstream
-        return self.totals(run)
 
-    def row_of(self, totals: dict) -> dict:
-        assert self.from_totals is not None  # downstream
-        return self.from_totals(totals)
+@dataclass
+class DataFile:
+    """The settings of a task whose data file is all it takes: eval.task_settings.<task>.path."""
+
+    path: Optional[str] = None  # the task's data file, a path or a URL
 
 
 class Registry(dict[str, Task]):
@@ -131,15 +132,6 @@ def unknown_task(name: Any) -> str:
 def either(names: list[str]) -> str:
     """'a, b or c'."""
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-
-
-def field_value(eval_cfg: Any, dotted: str) -> Any:
-    """eval_cfg's `dotted` field, through mappings and dataclasses ("task_settings.toy.path");
-    None where a part is missing."""
-    node = eval_cfg
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
-    return node
 
 
 def data_path(task: Task, cfg: Any) -> str:

@@ -62,7 +62,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
-        return _build(tp, value, where)
+        return build_dataclass(tp, value, where)
     origin = typing.get_origin(tp)
     if origin is Literal:
         choices = typing.get_args(tp)
@@ -111,7 +111,9 @@ def _coerce_union(value: Any, members: tuple, where: str) -> Any:
     raise ConfigError(f"{where}: expected {wanted}, got {value!r}")
 
 
-def _build(cls: type, values: dict, prefix: str = "") -> Any:
+def build_dataclass(cls: type, values: dict, prefix: str = "") -> Any:
+    """`cls` from `values`, each checked against its field's type and bounds (ConfigError naming
+    it)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -126,12 +128,6 @@ def _build(cls: type, values: dict, prefix: str = "") -> Any:
         if problem:
             raise ConfigError(f"{where}: {problem}")
     return cls(**kwargs)
-
-
-def build_dataclass(cls: type, values: dict, prefix: str = "") -> Any:
-    """`cls` from `values`, each checked against its field's type and bounds (ConfigError naming
-    it)."""
-    return _build(cls, values, prefix)
 
 
 def _parse_scalar(text: str) -> Any:

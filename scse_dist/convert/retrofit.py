@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from scse_dist.cli_errors import InputError
+from scse_dist.cli_errors import InputError, doc_help
 from scse_dist.config import RunConfig
 from scse_dist.convert.layer_map import LayerMap, default_map, layer_map
 from scse_dist.model.config import ModelConfig
@@ -46,17 +46,11 @@ DEPTH_ONE_FIELDS: dict[str, dict[str, Any]] = {
 
 
 def source_layers(m: ModelConfig) -> list[str]:
-    """The state-dict prefix of each layer 0..L-1 of an untied model."""
-    groups = m.depth if m.untied_match == "depth" else 1
+    """The state-dict prefix of each block, prelude, core, coda: of an untied model each of its
+    layers 0..L-1 (its core holds model.depth groups under untied_match depth)."""
+    groups = m.depth if m.recurrence == "untied" and m.untied_match == "depth" else 1
     return ([f"prelude.{i}." for i in range(m.n_prelude)]
             + [f"core.blocks.{i}." for i in range(m.n_core * groups)]
-            + [f"coda.{i}." for i in range(m.n_coda)])
-
-
-def target_layers(m: ModelConfig) -> list[str]:
-    """The state-dict prefix of each block of a looped model: prelude, core, coda."""
-    return ([f"prelude.{i}." for i in range(m.n_prelude)]
-            + [f"core.blocks.{i}." for i in range(m.n_core)]
             + [f"coda.{i}." for i in range(m.n_coda)])
 
 
@@ -111,7 +105,7 @@ def retrofit_weights(state: dict[str, torch.Tensor], old: ModelConfig, new: Mode
     depth-1-exact start."""
     import torch
 
-    sources, targets = source_layers(old), target_layers(new)
+    sources, targets = source_layers(old), source_layers(new)
     out = {k: v for k, v in state.items()
            if not k.startswith(("prelude.", "core.", "coda."))}
     for layer, target in zip(layers.kept, targets):
@@ -211,11 +205,9 @@ def _write(export: Path, out_dir: str, old: ModelConfig, new_cfg: RunConfig, lay
 
 
 def add_retrofit_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """`retrofit` under a command's subparsers; its handler is `run_retrofit`."""
-    first, _, rest = (__doc__ or "").strip().partition("\n\n")
+    """`retrofit` under a command's subparsers (run_retrofit runs it)."""
     p = subparsers.add_parser("retrofit", help="a looped model from an untied export by a layer "
-                              "map", description=first, epilog=rest or None,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              "map", **doc_help(__doc__ or ""))
     p.add_argument("export", metavar="EXPORT", help="an untied export dir")
     p.add_argument("--out", required=True, help="the retrofitted export dir to write")
     p.add_argument("--recurrence", required=True, choices=sorted(DEPTH_ONE_FIELDS))
@@ -224,7 +216,6 @@ def add_retrofit_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help=f"layers of the {part}: A-B, A or none (default: the default map)")
     p.add_argument("--depth", type=int, default=4,
                    help="model.depth of the result, the nominal loop depth (default 4)")
-    p.set_defaults(handler=run_retrofit)
     return p
 
 

@@ -10,8 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from scse_dist.config_paths import field_value
 from scse_dist.resources import EvalResources
-from scse_dist.task_registry import TASKS, Task, field_value, unknown_task
+from scse_dist.task_registry import TASKS, Task, unknown_task
 from scse_dist.typed_yaml import ConfigError, build_dataclass
 
 

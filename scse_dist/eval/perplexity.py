@@ -6,23 +6,22 @@ batch is weighted by its real token count.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
 from scse_dist.eval.exit_stats import ExitStats
 from scse_dist.eval.scoring import DepthScorer, scoring_mode
-from scse_dist.eval.task_run import TaskInterrupted
+from scse_dist.eval.task_run import TaskInterrupted, safe_exp
 
 if TYPE_CHECKING:
     from scse_dist.model import LoopedLM
 
 
-def _rows(depths: list[int], nll_sum: dict[int, float], tokens: int) -> list[dict]:
-    losses = {d: nll_sum[d] / tokens for d in depths}
-    return [{"depth": d, "loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": tokens}
-            for d, loss in losses.items()]
+def heldout_rows(depths: list[int], nll_sum: dict[int, float], tokens: int) -> list[dict]:
+    """The rows of summed NLLs per depth over `tokens` tokens (the trainer's evaluation too)."""
+    return [{"depth": d, "loss": nll_sum[d] / tokens, "ppl": safe_exp(nll_sum[d] / tokens),
+             "tokens": tokens} for d in depths]
 
 
 def evaluate_heldout(model: LoopedLM, batches: Iterable[torch.Tensor], depths: list[int],
@@ -53,9 +52,9 @@ def evaluate_heldout(model: LoopedLM, batches: Iterable[torch.Tensor], depths: l
                 if progress is not None:
                     progress.update(1)
         except KeyboardInterrupt:
-            raise TaskInterrupted(_rows(scorer.depths, nll_sum, tokens) if tokens else None,
+            raise TaskInterrupted(heldout_rows(scorer.depths, nll_sum, tokens) if tokens else None,
                                   done, max_batches or None, "batch") from None
     if tokens == 0:
         raise ValueError("evaluate_heldout: the batches held no tokens (is the held-out split "
                          "empty?)")
-    return _rows(scorer.depths, nll_sum, tokens)
+    return heldout_rows(scorer.depths, nll_sum, tokens)

@@ -5,6 +5,7 @@ instead. Strict by default: a missing, unexpected or reshaped key stops the run 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,13 +72,12 @@ def check_init_config(start: StartConfig, model: ModelConfig) -> None:
     if not source:
         return
     folder = _weights_url(source).rsplit("/", 1)[0]
-    if is_remote(folder):
-        with fetched(folder, (CONFIG_NAME,), required=()) as tmp:
-            path = Path(tmp) / CONFIG_NAME
-            saved = load_saved_config(path) if path.is_file() else None
-    else:
+    remote = is_remote(folder)
+    if not remote:
         check_init_from(source)
-        path = Path(fsspec.core.strip_protocol(folder)) / CONFIG_NAME
+    with fetched(folder, (CONFIG_NAME,), required=()) if remote else \
+            contextlib.nullcontext(fsspec.core.strip_protocol(folder)) as where:
+        path = Path(where) / CONFIG_NAME
         saved = load_saved_config(path) if path.is_file() else None
     if saved is None:
         return

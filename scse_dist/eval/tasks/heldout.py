@@ -5,12 +5,9 @@ study's `validation:`), kept apart from heldout, a test set."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 from scse_dist.data.sources import read_corpus
 from scse_dist.eval.task_run import TaskRun, document_rows, task_progress
-from scse_dist.task_registry import Task, register
+from scse_dist.task_registry import DataFile, Task, register
 
 
 def heldout_rows(run: TaskRun) -> list[dict]:
@@ -27,15 +24,8 @@ def heldout_rows(run: TaskRun) -> list[dict]:
                                 exit_stats=run.exit_stats, progress=bar, eos_id=run.inputs.eos)
 
 
-@dataclass
-class ValidationConfig:
-    """eval.task_settings.validation."""
-
-    path: Optional[str] = None  # the validation text (JSONL or plain text), path or URL
-
-
 TASK = register(Task("heldout", read_corpus, heldout_rows, metrics=("ppl", "loss"),
                      table=("ppl", "loss"), report=("ppl",), heldout=True))
 VALIDATION = register(Task("validation", read_corpus, heldout_rows, metrics=("ppl", "loss"),
-                           table=("ppl", "loss"), report=("ppl",), settings=ValidationConfig,
+                           table=("ppl", "loss"), report=("ppl",), settings=DataFile,
                            heldout=True))

@@ -4,23 +4,15 @@ both as lm-eval's LAMBADA tasks define them, from the OpenAI JSONL or one passag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple
 
 from scse_dist.cli_errors import InputError
 from scse_dist.data.sources import is_jsonl, jsonl_values, single_file, text_lines
 from scse_dist.eval.task_run import TaskRun, context_target_ids, safe_exp, score_items
-from scse_dist.task_registry import Task, register
+from scse_dist.task_registry import DataFile, Task, register
 
 if TYPE_CHECKING:
     from scse_dist.eval.scoring import Score
-
-
-@dataclass
-class Config:
-    """eval.task_settings.lambada."""
-
-    path: Optional[str] = None  # LAMBADA JSONL or plain text, path or URL
 
 
 class Passage(NamedTuple):
@@ -100,5 +92,5 @@ def lambada_task_rows(run: TaskRun) -> list[dict]:
 TASK = register(Task("lambada", read_lambada, lambada_task_rows,
                      metrics=("ppl", "accuracy", "loss"), table=("accuracy", "ppl"),
                      report=("accuracy", "ppl"), study_report=("ppl", "accuracy"),
-                     higher_is_better=("accuracy",), settings=Config,
+                     higher_is_better=("accuracy",), settings=DataFile,
                      totals=lambada_totals, from_totals=lambada_metrics))

@@ -13,23 +13,15 @@ log-likelihoods, per character, per UTF-8 byte, is the label.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 from scse_dist.cli_errors import InputError
 from scse_dist.data.sources import jsonl_values, single_file, text_lines
 from scse_dist.eval.task_run import TaskRun, context_target_ids, score_items
-from scse_dist.task_registry import Task, register
+from scse_dist.task_registry import DataFile, Task, register
 
 if TYPE_CHECKING:
     from scse_dist.eval.scoring import Score, Window
-
-
-@dataclass
-class Config:
-    """eval.task_settings.<task> of each multiple-choice task."""
-
-    path: Optional[str] = None  # its local JSONL file (formats: docs/evaluation.md)
 
 
 class Choices(NamedTuple):
@@ -236,4 +228,4 @@ for _name, _reader in READERS.items():  # each reads eval.task_settings.<name>.p
     register(Task(_name, _reader, mc_task_rows, metrics=("acc_norm", "accuracy", "acc_bytes"),
                   table=("accuracy", "acc_norm"), report=("acc_norm", "accuracy"),
                   higher_is_better=("acc_norm", "accuracy", "acc_bytes"),
-                  settings=Config, totals=mc_totals, from_totals=mc_metrics))
+                  settings=DataFile, totals=mc_totals, from_totals=mc_metrics))

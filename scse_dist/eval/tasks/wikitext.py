@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from scse_dist.data.sources import read_wikitext_articles
-from scse_dist.eval.task_run import TaskRun, document_metrics, document_rows, document_totals
+from scse_dist.eval.task_run import TaskRun, document_metrics, document_totals
 from scse_dist.task_registry import Task, register
 
 
@@ -23,8 +23,7 @@ class Config:
 
 def wikitext_rows(run: TaskRun) -> list[dict]:
     run.extra["stride"] = run.stride
-    return document_rows(run.model, run.tokenizer, run.inputs, run.depths, run.seq_len,
-                         run.stride, run.batch_size, run.exit_stats, run.desc)
+    return [document_metrics(t) for t in wikitext_totals(run)]
 
 
 # During training: each rank's totals over its share, summed over ranks (registry `totals`).

@@ -14,7 +14,7 @@ from typing import Any
 from scse_dist.config import RunConfig
 from scse_dist.train.callbacks.base import Callback
 from scse_dist.train.config import BUILT_INS, CallbackSpec
-from scse_dist.typed_yaml import ConfigError, _build as build_dataclass
+from scse_dist.typed_yaml import ConfigError, build_dataclass
 
 # The run config's sections (model, data, train, eval, ...). A callback's constructor and its
 # Config's check get, by name, the sections their parameters are called after:

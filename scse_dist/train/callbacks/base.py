@@ -141,11 +141,53 @@ class Callback:
         pass
 
 
+class StreakCallback(Callback):
+    """Counts steps of one kind (non-finite, spikes) in all and in a row; the counts are its
+    state, so a streak goes on across a resume. `max_in_a_row` in a row end the run without
+    saving (end_streak), the last good checkpoint kept."""
+
+    def __init__(self, max_in_a_row: int) -> None:
+        self.max_in_a_row = max_in_a_row
+        self.total = self.in_a_row = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.total, self.in_a_row = int(state["total"]), int(state["in_a_row"])
+
+    def end_streak(self, state: TrainState, what: str, entry: str, exit_code: int) -> None:
+        """TrainingStopped(exit_code) once `what` came max_in_a_row times in a row."""
+        if self.in_a_row < self.max_in_a_row:
+            return
+        from scse_dist.checkpoint.tags import tag_for  # torch-free module: config checks import it
+        from scse_dist.train.faults import TrainingStopped
+
+        last = tag_for(state.last_saved) if state.last_saved > 0 else "none"
+        raise TrainingStopped(
+            f"step {state.step}: {self.in_a_row} {what} in a row (train.callbacks.{entry}.init_args"
+            f".max_in_a_row={self.max_in_a_row}); stopping without saving, last good checkpoint: "
+            f"{last}", exit_code)
+
+
 @dataclass
 class Cadence:
     """A Config of a callback that acts every `every_steps` optimizer steps (0: off)."""
 
     every_steps: int = field(default=0, metadata={"ge": 0})
+
+
+def reduce_totals(totals: list[dict], device: Any) -> list[dict]:
+    """Per-depth additive totals of one rank -> their sums over every rank (one all-reduce)."""
+    import torch
+
+    from scse_dist.train.step import sum_over_ranks
+
+    keys = [k for k in totals[0] if k != "depth"]
+    values = torch.tensor([float(t[k]) for t in totals for k in keys], dtype=torch.float64,
+                          device=device)
+    summed = iter(sum_over_ranks(values).tolist())
+    return [{"depth": t["depth"], **{k: next(summed) for k in keys}} for t in totals]
 
 
 def every(n: int, step: int) -> bool:

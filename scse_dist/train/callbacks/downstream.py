@@ -11,30 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from scse_dist.config_paths import field_value
 from scse_dist.eval.config import EvalConfig
 from scse_dist.eval.curves import DOWNSTREAM_KIND, downstream_key
-from scse_dist.task_registry import TASKS, data_path, field_value, unknown_task
-from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every
+from scse_dist.task_registry import TASKS, data_path, unknown_task
+from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every, reduce_totals
 from scse_dist.train.config import TrainConfig
 from scse_dist.typed_yaml import ConfigError
-
-if TYPE_CHECKING:
-    import torch
-
-
-def reduce_totals(totals: list[dict], device: torch.device) -> list[dict]:
-    """Per-depth totals of one rank -> their sums over every rank (one all-reduce)."""
-    import torch  # here: config checks import this module, without torch
-
-    from scse_dist.train.step import sum_over_ranks
-
-    keys = [k for k in totals[0] if k != "depth"]
-    values = torch.tensor([float(t[k]) for t in totals for k in keys], dtype=torch.float64,
-                          device=device)
-    summed = iter(sum_over_ranks(values).tolist())
-    return [{"depth": t["depth"], **{k: next(summed) for k in keys}} for t in totals]
 
 
 def row_keys(task: str, row: dict) -> dict[str, Any]:
@@ -112,10 +97,11 @@ class DownstreamEvalCallback(Callback):
             stride = getattr(own, "stride", 0) or max(1, seq_len // 2)
             run = TaskRun(state.engine.module, state.tokenizer, share, False, self.depths,
                           seq_len, stride, cfg.eval.batch_size, 0, None, None, {}, own)
-            totals = task.share_totals(run)
+            assert task.totals is not None and task.from_totals is not None  # Config.check's
+            totals = task.totals(run)
             if state.env.world_size > 1:
                 totals = reduce_totals(totals, device)
-            rows = [task.row_of(t) for t in totals]
+            rows = [task.from_totals(t) for t in totals]
             for r in rows:
                 row.update(row_keys(name, r))
             row[f"{name}_examples"] = n

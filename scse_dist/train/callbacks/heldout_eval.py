@@ -10,12 +10,11 @@ number of forwards, which ZeRO-3's gathers need. At world size 1 the numbers equ
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional, cast
 
 from scse_dist.run_dir import EVAL_KIND
-from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every
+from scse_dist.train.callbacks.base import Cadence, Callback, TrainState, every, reduce_totals
 
 if TYPE_CHECKING:  # torch in the functions only: config checks import this module
     import torch
@@ -69,21 +68,19 @@ def forward_rows(model: torch.nn.Module, batches: Iterator[torch.Tensor], depths
         model.train(was_training)
     if tokens == 0:
         raise ValueError("held-out evaluation: the batches held no tokens")
-    return [{"depth": d, "loss": nll[d] / tokens, "ppl": math.exp(min(nll[d] / tokens, 700.0)),
-             "tokens": tokens} for d in depths]
+    from scse_dist.eval.perplexity import heldout_rows
+
+    return heldout_rows(depths, nll, tokens)
 
 
 def reduce_rows(rows: list[dict], device: torch.device) -> list[dict]:
     """Per-depth rows of one rank -> the same rows over every rank (token-weighted mean loss)."""
-    import torch
+    from scse_dist.eval.perplexity import heldout_rows
 
-    from scse_dist.train.step import sum_over_ranks
-
-    values = torch.tensor([r["loss"] * r["tokens"] for r in rows] + [rows[0]["tokens"]],
-                          dtype=torch.float64, device=device)
-    *nll, tokens = sum_over_ranks(values).tolist()
-    return [{"depth": r["depth"], "loss": s / tokens, "ppl": math.exp(min(s / tokens, 700.0)),
-             "tokens": int(tokens)} for r, s in zip(rows, nll)]
+    summed = reduce_totals([{"depth": r["depth"], "nll": r["loss"] * r["tokens"],
+                             "tokens": r["tokens"]} for r in rows], device)
+    return heldout_rows([t["depth"] for t in summed], {t["depth"]: t["nll"] for t in summed},
+                        int(summed[0]["tokens"]))
 
 
 class HeldoutEvalCallback(Callback):

@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from scse_dist.train.callbacks.base import Callback, TrainState
+from scse_dist.train.callbacks.base import StreakCallback, TrainState
 from scse_dist.train.config import TrainConfig
 from scse_dist.train.spike import Spike, SpikeDetector
 from scse_dist.typed_yaml import ConfigError
 
 
-class SpikeSkipCallback(Callback):
+class SpikeSkipCallback(StreakCallback):
     """`max_in_a_row` refused steps in a row raise TrainingStopped (exit 4), leaving the last
     good checkpoint as it was. Before the metrics callback, which logs the count; a non-finite
     step (the non-finite callback's) neither adds to nor ends a streak."""
@@ -48,19 +48,17 @@ class SpikeSkipCallback(Callback):
     priority = 450
 
     def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg.max_in_a_row)
         self.cfg = cfg
         self.detector = SpikeDetector(cfg)
-        self.total = 0
-        self.in_a_row = 0
         self._spike: Optional[Spike] = None  # this step's, between allow_update and on_step_end
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stats": self.detector.state_dict(), "total": self.total,
-                "in_a_row": self.in_a_row}
+        return {"stats": self.detector.state_dict(), **super().state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.detector.load_state_dict(state["stats"])
-        self.total, self.in_a_row = int(state["total"]), int(state["in_a_row"])
+        super().load_state_dict(state)
 
     def on_start(self, state: TrainState) -> None:
         state.spike_skips = self.total
@@ -82,13 +80,6 @@ class SpikeSkipCallback(Callback):
         if state.rank0:
             print(f"step {state.step}: loss spike ({spike.describe()}), step skipped "
                   f"({self.in_a_row} in a row, {self.total} in all)", flush=True)
-        if self.in_a_row >= self.cfg.max_in_a_row:  # torch-free module: config checks import it
-            from scse_dist.checkpoint.tags import tag_for
-            from scse_dist.train.faults import SPIKE_EXIT_CODE, TrainingStopped
+        from scse_dist.train.faults import SPIKE_EXIT_CODE
 
-            last = tag_for(state.last_saved) if state.last_saved > 0 else "none"
-            raise TrainingStopped(
-                f"step {state.step}: {self.in_a_row} loss spikes in a row "
-                f"(train.callbacks.spike_skip.init_args.max_in_a_row={self.cfg.max_in_a_row}); "
-                "stopping without "
-                f"saving, last good checkpoint: {last}", SPIKE_EXIT_CODE)
+        self.end_streak(state, "loss spikes", "spike_skip", SPIKE_EXIT_CODE)
