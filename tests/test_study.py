@@ -176,6 +176,29 @@ def test_a_spec_extends_another_and_overrides_are_typed_yamls(tmp_path, tiny_con
         load_spec(tmp_path / "bad.yaml")
 
 
+def test_runs_json_keeps_one_entry_a_run_however_its_path_was_written(tmp_path, tiny_config,
+                                                                     monkeypatch):
+    """A submission typed in the repo names the spec relatively, a stage job by its full path:
+    their run dirs differ in form, not in run, and runs.json and the report count each run once
+    (a rehearsal's report read '56 runs' for 28 before)."""
+    from scse_dist.study.collect import load_study
+    from scse_dist.study.plan import RUNS_NAME, write_study
+
+    monkeypatch.chdir(tmp_path)
+    write_spec(tmp_path / "spec.yaml", study_spec(tiny_config(tmp_path), "out", axes={}))
+    relative, absolute = load_spec("spec.yaml"), load_spec(tmp_path / "spec.yaml")
+    assert relative.study_dir == Path("out/s") and absolute.study_dir == tmp_path / "out" / "s"
+    write_study(relative, "final")
+    runs = write_study(absolute, "final")
+    entries = json.loads((absolute.study_dir / RUNS_NAME).read_text())
+    assert len(runs) == len(entries) == 9  # 3 variants x 3 seeds, each once, the newest form
+    assert all(Path(e["run_dir"]).is_absolute() for e in entries)
+    # a runs.json written before run_key, listing runs in both forms, loads each run once
+    twice = [dict(e, run_dir=str(Path(e["run_dir"]).relative_to(tmp_path))) for e in entries]
+    (absolute.study_dir / RUNS_NAME).write_text(json.dumps(twice + entries))
+    assert len(load_study(absolute.study_dir).runs) == 9
+
+
 def test_a_study_read_back_pairs_by_the_specs_rule(tmp_path, tiny_config):
     """One default-pairs rule (study.spec.default_pairs): a spec without pairs and a study dir
     whose study.yaml has none pair the same way; an empty list is no pairs in both."""

@@ -17,7 +17,7 @@ from scse_dist.cli_errors import InputError
 from scse_dist.config import RunConfig, load_config, load_saved_config
 from scse_dist.eval.results import read_results
 from scse_dist.run_dir import VALIDATION_NAME, RunDir
-from scse_dist.study.plan import LR_CHOICE_NAME, RUNS_NAME, SPEC_NAME
+from scse_dist.study.plan import LR_CHOICE_NAME, RUNS_NAME, SPEC_NAME, run_key
 from scse_dist.study.spec import default_pairs
 
 
@@ -169,6 +169,8 @@ def load_study(study_dir: str | Path) -> Study:
     entries = _read_json(runs_path)
     if not isinstance(entries, list):
         raise InputError(f"{runs_path}: expected a list of runs")
+    # one entry a run (the last): a study written before run_key could list a run twice
+    entries = list({run_key(str(e["run_dir"])): e for e in entries}.values())
     lr_path = study_dir / LR_CHOICE_NAME
     return Study(dir=study_dir, name=str(spec.get("name") or study_dir.name), spec=spec or {},
                  runs=[load_run(study_dir, e) for e in entries + unsubmitted(study_dir, spec,

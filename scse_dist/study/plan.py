@@ -72,14 +72,20 @@ def recorded_runs(spec: StudySpec) -> list[dict]:
     return json.loads(path.read_text()) if path.is_file() else []
 
 
+def run_key(run_dir: str) -> tuple[str, ...]:
+    """A run's place in its study (VARIANT/RUN), however its path was written: relative to the
+    cwd of a submission, or absolute from a stage job that read the spec by its full path."""
+    return Path(run_dir).parts[-2:]
+
+
 def merged_runs(spec: StudySpec, new: list[dict]) -> list[dict]:
-    """runs.json's entries with `new` laid over them by run dir (the newest entry of a run wins),
+    """runs.json's entries with `new` laid over them by run (the newest entry of a run wins),
     in the spec's run order, then any run the spec no longer names, in their old order: a study
     run in pieces records what one run in one go would."""
-    by_dir = {str(r["run_dir"]): r for r in recorded_runs(spec)}
-    by_dir.update({str(r["run_dir"]): r for r in new})
-    order = {r.run_dir: i for i, r in enumerate(expand(spec, read_choice(spec)))}
-    return sorted(by_dir.values(), key=lambda r: order.get(str(r["run_dir"]), len(order)))
+    by_run = {run_key(r["run_dir"]): r for r in recorded_runs(spec)}
+    by_run.update({run_key(r["run_dir"]): r for r in new})
+    order = {run_key(r.run_dir): i for i, r in enumerate(expand(spec, read_choice(spec)))}
+    return sorted(by_run.values(), key=lambda r: order.get(run_key(r["run_dir"]), len(order)))
 
 
 def write_study(spec: StudySpec, stage: str) -> list[Run]:
