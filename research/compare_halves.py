@@ -14,23 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
+from scse_dist.study.collect import load_study
+from scse_dist.study.compare import values_by_depth
 from scse_dist.study.stats import factorial_effects
 
+# (recurrence: additive 0 / scse 1, residual: preln 0 / deeploop 1)
 CELLS = {(0, 0): "additive-preln", (0, 1): "additive-deeploop", (1, 0): "scse-preln",
-         (1, 1): "scse-deeploop"}  # (recurrence: additive 0 / scse 1, residual: preln 0 / deeploop 1)
+         (1, 1): "scse-deeploop"}
 
 
 def adamw_half(study: Path, depth: int) -> dict[tuple[int, ...], dict[int, float]]:
-    cells: dict[tuple[int, ...], dict[int, float]] = {}
-    for key, variant in CELLS.items():
-        for result in sorted(study.glob(f"{variant}/{variant}-seed*/eval/validation.json")):
-            seed = int(result.parent.parent.name.rsplit("seed", 1)[1])
-            rows = {r["depth"]: r["loss"] for r in json.loads(result.read_text())["results"]}
-            cells.setdefault(key, {})[seed] = math.exp(rows[depth])
-    return cells
+    """Each cell's final runs' validation ppl by seed (the study's own reader)."""
+    runs = [r for r in load_study(study).runs if r.stage == "final"]
+    return {key: values_by_depth([r for r in runs if r.variant == variant], "validation",
+                                 "ppl").get(depth, {})
+            for key, variant in CELLS.items()}
 
 
 def muon_half(path: Path, depth: int) -> dict[tuple[int, ...], dict[int, float]]:
@@ -53,17 +53,20 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     args = parser.parse_args()
     adamw, muon = adamw_half(args.study, args.depth), muon_half(args.muon, args.depth)
+    # the cell means over the seeds every cell of both halves has, as the effects pair them
+    shared = sorted(set.intersection(*(set(c) for c in [*adamw.values(), *muon.values()])))
+    print(f"cell means over seeds {shared}")
     for key, variant in CELLS.items():
-        a, m = adamw.get(key, {}), muon[key]
-        print(f"{variant:18s} AdamW+150 {sum(a.values()) / max(len(a), 1):7.1f} (n={len(a)})  "
-              f"Muon {sum(m.values()) / len(m):7.1f} (n={len(m)})")
+        a, m = (sum(half[key][s] for s in shared) / len(shared) for half in (adamw, muon))
+        print(f"{variant:18s} AdamW+150 {a:7.1f}  Muon {m:7.1f}")
     factors = ["recurrence", "residual"]
     show(f"AdamW with 150 warmup steps, validation ppl at T={args.depth}",
          factorial_effects(adamw, factors))
     show(f"Muon (factorial-confirm-d128), validation ppl at T={args.depth}",
          factorial_effects(muon, factors))
     both = {(*k, 0): v for k, v in muon.items()} | {(*k, 1): v for k, v in adamw.items()}
-    show("both halves, optimizer Muon 0 / AdamW 1", factorial_effects(both, [*factors, "optimizer"]))
+    show("both halves, optimizer Muon 0 / AdamW 1",
+         factorial_effects(both, [*factors, "optimizer"]))
 
 
 if __name__ == "__main__":
